@@ -1,0 +1,1 @@
+//! ptl-autograd (in progress)

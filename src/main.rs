@@ -1,0 +1,3 @@
+fn main() {
+    println!("ptl {}", env!("CARGO_PKG_VERSION"));
+}
