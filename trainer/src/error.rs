@@ -1,0 +1,80 @@
+//! One error type for the crate so callers can `?` through loss, fit and metrics.
+
+use std::path::PathBuf;
+
+/// Crate-wide result alias.
+pub type Result<T> = std::result::Result<T, TrainerError>;
+
+/// Errors reachable from user input (shapes, values, files).
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    /// A buffer does not have the length its declared shape implies.
+    #[error("shape mismatch for {what}: expected {expected} elements ({shape}), got {got}")]
+    ShapeMismatch {
+        what: &'static str,
+        shape: String,
+        expected: usize,
+        got: usize,
+    },
+    /// An invalid argument (e.g. threshold outside [0, 1], zero keypoints).
+    #[error("invalid argument {what}: {reason}")]
+    InvalidArgument { what: &'static str, reason: String },
+    /// A NaN (or infinite) value in predictions or ground truth; metrics would silently be NaN.
+    #[error("non-finite value in {what} at flat index {index}: {value}")]
+    NonFinite {
+        what: &'static str,
+        index: usize,
+        value: f64,
+    },
+    /// A file could not be read or written.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Malformed JSON (syntax or schema), with the position serde_json reports.
+    #[error("malformed JSON in {path} at line {line}, column {column}: {msg}")]
+    Json {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        msg: String,
+    },
+    /// JSON that parses but is inconsistent (e.g. results for an image not in the GT).
+    #[error("inconsistent COCO data: {0}")]
+    Coco(String),
+}
+
+impl TrainerError {
+    /// Build a [`TrainerError::ShapeMismatch`] from a shape slice.
+    pub fn shape(what: &'static str, shape: &[usize], got: usize) -> Self {
+        TrainerError::ShapeMismatch {
+            what,
+            shape: format!("{shape:?}"),
+            expected: shape.iter().product(),
+            got,
+        }
+    }
+}
+
+/// Check `data.len() == prod(shape)`.
+pub(crate) fn check_len<T>(what: &'static str, data: &[T], shape: &[usize]) -> Result<()> {
+    let expected: usize = shape.iter().product();
+    if data.len() != expected {
+        return Err(TrainerError::shape(what, shape, data.len()));
+    }
+    Ok(())
+}
+
+/// Reject NaN/inf: Ultralytics would propagate them into NaN metrics; we fail loudly instead.
+pub(crate) fn check_finite(what: &'static str, data: &[f32]) -> Result<()> {
+    match data.iter().position(|v| !v.is_finite()) {
+        Some(index) => Err(TrainerError::NonFinite {
+            what,
+            index,
+            value: f64::from(data[index]),
+        }),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,10 @@
+//! ptl-trainer: loss, fit loop and validation for YOLO26n-pose.
+//!
+//! The metrics part works on plain host vectors with explicit shapes so that
+//! it does not depend on the tensor library: the fit loop converts its device
+//! tensors to `Vec<f32>` and feeds them here.
+
+pub mod error;
+pub mod metrics;
+
+pub use error::{Result, TrainerError};
