@@ -74,3 +74,29 @@ fn e2e_topk_matches_golden() {
     v.update(&det5, &ptl_trainer::metrics::GroundTruth::empty(NK))
         .expect("update");
 }
+
+/// The default path on a real model output layout (B, 4 + nc + 51, A): NMS runs on
+/// `eval_calibrated.decoded_o2m` and every kept row is a candidate above the threshold.
+#[test]
+fn nms_on_model_output_layout() {
+    let Some(dir) = goldens() else { return };
+    let g = Golden::open(dir.join("model/forward.safetensors"));
+    let dec = g.get("eval_calibrated.decoded_o2m");
+    let (batch, ch, a) = (dec.shape[0], dec.shape[1], dec.shape[2]);
+    let nc = ch - 4 - 3 * NK;
+    let cfg = ptl_trainer::metrics::NmsConfig::default();
+    let outs =
+        ptl_trainer::metrics::nms::non_max_suppression_batch(&dec.f32, batch, a, nc, NK, &cfg)
+            .expect("nms");
+    assert_eq!(outs.len(), batch);
+    for (b, o) in outs.iter().enumerate() {
+        let img = &dec.f32[b * ch * a..(b + 1) * ch * a];
+        assert!(o.detections.len() <= cfg.max_det);
+        assert!(o.detections.scores.windows(2).all(|w| w[0] >= w[1]));
+        for (r, &i) in o.keep.iter().enumerate() {
+            assert_eq!(o.detections.scores[r], img[4 * a + i]);
+            assert!(img[4 * a + i] > cfg.conf_thres);
+            assert_eq!(o.detections.keypoints[r * 51], img[(4 + nc) * a + i]);
+        }
+    }
+}

@@ -229,3 +229,41 @@ fn nms_is_class_aware_multilabel_and_capped() {
         .detections
         .is_empty());
 }
+
+#[test]
+fn gt_from_collated_batch() {
+    // Ultralytics collate layout: targets of image 1, image 0, image 1; image 2 empty.
+    let batch_idx = [1.0, 0.0, 1.0];
+    let cls = [0.0, 0.0, 0.0];
+    let boxes = [0.5, 0.5, 0.2, 0.4, 0.25, 0.25, 0.5, 0.5, 0.1, 0.1, 0.1, 0.1];
+    let kpts: Vec<f32> = (0..3 * NK * 3).map(|i| (i % 7) as f32 / 7.0).collect();
+    let gts = GroundTruth::from_batch(&batch_idx, &cls, &boxes, &kpts, 3, NK, 200, 100).unwrap();
+    assert_eq!(
+        gts.iter().map(GroundTruth::len).collect::<Vec<_>>(),
+        vec![1, 2, 0]
+    );
+    assert_eq!(gts[0].boxes[0], [0.0, 0.0, 100.0, 50.0]);
+    assert_eq!(
+        gts[1].boxes[1],
+        [0.05 * 200.0, 0.05 * 100.0, 0.15 * 200.0, 0.15 * 100.0]
+    );
+    assert_eq!(gts[1].keypoints[3 * NK], kpts[2 * 3 * NK] * 200.0);
+    let e =
+        GroundTruth::from_batch(&[3.0], &[0.0], &[0.5; 4], &[0.0; 51], 3, NK, 8, 8).unwrap_err();
+    assert!(matches!(e, TrainerError::InvalidArgument { .. }));
+}
+
+#[test]
+fn coco_results_replace_map_and_fitness() {
+    let mut v = PoseValidator::new(NK).unwrap();
+    let gt = gt_one(true);
+    v.update(&perfect(&gt, 0.8), &gt).unwrap();
+    let m = v.compute();
+    let d = m.coco_results_dict(&[0.4, 0.6], &[0.2, 0.5]).unwrap();
+    let get = |k: &str| d.iter().find(|(n, _)| *n == k).unwrap().1;
+    assert_eq!(get("metrics/mAP50-95(B)"), 0.4);
+    assert_eq!(get("metrics/mAP50(P)"), 0.5);
+    assert!((get("fitness") - (0.9 * 0.2 + 0.1 * 0.5)).abs() < 1e-15);
+    assert_eq!(get("metrics/precision(B)"), m.box_metrics.mp);
+    assert!(m.coco_results_dict(&[], &[0.1, 0.2]).is_err());
+}

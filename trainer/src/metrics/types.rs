@@ -154,6 +154,44 @@ impl GroundTruth {
         Ok(gt)
     }
 
+    /// Split an Ultralytics-collated batch into per-image GT in input pixels.
+    ///
+    /// `batch_idx`: (N,) image index of each target (float, as collated); `classes`: (N,);
+    /// `boxes_xywhn`: (N, 4); `keypoints_n`: (N, nk, 3). Targets keep their batch order per image.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_batch(
+        batch_idx: &[f32],
+        classes: &[f32],
+        boxes_xywhn: &[f32],
+        keypoints_n: &[f32],
+        batch_size: usize,
+        nk: usize,
+        width: u32,
+        height: u32,
+    ) -> Result<Vec<Self>> {
+        let n = batch_idx.len();
+        check_len("batch classes", classes, &[n])?;
+        check_len("batch boxes", boxes_xywhn, &[n, 4])?;
+        check_len("batch keypoints", keypoints_n, &[n, nk, 3])?;
+        check_finite("batch_idx", batch_idx)?;
+        let mut per: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = vec![Default::default(); batch_size];
+        for (t, &bi) in batch_idx.iter().enumerate() {
+            if bi < 0.0 || bi.fract() != 0.0 || bi as usize >= batch_size {
+                return Err(TrainerError::InvalidArgument {
+                    what: "batch_idx",
+                    reason: format!("target {t} has image index {bi}, batch size {batch_size}"),
+                });
+            }
+            let e = &mut per[bi as usize];
+            e.0.push(classes[t]);
+            e.1.extend_from_slice(&boxes_xywhn[4 * t..4 * t + 4]);
+            e.2.extend_from_slice(&keypoints_n[3 * nk * t..3 * nk * (t + 1)]);
+        }
+        per.iter()
+            .map(|(c, b, k)| Self::from_normalized(b, c, k, nk, width, height))
+            .collect()
+    }
+
     /// Check internal consistency and finiteness.
     pub fn validate(&self) -> Result<()> {
         let m = self.classes.len();

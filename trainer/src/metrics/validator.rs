@@ -78,6 +78,34 @@ pub struct PoseMetrics {
 }
 
 impl PoseMetrics {
+    /// `results_dict` after an official COCO evaluation (metrics.md §7): mAP50 / mAP50-95 of box
+    /// and pose replaced by COCOeval's AP50 / AP (stats 1 and 0), fitness = 0.9·AP + 0.1·AP50 of
+    /// the last evaluated type (keypoints). P and R stay the validator's.
+    pub fn coco_results_dict(
+        &self,
+        bbox_stats: &[f64],
+        kpt_stats: &[f64],
+    ) -> Result<Vec<(&'static str, f64)>> {
+        if bbox_stats.len() < 2 || kpt_stats.len() < 2 {
+            return Err(TrainerError::InvalidArgument {
+                what: "coco stats",
+                reason: "need at least AP and AP50 for bbox and keypoints".into(),
+            });
+        }
+        let mut d = self.results_dict();
+        for (k, v) in d.iter_mut() {
+            *v = match *k {
+                "metrics/mAP50(B)" => bbox_stats[1],
+                "metrics/mAP50-95(B)" => bbox_stats[0],
+                "metrics/mAP50(P)" => kpt_stats[1],
+                "metrics/mAP50-95(P)" => kpt_stats[0],
+                "fitness" => 0.9 * kpt_stats[0] + 0.1 * kpt_stats[1],
+                _ => *v,
+            };
+        }
+        Ok(d)
+    }
+
     /// The metric keys and values in Ultralytics' `results_dict` order.
     pub fn results_dict(&self) -> Vec<(&'static str, f64)> {
         let (b, p) = (&self.box_metrics, &self.pose_metrics);
@@ -99,6 +127,27 @@ impl PoseMetrics {
 ///
 /// Feed each image's post-processed detections (descending score) and its GT in the same
 /// input-pixel space; then [`compute`](Self::compute). Reusable across epochs via [`reset`](Self::reset).
+///
+/// ```
+/// use ptl_trainer::metrics::{non_max_suppression, GroundTruth, NmsConfig, PoseValidator};
+///
+/// let (nc, nk, n) = (1, 17, 2);
+/// // Decoded o2m output of one image, (4 + nc + 3·nk, n) channel-major (here: zeros + 2 scores).
+/// let mut pred = vec![0f32; (4 + nc + 3 * nk) * n];
+/// pred[..4 * n].copy_from_slice(&[32.0, 96.0, 32.0, 96.0, 20.0, 20.0, 20.0, 20.0]);
+/// pred[4 * n..5 * n].copy_from_slice(&[0.9, 0.6]);
+/// let dets = non_max_suppression(&pred, n, nc, nk, &NmsConfig::default())?.detections;
+/// // Targets of that image in the training-batch layout (normalised), input 128×128.
+/// let gt = GroundTruth::from_normalized(&[0.25, 0.25, 0.15625, 0.15625], &[0.0], &[0.0; 51], nk, 128, 128)?;
+/// let mut v = PoseValidator::new(nk)?;
+/// v.update(&dets, &gt)?;
+/// let m = v.compute();
+/// assert!(m.box_metrics.map50 > 0.9);
+/// for (key, value) in m.results_dict() {
+///     println!("{key}: {value:.5}");
+/// }
+/// # Ok::<(), ptl_trainer::TrainerError>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct PoseValidator {
     nk: usize,
