@@ -267,3 +267,46 @@ fn coco_results_replace_map_and_fitness() {
     assert_eq!(get("metrics/precision(B)"), m.box_metrics.mp);
     assert!(m.coco_results_dict(&[], &[0.1, 0.2]).is_err());
 }
+
+#[test]
+fn low_level_shape_checks() {
+    use ptl_trainer::metrics::{ap_per_class, match_predictions};
+    assert!(matches!(
+        match_predictions(&[0, 0], &[0], &[0.9]),
+        Err(TrainerError::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        ap_per_class(&[[true; 10]], &[0.5, 0.4], &[0, 0], &[0]),
+        Err(TrainerError::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        ap_per_class(&[[true; 10]], &[f32::NAN], &[0], &[0]),
+        Err(TrainerError::NonFinite { .. })
+    ));
+}
+
+#[test]
+fn export_undoes_letterbox_and_clips() {
+    use ptl_trainer::metrics::coco::{detections_to_results, Letterbox};
+    let det = Detections {
+        boxes: vec![[30.0, 40.0, 130.0, 240.0]],
+        scores: vec![0.123_456_7],
+        classes: vec![0],
+        keypoints: vec![5.0, 50.0, 0.5],
+        nk: 1,
+    };
+    let lb = Letterbox {
+        gain: 0.5,
+        pad_x: 10.0,
+        pad_y: 20.0,
+        orig_w: 400.0,
+        orig_h: 300.0,
+    };
+    let r = detections_to_results(7, &det, &lb, |c| c as i64 + 1).unwrap();
+    assert_eq!(r[0].bbox, vec![40.0, 40.0, 200.0, 260.0]);
+    assert_eq!(r[0].score, 0.12346);
+    assert_eq!(r[0].keypoints, vec![0.0, 60.0, 0.5]);
+    assert_eq!((r[0].image_id, r[0].category_id), (7, 1));
+    let bad = Letterbox { gain: 0.0, ..lb };
+    assert!(detections_to_results(7, &det, &bad, |c| c as i64).is_err());
+}

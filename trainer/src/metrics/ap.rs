@@ -4,6 +4,7 @@
 //! `np.interp` (right-most duplicate rule) and `np.trapezoid` so that results agree to ~1e-15.
 
 use super::NUM_THRESHOLDS;
+use crate::error::{check_finite, check_len, Result};
 
 /// `np.linspace(0, 1, num)`: `i · (1/(num−1))`, last point exactly 1.
 pub(crate) fn linspace01(num: usize) -> Vec<f64> {
@@ -125,8 +126,11 @@ pub fn ap_per_class(
     conf: &[f32],
     pred_cls: &[usize],
     target_cls: &[usize],
-) -> ApPerClass {
+) -> Result<ApPerClass> {
     const EPS: f64 = 1e-16;
+    check_len("tp", tp, &[conf.len()])?;
+    check_len("pred_cls", pred_cls, &[conf.len()])?;
+    check_finite("conf", conf)?;
     let mut order: Vec<usize> = (0..conf.len()).collect();
     order.sort_by(|&a, &b| conf[b].total_cmp(&conf[a]));
 
@@ -220,7 +224,7 @@ pub fn ap_per_class(
     out.r = out.r_curve.iter().map(|c| c[b]).collect();
     out.f1 = out.f1_curve.iter().map(|c| c[b]).collect();
     out.x = x;
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -234,7 +238,7 @@ mod tests {
         let tp: Vec<[bool; NUM_THRESHOLDS]> =
             pattern.iter().map(|&b| [b; NUM_THRESHOLDS]).collect();
         let conf = [0.9f32, 0.8, 0.7, 0.6, 0.5];
-        let r = ap_per_class(&tp, &conf, &[0; 5], &[0, 0, 0]);
+        let r = ap_per_class(&tp, &conf, &[0; 5], &[0, 0, 0]).unwrap();
         assert!((r.ap[0][0] - 0.7530).abs() < 5e-4, "{}", r.ap[0][0]);
         assert!((r.p[0] - 0.6).abs() < 1e-9 && (r.r[0] - 1.0).abs() < 1e-9);
     }

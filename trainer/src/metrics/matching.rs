@@ -1,6 +1,7 @@
 //! Greedy prediction ↔ GT matching per threshold (metrics.md §4).
 
 use super::{iou_thresholds, NUM_THRESHOLDS};
+use crate::error::{check_len, Result};
 
 /// Match predictions (in descending score order) to GTs with similarity matrix `sim` (m × n, GT-major).
 ///
@@ -12,11 +13,12 @@ pub fn match_predictions(
     pred_classes: &[usize],
     gt_classes: &[usize],
     sim: &[f32],
-) -> Vec<[bool; NUM_THRESHOLDS]> {
+) -> Result<Vec<[bool; NUM_THRESHOLDS]>> {
     let (m, n) = (gt_classes.len(), pred_classes.len());
+    check_len("similarity matrix", sim, &[m, n])?;
     let mut tp = vec![[false; NUM_THRESHOLDS]; n];
-    if m == 0 || n == 0 || sim.len() != m * n {
-        return tp;
+    if m == 0 || n == 0 {
+        return Ok(tp);
     }
     let thr = iou_thresholds();
     let s = |g: usize, j: usize| {
@@ -51,5 +53,5 @@ pub fn match_predictions(
             }
         }
     }
-    tp
+    Ok(tp)
 }

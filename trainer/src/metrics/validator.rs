@@ -237,14 +237,14 @@ impl PoseValidator {
         };
         if n > 0 && m > 0 {
             let iou = box_iou(&gt.boxes, &pred.boxes);
-            tpm.tp_box = match_predictions(&pcls, &gcls, &iou);
+            tpm.tp_box = match_predictions(&pcls, &gcls, &iou)?;
             let oks = kpt_oks(
                 &gt.keypoints,
                 &pred.keypoints,
                 &gt.oks_areas(),
                 &self.sigmas,
             )?;
-            tpm.tp_pose = match_predictions(&pcls, &gcls, &oks);
+            tpm.tp_pose = match_predictions(&pcls, &gcls, &oks)?;
         }
         self.seen += 1;
         self.tp_box.extend_from_slice(&tpm.tp_box);
@@ -257,8 +257,12 @@ impl PoseValidator {
 
     /// Box and pose metrics over everything accumulated so far.
     pub fn compute(&self) -> PoseMetrics {
-        let b = ap_per_class(&self.tp_box, &self.conf, &self.pred_cls, &self.target_cls);
-        let p = ap_per_class(&self.tp_pose, &self.conf, &self.pred_cls, &self.target_cls);
+        // The accumulator keeps tp/conf/pred_cls the same length and finite (checked in
+        // `update`), so `ap_per_class` cannot fail here; fall back to empty stats regardless.
+        let b = ap_per_class(&self.tp_box, &self.conf, &self.pred_cls, &self.target_cls)
+            .unwrap_or_default();
+        let p = ap_per_class(&self.tp_pose, &self.conf, &self.pred_cls, &self.target_cls)
+            .unwrap_or_default();
         let box_metrics = MetricSet::from_ap(b);
         let pose_metrics = MetricSet::from_ap(p);
         let fitness = pose_metrics.fitness() + box_metrics.fitness();

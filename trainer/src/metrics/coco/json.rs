@@ -196,6 +196,16 @@ pub fn detections_to_results(
     class_map: impl Fn(usize) -> i64,
 ) -> Result<Vec<CocoResult>> {
     det.validate()?;
+    let lb = letterbox;
+    let finite = [lb.pad_x, lb.pad_y, lb.orig_w, lb.orig_h]
+        .iter()
+        .all(|v| v.is_finite());
+    if !(finite && lb.gain.is_finite() && lb.gain > 0.0) {
+        return Err(TrainerError::InvalidArgument {
+            what: "letterbox",
+            reason: format!("gain must be finite and > 0 and pads/sizes finite, got {lb:?}"),
+        });
+    }
     let nk3 = det.nk * 3;
     let mut out = Vec::with_capacity(det.len());
     for i in 0..det.len() {
