@@ -1,0 +1,806 @@
+//! Geometric and photometric transforms of data.md §6–§8, on BGR images with pixel-space instances.
+
+use crate::hsv::{apply_hsv_bgr_hwc, HsvGains};
+use crate::image::{resize_bilinear, Image};
+use crate::labels::Labels;
+use crate::rng::Rng;
+
+/// Fill value of mosaic canvases, affine borders and letterbox padding.
+pub const PAD_VALUE: u8 = 114;
+
+/// Objects of one sample in pixels: boxes as (x1, y1, x2, y2), keypoints `n × K × 3` (x, y, v).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Instances {
+    pub cls: Vec<f32>,
+    pub boxes: Vec<[f32; 4]>,
+    pub kpts: Vec<f32>,
+    /// Keypoints per object.
+    pub k: usize,
+}
+
+impl Instances {
+    /// Empty set with `k` keypoints per object.
+    pub fn empty(k: usize) -> Self {
+        Instances {
+            k,
+            ..Default::default()
+        }
+    }
+
+    /// De-normalises labels (cx, cy, w, h in [0,1]) of an image of size `w × h` to pixel xyxy.
+    pub fn from_labels(l: &Labels, k: usize, w: f32, h: f32) -> Self {
+        let boxes = l
+            .boxes
+            .iter()
+            .map(|b| {
+                let (cx, cy, bw, bh) = (b[0] * w, b[1] * h, b[2] * w, b[3] * h);
+                [cx - bw / 2.0, cy - bh / 2.0, cx + bw / 2.0, cy + bh / 2.0]
+            })
+            .collect();
+        let mut kpts = l.kpts.clone();
+        for p in kpts.chunks_exact_mut(3) {
+            p[0] *= w;
+            p[1] *= h;
+        }
+        Instances {
+            cls: l.cls.clone(),
+            boxes,
+            kpts,
+            k,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.cls.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cls.is_empty()
+    }
+
+    /// Adds a pixel offset to boxes and keypoints (all keypoints, also v = 0 ones).
+    pub fn add_padding(&mut self, dx: f32, dy: f32) {
+        for b in &mut self.boxes {
+            b[0] += dx;
+            b[1] += dy;
+            b[2] += dx;
+            b[3] += dy;
+        }
+        for p in self.kpts.chunks_exact_mut(3) {
+            p[0] += dx;
+            p[1] += dy;
+        }
+    }
+
+    /// Multiplies coordinates by (sx, sy); keypoints too unless `bbox_only`.
+    pub fn scale(&mut self, sx: f32, sy: f32, bbox_only: bool) {
+        for b in &mut self.boxes {
+            b[0] *= sx;
+            b[1] *= sy;
+            b[2] *= sx;
+            b[3] *= sy;
+        }
+        if !bbox_only {
+            for p in self.kpts.chunks_exact_mut(3) {
+                p[0] *= sx;
+                p[1] *= sy;
+            }
+        }
+    }
+
+    /// Appends another set.
+    pub fn extend(&mut self, o: Instances) {
+        self.cls.extend(o.cls);
+        self.boxes.extend(o.boxes);
+        self.kpts.extend(o.kpts);
+    }
+
+    /// `Instances.clip`: box corners clamped to [0,w]×[0,h]; keypoints outside get v = 0, then are clamped.
+    pub fn clip(&mut self, w: f32, h: f32) {
+        for b in &mut self.boxes {
+            b[0] = b[0].clamp(0.0, w);
+            b[2] = b[2].clamp(0.0, w);
+            b[1] = b[1].clamp(0.0, h);
+            b[3] = b[3].clamp(0.0, h);
+        }
+        for p in self.kpts.chunks_exact_mut(3) {
+            if p[0] < 0.0 || p[0] > w || p[1] < 0.0 || p[1] > h {
+                p[2] = 0.0;
+            }
+            p[0] = p[0].clamp(0.0, w);
+            p[1] = p[1].clamp(0.0, h);
+        }
+    }
+
+    /// Keeps the objects whose flag is true.
+    pub fn retain(&mut self, keep: &[bool]) {
+        let k3 = self.k * 3;
+        let mut cls = Vec::new();
+        let mut boxes = Vec::new();
+        let mut kpts = Vec::new();
+        for (i, &kp) in keep.iter().enumerate() {
+            if kp {
+                cls.push(self.cls[i]);
+                boxes.push(self.boxes[i]);
+                kpts.extend_from_slice(&self.kpts[i * k3..(i + 1) * k3]);
+            }
+        }
+        self.cls = cls;
+        self.boxes = boxes;
+        self.kpts = kpts;
+    }
+
+    /// Removes boxes with (x2 − x1)·(y2 − y1) ≤ 0.
+    pub fn remove_zero_area(&mut self) {
+        let keep: Vec<bool> = self
+            .boxes
+            .iter()
+            .map(|b| (b[2] - b[0]) * (b[3] - b[1]) > 0.0)
+            .collect();
+        self.retain(&keep);
+    }
+
+    /// Horizontal flip in an image of width `w`, then keypoint reorder `new[k] = old[flip_idx[k]]`.
+    pub fn fliplr(&mut self, w: f32, flip_idx: Option<&[usize]>) {
+        for b in &mut self.boxes {
+            let (x1, x2) = (b[0], b[2]);
+            b[0] = w - x2;
+            b[2] = w - x1;
+        }
+        for p in self.kpts.chunks_exact_mut(3) {
+            p[0] = w - p[0];
+        }
+        self.permute_kpts(flip_idx);
+    }
+
+    /// Vertical flip in an image of height `h` (also applies flip_idx, as the reference does).
+    pub fn flipud(&mut self, h: f32, flip_idx: Option<&[usize]>) {
+        for b in &mut self.boxes {
+            let (y1, y2) = (b[1], b[3]);
+            b[1] = h - y2;
+            b[3] = h - y1;
+        }
+        for p in self.kpts.chunks_exact_mut(3) {
+            p[1] = h - p[1];
+        }
+        self.permute_kpts(flip_idx);
+    }
+
+    fn permute_kpts(&mut self, flip_idx: Option<&[usize]>) {
+        let Some(fi) = flip_idx else { return };
+        let k = self.k;
+        if fi.len() != k {
+            return;
+        }
+        for obj in self.kpts.chunks_exact_mut(k * 3) {
+            let old = obj.to_vec();
+            for (j, &src) in fi.iter().enumerate() {
+                obj[j * 3..j * 3 + 3].copy_from_slice(&old[src * 3..src * 3 + 3]);
+            }
+        }
+    }
+}
+
+/// Augmentation hyper-parameters (data.md §6 defaults).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AugmentConfig {
+    pub mosaic: f64,
+    pub degrees: f64,
+    pub translate: f64,
+    pub scale: f64,
+    pub shear: f64,
+    pub perspective: f64,
+    pub hsv_h: f64,
+    pub hsv_s: f64,
+    pub hsv_v: f64,
+    pub flipud: f64,
+    pub fliplr: f64,
+    pub bgr: f64,
+}
+
+impl Default for AugmentConfig {
+    fn default() -> Self {
+        AugmentConfig {
+            mosaic: 1.0,
+            degrees: 0.0,
+            translate: 0.1,
+            scale: 0.5,
+            shear: 0.0,
+            perspective: 0.0,
+            hsv_h: 0.015,
+            hsv_s: 0.7,
+            hsv_v: 0.4,
+            flipud: 0.0,
+            fliplr: 0.5,
+            bgr: 0.0,
+        }
+    }
+}
+
+/// Mosaic centre (y_c, x_c) draw: each `int(U(s/2, 3s/2))`, y first.
+pub fn draw_mosaic_centre(rng: &mut Rng, s: u32) -> (i64, i64) {
+    let s = s as f64;
+    let yc = rng.uniform(s / 2.0, 1.5 * s) as i64;
+    let xc = rng.uniform(s / 2.0, 1.5 * s) as i64;
+    (yc, xc)
+}
+
+/// 4-image mosaic on a `2s × 2s` canvas (data.md §6.1). Tile 0 top-left, 1 top-right, 2 bottom-left,
+/// 3 bottom-right. Labels are normalised per tile. The result is clipped to the canvas and zero-area boxes removed.
+pub fn mosaic4(
+    tiles: [(&Image, &Labels); 4],
+    k: usize,
+    s: u32,
+    yc: i64,
+    xc: i64,
+) -> (Image, Instances) {
+    let cs = 2 * s as i64;
+    let mut canvas = Image::filled(cs as u32, cs as u32, [PAD_VALUE; 3]);
+    let mut all = Instances::empty(k);
+    for (i, (img, labels)) in tiles.iter().enumerate() {
+        let (w, h) = (img.w as i64, img.h as i64);
+        let (x1a, y1a, x2a, y2a, x1b, y1b, x2b, y2b);
+        match i {
+            0 => {
+                x1a = (xc - w).max(0);
+                y1a = (yc - h).max(0);
+                x2a = xc;
+                y2a = yc;
+                x1b = w - (x2a - x1a);
+                y1b = h - (y2a - y1a);
+                x2b = w;
+                y2b = h;
+            }
+            1 => {
+                x1a = xc;
+                y1a = (yc - h).max(0);
+                x2a = (xc + w).min(cs);
+                y2a = yc;
+                x1b = 0;
+                y1b = h - (y2a - y1a);
+                x2b = w.min(x2a - x1a);
+                y2b = h;
+            }
+            2 => {
+                x1a = (xc - w).max(0);
+                y1a = yc;
+                x2a = xc;
+                y2a = cs.min(yc + h);
+                x1b = w - (x2a - x1a);
+                y1b = 0;
+                x2b = w;
+                y2b = (y2a - y1a).min(h);
+            }
+            _ => {
+                x1a = xc;
+                y1a = yc;
+                x2a = (xc + w).min(cs);
+                y2a = cs.min(yc + h);
+                x1b = 0;
+                y1b = 0;
+                x2b = w.min(x2a - x1a);
+                y2b = (y2a - y1a).min(h);
+            }
+        }
+        let cw = (x2a - x1a).min(x2b - x1b).max(0) as usize;
+        let ch = (y2a - y1a).min(y2b - y1b).max(0) as usize;
+        let cstride = canvas.stride();
+        let sstride = img.stride();
+        for row in 0..ch {
+            let dy = y1a as usize + row;
+            let sy = y1b as usize + row;
+            let d0 = dy * cstride + x1a as usize * 3;
+            let s0 = sy * sstride + x1b as usize * 3;
+            canvas.data[d0..d0 + cw * 3].copy_from_slice(&img.data[s0..s0 + cw * 3]);
+        }
+        let mut inst = Instances::from_labels(labels, k, w as f32, h as f32);
+        inst.add_padding((x1a - x1b) as f32, (y1a - y1b) as f32);
+        all.extend(inst);
+    }
+    all.clip(cs as f32, cs as f32);
+    all.remove_zero_area();
+    (canvas, all)
+}
+
+/// The 8 random draws of the perspective/affine transform, in draw order.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AffineDraw {
+    pub persp_x: f64,
+    pub persp_y: f64,
+    pub angle: f64,
+    pub scale: f64,
+    pub shear_x: f64,
+    pub shear_y: f64,
+    pub tx: f64,
+    pub ty: f64,
+}
+
+impl AffineDraw {
+    /// Draws in order P-x, P-y, angle, scale, shear-x, shear-y, translate-x, translate-y. tx/ty are fractions of the
+    /// output size.
+    pub fn draw(rng: &mut Rng, a: &AugmentConfig) -> Self {
+        AffineDraw {
+            persp_x: rng.uniform(-a.perspective, a.perspective),
+            persp_y: rng.uniform(-a.perspective, a.perspective),
+            angle: rng.uniform(-a.degrees, a.degrees),
+            scale: rng.uniform(1.0 - a.scale, 1.0 + a.scale),
+            shear_x: rng.uniform(-a.shear, a.shear),
+            shear_y: rng.uniform(-a.shear, a.shear),
+            tx: rng.uniform(0.5 - a.translate, 0.5 + a.translate),
+            ty: rng.uniform(0.5 - a.translate, 0.5 + a.translate),
+        }
+    }
+}
+
+type Mat3 = [[f32; 3]; 3];
+
+fn matmul(a: &Mat3, b: &Mat3) -> Mat3 {
+    let mut c = [[0f32; 3]; 3];
+    for (i, row) in c.iter_mut().enumerate() {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = a[i][0] * b[0][j] + a[i][1] * b[1][j] + a[i][2] * b[2][j];
+        }
+    }
+    c
+}
+
+/// M = T · S · R · P · C (float32) for an input of `in_w × in_h` and an output of `out_w × out_h`.
+pub fn affine_matrix(d: &AffineDraw, in_w: u32, in_h: u32, out_w: u32, out_h: u32) -> Mat3 {
+    let id = [[1f32, 0., 0.], [0., 1., 0.], [0., 0., 1.]];
+    let mut c = id;
+    c[0][2] = -(in_w as f32) / 2.0;
+    c[1][2] = -(in_h as f32) / 2.0;
+    let mut p = id;
+    p[2][0] = d.persp_x as f32;
+    p[2][1] = d.persp_y as f32;
+    let a = d.angle.to_radians();
+    let (alpha, beta) = (d.scale * a.cos(), d.scale * a.sin());
+    let r = [
+        [alpha as f32, beta as f32, 0.],
+        [-beta as f32, alpha as f32, 0.],
+        [0., 0., 1.],
+    ];
+    let mut s = id;
+    s[0][1] = d.shear_x.to_radians().tan() as f32;
+    s[1][0] = d.shear_y.to_radians().tan() as f32;
+    let mut t = id;
+    t[0][2] = (d.tx * out_w as f64) as f32;
+    t[1][2] = (d.ty * out_h as f64) as f32;
+    matmul(&t, &matmul(&s, &matmul(&r, &matmul(&p, &c))))
+}
+
+fn invert3(m: &Mat3) -> Option<[[f64; 3]; 3]> {
+    let a: [[f64; 3]; 3] = [
+        [m[0][0] as f64, m[0][1] as f64, m[0][2] as f64],
+        [m[1][0] as f64, m[1][1] as f64, m[1][2] as f64],
+        [m[2][0] as f64, m[2][1] as f64, m[2][2] as f64],
+    ];
+    let det = a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+        - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+        + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]);
+    if det == 0.0 || !det.is_finite() {
+        return None;
+    }
+    let i = 1.0 / det;
+    Some([
+        [
+            (a[1][1] * a[2][2] - a[1][2] * a[2][1]) * i,
+            (a[0][2] * a[2][1] - a[0][1] * a[2][2]) * i,
+            (a[0][1] * a[1][2] - a[0][2] * a[1][1]) * i,
+        ],
+        [
+            (a[1][2] * a[2][0] - a[1][0] * a[2][2]) * i,
+            (a[0][0] * a[2][2] - a[0][2] * a[2][0]) * i,
+            (a[0][2] * a[1][0] - a[0][0] * a[1][2]) * i,
+        ],
+        [
+            (a[1][0] * a[2][1] - a[1][1] * a[2][0]) * i,
+            (a[0][1] * a[2][0] - a[0][0] * a[2][1]) * i,
+            (a[0][0] * a[1][1] - a[0][1] * a[1][0]) * i,
+        ],
+    ])
+}
+
+const INTER_BITS: i32 = 5;
+const INTER_TAB: i32 = 1 << INTER_BITS;
+
+#[inline(always)]
+fn sample_into(src: &Image, sx: i32, sy: i32, out: &mut [u8]) {
+    // (sx, sy) are source coordinates in 1/32 pixel units.
+    let ix = sx >> INTER_BITS;
+    let iy = sy >> INTER_BITS;
+    let fx = (sx & (INTER_TAB - 1)) as f32 / INTER_TAB as f32;
+    let fy = (sy & (INTER_TAB - 1)) as f32 / INTER_TAB as f32;
+    let (w, h) = (src.w as i32, src.h as i32);
+    let stride = src.stride();
+    if ix >= 0 && iy >= 0 && ix + 1 < w && iy + 1 < h {
+        let o00 = iy as usize * stride + ix as usize * 3;
+        let o10 = o00 + stride;
+        let d = &src.data;
+        for c in 0..3 {
+            let a = d[o00 + c] as f32;
+            let b = d[o00 + 3 + c] as f32;
+            let cc = d[o10 + c] as f32;
+            let dd = d[o10 + 3 + c] as f32;
+            let top = a + (b - a) * fx;
+            let bot = cc + (dd - cc) * fx;
+            out[c] = (top + (bot - top) * fy + 0.5) as u8;
+        }
+        return;
+    }
+    if ix < -1 || iy < -1 || ix >= w || iy >= h {
+        out.copy_from_slice(&[PAD_VALUE; 3]);
+        return;
+    }
+    let px = |x: i32, y: i32, c: usize| -> f32 {
+        if x < 0 || y < 0 || x >= w || y >= h {
+            PAD_VALUE as f32
+        } else {
+            src.data[y as usize * stride + x as usize * 3 + c] as f32
+        }
+    };
+    for (c, o) in out.iter_mut().enumerate().take(3) {
+        let top = px(ix, iy, c) + (px(ix + 1, iy, c) - px(ix, iy, c)) * fx;
+        let bot = px(ix, iy + 1, c) + (px(ix + 1, iy + 1, c) - px(ix, iy + 1, c)) * fx;
+        *o = (top + (bot - top) * fy + 0.5).clamp(0.0, 255.0) as u8;
+    }
+}
+
+/// Warps `src` with the 3×3 matrix `m` (destination = m · source) into `out_w × out_h`, bilinear, constant border
+/// 114. Affine matrices use OpenCV's `warpAffine` fixed-point coordinate rounding (1/32 px), perspective ones
+/// `warpPerspective`'s.
+pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) -> Image {
+    let mut out = Image::filled(out_w, out_h, [PAD_VALUE; 3]);
+    let Some(inv) = invert3(m) else { return out };
+    let (ow, oh) = (out_w as usize, out_h as usize);
+    if !perspective {
+        const AB_BITS: i32 = 10;
+        const AB_SCALE: f64 = (1 << AB_BITS) as f64;
+        let round_delta = (AB_SCALE as i32) / INTER_TAB / 2;
+        let adx: Vec<i32> = (0..ow)
+            .map(|x| (inv[0][0] * x as f64 * AB_SCALE).round() as i32)
+            .collect();
+        let ady: Vec<i32> = (0..ow)
+            .map(|x| (inv[1][0] * x as f64 * AB_SCALE).round() as i32)
+            .collect();
+        for y in 0..oh {
+            let x0 = ((inv[0][1] * y as f64 + inv[0][2]) * AB_SCALE).round() as i32 + round_delta;
+            let y0 = ((inv[1][1] * y as f64 + inv[1][2]) * AB_SCALE).round() as i32 + round_delta;
+            let row = &mut out.data[y * ow * 3..(y + 1) * ow * 3];
+            for x in 0..ow {
+                let sx = x0.wrapping_add(adx[x]) >> (AB_BITS - INTER_BITS);
+                let sy = y0.wrapping_add(ady[x]) >> (AB_BITS - INTER_BITS);
+                sample_into(src, sx, sy, &mut row[x * 3..x * 3 + 3]);
+            }
+        }
+    } else {
+        for y in 0..oh {
+            let row = &mut out.data[y * ow * 3..(y + 1) * ow * 3];
+            for x in 0..ow {
+                let (xf, yf) = (x as f64, y as f64);
+                let wv = inv[2][0] * xf + inv[2][1] * yf + inv[2][2];
+                let wv = if wv != 0.0 {
+                    INTER_TAB as f64 / wv
+                } else {
+                    0.0
+                };
+                let fx = ((inv[0][0] * xf + inv[0][1] * yf + inv[0][2]) * wv)
+                    .clamp(i32::MIN as f64, i32::MAX as f64);
+                let fy = ((inv[1][0] * xf + inv[1][1] * yf + inv[1][2]) * wv)
+                    .clamp(i32::MIN as f64, i32::MAX as f64);
+                sample_into(
+                    src,
+                    fx.round() as i32,
+                    fy.round() as i32,
+                    &mut row[x * 3..x * 3 + 3],
+                );
+            }
+        }
+    }
+    out
+}
+
+#[inline]
+fn apply_pt(m: &Mat3, x: f32, y: f32, perspective: bool) -> (f32, f32) {
+    let nx = m[0][0] * x + m[0][1] * y + m[0][2];
+    let ny = m[1][0] * x + m[1][1] * y + m[1][2];
+    if perspective {
+        let nz = m[2][0] * x + m[2][1] * y + m[2][2];
+        (nx / nz, ny / nz)
+    } else {
+        (nx, ny)
+    }
+}
+
+/// `box_candidates`: keep if w₂ > 2, h₂ > 2, area ratio > 0.1 and aspect < 100.
+pub fn box_candidate(old: &[f32; 4], new: &[f32; 4]) -> bool {
+    let eps = 1e-16f32;
+    let (w1, h1) = (old[2] - old[0], old[3] - old[1]);
+    let (w2, h2) = (new[2] - new[0], new[3] - new[1]);
+    let ar = (w2 / (h2 + eps)).max(h2 / (w2 + eps));
+    w2 > 2.0 && h2 > 2.0 && w2 * h2 / (w1 * h1 + eps) > 0.10 && ar < 100.0
+}
+
+/// RandomPerspective (data.md §6.2): warps the image to `out × out`, transforms boxes (4 corners) and keypoints,
+/// zeroes the visibility of points that leave the image, clips, and applies the box-candidate filter.
+pub fn random_perspective(
+    img: &Image,
+    inst: &Instances,
+    d: &AffineDraw,
+    out: u32,
+) -> (Image, Instances) {
+    let m = affine_matrix(d, img.w, img.h, out, out);
+    let persp = d.persp_x != 0.0 || d.persp_y != 0.0;
+    let warped = warp(img, &m, out, out, persp);
+    let of = out as f32;
+    let mut new = Instances::empty(inst.k);
+    new.cls = inst.cls.clone();
+    for b in &inst.boxes {
+        let corners = [(b[0], b[1]), (b[2], b[3]), (b[0], b[3]), (b[2], b[1])];
+        let mut mn = (f32::INFINITY, f32::INFINITY);
+        let mut mx = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for (x, y) in corners {
+            let (nx, ny) = apply_pt(&m, x, y, persp);
+            mn = (mn.0.min(nx), mn.1.min(ny));
+            mx = (mx.0.max(nx), mx.1.max(ny));
+        }
+        new.boxes.push([mn.0, mn.1, mx.0, mx.1]);
+    }
+    new.kpts = inst.kpts.clone();
+    for p in new.kpts.chunks_exact_mut(3) {
+        let (nx, ny) = apply_pt(&m, p[0], p[1], true);
+        if nx < 0.0 || ny < 0.0 || nx > of || ny > of {
+            p[2] = 0.0;
+        }
+        p[0] = nx;
+        p[1] = ny;
+    }
+    new.clip(of, of);
+    let mut old = inst.clone();
+    old.scale(d.scale as f32, d.scale as f32, true);
+    let keep: Vec<bool> = old
+        .boxes
+        .iter()
+        .zip(&new.boxes)
+        .map(|(o, n)| box_candidate(o, n))
+        .collect();
+    new.retain(&keep);
+    (warped, new)
+}
+
+/// Result of a letterbox.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LetterboxInfo {
+    /// Scale applied to the incoming image.
+    pub r: f32,
+    /// Padding (left, top) in pixels.
+    pub left: u32,
+    pub top: u32,
+}
+
+/// Python's `round` (half to even) on f64.
+fn pyround(v: f64) -> f64 {
+    v.round_ties_even()
+}
+
+/// LetterBox (centre, pad 114): scale by `min(H/h, W/w)` (capped at 1 unless `scaleup`), resize bilinear, pad
+/// `top = round(dh/2 − 0.1)`, `bottom = round(dh/2 + 0.1)` and the same for left/right. Instances move with it.
+pub fn letterbox(
+    img: &Image,
+    inst: &mut Instances,
+    new_h: u32,
+    new_w: u32,
+    scaleup: bool,
+) -> (Image, LetterboxInfo) {
+    let (h, w) = (img.h as f64, img.w as f64);
+    let mut r = (new_h as f64 / h).min(new_w as f64 / w);
+    if !scaleup {
+        r = r.min(1.0);
+    }
+    let uw = (pyround(w * r) as u32).max(1);
+    let uh = (pyround(h * r) as u32).max(1);
+    let dw = (new_w as f64 - uw as f64) / 2.0;
+    let dh = (new_h as f64 - uh as f64) / 2.0;
+    let resized = if uw != img.w || uh != img.h {
+        resize_bilinear(img, uw, uh)
+    } else {
+        img.clone()
+    };
+    let top = pyround(dh - 0.1).max(0.0) as u32;
+    let bottom = pyround(dh + 0.1).max(0.0) as u32;
+    let left = pyround(dw - 0.1).max(0.0) as u32;
+    let right = pyround(dw + 0.1).max(0.0) as u32;
+    let ow = uw + left + right;
+    let oh = uh + top + bottom;
+    let mut out = Image::filled(ow, oh, [PAD_VALUE; 3]);
+    let os = out.stride();
+    let rs = resized.stride();
+    for y in 0..uh as usize {
+        let d0 = (y + top as usize) * os + left as usize * 3;
+        out.data[d0..d0 + rs].copy_from_slice(&resized.data[y * rs..(y + 1) * rs]);
+    }
+    inst.scale(r as f32, r as f32, false);
+    inst.add_padding(left as f32, top as f32);
+    (
+        out,
+        LetterboxInfo {
+            r: r as f32,
+            left,
+            top,
+        },
+    )
+}
+
+/// Mirrors an image left–right in place.
+pub fn fliplr_image(img: &mut Image) {
+    let w = img.w as usize;
+    let stride = img.stride();
+    for row in img.data.chunks_exact_mut(stride) {
+        for x in 0..w / 2 {
+            for c in 0..3 {
+                row.swap(x * 3 + c, (w - 1 - x) * 3 + c);
+            }
+        }
+    }
+}
+
+/// Mirrors an image top–bottom in place.
+pub fn flipud_image(img: &mut Image) {
+    let h = img.h as usize;
+    let stride = img.stride();
+    for y in 0..h / 2 {
+        let (a, b) = img.data.split_at_mut((h - 1 - y) * stride);
+        a[y * stride..(y + 1) * stride].swap_with_slice(&mut b[..stride]);
+    }
+}
+
+/// HSV step with the gains already drawn (CPU reference).
+pub fn hsv(img: &mut Image, gains: &HsvGains) {
+    apply_hsv_bgr_hwc(&mut img.data, gains);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one_obj(k: usize) -> Labels {
+        let mut l = Labels::default();
+        l.cls.push(0.0);
+        l.boxes.push([0.5, 0.5, 0.5, 0.5]);
+        for j in 0..k {
+            l.kpts.extend_from_slice(&[0.3 + 0.02 * j as f32, 0.4, 2.0]);
+        }
+        l
+    }
+
+    #[test]
+    fn letterbox_spec_examples() {
+        let img = Image::filled(640, 480, [1, 2, 3]);
+        let mut inst = Instances::empty(17);
+        let (out, info) = letterbox(&img, &mut inst, 512, 672, false);
+        assert_eq!((out.h, out.w), (512, 672));
+        assert_eq!((info.r, info.left, info.top), (1.0, 16, 16));
+        let img = Image::filled(640, 360, [1, 2, 3]);
+        let (out, info) = letterbox(&img, &mut inst, 672, 672, false);
+        assert_eq!((out.h, out.w), (672, 672));
+        assert_eq!((info.left, info.top), (16, 156));
+        // odd padding: dh = 213 → top round(106.4) = 106, bottom round(106.6) = 107
+        let img = Image::filled(640, 427, [1, 2, 3]);
+        let (out, info) = letterbox(&img, &mut inst, 640, 640, true);
+        assert_eq!((out.h, info.top), (640, 106));
+        assert_eq!(out.data[(105 * 640 + 5) * 3], PAD_VALUE);
+        assert_eq!(out.data[(106 * 640 + 5) * 3], 1);
+        assert_eq!(out.data[(532 * 640 + 5) * 3], 1);
+        assert_eq!(out.data[(533 * 640 + 5) * 3], PAD_VALUE);
+    }
+
+    #[test]
+    fn flip_idx_applied() {
+        let k = 17;
+        let mut inst = Instances::from_labels(&one_obj(k), k, 100.0, 100.0);
+        let fi = crate::config::COCO_FLIP_IDX;
+        let before = inst.clone();
+        inst.fliplr(100.0, Some(&fi));
+        assert_eq!(inst.boxes[0], [25.0, 25.0, 75.0, 75.0]);
+        for (j, &src) in fi.iter().enumerate() {
+            assert!((inst.kpts[j * 3] - (100.0 - before.kpts[src * 3])).abs() < 1e-4);
+            assert_eq!(inst.kpts[j * 3 + 2], before.kpts[src * 3 + 2]);
+        }
+        // double flip is the identity (flip_idx is an involution)
+        inst.fliplr(100.0, Some(&fi));
+        for (a, b) in inst.kpts.iter().zip(&before.kpts) {
+            assert!((a - b).abs() < 1e-4);
+        }
+        let mut img = Image::filled(3, 2, [0, 0, 0]);
+        img.data[0] = 9;
+        fliplr_image(&mut img);
+        assert_eq!(img.data[6], 9);
+        flipud_image(&mut img);
+        assert_eq!(img.data[3 * 3 + 6], 9);
+    }
+
+    #[test]
+    fn mosaic_layout_and_clip() {
+        let k = 17;
+        let imgs: Vec<Image> = (0..4)
+            .map(|i| Image::filled(100, 80, [i as u8 * 10 + 1; 3]))
+            .collect();
+        let l = one_obj(k);
+        let tiles = [
+            (&imgs[0], &l),
+            (&imgs[1], &l),
+            (&imgs[2], &l),
+            (&imgs[3], &l),
+        ];
+        let (canvas, inst) = mosaic4(tiles, k, 64, 70, 60);
+        assert_eq!((canvas.w, canvas.h), (128, 128));
+        let px = |x: usize, y: usize| canvas.data[(y * 128 + x) * 3];
+        assert_eq!(px(0, 0), 1); // tile 0 covers [0,60)×[0,70)
+        assert_eq!(px(59, 69), 1);
+        assert_eq!(px(60, 0), 11); // tile 1 right of xc
+        assert_eq!(px(0, 70), 21); // tile 2 below yc
+        assert_eq!(px(127, 127), 31);
+        // tile 0: pad = (x1a − x1b, y1a − y1b) = (0 − 40, 0 − 10); its box 25..75 → −15..35, clipped to 0..35
+        assert_eq!(inst.boxes[0], [0.0, 10.0, 35.0, 50.0]);
+        // keypoint x = 30 − 40 < 0 → v = 0 and clamped
+        assert_eq!(&inst.kpts[0..3], &[0.0, 22.0, 0.0]);
+        assert_eq!(inst.len(), 4);
+    }
+
+    #[test]
+    fn affine_identity_like_and_box_filter() {
+        // scale 1, centred translate: a 640² image maps onto itself.
+        let d = AffineDraw {
+            scale: 1.0,
+            tx: 0.5,
+            ty: 0.5,
+            ..Default::default()
+        };
+        let mut img = Image::filled(64, 64, [50, 60, 70]);
+        img.data[(10 * 64 + 20) * 3] = 200;
+        let l = one_obj(17);
+        let inst = Instances::from_labels(&l, 17, 64.0, 64.0);
+        let (out, new) = random_perspective(&img, &inst, &d, 64);
+        assert_eq!(out, img);
+        assert_eq!(new.boxes, inst.boxes);
+        // translation half-way off the image: kept box clipped, keypoints outside get v=0.
+        let d = AffineDraw {
+            scale: 1.0,
+            tx: 1.0,
+            ty: 0.5,
+            ..Default::default()
+        };
+        let (out, new) = random_perspective(&img, &inst, &d, 64);
+        assert_eq!(out.data[0], 114);
+        assert_eq!(new.boxes[0], [48.0, 16.0, 64.0, 48.0]);
+        assert!(new.kpts.chunks(3).all(|p| p[2] == 2.0 || p[0] == 64.0));
+        // box filter example from the spec
+        assert!(box_candidate(
+            &[0.0, 0.0, 80.0, 40.0],
+            &[0.0, 0.0, 30.0, 40.0]
+        ));
+        assert!(!box_candidate(
+            &[0.0, 0.0, 80.0, 40.0],
+            &[0.0, 0.0, 2.0, 40.0]
+        ));
+        assert!(!box_candidate(
+            &[0.0, 0.0, 80.0, 40.0],
+            &[0.0, 0.0, 10.0, 10.0]
+        ));
+    }
+
+    #[test]
+    fn affine_matrix_net_effect() {
+        let d = AffineDraw {
+            scale: 0.5,
+            tx: 0.4,
+            ty: 0.6,
+            ..Default::default()
+        };
+        let m = affine_matrix(&d, 1280, 1280, 640, 640);
+        let (x, y) = apply_pt(&m, 640.0, 640.0, false);
+        assert!((x - 256.0).abs() < 1e-3 && (y - 384.0).abs() < 1e-3);
+        let (x, _) = apply_pt(&m, 740.0, 640.0, false);
+        assert!((x - 306.0).abs() < 1e-3);
+    }
+}

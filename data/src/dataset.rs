@@ -1,0 +1,473 @@
+//! Pose datasets: scanning an Ultralytics-layout split or a COCO keypoints JSON, validating labels, decoding and
+//! preparing images into the RAM cache (optionally backed by the disk cache).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::cache;
+use crate::config::{collect_images, DatasetConfig, COCO_FLIP_IDX};
+use crate::error::{DataError, Result};
+use crate::image::{decode_file, load_resize_shape, resize_bilinear, Image};
+use crate::labels::{label_path_for, parse_label_text, KptShape, LabelRules, Labels};
+
+/// Options for opening a dataset.
+#[derive(Clone, Debug)]
+pub struct OpenOptions {
+    /// Long side of prepared images (data.md §5).
+    pub imgsz: u32,
+    /// Disk cache folder for prepared images; `None` keeps them in RAM only.
+    pub cache_dir: Option<PathBuf>,
+    /// Map every class to 0.
+    pub single_cls: bool,
+    /// Threads used to decode; 0 = all cores.
+    pub threads: usize,
+    /// Print warnings to stderr as they are found (they are always kept in the report).
+    pub verbose: bool,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            imgsz: 640,
+            cache_dir: None,
+            single_cls: false,
+            threads: 0,
+            verbose: true,
+        }
+    }
+}
+
+/// Why a file was skipped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SkipReason {
+    /// The image could not be read or decoded (corrupt, truncated, too small, unsupported format).
+    BadImage,
+    /// The label file could not be read (I/O error, not UTF-8).
+    UnreadableLabel,
+    /// The label file breaks a label rule (column count, range, NaN, class, …).
+    InvalidLabel,
+}
+
+impl std::fmt::Display for SkipReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SkipReason::BadImage => "bad image",
+            SkipReason::UnreadableLabel => "unreadable label",
+            SkipReason::InvalidLabel => "invalid label",
+        })
+    }
+}
+
+/// One skipped image.
+#[derive(Clone, Debug)]
+pub struct Skipped {
+    pub path: PathBuf,
+    pub reason: SkipReason,
+    pub message: String,
+}
+
+/// What a scan found.
+#[derive(Clone, Debug, Default)]
+pub struct ScanReport {
+    /// Image files found.
+    pub found: usize,
+    /// Images kept.
+    pub usable: usize,
+    /// Kept images with no objects (missing or empty label file).
+    pub background: usize,
+    /// Kept images without a label file.
+    pub missing_labels: usize,
+    /// Objects over all kept images.
+    pub instances: usize,
+    /// Dropped images with reasons.
+    pub skipped: Vec<Skipped>,
+    /// Label files with no matching image (ignored).
+    pub orphan_labels: Vec<PathBuf>,
+    /// All warnings, each naming its file.
+    pub warnings: Vec<String>,
+}
+
+impl ScanReport {
+    /// Counts of skipped images per reason, e.g. "2 bad image, 1 invalid label".
+    pub fn skip_summary(&self) -> String {
+        let mut counts: std::collections::BTreeMap<SkipReason, usize> = Default::default();
+        for s in &self.skipped {
+            *counts.entry(s.reason).or_default() += 1;
+        }
+        if counts.is_empty() {
+            return "none".into();
+        }
+        counts
+            .iter()
+            .map(|(r, n)| format!("{n} {r}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// One-line summary.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} images found, {} usable ({} background, {} without label file), {} instances, {} skipped ({}), {} orphan labels",
+            self.found,
+            self.usable,
+            self.background,
+            self.missing_labels,
+            self.instances,
+            self.skipped.len(),
+            self.skip_summary(),
+            self.orphan_labels.len()
+        )
+    }
+}
+
+/// One usable image: its labels and its prepared (long side = imgsz) BGR pixels, shared.
+#[derive(Clone, Debug)]
+pub struct Item {
+    pub im_file: PathBuf,
+    pub labels: Labels,
+    /// Original (EXIF-oriented) size (h0, w0).
+    pub ori_shape: (u32, u32),
+    /// Prepared image (RAM cache).
+    pub image: Arc<Image>,
+}
+
+/// Dataset metadata needed by the pipeline.
+#[derive(Clone, Debug)]
+pub struct DatasetMeta {
+    pub names: Vec<String>,
+    pub nc: usize,
+    pub kpt_shape: KptShape,
+    pub flip_idx: Option<Vec<usize>>,
+    pub kpt_oks_sigmas: Vec<f32>,
+}
+
+/// A scanned split with every usable image prepared in RAM.
+#[derive(Clone, Debug)]
+pub struct PoseDataset {
+    pub split: String,
+    pub imgsz: u32,
+    pub meta: DatasetMeta,
+    pub items: Vec<Item>,
+    pub report: ScanReport,
+}
+
+/// Where the labels of an image come from.
+pub(crate) enum LabelSource {
+    /// A label file path (may be missing → background).
+    File(PathBuf),
+    /// Label text made in memory (COCO conversion); `None` = no annotations → background.
+    Text(Option<String>, PathBuf),
+}
+
+pub(crate) struct Entry {
+    pub im_file: PathBuf,
+    pub labels: LabelSource,
+}
+
+enum Outcome {
+    Kept(Item, bool, Vec<String>),
+    Skipped(Skipped, Vec<String>),
+}
+
+fn prepare_image(
+    path: &Path,
+    opts: &OpenOptions,
+    warnings: &mut Vec<String>,
+) -> Result<(Image, (u32, u32))> {
+    if let Some(dir) = &opts.cache_dir {
+        if let Some(hit) = cache::load(dir, path, opts.imgsz) {
+            return Ok(hit);
+        }
+    }
+    let (img, info) = decode_file(path)?;
+    if info.truncated_jpeg {
+        warnings.push(format!(
+            "{}: truncated JPEG (no FFD9 end marker), decoded leniently; re-save the file to repair it",
+            path.display()
+        ));
+    }
+    let ori = (img.h, img.w);
+    let (nw, nh) = load_resize_shape(img.w, img.h, opts.imgsz);
+    let img = resize_bilinear(&img, nw, nh);
+    if let Some(dir) = &opts.cache_dir {
+        if let Err(e) = cache::store(dir, path, opts.imgsz, &img, ori) {
+            warnings.push(format!("image cache not written: {e}"));
+        }
+    }
+    Ok((img, ori))
+}
+
+fn process(entry: &Entry, rules: &LabelRules, opts: &OpenOptions) -> Outcome {
+    let mut warnings = Vec::new();
+    let skip = |path: &Path, reason, message: String, warnings: Vec<String>| {
+        Outcome::Skipped(
+            Skipped {
+                path: path.to_path_buf(),
+                reason,
+                message,
+            },
+            warnings,
+        )
+    };
+    let (text, label_path) = match &entry.labels {
+        LabelSource::File(p) => match std::fs::read(p) {
+            Ok(bytes) => match String::from_utf8(bytes) {
+                Ok(t) => (Some(t), p.clone()),
+                Err(_) => {
+                    return skip(
+                        p,
+                        SkipReason::UnreadableLabel,
+                        format!("{}: label file is not UTF-8 text", p.display()),
+                        warnings,
+                    )
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, p.clone()),
+            Err(e) => {
+                return skip(
+                    p,
+                    SkipReason::UnreadableLabel,
+                    DataError::io(p, e).to_string(),
+                    warnings,
+                )
+            }
+        },
+        LabelSource::Text(t, p) => (t.clone(), p.clone()),
+    };
+    let has_label_file = text.is_some();
+    let labels = match text {
+        Some(t) => match parse_label_text(&t, &label_path, rules) {
+            Ok((l, w)) => {
+                warnings.extend(w);
+                l
+            }
+            Err(e) => {
+                return skip(
+                    &label_path,
+                    SkipReason::InvalidLabel,
+                    e.to_string(),
+                    warnings,
+                )
+            }
+        },
+        None => Labels::default(),
+    };
+    match prepare_image(&entry.im_file, opts, &mut warnings) {
+        Ok((img, ori)) => Outcome::Kept(
+            Item {
+                im_file: entry.im_file.clone(),
+                labels,
+                ori_shape: ori,
+                image: Arc::new(img),
+            },
+            has_label_file,
+            warnings,
+        ),
+        Err(e) => skip(
+            &entry.im_file,
+            SkipReason::BadImage,
+            e.to_string(),
+            warnings,
+        ),
+    }
+}
+
+impl PoseDataset {
+    /// Opens split `split` (`train`, `val`, `test`) of a dataset yaml.
+    pub fn open_yaml(yaml: &Path, split: &str, opts: &OpenOptions) -> Result<Self> {
+        let cfg = DatasetConfig::load(yaml)?;
+        Self::open(&cfg, split, opts)
+    }
+
+    /// Opens a split of a parsed configuration (Ultralytics layout: `images/…` with `labels/…` beside).
+    pub fn open(cfg: &DatasetConfig, split: &str, opts: &OpenOptions) -> Result<Self> {
+        let entries = cfg.split(split)?;
+        if entries.is_empty() {
+            return Err(DataError::Config {
+                path: cfg.yaml_path.clone(),
+                field: "train",
+                message: format!("split `{split}` is not defined in the dataset yaml"),
+            });
+        }
+        let images = collect_images(entries)?;
+        let mut label_files_found = 0usize;
+        let mut known_labels = std::collections::HashSet::new();
+        let list: Vec<Entry> = images
+            .iter()
+            .map(|im| {
+                let lp = label_path_for(im);
+                if lp.is_file() {
+                    label_files_found += 1;
+                }
+                known_labels.insert(lp.clone());
+                Entry {
+                    im_file: im.clone(),
+                    labels: LabelSource::File(lp),
+                }
+            })
+            .collect();
+        // label files without an image (only for folder entries)
+        let mut orphans = Vec::new();
+        for e in entries.iter().filter(|e| e.is_dir()) {
+            let ldir = label_path_for(&e.join("x"))
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_default();
+            if ldir.is_dir() && ldir != *e {
+                let mut txts = Vec::new();
+                collect_txt(&ldir, &mut txts);
+                txts.sort();
+                orphans.extend(txts.into_iter().filter(|t| !known_labels.contains(t)));
+            }
+        }
+        if split == "train" && label_files_found == 0 && !images.is_empty() {
+            let ldir = label_path_for(&images[0])
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_default();
+            return Err(DataError::NoLabels {
+                split: split.into(),
+                labels_dir: ldir,
+            });
+        }
+        let meta = DatasetMeta {
+            names: cfg.names.clone(),
+            nc: cfg.nc,
+            kpt_shape: cfg.kpt_shape,
+            flip_idx: cfg.flip_idx.clone(),
+            kpt_oks_sigmas: cfg.kpt_oks_sigmas.clone(),
+        };
+        Self::build(split, meta, list, orphans, opts)
+    }
+
+    /// Builds a dataset from entries: validates labels, decodes and prepares images (in parallel).
+    pub(crate) fn build(
+        split: &str,
+        meta: DatasetMeta,
+        entries: Vec<Entry>,
+        orphans: Vec<PathBuf>,
+        opts: &OpenOptions,
+    ) -> Result<Self> {
+        if opts.imgsz < 32 {
+            return Err(DataError::Invalid(format!(
+                "imgsz {} is too small (use ≥ 32)",
+                opts.imgsz
+            )));
+        }
+        let rules = LabelRules {
+            kpt_shape: meta.kpt_shape,
+            nc: meta.nc,
+            single_cls: opts.single_cls,
+        };
+        let run = || -> Vec<Outcome> {
+            entries
+                .par_iter()
+                .map(|e| process(e, &rules, opts))
+                .collect()
+        };
+        let outcomes = if opts.threads > 0 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(opts.threads)
+                .build()
+                .map_err(|e| DataError::Invalid(format!("cannot start decode threads: {e}")))?;
+            pool.install(run)
+        } else {
+            run()
+        };
+        let mut report = ScanReport {
+            found: entries.len(),
+            ..Default::default()
+        };
+        let mut items = Vec::new();
+        for o in &orphans {
+            report.warnings.push(format!(
+                "{}: label file has no matching image (ignored); add the image or delete the label",
+                o.display()
+            ));
+        }
+        report.orphan_labels = orphans;
+        for o in outcomes {
+            match o {
+                Outcome::Kept(item, has_file, w) => {
+                    report.warnings.extend(w);
+                    if !has_file {
+                        report.missing_labels += 1;
+                    }
+                    if item.labels.is_empty() {
+                        report.background += 1;
+                    }
+                    report.instances += item.labels.len();
+                    items.push(item);
+                }
+                Outcome::Skipped(s, w) => {
+                    report.warnings.extend(w);
+                    report.warnings.push(format!("skipped: {}", s.message));
+                    report.skipped.push(s);
+                }
+            }
+        }
+        report.usable = items.len();
+        if opts.verbose {
+            for w in &report.warnings {
+                eprintln!("ptl-data warning: {w}");
+            }
+            eprintln!("ptl-data: {split}: {}", report.summary());
+        }
+        if items.is_empty() {
+            return Err(DataError::EmptyDataset {
+                split: split.into(),
+                found: report.found,
+                skipped: report.skipped.len(),
+                reasons: report.skip_summary(),
+            });
+        }
+        Ok(PoseDataset {
+            split: split.into(),
+            imgsz: opts.imgsz,
+            meta,
+            items,
+            report,
+        })
+    }
+
+    /// Number of usable images.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// True if the dataset holds no image (never true for an opened dataset).
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Keypoints per object.
+    pub fn nkpt(&self) -> usize {
+        self.meta.kpt_shape.k
+    }
+
+    /// The COCO person metadata (used by the COCO and synthetic sources).
+    pub fn coco_person_meta() -> DatasetMeta {
+        DatasetMeta {
+            names: vec!["person".into()],
+            nc: 1,
+            kpt_shape: KptShape::COCO,
+            flip_idx: Some(COCO_FLIP_IDX.to_vec()),
+            kpt_oks_sigmas: crate::config::COCO_OKS_SIGMAS.to_vec(),
+        }
+    }
+}
+
+fn collect_txt(dir: &Path, out: &mut Vec<PathBuf>) {
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                collect_txt(&p, out);
+            } else if p.extension().is_some_and(|x| x == "txt") {
+                out.push(p);
+            }
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! The crate's single error type.
+
+use std::path::PathBuf;
+
+/// Every failure `ptl-data` reports. Messages name the file (and line/column where known) and say how to fix it.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// A file or folder could not be read or written.
+    #[error("{path}: {source} (check that the path exists and is readable/writable)")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The dataset YAML could not be parsed.
+    #[error("{path}:{line}:{column}: invalid dataset yaml: {message} (fix the YAML syntax at that location)")]
+    Yaml {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    /// The dataset YAML parsed but a field is missing or inconsistent.
+    #[error("{path}: dataset yaml field `{field}`: {message}")]
+    Config {
+        path: PathBuf,
+        field: &'static str,
+        message: String,
+    },
+    /// A COCO keypoints JSON file could not be parsed.
+    #[error(
+        "{path}:{line}:{column}: invalid COCO JSON: {message} (fix the JSON at that location)"
+    )]
+    Json {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    /// A folder or list file named by the dataset configuration does not exist.
+    #[error(
+        "{path}: {what} does not exist (check `path` and the split entries of the dataset yaml)"
+    )]
+    MissingPath { path: PathBuf, what: &'static str },
+    /// No label file at all was found for a training split.
+    #[error("no label files found for split `{split}` under {labels_dir} (expected labels/<split>/*.txt next to images/<split>/)")]
+    NoLabels { split: String, labels_dir: PathBuf },
+    /// Nothing usable is left after skipping bad files.
+    #[error("split `{split}` has no usable images ({found} found, {skipped} skipped: {reasons}); fix or remove the bad files listed in the warnings")]
+    EmptyDataset {
+        split: String,
+        found: usize,
+        skipped: usize,
+        reasons: String,
+    },
+    /// An image could not be decoded.
+    #[error("{path}: cannot decode image: {message} (re-save the file as JPEG or PNG)")]
+    Decode { path: PathBuf, message: String },
+    /// An image could not be encoded (synthetic dataset writer).
+    #[error("{path}: cannot encode image: {message}")]
+    Encode { path: PathBuf, message: String },
+    /// A label file or annotation violates the label rules (data.md §1).
+    #[error("{path}{}: {message}", line.map(|l| format!(":{l}")).unwrap_or_default())]
+    Label {
+        path: PathBuf,
+        line: Option<usize>,
+        message: String,
+    },
+    /// Invalid arguments given by the caller (loader configuration, synth options, …).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// A prefetch worker failed unexpectedly (a bug); the loader was shut down.
+    #[error("prefetch worker failed: {0}")]
+    Worker(String),
+}
+
+impl DataError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        DataError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = DataError> = std::result::Result<T, E>;

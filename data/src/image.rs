@@ -1,0 +1,279 @@
+//! 8-bit BGR images: decoding (JPEG/PNG with EXIF orientation), OpenCV-style bilinear resize, JPEG writing.
+//!
+//! Images are kept as interleaved **BGR** (height × width × 3) through the whole augmentation pipeline, exactly as
+//! the reference (OpenCV) does; the final batch formatting reverses the channel axis to RGB (data.md §6.5).
+
+use std::io::Cursor;
+use std::path::Path;
+
+use crate::error::{DataError, Result};
+
+/// Interleaved 8-bit BGR image, row-major `h × w × 3`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Image {
+    pub w: u32,
+    pub h: u32,
+    pub data: Vec<u8>,
+}
+
+impl Image {
+    /// Image filled with one BGR colour.
+    pub fn filled(w: u32, h: u32, bgr: [u8; 3]) -> Self {
+        let mut data = Vec::with_capacity(w as usize * h as usize * 3);
+        for _ in 0..(w as usize * h as usize) {
+            data.extend_from_slice(&bgr);
+        }
+        Image { w, h, data }
+    }
+
+    /// Bytes per row.
+    #[inline]
+    pub fn stride(&self) -> usize {
+        self.w as usize * 3
+    }
+
+    /// Converts an RGB buffer to BGR.
+    pub fn from_rgb(w: u32, h: u32, mut rgb: Vec<u8>) -> Self {
+        for px in rgb.chunks_exact_mut(3) {
+            px.swap(0, 2);
+        }
+        Image { w, h, data: rgb }
+    }
+
+    /// RGB copy of the pixels.
+    pub fn to_rgb(&self) -> Vec<u8> {
+        let mut out = self.data.clone();
+        for px in out.chunks_exact_mut(3) {
+            px.swap(0, 2);
+        }
+        out
+    }
+}
+
+/// What decoding found besides the pixels.
+#[derive(Clone, Debug, Default)]
+pub struct DecodeInfo {
+    /// A JPEG whose data does not end in the FFD9 marker (decoded leniently, like the reference's repair).
+    pub truncated_jpeg: bool,
+}
+
+/// Minimum image side accepted (data.md §1).
+pub const MIN_SIDE: u32 = 10;
+
+/// Decodes JPEG or PNG bytes to BGR, applying the EXIF orientation.
+pub fn decode_bytes(bytes: &[u8], path: &Path) -> Result<(Image, DecodeInfo)> {
+    use image::ImageDecoder;
+    let err = |m: String| DataError::Decode {
+        path: path.to_path_buf(),
+        message: m,
+    };
+    let reader = image::ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| err(e.to_string()))?;
+    let format = reader.format();
+    match format {
+        Some(image::ImageFormat::Jpeg) | Some(image::ImageFormat::Png) => {}
+        Some(f) => return Err(err(format!("unsupported format {f:?}"))),
+        None => return Err(err("unknown image format".into())),
+    }
+    let mut info = DecodeInfo::default();
+    if format == Some(image::ImageFormat::Jpeg) && !bytes.ends_with(&[0xFF, 0xD9]) {
+        info.truncated_jpeg = true;
+    }
+    let mut decoder = reader.into_decoder().map_err(|e| err(e.to_string()))?;
+    let orientation = decoder
+        .orientation()
+        .unwrap_or(image::metadata::Orientation::NoTransforms);
+    let mut img = image::DynamicImage::from_decoder(decoder).map_err(|e| err(e.to_string()))?;
+    img.apply_orientation(orientation);
+    let rgb = img.to_rgb8();
+    let (w, h) = rgb.dimensions();
+    if w < MIN_SIDE || h < MIN_SIDE {
+        return Err(err(format!(
+            "image size {w}x{h} is below the {MIN_SIDE}px minimum"
+        )));
+    }
+    Ok((Image::from_rgb(w, h, rgb.into_raw()), info))
+}
+
+/// Reads and decodes an image file.
+pub fn decode_file(path: &Path) -> Result<(Image, DecodeInfo)> {
+    let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
+    decode_bytes(&bytes, path)
+}
+
+/// Writes a BGR image as JPEG with the given quality.
+pub fn write_jpeg(img: &Image, path: &Path, quality: u8) -> Result<()> {
+    let rgb = img.to_rgb();
+    let mut buf = Vec::new();
+    let mut enc = image::codecs::jpeg::JpegEncoder::new_with_quality(&mut buf, quality);
+    enc.encode(&rgb, img.w, img.h, image::ExtendedColorType::Rgb8)
+        .map_err(|e| DataError::Encode {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    std::fs::write(path, &buf).map_err(|e| DataError::io(path, e))
+}
+
+/// Writes a BGR image as PNG.
+pub fn write_png(img: &Image, path: &Path) -> Result<()> {
+    let rgb = img.to_rgb();
+    image::save_buffer(path, &rgb, img.w, img.h, image::ExtendedColorType::Rgb8).map_err(|e| {
+        DataError::Encode {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        }
+    })
+}
+
+/// Source taps of OpenCV's INTER_LINEAR resize along one axis: (index0, index1, weight of index1).
+fn linear_taps(src: usize, dst: usize) -> Vec<(usize, usize, f32)> {
+    let scale = src as f64 / dst as f64;
+    (0..dst)
+        .map(|d| {
+            let s = (d as f64 + 0.5) * scale - 0.5;
+            let mut i0 = s.floor();
+            let mut f = s - i0;
+            if i0 < 0.0 {
+                i0 = 0.0;
+                f = 0.0;
+            }
+            let mut i0 = i0 as usize;
+            if i0 >= src - 1 {
+                i0 = src - 1;
+                f = 0.0;
+            }
+            let i1 = (i0 + 1).min(src - 1);
+            (i0, i1, f as f32)
+        })
+        .collect()
+}
+
+/// Bilinear resize with OpenCV INTER_LINEAR semantics (half-pixel centres, edge replication, no anti-aliasing).
+/// A float implementation: within ±1 grey level of OpenCV's 11-bit fixed point.
+pub fn resize_bilinear(src: &Image, nw: u32, nh: u32) -> Image {
+    if nw == src.w && nh == src.h {
+        return src.clone();
+    }
+    let (sw, sh) = (src.w as usize, src.h as usize);
+    let (dw, dh) = (nw as usize, nh as usize);
+    let xt = linear_taps(sw, dw);
+    let yt = linear_taps(sh, dh);
+    let mut out = vec![0u8; dw * dh * 3];
+    // Horizontal pass per needed source row is cached across destination rows.
+    let mut row_cache: [(usize, Vec<f32>); 2] = [
+        (usize::MAX, vec![0.0; dw * 3]),
+        (usize::MAX, vec![0.0; dw * 3]),
+    ];
+    let hpass = |y: usize, buf: &mut Vec<f32>| {
+        let row = &src.data[y * sw * 3..(y + 1) * sw * 3];
+        for (x, &(x0, x1, fx)) in xt.iter().enumerate() {
+            for c in 0..3 {
+                let a = row[x0 * 3 + c] as f32;
+                let b = row[x1 * 3 + c] as f32;
+                buf[x * 3 + c] = a + (b - a) * fx;
+            }
+        }
+    };
+    for (y, &(y0, y1, fy)) in yt.iter().enumerate() {
+        for (slot, yy) in [(0usize, y0), (1usize, y1)] {
+            if row_cache[slot].0 != yy {
+                // reuse the other slot if it already holds this row
+                let other = 1 - slot;
+                if row_cache[other].0 == yy {
+                    let (a, b) = row_cache.split_at_mut(1);
+                    if slot == 0 {
+                        a[0].1.copy_from_slice(&b[0].1);
+                    } else {
+                        b[0].1.copy_from_slice(&a[0].1);
+                    }
+                } else {
+                    hpass(yy, &mut row_cache[slot].1);
+                }
+                row_cache[slot].0 = yy;
+            }
+        }
+        let r0 = &row_cache[0].1;
+        let r1 = &row_cache[1].1;
+        let orow = &mut out[y * dw * 3..(y + 1) * dw * 3];
+        for i in 0..dw * 3 {
+            let v = r0[i] + (r1[i] - r0[i]) * fy;
+            orow[i] = (v + 0.5).clamp(0.0, 255.0) as u8;
+        }
+    }
+    Image {
+        w: nw,
+        h: nh,
+        data: out,
+    }
+}
+
+/// The load-time resize of data.md §5: long side to `imgsz` (aspect kept), `min(ceil(side·r), imgsz)`.
+pub fn load_resize_shape(w0: u32, h0: u32, imgsz: u32) -> (u32, u32) {
+    let r = imgsz as f64 / w0.max(h0) as f64;
+    if r == 1.0 {
+        return (w0, h0);
+    }
+    let w = ((w0 as f64 * r).ceil() as u32).clamp(1, imgsz);
+    let h = ((h0 as f64 * r).ceil() as u32).clamp(1, imgsz);
+    (w, h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_resize_examples() {
+        assert_eq!(load_resize_shape(640, 427, 640), (640, 427));
+        assert_eq!(load_resize_shape(500, 480, 640), (640, 615));
+        assert_eq!(load_resize_shape(1280, 960, 640), (640, 480));
+    }
+
+    #[test]
+    fn resize_constant_and_identity() {
+        let img = Image::filled(37, 21, [10, 200, 99]);
+        let r = resize_bilinear(&img, 64, 40);
+        assert!(r.data.chunks(3).all(|p| p == [10, 200, 99]));
+        assert_eq!(resize_bilinear(&img, 37, 21), img);
+    }
+
+    #[test]
+    fn resize_half_pixel_semantics() {
+        // 1-row ramp 0,100,200,... downscale by 2: dst x samples src at 2x+0.5 → mean of pixels 2x, 2x+1.
+        let w = 8u32;
+        let mut data = Vec::new();
+        for x in 0..w {
+            data.extend_from_slice(&[(x * 20) as u8; 3]);
+        }
+        let img = Image { w, h: 1, data };
+        let r = resize_bilinear(&img, 4, 1);
+        let got: Vec<u8> = r.data.chunks(3).map(|p| p[0]).collect();
+        assert_eq!(got, vec![10, 50, 90, 130]);
+        // upscale ×2: dst 0 → src −0.25 clamped to 0; dst 1 → src 0.25
+        let r = resize_bilinear(&img, 16, 1);
+        let got: Vec<u8> = r.data.chunks(3).map(|p| p[0]).collect();
+        assert_eq!(&got[..4], &[0, 5, 15, 25]);
+        assert_eq!(got[15], 140);
+    }
+
+    #[test]
+    fn png_roundtrip_and_bgr_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.png");
+        let img = Image::filled(12, 11, [1, 2, 3]);
+        write_png(&img, &p).unwrap();
+        let (back, info) = decode_file(&p).unwrap();
+        assert_eq!(back, img);
+        assert!(!info.truncated_jpeg);
+    }
+
+    #[test]
+    fn tiny_and_garbage_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.png");
+        write_png(&Image::filled(5, 20, [0, 0, 0]), &p).unwrap();
+        assert!(decode_file(&p).is_err());
+        assert!(decode_bytes(b"not an image at all", Path::new("x.jpg")).is_err());
+    }
+}

@@ -1,0 +1,692 @@
+//! Sample pipelines (train: mosaic → affine → HSV → flips → format; val: letterbox → format), collation into
+//! [`Batch`] (data.md §9), deterministic epoch order, validation rect batches and the prefetching worker pool.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use crate::augment::{self, AffineDraw, AugmentConfig, Instances};
+use crate::dataset::PoseDataset;
+use crate::error::{DataError, Result};
+use crate::hsv::HsvGains;
+use crate::image::Image;
+use crate::rng::{stream, Rng};
+
+/// `ratio_pad` of one image. Train (mosaic): `ratio` = (h/h0, w/w0) of the load resize, `pad` = None.
+/// Letterboxed (val, or train after close_mosaic): `ratio` = (h/h0·r, w/w0·r), `pad` = Some((left, top)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RatioPad {
+    /// (gain_h, gain_w).
+    pub ratio: [f32; 2],
+    /// (pad_left, pad_top) in pixels.
+    pub pad: Option<[f32; 2]>,
+}
+
+/// A collated batch, layout of data.md §9 with plain Rust types. `B` images, `N` objects, `K` keypoints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// Epoch and batch index within the epoch (validation: epoch 0).
+    pub epoch: usize,
+    pub index: usize,
+    /// u8 RGB images, `B × 3 × H × W` row-major.
+    pub img: Vec<u8>,
+    /// `[B, 3, H, W]`.
+    pub shape: [usize; 4],
+    /// Image index (0..B−1) of each object, `N`.
+    pub batch_idx: Vec<f32>,
+    /// Class id per object, `N × 1`.
+    pub cls: Vec<f32>,
+    /// Normalised (cx, cy, w, h) in the final image, `N × 4`.
+    pub bboxes: Vec<f32>,
+    /// Normalised x, y and visibility, `N × K × 3`.
+    pub keypoints: Vec<f32>,
+    /// K.
+    pub nkpt: usize,
+    /// Image paths, `B`.
+    pub im_file: Vec<PathBuf>,
+    /// Original (h0, w0), `B`.
+    pub ori_shape: Vec<[u32; 2]>,
+    /// Size before collation (h, w), `B` (mosaic samples: (2·imgsz, 2·imgsz), the canvas, as the reference).
+    pub resized_shape: Vec<[u32; 2]>,
+    /// See [`RatioPad`], `B`.
+    pub ratio_pad: Vec<RatioPad>,
+    /// HSV gains drawn per image, `B` (zero when HSV is off).
+    pub hsv_gains: Vec<HsvGains>,
+    /// True if the gains were already applied on the CPU; false when HSV is left to the device kernel.
+    pub hsv_applied: bool,
+}
+
+impl Batch {
+    /// Images in the batch.
+    pub fn len(&self) -> usize {
+        self.shape[0]
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shape[0] == 0
+    }
+
+    /// Objects in the batch.
+    pub fn num_objects(&self) -> usize {
+        self.cls.len()
+    }
+}
+
+/// One augmented sample before collation (BGR HWC image, pixel xyxy instances).
+#[derive(Clone, Debug)]
+pub struct Sample {
+    pub img: Image,
+    pub inst: Instances,
+    pub rgb: bool,
+    pub hsv: HsvGains,
+    pub hsv_applied: bool,
+    pub im_file: PathBuf,
+    pub ori_shape: [u32; 2],
+    pub resized_shape: [u32; 2],
+    pub ratio_pad: RatioPad,
+}
+
+/// Training loader settings.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub batch: usize,
+    pub seed: u64,
+    pub epochs: usize,
+    /// Mosaic is off for epochs e ≥ epochs − close_mosaic (0 = never switch).
+    pub close_mosaic: usize,
+    pub aug: AugmentConfig,
+    /// Leave HSV to the device (gains still drawn, returned in the batch).
+    pub hsv_on_device: bool,
+    /// Worker threads; 0 = build batches in the calling thread.
+    pub workers: usize,
+    /// Batches prepared ahead (queue bound, ≥ 1).
+    pub prefetch: usize,
+    /// Shuffle every epoch (seeded by (seed, epoch)).
+    pub shuffle: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            batch: 16,
+            seed: 0,
+            epochs: 100,
+            close_mosaic: 10,
+            aug: AugmentConfig::default(),
+            hsv_on_device: false,
+            workers: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .min(8),
+            prefetch: 8,
+            shuffle: true,
+        }
+    }
+}
+
+/// Training batches: a deterministic function of (dataset, config, epoch, batch index).
+#[derive(Debug)]
+pub struct TrainLoader {
+    ds: Arc<PoseDataset>,
+    cfg: TrainConfig,
+    batch: usize,
+}
+
+impl TrainLoader {
+    pub fn new(ds: Arc<PoseDataset>, cfg: TrainConfig) -> Result<Self> {
+        if cfg.batch == 0 {
+            return Err(DataError::Invalid("batch must be ≥ 1".into()));
+        }
+        if ds.is_empty() {
+            return Err(DataError::Invalid("dataset is empty".into()));
+        }
+        let batch = cfg.batch.min(ds.len());
+        Ok(TrainLoader { ds, cfg, batch })
+    }
+
+    pub fn dataset(&self) -> &Arc<PoseDataset> {
+        &self.ds
+    }
+
+    pub fn config(&self) -> &TrainConfig {
+        &self.cfg
+    }
+
+    /// Effective batch size: min(batch, dataset size).
+    pub fn batch_size(&self) -> usize {
+        self.batch
+    }
+
+    /// ceil(N / batch); the last partial batch is kept.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.ds.len().div_ceil(self.batch)
+    }
+
+    /// Whether mosaic is used in `epoch` (close-mosaic switch, data.md §7).
+    pub fn mosaic_enabled(&self, epoch: usize) -> bool {
+        self.cfg.aug.mosaic > 0.0
+            && (self.cfg.close_mosaic == 0
+                || epoch < self.cfg.epochs.saturating_sub(self.cfg.close_mosaic))
+    }
+
+    /// Dataset indices in the order of `epoch`.
+    pub fn epoch_order(&self, epoch: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..self.ds.len()).collect();
+        if self.cfg.shuffle {
+            Rng::for_sample(stream::SHUFFLE, self.cfg.seed, epoch as u64, 0).shuffle(&mut v);
+        }
+        v
+    }
+
+    /// One augmented training sample (per-sample RNG from (seed, epoch, index)), draw order of data.md §6.0.
+    pub fn sample(&self, epoch: usize, index: usize) -> Sample {
+        let ds = &*self.ds;
+        let a = &self.cfg.aug;
+        let s = ds.imgsz;
+        let k = ds.nkpt();
+        let item = &ds.items[index];
+        let mut rng = Rng::for_sample(stream::SAMPLE, self.cfg.seed, epoch as u64, index as u64);
+        let p_mosaic = if self.mosaic_enabled(epoch) {
+            a.mosaic
+        } else {
+            0.0
+        };
+        let gate = rng.uniform(0.0, 1.0);
+        let (h, w) = (item.image.h, item.image.w);
+        let load_ratio = [
+            h as f32 / item.ori_shape.0 as f32,
+            w as f32 / item.ori_shape.1 as f32,
+        ];
+        let (pre_img, pre_inst, resized_shape, ratio_pad, border_in) =
+            if p_mosaic > 0.0 && gate <= p_mosaic {
+                let n = ds.len() as i64;
+                let partners = [
+                    rng.randint(0, n - 1),
+                    rng.randint(0, n - 1),
+                    rng.randint(0, n - 1),
+                ];
+                let (yc, xc) = augment::draw_mosaic_centre(&mut rng, s);
+                let it = |i: i64| &ds.items[i as usize];
+                let (p1, p2, p3) = (it(partners[0]), it(partners[1]), it(partners[2]));
+                let tiles = [
+                    (&*item.image, &item.labels),
+                    (&*p1.image, &p1.labels),
+                    (&*p2.image, &p2.labels),
+                    (&*p3.image, &p3.labels),
+                ];
+                let (canvas, inst) = augment::mosaic4(tiles, k, s, yc, xc);
+                (
+                    canvas,
+                    inst,
+                    [2 * s, 2 * s],
+                    RatioPad {
+                        ratio: load_ratio,
+                        pad: None,
+                    },
+                    true,
+                )
+            } else {
+                let mut inst = Instances::from_labels(&item.labels, k, w as f32, h as f32);
+                let (img, lb) = augment::letterbox(&item.image, &mut inst, s, s, true);
+                (
+                    img,
+                    inst,
+                    [s, s],
+                    RatioPad {
+                        ratio: [load_ratio[0] * lb.r, load_ratio[1] * lb.r],
+                        pad: Some([lb.left as f32, lb.top as f32]),
+                    },
+                    false,
+                )
+            };
+        let _ = border_in;
+        let d = AffineDraw::draw(&mut rng, a);
+        let (mut img, mut inst) = augment::random_perspective(&pre_img, &pre_inst, &d, s);
+        drop(pre_img);
+        let _mixup_gate = rng.random();
+        let _cutmix_gate = rng.random();
+        let hsv_on = a.hsv_h != 0.0 || a.hsv_s != 0.0 || a.hsv_v != 0.0;
+        let gains = if hsv_on {
+            HsvGains::draw(&mut rng, a.hsv_h, a.hsv_s, a.hsv_v)
+        } else {
+            HsvGains::default()
+        };
+        let hsv_applied = !self.cfg.hsv_on_device;
+        if hsv_applied {
+            augment::hsv(&mut img, &gains);
+        }
+        let flip_idx = ds.meta.flip_idx.as_deref();
+        let (pud, plr) = if flip_idx.is_some() {
+            (a.flipud, a.fliplr)
+        } else {
+            (0.0, 0.0)
+        };
+        if rng.random() < pud {
+            augment::flipud_image(&mut img);
+            inst.flipud(img.h as f32, flip_idx);
+        }
+        if rng.random() < plr {
+            augment::fliplr_image(&mut img);
+            inst.fliplr(img.w as f32, flip_idx);
+        }
+        let rgb = rng.uniform(0.0, 1.0) > a.bgr;
+        Sample {
+            img,
+            inst,
+            rgb,
+            hsv: gains,
+            hsv_applied,
+            im_file: item.im_file.clone(),
+            ori_shape: [item.ori_shape.0, item.ori_shape.1],
+            resized_shape,
+            ratio_pad,
+        }
+    }
+
+    /// Builds batch `b` of `epoch`.
+    pub fn build_batch(&self, epoch: usize, b: usize) -> Result<Batch> {
+        let nb = self.batches_per_epoch();
+        if b >= nb {
+            return Err(DataError::Invalid(format!(
+                "batch {b} out of range (epoch has {nb})"
+            )));
+        }
+        let order = self.epoch_order(epoch);
+        let idx = &order[b * self.batch..((b + 1) * self.batch).min(order.len())];
+        let samples: Vec<Sample> = idx.iter().map(|&i| self.sample(epoch, i)).collect();
+        collate(samples, self.ds.nkpt(), epoch, b)
+    }
+
+    /// Starts worker threads that prepare batches from `start_epoch` to the last epoch, in order, ahead of use.
+    pub fn prefetch(self: &Arc<Self>, start_epoch: usize) -> Prefetcher {
+        Prefetcher::new(self.clone(), start_epoch)
+    }
+}
+
+/// Collates samples: HWC BGR → CHW (RGB when the sample's gate says so), normalised boxes/keypoints.
+pub fn collate(samples: Vec<Sample>, k: usize, epoch: usize, index: usize) -> Result<Batch> {
+    let Some(first) = samples.first() else {
+        return Err(DataError::Invalid("cannot collate an empty batch".into()));
+    };
+    let (h, w) = (first.img.h as usize, first.img.w as usize);
+    if samples
+        .iter()
+        .any(|s| s.img.h as usize != h || s.img.w as usize != w)
+    {
+        return Err(DataError::Invalid(
+            "samples of one batch differ in size".into(),
+        ));
+    }
+    let bsz = samples.len();
+    let plane = h * w;
+    let mut b = Batch {
+        epoch,
+        index,
+        img: vec![0u8; bsz * 3 * plane],
+        shape: [bsz, 3, h, w],
+        batch_idx: Vec::new(),
+        cls: Vec::new(),
+        bboxes: Vec::new(),
+        keypoints: Vec::new(),
+        nkpt: k,
+        im_file: Vec::with_capacity(bsz),
+        ori_shape: Vec::with_capacity(bsz),
+        resized_shape: Vec::with_capacity(bsz),
+        ratio_pad: Vec::with_capacity(bsz),
+        hsv_gains: Vec::with_capacity(bsz),
+        hsv_applied: samples.iter().all(|s| s.hsv_applied),
+    };
+    let (wf, hf) = (w as f32, h as f32);
+    for (i, s) in samples.into_iter().enumerate() {
+        let dst = &mut b.img[i * 3 * plane..(i + 1) * 3 * plane];
+        let order: [usize; 3] = if s.rgb { [2, 1, 0] } else { [0, 1, 2] };
+        for (c, &src_c) in order.iter().enumerate() {
+            let d = &mut dst[c * plane..(c + 1) * plane];
+            for (p, px) in d.iter_mut().zip(s.img.data.chunks_exact(3)) {
+                *p = px[src_c];
+            }
+        }
+        for (j, bx) in s.inst.boxes.iter().enumerate() {
+            b.batch_idx.push(i as f32);
+            b.cls.push(s.inst.cls[j]);
+            b.bboxes.extend_from_slice(&[
+                (bx[0] + bx[2]) / 2.0 / wf,
+                (bx[1] + bx[3]) / 2.0 / hf,
+                (bx[2] - bx[0]) / wf,
+                (bx[3] - bx[1]) / hf,
+            ]);
+            for p in s.inst.kpts[j * k * 3..(j + 1) * k * 3].chunks_exact(3) {
+                b.keypoints.extend_from_slice(&[p[0] / wf, p[1] / hf, p[2]]);
+            }
+        }
+        b.im_file.push(s.im_file);
+        b.ori_shape.push(s.ori_shape);
+        b.resized_shape.push(s.resized_shape);
+        b.ratio_pad.push(s.ratio_pad);
+        b.hsv_gains.push(s.hsv);
+    }
+    Ok(b)
+}
+
+/// Validation batches: images sorted by aspect ratio, rectangular letterbox shapes (data.md §8).
+#[derive(Debug)]
+pub struct ValLoader {
+    ds: Arc<PoseDataset>,
+    batch: usize,
+    seed: u64,
+    order: Vec<usize>,
+    /// (H_b, W_b) per batch.
+    shapes: Vec<(u32, u32)>,
+}
+
+/// Rect batch shape for aspect ratios (h/w) `a_min ≤ a_max`: ceil(shape · imgsz / 32 + 0.5) · 32.
+pub fn rect_shape(a_min: f64, a_max: f64, imgsz: u32) -> (u32, u32) {
+    let shape = if a_max < 1.0 {
+        [a_max, 1.0]
+    } else if a_min > 1.0 {
+        [1.0, 1.0 / a_min]
+    } else {
+        [1.0, 1.0]
+    };
+    let f = |v: f64| ((v * imgsz as f64 / 32.0 + 0.5).ceil() as u32) * 32;
+    (f(shape[0]), f(shape[1]))
+}
+
+impl ValLoader {
+    /// Val batch size is usually 2 × the train batch.
+    pub fn new(ds: Arc<PoseDataset>, batch: usize, seed: u64) -> Result<Self> {
+        if batch == 0 {
+            return Err(DataError::Invalid("batch must be ≥ 1".into()));
+        }
+        let ar: Vec<f64> = ds
+            .items
+            .iter()
+            .map(|it| it.ori_shape.0 as f64 / it.ori_shape.1 as f64)
+            .collect();
+        let mut order: Vec<usize> = (0..ds.len()).collect();
+        order.sort_by(|&a, &b| ar[a].total_cmp(&ar[b]));
+        let shapes = order
+            .chunks(batch)
+            .map(|c| {
+                let a_min = ar[c[0]];
+                let a_max = ar[c[c.len() - 1]];
+                rect_shape(a_min, a_max, ds.imgsz)
+            })
+            .collect();
+        Ok(ValLoader {
+            ds,
+            batch,
+            seed,
+            order,
+            shapes,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.shapes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shapes.is_empty()
+    }
+
+    /// (H_b, W_b) of batch `b`.
+    pub fn batch_shape(&self, b: usize) -> Option<(u32, u32)> {
+        self.shapes.get(b).copied()
+    }
+
+    /// One letterboxed validation sample.
+    pub fn sample(&self, index: usize, shape: (u32, u32)) -> Sample {
+        let ds = &*self.ds;
+        let item = &ds.items[index];
+        let (h, w) = (item.image.h, item.image.w);
+        let mut inst = Instances::from_labels(&item.labels, ds.nkpt(), w as f32, h as f32);
+        let (img, lb) = augment::letterbox(&item.image, &mut inst, shape.0, shape.1, false);
+        let mut rng = Rng::for_sample(stream::VAL, self.seed, 0, index as u64);
+        let rgb = rng.uniform(0.0, 1.0) > 0.0;
+        Sample {
+            img,
+            inst,
+            rgb,
+            hsv: HsvGains::default(),
+            hsv_applied: true,
+            im_file: item.im_file.clone(),
+            ori_shape: [item.ori_shape.0, item.ori_shape.1],
+            resized_shape: [shape.0, shape.1],
+            ratio_pad: RatioPad {
+                ratio: [
+                    h as f32 / item.ori_shape.0 as f32 * lb.r,
+                    w as f32 / item.ori_shape.1 as f32 * lb.r,
+                ],
+                pad: Some([lb.left as f32, lb.top as f32]),
+            },
+        }
+    }
+
+    /// Builds validation batch `b`.
+    pub fn build_batch(&self, b: usize) -> Result<Batch> {
+        let shape = self.batch_shape(b).ok_or_else(|| {
+            DataError::Invalid(format!(
+                "val batch {b} out of range ({} batches)",
+                self.len()
+            ))
+        })?;
+        let idx = &self.order[b * self.batch..((b + 1) * self.batch).min(self.order.len())];
+        let samples = idx.iter().map(|&i| self.sample(i, shape)).collect();
+        collate(samples, self.ds.nkpt(), 0, b)
+    }
+
+    /// All validation batches in order.
+    pub fn iter(&self) -> impl Iterator<Item = Result<Batch>> + '_ {
+        (0..self.len()).map(move |b| self.build_batch(b))
+    }
+}
+
+struct State {
+    next_job: u64,
+    consumed: u64,
+    total: u64,
+    capacity: u64,
+    done: BTreeMap<u64, Result<Batch>>,
+    stop: bool,
+}
+
+struct Shared {
+    m: Mutex<State>,
+    work: Condvar,
+    ready: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.m.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Prepares training batches ahead on worker threads, across epoch boundaries (the next epoch's first batches are
+/// built while the caller validates). Batches come out in (epoch, index) order and their bytes do not depend on
+/// the number of workers. Dropping it stops and joins the workers; a failed batch is returned as an error and
+/// stops the pool.
+pub struct Prefetcher {
+    loader: Arc<TrainLoader>,
+    shared: Arc<Shared>,
+    handles: Vec<JoinHandle<()>>,
+    start_epoch: usize,
+    nb: u64,
+    next_seq: u64,
+    failed: bool,
+}
+
+fn run_job(loader: &TrainLoader, start_epoch: usize, nb: u64, seq: u64) -> Result<Batch> {
+    let epoch = start_epoch + (seq / nb) as usize;
+    let b = (seq % nb) as usize;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        loader.build_batch(epoch, b)
+    }))
+    .unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panic".into());
+        Err(DataError::Worker(format!("epoch {epoch} batch {b}: {msg}")))
+    })
+}
+
+impl Prefetcher {
+    fn new(loader: Arc<TrainLoader>, start_epoch: usize) -> Self {
+        let nb = loader.batches_per_epoch() as u64;
+        let epochs = loader.cfg.epochs.saturating_sub(start_epoch) as u64;
+        let shared = Arc::new(Shared {
+            m: Mutex::new(State {
+                next_job: 0,
+                consumed: 0,
+                total: nb * epochs,
+                capacity: loader.cfg.prefetch.max(1) as u64,
+                done: BTreeMap::new(),
+                stop: false,
+            }),
+            work: Condvar::new(),
+            ready: Condvar::new(),
+        });
+        let mut handles = Vec::new();
+        for wi in 0..loader.cfg.workers {
+            let sh = shared.clone();
+            let ld = loader.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("ptl-data-{wi}"))
+                .spawn(move || loop {
+                    let seq = {
+                        let mut st = sh.lock();
+                        loop {
+                            if st.stop {
+                                return;
+                            }
+                            if st.next_job < st.total && st.next_job < st.consumed + st.capacity {
+                                let s = st.next_job;
+                                st.next_job += 1;
+                                break s;
+                            }
+                            if st.next_job >= st.total {
+                                return;
+                            }
+                            st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
+                        }
+                    };
+                    let res = run_job(&ld, start_epoch, nb, seq);
+                    let mut st = sh.lock();
+                    st.done.insert(seq, res);
+                    sh.ready.notify_all();
+                });
+            match h {
+                Ok(h) => handles.push(h),
+                Err(_) => break, // fewer workers; the consumer builds inline if none started
+            }
+        }
+        Prefetcher {
+            loader,
+            shared,
+            handles,
+            start_epoch,
+            nb,
+            next_seq: 0,
+            failed: false,
+        }
+    }
+
+    /// Epoch of the next batch.
+    pub fn current_epoch(&self) -> usize {
+        self.start_epoch + (self.next_seq / self.nb.max(1)) as usize
+    }
+
+    /// Next batch in (epoch, index) order; `None` after the last epoch or after an error.
+    pub fn next_batch(&mut self) -> Option<Result<Batch>> {
+        let total = self.shared.lock().total;
+        if self.failed || self.next_seq >= total {
+            return None;
+        }
+        let seq = self.next_seq;
+        let res = if self.handles.is_empty() {
+            run_job(&self.loader, self.start_epoch, self.nb, seq)
+        } else {
+            let mut st = self.shared.lock();
+            loop {
+                if let Some(r) = st.done.remove(&seq) {
+                    st.consumed += 1;
+                    self.shared.work.notify_all();
+                    break r;
+                }
+                st = self
+                    .shared
+                    .ready
+                    .wait(st)
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        self.next_seq += 1;
+        if res.is_err() {
+            self.failed = true;
+            self.shutdown();
+        }
+        Some(res)
+    }
+
+    /// Iterator over the remaining batches of the current epoch.
+    pub fn epoch(&mut self) -> EpochIter<'_> {
+        let epoch = self.current_epoch();
+        EpochIter { p: self, epoch }
+    }
+
+    fn shutdown(&mut self) {
+        {
+            let mut st = self.shared.lock();
+            st.stop = true;
+        }
+        self.shared.work.notify_all();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Iterator for Prefetcher {
+    type Item = Result<Batch>;
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_batch()
+    }
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Batches of one epoch from a [`Prefetcher`].
+pub struct EpochIter<'a> {
+    p: &'a mut Prefetcher,
+    epoch: usize,
+}
+
+impl Iterator for EpochIter<'_> {
+    type Item = Result<Batch>;
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.p.current_epoch() != self.epoch {
+            return None;
+        }
+        self.p.next_batch()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rect_shapes_spec_examples() {
+        assert_eq!(rect_shape(0.75, 0.75, 640), (512, 672));
+        assert_eq!(rect_shape(0.5625, 1.5, 640), (672, 672));
+        assert_eq!(rect_shape(1.5, 1.5, 640), (672, 448));
+    }
+}
