@@ -1,1 +1,47 @@
-//! ptl-autograd (in progress)
+//! # ptl-autograd
+//!
+//! Tensors (f32/f64/f16/bf16, i64, u8, bool) on a CPU backend (and CUDA, behind the `cuda`
+//! feature), a set of differentiable ops, and a tape autograd in which an unused path leaves a
+//! gradient **absent** (`None`), never zero.
+//!
+//! Layout: [`shape`] (shapes, layouts), [`backend`] (the primitive kernel contract every device
+//! implements), `cpu` (the host backend), [`storage`] (device dispatch), [`tensor`] (the handle),
+//! [`autograd`] (nodes and the engine), `ops/` (each op's forward and backward side by side),
+//! [`module`] (parameters, state dicts, safetensors), [`rng`] (Philox), [`hash`].
+//!
+//! ## Ops and their gradient checks
+//! Every differentiable op is checked against central finite differences in f64 in
+//! `tests/gradcheck.rs`:
+//! neg, exp, log, sqrt, abs, sigmoid, silu, tanh, softplus, atan, recip, square, relu, powf,
+//! clamp, affine; add, sub, mul, div, maximum, minimum, pow, atan2 (all with broadcasting);
+//! where_cond; sum/mean over dims, max_dim/min_dim; reshape, permute/transpose, narrow, cat,
+//! split/chunk, expand, squeeze/unsqueeze, upsample_nearest; index_select, gather, scatter_add;
+//! conv2d (stride 1/2, padding, groups incl. depthwise, 1×1 and 3×3, bias); batch_norm2d (train
+//! and eval); max_pool2d; matmul/bmm (incl. broadcast batch), linear; softmax, log_softmax;
+//! bce_with_logits; to_dtype; attention-like matmul+softmax chains.
+//! Non-differentiable: comparisons, argmax/argmin, topk, sign/floor/ceil (zero gradient).
+
+pub mod autograd;
+pub mod backend;
+mod cpu;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod hash;
+pub mod module;
+mod ops;
+pub mod rng;
+pub mod shape;
+pub mod storage;
+pub mod tensor;
+
+pub use autograd::{attach_custom_node, is_grad_enabled, no_grad, BackwardOp, GradModeGuard};
+pub use cpu::CpuStorage;
+pub use device::Device;
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use module::{Module, TensorKind};
+pub use ops::norm::BatchNormOptions;
+pub use rng::Rng;
+pub use shape::Shape;
+pub use tensor::{Element, Tensor, TensorId};

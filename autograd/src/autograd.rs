@@ -1,0 +1,247 @@
+//! The tape: nodes that remember how to push gradients to their inputs, and the engine that walks
+//! them in reverse topological order.
+//!
+//! Absent gradients are first-class: a node's backward receives `Option<Tensor>` per output, is not
+//! called at all when every entry is `None`, and a leaf reached by no gradient keeps `grad() == None`.
+
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::{Error, Result, Tensor};
+
+/// The backward half of an op (or of any custom multi-output node).
+///
+/// `grad_outputs` has one entry per output (`None` when that output received no gradient); the
+/// result has one entry per input (`None` for "no gradient for this input"). The engine runs this
+/// with gradient recording disabled and never calls it when all `grad_outputs` are `None`.
+pub trait BackwardOp: Send + Sync {
+    fn name(&self) -> &str;
+    fn backward(&self, grad_outputs: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>>;
+}
+
+/// Closure adapter so simple ops can write `backward` next to `forward`.
+pub(crate) struct FnBackward<F> {
+    pub name: &'static str,
+    pub f: F,
+}
+
+impl<F> BackwardOp for FnBackward<F>
+where
+    F: Fn(&[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> + Send + Sync,
+{
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn backward(&self, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        (self.f)(g)
+    }
+}
+
+/// One recorded operation.
+pub struct Node {
+    id: u64,
+    op: Box<dyn BackwardOp>,
+    /// Inputs that require gradients (`None` where an input does not).
+    inputs: Vec<Option<Tensor>>,
+    num_outputs: usize,
+}
+
+impl Node {
+    pub fn name(&self) -> &str {
+        self.op.name()
+    }
+}
+
+/// Which output of which node produced a tensor.
+#[derive(Clone)]
+pub(crate) struct GradFn {
+    pub node: Arc<Node>,
+    pub index: usize,
+}
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether ops currently record history on this thread.
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+/// Restores the previous grad mode when dropped.
+pub struct GradModeGuard(bool);
+
+impl GradModeGuard {
+    /// Sets the grad mode for this thread until the guard is dropped.
+    pub fn new(enabled: bool) -> Self {
+        let prev = GRAD_ENABLED.with(|g| g.replace(enabled));
+        GradModeGuard(prev)
+    }
+}
+
+impl Drop for GradModeGuard {
+    fn drop(&mut self) {
+        GRAD_ENABLED.with(|g| g.set(self.0));
+    }
+}
+
+/// Runs `f` without recording history (like `torch.no_grad()`).
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    let _g = GradModeGuard::new(false);
+    f()
+}
+
+fn next_node_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Gives fresh, history-less `outputs` a node that records `op` when grad mode is on and some
+/// input requires a gradient (otherwise the outputs are returned unchanged). Backward closures
+/// capture *detached* handles, so a node never owns the tensors that own it (no Arc cycles).
+pub(crate) fn record(inputs: &[&Tensor], outputs: Vec<Tensor>, op: impl BackwardOp + 'static) -> Vec<Tensor> {
+    let track = is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
+    if !track {
+        return outputs;
+    }
+    let node = Arc::new(Node {
+        id: next_node_id(),
+        op: Box::new(op),
+        inputs: inputs.iter().map(|t| if t.requires_grad() { Some((*t).clone()) } else { None }).collect(),
+        num_outputs: outputs.len(),
+    });
+    outputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Tensor::build(t.0.storage.clone(), t.shape().clone(), false, Some(GradFn { node: node.clone(), index: i })))
+        .collect()
+}
+
+/// Single-output convenience for [`record`].
+pub(crate) fn record1(inputs: &[&Tensor], output: Tensor, op: impl BackwardOp + 'static) -> Tensor {
+    let mut v = record(inputs, vec![output.clone()], op);
+    v.pop().unwrap_or(output)
+}
+
+/// Connects already computed `outputs` to `inputs` through a custom backward (e.g. a replayed
+/// CUDA graph). Returns new handles on the outputs' storage that carry the history. When grad mode
+/// is off or no input requires a gradient, the handles are returned without history.
+pub fn attach_custom_node(op: Arc<dyn BackwardOp>, inputs: &[&Tensor], outputs: &[Tensor]) -> Vec<Tensor> {
+    struct Shared(Arc<dyn BackwardOp>);
+    impl BackwardOp for Shared {
+        fn name(&self) -> &str {
+            self.0.name()
+        }
+        fn backward(&self, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+            self.0.backward(g)
+        }
+    }
+    let track = is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
+    if !track {
+        return outputs.iter().map(|t| t.detach()).collect();
+    }
+    let node = Arc::new(Node {
+        id: next_node_id(),
+        op: Box::new(Shared(op)),
+        inputs: inputs.iter().map(|t| if t.requires_grad() { Some((*t).clone()) } else { None }).collect(),
+        num_outputs: outputs.len(),
+    });
+    outputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Tensor::build(t.0.storage.clone(), t.shape().clone(), false, Some(GradFn { node: node.clone(), index: i })))
+        .collect()
+}
+
+/// Nodes reachable from `root`, parents after children (reverse gives a valid processing order).
+fn topo_order(root: &Arc<Node>) -> Vec<Arc<Node>> {
+    let mut order = Vec::new();
+    let mut seen = HashSet::new();
+    // Iterative DFS: (node, next input index to visit).
+    let mut stack: Vec<(Arc<Node>, usize)> = vec![(root.clone(), 0)];
+    seen.insert(root.id);
+    while let Some((node, i)) = stack.pop() {
+        if i < node.inputs.len() {
+            stack.push((node.clone(), i + 1));
+            if let Some(t) = &node.inputs[i] {
+                if let Some(gf) = t.grad_fn() {
+                    if seen.insert(gf.node.id) {
+                        stack.push((gf.node.clone(), 0));
+                    }
+                }
+            }
+        } else {
+            order.push(node);
+        }
+    }
+    order
+}
+
+fn add_grads(a: Tensor, b: Tensor) -> Result<Tensor> {
+    no_grad(|| a.add(&b))
+}
+
+impl Tensor {
+    /// Back-propagates from a scalar (seed 1).
+    pub fn backward(&self) -> Result<()> {
+        if self.numel() != 1 {
+            return Err(Error::Backward {
+                msg: format!("backward() needs a one-element tensor, got shape {:?}; pass an explicit gradient", self.dims()),
+            });
+        }
+        let seed = self.ones_like()?;
+        self.backward_with(&seed)
+    }
+
+    /// Back-propagates `grad` (same shape as `self`) into every leaf that requires a gradient.
+    pub fn backward_with(&self, grad: &Tensor) -> Result<()> {
+        if grad.dims() != self.dims() {
+            return Err(Error::GradShape { node: "backward seed".into(), input: 0, got: grad.dims().to_vec(), expected: self.dims().to_vec() });
+        }
+        if !self.requires_grad() {
+            return Err(Error::Backward { msg: "tensor does not require grad and has no grad_fn".into() });
+        }
+        let _mode = GradModeGuard::new(false);
+        let Some(root) = self.grad_fn().cloned() else {
+            return self.accumulate_grad(grad);
+        };
+        let order = topo_order(&root.node);
+        let mut pending: HashMap<u64, Vec<Option<Tensor>>> = HashMap::new();
+        let mut seed = vec![None; root.node.num_outputs];
+        seed[root.index] = Some(grad.clone());
+        pending.insert(root.node.id, seed);
+
+        for node in order.iter().rev() {
+            let Some(grads) = pending.remove(&node.id) else { continue };
+            if grads.iter().all(Option::is_none) {
+                continue;
+            }
+            let input_grads = node.op.backward(&grads)?;
+            drop(grads);
+            if input_grads.len() != node.inputs.len() {
+                return Err(Error::Backward {
+                    msg: format!("{} returned {} gradients for {} inputs", node.name(), input_grads.len(), node.inputs.len()),
+                });
+            }
+            for (i, (input, g)) in node.inputs.iter().zip(input_grads).enumerate() {
+                let (Some(input), Some(g)) = (input, g) else { continue };
+                if g.dims() != input.dims() {
+                    return Err(Error::GradShape { node: node.name().to_string(), input: i, got: g.dims().to_vec(), expected: input.dims().to_vec() });
+                }
+                match input.grad_fn() {
+                    Some(gf) => {
+                        let slot = pending.entry(gf.node.id).or_insert_with(|| vec![None; gf.node.num_outputs]);
+                        slot[gf.index] = Some(match slot[gf.index].take() {
+                            Some(prev) => add_grads(prev, g)?,
+                            None => g,
+                        });
+                    }
+                    None => input.accumulate_grad(&g)?,
+                }
+            }
+        }
+        Ok(())
+    }
+}

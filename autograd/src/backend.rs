@@ -1,0 +1,194 @@
+//! The backend boundary: the primitive, non-differentiable kernels every device implements.
+//!
+//! Tensors are always contiguous, so most primitives take plain shapes; broadcasting and views
+//! reach the kernels as [`Layout`]s (strides, with 0 for broadcast dimensions). Autograd never
+//! lives here: each differentiable op in `ops/` is built from these primitives in forward *and*
+//! backward, so a backend that implements this trait gets gradients for free.
+
+use crate::shape::Layout;
+use crate::{DType, Device, Result};
+
+/// Element-wise unary functions (parameters carried inline).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Abs,
+    Sigmoid,
+    Silu,
+    Tanh,
+    /// `log(1 + e^x)`, with PyTorch's threshold 20 (returns `x` above it).
+    Softplus,
+    Atan,
+    Recip,
+    Sign,
+    Square,
+    Relu,
+    Floor,
+    Ceil,
+    /// `x^p` for a scalar exponent.
+    Powf(f64),
+    /// `min(max(x, lo), hi)`.
+    Clamp(f64, f64),
+    /// `x * mul + add`.
+    Affine(f64, f64),
+    /// Derivative of SiLU: `s(x)·(1 + x·(1 − s(x)))`.
+    SiluGrad,
+}
+
+/// Element-wise binary functions with broadcasting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Maximum,
+    Minimum,
+    Pow,
+    Atan2,
+}
+
+/// Element-wise comparisons; the result dtype is `Bool`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+/// Reductions along one dimension (kept as size 1 in the output).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Min,
+    /// Index of the first maximum, as I64.
+    ArgMax,
+    /// Index of the first minimum, as I64.
+    ArgMin,
+}
+
+/// 2-D convolution geometry (NCHW input, OIHW weight, dilation 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Conv2dParams {
+    pub batch: usize,
+    pub c_in: usize,
+    pub h_in: usize,
+    pub w_in: usize,
+    pub c_out: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub groups: usize,
+}
+
+impl Conv2dParams {
+    pub fn h_out(&self) -> usize {
+        (self.h_in + 2 * self.padding.0 - self.kh) / self.stride.0 + 1
+    }
+    pub fn w_out(&self) -> usize {
+        (self.w_in + 2 * self.padding.1 - self.kw) / self.stride.1 + 1
+    }
+    pub fn out_shape(&self) -> [usize; 4] {
+        [self.batch, self.c_out, self.h_out(), self.w_out()]
+    }
+    pub fn weight_shape(&self) -> [usize; 4] {
+        [self.c_out, self.c_in / self.groups, self.kh, self.kw]
+    }
+}
+
+/// 2-D max-pool geometry (NCHW, padding with −∞).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Pool2dParams {
+    pub batch: usize,
+    pub channels: usize,
+    pub h_in: usize,
+    pub w_in: usize,
+    pub kernel: usize,
+    pub stride: usize,
+    pub padding: usize,
+}
+
+impl Pool2dParams {
+    pub fn h_out(&self) -> usize {
+        (self.h_in + 2 * self.padding - self.kernel) / self.stride + 1
+    }
+    pub fn w_out(&self) -> usize {
+        (self.w_in + 2 * self.padding - self.kernel) / self.stride + 1
+    }
+}
+
+/// Batched matrix multiply geometry: `C[b] (m×n) = op(A[b]) (m×k) · op(B[b]) (k×n)`.
+/// `A` is stored `m×k` (or `k×m` when `lhs_t`), `B` `k×n` (or `n×k` when `rhs_t`).
+/// A batch count of 1 on one side broadcasts it over the other's batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MatmulParams {
+    pub lhs_batch: usize,
+    pub rhs_batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub lhs_t: bool,
+    pub rhs_t: bool,
+}
+
+impl MatmulParams {
+    pub fn batch(&self) -> usize {
+        self.lhs_batch.max(self.rhs_batch)
+    }
+}
+
+/// The contract each device's storage fulfils. All slices are contiguous unless a [`Layout`] says
+/// otherwise; every kernel must write every output element (tests poison outputs to check).
+pub trait BackendStorage: Sized {
+    fn dtype(&self) -> DType;
+    fn device(&self) -> Device;
+    /// Number of elements.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn unary(&self, op: UnaryOp) -> Result<Self>;
+    /// `out[i] = op(lhs[lhs_layout(i)], rhs[rhs_layout(i)])`, both layouts of shape `out_shape`.
+    fn binary(&self, lhs: &Layout, rhs: &Self, rhs_l: &Layout, op: BinaryOp) -> Result<Self>;
+    fn cmp(&self, lhs: &Layout, rhs: &Self, rhs_l: &Layout, op: CmpOp) -> Result<Self>;
+    /// `out[i] = cond[i] != 0 ? a[i] : b[i]` with all three broadcast to one shape.
+    fn where_cond(&self, cond_l: &Layout, a: &Self, a_l: &Layout, b: &Self, b_l: &Layout) -> Result<Self>;
+    /// Reduce `dim` of a contiguous tensor of `shape`; the output keeps `dim` with size 1.
+    fn reduce(&self, shape: &[usize], dim: usize, op: ReduceOp) -> Result<Self>;
+    fn to_dtype(&self, dtype: DType) -> Result<Self>;
+    /// Copies the strided view `src_l` of `self` into the strided view `dst_l` of `dst` (same shape).
+    fn copy_strided(&self, src_l: &Layout, dst: &mut Self, dst_l: &Layout) -> Result<()>;
+    /// `dst[i] += src[i]` in place (same dtype and length). Used for gradient accumulation.
+    fn add_assign(&mut self, src: &Self) -> Result<()>;
+
+    /// Select `idx` (I64) along `dim`.
+    fn index_select(&self, shape: &[usize], dim: usize, idx: &Self) -> Result<Self>;
+    /// `self` (shape `shape`) with `src` rows added at `idx` along `dim`, deterministically.
+    fn index_add(&self, shape: &[usize], dim: usize, idx: &Self, src: &Self) -> Result<Self>;
+    /// `out[..i_dim..] = self[..idx[..]..]` with `idx` of shape `idx_shape`.
+    fn gather(&self, shape: &[usize], dim: usize, idx: &Self, idx_shape: &[usize]) -> Result<Self>;
+    /// `self` with `src` (shape `idx_shape`) added at positions `idx` along `dim`, deterministically.
+    fn scatter_add(&self, shape: &[usize], dim: usize, idx: &Self, idx_shape: &[usize], src: &Self) -> Result<Self>;
+
+    fn matmul(&self, rhs: &Self, p: &MatmulParams) -> Result<Self>;
+    fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
+    /// Gradient of the conv input given the output gradient (`self`).
+    fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
+    /// Gradient of the conv weight given the output gradient (`self`) and the input.
+    fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self>;
+    /// Returns (values, argmax indices within each input plane as I64).
+    fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)>;
+    /// Gradient of the pool input from the output gradient (`self`) and the argmax indices.
+    fn max_pool2d_backward(&self, indices: &Self, p: &Pool2dParams) -> Result<Self>;
+    /// Top-k along `dim`, sorted (largest first when `largest`), ties by lower index. No gradient.
+    fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)>;
+}

@@ -1,0 +1,276 @@
+//! Convolution (im2col + GEMM) and max-pooling on the CPU. Batch items run in parallel; gradient
+//! sums over the batch are reduced in batch order so the bytes never depend on the thread count.
+
+use num_traits::Float;
+use rayon::prelude::*;
+
+use super::matmul::{gemm_rm, GemmElem};
+use super::CpuStorage;
+use crate::backend::{BackendStorage, Conv2dParams, Pool2dParams};
+use crate::{Error, Result};
+
+trait ConvElem: GemmElem + Float {}
+impl ConvElem for f32 {}
+impl ConvElem for f64 {}
+
+fn is_pointwise(p: &Conv2dParams) -> bool {
+    p.kh == 1 && p.kw == 1 && p.stride == (1, 1) && p.padding == (0, 0)
+}
+
+/// Unfolds one group of one image (`x`: cg×H×W) into `col` ((cg·kh·kw) × (oh·ow)).
+fn im2col<T: ConvElem>(x: &[T], cg: usize, p: &Conv2dParams, col: &mut [T]) {
+    let (oh, ow) = (p.h_out(), p.w_out());
+    let (h, w) = (p.h_in, p.w_in);
+    for c in 0..cg {
+        for ky in 0..p.kh {
+            for kx in 0..p.kw {
+                let r = (c * p.kh + ky) * p.kw + kx;
+                let row = &mut col[r * oh * ow..(r + 1) * oh * ow];
+                for oy in 0..oh {
+                    let iy = (oy * p.stride.0 + ky) as isize - p.padding.0 as isize;
+                    let dst = &mut row[oy * ow..(oy + 1) * ow];
+                    if iy < 0 || iy >= h as isize {
+                        dst.iter_mut().for_each(|v| *v = T::zero());
+                        continue;
+                    }
+                    let src = &x[(c * h + iy as usize) * w..(c * h + iy as usize + 1) * w];
+                    for (ox, d) in dst.iter_mut().enumerate() {
+                        let ix = (ox * p.stride.1 + kx) as isize - p.padding.1 as isize;
+                        *d = if ix < 0 || ix >= w as isize { T::zero() } else { src[ix as usize] };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Folds `col` back into `dx` (cg×H×W), accumulating overlaps in a fixed order.
+fn col2im<T: ConvElem>(col: &[T], cg: usize, p: &Conv2dParams, dx: &mut [T]) {
+    let (oh, ow) = (p.h_out(), p.w_out());
+    let (h, w) = (p.h_in, p.w_in);
+    for c in 0..cg {
+        for ky in 0..p.kh {
+            for kx in 0..p.kw {
+                let r = (c * p.kh + ky) * p.kw + kx;
+                for oy in 0..oh {
+                    let iy = (oy * p.stride.0 + ky) as isize - p.padding.0 as isize;
+                    if iy < 0 || iy >= h as isize {
+                        continue;
+                    }
+                    for ox in 0..ow {
+                        let ix = (ox * p.stride.1 + kx) as isize - p.padding.1 as isize;
+                        if ix >= 0 && ix < w as isize {
+                            dx[(c * h + iy as usize) * w + ix as usize] =
+                                dx[(c * h + iy as usize) * w + ix as usize] + col[r * oh * ow + oy * ow + ox];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn threads_inside(batch: usize) -> usize {
+    let t = rayon::current_num_threads();
+    if batch >= t {
+        1
+    } else {
+        t
+    }
+}
+
+fn fwd<T: ConvElem>(x: &[T], wt: &[T], p: &Conv2dParams) -> Vec<T> {
+    let (g, cg, og) = (p.groups, p.c_in / p.groups, p.c_out / p.groups);
+    let (ohw, kk) = (p.h_out() * p.w_out(), cg * p.kh * p.kw);
+    let in_img = p.c_in * p.h_in * p.w_in;
+    let mut out = vec![T::zero(); p.batch * p.c_out * ohw];
+    let th = threads_inside(p.batch);
+    out.par_chunks_mut((p.c_out * ohw).max(1)).enumerate().for_each(|(n, o)| {
+        let mut col = if is_pointwise(p) { Vec::new() } else { vec![T::zero(); kk * ohw] };
+        for gi in 0..g {
+            let xg = &x[n * in_img + gi * cg * p.h_in * p.w_in..n * in_img + (gi + 1) * cg * p.h_in * p.w_in];
+            let colr: &[T] = if is_pointwise(p) {
+                xg
+            } else {
+                im2col(xg, cg, p, &mut col);
+                &col
+            };
+            gemm_rm(og, ohw, kk, &wt[gi * og * kk..(gi + 1) * og * kk], false, colr, false, &mut o[gi * og * ohw..(gi + 1) * og * ohw], false, th);
+        }
+    });
+    out
+}
+
+fn bwd_input<T: ConvElem>(dy: &[T], wt: &[T], p: &Conv2dParams) -> Vec<T> {
+    let (g, cg, og) = (p.groups, p.c_in / p.groups, p.c_out / p.groups);
+    let (ohw, kk) = (p.h_out() * p.w_out(), cg * p.kh * p.kw);
+    let in_img = p.c_in * p.h_in * p.w_in;
+    let mut dx = vec![T::zero(); p.batch * in_img];
+    let th = threads_inside(p.batch);
+    dx.par_chunks_mut(in_img.max(1)).enumerate().for_each(|(n, dxi)| {
+        let mut col = vec![T::zero(); kk * ohw];
+        for gi in 0..g {
+            let dyg = &dy[(n * p.c_out + gi * og) * ohw..(n * p.c_out + (gi + 1) * og) * ohw];
+            let dxg = &mut dxi[gi * cg * p.h_in * p.w_in..(gi + 1) * cg * p.h_in * p.w_in];
+            if is_pointwise(p) {
+                gemm_rm(kk, ohw, og, &wt[gi * og * kk..(gi + 1) * og * kk], true, dyg, false, dxg, false, th);
+            } else {
+                gemm_rm(kk, ohw, og, &wt[gi * og * kk..(gi + 1) * og * kk], true, dyg, false, &mut col, false, th);
+                col2im(&col, cg, p, dxg);
+            }
+        }
+    });
+    dx
+}
+
+fn bwd_weight<T: ConvElem>(dy: &[T], x: &[T], p: &Conv2dParams) -> Vec<T> {
+    let (g, cg, og) = (p.groups, p.c_in / p.groups, p.c_out / p.groups);
+    let (ohw, kk) = (p.h_out() * p.w_out(), cg * p.kh * p.kw);
+    let in_img = p.c_in * p.h_in * p.w_in;
+    let wlen = p.c_out * kk;
+    let th = threads_inside(p.batch);
+    let partial: Vec<Vec<T>> = (0..p.batch)
+        .into_par_iter()
+        .map(|n| {
+            let mut dw = vec![T::zero(); wlen];
+            let mut col = if is_pointwise(p) { Vec::new() } else { vec![T::zero(); kk * ohw] };
+            for gi in 0..g {
+                let xg = &x[n * in_img + gi * cg * p.h_in * p.w_in..n * in_img + (gi + 1) * cg * p.h_in * p.w_in];
+                let colr: &[T] = if is_pointwise(p) {
+                    xg
+                } else {
+                    im2col(xg, cg, p, &mut col);
+                    &col
+                };
+                let dyg = &dy[(n * p.c_out + gi * og) * ohw..(n * p.c_out + (gi + 1) * og) * ohw];
+                gemm_rm(og, kk, ohw, dyg, false, colr, true, &mut dw[gi * og * kk..(gi + 1) * og * kk], false, th);
+            }
+            dw
+        })
+        .collect();
+    let mut out = vec![T::zero(); wlen];
+    for part in partial {
+        out.iter_mut().zip(part).for_each(|(a, b)| *a = *a + b);
+    }
+    out
+}
+
+fn check(op: &'static str, x: &CpuStorage, w: &CpuStorage) -> Result<()> {
+    if x.dtype() != w.dtype() {
+        return Err(Error::DTypeMismatch { op, lhs: x.dtype(), rhs: w.dtype() });
+    }
+    Ok(())
+}
+
+macro_rules! conv_dispatch {
+    ($op:literal, $a:expr, $b:expr, $f:ident, $p:expr) => {{
+        check($op, $a, $b)?;
+        use CpuStorage as S;
+        Ok(match ($a, $b) {
+            (S::F32(x), S::F32(y)) => S::F32($f(x, y, $p)),
+            (S::F64(x), S::F64(y)) => S::F64($f(x, y, $p)),
+            (S::F16(x), S::F16(y)) => S::F16(super::narrow_f16($f(&super::widen_f16(x), &super::widen_f16(y), $p))),
+            (S::BF16(x), S::BF16(y)) => S::BF16(super::narrow_bf16($f(&super::widen_bf16(x), &super::widen_bf16(y), $p))),
+            _ => return Err(Error::UnsupportedDType { op: $op, dtype: $a.dtype(), expected: "a float dtype" }),
+        })
+    }};
+}
+
+pub(crate) fn conv2d(x: &CpuStorage, w: &CpuStorage, p: &Conv2dParams) -> Result<CpuStorage> {
+    conv_dispatch!("conv2d", x, w, fwd, p)
+}
+pub(crate) fn conv2d_backward_input(dy: &CpuStorage, w: &CpuStorage, p: &Conv2dParams) -> Result<CpuStorage> {
+    conv_dispatch!("conv2d_backward_input", dy, w, bwd_input, p)
+}
+pub(crate) fn conv2d_backward_weight(dy: &CpuStorage, x: &CpuStorage, p: &Conv2dParams) -> Result<CpuStorage> {
+    conv_dispatch!("conv2d_backward_weight", dy, x, bwd_weight, p)
+}
+
+fn pool_fwd<T: Float + Send + Sync>(x: &[T], p: &Pool2dParams) -> (Vec<T>, Vec<i64>) {
+    let (oh, ow) = (p.h_out(), p.w_out());
+    let planes = p.batch * p.channels;
+    let plane = p.h_in * p.w_in;
+    let res: Vec<(Vec<T>, Vec<i64>)> = (0..planes)
+        .into_par_iter()
+        .map(|pl| {
+            let xp = &x[pl * plane..(pl + 1) * plane];
+            let mut v = Vec::with_capacity(oh * ow);
+            let mut ix = Vec::with_capacity(oh * ow);
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut best = T::neg_infinity();
+                    let mut bi = -1i64;
+                    for ky in 0..p.kernel {
+                        let iy = (oy * p.stride + ky) as isize - p.padding as isize;
+                        if iy < 0 || iy >= p.h_in as isize {
+                            continue;
+                        }
+                        for kx in 0..p.kernel {
+                            let jx = (ox * p.stride + kx) as isize - p.padding as isize;
+                            if jx < 0 || jx >= p.w_in as isize {
+                                continue;
+                            }
+                            let k = iy as usize * p.w_in + jx as usize;
+                            let val = xp[k];
+                            if bi < 0 || val > best || val.is_nan() && !best.is_nan() {
+                                best = val;
+                                bi = k as i64;
+                            }
+                        }
+                    }
+                    v.push(best);
+                    ix.push(bi.max(0));
+                }
+            }
+            (v, ix)
+        })
+        .collect();
+    let mut vals = Vec::with_capacity(planes * oh * ow);
+    let mut idx = Vec::with_capacity(planes * oh * ow);
+    for (v, i) in res {
+        vals.extend(v);
+        idx.extend(i);
+    }
+    (vals, idx)
+}
+
+pub(crate) fn max_pool2d(x: &CpuStorage, p: &Pool2dParams) -> Result<(CpuStorage, CpuStorage)> {
+    use CpuStorage as S;
+    let (v, i) = match x {
+        S::F32(v) => {
+            let (a, b) = pool_fwd(v, p);
+            (S::F32(a), b)
+        }
+        S::F64(v) => {
+            let (a, b) = pool_fwd(v, p);
+            (S::F64(a), b)
+        }
+        S::F16(v) => {
+            let (a, b) = pool_fwd(&super::widen_f16(v), p);
+            (S::F16(super::narrow_f16(a)), b)
+        }
+        S::BF16(v) => {
+            let (a, b) = pool_fwd(&super::widen_bf16(v), p);
+            (S::BF16(super::narrow_bf16(a)), b)
+        }
+        other => return Err(Error::UnsupportedDType { op: "max_pool2d", dtype: other.dtype(), expected: "a float dtype" }),
+    };
+    Ok((v, S::I64(i)))
+}
+
+fn pool_bwd<T: Float + Send + Sync>(dy: &[T], idx: &[i64], p: &Pool2dParams) -> Vec<T> {
+    let (ohw, plane) = (p.h_out() * p.w_out(), p.h_in * p.w_in);
+    let mut dx = vec![T::zero(); p.batch * p.channels * plane];
+    dx.par_chunks_mut(plane.max(1)).enumerate().for_each(|(pl, d)| {
+        for k in 0..ohw {
+            let j = idx[pl * ohw + k] as usize;
+            d[j] = d[j] + dy[pl * ohw + k];
+        }
+    });
+    dx
+}
+
+pub(crate) fn max_pool2d_backward(dy: &CpuStorage, idx: &CpuStorage, p: &Pool2dParams) -> Result<CpuStorage> {
+    let idx = idx.as_i64("max_pool2d_backward")?;
+    super::float_map!(dy, "max_pool2d_backward", |v| pool_bwd(v, idx, p))
+}

@@ -1,0 +1,175 @@
+//! Modules, named parameters/buffers, state dicts and safetensors I/O.
+//!
+//! Parameters are leaf tensors with `requires_grad`; buffers are plain tensors. Loading a state
+//! dict copies values *into* the existing tensors, so parameter and buffer storage keeps its
+//! address for the life of the model (CUDA-graph recordings rely on that).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::cpu::CpuStorage;
+use crate::storage::Storage;
+use crate::{DType, Device, Error, Result, Tensor};
+
+/// Whether a state-dict entry is trained or merely carried (e.g. BN running statistics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorKind {
+    Parameter,
+    Buffer,
+}
+
+/// A network component. `visit` must report tensors in PyTorch `state_dict()` order: a module's own
+/// parameters, then its own buffers, then each child in registration order.
+pub trait Module {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind));
+    /// Switches train/eval behaviour (BatchNorm statistics) recursively.
+    fn set_training(&mut self, training: bool);
+}
+
+/// `prefix.name`, or `name` when the prefix is empty.
+pub fn join_name(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+/// A trainable leaf tensor: float, `requires_grad`.
+pub fn parameter(t: Tensor) -> Result<Tensor> {
+    t.detach().requires_grad_(true)
+}
+
+/// All entries in state-dict order.
+pub fn state_dict(m: &dyn Module) -> Vec<(String, Tensor, TensorKind)> {
+    let mut out = Vec::new();
+    m.visit("", &mut |n, t, k| out.push((n.to_string(), t.clone(), k)));
+    out
+}
+
+/// Parameters in `named_parameters()` order (which optimizers walk).
+pub fn named_parameters(m: &dyn Module) -> Vec<(String, Tensor)> {
+    state_dict(m).into_iter().filter(|e| e.2 == TensorKind::Parameter).map(|e| (e.0, e.1)).collect()
+}
+
+/// Number of parameter elements.
+pub fn parameter_count(m: &dyn Module) -> usize {
+    named_parameters(m).iter().map(|(_, t)| t.numel()).sum()
+}
+
+/// Clears every parameter gradient to `None`.
+pub fn zero_grad(m: &dyn Module) {
+    for (_, p) in named_parameters(m) {
+        p.zero_grad();
+    }
+}
+
+/// Copies `values` into the module's tensors. With `strict`, a missing or unexpected key is an
+/// error; shapes must always match. dtypes are converted to the module's dtype.
+pub fn load_state_dict(m: &dyn Module, values: &HashMap<String, Tensor>, strict: bool) -> Result<()> {
+    let entries = state_dict(m);
+    let mut missing = Vec::new();
+    for (name, t, _) in &entries {
+        match values.get(name) {
+            Some(v) => {
+                if v.dims() != t.dims() {
+                    return Err(Error::StateDict { msg: format!("`{name}` has shape {:?} in the file but {:?} in the model", v.dims(), t.dims()) });
+                }
+                let v = v.to_dtype(t.dtype())?.to_device(t.device())?;
+                crate::no_grad(|| t.copy_(&v))?;
+            }
+            None => missing.push(name.clone()),
+        }
+    }
+    if strict {
+        let known: std::collections::HashSet<&String> = entries.iter().map(|e| &e.0).collect();
+        let mut unexpected: Vec<&String> = values.keys().filter(|k| !known.contains(k)).collect();
+        unexpected.sort();
+        if !missing.is_empty() || !unexpected.is_empty() {
+            return Err(Error::StateDict {
+                msg: format!("keys do not match: missing {:?}, unexpected {:?}", &missing[..missing.len().min(8)], &unexpected[..unexpected.len().min(8)]),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn st_dtype(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F64 => safetensors::Dtype::F64,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::I64 => safetensors::Dtype::I64,
+        DType::U8 => safetensors::Dtype::U8,
+        DType::Bool => safetensors::Dtype::BOOL,
+    }
+}
+
+fn from_st_dtype(path: &str, name: &str, d: safetensors::Dtype) -> Result<DType> {
+    Ok(match d {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::F64 => DType::F64,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::BF16 => DType::BF16,
+        safetensors::Dtype::I64 => DType::I64,
+        safetensors::Dtype::U8 => DType::U8,
+        safetensors::Dtype::BOOL => DType::Bool,
+        other => return Err(Error::SafeTensors { path: path.into(), msg: format!("tensor `{name}` has unsupported dtype {other:?}") }),
+    })
+}
+
+/// Serialises named tensors to safetensors bytes (names kept exactly).
+pub fn to_safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let mut owned = Vec::with_capacity(tensors.len());
+    for (n, t) in tensors {
+        owned.push((n.clone(), t.dtype(), t.dims().to_vec(), t.to_bytes()?));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, d, s, b)| {
+            safetensors::tensor::TensorView::new(st_dtype(*d), s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| Error::SafeTensors { path: "<memory>".into(), msg: format!("`{n}`: {e}") })
+        })
+        .collect::<Result<_>>()?;
+    safetensors::serialize(views, None).map_err(|e| Error::SafeTensors { path: "<memory>".into(), msg: e.to_string() })
+}
+
+/// Writes named tensors to `path` atomically (temporary file, then rename).
+pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let bytes = to_safetensors_bytes(tensors)?;
+    let tmp = path.with_extension("safetensors.tmp");
+    let io = |e: std::io::Error, p: &Path| Error::Io { path: p.display().to_string(), source: e };
+    std::fs::write(&tmp, &bytes).map_err(|e| io(e, &tmp))?;
+    std::fs::rename(&tmp, path).map_err(|e| io(e, path))
+}
+
+/// Parses safetensors bytes into tensors on `device` (order of the file's header is not kept;
+/// the names are returned sorted).
+pub fn from_safetensors_bytes(bytes: &[u8], device: Device, origin: &str) -> Result<Vec<(String, Tensor)>> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::SafeTensors { path: origin.into(), msg: e.to_string() })?;
+    let mut names: Vec<String> = st.names().into_iter().map(|s| s.to_string()).collect();
+    names.sort();
+    let mut out = Vec::with_capacity(names.len());
+    for n in names {
+        let v = st.tensor(&n).map_err(|e| Error::SafeTensors { path: origin.into(), msg: format!("`{n}`: {e}") })?;
+        let dt = from_st_dtype(origin, &n, v.dtype())?;
+        let cpu = CpuStorage::from_bytes(dt, v.data())?;
+        let t = Tensor::from_storage(Storage::from_cpu(cpu, device)?, v.shape().to_vec())?;
+        out.push((n, t));
+    }
+    Ok(out)
+}
+
+/// Reads every tensor of a safetensors file.
+pub fn load_safetensors(path: &Path, device: Device) -> Result<HashMap<String, Tensor>> {
+    let bytes = std::fs::read(path).map_err(|e| Error::Io { path: path.display().to_string(), source: e })?;
+    Ok(from_safetensors_bytes(&bytes, device, &path.display().to_string())?.into_iter().collect())
+}
+
+/// Saves a module's state dict (parameters and buffers) with its names.
+pub fn save_module(m: &dyn Module, path: &Path) -> Result<()> {
+    let entries: Vec<(String, Tensor)> = state_dict(m).into_iter().map(|e| (e.0, e.1)).collect();
+    save_safetensors(path, &entries)
+}

@@ -1,0 +1,211 @@
+//! Broadcasting binary ops, comparisons and `where_cond`, with their gradients.
+
+use super::{broadcast_layouts, same_dtype};
+use crate::autograd::{record, record1, FnBackward};
+use crate::backend::{BinaryOp, CmpOp};
+use crate::shape::Layout;
+use crate::{Error, Result, Tensor};
+
+fn forward(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str) -> Result<Tensor> {
+    same_dtype(name, a, b)?;
+    let (out, la, lb) = broadcast_layouts(name, a, b)?;
+    let s = a.read_storage().binary(&la, &b.read_storage(), &lb, op)?;
+    Tensor::from_storage(s, out)
+}
+
+type PairGrad = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> + Send + Sync;
+
+/// Runs `op` and records a backward that computes (unreduced) input gradients with `grads`
+/// from (g, a, b, y) and sums them back to each input's shape.
+fn binary_with_grad(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str, grads: Box<PairGrad>) -> Result<Tensor> {
+    let y = forward(a, b, op, name)?;
+    if !(a.requires_grad() || b.requires_grad()) || !crate::is_grad_enabled() {
+        return Ok(y);
+    }
+    let (xa, xb, ys) = (a.detach(), b.detach(), y.detach());
+    let (need_a, need_b) = (a.requires_grad(), b.requires_grad());
+    Ok(record1(
+        &[a, b],
+        y,
+        FnBackward {
+            name,
+            f: move |g: &[Option<Tensor>]| {
+                let Some(g) = g[0].as_ref() else { return Ok(vec![None, None]) };
+                let (ga, gb) = grads(g, &xa, &xb, &ys)?;
+                let ga = match (need_a, ga) {
+                    (true, Some(t)) => Some(t.sum_to(xa.dims())?),
+                    _ => None,
+                };
+                let gb = match (need_b, gb) {
+                    (true, Some(t)) => Some(t.sum_to(xb.dims())?),
+                    _ => None,
+                };
+                Ok(vec![ga, gb])
+            },
+        },
+    ))
+}
+
+/// Half of `g` where a == b, all of it where `pick` holds, none elsewhere (PyTorch's rule for
+/// maximum/minimum ties).
+fn tie_split(g: &Tensor, pick: &Tensor, tie: &Tensor) -> Result<Tensor> {
+    let dt = g.dtype();
+    let w = pick.to_dtype(dt)?.add(&tie.to_dtype(dt)?.affine(0.5, 0.0)?)?;
+    g.mul(&w)
+}
+
+impl Tensor {
+    pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
+        binary_with_grad(self, rhs, BinaryOp::Add, "add", Box::new(|g, _, _, _| Ok((Some(g.clone()), Some(g.clone())))))
+    }
+    pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
+        binary_with_grad(self, rhs, BinaryOp::Sub, "sub", Box::new(|g, _, _, _| Ok((Some(g.clone()), Some(g.neg()?)))))
+    }
+    pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
+        binary_with_grad(self, rhs, BinaryOp::Mul, "mul", Box::new(|g, a, b, _| Ok((Some(g.mul(b)?), Some(g.mul(a)?)))))
+    }
+    pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
+        // d(a/b)/da = 1/b, d(a/b)/db = −a/b² = −y/b
+        binary_with_grad(self, rhs, BinaryOp::Div, "div", Box::new(|g, _, b, y| Ok((Some(g.div(b)?), Some(g.mul(y)?.div(b)?.neg()?)))))
+    }
+    pub fn maximum(&self, rhs: &Tensor) -> Result<Tensor> {
+        binary_with_grad(
+            self,
+            rhs,
+            BinaryOp::Maximum,
+            "maximum",
+            Box::new(|g, a, b, _| {
+                let tie = a.eq(b)?;
+                Ok((Some(tie_split(g, &a.gt(b)?, &tie)?), Some(tie_split(g, &b.gt(a)?, &tie)?)))
+            }),
+        )
+    }
+    pub fn minimum(&self, rhs: &Tensor) -> Result<Tensor> {
+        binary_with_grad(
+            self,
+            rhs,
+            BinaryOp::Minimum,
+            "minimum",
+            Box::new(|g, a, b, _| {
+                let tie = a.eq(b)?;
+                Ok((Some(tie_split(g, &a.lt(b)?, &tie)?), Some(tie_split(g, &b.lt(a)?, &tie)?)))
+            }),
+        )
+    }
+    /// `aᵇ` element-wise.
+    pub fn pow(&self, rhs: &Tensor) -> Result<Tensor> {
+        // d/da = b·a^(b−1), d/db = y·ln a
+        binary_with_grad(
+            self,
+            rhs,
+            BinaryOp::Pow,
+            "pow",
+            Box::new(|g, a, b, y| {
+                let ga = g.mul(&b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?)?;
+                let gb = g.mul(&y.mul(&a.log()?)?)?;
+                Ok((Some(ga), Some(gb)))
+            }),
+        )
+    }
+    /// `atan2(a, b)` element-wise.
+    pub fn atan2(&self, rhs: &Tensor) -> Result<Tensor> {
+        binary_with_grad(
+            self,
+            rhs,
+            BinaryOp::Atan2,
+            "atan2",
+            Box::new(|g, a, b, _| {
+                let r2 = a.square()?.add(&b.square()?)?;
+                Ok((Some(g.mul(b)?.div(&r2)?), Some(g.mul(a)?.div(&r2)?.neg()?)))
+            }),
+        )
+    }
+
+    /// A 0-d tensor of `v` with this tensor's dtype and device.
+    pub fn scalar_like(&self, v: f64) -> Result<Tensor> {
+        Tensor::scalar(v, self.dtype(), self.device())
+    }
+
+    fn compare(&self, rhs: &Tensor, op: CmpOp) -> Result<Tensor> {
+        same_dtype("cmp", self, rhs)?;
+        let (out, la, lb) = broadcast_layouts("cmp", self, rhs)?;
+        let s = self.read_storage().cmp(&la, &rhs.read_storage(), &lb, op)?;
+        Tensor::from_storage(s, out)
+    }
+    pub fn eq(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.compare(rhs, CmpOp::Eq)
+    }
+    pub fn ne(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.compare(rhs, CmpOp::Ne)
+    }
+    pub fn lt(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.compare(rhs, CmpOp::Lt)
+    }
+    pub fn le(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.compare(rhs, CmpOp::Le)
+    }
+    pub fn gt(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.compare(rhs, CmpOp::Gt)
+    }
+    pub fn ge(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.compare(rhs, CmpOp::Ge)
+    }
+    pub fn eq_scalar(&self, v: f64) -> Result<Tensor> {
+        self.compare(&self.scalar_like(v)?, CmpOp::Eq)
+    }
+    pub fn lt_scalar(&self, v: f64) -> Result<Tensor> {
+        self.compare(&self.scalar_like(v)?, CmpOp::Lt)
+    }
+    pub fn le_scalar(&self, v: f64) -> Result<Tensor> {
+        self.compare(&self.scalar_like(v)?, CmpOp::Le)
+    }
+    pub fn gt_scalar(&self, v: f64) -> Result<Tensor> {
+        self.compare(&self.scalar_like(v)?, CmpOp::Gt)
+    }
+    pub fn ge_scalar(&self, v: f64) -> Result<Tensor> {
+        self.compare(&self.scalar_like(v)?, CmpOp::Ge)
+    }
+
+    /// Logical and of two bool/u8 masks.
+    pub fn logical_and(&self, rhs: &Tensor) -> Result<Tensor> {
+        forward(&self.to_dtype(crate::DType::Bool)?, &rhs.to_dtype(crate::DType::Bool)?, BinaryOp::Minimum, "logical_and")
+    }
+    /// Logical or of two bool/u8 masks.
+    pub fn logical_or(&self, rhs: &Tensor) -> Result<Tensor> {
+        forward(&self.to_dtype(crate::DType::Bool)?, &rhs.to_dtype(crate::DType::Bool)?, BinaryOp::Maximum, "logical_or")
+    }
+
+    /// `self` is the condition: picks `a` where it is non-zero and `b` elsewhere (all broadcast).
+    pub fn where_cond(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        same_dtype("where_cond", a, b)?;
+        let (ab, _, _) = broadcast_layouts("where_cond", a, b)?;
+        let out = crate::shape::broadcast_shapes("where_cond", self.dims(), &ab)?;
+        let lay = |t: &Tensor| Layout { shape: out.clone(), strides: crate::shape::broadcast_strides(t.dims(), &out), offset: 0 };
+        if self.device() != a.device() {
+            return Err(Error::DeviceMismatch { op: "where_cond", lhs: self.device(), rhs: a.device() });
+        }
+        let s = self.read_storage().where_cond(&lay(self), &a.read_storage(), &lay(a), &b.read_storage(), &lay(b))?;
+        let y = Tensor::from_storage(s, out)?;
+        if !(a.requires_grad() || b.requires_grad()) || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let cond = self.detach();
+        let (da, db) = (a.dims().to_vec(), b.dims().to_vec());
+        let (need_a, need_b) = (a.requires_grad(), b.requires_grad());
+        Ok(record(
+            &[a, b],
+            vec![y],
+            FnBackward {
+                name: "where_cond",
+                f: move |g: &[Option<Tensor>]| {
+                    let Some(g) = g[0].as_ref() else { return Ok(vec![None, None]) };
+                    let z = g.zeros_like()?;
+                    let ga = if need_a { Some(cond.where_cond(g, &z)?.sum_to(&da)?) } else { None };
+                    let gb = if need_b { Some(cond.where_cond(&z, g)?.sum_to(&db)?) } else { None };
+                    Ok(vec![ga, gb])
+                },
+            },
+        )
+        .remove(0))
+    }
+}

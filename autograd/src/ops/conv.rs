@@ -1,0 +1,102 @@
+//! 2-D convolution and max-pooling with their gradients.
+
+use crate::autograd::{record, record1, FnBackward};
+use crate::backend::{Conv2dParams, Pool2dParams};
+use crate::{Error, Result, Tensor};
+
+impl Tensor {
+    /// NCHW convolution with an OIHW weight, optional bias, dilation 1.
+    pub fn conv2d(&self, w: &Tensor, bias: Option<&Tensor>, stride: (usize, usize), padding: (usize, usize), groups: usize) -> Result<Tensor> {
+        super::same_dtype("conv2d", self, w)?;
+        let (xd, wd) = (self.dims(), w.dims());
+        let bad = |msg: String| Error::invalid("conv2d", format!("{msg} (input {xd:?}, weight {wd:?}, stride {stride:?}, padding {padding:?}, groups {groups})"));
+        if xd.len() != 4 || wd.len() != 4 {
+            return Err(bad("expected 4-d input and weight".into()));
+        }
+        if groups == 0 || xd[1] % groups != 0 || wd[0] % groups != 0 || wd[1] * groups != xd[1] {
+            return Err(bad("channels do not match the groups".into()));
+        }
+        if stride.0 == 0 || stride.1 == 0 || xd[2] + 2 * padding.0 < wd[2] || xd[3] + 2 * padding.1 < wd[3] {
+            return Err(bad("kernel larger than the padded input or zero stride".into()));
+        }
+        let p = Conv2dParams {
+            batch: xd[0],
+            c_in: xd[1],
+            h_in: xd[2],
+            w_in: xd[3],
+            c_out: wd[0],
+            kh: wd[2],
+            kw: wd[3],
+            stride,
+            padding,
+            groups,
+        };
+        let s = self.read_storage().conv2d(&w.read_storage(), &p)?;
+        let y = Tensor::from_storage(s, p.out_shape().to_vec())?;
+        let y = if (self.requires_grad() || w.requires_grad()) && crate::is_grad_enabled() {
+            let (x, wt) = (self.detach(), w.detach());
+            let (need_x, need_w) = (self.requires_grad(), w.requires_grad());
+            record(
+                &[self, w],
+                vec![y],
+                FnBackward {
+                    name: "conv2d",
+                    f: move |g: &[Option<Tensor>]| {
+                        let Some(g) = &g[0] else { return Ok(vec![None, None]) };
+                        let gs = g.read_storage();
+                        let gx = if need_x {
+                            Some(Tensor::from_storage(gs.conv2d_backward_input(&wt.read_storage(), &p)?, x.shape().clone())?)
+                        } else {
+                            None
+                        };
+                        let gw = if need_w {
+                            Some(Tensor::from_storage(gs.conv2d_backward_weight(&x.read_storage(), &p)?, wt.shape().clone())?)
+                        } else {
+                            None
+                        };
+                        Ok(vec![gx, gw])
+                    },
+                },
+            )
+            .remove(0)
+        } else {
+            y
+        };
+        match bias {
+            Some(b) => {
+                if b.dims() != [p.c_out] {
+                    return Err(bad(format!("bias shape {:?} should be [{}]", b.dims(), p.c_out)));
+                }
+                y.add(&b.reshape(vec![1, p.c_out, 1, 1])?)
+            }
+            None => Ok(y),
+        }
+    }
+
+    /// Max-pooling over square windows (padding with −∞, as PyTorch).
+    pub fn max_pool2d(&self, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
+        let d = self.dims();
+        if d.len() != 4 || kernel == 0 || stride == 0 || padding * 2 > kernel || d[2] + 2 * padding < kernel || d[3] + 2 * padding < kernel {
+            return Err(Error::invalid("max_pool2d", format!("input {d:?} with kernel {kernel}, stride {stride}, padding {padding}")));
+        }
+        let p = Pool2dParams { batch: d[0], channels: d[1], h_in: d[2], w_in: d[3], kernel, stride, padding };
+        let (v, idx) = self.read_storage().max_pool2d(&p)?;
+        let y = Tensor::from_storage(v, vec![d[0], d[1], p.h_out(), p.w_out()])?;
+        if !self.requires_grad() || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let (idx, in_dims) = (Tensor::from_storage(idx, y.dims().to_vec())?, d.to_vec());
+        Ok(record1(
+            &[self],
+            y,
+            FnBackward {
+                name: "max_pool2d",
+                f: move |g: &[Option<Tensor>]| {
+                    let Some(g) = &g[0] else { return Ok(vec![None]) };
+                    let s = g.read_storage().max_pool2d_backward(&idx.read_storage(), &p)?;
+                    Ok(vec![Some(Tensor::from_storage(s, in_dims.clone())?)])
+                },
+            },
+        ))
+    }
+}

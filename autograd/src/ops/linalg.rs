@@ -1,0 +1,131 @@
+//! Matrix products: `matmul` (batched, broadcasting batch dims) and `linear`.
+
+use crate::autograd::{record, FnBackward};
+use crate::backend::MatmulParams;
+use crate::{Error, Result, Tensor};
+
+/// `op(a) · op(b)` on the storage, without history.
+fn mm_raw(a: &Tensor, b: &Tensor, p: MatmulParams) -> Result<Tensor> {
+    let s = a.read_storage().matmul(&b.read_storage(), &p)?;
+    Tensor::from_storage(s, vec![p.batch(), p.m, p.n])
+}
+
+impl Tensor {
+    /// Matrix product over the last two dims; leading dims broadcast when one side has a single
+    /// batch (e.g. `[B, M, K] · [K, N]`) or both have the same batch dims.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        super::same_dtype("matmul", self, rhs)?;
+        let (ad, bd) = (self.dims(), rhs.dims());
+        if ad.len() < 2 || bd.len() < 2 || ad[ad.len() - 1] != bd[bd.len() - 2] {
+            return Err(Error::ShapeMismatch { op: "matmul", lhs: ad.to_vec(), rhs: bd.to_vec() });
+        }
+        let (m, k, n) = (ad[ad.len() - 2], ad[ad.len() - 1], bd[bd.len() - 1]);
+        let (a_lead, b_lead) = (&ad[..ad.len() - 2], &bd[..bd.len() - 2]);
+        let (ab, bb): (usize, usize) = (a_lead.iter().product(), b_lead.iter().product());
+        let lead = if ab == 1 && a_lead.len() <= b_lead.len() {
+            b_lead.to_vec()
+        } else if bb == 1 && b_lead.len() <= a_lead.len() || a_lead == b_lead {
+            a_lead.to_vec()
+        } else {
+            return Err(Error::BroadcastIncompatible { op: "matmul", lhs: ad.to_vec(), rhs: bd.to_vec() });
+        };
+        let p = MatmulParams { lhs_batch: ab, rhs_batch: bb, m, n, k, lhs_t: false, rhs_t: false };
+        let mut out_shape = lead.clone();
+        out_shape.extend([m, n]);
+        let y = mm_raw(self, rhs, p)?.reshape(out_shape)?;
+        if !(self.requires_grad() || rhs.requires_grad()) || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let (a, b) = (self.detach(), rhs.detach());
+        let (need_a, need_b) = (self.requires_grad(), rhs.requires_grad());
+        let batch = p.batch();
+        Ok(record(
+            &[self, rhs],
+            vec![y],
+            FnBackward {
+                name: "matmul",
+                f: move |g: &[Option<Tensor>]| {
+                    let Some(g) = &g[0] else { return Ok(vec![None, None]) };
+                    let g3 = g.reshape(vec![batch, m, n])?;
+                    let ga = if need_a {
+                        // dA = dC · Bᵀ
+                        let pa = MatmulParams { lhs_batch: batch, rhs_batch: p.rhs_batch, m, n: k, k: n, lhs_t: false, rhs_t: true };
+                        let t = mm_raw(&g3, &b, pa)?;
+                        let t = if p.lhs_batch == 1 && batch > 1 { t.sum_dim(0, false)? } else { t };
+                        Some(t.reshape(a.shape().clone())?)
+                    } else {
+                        None
+                    };
+                    let gb = if need_b {
+                        // dB = Aᵀ · dC
+                        let pb = MatmulParams { lhs_batch: p.lhs_batch, rhs_batch: batch, m: k, n, k: m, lhs_t: true, rhs_t: false };
+                        let t = mm_raw(&a, &g3, pb)?;
+                        let t = if p.rhs_batch == 1 && batch > 1 { t.sum_dim(0, false)? } else { t };
+                        Some(t.reshape(b.shape().clone())?)
+                    } else {
+                        None
+                    };
+                    Ok(vec![ga, gb])
+                },
+            },
+        )
+        .remove(0))
+    }
+
+    /// Batched matmul of two 3-d tensors (alias of `matmul` with a rank check).
+    pub fn bmm(&self, rhs: &Tensor) -> Result<Tensor> {
+        if self.rank() != 3 || rhs.rank() != 3 {
+            return Err(Error::invalid("bmm", format!("expected 3-d operands, got {:?} and {:?}", self.dims(), rhs.dims())));
+        }
+        self.matmul(rhs)
+    }
+
+    /// `x · wᵀ + b` with `w: [out, in]` (PyTorch `Linear`).
+    pub fn linear(&self, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        super::same_dtype("linear", self, w)?;
+        let xd = self.dims();
+        if w.rank() != 2 || xd.is_empty() || xd[xd.len() - 1] != w.dims()[1] {
+            return Err(Error::ShapeMismatch { op: "linear", lhs: xd.to_vec(), rhs: w.dims().to_vec() });
+        }
+        let (inp, out) = (w.dims()[1], w.dims()[0]);
+        let rows = self.numel() / inp.max(1);
+        let p = MatmulParams { lhs_batch: 1, rhs_batch: 1, m: rows, n: out, k: inp, lhs_t: false, rhs_t: true };
+        let mut shape = xd.to_vec();
+        *shape.last_mut().unwrap_or(&mut 0) = out;
+        let y = mm_raw(self, w, p)?.reshape(shape)?;
+        let y = if (self.requires_grad() || w.requires_grad()) && crate::is_grad_enabled() {
+            let (x, wd) = (self.detach(), w.detach());
+            let (need_x, need_w) = (self.requires_grad(), w.requires_grad());
+            record(
+                &[self, w],
+                vec![y],
+                FnBackward {
+                    name: "linear",
+                    f: move |g: &[Option<Tensor>]| {
+                        let Some(g) = &g[0] else { return Ok(vec![None, None]) };
+                        let gx = if need_x {
+                            let pg = MatmulParams { lhs_batch: 1, rhs_batch: 1, m: rows, n: inp, k: out, lhs_t: false, rhs_t: false };
+                            Some(mm_raw(g, &wd, pg)?.reshape(x.shape().clone())?)
+                        } else {
+                            None
+                        };
+                        let gw = if need_w {
+                            let pg = MatmulParams { lhs_batch: 1, rhs_batch: 1, m: out, n: inp, k: rows, lhs_t: true, rhs_t: false };
+                            Some(mm_raw(g, &x, pg)?.reshape(vec![out, inp])?)
+                        } else {
+                            None
+                        };
+                        Ok(vec![gx, gw])
+                    },
+                },
+            )
+            .remove(0)
+        } else {
+            y
+        };
+        match b {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! Shape ops: reshape (shares storage), permute, narrow, cat/split, expand, (un)squeeze,
+//! nearest upsampling. Views other than reshape are materialised by a strided copy.
+
+use std::sync::Arc;
+
+use crate::autograd::{record, record1, FnBackward};
+use crate::shape::{broadcast_strides, contiguous_strides, normalize_dim, Layout, Shape};
+use crate::storage::Storage;
+use crate::{Error, Result, Tensor};
+
+/// Copies the strided view `src` of `x` into a new contiguous tensor.
+fn gather_view(x: &Tensor, src: &Layout) -> Result<Tensor> {
+    let mut out = Storage::zeros(x.device(), x.dtype(), src.numel())?;
+    x.read_storage().copy_strided(src, &mut out, &Layout::contiguous(&src.shape))?;
+    Tensor::from_storage(out, src.shape.clone())
+}
+
+/// A zero tensor of `shape` with `g` written into the region `dst` (the inverse of a view).
+fn scatter_view(g: &Tensor, shape: &[usize], dst: &Layout) -> Result<Tensor> {
+    let mut out = Storage::zeros(g.device(), g.dtype(), shape.iter().product())?;
+    g.read_storage().copy_strided(&Layout::contiguous(g.dims()), &mut out, dst)?;
+    Tensor::from_storage(out, shape.to_vec())
+}
+
+fn narrow_layout(dims: &[usize], d: usize, start: usize, len: usize) -> Layout {
+    let st = contiguous_strides(dims);
+    let mut shape = dims.to_vec();
+    shape[d] = len;
+    Layout { shape, strides: st.clone(), offset: start * st[d] }
+}
+
+impl Tensor {
+    /// Same data, new shape (no copy; storage is shared).
+    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if shape.numel() != self.numel() {
+            return Err(Error::ReshapeNumel {
+                op: "reshape",
+                from: self.dims().to_vec(),
+                from_numel: self.numel(),
+                to: shape.0.clone(),
+                to_numel: shape.numel(),
+            });
+        }
+        if shape == *self.shape() {
+            return Ok(self.clone());
+        }
+        let y = Tensor::build(Arc::clone(&self.0.storage), shape, false, None);
+        if !self.requires_grad() || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let in_shape = self.shape().clone();
+        Ok(record1(
+            &[self],
+            y,
+            FnBackward { name: "reshape", f: move |g: &[Option<Tensor>]| Ok(vec![g[0].as_ref().map(|g| g.reshape(in_shape.clone())).transpose()?]) },
+        ))
+    }
+
+    /// Reshape where one entry may be −1 (inferred).
+    pub fn reshape_infer(&self, dims: &[isize]) -> Result<Tensor> {
+        let known: usize = dims.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
+        let n_infer = dims.iter().filter(|&&d| d < 0).count();
+        if n_infer > 1 || (n_infer == 1 && (known == 0 || self.numel() % known != 0)) {
+            return Err(Error::invalid("reshape", format!("cannot reshape {:?} into {dims:?}", self.dims())));
+        }
+        let shape: Vec<usize> = dims.iter().map(|&d| if d < 0 { self.numel() / known.max(1) } else { d as usize }).collect();
+        self.reshape(shape)
+    }
+
+    pub fn flatten_all(&self) -> Result<Tensor> {
+        self.reshape(vec![self.numel()])
+    }
+
+    /// Flattens dims `start..=end` into one.
+    pub fn flatten(&self, start: isize, end: isize) -> Result<Tensor> {
+        let (s, e) = (normalize_dim("flatten", start, self.rank())?, normalize_dim("flatten", end, self.rank())?);
+        if s > e {
+            return Err(Error::invalid("flatten", format!("start {start} after end {end}")));
+        }
+        let d = self.dims();
+        let mut shape = d[..s].to_vec();
+        shape.push(d[s..=e].iter().product());
+        shape.extend_from_slice(&d[e + 1..]);
+        self.reshape(shape)
+    }
+
+    pub fn unsqueeze(&self, dim: isize) -> Result<Tensor> {
+        let d = normalize_dim("unsqueeze", dim, self.rank() + 1)?;
+        let mut s = self.dims().to_vec();
+        s.insert(d, 1);
+        self.reshape(s)
+    }
+
+    pub fn squeeze(&self, dim: isize) -> Result<Tensor> {
+        let d = normalize_dim("squeeze", dim, self.rank())?;
+        if self.dims()[d] != 1 {
+            return Ok(self.clone());
+        }
+        let mut s = self.dims().to_vec();
+        s.remove(d);
+        self.reshape(s)
+    }
+
+    /// Reorders dimensions (a copy).
+    pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
+        let r = self.rank();
+        let mut seen = vec![false; r];
+        if perm.len() != r || perm.iter().any(|&p| p >= r || std::mem::replace(&mut seen[p], true)) {
+            return Err(Error::invalid("permute", format!("{perm:?} is not a permutation of {r} dims (shape {:?})", self.dims())));
+        }
+        if perm.iter().enumerate().all(|(i, &p)| i == p) {
+            return Ok(self.clone());
+        }
+        let st = contiguous_strides(self.dims());
+        let src = Layout { shape: perm.iter().map(|&p| self.dims()[p]).collect(), strides: perm.iter().map(|&p| st[p]).collect(), offset: 0 };
+        let y = gather_view(self, &src)?;
+        if !self.requires_grad() || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let mut inv = vec![0; r];
+        for (i, &p) in perm.iter().enumerate() {
+            inv[p] = i;
+        }
+        Ok(record1(
+            &[self],
+            y,
+            FnBackward { name: "permute", f: move |g: &[Option<Tensor>]| Ok(vec![g[0].as_ref().map(|g| g.permute(&inv)).transpose()?]) },
+        ))
+    }
+
+    /// Swaps two dimensions (a copy).
+    pub fn transpose(&self, a: isize, b: isize) -> Result<Tensor> {
+        let (a, b) = (normalize_dim("transpose", a, self.rank())?, normalize_dim("transpose", b, self.rank())?);
+        let mut perm: Vec<usize> = (0..self.rank()).collect();
+        perm.swap(a, b);
+        self.permute(&perm)
+    }
+
+    /// Elements `start..start+len` along `dim` (a copy).
+    pub fn narrow(&self, dim: isize, start: usize, len: usize) -> Result<Tensor> {
+        let d = normalize_dim("narrow", dim, self.rank())?;
+        if start + len > self.dims()[d] {
+            return Err(Error::invalid("narrow", format!("range {start}..{} exceeds size {} of dim {d} in {:?}", start + len, self.dims()[d], self.dims())));
+        }
+        if start == 0 && len == self.dims()[d] {
+            return Ok(self.clone());
+        }
+        let lay = narrow_layout(self.dims(), d, start, len);
+        let y = gather_view(self, &lay)?;
+        if !self.requires_grad() || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let in_dims = self.dims().to_vec();
+        Ok(record1(
+            &[self],
+            y,
+            FnBackward { name: "narrow", f: move |g: &[Option<Tensor>]| Ok(vec![g[0].as_ref().map(|g| scatter_view(g, &in_dims, &lay)).transpose()?]) },
+        ))
+    }
+
+    /// Concatenates along `dim`.
+    pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
+        let first = tensors.first().ok_or_else(|| Error::invalid("cat", "no tensors given"))?;
+        let d = normalize_dim("cat", dim, first.rank())?;
+        let mut total = 0;
+        for t in tensors {
+            let ok = t.rank() == first.rank() && t.dims().iter().zip(first.dims()).enumerate().all(|(i, (a, b))| i == d || a == b);
+            if !ok {
+                return Err(Error::ShapeMismatch { op: "cat", lhs: first.dims().to_vec(), rhs: t.dims().to_vec() });
+            }
+            super::same_dtype("cat", first, t)?;
+            total += t.dims()[d];
+        }
+        let mut shape = first.dims().to_vec();
+        shape[d] = total;
+        let mut out = Storage::zeros(first.device(), first.dtype(), shape.iter().product())?;
+        let mut regions = Vec::with_capacity(tensors.len());
+        let mut start = 0;
+        for t in tensors {
+            let lay = narrow_layout(&shape, d, start, t.dims()[d]);
+            t.read_storage().copy_strided(&Layout::contiguous(t.dims()), &mut out, &lay)?;
+            regions.push((start, t.dims()[d]));
+            start += t.dims()[d];
+        }
+        let y = Tensor::from_storage(out, shape)?;
+        if !tensors.iter().any(|t| t.requires_grad()) || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let needs: Vec<bool> = tensors.iter().map(|t| t.requires_grad()).collect();
+        Ok(record(
+            tensors,
+            vec![y],
+            FnBackward {
+                name: "cat",
+                f: move |g: &[Option<Tensor>]| {
+                    let Some(g) = &g[0] else { return Ok(vec![None; needs.len()]) };
+                    regions
+                        .iter()
+                        .zip(&needs)
+                        .map(|(&(s, l), &need)| if need { g.narrow(d as isize, s, l).map(Some) } else { Ok(None) })
+                        .collect()
+                },
+            },
+        )
+        .remove(0))
+    }
+
+    /// Splits along `dim` into pieces of the given sizes.
+    pub fn split(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
+        let d = normalize_dim("split", dim, self.rank())?;
+        if sizes.iter().sum::<usize>() != self.dims()[d] {
+            return Err(Error::invalid("split", format!("sizes {sizes:?} do not add up to {} (dim {d} of {:?})", self.dims()[d], self.dims())));
+        }
+        let mut start = 0;
+        sizes
+            .iter()
+            .map(|&l| {
+                let t = self.narrow(d as isize, start, l);
+                start += l;
+                t
+            })
+            .collect()
+    }
+
+    /// Splits into `n` nearly equal chunks along `dim` (like `torch.chunk`).
+    pub fn chunk(&self, n: usize, dim: isize) -> Result<Vec<Tensor>> {
+        let d = normalize_dim("chunk", dim, self.rank())?;
+        let size = self.dims()[d];
+        let step = size.div_ceil(n.max(1));
+        let mut sizes = Vec::new();
+        let mut left = size;
+        while left > 0 {
+            sizes.push(step.min(left));
+            left -= step.min(left);
+        }
+        self.split(&sizes, d as isize)
+    }
+
+    /// Broadcasts to `shape` (a materialised copy); the gradient is summed back.
+    pub fn expand(&self, shape: &[usize]) -> Result<Tensor> {
+        let target = crate::shape::broadcast_shapes("expand", self.dims(), shape)?;
+        if target != shape {
+            return Err(Error::BroadcastIncompatible { op: "expand", lhs: self.dims().to_vec(), rhs: shape.to_vec() });
+        }
+        if self.dims() == shape {
+            return Ok(self.clone());
+        }
+        let src = Layout { shape: shape.to_vec(), strides: broadcast_strides(self.dims(), shape), offset: 0 };
+        let y = gather_view(self, &src)?;
+        if !self.requires_grad() || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let in_dims = self.dims().to_vec();
+        Ok(record1(
+            &[self],
+            y,
+            FnBackward { name: "expand", f: move |g: &[Option<Tensor>]| Ok(vec![g[0].as_ref().map(|g| g.sum_to(&in_dims)).transpose()?]) },
+        ))
+    }
+
+    /// Nearest-neighbour upsampling of an NCHW tensor by an integer factor.
+    pub fn upsample_nearest(&self, factor: usize) -> Result<Tensor> {
+        let d = self.dims();
+        if d.len() != 4 {
+            return Err(Error::invalid("upsample_nearest", format!("expected NCHW, got {d:?}")));
+        }
+        let (n, c, h, w) = (d[0], d[1], d[2], d[3]);
+        self.reshape(vec![n, c, h, 1, w, 1])?.expand(&[n, c, h, factor, w, factor])?.reshape(vec![n, c, h * factor, w * factor])
+    }
+}

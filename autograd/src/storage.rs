@@ -1,0 +1,167 @@
+//! Device dispatch: a [`Storage`] is one backend's buffer; every primitive forwards to the
+//! backend after checking that all operands live on the same device.
+
+use crate::backend::{BackendStorage, BinaryOp, CmpOp, Conv2dParams, MatmulParams, Pool2dParams, ReduceOp, UnaryOp};
+use crate::cpu::CpuStorage;
+use crate::shape::Layout;
+use crate::{DType, Device, Error, Result};
+
+/// Whether `Cuda(ordinal)` can be used in this process (false in builds without a CUDA backend).
+pub fn cuda_usable(_ordinal: usize) -> bool {
+    false
+}
+
+/// A buffer on some device.
+#[derive(Debug)]
+pub enum Storage {
+    Cpu(CpuStorage),
+}
+
+macro_rules! unary_dispatch {
+    ($self:expr, |$s:ident| $body:expr) => {
+        match $self {
+            Storage::Cpu($s) => Ok(Storage::Cpu($body?)),
+        }
+    };
+}
+
+macro_rules! pair {
+    ($op:literal, $a:expr, $b:expr, |$x:ident, $y:ident| $body:expr) => {
+        match ($a, $b) {
+            (Storage::Cpu($x), Storage::Cpu($y)) => Ok(Storage::Cpu($body?)),
+            #[allow(unreachable_patterns)]
+            (a, b) => Err(Error::DeviceMismatch { op: $op, lhs: a.device(), rhs: b.device() }),
+        }
+    };
+}
+
+impl Storage {
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(_) => Device::Cpu,
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Cpu(s) => s.dtype(),
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Cpu(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Zero-filled storage on `device`.
+    pub fn zeros(device: Device, dtype: DType, n: usize) -> Result<Storage> {
+        Storage::full(device, dtype, n, 0.0)
+    }
+
+    /// Constant-filled storage on `device`.
+    pub fn full(device: Device, dtype: DType, n: usize, value: f64) -> Result<Storage> {
+        Storage::from_cpu(CpuStorage::full(dtype, n, value), device)
+    }
+
+    /// Uploads a host buffer (or keeps it on the host).
+    pub fn from_cpu(s: CpuStorage, device: Device) -> Result<Storage> {
+        match device {
+            Device::Cpu => Ok(Storage::Cpu(s)),
+            d => Err(Error::DeviceUnavailable { op: "to_device", device: d, reason: "this build has no CUDA backend".into() }),
+        }
+    }
+
+    /// Downloads to the host (a synchronising copy on GPUs).
+    pub fn to_cpu(&self) -> Result<CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Ok(s.clone()),
+        }
+    }
+
+    /// A deep copy on the same device.
+    pub fn try_clone(&self) -> Result<Storage> {
+        match self {
+            Storage::Cpu(s) => Ok(Storage::Cpu(s.clone())),
+        }
+    }
+
+    pub fn unary(&self, op: UnaryOp) -> Result<Storage> {
+        unary_dispatch!(self, |s| s.unary(op))
+    }
+    pub fn binary(&self, l: &Layout, rhs: &Storage, r: &Layout, op: BinaryOp) -> Result<Storage> {
+        pair!("binary", self, rhs, |a, b| a.binary(l, b, r, op))
+    }
+    pub fn cmp(&self, l: &Layout, rhs: &Storage, r: &Layout, op: CmpOp) -> Result<Storage> {
+        pair!("cmp", self, rhs, |a, b| a.cmp(l, b, r, op))
+    }
+    pub fn where_cond(&self, cl: &Layout, a: &Storage, al: &Layout, b: &Storage, bl: &Layout) -> Result<Storage> {
+        match (self, a, b) {
+            (Storage::Cpu(c), Storage::Cpu(x), Storage::Cpu(y)) => Ok(Storage::Cpu(c.where_cond(cl, x, al, y, bl)?)),
+        }
+    }
+    pub fn reduce(&self, shape: &[usize], dim: usize, op: ReduceOp) -> Result<Storage> {
+        unary_dispatch!(self, |s| s.reduce(shape, dim, op))
+    }
+    pub fn to_dtype(&self, dtype: DType) -> Result<Storage> {
+        unary_dispatch!(self, |s| s.to_dtype(dtype))
+    }
+    pub fn copy_strided(&self, sl: &Layout, dst: &mut Storage, dl: &Layout) -> Result<()> {
+        match (self, dst) {
+            (Storage::Cpu(s), Storage::Cpu(d)) => s.copy_strided(sl, d, dl),
+        }
+    }
+    pub fn add_assign(&mut self, src: &Storage) -> Result<()> {
+        match (self, src) {
+            (Storage::Cpu(d), Storage::Cpu(s)) => d.add_assign(s),
+        }
+    }
+    pub fn index_select(&self, shape: &[usize], dim: usize, idx: &Storage) -> Result<Storage> {
+        pair!("index_select", self, idx, |s, i| s.index_select(shape, dim, i))
+    }
+    pub fn index_add(&self, shape: &[usize], dim: usize, idx: &Storage, src: &Storage) -> Result<Storage> {
+        match (self, idx, src) {
+            (Storage::Cpu(s), Storage::Cpu(i), Storage::Cpu(x)) => Ok(Storage::Cpu(s.index_add(shape, dim, i, x)?)),
+        }
+    }
+    pub fn gather(&self, shape: &[usize], dim: usize, idx: &Storage, idx_shape: &[usize]) -> Result<Storage> {
+        pair!("gather", self, idx, |s, i| s.gather(shape, dim, i, idx_shape))
+    }
+    pub fn scatter_add(&self, shape: &[usize], dim: usize, idx: &Storage, idx_shape: &[usize], src: &Storage) -> Result<Storage> {
+        match (self, idx, src) {
+            (Storage::Cpu(s), Storage::Cpu(i), Storage::Cpu(x)) => Ok(Storage::Cpu(s.scatter_add(shape, dim, i, idx_shape, x)?)),
+        }
+    }
+    pub fn matmul(&self, rhs: &Storage, p: &MatmulParams) -> Result<Storage> {
+        pair!("matmul", self, rhs, |a, b| a.matmul(b, p))
+    }
+    pub fn conv2d(&self, w: &Storage, p: &Conv2dParams) -> Result<Storage> {
+        pair!("conv2d", self, w, |a, b| a.conv2d(b, p))
+    }
+    pub fn conv2d_backward_input(&self, w: &Storage, p: &Conv2dParams) -> Result<Storage> {
+        pair!("conv2d_backward_input", self, w, |a, b| a.conv2d_backward_input(b, p))
+    }
+    pub fn conv2d_backward_weight(&self, x: &Storage, p: &Conv2dParams) -> Result<Storage> {
+        pair!("conv2d_backward_weight", self, x, |a, b| a.conv2d_backward_weight(b, p))
+    }
+    pub fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Storage, Storage)> {
+        match self {
+            Storage::Cpu(s) => {
+                let (v, i) = s.max_pool2d(p)?;
+                Ok((Storage::Cpu(v), Storage::Cpu(i)))
+            }
+        }
+    }
+    pub fn max_pool2d_backward(&self, idx: &Storage, p: &Pool2dParams) -> Result<Storage> {
+        pair!("max_pool2d_backward", self, idx, |a, b| a.max_pool2d_backward(b, p))
+    }
+    pub fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Storage, Storage)> {
+        match self {
+            Storage::Cpu(s) => {
+                let (v, i) = s.topk(shape, dim, k, largest)?;
+                Ok((Storage::Cpu(v), Storage::Cpu(i)))
+            }
+        }
+    }
+}

@@ -1,0 +1,361 @@
+//! The [`Tensor`] handle: shape, dtype, device, shared storage and autograd metadata.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use half::{bf16, f16};
+
+use crate::autograd::GradFn;
+use crate::cpu::CpuStorage;
+use crate::shape::{Layout, Shape};
+use crate::storage::Storage;
+use crate::{DType, Device, Error, Result};
+
+/// Unique identity of a tensor handle (not of its storage).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(u64);
+
+impl TensorId {
+    fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        TensorId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+pub(crate) struct TensorImpl {
+    pub(crate) id: TensorId,
+    pub(crate) storage: Arc<RwLock<Storage>>,
+    pub(crate) shape: Shape,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    pub(crate) requires_grad: bool,
+    pub(crate) grad_fn: Option<GradFn>,
+    /// Accumulated gradient of a leaf; `None` means "no gradient reached it" (never zero-filled).
+    pub(crate) grad: Mutex<Option<Tensor>>,
+}
+
+/// A contiguous, row-major n-dimensional array. Cloning is cheap (shared storage and identity).
+#[derive(Clone)]
+pub struct Tensor(pub(crate) Arc<TensorImpl>);
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor{{shape: {:?}, dtype: {}, device: {}", self.dims(), self.dtype(), self.device())?;
+        if let Some(g) = &self.0.grad_fn {
+            write!(f, ", grad_fn: {}", g.node.name())?;
+        } else if self.0.requires_grad {
+            write!(f, ", leaf")?;
+        }
+        write!(f, "}}")
+    }
+}
+
+/// Host element types that tensors can be built from and read back into.
+pub trait Element: Copy + Send + Sync + 'static {
+    const DTYPE: DType;
+    fn into_storage(v: Vec<Self>) -> CpuStorage;
+    fn from_storage(s: &CpuStorage) -> Option<Vec<Self>>;
+}
+
+macro_rules! element {
+    ($t:ty, $dt:ident) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$dt;
+            fn into_storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$dt(v)
+            }
+            fn from_storage(s: &CpuStorage) -> Option<Vec<Self>> {
+                match s {
+                    CpuStorage::$dt(v) => Some(v.clone()),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+element!(f32, F32);
+element!(f64, F64);
+element!(f16, F16);
+element!(bf16, BF16);
+element!(i64, I64);
+element!(u8, U8);
+
+impl Element for bool {
+    const DTYPE: DType = DType::Bool;
+    fn into_storage(v: Vec<Self>) -> CpuStorage {
+        CpuStorage::Bool(v.into_iter().map(|b| b as u8).collect())
+    }
+    fn from_storage(s: &CpuStorage) -> Option<Vec<Self>> {
+        match s {
+            CpuStorage::Bool(v) => Some(v.iter().map(|&b| b != 0).collect()),
+            _ => None,
+        }
+    }
+}
+
+impl Tensor {
+    // ---- construction ---------------------------------------------------------------------------
+
+    /// Wraps a storage as a tensor without autograd history.
+    pub fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Result<Tensor> {
+        Tensor::from_storage_shape(storage, shape.into())
+    }
+
+    pub(crate) fn from_storage_shape(storage: Storage, shape: Shape) -> Result<Tensor> {
+        if storage.len() != shape.numel() {
+            return Err(Error::invalid(
+                "from_storage",
+                format!("storage has {} elements but shape {:?} needs {}", storage.len(), shape, shape.numel()),
+            ));
+        }
+        Ok(Tensor::build(Arc::new(RwLock::new(storage)), shape, false, None))
+    }
+
+    pub(crate) fn build(storage: Arc<RwLock<Storage>>, shape: Shape, requires_grad: bool, grad_fn: Option<GradFn>) -> Tensor {
+        let (dtype, device) = {
+            let s = storage.read().unwrap_or_else(|e| e.into_inner());
+            (s.dtype(), s.device())
+        };
+        Tensor(Arc::new(TensorImpl {
+            id: TensorId::next(),
+            storage,
+            shape,
+            dtype,
+            device,
+            requires_grad: requires_grad || grad_fn.is_some(),
+            grad_fn,
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// A tensor from host data.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        if data.len() != shape.numel() {
+            return Err(Error::invalid("from_vec", format!("{} values for shape {:?} ({} elements)", data.len(), shape, shape.numel())));
+        }
+        Tensor::from_storage(Storage::from_cpu(T::into_storage(data), device)?, shape)
+    }
+
+    /// A tensor of any dtype from f64 values (converted).
+    pub fn from_f64(data: &[f64], shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        if data.len() != shape.numel() {
+            return Err(Error::invalid("from_f64", format!("{} values for shape {:?}", data.len(), shape)));
+        }
+        Tensor::from_storage(Storage::from_cpu(CpuStorage::from_f64(dtype, data), device)?, shape)
+    }
+
+    /// A 0-d tensor.
+    pub fn scalar(v: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::from_f64(&[v], (), dtype, device)
+    }
+
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(shape, 0.0, dtype, device)
+    }
+    pub fn ones(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(shape, 1.0, dtype, device)
+    }
+    pub fn full(shape: impl Into<Shape>, value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        Tensor::from_storage(Storage::full(device, dtype, shape.numel(), value)?, shape)
+    }
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros(self.shape().clone(), self.dtype(), self.device())
+    }
+    pub fn ones_like(&self) -> Result<Tensor> {
+        Tensor::ones(self.shape().clone(), self.dtype(), self.device())
+    }
+    pub fn full_like(&self, v: f64) -> Result<Tensor> {
+        Tensor::full(self.shape().clone(), v, self.dtype(), self.device())
+    }
+    /// `[start, start+1, …, end)` as a 1-d tensor.
+    pub fn arange(start: i64, end: i64, dtype: DType, device: Device) -> Result<Tensor> {
+        let v: Vec<f64> = (start..end).map(|x| x as f64).collect();
+        let n = v.len();
+        Tensor::from_f64(&v, n, dtype, device)
+    }
+
+    // ---- accessors ------------------------------------------------------------------------------
+
+    pub fn id(&self) -> TensorId {
+        self.0.id
+    }
+    pub fn shape(&self) -> &Shape {
+        &self.0.shape
+    }
+    pub fn dims(&self) -> &[usize] {
+        &self.0.shape.0
+    }
+    pub fn rank(&self) -> usize {
+        self.0.shape.rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.shape.numel()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+    /// Size of dimension `dim` (negative counts from the end).
+    pub fn dim(&self, dim: isize) -> Result<usize> {
+        Ok(self.dims()[crate::shape::normalize_dim("dim", dim, self.rank())?])
+    }
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad
+    }
+    /// A leaf has no producing node (parameters, inputs, detached tensors).
+    pub fn is_leaf(&self) -> bool {
+        self.0.grad_fn.is_none()
+    }
+    pub(crate) fn grad_fn(&self) -> Option<&GradFn> {
+        self.0.grad_fn.as_ref()
+    }
+    /// Name of the op that produced this tensor, if it has autograd history.
+    pub fn grad_fn_name(&self) -> Option<String> {
+        self.0.grad_fn.as_ref().map(|g| g.node.name().to_string())
+    }
+
+    pub(crate) fn read_storage(&self) -> RwLockReadGuard<'_, Storage> {
+        self.0.storage.read().unwrap_or_else(|e| e.into_inner())
+    }
+    pub(crate) fn write_storage(&self) -> RwLockWriteGuard<'_, Storage> {
+        self.0.storage.write().unwrap_or_else(|e| e.into_inner())
+    }
+    /// Address of the shared storage: equal for tensors that share memory, and unchanged by
+    /// in-place updates (the recorder relies on this).
+    pub fn storage_ptr(&self) -> usize {
+        Arc::as_ptr(&self.0.storage) as *const () as usize
+    }
+    /// Runs `f` on the storage (read lock held for the call).
+    pub fn with_storage<R>(&self, f: impl FnOnce(&Storage) -> R) -> R {
+        f(&self.read_storage())
+    }
+    /// Runs `f` on the storage with write access; the storage identity is preserved.
+    pub fn with_storage_mut<R>(&self, f: impl FnOnce(&mut Storage) -> R) -> R {
+        f(&mut self.write_storage())
+    }
+    pub fn layout(&self) -> Layout {
+        Layout::contiguous(self.dims())
+    }
+
+    // ---- host reads (explicit synchronisation points) -----------------------------------------
+
+    /// Copies the data to the host as `T` (must be the tensor's dtype).
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        let host = self.read_storage().to_cpu()?;
+        T::from_storage(&host).ok_or(Error::DTypeMismatch { op: "to_vec", lhs: self.dtype(), rhs: T::DTYPE })
+    }
+    /// All values as f64, whatever the dtype (a host copy).
+    pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
+        Ok(self.read_storage().to_cpu()?.to_f64_vec())
+    }
+    /// The value of a one-element tensor as f64 (a host copy).
+    pub fn item(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            return Err(Error::invalid("item", format!("tensor of shape {:?} has {} elements, expected 1", self.dims(), self.numel())));
+        }
+        Ok(self.to_f64_vec()?[0])
+    }
+    /// Raw little-endian bytes of the data (host copy).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        Ok(self.read_storage().to_cpu()?.as_bytes().to_vec())
+    }
+
+    // ---- autograd-facing handles ---------------------------------------------------------------
+
+    /// A new handle on the same storage with no history and no gradient requirement.
+    pub fn detach(&self) -> Tensor {
+        Tensor::build(self.0.storage.clone(), self.shape().clone(), false, None)
+    }
+
+    /// A leaf handle on the same storage that records gradients (like `requires_grad_()`).
+    pub fn requires_grad_(&self, on: bool) -> Result<Tensor> {
+        if on && !self.dtype().is_float() {
+            return Err(Error::UnsupportedDType { op: "requires_grad_", dtype: self.dtype(), expected: "a float dtype" });
+        }
+        Ok(Tensor::build(self.0.storage.clone(), self.shape().clone(), on, None))
+    }
+
+    /// The accumulated gradient: `None` when no gradient reached this leaf.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    /// Replaces the gradient (`None` clears it, as `zero_grad(set_to_none=True)` does).
+    pub fn set_grad(&self, g: Option<Tensor>) {
+        *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = g;
+    }
+    /// Clears the gradient to `None`.
+    pub fn zero_grad(&self) {
+        self.set_grad(None)
+    }
+
+    /// Adds `g` into this leaf's gradient. The first gradient is stored privately (copied if its
+    /// storage is shared), later ones are added in place so the gradient buffer keeps its address.
+    pub(crate) fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
+        let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.as_ref() {
+            Some(existing) => {
+                let src = g.read_storage();
+                existing.write_storage().add_assign(&src)?;
+            }
+            None => {
+                let own = if Arc::strong_count(&g.0.storage) == 1 && Arc::strong_count(&g.0) == 1 {
+                    g.detach()
+                } else {
+                    g.deep_copy()?
+                };
+                *slot = Some(own);
+            }
+        }
+        Ok(())
+    }
+
+    /// A copy with its own storage and no history.
+    pub fn deep_copy(&self) -> Result<Tensor> {
+        let s = self.read_storage().try_clone()?;
+        Tensor::from_storage(s, self.shape().clone())
+    }
+
+    // ---- in-place updates (keep storage identity) -----------------------------------------------
+
+    /// Overwrites this tensor's data with `src` (same shape, dtype and device). The storage
+    /// address is unchanged, so parameters keep stable addresses across optimizer steps.
+    pub fn copy_(&self, src: &Tensor) -> Result<()> {
+        if src.dims() != self.dims() {
+            return Err(Error::ShapeMismatch { op: "copy_", lhs: self.dims().to_vec(), rhs: src.dims().to_vec() });
+        }
+        if src.dtype() != self.dtype() {
+            return Err(Error::DTypeMismatch { op: "copy_", lhs: self.dtype(), rhs: src.dtype() });
+        }
+        if src.storage_ptr() == self.storage_ptr() {
+            return Ok(());
+        }
+        let l = self.layout();
+        let s = src.read_storage();
+        let mut d = self.write_storage();
+        s.copy_strided(&l, &mut d, &l)
+    }
+
+    /// `self += src` in place.
+    pub fn add_(&self, src: &Tensor) -> Result<()> {
+        if src.dims() != self.dims() {
+            return Err(Error::ShapeMismatch { op: "add_", lhs: self.dims().to_vec(), rhs: src.dims().to_vec() });
+        }
+        if src.storage_ptr() == self.storage_ptr() {
+            let doubled = src.deep_copy()?;
+            return self.add_(&doubled);
+        }
+        let s = src.read_storage();
+        self.write_storage().add_assign(&s)
+    }
+
+    /// Moves (copies) the tensor to `device`; gradients flow back to the source device.
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        crate::ops::cast::to_device(self, device)
+    }
+
+}
