@@ -198,7 +198,12 @@ impl Tensor {
     /// Back-propagates `grad` (same shape as `self`) into every leaf that requires a gradient.
     pub fn backward_with(&self, grad: &Tensor) -> Result<()> {
         if grad.dims() != self.dims() {
-            return Err(Error::GradShape { node: "backward seed".into(), input: 0, got: grad.dims().to_vec(), expected: self.dims().to_vec() });
+            return Err(Error::GradShape {
+                node: "backward seed".into(),
+                input: 0,
+                got: grad.dims().to_vec(),
+                expected: self.dims().to_vec(),
+            });
         }
         if !self.requires_grad() {
             return Err(Error::Backward { msg: "tensor does not require grad and has no grad_fn".into() });
@@ -228,7 +233,12 @@ impl Tensor {
             for (i, (input, g)) in node.inputs.iter().zip(input_grads).enumerate() {
                 let (Some(input), Some(g)) = (input, g) else { continue };
                 if g.dims() != input.dims() {
-                    return Err(Error::GradShape { node: node.name().to_string(), input: i, got: g.dims().to_vec(), expected: input.dims().to_vec() });
+                    return Err(Error::GradShape {
+                        node: node.name().to_string(),
+                        input: i,
+                        got: g.dims().to_vec(),
+                        expected: input.dims().to_vec(),
+                    });
                 }
                 match input.grad_fn() {
                     Some(gf) => {

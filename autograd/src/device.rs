@@ -21,14 +21,11 @@ impl Device {
             "auto" => Ok(Device::auto()),
             _ => {
                 if let Some(n) = t.strip_prefix("cuda:") {
-                    n.parse::<usize>().map(Device::Cuda).map_err(|_| {
-                        crate::Error::invalid("Device::parse", format!("bad device `{s}`: use cpu, cuda, cuda:N or auto"))
-                    })
+                    n.parse::<usize>()
+                        .map(Device::Cuda)
+                        .map_err(|_| crate::Error::invalid("Device::parse", format!("bad device `{s}`: use cpu, cuda, cuda:N or auto")))
                 } else {
-                    Err(crate::Error::invalid(
-                        "Device::parse",
-                        format!("unknown device `{s}`: use cpu, cuda, cuda:N or auto"),
-                    ))
+                    Err(crate::Error::invalid("Device::parse", format!("unknown device `{s}`: use cpu, cuda, cuda:N or auto")))
                 }
             }
         }

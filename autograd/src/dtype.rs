@@ -1,6 +1,5 @@
 //! Element types. Half types are stored as `half::{f16, bf16}` and computed in f32.
 
-
 /// The element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {

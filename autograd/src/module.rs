@@ -73,7 +73,9 @@ pub fn load_state_dict(m: &dyn Module, values: &HashMap<String, Tensor>, strict:
         match values.get(name) {
             Some(v) => {
                 if v.dims() != t.dims() {
-                    return Err(Error::StateDict { msg: format!("`{name}` has shape {:?} in the file but {:?} in the model", v.dims(), t.dims()) });
+                    return Err(Error::StateDict {
+                        msg: format!("`{name}` has shape {:?} in the file but {:?} in the model", v.dims(), t.dims()),
+                    });
                 }
                 let v = v.to_dtype(t.dtype())?.to_device(t.device())?;
                 crate::no_grad(|| t.copy_(&v))?;
@@ -87,7 +89,11 @@ pub fn load_state_dict(m: &dyn Module, values: &HashMap<String, Tensor>, strict:
         unexpected.sort();
         if !missing.is_empty() || !unexpected.is_empty() {
             return Err(Error::StateDict {
-                msg: format!("keys do not match: missing {:?}, unexpected {:?}", &missing[..missing.len().min(8)], &unexpected[..unexpected.len().min(8)]),
+                msg: format!(
+                    "keys do not match: missing {:?}, unexpected {:?}",
+                    &missing[..missing.len().min(8)],
+                    &unexpected[..unexpected.len().min(8)]
+                ),
             });
         }
     }

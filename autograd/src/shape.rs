@@ -103,9 +103,7 @@ pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Ve
 pub fn broadcast_strides(src: &[usize], dst: &[usize]) -> Vec<usize> {
     let cs = contiguous_strides(src);
     let off = dst.len() - src.len();
-    (0..dst.len())
-        .map(|i| if i < off || src[i - off] == 1 && dst[i] != 1 { 0 } else { cs[i - off] })
-        .collect()
+    (0..dst.len()).map(|i| if i < off || src[i - off] == 1 && dst[i] != 1 { 0 } else { cs[i - off] }).collect()
 }
 
 /// A strided view description used by copy kernels: `element(idx) = data[offset + Σ idx_i·strides_i]`.

@@ -303,11 +303,7 @@ impl Tensor {
                 existing.write_storage().add_assign(&src)?;
             }
             None => {
-                let own = if Arc::strong_count(&g.0.storage) == 1 && Arc::strong_count(&g.0) == 1 {
-                    g.detach()
-                } else {
-                    g.deep_copy()?
-                };
+                let own = if Arc::strong_count(&g.0.storage) == 1 && Arc::strong_count(&g.0) == 1 { g.detach() } else { g.deep_copy()? };
                 *slot = Some(own);
             }
         }
@@ -357,5 +353,4 @@ impl Tensor {
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
         crate::ops::cast::to_device(self, device)
     }
-
 }

@@ -1,1 +1,49 @@
-fn main() {}
+//! `cargo xtask …`: project automation (gate, device packs, benchmarks).
+
+use std::process::{Command, ExitCode};
+
+mod gate;
+
+fn usage() -> &'static str {
+    "usage: cargo xtask <command>\n\
+     commands:\n  \
+       gate            cargo fmt --check, clippy -D warnings, cargo test --workspace\n"
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("gate") => gate::run(),
+        Some("-h") | Some("--help") | None => {
+            print!("{}", usage());
+            return ExitCode::SUCCESS;
+        }
+        Some(other) => Err(format!("unknown command `{other}`\n{}", usage())),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs `cargo <args>` in the workspace root, failing with a message that names the step.
+pub(crate) fn cargo(step: &str, args: &[&str]) -> Result<(), String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("xtask: {step}: cargo {}", args.join(" "));
+    let status =
+        Command::new(cargo).args(args).current_dir(workspace_root()).status().map_err(|e| format!("{step}: could not start cargo: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{step} failed ({status})"))
+    }
+}
+
+/// The workspace root (the parent of this crate's folder).
+pub(crate) fn workspace_root() -> std::path::PathBuf {
+    let here = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.parent().map(|p| p.to_path_buf()).unwrap_or(here)
+}

@@ -95,7 +95,18 @@ fn fwd<T: ConvElem>(x: &[T], wt: &[T], p: &Conv2dParams) -> Vec<T> {
                 im2col(xg, cg, p, &mut col);
                 &col
             };
-            gemm_rm(og, ohw, kk, &wt[gi * og * kk..(gi + 1) * og * kk], false, colr, false, &mut o[gi * og * ohw..(gi + 1) * og * ohw], false, th);
+            gemm_rm(
+                og,
+                ohw,
+                kk,
+                &wt[gi * og * kk..(gi + 1) * og * kk],
+                false,
+                colr,
+                false,
+                &mut o[gi * og * ohw..(gi + 1) * og * ohw],
+                false,
+                th,
+            );
         }
     });
     out

@@ -162,9 +162,7 @@ pub(crate) fn unary(s: &CpuStorage, op: UnaryOp) -> Result<CpuStorage> {
             let (m, a) = (m as i64, a as i64);
             return Ok(CpuStorage::I64(map_slice(v, move |x| x * m + a)));
         }
-        (CpuStorage::I64(v), UnaryOp::Clamp(lo, hi)) => {
-            return Ok(CpuStorage::I64(map_slice(v, move |x| (x as f64).clamp(lo, hi) as i64)))
-        }
+        (CpuStorage::I64(v), UnaryOp::Clamp(lo, hi)) => return Ok(CpuStorage::I64(map_slice(v, move |x| (x as f64).clamp(lo, hi) as i64))),
         _ => {}
     }
     super::float_map!(s, "unary", |v| map_slice(v, move |x| op.apply(x)))
@@ -219,12 +217,12 @@ pub(crate) fn binary(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout, o
     Ok(match (a, b) {
         (S::F32(x), S::F32(y)) => S::F32(zip2(x, la, y, lb, |p, q| op.apply(p, q))),
         (S::F64(x), S::F64(y)) => S::F64(zip2(x, la, y, lb, |p, q| op.apply(p, q))),
-        (S::F16(x), S::F16(y)) => S::F16(zip2(x, la, y, lb, |p: half::f16, q: half::f16| {
-            half::f16::from_f32(op.apply(p.to_f32(), q.to_f32()))
-        })),
-        (S::BF16(x), S::BF16(y)) => S::BF16(zip2(x, la, y, lb, |p: half::bf16, q: half::bf16| {
-            half::bf16::from_f32(op.apply(p.to_f32(), q.to_f32()))
-        })),
+        (S::F16(x), S::F16(y)) => {
+            S::F16(zip2(x, la, y, lb, |p: half::f16, q: half::f16| half::f16::from_f32(op.apply(p.to_f32(), q.to_f32()))))
+        }
+        (S::BF16(x), S::BF16(y)) => {
+            S::BF16(zip2(x, la, y, lb, |p: half::bf16, q: half::bf16| half::bf16::from_f32(op.apply(p.to_f32(), q.to_f32()))))
+        }
         (S::I64(x), S::I64(y)) => {
             op.apply_i64(1, 1).ok_or_else(unsupported)?;
             if op == BinaryOp::Div && y.contains(&0) {
@@ -257,14 +255,7 @@ pub(crate) fn cmp(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout, op: 
     }))
 }
 
-pub(crate) fn where_cond(
-    cond: &CpuStorage,
-    lc: &Layout,
-    a: &CpuStorage,
-    la: &Layout,
-    b: &CpuStorage,
-    lb: &Layout,
-) -> Result<CpuStorage> {
+pub(crate) fn where_cond(cond: &CpuStorage, lc: &Layout, a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -> Result<CpuStorage> {
     let c: Vec<u8> = match cond {
         CpuStorage::U8(v) | CpuStorage::Bool(v) => v.clone(),
         other => other.to_f64_vec().iter().map(|&x| (x != 0.0) as u8).collect(),
@@ -324,9 +315,7 @@ pub(crate) fn add_assign(dst: &mut CpuStorage, src: &CpuStorage) -> Result<()> {
         (S::F32(d), S::F32(s)) => d.iter_mut().zip(s).for_each(|(a, &b)| *a += b),
         (S::F64(d), S::F64(s)) => d.iter_mut().zip(s).for_each(|(a, &b)| *a += b),
         (S::F16(d), S::F16(s)) => d.iter_mut().zip(s).for_each(|(a, &b)| *a = half::f16::from_f32(a.to_f32() + b.to_f32())),
-        (S::BF16(d), S::BF16(s)) => {
-            d.iter_mut().zip(s).for_each(|(a, &b)| *a = half::bf16::from_f32(a.to_f32() + b.to_f32()))
-        }
+        (S::BF16(d), S::BF16(s)) => d.iter_mut().zip(s).for_each(|(a, &b)| *a = half::bf16::from_f32(a.to_f32() + b.to_f32())),
         (S::I64(d), S::I64(s)) => d.iter_mut().zip(s).for_each(|(a, &b)| *a += b),
         (d, s) => return Err(Error::DTypeMismatch { op: "add_assign", lhs: d.dtype(), rhs: s.dtype() }),
     }

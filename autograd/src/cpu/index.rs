@@ -69,9 +69,7 @@ fn add_into(op: &'static str, dst: &mut CpuStorage, pairs: impl Iterator<Item = 
         (S::F32(d), S::F32(s)) => pairs.for_each(|(di, si)| d[di] += s[si]),
         (S::F64(d), S::F64(s)) => pairs.for_each(|(di, si)| d[di] += s[si]),
         (S::F16(d), S::F16(s)) => pairs.for_each(|(di, si)| d[di] = half::f16::from_f32(d[di].to_f32() + s[si].to_f32())),
-        (S::BF16(d), S::BF16(s)) => {
-            pairs.for_each(|(di, si)| d[di] = half::bf16::from_f32(d[di].to_f32() + s[si].to_f32()))
-        }
+        (S::BF16(d), S::BF16(s)) => pairs.for_each(|(di, si)| d[di] = half::bf16::from_f32(d[di].to_f32() + s[si].to_f32())),
         (S::I64(d), S::I64(s)) => pairs.for_each(|(di, si)| d[di] += s[si]),
         (d, s) => return Err(Error::DTypeMismatch { op, lhs: d.dtype(), rhs: s.dtype() }),
     }

@@ -116,12 +116,7 @@ pub(crate) fn reduce(s: &CpuStorage, shape: &[usize], dim: usize, op: ReduceOp) 
     }
 }
 
-fn topk_impl<T: PartialOrd + Copy>(
-    v: &[T],
-    (outer, d, inner): (usize, usize, usize),
-    k: usize,
-    largest: bool,
-) -> (Vec<T>, Vec<i64>) {
+fn topk_impl<T: PartialOrd + Copy>(v: &[T], (outer, d, inner): (usize, usize, usize), k: usize, largest: bool) -> (Vec<T>, Vec<i64>) {
     let mut vals = Vec::with_capacity(outer * k * inner);
     let mut idxs = vec![0i64; outer * k * inner];
     let mut tmp_v = Vec::with_capacity(outer * k * inner);

@@ -6,10 +6,22 @@ use crate::{Error, Result, Tensor};
 
 impl Tensor {
     /// NCHW convolution with an OIHW weight, optional bias, dilation 1.
-    pub fn conv2d(&self, w: &Tensor, bias: Option<&Tensor>, stride: (usize, usize), padding: (usize, usize), groups: usize) -> Result<Tensor> {
+    pub fn conv2d(
+        &self,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        stride: (usize, usize),
+        padding: (usize, usize),
+        groups: usize,
+    ) -> Result<Tensor> {
         super::same_dtype("conv2d", self, w)?;
         let (xd, wd) = (self.dims(), w.dims());
-        let bad = |msg: String| Error::invalid("conv2d", format!("{msg} (input {xd:?}, weight {wd:?}, stride {stride:?}, padding {padding:?}, groups {groups})"));
+        let bad = |msg: String| {
+            Error::invalid(
+                "conv2d",
+                format!("{msg} (input {xd:?}, weight {wd:?}, stride {stride:?}, padding {padding:?}, groups {groups})"),
+            )
+        };
         if xd.len() != 4 || wd.len() != 4 {
             return Err(bad("expected 4-d input and weight".into()));
         }
@@ -76,7 +88,8 @@ impl Tensor {
     /// Max-pooling over square windows (padding with −∞, as PyTorch).
     pub fn max_pool2d(&self, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
         let d = self.dims();
-        if d.len() != 4 || kernel == 0 || stride == 0 || padding * 2 > kernel || d[2] + 2 * padding < kernel || d[3] + 2 * padding < kernel {
+        if d.len() != 4 || kernel == 0 || stride == 0 || padding * 2 > kernel || d[2] + 2 * padding < kernel || d[3] + 2 * padding < kernel
+        {
             return Err(Error::invalid("max_pool2d", format!("input {d:?} with kernel {kernel}, stride {stride}, padding {padding}")));
         }
         let p = Pool2dParams { batch: d[0], channels: d[1], h_in: d[2], w_in: d[3], kernel, stride, padding };

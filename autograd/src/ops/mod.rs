@@ -43,7 +43,10 @@ impl Tensor {
         if self.dims() == shape {
             return Ok(self.clone());
         }
-        let extra = self.rank().checked_sub(shape.len()).ok_or_else(|| Error::invalid("sum_to", format!("cannot sum {:?} to {:?}", self.dims(), shape)))?;
+        let extra = self
+            .rank()
+            .checked_sub(shape.len())
+            .ok_or_else(|| Error::invalid("sum_to", format!("cannot sum {:?} to {:?}", self.dims(), shape)))?;
         let mut t = self.clone();
         for _ in 0..extra {
             t = t.sum_dim(0, false)?;

@@ -34,10 +34,12 @@ impl Tensor {
                 y,
                 FnBackward {
                     name: "sum",
-                    f: move |g: &[Option<Tensor>]| Ok(vec![match &g[0] {
-                        Some(g) => Some(g.expand(&in_dims)?),
-                        None => None,
-                    }]),
+                    f: move |g: &[Option<Tensor>]| {
+                        Ok(vec![match &g[0] {
+                            Some(g) => Some(g.expand(&in_dims)?),
+                            None => None,
+                        }])
+                    },
                 },
             )
         } else {

@@ -53,7 +53,10 @@ impl Tensor {
         Ok(record1(
             &[self],
             y,
-            FnBackward { name: "reshape", f: move |g: &[Option<Tensor>]| Ok(vec![g[0].as_ref().map(|g| g.reshape(in_shape.clone())).transpose()?]) },
+            FnBackward {
+                name: "reshape",
+                f: move |g: &[Option<Tensor>]| Ok(vec![g[0].as_ref().map(|g| g.reshape(in_shape.clone())).transpose()?]),
+            },
         ))
     }
 
@@ -113,7 +116,8 @@ impl Tensor {
             return Ok(self.clone());
         }
         let st = contiguous_strides(self.dims());
-        let src = Layout { shape: perm.iter().map(|&p| self.dims()[p]).collect(), strides: perm.iter().map(|&p| st[p]).collect(), offset: 0 };
+        let src =
+            Layout { shape: perm.iter().map(|&p| self.dims()[p]).collect(), strides: perm.iter().map(|&p| st[p]).collect(), offset: 0 };
         let y = gather_view(self, &src)?;
         if !self.requires_grad() || !crate::is_grad_enabled() {
             return Ok(y);
@@ -141,7 +145,10 @@ impl Tensor {
     pub fn narrow(&self, dim: isize, start: usize, len: usize) -> Result<Tensor> {
         let d = normalize_dim("narrow", dim, self.rank())?;
         if start + len > self.dims()[d] {
-            return Err(Error::invalid("narrow", format!("range {start}..{} exceeds size {} of dim {d} in {:?}", start + len, self.dims()[d], self.dims())));
+            return Err(Error::invalid(
+                "narrow",
+                format!("range {start}..{} exceeds size {} of dim {d} in {:?}", start + len, self.dims()[d], self.dims()),
+            ));
         }
         if start == 0 && len == self.dims()[d] {
             return Ok(self.clone());
@@ -155,7 +162,10 @@ impl Tensor {
         Ok(record1(
             &[self],
             y,
-            FnBackward { name: "narrow", f: move |g: &[Option<Tensor>]| Ok(vec![g[0].as_ref().map(|g| scatter_view(g, &in_dims, &lay)).transpose()?]) },
+            FnBackward {
+                name: "narrow",
+                f: move |g: &[Option<Tensor>]| Ok(vec![g[0].as_ref().map(|g| scatter_view(g, &in_dims, &lay)).transpose()?]),
+            },
         ))
     }
 
@@ -210,7 +220,10 @@ impl Tensor {
     pub fn split(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
         let d = normalize_dim("split", dim, self.rank())?;
         if sizes.iter().sum::<usize>() != self.dims()[d] {
-            return Err(Error::invalid("split", format!("sizes {sizes:?} do not add up to {} (dim {d} of {:?})", self.dims()[d], self.dims())));
+            return Err(Error::invalid(
+                "split",
+                format!("sizes {sizes:?} do not add up to {} (dim {d} of {:?})", self.dims()[d], self.dims()),
+            ));
         }
         let mut start = 0;
         sizes
