@@ -1,0 +1,262 @@
+//! The caching allocator view: stream-ordered allocations (`cuMemAllocFromPoolAsync`) on the
+//! device's compute stream, from the device's default pool (release threshold raised to
+//! `u64::MAX`, so freed memory stays cached) or from a private [`MemPool`] while one is entered on
+//! the calling thread. Statistics follow PyTorch's `memory_allocated` / `memory_reserved` and their
+//! peaks.
+
+use std::cell::RefCell;
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use cudarc::driver::{result as dr, sys};
+
+use super::device::{cu_err, Dev};
+use crate::{Device, Error, Result};
+
+/// A device buffer owned by one tensor storage. Freed stream-ordered on drop.
+pub(crate) struct DevBuf {
+    pub ptr: sys::CUdeviceptr,
+    pub bytes: usize,
+    pub dev: Arc<Dev>,
+    /// Keeps a private pool alive while memory from it is live.
+    _pool: Option<Arc<PoolInner>>,
+}
+
+// SAFETY: a device pointer is a plain address; access is ordered on the device's stream.
+unsafe impl Send for DevBuf {}
+unsafe impl Sync for DevBuf {}
+
+thread_local! {
+    /// Private pools entered on this thread (innermost last).
+    static POOL_STACK: RefCell<Vec<Arc<PoolInner>>> = const { RefCell::new(Vec::new()) };
+}
+
+impl DevBuf {
+    /// Uninitialised memory for `bytes` bytes (callers write every byte before reading).
+    pub fn alloc(dev: &Arc<Dev>, bytes: usize) -> Result<DevBuf> {
+        dev.bind()?;
+        let pool = POOL_STACK.with(|s| s.borrow().iter().rev().find(|p| p.dev.ordinal == dev.ordinal).cloned());
+        let raw_pool = pool.as_ref().map(|p| p.pool).unwrap_or(dev.default_pool);
+        // A zero-byte request still gets a distinct (tiny) allocation so pointers stay unique.
+        let n = bytes.max(1);
+        let ptr = unsafe { dr::mem_pool::alloc_async(raw_pool, n, dev.cu_stream) }.map_err(|e| {
+            Error::Cuda(format!("out of device memory? cuMemAllocFromPoolAsync of {n} bytes on cuda:{} failed: {e:?}", dev.ordinal))
+        })?;
+        dev.note_alloc(n as u64);
+        Ok(DevBuf { ptr, bytes, dev: dev.clone(), _pool: pool })
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.dev.bind().is_err() {
+            return;
+        }
+        if let Err(e) = unsafe { dr::free_async(self.ptr, self.dev.cu_stream) } {
+            self.dev.record_deferred("cuMemFreeAsync", e);
+        }
+        self.dev.note_free(self.bytes.max(1) as u64);
+    }
+}
+
+/// Allocator statistics of one device, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes held by live tensors (and workspaces) right now (`torch.cuda.memory_allocated`).
+    pub allocated: u64,
+    /// Bytes the pools hold from the driver right now (`torch.cuda.memory_reserved`).
+    pub reserved: u64,
+    /// Peak of `allocated` since the last [`reset_peak_memory_stats`].
+    pub peak_allocated: u64,
+    /// Peak of `reserved` since the last reset (sum of the pools' high-water marks: exact while
+    /// only one pool is in use, an upper bound with private pools).
+    pub peak_reserved: u64,
+}
+
+fn pool_attr(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<u64> {
+    let mut v = 0u64;
+    unsafe { dr::mem_pool::get_attribute(pool, attr, &mut v as *mut u64 as *mut c_void) }.map_err(|e| cu_err("cuMemPoolGetAttribute", e))?;
+    Ok(v)
+}
+
+fn reset_pool_peaks(pool: sys::CUmemoryPool) -> Result<()> {
+    for attr in [sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH] {
+        let mut z = 0u64;
+        unsafe { dr::mem_pool::set_attribute(pool, attr, &mut z as *mut u64 as *mut c_void) }.map_err(|e| cu_err("cuMemPoolSetAttribute", e))?;
+    }
+    Ok(())
+}
+
+fn cuda_dev(device: Device) -> Result<Arc<Dev>> {
+    match device {
+        Device::Cuda(n) => Dev::get(n).map_err(Error::CudaUnavailable),
+        Device::Cpu => Err(Error::invalid("cuda", "this call needs a CUDA device, got cpu")),
+    }
+}
+
+fn live_pools(dev: &Dev) -> Vec<Arc<PoolInner>> {
+    let mut v = dev.private_pools.lock().unwrap_or_else(|e| e.into_inner());
+    v.retain(|w| w.strong_count() > 0);
+    v.iter().filter_map(|w| w.upgrade()).collect()
+}
+
+/// Current and peak allocated/reserved bytes of `device` (default pool plus live private pools).
+pub fn memory_stats(device: Device) -> Result<MemoryStats> {
+    let dev = cuda_dev(device)?;
+    let mut reserved = pool_attr(dev.default_pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+    let mut peak_reserved = pool_attr(dev.default_pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?;
+    for p in live_pools(&dev) {
+        reserved += pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        peak_reserved += pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?;
+    }
+    Ok(MemoryStats {
+        allocated: dev.allocated.load(Ordering::Relaxed),
+        reserved,
+        peak_allocated: dev.peak_allocated.load(Ordering::Relaxed),
+        peak_reserved: peak_reserved.max(reserved),
+    })
+}
+
+/// Resets the peaks to the current values (`torch.cuda.reset_peak_memory_stats`).
+pub fn reset_peak_memory_stats(device: Device) -> Result<()> {
+    let dev = cuda_dev(device)?;
+    dev.peak_allocated.store(dev.allocated.load(Ordering::Relaxed), Ordering::Relaxed);
+    reset_pool_peaks(dev.default_pool)?;
+    for p in live_pools(&dev) {
+        reset_pool_peaks(p.pool)?;
+    }
+    Ok(())
+}
+
+/// Returns cached, unused memory of the default pool to the driver (`torch.cuda.empty_cache`).
+pub fn empty_cache(device: Device) -> Result<()> {
+    let dev = cuda_dev(device)?;
+    dev.synchronize()?;
+    unsafe { dr::mem_pool::trim_to(dev.default_pool, 0) }.map_err(|e| cu_err("cuMemPoolTrimTo", e))
+}
+
+/// Waits until every queued operation on `device`'s compute stream has finished, then reports any
+/// error recorded by a stream-ordered free.
+pub fn synchronize(device: Device) -> Result<()> {
+    let dev = cuda_dev(device)?;
+    dev.synchronize()?;
+    if let Some(e) = dev.deferred_error.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        return Err(Error::Cuda(e));
+    }
+    Ok(())
+}
+
+pub(crate) struct PoolInner {
+    pub pool: sys::CUmemoryPool,
+    pub dev: Arc<Dev>,
+}
+unsafe impl Send for PoolInner {}
+unsafe impl Sync for PoolInner {}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        // Every buffer of the pool is gone (they hold the Arc); wait for their frees, then destroy.
+        if self.dev.synchronize().is_ok() {
+            if let Err(e) = unsafe { dr::mem_pool::destroy(self.pool) } {
+                self.dev.record_deferred("cuMemPoolDestroy", e);
+            }
+        }
+    }
+}
+
+/// A private memory pool (like PyTorch's graph pools): allocations made on this thread while a
+/// [`MemPoolGuard`] is alive come from it. The pool's memory returns to the driver as a whole when
+/// the `MemPool` handle and every buffer allocated from it are dropped.
+///
+/// ```ignore
+/// let pool = ptl_autograd::cuda::MemPool::new(Device::Cuda(0))?;
+/// {
+///     let _g = pool.enter();
+///     let y = x.conv2d(&w, ...)?; // y's memory comes from `pool`
+/// }
+/// println!("{:?}", pool.stats()?);
+/// ```
+#[derive(Clone)]
+pub struct MemPool {
+    inner: Arc<PoolInner>,
+}
+
+impl std::fmt::Debug for MemPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MemPool(cuda:{}, {:p})", self.inner.dev.ordinal, self.inner.pool)
+    }
+}
+
+/// While alive, allocations on this thread (for the pool's device) use the pool.
+pub struct MemPoolGuard {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for MemPoolGuard {
+    fn drop(&mut self) {
+        POOL_STACK.with(|s| {
+            s.borrow_mut().pop();
+        });
+    }
+}
+
+impl MemPool {
+    /// Creates a device-local pool that keeps freed memory cached (release threshold `u64::MAX`).
+    pub fn new(device: Device) -> Result<MemPool> {
+        let dev = cuda_dev(device)?;
+        dev.bind()?;
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = dev.ordinal as i32;
+        let pool = unsafe { dr::mem_pool::create(&props) }.map_err(|e| cu_err("cuMemPoolCreate", e))?;
+        let mut thr = u64::MAX;
+        unsafe {
+            dr::mem_pool::set_attribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut thr as *mut u64 as *mut c_void)
+        }
+        .map_err(|e| cu_err("cuMemPoolSetAttribute", e))?;
+        let inner = Arc::new(PoolInner { pool, dev: dev.clone() });
+        dev.private_pools.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&inner));
+        Ok(MemPool { inner })
+    }
+
+    /// Routes this thread's allocations on the pool's device to this pool until the guard drops.
+    pub fn enter(&self) -> MemPoolGuard {
+        POOL_STACK.with(|s| s.borrow_mut().push(self.inner.clone()));
+        MemPoolGuard { _not_send: std::marker::PhantomData }
+    }
+
+    /// Runs `f` with allocations routed to this pool.
+    pub fn scope<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _g = self.enter();
+        f()
+    }
+
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.inner.dev.ordinal)
+    }
+
+    /// This pool's used/reserved bytes (current and high-water marks).
+    pub fn stats(&self) -> Result<MemoryStats> {
+        let p = self.inner.pool;
+        Ok(MemoryStats {
+            allocated: pool_attr(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            reserved: pool_attr(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            peak_allocated: pool_attr(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+            peak_reserved: pool_attr(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+        })
+    }
+
+    /// Returns the pool's unused cached memory to the driver (after the stream drains).
+    pub fn trim(&self) -> Result<()> {
+        self.inner.dev.synchronize()?;
+        unsafe { dr::mem_pool::trim_to(self.inner.pool, 0) }.map_err(|e| cu_err("cuMemPoolTrimTo", e))
+    }
+
+    /// The raw `CUmemoryPool` (for graph recorders that pass it to the driver).
+    pub fn raw(&self) -> sys::CUmemoryPool {
+        self.inner.pool
+    }
+}

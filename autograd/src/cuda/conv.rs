@@ -1,0 +1,269 @@
+//! Convolution forward / backward-data / backward-weight through cuDNN (legacy API, NCHW).
+//!
+//! Algorithms come from cuDNN's heuristics (`*_v7`, no benchmarking) filtered to deterministic
+//! ones; f32 uses `CUDNN_FMA_MATH` (true FP32, no TF32), f16/bf16 use tensor cores with an f32
+//! compute type, f64 the double path. Each (shape, dtype, direction) gets a cached plan with its own
+//! workspace, allocated on first (eager) use, so a captured step never allocates inside cuDNN.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cudnn::{result as nr, sys as ns};
+
+use super::alloc::DevBuf;
+use super::device::{cu_err, Dev};
+use super::CudaStorage;
+use crate::backend::Conv2dParams;
+use crate::{DType, Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Dir {
+    Fwd,
+    BwdData,
+    BwdFilter,
+}
+
+#[derive(Clone, Copy)]
+enum Algo {
+    F(ns::cudnnConvolutionFwdAlgo_t),
+    D(ns::cudnnConvolutionBwdDataAlgo_t),
+    W(ns::cudnnConvolutionBwdFilterAlgo_t),
+}
+
+struct Plan {
+    x: ns::cudnnTensorDescriptor_t,
+    y: ns::cudnnTensorDescriptor_t,
+    w: ns::cudnnFilterDescriptor_t,
+    conv: ns::cudnnConvolutionDescriptor_t,
+    algo: Algo,
+    ws: Option<DevBuf>,
+    ws_bytes: usize,
+}
+
+pub(crate) struct Dnn {
+    handle: ns::cudnnHandle_t,
+    plans: HashMap<(Conv2dParams, DType, Dir), Plan>,
+}
+unsafe impl Send for Dnn {}
+
+const MAX_WS: usize = 512 << 20;
+
+fn ndt(dt: DType) -> Result<ns::cudnnDataType_t> {
+    Ok(match dt {
+        DType::F32 => ns::cudnnDataType_t::CUDNN_DATA_FLOAT,
+        DType::F64 => ns::cudnnDataType_t::CUDNN_DATA_DOUBLE,
+        DType::F16 => ns::cudnnDataType_t::CUDNN_DATA_HALF,
+        DType::BF16 => ns::cudnnDataType_t::CUDNN_DATA_BFLOAT16,
+        other => return Err(Error::UnsupportedDType { op: "conv2d", dtype: other, expected: "a float dtype" }),
+    })
+}
+
+fn e(what: &'static str) -> impl Fn(nr::CudnnError) -> Error {
+    move |err| cu_err(what, err)
+}
+
+impl Dnn {
+    fn new(dev: &Arc<Dev>) -> Result<Dnn> {
+        dev.bind()?;
+        let handle = nr::create_handle().map_err(e("cudnnCreate"))?;
+        unsafe { nr::set_stream(handle, dev.cu_stream as ns::cudaStream_t) }.map_err(e("cudnnSetStream"))?;
+        Ok(Dnn { handle, plans: HashMap::new() })
+    }
+
+    fn plan(&mut self, dev: &Arc<Dev>, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<&Plan> {
+        let key = (*p, dt, dir);
+        if !self.plans.contains_key(&key) {
+            let plan = self.make_plan(dev, p, dt, dir)?;
+            self.plans.insert(key, plan);
+        }
+        self.plans.get(&key).ok_or_else(|| Error::Cuda("conv plan cache".into()))
+    }
+
+    fn make_plan(&self, dev: &Arc<Dev>, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<Plan> {
+        let t = ndt(dt)?;
+        let nchw = ns::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
+        let i = |v: usize| v as i32;
+        let [n, co, oh, ow] = p.out_shape();
+        let [_, cg, kh, kw] = p.weight_shape();
+        unsafe {
+            let x = nr::create_tensor_descriptor().map_err(e("cudnnCreateTensorDescriptor"))?;
+            nr::set_tensor4d_descriptor(x, nchw, t, [i(p.batch), i(p.c_in), i(p.h_in), i(p.w_in)]).map_err(e("cudnnSetTensor4dDescriptor(x)"))?;
+            let y = nr::create_tensor_descriptor().map_err(e("cudnnCreateTensorDescriptor"))?;
+            nr::set_tensor4d_descriptor(y, nchw, t, [i(n), i(co), i(oh), i(ow)]).map_err(e("cudnnSetTensor4dDescriptor(y)"))?;
+            let w = nr::create_filter_descriptor().map_err(e("cudnnCreateFilterDescriptor"))?;
+            nr::set_filter4d_descriptor(w, t, nchw, [i(co), i(cg), i(kh), i(kw)]).map_err(e("cudnnSetFilter4dDescriptor"))?;
+            let conv = nr::create_convolution_descriptor().map_err(e("cudnnCreateConvolutionDescriptor"))?;
+            let compute = if dt == DType::F64 { ns::cudnnDataType_t::CUDNN_DATA_DOUBLE } else { ns::cudnnDataType_t::CUDNN_DATA_FLOAT };
+            nr::set_convolution2d_descriptor(
+                conv,
+                i(p.padding.0),
+                i(p.padding.1),
+                i(p.stride.0),
+                i(p.stride.1),
+                1,
+                1,
+                ns::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                compute,
+            )
+            .map_err(e("cudnnSetConvolution2dDescriptor"))?;
+            nr::set_convolution_group_count(conv, i(p.groups)).map_err(e("cudnnSetConvolutionGroupCount"))?;
+            let want_math = match dt {
+                DType::F32 => ns::cudnnMathType_t::CUDNN_FMA_MATH,
+                DType::F64 => ns::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+                _ => ns::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+            };
+            nr::set_convolution_math_type(conv, want_math).map_err(e("cudnnSetConvolutionMathType"))?;
+            // True FP32 must never run on tensor cores (TF32); halves may use any math.
+            let math_ok = |m: ns::cudnnMathType_t| dt != DType::F32 || m == ns::cudnnMathType_t::CUDNN_FMA_MATH;
+            let det = ns::cudnnDeterminism_t::CUDNN_DETERMINISTIC;
+            let okst = ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
+            let h = self.handle;
+            let mut cnt = 0i32;
+            let (algo, math, ws_bytes) = match dir {
+                Dir::Fwd => {
+                    let mut perf = vec![std::mem::zeroed::<ns::cudnnConvolutionFwdAlgoPerf_t>(); 16];
+                    nr::get_convolution_forward_algorithm(h, x, w, conv, y, 16, &mut cnt, perf.as_mut_ptr()).map_err(e("cudnnGetConvolutionForwardAlgorithm_v7"))?;
+                    let pick = perf[..cnt as usize]
+                        .iter()
+                        .find(|q| q.status == okst && q.determinism == det && math_ok(q.mathType) && q.memory <= MAX_WS)
+                        .ok_or_else(|| Error::Cuda(format!("cuDNN offers no deterministic forward algorithm for {p:?} {dt}")))?;
+                    nr::set_convolution_math_type(conv, pick.mathType).map_err(e("cudnnSetConvolutionMathType"))?;
+                    let ws = nr::get_convolution_forward_workspace_size(h, x, w, conv, y, pick.algo).map_err(e("cudnnGetConvolutionForwardWorkspaceSize"))?;
+                    (Algo::F(pick.algo), pick.mathType, ws)
+                }
+                Dir::BwdData => {
+                    let mut perf = vec![std::mem::zeroed::<ns::cudnnConvolutionBwdDataAlgoPerf_t>(); 16];
+                    nr::get_convolution_backward_data_algorithm(h, w, y, conv, x, 16, &mut cnt, perf.as_mut_ptr())
+                        .map_err(e("cudnnGetConvolutionBackwardDataAlgorithm_v7"))?;
+                    let pick = perf[..cnt as usize]
+                        .iter()
+                        .find(|q| q.status == okst && q.determinism == det && math_ok(q.mathType) && q.memory <= MAX_WS)
+                        .ok_or_else(|| Error::Cuda(format!("cuDNN offers no deterministic backward-data algorithm for {p:?} {dt}")))?;
+                    nr::set_convolution_math_type(conv, pick.mathType).map_err(e("cudnnSetConvolutionMathType"))?;
+                    let ws = nr::get_convolution_backward_data_workspace_size(h, w, y, conv, x, pick.algo)
+                        .map_err(e("cudnnGetConvolutionBackwardDataWorkspaceSize"))?;
+                    (Algo::D(pick.algo), pick.mathType, ws)
+                }
+                Dir::BwdFilter => {
+                    let mut perf = vec![std::mem::zeroed::<ns::cudnnConvolutionBwdFilterAlgoPerf_t>(); 16];
+                    nr::get_convolution_backward_filter_algorithm(h, x, y, conv, w, 16, &mut cnt, perf.as_mut_ptr())
+                        .map_err(e("cudnnGetConvolutionBackwardFilterAlgorithm_v7"))?;
+                    let pick = perf[..cnt as usize]
+                        .iter()
+                        .find(|q| q.status == okst && q.determinism == det && math_ok(q.mathType) && q.memory <= MAX_WS)
+                        .ok_or_else(|| Error::Cuda(format!("cuDNN offers no deterministic backward-filter algorithm for {p:?} {dt}")))?;
+                    nr::set_convolution_math_type(conv, pick.mathType).map_err(e("cudnnSetConvolutionMathType"))?;
+                    let ws = nr::get_convolution_backward_filter_workspace_size(h, x, y, conv, w, pick.algo)
+                        .map_err(e("cudnnGetConvolutionBackwardFilterWorkspaceSize"))?;
+                    (Algo::W(pick.algo), pick.mathType, ws)
+                }
+            };
+            let _ = math;
+            let ws = if ws_bytes > 0 { Some(DevBuf::alloc(dev, ws_bytes)?) } else { None };
+            Ok(Plan { x, y, w, conv, algo, ws, ws_bytes })
+        }
+    }
+}
+
+fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'static str) -> Result<CudaStorage> {
+    if a.dtype != b.dtype {
+        return Err(Error::DTypeMismatch { op, lhs: a.dtype, rhs: b.dtype });
+    }
+    let dt = a.dtype;
+    ndt(dt)?;
+    let dev = &a.buf.dev;
+    let out_len = match dir {
+        Dir::Fwd => p.out_shape().iter().product(),
+        Dir::BwdData => p.batch * p.c_in * p.h_in * p.w_in,
+        Dir::BwdFilter => p.weight_shape().iter().product(),
+    };
+    let out = CudaStorage::alloc(dev, dt, out_len)?;
+    if out_len == 0 {
+        return Ok(out);
+    }
+    if p.batch == 0 || p.h_out() == 0 || p.w_out() == 0 {
+        super::ops::fill(&out, 0.0)?;
+        return Ok(out);
+    }
+    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        *guard = Some(Dnn::new(dev)?);
+    }
+    let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
+    let h = dnn.handle;
+    let plan = dnn.plan(dev, p, dt, dir)?;
+    let (af, bf) = (1f32, 0f32);
+    let (ad, bd) = (1f64, 0f64);
+    let (alpha, beta) = if dt == DType::F64 {
+        (&ad as *const f64 as *const c_void, &bd as *const f64 as *const c_void)
+    } else {
+        (&af as *const f32 as *const c_void, &bf as *const f32 as *const c_void)
+    };
+    let ws = plan.ws.as_ref().map(|w| w.ptr as *mut c_void).unwrap_or(std::ptr::null_mut());
+    let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
+    unsafe {
+        match plan.algo {
+            // a = x, b = w
+            Algo::F(algo) => nr::convolution_forward(
+                h,
+                alpha,
+                plan.x,
+                pa,
+                plan.w,
+                pb,
+                plan.conv,
+                algo,
+                ws,
+                plan.ws_bytes,
+                beta,
+                plan.y,
+                po,
+            ),
+            // a = dy, b = w
+            Algo::D(algo) => nr::convolution_backward_data(
+                h,
+                alpha,
+                plan.w,
+                pb,
+                plan.y,
+                pa,
+                plan.conv,
+                algo,
+                ws,
+                plan.ws_bytes,
+                beta,
+                plan.x,
+                po,
+            ),
+            // a = dy, b = x
+            Algo::W(algo) => nr::convolution_backward_filter(
+                h,
+                alpha,
+                plan.x,
+                pb,
+                plan.y,
+                pa,
+                plan.conv,
+                algo,
+                ws,
+                plan.ws_bytes,
+                beta,
+                plan.w,
+                po,
+            ),
+        }
+    }
+    .map_err(|err| cu_err(op, err))?;
+    Ok(out)
+}
+
+pub(crate) fn conv2d(x: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    run(Dir::Fwd, x, w, p, "conv2d")
+}
+pub(crate) fn conv2d_backward_input(dy: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    run(Dir::BwdData, dy, w, p, "conv2d_backward_input")
+}
+pub(crate) fn conv2d_backward_weight(dy: &CudaStorage, x: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    run(Dir::BwdFilter, dy, x, p, "conv2d_backward_weight")
+}

@@ -1,0 +1,257 @@
+//! Per-device state: context, the one compute stream, the NVRTC module, library handles.
+//!
+//! A device is opened on first use (`Dev::get`) after checking that the driver and every library
+//! we load are present (cudarc panics on a missing library, so we never let it try).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use cudarc::driver::{result as dr, sys, CudaContext, CudaModule, CudaStream};
+
+use super::alloc::PoolInner;
+use super::blas::Blas;
+use super::conv::Dnn;
+use crate::{DType, Error, Result};
+
+/// Why CUDA cannot be used in this process (returned as [`Error::CudaUnavailable`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CudaSetupError {
+    /// The driver library (`libcuda.so`) could not be loaded.
+    NoDriver,
+    /// The driver loaded but reports no GPU (or failed to initialise).
+    NoDevice { detail: String },
+    /// `cuda:N` was asked for but only `count` GPUs are visible.
+    BadOrdinal { ordinal: usize, count: usize },
+    /// A CUDA library we need (nvrtc, cublas, cudnn) could not be loaded.
+    MissingLibrary { name: &'static str },
+    /// Context creation, kernel compilation or handle creation failed.
+    Init { detail: String },
+}
+
+impl std::fmt::Display for CudaSetupError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CudaSetupError::NoDriver => f.write_str("CUDA driver not found (libcuda.so could not be loaded; is an NVIDIA driver installed?)"),
+            CudaSetupError::NoDevice { detail } => write!(f, "no CUDA GPU found ({detail})"),
+            CudaSetupError::BadOrdinal { ordinal, count } => write!(f, "cuda:{ordinal} requested but {count} GPU(s) are visible"),
+            CudaSetupError::MissingLibrary { name } => {
+                write!(f, "CUDA library {name} not found (install it or add its directory to LD_LIBRARY_PATH)")
+            }
+            CudaSetupError::Init { detail } => write!(f, "CUDA initialisation failed: {detail}"),
+        }
+    }
+}
+
+pub(crate) fn cu_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("{what}: {e:?}"))
+}
+
+/// Checks the driver and libraries once per process; returns the visible GPU count.
+pub(crate) fn probe() -> std::result::Result<usize, CudaSetupError> {
+    static PROBE: OnceLock<std::result::Result<usize, CudaSetupError>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            // SAFETY: these only try to dlopen the libraries.
+            unsafe {
+                if !sys::is_culib_present() {
+                    return Err(CudaSetupError::NoDriver);
+                }
+                if !cudarc::nvrtc::sys::is_culib_present() {
+                    return Err(CudaSetupError::MissingLibrary { name: "NVRTC (libnvrtc.so)" });
+                }
+                if !cudarc::cublas::sys::is_culib_present() {
+                    return Err(CudaSetupError::MissingLibrary { name: "cuBLAS (libcublas.so)" });
+                }
+                if !cudarc::cudnn::sys::is_culib_present() {
+                    return Err(CudaSetupError::MissingLibrary { name: "cuDNN (libcudnn.so)" });
+                }
+            }
+            dr::init().map_err(|e| CudaSetupError::NoDevice { detail: format!("cuInit failed: {e:?}") })?;
+            let n = CudaContext::device_count().map_err(|e| CudaSetupError::NoDevice { detail: format!("{e:?}") })?;
+            if n <= 0 {
+                return Err(CudaSetupError::NoDevice { detail: "the driver reports 0 devices".into() });
+            }
+            Ok(n as usize)
+        })
+        .clone()
+}
+
+/// Kernel source compiled with NVRTC at first use.
+const KERNELS: &str = include_str!("kernels.cu");
+
+pub(crate) struct Dev {
+    pub ordinal: usize,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub cu_stream: sys::CUstream,
+    pub default_pool: sys::CUmemoryPool,
+    module: Arc<CudaModule>,
+    funcs: Mutex<HashMap<(&'static str, &'static str), sys::CUfunction>>,
+    pub blas: Mutex<Option<Blas>>,
+    pub dnn: Mutex<Option<Dnn>>,
+    /// Bytes currently handed out by this allocator (all pools) and the peak since the last reset.
+    pub allocated: AtomicU64,
+    pub peak_allocated: AtomicU64,
+    pub private_pools: Mutex<Vec<Weak<PoolInner>>>,
+    /// Errors from `Drop` paths (frees), which cannot return them.
+    pub deferred_error: Mutex<Option<String>>,
+}
+
+// SAFETY: the raw handles are process-global driver objects; all mutation goes through mutexes or
+// the driver's own thread safety, and work is ordered on the single compute stream.
+unsafe impl Send for Dev {}
+unsafe impl Sync for Dev {}
+
+impl std::fmt::Debug for Dev {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cuda:{}", self.ordinal)
+    }
+}
+
+type DevSlot = std::result::Result<Arc<Dev>, CudaSetupError>;
+
+fn registry() -> &'static Mutex<HashMap<usize, DevSlot>> {
+    static R: OnceLock<Mutex<HashMap<usize, DevSlot>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+thread_local! {
+    static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl Dev {
+    /// The process-wide handle of `cuda:ordinal`, opened on first use.
+    pub fn get(ordinal: usize) -> std::result::Result<Arc<Dev>, CudaSetupError> {
+        let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = reg.get(&ordinal) {
+            return slot.clone();
+        }
+        let slot = Dev::open(ordinal).map(Arc::new);
+        reg.insert(ordinal, slot.clone());
+        slot
+    }
+
+    fn open(ordinal: usize) -> std::result::Result<Dev, CudaSetupError> {
+        let count = probe()?;
+        if ordinal >= count {
+            return Err(CudaSetupError::BadOrdinal { ordinal, count });
+        }
+        let init = |what: &str, e: &dyn std::fmt::Debug| CudaSetupError::Init { detail: format!("{what}: {e:?}") };
+        let ctx = CudaContext::new(ordinal).map_err(|e| init("context", &e))?;
+        // Event tracking breaks stream capture; we order everything on one stream ourselves.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| init("stream", &e))?;
+        let cu_stream = stream.cu_stream();
+        let dev = ctx.cu_device();
+        let pool = unsafe { dr::device::get_default_mem_pool(dev) }.map_err(|e| init("default memory pool", &e))?;
+        let mut thr = u64::MAX;
+        unsafe {
+            dr::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut thr as *mut u64 as *mut c_void,
+            )
+        }
+        .map_err(|e| init("pool release threshold", &e))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| init("compute capability", &e))?;
+        let cuda_home = std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")).unwrap_or_else(|_| "/usr/local/cuda".into());
+        let opts = cudarc::nvrtc::CompileOptions {
+            include_paths: vec![format!("{cuda_home}/include")],
+            options: vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".into()],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
+            .map_err(|e| init(&format!("NVRTC compile of the kernels (include path {cuda_home}/include; set CUDA_HOME)"), &e))?;
+        let module = ctx.load_module(ptx).map_err(|e| init("load module", &e))?;
+        Ok(Dev {
+            ordinal,
+            ctx,
+            stream,
+            cu_stream,
+            default_pool: pool,
+            module,
+            funcs: Mutex::new(HashMap::new()),
+            blas: Mutex::new(None),
+            dnn: Mutex::new(None),
+            allocated: AtomicU64::new(0),
+            peak_allocated: AtomicU64::new(0),
+            private_pools: Mutex::new(Vec::new()),
+            deferred_error: Mutex::new(None),
+        })
+    }
+
+    /// Makes this device's context current on the calling thread (cheap when it already is).
+    #[inline]
+    pub fn bind(&self) -> Result<()> {
+        let want = self.ctx.cu_ctx() as usize;
+        if BOUND.with(|b| b.get()) != want {
+            unsafe { dr::ctx::set_current(self.ctx.cu_ctx()) }.map_err(|e| cu_err("cuCtxSetCurrent", e))?;
+            BOUND.with(|b| b.set(want));
+        }
+        Ok(())
+    }
+
+    /// A kernel of the module: `base` plus a dtype suffix (`""` for none).
+    pub fn func(&self, base: &'static str, suffix: &'static str) -> Result<sys::CUfunction> {
+        let mut m = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = m.get(&(base, suffix)) {
+            return Ok(*f);
+        }
+        let name = if suffix.is_empty() { base.to_string() } else { format!("{base}_{suffix}") };
+        let f = self.module.load_function(&name).map_err(|e| cu_err(&format!("kernel {name}"), e))?;
+        let raw = f.cu_function();
+        // The module (held by self) keeps the function alive.
+        std::mem::forget(f);
+        m.insert((base, suffix), raw);
+        Ok(raw)
+    }
+
+    /// Launches `f` with a 1-D grid over `n` items (grid-stride loops inside the kernels).
+    #[inline]
+    pub fn launch1d(&self, f: sys::CUfunction, n: usize, params: &mut [*mut c_void]) -> Result<()> {
+        let block = 256u32;
+        let blocks = n.div_ceil(block as usize).clamp(1, 65536 * 8) as u32;
+        self.launch(f, (blocks, 1, 1), (block, 1, 1), params)
+    }
+
+    #[inline]
+    pub fn launch(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), params: &mut [*mut c_void]) -> Result<()> {
+        // SAFETY: every caller passes pointers to live arguments matching the kernel signature.
+        unsafe { dr::launch_kernel(f, grid, block, 0, self.cu_stream, params) }.map_err(|e| cu_err("kernel launch", e))
+    }
+
+    /// Waits for all work queued on the compute stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        unsafe { dr::stream::synchronize(self.cu_stream) }.map_err(|e| cu_err("stream synchronize", e))
+    }
+
+    pub fn record_deferred(&self, what: &str, e: impl std::fmt::Debug) {
+        let mut d = self.deferred_error.lock().unwrap_or_else(|e| e.into_inner());
+        if d.is_none() {
+            *d = Some(format!("{what}: {e:?}"));
+        }
+    }
+
+    pub fn note_alloc(&self, bytes: u64) {
+        let now = self.allocated.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak_allocated.fetch_max(now, Ordering::Relaxed);
+    }
+    pub fn note_free(&self, bytes: u64) {
+        self.allocated.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// Kernel-name suffix of a dtype (Bool shares the u8 kernels).
+pub(crate) fn sfx(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I64 => "i64",
+        DType::U8 | DType::Bool => "u8",
+    }
+}

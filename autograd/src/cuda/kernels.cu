@@ -1,0 +1,643 @@
+// ptl-autograd CUDA kernels, compiled once per process with NVRTC (see cuda/device.rs).
+//
+// Rules every kernel follows:
+// - every output element is written by exactly one thread (no pre-zeroed outputs assumed);
+// - no atomics: reductions combine in a fixed order, so results are bit-identical run to run;
+// - f16/bf16 are loaded into f32, computed in f32 and rounded once on store.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef long long i64;
+typedef unsigned char u8;
+typedef unsigned int u32;
+
+#define MAXD 8
+
+// Up to three strided operands over one logical shape (offsets and strides in elements).
+struct Strided {
+    u32 rank;
+    u32 shape[MAXD];
+    u32 st[3][MAXD];
+    u32 off[3];
+};
+
+__device__ __forceinline__ void strided_offsets(const Strided& g, u32 i, u32* o, int nops) {
+    u32 a = g.off[0], b = g.off[1], c = g.off[2];
+    for (int d = (int)g.rank - 1; d >= 0; --d) {
+        u32 s = g.shape[d];
+        u32 q = i / s;
+        u32 r = i - q * s;
+        i = q;
+        a += r * g.st[0][d];
+        if (nops > 1) b += r * g.st[1][d];
+        if (nops > 2) c += r * g.st[2][d];
+    }
+    o[0] = a; o[1] = b; o[2] = c;
+}
+
+// ---- scalar conversions -------------------------------------------------------------------------
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ i64 to_acc(i64 x) { return x; }
+__device__ __forceinline__ i64 to_acc(u8 x) { return (i64)x; }
+
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+template <> struct Acc<i64> { typedef i64 type; };
+template <> struct Acc<u8> { typedef i64 type; };
+
+// Sums of f32 accumulate in f64 like the CPU backend; halves accumulate in f32.
+template <typename T> struct SumAcc { typedef float type; };
+template <> struct SumAcc<float> { typedef double type; };
+template <> struct SumAcc<double> { typedef double type; };
+template <> struct SumAcc<i64> { typedef i64 type; };
+template <> struct SumAcc<u8> { typedef i64 type; };
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ double from_f<double>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename T> __device__ __forceinline__ T from_d(double x);
+template <> __device__ __forceinline__ float from_d<float>(double x) { return (float)x; }
+template <> __device__ __forceinline__ double from_d<double>(double x) { return x; }
+template <> __device__ __forceinline__ __half from_d<__half>(double x) { return __double2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_d<__nv_bfloat16>(double x) { return __double2bfloat16(x); }
+template <> __device__ __forceinline__ i64 from_d<i64>(double x) {
+    if (x != x) return 0;
+    if (x >= 9.2233720368547758e18) return 0x7fffffffffffffffLL;
+    if (x <= -9.2233720368547758e18) return (i64)0x8000000000000000ULL;
+    return (i64)x;
+}
+template <> __device__ __forceinline__ u8 from_d<u8>(double x) {
+    if (!(x > 0.0)) return 0;
+    if (x >= 255.0) return 255;
+    return (u8)x;
+}
+
+__device__ __forceinline__ double to_d(float x) { return x; }
+__device__ __forceinline__ double to_d(double x) { return x; }
+__device__ __forceinline__ double to_d(__half x) { return (double)__half2float(x); }
+__device__ __forceinline__ double to_d(__nv_bfloat16 x) { return (double)__bfloat162float(x); }
+__device__ __forceinline__ double to_d(i64 x) { return (double)x; }
+__device__ __forceinline__ double to_d(u8 x) { return (double)x; }
+
+// Accumulator back to storage type.
+template <typename T, typename A> __device__ __forceinline__ T store(A x);
+template <> __device__ __forceinline__ float store<float, float>(float x) { return x; }
+template <> __device__ __forceinline__ float store<float, double>(double x) { return (float)x; }
+template <> __device__ __forceinline__ double store<double, double>(double x) { return x; }
+template <> __device__ __forceinline__ __half store<__half, float>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 store<__nv_bfloat16, float>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ i64 store<i64, i64>(i64 x) { return x; }
+template <> __device__ __forceinline__ u8 store<u8, i64>(i64 x) { return (u8)x; }
+
+// ---- math overloads ------------------------------------------------------------------------------
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float m_log1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double m_log1p(double x) { return log1p(x); }
+__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float m_atan(float x) { return atanf(x); }
+__device__ __forceinline__ double m_atan(double x) { return atan(x); }
+__device__ __forceinline__ float m_floor(float x) { return floorf(x); }
+__device__ __forceinline__ double m_floor(double x) { return floor(x); }
+__device__ __forceinline__ float m_ceil(float x) { return ceilf(x); }
+__device__ __forceinline__ double m_ceil(double x) { return ceil(x); }
+__device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double m_abs(double x) { return fabs(x); }
+__device__ __forceinline__ float m_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double m_pow(double x, double y) { return pow(x, y); }
+__device__ __forceinline__ float m_atan2(float x, float y) { return atan2f(x, y); }
+__device__ __forceinline__ double m_atan2(double x, double y) { return atan2(x, y); }
+template <typename A> __device__ __forceinline__ bool is_nan(A x) { return x != x; }
+
+template <typename A> __device__ __forceinline__ A sigm(A x) { return (A)1 / ((A)1 + m_exp(-x)); }
+
+// Unary op codes (match cuda/ops.rs).
+template <typename A> __device__ __forceinline__ A unary_apply(int op, A x, A p0, A p1) {
+    switch (op) {
+    case 0: return -x;
+    case 1: return m_exp(x);
+    case 2: return m_log(x);
+    case 3: return m_sqrt(x);
+    case 4: return m_abs(x);
+    case 5: return sigm(x);
+    case 6: return x * sigm(x);
+    case 7: return m_tanh(x);
+    case 8: return x > (A)20 ? x : m_log1p(m_exp(x));
+    case 9: return m_atan(x);
+    case 10: return (A)1 / x;
+    case 11: return x > (A)0 ? (A)1 : (x < (A)0 ? (A)-1 : x * (A)0);
+    case 12: return x * x;
+    case 13: return x > (A)0 ? x : (A)0;
+    case 14: return m_floor(x);
+    case 15: return m_ceil(x);
+    case 16: return m_pow(x, p0);
+    case 17: { if (is_nan(x)) return x; A y = x > p0 ? x : p0; return y < p1 ? y : p1; }
+    case 18: return x * p0 + p1;
+    case 19: { A s = sigm(x); return s * ((A)1 + x * ((A)1 - s)); }
+    }
+    return x;
+}
+
+template <typename T>
+__device__ void unary_k(const T* x, T* y, u32 n, int op, double p0, double p1) {
+    typedef typename Acc<T>::type A;
+    A a0 = (A)p0, a1 = (A)p1;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x)
+        y[i] = store<T, A>(unary_apply<A>(op, to_acc(x[i]), a0, a1));
+}
+
+// Integer unary: 0 neg, 1 abs, 2 affine (integral mul/add), 3 clamp (through f64 like the CPU).
+__device__ void unary_i64_k(const i64* x, i64* y, u32 n, int op, double p0, double p1) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        i64 v = x[i];
+        i64 r;
+        switch (op) {
+        case 0: r = -v; break;
+        case 1: r = v < 0 ? -v : v; break;
+        case 2: r = v * (i64)p0 + (i64)p1; break;
+        default: { double d = (double)v; d = d < p0 ? p0 : d; d = d > p1 ? p1 : d; r = from_d<i64>(d); }
+        }
+        y[i] = r;
+    }
+}
+
+// Binary op codes: 0 add 1 sub 2 mul 3 div 4 max 5 min 6 pow 7 atan2.
+template <typename A> __device__ __forceinline__ A binary_apply(int op, A a, A b) {
+    switch (op) {
+    case 0: return a + b;
+    case 1: return a - b;
+    case 2: return a * b;
+    case 3: return a / b;
+    case 4: return (is_nan(a) || is_nan(b)) ? a + b : (a > b ? a : b);
+    case 5: return (is_nan(a) || is_nan(b)) ? a + b : (a < b ? a : b);
+    case 6: return m_pow(a, b);
+    case 7: return m_atan2(a, b);
+    }
+    return a;
+}
+__device__ __forceinline__ i64 floordiv(i64 a, i64 b) {
+    // Euclidean division like Rust's div_euclid.
+    if (b == 0) return 0;
+    i64 q = a / b;
+    i64 r = a - q * b;
+    if (r < 0) q = b > 0 ? q - 1 : q + 1;
+    return q;
+}
+template <> __device__ __forceinline__ i64 binary_apply<i64>(int op, i64 a, i64 b) {
+    switch (op) {
+    case 0: return (i64)((unsigned long long)a + (unsigned long long)b);
+    case 1: return (i64)((unsigned long long)a - (unsigned long long)b);
+    case 2: return (i64)((unsigned long long)a * (unsigned long long)b);
+    case 3: return floordiv(a, b);
+    case 4: return a > b ? a : b;
+    case 5: return a < b ? a : b;
+    }
+    return 0;
+}
+
+template <typename T>
+__device__ void binary_c_k(const T* a, const T* b, T* y, u32 n, int op) {
+    typedef typename Acc<T>::type A;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x)
+        y[i] = store<T, A>(binary_apply<A>(op, to_acc(a[i]), to_acc(b[i])));
+}
+template <typename T>
+__device__ void binary_s_k(const T* a, const T* b, T* y, u32 n, int op, Strided g) {
+    typedef typename Acc<T>::type A;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        u32 o[3];
+        strided_offsets(g, i, o, 2);
+        y[i] = store<T, A>(binary_apply<A>(op, to_acc(a[o[0]]), to_acc(b[o[1]])));
+    }
+}
+// u8 / bool arithmetic (wrapping; bool results clamp to 1).
+__device__ __forceinline__ u8 binary_u8(int op, u8 a, u8 b, int is_bool) {
+    u8 r;
+    switch (op) {
+    case 0: r = (u8)(a + b); break;
+    case 1: r = (u8)(a - b); break;
+    case 2: r = (u8)(a * b); break;
+    case 4: r = a > b ? a : b; break;
+    default: r = a < b ? a : b; break;
+    }
+    return is_bool ? (r > 1 ? 1 : r) : r;
+}
+extern "C" __global__ void binary_s_u8(const u8* a, const u8* b, u8* y, u32 n, int op, Strided g, int is_bool) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        u32 o[3];
+        strided_offsets(g, i, o, 2);
+        y[i] = binary_u8(op, a[o[0]], b[o[1]], is_bool);
+    }
+}
+
+// Comparisons: 0 eq 1 ne 2 lt 3 le 4 gt 5 ge; output bool bytes.
+template <typename A> __device__ __forceinline__ u8 cmp_apply(int op, A a, A b) {
+    switch (op) {
+    case 0: return a == b;
+    case 1: return a != b;
+    case 2: return a < b;
+    case 3: return a <= b;
+    case 4: return a > b;
+    }
+    return a >= b;
+}
+template <typename T>
+__device__ void cmp_s_k(const T* a, const T* b, u8* y, u32 n, int op, Strided g) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        u32 o[3];
+        strided_offsets(g, i, o, 2);
+        y[i] = cmp_apply(op, to_acc(a[o[0]]), to_acc(b[o[1]]));
+    }
+}
+
+template <typename T>
+__device__ void where_s_k(const u8* c, const T* a, const T* b, T* y, u32 n, Strided g) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        u32 o[3];
+        strided_offsets(g, i, o, 3);
+        y[i] = c[o[0]] ? a[o[1]] : b[o[2]];
+    }
+}
+
+// Strided copy: src view (operand 0) into dst view (operand 1).
+template <typename T>
+__device__ void copy_s_k(const T* x, T* y, u32 n, Strided g) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        u32 o[3];
+        strided_offsets(g, i, o, 2);
+        y[o[1]] = x[o[0]];
+    }
+}
+
+template <typename T>
+__device__ void fill_k(T* y, u32 n, double v) {
+    T t = from_d<T>(v);
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) y[i] = t;
+}
+
+// ---- casts (through f64, rounding once) ------------------------------------------------------------
+template <typename S, typename D>
+__device__ void cast_k(const S* x, D* y, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) y[i] = from_d<D>(to_d(x[i]));
+}
+template <typename S>
+__device__ void cast_bool_k(const S* x, u8* y, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) y[i] = to_d(x[i]) != 0.0;
+}
+// f32 <-> half directly (one rounding, no detour).
+extern "C" __global__ void cast_f32_bf16(const float* x, __nv_bfloat16* y, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) y[i] = __float2bfloat16_rn(x[i]);
+}
+extern "C" __global__ void cast_f32_f16(const float* x, __half* y, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) y[i] = __float2half_rn(x[i]);
+}
+// i64 to float types: exact i64->f64 like the CPU backend.
+template <typename D>
+__device__ void cast_from_i64_k(const i64* x, D* y, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) y[i] = from_d<D>((double)x[i]);
+}
+
+// ---- reductions (fixed-order trees, no atomics) -----------------------------------------------------
+// op: 0 sum 1 max 2 min 3 argmax 4 argmin.
+template <typename V> struct Cand { V v; i64 i; };
+
+template <typename V> __device__ __forceinline__ Cand<V> pick(Cand<V> a, Cand<V> b, bool mx) {
+    if (a.i < 0) return b;
+    if (b.i < 0) return a;
+    bool an = is_nan(a.v), bn = is_nan(b.v);
+    if (an && bn) return a.i < b.i ? a : b;
+    if (an) return a;
+    if (bn) return b;
+    if (mx ? (a.v > b.v) : (a.v < b.v)) return a;
+    if (mx ? (b.v > a.v) : (b.v < a.v)) return b;
+    return a.i < b.i ? a : b;
+}
+
+#define RBLOCK 256
+// inner == 1: one block per output row, strided per thread, then a fixed shared-memory tree.
+template <typename T>
+__device__ void reduce_rows_k(const T* x, void* yv, u32 d, int op) {
+    typedef typename SumAcc<T>::type S;
+    typedef typename Acc<T>::type A;
+    __shared__ S ss[RBLOCK];
+    __shared__ A sv[RBLOCK];
+    __shared__ i64 si[RBLOCK];
+    const T* row = x + (size_t)blockIdx.x * d;
+    u32 t = threadIdx.x;
+    if (op == 0) {
+        S acc = 0;
+        for (u32 j = t; j < d; j += RBLOCK) acc += (S)to_acc(row[j]);
+        ss[t] = acc;
+        __syncthreads();
+        for (u32 s = RBLOCK / 2; s > 0; s >>= 1) {
+            if (t < s) ss[t] += ss[t + s];
+            __syncthreads();
+        }
+        if (t == 0) ((T*)yv)[blockIdx.x] = store<T, A>((A)ss[0]);
+        return;
+    }
+    bool mx = (op == 1 || op == 3);
+    Cand<A> c; c.v = 0; c.i = -1;
+    for (u32 j = t; j < d; j += RBLOCK) {
+        Cand<A> n; n.v = to_acc(row[j]); n.i = j;
+        c = pick(c, n, mx);
+    }
+    sv[t] = c.v; si[t] = c.i;
+    __syncthreads();
+    for (u32 s = RBLOCK / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            Cand<A> a, b; a.v = sv[t]; a.i = si[t]; b.v = sv[t + s]; b.i = si[t + s];
+            Cand<A> r = pick(a, b, mx);
+            sv[t] = r.v; si[t] = r.i;
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        if (op >= 3) ((i64*)yv)[blockIdx.x] = si[0] < 0 ? 0 : si[0];
+        else ((T*)yv)[blockIdx.x] = row[si[0] < 0 ? 0 : si[0]];
+    }
+}
+
+// inner > 1: block (32, 8) covers 32 columns; the 8 row-groups combine in order.
+template <typename T>
+__device__ void reduce_cols_k(const T* x, void* yv, u32 d, u32 inner, int op) {
+    typedef typename SumAcc<T>::type S;
+    typedef typename Acc<T>::type A;
+    __shared__ S ss[8][33];
+    __shared__ A sv[8][33];
+    __shared__ i64 si[8][33];
+    u32 tx = threadIdx.x, ty = threadIdx.y;
+    u32 col = blockIdx.x * 32 + tx;
+    u32 o = blockIdx.y;
+    bool ok = col < inner;
+    const T* base = x + (size_t)o * d * inner + col;
+    if (op == 0) {
+        S acc = 0;
+        if (ok) for (u32 j = ty; j < d; j += 8) acc += (S)to_acc(base[(size_t)j * inner]);
+        ss[ty][tx] = acc;
+        __syncthreads();
+        if (ty == 0 && ok) {
+            S r = ss[0][tx];
+            for (int k = 1; k < 8; ++k) r += ss[k][tx];
+            ((T*)yv)[(size_t)o * inner + col] = store<T, A>((A)r);
+        }
+        return;
+    }
+    bool mx = (op == 1 || op == 3);
+    Cand<A> c; c.v = 0; c.i = -1;
+    if (ok) for (u32 j = ty; j < d; j += 8) {
+        Cand<A> n; n.v = to_acc(base[(size_t)j * inner]); n.i = j;
+        c = pick(c, n, mx);
+    }
+    sv[ty][tx] = c.v; si[ty][tx] = c.i;
+    __syncthreads();
+    if (ty == 0 && ok) {
+        Cand<A> r; r.v = sv[0][tx]; r.i = si[0][tx];
+        for (int k = 1; k < 8; ++k) { Cand<A> b; b.v = sv[k][tx]; b.i = si[k][tx]; r = pick(r, b, mx); }
+        i64 bi = r.i < 0 ? 0 : r.i;
+        if (op >= 3) ((i64*)yv)[(size_t)o * inner + col] = bi;
+        else ((T*)yv)[(size_t)o * inner + col] = base[(size_t)bi * inner];
+    }
+}
+
+// ---- index kernels ----------------------------------------------------------------------------------
+// Out-of-range indices read/write nothing and yield zero (bounds are not checked on the host:
+// that would need a synchronising read).
+template <typename T>
+__device__ void index_select_k(const T* x, const i64* idx, T* y, u32 outer, u32 d, u32 n, u32 inner) {
+    u32 total = outer * n * inner;
+    for (u32 k = blockIdx.x * blockDim.x + threadIdx.x; k < total; k += blockDim.x * gridDim.x) {
+        u32 i = k % inner, r = (k / inner) % n, o = k / (inner * n);
+        i64 j = idx[r];
+        y[k] = (j >= 0 && j < d) ? x[((size_t)o * d + j) * inner + i] : from_d<T>(0.0);
+    }
+}
+// out[o, j, i] = x[o, j, i] + sum over r (ascending) with idx[r] == j of src[o, r, i].
+template <typename T>
+__device__ void index_add_k(const T* x, const i64* idx, const T* src, T* y, u32 outer, u32 d, u32 n, u32 inner) {
+    typedef typename Acc<T>::type A;
+    u32 total = outer * d * inner;
+    for (u32 k = blockIdx.x * blockDim.x + threadIdx.x; k < total; k += blockDim.x * gridDim.x) {
+        u32 i = k % inner, j = (k / inner) % d, o = k / (inner * d);
+        T acc = x[k];
+        for (u32 r = 0; r < n; ++r)
+            if (idx[r] == (i64)j) acc = store<T, A>(to_acc(acc) + to_acc(src[((size_t)o * n + r) * inner + i]));
+        y[k] = acc;
+    }
+}
+// Shapes of x and idx padded to MAXD; dim is the gather dimension.
+struct GatherGeo {
+    u32 rank;
+    u32 dim;
+    u32 xshape[MAXD];
+    u32 ishape[MAXD];
+};
+template <typename T>
+__device__ void gather_k(const T* x, const i64* idx, T* y, u32 n, GatherGeo g) {
+    for (u32 k = blockIdx.x * blockDim.x + threadIdx.x; k < n; k += blockDim.x * gridDim.x) {
+        u32 rem = k, off = 0, stride = 1, dstride = 0;
+        for (int d = (int)g.rank - 1; d >= 0; --d) {
+            u32 c = rem % g.ishape[d];
+            rem /= g.ishape[d];
+            if ((u32)d != g.dim) off += c * stride; else dstride = stride;
+            stride *= g.xshape[d];
+        }
+        i64 j = idx[k];
+        y[k] = (j >= 0 && j < g.xshape[g.dim]) ? x[off + (u32)j * dstride] : from_d<T>(0.0);
+    }
+}
+// out[c] = x[c] + sum over p (ascending along dim) with idx[p] == c[dim] of src[p], where p shares
+// c's other coordinates.
+template <typename T>
+__device__ void scatter_add_k(const T* x, const i64* idx, const T* src, T* y, u32 n, GatherGeo g) {
+    typedef typename Acc<T>::type A;
+    for (u32 k = blockIdx.x * blockDim.x + threadIdx.x; k < n; k += blockDim.x * gridDim.x) {
+        u32 rem = k, ioff = 0, istride = 1, idstride = 0, j = 0;
+        bool inside = true;
+        for (int d = (int)g.rank - 1; d >= 0; --d) {
+            u32 c = rem % g.xshape[d];
+            rem /= g.xshape[d];
+            if ((u32)d == g.dim) { j = c; idstride = istride; }
+            else { if (c >= g.ishape[d]) inside = false; ioff += c * istride; }
+            istride *= g.ishape[d];
+        }
+        T acc = x[k];
+        if (inside)
+            for (u32 p = 0; p < g.ishape[g.dim]; ++p) {
+                u32 q = ioff + p * idstride;
+                if (idx[q] == (i64)j) acc = store<T, A>(to_acc(acc) + to_acc(src[q]));
+            }
+        y[k] = acc;
+    }
+}
+
+// ---- top-k: rank of each element in (value desc/asc, index asc) order; one block per row ---------------
+template <typename T>
+__device__ void topk_k(const T* x, T* yv, i64* yi, u32 d, u32 inner, u32 k, int largest) {
+    typedef typename Acc<T>::type A;
+    u32 row = blockIdx.x;
+    u32 o = row / inner, i = row % inner;
+    const T* base = x + (size_t)o * d * inner + i;
+    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
+        A v = to_acc(base[(size_t)j * inner]);
+        u32 rank = 0;
+        for (u32 q = 0; q < d; ++q) {
+            A w = to_acc(base[(size_t)q * inner]);
+            bool before = largest ? (w > v) : (w < v);
+            if (before || (w == v && q < j)) ++rank;
+        }
+        if (rank < k) {
+            size_t at = ((size_t)o * k + rank) * inner + i;
+            yv[at] = base[(size_t)j * inner];
+            yi[at] = j;
+        }
+    }
+}
+
+// ---- max pooling ------------------------------------------------------------------------------------
+struct PoolGeo { u32 planes, h, w, oh, ow, k, s, p; };
+template <typename T>
+__device__ void maxpool_fwd_k(const T* x, T* y, i64* yi, PoolGeo g) {
+    u32 total = g.planes * g.oh * g.ow;
+    for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += blockDim.x * gridDim.x) {
+        u32 ox = t % g.ow, oy = (t / g.ow) % g.oh, pl = t / (g.ow * g.oh);
+        const T* xp = x + (size_t)pl * g.h * g.w;
+        float best = -INFINITY;
+        T bv = from_f<T>(-INFINITY);
+        int bi = -1;
+        for (u32 ky = 0; ky < g.k; ++ky) {
+            int iy = (int)(oy * g.s + ky) - (int)g.p;
+            if (iy < 0 || iy >= (int)g.h) continue;
+            for (u32 kx = 0; kx < g.k; ++kx) {
+                int ix = (int)(ox * g.s + kx) - (int)g.p;
+                if (ix < 0 || ix >= (int)g.w) continue;
+                int kk = iy * (int)g.w + ix;
+                T raw = xp[kk];
+                float v = (float)to_acc(raw);
+                if (bi < 0 || v > best || (is_nan(v) && !is_nan(best))) { best = v; bv = raw; bi = kk; }
+            }
+        }
+        y[t] = bv;
+        yi[t] = bi < 0 ? 0 : bi;
+    }
+}
+template <>
+__device__ void maxpool_fwd_k<double>(const double* x, double* y, i64* yi, PoolGeo g) {
+    u32 total = g.planes * g.oh * g.ow;
+    for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += blockDim.x * gridDim.x) {
+        u32 ox = t % g.ow, oy = (t / g.ow) % g.oh, pl = t / (g.ow * g.oh);
+        const double* xp = x + (size_t)pl * g.h * g.w;
+        double best = -INFINITY;
+        int bi = -1;
+        for (u32 ky = 0; ky < g.k; ++ky) {
+            int iy = (int)(oy * g.s + ky) - (int)g.p;
+            if (iy < 0 || iy >= (int)g.h) continue;
+            for (u32 kx = 0; kx < g.k; ++kx) {
+                int ix = (int)(ox * g.s + kx) - (int)g.p;
+                if (ix < 0 || ix >= (int)g.w) continue;
+                int kk = iy * (int)g.w + ix;
+                double v = xp[kk];
+                if (bi < 0 || v > best || (is_nan(v) && !is_nan(best))) { best = v; bi = kk; }
+            }
+        }
+        y[t] = best;
+        yi[t] = bi < 0 ? 0 : bi;
+    }
+}
+// dx[pl, k] = sum over outputs (ascending) whose argmax is k.
+template <typename T>
+__device__ void maxpool_bwd_k(const T* dy, const i64* idx, T* dx, PoolGeo g) {
+    typedef typename Acc<T>::type A;
+    u32 total = g.planes * g.h * g.w;
+    for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += blockDim.x * gridDim.x) {
+        u32 ix = t % g.w, iy = (t / g.w) % g.h, pl = t / (g.w * g.h);
+        i64 me = (i64)iy * g.w + ix;
+        int oy0 = ((int)iy + (int)g.p - (int)g.k + (int)g.s) / (int)g.s;  // ceil((iy+p-k+1)/s)
+        if ((int)iy + (int)g.p - (int)g.k + 1 <= 0) oy0 = 0;
+        int ox0 = ((int)ix + (int)g.p - (int)g.k + (int)g.s) / (int)g.s;
+        if ((int)ix + (int)g.p - (int)g.k + 1 <= 0) ox0 = 0;
+        int oy1 = ((int)iy + (int)g.p) / (int)g.s;
+        int ox1 = ((int)ix + (int)g.p) / (int)g.s;
+        if (oy1 >= (int)g.oh) oy1 = (int)g.oh - 1;
+        if (ox1 >= (int)g.ow) ox1 = (int)g.ow - 1;
+        T acc = from_d<T>(0.0);
+        size_t base = (size_t)pl * g.oh * g.ow;
+        for (int oy = oy0; oy <= oy1; ++oy)
+            for (int ox = ox0; ox <= ox1; ++ox) {
+                size_t q = base + (size_t)oy * g.ow + ox;
+                if (idx[q] == me) acc = store<T, A>(to_acc(acc) + to_acc(dy[q]));
+            }
+        dx[t] = acc;
+    }
+}
+
+// ---- fused kernels ------------------------------------------------------------------------------------
+// y = silu(x * scale[c] + shift[c]) over NCHW (BN inference form / BN+SiLU forward after stats).
+template <typename T>
+__device__ void affine_silu_k(const T* x, const float* scale, const float* shift, T* y, u32 n, u32 hw, u32 c) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        u32 ch = (i / hw) % c;
+        float v = (float)to_acc(x[i]) * scale[ch] + shift[ch];
+        y[i] = from_f<T>(v / (1.0f + expf(-v)));
+    }
+}
+
+// ---- instantiations ---------------------------------------------------------------------------------------
+#define FLOAT_TYPES(X) X(f32, float) X(f64, double) X(f16, __half) X(bf16, __nv_bfloat16)
+#define ALL_TYPES(X) FLOAT_TYPES(X) X(i64, i64) X(u8, u8)
+
+#define INST_FLOAT(name, T)                                                                                         \
+    extern "C" __global__ void unary_##name(const T* x, T* y, u32 n, int op, double p0, double p1) { unary_k<T>(x, y, n, op, p0, p1); } \
+    extern "C" __global__ void binary_c_##name(const T* a, const T* b, T* y, u32 n, int op) { binary_c_k<T>(a, b, y, n, op); } \
+    extern "C" __global__ void binary_s_##name(const T* a, const T* b, T* y, u32 n, int op, Strided g) { binary_s_k<T>(a, b, y, n, op, g); } \
+    extern "C" __global__ void index_add_##name(const T* x, const i64* idx, const T* src, T* y, u32 outer, u32 d, u32 n, u32 inner) { index_add_k<T>(x, idx, src, y, outer, d, n, inner); } \
+    extern "C" __global__ void scatter_add_##name(const T* x, const i64* idx, const T* src, T* y, u32 n, GatherGeo g) { scatter_add_k<T>(x, idx, src, y, n, g); } \
+    extern "C" __global__ void maxpool_fwd_##name(const T* x, T* y, i64* yi, PoolGeo g) { maxpool_fwd_k<T>(x, y, yi, g); } \
+    extern "C" __global__ void maxpool_bwd_##name(const T* dy, const i64* idx, T* dx, PoolGeo g) { maxpool_bwd_k<T>(dy, idx, dx, g); } \
+    extern "C" __global__ void affine_silu_##name(const T* x, const float* sc, const float* sh, T* y, u32 n, u32 hw, u32 c) { affine_silu_k<T>(x, sc, sh, y, n, hw, c); } \
+    extern "C" __global__ void cast_i64_##name(const i64* x, T* y, u32 n) { cast_from_i64_k<T>(x, y, n); }
+FLOAT_TYPES(INST_FLOAT)
+
+extern "C" __global__ void unary_i64(const i64* x, i64* y, u32 n, int op, double p0, double p1) { unary_i64_k(x, y, n, op, p0, p1); }
+extern "C" __global__ void binary_c_i64(const i64* a, const i64* b, i64* y, u32 n, int op) { binary_c_k<i64>(a, b, y, n, op); }
+extern "C" __global__ void binary_s_i64(const i64* a, const i64* b, i64* y, u32 n, int op, Strided g) { binary_s_k<i64>(a, b, y, n, op, g); }
+extern "C" __global__ void index_add_i64(const i64* x, const i64* idx, const i64* src, i64* y, u32 outer, u32 d, u32 n, u32 inner) { index_add_k<i64>(x, idx, src, y, outer, d, n, inner); }
+extern "C" __global__ void scatter_add_i64(const i64* x, const i64* idx, const i64* src, i64* y, u32 n, GatherGeo g) { scatter_add_k<i64>(x, idx, src, y, n, g); }
+
+#define INST_ALL(name, T)                                                                                            \
+    extern "C" __global__ void cmp_s_##name(const T* a, const T* b, u8* y, u32 n, int op, Strided g) { cmp_s_k<T>(a, b, y, n, op, g); } \
+    extern "C" __global__ void where_s_##name(const u8* c, const T* a, const T* b, T* y, u32 n, Strided g) { where_s_k<T>(c, a, b, y, n, g); } \
+    extern "C" __global__ void copy_s_##name(const T* x, T* y, u32 n, Strided g) { copy_s_k<T>(x, y, n, g); } \
+    extern "C" __global__ void fill_##name(T* y, u32 n, double v) { fill_k<T>(y, n, v); } \
+    extern "C" __global__ void reduce_rows_##name(const T* x, void* y, u32 d, int op) { reduce_rows_k<T>(x, y, d, op); } \
+    extern "C" __global__ void reduce_cols_##name(const T* x, void* y, u32 d, u32 inner, int op) { reduce_cols_k<T>(x, y, d, inner, op); } \
+    extern "C" __global__ void index_select_##name(const T* x, const i64* idx, T* y, u32 outer, u32 d, u32 n, u32 inner) { index_select_k<T>(x, idx, y, outer, d, n, inner); } \
+    extern "C" __global__ void gather_##name(const T* x, const i64* idx, T* y, u32 n, GatherGeo g) { gather_k<T>(x, idx, y, n, g); } \
+    extern "C" __global__ void topk_##name(const T* x, T* yv, i64* yi, u32 d, u32 inner, u32 k, int largest) { topk_k<T>(x, yv, yi, d, inner, k, largest); } \
+    extern "C" __global__ void cast_bool_##name(const T* x, u8* y, u32 n) { cast_bool_k<T>(x, y, n); }
+ALL_TYPES(INST_ALL)
+
+// Generic casts between every pair (through f64).
+#define CAST_TO(sname, S)                                                                                          \
+    extern "C" __global__ void cast_##sname##_f32(const S* x, float* y, u32 n) { cast_k<S, float>(x, y, n); }      \
+    extern "C" __global__ void cast_##sname##_f64(const S* x, double* y, u32 n) { cast_k<S, double>(x, y, n); }    \
+    extern "C" __global__ void cast_##sname##_f16x(const S* x, __half* y, u32 n) { cast_k<S, __half>(x, y, n); }   \
+    extern "C" __global__ void cast_##sname##_bf16x(const S* x, __nv_bfloat16* y, u32 n) { cast_k<S, __nv_bfloat16>(x, y, n); } \
+    extern "C" __global__ void cast_##sname##_i64x(const S* x, i64* y, u32 n) { cast_k<S, i64>(x, y, n); }         \
+    extern "C" __global__ void cast_##sname##_u8(const S* x, u8* y, u32 n) { cast_k<S, u8>(x, y, n); }
+FLOAT_TYPES(CAST_TO)
+CAST_TO(u8, u8)
+extern "C" __global__ void cast_i64_u8(const i64* x, u8* y, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) y[i] = from_d<u8>((double)x[i]);
+}
