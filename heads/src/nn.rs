@@ -1,0 +1,243 @@
+//! Primitive layers with PyTorch names and default initialisation: `Conv2d`, `BatchNorm2d`,
+//! `Conv` (Conv2d + BN + optional SiLU, Ultralytics' `Conv`), `Linear`.
+//!
+//! Parameters are created once and never replaced (loading copies into them), so their storage
+//! addresses are stable for the life of the model.
+
+use ptl_autograd::module::{join_name, parameter};
+use ptl_autograd::{BatchNormOptions, DType, Device, Module, Rng, Tensor, TensorKind};
+
+use crate::Result;
+
+/// BatchNorm epsilon used by every BN of the model (Ultralytics `initialize_weights`).
+pub const BN_EPS: f64 = 1e-3;
+/// BatchNorm momentum (PyTorch convention: weight of the new batch statistic).
+pub const BN_MOMENTUM: f64 = 0.03;
+
+/// Where and how parameters are created.
+pub struct Init<'a> {
+    pub rng: &'a mut Rng,
+    pub device: Device,
+}
+
+/// `U(-bound, bound)` as f32 on `device`.
+pub fn uniform(shape: &[usize], bound: f64, device: Device, rng: &mut Rng) -> Result<Tensor> {
+    Ok(Tensor::rand(shape.to_vec(), -bound, bound, DType::F32, device, rng)?)
+}
+
+/// PyTorch's default Conv2d/Linear weight init: kaiming-uniform with a = √5, i.e.
+/// `U(±1/√fan_in)`.
+pub fn kaiming_uniform_a_sqrt5(shape: &[usize], fan_in: usize, device: Device, rng: &mut Rng) -> Result<Tensor> {
+    uniform(shape, 1.0 / (fan_in.max(1) as f64).sqrt(), device, rng)
+}
+
+/// Xavier-uniform: `U(±gain·√(6/(fan_in+fan_out)))`.
+pub fn xavier_uniform(shape: &[usize], fan_in: usize, fan_out: usize, gain: f64, device: Device, rng: &mut Rng) -> Result<Tensor> {
+    uniform(shape, gain * (6.0 / (fan_in + fan_out) as f64).sqrt(), device, rng)
+}
+
+/// Casts a parameter to the activation dtype when they differ (autocast-style execution: f32
+/// master weights, half-precision compute). Gradients flow back to the f32 parameter.
+pub(crate) fn cast_like(p: &Tensor, x: &Tensor) -> Result<Tensor> {
+    if p.dtype() == x.dtype() {
+        Ok(p.clone())
+    } else {
+        Ok(p.to_dtype(x.dtype())?)
+    }
+}
+
+/// `nn.Conv2d` (dilation 1, "same" padding k/2), optional bias.
+pub struct Conv2d {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub stride: usize,
+    pub padding: usize,
+    pub groups: usize,
+}
+
+impl Conv2d {
+    pub fn new(c1: usize, c2: usize, k: usize, stride: usize, groups: usize, bias: bool, init: &mut Init<'_>) -> Result<Self> {
+        if groups == 0 || c1 % groups != 0 || c2 % groups != 0 {
+            return Err(crate::HeadsError::Config(format!("Conv2d {c1}->{c2} cannot use {groups} groups")));
+        }
+        let fan_in = c1 / groups * k * k;
+        let weight = parameter(kaiming_uniform_a_sqrt5(&[c2, c1 / groups, k, k], fan_in, init.device, init.rng)?)?;
+        let bias = if bias { Some(parameter(kaiming_uniform_a_sqrt5(&[c2], fan_in, init.device, init.rng)?)?) } else { None };
+        Ok(Conv2d { weight, bias, stride, padding: k / 2, groups })
+    }
+
+    pub fn c_in(&self) -> usize {
+        self.weight.dims()[1] * self.groups
+    }
+    pub fn c_out(&self) -> usize {
+        self.weight.dims()[0]
+    }
+    pub fn kernel(&self) -> usize {
+        self.weight.dims()[2]
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = cast_like(&self.weight, x)?;
+        let b = match &self.bias {
+            Some(b) => Some(cast_like(b, x)?),
+            None => None,
+        };
+        Ok(x.conv2d(&w, b.as_ref(), (self.stride, self.stride), (self.padding, self.padding), self.groups)?)
+    }
+}
+
+impl Module for Conv2d {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
+        f(&join_name(prefix, "weight"), &self.weight, TensorKind::Parameter);
+        if let Some(b) = &self.bias {
+            f(&join_name(prefix, "bias"), b, TensorKind::Parameter);
+        }
+    }
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// `nn.BatchNorm2d` with eps 1e-3 and momentum 0.03; tracks `num_batches_tracked` (int64).
+pub struct BatchNorm2d {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub running_mean: Tensor,
+    pub running_var: Tensor,
+    pub num_batches_tracked: Tensor,
+    pub eps: f64,
+    pub momentum: f64,
+    pub training: bool,
+}
+
+impl BatchNorm2d {
+    pub fn new(c: usize, device: Device) -> Result<Self> {
+        Ok(BatchNorm2d {
+            weight: parameter(Tensor::ones(c, DType::F32, device)?)?,
+            bias: parameter(Tensor::zeros(c, DType::F32, device)?)?,
+            running_mean: Tensor::zeros(c, DType::F32, device)?,
+            running_var: Tensor::ones(c, DType::F32, device)?,
+            num_batches_tracked: Tensor::zeros((), DType::I64, device)?,
+            eps: BN_EPS,
+            momentum: BN_MOMENTUM,
+            training: true,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let opts = BatchNormOptions { training: self.training, momentum: self.momentum, eps: self.eps };
+        let y = x.batch_norm2d(&self.weight, &self.bias, &self.running_mean, &self.running_var, opts)?;
+        if self.training {
+            let one = Tensor::ones((), DType::I64, self.num_batches_tracked.device())?;
+            self.num_batches_tracked.add_(&one)?;
+        }
+        Ok(y)
+    }
+}
+
+impl Module for BatchNorm2d {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
+        f(&join_name(prefix, "weight"), &self.weight, TensorKind::Parameter);
+        f(&join_name(prefix, "bias"), &self.bias, TensorKind::Parameter);
+        f(&join_name(prefix, "running_mean"), &self.running_mean, TensorKind::Buffer);
+        f(&join_name(prefix, "running_var"), &self.running_var, TensorKind::Buffer);
+        f(&join_name(prefix, "num_batches_tracked"), &self.num_batches_tracked, TensorKind::Buffer);
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+}
+
+/// Ultralytics `Conv`: Conv2d (no bias, padding k/2) → BatchNorm2d → SiLU (or identity).
+pub struct Conv {
+    pub conv: Conv2d,
+    pub bn: BatchNorm2d,
+    pub act: bool,
+}
+
+impl Conv {
+    /// `Conv(c1, c2, k, s, g, act)`.
+    pub fn new(c1: usize, c2: usize, k: usize, s: usize, g: usize, act: bool, init: &mut Init<'_>) -> Result<Self> {
+        Ok(Conv { conv: Conv2d::new(c1, c2, k, s, g, false, init)?, bn: BatchNorm2d::new(c2, init.device)?, act })
+    }
+    /// `Conv(c1, c2, k, s)` with SiLU.
+    pub fn silu(c1: usize, c2: usize, k: usize, s: usize, init: &mut Init<'_>) -> Result<Self> {
+        Conv::new(c1, c2, k, s, 1, true, init)
+    }
+    /// `DWConv(c1, c2, k)`: groups = gcd(c1, c2), SiLU.
+    pub fn dw(c1: usize, c2: usize, k: usize, init: &mut Init<'_>) -> Result<Self> {
+        Conv::new(c1, c2, k, 1, gcd(c1, c2), true, init)
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.bn.forward(&self.conv.forward(x)?)?;
+        if self.act {
+            Ok(y.silu()?)
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+impl Module for Conv {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
+        self.conv.visit(&join_name(prefix, "conv"), f);
+        self.bn.visit(&join_name(prefix, "bn"), f);
+    }
+    fn set_training(&mut self, training: bool) {
+        self.bn.set_training(training);
+    }
+}
+
+/// Greatest common divisor.
+pub fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// `nn.Linear(in, out)`; weight `[out, in]`.
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Tensor,
+}
+
+impl Linear {
+    /// PyTorch default init (kaiming-uniform a = √5 weight, `U(±1/√in)` bias).
+    pub fn new(inp: usize, out: usize, init: &mut Init<'_>) -> Result<Self> {
+        let weight = parameter(kaiming_uniform_a_sqrt5(&[out, inp], inp, init.device, init.rng)?)?;
+        let bias = parameter(kaiming_uniform_a_sqrt5(&[out], inp, init.device, init.rng)?)?;
+        Ok(Linear { weight, bias })
+    }
+
+    /// Weight drawn from Xavier-uniform with `gain` (bias still PyTorch default).
+    pub fn new_xavier(inp: usize, out: usize, gain: f64, init: &mut Init<'_>) -> Result<Self> {
+        // PyTorch draws the default weight and bias at construction, then re-draws the weight.
+        let weight = parameter(xavier_uniform(&[out, inp], inp, out, gain, init.device, init.rng)?)?;
+        let bias = parameter(kaiming_uniform_a_sqrt5(&[out], inp, init.device, init.rng)?)?;
+        Ok(Linear { weight, bias })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.linear(&self.weight, Some(&self.bias))?)
+    }
+}
+
+impl Module for Linear {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
+        f(&join_name(prefix, "weight"), &self.weight, TensorKind::Parameter);
+        f(&join_name(prefix, "bias"), &self.bias, TensorKind::Parameter);
+    }
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// Number of parameter elements under a module.
+pub fn param_count(m: &dyn Module) -> usize {
+    let mut n = 0;
+    m.visit("", &mut |_, t, k| {
+        if k == TensorKind::Parameter {
+            n += t.numel()
+        }
+    });
+    n
+}
