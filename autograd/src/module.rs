@@ -127,6 +127,11 @@ fn from_st_dtype(path: &str, name: &str, d: safetensors::Dtype) -> Result<DType>
 
 /// Serialises named tensors to safetensors bytes (names kept exactly).
 pub fn to_safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    to_safetensors_bytes_with_metadata(tensors, None)
+}
+
+/// Like [`to_safetensors_bytes`], with a string→string metadata map in the header.
+pub fn to_safetensors_bytes_with_metadata(tensors: &[(String, Tensor)], metadata: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
     let mut owned = Vec::with_capacity(tensors.len());
     for (n, t) in tensors {
         owned.push((n.clone(), t.dtype(), t.dims().to_vec(), t.to_bytes()?));
@@ -139,7 +144,7 @@ pub fn to_safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
                 .map_err(|e| Error::SafeTensors { path: "<memory>".into(), msg: format!("`{n}`: {e}") })
         })
         .collect::<Result<_>>()?;
-    safetensors::serialize(views, None).map_err(|e| Error::SafeTensors { path: "<memory>".into(), msg: e.to_string() })
+    safetensors::serialize(views, metadata).map_err(|e| Error::SafeTensors { path: "<memory>".into(), msg: e.to_string() })
 }
 
 /// Writes named tensors to `path` atomically (temporary file, then rename).
@@ -166,6 +171,12 @@ pub fn from_safetensors_bytes(bytes: &[u8], device: Device, origin: &str) -> Res
         out.push((n, t));
     }
     Ok(out)
+}
+
+/// The header metadata of safetensors bytes (empty when there is none).
+pub fn safetensors_metadata(bytes: &[u8], origin: &str) -> Result<HashMap<String, String>> {
+    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| Error::SafeTensors { path: origin.into(), msg: e.to_string() })?;
+    Ok(meta.metadata().clone().unwrap_or_default())
 }
 
 /// Reads every tensor of a safetensors file.

@@ -168,3 +168,21 @@ impl Iterator for StridedOffsets<'_> {
         Some(cur)
     }
 }
+
+macro_rules! shape_from_tuple {
+    ($($n:ident),+) => {
+        impl From<($(shape_from_tuple!(@ty $n),)+)> for Shape {
+            #[allow(non_snake_case)]
+            fn from(($($n,)+): ($(shape_from_tuple!(@ty $n),)+)) -> Self {
+                Shape(vec![$($n),+])
+            }
+        }
+    };
+    (@ty $n:ident) => { usize };
+}
+shape_from_tuple!(A);
+shape_from_tuple!(A, B);
+shape_from_tuple!(A, B, C);
+shape_from_tuple!(A, B, C, D);
+shape_from_tuple!(A, B, C, D, E);
+shape_from_tuple!(A, B, C, D, E, F);

@@ -44,6 +44,12 @@ pub enum TrainerError {
     /// JSON that parses but is inconsistent (e.g. results for an image not in the GT).
     #[error("inconsistent COCO data: {0}")]
     Coco(String),
+    /// A checkpoint that cannot be used (truncated, foreign, wrong format version).
+    #[error("checkpoint {path}: {msg}")]
+    Checkpoint { path: PathBuf, msg: String },
+    /// An error from the tensor library (shapes, dtypes, devices, backward).
+    #[error("tensor error: {0}")]
+    Tensor(#[from] ptl_autograd::Error),
 }
 
 impl TrainerError {

@@ -5,6 +5,7 @@
 //! tensors to `Vec<f32>` and feeds them here.
 
 pub mod error;
+pub mod fit;
 pub mod metrics;
 
 pub use error::{Result, TrainerError};

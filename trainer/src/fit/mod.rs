@@ -1,0 +1,11 @@
+//! The fit loop and its parts: callbacks, replay plugins, checkpoints, run artefacts.
+
+pub mod callback;
+pub mod checkpoint;
+pub mod plugin;
+pub mod summary;
+
+pub use callback::{Callback, HookTrace, LoopView};
+pub use checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, LoopState, Manifest};
+pub use plugin::{registered_plugins, PluginRegistration, PluginStack, ReplayPlugin, Stage, StageInfo};
+pub use summary::{ResultsCsv, RunHashes, RunSummary, StepTiming};
