@@ -21,10 +21,7 @@ pub struct Instances {
 impl Instances {
     /// Empty set with `k` keypoints per object.
     pub fn empty(k: usize) -> Self {
-        Instances {
-            k,
-            ..Default::default()
-        }
+        Instances { k, ..Default::default() }
     }
 
     /// De-normalises labels (cx, cy, w, h in [0,1]) of an image of size `w × h` to pixel xyxy.
@@ -42,12 +39,7 @@ impl Instances {
             p[0] *= w;
             p[1] *= h;
         }
-        Instances {
-            cls: l.cls.clone(),
-            boxes,
-            kpts,
-            k,
-        }
+        Instances { cls: l.cls.clone(), boxes, kpts, k }
     }
 
     pub fn len(&self) -> usize {
@@ -132,11 +124,7 @@ impl Instances {
 
     /// Removes boxes with (x2 − x1)·(y2 − y1) ≤ 0.
     pub fn remove_zero_area(&mut self) {
-        let keep: Vec<bool> = self
-            .boxes
-            .iter()
-            .map(|b| (b[2] - b[0]) * (b[3] - b[1]) > 0.0)
-            .collect();
+        let keep: Vec<bool> = self.boxes.iter().map(|b| (b[2] - b[0]) * (b[3] - b[1]) > 0.0).collect();
         self.retain(&keep);
     }
 
@@ -227,13 +215,7 @@ pub fn draw_mosaic_centre(rng: &mut Rng, s: u32) -> (i64, i64) {
 
 /// 4-image mosaic on a `2s × 2s` canvas (data.md §6.1). Tile 0 top-left, 1 top-right, 2 bottom-left,
 /// 3 bottom-right. Labels are normalised per tile. The result is clipped to the canvas and zero-area boxes removed.
-pub fn mosaic4(
-    tiles: [(&Image, &Labels); 4],
-    k: usize,
-    s: u32,
-    yc: i64,
-    xc: i64,
-) -> (Image, Instances) {
+pub fn mosaic4(tiles: [(&Image, &Labels); 4], k: usize, s: u32, yc: i64, xc: i64) -> (Image, Instances) {
     let cs = 2 * s as i64;
     let mut canvas = Image::filled(cs as u32, cs as u32, [PAD_VALUE; 3]);
     let mut all = Instances::empty(k);
@@ -355,11 +337,7 @@ pub fn affine_matrix(d: &AffineDraw, in_w: u32, in_h: u32, out_w: u32, out_h: u3
     p[2][1] = d.persp_y as f32;
     let a = d.angle.to_radians();
     let (alpha, beta) = (d.scale * a.cos(), d.scale * a.sin());
-    let r = [
-        [alpha as f32, beta as f32, 0.],
-        [-beta as f32, alpha as f32, 0.],
-        [0., 0., 1.],
-    ];
+    let r = [[alpha as f32, beta as f32, 0.], [-beta as f32, alpha as f32, 0.], [0., 0., 1.]];
     let mut s = id;
     s[0][1] = d.shear_x.to_radians().tan() as f32;
     s[1][0] = d.shear_y.to_radians().tan() as f32;
@@ -375,8 +353,7 @@ fn invert3(m: &Mat3) -> Option<[[f64; 3]; 3]> {
         [m[1][0] as f64, m[1][1] as f64, m[1][2] as f64],
         [m[2][0] as f64, m[2][1] as f64, m[2][2] as f64],
     ];
-    let det = a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
-        - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+    let det = a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
         + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]);
     if det == 0.0 || !det.is_finite() {
         return None;
@@ -457,12 +434,8 @@ pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) ->
         const AB_BITS: i32 = 10;
         const AB_SCALE: f64 = (1 << AB_BITS) as f64;
         let round_delta = (AB_SCALE as i32) / INTER_TAB / 2;
-        let adx: Vec<i32> = (0..ow)
-            .map(|x| (inv[0][0] * x as f64 * AB_SCALE).round() as i32)
-            .collect();
-        let ady: Vec<i32> = (0..ow)
-            .map(|x| (inv[1][0] * x as f64 * AB_SCALE).round() as i32)
-            .collect();
+        let adx: Vec<i32> = (0..ow).map(|x| (inv[0][0] * x as f64 * AB_SCALE).round() as i32).collect();
+        let ady: Vec<i32> = (0..ow).map(|x| (inv[1][0] * x as f64 * AB_SCALE).round() as i32).collect();
         for y in 0..oh {
             let x0 = ((inv[0][1] * y as f64 + inv[0][2]) * AB_SCALE).round() as i32 + round_delta;
             let y0 = ((inv[1][1] * y as f64 + inv[1][2]) * AB_SCALE).round() as i32 + round_delta;
@@ -479,21 +452,10 @@ pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) ->
             for x in 0..ow {
                 let (xf, yf) = (x as f64, y as f64);
                 let wv = inv[2][0] * xf + inv[2][1] * yf + inv[2][2];
-                let wv = if wv != 0.0 {
-                    INTER_TAB as f64 / wv
-                } else {
-                    0.0
-                };
-                let fx = ((inv[0][0] * xf + inv[0][1] * yf + inv[0][2]) * wv)
-                    .clamp(i32::MIN as f64, i32::MAX as f64);
-                let fy = ((inv[1][0] * xf + inv[1][1] * yf + inv[1][2]) * wv)
-                    .clamp(i32::MIN as f64, i32::MAX as f64);
-                sample_into(
-                    src,
-                    fx.round() as i32,
-                    fy.round() as i32,
-                    &mut row[x * 3..x * 3 + 3],
-                );
+                let wv = if wv != 0.0 { INTER_TAB as f64 / wv } else { 0.0 };
+                let fx = ((inv[0][0] * xf + inv[0][1] * yf + inv[0][2]) * wv).clamp(i32::MIN as f64, i32::MAX as f64);
+                let fy = ((inv[1][0] * xf + inv[1][1] * yf + inv[1][2]) * wv).clamp(i32::MIN as f64, i32::MAX as f64);
+                sample_into(src, fx.round() as i32, fy.round() as i32, &mut row[x * 3..x * 3 + 3]);
             }
         }
     }
@@ -523,12 +485,7 @@ pub fn box_candidate(old: &[f32; 4], new: &[f32; 4]) -> bool {
 
 /// RandomPerspective (data.md §6.2): warps the image to `out × out`, transforms boxes (4 corners) and keypoints,
 /// zeroes the visibility of points that leave the image, clips, and applies the box-candidate filter.
-pub fn random_perspective(
-    img: &Image,
-    inst: &Instances,
-    d: &AffineDraw,
-    out: u32,
-) -> (Image, Instances) {
+pub fn random_perspective(img: &Image, inst: &Instances, d: &AffineDraw, out: u32) -> (Image, Instances) {
     let m = affine_matrix(d, img.w, img.h, out, out);
     let persp = d.persp_x != 0.0 || d.persp_y != 0.0;
     let warped = warp(img, &m, out, out, persp);
@@ -558,12 +515,7 @@ pub fn random_perspective(
     new.clip(of, of);
     let mut old = inst.clone();
     old.scale(d.scale as f32, d.scale as f32, true);
-    let keep: Vec<bool> = old
-        .boxes
-        .iter()
-        .zip(&new.boxes)
-        .map(|(o, n)| box_candidate(o, n))
-        .collect();
+    let keep: Vec<bool> = old.boxes.iter().zip(&new.boxes).map(|(o, n)| box_candidate(o, n)).collect();
     new.retain(&keep);
     (warped, new)
 }
@@ -585,13 +537,7 @@ fn pyround(v: f64) -> f64 {
 
 /// LetterBox (centre, pad 114): scale by `min(H/h, W/w)` (capped at 1 unless `scaleup`), resize bilinear, pad
 /// `top = round(dh/2 − 0.1)`, `bottom = round(dh/2 + 0.1)` and the same for left/right. Instances move with it.
-pub fn letterbox(
-    img: &Image,
-    inst: &mut Instances,
-    new_h: u32,
-    new_w: u32,
-    scaleup: bool,
-) -> (Image, LetterboxInfo) {
+pub fn letterbox(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, scaleup: bool) -> (Image, LetterboxInfo) {
     let (h, w) = (img.h as f64, img.w as f64);
     let mut r = (new_h as f64 / h).min(new_w as f64 / w);
     if !scaleup {
@@ -601,11 +547,7 @@ pub fn letterbox(
     let uh = (pyround(h * r) as u32).max(1);
     let dw = (new_w as f64 - uw as f64) / 2.0;
     let dh = (new_h as f64 - uh as f64) / 2.0;
-    let resized = if uw != img.w || uh != img.h {
-        resize_bilinear(img, uw, uh)
-    } else {
-        img.clone()
-    };
+    let resized = if uw != img.w || uh != img.h { resize_bilinear(img, uw, uh) } else { img.clone() };
     let top = pyround(dh - 0.1).max(0.0) as u32;
     let bottom = pyround(dh + 0.1).max(0.0) as u32;
     let left = pyround(dw - 0.1).max(0.0) as u32;
@@ -621,14 +563,7 @@ pub fn letterbox(
     }
     inst.scale(r as f32, r as f32, false);
     inst.add_padding(left as f32, top as f32);
-    (
-        out,
-        LetterboxInfo {
-            r: r as f32,
-            left,
-            top,
-        },
-    )
+    (out, LetterboxInfo { r: r as f32, left, top })
 }
 
 /// Mirrors an image left–right in place.
@@ -722,16 +657,9 @@ mod tests {
     #[test]
     fn mosaic_layout_and_clip() {
         let k = 17;
-        let imgs: Vec<Image> = (0..4)
-            .map(|i| Image::filled(100, 80, [i as u8 * 10 + 1; 3]))
-            .collect();
+        let imgs: Vec<Image> = (0..4).map(|i| Image::filled(100, 80, [i as u8 * 10 + 1; 3])).collect();
         let l = one_obj(k);
-        let tiles = [
-            (&imgs[0], &l),
-            (&imgs[1], &l),
-            (&imgs[2], &l),
-            (&imgs[3], &l),
-        ];
+        let tiles = [(&imgs[0], &l), (&imgs[1], &l), (&imgs[2], &l), (&imgs[3], &l)];
         let (canvas, inst) = mosaic4(tiles, k, 64, 70, 60);
         assert_eq!((canvas.w, canvas.h), (128, 128));
         let px = |x: usize, y: usize| canvas.data[(y * 128 + x) * 3];
@@ -750,12 +678,7 @@ mod tests {
     #[test]
     fn affine_identity_like_and_box_filter() {
         // scale 1, centred translate: a 640² image maps onto itself.
-        let d = AffineDraw {
-            scale: 1.0,
-            tx: 0.5,
-            ty: 0.5,
-            ..Default::default()
-        };
+        let d = AffineDraw { scale: 1.0, tx: 0.5, ty: 0.5, ..Default::default() };
         let mut img = Image::filled(64, 64, [50, 60, 70]);
         img.data[(10 * 64 + 20) * 3] = 200;
         let l = one_obj(17);
@@ -764,39 +687,20 @@ mod tests {
         assert_eq!(out, img);
         assert_eq!(new.boxes, inst.boxes);
         // translation half-way off the image: kept box clipped, keypoints outside get v=0.
-        let d = AffineDraw {
-            scale: 1.0,
-            tx: 1.0,
-            ty: 0.5,
-            ..Default::default()
-        };
+        let d = AffineDraw { scale: 1.0, tx: 1.0, ty: 0.5, ..Default::default() };
         let (out, new) = random_perspective(&img, &inst, &d, 64);
         assert_eq!(out.data[0], 114);
         assert_eq!(new.boxes[0], [48.0, 16.0, 64.0, 48.0]);
         assert!(new.kpts.chunks(3).all(|p| p[2] == 2.0 || p[0] == 64.0));
         // box filter example from the spec
-        assert!(box_candidate(
-            &[0.0, 0.0, 80.0, 40.0],
-            &[0.0, 0.0, 30.0, 40.0]
-        ));
-        assert!(!box_candidate(
-            &[0.0, 0.0, 80.0, 40.0],
-            &[0.0, 0.0, 2.0, 40.0]
-        ));
-        assert!(!box_candidate(
-            &[0.0, 0.0, 80.0, 40.0],
-            &[0.0, 0.0, 10.0, 10.0]
-        ));
+        assert!(box_candidate(&[0.0, 0.0, 80.0, 40.0], &[0.0, 0.0, 30.0, 40.0]));
+        assert!(!box_candidate(&[0.0, 0.0, 80.0, 40.0], &[0.0, 0.0, 2.0, 40.0]));
+        assert!(!box_candidate(&[0.0, 0.0, 80.0, 40.0], &[0.0, 0.0, 10.0, 10.0]));
     }
 
     #[test]
     fn affine_matrix_net_effect() {
-        let d = AffineDraw {
-            scale: 0.5,
-            tx: 0.4,
-            ty: 0.6,
-            ..Default::default()
-        };
+        let d = AffineDraw { scale: 0.5, tx: 0.4, ty: 0.6, ..Default::default() };
         let m = affine_matrix(&d, 1280, 1280, 640, 640);
         let (x, y) = apply_pt(&m, 640.0, 640.0, false);
         assert!((x - 256.0).abs() < 1e-3 && (y - 384.0).abs() < 1e-3);

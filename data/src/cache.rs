@@ -28,12 +28,7 @@ fn fnv64(bytes: &[u8]) -> u64 {
 /// Identity of a source file: (length, mtime in ns).
 fn source_stamp(src: &Path) -> Option<(u64, u64)> {
     let md = std::fs::metadata(src).ok()?;
-    let mt = md
-        .modified()
-        .ok()?
-        .duration_since(UNIX_EPOCH)
-        .ok()?
-        .as_nanos() as u64;
+    let mt = md.modified().ok()?.duration_since(UNIX_EPOCH).ok()?.as_nanos() as u64;
     Some((md.len(), mt))
 }
 
@@ -41,8 +36,7 @@ fn source_stamp(src: &Path) -> Option<(u64, u64)> {
 pub fn entry_path(dir: &Path, src: &Path, imgsz: u32) -> PathBuf {
     let abs = std::fs::canonicalize(src).unwrap_or_else(|_| src.to_path_buf());
     let key = fnv64(abs.to_string_lossy().as_bytes());
-    dir.join(format!("v{CACHE_VERSION}-{imgsz}"))
-        .join(format!("{key:016x}.ptlimg"))
+    dir.join(format!("v{CACHE_VERSION}-{imgsz}")).join(format!("{key:016x}.ptlimg"))
 }
 
 fn header(imgsz: u32, stamp: (u64, u64), ori: (u32, u32), w: u32, h: u32) -> Vec<u8> {
@@ -92,14 +86,7 @@ pub fn load(dir: &Path, src: &Path, imgsz: u32) -> Option<(Image, (u32, u32))> {
     if bytes.len() != HEADER_LEN + n || w == 0 || h == 0 {
         return None;
     }
-    Some((
-        Image {
-            w,
-            h,
-            data: bytes[HEADER_LEN..].to_vec(),
-        },
-        ori,
-    ))
+    Some((Image { w, h, data: bytes[HEADER_LEN..].to_vec() }, ori))
 }
 
 /// Writes an entry atomically (temporary file + rename).
@@ -112,9 +99,7 @@ pub fn store(dir: &Path, src: &Path, imgsz: u32, img: &Image, ori: (u32, u32)) -
     std::fs::create_dir_all(&parent).map_err(|e| DataError::io(&parent, e))?;
     let tmp = parent.join(format!(
         ".{}.{}.{:?}.tmp",
-        path.file_name()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default(),
+        path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
         std::process::id(),
         std::thread::current().id()
     ));

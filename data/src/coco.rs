@@ -12,10 +12,9 @@ use crate::labels::fmt_g;
 /// COCO-91 category id (1-based) → COCO-80 class; `None` for ids without a class.
 const COCO91_TO_80: [Option<u8>; 91] = {
     let ids: [i16; 91] = [
-        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, -1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,
-        -1, 24, 25, -1, -1, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, -1, 40, 41, 42,
-        43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, -1, 60, -1, -1, 61, -1,
-        62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, -1, 73, 74, 75, 76, 77, 78, 79, -1,
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, -1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, -1, 24, 25, -1, -1, 26, 27, 28, 29, 30,
+        31, 32, 33, 34, 35, 36, 37, 38, 39, -1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, -1, 60, -1,
+        -1, 61, -1, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, -1, 73, 74, 75, 76, 77, 78, 79, -1,
     ];
     let mut out = [None; 91];
     let mut i = 0;
@@ -84,10 +83,7 @@ pub fn convert_coco_text(json: &str, json_path: &Path) -> Result<Vec<CocoLabel>>
     let mut out = Vec::with_capacity(file.images.len());
     for im in &file.images {
         let Some(anns) = by_image.get(&im.id) else {
-            out.push(CocoLabel {
-                file_name: im.file_name.clone(),
-                text: None,
-            });
+            out.push(CocoLabel { file_name: im.file_name.clone(), text: None });
             continue;
         };
         let (w, h) = (im.width, im.height);
@@ -104,10 +100,7 @@ pub fn convert_coco_text(json: &str, json_path: &Path) -> Result<Vec<CocoLabel>>
             if bw <= 0.0 || bh <= 0.0 || !bw.is_finite() || !bh.is_finite() {
                 continue;
             }
-            let Some(cls) = usize::try_from(a.category_id - 1)
-                .ok()
-                .and_then(|i| COCO91_TO_80.get(i).copied().flatten())
-            else {
+            let Some(cls) = usize::try_from(a.category_id - 1).ok().and_then(|i| COCO91_TO_80.get(i).copied().flatten()) else {
                 continue;
             };
             let Some(kp) = &a.keypoints else { continue };
@@ -131,10 +124,7 @@ pub fn convert_coco_text(json: &str, json_path: &Path) -> Result<Vec<CocoLabel>>
             text.push_str(&line.join(" "));
             text.push('\n');
         }
-        out.push(CocoLabel {
-            file_name: im.file_name.clone(),
-            text: Some(text),
-        });
+        out.push(CocoLabel { file_name: im.file_name.clone(), text: Some(text) });
     }
     Ok(out)
 }
@@ -147,10 +137,7 @@ pub fn convert_coco_file(json_path: &Path, labels_dir: &Path) -> Result<usize> {
     let mut n = 0;
     for l in labels {
         if let Some(t) = l.text {
-            let stem = Path::new(&l.file_name)
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
+            let stem = Path::new(&l.file_name).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
             let p = labels_dir.join(format!("{stem}.txt"));
             std::fs::write(&p, t).map_err(|e| DataError::io(&p, e))?;
             n += 1;
@@ -161,17 +148,9 @@ pub fn convert_coco_file(json_path: &Path, labels_dir: &Path) -> Result<usize> {
 
 impl PoseDataset {
     /// Opens a COCO keypoints JSON with its image folder (`image_dir/<file_name>`), converting labels in memory.
-    pub fn from_coco(
-        json_path: &Path,
-        image_dir: &Path,
-        split: &str,
-        opts: &OpenOptions,
-    ) -> Result<Self> {
+    pub fn from_coco(json_path: &Path, image_dir: &Path, split: &str, opts: &OpenOptions) -> Result<Self> {
         if !image_dir.is_dir() {
-            return Err(DataError::MissingPath {
-                path: image_dir.to_path_buf(),
-                what: "COCO image folder",
-            });
+            return Err(DataError::MissingPath { path: image_dir.to_path_buf(), what: "COCO image folder" });
         }
         let text = std::fs::read_to_string(json_path).map_err(|e| DataError::io(json_path, e))?;
         let labels = convert_coco_text(&text, json_path)?;
@@ -180,24 +159,11 @@ impl PoseDataset {
             .map(|l| {
                 let im_file = image_dir.join(&l.file_name);
                 let lp = PathBuf::from(format!("{}#{}", json_path.display(), l.file_name));
-                Entry {
-                    im_file,
-                    labels: LabelSource::Text(l.text, lp),
-                }
+                Entry { im_file, labels: LabelSource::Text(l.text, lp) }
             })
             .collect();
-        entries.sort_by(|a, b| {
-            a.im_file
-                .to_string_lossy()
-                .cmp(&b.im_file.to_string_lossy())
-        });
-        PoseDataset::build(
-            split,
-            PoseDataset::coco_person_meta(),
-            entries,
-            Vec::new(),
-            opts,
-        )
+        entries.sort_by(|a, b| a.im_file.to_string_lossy().cmp(&b.im_file.to_string_lossy()));
+        PoseDataset::build(split, PoseDataset::coco_person_meta(), entries, Vec::new(), opts)
     }
 }
 
@@ -235,18 +201,14 @@ mod tests {
         assert_eq!(out.len(), 3);
         let a = out[0].text.as_deref().unwrap();
         assert_eq!(a.lines().count(), 1, "{a}");
-        assert!(
-            a.starts_with("0 0.125 0.4 0.15 0.4 0.05 0.2 2 0.055 0.2 2"),
-            "{a}"
-        );
+        assert!(a.starts_with("0 0.125 0.4 0.15 0.4 0.05 0.2 2 0.055 0.2 2"), "{a}");
         assert_eq!(out[1].text.as_deref(), Some("")); // all annotations skipped → empty file
         assert_eq!(out[2].text, None); // no annotation → background, no file
     }
 
     #[test]
     fn broken_json_has_location() {
-        let e = convert_coco_text("{\"images\": [\n  {\"id\": 1,,}\n]}", Path::new("k.json"))
-            .unwrap_err();
+        let e = convert_coco_text("{\"images\": [\n  {\"id\": 1,,}\n]}", Path::new("k.json")).unwrap_err();
         let s = e.to_string();
         assert!(s.starts_with("k.json:2:"), "{s}");
     }

@@ -32,16 +32,12 @@ pub const COCO_KPT_NAMES: [&str; 17] = [
 ];
 
 /// COCO OKS sigmas (default for kpt_shape [17, 3]).
-pub const COCO_OKS_SIGMAS: [f32; 17] = [
-    0.026, 0.025, 0.025, 0.035, 0.035, 0.079, 0.079, 0.072, 0.072, 0.062, 0.062, 0.107, 0.107,
-    0.087, 0.087, 0.089, 0.089,
-];
+pub const COCO_OKS_SIGMAS: [f32; 17] =
+    [0.026, 0.025, 0.025, 0.035, 0.035, 0.079, 0.079, 0.072, 0.072, 0.062, 0.062, 0.107, 0.107, 0.087, 0.087, 0.089, 0.089];
 
 /// Image suffixes the reference collects (lower case). Only JPEG and PNG decode here; the others are skipped
 /// with a warning when met.
-pub const IMG_FORMATS: [&str; 13] = [
-    "bmp", "dng", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp", "pfm", "heic", "avif", "jp2",
-];
+pub const IMG_FORMATS: [&str; 13] = ["bmp", "dng", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp", "pfm", "heic", "avif", "jp2"];
 
 /// Parsed dataset configuration.
 #[derive(Clone, Debug)]
@@ -66,27 +62,13 @@ pub struct DatasetConfig {
 }
 
 fn cfg_err(path: &Path, field: &'static str, message: impl Into<String>) -> DataError {
-    DataError::Config {
-        path: path.to_path_buf(),
-        field,
-        message: message.into(),
-    }
+    DataError::Config { path: path.to_path_buf(), field, message: message.into() }
 }
 
 fn as_usize_list(v: &Value, path: &Path, field: &'static str) -> Result<Vec<usize>> {
-    let seq = v
-        .as_sequence()
-        .ok_or_else(|| cfg_err(path, field, "expected a list of non-negative integers"))?;
+    let seq = v.as_sequence().ok_or_else(|| cfg_err(path, field, "expected a list of non-negative integers"))?;
     seq.iter()
-        .map(|x| {
-            x.as_u64().map(|u| u as usize).ok_or_else(|| {
-                cfg_err(
-                    path,
-                    field,
-                    format!("`{x:?}` is not a non-negative integer"),
-                )
-            })
-        })
+        .map(|x| x.as_u64().map(|u| u as usize).ok_or_else(|| cfg_err(path, field, format!("`{x:?}` is not a non-negative integer"))))
         .collect()
 }
 
@@ -100,16 +82,8 @@ impl DatasetConfig {
     /// Parses yaml text; `yaml_path` locates relative paths and names the file in errors.
     pub fn parse(text: &str, yaml_path: &Path) -> Result<Self> {
         let doc: Value = serde_yaml::from_str(text).map_err(|e| {
-            let (line, column) = e
-                .location()
-                .map(|l| (l.line(), l.column()))
-                .unwrap_or((0, 0));
-            DataError::Yaml {
-                path: yaml_path.to_path_buf(),
-                line,
-                column,
-                message: e.to_string(),
-            }
+            let (line, column) = e.location().map(|l| (l.line(), l.column())).unwrap_or((0, 0));
+            DataError::Yaml { path: yaml_path.to_path_buf(), line, column, message: e.to_string() }
         })?;
         let map = doc.as_mapping().ok_or_else(|| DataError::Yaml {
             path: yaml_path.to_path_buf(),
@@ -118,10 +92,7 @@ impl DatasetConfig {
             message: "the document is not a mapping of dataset fields".into(),
         })?;
         let get = |k: &str| map.get(Value::String(k.into()));
-        let base = yaml_path
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default();
+        let base = yaml_path.parent().map(Path::to_path_buf).unwrap_or_default();
         let root = match get("path") {
             Some(Value::String(s)) => {
                 let p = PathBuf::from(s);
@@ -132,13 +103,7 @@ impl DatasetConfig {
                 }
             }
             Some(Value::Null) | None => base.clone(),
-            Some(other) => {
-                return Err(cfg_err(
-                    yaml_path,
-                    "path",
-                    format!("expected a string, got {other:?}"),
-                ))
-            }
+            Some(other) => return Err(cfg_err(yaml_path, "path", format!("expected a string, got {other:?}"))),
         };
         let split = |name: &'static str| -> Result<Vec<PathBuf>> {
             let resolve = |s: &str| {
@@ -160,127 +125,66 @@ impl DatasetConfig {
                 Some(Value::String(s)) => Ok(vec![resolve(s)]),
                 Some(Value::Sequence(seq)) => seq
                     .iter()
-                    .map(|v| {
-                        v.as_str()
-                            .map(resolve)
-                            .ok_or_else(|| cfg_err(yaml_path, name, "list entries must be strings"))
-                    })
+                    .map(|v| v.as_str().map(resolve).ok_or_else(|| cfg_err(yaml_path, name, "list entries must be strings")))
                     .collect(),
-                Some(other) => Err(cfg_err(
-                    yaml_path,
-                    name,
-                    format!("expected a path or list of paths, got {other:?}"),
-                )),
+                Some(other) => Err(cfg_err(yaml_path, name, format!("expected a path or list of paths, got {other:?}"))),
             }
         };
         let train = split("train")?;
         let val = split("val")?;
         let test = split("test")?;
         if train.is_empty() && val.is_empty() {
-            return Err(cfg_err(
-                yaml_path,
-                "train",
-                "neither `train` nor `val` is given",
-            ));
+            return Err(cfg_err(yaml_path, "train", "neither `train` nor `val` is given"));
         }
         let names: Vec<String> = match get("names") {
             Some(Value::Sequence(seq)) => seq.iter().map(value_to_string).collect(),
             Some(Value::Mapping(m)) => {
                 let mut pairs: Vec<(usize, String)> = Vec::new();
                 for (k, v) in m {
-                    let id = k.as_u64().ok_or_else(|| {
-                        cfg_err(yaml_path, "names", format!("key {k:?} is not a class id"))
-                    })?;
+                    let id = k.as_u64().ok_or_else(|| cfg_err(yaml_path, "names", format!("key {k:?} is not a class id")))?;
                     pairs.push((id as usize, value_to_string(v)));
                 }
                 pairs.sort();
                 for (i, (id, _)) in pairs.iter().enumerate() {
                     if *id != i {
-                        return Err(cfg_err(
-                            yaml_path,
-                            "names",
-                            "class ids must be 0..nc-1 without gaps",
-                        ));
+                        return Err(cfg_err(yaml_path, "names", "class ids must be 0..nc-1 without gaps"));
                     }
                 }
                 pairs.into_iter().map(|(_, n)| n).collect()
             }
             None | Some(Value::Null) => Vec::new(),
-            Some(other) => {
-                return Err(cfg_err(
-                    yaml_path,
-                    "names",
-                    format!("expected a list or mapping, got {other:?}"),
-                ))
-            }
+            Some(other) => return Err(cfg_err(yaml_path, "names", format!("expected a list or mapping, got {other:?}"))),
         };
         let nc = match get("nc") {
-            Some(v) => v
-                .as_u64()
-                .map(|u| u as usize)
-                .ok_or_else(|| cfg_err(yaml_path, "nc", "expected an integer"))?,
+            Some(v) => v.as_u64().map(|u| u as usize).ok_or_else(|| cfg_err(yaml_path, "nc", "expected an integer"))?,
             None => names.len(),
         };
         if nc == 0 {
-            return Err(cfg_err(
-                yaml_path,
-                "names",
-                "no classes: add `names: {0: person}`",
-            ));
+            return Err(cfg_err(yaml_path, "names", "no classes: add `names: {0: person}`"));
         }
         if !names.is_empty() && names.len() != nc {
-            return Err(cfg_err(
-                yaml_path,
-                "nc",
-                format!("nc = {nc} but {} names given", names.len()),
-            ));
+            return Err(cfg_err(yaml_path, "nc", format!("nc = {nc} but {} names given", names.len())));
         }
-        let names = if names.is_empty() {
-            (0..nc).map(|i| format!("class{i}")).collect()
-        } else {
-            names
-        };
+        let names = if names.is_empty() { (0..nc).map(|i| format!("class{i}")).collect() } else { names };
         let kpt_shape = match get("kpt_shape") {
             Some(v) => {
                 let ks = as_usize_list(v, yaml_path, "kpt_shape")?;
                 if ks.len() != 2 || ks[0] == 0 || !(ks[1] == 2 || ks[1] == 3) {
-                    return Err(cfg_err(
-                        yaml_path,
-                        "kpt_shape",
-                        "expected [K, D] with K > 0 and D ∈ {2, 3}",
-                    ));
+                    return Err(cfg_err(yaml_path, "kpt_shape", "expected [K, D] with K > 0 and D ∈ {2, 3}"));
                 }
                 KptShape { k: ks[0], d: ks[1] }
             }
-            None => {
-                return Err(cfg_err(
-                    yaml_path,
-                    "kpt_shape",
-                    "missing: a pose dataset needs `kpt_shape: [17, 3]`",
-                ))
-            }
+            None => return Err(cfg_err(yaml_path, "kpt_shape", "missing: a pose dataset needs `kpt_shape: [17, 3]`")),
         };
         let flip_idx = match get("flip_idx") {
             None | Some(Value::Null) => None,
             Some(v) => {
                 let f = as_usize_list(v, yaml_path, "flip_idx")?;
                 if f.len() != kpt_shape.k {
-                    return Err(cfg_err(
-                        yaml_path,
-                        "flip_idx",
-                        format!(
-                            "has {} entries but kpt_shape has K = {}",
-                            f.len(),
-                            kpt_shape.k
-                        ),
-                    ));
+                    return Err(cfg_err(yaml_path, "flip_idx", format!("has {} entries but kpt_shape has K = {}", f.len(), kpt_shape.k)));
                 }
                 if f.iter().any(|&i| i >= kpt_shape.k) {
-                    return Err(cfg_err(
-                        yaml_path,
-                        "flip_idx",
-                        "entries must be keypoint indices < K",
-                    ));
+                    return Err(cfg_err(yaml_path, "flip_idx", "entries must be keypoint indices < K"));
                 }
                 Some(f)
             }
@@ -288,16 +192,10 @@ impl DatasetConfig {
         let coco = kpt_shape == KptShape::COCO;
         let kpt_oks_sigmas = match get("kpt_oks_sigmas") {
             Some(Value::Sequence(seq)) => {
-                let s: Option<Vec<f32>> =
-                    seq.iter().map(|v| v.as_f64().map(|f| f as f32)).collect();
-                let s =
-                    s.ok_or_else(|| cfg_err(yaml_path, "kpt_oks_sigmas", "expected numbers"))?;
+                let s: Option<Vec<f32>> = seq.iter().map(|v| v.as_f64().map(|f| f as f32)).collect();
+                let s = s.ok_or_else(|| cfg_err(yaml_path, "kpt_oks_sigmas", "expected numbers"))?;
                 if s.len() != kpt_shape.k || s.iter().any(|&x| x <= 0.0) {
-                    return Err(cfg_err(
-                        yaml_path,
-                        "kpt_oks_sigmas",
-                        "expected K positive numbers",
-                    ));
+                    return Err(cfg_err(yaml_path, "kpt_oks_sigmas", "expected K positive numbers"));
                 }
                 s
             }
@@ -311,11 +209,7 @@ impl DatasetConfig {
         };
         let channels = get("channels").and_then(Value::as_u64).unwrap_or(3) as usize;
         if channels != 3 {
-            return Err(cfg_err(
-                yaml_path,
-                "channels",
-                "only 3-channel images are supported",
-            ));
+            return Err(cfg_err(yaml_path, "channels", "only 3-channel images are supported"));
         }
         Ok(DatasetConfig {
             yaml_path: yaml_path.to_path_buf(),
@@ -339,9 +233,7 @@ impl DatasetConfig {
             "train" => Ok(&self.train),
             "val" => Ok(&self.val),
             "test" => Ok(&self.test),
-            _ => Err(DataError::Invalid(format!(
-                "unknown split `{name}` (use train, val or test)"
-            ))),
+            _ => Err(DataError::Invalid(format!("unknown split `{name}` (use train, val or test)"))),
         }
     }
 }
@@ -349,18 +241,12 @@ impl DatasetConfig {
 fn value_to_string(v: &Value) -> String {
     match v {
         Value::String(s) => s.clone(),
-        other => serde_yaml::to_string(other)
-            .unwrap_or_default()
-            .trim()
-            .to_string(),
+        other => serde_yaml::to_string(other).unwrap_or_default().trim().to_string(),
     }
 }
 
 fn has_image_suffix(p: &Path) -> bool {
-    p.extension()
-        .and_then(|e| e.to_str())
-        .map(|e| IMG_FORMATS.contains(&e.to_ascii_lowercase().as_str()))
-        .unwrap_or(false)
+    p.extension().and_then(|e| e.to_str()).map(|e| IMG_FORMATS.contains(&e.to_ascii_lowercase().as_str())).unwrap_or(false)
 }
 
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
@@ -407,10 +293,7 @@ pub fn collect_images(entries: &[PathBuf]) -> Result<Vec<PathBuf>> {
                 }
             }
         } else {
-            return Err(DataError::MissingPath {
-                path: e.clone(),
-                what: "image folder or list file",
-            });
+            return Err(DataError::MissingPath { path: e.clone(), what: "image folder or list file" });
         }
     }
     out.sort_by(|a, b| a.to_string_lossy().cmp(&b.to_string_lossy()));
@@ -432,10 +315,7 @@ mod tests {
         assert_eq!(c.names, vec!["person"]);
         assert_eq!(c.flip_idx.as_deref(), Some(&COCO_FLIP_IDX[..]));
         assert_eq!(c.kpt_oks_sigmas.len(), 17);
-        assert_eq!(
-            c.train[0],
-            PathBuf::from("/x/../datasets/coco8-pose/images/train")
-        );
+        assert_eq!(c.train[0], PathBuf::from("/x/../datasets/coco8-pose/images/train"));
     }
 
     #[test]
@@ -444,22 +324,13 @@ mod tests {
         let s = e.to_string();
         assert!(matches!(e, DataError::Yaml { .. }), "{s}");
         assert!(s.starts_with("d.yaml:"), "{s}");
-        let e = DatasetConfig::parse(
-            "train: a\nkpt_shape: [17, 3]\nflip_idx: [0, 1]\nnames: [person]\n",
-            Path::new("d.yaml"),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("flip_idx") && e.contains("K = 17"), "{e}");
-        let e = DatasetConfig::parse("train: a\nnames: [person]\n", Path::new("d.yaml"))
+        let e = DatasetConfig::parse("train: a\nkpt_shape: [17, 3]\nflip_idx: [0, 1]\nnames: [person]\n", Path::new("d.yaml"))
             .unwrap_err()
             .to_string();
+        assert!(e.contains("flip_idx") && e.contains("K = 17"), "{e}");
+        let e = DatasetConfig::parse("train: a\nnames: [person]\n", Path::new("d.yaml")).unwrap_err().to_string();
         assert!(e.contains("kpt_shape"), "{e}");
-        let c = DatasetConfig::parse(
-            "train: a\nnames: [person]\nkpt_shape: [5, 2]\n",
-            Path::new("d.yaml"),
-        )
-        .unwrap();
+        let c = DatasetConfig::parse("train: a\nnames: [person]\nkpt_shape: [5, 2]\n", Path::new("d.yaml")).unwrap();
         assert!(c.flip_idx.is_none());
         assert_eq!(c.kpt_oks_sigmas, vec![0.2; 5]);
     }

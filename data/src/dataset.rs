@@ -29,13 +29,7 @@ pub struct OpenOptions {
 
 impl Default for OpenOptions {
     fn default() -> Self {
-        OpenOptions {
-            imgsz: 640,
-            cache_dir: None,
-            single_cls: false,
-            threads: 0,
-            verbose: true,
-        }
+        OpenOptions { imgsz: 640, cache_dir: None, single_cls: false, threads: 0, verbose: true }
     }
 }
 
@@ -99,11 +93,7 @@ impl ScanReport {
         if counts.is_empty() {
             return "none".into();
         }
-        counts
-            .iter()
-            .map(|(r, n)| format!("{n} {r}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        counts.iter().map(|(r, n)| format!("{n} {r}")).collect::<Vec<_>>().join(", ")
     }
 
     /// One-line summary.
@@ -171,11 +161,7 @@ enum Outcome {
     Skipped(Skipped, Vec<String>),
 }
 
-fn prepare_image(
-    path: &Path,
-    opts: &OpenOptions,
-    warnings: &mut Vec<String>,
-) -> Result<(Image, (u32, u32))> {
+fn prepare_image(path: &Path, opts: &OpenOptions, warnings: &mut Vec<String>) -> Result<(Image, (u32, u32))> {
     if let Some(dir) = &opts.cache_dir {
         if let Some(hit) = cache::load(dir, path, opts.imgsz) {
             return Ok(hit);
@@ -183,10 +169,7 @@ fn prepare_image(
     }
     let (img, info) = decode_file(path)?;
     if info.truncated_jpeg {
-        warnings.push(format!(
-            "{}: truncated JPEG (no FFD9 end marker), decoded leniently; re-save the file to repair it",
-            path.display()
-        ));
+        warnings.push(format!("{}: truncated JPEG (no FFD9 end marker), decoded leniently; re-save the file to repair it", path.display()));
     }
     let ori = (img.h, img.w);
     let (nw, nh) = load_resize_shape(img.w, img.h, opts.imgsz);
@@ -202,37 +185,16 @@ fn prepare_image(
 fn process(entry: &Entry, rules: &LabelRules, opts: &OpenOptions) -> Outcome {
     let mut warnings = Vec::new();
     let skip = |path: &Path, reason, message: String, warnings: Vec<String>| {
-        Outcome::Skipped(
-            Skipped {
-                path: path.to_path_buf(),
-                reason,
-                message,
-            },
-            warnings,
-        )
+        Outcome::Skipped(Skipped { path: path.to_path_buf(), reason, message }, warnings)
     };
     let (text, label_path) = match &entry.labels {
         LabelSource::File(p) => match std::fs::read(p) {
             Ok(bytes) => match String::from_utf8(bytes) {
                 Ok(t) => (Some(t), p.clone()),
-                Err(_) => {
-                    return skip(
-                        p,
-                        SkipReason::UnreadableLabel,
-                        format!("{}: label file is not UTF-8 text", p.display()),
-                        warnings,
-                    )
-                }
+                Err(_) => return skip(p, SkipReason::UnreadableLabel, format!("{}: label file is not UTF-8 text", p.display()), warnings),
             },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, p.clone()),
-            Err(e) => {
-                return skip(
-                    p,
-                    SkipReason::UnreadableLabel,
-                    DataError::io(p, e).to_string(),
-                    warnings,
-                )
-            }
+            Err(e) => return skip(p, SkipReason::UnreadableLabel, DataError::io(p, e).to_string(), warnings),
         },
         LabelSource::Text(t, p) => (t.clone(), p.clone()),
     };
@@ -243,34 +205,15 @@ fn process(entry: &Entry, rules: &LabelRules, opts: &OpenOptions) -> Outcome {
                 warnings.extend(w);
                 l
             }
-            Err(e) => {
-                return skip(
-                    &label_path,
-                    SkipReason::InvalidLabel,
-                    e.to_string(),
-                    warnings,
-                )
-            }
+            Err(e) => return skip(&label_path, SkipReason::InvalidLabel, e.to_string(), warnings),
         },
         None => Labels::default(),
     };
     match prepare_image(&entry.im_file, opts, &mut warnings) {
-        Ok((img, ori)) => Outcome::Kept(
-            Item {
-                im_file: entry.im_file.clone(),
-                labels,
-                ori_shape: ori,
-                image: Arc::new(img),
-            },
-            has_label_file,
-            warnings,
-        ),
-        Err(e) => skip(
-            &entry.im_file,
-            SkipReason::BadImage,
-            e.to_string(),
-            warnings,
-        ),
+        Ok((img, ori)) => {
+            Outcome::Kept(Item { im_file: entry.im_file.clone(), labels, ori_shape: ori, image: Arc::new(img) }, has_label_file, warnings)
+        }
+        Err(e) => skip(&entry.im_file, SkipReason::BadImage, e.to_string(), warnings),
     }
 }
 
@@ -302,19 +245,13 @@ impl PoseDataset {
                     label_files_found += 1;
                 }
                 known_labels.insert(lp.clone());
-                Entry {
-                    im_file: im.clone(),
-                    labels: LabelSource::File(lp),
-                }
+                Entry { im_file: im.clone(), labels: LabelSource::File(lp) }
             })
             .collect();
         // label files without an image (only for folder entries)
         let mut orphans = Vec::new();
         for e in entries.iter().filter(|e| e.is_dir()) {
-            let ldir = label_path_for(&e.join("x"))
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_default();
+            let ldir = label_path_for(&e.join("x")).parent().map(Path::to_path_buf).unwrap_or_default();
             if ldir.is_dir() && ldir != *e {
                 let mut txts = Vec::new();
                 collect_txt(&ldir, &mut txts);
@@ -323,14 +260,8 @@ impl PoseDataset {
             }
         }
         if split == "train" && label_files_found == 0 && !images.is_empty() {
-            let ldir = label_path_for(&images[0])
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_default();
-            return Err(DataError::NoLabels {
-                split: split.into(),
-                labels_dir: ldir,
-            });
+            let ldir = label_path_for(&images[0]).parent().map(Path::to_path_buf).unwrap_or_default();
+            return Err(DataError::NoLabels { split: split.into(), labels_dir: ldir });
         }
         let meta = DatasetMeta {
             names: cfg.names.clone(),
@@ -343,30 +274,12 @@ impl PoseDataset {
     }
 
     /// Builds a dataset from entries: validates labels, decodes and prepares images (in parallel).
-    pub(crate) fn build(
-        split: &str,
-        meta: DatasetMeta,
-        entries: Vec<Entry>,
-        orphans: Vec<PathBuf>,
-        opts: &OpenOptions,
-    ) -> Result<Self> {
+    pub(crate) fn build(split: &str, meta: DatasetMeta, entries: Vec<Entry>, orphans: Vec<PathBuf>, opts: &OpenOptions) -> Result<Self> {
         if opts.imgsz < 32 {
-            return Err(DataError::Invalid(format!(
-                "imgsz {} is too small (use ≥ 32)",
-                opts.imgsz
-            )));
+            return Err(DataError::Invalid(format!("imgsz {} is too small (use ≥ 32)", opts.imgsz)));
         }
-        let rules = LabelRules {
-            kpt_shape: meta.kpt_shape,
-            nc: meta.nc,
-            single_cls: opts.single_cls,
-        };
-        let run = || -> Vec<Outcome> {
-            entries
-                .par_iter()
-                .map(|e| process(e, &rules, opts))
-                .collect()
-        };
+        let rules = LabelRules { kpt_shape: meta.kpt_shape, nc: meta.nc, single_cls: opts.single_cls };
+        let run = || -> Vec<Outcome> { entries.par_iter().map(|e| process(e, &rules, opts)).collect() };
         let outcomes = if opts.threads > 0 {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(opts.threads)
@@ -376,16 +289,10 @@ impl PoseDataset {
         } else {
             run()
         };
-        let mut report = ScanReport {
-            found: entries.len(),
-            ..Default::default()
-        };
+        let mut report = ScanReport { found: entries.len(), ..Default::default() };
         let mut items = Vec::new();
         for o in &orphans {
-            report.warnings.push(format!(
-                "{}: label file has no matching image (ignored); add the image or delete the label",
-                o.display()
-            ));
+            report.warnings.push(format!("{}: label file has no matching image (ignored); add the image or delete the label", o.display()));
         }
         report.orphan_labels = orphans;
         for o in outcomes {
@@ -423,13 +330,7 @@ impl PoseDataset {
                 reasons: report.skip_summary(),
             });
         }
-        Ok(PoseDataset {
-            split: split.into(),
-            imgsz: opts.imgsz,
-            meta,
-            items,
-            report,
-        })
+        Ok(PoseDataset { split: split.into(), imgsz: opts.imgsz, meta, items, report })
     }
 
     /// Number of usable images.

@@ -14,45 +14,22 @@ pub enum DataError {
     },
     /// The dataset YAML could not be parsed.
     #[error("{path}:{line}:{column}: invalid dataset yaml: {message} (fix the YAML syntax at that location)")]
-    Yaml {
-        path: PathBuf,
-        line: usize,
-        column: usize,
-        message: String,
-    },
+    Yaml { path: PathBuf, line: usize, column: usize, message: String },
     /// The dataset YAML parsed but a field is missing or inconsistent.
     #[error("{path}: dataset yaml field `{field}`: {message}")]
-    Config {
-        path: PathBuf,
-        field: &'static str,
-        message: String,
-    },
+    Config { path: PathBuf, field: &'static str, message: String },
     /// A COCO keypoints JSON file could not be parsed.
-    #[error(
-        "{path}:{line}:{column}: invalid COCO JSON: {message} (fix the JSON at that location)"
-    )]
-    Json {
-        path: PathBuf,
-        line: usize,
-        column: usize,
-        message: String,
-    },
+    #[error("{path}:{line}:{column}: invalid COCO JSON: {message} (fix the JSON at that location)")]
+    Json { path: PathBuf, line: usize, column: usize, message: String },
     /// A folder or list file named by the dataset configuration does not exist.
-    #[error(
-        "{path}: {what} does not exist (check `path` and the split entries of the dataset yaml)"
-    )]
+    #[error("{path}: {what} does not exist (check `path` and the split entries of the dataset yaml)")]
     MissingPath { path: PathBuf, what: &'static str },
     /// No label file at all was found for a training split.
     #[error("no label files found for split `{split}` under {labels_dir} (expected labels/<split>/*.txt next to images/<split>/)")]
     NoLabels { split: String, labels_dir: PathBuf },
     /// Nothing usable is left after skipping bad files.
     #[error("split `{split}` has no usable images ({found} found, {skipped} skipped: {reasons}); fix or remove the bad files listed in the warnings")]
-    EmptyDataset {
-        split: String,
-        found: usize,
-        skipped: usize,
-        reasons: String,
-    },
+    EmptyDataset { split: String, found: usize, skipped: usize, reasons: String },
     /// An image could not be decoded.
     #[error("{path}: cannot decode image: {message} (re-save the file as JPEG or PNG)")]
     Decode { path: PathBuf, message: String },
@@ -61,11 +38,7 @@ pub enum DataError {
     Encode { path: PathBuf, message: String },
     /// A label file or annotation violates the label rules (data.md §1).
     #[error("{path}{}: {message}", line.map(|l| format!(":{l}")).unwrap_or_default())]
-    Label {
-        path: PathBuf,
-        line: Option<usize>,
-        message: String,
-    },
+    Label { path: PathBuf, line: Option<usize>, message: String },
     /// Invalid arguments given by the caller (loader configuration, synth options, …).
     #[error("invalid argument: {0}")]
     Invalid(String),
@@ -76,10 +49,7 @@ pub enum DataError {
 
 impl DataError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        DataError::Io {
-            path: path.into(),
-            source,
-        }
+        DataError::Io { path: path.into(), source }
     }
 }
 

@@ -21,11 +21,7 @@ impl HsvGains {
         let a = rng.uniform(-1.0, 1.0);
         let b = rng.uniform(-1.0, 1.0);
         let c = rng.uniform(-1.0, 1.0);
-        HsvGains {
-            h: a * hgain,
-            s: b * sgain,
-            v: c * vgain,
-        }
+        HsvGains { h: a * hgain, s: b * sgain, v: c * vgain }
     }
 
     /// True when all gains are zero (the transform is skipped).
@@ -131,11 +127,7 @@ pub fn hsv_to_bgr(h: u8, s: u8, v: u8) -> (u8, u8, u8) {
 #[inline(always)]
 pub fn hsv_pixel_bgr(lut: &HsvLut, b: u8, g: u8, r: u8) -> (u8, u8, u8) {
     let (h, s, v) = bgr_to_hsv(b, g, r);
-    hsv_to_bgr(
-        lut.hue[h as usize],
-        lut.sat[s as usize],
-        lut.val[v as usize],
-    )
+    hsv_to_bgr(lut.hue[h as usize], lut.sat[s as usize], lut.val[v as usize])
 }
 
 #[inline(always)]
@@ -214,22 +206,14 @@ mod tests {
 
     #[test]
     fn lut_spec_examples() {
-        let l = HsvLut::new(&HsvGains {
-            h: 0.01,
-            s: -0.5,
-            v: 0.2,
-        });
+        let l = HsvLut::new(&HsvGains { h: 0.01, s: -0.5, v: 0.2 });
         assert_eq!(l.hue[100], 101);
         assert_eq!(l.hue[179], 0);
         assert_eq!(l.sat[200], 100);
         assert_eq!(l.sat[0], 0);
         assert_eq!(l.val[200], 240);
         assert_eq!(l.val[250], 255);
-        let l = HsvLut::new(&HsvGains {
-            h: -0.01,
-            s: 0.0,
-            v: 0.0,
-        });
+        let l = HsvLut::new(&HsvGains { h: -0.01, s: 0.0, v: 0.0 });
         assert_eq!(l.hue[0], 178); // (0 − 1.8) mod 180 = 178.2
         assert_eq!(l.hue[2], 0);
     }
@@ -261,10 +245,7 @@ mod tests {
         let (h, w) = (7usize, 33usize);
         let mut rng = Rng::new(5);
         let hwc: Vec<u8> = (0..h * w * 3).map(|_| rng.below(256) as u8).collect();
-        let gains = [
-            HsvGains::draw(&mut rng, 0.015, 0.7, 0.4),
-            HsvGains::draw(&mut rng, 0.5, 0.9, 0.9),
-        ];
+        let gains = [HsvGains::draw(&mut rng, 0.015, 0.7, 0.4), HsvGains::draw(&mut rng, 0.5, 0.9, 0.9)];
         let mut batch = Vec::new();
         let mut expect = Vec::new();
         for g in &gains {

@@ -63,13 +63,8 @@ pub const MIN_SIDE: u32 = 10;
 /// Decodes JPEG or PNG bytes to BGR, applying the EXIF orientation.
 pub fn decode_bytes(bytes: &[u8], path: &Path) -> Result<(Image, DecodeInfo)> {
     use image::ImageDecoder;
-    let err = |m: String| DataError::Decode {
-        path: path.to_path_buf(),
-        message: m,
-    };
-    let reader = image::ImageReader::new(Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| err(e.to_string()))?;
+    let err = |m: String| DataError::Decode { path: path.to_path_buf(), message: m };
+    let reader = image::ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| err(e.to_string()))?;
     let format = reader.format();
     match format {
         Some(image::ImageFormat::Jpeg) | Some(image::ImageFormat::Png) => {}
@@ -81,17 +76,13 @@ pub fn decode_bytes(bytes: &[u8], path: &Path) -> Result<(Image, DecodeInfo)> {
         info.truncated_jpeg = true;
     }
     let mut decoder = reader.into_decoder().map_err(|e| err(e.to_string()))?;
-    let orientation = decoder
-        .orientation()
-        .unwrap_or(image::metadata::Orientation::NoTransforms);
+    let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
     let mut img = image::DynamicImage::from_decoder(decoder).map_err(|e| err(e.to_string()))?;
     img.apply_orientation(orientation);
     let rgb = img.to_rgb8();
     let (w, h) = rgb.dimensions();
     if w < MIN_SIDE || h < MIN_SIDE {
-        return Err(err(format!(
-            "image size {w}x{h} is below the {MIN_SIDE}px minimum"
-        )));
+        return Err(err(format!("image size {w}x{h} is below the {MIN_SIDE}px minimum")));
     }
     Ok((Image::from_rgb(w, h, rgb.into_raw()), info))
 }
@@ -108,22 +99,15 @@ pub fn write_jpeg(img: &Image, path: &Path, quality: u8) -> Result<()> {
     let mut buf = Vec::new();
     let mut enc = image::codecs::jpeg::JpegEncoder::new_with_quality(&mut buf, quality);
     enc.encode(&rgb, img.w, img.h, image::ExtendedColorType::Rgb8)
-        .map_err(|e| DataError::Encode {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        .map_err(|e| DataError::Encode { path: path.to_path_buf(), message: e.to_string() })?;
     std::fs::write(path, &buf).map_err(|e| DataError::io(path, e))
 }
 
 /// Writes a BGR image as PNG.
 pub fn write_png(img: &Image, path: &Path) -> Result<()> {
     let rgb = img.to_rgb();
-    image::save_buffer(path, &rgb, img.w, img.h, image::ExtendedColorType::Rgb8).map_err(|e| {
-        DataError::Encode {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        }
-    })
+    image::save_buffer(path, &rgb, img.w, img.h, image::ExtendedColorType::Rgb8)
+        .map_err(|e| DataError::Encode { path: path.to_path_buf(), message: e.to_string() })
 }
 
 /// Source taps of OpenCV's INTER_LINEAR resize along one axis: (index0, index1, weight of index1).
@@ -161,10 +145,7 @@ pub fn resize_bilinear(src: &Image, nw: u32, nh: u32) -> Image {
     let yt = linear_taps(sh, dh);
     let mut out = vec![0u8; dw * dh * 3];
     // Horizontal pass per needed source row is cached across destination rows.
-    let mut row_cache: [(usize, Vec<f32>); 2] = [
-        (usize::MAX, vec![0.0; dw * 3]),
-        (usize::MAX, vec![0.0; dw * 3]),
-    ];
+    let mut row_cache: [(usize, Vec<f32>); 2] = [(usize::MAX, vec![0.0; dw * 3]), (usize::MAX, vec![0.0; dw * 3])];
     let hpass = |y: usize, buf: &mut Vec<f32>| {
         let row = &src.data[y * sw * 3..(y + 1) * sw * 3];
         for (x, &(x0, x1, fx)) in xt.iter().enumerate() {
@@ -201,11 +182,7 @@ pub fn resize_bilinear(src: &Image, nw: u32, nh: u32) -> Image {
             orow[i] = (v + 0.5).clamp(0.0, 255.0) as u8;
         }
     }
-    Image {
-        w: nw,
-        h: nh,
-        data: out,
-    }
+    Image { w: nw, h: nh, data: out }
 }
 
 /// The load-time resize of data.md §5: long side to `imgsz` (aspect kept), `min(ceil(side·r), imgsz)`.

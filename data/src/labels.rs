@@ -56,10 +56,7 @@ pub struct LabelRules {
 pub fn label_path_for(image: &Path) -> PathBuf {
     let comps: Vec<_> = image.components().collect();
     let mut out = PathBuf::new();
-    let last_images = comps
-        .iter()
-        .take(comps.len().saturating_sub(1))
-        .rposition(|c| c.as_os_str() == "images");
+    let last_images = comps.iter().take(comps.len().saturating_sub(1)).rposition(|c| c.as_os_str() == "images");
     for (i, c) in comps.iter().enumerate() {
         if Some(i) == last_images {
             out.push("labels");
@@ -72,20 +69,12 @@ pub fn label_path_for(image: &Path) -> PathBuf {
 }
 
 fn lerr(path: &Path, line: Option<usize>, message: String) -> DataError {
-    DataError::Label {
-        path: path.to_path_buf(),
-        line,
-        message,
-    }
+    DataError::Label { path: path.to_path_buf(), line, message }
 }
 
 /// Parses and validates the text of one label file. Returns the labels and warnings (e.g. duplicates removed).
 /// Any rule violation is an error naming the file and line: the caller skips the image.
-pub fn parse_label_text(
-    text: &str,
-    path: &Path,
-    rules: &LabelRules,
-) -> Result<(Labels, Vec<String>)> {
+pub fn parse_label_text(text: &str, path: &Path, rules: &LabelRules) -> Result<(Labels, Vec<String>)> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let ncol = rules.kpt_shape.columns();
     let (k, d) = (rules.kpt_shape.k, rules.kpt_shape.d);
@@ -113,11 +102,7 @@ pub fn parse_label_text(
             ));
         }
         if let Some(bad) = row.iter().find(|v| !v.is_finite()) {
-            return Err(lerr(
-                path,
-                Some(ln),
-                format!("non-finite value {bad} (NaN/inf are not allowed)"),
-            ));
+            return Err(lerr(path, Some(ln), format!("non-finite value {bad} (NaN/inf are not allowed)")));
         }
         rows.push((ln, row));
     }
@@ -145,11 +130,7 @@ pub fn parse_label_text(
     let lower = if boxes_ok { -0.01 } else { 0.0 };
     for (ln, row) in &rows {
         if let Some(v) = row.iter().find(|&&v| v < lower) {
-            return Err(lerr(
-                path,
-                Some(*ln),
-                format!("negative value {v} (below {lower}): labels must be normalised to [0, 1]"),
-            ));
+            return Err(lerr(path, Some(*ln), format!("negative value {v} (below {lower}): labels must be normalised to [0, 1]")));
         }
     }
     if rules.single_cls {
@@ -183,11 +164,7 @@ pub fn parse_label_text(
     });
     sorted.dedup();
     if sorted.len() < n0 {
-        warnings.push(format!(
-            "{}: {} duplicate labels removed",
-            path.display(),
-            n0 - sorted.len()
-        ));
+        warnings.push(format!("{}: {} duplicate labels removed", path.display(), n0 - sorted.len()));
         plain = sorted;
     }
     let mut labels = Labels::default();
@@ -213,11 +190,7 @@ pub fn parse_label_text(
 /// Formats a number like C's `%g` (6 significant digits, trailing zeros removed).
 pub fn fmt_g(v: f64) -> String {
     if v == 0.0 {
-        return if v.is_sign_negative() {
-            "-0".into()
-        } else {
-            "0".into()
-        };
+        return if v.is_sign_negative() { "-0".into() } else { "0".into() };
     }
     if !v.is_finite() {
         return format!("{v}");
@@ -249,11 +222,7 @@ mod tests {
     use super::*;
 
     fn rules() -> LabelRules {
-        LabelRules {
-            kpt_shape: KptShape::COCO,
-            nc: 1,
-            single_cls: false,
-        }
+        LabelRules { kpt_shape: KptShape::COCO, nc: 1, single_cls: false }
     }
 
     fn row(cls: f32, shift: f32) -> String {
@@ -261,22 +230,13 @@ mod tests {
         for j in 0..17 {
             v.extend_from_slice(&[0.4 + j as f32 * 0.01, 0.3, 2.0]);
         }
-        v.iter()
-            .map(|x| x.to_string())
-            .collect::<Vec<_>>()
-            .join(" ")
+        v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ")
     }
 
     #[test]
     fn label_path_rule() {
-        assert_eq!(
-            label_path_for(Path::new("/d/images/train/a.b.jpg")),
-            PathBuf::from("/d/labels/train/a.b.txt")
-        );
-        assert_eq!(
-            label_path_for(Path::new("/images/x/images/train/a.png")),
-            PathBuf::from("/images/x/labels/train/a.txt")
-        );
+        assert_eq!(label_path_for(Path::new("/d/images/train/a.b.jpg")), PathBuf::from("/d/labels/train/a.b.txt"));
+        assert_eq!(label_path_for(Path::new("/images/x/images/train/a.png")), PathBuf::from("/images/x/labels/train/a.txt"));
     }
 
     #[test]
@@ -301,17 +261,8 @@ mod tests {
 
     #[test]
     fn two_column_keypoints_synthesise_visibility() {
-        let r = LabelRules {
-            kpt_shape: KptShape { k: 2, d: 2 },
-            nc: 1,
-            single_cls: false,
-        };
-        let (l, _) = parse_label_text(
-            "0 0.5 0.5 0.1 0.1 0.2 0.3 -0.005 0.5",
-            Path::new("a.txt"),
-            &r,
-        )
-        .unwrap();
+        let r = LabelRules { kpt_shape: KptShape { k: 2, d: 2 }, nc: 1, single_cls: false };
+        let (l, _) = parse_label_text("0 0.5 0.5 0.1 0.1 0.2 0.3 -0.005 0.5", Path::new("a.txt"), &r).unwrap();
         assert_eq!(l.kpts, vec![0.2, 0.3, 1.0, -0.005, 0.5, 0.0]);
     }
 
@@ -328,13 +279,8 @@ mod tests {
             (row(0.0, 0.0).replace(" 0.3 ", " -0.3 "), "negative"),
         ];
         for (text, want) in cases {
-            let e = parse_label_text(&text, p, &rules())
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains(want) && e.contains("bad.txt:1"),
-                "{e} (wanted {want})"
-            );
+            let e = parse_label_text(&text, p, &rules()).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("bad.txt:1"), "{e} (wanted {want})");
         }
         // box values are not bound-checked above; small negatives allowed when w, h ≥ 0
         let t = row(0.0, 0.0).replacen("0.5", "1.2", 1);

@@ -115,10 +115,7 @@ impl Default for TrainConfig {
             close_mosaic: 10,
             aug: AugmentConfig::default(),
             hsv_on_device: false,
-            workers: std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-                .min(8),
+            workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(8),
             prefetch: 8,
             shuffle: true,
         }
@@ -165,9 +162,7 @@ impl TrainLoader {
 
     /// Whether mosaic is used in `epoch` (close-mosaic switch, data.md §7).
     pub fn mosaic_enabled(&self, epoch: usize) -> bool {
-        self.cfg.aug.mosaic > 0.0
-            && (self.cfg.close_mosaic == 0
-                || epoch < self.cfg.epochs.saturating_sub(self.cfg.close_mosaic))
+        self.cfg.aug.mosaic > 0.0 && (self.cfg.close_mosaic == 0 || epoch < self.cfg.epochs.saturating_sub(self.cfg.close_mosaic))
     }
 
     /// Dataset indices in the order of `epoch`.
@@ -187,59 +182,30 @@ impl TrainLoader {
         let k = ds.nkpt();
         let item = &ds.items[index];
         let mut rng = Rng::for_sample(stream::SAMPLE, self.cfg.seed, epoch as u64, index as u64);
-        let p_mosaic = if self.mosaic_enabled(epoch) {
-            a.mosaic
-        } else {
-            0.0
-        };
+        let p_mosaic = if self.mosaic_enabled(epoch) { a.mosaic } else { 0.0 };
         let gate = rng.uniform(0.0, 1.0);
         let (h, w) = (item.image.h, item.image.w);
-        let load_ratio = [
-            h as f32 / item.ori_shape.0 as f32,
-            w as f32 / item.ori_shape.1 as f32,
-        ];
-        let (pre_img, pre_inst, resized_shape, ratio_pad, border_in) =
-            if p_mosaic > 0.0 && gate <= p_mosaic {
-                let n = ds.len() as i64;
-                let partners = [
-                    rng.randint(0, n - 1),
-                    rng.randint(0, n - 1),
-                    rng.randint(0, n - 1),
-                ];
-                let (yc, xc) = augment::draw_mosaic_centre(&mut rng, s);
-                let it = |i: i64| &ds.items[i as usize];
-                let (p1, p2, p3) = (it(partners[0]), it(partners[1]), it(partners[2]));
-                let tiles = [
-                    (&*item.image, &item.labels),
-                    (&*p1.image, &p1.labels),
-                    (&*p2.image, &p2.labels),
-                    (&*p3.image, &p3.labels),
-                ];
-                let (canvas, inst) = augment::mosaic4(tiles, k, s, yc, xc);
-                (
-                    canvas,
-                    inst,
-                    [2 * s, 2 * s],
-                    RatioPad {
-                        ratio: load_ratio,
-                        pad: None,
-                    },
-                    true,
-                )
-            } else {
-                let mut inst = Instances::from_labels(&item.labels, k, w as f32, h as f32);
-                let (img, lb) = augment::letterbox(&item.image, &mut inst, s, s, true);
-                (
-                    img,
-                    inst,
-                    [s, s],
-                    RatioPad {
-                        ratio: [load_ratio[0] * lb.r, load_ratio[1] * lb.r],
-                        pad: Some([lb.left as f32, lb.top as f32]),
-                    },
-                    false,
-                )
-            };
+        let load_ratio = [h as f32 / item.ori_shape.0 as f32, w as f32 / item.ori_shape.1 as f32];
+        let (pre_img, pre_inst, resized_shape, ratio_pad, border_in) = if p_mosaic > 0.0 && gate <= p_mosaic {
+            let n = ds.len() as i64;
+            let partners = [rng.randint(0, n - 1), rng.randint(0, n - 1), rng.randint(0, n - 1)];
+            let (yc, xc) = augment::draw_mosaic_centre(&mut rng, s);
+            let it = |i: i64| &ds.items[i as usize];
+            let (p1, p2, p3) = (it(partners[0]), it(partners[1]), it(partners[2]));
+            let tiles = [(&*item.image, &item.labels), (&*p1.image, &p1.labels), (&*p2.image, &p2.labels), (&*p3.image, &p3.labels)];
+            let (canvas, inst) = augment::mosaic4(tiles, k, s, yc, xc);
+            (canvas, inst, [2 * s, 2 * s], RatioPad { ratio: load_ratio, pad: None }, true)
+        } else {
+            let mut inst = Instances::from_labels(&item.labels, k, w as f32, h as f32);
+            let (img, lb) = augment::letterbox(&item.image, &mut inst, s, s, true);
+            (
+                img,
+                inst,
+                [s, s],
+                RatioPad { ratio: [load_ratio[0] * lb.r, load_ratio[1] * lb.r], pad: Some([lb.left as f32, lb.top as f32]) },
+                false,
+            )
+        };
         let _ = border_in;
         let d = AffineDraw::draw(&mut rng, a);
         let (mut img, mut inst) = augment::random_perspective(&pre_img, &pre_inst, &d, s);
@@ -247,21 +213,13 @@ impl TrainLoader {
         let _mixup_gate = rng.random();
         let _cutmix_gate = rng.random();
         let hsv_on = a.hsv_h != 0.0 || a.hsv_s != 0.0 || a.hsv_v != 0.0;
-        let gains = if hsv_on {
-            HsvGains::draw(&mut rng, a.hsv_h, a.hsv_s, a.hsv_v)
-        } else {
-            HsvGains::default()
-        };
+        let gains = if hsv_on { HsvGains::draw(&mut rng, a.hsv_h, a.hsv_s, a.hsv_v) } else { HsvGains::default() };
         let hsv_applied = !self.cfg.hsv_on_device;
         if hsv_applied {
             augment::hsv(&mut img, &gains);
         }
         let flip_idx = ds.meta.flip_idx.as_deref();
-        let (pud, plr) = if flip_idx.is_some() {
-            (a.flipud, a.fliplr)
-        } else {
-            (0.0, 0.0)
-        };
+        let (pud, plr) = if flip_idx.is_some() { (a.flipud, a.fliplr) } else { (0.0, 0.0) };
         if rng.random() < pud {
             augment::flipud_image(&mut img);
             inst.flipud(img.h as f32, flip_idx);
@@ -288,9 +246,7 @@ impl TrainLoader {
     pub fn build_batch(&self, epoch: usize, b: usize) -> Result<Batch> {
         let nb = self.batches_per_epoch();
         if b >= nb {
-            return Err(DataError::Invalid(format!(
-                "batch {b} out of range (epoch has {nb})"
-            )));
+            return Err(DataError::Invalid(format!("batch {b} out of range (epoch has {nb})")));
         }
         let order = self.epoch_order(epoch);
         let idx = &order[b * self.batch..((b + 1) * self.batch).min(order.len())];
@@ -310,13 +266,8 @@ pub fn collate(samples: Vec<Sample>, k: usize, epoch: usize, index: usize) -> Re
         return Err(DataError::Invalid("cannot collate an empty batch".into()));
     };
     let (h, w) = (first.img.h as usize, first.img.w as usize);
-    if samples
-        .iter()
-        .any(|s| s.img.h as usize != h || s.img.w as usize != w)
-    {
-        return Err(DataError::Invalid(
-            "samples of one batch differ in size".into(),
-        ));
+    if samples.iter().any(|s| s.img.h as usize != h || s.img.w as usize != w) {
+        return Err(DataError::Invalid("samples of one batch differ in size".into()));
     }
     let bsz = samples.len();
     let plane = h * w;
@@ -399,11 +350,7 @@ impl ValLoader {
         if batch == 0 {
             return Err(DataError::Invalid("batch must be ≥ 1".into()));
         }
-        let ar: Vec<f64> = ds
-            .items
-            .iter()
-            .map(|it| it.ori_shape.0 as f64 / it.ori_shape.1 as f64)
-            .collect();
+        let ar: Vec<f64> = ds.items.iter().map(|it| it.ori_shape.0 as f64 / it.ori_shape.1 as f64).collect();
         let mut order: Vec<usize> = (0..ds.len()).collect();
         order.sort_by(|&a, &b| ar[a].total_cmp(&ar[b]));
         let shapes = order
@@ -414,13 +361,7 @@ impl ValLoader {
                 rect_shape(a_min, a_max, ds.imgsz)
             })
             .collect();
-        Ok(ValLoader {
-            ds,
-            batch,
-            seed,
-            order,
-            shapes,
-        })
+        Ok(ValLoader { ds, batch, seed, order, shapes })
     }
 
     pub fn len(&self) -> usize {
@@ -455,10 +396,7 @@ impl ValLoader {
             ori_shape: [item.ori_shape.0, item.ori_shape.1],
             resized_shape: [shape.0, shape.1],
             ratio_pad: RatioPad {
-                ratio: [
-                    h as f32 / item.ori_shape.0 as f32 * lb.r,
-                    w as f32 / item.ori_shape.1 as f32 * lb.r,
-                ],
+                ratio: [h as f32 / item.ori_shape.0 as f32 * lb.r, w as f32 / item.ori_shape.1 as f32 * lb.r],
                 pad: Some([lb.left as f32, lb.top as f32]),
             },
         }
@@ -466,12 +404,8 @@ impl ValLoader {
 
     /// Builds validation batch `b`.
     pub fn build_batch(&self, b: usize) -> Result<Batch> {
-        let shape = self.batch_shape(b).ok_or_else(|| {
-            DataError::Invalid(format!(
-                "val batch {b} out of range ({} batches)",
-                self.len()
-            ))
-        })?;
+        let shape =
+            self.batch_shape(b).ok_or_else(|| DataError::Invalid(format!("val batch {b} out of range ({} batches)", self.len())))?;
         let idx = &self.order[b * self.batch..((b + 1) * self.batch).min(self.order.len())];
         let samples = idx.iter().map(|&i| self.sample(i, shape)).collect();
         collate(samples, self.ds.nkpt(), 0, b)
@@ -521,10 +455,7 @@ pub struct Prefetcher {
 fn run_job(loader: &TrainLoader, start_epoch: usize, nb: u64, seq: u64) -> Result<Batch> {
     let epoch = start_epoch + (seq / nb) as usize;
     let b = (seq % nb) as usize;
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        loader.build_batch(epoch, b)
-    }))
-    .unwrap_or_else(|p| {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loader.build_batch(epoch, b))).unwrap_or_else(|p| {
         let msg = p
             .downcast_ref::<String>()
             .cloned()
@@ -554,45 +485,35 @@ impl Prefetcher {
         for wi in 0..loader.cfg.workers {
             let sh = shared.clone();
             let ld = loader.clone();
-            let h = std::thread::Builder::new()
-                .name(format!("ptl-data-{wi}"))
-                .spawn(move || loop {
-                    let seq = {
-                        let mut st = sh.lock();
-                        loop {
-                            if st.stop {
-                                return;
-                            }
-                            if st.next_job < st.total && st.next_job < st.consumed + st.capacity {
-                                let s = st.next_job;
-                                st.next_job += 1;
-                                break s;
-                            }
-                            if st.next_job >= st.total {
-                                return;
-                            }
-                            st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
-                        }
-                    };
-                    let res = run_job(&ld, start_epoch, nb, seq);
+            let h = std::thread::Builder::new().name(format!("ptl-data-{wi}")).spawn(move || loop {
+                let seq = {
                     let mut st = sh.lock();
-                    st.done.insert(seq, res);
-                    sh.ready.notify_all();
-                });
+                    loop {
+                        if st.stop {
+                            return;
+                        }
+                        if st.next_job < st.total && st.next_job < st.consumed + st.capacity {
+                            let s = st.next_job;
+                            st.next_job += 1;
+                            break s;
+                        }
+                        if st.next_job >= st.total {
+                            return;
+                        }
+                        st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
+                    }
+                };
+                let res = run_job(&ld, start_epoch, nb, seq);
+                let mut st = sh.lock();
+                st.done.insert(seq, res);
+                sh.ready.notify_all();
+            });
             match h {
                 Ok(h) => handles.push(h),
                 Err(_) => break, // fewer workers; the consumer builds inline if none started
             }
         }
-        Prefetcher {
-            loader,
-            shared,
-            handles,
-            start_epoch,
-            nb,
-            next_seq: 0,
-            failed: false,
-        }
+        Prefetcher { loader, shared, handles, start_epoch, nb, next_seq: 0, failed: false }
     }
 
     /// Epoch of the next batch.
@@ -617,11 +538,7 @@ impl Prefetcher {
                     self.shared.work.notify_all();
                     break r;
                 }
-                st = self
-                    .shared
-                    .ready
-                    .wait(st)
-                    .unwrap_or_else(|p| p.into_inner());
+                st = self.shared.ready.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         };
         self.next_seq += 1;

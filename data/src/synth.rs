@@ -60,29 +60,9 @@ pub struct SynthStats {
     pub yaml: PathBuf,
 }
 
-const SIZES: [(u32, u32); 8] = [
-    (640, 480),
-    (480, 640),
-    (640, 427),
-    (427, 640),
-    (640, 640),
-    (500, 375),
-    (612, 612),
-    (640, 360),
-];
+const SIZES: [(u32, u32); 8] = [(640, 480), (480, 640), (640, 427), (427, 640), (640, 640), (500, 375), (612, 612), (640, 360)];
 
-const LIMBS: [(usize, usize); 10] = [
-    (5, 7),
-    (7, 9),
-    (6, 8),
-    (8, 10),
-    (11, 13),
-    (13, 15),
-    (12, 14),
-    (14, 16),
-    (5, 6),
-    (11, 12),
-];
+const LIMBS: [(usize, usize); 10] = [(5, 7), (7, 9), (6, 8), (8, 10), (11, 13), (13, 15), (12, 14), (14, 16), (5, 6), (11, 12)];
 
 /// Canvas with a per-pixel owner map (0 = background, −1 = occluder, p > 0 = person p).
 struct Canvas {
@@ -138,33 +118,16 @@ impl Canvas {
     }
 
     /// Thick segment (capsule of width `t`).
-    fn line(
-        &mut self,
-        a: (f64, f64),
-        b: (f64, f64),
-        t: f64,
-        col: Option<[u8; 3]>,
-        id: Option<i32>,
-    ) {
+    fn line(&mut self, a: (f64, f64), b: (f64, f64), t: f64, col: Option<[u8; 3]>, id: Option<i32>) {
         let r = (t / 2.0).max(0.5);
-        let (xa, xb) = (
-            (a.0.min(b.0) - r).floor() as i64,
-            (a.0.max(b.0) + r).ceil() as i64,
-        );
-        let (ya, yb) = (
-            (a.1.min(b.1) - r).floor() as i64,
-            (a.1.max(b.1) + r).ceil() as i64,
-        );
+        let (xa, xb) = ((a.0.min(b.0) - r).floor() as i64, (a.0.max(b.0) + r).ceil() as i64);
+        let (ya, yb) = ((a.1.min(b.1) - r).floor() as i64, (a.1.max(b.1) + r).ceil() as i64);
         let (dx, dy) = (b.0 - a.0, b.1 - a.1);
         let len2 = dx * dx + dy * dy;
         for y in ya.max(0)..=yb.min(self.h() - 1) {
             for x in xa.max(0)..=xb.min(self.w() - 1) {
                 let (px, py) = (x as f64 - a.0, y as f64 - a.1);
-                let t = if len2 > 0.0 {
-                    ((px * dx + py * dy) / len2).clamp(0.0, 1.0)
-                } else {
-                    0.0
-                };
+                let t = if len2 > 0.0 { ((px * dx + py * dy) / len2).clamp(0.0, 1.0) } else { 0.0 };
                 let (ex, ey) = (px - t * dx, py - t * dy);
                 if ex * ex + ey * ey <= r * r {
                     self.put(x, y, col, id);
@@ -175,26 +138,10 @@ impl Canvas {
 
     /// Filled polygon (even–odd rule, pixel centres).
     fn poly(&mut self, pts: &[(f64, f64)], col: Option<[u8; 3]>, id: Option<i32>) {
-        let xa = pts
-            .iter()
-            .map(|p| p.0)
-            .fold(f64::INFINITY, f64::min)
-            .floor() as i64;
-        let xb = pts
-            .iter()
-            .map(|p| p.0)
-            .fold(f64::NEG_INFINITY, f64::max)
-            .ceil() as i64;
-        let ya = pts
-            .iter()
-            .map(|p| p.1)
-            .fold(f64::INFINITY, f64::min)
-            .floor() as i64;
-        let yb = pts
-            .iter()
-            .map(|p| p.1)
-            .fold(f64::NEG_INFINITY, f64::max)
-            .ceil() as i64;
+        let xa = pts.iter().map(|p| p.0).fold(f64::INFINITY, f64::min).floor() as i64;
+        let xb = pts.iter().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max).ceil() as i64;
+        let ya = pts.iter().map(|p| p.1).fold(f64::INFINITY, f64::min).floor() as i64;
+        let yb = pts.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max).ceil() as i64;
         for y in ya.max(0)..=yb.min(self.h() - 1) {
             let yf = y as f64;
             let mut xs: Vec<f64> = Vec::new();
@@ -217,11 +164,7 @@ impl Canvas {
 }
 
 fn rand_col(rng: &mut Rng, lo: u64) -> [u8; 3] {
-    [
-        (lo + rng.below(256 - lo)) as u8,
-        (lo + rng.below(256 - lo)) as u8,
-        (lo + rng.below(256 - lo)) as u8,
-    ]
+    [(lo + rng.below(256 - lo)) as u8, (lo + rng.below(256 - lo)) as u8, (lo + rng.below(256 - lo)) as u8]
 }
 
 /// Fast approximately-normal noise (Irwin–Hall of 4 uniforms, unit variance).
@@ -234,26 +177,14 @@ fn approx_normal(rng: &mut Rng) -> f32 {
 
 fn background(rng: &mut Rng, w: u32, h: u32) -> Canvas {
     let kind = rng.below(3);
-    let c0 = [
-        rng.below(256) as f32,
-        rng.below(256) as f32,
-        rng.below(256) as f32,
-    ];
-    let c1 = [
-        rng.below(256) as f32,
-        rng.below(256) as f32,
-        rng.below(256) as f32,
-    ];
+    let c0 = [rng.below(256) as f32, rng.below(256) as f32, rng.below(256) as f32];
+    let c1 = [rng.below(256) as f32, rng.below(256) as f32, rng.below(256) as f32];
     let mut img = Image::filled(w, h, [0, 0, 0]);
     match kind {
         0 | 1 => {
             for y in 0..h {
                 for x in 0..w {
-                    let t = if kind == 0 {
-                        y as f32 / (h - 1).max(1) as f32
-                    } else {
-                        x as f32 / (w - 1).max(1) as f32
-                    };
+                    let t = if kind == 0 { y as f32 / (h - 1).max(1) as f32 } else { x as f32 / (w - 1).max(1) as f32 };
                     let i = ((y * w + x) * 3) as usize;
                     for c in 0..3 {
                         img.data[i + c] = (c0[c] * (1.0 - t) + c1[c] * t).clamp(0.0, 255.0) as u8;
@@ -268,10 +199,7 @@ fn background(rng: &mut Rng, w: u32, h: u32) -> Canvas {
             img = resize_bilinear(&Image { w: sw, h: sh, data }, w, h);
         }
     }
-    let mut cv = Canvas {
-        img,
-        id: vec![0; (w * h) as usize],
-    };
+    let mut cv = Canvas { img, id: vec![0; (w * h) as usize] };
     let (wi, hi) = (w as i64, h as i64);
     for _ in 0..rng.randint(3, 11) {
         let col = rand_col(rng, 0);
@@ -292,21 +220,13 @@ fn background(rng: &mut Rng, w: u32, h: u32) -> Canvas {
                 let x2 = rng.randint(0, wi - 1);
                 let y2 = rng.randint(0, hi - 1);
                 let t = rng.randint(1, 7);
-                cv.line(
-                    (x as f64, y as f64),
-                    (x2 as f64, y2 as f64),
-                    t as f64,
-                    Some(col),
-                    None,
-                );
+                cv.line((x as f64, y as f64), (x2 as f64, y2 as f64), t as f64, Some(col), None);
             }
         }
     }
     let sigma = rng.uniform(2.0, 14.0) as f32;
     for v in cv.img.data.iter_mut() {
-        *v = (*v as f32 + approx_normal(rng) * sigma)
-            .round()
-            .clamp(0.0, 255.0) as u8;
+        *v = (*v as f32 + approx_normal(rng) * sigma).round().clamp(0.0, 255.0) as u8;
     }
     cv.img = blur3(&cv.img);
     cv
@@ -337,11 +257,7 @@ fn blur3(img: &Image) -> Image {
             }
         }
     }
-    Image {
-        w: img.w,
-        h: img.h,
-        data: out,
-    }
+    Image { w: img.w, h: img.h, data: out }
 }
 
 type Pt = (f64, f64);
@@ -399,15 +315,7 @@ fn skeleton(rng: &mut Rng, cx: f64, cy: f64, height: f64, front: bool) -> ([Pt; 
     (k, head, r)
 }
 
-fn draw_person(
-    cv: &mut Canvas,
-    pid: i32,
-    rng: &mut Rng,
-    kp: &[Pt; 17],
-    head: Pt,
-    r: f64,
-    height: f64,
-) {
+fn draw_person(cv: &mut Canvas, pid: i32, rng: &mut Rng, kp: &[Pt; 17], head: Pt, r: f64, height: f64) {
     let skin = rand_col(rng, 60);
     let top = rand_col(rng, 0);
     let leg = rand_col(rng, 0);
@@ -418,32 +326,11 @@ fn draw_person(
         cv.line(p[a], p[b], th, Some(col), Some(pid));
     }
     cv.poly(&[p[5], p[6], p[12], p[11]], Some(top), Some(pid));
-    let neck = (
-        ((p[5].0 + p[6].0) / 2.0).floor(),
-        ((p[5].1 + p[6].1) / 2.0).floor(),
-    );
-    cv.line(
-        neck,
-        (head.0.round(), head.1.round()),
-        (th / 2.0).floor().max(2.0),
-        Some(skin),
-        Some(pid),
-    );
-    cv.circle(
-        head.0.round(),
-        head.1.round(),
-        r.round(),
-        Some(skin),
-        Some(pid),
-    );
+    let neck = (((p[5].0 + p[6].0) / 2.0).floor(), ((p[5].1 + p[6].1) / 2.0).floor());
+    cv.line(neck, (head.0.round(), head.1.round()), (th / 2.0).floor().max(2.0), Some(skin), Some(pid));
+    cv.circle(head.0.round(), head.1.round(), r.round(), Some(skin), Some(pid));
     for j in [1, 2] {
-        cv.circle(
-            p[j].0,
-            p[j].1,
-            (r * 0.12).floor().max(1.0),
-            Some([20, 20, 20]),
-            None,
-        );
+        cv.circle(p[j].0, p[j].1, (r * 0.12).floor().max(1.0), Some([20, 20, 20]), None);
     }
 }
 
@@ -481,8 +368,7 @@ fn make_image(rng: &mut Rng, with_people: bool, imgsz: u32) -> (Image, Vec<Vec<f
         }
     }
     for (pid, kp, front) in people {
-        let (mut x0, mut y0, mut x1, mut y1, mut count) =
-            (i64::MAX, i64::MAX, i64::MIN, i64::MIN, 0usize);
+        let (mut x0, mut y0, mut x1, mut y1, mut count) = (i64::MAX, i64::MAX, i64::MIN, i64::MIN, 0usize);
         for y in 0..h as i64 {
             for x in 0..w as i64 {
                 if cv.id[(y * w as i64 + x) as usize] == pid {
@@ -506,23 +392,13 @@ fn make_image(rng: &mut Rng, with_people: bool, imgsz: u32) -> (Image, Vec<Vec<f
                 continue;
             }
             let (xi, yi) = (x as usize, y as usize);
-            let vis = if cv.id[yi * w as usize + xi] == pid {
-                2.0
-            } else {
-                1.0
-            };
+            let vis = if cv.id[yi * w as usize + xi] == pid { 2.0 } else { 1.0 };
             kpt[j] = [x / wf, y / hf, vis];
         }
         if kpt.iter().all(|p| p[2] == 0.0) {
             continue;
         }
-        let mut row = vec![
-            0.0,
-            (x0 + x1) as f64 / 2.0 / wf,
-            (y0 + y1) as f64 / 2.0 / hf,
-            (x1 - x0) as f64 / wf,
-            (y1 - y0) as f64 / hf,
-        ];
+        let mut row = vec![0.0, (x0 + x1) as f64 / 2.0 / wf, (y0 + y1) as f64 / 2.0 / hf, (x1 - x0) as f64 / wf, (y1 - y0) as f64 / hf];
         for p in kpt {
             row.extend_from_slice(&p);
         }
@@ -552,14 +428,7 @@ struct Written {
     vis: [usize; 3],
 }
 
-fn write_split(
-    root: &Path,
-    split: &str,
-    split_id: u64,
-    n: usize,
-    n_bg: usize,
-    o: &SynthOptions,
-) -> Result<Vec<Written>> {
+fn write_split(root: &Path, split: &str, split_id: u64, n: usize, n_bg: usize, o: &SynthOptions) -> Result<Vec<Written>> {
     let idir = root.join("images").join(split);
     let ldir = root.join("labels").join(split);
     for d in [&idir, &ldir] {
@@ -594,11 +463,7 @@ fn write_split(
                     vis[(p[2] as usize).min(2)] += 1;
                 }
             }
-            Ok(Written {
-                background: labels.is_empty(),
-                instances: labels.len(),
-                vis,
-            })
+            Ok(Written { background: labels.is_empty(), instances: labels.len(), vis })
         })
         .collect()
 }
@@ -612,15 +477,10 @@ pub fn generate(opts: &SynthOptions) -> Result<SynthStats> {
         )));
     }
     if opts.imgsz < 64 {
-        return Err(DataError::Invalid(format!(
-            "--imgsz {} is too small (use ≥ 64)",
-            opts.imgsz
-        )));
+        return Err(DataError::Invalid(format!("--imgsz {} is too small (use ≥ 64)", opts.imgsz)));
     }
     if opts.train == 0 && opts.val == 0 {
-        return Err(DataError::Invalid(
-            "nothing to generate (--train and --val are 0)".into(),
-        ));
+        return Err(DataError::Invalid("nothing to generate (--train and --val are 0)".into()));
     }
     std::fs::create_dir_all(&opts.out).map_err(|e| DataError::io(&opts.out, e))?;
     let root = std::fs::canonicalize(&opts.out).map_err(|e| DataError::io(&opts.out, e))?;
@@ -638,11 +498,7 @@ pub fn generate(opts: &SynthOptions) -> Result<SynthStats> {
     } else {
         run()?
     };
-    let mut st = SynthStats {
-        train_images: tr.len(),
-        val_images: va.len(),
-        ..Default::default()
-    };
+    let mut st = SynthStats { train_images: tr.len(), val_images: va.len(), ..Default::default() };
     for w in &tr {
         st.train_background += w.background as usize;
         st.train_instances += w.instances;
@@ -655,11 +511,7 @@ pub fn generate(opts: &SynthOptions) -> Result<SynthStats> {
             st.visibility[v] += w.vis[v];
         }
     }
-    let flip = COCO_FLIP_IDX
-        .iter()
-        .map(|v| v.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
+    let flip = COCO_FLIP_IDX.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(", ");
     let root_s = root.to_string_lossy().replace('\'', "''");
     let yaml = format!(
         "# ptl synthetic pose dataset (seed {seed}, imgsz {imgsz}): {tr} train ({bg} background), {va} val\n\
