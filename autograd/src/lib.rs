@@ -21,6 +21,7 @@
 //! bce_with_logits; to_dtype; attention-like matmul+softmax chains.
 //! Non-differentiable: comparisons, argmax/argmin, topk, sign/floor/ceil (zero gradient).
 
+pub mod autocast;
 pub mod autograd;
 pub mod backend;
 mod cpu;
@@ -35,6 +36,7 @@ pub mod shape;
 pub mod storage;
 pub mod tensor;
 
+pub use autocast::{autocast, autocast_dtype};
 pub use autograd::{attach_custom_node, is_grad_enabled, no_grad, BackwardOp, GradModeGuard};
 pub use cpu::CpuStorage;
 pub use device::Device;

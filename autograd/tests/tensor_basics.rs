@@ -81,7 +81,9 @@ fn bad_input_is_a_typed_error() {
     assert!(matches!(a.sum_dim(2, false), Err(Error::DimOutOfRange { .. })));
     assert!(matches!(a.reshape(vec![5]), Err(Error::ReshapeNumel { .. })));
     let h = a.to_dtype(DType::F16).unwrap();
-    assert!(matches!(a.add(&h), Err(Error::DTypeMismatch { .. })));
+    assert_eq!(a.add(&h).unwrap().dtype(), DType::F32, "mixed float operands promote to the wider type");
+    let i = a.to_dtype(DType::I64).unwrap();
+    assert!(matches!(a.add(&i), Err(Error::DTypeMismatch { .. })));
     let idx = Tensor::from_vec(vec![0i64, 5], 2, Device::Cpu).unwrap();
     assert!(matches!(a.index_select(1, &idx), Err(Error::IndexOutOfRange { index: 5, size: 3, .. })));
     let img = Tensor::zeros(vec![1, 3, 8, 8], DType::F32, Device::Cpu).unwrap();
@@ -131,4 +133,20 @@ fn rng_is_deterministic_and_hash_detects_changes() {
     let mut restored = Rng::from_state(seed, off, used);
     assert_eq!(restored.next_u32(), next);
     assert_ne!(first[0], first[1]);
+}
+
+#[test]
+fn autocast_runs_conv_in_bf16_and_grads_reach_f32_weights() {
+    let mut rng = Rng::new(3);
+    let x = Tensor::randn(vec![1, 2, 5, 5], 0.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap();
+    let w = Tensor::randn(vec![3, 2, 3, 3], 0.0, 0.5, DType::F32, Device::Cpu, &mut rng).unwrap().requires_grad_(true).unwrap();
+    let y = ptl_autograd::autocast(Some(DType::BF16), || x.conv2d(&w, None, (1, 1), (1, 1), 1)).unwrap();
+    assert_eq!(y.dtype(), DType::BF16);
+    let exact = x.conv2d(&w.detach(), None, (1, 1), (1, 1), 1).unwrap().to_f64_vec().unwrap();
+    let low = y.to_f64_vec().unwrap();
+    let max = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let dev = exact.iter().zip(&low).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(dev / max < 2e-2, "bf16 conv deviates {dev} of {max}");
+    y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(w.grad().unwrap().dtype(), DType::F32);
 }

@@ -18,6 +18,8 @@ type PairGrad = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<(Option<Ten
 /// Runs `op` and records a backward that computes (unreduced) input gradients with `grads`
 /// from (g, a, b, y) and sums them back to each input's shape.
 fn binary_with_grad(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str, grads: Box<PairGrad>) -> Result<Tensor> {
+    let (a, b) = crate::autocast::promote(a, b)?;
+    let (a, b) = (&a, &b);
     let y = forward(a, b, op, name)?;
     if !(a.requires_grad() || b.requires_grad()) || !crate::is_grad_enabled() {
         return Ok(y);
@@ -127,9 +129,11 @@ impl Tensor {
     }
 
     fn compare(&self, rhs: &Tensor, op: CmpOp) -> Result<Tensor> {
-        same_dtype("cmp", self, rhs)?;
-        let (out, la, lb) = broadcast_layouts("cmp", self, rhs)?;
-        let s = self.read_storage().cmp(&la, &rhs.read_storage(), &lb, op)?;
+        let (lhs, rhs) = crate::autocast::promote(self, rhs)?;
+        let (lhs, rhs) = (&lhs, &rhs);
+        same_dtype("cmp", lhs, rhs)?;
+        let (out, la, lb) = broadcast_layouts("cmp", lhs, rhs)?;
+        let s = lhs.read_storage().cmp(&la, &rhs.read_storage(), &lb, op)?;
         Tensor::from_storage(s, out)
     }
     pub fn eq(&self, rhs: &Tensor) -> Result<Tensor> {
@@ -177,6 +181,8 @@ impl Tensor {
 
     /// `self` is the condition: picks `a` where it is non-zero and `b` elsewhere (all broadcast).
     pub fn where_cond(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let (a, b) = crate::autocast::promote(a, b)?;
+        let (a, b) = (&a, &b);
         same_dtype("where_cond", a, b)?;
         let (ab, _, _) = broadcast_layouts("where_cond", a, b)?;
         let out = crate::shape::broadcast_shapes("where_cond", self.dims(), &ab)?;

@@ -14,6 +14,11 @@ impl Tensor {
         padding: (usize, usize),
         groups: usize,
     ) -> Result<Tensor> {
+        if crate::autocast::autocast_dtype().is_some() {
+            let (x, w) = (crate::autocast::cast_for_compute(self)?, crate::autocast::cast_for_compute(w)?);
+            let b = bias.map(crate::autocast::cast_for_compute).transpose()?;
+            return crate::autocast::autocast(None, || x.conv2d(&w, b.as_ref(), stride, padding, groups));
+        }
         super::same_dtype("conv2d", self, w)?;
         let (xd, wd) = (self.dims(), w.dims());
         let bad = |msg: String| {

@@ -14,6 +14,10 @@ impl Tensor {
     /// Matrix product over the last two dims; leading dims broadcast when one side has a single
     /// batch (e.g. `[B, M, K] · [K, N]`) or both have the same batch dims.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        if crate::autocast::autocast_dtype().is_some() {
+            let (a, b) = (crate::autocast::cast_for_compute(self)?, crate::autocast::cast_for_compute(rhs)?);
+            return crate::autocast::autocast(None, || a.matmul(&b));
+        }
         super::same_dtype("matmul", self, rhs)?;
         let (ad, bd) = (self.dims(), rhs.dims());
         if ad.len() < 2 || bd.len() < 2 || ad[ad.len() - 1] != bd[bd.len() - 2] {
@@ -82,6 +86,11 @@ impl Tensor {
 
     /// `x · wᵀ + b` with `w: [out, in]` (PyTorch `Linear`).
     pub fn linear(&self, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        if crate::autocast::autocast_dtype().is_some() {
+            let (x, w) = (crate::autocast::cast_for_compute(self)?, crate::autocast::cast_for_compute(w)?);
+            let b = b.map(crate::autocast::cast_for_compute).transpose()?;
+            return crate::autocast::autocast(None, || x.linear(&w, b.as_ref()));
+        }
         super::same_dtype("linear", self, w)?;
         let xd = self.dims();
         if w.rank() != 2 || xd.is_empty() || xd[xd.len() - 1] != w.dims()[1] {
