@@ -380,65 +380,126 @@ fn invert3(m: &Mat3) -> Option<[[f64; 3]; 3]> {
 
 const INTER_BITS: i32 = 5;
 const INTER_TAB: i32 = 1 << INTER_BITS;
+const COEF_BITS: i32 = 15;
 
+/// Bilinear sample at fixed-point source coordinates (1/32 px), OpenCV `remap` 8-bit arithmetic: weights
+/// (32 − fx)(32 − fy)·32 … (exactly OpenCV's 15-bit table for bilinear), result `(Σ w·p + 2¹⁴) >> 15`.
+/// Neighbours outside the source are the border value 114.
 #[inline(always)]
 fn sample_into(src: &Image, sx: i32, sy: i32, out: &mut [u8]) {
-    // (sx, sy) are source coordinates in 1/32 pixel units.
     let ix = sx >> INTER_BITS;
     let iy = sy >> INTER_BITS;
-    let fx = (sx & (INTER_TAB - 1)) as f32 / INTER_TAB as f32;
-    let fy = (sy & (INTER_TAB - 1)) as f32 / INTER_TAB as f32;
+    let fx = sx & (INTER_TAB - 1);
+    let fy = sy & (INTER_TAB - 1);
+    let w00 = (INTER_TAB - fx) * (INTER_TAB - fy) * 32;
+    let w01 = fx * (INTER_TAB - fy) * 32;
+    let w10 = (INTER_TAB - fx) * fy * 32;
+    let w11 = fx * fy * 32;
     let (w, h) = (src.w as i32, src.h as i32);
     let stride = src.stride();
+    let round = 1 << (COEF_BITS - 1);
     if ix >= 0 && iy >= 0 && ix + 1 < w && iy + 1 < h {
         let o00 = iy as usize * stride + ix as usize * 3;
-        let o10 = o00 + stride;
-        let d = &src.data;
+        let r0 = &src.data[o00..o00 + 6];
+        let r1 = &src.data[o00 + stride..o00 + stride + 6];
         for c in 0..3 {
-            let a = d[o00 + c] as f32;
-            let b = d[o00 + 3 + c] as f32;
-            let cc = d[o10 + c] as f32;
-            let dd = d[o10 + 3 + c] as f32;
-            let top = a + (b - a) * fx;
-            let bot = cc + (dd - cc) * fx;
-            out[c] = (top + (bot - top) * fy + 0.5) as u8;
+            let v = r0[c] as i32 * w00 + r0[c + 3] as i32 * w01 + r1[c] as i32 * w10 + r1[c + 3] as i32 * w11;
+            out[c] = ((v + round) >> COEF_BITS) as u8;
         }
         return;
     }
     if ix < -1 || iy < -1 || ix >= w || iy >= h {
-        out.copy_from_slice(&[PAD_VALUE; 3]);
+        out[..3].copy_from_slice(&[PAD_VALUE; 3]);
         return;
     }
-    let px = |x: i32, y: i32, c: usize| -> f32 {
+    let px = |x: i32, y: i32, c: usize| -> i32 {
         if x < 0 || y < 0 || x >= w || y >= h {
-            PAD_VALUE as f32
+            PAD_VALUE as i32
         } else {
-            src.data[y as usize * stride + x as usize * 3 + c] as f32
+            src.data[y as usize * stride + x as usize * 3 + c] as i32
         }
     };
     for (c, o) in out.iter_mut().enumerate().take(3) {
-        let top = px(ix, iy, c) + (px(ix + 1, iy, c) - px(ix, iy, c)) * fx;
-        let bot = px(ix, iy + 1, c) + (px(ix + 1, iy + 1, c) - px(ix, iy + 1, c)) * fx;
-        *o = (top + (bot - top) * fy + 0.5).clamp(0.0, 255.0) as u8;
+        let v = px(ix, iy, c) * w00 + px(ix + 1, iy, c) * w01 + px(ix, iy + 1, c) * w10 + px(ix + 1, iy + 1, c) * w11;
+        *o = ((v + round) >> COEF_BITS).clamp(0, 255) as u8;
     }
 }
 
 /// Warps `src` with the 3×3 matrix `m` (destination = m · source) into `out_w × out_h`, bilinear, constant border
-/// 114. Affine matrices use OpenCV's `warpAffine` fixed-point coordinate rounding (1/32 px), perspective ones
-/// `warpPerspective`'s.
+/// 114. Affine matrices use OpenCV's `warpAffine` fixed-point coordinates (10-bit products rounded to 1/32 px),
+/// perspective ones `warpPerspective`'s; pixel arithmetic is OpenCV's 15-bit fixed point.
 pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) -> Image {
-    let mut out = Image::filled(out_w, out_h, [PAD_VALUE; 3]);
-    let Some(inv) = invert3(m) else { return out };
     let (ow, oh) = (out_w as usize, out_h as usize);
+    let Some(inv) = invert3(m) else {
+        return Image::filled(out_w, out_h, [PAD_VALUE; 3]);
+    };
+    let mut out = Image { w: out_w, h: out_h, data: vec![PAD_VALUE; ow * oh * 3] };
     if !perspective {
         const AB_BITS: i32 = 10;
         const AB_SCALE: f64 = (1 << AB_BITS) as f64;
         let round_delta = (AB_SCALE as i32) / INTER_TAB / 2;
-        let adx: Vec<i32> = (0..ow).map(|x| (inv[0][0] * x as f64 * AB_SCALE).round() as i32).collect();
-        let ady: Vec<i32> = (0..ow).map(|x| (inv[1][0] * x as f64 * AB_SCALE).round() as i32).collect();
+        let sat = |v: f64| v.round().clamp(i32::MIN as f64, i32::MAX as f64) as i32;
+        let adx: Vec<i32> = (0..ow).map(|x| sat(inv[0][0] * x as f64 * AB_SCALE)).collect();
+        let ady: Vec<i32> = (0..ow).map(|x| sat(inv[1][0] * x as f64 * AB_SCALE)).collect();
+        let separable = ady.iter().all(|&v| v == 0) && inv[0][1] == 0.0;
+        if separable {
+            // Scale + translation only (the default augmentation): source column depends on x only, row on y only.
+            let x0 = sat(inv[0][2] * AB_SCALE) + round_delta;
+            let cols: Vec<i32> = adx.iter().map(|&a| x0.wrapping_add(a) >> (AB_BITS - INTER_BITS)).collect();
+            // columns whose two taps are inside the source
+            let inside_x: Vec<bool> = cols
+                .iter()
+                .map(|&c| {
+                    let ix = c >> INTER_BITS;
+                    ix >= 0 && ix + 1 < src.w as i32
+                })
+                .collect();
+            let stride = src.stride();
+            let round = 1 << (COEF_BITS - 1);
+            for y in 0..oh {
+                let y0 = sat((inv[1][1] * y as f64 + inv[1][2]) * AB_SCALE) + round_delta;
+                let sy = y0 >> (AB_BITS - INTER_BITS);
+                let iy = sy >> INTER_BITS;
+                let row = &mut out.data[y * ow * 3..(y + 1) * ow * 3];
+                if iy < -1 || iy >= src.h as i32 {
+                    continue; // all border
+                }
+                if iy >= 0 && iy + 1 < src.h as i32 {
+                    let fy = sy & (INTER_TAB - 1);
+                    let (wy0, wy1) = (INTER_TAB - fy, fy);
+                    let r0 = &src.data[iy as usize * stride..(iy as usize + 1) * stride];
+                    let r1 = &src.data[(iy as usize + 1) * stride..(iy as usize + 2) * stride];
+                    for (x, o) in row.chunks_exact_mut(3).enumerate() {
+                        let c = cols[x];
+                        if inside_x[x] {
+                            let ix = (c >> INTER_BITS) as usize * 3;
+                            let fx = c & (INTER_TAB - 1);
+                            let wx0 = INTER_TAB - fx;
+                            let (Some(a), Some(b)) = (r0.get(ix..ix + 6), r1.get(ix..ix + 6)) else {
+                                continue;
+                            };
+                            for ch in 0..3 {
+                                // (32−fx)(32−fy)·32 … weights, factored: identical integer result
+                                let top = a[ch] as i32 * wx0 + a[ch + 3] as i32 * fx;
+                                let bot = b[ch] as i32 * wx0 + b[ch + 3] as i32 * fx;
+                                let v = (top * wy0 + bot * wy1) * 32;
+                                o[ch] = ((v + round) >> COEF_BITS) as u8;
+                            }
+                        } else {
+                            sample_into(src, c, sy, o);
+                        }
+                    }
+                } else {
+                    for x in 0..ow {
+                        sample_into(src, cols[x], sy, &mut row[x * 3..x * 3 + 3]);
+                    }
+                }
+            }
+            return out;
+        }
         for y in 0..oh {
-            let x0 = ((inv[0][1] * y as f64 + inv[0][2]) * AB_SCALE).round() as i32 + round_delta;
-            let y0 = ((inv[1][1] * y as f64 + inv[1][2]) * AB_SCALE).round() as i32 + round_delta;
+            let x0 = sat((inv[0][1] * y as f64 + inv[0][2]) * AB_SCALE) + round_delta;
+            let y0 = sat((inv[1][1] * y as f64 + inv[1][2]) * AB_SCALE) + round_delta;
             let row = &mut out.data[y * ow * 3..(y + 1) * ow * 3];
             for x in 0..ow {
                 let sx = x0.wrapping_add(adx[x]) >> (AB_BITS - INTER_BITS);

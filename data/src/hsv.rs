@@ -79,26 +79,23 @@ pub const SDIV: [i32; 256] = TABLES.0;
 /// `round(180·4096 / (6·i))`, index 0 → 0.
 pub const HDIV: [i32; 256] = TABLES.1;
 
-/// OpenCV 8-bit BGR → HSV (H in [0,180)), bit-exact integer formula.
+/// OpenCV 8-bit BGR → HSV (H in [0,180)), bit-exact integer formula (branch-free, as OpenCV's masks).
 #[inline(always)]
 pub fn bgr_to_hsv(b: u8, g: u8, r: u8) -> (u8, u8, u8) {
     let (b, g, r) = (b as i32, g as i32, r as i32);
     let v = b.max(g).max(r);
     let diff = v - b.min(g).min(r);
     let s = (diff * SDIV[v as usize] + 2048) >> 12;
-    let h = if v == r {
-        g - b
-    } else if v == g {
-        b - r + 2 * diff
-    } else {
-        r - g + 4 * diff
-    };
-    let mut h = (h * HDIV[diff as usize] + 2048) >> 12;
-    if h < 0 {
-        h += 180;
-    }
+    let vr = -((v == r) as i32);
+    let vg = -((v == g) as i32);
+    let h = (vr & (g - b)) + (!vr & ((vg & (b - r + 2 * diff)) + (!vg & (r - g + 4 * diff))));
+    let h = (h * HDIV[diff as usize] + 2048) >> 12;
+    let h = h + ((h >> 31) & 180);
     (h as u8, s as u8, v as u8)
 }
+
+/// Which of (t0, t1, t2, t3) becomes (B, G, R) for each sector k = 0..5 (index 6 guards H = 180).
+const SECTOR: [[usize; 3]; 7] = [[1, 3, 0], [1, 0, 2], [3, 0, 1], [0, 2, 1], [0, 1, 3], [2, 1, 0], [2, 1, 0]];
 
 /// OpenCV 8-bit HSV → BGR as executed by its vectorised path (float32, fused multiply-adds, truncation).
 #[inline(always)]
@@ -106,21 +103,12 @@ pub fn hsv_to_bgr(h: u8, s: u8, v: u8) -> (u8, u8, u8) {
     let hf = h as f32 * (6.0f32 / 180.0f32);
     let sf = s as f32 * (1.0f32 / 255.0f32);
     let vf = v as f32 * (1.0f32 / 255.0f32);
-    let k = hf.trunc();
-    let f = hf - k;
-    let t0 = vf;
-    let t1 = vf * (1.0 - sf);
-    let t2 = vf * (-sf).mul_add(f, 1.0);
-    let t3 = vf * (-sf).mul_add(1.0 - f, 1.0);
-    let (b, g, r) = match k as i32 {
-        0 => (t1, t3, t0),
-        1 => (t1, t0, t2),
-        2 => (t3, t0, t1),
-        3 => (t0, t2, t1),
-        4 => (t0, t1, t3),
-        _ => (t2, t1, t0),
-    };
-    ((b * 255.0) as u8, (g * 255.0) as u8, (r * 255.0) as u8)
+    // h ≥ 0, so an integer conversion is trunc (and avoids a libm call on CPUs without SSE4.1)
+    let ki = hf as i32;
+    let f = hf - ki as f32;
+    let t = [vf, vf * (1.0 - sf), vf * (-sf).mul_add(f, 1.0), vf * (-sf).mul_add(1.0 - f, 1.0)];
+    let idx = SECTOR[(ki as usize).min(6)];
+    ((t[idx[0]] * 255.0) as u8, (t[idx[1]] * 255.0) as u8, (t[idx[2]] * 255.0) as u8)
 }
 
 /// The whole jitter of one BGR pixel: BGR → HSV → tables → BGR. Pure; the device kernel mirrors it.
@@ -235,6 +223,65 @@ mod tests {
                 for r in 0..256 {
                     let (h, _, _) = bgr_to_hsv(b as u8, g as u8, r as u8);
                     assert!(h < 180);
+                }
+            }
+        }
+    }
+
+    /// Straightforward (branching) forms of data.md §6.3, to check the branch-free ones on every input.
+    fn ref_forward(b: u8, g: u8, r: u8) -> (u8, u8, u8) {
+        let (b, g, r) = (b as i32, g as i32, r as i32);
+        let v = b.max(g).max(r);
+        let d = v - b.min(g).min(r);
+        let s = (d * SDIV[v as usize] + 2048) >> 12;
+        let h = if v == r {
+            g - b
+        } else if v == g {
+            b - r + 2 * d
+        } else {
+            r - g + 4 * d
+        };
+        let mut h = (h * HDIV[d as usize] + 2048) >> 12;
+        if h < 0 {
+            h += 180;
+        }
+        (h as u8, s as u8, v as u8)
+    }
+
+    fn ref_backward(h: u8, s: u8, v: u8) -> (u8, u8, u8) {
+        let hf = h as f32 * (6.0f32 / 180.0f32);
+        let sf = s as f32 * (1.0f32 / 255.0f32);
+        let vf = v as f32 * (1.0f32 / 255.0f32);
+        let k = hf.trunc();
+        let f = hf - k;
+        let t0 = vf;
+        let t1 = vf * (1.0 - sf);
+        let t2 = vf * (-sf).mul_add(f, 1.0);
+        let t3 = vf * (-sf).mul_add(1.0 - f, 1.0);
+        let (b, g, r) = match k as i32 {
+            0 => (t1, t3, t0),
+            1 => (t1, t0, t2),
+            2 => (t3, t0, t1),
+            3 => (t0, t2, t1),
+            4 => (t0, t1, t3),
+            _ => (t2, t1, t0),
+        };
+        ((b * 255.0) as u8, (g * 255.0) as u8, (r * 255.0) as u8)
+    }
+
+    #[test]
+    fn branch_free_conversions_match_spec_forms_exhaustively() {
+        for b in 0..=255u8 {
+            for g in 0..=255u8 {
+                for r in 0..=255u8 {
+                    assert_eq!(bgr_to_hsv(b, g, r), ref_forward(b, g, r), "bgr {b} {g} {r}");
+                }
+            }
+        }
+        for h in 0..180u8 {
+            for s in 0..=255u8 {
+                for v in 0..=255u8 {
+                    assert_eq!(hsv_to_bgr(h, s, v), ref_backward(h, s, v), "hsv {h} {s} {v}");
                 }
             }
         }

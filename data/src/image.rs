@@ -19,10 +19,16 @@ pub struct Image {
 impl Image {
     /// Image filled with one BGR colour.
     pub fn filled(w: u32, h: u32, bgr: [u8; 3]) -> Self {
-        let mut data = Vec::with_capacity(w as usize * h as usize * 3);
-        for _ in 0..(w as usize * h as usize) {
-            data.extend_from_slice(&bgr);
-        }
+        let n = w as usize * h as usize * 3;
+        let data = if bgr[0] == bgr[1] && bgr[1] == bgr[2] {
+            vec![bgr[0]; n]
+        } else {
+            let mut data = vec![0u8; n];
+            for px in data.chunks_exact_mut(3) {
+                px.copy_from_slice(&bgr);
+            }
+            data
+        };
         Image { w, h, data }
     }
 
