@@ -1,0 +1,149 @@
+//! Golden forward tests against `shared/goldens/model/` (Ultralytics 8.4.190, fp32 CPU).
+//! Device-generic: each check takes a `Device`; CUDA variants run with `--features cuda`.
+
+mod common;
+
+use common::*;
+use ptl_autograd::module::state_dict;
+use ptl_autograd::{DType, Device, Module, Tensor, TensorKind};
+use ptl_heads::Branch;
+
+const TOL: f64 = 1e-4;
+
+/// Train-mode forward: both branches' raw outputs, features, per-layer outputs and the BN
+/// buffers after the step. `compute` = activation dtype (F32, or BF16 for autocast-style).
+fn check_train_forward(device: Device, compute: DType, tol: f64) {
+    let Some(dir) = model_dir() else { return };
+    let model = golden_model(&dir, device);
+    let g = load(&dir, "forward.safetensors", device);
+    let gl = load(&dir, "forward_layers.safetensors", device);
+    let x = get(&g, "input").to_dtype(compute).expect("cast");
+    let mut layer_out: Vec<(usize, Tensor)> = Vec::new();
+    let feats = model
+        .forward_features_with(&x, &mut |i, t| {
+            if gl.contains_key(&format!("layer.{i}")) {
+                layer_out.push((i, t.narrow(0, 0, 1).expect("img0")));
+            }
+        })
+        .expect("features");
+    let out = model.head().forward(&feats).expect("head");
+    let f32_ = |t: &Tensor| t.to_dtype(DType::F32).expect("f32");
+    let mut r = Report::default();
+    for b in Branch::ALL {
+        let o = out.branch(b);
+        let p = format!("train.{}", b.name());
+        r.check(&format!("{p}.boxes"), "boxes", &f32_(&o.boxes), get(&g, &format!("{p}.boxes")));
+        r.check(&format!("{p}.scores"), "scores", &f32_(&o.scores), get(&g, &format!("{p}.scores")));
+        r.check(&format!("{p}.kpts"), "kpts", &f32_(&o.kpts), get(&g, &format!("{p}.kpts")));
+        let sig = o.kpts_sigma.as_ref().expect("training mode yields kpts_sigma");
+        r.check(&format!("{p}.kpts_sigma"), "kpts_sigma", &f32_(sig), get(&g, &format!("{p}.kpts_sigma")));
+    }
+    for (i, f) in out.feats.iter().enumerate() {
+        r.check("train.feats", &format!("feats.{i}"), &f32_(f), get(&g, &format!("train.feats.{i}")));
+    }
+    assert_eq!(layer_out.len(), gl.len(), "every golden layer output was produced");
+    for (i, t) in &layer_out {
+        let k = format!("layer.{i}");
+        r.check("layers (image 0)", &k, &f32_(t), get(&gl, &k));
+    }
+    // BN buffers after the one train-mode forward.
+    let mut n_bn = 0;
+    for (name, t, kind) in state_dict(&model) {
+        if kind != TensorKind::Buffer || !name.contains(".bn.") {
+            continue;
+        }
+        let k = format!("bn_after.{name}");
+        let gold = get(&g, &k);
+        if name.ends_with("num_batches_tracked") {
+            assert_eq!(t.to_f64_vec().expect("v"), gold.to_f64_vec().expect("v"), "{k}");
+        } else {
+            r.check("bn_after running stats", &name, &t, gold);
+            let abs =
+                t.sub(&gold.to_dtype(t.dtype()).expect("cast")).and_then(|d| d.abs()).and_then(|d| d.max_all()).and_then(|d| d.item());
+            r.add("bn_after running stats (abs)", &name, abs.expect("abs dev"));
+        }
+        n_bn += 1;
+    }
+    assert_eq!(n_bn, 378, "BN buffers compared");
+    r.assert_below(tol, &format!("train {device} {compute}"));
+    // BN statistics: additionally within 1e-5 absolute in fp32. (Relative to max |b| they sit at
+    // the golden's own float32 noise: the README measures 1.35e-5 for the worst BN buffer
+    // against a float64 re-run, so a 1e-5 *relative* bound is below the reference's precision.)
+    if compute == DType::F32 {
+        let bn = r.groups.iter().find(|g| g.0 == "bn_after running stats (abs)").expect("bn group");
+        assert!(bn.1 <= 1e-5, "BN running stats deviate {:.3e} > 1e-5 absolute ({})", bn.1, bn.2);
+    }
+}
+
+/// Eval-mode forward with the fresh BN statistics, and with the "calibrated" ones.
+fn check_eval_forward(device: Device, compute: DType, tol: f64) {
+    let Some(dir) = model_dir() else { return };
+    let mut model = golden_model(&dir, device);
+    let g = load(&dir, "forward.safetensors", device);
+    let x = get(&g, "input").to_dtype(compute).expect("cast");
+    model.set_training(false);
+    let f32_ = |t: &Tensor| t.to_dtype(DType::F32).expect("f32");
+    let mut r = Report::default();
+    for variant in ["eval", "eval_calibrated"] {
+        if variant == "eval_calibrated" {
+            for (name, t, _) in state_dict(&model) {
+                if name.ends_with("running_mean") || name.ends_with("running_var") {
+                    let v = get(&g, &format!("eval_calibrated.bn.{name}"));
+                    ptl_autograd::no_grad(|| t.copy_(v)).expect("set stats");
+                }
+            }
+        }
+        let before = model.state_dict().iter().map(|e| e.1.to_f64_vec().expect("v")).collect::<Vec<_>>();
+        let p = ptl_autograd::no_grad(|| model.predict(&x)).expect("predict");
+        let after = model.state_dict().iter().map(|e| e.1.to_f64_vec().expect("v")).collect::<Vec<_>>();
+        assert!(before == after, "eval forward must not touch buffers");
+        r.check(&format!("{variant}.decoded_o2m"), "decoded", &f32_(&p.decoded), get(&g, &format!("{variant}.decoded_o2m")));
+        for b in Branch::ALL {
+            let o = p.raw.branch(b);
+            assert!(o.kpts_sigma.is_none(), "eval mode has no sigma views");
+            let k = format!("{variant}.{}", b.name());
+            r.check(&format!("{k}.boxes"), "boxes", &f32_(&o.boxes), get(&g, &format!("{k}.boxes")));
+            r.check(&format!("{k}.scores"), "scores", &f32_(&o.scores), get(&g, &format!("{k}.scores")));
+            r.check(&format!("{k}.kpts"), "kpts", &f32_(&o.kpts), get(&g, &format!("{k}.kpts")));
+        }
+        if variant == "eval" {
+            r.check("anchors", "anchors", &p.anchors, get(&g, "anchors"));
+            r.check("anchor_strides", "anchor_strides", &p.strides, get(&g, "anchor_strides"));
+        }
+    }
+    r.assert_below(tol, &format!("eval {device} {compute}"));
+}
+
+#[test]
+fn train_forward_cpu_fp32() {
+    check_train_forward(Device::Cpu, DType::F32, TOL);
+}
+
+#[test]
+fn eval_forward_cpu_fp32() {
+    check_eval_forward(Device::Cpu, DType::F32, TOL);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn train_forward_cuda_fp32() {
+    check_train_forward(Device::Cuda(0), DType::F32, TOL);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn eval_forward_cuda_fp32() {
+    check_eval_forward(Device::Cuda(0), DType::F32, TOL);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn train_forward_cuda_bf16_autocast() {
+    check_train_forward(Device::Cuda(0), DType::BF16, 2e-2);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn eval_forward_cuda_bf16_autocast() {
+    check_eval_forward(Device::Cuda(0), DType::BF16, 2e-2);
+}
