@@ -760,6 +760,34 @@ mod tests {
     }
 
     #[test]
+    fn rotation_shear_and_perspective_paths() {
+        // 180° about the centre with scale 1: destination x samples source W − x.
+        let mut img = Image::filled(64, 64, [10, 10, 10]);
+        img.data[(20 * 64 + 10) * 3] = 250;
+        let d = AffineDraw { angle: 180.0, scale: 1.0, tx: 0.5, ty: 0.5, ..Default::default() };
+        let mut l = one_obj(17);
+        l.boxes[0] = [0.25, 0.25, 0.25, 0.25];
+        let inst = Instances::from_labels(&l, 17, 64.0, 64.0);
+        let (out, new) = random_perspective(&img, &inst, &d, 64);
+        assert_eq!(out.data[((64 - 20) * 64 + (64 - 10)) * 3], 250);
+        let b = new.boxes[0];
+        assert!((b[0] - 40.0).abs() < 1e-3 && (b[2] - 56.0).abs() < 1e-3, "{b:?}");
+        // keypoint (0.3·64, 0.4·64) → (64 − x, 64 − y)
+        assert!((new.kpts[0] - (64.0 - 19.2)).abs() < 1e-3 && (new.kpts[1] - (64.0 - 25.6)).abs() < 1e-3);
+        // 90° rotation keeps the box area of a square box
+        let d = AffineDraw { angle: 90.0, ..d };
+        let (_, new) = random_perspective(&img, &inst, &d, 64);
+        let b = new.boxes[0];
+        assert!(((b[2] - b[0]) * (b[3] - b[1]) - 256.0).abs() < 1e-2, "{b:?}");
+        // shear and perspective run and give finite, clipped results
+        let d = AffineDraw { shear_x: 10.0, shear_y: -5.0, persp_x: 0.0005, persp_y: -0.0003, ..d };
+        let (out, new) = random_perspective(&img, &inst, &d, 64);
+        assert_eq!(out.data.len(), 64 * 64 * 3);
+        assert!(new.boxes.iter().flatten().all(|v| v.is_finite() && (0.0..=64.0).contains(v)));
+        assert!(new.kpts.chunks(3).all(|p| (0.0..=64.0).contains(&p[0]) && (0.0..=64.0).contains(&p[1])));
+    }
+
+    #[test]
     fn affine_matrix_net_effect() {
         let d = AffineDraw { scale: 0.5, tx: 0.4, ty: 0.6, ..Default::default() };
         let m = affine_matrix(&d, 1280, 1280, 640, 640);

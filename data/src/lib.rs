@@ -29,4 +29,4 @@ pub use error::{DataError, Result};
 pub use hsv::{apply_hsv_batch_rgb_nchw, apply_hsv_bgr_hwc, HsvGains, HsvLut};
 pub use labels::KptShape;
 pub use loader::{Batch, Prefetcher, RatioPad, TrainConfig, TrainLoader, ValLoader};
-pub use synth::{generate as synth_generate, SynthOptions, SynthStats};
+pub use synth::{ensure as synth_ensure, generate as synth_generate, SynthOptions, SynthStats};

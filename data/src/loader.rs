@@ -104,6 +104,9 @@ pub struct TrainConfig {
     pub prefetch: usize,
     /// Shuffle every epoch (seeded by (seed, epoch)).
     pub shuffle: bool,
+    /// Test hook: building batch (epoch, index) panics, to exercise worker failure handling.
+    #[doc(hidden)]
+    pub inject_panic_at: Option<(usize, usize)>,
 }
 
 impl Default for TrainConfig {
@@ -118,6 +121,7 @@ impl Default for TrainConfig {
             workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(8),
             prefetch: 8,
             shuffle: true,
+            inject_panic_at: None,
         }
     }
 }
@@ -247,6 +251,9 @@ impl TrainLoader {
         let nb = self.batches_per_epoch();
         if b >= nb {
             return Err(DataError::Invalid(format!("batch {b} out of range (epoch has {nb})")));
+        }
+        if self.cfg.inject_panic_at == Some((epoch, b)) {
+            panic!("injected failure at epoch {epoch} batch {b}");
         }
         let order = self.epoch_order(epoch);
         let idx = &order[b * self.batch..((b + 1) * self.batch).min(order.len())];

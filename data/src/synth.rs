@@ -468,6 +468,22 @@ fn write_split(root: &Path, split: &str, split_id: u64, n: usize, n_bg: usize, o
         .collect()
 }
 
+fn header_line(o: &SynthOptions, bg: usize) -> String {
+    format!("# ptl synthetic pose dataset (seed {}, imgsz {}): {} train ({} background), {} val", o.seed, o.imgsz, o.train, bg, o.val)
+}
+
+/// Returns `out/data.yaml` if a dataset generated with the same options is already there (its header line matches),
+/// otherwise generates it. Used for the embedded default dataset of `ptl train`.
+pub fn ensure(opts: &SynthOptions) -> Result<PathBuf> {
+    let yp = opts.out.join("data.yaml");
+    if let Ok(text) = std::fs::read_to_string(&yp) {
+        if text.lines().next() == Some(header_line(opts, opts.background).as_str()) {
+            return Ok(yp);
+        }
+    }
+    Ok(generate(opts)?.yaml)
+}
+
 /// Writes the dataset and `data.yaml` under `opts.out`.
 pub fn generate(opts: &SynthOptions) -> Result<SynthStats> {
     if opts.background > opts.train {
@@ -514,17 +530,14 @@ pub fn generate(opts: &SynthOptions) -> Result<SynthStats> {
     let flip = COCO_FLIP_IDX.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(", ");
     let root_s = root.to_string_lossy().replace('\'', "''");
     let yaml = format!(
-        "# ptl synthetic pose dataset (seed {seed}, imgsz {imgsz}): {tr} train ({bg} background), {va} val\n\
-         path: '{root_s}'\ntrain: images/train\nval: images/val\n\
+        "{}\npath: '{root_s}'\ntrain: images/train\nval: images/val\n\
          kpt_shape: [17, 3]\nflip_idx: [{flip}]\nnames:\n  0: person\n",
-        seed = opts.seed,
-        imgsz = opts.imgsz,
-        tr = st.train_images,
-        bg = st.train_background,
-        va = st.val_images,
+        header_line(opts, opts.background)
     );
     let yp = root.join("data.yaml");
-    std::fs::write(&yp, yaml).map_err(|e| DataError::io(&yp, e))?;
+    let tmp = root.join(".data.yaml.tmp");
+    std::fs::write(&tmp, yaml).map_err(|e| DataError::io(&tmp, e))?;
+    std::fs::rename(&tmp, &yp).map_err(|e| DataError::io(&yp, e))?;
     st.yaml = yp;
     Ok(st)
 }

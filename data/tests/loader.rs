@@ -191,3 +191,19 @@ fn validation_rect_batches_and_letterbox() {
     }
     assert_eq!(total, 5);
 }
+
+#[test]
+fn worker_failure_is_reported_and_pool_shuts_down() {
+    let ds = dataset();
+    for workers in [0, 3] {
+        let ld = Arc::new(TrainLoader::new(ds.clone(), TrainConfig { inject_panic_at: Some((0, 2)), ..cfg(workers) }).unwrap());
+        let mut p = ld.prefetch(0);
+        assert!(p.next_batch().unwrap().is_ok());
+        assert!(p.next_batch().unwrap().is_ok());
+        let e = p.next_batch().unwrap().unwrap_err();
+        assert!(matches!(e, ptl_data::DataError::Worker(_)), "{e}");
+        assert!(e.to_string().contains("epoch 0 batch 2"), "{e}");
+        assert!(p.next_batch().is_none());
+        drop(p);
+    }
+}

@@ -197,3 +197,61 @@ fn disk_cache_is_reused_keyed_and_invalidated() {
         .collect();
     assert!(leftovers.is_empty());
 }
+
+/// Inserts an EXIF APP1 segment with the given orientation right after the JPEG SOI marker.
+fn with_exif_orientation(jpeg: &[u8], orientation: u16) -> Vec<u8> {
+    let mut tiff = Vec::new();
+    tiff.extend_from_slice(b"II*\0");
+    tiff.extend_from_slice(&8u32.to_le_bytes());
+    tiff.extend_from_slice(&1u16.to_le_bytes()); // one IFD entry
+    tiff.extend_from_slice(&0x0112u16.to_le_bytes()); // Orientation
+    tiff.extend_from_slice(&3u16.to_le_bytes()); // SHORT
+    tiff.extend_from_slice(&1u32.to_le_bytes());
+    tiff.extend_from_slice(&orientation.to_le_bytes());
+    tiff.extend_from_slice(&[0, 0]);
+    tiff.extend_from_slice(&0u32.to_le_bytes()); // no next IFD
+    let mut app1 = b"Exif\0\0".to_vec();
+    app1.extend_from_slice(&tiff);
+    let mut out = jpeg[..2].to_vec();
+    out.extend_from_slice(&[0xFF, 0xE1]);
+    out.extend_from_slice(&((app1.len() + 2) as u16).to_be_bytes());
+    out.extend_from_slice(&app1);
+    out.extend_from_slice(&jpeg[2..]);
+    out
+}
+
+#[test]
+fn exif_orientation_is_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = Layout::new(dir.path());
+    let p = l.image("train", "rot.jpg", 120, 60, 1);
+    let plain = std::fs::read(&p).unwrap();
+    std::fs::write(&p, with_exif_orientation(&plain, 6)).unwrap(); // rotate 90° clockwise to display
+    l.label("train", "rot", &row(0.0));
+    let ds = PoseDataset::open_yaml(&l.yaml(), "train", &quiet(120)).unwrap();
+    assert_eq!(ds.items[0].ori_shape, (120, 60)); // (h0, w0) after orientation
+    assert_eq!((ds.items[0].image.w, ds.items[0].image.h), (60, 120));
+}
+
+#[test]
+fn synth_ensure_reuses_a_matching_dataset() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = ptl_data::SynthOptions {
+        out: dir.path().to_path_buf(),
+        train: 3,
+        background: 1,
+        val: 1,
+        imgsz: 96,
+        seed: 1,
+        jpeg_quality: 90,
+        threads: 1,
+    };
+    let y = ptl_data::synth_ensure(&o).unwrap();
+    let marker = dir.path().join("images/train/train_000000.jpg");
+    std::fs::write(&marker, b"changed").unwrap();
+    assert_eq!(ptl_data::synth_ensure(&o).unwrap(), y);
+    assert_eq!(std::fs::read(&marker).unwrap(), b"changed"); // reused, not regenerated
+    let o2 = ptl_data::SynthOptions { seed: 2, ..o };
+    ptl_data::synth_ensure(&o2).unwrap();
+    assert_ne!(std::fs::read(&marker).unwrap(), b"changed");
+}
