@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod fit;
+pub mod loss;
 pub mod metrics;
 
 pub use error::{Result, TrainerError};

@@ -1,0 +1,296 @@
+//! One branch of the criterion (`PoseLoss26`, loss.md §1 and §3): decode, assign, six terms.
+
+use ptl_autograd::{no_grad, DType, Tensor};
+
+use super::anchors::Anchors;
+use super::assigner::{assign, AssignInputs, AssignParams, Assignment};
+use super::targets::{pad_targets, TargetBatch};
+use super::terms::{self, constant, zero_connected};
+use super::{FlowLogProb, LossConfig};
+use crate::error::{Result, TrainerError};
+
+/// Raw training-mode head outputs of one branch set (model.md §4).
+#[derive(Clone, Debug)]
+pub struct BranchOutputs {
+    /// (B, 4, A) (l, t, r, b) distances in grid units.
+    pub boxes: Tensor,
+    /// (B, nc, A) class logits.
+    pub scores: Tensor,
+    /// (B, 3K, A) keypoint offsets and visibility logits.
+    pub kpts: Tensor,
+    /// (B, 2K, A) sigma logits (training mode only).
+    pub kpts_sigma: Option<Tensor>,
+}
+
+/// What one branch returns.
+#[derive(Clone, Debug)]
+pub struct BranchLoss {
+    /// (6,) gain-scaled terms × batch size (differentiable): what E2ELoss weights.
+    pub loss_times_bs: Tensor,
+    /// The six gain-scaled terms (detached host values): what is logged for this branch.
+    pub items: [f64; 6],
+    /// The assignment behind it.
+    pub assignment: Assignment,
+}
+
+/// The per-branch criterion.
+#[derive(Clone, Debug)]
+pub struct PoseLoss26 {
+    pub cfg: LossConfig,
+    pub assign: AssignParams,
+}
+
+fn host_f32(t: &Tensor, what: &'static str) -> Result<Vec<f32>> {
+    let v = no_grad(|| t.detach().to_dtype(DType::F32))?.to_vec::<f32>()?;
+    crate::error::check_finite(what, &v)?;
+    Ok(v)
+}
+
+fn check_dims(what: &'static str, t: &Tensor, want: &[usize]) -> Result<()> {
+    if t.dims() != want {
+        return Err(TrainerError::ShapeMismatch {
+            what,
+            shape: format!("expected {want:?}, got {:?}", t.dims()),
+            expected: want.iter().product(),
+            got: t.numel(),
+        });
+    }
+    Ok(())
+}
+
+impl PoseLoss26 {
+    /// A branch criterion with the given assigner top-k values (o2m: 10/10, o2o: 7/1).
+    pub fn new(cfg: LossConfig, topk: usize, topk2: usize) -> PoseLoss26 {
+        let assign = AssignParams::pose(topk, topk2, &cfg.strides, &cfg.sigmas);
+        PoseLoss26 { cfg, assign }
+    }
+
+    /// Evaluates the branch on raw outputs. `flow` is required when `kpts_sigma` is present.
+    pub fn loss(
+        &self,
+        out: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+    ) -> Result<BranchLoss> {
+        let cfg = &self.cfg;
+        let (nc, nk) = (cfg.nc, cfg.nkpt);
+        let device = out.boxes.device();
+        let bs = out.boxes.dims().first().copied().unwrap_or(0);
+        let na = anchors.len();
+        check_dims("boxes (B, 4, A)", &out.boxes, &[bs, 4, na])?;
+        check_dims("scores (B, nc, A)", &out.scores, &[bs, nc, na])?;
+        check_dims("kpts (B, 3K, A)", &out.kpts, &[bs, 3 * nk, na])?;
+        if let Some(s) = &out.kpts_sigma {
+            check_dims("kpts_sigma (B, 2K, A)", s, &[bs, 2 * nk, na])?;
+        }
+        if targets.nkpt != nk {
+            return Err(TrainerError::InvalidArgument {
+                what: "targets.nkpt",
+                reason: format!("{} keypoints in targets, {nk} in the loss config", targets.nkpt),
+            });
+        }
+        let (img_h, img_w) = anchors.image_hw();
+
+        // ---- host copies for the assigner (detached; also the NaN gate) -------------------
+        let raw_boxes = host_f32(&out.boxes, "predicted boxes")?;
+        let raw_scores = host_f32(&out.scores, "predicted scores")?;
+        let raw_kpts = host_f32(&out.kpts, "predicted keypoints")?;
+        if let Some(s) = &out.kpts_sigma {
+            host_f32(s, "predicted keypoint sigmas")?;
+        }
+        let (ap, st) = (&anchors.points, &anchors.strides);
+        let mut sig_scores = vec![0f32; bs * na * nc];
+        let mut px_boxes = vec![0f32; bs * na * 4];
+        let mut px_kpts = vec![0f32; bs * na * nk * 2];
+        for b in 0..bs {
+            for j in 0..na {
+                let (ax, ay, s) = (ap[2 * j], ap[2 * j + 1], st[j]);
+                for c in 0..nc {
+                    let x = raw_scores[(b * nc + c) * na + j];
+                    sig_scores[(b * na + j) * nc + c] = 1.0 / (1.0 + (-x).exp());
+                }
+                let r = |c: usize| raw_boxes[(b * 4 + c) * na + j];
+                let o = (b * na + j) * 4;
+                px_boxes[o] = (ax - r(0)) * s;
+                px_boxes[o + 1] = (ay - r(1)) * s;
+                px_boxes[o + 2] = (ax + r(2)) * s;
+                px_boxes[o + 3] = (ay + r(3)) * s;
+                for k in 0..nk {
+                    let o = ((b * na + j) * nk + k) * 2;
+                    px_kpts[o] = (raw_kpts[(b * 3 * nk + 3 * k) * na + j] + ax) * s;
+                    px_kpts[o + 1] = (raw_kpts[(b * 3 * nk + 3 * k + 1) * na + j] + ay) * s;
+                }
+            }
+        }
+        let padded = pad_targets(targets, bs, (img_h, img_w))?;
+        let anchors_px = anchors.points_px();
+        let asg = assign(
+            &AssignInputs {
+                batch_size: bs,
+                num_anchors: na,
+                nc,
+                scores: &sig_scores,
+                boxes: &px_boxes,
+                kpts: &px_kpts,
+                anchors_px: &anchors_px,
+                strides: st,
+                targets: &padded,
+            },
+            &self.assign,
+        )?;
+
+        // ---- classification over all anchors ---------------------------------------------
+        let tss = asg.target_scores_sum().max(1.0);
+        let t = Tensor::scalar(f64::from(tss), DType::F32, device)?;
+        let logits = out.scores.permute(&[0, 2, 1])?;
+        let cls_t = constant(asg.target_scores.clone(), &[bs, na, nc], device)?;
+        let l_cls = terms::cls_loss(&logits, &cls_t, &t)?;
+
+        let fg = asg.fg_indices();
+        let n = fg.len();
+        let (l_box, l_l1, l_kpt, l_kobj, l_rle);
+        if n == 0 {
+            l_box = zero_connected(&out.boxes)?;
+            l_l1 = zero_connected(&out.boxes)?;
+            l_kpt = zero_connected(&out.kpts)?;
+            l_kobj = zero_connected(&out.kpts)?;
+            l_rle = self.zero_rle(out, flow)?;
+        } else {
+            let idx = Tensor::from_vec(fg.iter().map(|&i| i as i64).collect::<Vec<_>>(), n, device)?;
+            // Constants at the foreground anchors (grid units).
+            let mut anc = Vec::with_capacity(2 * n);
+            let mut strd = Vec::with_capacity(n);
+            let mut tgt = Vec::with_capacity(4 * n);
+            let mut w = Vec::with_capacity(n);
+            let mut tl1 = Vec::with_capacity(4 * n);
+            for &f in &fg {
+                let j = f % na;
+                let (ax, ay, s) = (ap[2 * j], ap[2 * j + 1], st[j]);
+                anc.extend_from_slice(&[ax, ay]);
+                strd.push(s);
+                let tb: Vec<f32> = asg.target_bboxes[4 * f..4 * f + 4].iter().map(|&v| v / s).collect();
+                let ltrb = [ax - tb[0], ay - tb[1], tb[2] - ax, tb[3] - ay];
+                tl1.extend_from_slice(&[ltrb[0] * s / img_w, ltrb[1] * s / img_h, ltrb[2] * s / img_w, ltrb[3] * s / img_h]);
+                tgt.extend_from_slice(&tb);
+                w.push(asg.target_scores[f * nc..(f + 1) * nc].iter().sum::<f32>());
+            }
+            let anc_t = constant(anc, &[n, 2], device)?;
+            let s_t = constant(strd.clone(), &[n, 1], device)?;
+            let w_t = constant(w, &[n, 1], device)?;
+            let tgt_t = constant(tgt.clone(), &[n, 4], device)?;
+
+            // Box CIoU and side L1.
+            let ltrb = out.boxes.permute(&[0, 2, 1])?.reshape((bs * na, 4))?.index_select(0, &idx)?;
+            let lt_rb = ltrb.split(&[2, 2], -1)?;
+            let pred_xyxy = Tensor::cat(&[&anc_t.sub(&lt_rb[0])?, &anc_t.add(&lt_rb[1])?], -1)?;
+            l_box = terms::box_loss(&pred_xyxy, &tgt_t, &w_t, &t)?;
+            let whwh = constant(vec![img_w, img_h, img_w, img_h], &[1, 4], device)?;
+            let pred_l1 = ltrb.mul(&s_t)?.div(&whwh)?;
+            let tl1_t = constant(tl1, &[n, 4], device)?;
+            l_l1 = terms::l1_loss(&pred_l1, &tl1_t, &w_t, &t)?;
+
+            // Keypoints at the foreground anchors.
+            let kp = out.kpts.permute(&[0, 2, 1])?.reshape((bs * na, nk, 3))?.index_select(0, &idx)?;
+            let kp_xy = kp.narrow(-1, 0, 2)?.add(&anc_t.unsqueeze(1)?)?; // (N, K, 2) decoded
+            let xy = kp_xy.split(&[1, 1], -1)?;
+            let (px, py) = (xy[0].squeeze(-1)?, xy[1].squeeze(-1)?);
+            let vlog = kp.narrow(-1, 2, 1)?.squeeze(-1)?;
+            let mut gx = Vec::with_capacity(n * nk);
+            let mut gy = Vec::with_capacity(n * nk);
+            let mut msk = Vec::with_capacity(n * nk);
+            let mut denom = Vec::with_capacity(n * nk);
+            let mut factor = Vec::with_capacity(n);
+            let mut vis_idx = Vec::new();
+            let mut vis_gt = Vec::new();
+            let mut vis_w = Vec::new();
+            for (r, &f) in fg.iter().enumerate() {
+                let (b, s) = (f / na, strd[r]);
+                let g = asg.target_gt_idx[f];
+                let gk = &padded.kpts[(b * padded.max_boxes + g) * nk * 3..][..nk * 3];
+                let tb = &tgt[4 * r..4 * r + 4];
+                let area = (tb[2] - tb[0]) * (tb[3] - tb[1]);
+                let mut nv = 0f32;
+                for k in 0..nk {
+                    let (x, y, v) = (gk[3 * k] / s, gk[3 * k + 1] / s, gk[3 * k + 2]);
+                    gx.push(x);
+                    gy.push(y);
+                    let m = v != 0.0;
+                    msk.push(f32::from(u8::from(m)));
+                    let two_s = 2.0 * cfg.sigmas[k];
+                    denom.push(two_s * two_s * (area + 1e-9) * 2.0);
+                    if m {
+                        nv += 1.0;
+                        vis_idx.push((r * nk + k) as i64);
+                        vis_gt.extend_from_slice(&[x, y]);
+                        vis_w.push(cfg.rle_weights[k]);
+                    }
+                }
+                factor.push(nk as f32 / (nv + 1e-9));
+            }
+            let gx_t = constant(gx, &[n, nk], device)?;
+            let gy_t = constant(gy, &[n, nk], device)?;
+            let m_t = constant(msk, &[n, nk], device)?;
+            let den_t = constant(denom, &[n, nk], device)?;
+            let fac_t = constant(factor, &[n, 1], device)?;
+            l_kpt = terms::keypoint_loss(&px, &py, &gx_t, &gy_t, &m_t, &den_t, &fac_t)?;
+            l_kobj = terms::kobj_loss(&vlog, &m_t)?;
+
+            l_rle = match (&out.kpts_sigma, flow) {
+                (Some(sigma), Some(flow)) if !vis_idx.is_empty() => {
+                    let nv = vis_idx.len();
+                    let vidx = Tensor::from_vec(vis_idx, nv, device)?;
+                    let sg = sigma
+                        .permute(&[0, 2, 1])?
+                        .reshape((bs * na, nk * 2))?
+                        .index_select(0, &idx)?
+                        .reshape((n * nk, 2))?
+                        .index_select(0, &vidx)?;
+                    let pv = kp_xy.reshape((n * nk, 2))?.index_select(0, &vidx)?;
+                    let gv = constant(vis_gt, &[nv, 2], device)?;
+                    match terms::rle_loss(&pv, &sg, &gv, &vis_w, flow)? {
+                        Some(l) => l,
+                        None => self.zero_rle(out, Some(flow))?,
+                    }
+                }
+                (Some(_), None) => {
+                    return Err(TrainerError::InvalidArgument {
+                        what: "flow",
+                        reason: "kpts_sigma given but no flow model for the RLE term".into(),
+                    })
+                }
+                _ => self.zero_rle(out, flow)?,
+            };
+        }
+
+        let gains = [cfg.box_gain, cfg.pose_gain, cfg.kobj_gain, cfg.cls_gain, cfg.l1_gain, cfg.rle_gain];
+        let raw = [&l_box, &l_kpt, &l_kobj, &l_cls, &l_l1, &l_rle];
+        let scaled: Vec<Tensor> = raw
+            .iter()
+            .zip(gains)
+            .map(|(l, g)| -> Result<Tensor> { Ok(l.reshape(1)?.mul(&Tensor::scalar(g, DType::F32, device)?)?) })
+            .collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = scaled.iter().collect();
+        let vec = Tensor::cat(&refs, 0)?;
+        let hv = vec.detach().to_vec::<f32>()?;
+        let mut items = [0f64; 6];
+        for (i, v) in hv.iter().enumerate() {
+            items[i] = f64::from(*v);
+        }
+        let loss_times_bs = vec.mul(&Tensor::scalar(bs as f64, DType::F32, device)?)?;
+        Ok(BranchLoss { loss_times_bs, items, assignment: asg })
+    }
+
+    /// A zero RLE term connected to the sigma view and the flow parameters.
+    fn zero_rle(&self, out: &BranchOutputs, flow: Option<&dyn FlowLogProb>) -> Result<Tensor> {
+        let mut z = match &out.kpts_sigma {
+            Some(s) => zero_connected(s)?,
+            None => Tensor::scalar(0.0, DType::F32, out.kpts.device())?,
+        };
+        if let (Some(flow), Some(_)) = (flow, &out.kpts_sigma) {
+            let e = Tensor::zeros((1, 2), DType::F32, out.kpts.device())?;
+            z = z.add(&zero_connected(&flow.log_prob(&e)?)?)?;
+        }
+        Ok(z)
+    }
+}

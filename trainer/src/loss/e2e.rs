@@ -1,0 +1,102 @@
+//! The two-branch criterion (`E2ELoss`, loss.md §4–§5): o2m (top-10) and o2o (top-7 → top-1)
+//! branches with weights that move from 0.8/0.2 to 0.1/0.9 over training.
+
+use ptl_autograd::{DType, Tensor};
+
+use super::anchors::Anchors;
+use super::branch::{BranchLoss, BranchOutputs, PoseLoss26};
+use super::targets::TargetBatch;
+use super::{FlowLogProb, LossConfig};
+use crate::error::Result;
+
+/// Output of one criterion call.
+#[derive(Clone, Debug)]
+pub struct LossOutput {
+    /// The scalar to back-propagate: Σ (w_o2m · B·vec_o2m + w_o2o · B·vec_o2o).
+    pub total: Tensor,
+    /// The weighted 6-vector before the sum (differentiable).
+    pub loss_vec: Tensor,
+    /// Logged items: the o2o branch's gain-scaled terms `[box, pose, kobj, cls, l1, rle]`.
+    pub items: [f64; 6],
+    /// Per-branch results (o2m, o2o).
+    pub one2many: BranchLoss,
+    pub one2one: BranchLoss,
+    /// Weights used for this call.
+    pub w_o2m: f64,
+    pub w_o2o: f64,
+}
+
+/// The criterion: two [`PoseLoss26`] and the moving weights.
+#[derive(Clone, Debug)]
+pub struct E2ELoss {
+    pub one2many: PoseLoss26,
+    pub one2one: PoseLoss26,
+    /// Completed epochs (number of `update()` calls, or the resume epoch).
+    pub updates: usize,
+    /// Total epochs E.
+    pub epochs: usize,
+    pub o2m_initial: f64,
+    pub o2m_final: f64,
+    pub w_o2m: f64,
+    pub w_o2o: f64,
+}
+
+impl E2ELoss {
+    /// Criterion for a run of `epochs` epochs (o2m top-k 10/10, o2o 7/1, weights 0.8 → 0.1).
+    pub fn new(cfg: LossConfig, epochs: usize) -> E2ELoss {
+        let mut c = E2ELoss {
+            one2many: PoseLoss26::new(cfg.clone(), 10, 10),
+            one2one: PoseLoss26::new(cfg, 7, 1),
+            updates: 0,
+            epochs,
+            o2m_initial: 0.8,
+            o2m_final: 0.1,
+            w_o2m: 0.8,
+            w_o2o: 0.0,
+        };
+        c.w_o2o = (1.0 - c.w_o2m).max(0.0);
+        c
+    }
+
+    /// o2m weight after `u` completed epochs.
+    pub fn decay(&self, u: usize) -> f64 {
+        let e = (self.epochs as f64 - 1.0).max(1.0);
+        (1.0 - u as f64 / e).max(0.0) * (self.o2m_initial - self.o2m_final) + self.o2m_final
+    }
+
+    /// Called once at the end of every epoch.
+    pub fn update(&mut self) {
+        self.set_updates(self.updates + 1);
+    }
+
+    /// Sets the number of completed epochs directly (resume: `start_epoch`).
+    pub fn set_updates(&mut self, u: usize) {
+        self.updates = u;
+        self.w_o2m = self.decay(u);
+        self.w_o2o = (1.0 - self.w_o2m).max(0.0);
+    }
+
+    /// Evaluates both branches and mixes them. `flow` is the shared RealNVP (needed when the
+    /// outputs carry sigma views, i.e. in training mode).
+    pub fn loss(
+        &self,
+        o2m: &BranchOutputs,
+        o2o: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+    ) -> Result<LossOutput> {
+        let a = self.one2many.loss(o2m, targets, anchors, flow)?;
+        let b = self.one2one.loss(o2o, targets, anchors, flow)?;
+        let dev = a.loss_times_bs.device();
+        let wa = Tensor::scalar(self.w_o2m, DType::F32, dev)?;
+        let wb = Tensor::scalar(self.w_o2o, DType::F32, dev)?;
+        let loss_vec = a.loss_times_bs.mul(&wa)?.add(&b.loss_times_bs.mul(&wb)?)?;
+        let total = loss_vec.sum_all()?;
+        let t = total.detach().item()?;
+        if !t.is_finite() {
+            return Err(crate::error::TrainerError::NonFinite { what: "total loss", index: 0, value: t });
+        }
+        Ok(LossOutput { total, loss_vec, items: b.items, one2many: a, one2one: b, w_o2m: self.w_o2m, w_o2o: self.w_o2o })
+    }
+}

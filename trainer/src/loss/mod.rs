@@ -1,0 +1,105 @@
+//! YOLO26-pose training loss (loss.md): anchors, the pose task-aligned assigner, the six loss
+//! terms of one branch ([`PoseLoss26`]) and the two-branch criterion ([`E2ELoss`]).
+//!
+//! * Everything differentiable is written with `ptl-autograd` ops on the predictions' device, so
+//!   gradients reach the raw head outputs and the RealNVP flow.
+//! * The assigner ([`assigner`]) is a **deliberate first version on host `f32` vectors**: it runs
+//!   under `no_grad`, reads the detached predictions once per branch (one device→host sync) and
+//!   reproduces the reference's float32 arithmetic order where thresholds and ties decide
+//!   assignments. Its results (fg indices, targets) go back to the predictions' device as small
+//!   tensors. A tensor-op version for the GPU can replace it behind the same [`Assignment`] type.
+//! * Top-k ties are broken by the lowest anchor index (loss.md §2.4).
+
+pub mod anchors;
+pub mod assigner;
+pub mod boxes;
+pub mod branch;
+pub mod e2e;
+pub mod targets;
+pub mod terms;
+
+pub use anchors::Anchors;
+pub use assigner::{assign, AssignInputs, AssignParams, Assignment};
+pub use branch::{BranchLoss, BranchOutputs, PoseLoss26};
+pub use e2e::{E2ELoss, LossOutput};
+pub use targets::TargetBatch;
+
+use ptl_autograd::Tensor;
+
+/// COCO OKS sigmas (loss.md §6), float32 as the reference stores them.
+pub const OKS_SIGMA: [f32; 17] =
+    [0.026, 0.025, 0.025, 0.035, 0.035, 0.079, 0.079, 0.072, 0.072, 0.062, 0.062, 0.107, 0.107, 0.087, 0.087, 0.089, 0.089];
+
+/// RLE per-keypoint weights for COCO keypoints (loss.md §6).
+pub const RLE_WEIGHT: [f32; 17] = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.2, 1.2, 1.5, 1.5, 1.0, 1.0, 1.2, 1.2, 1.5, 1.5];
+
+/// Names of the six logged loss items, in slot order.
+pub const LOSS_NAMES: [&str; 6] = ["box_loss", "pose_loss", "kobj_loss", "cls_loss", "l1_loss", "rle_loss"];
+
+/// The flow's density in the RLE term: `log_prob(e)` for `e` of shape (N, 2) → (N,).
+///
+/// Implemented by the model's RealNVP (`ptl_heads::RealNvp`); kept as a trait so the loss does not
+/// depend on how the flow is built.
+pub trait FlowLogProb {
+    fn log_prob(&self, e: &Tensor) -> crate::error::Result<Tensor>;
+}
+
+impl FlowLogProb for ptl_heads::RealNvp {
+    fn log_prob(&self, e: &Tensor) -> crate::error::Result<Tensor> {
+        ptl_heads::RealNvp::log_prob(self, e).map_err(|err| match err {
+            ptl_heads::HeadsError::Tensor(t) => crate::error::TrainerError::Tensor(t),
+            other => crate::error::TrainerError::InvalidArgument { what: "flow.log_prob", reason: other.to_string() },
+        })
+    }
+}
+
+/// Loss hyper-parameters (gains and keypoint constants).
+#[derive(Clone, Debug)]
+pub struct LossConfig {
+    pub box_gain: f64,
+    pub pose_gain: f64,
+    pub kobj_gain: f64,
+    pub cls_gain: f64,
+    /// The "dfl" gain, used by the box-side L1 term when reg_max = 1.
+    pub l1_gain: f64,
+    pub rle_gain: f64,
+    /// Number of classes.
+    pub nc: usize,
+    /// Number of keypoints (17 for COCO).
+    pub nkpt: usize,
+    /// Per-keypoint OKS sigmas (length `nkpt`).
+    pub sigmas: Vec<f32>,
+    /// Per-keypoint RLE weights (length `nkpt`).
+    pub rle_weights: Vec<f32>,
+    /// Level strides (P3, P4, P5).
+    pub strides: Vec<f64>,
+}
+
+impl Default for LossConfig {
+    fn default() -> Self {
+        LossConfig {
+            box_gain: 7.5,
+            pose_gain: 12.0,
+            kobj_gain: 1.0,
+            cls_gain: 0.5,
+            l1_gain: 1.5,
+            rle_gain: 1.0,
+            nc: 1,
+            nkpt: 17,
+            sigmas: OKS_SIGMA.to_vec(),
+            rle_weights: RLE_WEIGHT.to_vec(),
+            strides: vec![8.0, 16.0, 32.0],
+        }
+    }
+}
+
+impl LossConfig {
+    /// Config for a keypoint count other than 17: sigmas 1/K and RLE weights 1 unless given.
+    pub fn with_keypoints(nkpt: usize, sigmas: Option<Vec<f32>>) -> LossConfig {
+        let base = LossConfig::default();
+        if nkpt == 17 {
+            return LossConfig { sigmas: sigmas.unwrap_or(base.sigmas.clone()), ..base };
+        }
+        LossConfig { nkpt, sigmas: sigmas.unwrap_or_else(|| vec![1.0 / nkpt as f32; nkpt]), rle_weights: vec![1.0; nkpt], ..base }
+    }
+}

@@ -1,0 +1,152 @@
+//! Golden loss cases (shared/goldens/loss_cases): per-term items, assignment, gradients.
+
+mod loss_support;
+
+use loss_support::*;
+use ptl_trainer::loss::{Anchors, Assignment, E2ELoss, LossConfig, LOSS_NAMES};
+
+fn check_assignment(tag: &str, a: &Assignment, g: &std::collections::HashMap<String, ptl_autograd::Tensor>, br: &str) {
+    let fg_ref = f64v(get(g, &format!("assign.{br}.fg_mask")));
+    let idx_ref = f64v(get(g, &format!("assign.{br}.target_gt_idx")));
+    let fg: Vec<f64> = a.fg_mask.iter().map(|&f| f64::from(u8::from(f))).collect();
+    let fg_diff = fg.iter().zip(&fg_ref).filter(|(x, y)| x != y).count();
+    let idx_diff = (0..fg.len()).filter(|&i| fg_ref[i] != 0.0 && a.target_gt_idx[i] as f64 != idx_ref[i]).count();
+    let m = a.max_boxes;
+    let cand_dev = if m > 0 {
+        let cref = f64v(get(g, &format!("assign.{br}.candidates")));
+        a.candidates.iter().zip(&cref).filter(|(x, y)| f64::from(u8::from(**x)) != **y).count()
+    } else {
+        0
+    };
+    let ov = if m > 0 {
+        rel_dev(&a.overlaps.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(), &f64v(get(g, &format!("assign.{br}.overlaps"))), 1e-12)
+    } else {
+        0.0
+    };
+    let al = if m > 0 {
+        rel_dev(
+            &a.align_metric.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
+            &f64v(get(g, &format!("assign.{br}.align_metric"))),
+            1e-12,
+        )
+    } else {
+        0.0
+    };
+    let ts = rel_dev(
+        &a.target_scores.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
+        &f64v(get(g, &format!("assign.{br}.target_scores"))),
+        1e-12,
+    );
+    let tbr = f64v(get(g, &format!("assign.{br}.target_bboxes")));
+    // Boxes compared on foreground anchors (background rows hold GT 0's box in both).
+    let mut tb_dev = 0f64;
+    for i in 0..fg.len() {
+        if fg_ref[i] != 0.0 {
+            for c in 0..4 {
+                tb_dev = tb_dev.max((f64::from(a.target_bboxes[4 * i + c]) - tbr[4 * i + c]).abs());
+            }
+        }
+    }
+    eprintln!(
+        "{tag} {br}: fg mismatches {fg_diff}, gt-idx mismatches {idx_diff}, candidate mismatches {cand_dev}, overlaps {ov:.2e}, align {al:.2e}, target_scores {ts:.2e}, target_bboxes abs {tb_dev:.2e}"
+    );
+    assert_eq!(fg_diff, 0, "{tag} {br}: fg mask");
+    assert_eq!(idx_diff, 0, "{tag} {br}: target_gt_idx");
+    assert_eq!(cand_dev, 0, "{tag} {br}: candidates");
+    assert!(ov <= 1e-4 && al <= 1e-4 && ts <= 1e-4, "{tag} {br}: overlaps/align/target scores");
+    assert!(tb_dev <= 1e-3, "{tag} {br}: target boxes");
+}
+
+fn run_case(file: &str) {
+    let Some(root) = goldens() else { return };
+    let g = load(root.join("loss_cases").join(file));
+    let flow_vals = load(root.join("loss_cases/flow.safetensors"));
+    let flow = flow_from(&flow_vals);
+    let hw = f64v(get(&g, "input.image_hw"));
+    let cfg = LossConfig::default();
+    let anchors = Anchors::from_image_hw((hw[0] as usize, hw[1] as usize), &cfg.strides).unwrap();
+    let targets = target_batch(&g, "batch.");
+    let o2m = branch_leaves(&g, "input.one2many.");
+    let o2o = branch_leaves(&g, "input.one2one.");
+    let crit = E2ELoss::new(cfg, 100);
+    let out = crit.loss(&o2m, &o2o, &targets, &anchors, Some(&flow)).unwrap();
+
+    // Items per branch and term.
+    let mut worst = 0f64;
+    for (br, bl) in [("one2many", &out.one2many), ("one2one", &out.one2one)] {
+        let r = f64v(get(&g, &format!("{br}.items")));
+        let rb = f64v(get(&g, &format!("{br}.loss_times_bs")));
+        let lb = f64v(&bl.loss_times_bs);
+        let mut line = format!("{file} {br} items rel dev:");
+        for i in 0..6 {
+            let d = rel_scalar(bl.items[i], r[i]).max(rel_scalar(lb[i], rb[i]));
+            line += &format!(" {}={d:.1e}", LOSS_NAMES[i]);
+            assert!((bl.items[i] - r[i]).abs() <= 1e-5 * r[i].abs() + 1e-6, "{file} {br} {}: {} vs {}", LOSS_NAMES[i], bl.items[i], r[i]);
+            assert!((lb[i] - rb[i]).abs() <= 1e-5 * rb[i].abs() + 1e-6, "{file} {br} ×bs {i}");
+            worst = worst.max(d);
+        }
+        eprintln!("{line}");
+        check_assignment(file, &bl.assignment, &g, br);
+    }
+    let total_ref = get(&g, "total.scalar").item().unwrap();
+    let total = out.total.item().unwrap();
+    let vec_ref = f64v(get(&g, "total.loss_vec"));
+    let vec = f64v(&out.loss_vec);
+    let vec_dev = (0..6).map(|i| rel_scalar(vec[i], vec_ref[i])).fold(0f64, f64::max);
+    eprintln!(
+        "{file} total {total} vs {total_ref} (rel {:.1e}), loss_vec max rel {vec_dev:.1e}, worst item {worst:.1e}",
+        rel_scalar(total, total_ref)
+    );
+    assert!((total - total_ref).abs() <= 1e-5 * total_ref.abs() + 1e-6);
+    for i in 0..6 {
+        assert!((vec[i] - vec_ref[i]).abs() <= 1e-5 * vec_ref[i].abs() + 1e-6, "loss_vec {i}");
+    }
+    for (i, name) in LOSS_NAMES.iter().enumerate() {
+        assert_eq!(out.items[i], out.one2one.items[i], "logged {name} is the o2o item");
+    }
+
+    // Gradients w.r.t. raw outputs and flow parameters.
+    out.total.backward().unwrap();
+    let mut gworst = 0f64;
+    for (br, o) in [("one2many", &o2m), ("one2one", &o2o)] {
+        for (k, t) in [("boxes", &o.boxes), ("scores", &o.scores), ("kpts", &o.kpts), ("kpts_sigma", o.kpts_sigma.as_ref().unwrap())] {
+            let gr = t.grad().unwrap_or_else(|| panic!("{file}: gradient of {br}.{k} absent"));
+            let d = rel_dev(&f64v(&gr), &f64v(get(&g, &format!("grad.{br}.{k}"))), 1e-30);
+            gworst = gworst.max(d);
+            assert!(d <= 1e-4, "{file} grad {br}.{k}: {d:.2e}");
+        }
+    }
+    for (name, p) in ptl_autograd::module::named_parameters(&flow) {
+        let gr = p.grad().unwrap_or_else(|| panic!("{file}: flow gradient {name} absent"));
+        let r = f64v(get(&g, &format!("grad.model.23.flow_model.{name}")));
+        let d = rel_dev(&f64v(&gr), &r, 1e-30);
+        gworst = gworst.max(d);
+        assert!(d <= 1e-4, "{file} flow grad {name}: {d:.2e}");
+    }
+    eprintln!("{file} gradients (raw outputs + flow) max rel dev {gworst:.2e}");
+}
+
+#[test]
+fn case1_basic() {
+    run_case("case1_basic.safetensors");
+}
+#[test]
+fn case2_empty_image() {
+    run_case("case2_empty_image.safetensors");
+}
+#[test]
+fn case3_invisible_keypoints() {
+    run_case("case3_invisible_keypoints.safetensors");
+}
+#[test]
+fn case4_tiny_and_thin() {
+    run_case("case4_tiny_and_thin.safetensors");
+}
+#[test]
+fn case5_crowded() {
+    run_case("case5_crowded.safetensors");
+}
+#[test]
+fn case6_no_targets() {
+    run_case("case6_no_targets.safetensors");
+}

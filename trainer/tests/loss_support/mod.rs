@@ -1,0 +1,75 @@
+//! Shared helpers for the loss tests: golden loading, the flow, comparisons.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use ptl_autograd::{module, DType, Device, Rng, Tensor};
+use ptl_heads::nn::Init;
+use ptl_heads::RealNvp;
+use ptl_trainer::loss::{BranchOutputs, TargetBatch};
+
+/// `shared/goldens`, or `None` when the checkout has no shared folder.
+pub fn goldens() -> Option<PathBuf> {
+    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens"));
+    if p.is_dir() {
+        Some(p)
+    } else {
+        eprintln!("skipping: golden folder {} not found", p.display());
+        None
+    }
+}
+
+pub fn load(path: PathBuf) -> HashMap<String, Tensor> {
+    module::load_safetensors(&path, Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+pub fn get<'a>(m: &'a HashMap<String, Tensor>, k: &str) -> &'a Tensor {
+    m.get(k).unwrap_or_else(|| panic!("missing golden tensor {k}"))
+}
+
+pub fn f32v(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap()
+}
+
+pub fn f64v(t: &Tensor) -> Vec<f64> {
+    t.to_f64_vec().unwrap()
+}
+
+/// The training batch stored under `prefix` (`batch.`).
+pub fn target_batch(m: &HashMap<String, Tensor>, prefix: &str) -> TargetBatch {
+    let kp = get(m, &format!("{prefix}keypoints"));
+    TargetBatch {
+        batch_idx: f32v(get(m, &format!("{prefix}batch_idx"))),
+        cls: f32v(get(m, &format!("{prefix}cls"))),
+        bboxes: f32v(get(m, &format!("{prefix}bboxes"))),
+        keypoints: f32v(kp),
+        nkpt: kp.dims().get(1).copied().unwrap_or(17),
+    }
+}
+
+/// Raw outputs of a branch as leaves that record gradients.
+pub fn branch_leaves(m: &HashMap<String, Tensor>, prefix: &str) -> BranchOutputs {
+    let leaf = |k: &str| get(m, &format!("{prefix}{k}")).deep_copy().unwrap().requires_grad_(true).unwrap();
+    BranchOutputs { boxes: leaf("boxes"), scores: leaf("scores"), kpts: leaf("kpts"), kpts_sigma: Some(leaf("kpts_sigma")) }
+}
+
+/// The RealNVP flow loaded from `values` (keys relative to the flow, e.g. `s.0.0.weight`).
+pub fn flow_from(values: &HashMap<String, Tensor>) -> RealNvp {
+    let mut rng = Rng::new(0);
+    let flow = RealNvp::new(&mut Init { rng: &mut rng, device: Device::Cpu }).unwrap();
+    module::load_state_dict(&flow, values, true).unwrap();
+    flow
+}
+
+/// max |a − b| / max |b| (scale floor `floor`).
+pub fn rel_dev(a: &[f64], b: &[f64], floor: f64) -> f64 {
+    assert_eq!(a.len(), b.len(), "length");
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(floor);
+    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// |a − b| / |b| for scalars (absolute when |b| < 1e-6... scaled by max(|b|, 1e-6)).
+pub fn rel_scalar(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-6)
+}
