@@ -63,6 +63,40 @@ pub enum Error {
     // ---- backends -----------------------------------------------------------------------------
     #[error("CUDA backend: {0}")]
     Cuda(String),
+
+    #[error("CUDA is not usable: {0}")]
+    CudaUnavailable(CudaSetupError),
+}
+
+/// Why CUDA cannot be used in this process (returned as [`Error::CudaUnavailable`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CudaSetupError {
+    /// The driver library (`libcuda.so`) could not be loaded.
+    NoDriver,
+    /// The driver loaded but reports no GPU (or failed to initialise).
+    NoDevice { detail: String },
+    /// `cuda:N` was asked for but only `count` GPUs are visible.
+    BadOrdinal { ordinal: usize, count: usize },
+    /// A CUDA library we need (nvrtc, cublas, cudnn) could not be loaded.
+    MissingLibrary { name: &'static str },
+    /// Context creation, kernel compilation or handle creation failed.
+    Init { detail: String },
+}
+
+impl std::fmt::Display for CudaSetupError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CudaSetupError::NoDriver => {
+                f.write_str("CUDA driver not found (libcuda.so could not be loaded; is an NVIDIA driver installed?)")
+            }
+            CudaSetupError::NoDevice { detail } => write!(f, "no CUDA GPU found ({detail})"),
+            CudaSetupError::BadOrdinal { ordinal, count } => write!(f, "cuda:{ordinal} requested but {count} GPU(s) are visible"),
+            CudaSetupError::MissingLibrary { name } => {
+                write!(f, "CUDA library {name} not found (install it or add its directory to LD_LIBRARY_PATH)")
+            }
+            CudaSetupError::Init { detail } => write!(f, "CUDA initialisation failed: {detail}"),
+        }
+    }
 }
 
 /// Result alias used across the crate.

@@ -25,6 +25,8 @@ pub mod autocast;
 pub mod autograd;
 pub mod backend;
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
@@ -41,7 +43,7 @@ pub use autograd::{attach_custom_node, is_grad_enabled, no_grad, BackwardOp, Gra
 pub use cpu::CpuStorage;
 pub use device::Device;
 pub use dtype::DType;
-pub use error::{Error, Result};
+pub use error::{CudaSetupError, Error, Result};
 pub use module::{Module, TensorKind};
 pub use ops::norm::BatchNormOptions;
 pub use rng::Rng;

@@ -6,21 +6,34 @@ use crate::cpu::CpuStorage;
 use crate::shape::Layout;
 use crate::{DType, Device, Error, Result};
 
-/// Whether `Cuda(ordinal)` can be used in this process (false in builds without a CUDA backend).
-pub fn cuda_usable(_ordinal: usize) -> bool {
-    false
+/// Whether `Cuda(ordinal)` can be used in this process (false in builds without a CUDA backend,
+/// or when the driver, a library or the GPU is missing).
+pub fn cuda_usable(ordinal: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::is_available(ordinal)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        false
+    }
 }
 
 /// A buffer on some device.
 #[derive(Debug)]
 pub enum Storage {
     Cpu(CpuStorage),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaStorage),
 }
 
 macro_rules! unary_dispatch {
     ($self:expr, |$s:ident| $body:expr) => {
         match $self {
             Storage::Cpu($s) => Ok(Storage::Cpu($body?)),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda($s) => Ok(Storage::Cuda($body?)),
         }
     };
 }
@@ -29,26 +42,40 @@ macro_rules! pair {
     ($op:literal, $a:expr, $b:expr, |$x:ident, $y:ident| $body:expr) => {
         match ($a, $b) {
             (Storage::Cpu($x), Storage::Cpu($y)) => Ok(Storage::Cpu($body?)),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda($x), Storage::Cuda($y)) => Ok(Storage::Cuda($body?)),
             #[allow(unreachable_patterns)]
             (a, b) => Err(Error::DeviceMismatch { op: $op, lhs: a.device(), rhs: b.device() }),
         }
     };
 }
 
+#[allow(dead_code)]
+fn mismatch3(op: &'static str, a: &Storage, b: &Storage, c: &Storage) -> Error {
+    let (da, db, dc) = (a.device(), b.device(), c.device());
+    Error::DeviceMismatch { op, lhs: da, rhs: if db != da { db } else { dc } }
+}
+
 impl Storage {
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.device(),
         }
     }
     pub fn dtype(&self) -> DType {
         match self {
             Storage::Cpu(s) => s.dtype(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.dtype(),
         }
     }
     pub fn len(&self) -> usize {
         match self {
             Storage::Cpu(s) => s.len(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -62,13 +89,20 @@ impl Storage {
 
     /// Constant-filled storage on `device`.
     pub fn full(device: Device, dtype: DType, n: usize, value: f64) -> Result<Storage> {
-        Storage::from_cpu(CpuStorage::full(dtype, n, value), device)
+        match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => Ok(Storage::Cuda(crate::cuda::CudaStorage::full(device, dtype, n, value)?)),
+            _ => Storage::from_cpu(CpuStorage::full(dtype, n, value), device),
+        }
     }
 
     /// Uploads a host buffer (or keeps it on the host).
     pub fn from_cpu(s: CpuStorage, device: Device) -> Result<Storage> {
         match device {
             Device::Cpu => Ok(Storage::Cpu(s)),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => Ok(Storage::Cuda(crate::cuda::CudaStorage::from_cpu(&s, device)?)),
+            #[allow(unreachable_patterns)]
             d => Err(Error::DeviceUnavailable { op: "to_device", device: d, reason: "this build has no CUDA backend".into() }),
         }
     }
@@ -77,6 +111,8 @@ impl Storage {
     pub fn to_cpu(&self) -> Result<CpuStorage> {
         match self {
             Storage::Cpu(s) => Ok(s.clone()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.to_cpu(),
         }
     }
 
@@ -84,6 +120,8 @@ impl Storage {
     pub fn try_clone(&self) -> Result<Storage> {
         match self {
             Storage::Cpu(s) => Ok(Storage::Cpu(s.clone())),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.try_clone()?)),
         }
     }
 
@@ -99,6 +137,10 @@ impl Storage {
     pub fn where_cond(&self, cl: &Layout, a: &Storage, al: &Layout, b: &Storage, bl: &Layout) -> Result<Storage> {
         match (self, a, b) {
             (Storage::Cpu(c), Storage::Cpu(x), Storage::Cpu(y)) => Ok(Storage::Cpu(c.where_cond(cl, x, al, y, bl)?)),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(c), Storage::Cuda(x), Storage::Cuda(y)) => Ok(Storage::Cuda(c.where_cond(cl, x, al, y, bl)?)),
+            #[allow(unreachable_patterns)]
+            (c, x, y) => Err(mismatch3("where_cond", c, x, y)),
         }
     }
     pub fn reduce(&self, shape: &[usize], dim: usize, op: ReduceOp) -> Result<Storage> {
@@ -110,11 +152,19 @@ impl Storage {
     pub fn copy_strided(&self, sl: &Layout, dst: &mut Storage, dl: &Layout) -> Result<()> {
         match (self, dst) {
             (Storage::Cpu(s), Storage::Cpu(d)) => s.copy_strided(sl, d, dl),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(s), Storage::Cuda(d)) => s.copy_strided(sl, d, dl),
+            #[allow(unreachable_patterns)]
+            (s, d) => Err(Error::DeviceMismatch { op: "copy_strided", lhs: s.device(), rhs: d.device() }),
         }
     }
     pub fn add_assign(&mut self, src: &Storage) -> Result<()> {
         match (self, src) {
             (Storage::Cpu(d), Storage::Cpu(s)) => d.add_assign(s),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(d), Storage::Cuda(s)) => d.add_assign(s),
+            #[allow(unreachable_patterns)]
+            (d, s) => Err(Error::DeviceMismatch { op: "add_assign", lhs: d.device(), rhs: s.device() }),
         }
     }
     pub fn index_select(&self, shape: &[usize], dim: usize, idx: &Storage) -> Result<Storage> {
@@ -123,6 +173,10 @@ impl Storage {
     pub fn index_add(&self, shape: &[usize], dim: usize, idx: &Storage, src: &Storage) -> Result<Storage> {
         match (self, idx, src) {
             (Storage::Cpu(s), Storage::Cpu(i), Storage::Cpu(x)) => Ok(Storage::Cpu(s.index_add(shape, dim, i, x)?)),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(s), Storage::Cuda(i), Storage::Cuda(x)) => Ok(Storage::Cuda(s.index_add(shape, dim, i, x)?)),
+            #[allow(unreachable_patterns)]
+            (s, i, x) => Err(mismatch3("index_add", s, i, x)),
         }
     }
     pub fn gather(&self, shape: &[usize], dim: usize, idx: &Storage, idx_shape: &[usize]) -> Result<Storage> {
@@ -131,6 +185,10 @@ impl Storage {
     pub fn scatter_add(&self, shape: &[usize], dim: usize, idx: &Storage, idx_shape: &[usize], src: &Storage) -> Result<Storage> {
         match (self, idx, src) {
             (Storage::Cpu(s), Storage::Cpu(i), Storage::Cpu(x)) => Ok(Storage::Cpu(s.scatter_add(shape, dim, i, idx_shape, x)?)),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(s), Storage::Cuda(i), Storage::Cuda(x)) => Ok(Storage::Cuda(s.scatter_add(shape, dim, i, idx_shape, x)?)),
+            #[allow(unreachable_patterns)]
+            (s, i, x) => Err(mismatch3("scatter_add", s, i, x)),
         }
     }
     pub fn matmul(&self, rhs: &Storage, p: &MatmulParams) -> Result<Storage> {
@@ -151,6 +209,11 @@ impl Storage {
                 let (v, i) = s.max_pool2d(p)?;
                 Ok((Storage::Cpu(v), Storage::Cpu(i)))
             }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => {
+                let (v, i) = s.max_pool2d(p)?;
+                Ok((Storage::Cuda(v), Storage::Cuda(i)))
+            }
         }
     }
     pub fn max_pool2d_backward(&self, idx: &Storage, p: &Pool2dParams) -> Result<Storage> {
@@ -161,6 +224,11 @@ impl Storage {
             Storage::Cpu(s) => {
                 let (v, i) = s.topk(shape, dim, k, largest)?;
                 Ok((Storage::Cpu(v), Storage::Cpu(i)))
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => {
+                let (v, i) = s.topk(shape, dim, k, largest)?;
+                Ok((Storage::Cuda(v), Storage::Cuda(i)))
             }
         }
     }

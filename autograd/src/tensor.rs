@@ -148,7 +148,8 @@ impl Tensor {
 
     /// A 0-d tensor.
     pub fn scalar(v: f64, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::from_f64(&[v], (), dtype, device)
+        // A fill on the device, not an upload: scalars inside ops never cost a host transfer.
+        Tensor::full((), v, dtype, device)
     }
 
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {

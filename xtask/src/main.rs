@@ -2,18 +2,21 @@
 
 use std::process::{Command, ExitCode};
 
+mod device_pack;
 mod gate;
 
 fn usage() -> &'static str {
     "usage: cargo xtask <command>\n\
      commands:\n  \
-       gate            cargo fmt --check, clippy -D warnings, cargo test --workspace\n"
+       gate            cargo fmt --check, clippy -D warnings, cargo test --workspace\n  \
+       device-pack     build the CUDA test/bench binaries + run.sh into device-pack/ (for the GPU machine)\n"
 }
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("gate") => gate::run(),
+        Some("device-pack") => device_pack::run(&args[1..]),
         Some("-h") | Some("--help") | None => {
             print!("{}", usage());
             return ExitCode::SUCCESS;

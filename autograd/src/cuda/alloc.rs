@@ -6,7 +6,7 @@
 
 use std::cell::RefCell;
 use std::ffi::c_void;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{result as dr, sys};
@@ -27,6 +27,14 @@ pub(crate) struct DevBuf {
 unsafe impl Send for DevBuf {}
 unsafe impl Sync for DevBuf {}
 
+static POISON: AtomicBool = AtomicBool::new(false);
+
+/// Testing aid: when on, every new device allocation is filled with 0xFF bytes (NaN for floats,
+/// -1 for integers) before use, so a kernel that leaves an output element unwritten is caught.
+pub fn set_poison_allocations(on: bool) {
+    POISON.store(on, Ordering::Relaxed);
+}
+
 thread_local! {
     /// Private pools entered on this thread (innermost last).
     static POOL_STACK: RefCell<Vec<Arc<PoolInner>>> = const { RefCell::new(Vec::new()) };
@@ -44,6 +52,9 @@ impl DevBuf {
             Error::Cuda(format!("out of device memory? cuMemAllocFromPoolAsync of {n} bytes on cuda:{} failed: {e:?}", dev.ordinal))
         })?;
         dev.note_alloc(n as u64);
+        if POISON.load(Ordering::Relaxed) {
+            unsafe { dr::memset_d8_async(ptr, 0xFF, n, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
+        }
         Ok(DevBuf { ptr, bytes, dev: dev.clone(), _pool: pool })
     }
 }
@@ -76,14 +87,16 @@ pub struct MemoryStats {
 
 fn pool_attr(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<u64> {
     let mut v = 0u64;
-    unsafe { dr::mem_pool::get_attribute(pool, attr, &mut v as *mut u64 as *mut c_void) }.map_err(|e| cu_err("cuMemPoolGetAttribute", e))?;
+    unsafe { dr::mem_pool::get_attribute(pool, attr, &mut v as *mut u64 as *mut c_void) }
+        .map_err(|e| cu_err("cuMemPoolGetAttribute", e))?;
     Ok(v)
 }
 
 fn reset_pool_peaks(pool: sys::CUmemoryPool) -> Result<()> {
     for attr in [sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH] {
         let mut z = 0u64;
-        unsafe { dr::mem_pool::set_attribute(pool, attr, &mut z as *mut u64 as *mut c_void) }.map_err(|e| cu_err("cuMemPoolSetAttribute", e))?;
+        unsafe { dr::mem_pool::set_attribute(pool, attr, &mut z as *mut u64 as *mut c_void) }
+            .map_err(|e| cu_err("cuMemPoolSetAttribute", e))?;
     }
     Ok(())
 }
@@ -214,7 +227,11 @@ impl MemPool {
         let pool = unsafe { dr::mem_pool::create(&props) }.map_err(|e| cu_err("cuMemPoolCreate", e))?;
         let mut thr = u64::MAX;
         unsafe {
-            dr::mem_pool::set_attribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut thr as *mut u64 as *mut c_void)
+            dr::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut thr as *mut u64 as *mut c_void,
+            )
         }
         .map_err(|e| cu_err("cuMemPoolSetAttribute", e))?;
         let inner = Arc::new(PoolInner { pool, dev: dev.clone() });

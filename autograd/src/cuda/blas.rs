@@ -71,11 +71,49 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
         match a.dtype {
             DType::F32 => {
                 let (al, be) = (1f32, 0f32);
-                br::sgemm_strided_batched(h, opb, opa, n, m, k, &al, pb as *const f32, ldb, sb, pa as *const f32, lda, sa, &be, pc as *mut f32, n, sc, bc)
+                br::sgemm_strided_batched(
+                    h,
+                    opb,
+                    opa,
+                    n,
+                    m,
+                    k,
+                    &al,
+                    pb as *const f32,
+                    ldb,
+                    sb,
+                    pa as *const f32,
+                    lda,
+                    sa,
+                    &be,
+                    pc as *mut f32,
+                    n,
+                    sc,
+                    bc,
+                )
             }
             DType::F64 => {
                 let (al, be) = (1f64, 0f64);
-                br::dgemm_strided_batched(h, opb, opa, n, m, k, &al, pb as *const f64, ldb, sb, pa as *const f64, lda, sa, &be, pc as *mut f64, n, sc, bc)
+                br::dgemm_strided_batched(
+                    h,
+                    opb,
+                    opa,
+                    n,
+                    m,
+                    k,
+                    &al,
+                    pb as *const f64,
+                    ldb,
+                    sb,
+                    pa as *const f64,
+                    lda,
+                    sa,
+                    &be,
+                    pc as *mut f64,
+                    n,
+                    sc,
+                    bc,
+                )
             }
             DType::F16 | DType::BF16 => {
                 let t = if a.dtype == DType::F16 { bs::cudaDataType::CUDA_R_16F } else { bs::cudaDataType::CUDA_R_16BF };

@@ -88,7 +88,8 @@ impl Dnn {
         let [_, cg, kh, kw] = p.weight_shape();
         unsafe {
             let x = nr::create_tensor_descriptor().map_err(e("cudnnCreateTensorDescriptor"))?;
-            nr::set_tensor4d_descriptor(x, nchw, t, [i(p.batch), i(p.c_in), i(p.h_in), i(p.w_in)]).map_err(e("cudnnSetTensor4dDescriptor(x)"))?;
+            nr::set_tensor4d_descriptor(x, nchw, t, [i(p.batch), i(p.c_in), i(p.h_in), i(p.w_in)])
+                .map_err(e("cudnnSetTensor4dDescriptor(x)"))?;
             let y = nr::create_tensor_descriptor().map_err(e("cudnnCreateTensorDescriptor"))?;
             nr::set_tensor4d_descriptor(y, nchw, t, [i(n), i(co), i(oh), i(ow)]).map_err(e("cudnnSetTensor4dDescriptor(y)"))?;
             let w = nr::create_filter_descriptor().map_err(e("cudnnCreateFilterDescriptor"))?;
@@ -123,13 +124,15 @@ impl Dnn {
             let (algo, math, ws_bytes) = match dir {
                 Dir::Fwd => {
                     let mut perf = vec![std::mem::zeroed::<ns::cudnnConvolutionFwdAlgoPerf_t>(); 16];
-                    nr::get_convolution_forward_algorithm(h, x, w, conv, y, 16, &mut cnt, perf.as_mut_ptr()).map_err(e("cudnnGetConvolutionForwardAlgorithm_v7"))?;
+                    nr::get_convolution_forward_algorithm(h, x, w, conv, y, 16, &mut cnt, perf.as_mut_ptr())
+                        .map_err(e("cudnnGetConvolutionForwardAlgorithm_v7"))?;
                     let pick = perf[..cnt as usize]
                         .iter()
                         .find(|q| q.status == okst && q.determinism == det && math_ok(q.mathType) && q.memory <= MAX_WS)
                         .ok_or_else(|| Error::Cuda(format!("cuDNN offers no deterministic forward algorithm for {p:?} {dt}")))?;
                     nr::set_convolution_math_type(conv, pick.mathType).map_err(e("cudnnSetConvolutionMathType"))?;
-                    let ws = nr::get_convolution_forward_workspace_size(h, x, w, conv, y, pick.algo).map_err(e("cudnnGetConvolutionForwardWorkspaceSize"))?;
+                    let ws = nr::get_convolution_forward_workspace_size(h, x, w, conv, y, pick.algo)
+                        .map_err(e("cudnnGetConvolutionForwardWorkspaceSize"))?;
                     (Algo::F(pick.algo), pick.mathType, ws)
                 }
                 Dir::BwdData => {
@@ -205,53 +208,17 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
     unsafe {
         match plan.algo {
             // a = x, b = w
-            Algo::F(algo) => nr::convolution_forward(
-                h,
-                alpha,
-                plan.x,
-                pa,
-                plan.w,
-                pb,
-                plan.conv,
-                algo,
-                ws,
-                plan.ws_bytes,
-                beta,
-                plan.y,
-                po,
-            ),
+            Algo::F(algo) => {
+                nr::convolution_forward(h, alpha, plan.x, pa, plan.w, pb, plan.conv, algo, ws, plan.ws_bytes, beta, plan.y, po)
+            }
             // a = dy, b = w
-            Algo::D(algo) => nr::convolution_backward_data(
-                h,
-                alpha,
-                plan.w,
-                pb,
-                plan.y,
-                pa,
-                plan.conv,
-                algo,
-                ws,
-                plan.ws_bytes,
-                beta,
-                plan.x,
-                po,
-            ),
+            Algo::D(algo) => {
+                nr::convolution_backward_data(h, alpha, plan.w, pb, plan.y, pa, plan.conv, algo, ws, plan.ws_bytes, beta, plan.x, po)
+            }
             // a = dy, b = x
-            Algo::W(algo) => nr::convolution_backward_filter(
-                h,
-                alpha,
-                plan.x,
-                pb,
-                plan.y,
-                pa,
-                plan.conv,
-                algo,
-                ws,
-                plan.ws_bytes,
-                beta,
-                plan.w,
-                po,
-            ),
+            Algo::W(algo) => {
+                nr::convolution_backward_filter(h, alpha, plan.x, pb, plan.y, pa, plan.conv, algo, ws, plan.ws_bytes, beta, plan.w, po)
+            }
         }
     }
     .map_err(|err| cu_err(op, err))?;

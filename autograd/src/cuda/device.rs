@@ -13,36 +13,8 @@ use cudarc::driver::{result as dr, sys, CudaContext, CudaModule, CudaStream};
 use super::alloc::PoolInner;
 use super::blas::Blas;
 use super::conv::Dnn;
+pub use crate::error::CudaSetupError;
 use crate::{DType, Error, Result};
-
-/// Why CUDA cannot be used in this process (returned as [`Error::CudaUnavailable`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum CudaSetupError {
-    /// The driver library (`libcuda.so`) could not be loaded.
-    NoDriver,
-    /// The driver loaded but reports no GPU (or failed to initialise).
-    NoDevice { detail: String },
-    /// `cuda:N` was asked for but only `count` GPUs are visible.
-    BadOrdinal { ordinal: usize, count: usize },
-    /// A CUDA library we need (nvrtc, cublas, cudnn) could not be loaded.
-    MissingLibrary { name: &'static str },
-    /// Context creation, kernel compilation or handle creation failed.
-    Init { detail: String },
-}
-
-impl std::fmt::Display for CudaSetupError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            CudaSetupError::NoDriver => f.write_str("CUDA driver not found (libcuda.so could not be loaded; is an NVIDIA driver installed?)"),
-            CudaSetupError::NoDevice { detail } => write!(f, "no CUDA GPU found ({detail})"),
-            CudaSetupError::BadOrdinal { ordinal, count } => write!(f, "cuda:{ordinal} requested but {count} GPU(s) are visible"),
-            CudaSetupError::MissingLibrary { name } => {
-                write!(f, "CUDA library {name} not found (install it or add its directory to LD_LIBRARY_PATH)")
-            }
-            CudaSetupError::Init { detail } => write!(f, "CUDA initialisation failed: {detail}"),
-        }
-    }
-}
 
 pub(crate) fn cu_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("{what}: {e:?}"))
@@ -84,6 +56,8 @@ const KERNELS: &str = include_str!("kernels.cu");
 pub(crate) struct Dev {
     pub ordinal: usize,
     pub ctx: Arc<CudaContext>,
+    /// Keeps cudarc's stream object (and so the raw stream) alive.
+    #[allow(dead_code)]
     pub stream: Arc<CudaStream>,
     pub cu_stream: sys::CUstream,
     pub default_pool: sys::CUmemoryPool,

@@ -1,0 +1,112 @@
+//! Minimal stream capture of the compute stream into a CUDA graph (for capture-readiness tests and
+//! as the primitive a step recorder builds on).
+//!
+//! Rules while capturing (see docs/device.md): tensors allocated before the capture must not be
+//! dropped during it; memory allocated during the capture must be dropped before it ends; no host
+//! transfers.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result as dr, sys};
+
+use super::dev_of;
+use super::device::{cu_err, Dev};
+use crate::{Device, Result};
+
+/// An instantiated graph recorded from a device's compute stream.
+pub struct CudaGraph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    dev: Arc<Dev>,
+}
+
+unsafe impl Send for CudaGraph {}
+
+/// Starts capturing the compute stream of `device` (thread-local capture mode).
+pub fn begin_capture(device: Device) -> Result<()> {
+    let dev = dev_of(device)?;
+    dev.bind()?;
+    unsafe { dr::stream::begin_capture(dev.cu_stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }
+        .map_err(|e| cu_err("cuStreamBeginCapture", e))
+}
+
+/// Ends the capture started by [`begin_capture`] and instantiates the graph.
+pub fn end_capture(device: Device) -> Result<CudaGraph> {
+    let dev = dev_of(device)?;
+    dev.bind()?;
+    let graph = unsafe { dr::stream::end_capture(dev.cu_stream) }.map_err(|e| cu_err("cuStreamEndCapture", e))?;
+    if let Some(e) = dev.deferred_error.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        unsafe {
+            let _ = dr::graph::destroy(graph);
+        }
+        return Err(crate::Error::Cuda(format!("during capture: {e}")));
+    }
+    let exec = unsafe { dr::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }.map_err(|e| cu_err("cuGraphInstantiate", e))?;
+    Ok(CudaGraph { graph, exec, dev })
+}
+
+impl CudaGraph {
+    /// Queues one replay on the compute stream (asynchronous).
+    pub fn launch(&self) -> Result<()> {
+        self.dev.bind()?;
+        unsafe { dr::graph::launch(self.exec, self.dev.cu_stream) }.map_err(|e| cu_err("cuGraphLaunch", e))
+    }
+
+    /// Number of nodes in the recorded graph.
+    pub fn node_count(&self) -> Result<usize> {
+        let mut n = 0usize;
+        unsafe { sys::cuGraphGetNodes(self.graph, std::ptr::null_mut(), &mut n) }.result().map_err(|e| cu_err("cuGraphGetNodes", e))?;
+        Ok(n)
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            unsafe {
+                let _ = dr::graph::exec_destroy(self.exec);
+                let _ = dr::graph::destroy(self.graph);
+            }
+        }
+    }
+}
+
+/// Bytes of device memory reserved for graph-owned allocations (`CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`).
+pub fn graph_mem_reserved(device: Device) -> Result<u64> {
+    let dev = dev_of(device)?;
+    dev.bind()?;
+    let mut v = 0u64;
+    unsafe {
+        sys::cuDeviceGetGraphMemAttribute(
+            dev.ctx.cu_device(),
+            sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+            &mut v as *mut u64 as *mut c_void,
+        )
+    }
+    .result()
+    .map_err(|e| cu_err("cuDeviceGetGraphMemAttribute", e))?;
+    Ok(v)
+}
+
+/// Runs `f` between two events recorded on `device`'s compute stream and returns its result with
+/// the GPU time in milliseconds between them (waits for the stream).
+pub fn time_on_stream<R>(device: Device, f: impl FnOnce() -> R) -> Result<(R, f64)> {
+    let dev = dev_of(device)?;
+    dev.bind()?;
+    let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+    let a = dr::event::create(flags).map_err(|e| cu_err("cuEventCreate", e))?;
+    let b = dr::event::create(flags).map_err(|e| cu_err("cuEventCreate", e))?;
+    unsafe { dr::event::record(a, dev.cu_stream) }.map_err(|e| cu_err("cuEventRecord", e))?;
+    let r = f();
+    dev.bind()?;
+    let ms = unsafe {
+        dr::event::record(b, dev.cu_stream).map_err(|e| cu_err("cuEventRecord", e))?;
+        dr::event::synchronize(b).map_err(|e| cu_err("cuEventSynchronize", e))?;
+        let ms = dr::event::elapsed(a, b).map_err(|e| cu_err("cuEventElapsedTime", e))?;
+        let _ = dr::event::destroy(a);
+        let _ = dr::event::destroy(b);
+        ms
+    };
+    Ok((r, ms as f64))
+}

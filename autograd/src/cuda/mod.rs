@@ -1,0 +1,317 @@
+//! The CUDA backend (feature `cuda`).
+//!
+//! - **Device and stream**: each GPU gets one context and one compute stream, opened on first use
+//!   ([`Device::Cuda`]); all work is queued on that stream, in program order. cudarc's event
+//!   tracking is off (it breaks stream capture).
+//! - **Kernels**: `kernels.cu`, compiled once per process with NVRTC for the device's `sm_XY`
+//!   (headers from `$CUDA_HOME/include`, default `/usr/local/cuda/include`). Reductions and
+//!   scatter/index adds use fixed-order loops and trees, never float atomics, so results are
+//!   bit-identical run to run. f16/bf16 are computed in f32.
+//! - **Libraries**: matmul through cuBLAS (true FP32, f16/bf16 with f32 accumulation), conv through
+//!   cuDNN with deterministic heuristic algorithm choice and per-shape cached workspaces.
+//! - **Memory**: stream-ordered allocation from the device pool (release threshold `u64::MAX`), or
+//!   from a private [`MemPool`] while it is entered; [`memory_stats`] / [`reset_peak_memory_stats`].
+//! - **Host transfers** happen only in `Tensor::to_vec` / `item` / `to_f64_vec` / `to_bytes` /
+//!   `to_device(Cpu)` (synchronising reads) and uploads (`from_vec`, `to_device(Cuda)`,
+//!   [`PinnedBuffer::upload`]). Every other op is asynchronous.
+//! - **Startup checks**: driver, NVRTC, cuBLAS and cuDNN are probed before use; a missing piece
+//!   gives [`crate::Error::CudaUnavailable`] naming it.
+//! - Indices are not bounds-checked on the device (that would need a host read): an out-of-range
+//!   index reads as zero and adds nothing. Integer division by zero gives 0.
+
+mod alloc;
+mod blas;
+mod conv;
+mod device;
+mod graph;
+mod ops;
+
+use std::sync::Arc;
+
+use cudarc::driver::{result as dr, sys};
+
+pub use alloc::{
+    empty_cache, memory_stats, reset_peak_memory_stats, set_poison_allocations, synchronize, MemPool, MemPoolGuard, MemoryStats,
+};
+pub use device::CudaSetupError;
+pub use graph::{begin_capture, end_capture, graph_mem_reserved, time_on_stream, CudaGraph};
+
+use alloc::DevBuf;
+use device::{cu_err, Dev};
+
+use crate::backend::{BackendStorage, BinaryOp, CmpOp, Conv2dParams, MatmulParams, Pool2dParams, ReduceOp, UnaryOp};
+use crate::cpu::CpuStorage;
+use crate::shape::Layout;
+use crate::{DType, Device, Error, Result, Tensor};
+
+/// A device buffer with its element type. Contiguous; `len` elements.
+pub struct CudaStorage {
+    pub(crate) buf: DevBuf,
+    pub(crate) dtype: DType,
+    pub(crate) len: usize,
+}
+
+impl std::fmt::Debug for CudaStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaStorage({}, {} x {})", self.device(), self.len, self.dtype)
+    }
+}
+
+/// Whether `cuda:ordinal` can be opened (driver, libraries, device and kernels all fine).
+pub fn is_available(ordinal: usize) -> bool {
+    Dev::get(ordinal).is_ok()
+}
+
+/// Why `cuda:ordinal` cannot be used, or `Ok(())` when it can.
+pub fn check(ordinal: usize) -> std::result::Result<(), CudaSetupError> {
+    Dev::get(ordinal).map(|_| ())
+}
+
+/// Number of visible GPUs (0 when the driver or a library is missing).
+pub fn device_count() -> usize {
+    device::probe().unwrap_or(0)
+}
+
+/// Name of the GPU behind `cuda:ordinal`.
+pub fn device_name(ordinal: usize) -> Result<String> {
+    let d = Dev::get(ordinal).map_err(Error::CudaUnavailable)?;
+    d.ctx.name().map_err(|e| cu_err("cuDeviceGetName", e))
+}
+
+pub(crate) fn dev_of(device: Device) -> Result<Arc<Dev>> {
+    match device {
+        Device::Cuda(n) => Dev::get(n).map_err(Error::CudaUnavailable),
+        Device::Cpu => Err(Error::invalid("cuda", "expected a CUDA device")),
+    }
+}
+
+/// The raw `CUstream` of the device's compute stream (for graph capture by the recorder).
+pub fn raw_stream(device: Device) -> Result<sys::CUstream> {
+    Ok(dev_of(device)?.cu_stream)
+}
+
+/// Makes the device's context current on this thread (needed before raw driver calls).
+pub fn bind_context(device: Device) -> Result<()> {
+    dev_of(device)?.bind()
+}
+
+impl CudaStorage {
+    pub(crate) fn alloc(dev: &Arc<Dev>, dtype: DType, len: usize) -> Result<CudaStorage> {
+        Ok(CudaStorage { buf: DevBuf::alloc(dev, len * dtype.size_in_bytes())?, dtype, len })
+    }
+
+    /// A constant-filled buffer (`cuMemsetD8Async` for zero, a fill kernel otherwise).
+    pub(crate) fn full(device: Device, dtype: DType, len: usize, value: f64) -> Result<CudaStorage> {
+        let dev = dev_of(device)?;
+        let s = CudaStorage::alloc(&dev, dtype, len)?;
+        ops::fill(&s, value)?;
+        Ok(s)
+    }
+
+    pub(crate) fn same_device(&self, op: &'static str, other: &CudaStorage) -> Result<()> {
+        if self.buf.dev.ordinal != other.buf.dev.ordinal {
+            return Err(Error::DeviceMismatch { op, lhs: self.device(), rhs: other.device() });
+        }
+        Ok(())
+    }
+
+    /// Uploads a host buffer (an explicit host→device copy, queued on the compute stream).
+    pub(crate) fn from_cpu(s: &CpuStorage, device: Device) -> Result<CudaStorage> {
+        let dev = dev_of(device)?;
+        let out = CudaStorage::alloc(&dev, s.dtype(), s.len())?;
+        let bytes = s.as_bytes();
+        if !bytes.is_empty() {
+            // Pageable source: the driver stages it before returning, so `s` may be dropped after.
+            unsafe { dr::memcpy_htod_async(out.buf.ptr, bytes, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyHtoDAsync", e))?;
+        }
+        Ok(out)
+    }
+
+    /// Downloads to the host: waits for the stream, then copies (a synchronisation point).
+    pub(crate) fn to_cpu(&self) -> Result<CpuStorage> {
+        let dev = &self.buf.dev;
+        dev.bind()?;
+        let mut bytes = vec![0u8; self.len * self.dtype.size_in_bytes()];
+        if !bytes.is_empty() {
+            unsafe { dr::memcpy_dtoh_async(&mut bytes, self.buf.ptr, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoHAsync", e))?;
+        }
+        dev.synchronize()?;
+        CpuStorage::from_bytes(self.dtype, &bytes)
+    }
+
+    /// A device-side deep copy.
+    pub(crate) fn try_clone(&self) -> Result<CudaStorage> {
+        let dev = &self.buf.dev;
+        let out = CudaStorage::alloc(dev, self.dtype, self.len)?;
+        let n = self.len * self.dtype.size_in_bytes();
+        if n > 0 {
+            unsafe { dr::memcpy_dtod_async(out.buf.ptr, self.buf.ptr, n, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
+        }
+        Ok(out)
+    }
+
+    /// Device address of the first element (for graph recorders and interop).
+    pub fn device_ptr(&self) -> u64 {
+        self.buf.ptr
+    }
+}
+
+impl BackendStorage for CudaStorage {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn device(&self) -> Device {
+        Device::Cuda(self.buf.dev.ordinal)
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn unary(&self, op: UnaryOp) -> Result<Self> {
+        ops::unary(self, op)
+    }
+    fn binary(&self, l: &Layout, rhs: &Self, r: &Layout, op: BinaryOp) -> Result<Self> {
+        ops::binary(self, l, rhs, r, op)
+    }
+    fn cmp(&self, l: &Layout, rhs: &Self, r: &Layout, op: CmpOp) -> Result<Self> {
+        ops::cmp(self, l, rhs, r, op)
+    }
+    fn where_cond(&self, cl: &Layout, a: &Self, al: &Layout, b: &Self, bl: &Layout) -> Result<Self> {
+        ops::where_cond(self, cl, a, al, b, bl)
+    }
+    fn reduce(&self, shape: &[usize], dim: usize, op: ReduceOp) -> Result<Self> {
+        ops::reduce(self, shape, dim, op)
+    }
+    fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        ops::to_dtype(self, dtype)
+    }
+    fn copy_strided(&self, src_l: &Layout, dst: &mut Self, dst_l: &Layout) -> Result<()> {
+        ops::copy_strided(self, src_l, dst, dst_l)
+    }
+    fn add_assign(&mut self, src: &Self) -> Result<()> {
+        ops::add_assign(self, src)
+    }
+    fn index_select(&self, shape: &[usize], dim: usize, idx: &Self) -> Result<Self> {
+        ops::index_select(self, shape, dim, idx)
+    }
+    fn index_add(&self, shape: &[usize], dim: usize, idx: &Self, src: &Self) -> Result<Self> {
+        ops::index_add(self, shape, dim, idx, src)
+    }
+    fn gather(&self, shape: &[usize], dim: usize, idx: &Self, idx_shape: &[usize]) -> Result<Self> {
+        ops::gather(self, shape, dim, idx, idx_shape)
+    }
+    fn scatter_add(&self, shape: &[usize], dim: usize, idx: &Self, idx_shape: &[usize], src: &Self) -> Result<Self> {
+        ops::scatter_add(self, shape, dim, idx, idx_shape, src)
+    }
+    fn matmul(&self, rhs: &Self, p: &MatmulParams) -> Result<Self> {
+        self.same_device("matmul", rhs)?;
+        blas::matmul(self, rhs, p)
+    }
+    fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
+        self.same_device("conv2d", weight)?;
+        conv::conv2d(self, weight, p)
+    }
+    fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
+        self.same_device("conv2d_backward_input", weight)?;
+        conv::conv2d_backward_input(self, weight, p)
+    }
+    fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self> {
+        self.same_device("conv2d_backward_weight", input)?;
+        conv::conv2d_backward_weight(self, input, p)
+    }
+    fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
+        ops::max_pool2d(self, p)
+    }
+    fn max_pool2d_backward(&self, indices: &Self, p: &Pool2dParams) -> Result<Self> {
+        ops::max_pool2d_backward(self, indices, p)
+    }
+    fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)> {
+        ops::topk(self, shape, dim, k, largest)
+    }
+}
+
+/// Fused `silu(x·scale[c] + shift[c])` over an NCHW tensor (no autograd; `scale`/`shift` are f32
+/// vectors of length C on the same device). This is BatchNorm (with folded statistics) + SiLU in
+/// one pass.
+pub fn affine_silu(x: &Tensor, scale: &Tensor, shift: &Tensor) -> Result<Tensor> {
+    let xs = x.read_storage();
+    let (ss, hs) = (scale.read_storage(), shift.read_storage());
+    match (&*xs, &*ss, &*hs) {
+        (crate::storage::Storage::Cuda(a), crate::storage::Storage::Cuda(b), crate::storage::Storage::Cuda(c)) => {
+            let y = ops::affine_silu(a, x.dims(), b, c)?;
+            Tensor::from_storage(crate::storage::Storage::Cuda(y), x.dims().to_vec())
+        }
+        _ => Err(Error::invalid("affine_silu", "all operands must be CUDA tensors")),
+    }
+}
+
+/// Page-locked host memory for fast, asynchronous uploads of u8 image batches.
+///
+/// Fill it with [`PinnedBuffer::as_mut_slice`] (which first waits for the previous upload from this
+/// buffer to finish), then call [`PinnedBuffer::upload`]: the copy is queued on the device's compute
+/// stream and the call returns at once.
+pub struct PinnedBuffer {
+    ptr: *mut u8,
+    len: usize,
+    dev: Arc<Dev>,
+    event: sys::CUevent,
+}
+
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `len` bytes of pinned host memory usable with `device`.
+    pub fn new(device: Device, len: usize) -> Result<PinnedBuffer> {
+        let dev = dev_of(device)?;
+        dev.bind()?;
+        let ptr = unsafe { dr::malloc_host(len.max(1), 0) }.map_err(|e| cu_err("cuMemHostAlloc", e))? as *mut u8;
+        let event = dr::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| cu_err("cuEventCreate", e))?;
+        Ok(PinnedBuffer { ptr, len, dev, event })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Host access; blocks until the last upload from this buffer has been read by the GPU.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        self.dev.bind()?;
+        unsafe { dr::event::synchronize(self.event) }.map_err(|e| cu_err("cuEventSynchronize", e))?;
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+
+    /// Queues a host→device copy of the whole buffer into a new U8 tensor of `shape` (asynchronous).
+    pub fn upload(&mut self, shape: impl Into<crate::Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if shape.numel() != self.len {
+            return Err(Error::invalid(
+                "PinnedBuffer::upload",
+                format!("shape {shape:?} has {} elements, buffer holds {}", shape.numel(), self.len),
+            ));
+        }
+        let out = CudaStorage::alloc(&self.dev, DType::U8, self.len)?;
+        if self.len > 0 {
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(out.buf.ptr, self.ptr as *const std::ffi::c_void, self.len, self.dev.cu_stream)
+                    .result()
+                    .map_err(|e| cu_err("cuMemcpyHtoDAsync (pinned)", e))?;
+                dr::event::record(self.event, self.dev.cu_stream).map_err(|e| cu_err("cuEventRecord", e))?;
+            }
+        }
+        Tensor::from_storage(crate::storage::Storage::Cuda(out), shape)
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            unsafe {
+                let _ = dr::event::synchronize(self.event);
+                let _ = dr::event::destroy(self.event);
+                let _ = dr::free_host(self.ptr as *mut std::ffi::c_void);
+            }
+        }
+    }
+}

@@ -1,0 +1,631 @@
+//! Launchers for the NVRTC kernels: element-wise, casts, strided copies, reductions, index ops,
+//! top-k and max pooling. Every launcher allocates its output stream-ordered and queues the kernel
+//! on the device's compute stream; nothing here synchronises or reads device memory on the host.
+
+use std::ffi::c_void;
+
+use cudarc::driver::result as dr;
+
+use super::device::{cu_err, sfx};
+use super::CudaStorage;
+use crate::backend::{BinaryOp, CmpOp, Pool2dParams, ReduceOp, UnaryOp};
+use crate::shape::Layout;
+use crate::{DType, Error, Result};
+
+const MAXD: usize = 8;
+
+/// Kernel geometry for up to three strided operands over one logical shape (see kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub(crate) struct Strided {
+    rank: u32,
+    shape: [u32; MAXD],
+    st: [[u32; MAXD]; 3],
+    off: [u32; 3],
+}
+
+fn u32c(op: &'static str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| Error::invalid(op, format!("size {v} exceeds the CUDA backend's 32-bit indexing")))
+}
+
+/// Builds a coalesced geometry: size-1 dims dropped, adjacent dims merged where every operand is
+/// contiguous across them.
+pub(crate) fn strided(op: &'static str, shape: &[usize], ops: &[(&[usize], usize)]) -> Result<Strided> {
+    let mut dims: Vec<(usize, [usize; 3])> = Vec::with_capacity(shape.len());
+    for (d, &s) in shape.iter().enumerate() {
+        if s == 1 {
+            continue;
+        }
+        let mut st = [0usize; 3];
+        for (k, (strides, _)) in ops.iter().enumerate() {
+            st[k] = strides[d];
+        }
+        if let Some(last) = dims.last_mut() {
+            if (0..ops.len()).all(|k| last.1[k] == st[k] * s) {
+                last.0 *= s;
+                last.1 = st;
+                continue;
+            }
+        }
+        dims.push((s, st));
+    }
+    if dims.len() > MAXD {
+        return Err(Error::invalid(op, format!("rank {} after coalescing exceeds {MAXD} on CUDA", dims.len())));
+    }
+    let mut g = Strided { rank: dims.len() as u32, ..Default::default() };
+    for (d, (s, st)) in dims.iter().enumerate() {
+        g.shape[d] = u32c(op, *s)?;
+        for k in 0..ops.len() {
+            g.st[k][d] = u32c(op, st[k])?;
+        }
+    }
+    for (k, (_, off)) in ops.iter().enumerate() {
+        g.off[k] = u32c(op, *off)?;
+    }
+    Ok(g)
+}
+
+macro_rules! args {
+    ($($a:ident),* $(,)?) => {
+        [$( &$a as *const _ as *mut c_void ),*]
+    };
+}
+
+fn ptr(s: &CudaStorage) -> u64 {
+    s.buf.ptr
+}
+
+// ---- element-wise ---------------------------------------------------------------------------------
+
+fn unary_code(op: UnaryOp) -> (i32, f64, f64) {
+    match op {
+        UnaryOp::Neg => (0, 0.0, 0.0),
+        UnaryOp::Exp => (1, 0.0, 0.0),
+        UnaryOp::Log => (2, 0.0, 0.0),
+        UnaryOp::Sqrt => (3, 0.0, 0.0),
+        UnaryOp::Abs => (4, 0.0, 0.0),
+        UnaryOp::Sigmoid => (5, 0.0, 0.0),
+        UnaryOp::Silu => (6, 0.0, 0.0),
+        UnaryOp::Tanh => (7, 0.0, 0.0),
+        UnaryOp::Softplus => (8, 0.0, 0.0),
+        UnaryOp::Atan => (9, 0.0, 0.0),
+        UnaryOp::Recip => (10, 0.0, 0.0),
+        UnaryOp::Sign => (11, 0.0, 0.0),
+        UnaryOp::Square => (12, 0.0, 0.0),
+        UnaryOp::Relu => (13, 0.0, 0.0),
+        UnaryOp::Floor => (14, 0.0, 0.0),
+        UnaryOp::Ceil => (15, 0.0, 0.0),
+        UnaryOp::Powf(p) => (16, p, 0.0),
+        UnaryOp::Clamp(lo, hi) => (17, lo, hi),
+        UnaryOp::Affine(m, a) => (18, m, a),
+        UnaryOp::SiluGrad => (19, 0.0, 0.0),
+    }
+}
+
+pub(crate) fn unary(x: &CudaStorage, op: UnaryOp) -> Result<CudaStorage> {
+    let dev = &x.buf.dev;
+    let (code, p0, p1) = match (x.dtype, op) {
+        (DType::I64, UnaryOp::Neg) => (0, 0.0, 0.0),
+        (DType::I64, UnaryOp::Abs) => (1, 0.0, 0.0),
+        (DType::I64, UnaryOp::Affine(m, a)) if m.fract() == 0.0 && a.fract() == 0.0 => (2, m, a),
+        (DType::I64, UnaryOp::Clamp(lo, hi)) => (3, lo, hi),
+        (dt, _) if dt.is_float() => unary_code(op),
+        (dt, _) => return Err(Error::UnsupportedDType { op: "unary", dtype: dt, expected: "a float dtype" }),
+    };
+    let out = CudaStorage::alloc(dev, x.dtype, x.len)?;
+    if x.len == 0 {
+        return Ok(out);
+    }
+    let f = dev.func("unary", sfx(x.dtype))?;
+    let (a, y, n) = (ptr(x), ptr(&out), u32c("unary", x.len)?);
+    dev.launch1d(f, x.len, &mut args!(a, y, n, code, p0, p1))?;
+    Ok(out)
+}
+
+fn binary_code(op: BinaryOp) -> i32 {
+    match op {
+        BinaryOp::Add => 0,
+        BinaryOp::Sub => 1,
+        BinaryOp::Mul => 2,
+        BinaryOp::Div => 3,
+        BinaryOp::Maximum => 4,
+        BinaryOp::Minimum => 5,
+        BinaryOp::Pow => 6,
+        BinaryOp::Atan2 => 7,
+    }
+}
+
+fn plain(l: &Layout) -> bool {
+    l.offset == 0 && l.is_contiguous()
+}
+
+/// `out = a op b` into `out` (which may alias `a` for in-place accumulation).
+fn binary_into(a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout, op: BinaryOp, out: &CudaStorage) -> Result<()> {
+    let dev = &a.buf.dev;
+    let n = la.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let code = binary_code(op);
+    let unsupported = || Error::UnsupportedDType { op: "binary", dtype: a.dtype, expected: "a float dtype for this op" };
+    let (pa, pb, py, nn) = (ptr(a), ptr(b), ptr(out), u32c("binary", n)?);
+    match a.dtype {
+        DType::U8 | DType::Bool => {
+            if matches!(op, BinaryOp::Div | BinaryOp::Pow | BinaryOp::Atan2) {
+                return Err(unsupported());
+            }
+            let g = strided("binary", &la.shape, &[(&la.strides, la.offset), (&lb.strides, lb.offset)])?;
+            let is_bool = (a.dtype == DType::Bool) as i32;
+            let f = dev.func("binary_s", "u8")?;
+            dev.launch1d(f, n, &mut args!(pa, pb, py, nn, code, g, is_bool))
+        }
+        dt => {
+            if dt == DType::I64 && matches!(op, BinaryOp::Pow | BinaryOp::Atan2) {
+                return Err(unsupported());
+            }
+            if plain(la) && plain(lb) {
+                let f = dev.func("binary_c", sfx(dt))?;
+                dev.launch1d(f, n, &mut args!(pa, pb, py, nn, code))
+            } else {
+                let g = strided("binary", &la.shape, &[(&la.strides, la.offset), (&lb.strides, lb.offset)])?;
+                let f = dev.func("binary_s", sfx(dt))?;
+                dev.launch1d(f, n, &mut args!(pa, pb, py, nn, code, g))
+            }
+        }
+    }
+}
+
+pub(crate) fn binary(a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout, op: BinaryOp) -> Result<CudaStorage> {
+    if a.dtype != b.dtype {
+        return Err(Error::DTypeMismatch { op: "binary", lhs: a.dtype, rhs: b.dtype });
+    }
+    a.same_device("binary", b)?;
+    let out = CudaStorage::alloc(&a.buf.dev, a.dtype, la.numel())?;
+    binary_into(a, la, b, lb, op, &out)?;
+    Ok(out)
+}
+
+pub(crate) fn add_assign(dst: &mut CudaStorage, src: &CudaStorage) -> Result<()> {
+    if dst.len != src.len {
+        return Err(Error::ShapeMismatch { op: "add_assign", lhs: vec![dst.len], rhs: vec![src.len] });
+    }
+    if dst.dtype != src.dtype || matches!(dst.dtype, DType::U8 | DType::Bool) {
+        return Err(Error::DTypeMismatch { op: "add_assign", lhs: dst.dtype, rhs: src.dtype });
+    }
+    dst.same_device("add_assign", src)?;
+    let l = Layout::contiguous(&[dst.len]);
+    binary_into(dst, &l, src, &l, BinaryOp::Add, dst)
+}
+
+pub(crate) fn cmp(a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout, op: CmpOp) -> Result<CudaStorage> {
+    if a.dtype != b.dtype {
+        return Err(Error::DTypeMismatch { op: "cmp", lhs: a.dtype, rhs: b.dtype });
+    }
+    a.same_device("cmp", b)?;
+    let dev = &a.buf.dev;
+    let n = la.numel();
+    let out = CudaStorage::alloc(dev, DType::Bool, n)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let code = match op {
+        CmpOp::Eq => 0i32,
+        CmpOp::Ne => 1,
+        CmpOp::Lt => 2,
+        CmpOp::Le => 3,
+        CmpOp::Gt => 4,
+        CmpOp::Ge => 5,
+    };
+    let g = strided("cmp", &la.shape, &[(&la.strides, la.offset), (&lb.strides, lb.offset)])?;
+    let f = dev.func("cmp_s", sfx(a.dtype))?;
+    let (pa, pb, py, nn) = (ptr(a), ptr(b), ptr(&out), u32c("cmp", n)?);
+    dev.launch1d(f, n, &mut args!(pa, pb, py, nn, code, g))?;
+    Ok(out)
+}
+
+pub(crate) fn where_cond(c: &CudaStorage, lc: &Layout, a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout) -> Result<CudaStorage> {
+    if a.dtype != b.dtype {
+        return Err(Error::DTypeMismatch { op: "where_cond", lhs: a.dtype, rhs: b.dtype });
+    }
+    c.same_device("where_cond", a)?;
+    a.same_device("where_cond", b)?;
+    let conv;
+    let c = if matches!(c.dtype, DType::U8 | DType::Bool) {
+        c
+    } else {
+        conv = to_dtype(c, DType::Bool)?;
+        &conv
+    };
+    let dev = &a.buf.dev;
+    let n = lc.numel();
+    let out = CudaStorage::alloc(dev, a.dtype, n)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let g = strided("where_cond", &lc.shape, &[(&lc.strides, lc.offset), (&la.strides, la.offset), (&lb.strides, lb.offset)])?;
+    let f = dev.func("where_s", sfx(a.dtype))?;
+    let (pc, pa, pb, py, nn) = (ptr(c), ptr(a), ptr(b), ptr(&out), u32c("where_cond", n)?);
+    dev.launch1d(f, n, &mut args!(pc, pa, pb, py, nn, g))?;
+    Ok(out)
+}
+
+/// Fills every element with `value` (converted to the dtype like a cast from f64).
+pub(crate) fn fill(s: &CudaStorage, value: f64) -> Result<()> {
+    let dev = &s.buf.dev;
+    if s.len == 0 {
+        return Ok(());
+    }
+    if value == 0.0 && value.is_sign_positive() {
+        dev.bind()?;
+        return unsafe { dr::memset_d8_async(s.buf.ptr, 0, s.len * s.dtype.size_in_bytes(), dev.cu_stream) }
+            .map_err(|e| cu_err("cuMemsetD8Async", e));
+    }
+    let v = if s.dtype == DType::Bool { (value != 0.0) as u8 as f64 } else { value };
+    let f = dev.func("fill", sfx(s.dtype))?;
+    let (py, nn) = (ptr(s), u32c("fill", s.len)?);
+    dev.launch1d(f, s.len, &mut args!(py, nn, v))
+}
+
+pub(crate) fn to_dtype(x: &CudaStorage, dt: DType) -> Result<CudaStorage> {
+    let dev = &x.buf.dev;
+    if x.dtype == dt {
+        return x.try_clone();
+    }
+    let out = CudaStorage::alloc(dev, dt, x.len)?;
+    if x.len == 0 {
+        return Ok(out);
+    }
+    let src = x.dtype;
+    if matches!((src, dt), (DType::Bool, DType::U8)) {
+        dev.bind()?;
+        unsafe { dr::memcpy_dtod_async(out.buf.ptr, x.buf.ptr, x.len, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
+        return Ok(out);
+    }
+    let (base, suffix): (&'static str, &'static str) = match (src, dt) {
+        (_, DType::Bool) => ("cast_bool", sfx(src)),
+        (DType::F32, DType::BF16) => ("cast_f32", "bf16"),
+        (DType::F32, DType::F16) => ("cast_f32", "f16"),
+        (DType::I64, DType::U8) => ("cast_i64", "u8"),
+        (DType::I64, d) => ("cast_i64", sfx(d)),
+        (s, d) => {
+            let base = match s {
+                DType::F32 => "cast_f32",
+                DType::F64 => "cast_f64",
+                DType::F16 => "cast_f16",
+                DType::BF16 => "cast_bf16",
+                _ => "cast_u8",
+            };
+            let suffix = match d {
+                DType::F32 => "f32",
+                DType::F64 => "f64",
+                DType::F16 => "f16x",
+                DType::BF16 => "bf16x",
+                DType::I64 => "i64x",
+                _ => "u8",
+            };
+            (base, suffix)
+        }
+    };
+    let f = dev.func(base, suffix)?;
+    let (px, py, nn) = (ptr(x), ptr(&out), u32c("to_dtype", x.len)?);
+    dev.launch1d(f, x.len, &mut args!(px, py, nn))?;
+    Ok(out)
+}
+
+pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage, dl: &Layout) -> Result<()> {
+    if sl.shape != dl.shape {
+        return Err(Error::ShapeMismatch { op: "copy_strided", lhs: sl.shape.clone(), rhs: dl.shape.clone() });
+    }
+    if src.dtype != dst.dtype {
+        return Err(Error::DTypeMismatch { op: "copy_strided", lhs: src.dtype, rhs: dst.dtype });
+    }
+    src.same_device("copy_strided", dst)?;
+    let dev = &src.buf.dev;
+    let n = sl.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let es = src.dtype.size_in_bytes();
+    if sl.is_contiguous() && dl.is_contiguous() {
+        dev.bind()?;
+        return unsafe {
+            dr::memcpy_dtod_async(dst.buf.ptr + (dl.offset * es) as u64, src.buf.ptr + (sl.offset * es) as u64, n * es, dev.cu_stream)
+        }
+        .map_err(|e| cu_err("cuMemcpyDtoDAsync", e));
+    }
+    let g = strided("copy_strided", &sl.shape, &[(&sl.strides, sl.offset), (&dl.strides, dl.offset)])?;
+    let f = dev.func("copy_s", sfx(src.dtype))?;
+    let (px, py, nn) = (ptr(src), ptr(dst), u32c("copy_strided", n)?);
+    dev.launch1d(f, n, &mut args!(px, py, nn, g))
+}
+
+// ---- reductions -----------------------------------------------------------------------------------
+
+fn split3(shape: &[usize], dim: usize) -> (usize, usize, usize) {
+    (shape[..dim].iter().product(), shape[dim], shape[dim + 1..].iter().product())
+}
+
+pub(crate) fn reduce(x: &CudaStorage, shape: &[usize], dim: usize, op: ReduceOp) -> Result<CudaStorage> {
+    let (outer, d, inner) = split3(shape, dim);
+    if d == 0 && op != ReduceOp::Sum {
+        return Err(Error::invalid("reduce", format!("{op:?} over an empty dimension {dim} of {shape:?}")));
+    }
+    let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+    if !arg && matches!(x.dtype, DType::U8 | DType::Bool) {
+        // Like the CPU backend: value reductions of bytes are done (and returned) in i64.
+        return reduce(&to_dtype(x, DType::I64)?, shape, dim, op);
+    }
+    let dev = &x.buf.dev;
+    let out_dt = if arg { DType::I64 } else { x.dtype };
+    let out = CudaStorage::alloc(dev, out_dt, outer * inner)?;
+    if outer * inner == 0 {
+        return Ok(out);
+    }
+    let code = match op {
+        ReduceOp::Sum => 0i32,
+        ReduceOp::Max => 1,
+        ReduceOp::Min => 2,
+        ReduceOp::ArgMax => 3,
+        ReduceOp::ArgMin => 4,
+    };
+    let (px, py, dd) = (ptr(x), ptr(&out), u32c("reduce", d)?);
+    if inner == 1 {
+        let f = dev.func("reduce_rows", sfx(x.dtype))?;
+        let grid = u32c("reduce", outer)?;
+        dev.launch(f, (grid, 1, 1), (256, 1, 1), &mut args!(px, py, dd, code))
+    } else {
+        let cols = inner.div_ceil(32);
+        if cols > 65535 {
+            return Err(Error::invalid("reduce", format!("inner size {inner} too large for the CUDA reduction")));
+        }
+        if outer > 65535 {
+            return Err(Error::invalid("reduce", format!("outer size {outer} too large for the CUDA column reduction")));
+        }
+        let f = dev.func("reduce_cols", sfx(x.dtype))?;
+        let ii = u32c("reduce", inner)?;
+        dev.launch(f, (cols as u32, outer as u32, 1), (32, 8, 1), &mut args!(px, py, dd, ii, code))
+    }?;
+    Ok(out)
+}
+
+// ---- index ops --------------------------------------------------------------------------------------
+
+fn need_i64(op: &'static str, s: &CudaStorage) -> Result<()> {
+    if s.dtype != DType::I64 {
+        return Err(Error::UnsupportedDType { op, dtype: s.dtype, expected: "I64 indices" });
+    }
+    Ok(())
+}
+
+pub(crate) fn index_select(x: &CudaStorage, shape: &[usize], dim: usize, idx: &CudaStorage) -> Result<CudaStorage> {
+    need_i64("index_select", idx)?;
+    x.same_device("index_select", idx)?;
+    let (outer, d, inner) = split3(shape, dim);
+    let n = idx.len;
+    let dev = &x.buf.dev;
+    let total = outer * n * inner;
+    let out = CudaStorage::alloc(dev, x.dtype, total)?;
+    if total == 0 {
+        return Ok(out);
+    }
+    let f = dev.func("index_select", sfx(x.dtype))?;
+    let (px, pi, py) = (ptr(x), ptr(idx), ptr(&out));
+    let (o, dd, nn, ii) = (u32c("index_select", outer)?, u32c("index_select", d)?, u32c("index_select", n)?, u32c("index_select", inner)?);
+    u32c("index_select", total)?;
+    dev.launch1d(f, total, &mut args!(px, pi, py, o, dd, nn, ii))?;
+    Ok(out)
+}
+
+fn float_or_i64(op: &'static str, dt: DType) -> Result<()> {
+    if dt.is_float() || dt == DType::I64 {
+        Ok(())
+    } else {
+        Err(Error::UnsupportedDType { op, dtype: dt, expected: "a float or I64 dtype" })
+    }
+}
+
+pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &CudaStorage, src: &CudaStorage) -> Result<CudaStorage> {
+    need_i64("index_add", idx)?;
+    float_or_i64("index_add", x.dtype)?;
+    if src.dtype != x.dtype {
+        return Err(Error::DTypeMismatch { op: "index_add", lhs: x.dtype, rhs: src.dtype });
+    }
+    x.same_device("index_add", idx)?;
+    x.same_device("index_add", src)?;
+    let (outer, d, inner) = split3(shape, dim);
+    let n = idx.len;
+    if src.len != outer * n * inner {
+        return Err(Error::invalid("index_add", format!("source has {} elements, expected {}", src.len, outer * n * inner)));
+    }
+    let dev = &x.buf.dev;
+    let out = CudaStorage::alloc(dev, x.dtype, x.len)?;
+    if x.len == 0 {
+        return Ok(out);
+    }
+    let f = dev.func("index_add", sfx(x.dtype))?;
+    let (px, pi, ps, py) = (ptr(x), ptr(idx), ptr(src), ptr(&out));
+    let (o, dd, nn, ii) = (u32c("index_add", outer)?, u32c("index_add", d)?, u32c("index_add", n)?, u32c("index_add", inner)?);
+    dev.launch1d(f, x.len, &mut args!(px, pi, ps, py, o, dd, nn, ii))?;
+    Ok(out)
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GatherGeo {
+    rank: u32,
+    dim: u32,
+    xshape: [u32; MAXD],
+    ishape: [u32; MAXD],
+}
+
+fn gather_geo(op: &'static str, shape: &[usize], dim: usize, idx_shape: &[usize]) -> Result<GatherGeo> {
+    if idx_shape.len() != shape.len() {
+        return Err(Error::ShapeMismatch { op, lhs: shape.to_vec(), rhs: idx_shape.to_vec() });
+    }
+    for (k, (&a, &b)) in shape.iter().zip(idx_shape).enumerate() {
+        if k != dim && b > a {
+            return Err(Error::ShapeMismatch { op, lhs: shape.to_vec(), rhs: idx_shape.to_vec() });
+        }
+    }
+    if shape.len() > MAXD {
+        return Err(Error::invalid(op, format!("rank {} exceeds {MAXD} on CUDA", shape.len())));
+    }
+    let mut g = GatherGeo { rank: shape.len() as u32, dim: dim as u32, ..Default::default() };
+    for k in 0..shape.len() {
+        g.xshape[k] = u32c(op, shape[k])?;
+        g.ishape[k] = u32c(op, idx_shape[k])?;
+    }
+    u32c(op, shape.iter().product())?;
+    Ok(g)
+}
+
+pub(crate) fn gather(x: &CudaStorage, shape: &[usize], dim: usize, idx: &CudaStorage, idx_shape: &[usize]) -> Result<CudaStorage> {
+    need_i64("gather", idx)?;
+    x.same_device("gather", idx)?;
+    let g = gather_geo("gather", shape, dim, idx_shape)?;
+    let dev = &x.buf.dev;
+    let n = idx.len;
+    let out = CudaStorage::alloc(dev, x.dtype, n)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = dev.func("gather", sfx(x.dtype))?;
+    let (px, pi, py, nn) = (ptr(x), ptr(idx), ptr(&out), u32c("gather", n)?);
+    dev.launch1d(f, n, &mut args!(px, pi, py, nn, g))?;
+    Ok(out)
+}
+
+pub(crate) fn scatter_add(
+    x: &CudaStorage,
+    shape: &[usize],
+    dim: usize,
+    idx: &CudaStorage,
+    idx_shape: &[usize],
+    src: &CudaStorage,
+) -> Result<CudaStorage> {
+    need_i64("scatter_add", idx)?;
+    float_or_i64("scatter_add", x.dtype)?;
+    if src.dtype != x.dtype {
+        return Err(Error::DTypeMismatch { op: "scatter_add", lhs: x.dtype, rhs: src.dtype });
+    }
+    x.same_device("scatter_add", idx)?;
+    x.same_device("scatter_add", src)?;
+    let g = gather_geo("scatter_add", shape, dim, idx_shape)?;
+    if src.len != idx.len {
+        return Err(Error::invalid("scatter_add", format!("source has {} elements, index has {}", src.len, idx.len)));
+    }
+    let dev = &x.buf.dev;
+    let out = CudaStorage::alloc(dev, x.dtype, x.len)?;
+    if x.len == 0 {
+        return Ok(out);
+    }
+    let f = dev.func("scatter_add", sfx(x.dtype))?;
+    let (px, pi, ps, py, nn) = (ptr(x), ptr(idx), ptr(src), ptr(&out), u32c("scatter_add", x.len)?);
+    dev.launch1d(f, x.len, &mut args!(px, pi, ps, py, nn, g))?;
+    Ok(out)
+}
+
+pub(crate) fn topk(x: &CudaStorage, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(CudaStorage, CudaStorage)> {
+    let (outer, d, inner) = split3(shape, dim);
+    if k > d {
+        return Err(Error::invalid("topk", format!("k = {k} exceeds size {d} of dim {dim} in {shape:?}")));
+    }
+    let dev = &x.buf.dev;
+    let vals = CudaStorage::alloc(dev, x.dtype, outer * k * inner)?;
+    let idx = CudaStorage::alloc(dev, DType::I64, outer * k * inner)?;
+    if outer * k * inner == 0 {
+        return Ok((vals, idx));
+    }
+    let f = dev.func("topk", sfx(x.dtype))?;
+    let (px, pv, pi) = (ptr(x), ptr(&vals), ptr(&idx));
+    let (dd, ii, kk, lg) = (u32c("topk", d)?, u32c("topk", inner)?, u32c("topk", k)?, largest as i32);
+    let rows = u32c("topk", outer * inner)?;
+    dev.launch(f, (rows, 1, 1), (256, 1, 1), &mut args!(px, pv, pi, dd, ii, kk, lg))?;
+    Ok((vals, idx))
+}
+
+// ---- pooling -------------------------------------------------------------------------------------------
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PoolGeo {
+    planes: u32,
+    h: u32,
+    w: u32,
+    oh: u32,
+    ow: u32,
+    k: u32,
+    s: u32,
+    p: u32,
+}
+
+fn pool_geo(p: &Pool2dParams) -> Result<PoolGeo> {
+    let c = |v| u32c("max_pool2d", v);
+    Ok(PoolGeo {
+        planes: c(p.batch * p.channels)?,
+        h: c(p.h_in)?,
+        w: c(p.w_in)?,
+        oh: c(p.h_out())?,
+        ow: c(p.w_out())?,
+        k: c(p.kernel)?,
+        s: c(p.stride)?,
+        p: c(p.padding)?,
+    })
+}
+
+pub(crate) fn max_pool2d(x: &CudaStorage, p: &Pool2dParams) -> Result<(CudaStorage, CudaStorage)> {
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: "max_pool2d", dtype: x.dtype, expected: "a float dtype" });
+    }
+    let dev = &x.buf.dev;
+    let n = p.batch * p.channels * p.h_out() * p.w_out();
+    let vals = CudaStorage::alloc(dev, x.dtype, n)?;
+    let idx = CudaStorage::alloc(dev, DType::I64, n)?;
+    if n == 0 {
+        return Ok((vals, idx));
+    }
+    let g = pool_geo(p)?;
+    let f = dev.func("maxpool_fwd", sfx(x.dtype))?;
+    let (px, pv, pi) = (ptr(x), ptr(&vals), ptr(&idx));
+    dev.launch1d(f, n, &mut args!(px, pv, pi, g))?;
+    Ok((vals, idx))
+}
+
+pub(crate) fn max_pool2d_backward(dy: &CudaStorage, idx: &CudaStorage, p: &Pool2dParams) -> Result<CudaStorage> {
+    need_i64("max_pool2d_backward", idx)?;
+    if !dy.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: "max_pool2d_backward", dtype: dy.dtype, expected: "a float dtype" });
+    }
+    dy.same_device("max_pool2d_backward", idx)?;
+    let dev = &dy.buf.dev;
+    let n = p.batch * p.channels * p.h_in * p.w_in;
+    let dx = CudaStorage::alloc(dev, dy.dtype, n)?;
+    if n == 0 {
+        return Ok(dx);
+    }
+    let g = pool_geo(p)?;
+    let f = dev.func("maxpool_bwd", sfx(dy.dtype))?;
+    let (pd, pi, px) = (ptr(dy), ptr(idx), ptr(&dx));
+    dev.launch1d(f, n, &mut args!(pd, pi, px, g))?;
+    Ok(dx)
+}
+
+/// `y = silu(x·scale[c] + shift[c])` over an NCHW tensor, `scale`/`shift` f32 of length C.
+pub(crate) fn affine_silu(x: &CudaStorage, dims: &[usize], scale: &CudaStorage, shift: &CudaStorage) -> Result<CudaStorage> {
+    if dims.len() != 4 || scale.dtype != DType::F32 || shift.dtype != DType::F32 || scale.len != dims[1] || shift.len != dims[1] {
+        return Err(Error::invalid("affine_silu", format!("expected NCHW input and f32 per-channel scale/shift, got {dims:?}")));
+    }
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: "affine_silu", dtype: x.dtype, expected: "a float dtype" });
+    }
+    let dev = &x.buf.dev;
+    let out = CudaStorage::alloc(dev, x.dtype, x.len)?;
+    if x.len == 0 {
+        return Ok(out);
+    }
+    let f = dev.func("affine_silu", sfx(x.dtype))?;
+    let (px, ps, ph, py) = (ptr(x), ptr(scale), ptr(shift), ptr(&out));
+    let (n, hw, c) = (u32c("affine_silu", x.len)?, u32c("affine_silu", dims[2] * dims[3])?, u32c("affine_silu", dims[1])?);
+    dev.launch1d(f, x.len, &mut args!(px, ps, ph, py, n, hw, c))?;
+    Ok(out)
+}

@@ -1,0 +1,425 @@
+//! CUDA vs CPU for every op, forward and backward, in f32 / bf16 / f16 (f64 for a subset).
+//!
+//! Each case draws fresh random inputs, runs `Σ R·f(x)` (R random) forward and backward on the CPU
+//! (f32 on the same rounded inputs for the half types) and on the GPU, and requires
+//! ‖cuda − cpu‖ / ‖cpu‖ ≤ 1e-5 (f32/f64) or ≤ 1e-2 (bf16/f16) for the output and every gradient,
+//! the same absent gradients, and bit-identical bytes when the GPU run is repeated. Every device
+//! allocation is poisoned (0xFF) first, so an unwritten output element shows up as NaN / −1.
+//! Without a usable GPU each test prints `skipping: <reason>` and passes.
+#![cfg(feature = "cuda")]
+
+use ptl_autograd::{BatchNormOptions, DType, Device, Result, Rng, Tensor};
+
+fn gpu() -> Option<Device> {
+    match ptl_autograd::cuda::check(0) {
+        Ok(()) => {
+            ptl_autograd::cuda::set_poison_allocations(true);
+            Some(Device::Cuda(0))
+        }
+        Err(e) => {
+            println!("skipping: {e}");
+            None
+        }
+    }
+}
+
+fn rel(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+    let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt();
+    if den == 0.0 {
+        num
+    } else {
+        num / den
+    }
+}
+
+fn tol(dt: DType) -> f64 {
+    if dt.is_half() {
+        1e-2
+    } else {
+        1e-5
+    }
+}
+
+fn ref_dtype(dt: DType) -> DType {
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// Random values rounded to `dt` (so CPU and GPU see the same numbers).
+fn values(shape: &[usize], lo: f64, hi: f64, dt: DType, rng: &mut Rng) -> Vec<f64> {
+    let t = Tensor::rand(shape.to_vec(), lo, hi, dt, Device::Cpu, rng).unwrap();
+    t.to_f64_vec().unwrap()
+}
+
+struct Run {
+    out: Vec<f64>,
+    out_bytes: Vec<u8>,
+    grads: Vec<Option<(Vec<f64>, Vec<u8>)>>,
+}
+
+type OpFn<'a> = &'a dyn Fn(&[Tensor], Device) -> Result<Tensor>;
+
+fn run(dev: Device, dt: DType, inputs: &[(Vec<usize>, Vec<f64>, bool)], weights: &[f64], f: OpFn) -> Run {
+    let leaves: Vec<Tensor> = inputs
+        .iter()
+        .map(|(s, v, g)| {
+            let t = Tensor::from_f64(v, s.clone(), dt, dev).unwrap();
+            if *g {
+                t.requires_grad_(true).unwrap()
+            } else {
+                t
+            }
+        })
+        .collect();
+    let out = f(&leaves, dev).unwrap_or_else(|e| panic!("forward on {dev}: {e}"));
+    let outd = out.dtype();
+    let res_out = out.to_f64_vec().unwrap();
+    let out_bytes = out.to_bytes().unwrap();
+    let mut grads = Vec::new();
+    if outd.is_float() && out.requires_grad() {
+        let w = Tensor::from_f64(weights, out.dims().to_vec(), outd, dev).unwrap();
+        let loss = out.mul(&w).unwrap().sum_all().unwrap();
+        loss.backward().unwrap_or_else(|e| panic!("backward on {dev}: {e}"));
+        for l in &leaves {
+            grads.push(l.grad().map(|g| (g.to_f64_vec().unwrap(), g.to_bytes().unwrap())));
+        }
+    }
+    Run { out: res_out, out_bytes, grads }
+}
+
+/// Compares CUDA with the CPU for `f` on random inputs `(shape, lo, hi)`; `grad[i]` says whether
+/// input i requires a gradient.
+fn case(name: &str, dts: &[DType], inputs: &[(&[usize], f64, f64)], f: OpFn) {
+    let Some(dev) = gpu() else { return };
+    for (k, &dt) in dts.iter().enumerate() {
+        let mut rng = Rng::new(1000 + k as u64 + name.len() as u64 * 7);
+        let ins: Vec<(Vec<usize>, Vec<f64>, bool)> =
+            inputs.iter().map(|(s, lo, hi)| (s.to_vec(), values(s, *lo, *hi, dt, &mut rng), true)).collect();
+        // Output shape from a CPU dry run (no grad) to draw the weights.
+        let probe = run(Device::Cpu, ref_dtype(dt), &ins.iter().map(|(s, v, _)| (s.clone(), v.clone(), false)).collect::<Vec<_>>(), &[], f);
+        let w = {
+            let n = probe.out.len();
+            values(&[n], -1.0, 1.0, dt, &mut rng)
+        };
+        let cpu = run(Device::Cpu, ref_dtype(dt), &ins, &w, f);
+        let g1 = run(dev, dt, &ins, &w, f);
+        let g2 = run(dev, dt, &ins, &w, f);
+        let t = tol(dt);
+        let e = rel(&g1.out, &cpu.out);
+        assert!(e <= t, "{name} {dt}: forward rel err {e:.3e} > {t:e}");
+        assert!(
+            g1.out.iter().all(|x| !x.is_nan()) || cpu.out.iter().any(|x| x.is_nan()),
+            "{name} {dt}: NaN in output (unwritten element?)"
+        );
+        assert_eq!(g1.out_bytes, g2.out_bytes, "{name} {dt}: forward not deterministic");
+        assert_eq!(g1.grads.len(), cpu.grads.len(), "{name} {dt}: gradient count");
+        for (i, (gc, gg)) in cpu.grads.iter().zip(&g1.grads).enumerate() {
+            match (gc, gg) {
+                (None, None) => {}
+                (Some((c, _)), Some((g, gb))) => {
+                    let e = rel(g, c);
+                    assert!(e <= t, "{name} {dt}: grad {i} rel err {e:.3e} > {t:e}");
+                    let again = g2.grads[i].as_ref().map(|x| &x.1);
+                    assert_eq!(Some(gb), again, "{name} {dt}: grad {i} not deterministic");
+                }
+                (c, g) => panic!("{name} {dt}: grad {i} presence differs: cpu {} vs cuda {}", c.is_some(), g.is_some()),
+            }
+        }
+        println!("ok {name} {dt}");
+    }
+}
+
+/// Exact comparison for non-differentiable / integer results.
+fn exact(name: &str, dts: &[DType], inputs: &[(&[usize], f64, f64)], f: OpFn) {
+    let Some(dev) = gpu() else { return };
+    for (k, &dt) in dts.iter().enumerate() {
+        let mut rng = Rng::new(2000 + k as u64 + name.len() as u64);
+        let ins: Vec<(Vec<usize>, Vec<f64>, bool)> =
+            inputs.iter().map(|(s, lo, hi)| (s.to_vec(), values(s, *lo, *hi, dt, &mut rng), false)).collect();
+        let cpu = run(Device::Cpu, dt, &ins, &[], f);
+        let g1 = run(dev, dt, &ins, &[], f);
+        let g2 = run(dev, dt, &ins, &[], f);
+        assert_eq!(g1.out, cpu.out, "{name} {dt}: differs from CPU");
+        assert_eq!(g1.out_bytes, g2.out_bytes, "{name} {dt}: not deterministic");
+        println!("ok {name} {dt}");
+    }
+}
+
+const FP: &[DType] = &[DType::F32, DType::BF16, DType::F16];
+const FP64: &[DType] = &[DType::F32, DType::BF16, DType::F16, DType::F64];
+
+#[test]
+fn unary() {
+    let s: &[usize] = &[3, 7, 11];
+    type U = fn(&Tensor) -> Result<Tensor>;
+    let all: &[(&str, U)] = &[
+        ("neg", |x| x.neg()),
+        ("exp", |x| x.exp()),
+        ("abs", |x| x.abs()),
+        ("sigmoid", |x| x.sigmoid()),
+        ("silu", |x| x.silu()),
+        ("tanh", |x| x.tanh()),
+        ("softplus", |x| x.softplus()),
+        ("atan", |x| x.atan()),
+        ("square", |x| x.square()),
+        ("relu", |x| x.relu()),
+        ("clamp", |x| x.clamp(-0.5, 0.7)),
+        ("affine", |x| x.affine(-1.5, 0.25)),
+        ("sign", |x| x.sign()),
+        ("floor", |x| x.floor()),
+        ("ceil", |x| x.ceil()),
+    ];
+    for (name, f) in all {
+        case(name, FP64, &[(s, -3.0, 3.0)], &move |v, _| f(&v[0]));
+    }
+    let pos: &[(&str, U)] = &[("log", |x| x.log()), ("sqrt", |x| x.sqrt()), ("recip", |x| x.recip()), ("powf", |x| x.powf(2.7))];
+    for (name, f) in pos {
+        case(name, FP64, &[(s, 0.3, 3.0)], &move |v, _| f(&v[0]));
+    }
+    case("softplus_big", &[DType::F32], &[(s, 15.0, 25.0)], &|v, _| v[0].softplus());
+}
+
+#[test]
+fn binary_broadcast() {
+    type B = fn(&Tensor, &Tensor) -> Result<Tensor>;
+    let ops: &[(&str, B)] = &[
+        ("add", |a, b| a.add(b)),
+        ("sub", |a, b| a.sub(b)),
+        ("mul", |a, b| a.mul(b)),
+        ("maximum", |a, b| a.maximum(b)),
+        ("minimum", |a, b| a.minimum(b)),
+        ("atan2", |a, b| a.atan2(b)),
+    ];
+    let shapes: &[(&[usize], &[usize])] =
+        &[(&[4, 5, 6], &[4, 5, 6]), (&[4, 5, 6], &[5, 1]), (&[6], &[2, 3, 6]), (&[2, 16, 9, 9], &[1, 16, 1, 1])];
+    for (name, f) in ops {
+        for (sa, sb) in shapes {
+            case(name, FP64, &[(sa, -2.0, 2.0), (sb, -2.0, 2.0)], &move |v, _| f(&v[0], &v[1]));
+        }
+    }
+    for (sa, sb) in shapes {
+        case("div", FP64, &[(sa, -2.0, 2.0), (sb, 0.5, 2.0)], &|v, _| v[0].div(&v[1]));
+        case("pow", FP64, &[(sa, 0.5, 2.0), (sb, -1.5, 1.5)], &|v, _| v[0].pow(&v[1]));
+    }
+}
+
+#[test]
+fn compare_where_cast() {
+    type C = fn(&Tensor, &Tensor) -> Result<Tensor>;
+    let ops: &[(&str, C)] = &[
+        ("eq", |a, b| a.eq(b)),
+        ("ne", |a, b| a.ne(b)),
+        ("lt", |a, b| a.lt(b)),
+        ("le", |a, b| a.le(b)),
+        ("gt", |a, b| a.gt(b)),
+        ("ge", |a, b| a.ge(b)),
+    ];
+    for (name, f) in ops {
+        // Coarse values so that equality happens.
+        exact(name, FP64, &[(&[5, 6], -2.0, 2.0), (&[1, 6], -2.0, 2.0)], &move |v, _| f(&v[0].floor()?, &v[1].floor()?));
+    }
+    case("where_cond", FP, &[(&[5, 6], -2.0, 2.0), (&[1, 6], -2.0, 2.0)], &|v, _| {
+        let c = v[0].detach().gt_scalar(0.0)?;
+        c.where_cond(&v[0], &v[1])
+    });
+    for to in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        case("to_dtype", FP64, &[(&[4, 9], -3.0, 3.0)], &move |v, _| v[0].to_dtype(to)?.to_dtype(v[0].dtype()));
+    }
+    for to in [DType::I64, DType::U8, DType::Bool] {
+        exact("cast_int", FP64, &[(&[4, 9], -300.0, 300.0)], &move |v, _| v[0].to_dtype(to)?.to_dtype(DType::F64));
+        exact("cast_int_back", FP64, &[(&[4, 9], 0.0, 300.0)], &move |v, _| v[0].to_dtype(DType::I64)?.to_dtype(to)?.to_dtype(DType::F32));
+    }
+}
+
+#[test]
+fn reductions() {
+    let s: &[usize] = &[4, 37, 5];
+    for d in 0..3isize {
+        case("sum_dim", FP64, &[(s, -2.0, 2.0)], &move |v, _| v[0].sum_dim(d, false));
+        case("max_dim", FP64, &[(s, -2.0, 2.0)], &move |v, _| Ok(v[0].max_dim(d, true)?.0));
+        case("min_dim", FP64, &[(s, -2.0, 2.0)], &move |v, _| Ok(v[0].min_dim(d, false)?.0));
+        exact("argmax", FP64, &[(s, -2.0, 2.0)], &move |v, _| v[0].argmax(d, false));
+        exact("argmin", FP64, &[(s, -2.0, 2.0)], &move |v, _| v[0].argmin(d, true));
+        exact("argmax_ties", &[DType::F32], &[(s, -2.0, 2.0)], &move |v, _| v[0].floor()?.argmax(d, false));
+    }
+    case("sum_dims", FP64, &[(&[2, 16, 9, 9], -2.0, 2.0)], &|v, _| v[0].sum_dims(&[0, 2, 3], true));
+    case("mean_all", FP64, &[(&[3, 1000], -2.0, 2.0)], &|v, _| v[0].mean_all());
+    case("sum_long_row", FP, &[(&[3, 70000], -1.0, 1.0)], &|v, _| v[0].sum_dim(1, false));
+    for k in [1usize, 5, 37] {
+        exact("topk_largest", FP64, &[(s, -2.0, 2.0)], &move |v, _| {
+            let (a, i) = v[0].floor()?.topk(k.min(5), 2, true)?;
+            let (b, j) = v[0].topk(k, 1, false)?;
+            Tensor::cat(
+                &[
+                    &a.flatten_all()?,
+                    &i.to_dtype(v[0].dtype())?.flatten_all()?,
+                    &b.flatten_all()?,
+                    &j.to_dtype(v[0].dtype())?.flatten_all()?,
+                ],
+                0,
+            )
+        });
+    }
+    exact("max_all", FP64, &[(s, -2.0, 2.0)], &|v, _| {
+        Tensor::cat(&[&v[0].max_all()?.reshape(vec![1])?, &v[0].min_all()?.reshape(vec![1])?], 0)
+    });
+    exact("sum_i64", &[DType::I64], &[(s, -50.0, 50.0)], &|v, _| v[0].sum_dim(1, false));
+    exact("sum_bool", &[DType::F32], &[(s, -2.0, 2.0)], &|v, _| v[0].gt_scalar(0.0)?.sum_dim(1, false));
+}
+
+#[test]
+fn shapes() {
+    let s: &[usize] = &[2, 3, 4, 5];
+    case("permute", FP64, &[(s, -2.0, 2.0)], &|v, _| v[0].permute(&[3, 1, 0, 2]));
+    case("transpose", FP64, &[(s, -2.0, 2.0)], &|v, _| v[0].transpose(1, 3));
+    case("narrow", FP64, &[(s, -2.0, 2.0)], &|v, _| v[0].narrow(2, 1, 2));
+    case("cat", FP64, &[(s, -2.0, 2.0), (&[2, 5, 4, 5], -2.0, 2.0)], &|v, _| Tensor::cat(&[&v[0], &v[1]], 1));
+    case("cat_last", FP64, &[(s, -2.0, 2.0), (&[2, 3, 4, 2], -2.0, 2.0)], &|v, _| Tensor::cat(&[&v[0], &v[1]], 3));
+    case("split", FP64, &[(s, -2.0, 2.0)], &|v, _| {
+        let p = v[0].split(&[1, 3], 2)?;
+        p[0].mul(&p[1].sum_dim(2, true)?)
+    });
+    case("chunk", FP64, &[(s, -2.0, 2.0)], &|v, _| {
+        let p = v[0].chunk(2, 3)?;
+        p[0].mul(&p[1].narrow(3, 0, 2)?)
+    });
+    case("expand", FP64, &[(&[3, 1], -2.0, 2.0)], &|v, _| v[0].expand(&[2, 3, 4]));
+    case("upsample_nearest", FP64, &[(&[2, 3, 5, 4], -2.0, 2.0)], &|v, _| v[0].upsample_nearest(2));
+    case("squeeze", FP64, &[(&[3, 1, 4], -2.0, 2.0)], &|v, _| v[0].squeeze(1)?.unsqueeze(0)?.exp());
+}
+
+#[test]
+fn index_ops() {
+    case("index_select", FP64, &[(&[6, 5, 3], -2.0, 2.0)], &|v, d| {
+        let idx = Tensor::from_vec(vec![2i64, 0, 2, 5, 5, 1], 6, d)?;
+        v[0].index_select(1, &Tensor::from_vec(vec![4i64, 0, 4, 2], 4, d)?)?.index_select(0, &idx)
+    });
+    case("gather", FP64, &[(&[4, 3], -2.0, 2.0)], &|v, d| {
+        let g = Tensor::from_vec(vec![0i64, 2, 2, 1, 0, 0, 3, 3, 1], vec![3, 3], d)?;
+        v[0].gather(0, &g)
+    });
+    case("gather_dim1", FP64, &[(&[4, 6], -2.0, 2.0)], &|v, d| {
+        let g = Tensor::from_vec(vec![0i64, 5, 5, 1, 2, 2, 3, 3, 4, 0, 0, 0], vec![4, 3], d)?;
+        v[0].gather(1, &g)
+    });
+    case("scatter_add", FP64, &[(&[4, 3], -2.0, 2.0), (&[3, 3], -1.0, 1.0)], &|v, d| {
+        let g = Tensor::from_vec(vec![0i64, 2, 2, 1, 0, 0, 0, 2, 2], vec![3, 3], d)?;
+        v[0].scatter_add(0, &g, &v[1])
+    });
+    case("scatter_add_dim1", FP64, &[(&[3, 5], -2.0, 2.0), (&[2, 4], -1.0, 1.0)], &|v, d| {
+        let g = Tensor::from_vec(vec![4i64, 4, 0, 4, 1, 1, 1, 3], vec![2, 4], d)?;
+        v[0].scatter_add(1, &g, &v[1])
+    });
+}
+
+fn conv(name: &str, x: &[usize], w: &[usize], stride: usize, pad: usize, groups: usize, bias: bool) {
+    let b = [w[0]];
+    let mut ins: Vec<(&[usize], f64, f64)> = vec![(x, -1.0, 1.0), (w, -1.0, 1.0)];
+    if bias {
+        ins.push((&b, -1.0, 1.0));
+    }
+    case(name, FP64, &ins, &move |v, _| v[0].conv2d(&v[1], v.get(2), (stride, stride), (pad, pad), groups));
+}
+
+#[test]
+fn conv2d() {
+    conv("conv3x3_s1", &[2, 8, 17, 15], &[16, 8, 3, 3], 1, 1, 1, true);
+    conv("conv3x3_s2", &[2, 8, 17, 16], &[12, 8, 3, 3], 2, 1, 1, false);
+    conv("conv1x1", &[2, 16, 9, 9], &[8, 16, 1, 1], 1, 0, 1, true);
+    conv("conv_groups2", &[1, 8, 10, 10], &[12, 4, 3, 3], 1, 1, 2, false);
+    conv("conv_depthwise", &[2, 16, 11, 9], &[16, 1, 3, 3], 2, 1, 16, true);
+    conv("conv_nopad", &[1, 4, 9, 9], &[4, 4, 3, 3], 1, 0, 1, false);
+    conv("conv_rect", &[2, 4, 8, 8], &[6, 4, 1, 5], 1, 0, 1, true);
+}
+
+#[test]
+fn batch_norm_pool_matmul() {
+    let opts = BatchNormOptions { training: true, momentum: 0.03, eps: 1e-3 };
+    case("batch_norm_train", FP64, &[(&[3, 8, 7, 6], -2.0, 2.0), (&[8], 0.5, 1.5), (&[8], -0.5, 0.5)], &move |v, d| {
+        let rm = Tensor::zeros(vec![8], DType::F32, d)?;
+        let rv = Tensor::ones(vec![8], DType::F32, d)?;
+        v[0].batch_norm2d(&v[1], &v[2], &rm, &rv, opts)?.silu()
+    });
+    case("batch_norm_eval", FP64, &[(&[3, 8, 7, 6], -2.0, 2.0), (&[8], 0.5, 1.5), (&[8], -0.5, 0.5)], &move |v, d| {
+        let rm = Tensor::full(vec![8], 0.1, DType::F32, d)?;
+        let rv = Tensor::full(vec![8], 0.8, DType::F32, d)?;
+        v[0].batch_norm2d(&v[1], &v[2], &rm, &rv, BatchNormOptions { training: false, ..opts })
+    });
+    case("max_pool_k5_s1_p2", FP64, &[(&[2, 3, 13, 11], -3.0, 3.0)], &|v, _| v[0].max_pool2d(5, 1, 2));
+    case("max_pool_k2_s2", FP64, &[(&[2, 3, 12, 10], -3.0, 3.0)], &|v, _| v[0].max_pool2d(2, 2, 0));
+    case("max_pool_k3_s2_p1", FP64, &[(&[2, 3, 12, 9], -3.0, 3.0)], &|v, _| v[0].max_pool2d(3, 2, 1));
+    case("bmm", FP64, &[(&[3, 17, 24], -1.0, 1.0), (&[3, 24, 9], -1.0, 1.0)], &|v, _| v[0].bmm(&v[1]));
+    case("matmul_broadcast", FP64, &[(&[2, 5, 7], -1.0, 1.0), (&[7, 6], -1.0, 1.0)], &|v, _| v[0].matmul(&v[1]));
+    case("matmul_transposed", FP64, &[(&[2, 7, 5], -1.0, 1.0), (&[2, 6, 7], -1.0, 1.0)], &|v, _| {
+        v[0].transpose(1, 2)?.matmul(&v[1].transpose(1, 2)?)
+    });
+    case("linear", FP64, &[(&[4, 6, 32], -1.0, 1.0), (&[20, 32], -1.0, 1.0), (&[20], -1.0, 1.0)], &|v, _| v[0].linear(&v[1], Some(&v[2])));
+    case("softmax", FP64, &[(&[3, 5, 33], -3.0, 3.0)], &|v, _| v[0].softmax(-1));
+    case("softmax_dim1", FP64, &[(&[3, 17, 4], -3.0, 3.0)], &|v, _| v[0].softmax(1));
+    case("log_softmax", FP64, &[(&[3, 5, 33], -3.0, 3.0)], &|v, _| v[0].log_softmax(2));
+    case("bce_with_logits", FP64, &[(&[3, 5, 8], -4.0, 4.0), (&[3, 5, 8], 0.0, 1.0)], &|v, _| v[0].bce_with_logits(&v[1]));
+    case("attention", FP64, &[(&[2, 6, 8], -1.0, 1.0), (&[2, 9, 8], -1.0, 1.0), (&[2, 9, 5], -1.0, 1.0)], &|v, _| {
+        v[0].matmul(&v[1].transpose(1, 2)?)?.affine(0.5, 0.0)?.softmax(-1)?.matmul(&v[2])
+    });
+}
+
+#[test]
+fn absent_gradients_match_cpu() {
+    // b does not reach the output: its gradient stays None on both devices.
+    case("absent", FP, &[(&[3, 4], -1.0, 1.0), (&[3, 4], -1.0, 1.0)], &|v, _| {
+        let _unused = v[1].exp()?;
+        v[0].square()
+    });
+    // A path cut by detach.
+    case("detached", FP, &[(&[3, 4], -1.0, 1.0), (&[3, 4], -1.0, 1.0)], &|v, _| v[0].mul(&v[1].detach()));
+}
+
+#[test]
+fn transfers_and_memory_api() {
+    let Some(dev) = gpu() else { return };
+    use ptl_autograd::cuda;
+    let x = Tensor::from_vec((0..1000).map(|i| i as f32).collect::<Vec<_>>(), vec![10, 100], dev).unwrap();
+    let back = x.to_device(Device::Cpu).unwrap();
+    assert_eq!(back.device(), Device::Cpu);
+    assert_eq!(back.to_vec::<f32>().unwrap()[999], 999.0);
+    assert_eq!(x.sum_all().unwrap().item().unwrap(), 499500.0);
+    // Pinned u8 upload.
+    let mut pb = cuda::PinnedBuffer::new(dev, 2 * 3 * 4).unwrap();
+    pb.as_mut_slice().unwrap().iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 * 7);
+    let img = pb.upload(vec![2, 3, 4]).unwrap();
+    assert_eq!(img.dtype(), DType::U8);
+    assert_eq!(img.to_vec::<u8>().unwrap(), (0..24).map(|i| i as u8 * 7).collect::<Vec<_>>());
+    // Stats: an allocation raises allocated and its peak; reset brings the peak down after free.
+    cuda::synchronize(dev).unwrap();
+    let s0 = cuda::memory_stats(dev).unwrap();
+    let big = Tensor::zeros(vec![64, 1024, 1024], DType::F32, dev).unwrap();
+    let s1 = cuda::memory_stats(dev).unwrap();
+    assert!(s1.allocated >= s0.allocated + (256 << 20), "{s0:?} -> {s1:?}");
+    assert!(s1.peak_allocated >= s1.allocated && s1.reserved >= s1.allocated - s0.allocated);
+    drop(big);
+    cuda::synchronize(dev).unwrap();
+    let s2 = cuda::memory_stats(dev).unwrap();
+    assert!(s2.allocated < s1.allocated && s2.peak_allocated >= s1.allocated);
+    assert!(s2.reserved >= 256 << 20, "release threshold keeps memory cached: {s2:?}");
+    cuda::reset_peak_memory_stats(dev).unwrap();
+    let s3 = cuda::memory_stats(dev).unwrap();
+    assert_eq!(s3.peak_allocated, s3.allocated);
+    // A private pool owns what is allocated while it is entered and releases it as a whole.
+    let pool = cuda::MemPool::new(dev).unwrap();
+    let t = pool.scope(|| Tensor::ones(vec![1 << 20], DType::F32, dev).unwrap());
+    let ps = pool.stats().unwrap();
+    assert!(ps.allocated >= 4 << 20 && ps.reserved >= 4 << 20, "{ps:?}");
+    assert_eq!(t.sum_all().unwrap().item().unwrap(), (1 << 20) as f64);
+    drop(t);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().unwrap().reserved, 0);
+    // Errors: a bad ordinal is a typed error, not a panic.
+    let e = Tensor::zeros(vec![2], DType::F32, Device::Cuda(99)).unwrap_err();
+    assert!(format!("{e}").contains("cuda:99"), "{e}");
+    println!("ok transfers, pinned upload, memory stats, pools, {}", cuda::device_name(0).unwrap());
+}

@@ -1,0 +1,100 @@
+//! `cargo xtask device-pack`: builds the CUDA test and bench binaries (release, `cuda` feature),
+//! strips them and copies them with `run.sh` and the PyTorch reference script into `device-pack/`
+//! (git-ignored). On the GPU machine run `bash device-pack/run.sh`; logs go to `$OUT`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+const MAX_BYTES: u64 = 64 << 20;
+
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# CUDA tests + GPU micro-benchmark (ptl vs PyTorch). Logs go to $OUT (default: ./out beside this file).
+set -u
+cd "$(dirname "$0")"
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export OUT
+(nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv) > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+status=0
+for t in test_*; do
+  [ -x "$t" ] || continue
+  echo "=== $t"
+  ./"$t" --test-threads=1 --nocapture > "$OUT/$t.log" 2>&1
+  rc=$?
+  grep -E "^(ok |skipping|test result|test .* FAILED|failures:|.*panicked)" "$OUT/$t.log"
+  [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/$t.log"; }
+done
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  echo "=== bench_cuda_ops"
+  ./bench_cuda_ops > "$OUT/bench_ours.log" 2>&1 || status=1
+  PY=/opt/torch/.venv/bin/python3
+  [ -x "$PY" ] || PY=python3
+  "$PY" torch_ops.py "$OUT" > "$OUT/bench_torch.log" 2>&1 || status=1
+  "$PY" torch_ops.py --table "$OUT" | tee "$OUT/bench_table.md"
+  grep -E "peak" "$OUT/bench_ours.log"
+fi
+echo "device-pack exit status $status"
+exit $status
+"#;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+}
+
+pub fn run(args: &[String]) -> Result<(), String> {
+    let root = root();
+    let pack = root.join("device-pack");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.current_dir(&root)
+        .args(["build", "--release", "-p", "ptl-autograd", "--features", "cuda", "--tests", "--benches", "--message-format=json-render-diagnostics"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    eprintln!("device-pack: {cmd:?}");
+    let out = cmd.output().map_err(|e| format!("running cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("cargo build failed ({})", out.status));
+    }
+    let _ = std::fs::remove_dir_all(&pack);
+    std::fs::create_dir_all(&pack).map_err(|e| format!("creating {}: {e}", pack.display()))?;
+    let mut total = 0u64;
+    let mut copied = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        if v["reason"] != "compiler-artifact" {
+            continue;
+        }
+        let Some(exe) = v["executable"].as_str() else { continue };
+        let name = v["target"]["name"].as_str().unwrap_or("");
+        let kind = v["target"]["kind"][0].as_str().unwrap_or("");
+        if !name.starts_with("cuda_") || !(kind == "test" || kind == "bench") {
+            continue;
+        }
+        let dst = pack.join(format!("{kind}_{name}"));
+        std::fs::copy(exe, &dst).map_err(|e| format!("copying {exe}: {e}"))?;
+        let _ = Command::new("strip").arg(&dst).status();
+        total += std::fs::metadata(&dst).map(|m| m.len()).unwrap_or(0);
+        copied.push(dst);
+    }
+    if copied.is_empty() {
+        return Err("no CUDA test/bench binaries were produced (is the `cuda` feature wired?)".into());
+    }
+    std::fs::copy(root.join("autograd/benches/torch_ops.py"), pack.join("torch_ops.py")).map_err(|e| format!("copying torch_ops.py: {e}"))?;
+    let run = pack.join("run.sh");
+    std::fs::write(&run, RUN_SH).map_err(|e| format!("writing run.sh: {e}"))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755));
+    }
+    if total > MAX_BYTES {
+        return Err(format!("device pack is {total} bytes, over the 64 MiB limit"));
+    }
+    for c in &copied {
+        eprintln!("device-pack: {}", c.display());
+    }
+    eprintln!("device-pack: {} binaries, {:.1} MiB, in {}; run `bash device-pack/run.sh` on the GPU machine", copied.len(), total as f64 / (1 << 20) as f64, pack.display());
+    Ok(())
+}
