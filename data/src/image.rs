@@ -145,6 +145,9 @@ pub fn resize_bilinear(src: &Image, nw: u32, nh: u32) -> Image {
     if nw == src.w && nh == src.h {
         return src.clone();
     }
+    if src.w == 0 || src.h == 0 || nw == 0 || nh == 0 {
+        return Image::filled(nw, nh, [0, 0, 0]);
+    }
     let (sw, sh) = (src.w as usize, src.h as usize);
     let (dw, dh) = (nw as usize, nh as usize);
     let xt = linear_taps(sw, dw);
@@ -193,6 +196,9 @@ pub fn resize_bilinear(src: &Image, nw: u32, nh: u32) -> Image {
 
 /// The load-time resize of data.md §5: long side to `imgsz` (aspect kept), `min(ceil(side·r), imgsz)`.
 pub fn load_resize_shape(w0: u32, h0: u32, imgsz: u32) -> (u32, u32) {
+    if w0 == 0 || h0 == 0 {
+        return (w0, h0);
+    }
     let r = imgsz as f64 / w0.max(h0) as f64;
     if r == 1.0 {
         return (w0, h0);

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use rayon::prelude::*;
+
 use crate::augment::{self, AffineDraw, AugmentConfig, Instances};
 use crate::dataset::PoseDataset;
 use crate::error::{DataError, Result};
@@ -414,7 +416,7 @@ impl ValLoader {
         let shape =
             self.batch_shape(b).ok_or_else(|| DataError::Invalid(format!("val batch {b} out of range ({} batches)", self.len())))?;
         let idx = &self.order[b * self.batch..((b + 1) * self.batch).min(self.order.len())];
-        let samples = idx.iter().map(|&i| self.sample(i, shape)).collect();
+        let samples = idx.par_iter().map(|&i| self.sample(i, shape)).collect();
         collate(samples, self.ds.nkpt(), 0, b)
     }
 
