@@ -127,10 +127,19 @@ mod bench {
                     out.row(
                         &format!("bn_train_silu {c}x{s}"),
                         dt,
+                        gpu_us(20, || drop(x.batch_norm2d_silu(&g, &b, &rm, &rv, opts).unwrap())),
+                    );
+                    let eval = BatchNormOptions { training: false, ..opts };
+                    out.row(
+                        &format!("bn_eval_silu {c}x{s}"),
+                        dt,
+                        gpu_us(50, || drop(x.batch_norm2d_silu(&g, &b, &rm, &rv, eval).unwrap())),
+                    );
+                    out.row(
+                        &format!("bn_train_silu_composed {c}x{s}"),
+                        dt,
                         gpu_us(20, || drop(x.batch_norm2d(&g, &b, &rm, &rv, opts).unwrap().silu().unwrap())),
                     );
-                    let (sc, sh) = (Tensor::ones(vec![c], DType::F32, DEV).unwrap(), Tensor::zeros(vec![c], DType::F32, DEV).unwrap());
-                    out.row(&format!("bn_eval_silu {c}x{s}"), dt, gpu_us(50, || drop(cuda::affine_silu(&x, &sc, &sh).unwrap())));
                 }
                 for &(c, s) in &LEVELS[2..4] {
                     let a = rnd(&[B, c, s, s], dt, &mut rng);

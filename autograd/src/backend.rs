@@ -191,4 +191,34 @@ pub trait BackendStorage: Sized {
     fn max_pool2d_backward(&self, indices: &Self, p: &Pool2dParams) -> Result<Self>;
     /// Top-k along `dim`, sorted (largest first when `largest`), ties by lower index. No gradient.
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)>;
+
+    /// Training-mode batch-norm statistics of a contiguous NCHW tensor (`shape` = [n, c, h, w]),
+    /// accumulated deterministically in f64. `weight`, `bias`, `running_mean`, `running_var` have
+    /// the statistics dtype (f64 for f64 input, else f32); the running statistics are updated in
+    /// place (`r ← (1 − momentum)·r + momentum·batch`, unbiased variance). Returns
+    /// `([scale; C] ++ [shift; C], [invstd; C] ++ [−mean·invstd; C])` in the statistics dtype, with
+    /// `scale = weight·invstd`, `shift = bias − mean·scale`.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_train_stats(
+        &self,
+        shape: &[usize],
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        eps: f64,
+        momentum: f64,
+    ) -> Result<(Self, Self)>;
+    /// `y = act(x·p[c] + p[C + c])` over a contiguous NCHW tensor with `p` = `[scale; C] ++ [shift; C]`
+    /// (statistics dtype); `act` is SiLU when `silu`, else identity. Output in the input dtype.
+    fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self>;
+}
+
+/// The dtype batch-norm statistics are kept in for inputs of `dt`.
+pub fn stats_dtype(dt: DType) -> DType {
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
 }

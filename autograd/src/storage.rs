@@ -219,6 +219,36 @@ impl Storage {
     pub fn max_pool2d_backward(&self, idx: &Storage, p: &Pool2dParams) -> Result<Storage> {
         pair!("max_pool2d_backward", self, idx, |a, b| a.max_pool2d_backward(b, p))
     }
+    /// See [`BackendStorage::batch_norm_train_stats`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_train_stats(
+        &self,
+        shape: &[usize],
+        w: &Storage,
+        b: &Storage,
+        rm: &mut Storage,
+        rv: &mut Storage,
+        eps: f64,
+        momentum: f64,
+    ) -> Result<(Storage, Storage)> {
+        match (self, w, b, rm, rv) {
+            (Storage::Cpu(x), Storage::Cpu(w), Storage::Cpu(b), Storage::Cpu(rm), Storage::Cpu(rv)) => {
+                let (a, n) = x.batch_norm_train_stats(shape, w, b, rm, rv, eps, momentum)?;
+                Ok((Storage::Cpu(a), Storage::Cpu(n)))
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(x), Storage::Cuda(w), Storage::Cuda(b), Storage::Cuda(rm), Storage::Cuda(rv)) => {
+                let (a, n) = x.batch_norm_train_stats(shape, w, b, rm, rv, eps, momentum)?;
+                Ok((Storage::Cuda(a), Storage::Cuda(n)))
+            }
+            #[allow(unreachable_patterns)]
+            (x, w, b, _, _) => Err(mismatch3("batch_norm_train_stats", x, w, b)),
+        }
+    }
+    /// See [`BackendStorage::channel_affine`].
+    pub fn channel_affine(&self, shape: &[usize], params: &Storage, silu: bool) -> Result<Storage> {
+        pair!("channel_affine", self, params, |a, b| a.channel_affine(shape, b, silu))
+    }
     pub fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Storage, Storage)> {
         match self {
             Storage::Cpu(s) => {

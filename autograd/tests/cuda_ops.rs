@@ -16,10 +16,11 @@ fn gpu() -> Option<Device> {
             ptl_autograd::cuda::set_poison_allocations(true);
             Some(Device::Cuda(0))
         }
-        Err(e) => {
+        Err(e @ (ptl_autograd::CudaSetupError::NoDriver | ptl_autograd::CudaSetupError::NoDevice { .. })) => {
             println!("skipping: {e}");
             None
         }
+        Err(e) => panic!("a GPU is present but CUDA is not usable: {e}"),
     }
 }
 
@@ -350,6 +351,21 @@ fn batch_norm_pool_matmul() {
         let rv = Tensor::full(vec![8], 0.8, DType::F32, d)?;
         v[0].batch_norm2d(&v[1], &v[2], &rm, &rv, BatchNormOptions { training: false, ..opts })
     });
+    // Fused BN+SiLU on the GPU against the composed CPU ops (forward, backward, running stats).
+    for training in [true, false] {
+        let o = BatchNormOptions { training, ..opts };
+        case("batch_norm_silu_fused", FP64, &[(&[3, 8, 7, 6], -2.0, 2.0), (&[8], 0.5, 1.5), (&[8], -0.5, 0.5)], &move |v, d| {
+            let rm = Tensor::full(vec![8], 0.1, DType::F32, d)?;
+            let rv = Tensor::full(vec![8], 0.8, DType::F32, d)?;
+            let y = if d == Device::Cpu {
+                v[0].batch_norm2d(&v[1], &v[2], &rm, &rv, o)?.silu()?
+            } else {
+                v[0].batch_norm2d_silu(&v[1], &v[2], &rm, &rv, o)?
+            };
+            // Fold the updated running statistics into the output so they are compared too.
+            y.add(&rm.add(&rv)?.to_dtype(y.dtype())?.reshape(vec![1, 8, 1, 1])?.detach())
+        });
+    }
     case("max_pool_k5_s1_p2", FP64, &[(&[2, 3, 13, 11], -3.0, 3.0)], &|v, _| v[0].max_pool2d(5, 1, 2));
     case("max_pool_k2_s2", FP64, &[(&[2, 3, 12, 10], -3.0, 3.0)], &|v, _| v[0].max_pool2d(2, 2, 0));
     case("max_pool_k3_s2_p1", FP64, &[(&[2, 3, 12, 9], -3.0, 3.0)], &|v, _| v[0].max_pool2d(3, 2, 1));
@@ -422,4 +438,38 @@ fn transfers_and_memory_api() {
     let e = Tensor::zeros(vec![2], DType::F32, Device::Cuda(99)).unwrap_err();
     assert!(format!("{e}").contains("cuda:99"), "{e}");
     println!("ok transfers, pinned upload, memory stats, pools, {}", cuda::device_name(0).unwrap());
+}
+
+/// Runs everywhere (CPU): the fused BN+SiLU matches `batch_norm2d(..).silu()` in f64, forward,
+/// backward and running statistics.
+#[test]
+fn fused_bn_silu_matches_composed_on_cpu() {
+    for training in [true, false] {
+        let opts = BatchNormOptions { training, momentum: 0.1, eps: 1e-5 };
+        let mut rng = Rng::new(9);
+        let x = Tensor::rand(vec![3, 4, 5, 6], -2.0, 2.0, DType::F64, Device::Cpu, &mut rng).unwrap();
+        let w = Tensor::rand(vec![4], 0.5, 1.5, DType::F64, Device::Cpu, &mut rng).unwrap();
+        let b = Tensor::rand(vec![4], -0.5, 0.5, DType::F64, Device::Cpu, &mut rng).unwrap();
+        let r = Tensor::rand(vec![3, 4, 5, 6], -1.0, 1.0, DType::F64, Device::Cpu, &mut rng).unwrap();
+        let mut res = Vec::new();
+        for fused in [false, true] {
+            let (xl, wl, bl) = (x.requires_grad_(true).unwrap(), w.requires_grad_(true).unwrap(), b.requires_grad_(true).unwrap());
+            let rm = Tensor::full(vec![4], 0.2, DType::F64, Device::Cpu).unwrap();
+            let rv = Tensor::full(vec![4], 0.7, DType::F64, Device::Cpu).unwrap();
+            let y = if fused {
+                xl.batch_norm2d_silu(&wl, &bl, &rm, &rv, opts)
+            } else {
+                xl.batch_norm2d(&wl, &bl, &rm, &rv, opts).and_then(|t| t.silu())
+            }
+            .unwrap();
+            y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            let v: Vec<Vec<f64>> =
+                [y, xl.grad().unwrap(), wl.grad().unwrap(), bl.grad().unwrap(), rm, rv].iter().map(|t| t.to_f64_vec().unwrap()).collect();
+            res.push(v);
+        }
+        for (k, (a, b)) in res[0].iter().zip(&res[1]).enumerate() {
+            let e = rel(b, a);
+            assert!(e < 1e-12, "training={training} item {k}: rel err {e:e}");
+        }
+    }
 }

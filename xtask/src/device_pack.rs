@@ -48,7 +48,17 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(&cargo);
     cmd.current_dir(&root)
-        .args(["build", "--release", "-p", "ptl-autograd", "--features", "cuda", "--tests", "--benches", "--message-format=json-render-diagnostics"])
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "ptl-autograd",
+            "--features",
+            "cuda",
+            "--tests",
+            "--benches",
+            "--message-format=json-render-diagnostics",
+        ])
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
@@ -81,7 +91,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
     if copied.is_empty() {
         return Err("no CUDA test/bench binaries were produced (is the `cuda` feature wired?)".into());
     }
-    std::fs::copy(root.join("autograd/benches/torch_ops.py"), pack.join("torch_ops.py")).map_err(|e| format!("copying torch_ops.py: {e}"))?;
+    std::fs::copy(root.join("autograd/benches/torch_ops.py"), pack.join("torch_ops.py"))
+        .map_err(|e| format!("copying torch_ops.py: {e}"))?;
     let run = pack.join("run.sh");
     std::fs::write(&run, RUN_SH).map_err(|e| format!("writing run.sh: {e}"))?;
     #[cfg(unix)]
@@ -95,6 +106,11 @@ pub fn run(args: &[String]) -> Result<(), String> {
     for c in &copied {
         eprintln!("device-pack: {}", c.display());
     }
-    eprintln!("device-pack: {} binaries, {:.1} MiB, in {}; run `bash device-pack/run.sh` on the GPU machine", copied.len(), total as f64 / (1 << 20) as f64, pack.display());
+    eprintln!(
+        "device-pack: {} binaries, {:.1} MiB, in {}; run `bash device-pack/run.sh` on the GPU machine",
+        copied.len(),
+        total as f64 / (1 << 20) as f64,
+        pack.display()
+    );
     Ok(())
 }

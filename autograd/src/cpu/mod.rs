@@ -3,6 +3,7 @@
 
 mod conv;
 mod elementwise;
+mod fused;
 mod index;
 mod matmul;
 mod reduce;
@@ -255,5 +256,20 @@ impl BackendStorage for CpuStorage {
     }
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)> {
         reduce::topk(self, shape, dim, k, largest)
+    }
+    fn batch_norm_train_stats(
+        &self,
+        shape: &[usize],
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        eps: f64,
+        momentum: f64,
+    ) -> Result<(Self, Self)> {
+        fused::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, eps, momentum)
+    }
+    fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
+        fused::channel_affine(self, shape, params, silu)
     }
 }

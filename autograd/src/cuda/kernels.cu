@@ -12,6 +12,8 @@ typedef unsigned char u8;
 typedef unsigned int u32;
 
 #define MAXD 8
+#define F_INF __int_as_float(0x7f800000)
+#define D_INF __longlong_as_double(0x7ff0000000000000LL)
 
 // Up to three strided operands over one logical shape (offsets and strides in elements).
 struct Strided {
@@ -513,8 +515,8 @@ __device__ void maxpool_fwd_k(const T* x, T* y, i64* yi, PoolGeo g) {
     for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += blockDim.x * gridDim.x) {
         u32 ox = t % g.ow, oy = (t / g.ow) % g.oh, pl = t / (g.ow * g.oh);
         const T* xp = x + (size_t)pl * g.h * g.w;
-        float best = -INFINITY;
-        T bv = from_f<T>(-INFINITY);
+        float best = -F_INF;
+        T bv = from_f<T>(-F_INF);
         int bi = -1;
         for (u32 ky = 0; ky < g.k; ++ky) {
             int iy = (int)(oy * g.s + ky) - (int)g.p;
@@ -538,7 +540,7 @@ __device__ void maxpool_fwd_k<double>(const double* x, double* y, i64* yi, PoolG
     for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += blockDim.x * gridDim.x) {
         u32 ox = t % g.ow, oy = (t / g.ow) % g.oh, pl = t / (g.ow * g.oh);
         const double* xp = x + (size_t)pl * g.h * g.w;
-        double best = -INFINITY;
+        double best = -D_INF;
         int bi = -1;
         for (u32 ky = 0; ky < g.k; ++ky) {
             int iy = (int)(oy * g.s + ky) - (int)g.p;
@@ -582,16 +584,85 @@ __device__ void maxpool_bwd_k(const T* dy, const i64* idx, T* dx, PoolGeo g) {
     }
 }
 
-// ---- fused kernels ------------------------------------------------------------------------------------
-// y = silu(x * scale[c] + shift[c]) over NCHW (BN inference form / BN+SiLU forward after stats).
+// ---- fused batch norm -----------------------------------------------------------------------------
+// Pass 1: grid (P, C), block 256: per-(channel, chunk) sums of x − K and (x − K)² in f64, K being the
+// channel's first element (shifted sums keep E[x²] − E[x]² well conditioned). Fixed-order tree.
 template <typename T>
-__device__ void affine_silu_k(const T* x, const float* scale, const float* shift, T* y, u32 n, u32 hw, u32 c) {
-    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
-        u32 ch = (i / hw) % c;
-        float v = (float)to_acc(x[i]) * scale[ch] + shift[ch];
-        y[i] = from_f<T>(v / (1.0f + expf(-v)));
+__device__ void bn_partial_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P) {
+    __shared__ double ss[256];
+    __shared__ double sq[256];
+    u32 ch = blockIdx.y, p = blockIdx.x, t = threadIdx.x;
+    u32 total = n * hw;
+    u32 chunk = (total + P - 1) / P;
+    u32 start = p * chunk;
+    u32 end = start + chunk < total ? start + chunk : total;
+    double K = (double)to_acc(x[(size_t)ch * hw]);
+    double s = 0.0, q = 0.0;
+    for (u32 i = start + t; i < end; i += 256) {
+        u32 ni = i / hw, j = i - ni * hw;
+        double v = (double)to_acc(x[((size_t)ni * c + ch) * hw + j]) - K;
+        s += v;
+        q += v * v;
+    }
+    ss[t] = s;
+    sq[t] = q;
+    __syncthreads();
+    for (u32 k = 128; k > 0; k >>= 1) {
+        if (t < k) { ss[t] += ss[t + k]; sq[t] += sq[t + k]; }
+        __syncthreads();
+    }
+    if (t == 0) {
+        part[((size_t)ch * P + p) * 2] = ss[0];
+        part[((size_t)ch * P + p) * 2 + 1] = sq[0];
     }
 }
+// Pass 2: one thread per channel combines its P partials in order and writes the affine parameters,
+// the normalisation parameters, and the updated running statistics.
+template <typename T, typename S>
+__device__ void bn_finish_k(const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv,
+                            double eps, double mom, S* aff, S* nrm) {
+    u32 ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    double s = 0.0, q = 0.0;
+    for (u32 p = 0; p < P; ++p) {
+        s += part[((size_t)ch * P + p) * 2];
+        q += part[((size_t)ch * P + p) * 2 + 1];
+    }
+    double K = (double)to_acc(x[(size_t)ch * hw]);
+    double ms = s / count;
+    double var = q / count - ms * ms;
+    if (var < 0.0) var = 0.0;
+    double mean = K + ms;
+    double invstd = 1.0 / sqrt(var + eps);
+    double scale = (double)w[ch] * invstd;
+    aff[ch] = (S)scale;
+    aff[c + ch] = (S)((double)b[ch] - mean * scale);
+    nrm[ch] = (S)invstd;
+    nrm[c + ch] = (S)(-mean * invstd);
+    double unb = count > 1.0 ? var * count / (count - 1.0) : var;
+    rm[ch] = (S)((1.0 - mom) * (double)rm[ch] + mom * mean);
+    rv[ch] = (S)((1.0 - mom) * (double)rv[ch] + mom * unb);
+}
+// y = act(x·p[c] + p[C + c]) over NCHW (act = SiLU when silu != 0).
+template <typename T, typename S>
+__device__ void chaffine_k(const T* x, const S* p, T* y, u32 n, u32 hw, u32 c, int silu) {
+    typedef typename Acc<T>::type A;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        u32 ch = (i / hw) % c;
+        A z = to_acc(x[i]) * (A)p[ch] + (A)p[c + ch];
+        if (silu) z = z / ((A)1 + m_exp(-z));
+        y[i] = store<T, A>(z);
+    }
+}
+
+#define INST_BN(name, T, S)                                                                                        \
+    extern "C" __global__ void bn_partial_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P) { bn_partial_k<T>(x, part, n, c, hw, P); } \
+    extern "C" __global__ void bn_finish_##name(const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm) { bn_finish_k<T, S>(x, part, P, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm); } \
+    extern "C" __global__ void chaffine_##name(const T* x, const S* p, T* y, u32 n, u32 hw, u32 c, int silu) { chaffine_k<T, S>(x, p, y, n, hw, c, silu); }
+INST_BN(f32, float, float)
+INST_BN(f64, double, double)
+INST_BN(f16, __half, float)
+INST_BN(bf16, __nv_bfloat16, float)
 
 // ---- instantiations ---------------------------------------------------------------------------------------
 #define FLOAT_TYPES(X) X(f32, float) X(f64, double) X(f16, __half) X(bf16, __nv_bfloat16)
@@ -605,7 +676,6 @@ __device__ void affine_silu_k(const T* x, const float* scale, const float* shift
     extern "C" __global__ void scatter_add_##name(const T* x, const i64* idx, const T* src, T* y, u32 n, GatherGeo g) { scatter_add_k<T>(x, idx, src, y, n, g); } \
     extern "C" __global__ void maxpool_fwd_##name(const T* x, T* y, i64* yi, PoolGeo g) { maxpool_fwd_k<T>(x, y, yi, g); } \
     extern "C" __global__ void maxpool_bwd_##name(const T* dy, const i64* idx, T* dx, PoolGeo g) { maxpool_bwd_k<T>(dy, idx, dx, g); } \
-    extern "C" __global__ void affine_silu_##name(const T* x, const float* sc, const float* sh, T* y, u32 n, u32 hw, u32 c) { affine_silu_k<T>(x, sc, sh, y, n, hw, c); } \
     extern "C" __global__ void cast_i64_##name(const i64* x, T* y, u32 n) { cast_from_i64_k<T>(x, y, n); }
 FLOAT_TYPES(INST_FLOAT)
 

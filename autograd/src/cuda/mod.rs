@@ -227,20 +227,20 @@ impl BackendStorage for CudaStorage {
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)> {
         ops::topk(self, shape, dim, k, largest)
     }
-}
-
-/// Fused `silu(x·scale[c] + shift[c])` over an NCHW tensor (no autograd; `scale`/`shift` are f32
-/// vectors of length C on the same device). This is BatchNorm (with folded statistics) + SiLU in
-/// one pass.
-pub fn affine_silu(x: &Tensor, scale: &Tensor, shift: &Tensor) -> Result<Tensor> {
-    let xs = x.read_storage();
-    let (ss, hs) = (scale.read_storage(), shift.read_storage());
-    match (&*xs, &*ss, &*hs) {
-        (crate::storage::Storage::Cuda(a), crate::storage::Storage::Cuda(b), crate::storage::Storage::Cuda(c)) => {
-            let y = ops::affine_silu(a, x.dims(), b, c)?;
-            Tensor::from_storage(crate::storage::Storage::Cuda(y), x.dims().to_vec())
-        }
-        _ => Err(Error::invalid("affine_silu", "all operands must be CUDA tensors")),
+    fn batch_norm_train_stats(
+        &self,
+        shape: &[usize],
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        eps: f64,
+        momentum: f64,
+    ) -> Result<(Self, Self)> {
+        ops::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, eps, momentum)
+    }
+    fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
+        ops::channel_affine(self, shape, params, silu)
     }
 }
 

@@ -610,22 +610,85 @@ pub(crate) fn max_pool2d_backward(dy: &CudaStorage, idx: &CudaStorage, p: &Pool2
     Ok(dx)
 }
 
-/// `y = silu(x·scale[c] + shift[c])` over an NCHW tensor, `scale`/`shift` f32 of length C.
-pub(crate) fn affine_silu(x: &CudaStorage, dims: &[usize], scale: &CudaStorage, shift: &CudaStorage) -> Result<CudaStorage> {
-    if dims.len() != 4 || scale.dtype != DType::F32 || shift.dtype != DType::F32 || scale.len != dims[1] || shift.len != dims[1] {
-        return Err(Error::invalid("affine_silu", format!("expected NCHW input and f32 per-channel scale/shift, got {dims:?}")));
+fn nchw(op: &'static str, shape: &[usize], len: usize) -> Result<(usize, usize, usize)> {
+    if shape.len() != 4 || shape.iter().product::<usize>() != len {
+        return Err(Error::invalid(op, format!("expected a contiguous NCHW tensor, got shape {shape:?} for {len} elements")));
     }
+    Ok((shape[0], shape[1], shape[2] * shape[3]))
+}
+
+fn stats_arg(op: &'static str, s: &CudaStorage, want: DType, c: usize) -> Result<()> {
+    if s.dtype != want || s.len != c {
+        return Err(Error::invalid(op, format!("expected {c} values of {want}, got {} of {}", s.len, s.dtype)));
+    }
+    Ok(())
+}
+
+/// Deterministic two-kernel batch statistics + parameter finish (see kernels.cu).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batch_norm_train_stats(
+    x: &CudaStorage,
+    shape: &[usize],
+    w: &CudaStorage,
+    b: &CudaStorage,
+    rm: &mut CudaStorage,
+    rv: &mut CudaStorage,
+    eps: f64,
+    momentum: f64,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_train_stats";
     if !x.dtype.is_float() {
-        return Err(Error::UnsupportedDType { op: "affine_silu", dtype: x.dtype, expected: "a float dtype" });
+        return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
     }
+    let (n, c, hw) = nchw(OP, shape, x.len)?;
+    let sd = crate::backend::stats_dtype(x.dtype);
+    for s in [w, b, &*rm, &*rv] {
+        stats_arg(OP, s, sd, c)?;
+        x.same_device(OP, s)?;
+    }
+    let dev = &x.buf.dev;
+    let aff = CudaStorage::alloc(dev, sd, 2 * c)?;
+    let nrm = CudaStorage::alloc(dev, sd, 2 * c)?;
+    let total = n * hw;
+    if c == 0 || total == 0 {
+        return Err(Error::invalid(OP, format!("empty batch for shape {shape:?}")));
+    }
+    let parts = total.div_ceil(8192).clamp(1, 1024);
+    let part = super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
+    let f = dev.func("bn_partial", sfx(x.dtype))?;
+    let (px, pp) = (ptr(x), part.ptr);
+    let (nn, cc, hh, pn) = (u32c(OP, n)?, u32c(OP, c)?, u32c(OP, hw)?, parts as u32);
+    u32c(OP, x.len)?;
+    dev.launch(f, (pn, cc, 1), (256, 1, 1), &mut args!(px, pp, nn, cc, hh, pn))?;
+    let f = dev.func("bn_finish", sfx(x.dtype))?;
+    let count = total as f64;
+    let (pw, pb, prm, prv, pa, pq) = (ptr(w), ptr(b), ptr(rm), ptr(rv), ptr(&aff), ptr(&nrm));
+    dev.launch(
+        f,
+        (c.div_ceil(128) as u32, 1, 1),
+        (128, 1, 1),
+        &mut args!(px, pp, pn, cc, hh, count, pw, pb, prm, prv, eps, momentum, pa, pq),
+    )?;
+    drop(part);
+    Ok((aff, nrm))
+}
+
+pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, silu: bool) -> Result<CudaStorage> {
+    const OP: &str = "channel_affine";
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
+    }
+    let (_, c, hw) = nchw(OP, shape, x.len)?;
+    stats_arg(OP, p, crate::backend::stats_dtype(x.dtype), 2 * c)?;
+    x.same_device(OP, p)?;
     let dev = &x.buf.dev;
     let out = CudaStorage::alloc(dev, x.dtype, x.len)?;
     if x.len == 0 {
         return Ok(out);
     }
-    let f = dev.func("affine_silu", sfx(x.dtype))?;
-    let (px, ps, ph, py) = (ptr(x), ptr(scale), ptr(shift), ptr(&out));
-    let (n, hw, c) = (u32c("affine_silu", x.len)?, u32c("affine_silu", dims[2] * dims[3])?, u32c("affine_silu", dims[1])?);
-    dev.launch1d(f, x.len, &mut args!(px, ps, ph, py, n, hw, c))?;
+    let f = dev.func("chaffine", sfx(x.dtype))?;
+    let (px, pp, py) = (ptr(x), ptr(p), ptr(&out));
+    let (n, h, cc, act) = (u32c(OP, x.len)?, u32c(OP, hw)?, u32c(OP, c)?, silu as i32);
+    dev.launch1d(f, x.len, &mut args!(px, pp, py, n, h, cc, act))?;
     Ok(out)
 }

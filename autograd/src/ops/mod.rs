@@ -4,6 +4,7 @@
 pub(crate) mod binary;
 pub(crate) mod cast;
 pub(crate) mod conv;
+pub(crate) mod fused;
 pub(crate) mod index;
 pub(crate) mod linalg;
 pub(crate) mod loss;

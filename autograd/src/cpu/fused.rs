@@ -1,0 +1,93 @@
+//! Fused batch-norm helpers: per-channel statistics and the per-channel affine (+SiLU) map.
+
+use super::CpuStorage;
+use crate::backend::{stats_dtype, BackendStorage};
+use crate::{Error, Result};
+
+fn nchw(op: &'static str, shape: &[usize], len: usize) -> Result<(usize, usize, usize)> {
+    if shape.len() != 4 || shape.iter().product::<usize>() != len {
+        return Err(Error::invalid(op, format!("expected a contiguous NCHW tensor, got shape {shape:?} for {len} elements")));
+    }
+    Ok((shape[0], shape[1], shape[2] * shape[3]))
+}
+
+fn stats_vec(op: &'static str, s: &CpuStorage, want: crate::DType, c: usize) -> Result<Vec<f64>> {
+    if s.dtype() != want || s.len() != c {
+        return Err(Error::invalid(op, format!("expected {c} values of {want}, got {} of {}", s.len(), s.dtype())));
+    }
+    Ok(s.to_f64_vec())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batch_norm_train_stats(
+    x: &CpuStorage,
+    shape: &[usize],
+    w: &CpuStorage,
+    b: &CpuStorage,
+    rm: &mut CpuStorage,
+    rv: &mut CpuStorage,
+    eps: f64,
+    momentum: f64,
+) -> Result<(CpuStorage, CpuStorage)> {
+    const OP: &str = "batch_norm_train_stats";
+    if !x.dtype().is_float() {
+        return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype(), expected: "a float dtype" });
+    }
+    let (n, c, hw) = nchw(OP, shape, x.len())?;
+    let sd = stats_dtype(x.dtype());
+    let (wv, bv, rmv, rvv) = (stats_vec(OP, w, sd, c)?, stats_vec(OP, b, sd, c)?, stats_vec(OP, rm, sd, c)?, stats_vec(OP, rv, sd, c)?);
+    let xv = x.to_f64_vec();
+    let count = (n * hw) as f64;
+    let (mut aff, mut nrm, mut nrm_rm, mut nrm_rv) = (vec![0.0; 2 * c], vec![0.0; 2 * c], rmv.clone(), rvv.clone());
+    for ch in 0..c {
+        let mut sum = 0.0;
+        for ni in 0..n {
+            sum += xv[(ni * c + ch) * hw..(ni * c + ch + 1) * hw].iter().sum::<f64>();
+        }
+        let mean = sum / count;
+        let mut sq = 0.0;
+        for ni in 0..n {
+            sq += xv[(ni * c + ch) * hw..(ni * c + ch + 1) * hw].iter().map(|v| (v - mean) * (v - mean)).sum::<f64>();
+        }
+        let var = sq / count;
+        let invstd = 1.0 / (var + eps).sqrt();
+        let scale = wv[ch] * invstd;
+        aff[ch] = scale;
+        aff[c + ch] = bv[ch] - mean * scale;
+        nrm[ch] = invstd;
+        nrm[c + ch] = -mean * invstd;
+        let unbiased = if count > 1.0 { var * count / (count - 1.0) } else { var };
+        nrm_rm[ch] = (1.0 - momentum) * rmv[ch] + momentum * mean;
+        nrm_rv[ch] = (1.0 - momentum) * rvv[ch] + momentum * unbiased;
+    }
+    *rm = CpuStorage::from_f64(sd, &nrm_rm);
+    *rv = CpuStorage::from_f64(sd, &nrm_rv);
+    let _ = (&mut nrm_rm, &mut nrm_rv);
+    Ok((CpuStorage::from_f64(sd, &aff), CpuStorage::from_f64(sd, &nrm)))
+}
+
+pub(crate) fn channel_affine(x: &CpuStorage, shape: &[usize], p: &CpuStorage, silu: bool) -> Result<CpuStorage> {
+    const OP: &str = "channel_affine";
+    let (_, c, hw) = nchw(OP, shape, x.len())?;
+    let sd = stats_dtype(x.dtype());
+    let pv = stats_vec(OP, p, sd, 2 * c)?;
+    fn map<T: num_traits::Float>(v: &[T], c: usize, hw: usize, p: &[f64], silu: bool) -> Vec<T> {
+        let (sc, sh): (Vec<T>, Vec<T>) = (
+            p[..c].iter().map(|&a| T::from(a).unwrap_or_else(T::nan)).collect(),
+            p[c..].iter().map(|&a| T::from(a).unwrap_or_else(T::nan)).collect(),
+        );
+        v.iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                let ch = (i / hw) % c;
+                let z = x * sc[ch] + sh[ch];
+                if silu {
+                    z / (T::one() + (-z).exp())
+                } else {
+                    z
+                }
+            })
+            .collect()
+    }
+    super::float_map!(x, OP, |v| map(v, c, hw, &pv, silu))
+}
