@@ -378,145 +378,118 @@ fn invert3(m: &Mat3) -> Option<[[f64; 3]; 3]> {
     ])
 }
 
-const INTER_BITS: i32 = 5;
-const INTER_TAB: i32 = 1 << INTER_BITS;
-const COEF_BITS: i32 = 15;
-
-/// Bilinear sample at fixed-point source coordinates (1/32 px), OpenCV `remap` 8-bit arithmetic: weights
-/// (32 − fx)(32 − fy)·32 … (exactly OpenCV's 15-bit table for bilinear), result `(Σ w·p + 2¹⁴) >> 15`.
-/// Neighbours outside the source are the border value 114.
+/// Rounds a value in [0, 2²²) half-to-even to an integer (as OpenCV's `saturate_cast<uchar>(float)`), without a libm
+/// call: adding 2²³ leaves no fraction bits, so the FPU's default rounding does it.
 #[inline(always)]
-fn sample_into(src: &Image, sx: i32, sy: i32, out: &mut [u8]) {
-    let ix = sx >> INTER_BITS;
-    let iy = sy >> INTER_BITS;
-    let fx = sx & (INTER_TAB - 1);
-    let fy = sy & (INTER_TAB - 1);
-    let w00 = (INTER_TAB - fx) * (INTER_TAB - fy) * 32;
-    let w01 = fx * (INTER_TAB - fy) * 32;
-    let w10 = (INTER_TAB - fx) * fy * 32;
-    let w11 = fx * fy * 32;
-    let (w, h) = (src.w as i32, src.h as i32);
-    let stride = src.stride();
-    let round = 1 << (COEF_BITS - 1);
-    if ix >= 0 && iy >= 0 && ix + 1 < w && iy + 1 < h {
-        let o00 = iy as usize * stride + ix as usize * 3;
-        let r0 = &src.data[o00..o00 + 6];
-        let r1 = &src.data[o00 + stride..o00 + stride + 6];
-        for c in 0..3 {
-            let v = r0[c] as i32 * w00 + r0[c + 3] as i32 * w01 + r1[c] as i32 * w10 + r1[c + 3] as i32 * w11;
-            out[c] = ((v + round) >> COEF_BITS) as u8;
-        }
-        return;
-    }
-    if ix < -1 || iy < -1 || ix >= w || iy >= h {
-        out[..3].copy_from_slice(&[PAD_VALUE; 3]);
-        return;
-    }
-    let px = |x: i32, y: i32, c: usize| -> i32 {
-        if x < 0 || y < 0 || x >= w || y >= h {
-            PAD_VALUE as i32
-        } else {
-            src.data[y as usize * stride + x as usize * 3 + c] as i32
-        }
-    };
-    for (c, o) in out.iter_mut().enumerate().take(3) {
-        let v = px(ix, iy, c) * w00 + px(ix + 1, iy, c) * w01 + px(ix, iy + 1, c) * w10 + px(ix + 1, iy + 1, c) * w11;
-        *o = ((v + round) >> COEF_BITS).clamp(0, 255) as u8;
+fn round_u8(v: f32) -> u8 {
+    ((v + 8_388_608.0) - 8_388_608.0) as u8
+}
+
+#[inline(always)]
+fn tap(src: &Image, x: i32, y: i32, c: usize) -> f32 {
+    if x < 0 || y < 0 || x >= src.w as i32 || y >= src.h as i32 {
+        PAD_VALUE as f32
+    } else {
+        src.data[(y as usize * src.w as usize + x as usize) * 3 + c] as f32
     }
 }
 
+/// Bilinear sample at float source coordinates with OpenCV ≥ 4.11's 8-bit warp kernel arithmetic:
+/// `floor`, fractions in float32, `v0 = p00 + α(p01 − p00)`, `v1 = p10 + α(p11 − p10)`, `v0 + β(v1 − v0)`, rounded
+/// half-to-even. Taps outside the source read the border value 114.
+#[inline(always)]
+fn sample_into(src: &Image, sx: f32, sy: f32, out: &mut [u8]) {
+    let (w, h) = (src.w as f32, src.h as f32);
+    // also catches NaN
+    if !(sx >= -1.0 && sy >= -1.0 && sx < w && sy < h) {
+        out[..3].copy_from_slice(&[PAD_VALUE; 3]);
+        return;
+    }
+    let ix = crate::image::floor_i32(sx);
+    let iy = crate::image::floor_i32(sy);
+    let a = sx - ix as f32;
+    let b = sy - iy as f32;
+    if ix >= 0 && iy >= 0 && ix + 1 < src.w as i32 && iy + 1 < src.h as i32 {
+        let stride = src.stride();
+        let o = iy as usize * stride + ix as usize * 3;
+        let (Some(r0), Some(r1)) = (src.data.get(o..o + 6), src.data.get(o + stride..o + stride + 6)) else {
+            return;
+        };
+        for c in 0..3 {
+            let (p00, p01) = (r0[c] as f32, r0[c + 3] as f32);
+            let (p10, p11) = (r1[c] as f32, r1[c + 3] as f32);
+            let v0 = p00 + a * (p01 - p00);
+            let v1 = p10 + a * (p11 - p10);
+            out[c] = round_u8(v0 + b * (v1 - v0));
+        }
+        return;
+    }
+    for (c, o) in out.iter_mut().enumerate().take(3) {
+        let (p00, p01) = (tap(src, ix, iy, c), tap(src, ix + 1, iy, c));
+        let (p10, p11) = (tap(src, ix, iy + 1, c), tap(src, ix + 1, iy + 1, c));
+        let v0 = p00 + a * (p01 - p00);
+        let v1 = p10 + a * (p11 - p10);
+        *o = round_u8(v0 + b * (v1 - v0));
+    }
+}
+
+/// `cv::invertAffineTransform` (double).
+fn invert_affine(m: &Mat3) -> [[f64; 3]; 2] {
+    let g = |i: usize, j: usize| m[i][j] as f64;
+    let d = g(0, 0) * g(1, 1) - g(0, 1) * g(1, 0);
+    let d = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let (a11, a22, a12, a21) = (g(1, 1) * d, g(0, 0) * d, -g(0, 1) * d, -g(1, 0) * d);
+    let b1 = -a11 * g(0, 2) - a12 * g(1, 2);
+    let b2 = -a21 * g(0, 2) - a22 * g(1, 2);
+    [[a11, a12, b1], [a21, a22, b2]]
+}
+
 /// Warps `src` with the 3×3 matrix `m` (destination = m · source) into `out_w × out_h`, bilinear, constant border
-/// 114. Affine matrices use OpenCV's `warpAffine` fixed-point coordinates (10-bit products rounded to 1/32 px),
-/// perspective ones `warpPerspective`'s; pixel arithmetic is OpenCV's 15-bit fixed point.
+/// 114, as OpenCV ≥ 4.11 (`warpAffine` / `warpPerspective`, INTER_LINEAR, 8UC3) computes it: the inverse matrix in
+/// double, converted to float32; per destination pixel `sx = M₀·x + (M₁·y + M₂)` (and `/ (M₆·x + (M₇·y + M₈))` for
+/// perspective) in float32; see [`sample_into`]. Bit-exact against OpenCV 5.0 in the goldens.
 pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) -> Image {
     let (ow, oh) = (out_w as usize, out_h as usize);
-    let Some(inv) = invert3(m) else {
-        return Image::filled(out_w, out_h, [PAD_VALUE; 3]);
-    };
     let mut out = Image { w: out_w, h: out_h, data: vec![PAD_VALUE; ow * oh * 3] };
+    if src.w == 0 || src.h == 0 {
+        return out;
+    }
     if !perspective {
-        const AB_BITS: i32 = 10;
-        const AB_SCALE: f64 = (1 << AB_BITS) as f64;
-        let round_delta = (AB_SCALE as i32) / INTER_TAB / 2;
-        let sat = |v: f64| v.round().clamp(i32::MIN as f64, i32::MAX as f64) as i32;
-        let adx: Vec<i32> = (0..ow).map(|x| sat(inv[0][0] * x as f64 * AB_SCALE)).collect();
-        let ady: Vec<i32> = (0..ow).map(|x| sat(inv[1][0] * x as f64 * AB_SCALE)).collect();
-        let separable = ady.iter().all(|&v| v == 0) && inv[0][1] == 0.0;
-        if separable {
-            // Scale + translation only (the default augmentation): source column depends on x only, row on y only.
-            let x0 = sat(inv[0][2] * AB_SCALE) + round_delta;
-            let cols: Vec<i32> = adx.iter().map(|&a| x0.wrapping_add(a) >> (AB_BITS - INTER_BITS)).collect();
-            // columns whose two taps are inside the source
-            let inside_x: Vec<bool> = cols
-                .iter()
-                .map(|&c| {
-                    let ix = c >> INTER_BITS;
-                    ix >= 0 && ix + 1 < src.w as i32
-                })
-                .collect();
-            let stride = src.stride();
-            let round = 1 << (COEF_BITS - 1);
-            for y in 0..oh {
-                let y0 = sat((inv[1][1] * y as f64 + inv[1][2]) * AB_SCALE) + round_delta;
-                let sy = y0 >> (AB_BITS - INTER_BITS);
-                let iy = sy >> INTER_BITS;
-                let row = &mut out.data[y * ow * 3..(y + 1) * ow * 3];
-                if iy < -1 || iy >= src.h as i32 {
-                    continue; // all border
+        let iv = invert_affine(m);
+        let f: [[f32; 3]; 2] = [[iv[0][0] as f32, iv[0][1] as f32, iv[0][2] as f32], [iv[1][0] as f32, iv[1][1] as f32, iv[1][2] as f32]];
+        if f[0][1] == 0.0 && f[1][0] == 0.0 {
+            // Scale + translation (the default augmentation): columns depend on x only, rows on y only.
+            let cols: Vec<f32> = (0..ow).map(|x| f[0][0] * x as f32 + f[0][2]).collect();
+            for (y, row) in out.data.chunks_exact_mut(ow * 3).enumerate() {
+                let sy = f[1][1] * y as f32 + f[1][2];
+                if !(sy >= -1.0 && sy < src.h as f32) {
+                    continue; // whole row is border
                 }
-                if iy >= 0 && iy + 1 < src.h as i32 {
-                    let fy = sy & (INTER_TAB - 1);
-                    let (wy0, wy1) = (INTER_TAB - fy, fy);
-                    let r0 = &src.data[iy as usize * stride..(iy as usize + 1) * stride];
-                    let r1 = &src.data[(iy as usize + 1) * stride..(iy as usize + 2) * stride];
-                    for (x, o) in row.chunks_exact_mut(3).enumerate() {
-                        let c = cols[x];
-                        if inside_x[x] {
-                            let ix = (c >> INTER_BITS) as usize * 3;
-                            let fx = c & (INTER_TAB - 1);
-                            let wx0 = INTER_TAB - fx;
-                            let (Some(a), Some(b)) = (r0.get(ix..ix + 6), r1.get(ix..ix + 6)) else {
-                                continue;
-                            };
-                            for ch in 0..3 {
-                                // (32−fx)(32−fy)·32 … weights, factored: identical integer result
-                                let top = a[ch] as i32 * wx0 + a[ch + 3] as i32 * fx;
-                                let bot = b[ch] as i32 * wx0 + b[ch + 3] as i32 * fx;
-                                let v = (top * wy0 + bot * wy1) * 32;
-                                o[ch] = ((v + round) >> COEF_BITS) as u8;
-                            }
-                        } else {
-                            sample_into(src, c, sy, o);
-                        }
-                    }
-                } else {
-                    for x in 0..ow {
-                        sample_into(src, cols[x], sy, &mut row[x * 3..x * 3 + 3]);
-                    }
+                for (o, &sx) in row.chunks_exact_mut(3).zip(&cols) {
+                    sample_into(src, sx, sy, o);
                 }
             }
             return out;
         }
-        for y in 0..oh {
-            let x0 = sat((inv[0][1] * y as f64 + inv[0][2]) * AB_SCALE) + round_delta;
-            let y0 = sat((inv[1][1] * y as f64 + inv[1][2]) * AB_SCALE) + round_delta;
-            let row = &mut out.data[y * ow * 3..(y + 1) * ow * 3];
-            for x in 0..ow {
-                let sx = x0.wrapping_add(adx[x]) >> (AB_BITS - INTER_BITS);
-                let sy = y0.wrapping_add(ady[x]) >> (AB_BITS - INTER_BITS);
-                sample_into(src, sx, sy, &mut row[x * 3..x * 3 + 3]);
+        for (y, row) in out.data.chunks_exact_mut(ow * 3).enumerate() {
+            let yf = y as f32;
+            let cx = f[0][1] * yf + f[0][2];
+            let cy = f[1][1] * yf + f[1][2];
+            for (x, o) in row.chunks_exact_mut(3).enumerate() {
+                let xf = x as f32;
+                sample_into(src, f[0][0] * xf + cx, f[1][0] * xf + cy, o);
             }
         }
     } else {
-        for y in 0..oh {
-            let row = &mut out.data[y * ow * 3..(y + 1) * ow * 3];
-            for x in 0..ow {
-                let (xf, yf) = (x as f64, y as f64);
-                let wv = inv[2][0] * xf + inv[2][1] * yf + inv[2][2];
-                let wv = if wv != 0.0 { INTER_TAB as f64 / wv } else { 0.0 };
-                let fx = ((inv[0][0] * xf + inv[0][1] * yf + inv[0][2]) * wv).clamp(i32::MIN as f64, i32::MAX as f64);
-                let fy = ((inv[1][0] * xf + inv[1][1] * yf + inv[1][2]) * wv).clamp(i32::MIN as f64, i32::MAX as f64);
-                sample_into(src, fx.round() as i32, fy.round() as i32, &mut row[x * 3..x * 3 + 3]);
+        let Some(iv) = invert3(m) else { return out };
+        let f: Vec<[f32; 3]> = iv.iter().map(|r| [r[0] as f32, r[1] as f32, r[2] as f32]).collect();
+        for (y, row) in out.data.chunks_exact_mut(ow * 3).enumerate() {
+            let yf = y as f32;
+            let (cx, cy, cw) = (f[0][1] * yf + f[0][2], f[1][1] * yf + f[1][2], f[2][1] * yf + f[2][2]);
+            for (x, o) in row.chunks_exact_mut(3).enumerate() {
+                let xf = x as f32;
+                let wv = f[2][0] * xf + cw;
+                sample_into(src, (f[0][0] * xf + cx) / wv, (f[1][0] * xf + cy) / wv, o);
             }
         }
     }

@@ -116,31 +116,46 @@ pub fn write_png(img: &Image, path: &Path) -> Result<()> {
         .map_err(|e| DataError::Encode { path: path.to_path_buf(), message: e.to_string() })
 }
 
-/// Source taps of OpenCV's INTER_LINEAR resize along one axis: (index0, index1, weight of index1).
-fn linear_taps(src: usize, dst: usize) -> Vec<(usize, usize, f32)> {
-    let scale = src as f64 / dst as f64;
+/// Source taps of OpenCV's INTER_LINEAR resize along one axis: (index0, index1, weight0, weight1), weights in 11-bit
+/// fixed point rounded from OpenCV's float32 fractions.
+fn linear_taps(src: usize, dst: usize) -> Vec<(usize, usize, i32, i32)> {
+    let scale = 1.0 / (dst as f64 / src as f64);
     (0..dst)
         .map(|d| {
-            let s = (d as f64 + 0.5) * scale - 0.5;
-            let mut i0 = s.floor();
-            let mut f = s - i0;
-            if i0 < 0.0 {
-                i0 = 0.0;
+            let mut f = ((d as f64 + 0.5) * scale - 0.5) as f32;
+            let mut i0 = floor_i32(f);
+            f -= i0 as f32;
+            if i0 < 0 {
+                i0 = 0;
                 f = 0.0;
             }
-            let mut i0 = i0 as usize;
-            if i0 >= src - 1 {
-                i0 = src - 1;
+            if i0 >= src as i32 - 1 {
+                i0 = src as i32 - 1;
                 f = 0.0;
             }
-            let i1 = (i0 + 1).min(src - 1);
-            (i0, i1, f as f32)
+            let i0 = i0 as usize;
+            let w0 = ((1.0 - f) * 2048.0).round_ties_even() as i32;
+            let w1 = (f * 2048.0).round_ties_even() as i32;
+            (i0, (i0 + 1).min(src - 1), w0, w1)
         })
         .collect()
 }
 
-/// Bilinear resize with OpenCV INTER_LINEAR semantics (half-pixel centres, edge replication, no anti-aliasing).
-/// A float implementation: within ±1 grey level of OpenCV's 11-bit fixed point.
+/// floor() of an f32 in i32 range without a libm call.
+#[inline(always)]
+pub(crate) fn floor_i32(v: f32) -> i32 {
+    let i = v as i32;
+    if (i as f32) > v {
+        i - 1
+    } else {
+        i
+    }
+}
+
+/// Bilinear resize with OpenCV INTER_LINEAR semantics for 8-bit images (half-pixel centres, edge replication, no
+/// anti-aliasing): 11-bit fixed-point weights, horizontal pass in integers, vertical pass as OpenCV's vectorised
+/// kernel `((b0·(r0 >> 4)) >> 16 + (b1·(r1 >> 4)) >> 16 + 2) >> 2`. Matched OpenCV 5.0 bit-exactly on down-scales
+/// in the goldens; up-scales differ by ±1 on a few tenths of a percent of the bytes.
 pub fn resize_bilinear(src: &Image, nw: u32, nh: u32) -> Image {
     if nw == src.w && nh == src.h {
         return src.clone();
@@ -153,42 +168,37 @@ pub fn resize_bilinear(src: &Image, nw: u32, nh: u32) -> Image {
     let xt = linear_taps(sw, dw);
     let yt = linear_taps(sh, dh);
     let mut out = vec![0u8; dw * dh * 3];
-    // Horizontal pass per needed source row is cached across destination rows.
-    let mut row_cache: [(usize, Vec<f32>); 2] = [(usize::MAX, vec![0.0; dw * 3]), (usize::MAX, vec![0.0; dw * 3])];
-    let hpass = |y: usize, buf: &mut Vec<f32>| {
+    let hpass = |y: usize, buf: &mut Vec<i32>| {
         let row = &src.data[y * sw * 3..(y + 1) * sw * 3];
-        for (x, &(x0, x1, fx)) in xt.iter().enumerate() {
+        for (x, &(x0, x1, a0, a1)) in xt.iter().enumerate() {
             for c in 0..3 {
-                let a = row[x0 * 3 + c] as f32;
-                let b = row[x1 * 3 + c] as f32;
-                buf[x * 3 + c] = a + (b - a) * fx;
+                buf[x * 3 + c] = row[x0 * 3 + c] as i32 * a0 + row[x1 * 3 + c] as i32 * a1;
             }
         }
     };
-    for (y, &(y0, y1, fy)) in yt.iter().enumerate() {
+    let mut rows: [(usize, Vec<i32>); 2] = [(usize::MAX, vec![0; dw * 3]), (usize::MAX, vec![0; dw * 3])];
+    for (y, &(y0, y1, b0, b1)) in yt.iter().enumerate() {
         for (slot, yy) in [(0usize, y0), (1usize, y1)] {
-            if row_cache[slot].0 != yy {
-                // reuse the other slot if it already holds this row
+            if rows[slot].0 != yy {
                 let other = 1 - slot;
-                if row_cache[other].0 == yy {
-                    let (a, b) = row_cache.split_at_mut(1);
+                if rows[other].0 == yy {
+                    let (a, b) = rows.split_at_mut(1);
                     if slot == 0 {
                         a[0].1.copy_from_slice(&b[0].1);
                     } else {
                         b[0].1.copy_from_slice(&a[0].1);
                     }
                 } else {
-                    hpass(yy, &mut row_cache[slot].1);
+                    hpass(yy, &mut rows[slot].1);
                 }
-                row_cache[slot].0 = yy;
+                rows[slot].0 = yy;
             }
         }
-        let r0 = &row_cache[0].1;
-        let r1 = &row_cache[1].1;
+        let (r0, r1) = (&rows[0].1, &rows[1].1);
         let orow = &mut out[y * dw * 3..(y + 1) * dw * 3];
         for i in 0..dw * 3 {
-            let v = r0[i] + (r1[i] - r0[i]) * fy;
-            orow[i] = (v + 0.5).clamp(0.0, 255.0) as u8;
+            let v = (((b0 * (r0[i] >> 4)) >> 16) + ((b1 * (r1[i] >> 4)) >> 16) + 2) >> 2;
+            orow[i] = v.clamp(0, 255) as u8;
         }
     }
     Image { w: nw, h: nh, data: out }
