@@ -8,5 +8,6 @@ pub mod error;
 pub mod fit;
 pub mod loss;
 pub mod metrics;
+pub mod optim;
 
 pub use error::{Result, TrainerError};

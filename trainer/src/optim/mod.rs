@@ -1,0 +1,122 @@
+//! Optimisation (training.md §2–§8, trainer.md §5, §7, §8): parameter groups, MuSGD / SGD / AdamW,
+//! Newton–Schulz, warm-up and LR schedules, model EMA, gradient clipping, the FP16 GradScaler and
+//! checkpointable state.
+//!
+//! Conventions shared by every optimizer here:
+//! * a parameter whose `grad()` is `None` is skipped entirely (no state is created or changed);
+//! * parameters and state buffers are updated **in place** (`copy_`), so their storage addresses
+//!   never change (CUDA-graph recordings rely on that); buffers are allocated once, on first use;
+//! * all math is written with tensor ops and runs on the parameter's device, under `no_grad`.
+
+pub mod adamw;
+pub mod clip;
+pub mod ema;
+pub mod groups;
+pub mod musgd;
+pub mod newton_schulz;
+pub mod scaler;
+pub mod schedule;
+pub mod sgd;
+pub mod state;
+
+use std::collections::{HashMap, HashSet};
+
+use ptl_autograd::{Module, Tensor, TensorKind};
+
+pub use adamw::AdamW;
+pub use clip::clip_grad_norm;
+pub use ema::ModelEma;
+pub use groups::{
+    auto_iterations, build_groups, classify, is_boosted, nominal_accumulate, norm_modules_from_names, resolve, round_half_even,
+    scaled_weight_decay, NamedParam, NsPrecision, OptimizerConfig, OptimizerName, ParamGroup, ParamKind, ResolvedOptimizer,
+};
+pub use musgd::MuSgd;
+pub use newton_schulz::{newton_schulz5, orthogonalized_update};
+pub use scaler::{GradScaler, GradScalerConfig};
+pub use schedule::{warmup_iterations, LrLambda, LrScheduler, Warmup};
+pub use sgd::Sgd;
+pub use state::{OptimizerMeta, ParamStates};
+
+use crate::error::Result;
+
+/// An optimizer over named parameter groups.
+pub trait Optimizer: Send {
+    /// Which family this is (never `Auto`).
+    fn kind(&self) -> OptimizerName;
+    fn param_groups(&self) -> &[ParamGroup];
+    /// Warm-up and schedulers write `lr` / `momentum` here.
+    fn param_groups_mut(&mut self) -> &mut [ParamGroup];
+    /// One update from the current gradients; parameters without a gradient are skipped.
+    fn step(&mut self) -> Result<()>;
+    /// Clears every gradient to `None` (`zero_grad(set_to_none=True)`).
+    fn zero_grad(&self) {
+        for g in self.param_groups() {
+            for p in &g.params {
+                p.tensor.zero_grad();
+            }
+        }
+    }
+    /// Per-parameter state buffers as `state.<key>.<parameter name>` (group order).
+    fn state_tensors(&self) -> Vec<(String, Tensor)>;
+    /// Loads buffers written by [`Optimizer::state_tensors`] into the existing buffers (in place).
+    fn load_state_tensors(&mut self, tensors: &HashMap<String, Tensor>) -> Result<()>;
+    /// Group hyper-parameters, memberships and scalar state (serde JSON).
+    fn state_meta(&self) -> OptimizerMeta;
+    /// Restores what [`Optimizer::state_meta`] returned; the group memberships must match.
+    fn load_state_meta(&mut self, meta: &OptimizerMeta) -> Result<()>;
+}
+
+/// Builds the optimizer of `cfg` (after [`resolve`]) over `params` in `named_parameters` order.
+pub fn build_optimizer(params: &[(String, Tensor)], cfg: &OptimizerConfig) -> Result<Box<dyn Optimizer>> {
+    let resolved = resolve(cfg)?;
+    let groups = build_groups(params, &resolved, cfg.norm_modules.as_ref())?;
+    Ok(match resolved.name {
+        OptimizerName::MuSgd => Box::new(MuSgd::new(groups, cfg.ns_precision)),
+        OptimizerName::AdamW => Box::new(AdamW::new(groups)),
+        _ => Box::new(Sgd::new(groups)),
+    })
+}
+
+/// [`build_optimizer`] over a module's parameters; normalisation layers are recognised by their
+/// `running_mean` buffers (unless `cfg.norm_modules` is already set).
+pub fn build_optimizer_for_module(model: &dyn Module, cfg: &OptimizerConfig) -> Result<Box<dyn Optimizer>> {
+    let sd = ptl_autograd::module::state_dict(model);
+    let mut cfg = cfg.clone();
+    if cfg.norm_modules.is_none() {
+        let norms: HashSet<String> = norm_modules_from_names(sd.iter().map(|e| e.0.as_str()));
+        cfg.norm_modules = Some(norms);
+    }
+    let params: Vec<(String, Tensor)> = sd.into_iter().filter(|e| e.2 == TensorKind::Parameter).map(|e| (e.0, e.1)).collect();
+    build_optimizer(&params, &cfg)
+}
+
+/// The gradient of `p` (`None` = absent, skip), checked against the parameter's shape and device.
+pub(crate) fn present_grad(p: &NamedParam) -> Result<Option<Tensor>> {
+    let Some(g) = p.tensor.grad() else { return Ok(None) };
+    if g.dims() != p.tensor.dims() || g.device() != p.tensor.device() {
+        return Err(crate::error::TrainerError::InvalidArgument {
+            what: "gradient",
+            reason: format!(
+                "`{}`: gradient {:?} on {} for a parameter {:?} on {}",
+                p.name,
+                g.dims(),
+                g.device(),
+                p.tensor.dims(),
+                p.tensor.device()
+            ),
+        });
+    }
+    Ok(Some(g))
+}
+
+/// PyTorch `lerp(start, end, w)`: `start + w·(end − start)` for |w| < 0.5, else
+/// `end − (end − start)·(1 − w)`, with `w` as a float32 scalar.
+pub(crate) fn lerp(start: &Tensor, end: &Tensor, w: f64) -> Result<Tensor> {
+    let w32 = w as f32;
+    let diff = end.sub(start)?;
+    if w32.abs() < 0.5 {
+        Ok(start.add(&diff.mul_scalar(f64::from(w32))?)?)
+    } else {
+        Ok(end.sub(&diff.mul_scalar(f64::from(1.0f32 - w32))?)?)
+    }
+}

@@ -1,0 +1,127 @@
+//! MuSGD (Ultralytics `ultralytics/optim/muon.py`, training.md §3.4): Muon groups get an
+//! orthogonalised momentum update scaled by `muon_factor` **plus** an SGD-Nesterov update scaled by
+//! `sgd_factor` (separate buffers); other groups get plain SGD-Nesterov.
+
+use std::collections::HashMap;
+
+use ptl_autograd::Tensor;
+
+use super::groups::{NsPrecision, OptimizerName, ParamGroup};
+use super::newton_schulz::orthogonalized_update;
+use super::sgd::{sgd_update, MOMENTUM_BUFFER};
+use super::state::{apply_groups_meta, groups_meta, OptimizerMeta, ParamStates};
+use super::{lerp, present_grad, Optimizer};
+use crate::error::Result;
+
+/// Key of the separate SGD buffer of Muon parameters (the Muon momentum uses [`MOMENTUM_BUFFER`]).
+pub const MOMENTUM_BUFFER_SGD: &str = "momentum_buffer_SGD";
+
+/// Ultralytics' factors: `muon = 0.2`, `sgd = 1.0`.
+pub const MUON_FACTOR: f64 = 0.2;
+pub const SGD_FACTOR: f64 = 1.0;
+
+/// Muon momentum and Nesterov blend, in place on `momentum`: M ← lerp(M, g, 1−β);
+/// returns U = lerp(g, M, β) (or M without Nesterov).
+pub fn muon_momentum(grad: &Tensor, momentum: &Tensor, beta: f64, nesterov: bool) -> Result<Tensor> {
+    ptl_autograd::no_grad(|| -> Result<Tensor> {
+        let m = lerp(momentum, grad, 1.0 - beta)?;
+        momentum.copy_(&m)?;
+        if nesterov {
+            lerp(grad, momentum, beta)
+        } else {
+            Ok(m)
+        }
+    })
+}
+
+/// The parameter half of a Muon-group step, in place: `p ← p − lr·muon_factor·o`, then the SGD
+/// part with its own buffer (weight decay on the already-updated `p`), scaled by `sgd_factor`.
+#[allow(clippy::too_many_arguments)]
+pub fn muon_apply(
+    p: &Tensor,
+    grad: &Tensor,
+    o: &Tensor,
+    sgd_buf: &Tensor,
+    lr: f64,
+    momentum: f64,
+    weight_decay: f64,
+    nesterov: bool,
+    muon_factor: f64,
+    sgd_factor: f64,
+) -> Result<()> {
+    ptl_autograd::no_grad(|| p.copy_(&p.add(&o.mul_scalar(-(lr * muon_factor))?)?))?;
+    sgd_update(p, grad, sgd_buf, lr, momentum, weight_decay, nesterov, sgd_factor)
+}
+
+pub struct MuSgd {
+    groups: Vec<ParamGroup>,
+    state: ParamStates,
+    pub muon_factor: f64,
+    pub sgd_factor: f64,
+    pub ns_precision: NsPrecision,
+}
+
+impl MuSgd {
+    pub fn new(groups: Vec<ParamGroup>, ns_precision: NsPrecision) -> Self {
+        MuSgd { groups, state: ParamStates::default(), muon_factor: MUON_FACTOR, sgd_factor: SGD_FACTOR, ns_precision }
+    }
+    pub fn state(&self) -> &ParamStates {
+        &self.state
+    }
+}
+
+impl Optimizer for MuSgd {
+    fn kind(&self) -> OptimizerName {
+        OptimizerName::MuSgd
+    }
+    fn param_groups(&self) -> &[ParamGroup] {
+        &self.groups
+    }
+    fn param_groups_mut(&mut self) -> &mut [ParamGroup] {
+        &mut self.groups
+    }
+    fn step(&mut self) -> Result<()> {
+        for g in &self.groups {
+            let mu = g.momentum.unwrap_or(0.0);
+            for p in &g.params {
+                let Some(grad) = present_grad(p)? else { continue };
+                if g.use_muon {
+                    let m = self.state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
+                    let b = self.state.get_or_zeros(&p.name, MOMENTUM_BUFFER_SGD, &p.tensor)?;
+                    let u = muon_momentum(&grad, &m, mu, g.nesterov)?;
+                    let o = orthogonalized_update(&u, self.ns_precision)?;
+                    muon_apply(&p.tensor, &grad, &o, &b, g.lr, mu, g.weight_decay, g.nesterov, self.muon_factor, self.sgd_factor)?;
+                } else {
+                    let buf = self.state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
+                    sgd_update(&p.tensor, &grad, &buf, g.lr, mu, g.weight_decay, g.nesterov, 1.0)?;
+                }
+            }
+        }
+        Ok(())
+    }
+    fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        self.state.to_named(&self.groups)
+    }
+    fn load_state_tensors(&mut self, tensors: &HashMap<String, Tensor>) -> Result<()> {
+        self.state.load_named(&self.groups, &[MOMENTUM_BUFFER, MOMENTUM_BUFFER_SGD], tensors)
+    }
+    fn state_meta(&self) -> OptimizerMeta {
+        OptimizerMeta {
+            optimizer: self.kind(),
+            muon_factor: Some(self.muon_factor),
+            sgd_factor: Some(self.sgd_factor),
+            groups: groups_meta(&self.groups),
+            steps: Default::default(),
+        }
+    }
+    fn load_state_meta(&mut self, meta: &OptimizerMeta) -> Result<()> {
+        apply_groups_meta(self.kind(), &mut self.groups, meta)?;
+        if let Some(f) = meta.muon_factor {
+            self.muon_factor = f;
+        }
+        if let Some(f) = meta.sgd_factor {
+            self.sgd_factor = f;
+        }
+        Ok(())
+    }
+}
