@@ -444,6 +444,70 @@ fn invert_affine(m: &Mat3) -> [[f64; 3]; 2] {
     [[a11, a12, b1], [a21, a22, b2]]
 }
 
+/// Scale + translation warp (the default augmentation): source columns depend on x only and rows on y only, so the
+/// horizontal lerps of a source row are computed once and shared by every destination row that reads it. Same
+/// arithmetic as [`sample_into`] (taps outside the source read 114), so the bytes are identical.
+fn warp_separable(src: &Image, f: &[[f32; 3]; 2], out: &mut Image) {
+    let ow = out.w as usize;
+    let (sw, sh) = (src.w as i32, src.h as i32);
+    // per destination column: (x0 tap, x1 tap, alpha); a tap is a byte offset or None (border)
+    let cols: Vec<(Option<usize>, Option<usize>, f32)> = (0..ow)
+        .map(|x| {
+            let sx = f[0][0] * x as f32 + f[0][2];
+            if !(sx >= -1.0 && sx < sw as f32) {
+                return (None, None, 0.0);
+            }
+            let ix = crate::image::floor_i32(sx);
+            let t = |i: i32| (i >= 0 && i < sw).then(|| i as usize * 3);
+            (t(ix), t(ix + 1), sx - ix as f32)
+        })
+        .collect();
+    let border = PAD_VALUE as f32;
+    // horizontal lerp of source row `iy` (or of a border row) into `buf`
+    let hpass = |iy: i32, buf: &mut [f32]| {
+        let row = (iy >= 0 && iy < sh).then(|| &src.data[iy as usize * src.stride()..(iy as usize + 1) * src.stride()]);
+        for (x, &(t0, t1, a)) in cols.iter().enumerate() {
+            for c in 0..3 {
+                let p = |t: Option<usize>| match (row, t) {
+                    (Some(r), Some(o)) => r[o + c] as f32,
+                    _ => border,
+                };
+                let (p0, p1) = (p(t0), p(t1));
+                buf[x * 3 + c] = p0 + a * (p1 - p0);
+            }
+        }
+    };
+    let mut rows: [(i32, Vec<f32>); 2] = [(i32::MIN, vec![0.0; ow * 3]), (i32::MIN, vec![0.0; ow * 3])];
+    for (y, orow) in out.data.chunks_exact_mut(ow * 3).enumerate() {
+        let sy = f[1][1] * y as f32 + f[1][2];
+        if !(sy >= -1.0 && sy < sh as f32) {
+            continue; // whole row is border (already 114)
+        }
+        let iy = crate::image::floor_i32(sy);
+        let b = sy - iy as f32;
+        for (slot, want) in [(0usize, iy), (1usize, iy + 1)] {
+            if rows[slot].0 != want {
+                let other = 1 - slot;
+                if rows[other].0 == want {
+                    let (lo, hi) = rows.split_at_mut(1);
+                    if slot == 0 {
+                        lo[0].1.copy_from_slice(&hi[0].1);
+                    } else {
+                        hi[0].1.copy_from_slice(&lo[0].1);
+                    }
+                } else {
+                    hpass(want, &mut rows[slot].1);
+                }
+                rows[slot].0 = want;
+            }
+        }
+        let (v0, v1) = (&rows[0].1, &rows[1].1);
+        for ((o, &a), &c) in orow.iter_mut().zip(v0).zip(v1) {
+            *o = round_u8(a + b * (c - a));
+        }
+    }
+}
+
 /// Warps `src` with the 3×3 matrix `m` (destination = m · source) into `out_w × out_h`, bilinear, constant border
 /// 114, as OpenCV ≥ 4.11 (`warpAffine` / `warpPerspective`, INTER_LINEAR, 8UC3) computes it: the inverse matrix in
 /// double, converted to float32; per destination pixel `sx = M₀·x + (M₁·y + M₂)` (and `/ (M₆·x + (M₇·y + M₈))` for
@@ -458,17 +522,7 @@ pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) ->
         let iv = invert_affine(m);
         let f: [[f32; 3]; 2] = [[iv[0][0] as f32, iv[0][1] as f32, iv[0][2] as f32], [iv[1][0] as f32, iv[1][1] as f32, iv[1][2] as f32]];
         if f[0][1] == 0.0 && f[1][0] == 0.0 {
-            // Scale + translation (the default augmentation): columns depend on x only, rows on y only.
-            let cols: Vec<f32> = (0..ow).map(|x| f[0][0] * x as f32 + f[0][2]).collect();
-            for (y, row) in out.data.chunks_exact_mut(ow * 3).enumerate() {
-                let sy = f[1][1] * y as f32 + f[1][2];
-                if !(sy >= -1.0 && sy < src.h as f32) {
-                    continue; // whole row is border
-                }
-                for (o, &sx) in row.chunks_exact_mut(3).zip(&cols) {
-                    sample_into(src, sx, sy, o);
-                }
-            }
+            warp_separable(src, &f, &mut out);
             return out;
         }
         for (y, row) in out.data.chunks_exact_mut(ow * 3).enumerate() {
@@ -758,6 +812,30 @@ mod tests {
         assert_eq!(out.data.len(), 64 * 64 * 3);
         assert!(new.boxes.iter().flatten().all(|v| v.is_finite() && (0.0..=64.0).contains(v)));
         assert!(new.kpts.chunks(3).all(|p| (0.0..=64.0).contains(&p[0]) && (0.0..=64.0).contains(&p[1])));
+    }
+
+    #[test]
+    fn separable_warp_equals_per_pixel_sampling() {
+        let mut rng = Rng::new(9);
+        let mut img = Image::filled(57, 43, [0, 0, 0]);
+        img.data.iter_mut().for_each(|v| *v = rng.below(256) as u8);
+        for _ in 0..20 {
+            let d =
+                AffineDraw { scale: rng.uniform(0.3, 2.0), tx: rng.uniform(-0.2, 1.2), ty: rng.uniform(-0.2, 1.2), ..Default::default() };
+            let m = affine_matrix(&d, 57, 43, 50, 50);
+            let got = warp(&img, &m, 50, 50, false);
+            let iv = invert_affine(&m);
+            let mut want = Image::filled(50, 50, [0, 0, 0]);
+            for y in 0..50usize {
+                for x in 0..50usize {
+                    let (xf, yf) = (x as f32, y as f32);
+                    let sx = iv[0][0] as f32 * xf + (iv[0][1] as f32 * yf + iv[0][2] as f32);
+                    let sy = iv[1][0] as f32 * xf + (iv[1][1] as f32 * yf + iv[1][2] as f32);
+                    sample_into(&img, sx, sy, &mut want.data[(y * 50 + x) * 3..(y * 50 + x) * 3 + 3]);
+                }
+            }
+            assert_eq!(got, want, "{d:?}");
+        }
     }
 
     #[test]

@@ -120,11 +120,20 @@ pub fn hsv_pixel_bgr(lut: &HsvLut, b: u8, g: u8, r: u8) -> (u8, u8, u8) {
 
 #[inline(always)]
 fn hwc_loop(data: &mut [u8], lut: &HsvLut) {
+    // runs of equal pixels (padding, flat regions) reuse the previous result
+    let mut last_in = [0u8; 3];
+    let mut last_out = {
+        let (b, g, r) = hsv_pixel_bgr(lut, 0, 0, 0);
+        [b, g, r]
+    };
     for px in data.chunks_exact_mut(3) {
-        let (b, g, r) = hsv_pixel_bgr(lut, px[0], px[1], px[2]);
-        px[0] = b;
-        px[1] = g;
-        px[2] = r;
+        let cur = [px[0], px[1], px[2]];
+        if cur != last_in {
+            let (b, g, r) = hsv_pixel_bgr(lut, cur[0], cur[1], cur[2]);
+            last_in = cur;
+            last_out = [b, g, r];
+        }
+        px.copy_from_slice(&last_out);
     }
 }
 
