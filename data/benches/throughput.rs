@@ -70,6 +70,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         let (mut img, _) = augment::random_perspective(&canvas, &inst, &d, imgsz);
         tw += t.elapsed();
+        augment::recycle(canvas);
         let g = ptl_data::HsvGains::draw(&mut rng, a.hsv_h, a.hsv_s, a.hsv_v);
         let t = Instant::now();
         augment::hsv(&mut img, &g);

@@ -213,11 +213,34 @@ pub fn draw_mosaic_centre(rng: &mut Rng, s: u32) -> (i64, i64) {
     (yc, xc)
 }
 
+thread_local! {
+    /// One reusable canvas buffer per thread: avoids mapping and zeroing 4.9 MB of fresh pages per mosaic.
+    static CANVAS_POOL: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A buffer of `n` bytes set to `fill`, reusing this thread's pooled allocation when there is one.
+fn take_buffer(n: usize, fill: u8) -> Vec<u8> {
+    let mut v = CANVAS_POOL.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    v.clear();
+    v.resize(n, fill);
+    v
+}
+
+/// Returns an image's buffer (e.g. a mosaic canvas after the warp) to this thread's pool.
+pub fn recycle(img: Image) {
+    CANVAS_POOL.with(|p| {
+        let mut slot = p.borrow_mut();
+        if img.data.capacity() > slot.capacity() {
+            *slot = img.data;
+        }
+    });
+}
+
 /// 4-image mosaic on a `2s × 2s` canvas (data.md §6.1). Tile 0 top-left, 1 top-right, 2 bottom-left,
 /// 3 bottom-right. Labels are normalised per tile. The result is clipped to the canvas and zero-area boxes removed.
 pub fn mosaic4(tiles: [(&Image, &Labels); 4], k: usize, s: u32, yc: i64, xc: i64) -> (Image, Instances) {
     let cs = 2 * s as i64;
-    let mut canvas = Image::filled(cs as u32, cs as u32, [PAD_VALUE; 3]);
+    let mut canvas = Image { w: cs as u32, h: cs as u32, data: take_buffer(cs as usize * cs as usize * 3, PAD_VALUE) };
     let mut all = Instances::empty(k);
     for (i, (img, labels)) in tiles.iter().enumerate() {
         let (w, h) = (img.w as i64, img.h as i64);

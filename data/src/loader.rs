@@ -215,7 +215,7 @@ impl TrainLoader {
         let _ = border_in;
         let d = AffineDraw::draw(&mut rng, a);
         let (mut img, mut inst) = augment::random_perspective(&pre_img, &pre_inst, &d, s);
-        drop(pre_img);
+        augment::recycle(pre_img);
         let _mixup_gate = rng.random();
         let _cutmix_gate = rng.random();
         let hsv_on = a.hsv_h != 0.0 || a.hsv_s != 0.0 || a.hsv_v != 0.0;
