@@ -68,7 +68,9 @@ fn run_case(file: &str) {
     let targets = target_batch(&g, "batch.");
     let o2m = branch_leaves(&g, "input.one2many.");
     let o2o = branch_leaves(&g, "input.one2one.");
-    let crit = E2ELoss::new(cfg, 100);
+    let mut crit = E2ELoss::new(cfg, 100);
+    crit.one2many.assign.debug = true;
+    crit.one2one.assign.debug = true;
     let out = crit.loss(&o2m, &o2o, &targets, &anchors, Some(&flow)).unwrap();
 
     // Items per branch and term.

@@ -126,7 +126,9 @@ fn tiny_boxes_use_the_size_floor() {
     let (o2m, o2o, f) = (outputs(1, 4), outputs(1, 14), flow());
     // 2×3 px and 1×40 px boxes: without the 16-px floor no anchor centre would be inside.
     let t = people(&[(0, 20.0, 20.0, 2.0, 3.0), (0, 70.0, 30.0, 1.0, 40.0)], 1.0);
-    let out = E2ELoss::new(LossConfig::default(), 10).loss(&o2m, &o2o, &t, &anchors(), Some(&f)).unwrap();
+    let mut crit = E2ELoss::new(LossConfig::default(), 10);
+    crit.one2many.assign.debug = true;
+    let out = crit.loss(&o2m, &o2o, &t, &anchors(), Some(&f)).unwrap();
     let asg = &out.one2many.assignment;
     let na = asg.num_anchors;
     for g in 0..2 {

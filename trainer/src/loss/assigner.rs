@@ -30,6 +30,8 @@ pub struct AssignParams {
     pub sigmas: Vec<f32>,
     /// OKS area factor (0.53).
     pub area_factor: f32,
+    /// Also return the dense (B, M, A) candidates / overlaps / metric (tests, debugging).
+    pub debug: bool,
 }
 
 impl AssignParams {
@@ -50,6 +52,7 @@ impl AssignParams {
             max_stride,
             sigmas: sigmas.to_vec(),
             area_factor: 0.53,
+            debug: false,
         }
     }
 }
@@ -89,11 +92,11 @@ pub struct Assignment {
     pub target_bboxes: Vec<f32>,
     /// (B, A, nc) soft class targets.
     pub target_scores: Vec<f32>,
-    /// (B, M, A) candidates (in-box ∧ level gate, after fallback), debugging.
+    /// (B, M, A) candidates (in-box ∧ level gate, after fallback); empty unless `debug`.
     pub candidates: Vec<bool>,
-    /// (B, M, A) overlaps (OKS / clamped CIoU) on candidates, 0 elsewhere.
+    /// (B, M, A) overlaps (OKS / clamped CIoU) on candidates, 0 elsewhere; empty unless `debug`.
     pub overlaps: Vec<f32>,
-    /// (B, M, A) alignment metric on candidates, 0 elsewhere.
+    /// (B, M, A) alignment metric on candidates, 0 elsewhere; empty unless `debug`.
     pub align_metric: Vec<f32>,
     /// (image, gt) pairs whose level gate left no candidate (ungated fallback used).
     pub gate_fallbacks: Vec<(usize, usize)>,
@@ -127,13 +130,64 @@ fn pow_f32(x: f32, p: f64) -> f32 {
     }
 }
 
-/// Lowest-index-first top-k of `v` (indices of the k largest values).
-fn topk_indices(v: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    // Stable sort by descending value keeps the lower index first among equal values.
-    idx.sort_by(|&a, &b| v[b].partial_cmp(&v[a]).unwrap_or(std::cmp::Ordering::Equal));
-    idx.truncate(k.min(v.len()));
-    idx
+/// Top-k over a row of A non-negative metrics where only the listed `anchors` (ascending) may be
+/// non-zero (`vals` aligned with them): returns the selected anchors that are in `anchors`.
+///
+/// Order = value descending, anchor index ascending among equal values (ties broken by the lowest
+/// index, loss.md §2.4). Zero-valued picks are the lowest-index zeros of the full row, so a
+/// listed anchor with value 0 is selected only if it is among them — exactly what a dense top-k
+/// with this tie rule selects, without materialising the row.
+fn sparse_topk(anchors: &[usize], vals: &[f32], na: usize, k: usize, scratch: &mut [bool]) -> Vec<usize> {
+    let k = k.min(na);
+    let mut pos: Vec<(f32, usize)> = anchors.iter().zip(vals).filter(|(_, &v)| v > 0.0).map(|(&j, &v)| (v, j)).collect();
+    // Stable sort on ascending-index input keeps the lower index first among equal values.
+    pos.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal));
+    pos.truncate(k);
+    let mut sel: Vec<usize> = pos.iter().map(|&(_, j)| j).collect();
+    let mut need = k - sel.len();
+    if need > 0 {
+        // Mark every positive-valued anchor: the rest of the row is zeros.
+        for (&j, &v) in anchors.iter().zip(vals) {
+            if v > 0.0 {
+                scratch[j] = true;
+            }
+        }
+        let mut j = 0;
+        while need > 0 && j < na {
+            if !scratch[j] {
+                need -= 1;
+                if anchors.binary_search(&j).is_ok() {
+                    sel.push(j);
+                }
+            }
+            j += 1;
+        }
+        for (&j, &v) in anchors.iter().zip(vals) {
+            if v > 0.0 {
+                scratch[j] = false;
+            }
+        }
+    }
+    sel
+}
+
+/// Candidates of one GT with their overlaps and metrics (ascending anchor order), and its
+/// positive anchors.
+#[derive(Default)]
+struct GtRow {
+    cands: Vec<usize>,
+    ov: Vec<f32>,
+    al: Vec<f32>,
+    pos: Vec<usize>,
+}
+
+impl GtRow {
+    fn lookup(&self, j: usize) -> (f32, f32) {
+        match self.cands.binary_search(&j) {
+            Ok(i) => (self.ov[i], self.al[i]),
+            Err(_) => (0.0, 0.0),
+        }
+    }
 }
 
 /// Runs the pose task-aligned assigner (loss.md §2).
@@ -154,12 +208,16 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
     if inp.anchors_px.len() != na * 2 || inp.strides.len() != na {
         return shape_err("assigner anchors", &[na, 2], inp.anchors_px.len());
     }
+    if t.batch_size != bs {
+        return shape_err("assigner targets", &[bs, m], t.batch_size * m);
+    }
     if p.sigmas.len() != nk {
         return Err(TrainerError::InvalidArgument {
             what: "assigner sigmas",
             reason: format!("{} sigmas for {nk} keypoints", p.sigmas.len()),
         });
     }
+    let dense = if p.debug { bs * m * na } else { 0 };
     let mut out = Assignment {
         batch_size: bs,
         num_anchors: na,
@@ -170,33 +228,34 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
         target_labels: vec![0; bs * na],
         target_bboxes: vec![0.0; bs * na * 4],
         target_scores: vec![0.0; bs * na * nc],
-        candidates: vec![false; bs * m * na],
-        overlaps: vec![0.0; bs * m * na],
-        align_metric: vec![0.0; bs * m * na],
+        candidates: vec![false; dense],
+        overlaps: vec![0.0; dense],
+        align_metric: vec![0.0; dense],
         gate_fallbacks: vec![],
         n_conflicts: 0,
     };
     if m == 0 {
-        // Reference: all-background targets (labels = nc there; unused because fg is empty).
+        // Reference: all-background targets.
         return Ok(out);
     }
     let eps = p.eps;
-    let half = |x: f32| x / 2.0;
+    let mut scratch = vec![false; na];
+    let mut claims = vec![0u16; na];
     for b in 0..bs {
-        // mask_pos (M, A) as 0/1 floats so the argmax rules below mirror the reference.
-        let mut mask_pos = vec![0u8; m * na];
+        let mut rows: Vec<GtRow> = Vec::with_capacity(m);
         for g in 0..m {
+            let mut row = GtRow::default();
             if !t.mask[b * m + g] {
+                rows.push(row);
                 continue;
             }
             let gb = &t.boxes[(b * m + g) * 4..(b * m + g) * 4 + 4];
             let label = t.labels[b * m + g];
-            let cls = if label >= 0.0 && (label as usize) < nc {
-                label as usize
-            } else {
+            if !(label >= 0.0 && (label as usize) < nc) {
                 return Err(TrainerError::InvalidArgument { what: "targets.cls", reason: format!("class {label} outside 0..{nc}") });
-            };
-            // §2.1 in-box test with the size floor: xyxy → xywh → floor → xyxy.
+            }
+            let cls = label as usize;
+            // §2.1 in-box test with the size floor: xyxy → xywh → floor → xyxy (float32).
             let (cx, cy) = ((gb[0] + gb[2]) / 2.0, (gb[1] + gb[3]) / 2.0);
             let (mut w, mut h) = (gb[2] - gb[0], gb[3] - gb[1]);
             if w < p.size_floor {
@@ -205,29 +264,28 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
             if h < p.size_floor {
                 h = p.size_floor;
             }
-            let (hw, hh) = (half(w), half(h));
+            let (hw, hh) = (w / 2.0, h / 2.0);
             let (x1, y1, x2, y2) = (cx - hw, cy - hh, cx + hw, cy + hh);
             let side = ((gb[2] - gb[0]) * (gb[3] - gb[1])).sqrt();
-            let row = (b * m + g) * na;
-            let mut in_box = vec![false; na];
-            let mut any_gated = false;
-            for (j, ib) in in_box.iter_mut().enumerate() {
+            let mut in_box = Vec::new();
+            for j in 0..na {
                 let (ax, ay) = (inp.anchors_px[2 * j], inp.anchors_px[2 * j + 1]);
-                let inside = ax - x1 > eps && ay - y1 > eps && x2 - ax > eps && y2 - ay > eps;
-                *ib = inside;
-                if inside {
-                    let s = inp.strides[j];
-                    let lo_ok = side >= p.level_range.0 * s || s == p.min_stride;
-                    let hi_ok = side <= p.level_range.1 * s || s == p.max_stride;
-                    if lo_ok && hi_ok {
-                        out.candidates[row + j] = true;
-                        any_gated = true;
-                    }
+                if ax - x1 > eps && ay - y1 > eps && x2 - ax > eps && y2 - ay > eps {
+                    in_box.push(j);
                 }
             }
-            if !any_gated && in_box.iter().any(|&v| v) {
+            // §2.1 level gate, with the ungated fallback.
+            row.cands = in_box
+                .iter()
+                .copied()
+                .filter(|&j| {
+                    let s = inp.strides[j];
+                    (side >= p.level_range.0 * s || s == p.min_stride) && (side <= p.level_range.1 * s || s == p.max_stride)
+                })
+                .collect();
+            if row.cands.is_empty() && !in_box.is_empty() {
                 out.gate_fallbacks.push((b, g));
-                out.candidates[row..row + na].copy_from_slice(&in_box);
+                row.cands = in_box;
             }
             // §2.2 overlaps and §2.3 metric on candidates.
             let gk = &t.kpts[(b * m + g) * nk * 3..(b * m + g + 1) * nk * 3];
@@ -241,10 +299,9 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
                     two_s * two_s * (area + eps) * 2.0
                 })
                 .collect();
-            for j in 0..na {
-                if !out.candidates[row + j] {
-                    continue;
-                }
+            row.ov.reserve(row.cands.len());
+            row.al.reserve(row.cands.len());
+            for &j in &row.cands {
                 let ov = if nvis > 0 {
                     let pk = &inp.kpts[(b * na + j) * nk * 2..(b * na + j + 1) * nk * 2];
                     let mut acc = 0f32;
@@ -252,8 +309,7 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
                         if gk[3 * k + 2] > 0.0 {
                             let dx = pk[2 * k] - gk[3 * k];
                             let dy = pk[2 * k + 1] - gk[3 * k + 1];
-                            let d = dx * dx + dy * dy;
-                            acc += (-(d / denom[k])).exp();
+                            acc += (-((dx * dx + dy * dy) / denom[k])).exp();
                         }
                     }
                     acc / nvis as f32
@@ -262,79 +318,135 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
                     ciou_f32([gb[0], gb[1], gb[2], gb[3]], [pb[0], pb[1], pb[2], pb[3]]).max(0.0)
                 };
                 let score = inp.scores[(b * na + j) * nc + cls];
-                out.overlaps[row + j] = ov;
-                out.align_metric[row + j] = pow_f32(score, p.alpha) * pow_f32(ov, p.beta);
+                row.ov.push(ov);
+                row.al.push(pow_f32(score, p.alpha) * pow_f32(ov, p.beta));
             }
             // §2.4 top-k over all anchors, kept where candidate.
-            for j in topk_indices(&out.align_metric[row..row + na], p.topk) {
-                if out.candidates[row + j] {
-                    mask_pos[g * na + j] = 1;
-                }
+            row.pos = sparse_topk(&row.cands, &row.al, na, p.topk, &mut scratch);
+            rows.push(row);
+        }
+        // §2.5 conflict resolution: a column claimed twice becomes one-hot at argmax_g overlap.
+        for r in &rows {
+            for &j in &r.pos {
+                claims[j] += 1;
             }
         }
-        // §2.5 conflict resolution by max overlap.
-        let ov_b = &out.overlaps[b * m * na..(b + 1) * m * na];
-        for j in 0..na {
-            let claims: usize = (0..m).map(|g| mask_pos[g * na + j] as usize).sum();
-            if claims > 1 {
-                out.n_conflicts += 1;
-                let mut best = 0;
-                for g in 1..m {
-                    if ov_b[g * na + j] > ov_b[best * na + j] {
-                        best = g;
+        let mut conflicted: Vec<usize> = rows.iter().flat_map(|r| r.pos.iter().copied()).filter(|&j| claims[j] > 1).collect();
+        conflicted.sort_unstable();
+        conflicted.dedup();
+        for r in &rows {
+            for &j in &r.pos {
+                claims[j] = 0;
+            }
+        }
+        out.n_conflicts += conflicted.len();
+        for &j in &conflicted {
+            let mut best = 0;
+            let mut best_ov = rows[0].lookup(j).0;
+            for (g, r) in rows.iter().enumerate().skip(1) {
+                let o = r.lookup(j).0;
+                if o > best_ov {
+                    best = g;
+                    best_ov = o;
+                }
+            }
+            for (g, r) in rows.iter_mut().enumerate() {
+                let at = r.pos.iter().position(|&x| x == j);
+                match (g == best, at) {
+                    (true, None) => r.pos.push(j),
+                    (false, Some(i)) => {
+                        r.pos.remove(i);
                     }
-                }
-                for g in 0..m {
-                    mask_pos[g * na + j] = u8::from(g == best);
+                    _ => {}
                 }
             }
         }
-        let al_b = &out.align_metric[b * m * na..(b + 1) * m * na];
-        // §2.6 second filter.
+        // §2.6 second filter: per GT, top-`topk2` of the metric masked by the positives.
         if p.topk2 != p.topk {
-            for g in 0..m {
-                let masked: Vec<f32> = (0..na).map(|j| al_b[g * na + j] * f32::from(mask_pos[g * na + j])).collect();
-                let keep = topk_indices(&masked, p.topk2);
-                let mut sel = vec![false; na];
-                for j in keep {
-                    sel[j] = true;
-                }
-                for (j, s) in sel.iter().enumerate() {
-                    if !s {
-                        mask_pos[g * na + j] = 0;
-                    }
-                }
+            for r in rows.iter_mut() {
+                let mut pos = std::mem::take(&mut r.pos);
+                pos.sort_unstable();
+                let vals: Vec<f32> = pos.iter().map(|&j| r.lookup(j).1).collect();
+                r.pos = sparse_topk(&pos, &vals, na, p.topk2, &mut scratch);
             }
         }
         // §2.7 targets and normalisation.
-        let mut pos_align = vec![0f32; m];
-        let mut pos_ov = vec![0f32; m];
-        for g in 0..m {
-            for j in 0..na {
-                if mask_pos[g * na + j] != 0 {
-                    pos_align[g] = pos_align[g].max(al_b[g * na + j]);
-                    pos_ov[g] = pos_ov[g].max(ov_b[g * na + j]);
-                }
+        for (g, r) in rows.iter().enumerate() {
+            if r.pos.is_empty() {
+                continue;
+            }
+            let (mut pos_al, mut pos_ov) = (0f32, 0f32);
+            for &j in &r.pos {
+                let (o, a) = r.lookup(j);
+                pos_al = pos_al.max(a);
+                pos_ov = pos_ov.max(o);
+            }
+            let cls = t.labels[b * m + g] as usize;
+            for &j in &r.pos {
+                let a = b * na + j;
+                out.fg_mask[a] = true;
+                out.target_gt_idx[a] = g;
+                out.target_labels[a] = cls;
+                out.target_bboxes[a * 4..a * 4 + 4].copy_from_slice(&t.boxes[(b * m + g) * 4..(b * m + g) * 4 + 4]);
+                out.target_scores[a * nc + cls] = r.lookup(j).1 * pos_ov / (pos_al + eps);
             }
         }
-        for j in 0..na {
-            let mut gi = None;
-            for g in 0..m {
-                if mask_pos[g * na + j] != 0 {
-                    gi = Some(g);
-                    break;
+        if p.debug {
+            for (g, r) in rows.iter().enumerate() {
+                let base = (b * m + g) * na;
+                for (i, &j) in r.cands.iter().enumerate() {
+                    out.candidates[base + j] = true;
+                    out.overlaps[base + j] = r.ov[i];
+                    out.align_metric[base + j] = r.al[i];
                 }
             }
-            let Some(g) = gi else { continue };
-            let a = b * na + j;
-            out.fg_mask[a] = true;
-            out.target_gt_idx[a] = g;
-            let cls = t.labels[b * m + g] as usize;
-            out.target_labels[a] = cls;
-            out.target_bboxes[a * 4..a * 4 + 4].copy_from_slice(&t.boxes[(b * m + g) * 4..(b * m + g) * 4 + 4]);
-            let norm = al_b[g * na + j] * pos_ov[g] / (pos_align[g] + eps);
-            out.target_scores[a * nc + cls] = norm;
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Dense reference: sort the full row by (value desc, index asc), take k, keep listed anchors.
+    fn dense_topk(anchors: &[usize], vals: &[f32], na: usize, k: usize) -> Vec<usize> {
+        let mut row = vec![0f32; na];
+        for (&j, &v) in anchors.iter().zip(vals) {
+            row[j] = v;
+        }
+        let mut idx: Vec<usize> = (0..na).collect();
+        idx.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
+        let mut sel: Vec<usize> = idx.into_iter().take(k.min(na)).filter(|j| anchors.binary_search(j).is_ok()).collect();
+        sel.sort_unstable();
+        sel
+    }
+
+    #[test]
+    fn sparse_topk_equals_dense_topk_with_ties() {
+        let mut s = 12345u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as usize
+        };
+        for _ in 0..500 {
+            let na = 1 + next() % 60;
+            let anchors: Vec<usize> = (0..na).filter(|_| next() % 3 == 0).collect();
+            // Values drawn from a small set so that ties (and zeros) are common.
+            let vals: Vec<f32> = anchors.iter().map(|_| [0.0, 0.0, 0.25, 0.5, 0.5, 1.0][next() % 6]).collect();
+            let k = 1 + next() % 12;
+            let mut scratch = vec![false; na];
+            let mut got = sparse_topk(&anchors, &vals, na, k, &mut scratch);
+            got.sort_unstable();
+            assert_eq!(got, dense_topk(&anchors, &vals, na, k), "na {na} k {k} anchors {anchors:?} vals {vals:?}");
+            assert!(scratch.iter().all(|&b| !b), "scratch is left clean");
+        }
+    }
+
+    #[test]
+    fn alignment_metric_worked_example() {
+        // loss.md §2.3: score 0.3, OKS 0.8 → t = 0.3^0.5 · 0.8^6 = 0.14358.
+        let t = pow_f32(0.3, 0.5) * pow_f32(0.8, 6.0);
+        assert!((t - 0.14358).abs() < 1e-5, "{t}");
+    }
 }

@@ -9,9 +9,12 @@ use ptl_heads::nn::Init;
 use ptl_heads::RealNvp;
 use ptl_trainer::loss::{BranchOutputs, TargetBatch};
 
-/// `shared/goldens`, or `None` when the checkout has no shared folder.
+/// `shared/goldens` (or `$PTL_GOLDENS`), or `None` when the checkout has no shared folder.
 pub fn goldens() -> Option<PathBuf> {
-    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens"));
+    let p = match std::env::var_os("PTL_GOLDENS") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens")),
+    };
     if p.is_dir() {
         Some(p)
     } else {
@@ -50,14 +53,24 @@ pub fn target_batch(m: &HashMap<String, Tensor>, prefix: &str) -> TargetBatch {
 
 /// Raw outputs of a branch as leaves that record gradients.
 pub fn branch_leaves(m: &HashMap<String, Tensor>, prefix: &str) -> BranchOutputs {
-    let leaf = |k: &str| get(m, &format!("{prefix}{k}")).deep_copy().unwrap().requires_grad_(true).unwrap();
+    branch_leaves_on(m, prefix, Device::Cpu)
+}
+
+/// [`branch_leaves`] on `device`.
+pub fn branch_leaves_on(m: &HashMap<String, Tensor>, prefix: &str, device: Device) -> BranchOutputs {
+    let leaf = |k: &str| get(m, &format!("{prefix}{k}")).to_device(device).unwrap().deep_copy().unwrap().requires_grad_(true).unwrap();
     BranchOutputs { boxes: leaf("boxes"), scores: leaf("scores"), kpts: leaf("kpts"), kpts_sigma: Some(leaf("kpts_sigma")) }
 }
 
 /// The RealNVP flow loaded from `values` (keys relative to the flow, e.g. `s.0.0.weight`).
 pub fn flow_from(values: &HashMap<String, Tensor>) -> RealNvp {
+    flow_on(values, Device::Cpu)
+}
+
+/// [`flow_from`] on `device`.
+pub fn flow_on(values: &HashMap<String, Tensor>, device: Device) -> RealNvp {
     let mut rng = Rng::new(0);
-    let flow = RealNvp::new(&mut Init { rng: &mut rng, device: Device::Cpu }).unwrap();
+    let flow = RealNvp::new(&mut Init { rng: &mut rng, device }).unwrap();
     module::load_state_dict(&flow, values, true).unwrap();
     flow
 }
