@@ -56,9 +56,9 @@ fn loss_cases_cuda_match_cpu() {
         for (bc, bd) in [(&c.one2many, &d.one2many), (&c.one2one, &d.one2one)] {
             assert_eq!(bc.assignment.fg_mask, bd.assignment.fg_mask, "{file}: fg mask");
             assert_eq!(bc.assignment.target_gt_idx, bd.assignment.target_gt_idx, "{file}: gt idx");
-            for i in 0..6 {
+            for (i, name) in LOSS_NAMES.iter().enumerate() {
                 let r = rel_scalar(bd.items[i], bc.items[i]);
-                assert!(r <= 1e-4, "{file} {}: cuda {} cpu {}", LOSS_NAMES[i], bd.items[i], bc.items[i]);
+                assert!(r <= 1e-4, "{file} {name}: cuda {} cpu {}", bd.items[i], bc.items[i]);
             }
         }
         let (tc, td) = (c.total.item().unwrap(), d.total.item().unwrap());
