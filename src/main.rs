@@ -6,6 +6,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
+mod cli;
+
 #[derive(Parser, Debug)]
 #[command(name = "ptl", version, about = "Train YOLO26n-pose models")]
 struct Cli {
@@ -18,6 +20,8 @@ enum Command {
     /// Dataset tools.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Train a pose model (no arguments: the embedded synthetic default).
+    Train(cli::train::TrainArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -89,7 +93,8 @@ fn run_data(cmd: DataCommand) -> Result<(), ptl_data::DataError> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.command {
-        Command::Data(c) => run_data(c),
+        Command::Data(c) => run_data(c).map_err(|e| e.to_string()),
+        Command::Train(a) => cli::train::run_train(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,22 +10,13 @@ pub type Result<T> = std::result::Result<T, TrainerError>;
 pub enum TrainerError {
     /// A buffer does not have the length its declared shape implies.
     #[error("shape mismatch for {what}: expected {expected} elements ({shape}), got {got}")]
-    ShapeMismatch {
-        what: &'static str,
-        shape: String,
-        expected: usize,
-        got: usize,
-    },
+    ShapeMismatch { what: &'static str, shape: String, expected: usize, got: usize },
     /// An invalid argument (e.g. threshold outside [0, 1], zero keypoints).
     #[error("invalid argument {what}: {reason}")]
     InvalidArgument { what: &'static str, reason: String },
     /// A NaN (or infinite) value in predictions or ground truth; metrics would silently be NaN.
     #[error("non-finite value in {what} at flat index {index}: {value}")]
-    NonFinite {
-        what: &'static str,
-        index: usize,
-        value: f64,
-    },
+    NonFinite { what: &'static str, index: usize, value: f64 },
     /// A file could not be read or written.
     #[error("I/O error on {path}: {source}")]
     Io {
@@ -35,12 +26,7 @@ pub enum TrainerError {
     },
     /// Malformed JSON (syntax or schema), with the position serde_json reports.
     #[error("malformed JSON in {path} at line {line}, column {column}: {msg}")]
-    Json {
-        path: PathBuf,
-        line: usize,
-        column: usize,
-        msg: String,
-    },
+    Json { path: PathBuf, line: usize, column: usize, msg: String },
     /// JSON that parses but is inconsistent (e.g. results for an image not in the GT).
     #[error("inconsistent COCO data: {0}")]
     Coco(String),
@@ -50,17 +36,18 @@ pub enum TrainerError {
     /// An error from the tensor library (shapes, dtypes, devices, backward).
     #[error("tensor error: {0}")]
     Tensor(#[from] ptl_autograd::Error),
+    /// An error from the dataset pipeline (files, labels, images).
+    #[error("data: {0}")]
+    Data(#[from] ptl_data::DataError),
+    /// An error from the model crate.
+    #[error("model: {0}")]
+    Model(#[from] ptl_heads::HeadsError),
 }
 
 impl TrainerError {
     /// Build a [`TrainerError::ShapeMismatch`] from a shape slice.
     pub fn shape(what: &'static str, shape: &[usize], got: usize) -> Self {
-        TrainerError::ShapeMismatch {
-            what,
-            shape: format!("{shape:?}"),
-            expected: shape.iter().product(),
-            got,
-        }
+        TrainerError::ShapeMismatch { what, shape: format!("{shape:?}"), expected: shape.iter().product(), got }
     }
 }
 
@@ -76,11 +63,7 @@ pub(crate) fn check_len<T>(what: &'static str, data: &[T], shape: &[usize]) -> R
 /// Reject NaN/inf: Ultralytics would propagate them into NaN metrics; we fail loudly instead.
 pub(crate) fn check_finite(what: &'static str, data: &[f32]) -> Result<()> {
     match data.iter().position(|v| !v.is_finite()) {
-        Some(index) => Err(TrainerError::NonFinite {
-            what,
-            index,
-            value: f64::from(data[index]),
-        }),
+        Some(index) => Err(TrainerError::NonFinite { what, index, value: f64::from(data[index]) }),
         None => Ok(()),
     }
 }

@@ -9,5 +9,6 @@ pub mod fit;
 pub mod loss;
 pub mod metrics;
 pub mod optim;
+pub mod pose;
 
 pub use error::{Result, TrainerError};

@@ -4,7 +4,10 @@
 use std::sync::{Arc, Mutex};
 
 use ptl_autograd::{DType, Device, Tensor};
-use ptl_trainer::fit::{load_checkpoint, registered_plugins, save_checkpoint, Checkpoint, LoopState, Manifest, PluginRegistration, PluginStack, ReplayPlugin, Stage, StageInfo, StepTiming};
+use ptl_trainer::fit::{
+    load_checkpoint, registered_plugins, save_checkpoint, Checkpoint, LoopState, Manifest, PluginRegistration, PluginStack, ReplayPlugin,
+    Stage, StageInfo, StepTiming,
+};
 use ptl_trainer::TrainerError;
 
 /// A plugin as a third-party crate would write it: registered through `inventory`, no fork.
@@ -54,11 +57,12 @@ fn registry_discovers_plugins_from_other_crates() {
     let mut stack = PluginStack::from_registry(Some(&["test-counting".to_string()])).unwrap();
     assert_eq!(stack.names(), vec!["test-counting"]);
     let mut ran = 0;
-    stack.run(info(), &mut || {
-        ran += 1;
-        Ok(())
-    })
-    .unwrap();
+    stack
+        .run(info(), &mut || {
+            ran += 1;
+            Ok(())
+        })
+        .unwrap();
     assert_eq!(ran, 1);
     let err = PluginStack::from_registry(Some(&["nope".to_string()])).err().unwrap();
     assert!(err.to_string().contains("no replay plugin named `nope`"), "{err}");

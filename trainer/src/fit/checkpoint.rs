@@ -90,7 +90,8 @@ pub fn load_checkpoint(path: &Path, device: Device) -> Result<Checkpoint> {
     let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
     let origin = path.display().to_string();
     let corrupt = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
-    let meta = safetensors_metadata(&bytes, &origin).map_err(|e| corrupt(format!("{e} (the file is truncated or not a ptl checkpoint)")))?;
+    let meta =
+        safetensors_metadata(&bytes, &origin).map_err(|e| corrupt(format!("{e} (the file is truncated or not a ptl checkpoint)")))?;
     let raw = meta.get(MANIFEST_KEY).ok_or_else(|| corrupt("no ptl manifest in the header (not a ptl checkpoint?)".into()))?;
     let manifest: Manifest = serde_json::from_str(raw).map_err(|e| corrupt(format!("unreadable manifest: {e}")))?;
     if manifest.format != CHECKPOINT_FORMAT {

@@ -1,0 +1,500 @@
+//! The pose fit loop: Ultralytics' optimisation recipe (training.md §2–§7) inside Lightning's hook
+//! order (trainer.md §3–§4), with replay plugins wrapping the step's stages.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ptl_autograd::{hash, module, no_grad, DType, Device, Module, Tensor, TensorKind};
+use ptl_data::{OpenOptions, PoseDataset, TrainConfig, TrainLoader};
+use ptl_heads::{ModelConfig, PoseModel, Scale};
+
+use super::config::{PoseTrainConfig, Precision};
+use super::validate::{validate, ValResult};
+use crate::fit::{
+    save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PluginStack, ResultsCsv, RunHashes, RunSummary, Stage, StageInfo,
+    StepTiming,
+};
+use crate::loss::{Anchors, BranchOutputs, E2ELoss, LossConfig, TargetBatch};
+use crate::optim::{
+    auto_iterations, build_optimizer, clip_grad_norm, nominal_accumulate, resolve, GradScaler, GradScalerConfig, LrLambda, LrScheduler,
+    ModelEma, Optimizer, OptimizerConfig, OptimizerName, Warmup,
+};
+use crate::{Result, TrainerError};
+
+/// Loss item names in the order of the 6-vector (loss.md §5).
+pub const LOSS_NAMES: [&str; 6] = ["box_loss", "pose_loss", "kobj_loss", "cls_loss", "l1_loss", "rle_loss"];
+
+/// The live state of one run.
+struct Run {
+    cfg: PoseTrainConfig,
+    model: PoseModel,
+    ema_model: PoseModel,
+    criterion: E2ELoss,
+    optimizer: Box<dyn Optimizer>,
+    scheduler: LrScheduler,
+    lambda: LrLambda,
+    warmup: Warmup,
+    accumulate: usize,
+    ema: ModelEma,
+    scaler: Option<GradScaler>,
+    plugins: PluginStack,
+    callbacks: Vec<Box<dyn Callback>>,
+    loader: Arc<TrainLoader>,
+    val_ds: Option<Arc<PoseDataset>>,
+    nb: usize,
+    state: LoopState,
+    view: LoopView,
+    step_ms: Vec<f64>,
+    metrics_per_epoch: Vec<Vec<(String, f64)>>,
+    optimizer_name: String,
+}
+
+fn model_params(m: &PoseModel) -> Vec<(String, Tensor)> {
+    module::named_parameters(m)
+}
+
+fn float_state(m: &PoseModel) -> Vec<(String, Tensor)> {
+    module::state_dict(m).into_iter().map(|(n, t, _)| (n, t)).collect()
+}
+
+/// Uploads a u8 NCHW batch and scales it to [0, 1] in f32.
+pub fn images_to_tensor(img: &[u8], shape: [usize; 4], device: Device) -> Result<Tensor> {
+    let t = Tensor::from_vec(img.to_vec(), shape.to_vec(), Device::Cpu)?.to_device(device)?;
+    Ok(t.to_dtype(DType::F32)?.affine(1.0 / 255.0, 0.0)?)
+}
+
+fn branch(b: &ptl_heads::BranchOutput) -> BranchOutputs {
+    BranchOutputs { boxes: b.boxes.clone(), scores: b.scores.clone(), kpts: b.kpts.clone(), kpts_sigma: b.kpts_sigma.clone() }
+}
+
+impl Run {
+    fn each_cb(&mut self, f: impl Fn(&mut dyn Callback, &LoopView)) {
+        let v = self.view.clone();
+        for cb in self.callbacks.iter_mut() {
+            f(cb.as_mut(), &v);
+        }
+    }
+
+    fn lrs(&self) -> Vec<f64> {
+        self.optimizer.param_groups().iter().map(|g| g.lr).collect()
+    }
+
+    /// One batch: warm-up, forward+loss, backward, and (when due) the optimizer step.
+    fn train_batch(&mut self, epoch: usize, i: usize, batch: &ptl_data::Batch, sums: &mut [f64; 6]) -> Result<()> {
+        let ni = i + self.nb * epoch;
+        if let Some(acc) = self.warmup.apply(ni, epoch, &self.lambda, self.optimizer.param_groups_mut()) {
+            self.accumulate = acc;
+        }
+        self.view.batch_in_epoch = i;
+        self.view.lr = self.lrs();
+        self.each_cb(|c, v| c.on_train_batch_start(v));
+        let t0 = Instant::now();
+        let device = self.cfg.device;
+        let x = images_to_tensor(&batch.img, batch.shape, device)?;
+        let targets = TargetBatch {
+            batch_idx: batch.batch_idx.clone(),
+            cls: batch.cls.clone(),
+            bboxes: batch.bboxes.clone(),
+            keypoints: batch.keypoints.clone(),
+            nkpt: batch.nkpt,
+        };
+        let info = |stage| StageInfo { stage, epoch, batch_index: ni, training: true };
+        let autocast = self.cfg.precision.autocast();
+        let (h, w) = (batch.shape[2], batch.shape[3]);
+
+        let mut out = None;
+        {
+            let model = &self.model;
+            self.plugins.run(info(Stage::Forward), &mut || {
+                out = Some(ptl_autograd::autocast(autocast, || model.forward(&x))?);
+                Ok(())
+            })?;
+        }
+        let out =
+            out.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the forward stage produced no output".into() })?;
+        let mut loss = None;
+        {
+            let (criterion, model) = (&self.criterion, &self.model);
+            let anchors = Anchors::from_image_hw((h, w), &ptl_heads::model::STRIDES)?;
+            self.plugins.run(info(Stage::Loss), &mut || {
+                let flow = &model.head().flow_model;
+                loss = Some(ptl_autograd::autocast(autocast, || {
+                    criterion.loss(&branch(&out.one2many), &branch(&out.one2one), &targets, &anchors, Some(flow))
+                })?);
+                Ok(())
+            })?;
+        }
+        let loss =
+            loss.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the loss stage produced no output".into() })?;
+        drop(out);
+
+        self.each_cb(|c, v| c.on_before_backward(v));
+        let to_backprop = match self.scaler.as_mut() {
+            Some(s) => s.scale(&loss.total)?,
+            None => loss.total.clone(),
+        };
+        self.plugins.run(info(Stage::Backward), &mut || Ok(to_backprop.backward()?))?;
+        self.each_cb(|c, v| c.on_after_backward(v));
+
+        let total = loss.total.detach().item()?;
+        self.state.step_losses.push(total);
+        for (s, v) in sums.iter_mut().zip(loss.items) {
+            *s += v;
+        }
+
+        if ni as i64 - self.state.last_opt_step >= self.accumulate as i64 {
+            self.optimizer_step(ni, epoch)?;
+            self.state.last_opt_step = ni as i64;
+        }
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        if self.state.step_losses.len() > self.cfg.timing_warmup_steps {
+            self.step_ms.push(ms);
+        }
+        self.view.mean_items = sums.iter().map(|s| s / (i + 1) as f64).collect();
+        self.each_cb(|c, v| c.on_train_batch_end(v));
+        Ok(())
+    }
+
+    /// Unscale → hook → clip → step (skipped on inf under 16-mixed) → scaler update → zero grad → EMA.
+    fn optimizer_step(&mut self, ni: usize, epoch: usize) -> Result<()> {
+        let info = StageInfo { stage: Stage::OptimizerStep, epoch, batch_index: ni, training: true };
+        let params: Vec<Tensor> = model_params(&self.model).into_iter().map(|(_, t)| t).collect();
+        let max_norm = self.cfg.clip_max_norm;
+        let (optimizer, scaler, ema, model) = (&mut self.optimizer, &mut self.scaler, &mut self.ema, &self.model);
+        let callbacks = &mut self.callbacks;
+        let view = self.view.clone();
+        self.plugins.run(info, &mut || {
+            if let Some(s) = scaler.as_mut() {
+                s.unscale_(optimizer.as_ref())?;
+            }
+            for cb in callbacks.iter_mut() {
+                cb.on_before_optimizer_step(&view);
+            }
+            clip_grad_norm(params.iter(), max_norm)?;
+            match scaler.as_mut() {
+                Some(s) => {
+                    s.step(optimizer.as_mut())?;
+                    s.update()?;
+                }
+                None => optimizer.step()?,
+            }
+            for cb in callbacks.iter_mut() {
+                cb.on_before_zero_grad(&view);
+            }
+            optimizer.zero_grad();
+            ema.update_module(model)?;
+            Ok(())
+        })?;
+        self.state.global_step += 1;
+        self.view.global_step = self.state.global_step;
+        Ok(())
+    }
+
+    /// Copies the EMA weights into the evaluation model (in place).
+    fn sync_ema_model(&self) -> Result<()> {
+        let values: HashMap<String, Tensor> = self.ema.ema_tensors().iter().cloned().collect();
+        let entries = module::state_dict(&self.ema_model);
+        no_grad(|| -> Result<()> {
+            for (name, t, kind) in entries {
+                if let Some(v) = values.get(&name) {
+                    t.copy_(&v.to_dtype(t.dtype())?)?;
+                } else if kind == TensorKind::Buffer {
+                    // Integer buffers (num_batches_tracked) are not averaged: copy from the live model.
+                    if let Some((_, live, _)) = module::state_dict(&self.model).into_iter().find(|(n, _, _)| *n == name) {
+                        t.copy_(&live)?;
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn checkpoint(&self, train_args: &serde_json::Value) -> Result<Checkpoint> {
+        let mut tensors: Vec<(String, Tensor)> = float_state(&self.model).into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect();
+        tensors.extend(self.ema.ema_tensors().iter().map(|(n, t)| (format!("ema.{n}"), t.clone())));
+        tensors.extend(self.optimizer.state_tensors().into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
+        // Gradients accumulated since the last optimizer step carry over epochs (training.md §2):
+        // keep them so a resumed run continues with exactly the same sums.
+        for (n, p) in model_params(&self.model) {
+            if let Some(g) = p.grad() {
+                tensors.push((format!("grad.{n}"), g));
+            }
+        }
+        let scaler = match &self.scaler {
+            Some(s) => serde_json::to_value(s.state()?).unwrap_or(serde_json::Value::Null),
+            None => serde_json::Value::Null,
+        };
+        let optimizer = serde_json::json!({
+            "meta": serde_json::to_value(self.optimizer.state_meta()).unwrap_or(serde_json::Value::Null),
+            "scheduler": serde_json::to_value(&self.scheduler).unwrap_or(serde_json::Value::Null),
+            "accumulate": self.accumulate,
+        });
+        Ok(Checkpoint {
+            manifest: Manifest {
+                format: crate::fit::checkpoint::CHECKPOINT_FORMAT,
+                ptl_version: env!("CARGO_PKG_VERSION").into(),
+                loop_state: self.state.clone(),
+                train_args: train_args.clone(),
+                optimizer,
+                scaler,
+                ema: serde_json::to_value(self.ema.meta()).unwrap_or(serde_json::Value::Null),
+                criterion: serde_json::json!({ "updates": self.criterion.updates }),
+                callbacks: self.callbacks.iter().map(|c| (c.state_key(), c.state())).collect(),
+                plugins: self.plugins.states(),
+                recordings: "none".into(),
+            },
+            tensors,
+        })
+    }
+
+    fn restore(&mut self, path: &Path) -> Result<()> {
+        let ck = crate::fit::load_checkpoint(path, self.cfg.device)?;
+        let bad = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
+        self.model.load_state_dict(&ck.part("model"), true).map_err(|e| bad(e.to_string()))?;
+        let ema_meta = serde_json::from_value(ck.manifest.ema.clone()).map_err(|e| bad(format!("EMA state: {e}")))?;
+        self.ema.load(&ema_meta, &ck.part("ema"))?;
+        self.optimizer.load_state_tensors(&ck.part("optim"))?;
+        let meta = serde_json::from_value(ck.manifest.optimizer["meta"].clone()).map_err(|e| bad(format!("optimizer state: {e}")))?;
+        self.optimizer.load_state_meta(&meta)?;
+        self.scheduler =
+            serde_json::from_value(ck.manifest.optimizer["scheduler"].clone()).map_err(|e| bad(format!("scheduler state: {e}")))?;
+        if let Some(acc) = ck.manifest.optimizer["accumulate"].as_u64() {
+            self.accumulate = acc as usize;
+        }
+        if let Some(s) = self.scaler.as_mut() {
+            let st: Option<crate::optim::scaler::ScalerState> =
+                serde_json::from_value(ck.manifest.scaler.clone()).map_err(|e| bad(format!("scaler state: {e}")))?;
+            s.load_state(st.as_ref())?;
+        }
+        if let Some(u) = ck.manifest.criterion["updates"].as_u64() {
+            self.criterion.set_updates(u as usize);
+        }
+        let grads = ck.part("grad");
+        for (n, p) in model_params(&self.model) {
+            p.set_grad(match grads.get(&n) {
+                Some(g) => Some(g.deep_copy()?),
+                None => None,
+            });
+        }
+        self.state = ck.manifest.loop_state.clone();
+        Ok(())
+    }
+
+    fn hashes(&self) -> Result<RunHashes> {
+        let model = float_state(&self.model);
+        let opt = self.optimizer.state_tensors();
+        let ema = self.ema.ema_tensors();
+        let losses: Vec<u8> = self.state.step_losses.iter().flat_map(|l| l.to_le_bytes()).collect();
+        Ok(RunHashes {
+            model: hash::named_tensors_hash(model.iter().map(|(n, t)| (n.as_str(), t)))?,
+            optimizer: {
+                let meta = serde_json::to_string(&self.optimizer.state_meta()).unwrap_or_default();
+                let t = hash::named_tensors_hash(opt.iter().map(|(n, t)| (n.as_str(), t)))?;
+                hash::bytes_hash(format!("{t}{meta}").as_bytes())
+            },
+            scheduler: hash::bytes_hash(serde_json::to_string(&self.scheduler).unwrap_or_default().as_bytes()),
+            ema: hash::named_tensors_hash(ema.iter().map(|(n, t)| (n.as_str(), t)))?,
+            step_losses: hash::bytes_hash(&losses),
+        })
+    }
+}
+
+/// Trains a pose model as `cfg` says, calling `callbacks` at the hook points; returns the summary
+/// (also written to `save_dir/summary.json`).
+pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<RunSummary> {
+    cfg.validate()?;
+    let started = Instant::now();
+    crate::pose::reset_memory_peaks(cfg.device);
+    std::fs::create_dir_all(&cfg.save_dir).map_err(|e| TrainerError::Io { path: cfg.save_dir.clone(), source: e })?;
+    let open = OpenOptions { imgsz: cfg.imgsz as u32, verbose: true, ..OpenOptions::default() };
+    let train_ds = Arc::new(PoseDataset::open_yaml(&cfg.data, "train", &open)?);
+    let val_ds = if cfg.val { Some(Arc::new(PoseDataset::open_yaml(&cfg.data, "val", &open)?)) } else { None };
+    let mut tcfg = TrainConfig {
+        batch: cfg.batch,
+        seed: cfg.seed,
+        epochs: cfg.epochs,
+        close_mosaic: cfg.close_mosaic,
+        workers: cfg.workers,
+        ..TrainConfig::default()
+    };
+    tcfg.aug.mosaic = cfg.mosaic;
+    let loader = Arc::new(TrainLoader::new(train_ds.clone(), tcfg)?);
+    let nb_full = loader.batches_per_epoch();
+    let nb = cfg.max_batches.map_or(nb_full, |m| m.min(nb_full)).max(1);
+
+    let nkpt = train_ds.nkpt();
+    let mcfg = ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale: Scale::parse(&cfg.scale)? };
+    let model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
+    let mut ema_model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
+    ema_model.set_training(false);
+
+    // Optimiser per training.md §2–§3: nominal accumulation, wd scaling, `auto` rule.
+    let accumulate_nominal = nominal_accumulate(cfg.nbs, cfg.batch)?.min(nb * cfg.epochs).max(1);
+    let ocfg = OptimizerConfig {
+        name: OptimizerName::parse(&cfg.optimizer)?,
+        lr0: cfg.lr0,
+        momentum: cfg.momentum,
+        weight_decay: cfg.weight_decay,
+        nbs: cfg.nbs,
+        batch: cfg.batch,
+        iterations: auto_iterations(train_ds.len(), cfg.batch, cfg.nbs, cfg.epochs),
+        nc: Some(1),
+        warmup_bias_lr: cfg.warmup_bias_lr,
+        ..OptimizerConfig::default()
+    };
+    let resolved = resolve(&ocfg)?;
+    let optimizer = build_optimizer(&model_params(&model), &ocfg)?;
+    let lambda = LrLambda::new(cfg.cos_lr, cfg.lrf, cfg.epochs);
+    let warmup = Warmup {
+        nw: crate::optim::warmup_iterations(cfg.warmup_epochs, cfg.epochs, nb),
+        warmup_bias_lr: resolved.warmup_bias_lr,
+        warmup_momentum: cfg.warmup_momentum,
+        momentum: cfg.momentum,
+        accumulate: accumulate_nominal,
+    };
+    let ema = ModelEma::from_module(&model)?;
+    let scaler = match cfg.precision {
+        Precision::F16Mixed => Some(GradScaler::new(GradScalerConfig::default())?),
+        _ => None,
+    };
+    let criterion = E2ELoss::new(LossConfig::with_keypoints(nkpt, None), cfg.epochs);
+    let plugins = PluginStack::from_registry(cfg.plugins.as_deref())?;
+    let mut run = Run {
+        cfg: cfg.clone(),
+        model,
+        ema_model,
+        criterion,
+        optimizer,
+        scheduler: LrScheduler::new(lambda.clone(), 0),
+        lambda,
+        warmup,
+        accumulate: accumulate_nominal,
+        ema,
+        scaler,
+        plugins,
+        callbacks,
+        loader,
+        val_ds,
+        nb,
+        state: LoopState { epoch: -1, last_opt_step: -1, ..LoopState::default() },
+        view: LoopView { epochs: cfg.epochs, batches_per_epoch: nb, ..LoopView::default() },
+        step_ms: Vec::new(),
+        metrics_per_epoch: Vec::new(),
+        optimizer_name: format!("{:?}", resolved.name),
+    };
+    let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
+    let result = fit_loop(&mut run, &train_args);
+    if let Err(e) = &result {
+        let msg = e.to_string();
+        let v = run.view.clone();
+        for cb in run.callbacks.iter_mut() {
+            cb.on_exception(&v, &msg);
+        }
+        return Err(result.err().unwrap_or(TrainerError::InvalidArgument { what: "fit", reason: msg }));
+    }
+    let hashes = run.hashes()?;
+    let (peak_allocated_bytes, peak_reserved_bytes) = crate::pose::memory_peaks(cfg.device);
+    let summary = RunSummary {
+        device: cfg.device.to_string(),
+        precision: cfg.precision.name().into(),
+        epochs: cfg.epochs,
+        batch: cfg.batch,
+        imgsz: cfg.imgsz,
+        optimizer: run.optimizer_name.clone(),
+        total_runtime_s: started.elapsed().as_secs_f64(),
+        step_time: StepTiming::from_samples(&run.step_ms),
+        peak_allocated_bytes,
+        peak_reserved_bytes,
+        optimizer_steps: run.state.global_step,
+        final_metrics: run.metrics_per_epoch.last().cloned().unwrap_or_default(),
+        metrics_per_epoch: run.metrics_per_epoch.clone(),
+        hashes,
+        plugins: run.plugins.summaries(),
+    };
+    summary.write(&cfg.save_dir.join("summary.json"))?;
+    Ok(summary)
+}
+
+fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
+    let cfg = run.cfg.clone();
+    if let Some(path) = &cfg.resume {
+        run.restore(path)?;
+    }
+    let start_epoch = (run.state.epoch + 1) as usize;
+    run.view.epoch = start_epoch;
+    run.each_cb(|c, v| c.setup(v));
+    run.plugins.on_fit_start()?;
+    run.each_cb(|c, v| c.on_fit_start(v));
+    run.each_cb(|c, v| c.on_train_start(v));
+    let columns: Vec<String> = ["epoch", "time"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(LOSS_NAMES.iter().map(|n| format!("train/{n}")))
+        .chain(ValResult::metric_names().iter().map(|s| s.to_string()))
+        .chain((0..run.optimizer.param_groups().len()).map(|i| format!("lr/pg{i}")))
+        .collect();
+    let csv = ResultsCsv::new(&cfg.save_dir.join("results.csv"), columns);
+    let fit_start = Instant::now();
+    for epoch in start_epoch..cfg.epochs {
+        // Scheduler first (epoch e uses lf(e)); the criterion weights follow the epoch count.
+        run.scheduler = LrScheduler::new(run.lambda.clone(), epoch);
+        run.scheduler.step(run.optimizer.param_groups_mut());
+        run.criterion.set_updates(epoch);
+        run.view.epoch = epoch;
+        run.model.set_training(true);
+        run.each_cb(|c, v| c.on_train_epoch_start(v));
+        let mut sums = [0f64; 6];
+        let bar = super::progress::EpochBar::new(cfg.progress, epoch, cfg.epochs, run.nb);
+        for i in 0..run.nb {
+            let batch = run.loader.build_batch(epoch, i)?;
+            run.train_batch(epoch, i, &batch, &mut sums)?;
+            bar.update(i, &run.view.mean_items, run.view.lr.first().copied().unwrap_or(0.0));
+        }
+        bar.finish();
+        let lrs = run.lrs();
+        // Validation on the EMA model.
+        let val = if let Some(ds) = run.val_ds.clone() {
+            run.plugins.on_validation_start()?;
+            run.each_cb(|c, v| c.on_validation_start(v));
+            run.each_cb(|c, v| c.on_validation_epoch_start(v));
+            run.sync_ema_model()?;
+            let r = validate(&run.ema_model, &ds, cfg.batch * 2, cfg.device, cfg.precision)?;
+            run.view.metrics = r.metrics.clone();
+            run.each_cb(|c, v| c.on_validation_epoch_end(v));
+            run.each_cb(|c, v| c.on_validation_end(v));
+            Some(r)
+        } else {
+            None
+        };
+        run.state.epoch = epoch as i64;
+        let fitness = val.as_ref().map(|v| v.fitness);
+        if let Some(f) = fitness {
+            if run.state.best_fitness.is_none_or(|b| f > b) {
+                run.state.best_fitness = Some(f);
+            }
+        }
+        let mut row = vec![epoch as f64 + 1.0, fit_start.elapsed().as_secs_f64()];
+        row.extend(sums.iter().map(|s| s / run.nb as f64));
+        row.extend(val.as_ref().map(|v| v.metric_values()).unwrap_or_else(|| vec![f64::NAN; ValResult::metric_names().len()]));
+        row.extend(lrs);
+        csv.append(&row)?;
+        run.metrics_per_epoch.push(val.map(|v| v.metrics).unwrap_or_default());
+        let ck = run.checkpoint(train_args)?;
+        let weights = cfg.save_dir.join("weights");
+        save_checkpoint(&weights.join("last.ckpt"), &ck)?;
+        if fitness.is_some() && fitness == run.state.best_fitness {
+            save_checkpoint(&weights.join("best.ckpt"), &ck)?;
+        }
+        run.each_cb(|c, v| c.on_save_checkpoint(v));
+        run.each_cb(|c, v| c.on_train_epoch_end(v));
+        if cfg.stop_after_epochs.is_some_and(|n| epoch + 1 - start_epoch >= n) && epoch + 1 < cfg.epochs {
+            return Ok(());
+        }
+    }
+    run.each_cb(|c, v| c.on_train_end(v));
+    run.each_cb(|c, v| c.on_fit_end(v));
+    run.each_cb(|c, v| c.teardown(v));
+    Ok(())
+}

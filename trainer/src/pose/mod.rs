@@ -1,0 +1,32 @@
+//! Pose training: configuration, the fit loop, validation.
+
+pub mod config;
+pub mod fit;
+mod progress;
+pub mod validate;
+
+pub use config::{PoseTrainConfig, Precision};
+pub use fit::{fit, images_to_tensor, LOSS_NAMES};
+pub use validate::{validate, ValResult};
+
+/// Peak (allocated, reserved) device memory on `device` since the last reset; `None` on the
+/// CPU, where the process allocator keeps no such statistics.
+pub fn memory_peaks(device: ptl_autograd::Device) -> (Option<u64>, Option<u64>) {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        if let Ok(s) = ptl_autograd::cuda::memory_stats(device) {
+            return (Some(s.peak_allocated), Some(s.peak_reserved));
+        }
+    }
+    let _ = device;
+    (None, None)
+}
+
+/// Resets the peak statistics at the start of a run (no-op on the CPU).
+pub fn reset_memory_peaks(device: ptl_autograd::Device) {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let _ = ptl_autograd::cuda::reset_peak_memory_stats(device);
+    }
+    let _ = device;
+}
