@@ -212,6 +212,9 @@ pub trait BackendStorage: Sized {
     /// `y = act(x·p[c] + p[C + c])` over a contiguous NCHW tensor with `p` = `[scale; C] ++ [shift; C]`
     /// (statistics dtype); `act` is SiLU when `silu`, else identity. Output in the input dtype.
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self>;
+    /// Softmax (or log-softmax when `log`) of a contiguous float tensor along `dim`, stabilised by
+    /// the maximum; sums accumulate in f64 (CPU) / a fixed-order f32-or-wider tree (CUDA).
+    fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self>;
 }
 
 /// The dtype batch-norm statistics are kept in for inputs of `dt`.

@@ -87,6 +87,16 @@ impl Storage {
         Storage::full(device, dtype, n, 0.0)
     }
 
+    /// Storage whose every element the caller overwrites before reading: no fill on GPUs (zeros on
+    /// the host). Used for outputs of full copies (views, concatenation).
+    pub fn uninit(device: Device, dtype: DType, n: usize) -> Result<Storage> {
+        match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => Ok(Storage::Cuda(crate::cuda::CudaStorage::uninit(device, dtype, n)?)),
+            _ => Storage::zeros(device, dtype, n),
+        }
+    }
+
     /// Constant-filled storage on `device`.
     pub fn full(device: Device, dtype: DType, n: usize, value: f64) -> Result<Storage> {
         match device {
@@ -244,6 +254,10 @@ impl Storage {
             #[allow(unreachable_patterns)]
             (x, w, b, _, _) => Err(mismatch3("batch_norm_train_stats", x, w, b)),
         }
+    }
+    /// See [`BackendStorage::softmax`].
+    pub fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Storage> {
+        unary_dispatch!(self, |s| s.softmax(shape, dim, log))
     }
     /// See [`BackendStorage::channel_affine`].
     pub fn channel_affine(&self, shape: &[usize], params: &Storage, silu: bool) -> Result<Storage> {

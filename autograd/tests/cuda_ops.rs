@@ -287,7 +287,7 @@ fn shapes() {
     });
     case("chunk", FP64, &[(s, -2.0, 2.0)], &|v, _| {
         let p = v[0].chunk(2, 3)?;
-        p[0].mul(&p[1].narrow(3, 0, 2)?)
+        p[0].narrow(3, 0, 2)?.mul(&p[1])
     });
     case("expand", FP64, &[(&[3, 1], -2.0, 2.0)], &|v, _| v[0].expand(&[2, 3, 4]));
     case("upsample_nearest", FP64, &[(&[2, 3, 5, 4], -2.0, 2.0)], &|v, _| v[0].upsample_nearest(2));

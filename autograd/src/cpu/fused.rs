@@ -91,3 +91,33 @@ pub(crate) fn channel_affine(x: &CpuStorage, shape: &[usize], p: &CpuStorage, si
     }
     super::float_map!(x, OP, |v| map(v, c, hw, &pv, silu))
 }
+
+pub(crate) fn softmax(x: &CpuStorage, shape: &[usize], dim: usize, log: bool) -> Result<CpuStorage> {
+    let (outer, d, inner) = super::reduce::split3(shape, dim);
+    fn run<T: num_traits::Float>(v: &[T], outer: usize, d: usize, inner: usize, log: bool) -> Vec<T> {
+        let mut out = vec![T::zero(); v.len()];
+        for o in 0..outer {
+            for i in 0..inner {
+                let at = |j: usize| (o * d + j) * inner + i;
+                let mut m = T::neg_infinity();
+                for j in 0..d {
+                    let x = v[at(j)];
+                    if x > m || x.is_nan() {
+                        m = x;
+                    }
+                }
+                let mut s = 0f64;
+                for j in 0..d {
+                    s += (v[at(j)] - m).exp().to_f64().unwrap_or(f64::NAN);
+                }
+                let st = T::from(s).unwrap_or_else(T::nan);
+                for j in 0..d {
+                    let xm = v[at(j)] - m;
+                    out[at(j)] = if log { xm - st.ln() } else { xm.exp() / st };
+                }
+            }
+        }
+        out
+    }
+    super::float_map!(x, "softmax", |v| run(v, outer, d, inner, log))
+}

@@ -147,7 +147,7 @@ impl CpuStorage {
     /// Rebuilds a storage from little-endian bytes.
     pub fn from_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
         let es = dtype.size_in_bytes();
-        if bytes.len() % es != 0 {
+        if !bytes.len().is_multiple_of(es) {
             return Err(Error::invalid("from_bytes", format!("{} bytes is not a multiple of {es} for {dtype}", bytes.len())));
         }
         fn cast<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
@@ -271,5 +271,8 @@ impl BackendStorage for CpuStorage {
     }
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
         fused::channel_affine(self, shape, params, silu)
+    }
+    fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self> {
+        fused::softmax(self, shape, dim, log)
     }
 }

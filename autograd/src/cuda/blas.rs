@@ -53,6 +53,16 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
         super::ops::fill(&out, 0.0)?;
         return Ok(out);
     }
+    gemm(dev, a.dtype, p, a.buf.ptr, b.buf.ptr, out.buf.ptr, 0.0, false)?;
+    Ok(out)
+}
+
+/// Row-major batched GEMM on raw pointers: `C = op(A)·op(B) + beta·C` (see [`MatmulParams`]). With
+/// `c_f32`, half inputs write an f32 `C` (for accumulation across calls).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm(dev: &Arc<Dev>, dtype: DType, p: &MatmulParams, pa: u64, pb: u64, pc: u64, beta: f32, c_f32: bool) -> Result<()> {
+    dev.bind()?;
+    let batch = p.batch();
     let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
         *guard = Some(Blas::new(dev)?);
@@ -65,12 +75,11 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
     let sa = if p.lhs_batch == 1 { 0 } else { (p.m * p.k) as i64 };
     let sb = if p.rhs_batch == 1 { 0 } else { (p.k * p.n) as i64 };
     let sc = (p.m * p.n) as i64;
-    let (pa, pb, pc) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
     let bc = batch as i32;
     unsafe {
-        match a.dtype {
+        match dtype {
             DType::F32 => {
-                let (al, be) = (1f32, 0f32);
+                let (al, be) = (1f32, beta);
                 br::sgemm_strided_batched(
                     h,
                     opb,
@@ -93,7 +102,7 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
                 )
             }
             DType::F64 => {
-                let (al, be) = (1f64, 0f64);
+                let (al, be) = (1f64, beta as f64);
                 br::dgemm_strided_batched(
                     h,
                     opb,
@@ -116,8 +125,8 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
                 )
             }
             DType::F16 | DType::BF16 => {
-                let t = if a.dtype == DType::F16 { bs::cudaDataType::CUDA_R_16F } else { bs::cudaDataType::CUDA_R_16BF };
-                let (al, be) = (1f32, 0f32);
+                let t = if dtype == DType::F16 { bs::cudaDataType::CUDA_R_16F } else { bs::cudaDataType::CUDA_R_16BF };
+                let (al, be) = (1f32, beta);
                 br::gemm_strided_batched_ex(
                     h,
                     opb,
@@ -136,7 +145,7 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
                     sa,
                     &be as *const f32 as *const c_void,
                     pc as *mut c_void,
-                    t,
+                    if c_f32 { bs::cudaDataType::CUDA_R_32F } else { t },
                     n,
                     sc,
                     bc,
@@ -147,6 +156,5 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
             other => return Err(Error::UnsupportedDType { op: "matmul", dtype: other, expected: "a float dtype" }),
         }
     }
-    .map_err(|e| cu_err("cuBLAS gemm", e))?;
-    Ok(out)
+    .map_err(|e| cu_err("cuBLAS gemm", e))
 }

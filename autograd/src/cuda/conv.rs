@@ -31,6 +31,9 @@ enum Algo {
     W(ns::cudnnConvolutionBwdFilterAlgo_t),
 }
 
+/// Raw (a, b, out) device pointers of the call that creates a plan.
+type Bufs = (*const c_void, *const c_void, *mut c_void);
+
 struct Plan {
     x: ns::cudnnTensorDescriptor_t,
     y: ns::cudnnTensorDescriptor_t,
@@ -48,6 +51,8 @@ pub(crate) struct Dnn {
 unsafe impl Send for Dnn {}
 
 const MAX_WS: usize = 512 << 20;
+/// Scratch workspace for measuring candidate algorithms.
+const FIND_WS: usize = 256 << 20;
 
 fn ndt(dt: DType) -> Result<ns::cudnnDataType_t> {
     Ok(match dt {
@@ -71,16 +76,17 @@ impl Dnn {
         Ok(Dnn { handle, plans: HashMap::new() })
     }
 
-    fn plan(&mut self, dev: &Arc<Dev>, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<&Plan> {
+    fn plan(&mut self, dev: &Arc<Dev>, p: &Conv2dParams, dt: DType, dir: Dir, bufs: Bufs) -> Result<&Plan> {
         let key = (*p, dt, dir);
         if !self.plans.contains_key(&key) {
-            let plan = self.make_plan(dev, p, dt, dir)?;
+            let plan = self.make_plan(dev, p, dt, dir, bufs)?;
             self.plans.insert(key, plan);
         }
         self.plans.get(&key).ok_or_else(|| Error::Cuda("conv plan cache".into()))
     }
 
-    fn make_plan(&self, dev: &Arc<Dev>, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<Plan> {
+    fn make_plan(&self, dev: &Arc<Dev>, p: &Conv2dParams, dt: DType, dir: Dir, bufs: Bufs) -> Result<Plan> {
+        // bufs: Fwd (x, w, y); BwdData (dy, w, dx); BwdFilter (dy, x, dw).
         let t = ndt(dt)?;
         let nchw = ns::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
         let i = |v: usize| v as i32;
@@ -116,52 +122,136 @@ impl Dnn {
             };
             nr::set_convolution_math_type(conv, want_math).map_err(e("cudnnSetConvolutionMathType"))?;
             // True FP32 must never run on tensor cores (TF32); halves may use any math.
-            let math_ok = |m: ns::cudnnMathType_t| dt != DType::F32 || m == ns::cudnnMathType_t::CUDNN_FMA_MATH;
+            let math_ok = |m: ns::cudnnMathType_t| {
+                dt != DType::F32 || matches!(m, ns::cudnnMathType_t::CUDNN_FMA_MATH | ns::cudnnMathType_t::CUDNN_DEFAULT_MATH)
+            };
+            // f32 keeps FMA math whatever the heuristic reports (DEFAULT could mean TF32 on Ampere+).
+            let final_math = |m: ns::cudnnMathType_t| if dt == DType::F32 { ns::cudnnMathType_t::CUDNN_FMA_MATH } else { m };
             let det = ns::cudnnDeterminism_t::CUDNN_DETERMINISTIC;
             let okst = ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
             let h = self.handle;
             let mut cnt = 0i32;
-            let (algo, math, ws_bytes) = match dir {
-                Dir::Fwd => {
-                    let mut perf = vec![std::mem::zeroed::<ns::cudnnConvolutionFwdAlgoPerf_t>(); 16];
-                    nr::get_convolution_forward_algorithm(h, x, w, conv, y, 16, &mut cnt, perf.as_mut_ptr())
-                        .map_err(e("cudnnGetConvolutionForwardAlgorithm_v7"))?;
-                    let pick = perf[..cnt as usize]
+            // Candidates are measured once per plan with cudnnFind*Ex on the real buffers and a
+            // scratch workspace (eager only, before any capture); only deterministic algorithms
+            // are eligible. PTL_CUDNN_HEURISTIC=1 uses cuDNN's heuristics ranking instead.
+            let measure = std::env::var("PTL_CUDNN_HEURISTIC").map(|v| v != "1").unwrap_or(true);
+            let scratch = if measure { DevBuf::alloc(dev, FIND_WS).ok() } else { None };
+            let (sp, sb) = scratch.as_ref().map(|b| (b.ptr as *mut c_void, FIND_WS)).unwrap_or((std::ptr::null_mut(), 0));
+            macro_rules! choose {
+                ($perf_t:ty, $find:expr, $heur:expr, $wsq:expr, $wrap:path, $what:literal) => {{
+                    let mut perf = vec![std::mem::zeroed::<$perf_t>(); 16];
+                    let found = measure && scratch.is_some() && {
+                        cnt = 0;
+                        $find(&mut perf, &mut cnt)
+                    };
+                    if !found {
+                        $heur(&mut perf, &mut cnt).map_err(e(concat!("cuDNN ", $what, " heuristics")))?;
+                    }
+                    let pick = perf[..cnt.max(0) as usize]
                         .iter()
                         .find(|q| q.status == okst && q.determinism == det && math_ok(q.mathType) && q.memory <= MAX_WS)
-                        .ok_or_else(|| Error::Cuda(format!("cuDNN offers no deterministic forward algorithm for {p:?} {dt}")))?;
-                    nr::set_convolution_math_type(conv, pick.mathType).map_err(e("cudnnSetConvolutionMathType"))?;
-                    let ws = nr::get_convolution_forward_workspace_size(h, x, w, conv, y, pick.algo)
-                        .map_err(e("cudnnGetConvolutionForwardWorkspaceSize"))?;
-                    (Algo::F(pick.algo), pick.mathType, ws)
-                }
-                Dir::BwdData => {
-                    let mut perf = vec![std::mem::zeroed::<ns::cudnnConvolutionBwdDataAlgoPerf_t>(); 16];
-                    nr::get_convolution_backward_data_algorithm(h, w, y, conv, x, 16, &mut cnt, perf.as_mut_ptr())
-                        .map_err(e("cudnnGetConvolutionBackwardDataAlgorithm_v7"))?;
-                    let pick = perf[..cnt as usize]
-                        .iter()
-                        .find(|q| q.status == okst && q.determinism == det && math_ok(q.mathType) && q.memory <= MAX_WS)
-                        .ok_or_else(|| Error::Cuda(format!("cuDNN offers no deterministic backward-data algorithm for {p:?} {dt}")))?;
-                    nr::set_convolution_math_type(conv, pick.mathType).map_err(e("cudnnSetConvolutionMathType"))?;
-                    let ws = nr::get_convolution_backward_data_workspace_size(h, w, y, conv, x, pick.algo)
-                        .map_err(e("cudnnGetConvolutionBackwardDataWorkspaceSize"))?;
-                    (Algo::D(pick.algo), pick.mathType, ws)
-                }
-                Dir::BwdFilter => {
-                    let mut perf = vec![std::mem::zeroed::<ns::cudnnConvolutionBwdFilterAlgoPerf_t>(); 16];
-                    nr::get_convolution_backward_filter_algorithm(h, x, y, conv, w, 16, &mut cnt, perf.as_mut_ptr())
-                        .map_err(e("cudnnGetConvolutionBackwardFilterAlgorithm_v7"))?;
-                    let pick = perf[..cnt as usize]
-                        .iter()
-                        .find(|q| q.status == okst && q.determinism == det && math_ok(q.mathType) && q.memory <= MAX_WS)
-                        .ok_or_else(|| Error::Cuda(format!("cuDNN offers no deterministic backward-filter algorithm for {p:?} {dt}")))?;
-                    nr::set_convolution_math_type(conv, pick.mathType).map_err(e("cudnnSetConvolutionMathType"))?;
-                    let ws = nr::get_convolution_backward_filter_workspace_size(h, x, y, conv, w, pick.algo)
-                        .map_err(e("cudnnGetConvolutionBackwardFilterWorkspaceSize"))?;
-                    (Algo::W(pick.algo), pick.mathType, ws)
-                }
-            };
+                        .copied()
+                        .ok_or_else(|| Error::Cuda(format!("cuDNN offers no deterministic {} algorithm for {p:?} {dt}", $what)))?;
+                    nr::set_convolution_math_type(conv, final_math(pick.mathType)).map_err(e("cudnnSetConvolutionMathType"))?;
+                    let ws = $wsq(pick.algo).map_err(e(concat!("cuDNN ", $what, " workspace size")))?;
+                    ($wrap(pick.algo), pick.mathType, ws)
+                }};
+            }
+            let (algo, math, ws_bytes) =
+                match dir {
+                    Dir::Fwd => choose!(
+                        ns::cudnnConvolutionFwdAlgoPerf_t,
+                        |perf: &mut Vec<ns::cudnnConvolutionFwdAlgoPerf_t>, cnt: &mut i32| ns::cudnnFindConvolutionForwardAlgorithmEx(
+                            h,
+                            x,
+                            bufs.0,
+                            w,
+                            bufs.1,
+                            conv,
+                            y,
+                            bufs.2,
+                            16,
+                            cnt,
+                            perf.as_mut_ptr(),
+                            sp,
+                            sb
+                        )
+                        .result()
+                        .is_ok(),
+                        |perf: &mut Vec<ns::cudnnConvolutionFwdAlgoPerf_t>, cnt: &mut i32| nr::get_convolution_forward_algorithm(
+                            h,
+                            x,
+                            w,
+                            conv,
+                            y,
+                            16,
+                            cnt,
+                            perf.as_mut_ptr()
+                        ),
+                        |a| nr::get_convolution_forward_workspace_size(h, x, w, conv, y, a),
+                        Algo::F,
+                        "forward"
+                    ),
+                    Dir::BwdData => {
+                        choose!(
+                            ns::cudnnConvolutionBwdDataAlgoPerf_t,
+                            |perf: &mut Vec<ns::cudnnConvolutionBwdDataAlgoPerf_t>, cnt: &mut i32| {
+                                ns::cudnnFindConvolutionBackwardDataAlgorithmEx(
+                                    h,
+                                    w,
+                                    bufs.1,
+                                    y,
+                                    bufs.0,
+                                    conv,
+                                    x,
+                                    bufs.2,
+                                    16,
+                                    cnt,
+                                    perf.as_mut_ptr(),
+                                    sp,
+                                    sb,
+                                )
+                                .result()
+                                .is_ok()
+                            },
+                            |perf: &mut Vec<ns::cudnnConvolutionBwdDataAlgoPerf_t>, cnt: &mut i32| {
+                                nr::get_convolution_backward_data_algorithm(h, w, y, conv, x, 16, cnt, perf.as_mut_ptr())
+                            },
+                            |a| nr::get_convolution_backward_data_workspace_size(h, w, y, conv, x, a),
+                            Algo::D,
+                            "backward-data"
+                        )
+                    }
+                    Dir::BwdFilter => choose!(
+                        ns::cudnnConvolutionBwdFilterAlgoPerf_t,
+                        |perf: &mut Vec<ns::cudnnConvolutionBwdFilterAlgoPerf_t>, cnt: &mut i32| {
+                            ns::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                                h,
+                                x,
+                                bufs.1,
+                                y,
+                                bufs.0,
+                                conv,
+                                w,
+                                bufs.2,
+                                16,
+                                cnt,
+                                perf.as_mut_ptr(),
+                                sp,
+                                sb,
+                            )
+                            .result()
+                            .is_ok()
+                        },
+                        |perf: &mut Vec<ns::cudnnConvolutionBwdFilterAlgoPerf_t>, cnt: &mut i32| {
+                            nr::get_convolution_backward_filter_algorithm(h, x, y, conv, w, 16, cnt, perf.as_mut_ptr())
+                        },
+                        |a| nr::get_convolution_backward_filter_workspace_size(h, x, y, conv, w, a),
+                        Algo::W,
+                        "backward-filter"
+                    ),
+                };
+            drop(scratch);
             let _ = math;
             let ws = if ws_bytes > 0 { Some(DevBuf::alloc(dev, ws_bytes)?) } else { None };
             Ok(Plan { x, y, w, conv, algo, ws, ws_bytes })
@@ -189,13 +279,17 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
         super::ops::fill(&out, 0.0)?;
         return Ok(out);
     }
+    if p.kh == 1 && p.kw == 1 && p.stride == (1, 1) && p.padding == (0, 0) && p.groups == 1 {
+        return pointwise(dir, a, b, p, out);
+    }
     let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
         *guard = Some(Dnn::new(dev)?);
     }
     let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let h = dnn.handle;
-    let plan = dnn.plan(dev, p, dt, dir)?;
+    let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
+    let plan = dnn.plan(dev, p, dt, dir, (pa, pb, po))?;
     let (af, bf) = (1f32, 0f32);
     let (ad, bd) = (1f64, 0f64);
     let (alpha, beta) = if dt == DType::F64 {
@@ -204,7 +298,6 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
         (&af as *const f32 as *const c_void, &bf as *const f32 as *const c_void)
     };
     let ws = plan.ws.as_ref().map(|w| w.ptr as *mut c_void).unwrap_or(std::ptr::null_mut());
-    let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
     unsafe {
         match plan.algo {
             // a = x, b = w
@@ -233,4 +326,50 @@ pub(crate) fn conv2d_backward_input(dy: &CudaStorage, w: &CudaStorage, p: &Conv2
 }
 pub(crate) fn conv2d_backward_weight(dy: &CudaStorage, x: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
     run(Dir::BwdFilter, dy, x, p, "conv2d_backward_weight")
+}
+
+/// 1×1 stride-1 convolutions are plain GEMMs: through cuBLAS (faster than cuDNN's picks here).
+/// The weight gradient sums the batch items in order with β = 1 (f32 accumulator for halves).
+fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: CudaStorage) -> Result<CudaStorage> {
+    use crate::backend::MatmulParams;
+    let dev = &a.buf.dev;
+    let dt = a.dtype;
+    let hw = p.h_in * p.w_in;
+    let (ci, co, n) = (p.c_in, p.c_out, p.batch);
+    match dir {
+        Dir::Fwd => {
+            let mp = MatmulParams { lhs_batch: 1, rhs_batch: n, m: co, n: hw, k: ci, lhs_t: false, rhs_t: false };
+            super::blas::gemm(dev, dt, &mp, b.buf.ptr, a.buf.ptr, out.buf.ptr, 0.0, false)?;
+            Ok(out)
+        }
+        Dir::BwdData => {
+            let mp = MatmulParams { lhs_batch: 1, rhs_batch: n, m: ci, n: hw, k: co, lhs_t: true, rhs_t: false };
+            super::blas::gemm(dev, dt, &mp, b.buf.ptr, a.buf.ptr, out.buf.ptr, 0.0, false)?;
+            Ok(out)
+        }
+        Dir::BwdFilter => {
+            let es = dt.size_in_bytes() as u64;
+            let half = dt.is_half();
+            let acc = if half { CudaStorage::alloc(dev, DType::F32, co * ci)? } else { out };
+            let mp = MatmulParams { lhs_batch: 1, rhs_batch: 1, m: co, n: ci, k: hw, lhs_t: false, rhs_t: true };
+            for i in 0..n as u64 {
+                let beta = if i == 0 { 0.0 } else { 1.0 };
+                super::blas::gemm(
+                    dev,
+                    dt,
+                    &mp,
+                    a.buf.ptr + i * (co * hw) as u64 * es,
+                    b.buf.ptr + i * (ci * hw) as u64 * es,
+                    acc.buf.ptr,
+                    beta,
+                    half,
+                )?;
+            }
+            if half {
+                super::ops::to_dtype(&acc, dt)
+            } else {
+                Ok(acc)
+            }
+        }
+    }
 }

@@ -711,3 +711,64 @@ CAST_TO(u8, u8)
 extern "C" __global__ void cast_i64_u8(const i64* x, u8* y, u32 n) {
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) y[i] = from_d<u8>((double)x[i]);
 }
+
+// ---- softmax ---------------------------------------------------------------------------------------------
+// Rows (inner == 1): one block per row; max and sum by fixed-order trees (sum in f64 for f32/f64).
+template <typename T>
+__device__ void softmax_rows_k(const T* x, T* y, u32 d, int lg) {
+    typedef typename Acc<T>::type A;
+    typedef typename SumAcc<T>::type S;
+    __shared__ A sm[256];
+    __shared__ S ss[256];
+    const T* row = x + (size_t)blockIdx.x * d;
+    T* out = y + (size_t)blockIdx.x * d;
+    u32 t = threadIdx.x;
+    A m = -(A)F_INF;
+    for (u32 j = t; j < d; j += 256) { A v = to_acc(row[j]); if (v > m || is_nan(v)) m = v; }
+    sm[t] = m;
+    __syncthreads();
+    for (u32 k = 128; k > 0; k >>= 1) {
+        if (t < k) { A o = sm[t + k]; if (o > sm[t] || is_nan(o)) sm[t] = o; }
+        __syncthreads();
+    }
+    m = sm[0];
+    S s = 0;
+    for (u32 j = t; j < d; j += 256) s += (S)m_exp(to_acc(row[j]) - m);
+    ss[t] = s;
+    __syncthreads();
+    for (u32 k = 128; k > 0; k >>= 1) {
+        if (t < k) ss[t] += ss[t + k];
+        __syncthreads();
+    }
+    A st = (A)ss[0];
+    A ls = m_log(st);
+    for (u32 j = t; j < d; j += 256) {
+        A xm = to_acc(row[j]) - m;
+        out[j] = store<T, A>(lg ? xm - ls : m_exp(xm) / st);
+    }
+}
+// Columns (inner > 1): one thread per (outer, inner) position, sequential over d.
+template <typename T>
+__device__ void softmax_cols_k(const T* x, T* y, u32 n, u32 d, u32 inner, int lg) {
+    typedef typename Acc<T>::type A;
+    typedef typename SumAcc<T>::type S;
+    for (u32 k = blockIdx.x * blockDim.x + threadIdx.x; k < n; k += blockDim.x * gridDim.x) {
+        u32 o = k / inner, i = k % inner;
+        const T* b = x + (size_t)o * d * inner + i;
+        T* ob = y + (size_t)o * d * inner + i;
+        A m = -(A)F_INF;
+        for (u32 j = 0; j < d; ++j) { A v = to_acc(b[(size_t)j * inner]); if (v > m || is_nan(v)) m = v; }
+        S s = 0;
+        for (u32 j = 0; j < d; ++j) s += (S)m_exp(to_acc(b[(size_t)j * inner]) - m);
+        A st = (A)s;
+        A ls = m_log(st);
+        for (u32 j = 0; j < d; ++j) {
+            A xm = to_acc(b[(size_t)j * inner]) - m;
+            ob[(size_t)j * inner] = store<T, A>(lg ? xm - ls : m_exp(xm) / st);
+        }
+    }
+}
+#define INST_SOFTMAX(name, T) \
+    extern "C" __global__ void softmax_rows_##name(const T* x, T* y, u32 d, int lg) { softmax_rows_k<T>(x, y, d, lg); } \
+    extern "C" __global__ void softmax_cols_##name(const T* x, T* y, u32 n, u32 d, u32 inner, int lg) { softmax_cols_k<T>(x, y, n, d, inner, lg); }
+FLOAT_TYPES(INST_SOFTMAX)

@@ -100,6 +100,11 @@ impl CudaStorage {
         Ok(CudaStorage { buf: DevBuf::alloc(dev, len * dtype.size_in_bytes())?, dtype, len })
     }
 
+    /// An unfilled buffer (poisoned when [`set_poison_allocations`] is on).
+    pub(crate) fn uninit(device: Device, dtype: DType, len: usize) -> Result<CudaStorage> {
+        CudaStorage::alloc(&dev_of(device)?, dtype, len)
+    }
+
     /// A constant-filled buffer (`cuMemsetD8Async` for zero, a fill kernel otherwise).
     pub(crate) fn full(device: Device, dtype: DType, len: usize, value: f64) -> Result<CudaStorage> {
         let dev = dev_of(device)?;
@@ -241,6 +246,9 @@ impl BackendStorage for CudaStorage {
     }
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
         ops::channel_affine(self, shape, params, silu)
+    }
+    fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self> {
+        ops::softmax(self, shape, dim, log)
     }
 }
 

@@ -55,8 +55,8 @@ pub(crate) fn strided(op: &'static str, shape: &[usize], ops: &[(&[usize], usize
     let mut g = Strided { rank: dims.len() as u32, ..Default::default() };
     for (d, (s, st)) in dims.iter().enumerate() {
         g.shape[d] = u32c(op, *s)?;
-        for k in 0..ops.len() {
-            g.st[k][d] = u32c(op, st[k])?;
+        for (k, &v) in st.iter().enumerate().take(ops.len()) {
+            g.st[k][d] = u32c(op, v)?;
         }
     }
     for (k, (_, off)) in ops.iter().enumerate() {
@@ -690,5 +690,28 @@ pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, 
     let (px, pp, py) = (ptr(x), ptr(p), ptr(&out));
     let (n, h, cc, act) = (u32c(OP, x.len)?, u32c(OP, hw)?, u32c(OP, c)?, silu as i32);
     dev.launch1d(f, x.len, &mut args!(px, pp, py, n, h, cc, act))?;
+    Ok(out)
+}
+
+pub(crate) fn softmax(x: &CudaStorage, shape: &[usize], dim: usize, log: bool) -> Result<CudaStorage> {
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: "softmax", dtype: x.dtype, expected: "a float dtype" });
+    }
+    let (outer, d, inner) = split3(shape, dim);
+    let dev = &x.buf.dev;
+    let out = CudaStorage::alloc(dev, x.dtype, x.len)?;
+    if x.len == 0 {
+        return Ok(out);
+    }
+    let (px, py, dd, ii, lg) = (ptr(x), ptr(&out), u32c("softmax", d)?, u32c("softmax", inner)?, log as i32);
+    u32c("softmax", x.len)?;
+    if inner == 1 {
+        let f = dev.func("softmax_rows", sfx(x.dtype))?;
+        dev.launch(f, (u32c("softmax", outer)?, 1, 1), (256, 1, 1), &mut args!(px, py, dd, lg))
+    } else {
+        let f = dev.func("softmax_cols", sfx(x.dtype))?;
+        let n = u32c("softmax", outer * inner)?;
+        dev.launch1d(f, outer * inner, &mut args!(px, py, n, dd, ii, lg))
+    }?;
     Ok(out)
 }

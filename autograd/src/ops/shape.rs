@@ -10,7 +10,7 @@ use crate::{Error, Result, Tensor};
 
 /// Copies the strided view `src` of `x` into a new contiguous tensor.
 fn gather_view(x: &Tensor, src: &Layout) -> Result<Tensor> {
-    let mut out = Storage::zeros(x.device(), x.dtype(), src.numel())?;
+    let mut out = Storage::uninit(x.device(), x.dtype(), src.numel())?;
     x.read_storage().copy_strided(src, &mut out, &Layout::contiguous(&src.shape))?;
     Tensor::from_storage(out, src.shape.clone())
 }
@@ -64,7 +64,7 @@ impl Tensor {
     pub fn reshape_infer(&self, dims: &[isize]) -> Result<Tensor> {
         let known: usize = dims.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
         let n_infer = dims.iter().filter(|&&d| d < 0).count();
-        if n_infer > 1 || (n_infer == 1 && (known == 0 || self.numel() % known != 0)) {
+        if n_infer > 1 || (n_infer == 1 && (known == 0 || !self.numel().is_multiple_of(known))) {
             return Err(Error::invalid("reshape", format!("cannot reshape {:?} into {dims:?}", self.dims())));
         }
         let shape: Vec<usize> = dims.iter().map(|&d| if d < 0 { self.numel() / known.max(1) } else { d as usize }).collect();
@@ -184,7 +184,7 @@ impl Tensor {
         }
         let mut shape = first.dims().to_vec();
         shape[d] = total;
-        let mut out = Storage::zeros(first.device(), first.dtype(), shape.iter().product())?;
+        let mut out = Storage::uninit(first.device(), first.dtype(), shape.iter().product())?;
         let mut regions = Vec::with_capacity(tensors.len());
         let mut start = 0;
         for t in tensors {

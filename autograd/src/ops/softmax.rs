@@ -4,13 +4,15 @@ use crate::autograd::{record1, FnBackward};
 use crate::{Result, Tensor};
 
 impl Tensor {
+    /// One fused (log-)softmax primitive over `dim` (no autograd).
+    fn raw_softmax(&self, dim: isize, log: bool) -> Result<Tensor> {
+        let d = crate::shape::normalize_dim("softmax", dim, self.rank())?;
+        let s = self.read_storage().softmax(self.dims(), d, log)?;
+        Tensor::from_storage(s, self.dims().to_vec())
+    }
+
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
-        let y = crate::no_grad(|| -> Result<Tensor> {
-            let x = self.detach();
-            let m = x.max_dim(dim, true)?.0;
-            let e = x.sub(&m)?.exp()?;
-            e.div(&e.sum_dim(dim, true)?)
-        })?;
+        let y = self.raw_softmax(dim, false)?;
         if !self.requires_grad() || !crate::is_grad_enabled() {
             return Ok(y);
         }
@@ -31,12 +33,7 @@ impl Tensor {
     }
 
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
-        let y = crate::no_grad(|| -> Result<Tensor> {
-            let x = self.detach();
-            let m = x.max_dim(dim, true)?.0;
-            let xm = x.sub(&m)?;
-            xm.sub(&xm.exp()?.sum_dim(dim, true)?.log()?)
-        })?;
+        let y = self.raw_softmax(dim, true)?;
         if !self.requires_grad() || !crate::is_grad_enabled() {
             return Ok(y);
         }
