@@ -13,9 +13,12 @@ pub mod flow;
 pub mod head;
 pub mod model;
 pub mod nn;
+pub mod summary;
 
 pub use decode::{decode_boxes, decode_kpts, decode_predictions, make_anchors};
 pub use error::{HeadsError, Result};
 pub use flow::RealNvp;
 pub use head::{Branch, BranchOutput, HeadOutput, Pose26, StemKind, StemRef};
 pub use model::{ModelConfig, PoseModel, Prediction, Scale};
+pub use nn::{autocast, AutocastGuard};
+pub use summary::ModelSummary;

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use common::*;
 use ptl_autograd::module::{named_parameters, state_dict};
-use ptl_autograd::{DType, Device, Module, Tensor, TensorKind};
+use ptl_autograd::{DType, Device, Tensor, TensorKind};
 use ptl_heads::model::LayerKind;
 use ptl_heads::{Branch, ModelConfig, PoseModel, Scale, StemKind};
 
