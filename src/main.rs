@@ -22,6 +22,10 @@ enum Command {
     Data(DataCommand),
     /// Train a pose model (no arguments: the embedded synthetic default).
     Train(cli::train::TrainArgs),
+    /// Validate a checkpoint (EMA weights) on a dataset's val split.
+    Val(cli::predict::ValArgs),
+    /// Draw predictions of a checkpoint on images (PNGs + predictions.json).
+    Predict(cli::predict::PredictArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -95,6 +99,8 @@ fn main() -> ExitCode {
     let res = match cli.command {
         Command::Data(c) => run_data(c).map_err(|e| e.to_string()),
         Command::Train(a) => cli::train::run_train(a),
+        Command::Val(a) => cli::predict::run_val(a),
+        Command::Predict(a) => cli::predict::run_predict(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,1 +1,3 @@
+pub mod draw;
+pub mod predict;
 pub mod train;

@@ -2,6 +2,7 @@
 
 use std::process::{Command, ExitCode};
 
+mod bench_train;
 mod device_pack;
 mod gate;
 
@@ -9,7 +10,8 @@ fn usage() -> &'static str {
     "usage: cargo xtask <command>\n\
      commands:\n  \
        gate            cargo fmt --check, clippy -D warnings, cargo test --workspace\n  \
-       device-pack     build the CUDA test/bench binaries + run.sh into device-pack/ (for the GPU machine)\n"
+       device-pack     build the CUDA test/bench binaries + run.sh into device-pack/ (for the GPU machine)\n  \
+       bench-train     the training benchmark workload in fresh processes (--pack: into train-pack/ for the GPU machine)\n"
 }
 
 fn main() -> ExitCode {
@@ -17,6 +19,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("gate") => gate::run(),
         Some("device-pack") => device_pack::run(&args[1..]),
+        Some("bench-train") => bench_train::run(&args[1..]),
         Some("-h") | Some("--help") | None => {
             print!("{}", usage());
             return ExitCode::SUCCESS;

@@ -1,0 +1,157 @@
+//! `ptl val` and `ptl predict`: load a checkpoint's EMA weights and evaluate or draw predictions.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use ptl_autograd::{no_grad, Device, Module, Tensor};
+use ptl_data::augment::{letterbox, Instances};
+use ptl_heads::{ModelConfig, PoseModel, Scale};
+use ptl_trainer::fit::load_checkpoint;
+use ptl_trainer::metrics::nms::non_max_suppression_batch;
+use ptl_trainer::metrics::NmsConfig;
+
+use super::draw;
+
+#[derive(Args, Debug)]
+pub struct ValArgs {
+    /// A ptl checkpoint (`weights/last.ckpt` or `best.ckpt`).
+    #[arg(long)]
+    pub weights: PathBuf,
+    /// Dataset yaml (defaults to the one the checkpoint was trained on).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    #[arg(long, default_value_t = 640)]
+    pub imgsz: usize,
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+}
+
+#[derive(Args, Debug)]
+pub struct PredictArgs {
+    /// A ptl checkpoint.
+    #[arg(long)]
+    pub weights: PathBuf,
+    /// An image or a folder of images.
+    #[arg(long)]
+    pub source: PathBuf,
+    /// Output folder for drawn PNGs and predictions.json.
+    #[arg(long, default_value = "runs/pose/predict")]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 640)]
+    pub imgsz: usize,
+    /// Confidence threshold.
+    #[arg(long, default_value_t = 0.25)]
+    pub conf: f32,
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+}
+
+/// Builds the model described by the checkpoint and loads its EMA weights (in eval mode).
+pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, serde_json::Value), String> {
+    let ck = load_checkpoint(path, device).map_err(|e| e.to_string())?;
+    let args = ck.manifest.train_args.clone();
+    let scale = Scale::parse(args["scale"].as_str().unwrap_or("n")).map_err(|e| e.to_string())?;
+    let ema = ck.part("ema");
+    let nkpt = 17;
+    let mut model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale }, device, 0).map_err(|e| e.to_string())?;
+    let weights = if ema.is_empty() { ck.part("model") } else { ema };
+    model.load_state_dict(&weights, false).map_err(|e| e.to_string())?;
+    model.set_training(false);
+    Ok((model, args))
+}
+
+pub fn run_val(a: ValArgs) -> Result<(), String> {
+    let device = super::train::resolve_device(&a.device)?;
+    let (model, args) = model_from_checkpoint(&a.weights, device)?;
+    let data = match &a.data {
+        Some(d) => d.clone(),
+        None => PathBuf::from(args["data"].as_str().ok_or("the checkpoint names no dataset; pass --data")?),
+    };
+    let open = ptl_data::OpenOptions { imgsz: a.imgsz as u32, ..Default::default() };
+    let ds = std::sync::Arc::new(ptl_data::PoseDataset::open_yaml(&data, "val", &open).map_err(|e| e.to_string())?);
+    let r = ptl_trainer::pose::validate(&model, &ds, a.batch, device, ptl_trainer::pose::Precision::F32).map_err(|e| e.to_string())?;
+    println!("validated {} images of {}", r.images, data.display());
+    for (k, v) in &r.metrics {
+        println!("  {k:<24} {v:.4}");
+    }
+    Ok(())
+}
+
+fn images_in(source: &Path) -> Result<Vec<PathBuf>, String> {
+    if source.is_file() {
+        return Ok(vec![source.to_path_buf()]);
+    }
+    let rd = std::fs::read_dir(source).map_err(|e| format!("cannot read {}: {e}", source.display()))?;
+    let mut v: Vec<PathBuf> = rd
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().and_then(|x| x.to_str()).is_some_and(|x| ["jpg", "jpeg", "png", "bmp"].contains(&x.to_ascii_lowercase().as_str())))
+        .collect();
+    v.sort();
+    if v.is_empty() {
+        return Err(format!("no images (jpg/png) in {}", source.display()));
+    }
+    Ok(v)
+}
+
+pub fn run_predict(a: PredictArgs) -> Result<(), String> {
+    let device = super::train::resolve_device(&a.device)?;
+    let (model, _) = model_from_checkpoint(&a.weights, device)?;
+    std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
+    let nk = 17;
+    let cfg = NmsConfig { conf_thres: a.conf, ..NmsConfig::default() };
+    let mut all = Vec::new();
+    for path in images_in(&a.source)? {
+        let (img, _) = match ptl_data::image::decode_file(&path) {
+            Ok(x) => x,
+            Err(e) => {
+                eprintln!("ptl: skipping {}: {e}", path.display());
+                continue;
+            }
+        };
+        let mut inst = Instances::empty(nk);
+        let s = a.imgsz as u32;
+        let (lb, info) = letterbox(&img, &mut inst, s, s, true);
+        let rgb = lb.to_rgb();
+        let (h, w) = (lb.h as usize, lb.w as usize);
+        let mut chw = vec![0u8; 3 * h * w];
+        for (i, px) in rgb.chunks_exact(3).enumerate() {
+            for c in 0..3 {
+                chw[c * h * w + i] = px[c];
+            }
+        }
+        let x = ptl_trainer::pose::images_to_tensor(&chw, [1, 3, h, w], device).map_err(|e| e.to_string())?;
+        let pred = no_grad(|| model.predict(&x)).map_err(|e| e.to_string())?;
+        let d: Tensor = pred.decoded;
+        let dims = d.dims().to_vec();
+        let host = d.to_vec::<f32>().map_err(|e| e.to_string())?;
+        let outs = non_max_suppression_batch(&host, 1, dims[2], 1, nk, &cfg).map_err(|e| e.to_string())?;
+        let det = &outs[0].detections;
+        let unmap = |x: f32, y: f32| ((x - info.left as f32) / info.r, (y - info.top as f32) / info.r);
+        let mut drawn = img.clone();
+        let mut people = Vec::new();
+        for (i, b) in det.boxes.iter().enumerate() {
+            let (x1, y1) = unmap(b[0], b[1]);
+            let (x2, y2) = unmap(b[2], b[3]);
+            let kp: Vec<[f32; 3]> = (0..nk)
+                .map(|k| {
+                    let o = (i * nk + k) * 3;
+                    let (kx, ky) = unmap(det.keypoints[o], det.keypoints[o + 1]);
+                    [kx, ky, det.keypoints[o + 2]]
+                })
+                .collect();
+            draw::person(&mut drawn, [x1, y1, x2, y2], &kp, 0.5);
+            people.push(serde_json::json!({ "box_xyxy": [x1, y1, x2, y2], "score": det.scores[i], "keypoints": kp }));
+        }
+        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
+        let png = a.out.join(format!("{stem}.png"));
+        ptl_data::image::write_png(&drawn, &png).map_err(|e| e.to_string())?;
+        println!("{}: {} persons -> {}", path.display(), people.len(), png.display());
+        all.push(serde_json::json!({ "image": path.display().to_string(), "persons": people }));
+    }
+    let json = a.out.join("predictions.json");
+    std::fs::write(&json, serde_json::to_string_pretty(&all).unwrap_or_default()).map_err(|e| format!("cannot write {}: {e}", json.display()))?;
+    println!("predictions: {}", json.display());
+    Ok(())
+}
