@@ -191,6 +191,7 @@ fn musgd_muon_pieces_match() {
     let (mut blend, mut apply, mut ns_b, mut ns_b_vs_ref, mut ns64, mut ns32) =
         (Worst::default(), Worst::default(), Worst::default(), Worst::default(), Worst::default(), Worst::default());
     let mut muon_names = 0;
+    let mut bit_exact = 0;
     for (n, gi) in o["musgd"]["subset_group_of"].as_object().expect("map") {
         let gr = &groups[gi.as_u64().expect("gi") as usize];
         if !gr["use_muon"].as_bool().expect("use_muon") {
@@ -222,7 +223,9 @@ fn musgd_muon_pieces_match() {
             // 2. Newton–Schulz of the reference U.
             let ns_in = get("ns_in");
             let ob = orthogonalized_update(&ns_in, NsPrecision::Bf16).expect("ns bf16");
-            ns_b.add(&format!("step{s}.ns_out_bf16.{n}"), &ob, &get("ns_out_bf16"));
+            if ns_b.add(&format!("step{s}.ns_out_bf16.{n}"), &ob, &get("ns_out_bf16")) <= 1e-6 {
+                bit_exact += 1;
+            }
             ns_b_vs_ref.add(&format!("step{s}.muon_update.{n}"), &get("muon_update"), &get("ns_out_bf16"));
             let o64 = orthogonalized_update(&ns_in, NsPrecision::F64).expect("ns f64");
             ns64.add(&format!("step{s}.ns_out_f64.{n}"), &o64, &get("ns_out_f64"));
@@ -238,6 +241,10 @@ fn musgd_muon_pieces_match() {
         }
     }
     assert_eq!(muon_names, 10);
+    println!("bf16 Newton-Schulz within 1e-6 of the reference on {bit_exact}/30 (matrix, step) pairs");
+    // The reference rounding is reproduced exactly except where f32 summation order flips a bf16
+    // rounding (24 of the 30 golden (matrix, step) pairs are within 1e-6 here).
+    assert!(bit_exact >= 20, "only {bit_exact}/30 match");
     blend.report("Muon momentum + Nesterov blend (ns_in)");
     apply.report("Muon-group parameter update given the reference direction");
     ns_b.report("Newton-Schulz bf16 vs ns_out_bf16");

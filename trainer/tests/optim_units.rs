@@ -8,10 +8,11 @@ use std::collections::HashMap;
 use optim_common::{dev, fresh_params, goldens};
 use ptl_autograd::{module::parameter, DType, Device, Tensor};
 use ptl_trainer::optim::schedule::interp;
-use ptl_trainer::optim::state::OptimizerMeta;
+use ptl_trainer::optim::state::{checkpoint_dtypes, OptimizerMeta};
 use ptl_trainer::optim::{
-    auto_iterations, build_optimizer, clip_grad_norm, newton_schulz5, nominal_accumulate, resolve, scaled_weight_decay, warmup_iterations,
-    GradScaler, GradScalerConfig, LrLambda, LrScheduler, ModelEma, NsPrecision, OptimizerConfig, OptimizerName, ParamKind, Warmup,
+    auto_iterations, build_optimizer, capped_accumulate, clip_grad_norm, newton_schulz5, nominal_accumulate, resolve, scaled_weight_decay,
+    step_due, warmup_iterations, GradScaler, GradScalerConfig, LrLambda, LrScheduler, ModelEma, NsPrecision, OptimizerConfig,
+    OptimizerName, ParamKind, Warmup,
 };
 
 fn t(v: &[f32], shape: &[usize]) -> Tensor {
@@ -60,6 +61,23 @@ fn auto_rule_accumulate_and_decay() {
     assert!((scaled_weight_decay(0.0005, 16, 64).expect("wd") - 0.0005).abs() < 1e-18);
     assert!((scaled_weight_decay(0.0005, 4, 64).expect("wd") - 0.0005).abs() < 1e-18);
     assert!(nominal_accumulate(64, 0).is_err());
+    assert_eq!(capped_accumulate(64, 4, Some(8 * 2)).expect("acc"), 16);
+    assert_eq!(capped_accumulate(64, 4, Some(3)).expect("acc"), 3);
+    assert_eq!(capped_accumulate(64, 4, None).expect("acc"), 16);
+    // §2 example: 32 images, batch 4, 2 epochs, nw 8: one step at ni 0, none afterwards.
+    let w = Warmup::new(3.0, 2, 8, 0.0, 0.8, 0.937, 16);
+    let lf = LrLambda::new(false, 0.01, 2);
+    let mut groups = build_optimizer(&tiny_named(), &OptimizerConfig { iterations: 88_500, ..Default::default() }).expect("opt");
+    let mut last = -1i64;
+    let mut steps = Vec::new();
+    for ni in 0..16usize {
+        let acc = w.apply(ni, ni / 8, &lf, groups.param_groups_mut()).unwrap_or(16);
+        if step_due(ni, last, acc) {
+            steps.push(ni);
+            last = ni as i64;
+        }
+    }
+    assert_eq!(steps, vec![0]);
 
     let r = resolve(&OptimizerConfig { iterations: 88_500, ..Default::default() }).expect("resolve");
     assert_eq!((r.name, r.lr0, r.momentum, r.warmup_bias_lr), (OptimizerName::MuSgd, 0.01, 0.9, 0.0));
@@ -438,8 +456,12 @@ fn optimizer_state_round_trip() {
         a.param_groups_mut()[0].set_lr(0.0123);
         a.param_groups_mut()[0].set_momentum(0.91);
         let json = a.state_meta().to_json().expect("json");
-        let tensors: HashMap<String, Tensor> =
-            a.state_tensors().into_iter().map(|(n, t)| (n, t.to_dtype(DType::F16).expect("fp16 like a checkpoint"))).collect();
+        let ckpt = checkpoint_dtypes(a.state_tensors()).expect("fp16");
+        for (n, t) in &ckpt {
+            let want = if n.starts_with("state.exp_avg") { DType::F32 } else { DType::F16 };
+            assert_eq!(t.dtype(), want, "{n}");
+        }
+        let tensors: HashMap<String, Tensor> = ckpt.into_iter().collect();
         // A fresh model with the same parameter values, a fresh optimizer, then load.
         let pb: Vec<(String, Tensor)> = pa.iter().map(|(n, t)| (n.clone(), parameter(t.deep_copy().expect("c")).expect("p"))).collect();
         let mut b = build_optimizer(&pb, &cfg).expect("b");

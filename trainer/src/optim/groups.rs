@@ -114,6 +114,21 @@ pub fn nominal_accumulate(nbs: usize, batch: usize) -> Result<usize> {
     Ok((round_half_even(nbs as f64 / batch as f64) as usize).max(1))
 }
 
+/// The nominal accumulate capped at `nb · epochs` (no cap in `time` mode: pass `None`).
+pub fn capped_accumulate(nbs: usize, batch: usize, batches_times_epochs: Option<usize>) -> Result<usize> {
+    let acc = nominal_accumulate(nbs, batch)?;
+    Ok(match batches_times_epochs {
+        Some(cap) => acc.min(cap.max(1)),
+        None => acc,
+    })
+}
+
+/// Whether an optimizer step is due after batch `ni` (§2): `ni − last_opt_step ≥ accumulate`,
+/// with `last_opt_step = −1` before the first step.
+pub fn step_due(ni: usize, last_opt_step: i64, accumulate: usize) -> bool {
+    ni as i64 - last_opt_step >= accumulate as i64
+}
+
 /// `weight_decay · batch · accumulate / nbs` with the uncapped accumulate (§2).
 pub fn scaled_weight_decay(weight_decay: f64, batch: usize, nbs: usize) -> Result<f64> {
     if nbs == 0 {

@@ -27,8 +27,9 @@ pub use adamw::AdamW;
 pub use clip::clip_grad_norm;
 pub use ema::ModelEma;
 pub use groups::{
-    auto_iterations, build_groups, classify, is_boosted, nominal_accumulate, norm_modules_from_names, resolve, round_half_even,
-    scaled_weight_decay, NamedParam, NsPrecision, OptimizerConfig, OptimizerName, ParamGroup, ParamKind, ResolvedOptimizer,
+    auto_iterations, build_groups, capped_accumulate, classify, is_boosted, nominal_accumulate, norm_modules_from_names, resolve,
+    round_half_even, scaled_weight_decay, step_due, NamedParam, NsPrecision, OptimizerConfig, OptimizerName, ParamGroup, ParamKind,
+    ResolvedOptimizer,
 };
 pub use musgd::MuSgd;
 pub use newton_schulz::{newton_schulz5, orthogonalized_update};

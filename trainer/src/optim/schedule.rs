@@ -105,6 +105,19 @@ pub struct Warmup {
 }
 
 impl Warmup {
+    /// `nw` from [`warmup_iterations`]; `accumulate` is the capped nominal value of §2.
+    pub fn new(
+        warmup_epochs: f64,
+        epochs: usize,
+        nb: usize,
+        warmup_bias_lr: f64,
+        warmup_momentum: f64,
+        momentum: f64,
+        accumulate: usize,
+    ) -> Self {
+        Warmup { nw: warmup_iterations(warmup_epochs, epochs, nb), warmup_bias_lr, warmup_momentum, momentum, accumulate }
+    }
+
     /// Whether batch `ni` (counted from the start of training) is a warm-up batch.
     pub fn active(&self, ni: usize) -> bool {
         self.nw > 0 && ni <= self.nw

@@ -189,3 +189,22 @@ pub(crate) fn apply_groups_meta(kind: OptimizerName, groups: &mut [ParamGroup], 
     }
     Ok(())
 }
+
+/// Ultralytics' `convert_optimizer_state_dict_to_fp16` for checkpoints: floating-point state
+/// tensors (`state.<key>.<param>`) become FP16 except the keys `step`, `exp_avg`, `exp_avg_sq` and
+/// `square_avg` (so MuSGD/SGD momentum buffers are stored in FP16, AdamW moments stay FP32).
+/// Loading converts back to the parameter dtype ([`ParamStates::load_named`]).
+pub fn checkpoint_dtypes(tensors: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+    const KEEP: [&str; 4] = ["step", "exp_avg", "exp_avg_sq", "square_avg"];
+    tensors
+        .into_iter()
+        .map(|(n, t)| {
+            let key = n.strip_prefix("state.").and_then(|r| r.split('.').next()).unwrap_or("");
+            if t.dtype() == ptl_autograd::DType::F32 && !KEEP.contains(&key) {
+                Ok((n, ptl_autograd::no_grad(|| t.to_dtype(ptl_autograd::DType::F16))?))
+            } else {
+                Ok((n, t))
+            }
+        })
+        .collect()
+}

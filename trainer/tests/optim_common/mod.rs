@@ -9,6 +9,7 @@ use ptl_autograd::{module, Device, Tensor};
 /// `shared/goldens` (or `$PTL_GOLDENS`), or `None` with a printed reason.
 pub fn goldens() -> Option<PathBuf> {
     let p = std::env::var_os("PTL_GOLDENS")
+        .filter(|v| !v.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens")));
     if p.is_dir() {
