@@ -49,6 +49,9 @@ pub enum BinaryOp {
     Minimum,
     Pow,
     Atan2,
+    /// Binary cross-entropy on logits `a` with targets `b`, no reduction, in the stable form
+    /// `max(a, 0) − a·b + log(1 + e^(−|a|))` (one fused pass).
+    BceWithLogits,
 }
 
 /// Element-wise comparisons; the result dtype is `Bool`.
@@ -212,6 +215,9 @@ pub trait BackendStorage: Sized {
     /// `y = act(x·p[c] + p[C + c])` over a contiguous NCHW tensor with `p` = `[scale; C] ++ [shift; C]`
     /// (statistics dtype); `act` is SiLU when `silu`, else identity. Output in the input dtype.
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self>;
+    /// Eval-mode batch-norm parameters from `self` = weight and the running statistics (all of one
+    /// float dtype, length C): the same `(aff, nrm)` pair as [`Self::batch_norm_train_stats`].
+    fn batch_norm_eval_params(&self, bias: &Self, running_mean: &Self, running_var: &Self, eps: f64) -> Result<(Self, Self)>;
     /// Softmax (or log-softmax when `log`) of a contiguous float tensor along `dim`, stabilised by
     /// the maximum; sums accumulate in f64 (CPU) / a fixed-order f32-or-wider tree (CUDA).
     fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self>;

@@ -255,6 +255,22 @@ impl Storage {
             (x, w, b, _, _) => Err(mismatch3("batch_norm_train_stats", x, w, b)),
         }
     }
+    /// See [`BackendStorage::batch_norm_eval_params`].
+    pub fn batch_norm_eval_params(&self, b: &Storage, rm: &Storage, rv: &Storage, eps: f64) -> Result<(Storage, Storage)> {
+        match (self, b, rm, rv) {
+            (Storage::Cpu(w), Storage::Cpu(b), Storage::Cpu(m), Storage::Cpu(v)) => {
+                let (a, n) = w.batch_norm_eval_params(b, m, v, eps)?;
+                Ok((Storage::Cpu(a), Storage::Cpu(n)))
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(w), Storage::Cuda(b), Storage::Cuda(m), Storage::Cuda(v)) => {
+                let (a, n) = w.batch_norm_eval_params(b, m, v, eps)?;
+                Ok((Storage::Cuda(a), Storage::Cuda(n)))
+            }
+            #[allow(unreachable_patterns)]
+            (w, b, m, _) => Err(mismatch3("batch_norm_eval_params", w, b, m)),
+        }
+    }
     /// See [`BackendStorage::softmax`].
     pub fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Storage> {
         unary_dispatch!(self, |s| s.softmax(shape, dim, log))

@@ -100,6 +100,10 @@ impl BinaryOp {
             }
             BinaryOp::Pow => a.powf(b),
             BinaryOp::Atan2 => a.atan2(b),
+            BinaryOp::BceWithLogits => {
+                let relu = if a > T::zero() { a } else { T::zero() };
+                relu - a * b + (-a.abs()).exp().ln_1p()
+            }
         }
     }
 
@@ -116,7 +120,7 @@ impl BinaryOp {
             }
             BinaryOp::Maximum => a.max(b),
             BinaryOp::Minimum => a.min(b),
-            BinaryOp::Pow | BinaryOp::Atan2 => return None,
+            BinaryOp::Pow | BinaryOp::Atan2 | BinaryOp::BceWithLogits => return None,
         })
     }
 

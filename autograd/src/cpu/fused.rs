@@ -121,3 +121,28 @@ pub(crate) fn softmax(x: &CpuStorage, shape: &[usize], dim: usize, log: bool) ->
     }
     super::float_map!(x, "softmax", |v| run(v, outer, d, inner, log))
 }
+
+pub(crate) fn batch_norm_eval_params(
+    w: &CpuStorage,
+    b: &CpuStorage,
+    rm: &CpuStorage,
+    rv: &CpuStorage,
+    eps: f64,
+) -> Result<(CpuStorage, CpuStorage)> {
+    const OP: &str = "batch_norm_eval_params";
+    let (sd, c) = (w.dtype(), w.len());
+    if !sd.is_float() {
+        return Err(Error::UnsupportedDType { op: OP, dtype: sd, expected: "a float dtype" });
+    }
+    let (wv, bv, mv, vv) = (w.to_f64_vec(), stats_vec(OP, b, sd, c)?, stats_vec(OP, rm, sd, c)?, stats_vec(OP, rv, sd, c)?);
+    let (mut aff, mut nrm) = (vec![0.0; 2 * c], vec![0.0; 2 * c]);
+    for ch in 0..c {
+        let invstd = 1.0 / (vv[ch] + eps).sqrt();
+        let scale = wv[ch] * invstd;
+        aff[ch] = scale;
+        aff[c + ch] = bv[ch] - mv[ch] * scale;
+        nrm[ch] = invstd;
+        nrm[c + ch] = -mv[ch] * invstd;
+    }
+    Ok((CpuStorage::from_f64(sd, &aff), CpuStorage::from_f64(sd, &nrm)))
+}

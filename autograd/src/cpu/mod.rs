@@ -275,4 +275,7 @@ impl BackendStorage for CpuStorage {
     fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self> {
         fused::softmax(self, shape, dim, log)
     }
+    fn batch_norm_eval_params(&self, bias: &Self, running_mean: &Self, running_var: &Self, eps: f64) -> Result<(Self, Self)> {
+        fused::batch_norm_eval_params(self, bias, running_mean, running_var, eps)
+    }
 }

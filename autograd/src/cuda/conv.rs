@@ -1,9 +1,13 @@
-//! Convolution forward / backward-data / backward-weight through cuDNN (legacy API, NCHW).
+//! Convolution forward / backward-data / backward-weight through cuDNN (legacy API, NCHW), and
+//! 1×1 stride-1 convolutions through cuBLAS GEMMs.
 //!
-//! Algorithms come from cuDNN's heuristics (`*_v7`, no benchmarking) filtered to deterministic
-//! ones; f32 uses `CUDNN_FMA_MATH` (true FP32, no TF32), f16/bf16 use tensor cores with an f32
-//! compute type, f64 the double path. Each (shape, dtype, direction) gets a cached plan with its own
-//! workspace, allocated on first (eager) use, so a captured step never allocates inside cuDNN.
+//! Only deterministic algorithms are eligible. Per (shape, dtype, direction) the candidates are
+//! timed once with `cudnnFind*AlgorithmEx` on the call's own buffers and a scratch workspace (at the
+//! first, eager call — never inside a capture) and the fastest deterministic one is kept; set
+//! `PTL_CUDNN_HEURISTIC=1` to take cuDNN's heuristic ranking instead (identical choice in every
+//! process). f32 uses `CUDNN_FMA_MATH` (true FP32, no TF32), f16/bf16 tensor cores with an f32
+//! compute type, f64 the double path. Each plan owns its workspace, so a captured step never
+//! allocates inside cuDNN.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -157,82 +161,52 @@ impl Dnn {
                     ($wrap(pick.algo), pick.mathType, ws)
                 }};
             }
-            let (algo, math, ws_bytes) =
-                match dir {
-                    Dir::Fwd => choose!(
-                        ns::cudnnConvolutionFwdAlgoPerf_t,
-                        |perf: &mut Vec<ns::cudnnConvolutionFwdAlgoPerf_t>, cnt: &mut i32| ns::cudnnFindConvolutionForwardAlgorithmEx(
-                            h,
-                            x,
-                            bufs.0,
-                            w,
-                            bufs.1,
-                            conv,
-                            y,
-                            bufs.2,
-                            16,
-                            cnt,
-                            perf.as_mut_ptr(),
-                            sp,
-                            sb
-                        )
-                        .result()
-                        .is_ok(),
-                        |perf: &mut Vec<ns::cudnnConvolutionFwdAlgoPerf_t>, cnt: &mut i32| nr::get_convolution_forward_algorithm(
-                            h,
-                            x,
-                            w,
-                            conv,
-                            y,
-                            16,
-                            cnt,
-                            perf.as_mut_ptr()
-                        ),
-                        |a| nr::get_convolution_forward_workspace_size(h, x, w, conv, y, a),
-                        Algo::F,
-                        "forward"
+            let (algo, math, ws_bytes) = match dir {
+                Dir::Fwd => choose!(
+                    ns::cudnnConvolutionFwdAlgoPerf_t,
+                    |perf: &mut Vec<ns::cudnnConvolutionFwdAlgoPerf_t>, cnt: &mut i32| ns::cudnnFindConvolutionForwardAlgorithmEx(
+                        h,
+                        x,
+                        bufs.0,
+                        w,
+                        bufs.1,
+                        conv,
+                        y,
+                        bufs.2,
+                        16,
+                        cnt,
+                        perf.as_mut_ptr(),
+                        sp,
+                        sb
+                    )
+                    .result()
+                    .is_ok(),
+                    |perf: &mut Vec<ns::cudnnConvolutionFwdAlgoPerf_t>, cnt: &mut i32| nr::get_convolution_forward_algorithm(
+                        h,
+                        x,
+                        w,
+                        conv,
+                        y,
+                        16,
+                        cnt,
+                        perf.as_mut_ptr()
                     ),
-                    Dir::BwdData => {
-                        choose!(
-                            ns::cudnnConvolutionBwdDataAlgoPerf_t,
-                            |perf: &mut Vec<ns::cudnnConvolutionBwdDataAlgoPerf_t>, cnt: &mut i32| {
-                                ns::cudnnFindConvolutionBackwardDataAlgorithmEx(
-                                    h,
-                                    w,
-                                    bufs.1,
-                                    y,
-                                    bufs.0,
-                                    conv,
-                                    x,
-                                    bufs.2,
-                                    16,
-                                    cnt,
-                                    perf.as_mut_ptr(),
-                                    sp,
-                                    sb,
-                                )
-                                .result()
-                                .is_ok()
-                            },
-                            |perf: &mut Vec<ns::cudnnConvolutionBwdDataAlgoPerf_t>, cnt: &mut i32| {
-                                nr::get_convolution_backward_data_algorithm(h, w, y, conv, x, 16, cnt, perf.as_mut_ptr())
-                            },
-                            |a| nr::get_convolution_backward_data_workspace_size(h, w, y, conv, x, a),
-                            Algo::D,
-                            "backward-data"
-                        )
-                    }
-                    Dir::BwdFilter => choose!(
-                        ns::cudnnConvolutionBwdFilterAlgoPerf_t,
-                        |perf: &mut Vec<ns::cudnnConvolutionBwdFilterAlgoPerf_t>, cnt: &mut i32| {
-                            ns::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                    |a| nr::get_convolution_forward_workspace_size(h, x, w, conv, y, a),
+                    Algo::F,
+                    "forward"
+                ),
+                Dir::BwdData => {
+                    choose!(
+                        ns::cudnnConvolutionBwdDataAlgoPerf_t,
+                        |perf: &mut Vec<ns::cudnnConvolutionBwdDataAlgoPerf_t>, cnt: &mut i32| {
+                            ns::cudnnFindConvolutionBackwardDataAlgorithmEx(
                                 h,
-                                x,
+                                w,
                                 bufs.1,
                                 y,
                                 bufs.0,
                                 conv,
-                                w,
+                                x,
                                 bufs.2,
                                 16,
                                 cnt,
@@ -243,14 +217,43 @@ impl Dnn {
                             .result()
                             .is_ok()
                         },
-                        |perf: &mut Vec<ns::cudnnConvolutionBwdFilterAlgoPerf_t>, cnt: &mut i32| {
-                            nr::get_convolution_backward_filter_algorithm(h, x, y, conv, w, 16, cnt, perf.as_mut_ptr())
+                        |perf: &mut Vec<ns::cudnnConvolutionBwdDataAlgoPerf_t>, cnt: &mut i32| {
+                            nr::get_convolution_backward_data_algorithm(h, w, y, conv, x, 16, cnt, perf.as_mut_ptr())
                         },
-                        |a| nr::get_convolution_backward_filter_workspace_size(h, x, y, conv, w, a),
-                        Algo::W,
-                        "backward-filter"
-                    ),
-                };
+                        |a| nr::get_convolution_backward_data_workspace_size(h, w, y, conv, x, a),
+                        Algo::D,
+                        "backward-data"
+                    )
+                }
+                Dir::BwdFilter => choose!(
+                    ns::cudnnConvolutionBwdFilterAlgoPerf_t,
+                    |perf: &mut Vec<ns::cudnnConvolutionBwdFilterAlgoPerf_t>, cnt: &mut i32| {
+                        ns::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                            h,
+                            x,
+                            bufs.1,
+                            y,
+                            bufs.0,
+                            conv,
+                            w,
+                            bufs.2,
+                            16,
+                            cnt,
+                            perf.as_mut_ptr(),
+                            sp,
+                            sb,
+                        )
+                        .result()
+                        .is_ok()
+                    },
+                    |perf: &mut Vec<ns::cudnnConvolutionBwdFilterAlgoPerf_t>, cnt: &mut i32| {
+                        nr::get_convolution_backward_filter_algorithm(h, x, y, conv, w, 16, cnt, perf.as_mut_ptr())
+                    },
+                    |a| nr::get_convolution_backward_filter_workspace_size(h, x, y, conv, w, a),
+                    Algo::W,
+                    "backward-filter"
+                ),
+            };
             drop(scratch);
             let _ = math;
             let ws = if ws_bytes > 0 { Some(DevBuf::alloc(dev, ws_bytes)?) } else { None };

@@ -185,6 +185,7 @@ template <typename A> __device__ __forceinline__ A binary_apply(int op, A a, A b
     case 5: return (is_nan(a) || is_nan(b)) ? a + b : (a < b ? a : b);
     case 6: return m_pow(a, b);
     case 7: return m_atan2(a, b);
+    case 8: return (a > (A)0 ? a : (A)0) - a * b + m_log1p(m_exp(-m_abs(a)));
     }
     return a;
 }
@@ -772,3 +773,18 @@ __device__ void softmax_cols_k(const T* x, T* y, u32 n, u32 d, u32 inner, int lg
     extern "C" __global__ void softmax_rows_##name(const T* x, T* y, u32 d, int lg) { softmax_rows_k<T>(x, y, d, lg); } \
     extern "C" __global__ void softmax_cols_##name(const T* x, T* y, u32 n, u32 d, u32 inner, int lg) { softmax_cols_k<T>(x, y, n, d, inner, lg); }
 FLOAT_TYPES(INST_SOFTMAX)
+
+// Eval-mode batch-norm parameters (one thread per channel).
+template <typename S>
+__device__ void bn_eval_k(const S* w, const S* b, const S* rm, const S* rv, double eps, S* aff, S* nrm, u32 c) {
+    for (u32 ch = blockIdx.x * blockDim.x + threadIdx.x; ch < c; ch += blockDim.x * gridDim.x) {
+        double invstd = 1.0 / sqrt((double)rv[ch] + eps);
+        double scale = (double)w[ch] * invstd;
+        aff[ch] = (S)scale;
+        aff[c + ch] = (S)((double)b[ch] - (double)rm[ch] * scale);
+        nrm[ch] = (S)invstd;
+        nrm[c + ch] = (S)(-(double)rm[ch] * invstd);
+    }
+}
+extern "C" __global__ void bn_eval_f32(const float* w, const float* b, const float* rm, const float* rv, double eps, float* aff, float* nrm, u32 c) { bn_eval_k<float>(w, b, rm, rv, eps, aff, nrm, c); }
+extern "C" __global__ void bn_eval_f64(const double* w, const double* b, const double* rm, const double* rv, double eps, double* aff, double* nrm, u32 c) { bn_eval_k<double>(w, b, rm, rv, eps, aff, nrm, c); }

@@ -7,8 +7,13 @@
 //!   (headers from `$CUDA_HOME/include`, default `/usr/local/cuda/include`). Reductions and
 //!   scatter/index adds use fixed-order loops and trees, never float atomics, so results are
 //!   bit-identical run to run. f16/bf16 are computed in f32.
-//! - **Libraries**: matmul through cuBLAS (true FP32, f16/bf16 with f32 accumulation), conv through
-//!   cuDNN with deterministic heuristic algorithm choice and per-shape cached workspaces.
+//! - **Libraries**: matmul through cuBLAS (true FP32, f16/bf16 with f32 accumulation); conv through
+//!   cuDNN restricted to deterministic algorithms (fastest measured once per shape, or cuDNN's
+//!   heuristic pick with `PTL_CUDNN_HEURISTIC=1`) with per-shape cached workspaces; 1×1 convs as
+//!   cuBLAS GEMMs.
+//! - **Fused kernels**: BatchNorm+SiLU forward (`Tensor::batch_norm2d_silu`: deterministic batch
+//!   statistics, running-stat update and affine+SiLU in three kernels), (log-)softmax in one
+//!   kernel, BCE-with-logits in one element-wise pass.
 //! - **Memory**: stream-ordered allocation from the device pool (release threshold `u64::MAX`), or
 //!   from a private [`MemPool`] while it is entered; [`memory_stats`] / [`reset_peak_memory_stats`].
 //! - **Host transfers** happen only in `Tensor::to_vec` / `item` / `to_f64_vec` / `to_bytes` /
@@ -249,6 +254,9 @@ impl BackendStorage for CudaStorage {
     }
     fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self> {
         ops::softmax(self, shape, dim, log)
+    }
+    fn batch_norm_eval_params(&self, bias: &Self, running_mean: &Self, running_var: &Self, eps: f64) -> Result<(Self, Self)> {
+        ops::batch_norm_eval_params(self, bias, running_mean, running_var, eps)
     }
 }
 

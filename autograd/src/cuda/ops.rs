@@ -132,6 +132,7 @@ fn binary_code(op: BinaryOp) -> i32 {
         BinaryOp::Minimum => 5,
         BinaryOp::Pow => 6,
         BinaryOp::Atan2 => 7,
+        BinaryOp::BceWithLogits => 8,
     }
 }
 
@@ -151,7 +152,7 @@ fn binary_into(a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout, op: B
     let (pa, pb, py, nn) = (ptr(a), ptr(b), ptr(out), u32c("binary", n)?);
     match a.dtype {
         DType::U8 | DType::Bool => {
-            if matches!(op, BinaryOp::Div | BinaryOp::Pow | BinaryOp::Atan2) {
+            if matches!(op, BinaryOp::Div | BinaryOp::Pow | BinaryOp::Atan2 | BinaryOp::BceWithLogits) {
                 return Err(unsupported());
             }
             let g = strided("binary", &la.shape, &[(&la.strides, la.offset), (&lb.strides, lb.offset)])?;
@@ -160,7 +161,7 @@ fn binary_into(a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout, op: B
             dev.launch1d(f, n, &mut args!(pa, pb, py, nn, code, g, is_bool))
         }
         dt => {
-            if dt == DType::I64 && matches!(op, BinaryOp::Pow | BinaryOp::Atan2) {
+            if dt == DType::I64 && matches!(op, BinaryOp::Pow | BinaryOp::Atan2 | BinaryOp::BceWithLogits) {
                 return Err(unsupported());
             }
             if plain(la) && plain(lb) {
@@ -334,6 +335,27 @@ pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage
         .map_err(|e| cu_err("cuMemcpyDtoDAsync", e));
     }
     let g = strided("copy_strided", &sl.shape, &[(&sl.strides, sl.offset), (&dl.strides, dl.offset)])?;
+    // Row copies (concatenation, narrowing): after coalescing, rows of contiguous elements with
+    // pitches on both sides go through one 2-D memcpy instead of an indexing kernel.
+    let rows_ok = |k: usize| g.st[k][1] == 1 && g.st[k][0] >= g.shape[1];
+    if g.rank <= 2 && (g.rank < 2 || (rows_ok(0) && rows_ok(1))) && (g.rank == 0 || g.st[0][g.rank as usize - 1] == 1 && g.st[1][g.rank as usize - 1] == 1) {
+        dev.bind()?;
+        let (h, w, sp, dp) = match g.rank {
+            2 => (g.shape[0] as usize, g.shape[1] as usize * es, g.st[0][0] as usize * es, g.st[1][0] as usize * es),
+            1 => (1, g.shape[0] as usize * es, g.shape[0] as usize * es, g.shape[0] as usize * es),
+            _ => (1, es, es, es),
+        };
+        let mut c: cudarc::driver::sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
+        c.srcMemoryType = cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        c.srcDevice = src.buf.ptr + (g.off[0] as usize * es) as u64;
+        c.srcPitch = sp;
+        c.dstMemoryType = cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        c.dstDevice = dst.buf.ptr + (g.off[1] as usize * es) as u64;
+        c.dstPitch = dp;
+        c.WidthInBytes = w;
+        c.Height = h;
+        return unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&c, dev.cu_stream) }.result().map_err(|e| cu_err("cuMemcpy2DAsync", e));
+    }
     let f = dev.func("copy_s", sfx(src.dtype))?;
     let (px, py, nn) = (ptr(src), ptr(dst), u32c("copy_strided", n)?);
     dev.launch1d(f, n, &mut args!(px, py, nn, g))
@@ -714,4 +736,32 @@ pub(crate) fn softmax(x: &CudaStorage, shape: &[usize], dim: usize, log: bool) -
         dev.launch1d(f, outer * inner, &mut args!(px, py, n, dd, ii, lg))
     }?;
     Ok(out)
+}
+
+pub(crate) fn batch_norm_eval_params(
+    w: &CudaStorage,
+    b: &CudaStorage,
+    rm: &CudaStorage,
+    rv: &CudaStorage,
+    eps: f64,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_eval_params";
+    let (sd, c) = (w.dtype, w.len);
+    if !matches!(sd, DType::F32 | DType::F64) {
+        return Err(Error::UnsupportedDType { op: OP, dtype: sd, expected: "F32 or F64 statistics" });
+    }
+    for s in [b, rm, rv] {
+        stats_arg(OP, s, sd, c)?;
+        w.same_device(OP, s)?;
+    }
+    let dev = &w.buf.dev;
+    let aff = CudaStorage::alloc(dev, sd, 2 * c)?;
+    let nrm = CudaStorage::alloc(dev, sd, 2 * c)?;
+    if c == 0 {
+        return Ok((aff, nrm));
+    }
+    let f = dev.func("bn_eval", sfx(sd))?;
+    let (pw, pb, pm, pv, pa, pn, cc) = (ptr(w), ptr(b), ptr(rm), ptr(rv), ptr(&aff), ptr(&nrm), u32c(OP, c)?);
+    dev.launch1d(f, c, &mut args!(pw, pb, pm, pv, eps, pa, pn, cc))?;
+    Ok((aff, nrm))
 }

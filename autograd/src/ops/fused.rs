@@ -59,12 +59,10 @@ impl Tensor {
                 }
                 Ok((Tensor::from_storage(a, vec![2 * c])?, Tensor::from_storage(q, vec![2 * c])?))
             } else {
-                let invstd = running_var.to_dtype(sd)?.add_scalar(opts.eps)?.sqrt()?.recip()?;
-                let mean = running_mean.to_dtype(sd)?;
-                let scale = w.mul(&invstd)?;
-                let shift = b.sub(&mean.mul(&scale)?)?;
-                let nshift = mean.mul(&invstd)?.neg()?;
-                Ok((Tensor::cat(&[&scale, &shift], 0)?, Tensor::cat(&[&invstd, &nshift], 0)?))
+                let (rm, rv) = (running_mean.to_dtype(sd)?, running_var.to_dtype(sd)?);
+                let (a, q) =
+                    w.read_storage().batch_norm_eval_params(&b.read_storage(), &rm.read_storage(), &rv.read_storage(), opts.eps)?;
+                Ok((Tensor::from_storage(a, vec![2 * c])?, Tensor::from_storage(q, vec![2 * c])?))
             }
         })?;
         let y = {

@@ -8,10 +8,11 @@ impl Tensor {
     /// `max(x, 0) − x·z + log(1 + e^(−|x|))`. Gradients: `dx = σ(x) − z`, `dz = −x`.
     pub fn bce_with_logits(&self, target: &Tensor) -> Result<Tensor> {
         super::same_dtype("bce_with_logits", self, target)?;
+        // One fused element-wise pass (see BinaryOp::BceWithLogits).
         let y = crate::no_grad(|| -> Result<Tensor> {
-            let x = self.detach();
-            let z = target.detach();
-            x.relu()?.sub(&x.mul(&z)?)?.add(&x.abs()?.neg()?.exp()?.affine(1.0, 1.0)?.log()?)
+            let (out, la, lb) = super::broadcast_layouts("bce_with_logits", self, target)?;
+            let s = self.read_storage().binary(&la, &target.read_storage(), &lb, crate::backend::BinaryOp::BceWithLogits)?;
+            Tensor::from_storage(s, out)
         })?;
         if !(self.requires_grad() || target.requires_grad()) || !crate::is_grad_enabled() {
             return Ok(y);
