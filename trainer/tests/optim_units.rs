@@ -361,6 +361,16 @@ fn grad_scaler_skips_exactly_the_inf_step() {
     let _ = fresh.scale(&loss).expect("scale");
     assert_eq!(fresh.growth_tracker().expect("tracker"), 1);
     assert!(GradScaler::new(GradScalerConfig { growth_factor: 1.0, ..Default::default() }).is_err());
+    // unscale_/step before any scale() is refused (PyTorch asserts the same).
+    let mut unused = GradScaler::new(GradScalerConfig::default()).expect("scaler");
+    assert!(unused.unscale_(opt.as_ref()).is_err());
+    assert!(unused.step(opt.as_mut()).is_err());
+    // A disabled scaler is a pass-through.
+    let mut off = GradScaler::new(GradScalerConfig { enabled: false, ..Default::default() }).expect("scaler");
+    assert_eq!(off.scale(&loss).expect("s").item().expect("v"), 1.5);
+    assert!(off.step(opt.as_mut()).expect("step"));
+    off.update().expect("update");
+    assert_eq!(off.state().expect("state"), None);
 }
 
 #[test]

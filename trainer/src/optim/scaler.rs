@@ -114,13 +114,8 @@ impl GradScaler {
             Stage::Ready => {}
         }
         let grads: Vec<Tensor> = opt.param_groups().iter().flat_map(|g| g.params.iter()).filter_map(|p| p.tensor.grad()).collect();
-        if let Some(g) = grads.first() {
-            self.ensure(g)?;
-        }
         let (Some(scale), Some(found)) = (self.scale.clone(), self.found_inf.clone()) else {
-            // Never scaled and no gradients: nothing to unscale.
-            self.stage = Stage::Unscaled;
-            return Ok(());
+            return Err(scaler_err("unscale_() before scale(): the loss was never scaled in this iteration"));
         };
         ptl_autograd::no_grad(|| -> Result<()> {
             let inv = scale.to_dtype(DType::F64)?.recip()?.to_dtype(DType::F32)?;
