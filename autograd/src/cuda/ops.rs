@@ -345,15 +345,24 @@ pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage
             1 => (1, g.shape[0] as usize * es, g.shape[0] as usize * es, g.shape[0] as usize * es),
             _ => (1, es, es, es),
         };
-        let mut c: cudarc::driver::sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-        c.srcMemoryType = cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        c.srcDevice = src.buf.ptr + (g.off[0] as usize * es) as u64;
-        c.srcPitch = sp;
-        c.dstMemoryType = cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        c.dstDevice = dst.buf.ptr + (g.off[1] as usize * es) as u64;
-        c.dstPitch = dp;
-        c.WidthInBytes = w;
-        c.Height = h;
+        let c = cudarc::driver::sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src.buf.ptr + (g.off[0] as usize * es) as u64,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: sp,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst.buf.ptr + (g.off[1] as usize * es) as u64,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dp,
+            WidthInBytes: w,
+            Height: h,
+        };
         return unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&c, dev.cu_stream) }.result().map_err(|e| cu_err("cuMemcpy2DAsync", e));
     }
     let f = dev.func("copy_s", sfx(src.dtype))?;
