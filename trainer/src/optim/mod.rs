@@ -7,6 +7,36 @@
 //! * parameters and state buffers are updated **in place** (`copy_`), so their storage addresses
 //!   never change (CUDA-graph recordings rely on that); buffers are allocated once, on first use;
 //! * all math is written with tensor ops and runs on the parameter's device, under `no_grad`.
+//!
+//! Not yet capturable (capture.md §16.1): lr, momentum, AdamW bias corrections and the EMA decay
+//! are host scalars folded into each op, so a CUDA-graph recording of `step()` would freeze them;
+//! replay the forward/backward only, and run the optimizer stage eagerly.
+//!
+//! ```
+//! use ptl_autograd::{module::parameter, Device, Tensor};
+//! use ptl_trainer::optim::{build_optimizer, clip_grad_norm, LrLambda, LrScheduler, ModelEma, OptimizerConfig, Warmup};
+//!
+//! # fn main() -> ptl_trainer::Result<()> {
+//! let w = parameter(Tensor::from_vec(vec![0.5f32; 8], vec![2, 4], Device::Cpu)?)?;
+//! let b = parameter(Tensor::from_vec(vec![0.0f32; 2], vec![2], Device::Cpu)?)?;
+//! let params = vec![("model.0.linear.weight".to_string(), w.clone()), ("model.0.linear.bias".to_string(), b.clone())];
+//! // `auto` with > 10 000 nominal iterations → MuSGD (8 groups), lr0 0.01, momentum 0.9.
+//! let mut opt = build_optimizer(&params, &OptimizerConfig { iterations: 88_500, ..Default::default() })?;
+//! let mut ema = ModelEma::new(&params)?;
+//! let lf = LrLambda::new(false, 0.01, 100);
+//! let mut sched = LrScheduler::new(lf, 0);
+//! let warmup = Warmup::new(3.0, 100, 1000, 0.0, 0.8, 0.937, 4);
+//! sched.step(opt.param_groups_mut()); // start of epoch 0
+//! let accumulate = warmup.apply(0, 0, &lf, opt.param_groups_mut()).unwrap_or(4);
+//! assert_eq!(accumulate, 1);
+//! w.set_grad(Some(Tensor::from_vec(vec![0.1f32; 8], vec![2, 4], Device::Cpu)?)); // b has no gradient: skipped
+//! let _total_norm = clip_grad_norm(params.iter().map(|(_, t)| t), 10.0)?;
+//! opt.step()?;
+//! opt.zero_grad();
+//! ema.update(&params)?;
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod adamw;
 pub mod clip;
