@@ -61,5 +61,12 @@ fn bench_loss_640_batch16() {
             out.total.item().unwrap(),
             out.one2many.assignment.fg_indices().len()
         );
+        for (name, b) in [("o2m", &out.one2many), ("o2o", &out.one2one)] {
+            let p = b.phase_ms;
+            eprintln!(
+                "    {name}: host copies+decode {:.1} ms, assign {:.1} ms, enqueue terms {:.1} ms, read items {:.1} ms",
+                p[0], p[1], p[2], p[3]
+            );
+        }
     }
 }

@@ -58,21 +58,109 @@ impl AssignParams {
 }
 
 /// Host inputs of one assignment (all detached, pixels).
+///
+/// The assigner reads predictions only at candidate anchors, so they come as compact rows:
+/// `rows[b·A + a]` is the row of anchor a of image b in `scores`/`boxes`/`kpts`, or
+/// [`NOT_LOADED`] where the anchor is no candidate of any GT of that image.
 pub struct AssignInputs<'a> {
     pub batch_size: usize,
     pub num_anchors: usize,
     pub nc: usize,
-    /// (B, A, nc) sigmoid scores.
+    /// (B·A,) row of each anchor in the compact arrays.
+    pub rows: &'a [u32],
+    /// (U, nc) sigmoid scores.
     pub scores: &'a [f32],
-    /// (B, A, 4) predicted xyxy boxes in pixels.
+    /// (U, 4) predicted xyxy boxes in pixels.
     pub boxes: &'a [f32],
-    /// (B, A, K, 2) predicted keypoints in pixels.
+    /// (U, K, 2) predicted keypoints in pixels.
     pub kpts: &'a [f32],
-    /// (A, 2) anchor centres in pixels.
-    pub anchors_px: &'a [f32],
     /// (A,) anchor strides.
     pub strides: &'a [f32],
     pub targets: &'a PaddedTargets,
+    /// Candidate anchors of every GT slot (from [`candidate_sets`]).
+    pub candidates: &'a CandidateSets,
+}
+
+/// Row marker of an anchor whose predictions were not loaded.
+pub const NOT_LOADED: u32 = u32::MAX;
+
+/// Candidate anchors per GT slot (loss.md §2.1): in-box with the size floor, level gate,
+/// ungated fallback. Depends on targets and anchors only, not on predictions.
+#[derive(Clone, Debug, Default)]
+pub struct CandidateSets {
+    /// (B·M) ascending anchor lists (empty for padding slots).
+    pub per_gt: Vec<Vec<usize>>,
+    /// (image, gt) pairs whose level gate left no candidate.
+    pub gate_fallbacks: Vec<(usize, usize)>,
+}
+
+impl CandidateSets {
+    /// Sorted flat indices b·A + a of every anchor that is a candidate of some GT of its image.
+    pub fn union(&self, batch_size: usize, max_boxes: usize, num_anchors: usize) -> Vec<usize> {
+        let mut mark = vec![false; batch_size * num_anchors];
+        for b in 0..batch_size {
+            for g in 0..max_boxes {
+                for &j in &self.per_gt[b * max_boxes + g] {
+                    mark[b * num_anchors + j] = true;
+                }
+            }
+        }
+        mark.iter().enumerate().filter(|(_, &m)| m).map(|(i, _)| i).collect()
+    }
+}
+
+/// Candidate sets of all GT slots (loss.md §2.1), in float32 as the reference computes them.
+/// `anchors_px` (A, 2) anchor centres in pixels, `strides` (A,).
+pub fn candidate_sets(t: &PaddedTargets, anchors_px: &[f32], strides: &[f32], p: &AssignParams) -> Result<CandidateSets> {
+    let na = strides.len();
+    if anchors_px.len() != 2 * na {
+        return Err(TrainerError::shape("assigner anchors", &[na, 2], anchors_px.len()));
+    }
+    let (bs, m) = (t.batch_size, t.max_boxes);
+    let eps = p.eps;
+    let mut out = CandidateSets { per_gt: vec![Vec::new(); bs * m], gate_fallbacks: vec![] };
+    for b in 0..bs {
+        for g in 0..m {
+            if !t.mask[b * m + g] {
+                continue;
+            }
+            let gb = &t.boxes[(b * m + g) * 4..(b * m + g) * 4 + 4];
+            // xyxy → xywh → floor → xyxy (float32).
+            let (cx, cy) = ((gb[0] + gb[2]) / 2.0, (gb[1] + gb[3]) / 2.0);
+            let (mut w, mut h) = (gb[2] - gb[0], gb[3] - gb[1]);
+            if w < p.size_floor {
+                w = p.size_floor;
+            }
+            if h < p.size_floor {
+                h = p.size_floor;
+            }
+            let (hw, hh) = (w / 2.0, h / 2.0);
+            let (x1, y1, x2, y2) = (cx - hw, cy - hh, cx + hw, cy + hh);
+            let side = ((gb[2] - gb[0]) * (gb[3] - gb[1])).sqrt();
+            let mut in_box = Vec::new();
+            for j in 0..na {
+                let (ax, ay) = (anchors_px[2 * j], anchors_px[2 * j + 1]);
+                if ax - x1 > eps && ay - y1 > eps && x2 - ax > eps && y2 - ay > eps {
+                    in_box.push(j);
+                }
+            }
+            let gated: Vec<usize> = in_box
+                .iter()
+                .copied()
+                .filter(|&j| {
+                    let s = strides[j];
+                    (side >= p.level_range.0 * s || s == p.min_stride) && (side <= p.level_range.1 * s || s == p.max_stride)
+                })
+                .collect();
+            out.per_gt[b * m + g] = if gated.is_empty() && !in_box.is_empty() {
+                out.gate_fallbacks.push((b, g));
+                in_box
+            } else {
+                gated
+            };
+        }
+    }
+    Ok(out)
 }
 
 /// Result of one assignment.
@@ -196,17 +284,21 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
     let t = inp.targets;
     let (m, nk) = (t.max_boxes, t.nkpt);
     let shape_err = |what: &'static str, shape: &[usize], got: usize| Err(TrainerError::shape(what, shape, got));
-    if inp.scores.len() != bs * na * nc {
-        return shape_err("assigner scores", &[bs, na, nc], inp.scores.len());
+    let u = inp.scores.len() / nc.max(1);
+    if inp.scores.len() != u * nc {
+        return shape_err("assigner scores", &[u, nc], inp.scores.len());
     }
-    if inp.boxes.len() != bs * na * 4 {
-        return shape_err("assigner boxes", &[bs, na, 4], inp.boxes.len());
+    if inp.boxes.len() != u * 4 {
+        return shape_err("assigner boxes", &[u, 4], inp.boxes.len());
     }
-    if inp.kpts.len() != bs * na * nk * 2 {
-        return shape_err("assigner keypoints", &[bs, na, nk, 2], inp.kpts.len());
+    if inp.kpts.len() != u * nk * 2 {
+        return shape_err("assigner keypoints", &[u, nk, 2], inp.kpts.len());
     }
-    if inp.anchors_px.len() != na * 2 || inp.strides.len() != na {
-        return shape_err("assigner anchors", &[na, 2], inp.anchors_px.len());
+    if inp.rows.len() != bs * na || inp.strides.len() != na {
+        return shape_err("assigner rows", &[bs, na], inp.rows.len());
+    }
+    if inp.candidates.per_gt.len() != bs * m {
+        return shape_err("assigner candidates", &[bs, m], inp.candidates.per_gt.len());
     }
     if t.batch_size != bs {
         return shape_err("assigner targets", &[bs, m], t.batch_size * m);
@@ -231,7 +323,7 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
         candidates: vec![false; dense],
         overlaps: vec![0.0; dense],
         align_metric: vec![0.0; dense],
-        gate_fallbacks: vec![],
+        gate_fallbacks: inp.candidates.gate_fallbacks.clone(),
         n_conflicts: 0,
     };
     if m == 0 {
@@ -255,38 +347,8 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
                 return Err(TrainerError::InvalidArgument { what: "targets.cls", reason: format!("class {label} outside 0..{nc}") });
             }
             let cls = label as usize;
-            // §2.1 in-box test with the size floor: xyxy → xywh → floor → xyxy (float32).
-            let (cx, cy) = ((gb[0] + gb[2]) / 2.0, (gb[1] + gb[3]) / 2.0);
-            let (mut w, mut h) = (gb[2] - gb[0], gb[3] - gb[1]);
-            if w < p.size_floor {
-                w = p.size_floor;
-            }
-            if h < p.size_floor {
-                h = p.size_floor;
-            }
-            let (hw, hh) = (w / 2.0, h / 2.0);
-            let (x1, y1, x2, y2) = (cx - hw, cy - hh, cx + hw, cy + hh);
-            let side = ((gb[2] - gb[0]) * (gb[3] - gb[1])).sqrt();
-            let mut in_box = Vec::new();
-            for j in 0..na {
-                let (ax, ay) = (inp.anchors_px[2 * j], inp.anchors_px[2 * j + 1]);
-                if ax - x1 > eps && ay - y1 > eps && x2 - ax > eps && y2 - ay > eps {
-                    in_box.push(j);
-                }
-            }
-            // §2.1 level gate, with the ungated fallback.
-            row.cands = in_box
-                .iter()
-                .copied()
-                .filter(|&j| {
-                    let s = inp.strides[j];
-                    (side >= p.level_range.0 * s || s == p.min_stride) && (side <= p.level_range.1 * s || s == p.max_stride)
-                })
-                .collect();
-            if row.cands.is_empty() && !in_box.is_empty() {
-                out.gate_fallbacks.push((b, g));
-                row.cands = in_box;
-            }
+            // §2.1 candidates (computed up front, prediction-independent).
+            row.cands = inp.candidates.per_gt[b * m + g].clone();
             // §2.2 overlaps and §2.3 metric on candidates.
             let gk = &t.kpts[(b * m + g) * nk * 3..(b * m + g + 1) * nk * 3];
             let nvis = (0..nk).filter(|&k| gk[3 * k + 2] > 0.0).count();
@@ -302,8 +364,16 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
             row.ov.reserve(row.cands.len());
             row.al.reserve(row.cands.len());
             for &j in &row.cands {
+                let r = inp.rows[b * na + j];
+                if r == NOT_LOADED || r as usize >= u {
+                    return Err(TrainerError::InvalidArgument {
+                        what: "assigner rows",
+                        reason: format!("predictions of candidate anchor {j} of image {b} were not loaded"),
+                    });
+                }
+                let r = r as usize;
                 let ov = if nvis > 0 {
-                    let pk = &inp.kpts[(b * na + j) * nk * 2..(b * na + j + 1) * nk * 2];
+                    let pk = &inp.kpts[r * nk * 2..(r + 1) * nk * 2];
                     let mut acc = 0f32;
                     for k in 0..nk {
                         if gk[3 * k + 2] > 0.0 {
@@ -314,10 +384,10 @@ pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
                     }
                     acc / nvis as f32
                 } else {
-                    let pb = &inp.boxes[(b * na + j) * 4..(b * na + j) * 4 + 4];
+                    let pb = &inp.boxes[r * 4..r * 4 + 4];
                     ciou_f32([gb[0], gb[1], gb[2], gb[3]], [pb[0], pb[1], pb[2], pb[3]]).max(0.0)
                 };
-                let score = inp.scores[(b * na + j) * nc + cls];
+                let score = inp.scores[r * nc + cls];
                 row.ov.push(ov);
                 row.al.push(pow_f32(score, p.alpha) * pow_f32(ov, p.beta));
             }

@@ -3,7 +3,7 @@
 use ptl_autograd::{no_grad, DType, Tensor};
 
 use super::anchors::Anchors;
-use super::assigner::{assign, AssignInputs, AssignParams, Assignment};
+use super::assigner::{assign, candidate_sets, AssignInputs, AssignParams, Assignment, NOT_LOADED};
 use super::targets::{pad_targets, TargetBatch};
 use super::terms::{self, constant, zero_connected};
 use super::{FlowLogProb, LossConfig};
@@ -31,6 +31,9 @@ pub struct BranchLoss {
     pub items: [f64; 6],
     /// The assignment behind it.
     pub assignment: Assignment,
+    /// Host wall time (ms) of the phases: [device→host copies + decode, assignment,
+    /// enqueueing the terms, reading the items back (waits for the device)].
+    pub phase_ms: [f64; 4],
 }
 
 /// The per-branch criterion.
@@ -92,58 +95,71 @@ impl PoseLoss26 {
         }
         let (img_h, img_w) = anchors.image_hw();
 
-        // ---- host copies for the assigner (detached; also the NaN gate) -------------------
-        let raw_boxes = host_f32(&out.boxes, "predicted boxes")?;
-        let raw_scores = host_f32(&out.scores, "predicted scores")?;
-        let raw_kpts = host_f32(&out.kpts, "predicted keypoints")?;
-        if let Some(s) = &out.kpts_sigma {
-            // Only the finiteness matters here: one device-side sum, a host scan on failure.
-            let total = no_grad(|| s.detach().to_dtype(DType::F32)?.sum_all())?.item()?;
-            if !total.is_finite() {
-                host_f32(s, "predicted keypoint sigmas")?;
-            }
-        }
-        let (ap, st) = (&anchors.points, &anchors.strides);
-        let mut sig_scores = vec![0f32; bs * na * nc];
-        let mut px_boxes = vec![0f32; bs * na * 4];
-        let mut px_kpts = vec![0f32; bs * na * nk * 2];
-        for b in 0..bs {
-            for j in 0..na {
-                let (ax, ay, s) = (ap[2 * j], ap[2 * j + 1], st[j]);
-                for c in 0..nc {
-                    let x = raw_scores[(b * nc + c) * na + j];
-                    sig_scores[(b * na + j) * nc + c] = 1.0 / (1.0 + (-x).exp());
-                }
-                let r = |c: usize| raw_boxes[(b * 4 + c) * na + j];
-                let o = (b * na + j) * 4;
-                px_boxes[o] = (ax - r(0)) * s;
-                px_boxes[o + 1] = (ay - r(1)) * s;
-                px_boxes[o + 2] = (ax + r(2)) * s;
-                px_boxes[o + 3] = (ay + r(3)) * s;
-                for k in 0..nk {
-                    let o = ((b * na + j) * nk + k) * 2;
-                    px_kpts[o] = (raw_kpts[(b * 3 * nk + 3 * k) * na + j] + ax) * s;
-                    px_kpts[o + 1] = (raw_kpts[(b * 3 * nk + 3 * k + 1) * na + j] + ay) * s;
-                }
-            }
-        }
+        let clock = std::time::Instant::now();
+        let mut phase_ms = [0f64; 4];
+        let lap = |i: usize, phase_ms: &mut [f64; 4]| {
+            let now = clock.elapsed().as_secs_f64() * 1e3;
+            phase_ms[i] = now - phase_ms[..i].iter().sum::<f64>();
+        };
+        // ---- NaN gate: one device-side sum of every output, a host scan only on failure -----
+        self.check_finite(out)?;
+
+        // ---- candidates (targets and anchors only), then predictions at those anchors -----
         let padded = pad_targets(targets, bs, (img_h, img_w))?;
         let anchors_px = anchors.points_px();
+        let (ap, st) = (&anchors.points, &anchors.strides);
+        let cands = candidate_sets(&padded, &anchors_px, st, &self.assign)?;
+        let union = cands.union(bs, padded.max_boxes, na);
+        let u = union.len();
+        let mut rows = vec![NOT_LOADED; bs * na];
+        for (r, &f) in union.iter().enumerate() {
+            rows[f] = r as u32;
+        }
+        let (mut sig_scores, mut px_boxes, mut px_kpts) = (vec![0f32; u * nc], vec![0f32; u * 4], vec![0f32; u * nk * 2]);
+        if u > 0 {
+            let idx = Tensor::from_vec(union.iter().map(|&f| f as i64).collect::<Vec<_>>(), u, device)?;
+            let take = |t: &Tensor, c: usize| -> Result<Vec<f32>> {
+                let v = no_grad(|| -> Result<Tensor> {
+                    let x = t.detach();
+                    let x = if x.dtype() == DType::F32 { x } else { x.to_dtype(DType::F32)? };
+                    Ok(x.permute(&[0, 2, 1])?.reshape((bs * na, c))?.index_select(0, &idx)?)
+                })?;
+                Ok(v.to_vec::<f32>()?)
+            };
+            let (raw_scores, raw_boxes, raw_kpts) = (take(&out.scores, nc)?, take(&out.boxes, 4)?, take(&out.kpts, 3 * nk)?);
+            for (r, &f) in union.iter().enumerate() {
+                let j = f % na;
+                let (ax, ay, s) = (ap[2 * j], ap[2 * j + 1], st[j]);
+                for c in 0..nc {
+                    sig_scores[r * nc + c] = 1.0 / (1.0 + (-raw_scores[r * nc + c]).exp());
+                }
+                let rb = &raw_boxes[4 * r..4 * r + 4];
+                px_boxes[4 * r..4 * r + 4].copy_from_slice(&[(ax - rb[0]) * s, (ay - rb[1]) * s, (ax + rb[2]) * s, (ay + rb[3]) * s]);
+                let rk = &raw_kpts[r * 3 * nk..(r + 1) * 3 * nk];
+                for k in 0..nk {
+                    px_kpts[(r * nk + k) * 2] = (rk[3 * k] + ax) * s;
+                    px_kpts[(r * nk + k) * 2 + 1] = (rk[3 * k + 1] + ay) * s;
+                }
+            }
+        }
+        lap(0, &mut phase_ms);
         let asg = assign(
             &AssignInputs {
                 batch_size: bs,
                 num_anchors: na,
                 nc,
+                rows: &rows,
                 scores: &sig_scores,
                 boxes: &px_boxes,
                 kpts: &px_kpts,
-                anchors_px: &anchors_px,
                 strides: st,
                 targets: &padded,
+                candidates: &cands,
             },
             &self.assign,
         )?;
 
+        lap(1, &mut phase_ms);
         // ---- classification over all anchors ---------------------------------------------
         let tss = asg.target_scores_sum().max(1.0);
         let t = Tensor::scalar(f64::from(tss), DType::F32, device)?;
@@ -276,13 +292,43 @@ impl PoseLoss26 {
             .collect::<Result<_>>()?;
         let refs: Vec<&Tensor> = scaled.iter().collect();
         let vec = Tensor::cat(&refs, 0)?;
+        lap(2, &mut phase_ms);
         let hv = vec.detach().to_vec::<f32>()?;
         let mut items = [0f64; 6];
         for (i, v) in hv.iter().enumerate() {
             items[i] = f64::from(*v);
         }
         let loss_times_bs = vec.mul(&Tensor::scalar(bs as f64, DType::F32, device)?)?;
-        Ok(BranchLoss { loss_times_bs, items, assignment: asg })
+        lap(3, &mut phase_ms);
+        Ok(BranchLoss { loss_times_bs, items, assignment: asg, phase_ms })
+    }
+
+    /// Rejects NaN/inf in the outputs: one device-side sum (a single host sync); only when it is
+    /// not finite are the tensors copied to the host to name the first offending element.
+    fn check_finite(&self, out: &BranchOutputs) -> Result<()> {
+        let mut list: Vec<(&'static str, &Tensor)> =
+            vec![("predicted boxes", &out.boxes), ("predicted scores", &out.scores), ("predicted keypoints", &out.kpts)];
+        if let Some(s) = &out.kpts_sigma {
+            list.push(("predicted keypoint sigmas", s));
+        }
+        let total = no_grad(|| -> Result<Tensor> {
+            let mut acc: Option<Tensor> = None;
+            for (_, t) in &list {
+                let x = t.detach().to_dtype(DType::F64)?.sum_all()?;
+                acc = Some(match acc {
+                    None => x,
+                    Some(a) => a.add(&x)?,
+                });
+            }
+            Ok(acc.unwrap_or(Tensor::scalar(0.0, DType::F64, out.boxes.device())?))
+        })?
+        .item()?;
+        if !total.is_finite() {
+            for (what, t) in &list {
+                host_f32(t, what)?;
+            }
+        }
+        Ok(())
     }
 
     /// A zero RLE term connected to the sigma view and the flow parameters.

@@ -19,7 +19,7 @@ pub mod targets;
 pub mod terms;
 
 pub use anchors::Anchors;
-pub use assigner::{assign, AssignInputs, AssignParams, Assignment};
+pub use assigner::{assign, candidate_sets, AssignInputs, AssignParams, Assignment, CandidateSets};
 pub use branch::{BranchLoss, BranchOutputs, PoseLoss26};
 pub use e2e::{E2ELoss, LossOutput};
 pub use targets::TargetBatch;
