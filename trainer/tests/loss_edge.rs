@@ -292,3 +292,19 @@ fn rle_worked_example_with_identity_flow() {
     l.backward().unwrap();
     assert!(pred.grad().is_some());
 }
+
+#[test]
+fn degenerate_boxes_and_bad_classes() {
+    let (o2m, o2o, f) = (outputs(1, 9), outputs(1, 19), flow());
+    // Zero width, zero height, and a box hanging over the image border.
+    let t = people(&[(0, 30.0, 30.0, 0.0, 20.0), (0, 50.0, 20.0, 20.0, 0.0), (0, 92.0, 60.0, 30.0, 30.0)], 2.0);
+    let out = E2ELoss::new(LossConfig::default(), 10).loss(&o2m, &o2o, &t, &anchors(), Some(&f)).unwrap();
+    assert!(out.one2many.items.iter().chain(out.items.iter()).all(|v| v.is_finite()), "{:?}", out.one2many.items);
+    out.total.backward().unwrap();
+    all_grads_present(&o2m);
+    // A class id outside 0..nc is an error, not an out-of-bounds read.
+    let mut bad = people(&[(0, 48.0, 32.0, 40.0, 40.0)], 2.0);
+    bad.cls[0] = 3.0;
+    let err = E2ELoss::new(LossConfig::default(), 10).loss(&outputs(1, 9), &outputs(1, 19), &bad, &anchors(), Some(&f)).unwrap_err();
+    assert!(matches!(err, TrainerError::InvalidArgument { .. }), "{err}");
+}

@@ -22,6 +22,12 @@ pub struct BranchOutputs {
     pub kpts_sigma: Option<Tensor>,
 }
 
+impl From<&ptl_heads::BranchOutput> for BranchOutputs {
+    fn from(b: &ptl_heads::BranchOutput) -> Self {
+        BranchOutputs { boxes: b.boxes.clone(), scores: b.scores.clone(), kpts: b.kpts.clone(), kpts_sigma: b.kpts_sigma.clone() }
+    }
+}
+
 /// What one branch returns.
 #[derive(Clone, Debug)]
 pub struct BranchLoss {

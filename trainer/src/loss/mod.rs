@@ -9,6 +9,37 @@
 //!   assignments. Its results (fg indices, targets) go back to the predictions' device as small
 //!   tensors. A tensor-op version for the GPU can replace it behind the same [`Assignment`] type.
 //! * Top-k ties are broken by the lowest anchor index (loss.md §2.4).
+//! * Predictions are copied to the host only at candidate anchors (candidates depend on the
+//!   targets alone); NaN/inf in any output is caught by one device-side sum and reported as
+//!   [`TrainerError::NonFinite`](crate::TrainerError::NonFinite) naming the tensor and element.
+//!
+//! ```
+//! use ptl_autograd::{Device, Rng, Tensor};
+//! use ptl_heads::{nn::Init, RealNvp};
+//! use ptl_trainer::loss::{Anchors, BranchOutputs, E2ELoss, LossConfig, TargetBatch};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dev = Device::Cpu;
+//! let cfg = LossConfig::default();
+//! let anchors = Anchors::from_image_hw((64, 64), &cfg.strides)?; // A = 64 + 16 + 4
+//! let a = anchors.len();
+//! let out = |c: usize, v: f32| -> ptl_autograd::Result<Tensor> {
+//!     Tensor::full((1, c, a), f64::from(v), ptl_autograd::DType::F32, dev)?.requires_grad_(true)
+//! };
+//! // Raw training-mode outputs of one branch set (the model's HeadOutput provides these).
+//! let o2m = BranchOutputs { boxes: out(4, 1.0)?, scores: out(1, -2.0)?, kpts: out(51, 0.0)?, kpts_sigma: Some(out(34, 0.0)?) };
+//! let o2o = o2m.clone();
+//! // One person: normalised (cx, cy, w, h) and 17 keypoints (x, y, v).
+//! let kp: Vec<f32> = (0..17).flat_map(|k| [0.4 + 0.01 * k as f32, 0.5, 2.0]).collect();
+//! let targets = TargetBatch { batch_idx: vec![0.0], cls: vec![0.0], bboxes: vec![0.5, 0.5, 0.4, 0.6], keypoints: kp, nkpt: 17 };
+//! let flow = RealNvp::new(&mut Init { rng: &mut Rng::new(0), device: dev })?;
+//! let mut criterion = E2ELoss::new(cfg, 100); // 100 epochs: weights 0.8/0.2 → 0.1/0.9
+//! let loss = criterion.loss(&o2m, &o2o, &targets, &anchors, Some(&flow))?;
+//! loss.total.backward()?; // gradients reach the raw outputs and the flow
+//! println!("{:?}", loss.items); // o2o [box, pose, kobj, cls, l1, rle], what the trainer logs
+//! criterion.update(); // once at the end of every epoch
+//! # Ok(()) }
+//! ```
 
 pub mod anchors;
 pub mod assigner;
