@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ptl_autograd::{attach_custom_node, no_grad, BackwardOp, DType, Device, Result, Tensor};
+use ptl_autograd::{attach_custom_node, no_grad, BackwardOp, Device, Result, Tensor};
 
 fn leaf(v: Vec<f32>) -> Tensor {
     let n = v.len();

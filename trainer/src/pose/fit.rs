@@ -18,7 +18,7 @@ use crate::fit::{
 };
 use crate::loss::{Anchors, BranchOutputs, E2ELoss, LossConfig, TargetBatch};
 use crate::optim::{
-    auto_iterations, build_optimizer, clip_grad_norm, nominal_accumulate, resolve, GradScaler, GradScalerConfig, LrLambda, LrScheduler,
+    auto_iterations, build_optimizer_for_module, clip_grad_norm, nominal_accumulate, resolve, GradScaler, GradScalerConfig, LrLambda, LrScheduler,
     ModelEma, Optimizer, OptimizerConfig, OptimizerName, Warmup,
 };
 use crate::{Result, TrainerError};
@@ -345,7 +345,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         ..OptimizerConfig::default()
     };
     let resolved = resolve(&ocfg)?;
-    let optimizer = build_optimizer(&model_params(&model), &ocfg)?;
+    let optimizer = build_optimizer_for_module(&model, &ocfg)?;
     let lambda = LrLambda::new(cfg.cos_lr, cfg.lrf, cfg.epochs);
     let warmup = Warmup {
         nw: crate::optim::warmup_iterations(cfg.warmup_epochs, cfg.epochs, nb),
@@ -367,7 +367,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         ema_model,
         criterion,
         optimizer,
-        scheduler: LrScheduler::new(lambda.clone(), 0),
+        scheduler: LrScheduler::new(lambda, 0),
         lambda,
         warmup,
         accumulate: accumulate_nominal,
@@ -439,7 +439,7 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     let fit_start = Instant::now();
     for epoch in start_epoch..cfg.epochs {
         // Scheduler first (epoch e uses lf(e)); the criterion weights follow the epoch count.
-        run.scheduler = LrScheduler::new(run.lambda.clone(), epoch);
+        run.scheduler = LrScheduler::new(run.lambda, epoch);
         run.scheduler.step(run.optimizer.param_groups_mut());
         run.criterion.set_updates(epoch);
         run.view.epoch = epoch;
