@@ -175,7 +175,8 @@ pub fn from_safetensors_bytes(bytes: &[u8], device: Device, origin: &str) -> Res
 
 /// The header metadata of safetensors bytes (empty when there is none).
 pub fn safetensors_metadata(bytes: &[u8], origin: &str) -> Result<HashMap<String, String>> {
-    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| Error::SafeTensors { path: origin.into(), msg: e.to_string() })?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| Error::SafeTensors { path: origin.into(), msg: e.to_string() })?;
     Ok(meta.metadata().clone().unwrap_or_default())
 }
 

@@ -338,7 +338,10 @@ pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage
     // Row copies (concatenation, narrowing): after coalescing, rows of contiguous elements with
     // pitches on both sides go through one 2-D memcpy instead of an indexing kernel.
     let rows_ok = |k: usize| g.st[k][1] == 1 && g.st[k][0] >= g.shape[1];
-    if g.rank <= 2 && (g.rank < 2 || (rows_ok(0) && rows_ok(1))) && (g.rank == 0 || g.st[0][g.rank as usize - 1] == 1 && g.st[1][g.rank as usize - 1] == 1) {
+    if g.rank <= 2
+        && (g.rank < 2 || (rows_ok(0) && rows_ok(1)))
+        && (g.rank == 0 || g.st[0][g.rank as usize - 1] == 1 && g.st[1][g.rank as usize - 1] == 1)
+    {
         dev.bind()?;
         let (h, w, sp, dp) = match g.rank {
             2 => (g.shape[0] as usize, g.shape[1] as usize * es, g.st[0][0] as usize * es, g.st[1][0] as usize * es),
