@@ -287,10 +287,33 @@ fn rle_worked_example_with_identity_flow() {
     let pred = t2(vec![10.3, 5.0], &[1, 2]).requires_grad_(true).unwrap();
     let sig = t2(vec![0.0, -1.0], &[1, 2]);
     let gt = t2(vec![10.0, 5.2], &[1, 2]);
-    let l = rle_loss(&pred, &sig, &gt, &[1.0], &IdentityFlow).unwrap().unwrap();
+    let l = rle_loss(&pred, &sig, &gt, &[1.0], f64::from(f32::MIN_POSITIVE), &IdentityFlow).unwrap().unwrap();
     assert!((l.item().unwrap() - 3.305912).abs() < 2e-5, "{}", l.item().unwrap());
     l.backward().unwrap();
     assert!(pred.grad().is_some());
+}
+
+#[test]
+fn half_precision_outputs_are_computed_in_f32() {
+    let t = people(&[(0, 48.0, 32.0, 40.0, 40.0)], 2.0);
+    let f = flow();
+    let crit = E2ELoss::new(LossConfig::default(), 10);
+    let (a, b) = (outputs(1, 10), outputs(1, 20));
+    let reference = crit.loss(&a, &b, &t, &anchors(), Some(&f)).unwrap();
+    let to = |o: &BranchOutputs, dt: ptl_autograd::DType| BranchOutputs {
+        boxes: o.boxes.to_dtype(dt).unwrap(),
+        scores: o.scores.to_dtype(dt).unwrap(),
+        kpts: o.kpts.to_dtype(dt).unwrap(),
+        kpts_sigma: o.kpts_sigma.as_ref().map(|s| s.to_dtype(dt).unwrap()),
+    };
+    for dt in [ptl_autograd::DType::BF16, ptl_autograd::DType::F16] {
+        let out = crit.loss(&to(&a, dt), &to(&b, dt), &t, &anchors(), Some(&f)).unwrap();
+        assert_eq!(out.total.dtype(), ptl_autograd::DType::F32);
+        let (x, y) = (out.total.item().unwrap(), reference.total.item().unwrap());
+        assert!((x - y).abs() <= 5e-2 * y.abs(), "{dt}: {x} vs {y}");
+        out.total.backward().unwrap();
+        assert!(a.boxes.grad().is_some());
+    }
 }
 
 #[test]

@@ -82,6 +82,20 @@ impl PoseLoss26 {
         anchors: &Anchors,
         flow: Option<&dyn FlowLogProb>,
     ) -> Result<BranchLoss> {
+        // The loss runs in float32 whatever the head's precision (autocast outputs are cast
+        // here, differentiably); the RLE sigma floor follows the outputs' own dtype.
+        let sigma_floor = match out.kpts_sigma.as_ref().map(Tensor::dtype) {
+            Some(DType::F16) => 2f64.powi(-14), // f16 smallest positive normal, 6.1e-5
+            _ => f64::from(f32::MIN_POSITIVE),
+        };
+        let f32_of = |t: &Tensor| -> Result<Tensor> { Ok(if t.dtype() == DType::F32 { t.clone() } else { t.to_dtype(DType::F32)? }) };
+        let cast = BranchOutputs {
+            boxes: f32_of(&out.boxes)?,
+            scores: f32_of(&out.scores)?,
+            kpts: f32_of(&out.kpts)?,
+            kpts_sigma: out.kpts_sigma.as_ref().map(f32_of).transpose()?,
+        };
+        let out = &cast;
         let cfg = &self.cfg;
         let (nc, nk) = (cfg.nc, cfg.nkpt);
         let device = out.boxes.device();
@@ -274,7 +288,7 @@ impl PoseLoss26 {
                         .index_select(0, &vidx)?;
                     let pv = kp_xy.reshape((n * nk, 2))?.index_select(0, &vidx)?;
                     let gv = constant(vis_gt, &[nv, 2], device)?;
-                    match terms::rle_loss(&pv, &sg, &gv, &vis_w, flow)? {
+                    match terms::rle_loss(&pv, &sg, &gv, &vis_w, sigma_floor, flow)? {
                         Some(l) => l,
                         None => self.zero_rle(out, Some(flow))?,
                     }

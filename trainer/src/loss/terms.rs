@@ -55,12 +55,21 @@ pub fn kobj_loss(v_logit: &Tensor, mask: &Tensor) -> Result<Tensor> {
 }
 
 /// RLE (slot 5) over the visible foreground keypoints (loss.md §3.6).
-/// `pred` (V, 2) decoded keypoints, `sigma_logit` (V, 2), `gt` (V, 2) and `weight` (V,) constants.
+/// `pred` (V, 2) decoded keypoints, `sigma_logit` (V, 2), `gt` (V, 2) and `weight` (V,) constants;
+/// σ = sigmoid(logit) is clamped below at `sigma_floor` (the smallest positive normal number of
+/// the logits' dtype: 6.1e-5 for f16, 1.18e-38 for f32/bf16).
 /// Returns `None` when no keypoint survives the finiteness filter (the caller keeps a connected
 /// zero then).
-pub fn rle_loss(pred: &Tensor, sigma_logit: &Tensor, gt: &Tensor, weight: &[f32], flow: &dyn FlowLogProb) -> Result<Option<Tensor>> {
+pub fn rle_loss(
+    pred: &Tensor,
+    sigma_logit: &Tensor,
+    gt: &Tensor,
+    weight: &[f32],
+    sigma_floor: f64,
+    flow: &dyn FlowLogProb,
+) -> Result<Option<Tensor>> {
     let device = pred.device();
-    let sigma = sigma_logit.sigmoid()?.clamp_min(f64::from(f32::MIN_POSITIVE))?;
+    let sigma = sigma_logit.sigmoid()?.clamp_min(sigma_floor)?;
     let error = pred.sub(gt)?.div(&sigma.add_scalar(1e-9)?)?;
     // Drop keypoints whose error is not finite (a host read of a small (V, 2) tensor).
     let ev = error.detach().to_vec::<f32>()?;
