@@ -342,7 +342,7 @@ impl PoseModel {
                 LayerKind::C3k2(m) => m.forward(&input(l.from[0])?)?,
                 LayerKind::Sppf(m) => m.forward(&input(l.from[0])?)?,
                 LayerKind::C2Psa(m) => m.forward(&input(l.from[0])?)?,
-                LayerKind::Upsample(fct) => input(l.from[0])?.upsample_nearest(*fct)?,
+                LayerKind::Upsample(fct) => crate::nn::upsample_nearest(&input(l.from[0])?, *fct)?,
                 LayerKind::Concat => {
                     let ins = l.from.iter().map(|&f| input(f)).collect::<Result<Vec<_>>>()?;
                     let r: Vec<&Tensor> = ins.iter().collect();

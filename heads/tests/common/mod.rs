@@ -10,9 +10,11 @@ use ptl_heads::{ModelConfig, PoseModel};
 
 pub const GOLDENS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens");
 
-/// The golden `model/` folder, or `None` (with a printed reason) when it is absent.
+/// The golden `model/` folder (`$PTL_GOLDENS/model` when that variable is set, e.g. on a GPU
+/// machine that runs packed test binaries), or `None` (with a printed reason) when it is absent.
 pub fn model_dir() -> Option<PathBuf> {
-    let d = PathBuf::from(GOLDENS).join("model");
+    let root = std::env::var_os("PTL_GOLDENS").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(GOLDENS));
+    let d = root.join("model");
     if d.join("weights.safetensors").is_file() {
         Some(d)
     } else {
