@@ -89,6 +89,38 @@ pub fn decode_kpts(kpts: &Tensor, anchors: &Tensor, strides: &Tensor, kpt_shape:
     Ok(out.reshape(vec![b, k * d, a])?)
 }
 
+/// Training-time box decode (§5.2): ltrb `(B, 4, A)` → `(x1, y1, x2, y2)` in **grid units**
+/// (`a − lt`, `a + rb`), no stride.
+pub fn decode_boxes_grid(boxes: &Tensor, anchors: &Tensor) -> Result<Tensor> {
+    let a = anchors.dims().first().copied().unwrap_or(0);
+    if boxes.rank() != 3 || boxes.dims()[1] != 4 || boxes.dims()[2] != a || anchors.dims() != [a, 2] {
+        return Err(HeadsError::input("decode_boxes_grid", format!("boxes {:?} with anchors {:?}", boxes.dims(), anchors.dims())));
+    }
+    let anc = anchors.to_dtype(boxes.dtype())?.transpose(0, 1)?.reshape(vec![1, 2, a])?;
+    let x1y1 = anc.sub(&boxes.narrow(1, 0, 2)?)?;
+    let x2y2 = anc.add(&boxes.narrow(1, 2, 2)?)?;
+    Ok(Tensor::cat(&[&x1y1, &x2y2], 1)?)
+}
+
+/// Training-time keypoint decode (§5.2): `x = raw_x + a_x`, `y = raw_y + a_y` in **grid units**;
+/// the visibility channel stays a logit. `(B, K·D, A)` → same shape.
+pub fn decode_kpts_grid(kpts: &Tensor, anchors: &Tensor, kpt_shape: (usize, usize)) -> Result<Tensor> {
+    let a = anchors.dims().first().copied().unwrap_or(0);
+    let (k, d) = kpt_shape;
+    if kpts.rank() != 3 || kpts.dims()[1] != k * d || kpts.dims()[2] != a || anchors.dims() != [a, 2] || d < 2 {
+        return Err(HeadsError::input(
+            "decode_kpts_grid",
+            format!("kpts {:?}, anchors {:?}, kpt_shape {kpt_shape:?}", kpts.dims(), anchors.dims()),
+        ));
+    }
+    let b = kpts.dims()[0];
+    let y = kpts.reshape(vec![b, k, d, a])?;
+    let anc = anchors.to_dtype(kpts.dtype())?.transpose(0, 1)?.reshape(vec![1, 1, 2, a])?;
+    let xy = y.narrow(2, 0, 2)?.add(&anc)?;
+    let out = if d > 2 { Tensor::cat(&[&xy, &y.narrow(2, 2, d - 2)?], 2)? } else { xy };
+    Ok(out.reshape(vec![b, k * d, a])?)
+}
+
 /// The default inference output `(B, 4 + nc + K·D, A)`: boxes (cx, cy, w, h) px when `xywh`
 /// (else x1, y1, x2, y2), sigmoid scores, decoded keypoints.
 pub fn decode_predictions(
@@ -118,6 +150,17 @@ mod tests {
         assert_eq!(&v[..6], &[0.5, 0.5, 1.5, 0.5, 2.5, 0.5]);
         assert_eq!(&v[6..8], &[0.5, 1.5]);
         assert_eq!(s.to_vec::<f32>().expect("s"), vec![8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 16.0]);
+    }
+
+    #[test]
+    fn training_decode_in_grid_units() {
+        let (a, _) = make_anchors(&[(1, 2)], &[8.0], 0.5, DType::F32, Device::Cpu).expect("anchors");
+        let ltrb = Tensor::from_vec(vec![1.0f32, 0.0, 2.0, 0.0, 3.0, 0.0, 4.0, 0.0], vec![1, 4, 2], Device::Cpu).expect("t");
+        let b = decode_boxes_grid(&ltrb, &a).expect("d").to_vec::<f32>().expect("v");
+        assert_eq!(b, vec![-0.5, 1.5, -1.5, 0.5, 3.5, 1.5, 4.5, 0.5]);
+        let k = Tensor::from_vec(vec![0.25f32, 1.0, -0.5, 2.0, 3.0, 7.0], vec![1, 3, 2], Device::Cpu).expect("k");
+        let d = decode_kpts_grid(&k, &a, (1, 3)).expect("d").to_vec::<f32>().expect("v");
+        assert_eq!(d, vec![0.75, 2.5, 0.0, 2.5, 3.0, 7.0]);
     }
 
     #[test]
