@@ -21,6 +21,8 @@ pub(crate) struct DevBuf {
     pub dev: Arc<Dev>,
     /// Keeps a private pool alive while memory from it is live.
     _pool: Option<Arc<PoolInner>>,
+    /// Set for memory carved from a recorder's capture arena (never freed on its own).
+    _arena: Option<Arc<super::capture_support::CaptureArena>>,
 }
 
 // SAFETY: a device pointer is a plain address; access is ordered on the device's stream.
@@ -44,6 +46,10 @@ impl DevBuf {
     /// Uninitialised memory for `bytes` bytes (callers write every byte before reading).
     pub fn alloc(dev: &Arc<Dev>, bytes: usize) -> Result<DevBuf> {
         dev.bind()?;
+        if let Some(r) = super::capture_support::arena_alloc(dev, bytes) {
+            let (ptr, arena) = r?;
+            return Ok(DevBuf { ptr, bytes, dev: dev.clone(), _pool: None, _arena: Some(arena) });
+        }
         let pool = POOL_STACK.with(|s| s.borrow().iter().rev().find(|p| p.dev.ordinal == dev.ordinal).cloned());
         let raw_pool = pool.as_ref().map(|p| p.pool).unwrap_or(dev.default_pool);
         // A zero-byte request still gets a distinct (tiny) allocation so pointers stay unique.
@@ -55,13 +61,13 @@ impl DevBuf {
         if POISON.load(Ordering::Relaxed) {
             unsafe { dr::memset_d8_async(ptr, 0xFF, n, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
         }
-        Ok(DevBuf { ptr, bytes, dev: dev.clone(), _pool: pool })
+        Ok(DevBuf { ptr, bytes, dev: dev.clone(), _pool: pool, _arena: None })
     }
 }
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        if self.dev.bind().is_err() {
+        if self._arena.is_some() || self.dev.bind().is_err() {
             return;
         }
         if let Err(e) = unsafe { dr::free_async(self.ptr, self.dev.cu_stream) } {
@@ -152,6 +158,7 @@ pub fn empty_cache(device: Device) -> Result<()> {
 /// Waits until every queued operation on `device`'s compute stream has finished, then reports any
 /// error recorded by a stream-ordered free.
 pub fn synchronize(device: Device) -> Result<()> {
+    super::capture_support::check_host_sync("synchronize")?;
     let dev = cuda_dev(device)?;
     dev.synchronize()?;
     if let Some(e) = dev.deferred_error.lock().unwrap_or_else(|e| e.into_inner()).take() {

@@ -26,6 +26,7 @@
 
 mod alloc;
 mod blas;
+pub mod capture_support;
 mod conv;
 mod device;
 mod graph;
@@ -38,6 +39,7 @@ use cudarc::driver::{result as dr, sys};
 pub use alloc::{
     empty_cache, memory_stats, reset_peak_memory_stats, set_poison_allocations, synchronize, MemPool, MemPoolGuard, MemoryStats,
 };
+pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
 pub use device::CudaSetupError;
 pub use graph::{begin_capture, end_capture, graph_mem_reserved, time_on_stream, CudaGraph};
 
@@ -127,6 +129,7 @@ impl CudaStorage {
 
     /// Uploads a host buffer (an explicit host→device copy, queued on the compute stream).
     pub(crate) fn from_cpu(s: &CpuStorage, device: Device) -> Result<CudaStorage> {
+        capture_support::check_host_upload("from_cpu")?;
         let dev = dev_of(device)?;
         let out = CudaStorage::alloc(&dev, s.dtype(), s.len())?;
         let bytes = s.as_bytes();
@@ -139,6 +142,7 @@ impl CudaStorage {
 
     /// Downloads to the host: waits for the stream, then copies (a synchronisation point).
     pub(crate) fn to_cpu(&self) -> Result<CpuStorage> {
+        capture_support::check_host_sync("to_cpu")?;
         let dev = &self.buf.dev;
         dev.bind()?;
         let mut bytes = vec![0u8; self.len * self.dtype.size_in_bytes()];

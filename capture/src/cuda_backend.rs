@@ -1,0 +1,119 @@
+//! CUDA graphs: capture on the device's compute stream into recording-owned arenas.
+
+use std::sync::Mutex;
+
+use ptl_autograd::cuda::{self, capture_support as cs, CaptureArena, CaptureViolation, MemPool};
+use ptl_autograd::{Device, Tensor};
+
+use crate::backend::{Backend, Body, Graph, PoolHandle};
+use crate::{CaptureError, Result};
+
+/// Captures CUDA graphs (stream capture of the compute stream, thread-local mode).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CudaBackend;
+
+fn violation(region: &str, v: CaptureViolation) -> CaptureError {
+    let region = region.to_string();
+    match v {
+        CaptureViolation::HostSync { op } => CaptureError::HostSync { region, op: op.to_string() },
+        CaptureViolation::HostUpload { op } => CaptureError::HostUpload { region, op: op.to_string() },
+        CaptureViolation::AllocOutsidePool { requested, free } => CaptureError::AllocOutsidePool { region, requested, free },
+        CaptureViolation::NestedCapture => CaptureError::NestedCapture { region },
+    }
+}
+
+/// A captured graph. Field order is drop order: graph, then arena; `Drop` first waits for the
+/// stream so no memory is released under a replay in flight.
+struct CudaRecorded {
+    graph: Mutex<cuda::CudaGraph>,
+    arena: std::sync::Arc<CaptureArena>,
+    nodes: usize,
+    device: Device,
+}
+
+impl Drop for CudaRecorded {
+    fn drop(&mut self) {
+        let _ = cuda::synchronize(self.device);
+    }
+}
+
+impl Graph for CudaRecorded {
+    fn launch(&self) -> Result<()> {
+        Ok(self.graph.lock().unwrap_or_else(|e| e.into_inner()).launch()?)
+    }
+    fn node_count(&self) -> usize {
+        self.nodes
+    }
+    fn arena_bytes(&self) -> usize {
+        self.arena.size()
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn new_pool(&self, device: Device) -> Result<Option<PoolHandle>> {
+        match device {
+            Device::Cuda(_) => Ok(Some(Box::new(MemPool::new(device)?))),
+            Device::Cpu => Err(CaptureError::Backend("the CUDA recorder needs inputs on a CUDA device".into())),
+        }
+    }
+    fn in_pool(&self, pool: Option<&PoolHandle>, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        match pool.and_then(|p| p.downcast_ref::<MemPool>()) {
+            Some(p) => {
+                let _g = p.enter();
+                f()
+            }
+            None => f(),
+        }
+    }
+    fn measure(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
+        cs::begin_alloc_measure();
+        let r = f();
+        let n = cs::end_alloc_measure();
+        r.map(|_| n)
+    }
+    fn record(&self, region: &str, device: Device, arena_bytes: usize, pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>> {
+        if cs::is_capturing() {
+            return Err(CaptureError::NestedCapture { region: region.to_string() });
+        }
+        let mut arena = None;
+        self.in_pool(pool, &mut || {
+            arena = Some(CaptureArena::new(device, arena_bytes)?);
+            Ok(())
+        })?;
+        let arena = arena.ok_or_else(|| CaptureError::Backend("arena not created".into()))?;
+        cuda::synchronize(device)?;
+        let scope = cs::enter_capture_scope(arena.clone()).map_err(|v| violation(region, v))?;
+        if let Err(e) = cuda::begin_capture(device) {
+            drop(scope);
+            return Err(e.into());
+        }
+        let r = body();
+        let g = cuda::end_capture(device);
+        drop(scope);
+        if let Some(v) = cs::take_capture_violation() {
+            return Err(violation(region, v));
+        }
+        r?;
+        let g = g?;
+        let nodes = g.node_count()?;
+        if nodes == 0 {
+            return Err(CaptureError::EmptyGraph { region: region.to_string() });
+        }
+        Ok(Box::new(CudaRecorded { graph: Mutex::new(g), arena, nodes, device }))
+    }
+    fn address(&self, t: &Tensor) -> u64 {
+        cs::device_ptr(t).unwrap_or(t.storage_ptr() as u64)
+    }
+    fn synchronize(&self, device: Device) -> Result<()> {
+        match device {
+            Device::Cuda(_) => Ok(cuda::synchronize(device)?),
+            Device::Cpu => Ok(()),
+        }
+    }
+    fn is_capturing(&self) -> bool {
+        cs::is_capturing()
+    }
+}

@@ -1,0 +1,57 @@
+//! # ptl-capture
+//!
+//! Records a region of the training step — a callable over tensors, e.g. a backbone or a head —
+//! as two CUDA graphs (its forward, and its backward per *gradient mask*) and replays them inside
+//! the `ptl-autograd` tape as one custom node, byte-identical to running the region natively.
+//!
+//! ```ignore
+//! let rec = Recorder::cuda(RecorderConfig::default());
+//! let trunk = rec.region(RegionSpec::new("trunk", surface_fn, |xs| net.trunk(&xs[0]).map(|f| vec![f])));
+//! let f = trunk.call(&[x])?;            // native (warmup), then capture + replay, then replay
+//! println!("{}", rec.summary_line());
+//! ```
+//!
+//! How a call is served (see `shared/spec/capture.md` for the reasons):
+//! - **Signature** ([`Signature`]): shapes, dtypes, devices and `requires_grad` of the inputs,
+//!   grad mode, train/eval and the autocast precision. Each region keeps at most
+//!   [`RecorderConfig::max_recordings`] recordings; a miss beyond the bound runs natively and is
+//!   counted (temporary shape fallback). A new signature first runs natively
+//!   [`RecorderConfig::warmup_calls`] times.
+//! - **Capture**: warmup iterations on the capture stream with a snapshot of the region's buffers
+//!   (BatchNorm running statistics, counters) and of registered host state taken before and
+//!   restored after, so warmup is observationally free; then the forward and the all-outputs
+//!   backward are captured into recording-owned arenas (a private pool per recording). Other
+//!   gradient masks are captured the first time they occur.
+//! - **Replay**: inputs are copied into static buffers, one graph launch, outputs are handed out
+//!   as fresh tensors. In backward, parameter gradients are accumulated into each parameter's own
+//!   gradient (never the recording's buffers); an output that receives no gradient contributes
+//!   nothing, and parameters reached only from such outputs keep `grad() == None`.
+//! - **Safety checks** (per recording): storage fingerprints of parameters and buffers (a change
+//!   retires the recording), hooks (run natively), precision changes (retire), a forward while the
+//!   previous backward is outstanding (native, or [`CaptureError::PendingBackward`] when strict),
+//!   illegal work during capture (typed error, native fallback with a warning).
+//! - **Observability**: [`RegionStats`] per region and [`Recorder::summary_line`].
+//!
+//! The [`Backend`] trait separates the state machine from CUDA: [`CudaBackend`] (feature `cuda`)
+//! captures real graphs; [`testing::ReplayNatively`] "records" by keeping the body and re-running
+//! it on replay, so CPU CI exercises signatures, masks, counters and retire/fallback decisions.
+
+mod backend;
+mod error;
+mod recorder;
+mod region;
+mod signature;
+mod stats;
+pub mod testing;
+
+#[cfg(feature = "cuda")]
+mod cuda_backend;
+
+pub use backend::{Backend, Body, Graph, PoolHandle};
+#[cfg(feature = "cuda")]
+pub use cuda_backend::CudaBackend;
+pub use error::{CaptureError, Result};
+pub use recorder::{Recorder, RecorderConfig};
+pub use region::{HostState, RegionHandle, RegionSpec, SurfaceFn};
+pub use signature::{InputSig, Signature};
+pub use stats::{FallbackReason, RegionStats, RetireReason};

@@ -1,0 +1,143 @@
+//! The recorder: configuration, the backend, and the regions it holds.
+
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::Backend;
+use crate::region::{RegionHandle, RegionShared, RegionSpec};
+use crate::stats::RegionStats;
+
+/// How regions are recorded.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RecorderConfig {
+    /// Master switch: when false every call runs natively (counted as `Disabled`).
+    pub enabled: bool,
+    /// Native calls of a new signature before it is captured.
+    pub warmup_calls: usize,
+    /// Warmup iterations (forward + backward, rolled back) right before a capture (at least 1:
+    /// they also size the recording's arenas).
+    pub warmup_iters: usize,
+    /// Recordings per region (a miss beyond the bound runs natively).
+    pub max_recordings: usize,
+    /// A forward while the previous backward is pending errors instead of running natively.
+    pub strict_pending: bool,
+    /// Only the all-outputs gradient mask replays; another mask errors instead of being captured.
+    pub strict_masks: bool,
+    /// Arena size = measured warmup bytes × `arena_slack` + `arena_extra_bytes`.
+    pub arena_slack: f64,
+    pub arena_extra_bytes: usize,
+}
+
+impl Default for RecorderConfig {
+    fn default() -> Self {
+        RecorderConfig {
+            enabled: true,
+            warmup_calls: 1,
+            warmup_iters: 1,
+            max_recordings: 2,
+            strict_pending: false,
+            strict_masks: false,
+            arena_slack: 1.25,
+            arena_extra_bytes: 1 << 20,
+        }
+    }
+}
+
+pub(crate) struct RecorderInner {
+    pub(crate) config: RecorderConfig,
+    pub(crate) backend: Arc<dyn Backend>,
+    regions: Mutex<Vec<Arc<RegionShared>>>,
+}
+
+/// Holds regions (child holders) that share a configuration and a backend. `Clone` and
+/// deserialisation give a recorder with the same configuration and no region or recording;
+/// serialisation writes the configuration only.
+pub struct Recorder {
+    pub(crate) inner: Arc<RecorderInner>,
+}
+
+impl std::fmt::Debug for Recorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Recorder({}, {} regions)", self.inner.backend.name(), self.regions().len())
+    }
+}
+
+impl Recorder {
+    /// A recorder over any backend.
+    pub fn with_backend(config: RecorderConfig, backend: Arc<dyn Backend>) -> Recorder {
+        Recorder { inner: Arc::new(RecorderInner { config, backend, regions: Mutex::new(Vec::new()) }) }
+    }
+
+    /// A recorder that captures CUDA graphs.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(config: RecorderConfig) -> Recorder {
+        Recorder::with_backend(config, Arc::new(crate::CudaBackend))
+    }
+
+    /// The backend used when none is named: CUDA graphs with the `cuda` feature; otherwise the
+    /// recorder is disabled (every call native).
+    pub fn default_for(config: RecorderConfig) -> Recorder {
+        #[cfg(feature = "cuda")]
+        {
+            Recorder::cuda(config)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let config = RecorderConfig { enabled: false, ..config };
+            Recorder::with_backend(config, Arc::new(crate::testing::ReplayNatively::default()))
+        }
+    }
+
+    pub fn config(&self) -> &RecorderConfig {
+        &self.inner.config
+    }
+
+    /// Adds a region (a child holder).
+    pub fn region(&self, spec: RegionSpec) -> RegionHandle {
+        let shared = Arc::new(RegionShared::new(spec));
+        self.inner.regions.lock().unwrap_or_else(|e| e.into_inner()).push(shared.clone());
+        RegionHandle { shared, recorder: self.inner.clone() }
+    }
+
+    fn regions(&self) -> Vec<Arc<RegionShared>> {
+        self.inner.regions.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Releases every recording of every region (graphs and pools).
+    pub fn release_all(&self) {
+        for r in self.regions() {
+            r.release();
+        }
+    }
+
+    /// Counters of every region, in creation order.
+    pub fn stats(&self) -> Vec<(String, RegionStats)> {
+        self.regions().iter().map(|r| (r.name().to_string(), r.stats())).collect()
+    }
+
+    /// One line for the end of a fit: `capture: trunk: 1 captures … | head: …`.
+    pub fn summary_line(&self) -> String {
+        let parts: Vec<String> = self.stats().iter().map(|(n, s)| s.line(n)).collect();
+        format!("capture[{}]: {}", self.inner.backend.name(), if parts.is_empty() { "no regions".to_string() } else { parts.join(" | ") })
+    }
+}
+
+impl Clone for Recorder {
+    fn clone(&self) -> Self {
+        Recorder::with_backend(self.inner.config.clone(), self.inner.backend.clone())
+    }
+}
+
+impl Serialize for Recorder {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.inner.config.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Recorder {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ok(Recorder::default_for(RecorderConfig::deserialize(d)?))
+    }
+}

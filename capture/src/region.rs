@@ -1,0 +1,773 @@
+//! A recorded region: its spec, its recordings, the graphed tape node, and the call state machine.
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use ptl_autograd::{
+    attach_custom_node, autocast_dtype, is_grad_enabled, BackwardOp, DType, Device, GradModeGuard, Rng, Tensor, TensorKind,
+};
+
+use crate::backend::{Backend, Graph, PoolHandle};
+use crate::recorder::RecorderInner;
+use crate::signature::Signature;
+use crate::stats::{FallbackReason, RegionStats, RetireReason};
+use crate::{CaptureError, Result};
+
+/// The region's current parameters and buffers (its *surface*), in a stable order. Called on
+/// every call: a parameter replaced by a new tensor is seen as a storage change.
+pub type SurfaceFn = Arc<dyn Fn() -> Vec<(String, Tensor, TensorKind)> + Send + Sync>;
+/// The region itself: tensors in, tensors out.
+pub type RegionFn = Arc<dyn Fn(&[Tensor]) -> ptl_autograd::Result<Vec<Tensor>> + Send + Sync>;
+
+/// Host-side state a region mutates (e.g. a host RNG): snapshotted before warmup and restored
+/// after warmup and capture.
+pub trait HostState: Send + Sync {
+    fn snapshot(&self) -> Vec<u64>;
+    fn restore(&self, snap: &[u64]);
+}
+
+impl HostState for Mutex<Rng> {
+    fn snapshot(&self) -> Vec<u64> {
+        let (s, o, u) = self.lock().unwrap_or_else(|e| e.into_inner()).state();
+        vec![s, o, u as u64]
+    }
+    fn restore(&self, snap: &[u64]) {
+        if let [s, o, u] = snap {
+            *self.lock().unwrap_or_else(|e| e.into_inner()) = Rng::from_state(*s, *o, *u as usize);
+        }
+    }
+}
+
+/// What to record: a name, the surface, the callable, and any host state it touches.
+#[derive(Clone)]
+pub struct RegionSpec {
+    pub name: String,
+    pub surface: SurfaceFn,
+    pub func: RegionFn,
+    pub host_state: Vec<Arc<dyn HostState>>,
+}
+
+impl RegionSpec {
+    pub fn new(
+        name: impl Into<String>,
+        surface: impl Fn() -> Vec<(String, Tensor, TensorKind)> + Send + Sync + 'static,
+        func: impl Fn(&[Tensor]) -> ptl_autograd::Result<Vec<Tensor>> + Send + Sync + 'static,
+    ) -> RegionSpec {
+        RegionSpec { name: name.into(), surface: Arc::new(surface), func: Arc::new(func), host_state: Vec::new() }
+    }
+    /// Registers host state for warmup/capture rollback.
+    pub fn with_host_state(mut self, s: Arc<dyn HostState>) -> RegionSpec {
+        self.host_state.push(s);
+        self
+    }
+}
+
+thread_local! {
+    static IN_REPLAY: Cell<bool> = const { Cell::new(false) };
+}
+
+fn launch_replay(g: &dyn Graph) -> Result<()> {
+    IN_REPLAY.with(|r| r.set(true));
+    let r = g.launch();
+    IN_REPLAY.with(|r| r.set(false));
+    r
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Per gradient mask: (parameters that receive a gradient, inputs that receive one).
+type Presence = (Vec<bool>, Vec<bool>);
+/// Backward graphs by gradient mask.
+type BwdGraphs = BTreeMap<Vec<bool>, Box<dyn Graph>>;
+
+/// Static buffers and the region body shared by a recording's graphs.
+struct Core {
+    region: String,
+    func: RegionFn,
+    needs_grad: bool,
+    static_in: Vec<Tensor>,
+    leaves: Vec<Tensor>,
+    static_out: Vec<Tensor>,
+    out_grad: Vec<bool>,
+    static_gout: Vec<Option<Tensor>>,
+    params: Vec<Tensor>,
+    static_gparam: Vec<Option<Tensor>>,
+    static_gin: Vec<Option<Tensor>>,
+    /// Outputs with history from the latest execution of the forward body.
+    tape: Mutex<Option<Vec<Tensor>>>,
+    /// Per gradient mask: which parameters and which inputs receive a gradient.
+    presence: Mutex<HashMap<Vec<bool>, Presence>>,
+    stats: Arc<Mutex<RegionStats>>,
+}
+
+impl Core {
+    fn err(&self, msg: impl Into<String>) -> CaptureError {
+        CaptureError::Region { region: self.region.clone(), msg: msg.into() }
+    }
+
+    fn note_body_run(&self) {
+        if IN_REPLAY.with(|r| r.get()) {
+            lock(&self.stats).eager_dispatches_during_replay += 1;
+        }
+    }
+
+    fn fwd_body(&self) -> Result<()> {
+        self.note_body_run();
+        let outs = {
+            let _g = GradModeGuard::new(self.needs_grad);
+            (self.func)(&self.leaves)?
+        };
+        if outs.len() != self.static_out.len() {
+            return Err(self.err(format!("returned {} outputs, {} at warmup", outs.len(), self.static_out.len())));
+        }
+        for (o, s) in outs.iter().zip(&self.static_out) {
+            s.copy_(o)?;
+        }
+        if self.needs_grad {
+            *lock(&self.tape) = Some(outs);
+        }
+        Ok(())
+    }
+
+    fn bwd_body(&self, mask: &[bool]) -> Result<()> {
+        self.note_body_run();
+        let outs = lock(&self.tape).clone().ok_or_else(|| self.err("backward recorded before any forward"))?;
+        let stash: Vec<Option<Tensor>> = self
+            .params
+            .iter()
+            .map(|p| {
+                let g = p.grad();
+                p.set_grad(None);
+                g
+            })
+            .collect();
+        for l in &self.leaves {
+            l.set_grad(None);
+        }
+        let r = self.bwd_inner(mask, &outs);
+        for (p, g) in self.params.iter().zip(stash) {
+            p.set_grad(g);
+        }
+        for l in &self.leaves {
+            l.set_grad(None);
+        }
+        r
+    }
+
+    fn bwd_inner(&self, mask: &[bool], outs: &[Tensor]) -> Result<()> {
+        let mut present = Vec::new();
+        let mut grads = Vec::new();
+        for ((m, o), g) in mask.iter().zip(outs).zip(&self.static_gout) {
+            if let (true, Some(g)) = (*m, g) {
+                present.push(o);
+                grads.push(g.clone());
+            }
+        }
+        seed_backward(&present, grads)?;
+        let collect = |ts: &[Tensor], statics: &[Option<Tensor>], what: &str| -> Result<Vec<bool>> {
+            let mut v = Vec::with_capacity(ts.len());
+            for (t, s) in ts.iter().zip(statics) {
+                match (t.grad(), s) {
+                    (Some(g), Some(s)) => {
+                        s.copy_(&g)?;
+                        v.push(true);
+                    }
+                    (Some(_), None) => return Err(self.err(format!("{what} received a gradient it did not receive at warmup"))),
+                    (None, _) => v.push(false),
+                }
+            }
+            Ok(v)
+        };
+        let pp = collect(&self.params, &self.static_gparam, "a parameter")?;
+        let ip = collect(&self.leaves, &self.static_gin, "an input")?;
+        lock(&self.presence).insert(mask.to_vec(), (pp, ip));
+        Ok(())
+    }
+}
+
+/// Back-propagates the given gradients from several outputs at once: a one-output seed node whose
+/// backward hands out `grads` (no extra kernels besides the root's fill).
+fn seed_backward(outs: &[&Tensor], grads: Vec<Tensor>) -> Result<()> {
+    struct Seed(Vec<Tensor>);
+    impl BackwardOp for Seed {
+        fn name(&self) -> &str {
+            "capture-seed"
+        }
+        fn backward(&self, _g: &[Option<Tensor>]) -> ptl_autograd::Result<Vec<Option<Tensor>>> {
+            Ok(self.0.iter().cloned().map(Some).collect())
+        }
+    }
+    let Some(first) = outs.first() else { return Ok(()) };
+    let root = Tensor::zeros((), DType::F32, first.device())?;
+    let rooted = {
+        let _g = GradModeGuard::new(true);
+        attach_custom_node(Arc::new(Seed(grads)), outs, std::slice::from_ref(&root))
+    };
+    if let Some(r) = rooted.first() {
+        if r.requires_grad() {
+            r.backward_with(&root)?;
+        }
+    }
+    Ok(())
+}
+
+/// Marks one forward replay whose backward has not run yet.
+struct Token {
+    consumed: AtomicBool,
+    discarded: AtomicBool,
+}
+
+/// One recording: graphs first (dropped first), pool last.
+pub(crate) struct Recording {
+    fwd: Box<dyn Graph>,
+    bwd: Mutex<BwdGraphs>,
+    core: Arc<Core>,
+    key: Signature,
+    fingerprints: Vec<(String, usize, u64)>,
+    pending: Mutex<Option<Weak<Token>>>,
+    bwd_arena: usize,
+    device: Device,
+    strict_masks: bool,
+    backend: Arc<dyn Backend>,
+    pool: Option<PoolHandle>,
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        // Teardown safety: no graph or arena memory is released while a replay may be in flight.
+        let _ = self.backend.synchronize(self.device);
+    }
+}
+
+impl Recording {
+    fn pending_alive(&self) -> bool {
+        lock(&self.pending).as_ref().and_then(Weak::upgrade).map(|t| !t.consumed.load(Ordering::SeqCst)).unwrap_or(false)
+    }
+
+    fn discard(&self) {
+        if let Some(t) = lock(&self.pending).take().and_then(|w| w.upgrade()) {
+            t.discarded.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// The first surface entry whose storage changed, if any.
+    fn stale(&self, surface: &[(String, Tensor, TensorKind)]) -> Option<String> {
+        if surface.len() != self.fingerprints.len() {
+            return Some(format!("surface ({} entries, {} at capture)", surface.len(), self.fingerprints.len()));
+        }
+        for ((n, t, _), (fname, sp, addr)) in surface.iter().zip(&self.fingerprints) {
+            if n != fname || t.storage_ptr() != *sp || self.backend.address(t) != *addr {
+                return Some(n.clone());
+            }
+        }
+        None
+    }
+
+    fn nodes(&self) -> u64 {
+        (self.fwd.node_count() + lock(&self.bwd).values().map(|g| g.node_count()).sum::<usize>()) as u64
+    }
+}
+
+/// The tape node of one forward replay.
+struct GraphedNode {
+    rec: Arc<Recording>,
+    token: Arc<Token>,
+    n_inputs: usize,
+}
+
+impl BackwardOp for GraphedNode {
+    fn name(&self) -> &str {
+        &self.rec.core.region
+    }
+    fn backward(&self, g: &[Option<Tensor>]) -> ptl_autograd::Result<Vec<Option<Tensor>>> {
+        self.run(g).map_err(Into::into)
+    }
+}
+
+impl GraphedNode {
+    fn run(&self, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        let rec = &self.rec;
+        let core = &rec.core;
+        if self.token.discarded.load(Ordering::SeqCst) {
+            return Err(core.err("backward of a forward replay that was discarded"));
+        }
+        if self.token.consumed.swap(true, Ordering::SeqCst) {
+            return Err(core.err("backward ran twice for one forward replay"));
+        }
+        let n_total = self.n_inputs + core.params.len();
+        let mask: Vec<bool> = g.iter().zip(&core.out_grad).map(|(g, og)| g.is_some() && *og).collect();
+        if !mask.iter().any(|m| *m) {
+            return Ok(vec![None; n_total]);
+        }
+        let mut host_ops = 0u64;
+        for (i, m) in mask.iter().enumerate() {
+            if !*m {
+                continue;
+            }
+            let (Some(src), Some(dst)) = (&g[i], &core.static_gout[i]) else { continue };
+            if src.dims() != dst.dims() || src.dtype() != dst.dtype() {
+                return Err(CaptureError::Mismatch {
+                    region: core.region.clone(),
+                    what: format!("gradient of output {i}"),
+                    got: format!("{:?} {}", src.dims(), src.dtype()),
+                    expected: format!("{:?} {}", dst.dims(), dst.dtype()),
+                });
+            }
+            dst.copy_(src)?;
+            host_ops += 1;
+        }
+        {
+            let mut bwd = lock(&rec.bwd);
+            if !bwd.contains_key(&mask) {
+                if rec.strict_masks {
+                    return Err(CaptureError::UnexpectedGradMask { region: core.region.clone(), mask });
+                }
+                let c = core.clone();
+                let m = mask.clone();
+                let graph =
+                    rec.backend.record(&core.region, rec.device, rec.bwd_arena, rec.pool.as_ref(), Arc::new(move || c.bwd_body(&m)))?;
+                lock(&core.stats).backward_captures += 1;
+                bwd.insert(mask.clone(), graph);
+            }
+            let graph = bwd.get(&mask).ok_or_else(|| core.err("backward graph missing"))?;
+            launch_replay(graph.as_ref())?;
+        }
+        let (pp, ip) = lock(&core.presence).get(&mask).cloned().ok_or_else(|| core.err("no gradient presence recorded for this mask"))?;
+        let _ng = GradModeGuard::new(false);
+        for ((p, s), present) in core.params.iter().zip(&core.static_gparam).zip(&pp) {
+            let (true, Some(s)) = (*present, s) else { continue };
+            match p.grad() {
+                Some(existing) => existing.add_(s)?,
+                None => p.set_grad(Some(s.deep_copy()?)),
+            }
+            host_ops += 1;
+        }
+        let mut out = Vec::with_capacity(n_total);
+        for (s, present) in core.static_gin.iter().zip(&ip) {
+            match (present, s) {
+                (true, Some(s)) => {
+                    out.push(Some(s.deep_copy()?));
+                    host_ops += 1;
+                }
+                _ => out.push(None),
+            }
+        }
+        out.resize(n_total, None);
+        let mut st = lock(&core.stats);
+        st.backward_replays += 1;
+        st.graph_launches += 1;
+        st.host_ops += host_ops;
+        Ok(out)
+    }
+}
+
+/// Per-region mutable state.
+pub(crate) struct RegionState {
+    spec: RegionSpec,
+    training: bool,
+    hooks: bool,
+    recordings: Vec<Arc<Recording>>,
+    seen: HashMap<Signature, usize>,
+    failed: HashSet<Signature>,
+}
+
+pub(crate) struct RegionShared {
+    state: Mutex<RegionState>,
+    stats: Arc<Mutex<RegionStats>>,
+    name: String,
+}
+
+impl RegionShared {
+    pub(crate) fn new(spec: RegionSpec) -> RegionShared {
+        let name = spec.name.clone();
+        RegionShared {
+            state: Mutex::new(RegionState {
+                spec,
+                training: true,
+                hooks: false,
+                recordings: Vec::new(),
+                seen: HashMap::new(),
+                failed: HashSet::new(),
+            }),
+            stats: Arc::new(Mutex::new(RegionStats::default())),
+            name,
+        }
+    }
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+    pub(crate) fn spec(&self) -> RegionSpec {
+        lock(&self.state).spec.clone()
+    }
+    pub(crate) fn release(&self) {
+        let mut st = lock(&self.state);
+        let n = st.recordings.len() as u64;
+        st.recordings.clear();
+        st.seen.clear();
+        if n > 0 {
+            *lock(&self.stats).retired.entry(RetireReason::Released).or_default() += n;
+        }
+    }
+    pub(crate) fn stats(&self) -> RegionStats {
+        let st = lock(&self.state);
+        let mut s = lock(&self.stats).clone();
+        s.live_recordings = st.recordings.len() as u64;
+        s.graph_nodes = st.recordings.iter().map(|r| r.nodes()).sum();
+        s
+    }
+}
+
+/// A handle on one region of a [`crate::Recorder`]. Cloning gives a new region with the same
+/// spec and no recording.
+pub struct RegionHandle {
+    pub(crate) shared: Arc<RegionShared>,
+    pub(crate) recorder: Arc<RecorderInner>,
+}
+
+impl Clone for RegionHandle {
+    fn clone(&self) -> Self {
+        crate::Recorder { inner: self.recorder.clone() }.region(self.shared.spec())
+    }
+}
+
+impl std::fmt::Debug for RegionHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RegionHandle({})", self.shared.name())
+    }
+}
+
+impl RegionHandle {
+    pub fn name(&self) -> &str {
+        self.shared.name()
+    }
+    /// Train/eval of the region (part of the signature).
+    pub fn set_training(&self, training: bool) {
+        lock(&self.shared.state).training = training;
+    }
+    /// Declares whether hooks are registered on the region's modules: while true every call runs
+    /// natively (hooks must run, and must never be baked into a graph).
+    pub fn set_hooks(&self, present: bool) {
+        lock(&self.shared.state).hooks = present;
+    }
+    /// Counters (with the live recordings' totals filled in).
+    pub fn stats(&self) -> RegionStats {
+        self.shared.stats()
+    }
+    /// Releases every recording (graphs and pools).
+    pub fn release(&self) {
+        self.shared.release()
+    }
+    /// Forgets the pending backward of the last forward replay (its backward then errors), so the
+    /// next forward may replay.
+    pub fn discard_pending(&self) {
+        for r in &lock(&self.shared.state).recordings {
+            r.discard();
+        }
+    }
+    /// Number of recordings held.
+    pub fn live_recordings(&self) -> usize {
+        lock(&self.shared.state).recordings.len()
+    }
+
+    /// Runs the region: natively, or by capturing and replaying its graphs (see the crate docs).
+    pub fn call(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let cfg = &self.recorder.config;
+        let backend = self.recorder.backend.clone();
+        let mut st = lock(&self.shared.state);
+        if !cfg.enabled {
+            return self.native_with(&st, inputs, FallbackReason::Disabled);
+        }
+        if st.hooks {
+            return self.native_with(&st, inputs, FallbackReason::Hooks);
+        }
+        if inputs.is_empty() || (backend.name() == "cuda" && inputs.iter().any(|t| t.device() == Device::Cpu)) {
+            return self.native_with(&st, inputs, FallbackReason::Unsupported);
+        }
+        let precision = autocast_dtype();
+        // Precision check: a precision change retires recordings made under another precision.
+        let before = st.recordings.len();
+        st.recordings.retain(|r| r.key.precision == precision);
+        let gone = (before - st.recordings.len()) as u64;
+        if gone > 0 {
+            *lock(&self.shared.stats).retired.entry(RetireReason::Precision).or_default() += gone;
+        }
+        let key = Signature::of(inputs, is_grad_enabled(), st.training, precision);
+        let surface = (st.spec.surface)();
+        if let Some(pos) = st.recordings.iter().position(|r| r.key == key) {
+            let rec = st.recordings[pos].clone();
+            if let Some(buffer) = rec.stale(&surface) {
+                st.recordings.remove(pos);
+                st.seen.remove(&key);
+                drop(rec);
+                let mut s = lock(&self.shared.stats);
+                *s.retired.entry(RetireReason::Storage).or_default() += 1;
+                s.warn(CaptureError::StaleRecording { region: self.name().to_string(), buffer }.to_string());
+                drop(s);
+                return self.native_with(&st, inputs, FallbackReason::Stale);
+            }
+            if rec.pending_alive() {
+                if cfg.strict_pending {
+                    return Err(CaptureError::PendingBackward { region: self.name().to_string() });
+                }
+                return self.native_with(&st, inputs, FallbackReason::PendingBackward);
+            }
+            drop(st);
+            return self.replay(&rec, inputs);
+        }
+        if st.failed.contains(&key) {
+            return self.native_with(&st, inputs, FallbackReason::CaptureFailed);
+        }
+        let seen = st.seen.entry(key.clone()).or_insert(0);
+        *seen += 1;
+        if *seen <= cfg.warmup_calls {
+            return self.native_with(&st, inputs, FallbackReason::Warmup);
+        }
+        if st.recordings.len() >= cfg.max_recordings.max(1) {
+            return self.native_with(&st, inputs, FallbackReason::CacheFull);
+        }
+        if backend.is_capturing() {
+            let e = CaptureError::NestedCapture { region: self.name().to_string() };
+            self.note_failure(&e);
+            return self.native_with(&st, inputs, FallbackReason::CaptureFailed);
+        }
+        match self.capture(&st, &key, inputs, &surface) {
+            Ok(rec) => {
+                let rec = Arc::new(rec);
+                st.recordings.push(rec.clone());
+                drop(st);
+                self.replay(&rec, inputs)
+            }
+            Err(e) => {
+                self.note_failure(&e);
+                st.failed.insert(key);
+                self.native_with(&st, inputs, FallbackReason::CaptureFailed)
+            }
+        }
+    }
+
+    fn note_failure(&self, e: &CaptureError) {
+        let mut s = lock(&self.shared.stats);
+        *s.capture_failures.entry(e.kind().to_string()).or_default() += 1;
+        let w = format!("ptl-capture: region `{}` runs natively: {e}", self.name());
+        eprintln!("warning: {w}");
+        s.warn(w);
+    }
+
+    fn native_with(&self, st: &RegionState, inputs: &[Tensor], why: FallbackReason) -> Result<Vec<Tensor>> {
+        lock(&self.shared.stats).bump_native(why);
+        Ok((st.spec.func)(inputs)?)
+    }
+
+    fn replay(&self, rec: &Arc<Recording>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let core = &rec.core;
+        let mut host_ops = 0u64;
+        for (s, x) in core.static_in.iter().zip(inputs) {
+            if s.storage_ptr() != x.storage_ptr() {
+                s.copy_(x)?;
+                host_ops += 1;
+            }
+        }
+        launch_replay(rec.fwd.as_ref())?;
+        let mut outs = Vec::with_capacity(core.static_out.len());
+        for s in &core.static_out {
+            outs.push(s.deep_copy()?);
+            host_ops += 1;
+        }
+        let outs = if core.needs_grad && core.out_grad.iter().any(|g| *g) {
+            let token = Arc::new(Token { consumed: AtomicBool::new(false), discarded: AtomicBool::new(false) });
+            *lock(&rec.pending) = Some(Arc::downgrade(&token));
+            let node = Arc::new(GraphedNode { rec: rec.clone(), token, n_inputs: inputs.len() });
+            let mut surface: Vec<&Tensor> = inputs.iter().collect();
+            surface.extend(core.params.iter());
+            let mut handed = attach_custom_node(node, &surface, &outs);
+            // Outputs that carried no gradient at capture hand out without history.
+            for (h, g) in handed.iter_mut().zip(&core.out_grad) {
+                if !*g && h.requires_grad() {
+                    *h = h.detach();
+                }
+            }
+            handed
+        } else {
+            outs
+        };
+        let mut s = lock(&self.shared.stats);
+        s.replays += 1;
+        s.graph_launches += 1;
+        s.host_ops += host_ops;
+        Ok(outs)
+    }
+
+    fn capture(&self, st: &RegionState, key: &Signature, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)]) -> Result<Recording> {
+        let cfg = &self.recorder.config;
+        let backend = self.recorder.backend.clone();
+        let spec = &st.spec;
+        let region = spec.name.clone();
+        let device = inputs[0].device();
+        let params: Vec<Tensor> =
+            surface.iter().filter(|(_, t, k)| *k == TensorKind::Parameter && t.requires_grad()).map(|(_, t, _)| t.clone()).collect();
+        let buffers: Vec<Tensor> = surface.iter().filter(|(_, _, k)| *k == TensorKind::Buffer).map(|(_, t, _)| t.clone()).collect();
+        let needs_grad = key.grad_enabled && (inputs.iter().any(|t| t.requires_grad()) || !params.is_empty());
+        let pool = backend.new_pool(device)?;
+
+        // ---- warmup on the capture stream, observationally free --------------------------------
+        let buf_snap: Vec<Tensor> = buffers.iter().map(|b| b.deep_copy()).collect::<ptl_autograd::Result<_>>()?;
+        let host_snap: Vec<Vec<u64>> = spec.host_state.iter().map(|h| h.snapshot()).collect();
+        let grad_stash: Vec<Option<Tensor>> = params
+            .iter()
+            .map(|p| {
+                let g = p.grad();
+                p.set_grad(None);
+                g
+            })
+            .collect();
+        let warm_leaves: Vec<Tensor> = inputs
+            .iter()
+            .map(|x| x.detach().requires_grad_(x.requires_grad() && x.dtype().is_float()))
+            .collect::<ptl_autograd::Result<_>>()?;
+        let mut meta: Vec<(Vec<usize>, DType, bool)> = Vec::new();
+        let mut gparam_dt: Vec<Option<DType>> = vec![None; params.len()];
+        let mut gin_dt: Vec<Option<DType>> = vec![None; inputs.len()];
+        let (mut fwd_bytes, mut bwd_bytes) = (0usize, 0usize);
+        let warm = (|| -> Result<()> {
+            for _ in 0..cfg.warmup_iters.max(1) {
+                let mut outs: Vec<Tensor> = Vec::new();
+                let n = backend.measure(&mut || {
+                    let _g = GradModeGuard::new(needs_grad);
+                    outs = (spec.func)(&warm_leaves)?;
+                    Ok(())
+                })?;
+                fwd_bytes = fwd_bytes.max(n);
+                meta = outs.iter().map(|o| (o.dims().to_vec(), o.dtype(), needs_grad && o.requires_grad())).collect();
+                if meta.iter().any(|m| m.2) {
+                    let n = backend.measure(&mut || {
+                        let present: Vec<&Tensor> = outs.iter().zip(&meta).filter(|(_, m)| m.2).map(|(o, _)| o).collect();
+                        let seeds: Vec<Tensor> = present.iter().map(|o| o.ones_like()).collect::<ptl_autograd::Result<_>>()?;
+                        seed_backward(&present, seeds)
+                    })?;
+                    bwd_bytes = bwd_bytes.max(n);
+                    for (p, dt) in params.iter().zip(gparam_dt.iter_mut()) {
+                        if let Some(g) = p.grad() {
+                            *dt = Some(g.dtype());
+                        }
+                        p.set_grad(None);
+                    }
+                    for (l, dt) in warm_leaves.iter().zip(gin_dt.iter_mut()) {
+                        if let Some(g) = l.grad() {
+                            *dt = Some(g.dtype());
+                        }
+                        l.set_grad(None);
+                    }
+                }
+            }
+            Ok(())
+        })();
+        // Rollback, whatever happened: buffers bitwise, host state, parameter gradients.
+        let rollback = || -> Result<()> {
+            let _g = GradModeGuard::new(false);
+            for (b, s) in buffers.iter().zip(&buf_snap) {
+                b.copy_(s)?;
+            }
+            for (h, s) in spec.host_state.iter().zip(&host_snap) {
+                h.restore(s);
+            }
+            Ok(())
+        };
+        let rb = rollback();
+        for (p, g) in params.iter().zip(grad_stash) {
+            p.set_grad(g);
+        }
+        warm?;
+        rb?;
+        backend.synchronize(device)?;
+
+        // ---- static buffers in the recording's pool ---------------------------------------------
+        let mut static_in = Vec::new();
+        let mut static_out = Vec::new();
+        let mut static_gout = Vec::new();
+        let mut static_gparam = Vec::new();
+        let mut static_gin = Vec::new();
+        backend.in_pool(pool.as_ref(), &mut || {
+            static_in = inputs.iter().map(|x| x.zeros_like()).collect::<ptl_autograd::Result<_>>()?;
+            static_out = meta.iter().map(|(d, dt, _)| Tensor::zeros(d.clone(), *dt, device)).collect::<ptl_autograd::Result<_>>()?;
+            static_gout = meta
+                .iter()
+                .map(|(d, dt, g)| if *g { Tensor::zeros(d.clone(), *dt, device).map(Some) } else { Ok(None) })
+                .collect::<ptl_autograd::Result<_>>()?;
+            static_gparam = params
+                .iter()
+                .zip(&gparam_dt)
+                .map(|(p, dt)| dt.map(|dt| Tensor::zeros(p.dims().to_vec(), dt, device)).transpose())
+                .collect::<ptl_autograd::Result<_>>()?;
+            static_gin = inputs
+                .iter()
+                .zip(&gin_dt)
+                .map(|(x, dt)| dt.map(|dt| Tensor::zeros(x.dims().to_vec(), dt, device)).transpose())
+                .collect::<ptl_autograd::Result<_>>()?;
+            Ok(())
+        })?;
+        let leaves: Vec<Tensor> = static_in
+            .iter()
+            .zip(inputs)
+            .map(|(s, x)| s.detach().requires_grad_(needs_grad && x.requires_grad() && x.dtype().is_float()))
+            .collect::<ptl_autograd::Result<_>>()?;
+        let core = Arc::new(Core {
+            region: region.clone(),
+            func: spec.func.clone(),
+            needs_grad,
+            static_in,
+            leaves,
+            static_out,
+            out_grad: meta.iter().map(|m| m.2).collect(),
+            static_gout,
+            params,
+            static_gparam,
+            static_gin,
+            tape: Mutex::new(None),
+            presence: Mutex::new(HashMap::new()),
+            stats: self.shared.stats.clone(),
+        });
+
+        // ---- capture: forward, then the all-outputs backward --------------------------------------
+        let slack = |n: usize| ((n as f64) * cfg.arena_slack.max(1.0)) as usize + cfg.arena_extra_bytes;
+        let c = core.clone();
+        let captured = (|| -> Result<(Box<dyn Graph>, BwdGraphs)> {
+            let fwd = backend.record(&region, device, slack(fwd_bytes), pool.as_ref(), Arc::new(move || c.fwd_body()))?;
+            let mut bwd = BTreeMap::new();
+            if needs_grad && core.out_grad.iter().any(|g| *g) {
+                let mask = core.out_grad.clone();
+                let c = core.clone();
+                let m = mask.clone();
+                bwd.insert(mask, backend.record(&region, device, slack(bwd_bytes), pool.as_ref(), Arc::new(move || c.bwd_body(&m)))?);
+            }
+            Ok((fwd, bwd))
+        })();
+        // Host effects of running the body during capture are undone too.
+        for (h, s) in spec.host_state.iter().zip(&host_snap) {
+            h.restore(s);
+        }
+        let (fwd, bwd) = captured?;
+        {
+            let mut s = lock(&self.shared.stats);
+            s.captures += 1;
+            s.backward_captures += bwd.len() as u64;
+        }
+        let fingerprints = surface.iter().map(|(n, t, _)| (n.clone(), t.storage_ptr(), backend.address(t))).collect();
+        Ok(Recording {
+            fwd,
+            bwd: Mutex::new(bwd),
+            core,
+            key: key.clone(),
+            fingerprints,
+            pending: Mutex::new(None),
+            bwd_arena: slack(bwd_bytes),
+            device,
+            strict_masks: cfg.strict_masks,
+            backend,
+            pool,
+        })
+    }
+}

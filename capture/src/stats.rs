@@ -1,0 +1,113 @@
+//! Per-region counters.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Why a call ran natively.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum FallbackReason {
+    /// A new signature's first calls (lazy initialisation runs for real).
+    Warmup,
+    /// The region already holds its maximum number of recordings (e.g. a smaller last batch).
+    CacheFull,
+    /// Hooks are registered on the region.
+    Hooks,
+    /// The previous forward replay's backward had not run.
+    PendingBackward,
+    /// Capturing failed (the error is in the warnings); this signature stays native.
+    CaptureFailed,
+    /// The recording was stale (storage changed) and was retired this call.
+    Stale,
+    /// Recording is switched off ([`crate::RecorderConfig::enabled`]).
+    Disabled,
+    /// Nothing to record (no tensor input or no device input).
+    Unsupported,
+}
+
+/// Why a recording was released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum RetireReason {
+    /// A parameter or buffer changed storage.
+    Storage,
+    /// The precision (autocast) changed.
+    Precision,
+    /// Released on request.
+    Released,
+}
+
+/// Counters of one region.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RegionStats {
+    /// Forward captures (one per recording).
+    pub captures: u64,
+    /// Backward captures (one per recording and gradient mask).
+    pub backward_captures: u64,
+    /// Forward replays.
+    pub replays: u64,
+    /// Backward replays.
+    pub backward_replays: u64,
+    /// Graph launches (forward and backward).
+    pub graph_launches: u64,
+    /// Host-issued copy/accumulate operations around replays (copy-in, hand-out, accumulation).
+    pub host_ops: u64,
+    /// Native calls by reason.
+    pub native: BTreeMap<FallbackReason, u64>,
+    /// Released recordings by reason.
+    pub retired: BTreeMap<RetireReason, u64>,
+    /// Failed captures by error kind.
+    pub capture_failures: BTreeMap<String, u64>,
+    /// Times the region's host closure ran during replay (must stay 0; see test T1).
+    pub eager_dispatches_during_replay: u64,
+    /// Recordings currently held.
+    pub live_recordings: u64,
+    /// Nodes of the live recordings' graphs.
+    pub graph_nodes: u64,
+    /// Last warnings (capture failures), newest last, at most 8.
+    pub warnings: Vec<String>,
+}
+
+impl RegionStats {
+    pub fn native_total(&self) -> u64 {
+        self.native.values().sum()
+    }
+    pub fn native_for(&self, r: FallbackReason) -> u64 {
+        self.native.get(&r).copied().unwrap_or(0)
+    }
+    pub fn retired_for(&self, r: RetireReason) -> u64 {
+        self.retired.get(&r).copied().unwrap_or(0)
+    }
+    pub(crate) fn bump_native(&mut self, r: FallbackReason) {
+        *self.native.entry(r).or_default() += 1;
+    }
+    pub(crate) fn warn(&mut self, w: String) {
+        if self.warnings.len() == 8 {
+            self.warnings.remove(0);
+        }
+        self.warnings.push(w);
+    }
+    /// `name: 3 captures, 40 replays (38 bwd), native 2 (warmup 1, cache_full 1), retired 0`
+    pub fn line(&self, name: &str) -> String {
+        let native: Vec<String> = self.native.iter().map(|(k, v)| format!("{k:?} {v}")).collect();
+        let retired: Vec<String> = self.retired.iter().map(|(k, v)| format!("{k:?} {v}")).collect();
+        let mut s = format!(
+            "{name}: {} captures ({} bwd), {} replays ({} bwd), native {}",
+            self.captures,
+            self.backward_captures,
+            self.replays,
+            self.backward_replays,
+            self.native_total()
+        );
+        if !native.is_empty() {
+            s += &format!(" ({})", native.join(", "));
+        }
+        if !retired.is_empty() {
+            s += &format!(", retired {}", retired.join(", "));
+        }
+        if !self.capture_failures.is_empty() {
+            let f: Vec<String> = self.capture_failures.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            s += &format!(", capture failures {}", f.join(", "));
+        }
+        s
+    }
+}

@@ -1,0 +1,209 @@
+//! Host-side tests of the recorder's state machine on CPU, with the `ReplayNatively` test double
+//! (recording keeps the body; every launch runs it). GPU behaviour is in `cuda_capture.rs`.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use ptl_autograd::{autocast, no_grad, DType, Device, Rng, Tensor, TensorKind};
+use ptl_capture::testing::ReplayNatively;
+use ptl_capture::{CaptureError, FallbackReason, Recorder, RecorderConfig, RegionSpec, RetireReason};
+
+fn recorder(cfg: RecorderConfig) -> (Recorder, Arc<ReplayNatively>) {
+    let b = Arc::new(ReplayNatively::default());
+    (Recorder::with_backend(cfg, b.clone()), b)
+}
+
+#[test]
+fn t3_t5_parity_and_absent_gradients_on_the_double() {
+    for dt in [DType::F32, DType::BF16] {
+        let (rec, _) = recorder(RecorderConfig::default());
+        let (pair, regions) = run_pair(&rec, Device::Cpu, dt, 12).unwrap();
+        check_pair(&pair, &format!("cpu {dt}"));
+        let t = regions.trunk.stats();
+        assert_eq!((t.captures, t.replays, t.native_for(FallbackReason::Warmup)), (1, 11, 1), "{t:?}");
+        let b = regions.b.stats();
+        // Masks seen by head B: all outputs, first output only; none (no backward at all).
+        assert_eq!(b.backward_captures, 2, "{b:?}");
+        assert!(b.eager_dispatches_during_replay > 0, "the double re-runs the body on replay");
+        println!("{}", rec.summary_line());
+    }
+}
+
+#[test]
+fn t4_key_discipline_and_shape_fallback() {
+    let (rec, _) = recorder(RecorderConfig { max_recordings: 1, ..Default::default() });
+    let net = Net::new(Device::Cpu, DType::F32, 3);
+    let p = net.p.clone();
+    let s = net.p.clone();
+    let r = rec.region(RegionSpec::new("trunk", move || s.with_prefix("trunk."), move |xs| Ok(vec![Net::trunk(&p, &xs[0])?])));
+    let big = Data::new(Device::Cpu, DType::F32, 2, 8, 1).x;
+    let small = Data::new(Device::Cpu, DType::F32, 1, 8, 1).x;
+    for _ in 0..3 {
+        r.call(std::slice::from_ref(&big)).unwrap();
+    }
+    let s0 = r.stats();
+    assert_eq!((s0.captures, s0.replays), (1, 2));
+    // A smaller last batch: native (first as warmup of its signature, then cache full), counted.
+    r.call(std::slice::from_ref(&small)).unwrap();
+    r.call(std::slice::from_ref(&small)).unwrap();
+    let s1 = r.stats();
+    assert_eq!(s1.replays, 2);
+    assert_eq!(s1.native_for(FallbackReason::CacheFull), 1, "{s1:?}");
+    // Back to the recorded shape: replays again.
+    r.call(std::slice::from_ref(&big)).unwrap();
+    assert_eq!(r.stats().replays, 3);
+    // Flipping train/eval or requires_grad is a different signature.
+    r.set_training(false);
+    r.call(std::slice::from_ref(&big)).unwrap();
+    r.set_training(true);
+    let big_rg = big.detach().requires_grad_(true).unwrap();
+    r.call(std::slice::from_ref(&big_rg)).unwrap();
+    no_grad(|| r.call(std::slice::from_ref(&big)).unwrap());
+    let s2 = r.stats();
+    assert_eq!(s2.replays, 3, "{s2:?}");
+    assert_eq!(s2.native_for(FallbackReason::Warmup), 5, "{s2:?}");
+}
+
+#[test]
+fn t6_gradient_accumulation_over_two_replays() {
+    let run = |recorded: bool| -> Vec<Vec<u8>> {
+        let (rec, _) = recorder(RecorderConfig { warmup_calls: 0, ..Default::default() });
+        let net = Net::new(Device::Cpu, DType::F32, 9);
+        let regions = Regions::new(&rec, &net.p);
+        let d1 = Data::new(Device::Cpu, DType::F32, 2, 8, 1);
+        let d2 = Data::new(Device::Cpu, DType::F32, 2, 8, 2);
+        for d in [&d1, &d2] {
+            let (a, b1) = if recorded {
+                let f = regions.trunk.call(std::slice::from_ref(&d.x)).unwrap().remove(0);
+                let a = regions.a.call(std::slice::from_ref(&f)).unwrap().remove(0);
+                (a, regions.b.call(std::slice::from_ref(&f)).unwrap().remove(0))
+            } else {
+                let f = Net::trunk(&net.p, &d.x).unwrap();
+                (Net::head_a(&net.p, &f).unwrap(), Net::head_b(&net.p, &f).unwrap().0)
+            };
+            a.mul(&d.ra).unwrap().mean_all().unwrap().add(&b1.mul(&d.rb1).unwrap().mean_all().unwrap()).unwrap().backward().unwrap();
+        }
+        net.p.trainable().iter().map(|(_, p)| p.grad().map(|g| g.to_bytes().unwrap()).unwrap_or_default()).collect()
+    };
+    assert_eq!(run(false), run(true), "g1 + g2 must match native accumulation");
+}
+
+#[test]
+fn t7_pending_backward_runs_native_or_errors() {
+    for strict in [false, true] {
+        let (rec, _) = recorder(RecorderConfig { warmup_calls: 0, strict_pending: strict, ..Default::default() });
+        let net = Net::new(Device::Cpu, DType::F32, 4);
+        let p = net.p.clone();
+        let s = net.p.clone();
+        let r = rec.region(RegionSpec::new("head_a", move || s.with_prefix("ha."), move |xs| Ok(vec![Net::head_a(&p, &xs[0])?])));
+        let x = Data::new(Device::Cpu, DType::F32, 1, 8, 1).x;
+        let f = Tensor::rand(vec![1, 16, 4, 4], -1.0, 1.0, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+        let _ = x;
+        let y1 = r.call(std::slice::from_ref(&f)).unwrap().remove(0);
+        let second = r.call(std::slice::from_ref(&f));
+        if strict {
+            assert!(matches!(second, Err(CaptureError::PendingBackward { .. })), "{second:?}");
+        } else {
+            let y2 = second.unwrap().remove(0);
+            assert_eq!(y1.to_bytes().unwrap(), y2.to_bytes().unwrap());
+            assert_eq!(r.stats().native_for(FallbackReason::PendingBackward), 1);
+        }
+        y1.sum_all().unwrap().backward().unwrap();
+        let g_after = net.p.get("ha.w").grad().unwrap().to_bytes().unwrap();
+        // Native reference for the same gradient.
+        let n2 = Net::new(Device::Cpu, DType::F32, 4);
+        Net::head_a(&n2.p, &f).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(g_after, n2.p.get("ha.w").grad().unwrap().to_bytes().unwrap());
+        // Dropping the outputs without backward discards the pending token: the next call replays.
+        let before = r.stats().replays;
+        drop(r.call(std::slice::from_ref(&f)).unwrap());
+        r.call(std::slice::from_ref(&f)).unwrap();
+        assert_eq!(r.stats().replays, before + 2);
+        // Explicit discard: a pending forward whose backward then errors.
+        let y = r.call(std::slice::from_ref(&f)).unwrap().remove(0);
+        r.discard_pending();
+        assert!(y.sum_all().unwrap().backward().is_err());
+    }
+}
+
+#[test]
+fn t8_storage_change_retires_only_that_region() {
+    let (rec, _) = recorder(RecorderConfig::default());
+    let net = Net::new(Device::Cpu, DType::F32, 5);
+    let regions = Regions::new(&rec, &net.p);
+    let d = Data::new(Device::Cpu, DType::F32, 2, 8, 1);
+    for i in 0..3 {
+        step(&net, Some(&regions), &d, mode(i), 0.01).unwrap();
+    }
+    // In-place load keeps the recording.
+    let w = net.p.get("ha.w");
+    no_grad(|| w.copy_(&w.mul_scalar(0.5).unwrap())).unwrap();
+    step(&net, Some(&regions), &d, 2, 0.01).unwrap();
+    assert_eq!(regions.a.stats().retired_for(RetireReason::Storage), 0);
+    // A new tensor retires head A only.
+    net.p.replace("ha.w", w.deep_copy().unwrap().requires_grad_(true).unwrap());
+    step(&net, Some(&regions), &d, 2, 0.01).unwrap();
+    let a = regions.a.stats();
+    assert_eq!(a.retired_for(RetireReason::Storage), 1, "{a:?}");
+    assert_eq!(a.native_for(FallbackReason::Stale), 1);
+    assert_eq!(regions.trunk.stats().retired.len(), 0);
+    assert_eq!(regions.b.stats().retired.len(), 0);
+    // Head A re-warms and records again; the new parameter receives gradients.
+    for i in 0..3 {
+        step(&net, Some(&regions), &d, mode(i), 0.01).unwrap();
+    }
+    assert_eq!(regions.a.stats().captures, 2);
+    assert!(regions.a.stats().warnings.iter().any(|w| w.contains("ha.w")));
+}
+
+#[test]
+fn hooks_precision_failures_release_clone_serde() {
+    let (rec, backend) = recorder(RecorderConfig { warmup_calls: 0, ..Default::default() });
+    let net = Net::new(Device::Cpu, DType::F32, 6);
+    let regions = Regions::new(&rec, &net.p);
+    let d = Data::new(Device::Cpu, DType::F32, 2, 8, 1);
+    // Hooks: native.
+    regions.a.set_hooks(true);
+    step(&net, Some(&regions), &d, 2, 0.01).unwrap();
+    assert_eq!(regions.a.stats().native_for(FallbackReason::Hooks), 1);
+    regions.a.set_hooks(false);
+    step(&net, Some(&regions), &d, 2, 0.01).unwrap();
+    assert_eq!(regions.a.stats().captures, 1);
+    // Precision change retires.
+    autocast(Some(DType::BF16), || step(&net, Some(&regions), &d, 2, 0.01)).unwrap();
+    assert_eq!(regions.a.stats().retired_for(RetireReason::Precision), 1);
+    // A failed capture falls back natively with a warning, counted by error kind.
+    backend.fail_next.lock().unwrap().push(CaptureError::HostSync { region: "trunk".into(), op: "to_cpu".into() });
+    let r2 = rec.region(RegionSpec::new("extra", Vec::new, |xs: &[Tensor]| Ok(vec![xs[0].mul_scalar(2.0)?])));
+    let x = Tensor::ones(vec![2], DType::F32, Device::Cpu).unwrap();
+    assert_eq!(r2.call(std::slice::from_ref(&x)).unwrap()[0].to_vec::<f32>().unwrap(), vec![2.0, 2.0]);
+    let s = r2.stats();
+    assert_eq!(s.capture_failures.get("host_sync"), Some(&1));
+    assert_eq!(s.native_for(FallbackReason::CaptureFailed), 1);
+    assert!(s.warnings[0].contains("runs natively"));
+    // Release all, Clone and serde start empty.
+    assert!(regions.trunk.live_recordings() > 0);
+    let cloned = regions.trunk.clone();
+    assert_eq!(cloned.live_recordings(), 0);
+    assert_eq!(cloned.stats().captures, 0);
+    rec.release_all();
+    assert_eq!(regions.trunk.live_recordings(), 0);
+    assert!(regions.trunk.stats().retired_for(RetireReason::Released) > 0);
+    let json = serde_json::to_string(&rec).unwrap();
+    let back: Recorder = serde_json::from_str(&json).unwrap();
+    assert!(back.stats().is_empty());
+    assert_eq!(rec.clone().stats().len(), 0);
+    assert!(rec.summary_line().starts_with("capture[replay-natively]: trunk:"));
+    let _ = TensorKind::Buffer;
+}
+
+#[test]
+fn disabled_recorder_is_native() {
+    let (rec, backend) = recorder(RecorderConfig { enabled: false, ..Default::default() });
+    let (pair, regions) = run_pair(&rec, Device::Cpu, DType::F32, 4).unwrap();
+    check_pair(&pair, "disabled");
+    assert_eq!(regions.trunk.stats().native_for(FallbackReason::Disabled), 4);
+    assert_eq!(backend.records.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
