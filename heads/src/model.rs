@@ -190,7 +190,8 @@ pub const HEAD_FROM: [usize; 3] = [16, 19, 22];
 /// YOLO26-pose: `model.0` … `model.22` and the `Pose26` head `model.23`.
 pub struct PoseModel {
     pub config: ModelConfig,
-    pub layers: Vec<Layer>,
+    /// Private so that the last layer is always the head (see [`PoseModel::layers`]).
+    layers: Vec<Layer>,
     /// Layer outputs that later layers read (kept during the forward).
     pub save: Vec<usize>,
     pub device: Device,
@@ -297,6 +298,11 @@ impl PoseModel {
         }
         save.sort_unstable();
         Ok(PoseModel { config, layers, save, device, training: true })
+    }
+
+    /// All layers, `model.0` … `model.23` (the last one is the `Pose26` head).
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
     }
 
     /// The `Pose26` head.

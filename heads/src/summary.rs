@@ -107,7 +107,7 @@ impl ModelSummary {
         let head = model.head();
         let anchors: usize = head.strides.iter().map(|&s| (imgsz / s as usize).pow(2)).sum();
         let mut layers = Vec::new();
-        for l in &model.layers {
+        for l in model.layers() {
             let from = if l.from.len() == 1 { l.from[0].to_string() } else { format!("{:?}", l.from) };
             let (params, macs, shape) = match &l.kind {
                 LayerKind::Pose(h) => {

@@ -31,7 +31,7 @@ fn nano_nc1_has_3679464_params_and_the_table_3_layer_counts() {
         464, 4_672, 6_640, 36_992, 26_080, 147_712, 87_040, 295_424, 346_112, 164_608, 249_728, 0, 0, 119_808, 0, 0, 34_304, 36_992, 0,
         95_232, 147_712, 0, 463_104, 1_416_840,
     ];
-    let got: Vec<usize> = m.layers.iter().map(|l| l.num_params()).collect();
+    let got: Vec<usize> = m.layers().iter().map(|l| l.num_params()).collect();
     assert_eq!(got, expected);
     let head = m.head();
     assert_eq!(head.flow_model.num_params(), 53_784);
@@ -184,13 +184,13 @@ fn all_scales_build_with_scaled_widths_and_depths() {
         prev = n;
         let (depth, width, max_ch) = scale.multipliers();
         let c = |x: usize| ((x.min(max_ch) as f64 * width / 8.0).ceil() as usize) * 8;
-        assert_eq!(m.layers[0].c_out, c(64));
-        assert_eq!(m.layers[9].c_out, c(1024));
+        assert_eq!(m.layers()[0].c_out, c(64));
+        assert_eq!(m.layers()[9].c_out, c(1024));
         assert_eq!(m.head().ch, vec![c(256), c(512), c(1024)]);
         let reps = if depth >= 1.0 { 2 } else { 1 };
-        assert_eq!(m.layers[2].repeats, reps, "{scale:?}");
-        assert_eq!(m.layers[22].repeats, 1);
-        if let LayerKind::C3k2(b) = &m.layers[2].kind {
+        assert_eq!(m.layers()[2].repeats, reps, "{scale:?}");
+        assert_eq!(m.layers()[22].repeats, 1);
+        if let LayerKind::C3k2(b) = &m.layers()[2].kind {
             let c3k = matches!(b.m[0], ptl_heads::blocks::C3k2Block::C3k(_));
             assert_eq!(c3k, matches!(scale, Scale::M | Scale::L | Scale::X), "{scale:?}: m/l/x use C3k in every C3k2");
         } else {
