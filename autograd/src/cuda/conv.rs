@@ -1,11 +1,12 @@
 //! Convolution forward / backward-data / backward-weight through cuDNN (legacy API, NCHW), and
 //! 1×1 stride-1 convolutions through cuBLAS GEMMs.
 //!
-//! Only deterministic algorithms are eligible. Per (shape, dtype, direction) the candidates are
-//! timed once with `cudnnFind*AlgorithmEx` on the call's own buffers and a scratch workspace (at the
-//! first, eager call — never inside a capture) and the fastest deterministic one is kept; set
-//! `PTL_CUDNN_HEURISTIC=1` to take cuDNN's heuristic ranking instead (identical choice in every
-//! process). f32 uses `CUDNN_FMA_MATH` (true FP32, no TF32), f16/bf16 tensor cores with an f32
+//! Only deterministic algorithms are eligible. By default the choice is cuDNN's heuristic ranking,
+//! which is identical in every process, so a fixed seed gives the same bytes run to run (a timed
+//! choice can differ between processes and with it the rounding). `PTL_CUDNN_BENCHMARK=1` (like
+//! `cudnn.benchmark`) times the deterministic candidates once per (shape, dtype, direction) with
+//! `cudnnFind*AlgorithmEx` on the call's own buffers (first, eager call — never inside a capture)
+//! and keeps the fastest. f32 uses `CUDNN_FMA_MATH` (true FP32, no TF32), f16/bf16 tensor cores with an f32
 //! compute type, f64 the double path. Each plan owns its workspace, so a captured step never
 //! allocates inside cuDNN.
 
@@ -137,8 +138,9 @@ impl Dnn {
             let mut cnt = 0i32;
             // Candidates are measured once per plan with cudnnFind*Ex on the real buffers and a
             // scratch workspace (eager only, before any capture); only deterministic algorithms
-            // are eligible. PTL_CUDNN_HEURISTIC=1 uses cuDNN's heuristics ranking instead.
-            let measure = std::env::var("PTL_CUDNN_HEURISTIC").map(|v| v != "1").unwrap_or(true);
+            // are eligible. Only with PTL_CUDNN_BENCHMARK=1 (the default is the heuristic ranking,
+            // the same in every process).
+            let measure = std::env::var("PTL_CUDNN_BENCHMARK").map(|v| v == "1").unwrap_or(false);
             let scratch = if measure { DevBuf::alloc(dev, FIND_WS).ok() } else { None };
             let (sp, sb) = scratch.as_ref().map(|b| (b.ptr as *mut c_void, FIND_WS)).unwrap_or((std::ptr::null_mut(), 0));
             macro_rules! choose {

@@ -9,7 +9,7 @@
 //!   bit-identical run to run. f16/bf16 are computed in f32.
 //! - **Libraries**: matmul through cuBLAS (true FP32, f16/bf16 with f32 accumulation); conv through
 //!   cuDNN restricted to deterministic algorithms (fastest measured once per shape, or cuDNN's
-//!   heuristic pick with `PTL_CUDNN_HEURISTIC=1`) with per-shape cached workspaces; 1×1 convs as
+//!   heuristic pick by default â identical in every process â or the fastest measured once per shape with `PTL_CUDNN_BENCHMARK=1`) with per-shape cached workspaces; 1×1 convs as
 //!   cuBLAS GEMMs.
 //! - **Fused kernels**: BatchNorm+SiLU forward (`Tensor::batch_norm2d_silu`: deterministic batch
 //!   statistics, running-stat update and affine+SiLU in three kernels), (log-)softmax in one
