@@ -89,19 +89,74 @@ fn corrupt_checkpoint_is_a_typed_error() {
     assert!(matches!(err, ptl_trainer::TrainerError::Checkpoint { .. }), "{err}");
 }
 
-/// Injects an inf into one gradient right before the optimizer step of the second step.
-#[derive(Clone, Default)]
+/// Records one parameter's bytes at every batch start and puts an inf into its gradient after
+/// the backward of batch `at`.
+#[derive(Clone)]
 struct InjectInf {
-    calls: usize,
-    grads_seen: std::sync::Arc<std::sync::Mutex<Vec<bool>>>,
+    at: usize,
+    name: String,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+    last: Option<ptl_autograd::Tensor>,
 }
 
 impl Callback for InjectInf {
-    fn on_before_optimizer_step(&mut self, v: &LoopView) {
-        let _ = v;
-        self.calls += 1;
-        self.grads_seen.lock().unwrap().push(self.calls == 2);
+    fn on_train_batch_start(&mut self, _: &LoopView) {
+        if let Some(p) = &self.last {
+            self.seen.lock().unwrap().push(p.to_bytes().unwrap());
+        }
     }
+    fn on_after_backward_params(&mut self, v: &LoopView, params: &[(String, ptl_autograd::Tensor)]) {
+        let (_, p) = params.iter().find(|(n, _)| *n == self.name).expect("parameter");
+        if self.last.is_none() {
+            self.seen.lock().unwrap().push(p.to_bytes().unwrap());
+            self.last = Some(p.clone());
+        }
+        if v.epoch * v.batches_per_epoch + v.batch_in_epoch == self.at {
+            let g = p.grad().expect("gradient present");
+            let mut vals = g.to_vec::<f32>().unwrap();
+            vals[0] = f32::INFINITY;
+            g.copy_(&ptl_autograd::Tensor::from_vec(vals, g.dims().to_vec(), g.device()).unwrap()).unwrap();
+        }
+    }
+    fn on_train_end(&mut self, _: &LoopView) {
+        if let Some(p) = &self.last {
+            self.seen.lock().unwrap().push(p.to_bytes().unwrap());
+        }
+    }
+}
+
+fn fp16_snapshots(at: usize) -> Vec<Vec<u8>> {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let cb = InjectInf { at, name: "model.0.conv.weight".into(), seen: seen.clone(), last: None };
+    // batch 1 with nbs 1 ⇒ a step every batch; no warm-up (the lr of weights starts at 0 in it).
+    // The scaler starts at 2^16 and halves on every overflow, so the first steps are skipped.
+    let cfg = PoseTrainConfig {
+        epochs: 3,
+        batch: 1,
+        nbs: 1,
+        warmup_epochs: 0.0,
+        max_batches: Some(8),
+        precision: Precision::F16Mixed,
+        val: false,
+        ..tiny("fp16")
+    };
+    fit(&cfg, vec![Box::new(cb)]).unwrap();
+    let s = seen.lock().unwrap().clone();
+    s
+}
+
+#[test]
+fn fp16_with_injected_inf_skips_exactly_that_step() {
+    // Baseline: which steps change the weights (the scaler may skip early steps on its own while
+    // the scale settles, exactly as PyTorch's GradScaler does).
+    let base = fp16_snapshots(usize::MAX);
+    // 3 epochs × 8 steps: 25 snapshots (before each step and after the last).
+    assert_eq!(base.len(), 25, "weights before each of 24 steps and after the last");
+    let k = (0..24).find(|&i| base[i] != base[i + 1]).expect("some fp16 step updates the weights");
+    let hit = fp16_snapshots(k);
+    assert_eq!(hit[..=k], base[..=k], "identical up to the injected step");
+    assert_eq!(hit[k], hit[k + 1], "the step with an inf gradient is skipped: weights untouched");
+    assert_ne!(base[k], base[k + 1], "the same step without the inf updates the weights");
 }
 
 #[test]
@@ -114,5 +169,4 @@ fn bad_config_is_rejected() {
     assert!(Precision::parse("fp8").is_err());
     let missing = PoseTrainConfig { data: PathBuf::from("/definitely/missing.yaml"), ..tiny("missing") };
     assert!(fit(&missing, vec![]).is_err());
-    let _ = InjectInf::default();
 }

@@ -32,6 +32,9 @@ pub trait Callback: DynClone + Send {
     fn on_before_zero_grad(&mut self, v: &LoopView) {}
     fn on_before_backward(&mut self, v: &LoopView) {}
     fn on_after_backward(&mut self, v: &LoopView) {}
+    /// Right after `on_after_backward`, with the model's named parameters (gradients readable and
+    /// writable, e.g. for gradient statistics or fault injection in tests).
+    fn on_after_backward_params(&mut self, v: &LoopView, params: &[(String, ptl_autograd::Tensor)]) {}
     fn on_before_optimizer_step(&mut self, v: &LoopView) {}
     fn on_train_batch_end(&mut self, v: &LoopView) {}
     fn on_validation_start(&mut self, v: &LoopView) {}

@@ -137,6 +137,13 @@ impl Run {
         };
         self.plugins.run(info(Stage::Backward), &mut || Ok(to_backprop.backward()?))?;
         self.each_cb(|c, v| c.on_after_backward(v));
+        if !self.callbacks.is_empty() {
+            let params = model_params(&self.model);
+            let v = self.view.clone();
+            for cb in self.callbacks.iter_mut() {
+                cb.on_after_backward_params(&v, &params);
+            }
+        }
 
         let total = loss.total.detach().item()?;
         self.state.step_losses.push(total);
