@@ -487,6 +487,10 @@ impl RegionHandle {
         if inputs.is_empty() || (backend.name() == "cuda" && inputs.iter().any(|t| t.device() == Device::Cpu)) {
             return self.native_with(&st, inputs, FallbackReason::Unsupported);
         }
+        if backend.is_capturing() {
+            // Inside another region's capture: run natively so the work lands in that graph.
+            return self.native_with(&st, inputs, FallbackReason::InsideCapture);
+        }
         let precision = autocast_dtype();
         // Precision check: a precision change retires recordings made under another precision.
         let before = st.recordings.len();
@@ -528,11 +532,6 @@ impl RegionHandle {
         }
         if st.recordings.len() >= cfg.max_recordings.max(1) {
             return self.native_with(&st, inputs, FallbackReason::CacheFull);
-        }
-        if backend.is_capturing() {
-            let e = CaptureError::NestedCapture { region: self.name().to_string() };
-            self.note_failure(&e);
-            return self.native_with(&st, inputs, FallbackReason::CaptureFailed);
         }
         match self.capture(&st, &key, inputs, &surface) {
             Ok(rec) => {

@@ -21,6 +21,8 @@ pub enum FallbackReason {
     Stale,
     /// Recording is switched off ([`crate::RecorderConfig::enabled`]).
     Disabled,
+    /// Called while another region is being captured (the work is recorded into that graph).
+    InsideCapture,
     /// Nothing to record (no tensor input or no device input).
     Unsupported,
 }
