@@ -323,7 +323,8 @@ fn t9_capture_hygiene() {
     for (what, kind, s) in &cases {
         assert_eq!(s.capture_failures.get(*kind), Some(&1), "{what}: {s:?}");
         assert_eq!(s.replays, 0, "{what}");
-        assert_eq!(s.native_for(FallbackReason::CaptureFailed), 1, "{what}: {s:?}");
+        // The failed call and the next one (the signature stays native) both run natively.
+        assert_eq!(s.native_for(FallbackReason::CaptureFailed), 2, "{what}: {s:?}");
         println!("ok T9 {what}: {kind} -> native fallback; warning: {}", s.warnings.first().map(String::as_str).unwrap_or(""));
     }
     // Nested capture: an inner region whose capture would start inside the outer capture.
