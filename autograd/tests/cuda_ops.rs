@@ -251,6 +251,8 @@ fn reductions() {
     case("sum_dims", FP64, &[(&[2, 16, 9, 9], -2.0, 2.0)], &|v, _| v[0].sum_dims(&[0, 2, 3], true));
     case("mean_all", FP64, &[(&[3, 1000], -2.0, 2.0)], &|v, _| v[0].mean_all());
     case("sum_long_row", FP, &[(&[3, 70000], -1.0, 1.0)], &|v, _| v[0].sum_dim(1, false));
+    // Column reduction with more than 65535 outer rows (the grid's y limit): chunked launches.
+    case("sum_many_columns", &[DType::F32], &[(&[70000, 3, 2], -1.0, 1.0)], &|v, _| v[0].sum_dim(1, true));
     for k in [1usize, 5, 37] {
         exact("topk_largest", FP64, &[(s, -2.0, 2.0)], &move |v, _| {
             let (a, i) = v[0].floor()?.topk(k.min(5), 2, true)?;

@@ -412,12 +412,20 @@ pub(crate) fn reduce(x: &CudaStorage, shape: &[usize], dim: usize, op: ReduceOp)
         if cols > 65535 {
             return Err(Error::invalid("reduce", format!("inner size {inner} too large for the CUDA reduction")));
         }
-        if outer > 65535 {
-            return Err(Error::invalid("reduce", format!("outer size {outer} too large for the CUDA column reduction")));
-        }
         let f = dev.func("reduce_cols", sfx(x.dtype))?;
         let ii = u32c("reduce", inner)?;
-        dev.launch(f, (cols as u32, outer as u32, 1), (32, 8, 1), &mut args!(px, py, dd, ii, code))
+        // The grid's y extent is limited to 65535: large outer sizes go in chunks (same kernel,
+        // shifted base pointers), so the result does not depend on the chunking.
+        let (in_es, out_es) = (x.dtype.size_in_bytes() as u64, out_dt.size_in_bytes() as u64);
+        let mut start = 0usize;
+        while start < outer {
+            let n = (outer - start).min(65535);
+            let pxs = px + (start * d * inner) as u64 * in_es;
+            let pys = py + (start * inner) as u64 * out_es;
+            dev.launch(f, (cols as u32, n as u32, 1), (32, 8, 1), &mut args!(pxs, pys, dd, ii, code))?;
+            start += n;
+        }
+        Ok(())
     }?;
     Ok(out)
 }
