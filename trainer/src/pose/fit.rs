@@ -18,8 +18,8 @@ use crate::fit::{
 };
 use crate::loss::{Anchors, BranchOutputs, E2ELoss, LossConfig, TargetBatch};
 use crate::optim::{
-    auto_iterations, build_optimizer_for_module, clip_grad_norm, nominal_accumulate, resolve, GradScaler, GradScalerConfig, LrLambda, LrScheduler,
-    ModelEma, Optimizer, OptimizerConfig, OptimizerName, Warmup,
+    auto_iterations, build_optimizer_for_module, clip_grad_norm, nominal_accumulate, resolve, GradScaler, GradScalerConfig, LrLambda,
+    LrScheduler, ModelEma, Optimizer, OptimizerConfig, OptimizerName, Warmup,
 };
 use crate::{Result, TrainerError};
 
@@ -498,6 +498,12 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         run.each_cb(|c, v| c.on_train_epoch_end(v));
         if cfg.stop_after_epochs.is_some_and(|n| epoch + 1 - start_epoch >= n) && epoch + 1 < cfg.epochs {
             return Ok(());
+        }
+    }
+    if cfg.plots {
+        let csv = cfg.save_dir.join("results.csv");
+        if csv.exists() {
+            super::plots::plot_results(&csv, &cfg.save_dir.join("results.png"))?;
         }
     }
     run.each_cb(|c, v| c.on_train_end(v));

@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod fit;
+pub mod plots;
 mod progress;
 pub mod validate;
 
