@@ -3,9 +3,7 @@
 mod common;
 
 use common::{goldens, Golden};
-use ptl_trainer::metrics::coco::{
-    detections_to_results, evaluate, load_dataset, load_results, IouType, Letterbox,
-};
+use ptl_trainer::metrics::coco::{detections_to_results, evaluate, load_dataset, load_results, IouType, Letterbox};
 use ptl_trainer::metrics::Detections;
 use ptl_trainer::TrainerError;
 
@@ -22,30 +20,17 @@ fn cocoeval_matches_pycocotools() {
     let js = metrics_json(&dir);
     for (key, ty) in [("bbox", IouType::Bbox), ("keypoints", IouType::Keypoints)] {
         let r = evaluate(&gt, &res, ty).expect("evaluate");
-        let want: Vec<f64> = js["pycocotools"][key]["stats"]
-            .as_array()
-            .expect("stats")
-            .iter()
-            .map(|v| v.as_f64().expect("number"))
-            .collect();
+        let want: Vec<f64> =
+            js["pycocotools"][key]["stats"].as_array().expect("stats").iter().map(|v| v.as_f64().expect("number")).collect();
         assert_eq!(r.stats.len(), want.len(), "{key}: number of stats");
-        let worst = r
-            .stats
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let worst = r.stats.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         println!("{key}: max |stat − pycocotools| = {worst:e}");
         for line in &r.summary {
             println!("{line}");
         }
         assert!(worst <= 1e-3, "{key}: {:?} vs {:?}", r.stats, want);
-        let lines: Vec<&str> = js["pycocotools"][key]["summary_text"]
-            .as_array()
-            .expect("summary_text")
-            .iter()
-            .map(|v| v.as_str().expect("str"))
-            .collect();
+        let lines: Vec<&str> =
+            js["pycocotools"][key]["summary_text"].as_array().expect("summary_text").iter().map(|v| v.as_str().expect("str")).collect();
         assert_eq!(r.summary, lines, "{key}: summary lines");
     }
 }
@@ -63,16 +48,9 @@ fn export_matches_pred_to_json() {
         let p = format!("img{i:02}");
         let b = g.f32(&format!("{p}.pred.bboxes_xyxy"));
         let det = Detections {
-            boxes: b
-                .chunks_exact(4)
-                .map(|c| [c[0], c[1], c[2], c[3]])
-                .collect(),
+            boxes: b.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]).collect(),
             scores: g.f32(&format!("{p}.pred.conf")),
-            classes: g
-                .f32(&format!("{p}.pred.cls"))
-                .iter()
-                .map(|&c| c as usize)
-                .collect(),
+            classes: g.f32(&format!("{p}.pred.cls")).iter().map(|&c| c as usize).collect(),
             keypoints: g.f32(&format!("{p}.pred.keypoints")),
             nk: 17,
         };
@@ -122,29 +100,16 @@ fn synthetic_gt(crowd: bool) -> ptl_trainer::metrics::coco::CocoDataset {
 }
 
 fn det(image_id: i64, bbox: [f64; 4], score: f64) -> ptl_trainer::metrics::coco::CocoResult {
-    ptl_trainer::metrics::coco::CocoResult {
-        image_id,
-        category_id: 1,
-        bbox: bbox.to_vec(),
-        score,
-        keypoints: vec![],
-    }
+    ptl_trainer::metrics::coco::CocoResult { image_id, category_id: 1, bbox: bbox.to_vec(), score, keypoints: vec![] }
 }
 
 #[test]
 fn cocoeval_crowd_absorbs_detections() {
     // Two high-scoring detections inside a crowd region, then an exact hit on the regular GT.
-    let res = vec![
-        det(1, [200.0, 200.0, 50.0, 50.0], 0.95),
-        det(1, [250.0, 250.0, 50.0, 50.0], 0.92),
-        det(1, [0.0, 0.0, 100.0, 100.0], 0.9),
-    ];
+    let res =
+        vec![det(1, [200.0, 200.0, 50.0, 50.0], 0.95), det(1, [250.0, 250.0, 50.0, 50.0], 0.92), det(1, [0.0, 0.0, 100.0, 100.0], 0.9)];
     let with_crowd = evaluate(&synthetic_gt(true), &res, IouType::Bbox).expect("eval");
-    assert!(
-        (with_crowd.stats[0] - 1.0).abs() < 1e-12,
-        "{:?}",
-        with_crowd.stats
-    );
+    assert!((with_crowd.stats[0] - 1.0).abs() < 1e-12, "{:?}", with_crowd.stats);
     assert_eq!(with_crowd.stats[3], -1.0, "no small GT → undefined");
     // Without the crowd flag the two detections are plain false positives ranked first.
     let plain = evaluate(&synthetic_gt(false), &res, IouType::Bbox).expect("eval");
@@ -170,8 +135,7 @@ fn cocoeval_edge_cases() {
     let text = r#"{"images": [{"id": 1}], "categories": [{"id": 1}],
         "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [0, 0, 10, 10],
         "area": 100, "keypoints": [0, 0, 0, 0, 0, 0], "num_keypoints": 0}]}"#;
-    let gt =
-        ptl_trainer::metrics::coco::parse_dataset(text, std::path::Path::new("k")).expect("gt");
+    let gt = ptl_trainer::metrics::coco::parse_dataset(text, std::path::Path::new("k")).expect("gt");
     let r = evaluate(&gt, &[], IouType::Keypoints).expect("eval");
     assert!(r.stats.iter().all(|s| *s == -1.0), "{:?}", r.stats);
 }

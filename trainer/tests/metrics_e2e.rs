@@ -21,17 +21,7 @@ fn e2e_topk_matches_golden() {
     let want = g.get("eval_calibrated.e2e_o2o_topk");
     let k = want.shape[1];
 
-    let decoded = decode_o2o(
-        &boxes.f32,
-        &scores.f32,
-        &kpts,
-        &anchors,
-        &strides,
-        batch,
-        nc,
-        NK,
-    )
-    .expect("decode");
+    let decoded = decode_o2o(&boxes.f32, &scores.f32, &kpts, &anchors, &strides, batch, nc, NK).expect("decode");
     assert_eq!(decoded.len(), batch * a * (4 + nc + 3 * NK));
     let rows = e2e_topk(&decoded, batch, nc, NK, 300).expect("topk");
     assert_eq!(rows.len(), want.f32.len(), "shape (B, k, 6 + 3·nk)");
@@ -63,16 +53,12 @@ fn e2e_topk_matches_golden() {
     let det = e2e_postprocess(img0, NK, 0.001, 300).expect("postprocess");
     let expected = img0.chunks_exact(width).filter(|r| r[4] > 0.001).count();
     assert_eq!(det.len(), expected);
-    assert!(
-        det.scores.windows(2).all(|w| w[0] >= w[1]),
-        "sorted by score"
-    );
+    assert!(det.scores.windows(2).all(|w| w[0] >= w[1]), "sorted by score");
     let det5 = e2e_postprocess(img0, NK, 0.0, 5).expect("postprocess");
     assert_eq!(det5.len(), 5);
     // The e2e detections feed the validator like NMS output.
     let mut v = PoseValidator::new(NK).expect("validator");
-    v.update(&det5, &ptl_trainer::metrics::GroundTruth::empty(NK))
-        .expect("update");
+    v.update(&det5, &ptl_trainer::metrics::GroundTruth::empty(NK)).expect("update");
 }
 
 /// The default path on a real model output layout (B, 4 + nc + 51, A): NMS runs on
@@ -85,9 +71,7 @@ fn nms_on_model_output_layout() {
     let (batch, ch, a) = (dec.shape[0], dec.shape[1], dec.shape[2]);
     let nc = ch - 4 - 3 * NK;
     let cfg = ptl_trainer::metrics::NmsConfig::default();
-    let outs =
-        ptl_trainer::metrics::nms::non_max_suppression_batch(&dec.f32, batch, a, nc, NK, &cfg)
-            .expect("nms");
+    let outs = ptl_trainer::metrics::nms::non_max_suppression_batch(&dec.f32, batch, a, nc, NK, &cfg).expect("nms");
     assert_eq!(outs.len(), batch);
     for (b, o) in outs.iter().enumerate() {
         let img = &dec.f32[b * ch * a..(b + 1) * ch * a];

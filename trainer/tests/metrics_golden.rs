@@ -4,8 +4,7 @@ mod common;
 
 use common::{goldens, max_abs_diff, to_f64, Golden};
 use ptl_trainer::metrics::{
-    box_iou, coco_sigmas, kpt_oks, non_max_suppression, Detections, GroundTruth, NmsConfig,
-    PoseValidator, NUM_THRESHOLDS,
+    box_iou, coco_sigmas, kpt_oks, non_max_suppression, Detections, GroundTruth, NmsConfig, PoseValidator, NUM_THRESHOLDS,
 };
 
 const NK: usize = 17;
@@ -13,9 +12,7 @@ const W: u32 = 640;
 const H: u32 = 480;
 
 fn tp_from(v: &[f32]) -> Vec<[bool; NUM_THRESHOLDS]> {
-    v.chunks_exact(NUM_THRESHOLDS)
-        .map(|c| std::array::from_fn(|t| c[t] != 0.0))
-        .collect()
+    v.chunks_exact(NUM_THRESHOLDS).map(|c| std::array::from_fn(|t| c[t] != 0.0)).collect()
 }
 
 fn json(dir: &std::path::Path) -> serde_json::Value {
@@ -26,16 +23,9 @@ fn json(dir: &std::path::Path) -> serde_json::Value {
 fn golden_preds(g: &Golden, p: &str) -> Detections {
     let b = g.f32(&format!("{p}.pred.bboxes_xyxy"));
     Detections {
-        boxes: b
-            .chunks_exact(4)
-            .map(|c| [c[0], c[1], c[2], c[3]])
-            .collect(),
+        boxes: b.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]).collect(),
         scores: g.f32(&format!("{p}.pred.conf")),
-        classes: g
-            .f32(&format!("{p}.pred.cls"))
-            .iter()
-            .map(|&c| c as usize)
-            .collect(),
+        classes: g.f32(&format!("{p}.pred.cls")).iter().map(|&c| c as usize).collect(),
         keypoints: g.f32(&format!("{p}.pred.keypoints")),
         nk: NK,
     }
@@ -64,12 +54,7 @@ fn nms_matches_golden() {
         let raw = g.get(&format!("{p}.raw_candidates"));
         let n = raw.shape[1];
         let out = non_max_suppression(&raw.f32, n, 1, NK, &NmsConfig::default()).expect("nms");
-        let keep: Vec<usize> = g
-            .get(&format!("{p}.nms_keep"))
-            .i64
-            .iter()
-            .map(|&k| k as usize)
-            .collect();
+        let keep: Vec<usize> = g.get(&format!("{p}.nms_keep")).i64.iter().map(|&k| k as usize).collect();
         assert_eq!(out.keep, keep, "{p}: kept candidates");
         let want = golden_preds(&g, &p);
         assert_eq!(out.detections.classes, want.classes, "{p}: classes");
@@ -100,28 +85,14 @@ fn similarity_and_matching_match_golden() {
         if !pred.is_empty() && !gt.is_empty() {
             let iou = box_iou(&gt.boxes, &pred.boxes);
             let oks = kpt_oks(&gt.keypoints, &pred.keypoints, &gt.oks_areas(), &sig).expect("oks");
-            dev_iou = dev_iou.max(max_abs_diff(
-                &to_f64(&iou),
-                &to_f64(&g.f32(&format!("{p}.iou"))),
-            ));
-            dev_oks = dev_oks.max(max_abs_diff(
-                &to_f64(&oks),
-                &to_f64(&g.f32(&format!("{p}.oks"))),
-            ));
+            dev_iou = dev_iou.max(max_abs_diff(&to_f64(&iou), &to_f64(&g.f32(&format!("{p}.iou")))));
+            dev_oks = dev_oks.max(max_abs_diff(&to_f64(&oks), &to_f64(&g.f32(&format!("{p}.oks")))));
             scale = scale.max(1.0);
         }
         let mut v = PoseValidator::new(NK).expect("validator");
         let tp = v.update(&pred, &gt).expect("update");
-        assert_eq!(
-            tp.tp_box,
-            tp_from(&g.f32(&format!("{p}.tp_box"))),
-            "{p}: tp_box"
-        );
-        assert_eq!(
-            tp.tp_pose,
-            tp_from(&g.f32(&format!("{p}.tp_pose"))),
-            "{p}: tp_pose"
-        );
+        assert_eq!(tp.tp_box, tp_from(&g.f32(&format!("{p}.tp_box"))), "{p}: tp_box");
+        assert_eq!(tp.tp_pose, tp_from(&g.f32(&format!("{p}.tp_pose"))), "{p}: tp_pose");
     }
     println!("IoU max |dev| = {dev_iou:e}, OKS max |dev| = {dev_oks:e}");
     assert!(scale > 0.0);
@@ -139,10 +110,8 @@ fn validator_metrics_match_ultralytics() {
     for i in 0..n_img {
         let p = format!("img{i:02}");
         let raw = g.get(&format!("{p}.raw_candidates"));
-        let out =
-            non_max_suppression(&raw.f32, raw.shape[1], 1, NK, &NmsConfig::default()).expect("nms");
-        v.update(&out.detections, &golden_gt(&g, &p))
-            .expect("update");
+        let out = non_max_suppression(&raw.f32, raw.shape[1], 1, NK, &NmsConfig::default()).expect("nms");
+        v.update(&out.detections, &golden_gt(&g, &p)).expect("update");
     }
     assert_eq!(v.seen(), n_img);
     let m = v.compute();
@@ -156,12 +125,7 @@ fn validator_metrics_match_ultralytics() {
     }
     for (name, ms) in [("box", &m.box_metrics), ("pose", &m.pose_metrics)] {
         let u = &js["ultralytics"][name];
-        let all_ap: Vec<f64> = u["all_ap"][0]
-            .as_array()
-            .expect("all_ap")
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect();
+        let all_ap: Vec<f64> = u["all_ap"][0].as_array().expect("all_ap").iter().map(|x| x.as_f64().unwrap()).collect();
         let d_ap = max_abs_diff(&ms.per_class.ap[0], &all_ap);
         let d_f1 = (ms.per_class.f1[0] - u["f1"][0].as_f64().unwrap()).abs();
         let d_75 = (ms.map75 - u["map75"].as_f64().unwrap()).abs();
@@ -193,17 +157,11 @@ fn validator_metrics_match_ultralytics() {
     let mut ours_tp_p = Vec::new();
     for i in 0..n_img {
         let p = format!("img{i:02}");
-        let t = v2
-            .update(&golden_preds(&g, &p), &golden_gt(&g, &p))
-            .expect("update");
+        let t = v2.update(&golden_preds(&g, &p), &golden_gt(&g, &p)).expect("update");
         ours_tp.extend(t.tp_box);
         ours_tp_p.extend(t.tp_pose);
     }
     assert_eq!(ours_tp, all_tp);
     assert_eq!(ours_tp_p, all_tp_p);
-    assert_eq!(
-        v2.compute(),
-        m,
-        "golden post-NMS predictions give the same metrics"
-    );
+    assert_eq!(v2.compute(), m, "golden post-NMS predictions give the same metrics");
 }

@@ -42,9 +42,7 @@ pub(crate) fn interp(x: f64, xp: &[f64], fp: &[f64], left: f64, right: f64) -> f
 
 /// `np.trapezoid(y, x)`.
 fn trapezoid(y: &[f64], x: &[f64]) -> f64 {
-    (1..y.len())
-        .map(|i| (x[i] - x[i - 1]) * (y[i] + y[i - 1]) / 2.0)
-        .sum()
+    (1..y.len()).map(|i| (x[i] - x[i - 1]) * (y[i] + y[i - 1]) / 2.0).sum()
 }
 
 /// AP of one PR curve: sentinels `(0, 1)` first and `(r_last, 0), (1, 0)` last, precision
@@ -63,10 +61,7 @@ pub fn compute_ap(recall: &[f64], precision: &[f64]) -> (f64, Vec<f64>, Vec<f64>
         mpre[i] = mpre[i].max(mpre[i + 1]);
     }
     let x = linspace01(101);
-    let y: Vec<f64> = x
-        .iter()
-        .map(|&r| interp(r, &mrec, &mpre, mpre[0], mpre[mpre.len() - 1]))
-        .collect();
+    let y: Vec<f64> = x.iter().map(|&r| interp(r, &mrec, &mpre, mpre[0], mpre[mpre.len() - 1])).collect();
     (trapezoid(&y, &x), mpre, mrec)
 }
 
@@ -82,9 +77,7 @@ pub(crate) fn smooth(y: &[f64], f: f64) -> Vec<f64> {
     yp.extend_from_slice(y);
     yp.extend(std::iter::repeat_n(y[y.len() - 1], pad));
     let w = 1.0 / nf as f64;
-    yp.windows(nf)
-        .map(|win| win.iter().map(|v| v * w).sum())
-        .collect()
+    yp.windows(nf).map(|win| win.iter().map(|v| v * w).sum()).collect()
 }
 
 /// Output of [`ap_per_class`], indexed by the classes present in the targets (sorted).
@@ -121,12 +114,7 @@ pub struct ApPerClass {
 /// `tp`: (n, 10) matches, `conf`: (n,) float32 confidences (promoted to f64 like numpy does),
 /// `pred_cls`: (n,), `target_cls`: one entry per GT. Sorting by confidence is stable (ties keep
 /// input order). Classes without targets are ignored, classes without predictions get zeros.
-pub fn ap_per_class(
-    tp: &[[bool; NUM_THRESHOLDS]],
-    conf: &[f32],
-    pred_cls: &[usize],
-    target_cls: &[usize],
-) -> Result<ApPerClass> {
+pub fn ap_per_class(tp: &[[bool; NUM_THRESHOLDS]], conf: &[f32], pred_cls: &[usize], target_cls: &[usize]) -> Result<ApPerClass> {
     const EPS: f64 = 1e-16;
     check_len("tp", tp, &[conf.len()])?;
     check_len("pred_cls", pred_cls, &[conf.len()])?;
@@ -137,10 +125,7 @@ pub fn ap_per_class(
     let mut classes: Vec<usize> = target_cls.to_vec();
     classes.sort_unstable();
     classes.dedup();
-    let n_targets: Vec<usize> = classes
-        .iter()
-        .map(|c| target_cls.iter().filter(|t| *t == c).count())
-        .collect();
+    let n_targets: Vec<usize> = classes.iter().map(|c| target_cls.iter().filter(|t| *t == c).count()).collect();
     let nc = classes.len();
     let x = linspace01(1000);
     let neg_x: Vec<f64> = x.iter().map(|v| -v).collect();
@@ -154,11 +139,7 @@ pub fn ap_per_class(
         ..Default::default()
     };
     for (ci, &c) in classes.iter().enumerate() {
-        let idx: Vec<usize> = order
-            .iter()
-            .copied()
-            .filter(|&i| pred_cls[i] == c)
-            .collect();
+        let idx: Vec<usize> = order.iter().copied().filter(|&i| pred_cls[i] == c).collect();
         let n_l = n_targets[ci];
         if idx.is_empty() || n_l == 0 {
             continue;
@@ -189,26 +170,14 @@ pub fn ap_per_class(
             out.ap[ci][t] = ap;
             if t == 0 {
                 let (l, r) = (mpre[0], mpre[mpre.len() - 1]);
-                out.prec_values
-                    .push(x.iter().map(|&v| interp(v, &mrec, &mpre, l, r)).collect());
+                out.prec_values.push(x.iter().map(|&v| interp(v, &mrec, &mpre, l, r)).collect());
             }
         }
     }
-    out.f1_curve = out
-        .p_curve
-        .iter()
-        .zip(&out.r_curve)
-        .map(|(p, r)| {
-            p.iter()
-                .zip(r)
-                .map(|(p, r)| 2.0 * p * r / (p + r + EPS))
-                .collect()
-        })
-        .collect();
+    out.f1_curve =
+        out.p_curve.iter().zip(&out.r_curve).map(|(p, r)| p.iter().zip(r).map(|(p, r)| 2.0 * p * r / (p + r + EPS)).collect()).collect();
     if nc > 0 {
-        let mean: Vec<f64> = (0..1000)
-            .map(|k| out.f1_curve.iter().map(|c| c[k]).sum::<f64>() / nc as f64)
-            .collect();
+        let mean: Vec<f64> = (0..1000).map(|k| out.f1_curve.iter().map(|c| c[k]).sum::<f64>() / nc as f64).collect();
         let sm = smooth(&mean, 0.1);
         // argmax: first maximum, like numpy.
         let mut best = 0;
@@ -235,8 +204,7 @@ mod tests {
     #[test]
     fn worked_example() {
         let pattern = [true, false, true, false, true];
-        let tp: Vec<[bool; NUM_THRESHOLDS]> =
-            pattern.iter().map(|&b| [b; NUM_THRESHOLDS]).collect();
+        let tp: Vec<[bool; NUM_THRESHOLDS]> = pattern.iter().map(|&b| [b; NUM_THRESHOLDS]).collect();
         let conf = [0.9f32, 0.8, 0.7, 0.6, 0.5];
         let r = ap_per_class(&tp, &conf, &[0; 5], &[0, 0, 0]).unwrap();
         assert!((r.ap[0][0] - 0.7530).abs() < 5e-4, "{}", r.ap[0][0]);

@@ -33,13 +33,7 @@ pub fn decode_o2o(
     check_len("o2o scores", scores, &[batch, nc, a])?;
     check_len("o2o kpts", kpts, &[batch, 3 * nk, a])?;
     check_len("anchors", anchors, &[a, 2])?;
-    for (what, v) in [
-        ("o2o boxes", boxes),
-        ("o2o scores", scores),
-        ("o2o kpts", kpts),
-        ("anchors", anchors),
-        ("strides", strides),
-    ] {
+    for (what, v) in [("o2o boxes", boxes), ("o2o scores", scores), ("o2o kpts", kpts), ("anchors", anchors), ("strides", strides)] {
         check_finite(what, v)?;
     }
     let width = 4 + nc + 3 * nk;
@@ -50,12 +44,7 @@ pub fn decode_o2o(
         let kp = &kpts[b * 3 * nk * a..(b + 1) * 3 * nk * a];
         for i in 0..a {
             let (ax, ay, s) = (anchors[2 * i], anchors[2 * i + 1], strides[i]);
-            out.extend_from_slice(&[
-                (ax - bx[i]) * s,
-                (ay - bx[a + i]) * s,
-                (ax + bx[2 * a + i]) * s,
-                (ay + bx[3 * a + i]) * s,
-            ]);
+            out.extend_from_slice(&[(ax - bx[i]) * s, (ay - bx[a + i]) * s, (ax + bx[2 * a + i]) * s, (ay + bx[3 * a + i]) * s]);
             out.extend((0..nc).map(|c| sigmoid(sc[c * a + i])));
             for k in 0..nk {
                 out.push((kp[3 * k * a + i] + ax) * s);
@@ -77,23 +66,13 @@ fn topk_desc(v: &[f32], k: usize) -> Vec<usize> {
 
 /// Top-k selection (`get_topk_index`, non-agnostic): `decoded` (B, A, 4 + nc + 3·nk) →
 /// (B, k, 6 + 3·nk) rows `[x1, y1, x2, y2, score, class, kpts…]` sorted by score, k = min(max_det, A).
-pub fn topk(
-    decoded: &[f32],
-    batch: usize,
-    nc: usize,
-    nk: usize,
-    max_det: usize,
-) -> Result<Vec<f32>> {
+pub fn topk(decoded: &[f32], batch: usize, nc: usize, nk: usize, max_det: usize) -> Result<Vec<f32>> {
     let width = 4 + nc + 3 * nk;
     if batch == 0 || width == 0 {
         return Ok(Vec::new());
     }
     if decoded.len() % (batch * width) != 0 {
-        return Err(crate::error::TrainerError::shape(
-            "decoded o2o",
-            &[batch, decoded.len() / (batch * width), width],
-            decoded.len(),
-        ));
+        return Err(crate::error::TrainerError::shape("decoded o2o", &[batch, decoded.len() / (batch * width), width], decoded.len()));
     }
     let a = decoded.len() / (batch * width);
     check_finite("decoded o2o", decoded)?;
@@ -102,19 +81,9 @@ pub fn topk(
     let mut out = Vec::with_capacity(batch * k * ow);
     for img in decoded.chunks_exact(a * width) {
         let row = |i: usize| &img[i * width..(i + 1) * width];
-        let max_score: Vec<f32> = (0..a)
-            .map(|i| {
-                row(i)[4..4 + nc]
-                    .iter()
-                    .copied()
-                    .fold(f32::NEG_INFINITY, f32::max)
-            })
-            .collect();
+        let max_score: Vec<f32> = (0..a).map(|i| row(i)[4..4 + nc].iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
         let ori = topk_desc(&max_score, k);
-        let flat: Vec<f32> = ori
-            .iter()
-            .flat_map(|&i| row(i)[4..4 + nc].to_vec())
-            .collect();
+        let flat: Vec<f32> = ori.iter().flat_map(|&i| row(i)[4..4 + nc].to_vec()).collect();
         for f in topk_desc(&flat, k) {
             let r = row(ori[f / nc]);
             out.extend_from_slice(&r[..4]);
@@ -131,19 +100,11 @@ pub fn topk(
 pub fn postprocess(rows: &[f32], nk: usize, conf_thres: f32, max_det: usize) -> Result<Detections> {
     let width = 6 + 3 * nk;
     if rows.len() % width != 0 {
-        return Err(crate::error::TrainerError::shape(
-            "e2e rows",
-            &[rows.len() / width + 1, width],
-            rows.len(),
-        ));
+        return Err(crate::error::TrainerError::shape("e2e rows", &[rows.len() / width + 1, width], rows.len()));
     }
     check_finite("e2e rows", rows)?;
     let mut d = Detections::empty(nk);
-    for r in rows
-        .chunks_exact(width)
-        .filter(|r| r[4] > conf_thres)
-        .take(max_det)
-    {
+    for r in rows.chunks_exact(width).filter(|r| r[4] > conf_thres).take(max_det) {
         d.push_row(r)?;
     }
     Ok(d)

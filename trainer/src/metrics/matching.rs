@@ -9,11 +9,7 @@ use crate::error::{check_len, Result};
 /// the first threshold (0.5) is skipped at every threshold. Otherwise, independently for each
 /// threshold, it takes the unclaimed GT with the highest similarity (first index on ties) and is a
 /// TP there if that similarity reaches the threshold; that GT is then claimed at that threshold.
-pub fn match_predictions(
-    pred_classes: &[usize],
-    gt_classes: &[usize],
-    sim: &[f32],
-) -> Result<Vec<[bool; NUM_THRESHOLDS]>> {
+pub fn match_predictions(pred_classes: &[usize], gt_classes: &[usize], sim: &[f32]) -> Result<Vec<[bool; NUM_THRESHOLDS]>> {
     let (m, n) = (gt_classes.len(), pred_classes.len());
     check_len("similarity matrix", sim, &[m, n])?;
     let mut tp = vec![[false; NUM_THRESHOLDS]; n];

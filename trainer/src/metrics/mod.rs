@@ -39,11 +39,7 @@ pub fn iou_thresholds() -> [f32; NUM_THRESHOLDS] {
     let half = n / 2;
     let mut out = [0f32; NUM_THRESHOLDS];
     for (i, o) in out.iter_mut().enumerate() {
-        *o = if i < half {
-            start + step * i as f32
-        } else {
-            end - step * (n - 1 - i) as f32
-        };
+        *o = if i < half { start + step * i as f32 } else { end - step * (n - 1 - i) as f32 };
     }
     out
 }

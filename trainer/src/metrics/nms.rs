@@ -29,15 +29,7 @@ pub struct NmsConfig {
 
 impl Default for NmsConfig {
     fn default() -> Self {
-        NmsConfig {
-            conf_thres: 0.001,
-            iou_thres: 0.7,
-            max_det: 300,
-            max_nms: 30_000,
-            max_wh: 7680.0,
-            agnostic: false,
-            multi_label: true,
-        }
+        NmsConfig { conf_thres: 0.001, iou_thres: 0.7, max_det: 300, max_nms: 30_000, max_wh: 7680.0, agnostic: false, multi_label: true }
     }
 }
 
@@ -56,10 +48,7 @@ impl NmsConfig {
             });
         }
         if !(0.0..=1.0).contains(&self.iou_thres) {
-            return Err(TrainerError::InvalidArgument {
-                what: "iou_thres",
-                reason: format!("must be in [0, 1], got {}", self.iou_thres),
-            });
+            return Err(TrainerError::InvalidArgument { what: "iou_thres", reason: format!("must be in [0, 1], got {}", self.iou_thres) });
         }
         Ok(())
     }
@@ -78,19 +67,10 @@ pub struct NmsOutput {
 ///
 /// `pred`: (4 + nc + 3·nk, n) channel-major, rows = (cx, cy, w, h) px, nc sigmoid class scores,
 /// nk × (x, y, v) decoded keypoints — the layout of the model's default eval output.
-pub fn non_max_suppression(
-    pred: &[f32],
-    n: usize,
-    nc: usize,
-    nk: usize,
-    cfg: &NmsConfig,
-) -> Result<NmsOutput> {
+pub fn non_max_suppression(pred: &[f32], n: usize, nc: usize, nk: usize, cfg: &NmsConfig) -> Result<NmsOutput> {
     cfg.check()?;
     if nc == 0 {
-        return Err(TrainerError::InvalidArgument {
-            what: "nc",
-            reason: "at least one class is required".into(),
-        });
+        return Err(TrainerError::InvalidArgument { what: "nc", reason: "at least one class is required".into() });
     }
     let ch = 4 + nc + 3 * nk;
     check_len("nms input", pred, &[ch, n])?;
@@ -133,18 +113,11 @@ pub fn non_max_suppression(
     let shifted: Vec<[f32; 4]> = rows
         .iter()
         .map(|(b, _, c, _)| {
-            let off = if cfg.agnostic {
-                0.0
-            } else {
-                *c as f32 * cfg.max_wh
-            };
+            let off = if cfg.agnostic { 0.0 } else { *c as f32 * cfg.max_wh };
             [b[0] + off, b[1] + off, b[2] + off, b[3] + off]
         })
         .collect();
-    let areas: Vec<f32> = shifted
-        .iter()
-        .map(|b| (b[2] - b[0]) * (b[3] - b[1]))
-        .collect();
+    let areas: Vec<f32> = shifted.iter().map(|b| (b[2] - b[0]) * (b[3] - b[1])).collect();
     let mut order: Vec<usize> = (0..rows.len()).collect();
     order.sort_by(|&a, &b| rows[b].1.total_cmp(&rows[a].1));
     let mut suppressed = vec![false; rows.len()];
@@ -155,19 +128,14 @@ pub fn non_max_suppression(
         }
         kept.push(i);
         for &j in &order[oi + 1..] {
-            if !suppressed[j]
-                && f64::from(nms_iou(&shifted[i], areas[i], &shifted[j], areas[j])) > cfg.iou_thres
-            {
+            if !suppressed[j] && f64::from(nms_iou(&shifted[i], areas[i], &shifted[j], areas[j])) > cfg.iou_thres {
                 suppressed[j] = true;
             }
         }
     }
     kept.truncate(cfg.max_det);
 
-    let mut out = NmsOutput {
-        detections: Detections::empty(nk),
-        keep: Vec::with_capacity(kept.len()),
-    };
+    let mut out = NmsOutput { detections: Detections::empty(nk), keep: Vec::with_capacity(kept.len()) };
     for i in kept {
         let (b, s, c, a) = rows[i];
         let d = &mut out.detections;
@@ -181,22 +149,13 @@ pub fn non_max_suppression(
 }
 
 /// NMS for a batch `(batch, 4 + nc + 3·nk, n)`.
-pub fn non_max_suppression_batch(
-    pred: &[f32],
-    batch: usize,
-    n: usize,
-    nc: usize,
-    nk: usize,
-    cfg: &NmsConfig,
-) -> Result<Vec<NmsOutput>> {
+pub fn non_max_suppression_batch(pred: &[f32], batch: usize, n: usize, nc: usize, nk: usize, cfg: &NmsConfig) -> Result<Vec<NmsOutput>> {
     let per = (4 + nc + 3 * nk) * n;
     check_len("nms batch input", pred, &[batch, 4 + nc + 3 * nk, n])?;
     if per == 0 {
         return Ok(vec![NmsOutput::default(); batch]);
     }
-    pred.chunks_exact(per)
-        .map(|img| non_max_suppression(img, n, nc, nk, cfg))
-        .collect()
+    pred.chunks_exact(per).map(|img| non_max_suppression(img, n, nc, nk, cfg)).collect()
 }
 
 #[cfg(test)]
@@ -234,9 +193,6 @@ mod tests {
     #[test]
     fn nan_is_error() {
         let p = cand(&[[f32::NAN, 0.0, 2.0, 2.0, 0.5]]);
-        assert!(matches!(
-            non_max_suppression(&p, 1, 1, 0, &NmsConfig::default()),
-            Err(TrainerError::NonFinite { .. })
-        ));
+        assert!(matches!(non_max_suppression(&p, 1, 1, 0, &NmsConfig::default()), Err(TrainerError::NonFinite { .. })));
     }
 }

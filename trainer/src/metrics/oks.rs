@@ -3,10 +3,7 @@
 use crate::error::{Result, TrainerError};
 
 /// COCO keypoint sigmas ×10, as written in Ultralytics' `OKS_SIGMA` before the `/ 10.0`.
-const COCO_SIGMAS_X10: [f64; 17] = [
-    0.26, 0.25, 0.25, 0.35, 0.35, 0.79, 0.79, 0.72, 0.72, 0.62, 0.62, 1.07, 1.07, 0.87, 0.87, 0.89,
-    0.89,
-];
+const COCO_SIGMAS_X10: [f64; 17] = [0.26, 0.25, 0.25, 0.35, 0.35, 0.79, 0.79, 0.72, 0.72, 0.62, 0.62, 1.07, 1.07, 0.87, 0.87, 0.89, 0.89];
 
 /// COCO sigmas as float32, computed like the reference (float64 `/ 10.0`, then cast).
 pub fn coco_sigmas() -> Vec<f32> {
@@ -30,19 +27,12 @@ pub fn default_sigmas(nk: usize) -> Vec<f32> {
 pub fn kpt_oks(gt: &[f32], pred: &[f32], areas: &[f32], sigmas: &[f32]) -> Result<Vec<f32>> {
     let nk = sigmas.len();
     if nk == 0 {
-        return Err(TrainerError::InvalidArgument {
-            what: "sigmas",
-            reason: "no keypoints".into(),
-        });
+        return Err(TrainerError::InvalidArgument { what: "sigmas", reason: "no keypoints".into() });
     }
     let m = areas.len();
     crate::error::check_len("gt keypoints", gt, &[m, nk, 3])?;
     if pred.len() % (nk * 3) != 0 {
-        return Err(TrainerError::shape(
-            "pred keypoints",
-            &[pred.len() / (nk * 3) + 1, nk, 3],
-            pred.len(),
-        ));
+        return Err(TrainerError::shape("pred keypoints", &[pred.len() / (nk * 3) + 1, nk, 3], pred.len()));
     }
     let n = pred.len() / (nk * 3);
     // (2σ)² in float32, like `(2 * sigma).pow(2)` on a float32 tensor.
@@ -80,11 +70,7 @@ mod tests {
         let sig = coco_sigmas();
         let mut gt = vec![0f32; 51];
         let mut pr = vec![0f32; 51];
-        for (k, (g, p)) in [
-            (0usize, ((50., 20.), (52., 21.))),
-            (5, ((30., 60.), (35., 60.))),
-            (11, ((40., 120.), (40., 130.))),
-        ] {
+        for (k, (g, p)) in [(0usize, ((50., 20.), (52., 21.))), (5, ((30., 60.), (35., 60.))), (11, ((40., 120.), (40., 130.)))] {
             gt[3 * k] = g.0;
             gt[3 * k + 1] = g.1;
             gt[3 * k + 2] = 2.0;

@@ -22,10 +22,7 @@ pub struct Detections {
 impl Detections {
     /// Empty detections with `nk` keypoints per row.
     pub fn empty(nk: usize) -> Self {
-        Detections {
-            nk,
-            ..Default::default()
-        }
+        Detections { nk, ..Default::default() }
     }
 
     /// Number of detections.
@@ -94,10 +91,7 @@ pub struct GroundTruth {
 impl GroundTruth {
     /// No GT (background image).
     pub fn empty(nk: usize) -> Self {
-        GroundTruth {
-            nk,
-            ..Default::default()
-        }
+        GroundTruth { nk, ..Default::default() }
     }
 
     /// Number of GT objects.
@@ -114,14 +108,7 @@ impl GroundTruth {
     /// like the reference: `xywh2xyxy(box) · (W, H, W, H)`, keypoints `x·W`, `y·H`, `v` unchanged.
     ///
     /// `boxes_xywhn`: (m, 4) normalised (cx, cy, w, h); `classes`: (m,); `keypoints_n`: (m, nk, 3).
-    pub fn from_normalized(
-        boxes_xywhn: &[f32],
-        classes: &[f32],
-        keypoints_n: &[f32],
-        nk: usize,
-        width: u32,
-        height: u32,
-    ) -> Result<Self> {
+    pub fn from_normalized(boxes_xywhn: &[f32], classes: &[f32], keypoints_n: &[f32], nk: usize, width: u32, height: u32) -> Result<Self> {
         let m = classes.len();
         check_len("gt boxes", boxes_xywhn, &[m, 4])?;
         check_len("gt keypoints", keypoints_n, &[m, nk, 3])?;
@@ -132,12 +119,7 @@ impl GroundTruth {
         let mut gt = GroundTruth::empty(nk);
         for (i, b) in boxes_xywhn.chunks_exact(4).enumerate() {
             let (hw, hh) = (b[2] / 2.0, b[3] / 2.0);
-            gt.boxes.push([
-                (b[0] - hw) * w,
-                (b[1] - hh) * h,
-                (b[0] + hw) * w,
-                (b[1] + hh) * h,
-            ]);
+            gt.boxes.push([(b[0] - hw) * w, (b[1] - hh) * h, (b[0] + hw) * w, (b[1] + hh) * h]);
             let c = classes[i];
             if c < 0.0 || c.fract() != 0.0 {
                 return Err(TrainerError::InvalidArgument {
@@ -147,10 +129,7 @@ impl GroundTruth {
             }
             gt.classes.push(c as usize);
         }
-        gt.keypoints = keypoints_n
-            .chunks_exact(3)
-            .flat_map(|k| [k[0] * w, k[1] * h, k[2]])
-            .collect();
+        gt.keypoints = keypoints_n.chunks_exact(3).flat_map(|k| [k[0] * w, k[1] * h, k[2]]).collect();
         Ok(gt)
     }
 
@@ -187,9 +166,7 @@ impl GroundTruth {
             e.1.extend_from_slice(&boxes_xywhn[4 * t..4 * t + 4]);
             e.2.extend_from_slice(&keypoints_n[3 * nk * t..3 * nk * (t + 1)]);
         }
-        per.iter()
-            .map(|(c, b, k)| Self::from_normalized(b, c, k, nk, width, height))
-            .collect()
+        per.iter().map(|(c, b, k)| Self::from_normalized(b, c, k, nk, width, height)).collect()
     }
 
     /// Check internal consistency and finiteness.
@@ -203,9 +180,6 @@ impl GroundTruth {
 
     /// OKS area proxy per GT: box area (from xyxy) × 0.53, in float32 (metrics.md §3.2).
     pub fn oks_areas(&self) -> Vec<f32> {
-        self.boxes
-            .iter()
-            .map(|b| (b[2] - b[0]) * (b[3] - b[1]) * 0.53f32)
-            .collect()
+        self.boxes.iter().map(|b| (b[2] - b[0]) * (b[3] - b[1]) * 0.53f32).collect()
     }
 }

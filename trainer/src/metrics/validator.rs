@@ -45,24 +45,14 @@ impl MetricSet {
         };
         let col = |t: usize| pc.ap.iter().map(|a| a[t]).collect::<Vec<_>>();
         let all: Vec<f64> = pc.ap.iter().flatten().copied().collect();
-        MetricSet {
-            mp: mean(&pc.p),
-            mr: mean(&pc.r),
-            map50: mean(&col(0)),
-            map75: mean(&col(5)),
-            map: mean(&all),
-            per_class: pc,
-        }
+        MetricSet { mp: mean(&pc.p), mr: mean(&pc.r), map50: mean(&col(0)), map75: mean(&col(5)), map: mean(&all), per_class: pc }
     }
 
     /// Ultralytics `Metric.fitness` with weights (0, 0, 0, 1): mAP50-95 (NaN counted as 0).
     pub fn fitness(&self) -> f64 {
         let v = [self.mp, self.mr, self.map50, self.map];
         let w = [0.0, 0.0, 0.0, 1.0];
-        v.iter()
-            .zip(w)
-            .map(|(v, w)| if v.is_nan() { 0.0 } else { v * w })
-            .sum()
+        v.iter().zip(w).map(|(v, w)| if v.is_nan() { 0.0 } else { v * w }).sum()
     }
 }
 
@@ -81,11 +71,7 @@ impl PoseMetrics {
     /// `results_dict` after an official COCO evaluation (metrics.md §7): mAP50 / mAP50-95 of box
     /// and pose replaced by COCOeval's AP50 / AP (stats 1 and 0), fitness = 0.9·AP + 0.1·AP50 of
     /// the last evaluated type (keypoints). P and R stay the validator's.
-    pub fn coco_results_dict(
-        &self,
-        bbox_stats: &[f64],
-        kpt_stats: &[f64],
-    ) -> Result<Vec<(&'static str, f64)>> {
+    pub fn coco_results_dict(&self, bbox_stats: &[f64], kpt_stats: &[f64]) -> Result<Vec<(&'static str, f64)>> {
         if bbox_stats.len() < 2 || kpt_stats.len() < 2 {
             return Err(TrainerError::InvalidArgument {
                 what: "coco stats",
@@ -170,16 +156,10 @@ impl PoseValidator {
     /// Validator with explicit OKS sigmas (dataset `kpt_oks_sigmas`).
     pub fn with_sigmas(sigmas: Vec<f32>) -> Result<Self> {
         if sigmas.is_empty() {
-            return Err(TrainerError::InvalidArgument {
-                what: "sigmas",
-                reason: "at least one keypoint is required".into(),
-            });
+            return Err(TrainerError::InvalidArgument { what: "sigmas", reason: "at least one keypoint is required".into() });
         }
         if let Some(s) = sigmas.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
-            return Err(TrainerError::InvalidArgument {
-                what: "sigmas",
-                reason: format!("sigma must be finite and > 0, got {s}"),
-            });
+            return Err(TrainerError::InvalidArgument { what: "sigmas", reason: format!("sigma must be finite and > 0, got {s}") });
         }
         Ok(PoseValidator {
             nk: sigmas.len(),
@@ -221,29 +201,18 @@ impl PoseValidator {
         gt.validate()?;
         for (what, nk) in [("detection keypoints", pred.nk), ("gt keypoints", gt.nk)] {
             if nk != self.nk {
-                return Err(TrainerError::InvalidArgument {
-                    what,
-                    reason: format!("validator expects {} keypoints, got {nk}", self.nk),
-                });
+                return Err(TrainerError::InvalidArgument { what, reason: format!("validator expects {} keypoints, got {nk}", self.nk) });
             }
         }
         let map_cls = |c: &usize| if self.single_cls { 0 } else { *c };
         let pcls: Vec<usize> = pred.classes.iter().map(map_cls).collect();
         let gcls: Vec<usize> = gt.classes.iter().map(map_cls).collect();
         let (n, m) = (pred.len(), gt.len());
-        let mut tpm = TpMatrices {
-            tp_box: vec![[false; NUM_THRESHOLDS]; n],
-            tp_pose: vec![[false; NUM_THRESHOLDS]; n],
-        };
+        let mut tpm = TpMatrices { tp_box: vec![[false; NUM_THRESHOLDS]; n], tp_pose: vec![[false; NUM_THRESHOLDS]; n] };
         if n > 0 && m > 0 {
             let iou = box_iou(&gt.boxes, &pred.boxes);
             tpm.tp_box = match_predictions(&pcls, &gcls, &iou)?;
-            let oks = kpt_oks(
-                &gt.keypoints,
-                &pred.keypoints,
-                &gt.oks_areas(),
-                &self.sigmas,
-            )?;
+            let oks = kpt_oks(&gt.keypoints, &pred.keypoints, &gt.oks_areas(), &self.sigmas)?;
             tpm.tp_pose = match_predictions(&pcls, &gcls, &oks)?;
         }
         self.seen += 1;
@@ -259,17 +228,11 @@ impl PoseValidator {
     pub fn compute(&self) -> PoseMetrics {
         // The accumulator keeps tp/conf/pred_cls the same length and finite (checked in
         // `update`), so `ap_per_class` cannot fail here; fall back to empty stats regardless.
-        let b = ap_per_class(&self.tp_box, &self.conf, &self.pred_cls, &self.target_cls)
-            .unwrap_or_default();
-        let p = ap_per_class(&self.tp_pose, &self.conf, &self.pred_cls, &self.target_cls)
-            .unwrap_or_default();
+        let b = ap_per_class(&self.tp_box, &self.conf, &self.pred_cls, &self.target_cls).unwrap_or_default();
+        let p = ap_per_class(&self.tp_pose, &self.conf, &self.pred_cls, &self.target_cls).unwrap_or_default();
         let box_metrics = MetricSet::from_ap(b);
         let pose_metrics = MetricSet::from_ap(p);
         let fitness = pose_metrics.fitness() + box_metrics.fitness();
-        PoseMetrics {
-            box_metrics,
-            pose_metrics,
-            fitness,
-        }
+        PoseMetrics { box_metrics, pose_metrics, fitness }
     }
 }

@@ -41,33 +41,17 @@ impl Golden {
 
     pub fn get(&self, name: &str) -> Tensor {
         let st = SafeTensors::deserialize(&self.bytes).expect("safetensors header");
-        let v = st
-            .tensor(name)
-            .unwrap_or_else(|e| panic!("tensor {name}: {e}"));
+        let v = st.tensor(name).unwrap_or_else(|e| panic!("tensor {name}: {e}"));
         let d = v.data();
         let shape = v.shape().to_vec();
         match v.dtype() {
-            Dtype::F32 => Tensor {
-                shape,
-                f32: d
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-                i64: vec![],
-            },
-            Dtype::U8 => Tensor {
-                shape,
-                f32: d.iter().map(|&b| b as f32).collect(),
-                i64: vec![],
-            },
-            Dtype::I64 => Tensor {
-                shape,
-                f32: vec![],
-                i64: d
-                    .chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-            },
+            Dtype::F32 => {
+                Tensor { shape, f32: d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(), i64: vec![] }
+            }
+            Dtype::U8 => Tensor { shape, f32: d.iter().map(|&b| b as f32).collect(), i64: vec![] },
+            Dtype::I64 => {
+                Tensor { shape, f32: vec![], i64: d.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect() }
+            }
             other => panic!("unsupported dtype {other:?} for {name}"),
         }
     }
@@ -80,10 +64,7 @@ impl Golden {
 /// max |a − b| over two equal-length slices.
 pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }
 
 pub fn to_f64(v: &[f32]) -> Vec<f64> {

@@ -63,19 +63,12 @@ impl EvalParams {
         let (max_dets, area_rng, area_rng_lbl) = match iou_type {
             IouType::Bbox => (
                 vec![1, 10, 100],
-                vec![
-                    [0.0, big],
-                    [0.0, 32.0 * 32.0],
-                    [32.0 * 32.0, 96.0 * 96.0],
-                    [96.0 * 96.0, big],
-                ],
+                vec![[0.0, big], [0.0, 32.0 * 32.0], [32.0 * 32.0, 96.0 * 96.0], [96.0 * 96.0, big]],
                 vec!["all", "small", "medium", "large"],
             ),
-            IouType::Keypoints => (
-                vec![20],
-                vec![[0.0, big], [32.0 * 32.0, 96.0 * 96.0], [96.0 * 96.0, big]],
-                vec!["all", "medium", "large"],
-            ),
+            IouType::Keypoints => {
+                (vec![20], vec![[0.0, big], [32.0 * 32.0, 96.0 * 96.0], [96.0 * 96.0, big]], vec!["all", "medium", "large"])
+            }
         };
         EvalParams {
             iou_type,
@@ -86,13 +79,10 @@ impl EvalParams {
             max_dets,
             area_rng,
             area_rng_lbl,
-            kpt_oks_sigmas: [
-                0.26, 0.25, 0.25, 0.35, 0.35, 0.79, 0.79, 0.72, 0.72, 0.62, 0.62, 1.07, 1.07, 0.87,
-                0.87, 0.89, 0.89,
-            ]
-            .iter()
-            .map(|s| s / 10.0)
-            .collect(),
+            kpt_oks_sigmas: [0.26, 0.25, 0.25, 0.35, 0.35, 0.79, 0.79, 0.72, 0.72, 0.62, 0.62, 1.07, 1.07, 0.87, 0.87, 0.89, 0.89]
+                .iter()
+                .map(|s| s / 10.0)
+                .collect(),
         }
     }
 }
@@ -126,57 +116,33 @@ struct Det {
 fn load_res(gt: &CocoDataset, res: &[CocoResult]) -> Result<Vec<(i64, i64, Det)>> {
     let imgs: HashSet<i64> = gt.images.iter().map(|i| i.id).collect();
     if let Some(r) = res.iter().find(|r| !imgs.contains(&r.image_id)) {
-        return Err(TrainerError::Coco(format!(
-            "results contain image_id {} that is not in the ground truth",
-            r.image_id
-        )));
+        return Err(TrainerError::Coco(format!("results contain image_id {} that is not in the ground truth", r.image_id)));
     }
     let use_bbox = res.first().is_some_and(|r| !r.bbox.is_empty());
     let mut out = Vec::with_capacity(res.len());
     for (i, r) in res.iter().enumerate() {
         let id = i as i64 + 1;
         if !r.score.is_finite() {
-            return Err(TrainerError::NonFinite {
-                what: "result score",
-                index: i,
-                value: r.score,
-            });
+            return Err(TrainerError::NonFinite { what: "result score", index: i, value: r.score });
         }
         let (bbox, area) = if use_bbox {
-            let b: [f64; 4] = r.bbox.as_slice().try_into().map_err(|_| {
-                TrainerError::Coco(format!(
-                    "result {i}: bbox must have 4 values, got {}",
-                    r.bbox.len()
-                ))
-            })?;
+            let b: [f64; 4] = r
+                .bbox
+                .as_slice()
+                .try_into()
+                .map_err(|_| TrainerError::Coco(format!("result {i}: bbox must have 4 values, got {}", r.bbox.len())))?;
             (b, b[2] * b[3])
         } else {
             if r.keypoints.is_empty() || r.keypoints.len() % 3 != 0 {
-                return Err(TrainerError::Coco(format!(
-                    "result {i}: neither a bbox nor 3·K keypoints"
-                )));
+                return Err(TrainerError::Coco(format!("result {i}: neither a bbox nor 3·K keypoints")));
             }
             let xs = r.keypoints.iter().step_by(3);
             let ys = r.keypoints.iter().skip(1).step_by(3);
-            let (x0, x1) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| {
-                (a.min(v), b.max(v))
-            });
-            let (y0, y1) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| {
-                (a.min(v), b.max(v))
-            });
+            let (x0, x1) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
+            let (y0, y1) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
             ([x0, y0, x1 - x0, y1 - y0], (x1 - x0) * (y1 - y0))
         };
-        out.push((
-            r.image_id,
-            r.category_id,
-            Det {
-                id,
-                score: r.score,
-                area,
-                bbox,
-                keypoints: r.keypoints.clone(),
-            },
-        ));
+        out.push((r.image_id, r.category_id, Det { id, score: r.score, area, bbox, keypoints: r.keypoints.clone() }));
     }
     Ok(out)
 }
@@ -231,14 +197,8 @@ fn oks(d: &Det, g: &CocoAnnotation, sigmas: &[f64]) -> Result<f64> {
     for j in 0..k {
         let (xg, yg) = (g.keypoints[3 * j], g.keypoints[3 * j + 1]);
         let (xd, yd) = (d.keypoints[3 * j], d.keypoints[3 * j + 1]);
-        let (dx, dy) = if k1 > 0 {
-            (xd - xg, yd - yg)
-        } else {
-            (
-                0f64.max(x0 - xd) + 0f64.max(xd - x1),
-                0f64.max(y0 - yd) + 0f64.max(yd - y1),
-            )
-        };
+        let (dx, dy) =
+            if k1 > 0 { (xd - xg, yd - yg) } else { (0f64.max(x0 - xd) + 0f64.max(xd - x1), 0f64.max(y0 - yd) + 0f64.max(yd - y1)) };
         if k1 > 0 && !vis[j] {
             continue;
         }
@@ -265,12 +225,7 @@ fn evaluate_img(cell: &Cell, a_rng: [f64; 2], max_det: usize, thrs: &[f64]) -> O
         return None;
     }
     let outside = |a: f64| a < a_rng[0] || a > a_rng[1];
-    let g_ig: Vec<bool> = cell
-        .gts
-        .iter()
-        .zip(&cell.gt_ignore)
-        .map(|(g, &ig)| ig || outside(g.area))
-        .collect();
+    let g_ig: Vec<bool> = cell.gts.iter().zip(&cell.gt_ignore).map(|(g, &ig)| ig || outside(g.area)).collect();
     // Stable sort: regular GTs first, ignored last.
     let mut gtind: Vec<usize> = (0..cell.gts.len()).collect();
     gtind.sort_by_key(|&i| g_ig[i]);
@@ -317,60 +272,28 @@ fn evaluate_img(cell: &Cell, a_rng: [f64; 2], max_det: usize, thrs: &[f64]) -> O
             }
         }
     }
-    Some(EvalImg {
-        dt_scores: dts.iter().map(|d| d.score).collect(),
-        dt_matches: dtm,
-        dt_ignore: dt_ig,
-        gt_ignore: gt_ig,
-    })
+    Some(EvalImg { dt_scores: dts.iter().map(|d| d.score).collect(), dt_matches: dtm, dt_ignore: dt_ig, gt_ignore: gt_ig })
 }
 
 /// Run COCOeval on `gt` and `results` for `iou_type` with pycocotools' default parameters.
-pub fn evaluate(
-    gt: &CocoDataset,
-    results: &[CocoResult],
-    iou_type: IouType,
-) -> Result<CocoEvalResult> {
+pub fn evaluate(gt: &CocoDataset, results: &[CocoResult], iou_type: IouType) -> Result<CocoEvalResult> {
     evaluate_with(gt, results, EvalParams::new(iou_type, gt))
 }
 
 /// Run COCOeval with explicit parameters.
-pub fn evaluate_with(
-    gt: &CocoDataset,
-    results: &[CocoResult],
-    p: EvalParams,
-) -> Result<CocoEvalResult> {
+pub fn evaluate_with(gt: &CocoDataset, results: &[CocoResult], p: EvalParams) -> Result<CocoEvalResult> {
     if p.max_dets.is_empty() || p.area_rng.is_empty() || p.iou_thrs.is_empty() {
-        return Err(TrainerError::InvalidArgument {
-            what: "EvalParams",
-            reason: "maxDets, areaRng and iouThrs must be non-empty".into(),
-        });
+        return Err(TrainerError::InvalidArgument { what: "EvalParams", reason: "maxDets, areaRng and iouThrs must be non-empty".into() });
     }
     let dets = load_res(gt, results)?;
-    let img_pos: HashMap<i64, usize> = p
-        .img_ids
-        .iter()
-        .enumerate()
-        .map(|(i, &id)| (id, i))
-        .collect();
-    let cat_pos: HashMap<i64, usize> = p
-        .cat_ids
-        .iter()
-        .enumerate()
-        .map(|(i, &id)| (id, i))
-        .collect();
+    let img_pos: HashMap<i64, usize> = p.img_ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+    let cat_pos: HashMap<i64, usize> = p.cat_ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
     let (ni, nk) = (p.img_ids.len(), p.cat_ids.len());
     let max_det_last = *p.max_dets.last().unwrap_or(&0);
 
     // _prepare
-    let mut cells: Vec<Cell> = (0..ni * nk)
-        .map(|_| Cell {
-            gts: Vec::new(),
-            gt_ignore: Vec::new(),
-            dts: Vec::new(),
-            ious: Vec::new(),
-        })
-        .collect();
+    let mut cells: Vec<Cell> =
+        (0..ni * nk).map(|_| Cell { gts: Vec::new(), gt_ignore: Vec::new(), dts: Vec::new(), ious: Vec::new() }).collect();
     for g in &gt.annotations {
         if let (Some(&i), Some(&k)) = (img_pos.get(&g.image_id), cat_pos.get(&g.category_id)) {
             let mut ig = g.iscrowd;
@@ -416,17 +339,13 @@ pub fn evaluate_with(
 
     // accumulate
     let (t_n, r_n, m_n) = (p.iou_thrs.len(), p.rec_thrs.len(), p.max_dets.len());
-    let pidx = |t: usize, r: usize, k: usize, a: usize, m: usize| {
-        (((t * r_n + r) * nk + k) * na + a) * m_n + m
-    };
+    let pidx = |t: usize, r: usize, k: usize, a: usize, m: usize| (((t * r_n + r) * nk + k) * na + a) * m_n + m;
     let ridx = |t: usize, k: usize, a: usize, m: usize| ((t * nk + k) * na + a) * m_n + m;
     let mut precision = vec![-1.0; t_n * r_n * nk * na * m_n];
     let mut recall = vec![-1.0; t_n * nk * na * m_n];
     for k in 0..nk {
         for a in 0..na {
-            let es: Vec<&EvalImg> = (0..ni)
-                .filter_map(|i| eval_imgs[(k * na + a) * ni + i].as_ref())
-                .collect();
+            let es: Vec<&EvalImg> = (0..ni).filter_map(|i| eval_imgs[(k * na + a) * ni + i].as_ref()).collect();
             if es.is_empty() {
                 continue;
             }
@@ -439,11 +358,7 @@ pub fn evaluate_with(
                     }
                 }
                 all.sort_by(|x, y| y.0.total_cmp(&x.0));
-                let npig = es
-                    .iter()
-                    .flat_map(|e| &e.gt_ignore)
-                    .filter(|ig| !**ig)
-                    .count();
+                let npig = es.iter().flat_map(|e| &e.gt_ignore).filter(|ig| !**ig).count();
                 if npig == 0 {
                     continue;
                 }
@@ -484,13 +399,9 @@ pub fn evaluate_with(
     let mut stats = Vec::new();
     let mut summary = Vec::new();
     let mut summ = |ap: bool, iou_thr: Option<f64>, area: &str, max_dets: usize| {
-        let a_ind: Vec<usize> = (0..na)
-            .filter(|&a| p.area_rng_lbl.get(a) == Some(&area))
-            .collect();
+        let a_ind: Vec<usize> = (0..na).filter(|&a| p.area_rng_lbl.get(a) == Some(&area)).collect();
         let m_ind: Vec<usize> = (0..m_n).filter(|&m| p.max_dets[m] == max_dets).collect();
-        let t_ind: Vec<usize> = (0..t_n)
-            .filter(|&t| iou_thr.is_none_or(|v| v == p.iou_thrs[t]))
-            .collect();
+        let t_ind: Vec<usize> = (0..t_n).filter(|&t| iou_thr.is_none_or(|v| v == p.iou_thrs[t])).collect();
         let mut vals = Vec::new();
         for &t in &t_ind {
             for k in 0..nk {
@@ -506,23 +417,13 @@ pub fn evaluate_with(
             }
         }
         let valid: Vec<f64> = vals.into_iter().filter(|v| *v > -1.0).collect();
-        let mean = if valid.is_empty() {
-            -1.0
-        } else {
-            valid.iter().sum::<f64>() / valid.len() as f64
-        };
+        let mean = if valid.is_empty() { -1.0 } else { valid.iter().sum::<f64>() / valid.len() as f64 };
         let iou_str = match iou_thr {
             Some(v) => format!("{v:0.2}"),
             None => format!("{:0.2}:{:0.2}", p.iou_thrs[0], p.iou_thrs[t_n - 1]),
         };
-        let (title, ty) = if ap {
-            ("Average Precision", "(AP)")
-        } else {
-            ("Average Recall", "(AR)")
-        };
-        summary.push(format!(
-            " {title:<18} {ty} @[ IoU={iou_str:<9} | area={area:>6} | maxDets={max_dets:>3} ] = {mean:0.3}"
-        ));
+        let (title, ty) = if ap { ("Average Precision", "(AP)") } else { ("Average Recall", "(AR)") };
+        summary.push(format!(" {title:<18} {ty} @[ IoU={iou_str:<9} | area={area:>6} | maxDets={max_dets:>3} ] = {mean:0.3}"));
         stats.push(mean);
     };
     let md = &p.max_dets;
@@ -555,11 +456,5 @@ pub fn evaluate_with(
             summ(false, None, "large", 20);
         }
     }
-    Ok(CocoEvalResult {
-        params: p,
-        stats,
-        summary,
-        precision,
-        recall,
-    })
+    Ok(CocoEvalResult { params: p, stats, summary, precision, recall })
 }

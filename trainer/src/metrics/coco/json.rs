@@ -100,19 +100,11 @@ fn int_or_bool<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<bool, D::
 }
 
 fn json_err(path: &Path, e: serde_json::Error) -> TrainerError {
-    TrainerError::Json {
-        path: path.to_path_buf(),
-        line: e.line(),
-        column: e.column(),
-        msg: e.to_string(),
-    }
+    TrainerError::Json { path: path.to_path_buf(), line: e.line(), column: e.column(), msg: e.to_string() }
 }
 
 fn read(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| TrainerError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::read_to_string(path).map_err(|source| TrainerError::Io { path: path.to_path_buf(), source })
 }
 
 /// Parse a COCO GT document; `origin` names it in errors.
@@ -168,13 +160,7 @@ pub struct Letterbox {
 impl Letterbox {
     /// No resize, no padding.
     pub fn identity(width: f32, height: f32) -> Self {
-        Letterbox {
-            gain: 1.0,
-            pad_x: 0.0,
-            pad_y: 0.0,
-            orig_w: width,
-            orig_h: height,
-        }
+        Letterbox { gain: 1.0, pad_x: 0.0, pad_y: 0.0, orig_w: width, orig_h: height }
     }
 
     fn x(&self, v: f32) -> f32 {
@@ -197,9 +183,7 @@ pub fn detections_to_results(
 ) -> Result<Vec<CocoResult>> {
     det.validate()?;
     let lb = letterbox;
-    let finite = [lb.pad_x, lb.pad_y, lb.orig_w, lb.orig_h]
-        .iter()
-        .all(|v| v.is_finite());
+    let finite = [lb.pad_x, lb.pad_y, lb.orig_w, lb.orig_h].iter().all(|v| v.is_finite());
     if !(finite && lb.gain.is_finite() && lb.gain > 0.0) {
         return Err(TrainerError::InvalidArgument {
             what: "letterbox",
@@ -210,25 +194,13 @@ pub fn detections_to_results(
     let mut out = Vec::with_capacity(det.len());
     for i in 0..det.len() {
         let b = det.boxes[i];
-        let (x1, y1, x2, y2) = (
-            letterbox.x(b[0]),
-            letterbox.y(b[1]),
-            letterbox.x(b[2]),
-            letterbox.y(b[3]),
-        );
+        let (x1, y1, x2, y2) = (letterbox.x(b[0]), letterbox.y(b[1]), letterbox.x(b[2]), letterbox.y(b[3]));
         // xyxy2xywh then `xy -= wh / 2`, in float32 like the reference tensor ops.
         let (w, h) = (x2 - x1, y2 - y1);
         let (cx, cy) = ((x1 + x2) / 2.0, (y1 + y2) / 2.0);
-        let bbox = [cx - w / 2.0, cy - h / 2.0, w, h]
-            .iter()
-            .map(|&v| py_round(f64::from(v), 3))
-            .collect();
+        let bbox = [cx - w / 2.0, cy - h / 2.0, w, h].iter().map(|&v| py_round(f64::from(v), 3)).collect();
         let kp = &det.keypoints[i * nk3..(i + 1) * nk3];
-        let keypoints = kp
-            .chunks_exact(3)
-            .flat_map(|k| [letterbox.x(k[0]), letterbox.y(k[1]), k[2]])
-            .map(f64::from)
-            .collect();
+        let keypoints = kp.chunks_exact(3).flat_map(|k| [letterbox.x(k[0]), letterbox.y(k[1]), k[2]]).map(f64::from).collect();
         out.push(CocoResult {
             image_id,
             category_id: class_map(det.classes[i]),
