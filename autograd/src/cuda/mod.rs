@@ -8,9 +8,9 @@
 //!   scatter/index adds use fixed-order loops and trees, never float atomics, so results are
 //!   bit-identical run to run. f16/bf16 are computed in f32.
 //! - **Libraries**: matmul through cuBLAS (true FP32, f16/bf16 with f32 accumulation); conv through
-//!   cuDNN restricted to deterministic algorithms (fastest measured once per shape, or cuDNN's
-//!   heuristic pick by default â identical in every process â or the fastest measured once per shape with `PTL_CUDNN_BENCHMARK=1`) with per-shape cached workspaces; 1×1 convs as
-//!   cuBLAS GEMMs.
+//!   cuDNN restricted to deterministic algorithms (cuDNN's heuristic pick by default — the same in
+//!   every process — or the fastest measured once per shape with `PTL_CUDNN_BENCHMARK=1`) with
+//!   per-shape cached workspaces; 1×1 convs as cuBLAS GEMMs.
 //! - **Fused kernels**: BatchNorm+SiLU forward (`Tensor::batch_norm2d_silu`: deterministic batch
 //!   statistics, running-stat update and affine+SiLU in three kernels), (log-)softmax in one
 //!   kernel, BCE-with-logits in one element-wise pass.
