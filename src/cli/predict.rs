@@ -86,7 +86,9 @@ fn images_in(source: &Path) -> Result<Vec<PathBuf>, String> {
     let rd = std::fs::read_dir(source).map_err(|e| format!("cannot read {}: {e}", source.display()))?;
     let mut v: Vec<PathBuf> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().and_then(|x| x.to_str()).is_some_and(|x| ["jpg", "jpeg", "png", "bmp"].contains(&x.to_ascii_lowercase().as_str())))
+        .filter(|p| {
+            p.extension().and_then(|x| x.to_str()).is_some_and(|x| ["jpg", "jpeg", "png", "bmp"].contains(&x.to_ascii_lowercase().as_str()))
+        })
         .collect();
     v.sort();
     if v.is_empty() {
@@ -151,7 +153,8 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
         all.push(serde_json::json!({ "image": path.display().to_string(), "persons": people }));
     }
     let json = a.out.join("predictions.json");
-    std::fs::write(&json, serde_json::to_string_pretty(&all).unwrap_or_default()).map_err(|e| format!("cannot write {}: {e}", json.display()))?;
+    std::fs::write(&json, serde_json::to_string_pretty(&all).unwrap_or_default())
+        .map_err(|e| format!("cannot write {}: {e}", json.display()))?;
     println!("predictions: {}", json.display());
     Ok(())
 }

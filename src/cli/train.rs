@@ -128,7 +128,10 @@ pub fn run_train(a: TrainArgs) -> Result<(), String> {
         cfg.save_dir.display()
     );
     let s = fit(&cfg, Vec::new()).map_err(|e| e.to_string())?;
-    println!("finished in {:.1} s, {} optimizer steps, step time median {:.1} ms", s.total_runtime_s, s.optimizer_steps, s.step_time.median_ms);
+    println!(
+        "finished in {:.1} s, {} optimizer steps, step time median {:.1} ms",
+        s.total_runtime_s, s.optimizer_steps, s.step_time.median_ms
+    );
     for (k, v) in &s.final_metrics {
         println!("  {k:<24} {v:.4}");
     }

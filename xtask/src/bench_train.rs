@@ -67,7 +67,14 @@ fn run_workload(bin: &Path, work: &Path, epochs: &str) -> Result<(), String> {
     let st = Command::new(bin)
         .arg("train")
         .arg(format!("data={}", synth.join("data.yaml").display()))
-        .args([format!("epochs={epochs}"), "batch=4".into(), "imgsz=640".into(), "optimizer=MuSGD".into(), "close_mosaic=0".into(), "seed=347".into()])
+        .args([
+            format!("epochs={epochs}"),
+            "batch=4".into(),
+            "imgsz=640".into(),
+            "optimizer=MuSGD".into(),
+            "close_mosaic=0".into(),
+            "seed=347".into(),
+        ])
         .arg(format!("project={}", work.join("run").display()))
         .args(["--device", device, "--precision", "bf16-mixed"])
         .status()
