@@ -85,7 +85,7 @@ fn corrupt_checkpoint_is_a_typed_error() {
     std::fs::create_dir_all(&cfg.save_dir).unwrap();
     let bad = cfg.save_dir.join("bad.ckpt");
     std::fs::write(&bad, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all").unwrap();
-    let err = fit(&PoseTrainConfig { resume: Some(bad), ..cfg }, vec![]).err().expect("must fail");
+    let err = fit(&PoseTrainConfig { resume: Some(bad), ..cfg }, vec![]).expect_err("must fail");
     assert!(matches!(err, ptl_trainer::TrainerError::Checkpoint { .. }), "{err}");
 }
 
