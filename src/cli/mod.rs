@@ -1,3 +1,2 @@
-pub mod draw;
 pub mod predict;
 pub mod train;

@@ -10,7 +10,7 @@ use ptl_trainer::fit::load_checkpoint;
 use ptl_trainer::metrics::nms::non_max_suppression_batch;
 use ptl_trainer::metrics::NmsConfig;
 
-use super::draw;
+use ptl_trainer::pose::draw;
 
 #[derive(Args, Debug)]
 pub struct ValArgs {

@@ -64,8 +64,12 @@ fn tiny_fit_is_deterministic_and_hooks_are_ordered() {
     assert_eq!(a.optimizer_steps, b.optimizer_steps);
     assert!(a.optimizer_steps >= 1);
     assert!(!a.final_metrics.is_empty(), "validation ran");
-    let c = fit(&PoseTrainConfig { seed: 12, ..tiny("c") }, vec![]).unwrap();
+    let cfg_c = PoseTrainConfig { seed: 12, plots: true, ..tiny("c") };
+    let c = fit(&cfg_c, vec![]).unwrap();
     assert_ne!(a.hashes.model, c.hashes.model, "a different seed gives different weights");
+    for artefact in ["results.csv", "results.png", "summary.json", "val_pred_0.png", "weights/last.ckpt"] {
+        assert!(cfg_c.save_dir.join(artefact).exists(), "{artefact} written");
+    }
     insta::assert_snapshot!("hook_order_2_epochs_2_batches", trace.take().join("\n"));
 }
 

@@ -505,6 +505,10 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         if csv.exists() {
             super::plots::plot_results(&csv, &cfg.save_dir.join("results.png"))?;
         }
+        if let Some(ds) = run.val_ds.clone() {
+            run.sync_ema_model()?;
+            super::validate::draw_val_predictions(&run.ema_model, &ds, 4, cfg.device, &cfg.save_dir)?;
+        }
     }
     run.each_cb(|c, v| c.on_train_end(v));
     run.each_cb(|c, v| c.on_fit_end(v));

@@ -1,6 +1,7 @@
 //! Pose training: configuration, the fit loop, validation.
 
 pub mod config;
+pub mod draw;
 pub mod fit;
 pub mod plots;
 mod progress;

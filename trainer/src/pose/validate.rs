@@ -70,3 +70,51 @@ pub fn validate(model: &PoseModel, ds: &Arc<PoseDataset>, batch: usize, device: 
     let metrics: Vec<(String, f64)> = m.results_dict().into_iter().map(|(k, x)| (k.to_string(), x)).collect();
     Ok(ValResult { fitness: m.fitness, metrics, images })
 }
+
+/// Draws the model's predictions (NMS on the o2m branch, confidence ≥ 0.25) on the first
+/// validation images and writes `val_pred_<i>.png` into `dir`; returns the files written.
+pub fn draw_val_predictions(
+    model: &PoseModel,
+    ds: &Arc<PoseDataset>,
+    max_images: usize,
+    device: Device,
+    dir: &std::path::Path,
+) -> Result<Vec<std::path::PathBuf>> {
+    let loader = ValLoader::new(ds.clone(), max_images.max(1), 0)?;
+    let Some(b) = loader.iter().next() else { return Ok(Vec::new()) };
+    let b = b?;
+    let nk = ds.nkpt();
+    let x = images_to_tensor(&b.img, b.shape, device)?;
+    let pred = no_grad(|| model.predict(&x))?;
+    let decoded = pred.decoded.to_dtype(ptl_autograd::DType::F32)?;
+    let dims = decoded.dims().to_vec();
+    let outs = non_max_suppression_batch(
+        &decoded.to_vec::<f32>()?,
+        dims[0],
+        dims[2],
+        1,
+        nk,
+        &NmsConfig { conf_thres: 0.25, ..NmsConfig::default() },
+    )?;
+    let (h, w) = (b.shape[2], b.shape[3]);
+    let mut written = Vec::new();
+    for (i, o) in outs.iter().enumerate().take(max_images) {
+        let plane = &b.img[i * 3 * h * w..(i + 1) * 3 * h * w];
+        let rgb: Vec<u8> = (0..h * w).flat_map(|p| [plane[p], plane[h * w + p], plane[2 * h * w + p]]).collect();
+        let mut img = ptl_data::image::Image::from_rgb(w as u32, h as u32, rgb);
+        let det = &o.detections;
+        for (k, bx) in det.boxes.iter().enumerate() {
+            let kp: Vec<[f32; 3]> = (0..nk)
+                .map(|j| {
+                    let q = (k * nk + j) * 3;
+                    [det.keypoints[q], det.keypoints[q + 1], det.keypoints[q + 2]]
+                })
+                .collect();
+            super::draw::person(&mut img, *bx, &kp, 0.5);
+        }
+        let path = dir.join(format!("val_pred_{i}.png"));
+        ptl_data::image::write_png(&img, &path)?;
+        written.push(path);
+    }
+    Ok(written)
+}
