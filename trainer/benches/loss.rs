@@ -1,5 +1,5 @@
-//! Timing of the criterion at training size (ignored by default):
-//! `cargo test -p ptl-trainer --release --test loss_bench -- --ignored --nocapture`.
+//! Timing of the criterion at training size (a benchmark, not a test):
+//! `cargo bench -p ptl-trainer --bench loss` (uses the GPU when one is present).
 
 use std::time::Instant;
 
@@ -18,9 +18,7 @@ fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
         .collect()
 }
 
-#[test]
-#[ignore]
-fn bench_loss_640_batch16() {
+fn main() {
     let device = Device::auto();
     let (bs, per_img) = (16usize, 12usize);
     let anchors = Anchors::from_image_hw((640, 640), &LossConfig::default().strides).unwrap();
