@@ -49,6 +49,10 @@ struct Run {
     step_ms: Vec<f64>,
     metrics_per_epoch: Vec<Vec<(String, f64)>>,
     optimizer_name: String,
+    /// Named parameters, walked once: parameters keep their storage for the whole run.
+    params: Vec<(String, Tensor)>,
+    /// Anchor grid of the last input size (training batches share one size).
+    anchors: Option<((usize, usize), Anchors)>,
 }
 
 fn model_params(m: &PoseModel) -> Vec<(String, Tensor)> {
@@ -117,7 +121,14 @@ impl Run {
         let mut loss = None;
         {
             let (criterion, model) = (&self.criterion, &self.model);
-            let anchors = Anchors::from_image_hw((h, w), &ptl_heads::model::STRIDES)?;
+            let anchors = match &self.anchors {
+                Some((hw, a)) if *hw == (h, w) => a.clone(),
+                _ => {
+                    let a = Anchors::from_image_hw((h, w), &ptl_heads::model::STRIDES)?;
+                    self.anchors = Some(((h, w), a.clone()));
+                    a
+                }
+            };
             self.plugins.run(info(Stage::Loss), &mut || {
                 let flow = &model.head().flow_model;
                 loss = Some(ptl_autograd::autocast(autocast, || {
@@ -138,10 +149,9 @@ impl Run {
         self.plugins.run(info(Stage::Backward), &mut || Ok(to_backprop.backward()?))?;
         self.each_cb(|c, v| c.on_after_backward(v));
         if !self.callbacks.is_empty() {
-            let params = model_params(&self.model);
             let v = self.view.clone();
             for cb in self.callbacks.iter_mut() {
-                cb.on_after_backward_params(&v, &params);
+                cb.on_after_backward_params(&v, &self.params);
             }
         }
 
@@ -167,7 +177,7 @@ impl Run {
     /// Unscale → hook → clip → step (skipped on inf under 16-mixed) → scaler update → zero grad → EMA.
     fn optimizer_step(&mut self, ni: usize, epoch: usize) -> Result<()> {
         let info = StageInfo { stage: Stage::OptimizerStep, epoch, batch_index: ni, training: true };
-        let params: Vec<Tensor> = model_params(&self.model).into_iter().map(|(_, t)| t).collect();
+        let params = &self.params;
         let max_norm = self.cfg.clip_max_norm;
         let (optimizer, scaler, ema, model) = (&mut self.optimizer, &mut self.scaler, &mut self.ema, &self.model);
         let callbacks = &mut self.callbacks;
@@ -179,7 +189,7 @@ impl Run {
             for cb in callbacks.iter_mut() {
                 cb.on_before_optimizer_step(&view);
             }
-            clip_grad_norm(params.iter(), max_norm)?;
+            clip_grad_norm(params.iter().map(|(_, t)| t), max_norm)?;
             match scaler.as_mut() {
                 Some(s) => {
                     s.step(optimizer.as_mut())?;
@@ -390,7 +400,10 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         step_ms: Vec::new(),
         metrics_per_epoch: Vec::new(),
         optimizer_name: format!("{:?}", resolved.name),
+        params: Vec::new(),
+        anchors: None,
     };
+    run.params = model_params(&run.model);
     let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
     let result = fit_loop(&mut run, &train_args);
     if let Err(e) = &result {
