@@ -4,7 +4,7 @@
 //! as two CUDA graphs (its forward, and its backward per *gradient mask*) and replays them inside
 //! the `ptl-autograd` tape as one custom node, byte-identical to running the region natively.
 //!
-//! ```ignore
+//! ```text
 //! let rec = Recorder::cuda(RecorderConfig::default());
 //! let trunk = rec.region(RegionSpec::new("trunk", surface_fn, |xs| net.trunk(&xs[0]).map(|f| vec![f])));
 //! let f = trunk.call(&[x])?;            // native (warmup), then capture + replay, then replay

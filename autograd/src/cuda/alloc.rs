@@ -189,7 +189,7 @@ impl Drop for PoolInner {
 /// [`MemPoolGuard`] is alive come from it. The pool's memory returns to the driver as a whole when
 /// the `MemPool` handle and every buffer allocated from it are dropped.
 ///
-/// ```ignore
+/// ```text
 /// let pool = ptl_autograd::cuda::MemPool::new(Device::Cuda(0))?;
 /// {
 ///     let _g = pool.enter();
