@@ -42,6 +42,9 @@ pub enum DataError {
     /// Invalid arguments given by the caller (loader configuration, synth options, …).
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// A device operation (upload, kernel compile or launch) failed.
+    #[error("device: {0} (check the CUDA setup: `ptl train --device cpu` runs without a GPU)")]
+    Device(String),
     /// A prefetch worker failed unexpectedly (a bug); the loader was shut down.
     #[error("prefetch worker failed: {0}")]
     Worker(String),

@@ -7,13 +7,16 @@
 //! * Training: [`TrainLoader`] builds batches deterministically from (seed, epoch, batch) — mosaic, random affine,
 //!   HSV, flips, format — and [`Prefetcher`] prepares them ahead on worker threads. Validation: [`ValLoader`]
 //!   (rect batches, letterbox).
-//! * HSV: [`hsv`] holds the CPU reference, a pure per-pixel function that a device kernel mirrors.
+//! * HSV: [`hsv`] holds the CPU reference, a pure per-pixel function; with the `cuda` feature (default)
+//!   `device_hsv::apply_hsv_device` applies a whole uploaded batch in one kernel launch, byte-identical.
 
 pub mod augment;
 pub mod cache;
 pub mod coco;
 pub mod config;
 pub mod dataset;
+#[cfg(feature = "cuda")]
+pub mod device_hsv;
 pub mod error;
 pub mod hsv;
 pub mod image;

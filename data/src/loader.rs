@@ -144,6 +144,13 @@ impl TrainLoader {
         if ds.is_empty() {
             return Err(DataError::Invalid("dataset is empty".into()));
         }
+        if cfg.hsv_on_device && cfg.aug.bgr != 0.0 {
+            // The device kernel reads every image as RGB; a BGR-swapped sample would be jittered wrongly.
+            return Err(DataError::Invalid(format!(
+                "hsv_on_device needs bgr = 0 (got {}): set bgr=0 or apply HSV on the CPU",
+                cfg.aug.bgr
+            )));
+        }
         let batch = cfg.batch.min(ds.len());
         Ok(TrainLoader { ds, cfg, batch })
     }

@@ -135,5 +135,7 @@ fn checkpoint_round_trip_and_corruption_is_typed() {
 fn step_timing_statistics() {
     let t = StepTiming::from_samples(&[4.0, 1.0, 3.0, 2.0]);
     assert_eq!((t.timed_steps, t.median_ms, t.min_ms, t.max_ms), (4, 2.5, 1.0, 4.0));
+    // sorted[int(q·(n−1))]: int(0.3) = 0, int(2.7) = 2
+    assert_eq!((t.p10_ms, t.p90_ms), (1.0, 3.0));
     assert_eq!(StepTiming::from_samples(&[]).timed_steps, 0);
 }

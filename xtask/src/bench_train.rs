@@ -2,13 +2,18 @@
 //! bf16-mixed, mosaic every epoch, MuSGD forced, nominal batch 64, seed 347, 5 epochs over the
 //! synthetic 512-image set with 226 backgrounds and 15 validation images), each run in a fresh
 //! process. `--pack` writes the release `ptl` binary and a `bench_train.sh` into `train-pack/`
-//! for the GPU machine instead of running here.
+//! for the GPU machine instead of running here; `--with-ultralytics` adds the Ultralytics wheels and
+//! the reference driver so the same script trains Ultralytics on the same dataset folder (`ULTRA=…`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const SCRIPT: &str = r#"#!/usr/bin/env bash
-# Benchmark workload on the GPU machine. Usage: bash bench_train.sh [epochs] [precisions...]
+# Benchmark workload (issue 8) on the GPU machine, optionally next to Ultralytics on the same folder.
+# Usage: bash bench_train.sh [epochs] [precisions...]     (default: 5 epochs; bf16-mixed bf16-mixed 32-true 16-mixed)
+# Env: OUT (logs, default ./out), WORK (scratch, default /tmp/ptl-bench),
+#      ULTRA="auto MuSGD": also train Ultralytics 8.4.190 (wheels in ./whl, anchor_train.py beside this file)
+#      with those optimizers on the dataset `ptl data synth` wrote; ULTRA_FIRST=1 runs them before ptl.
 set -u
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
@@ -17,16 +22,84 @@ EPOCHS=${1:-5}; shift || true
 PRECS=${*:-bf16-mixed bf16-mixed 32-true 16-mixed}
 WORK=${WORK:-/tmp/ptl-bench}
 mkdir -p "$WORK"
-[ -f "$WORK/synth/data.yaml" ] || ./ptl data synth --out "$WORK/synth" --train 512 --background 226 --val 15 --imgsz 640 --seed 347 || exit 1
-i=0
-for p in $PRECS; do
-  i=$((i+1))
-  echo "=== run $i: $p, $EPOCHS epochs"
-  ./ptl train data="$WORK/synth/data.yaml" epochs="$EPOCHS" batch=4 imgsz=640 optimizer=MuSGD close_mosaic=0 seed=347 \
-      plots=false project="$WORK/run$i-$p" --device cuda:0 --precision "$p" > "$OUT/train_run$i.log" 2>&1
-  echo "exit $?"; tail -n 14 "$OUT/train_run$i.log"
-  cp "$WORK/run$i-$p/summary.json" "$OUT/summary_run$i.json" 2>/dev/null
-done
+now() { date +%s.%N; }
+since() { python3 -c "print(round($(now) - $1, 1))"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; echo "cores: $(nproc)"
+t=$(now)
+[ -f "$WORK/synth/data.yaml" ] || ./ptl data synth --out "$WORK/synth" --train 512 --background 226 --val 15 --imgsz 640 --seed 347 \
+    > "$OUT/synth.log" 2>&1 || { tail "$OUT/synth.log"; exit 1; }
+echo "dataset ready ($(since $t) s): $WORK/synth"
+status=0
+
+run_ptl() {
+  local i=0
+  for p in $PRECS; do
+    i=$((i+1))
+    echo "=== ptl run $i: $p, $EPOCHS epochs"
+    local t0; t0=$(now)
+    ./ptl train data="$WORK/synth/data.yaml" epochs="$EPOCHS" batch=4 imgsz=640 optimizer=MuSGD close_mosaic=0 seed=347 \
+        plots=false project="$WORK/run$i-$p" --device cuda:0 --precision "$p" > "$OUT/train_run$i.log" 2>&1
+    local rc=$?
+    echo "exit $rc, process wall $(since $t0) s"; [ $rc -eq 0 ] || status=1
+    tail -n 6 "$OUT/train_run$i.log"
+    cp "$WORK/run$i-$p/summary.json" "$OUT/summary_run$i.json" 2>/dev/null
+    cp "$WORK/run$i-$p/results.csv" "$OUT/results_run$i.csv" 2>/dev/null
+  done
+}
+
+run_ultra() {
+  [ -d whl ] && [ -f anchor_train.py ] || { echo "ULTRA set but no whl/ or anchor_train.py in the pack"; status=1; return; }
+  export PYTHONPATH=/tmp/ul_site YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/ul_cfg PYTHONUNBUFFERED=1
+  [ -d /tmp/ul_site/ultralytics ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/ul_site whl/*.whl || { echo "pip install of the Ultralytics wheels failed"; status=1; return; }
+  for opt in $ULTRA; do
+    echo "=== ultralytics optimizer=$opt, $EPOCHS epochs"
+    local t0; t0=$(now)
+    ANCHOR_WORK=/tmp/ul_work-$opt python3 anchor_train.py --data "$WORK/synth/data.yaml" --out "$OUT/ultra-$opt" \
+        --epochs "$EPOCHS" --optimizer "$opt" > "$OUT/ultra-$opt.log" 2>&1
+    local rc=$?
+    echo "exit $rc, process wall $(since $t0) s"; [ $rc -eq 0 ] || status=1
+    grep -a "\[anchor\] epoch\|optimizer:\|AMP" "$OUT/ultra-$opt.log" | cut -c1-300 | tail -n 8
+  done
+}
+
+if [ -n "${ULTRA:-}" ] && [ "${ULTRA_FIRST:-0}" = 1 ]; then run_ultra; fi
+[ -n "$PRECS" ] && [ "$PRECS" != none ] && run_ptl
+if [ -n "${ULTRA:-}" ] && [ "${ULTRA_FIRST:-0}" != 1 ]; then run_ultra; fi
+
+python3 - "$OUT" <<'EOF'
+import glob, json, os, sys
+out = sys.argv[1]
+print("\n| run | precision / optimizer | complete s | step median ms (p10-p90) | peak alloc/reserved MiB | pose mAP50 per epoch | losses sha256 |")
+print("|---|---|---|---|---|---|---|")
+for f in sorted(glob.glob(os.path.join(out, "summary_run*.json"))):
+    s = json.load(open(f))
+    st = s.get("step_time") or {}
+    mp = [dict(m).get("metrics/mAP50(P)") for m in s.get("metrics_per_epoch", [])]
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
+    print(f"| ptl {os.path.basename(f)[8:-5]} | {s['precision']} / {s['optimizer']} | {s['total_runtime_s']:.1f} | "
+          f"{st.get('median_ms', float('nan')):.1f} ({st.get('p10_ms', float('nan')):.1f}-{st.get('p90_ms', float('nan')):.1f}) | "
+          f"{mib(s.get('peak_allocated_bytes'))}/{mib(s.get('peak_reserved_bytes'))} | "
+          f"{' '.join('-' if v is None else f'{v:.3f}' for v in mp)} | {s['hashes'].get('step_losses', '')[:16]} |")
+for f in sorted(glob.glob(os.path.join(out, "ultra-*", "anchor_train.json"))):
+    r = json.load(open(f))
+    st = r.get("step_time_post_warmup") or {}
+    mp = [m.get("metrics/mAP50(P)") for m in r.get("metrics", [])]
+    print(f"| ultralytics | {r.get('precision')} / {r.get('optimizer')} | {r.get('wall_total_s', float('nan')):.1f} | "
+          f"{st.get('median_ms', float('nan')):.1f} ({st.get('p10_ms', float('nan')):.1f}-{st.get('p90_ms', float('nan')):.1f}) | "
+          f"{r.get('max_memory_allocated_MiB', float('nan')):.0f}/{r.get('max_memory_reserved_MiB', float('nan')):.0f} | "
+          f"{' '.join('-' if v is None else f'{v:.3f}' for v in mp)} | |")
+hs = {}
+for f in sorted(glob.glob(os.path.join(out, "summary_run*.json"))):
+    s = json.load(open(f))
+    hs.setdefault(s["precision"], []).append((os.path.basename(f), s["hashes"]))
+for p, runs in hs.items():
+    if len(runs) > 1:
+        same = all(h == runs[0][1] for _, h in runs[1:])
+        print(f"{p}: {len(runs)} runs, all hashes identical: {same}")
+EOF
+echo "bench-train exit status $status"
+exit $status
 "#;
 
 fn root() -> PathBuf {
@@ -43,11 +116,48 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         std::fs::copy(&bin, pack.join("ptl")).map_err(|e| format!("copying ptl: {e}"))?;
         let _ = Command::new("strip").arg(pack.join("ptl")).status();
         std::fs::write(pack.join("bench_train.sh"), SCRIPT).map_err(|e| format!("writing bench_train.sh: {e}"))?;
+        if args.iter().any(|a| a == "--with-ultralytics") {
+            pack_ultralytics(&pack)?;
+        }
         eprintln!("bench-train: packed {} (run `bash train-pack/bench_train.sh` on the GPU machine)", pack.display());
         return Ok(());
     }
     let work = std::env::temp_dir().join("ptl-bench-train");
     run_workload(&bin, &work, args.iter().find_map(|a| a.strip_prefix("--epochs=")).unwrap_or("5"))
+}
+
+/// Copies the Ultralytics wheels (`$PTL_ULTRA_WHEELS`, default `.whl/`) and the reference driver
+/// `anchor_train.py` (`$PTL_ULTRA_ANCHOR`, default `../shared/reference/ultralytics-anchor/`) into the
+/// pack, so `ULTRA="auto MuSGD" bash bench_train.sh` trains Ultralytics on the same dataset folder.
+fn pack_ultralytics(pack: &Path) -> Result<(), String> {
+    let wheels = std::env::var_os("PTL_ULTRA_WHEELS").map(PathBuf::from).unwrap_or_else(|| root().join(".whl"));
+    let anchor = std::env::var_os("PTL_ULTRA_ANCHOR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("../shared/reference/ultralytics-anchor/anchor_train.py"));
+    let dst = pack.join("whl");
+    std::fs::create_dir_all(&dst).map_err(|e| format!("creating {}: {e}", dst.display()))?;
+    let entries = std::fs::read_dir(&wheels).map_err(|e| {
+        format!(
+            "{}: {e} (download ultralytics==8.4.190, ultralytics-thop==2.2.3, polars==2.1.0, polars-runtime-32==2.1.0 \
+             wheels there, or set PTL_ULTRA_WHEELS)",
+            wheels.display()
+        )
+    })?;
+    let mut n = 0;
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "whl") {
+            std::fs::copy(&p, dst.join(e.file_name())).map_err(|e| format!("copying {}: {e}", p.display()))?;
+            n += 1;
+        }
+    }
+    if n == 0 {
+        return Err(format!("no .whl files in {}", wheels.display()));
+    }
+    std::fs::copy(&anchor, pack.join("anchor_train.py"))
+        .map_err(|e| format!("copying {}: {e} (set PTL_ULTRA_ANCHOR)", anchor.display()))?;
+    eprintln!("bench-train: packed {n} Ultralytics wheels and anchor_train.py");
+    Ok(())
 }
 
 fn run_workload(bin: &Path, work: &Path, epochs: &str) -> Result<(), String> {

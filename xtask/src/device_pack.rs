@@ -1,4 +1,4 @@
-//! `cargo xtask device-pack`: builds the CUDA test and bench binaries (release, `cuda` feature),
+//! `cargo xtask device-pack`: builds the CUDA test and bench binaries of ptl-autograd and ptl-data (release, `cuda` feature),
 //! strips them and copies them with `run.sh` and the PyTorch reference script into `device-pack/`
 //! (git-ignored). On the GPU machine run `bash device-pack/run.sh`; logs go to `$OUT`.
 
@@ -53,6 +53,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
             "--release",
             "-p",
             "ptl-autograd",
+            "-p",
+            "ptl-data",
             "--features",
             "cuda",
             "--tests",

@@ -50,6 +50,20 @@ pub(crate) fn probe() -> std::result::Result<usize, CudaSetupError> {
         .clone()
 }
 
+/// Where the CUDA headers live (`CUDA_HOME`, `CUDA_PATH`, else `/usr/local/cuda`).
+pub(crate) fn cuda_home() -> String {
+    std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")).unwrap_or_else(|_| "/usr/local/cuda".into())
+}
+
+/// NVRTC options for this GPU: its own architecture (else PTX targets sm_75) and the CUDA include path.
+pub(crate) fn nvrtc_options(major: i32, minor: i32) -> cudarc::nvrtc::CompileOptions {
+    cudarc::nvrtc::CompileOptions {
+        include_paths: vec![format!("{}/include", cuda_home())],
+        options: vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".into()],
+        ..Default::default()
+    }
+}
+
 /// Kernel source compiled with NVRTC at first use.
 const KERNELS: &str = include_str!("kernels.cu");
 
@@ -63,6 +77,8 @@ pub(crate) struct Dev {
     pub default_pool: sys::CUmemoryPool,
     module: Arc<CudaModule>,
     funcs: Mutex<HashMap<(&'static str, &'static str), sys::CUfunction>>,
+    /// Modules compiled from other crates' sources ([`super::UserKernel`]), keyed by module name.
+    pub user_modules: Mutex<HashMap<String, Arc<CudaModule>>>,
     pub blas: Mutex<Option<Blas>>,
     pub dnn: Mutex<Option<Dnn>>,
     /// Bytes currently handed out by this allocator (all pools) and the peak since the last reset.
@@ -130,12 +146,8 @@ impl Dev {
         }
         .map_err(|e| init("pool release threshold", &e))?;
         let (major, minor) = ctx.compute_capability().map_err(|e| init("compute capability", &e))?;
-        let cuda_home = std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")).unwrap_or_else(|_| "/usr/local/cuda".into());
-        let opts = cudarc::nvrtc::CompileOptions {
-            include_paths: vec![format!("{cuda_home}/include")],
-            options: vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".into()],
-            ..Default::default()
-        };
+        let cuda_home = cuda_home();
+        let opts = nvrtc_options(major, minor);
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
             .map_err(|e| init(&format!("NVRTC compile of the kernels (include path {cuda_home}/include; set CUDA_HOME)"), &e))?;
         let module = ctx.load_module(ptx).map_err(|e| init("load module", &e))?;
@@ -147,6 +159,7 @@ impl Dev {
             default_pool: pool,
             module,
             funcs: Mutex::new(HashMap::new()),
+            user_modules: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             dnn: Mutex::new(None),
             allocated: AtomicU64::new(0),

@@ -31,6 +31,7 @@ mod conv;
 mod device;
 mod graph;
 mod ops;
+mod user_kernel;
 
 use std::sync::Arc;
 
@@ -42,6 +43,7 @@ pub use alloc::{
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
 pub use device::CudaSetupError;
 pub use graph::{begin_capture, end_capture, graph_mem_reserved, time_on_stream, CudaGraph};
+pub use user_kernel::{KernelArg, UserKernel};
 
 use alloc::DevBuf;
 use device::{cu_err, Dev};

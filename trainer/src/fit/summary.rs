@@ -7,13 +7,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Result, TrainerError};
 
-/// Median and range of timed steps (milliseconds).
+/// Median, range and 10th/90th percentiles of timed steps (milliseconds). The percentiles use the
+/// same index rule as the Ultralytics reference script (`sorted[int(q·(n−1))]`), so they compare directly.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepTiming {
     pub timed_steps: usize,
     pub median_ms: f64,
     pub min_ms: f64,
     pub max_ms: f64,
+    #[serde(default)]
+    pub p10_ms: f64,
+    #[serde(default)]
+    pub p90_ms: f64,
 }
 
 impl StepTiming {
@@ -26,7 +31,8 @@ impl StepTiming {
         s.sort_by(|a, b| a.total_cmp(b));
         let n = s.len();
         let median = if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) };
-        StepTiming { timed_steps: n, median_ms: median, min_ms: s[0], max_ms: s[n - 1] }
+        let q = |f: f64| s[(f * (n - 1) as f64) as usize];
+        StepTiming { timed_steps: n, median_ms: median, min_ms: s[0], max_ms: s[n - 1], p10_ms: q(0.1), p90_ms: q(0.9) }
     }
 }
 

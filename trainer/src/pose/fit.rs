@@ -69,6 +69,27 @@ pub fn images_to_tensor(img: &[u8], shape: [usize; 4], device: Device) -> Result
     Ok(t.to_dtype(DType::F32)?.affine(1.0 / 255.0, 0.0)?)
 }
 
+/// Uploads a training batch; when its HSV jitter was left to the device (CUDA runs), applies it
+/// there in one fused launch (byte-identical to the CPU path, so results do not depend on where it ran).
+fn train_images_to_tensor(batch: &ptl_data::Batch, device: Device) -> Result<Tensor> {
+    let u8_batch = Tensor::from_vec(batch.img.clone(), batch.shape.to_vec(), Device::Cpu)?.to_device(device)?;
+    let u8_batch = if batch.hsv_applied {
+        u8_batch
+    } else {
+        #[cfg(feature = "cuda")]
+        {
+            ptl_data::device_hsv::apply_hsv_device(&u8_batch, &batch.hsv_gains)?
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let mut img = batch.img.clone();
+            ptl_data::apply_hsv_batch_rgb_nchw(&mut img, batch.shape[2], batch.shape[3], &batch.hsv_gains);
+            Tensor::from_vec(img, batch.shape.to_vec(), Device::Cpu)?.to_device(device)?
+        }
+    };
+    Ok(u8_batch.to_dtype(DType::F32)?.affine(1.0 / 255.0, 0.0)?)
+}
+
 fn branch(b: &ptl_heads::BranchOutput) -> BranchOutputs {
     BranchOutputs { boxes: b.boxes.clone(), scores: b.scores.clone(), kpts: b.kpts.clone(), kpts_sigma: b.kpts_sigma.clone() }
 }
@@ -96,7 +117,7 @@ impl Run {
         self.each_cb(|c, v| c.on_train_batch_start(v));
         let t0 = Instant::now();
         let device = self.cfg.device;
-        let x = images_to_tensor(&batch.img, batch.shape, device)?;
+        let x = train_images_to_tensor(batch, device)?;
         let targets = TargetBatch {
             batch_idx: batch.batch_idx.clone(),
             cls: batch.cls.clone(),
@@ -334,6 +355,8 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         epochs: cfg.epochs,
         close_mosaic: cfg.close_mosaic,
         workers: cfg.workers,
+        // CUDA runs jitter colours on the device after the upload (one fused launch per batch).
+        hsv_on_device: matches!(cfg.device, Device::Cuda(_)) && cfg!(feature = "cuda"),
         ..TrainConfig::default()
     };
     tcfg.aug.mosaic = cfg.mosaic;

@@ -1,0 +1,143 @@
+//! Kernels that other crates bring as CUDA source (e.g. ptl-data's fused HSV jitter).
+//!
+//! The core op set stays generic; a crate that needs one fused, domain-specific kernel compiles
+//! it here with the same NVRTC options as the core kernels (this GPU's architecture, the CUDA
+//! include path) and launches it on the device's one compute stream, so it is ordered with every
+//! other op, asynchronous, and recordable into a CUDA graph like them. Modules are compiled once
+//! per device and name and cached for the life of the process.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result as dr, sys};
+
+use super::dev_of;
+use super::device::{cu_err, nvrtc_options, Dev};
+use crate::storage::Storage;
+use crate::{Device, Error, Result, Tensor};
+
+/// One argument of a [`UserKernel`] launch, in the kernel's parameter order.
+#[derive(Clone, Copy, Debug)]
+pub enum KernelArg<'a> {
+    /// A CUDA tensor on the kernel's device, passed as its buffer's device address.
+    Tensor(&'a Tensor),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    F32(f32),
+    F64(f64),
+}
+
+/// A `__global__` function compiled from user source.
+#[derive(Clone)]
+pub struct UserKernel {
+    dev: Arc<Dev>,
+    func: sys::CUfunction,
+    name: String,
+}
+
+// SAFETY: a CUfunction is a process-global handle kept alive by the cached module.
+unsafe impl Send for UserKernel {}
+unsafe impl Sync for UserKernel {}
+
+impl std::fmt::Debug for UserKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UserKernel({} on {:?})", self.name, self.dev)
+    }
+}
+
+impl UserKernel {
+    /// Compiles `source` as module `module` on `device` (once; later calls reuse the cached module,
+    /// so a module name must always come with the same source) and looks up `function`
+    /// (declare it `extern "C"`).
+    pub fn compile(device: Device, module: &str, source: &str, function: &str) -> Result<UserKernel> {
+        let dev = dev_of(device)?;
+        dev.bind()?;
+        let m = {
+            let mut cache = dev.user_modules.lock().unwrap_or_else(|e| e.into_inner());
+            match cache.get(module) {
+                Some(m) => m.clone(),
+                None => {
+                    let (major, minor) = dev.ctx.compute_capability().map_err(|e| cu_err("compute capability", e))?;
+                    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, nvrtc_options(major, minor))
+                        .map_err(|e| Error::Cuda(format!("NVRTC compile of user module {module}: {e:?}")))?;
+                    let m = dev.ctx.load_module(ptx).map_err(|e| cu_err(&format!("load module {module}"), e))?;
+                    cache.insert(module.to_string(), m.clone());
+                    m
+                }
+            }
+        };
+        let f = m.load_function(function).map_err(|e| cu_err(&format!("kernel {function} in module {module}"), e))?;
+        let func = f.cu_function();
+        // The cached module (kept by the device for the whole process) keeps the function valid.
+        std::mem::forget(f);
+        Ok(UserKernel { dev, func, name: format!("{module}::{function}") })
+    }
+
+    /// The device the kernel was compiled for.
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.dev.ordinal)
+    }
+
+    /// Queues the kernel on the device's compute stream (asynchronous, no host sync).
+    ///
+    /// Tensor arguments must live on the kernel's device; the kernel sees their contiguous buffers.
+    /// A kernel that writes should write into tensors the caller has just created for it
+    /// (e.g. [`Tensor::zeros`]): tensors share storage, so writing into an input changes every view of it.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list in number, order and type, and the grid must
+    /// keep every access inside the buffers passed.
+    pub unsafe fn launch(&self, grid: (u32, u32, u32), block: (u32, u32, u32), args: &[KernelArg<'_>]) -> Result<()> {
+        enum Slot {
+            Ptr(u64),
+            U32(u32),
+            I32(i32),
+            U64(u64),
+            F32(f32),
+            F64(f64),
+        }
+        let mut slots = Vec::with_capacity(args.len());
+        for (i, a) in args.iter().enumerate() {
+            slots.push(match *a {
+                KernelArg::Tensor(t) => {
+                    if t.device() != self.device() {
+                        return Err(Error::invalid(
+                            "UserKernel::launch",
+                            format!("{}: argument {i} is on {}, the kernel runs on {}", self.name, t.device(), self.device()),
+                        ));
+                    }
+                    let ptr = t.with_storage(|s| match s {
+                        Storage::Cuda(c) => Some(c.device_ptr()),
+                        #[allow(unreachable_patterns)]
+                        _ => None,
+                    });
+                    Slot::Ptr(
+                        ptr.ok_or_else(|| {
+                            Error::invalid("UserKernel::launch", format!("{}: argument {i} is not a CUDA tensor", self.name))
+                        })?,
+                    )
+                }
+                KernelArg::U32(v) => Slot::U32(v),
+                KernelArg::I32(v) => Slot::I32(v),
+                KernelArg::U64(v) => Slot::U64(v),
+                KernelArg::F32(v) => Slot::F32(v),
+                KernelArg::F64(v) => Slot::F64(v),
+            });
+        }
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| match s {
+                Slot::Ptr(v) | Slot::U64(v) => v as *mut u64 as *mut c_void,
+                Slot::U32(v) => v as *mut u32 as *mut c_void,
+                Slot::I32(v) => v as *mut i32 as *mut c_void,
+                Slot::F32(v) => v as *mut f32 as *mut c_void,
+                Slot::F64(v) => v as *mut f64 as *mut c_void,
+            })
+            .collect();
+        self.dev.bind()?;
+        // SAFETY: the caller guarantees the signature; `slots` outlives the launch call, which copies the values.
+        unsafe { dr::launch_kernel(self.func, grid, block, 0, self.dev.cu_stream, &mut params) }
+            .map_err(|e| cu_err(&format!("launch of {}", self.name), e))
+    }
+}
