@@ -3,21 +3,24 @@
 //! synthetic 512-image set with 226 backgrounds and 15 validation images), each run in a fresh
 //! process. `--pack` writes the release `ptl` binary and a `bench_train.sh` into `train-pack/`
 //! for the GPU machine instead of running here; `--with-ultralytics` adds the Ultralytics wheels and
-//! the reference driver so the same script trains Ultralytics on the same dataset folder (`ULTRA=…`).
+//! the reference driver (into `ultra-pack/`) so the same script trains Ultralytics on the same dataset
+//! folder (`ULTRA=…`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const SCRIPT: &str = r#"#!/usr/bin/env bash
 # Benchmark workload (issue 8) on the GPU machine, optionally next to Ultralytics on the same folder.
-# Usage: bash bench_train.sh [epochs] [precisions...]     (default: 5 epochs; bf16-mixed bf16-mixed 32-true 16-mixed)
+# Usage: bash bench_train.sh [epochs] [runs...]   (default: 5 epochs; bf16-mixed bf16-mixed 32-true 16-mixed)
+#   a run is a precision, optionally with an optimizer: 16-mixed@auto (default optimizer: MuSGD, the workload's)
 # Env: OUT (logs, default ./out), WORK (scratch, default /tmp/ptl-bench),
-#      ULTRA="auto MuSGD": also train Ultralytics 8.4.190 (wheels in ./whl, anchor_train.py beside this file)
-#      with those optimizers on the dataset `ptl data synth` wrote; ULTRA_FIRST=1 runs them before ptl.
+#      ULTRA="auto MuSGD": also train Ultralytics 8.4.190 with those optimizers on the dataset `ptl data synth`
+#      wrote (wheels and anchor_train.py from $ULTRA_PACK, default ../ultra-pack); ULTRA_FIRST=1 runs them first.
 set -u
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+ULTRA_PACK=${ULTRA_PACK:-../ultra-pack}
 EPOCHS=${1:-5}; shift || true
 PRECS=${*:-bf16-mixed bf16-mixed 32-true 16-mixed}
 WORK=${WORK:-/tmp/ptl-bench}
@@ -33,29 +36,31 @@ status=0
 
 run_ptl() {
   local i=0
-  for p in $PRECS; do
+  for spec in $PRECS; do
     i=$((i+1))
-    echo "=== ptl run $i: $p, $EPOCHS epochs"
+    local p=${spec%@*} opt=MuSGD
+    [ "$spec" != "$p" ] && opt=${spec#*@}
+    echo "=== ptl run $i: $p, optimizer $opt, $EPOCHS epochs"
     local t0; t0=$(now)
-    ./ptl train data="$WORK/synth/data.yaml" epochs="$EPOCHS" batch=4 imgsz=640 optimizer=MuSGD close_mosaic=0 seed=347 \
-        plots=false project="$WORK/run$i-$p" --device cuda:0 --precision "$p" > "$OUT/train_run$i.log" 2>&1
+    ./ptl train data="$WORK/synth/data.yaml" epochs="$EPOCHS" batch=4 imgsz=640 optimizer="$opt" close_mosaic=0 seed=347 \
+        plots=false project="$WORK/run$i-$p-$opt" --device cuda:0 --precision "$p" > "$OUT/train_run$i.log" 2>&1
     local rc=$?
     echo "exit $rc, process wall $(since $t0) s"; [ $rc -eq 0 ] || status=1
     tail -n 6 "$OUT/train_run$i.log"
-    cp "$WORK/run$i-$p/summary.json" "$OUT/summary_run$i.json" 2>/dev/null
-    cp "$WORK/run$i-$p/results.csv" "$OUT/results_run$i.csv" 2>/dev/null
+    cp "$WORK/run$i-$p-$opt/summary.json" "$OUT/summary_run$i.json" 2>/dev/null
+    cp "$WORK/run$i-$p-$opt/results.csv" "$OUT/results_run$i.csv" 2>/dev/null
   done
 }
 
 run_ultra() {
-  [ -d whl ] && [ -f anchor_train.py ] || { echo "ULTRA set but no whl/ or anchor_train.py in the pack"; status=1; return; }
+  [ -d "$ULTRA_PACK/whl" ] && [ -f "$ULTRA_PACK/anchor_train.py" ] || { echo "ULTRA set but no $ULTRA_PACK/{whl,anchor_train.py}"; status=1; return; }
   export PYTHONPATH=/tmp/ul_site YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/ul_cfg PYTHONUNBUFFERED=1
   [ -d /tmp/ul_site/ultralytics ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --target /tmp/ul_site whl/*.whl || { echo "pip install of the Ultralytics wheels failed"; status=1; return; }
+      --target /tmp/ul_site "$ULTRA_PACK"/whl/*.whl || { echo "pip install of the Ultralytics wheels failed"; status=1; return; }
   for opt in $ULTRA; do
     echo "=== ultralytics optimizer=$opt, $EPOCHS epochs"
     local t0; t0=$(now)
-    ANCHOR_WORK=/tmp/ul_work-$opt python3 anchor_train.py --data "$WORK/synth/data.yaml" --out "$OUT/ultra-$opt" \
+    ANCHOR_WORK=/tmp/ul_work-$opt python3 "$ULTRA_PACK/anchor_train.py" --data "$WORK/synth/data.yaml" --out "$OUT/ultra-$opt" \
         --epochs "$EPOCHS" --optimizer "$opt" > "$OUT/ultra-$opt.log" 2>&1
     local rc=$?
     echo "exit $rc, process wall $(since $t0) s"; [ $rc -eq 0 ] || status=1
@@ -64,7 +69,7 @@ run_ultra() {
 }
 
 if [ -n "${ULTRA:-}" ] && [ "${ULTRA_FIRST:-0}" = 1 ]; then run_ultra; fi
-[ -n "$PRECS" ] && [ "$PRECS" != none ] && run_ptl
+[ "$PRECS" != none ] && run_ptl
 if [ -n "${ULTRA:-}" ] && [ "${ULTRA_FIRST:-0}" != 1 ]; then run_ultra; fi
 
 python3 - "$OUT" <<'EOF'
@@ -92,7 +97,7 @@ for f in sorted(glob.glob(os.path.join(out, "ultra-*", "anchor_train.json"))):
 hs = {}
 for f in sorted(glob.glob(os.path.join(out, "summary_run*.json"))):
     s = json.load(open(f))
-    hs.setdefault(s["precision"], []).append((os.path.basename(f), s["hashes"]))
+    hs.setdefault(f'{s["precision"]} / {s["optimizer"]}', []).append((os.path.basename(f), s["hashes"]))
 for p, runs in hs.items():
     if len(runs) > 1:
         same = all(h == runs[0][1] for _, h in runs[1:])
@@ -117,7 +122,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         let _ = Command::new("strip").arg(pack.join("ptl")).status();
         std::fs::write(pack.join("bench_train.sh"), SCRIPT).map_err(|e| format!("writing bench_train.sh: {e}"))?;
         if args.iter().any(|a| a == "--with-ultralytics") {
-            pack_ultralytics(&pack)?;
+            pack_ultralytics(&root().join("ultra-pack"))?;
         }
         eprintln!("bench-train: packed {} (run `bash train-pack/bench_train.sh` on the GPU machine)", pack.display());
         return Ok(());
@@ -127,9 +132,11 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 }
 
 /// Copies the Ultralytics wheels (`$PTL_ULTRA_WHEELS`, default `.whl/`) and the reference driver
-/// `anchor_train.py` (`$PTL_ULTRA_ANCHOR`, default `../shared/reference/ultralytics-anchor/`) into the
-/// pack, so `ULTRA="auto MuSGD" bash bench_train.sh` trains Ultralytics on the same dataset folder.
+/// `anchor_train.py` (`$PTL_ULTRA_ANCHOR`, default `../shared/reference/ultralytics-anchor/`) into
+/// `ultra-pack/` (kept apart from `train-pack/`: the wheels are ~56 MB), so that
+/// `ULTRA="auto MuSGD" bash train-pack/bench_train.sh` trains Ultralytics on the same dataset folder.
 fn pack_ultralytics(pack: &Path) -> Result<(), String> {
+    let _ = std::fs::remove_dir_all(pack);
     let wheels = std::env::var_os("PTL_ULTRA_WHEELS").map(PathBuf::from).unwrap_or_else(|| root().join(".whl"));
     let anchor = std::env::var_os("PTL_ULTRA_ANCHOR")
         .map(PathBuf::from)
