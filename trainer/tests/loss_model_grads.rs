@@ -147,3 +147,44 @@ fn model_loss_gradients_match_golden() {
     assert_eq!(n50, g50.len());
     assert!(worst50 <= 1e-3);
 }
+
+/// The same golden weights, input and targets with the forward computed in float64 (the f32
+/// weights are cast at use): this removes ptl's own float32 forward rounding, leaving only the
+/// loss arithmetic and the golden's float32 rounding (≤ 2.1e-6 on the loss vector per loss.json
+/// `float32_vs_float64`). Every logged item of both branches and the total are within 1e-5.
+#[test]
+fn model_loss_items_with_float64_forward_within_1e5() {
+    let Some(root) = goldens() else { return };
+    let dir = root.join("model");
+    let model = PoseModel::new(ModelConfig::default(), Device::Cpu, 0).unwrap();
+    model.load_state_dict(&load(dir.join("weights.safetensors")), true).unwrap();
+    let fwd = load(dir.join("forward.safetensors"));
+    let gl = load(dir.join("loss.safetensors"));
+    let x = get(&fwd, "input").to_dtype(ptl_autograd::DType::F64).unwrap();
+    let out = ptl_autograd::no_grad(|| model.forward(&x)).unwrap();
+    assert_eq!(out.one2one.kpts.dtype(), ptl_autograd::DType::F64, "the forward ran in float64");
+    let cfg = LossConfig::default();
+    let anchors = Anchors::from_image_hw((x.dims()[2], x.dims()[3]), &cfg.strides).unwrap();
+    let targets = target_batch(&gl, "batch.");
+    let crit = E2ELoss::new(cfg, 100);
+    let loss = ptl_autograd::no_grad(|| {
+        crit.loss(&branch(&out.one2many), &branch(&out.one2one), &targets, &anchors, Some(&model.head().flow_model))
+    })
+    .unwrap();
+    let mut worst = 0f64;
+    for (br, bl) in [("one2many", &loss.one2many), ("one2one", &loss.one2one)] {
+        let r = f64v(get(&gl, &format!("{br}.items")));
+        let mut line = format!("float64 forward + loss {br} items rel dev:");
+        for i in 0..6 {
+            let d = rel_scalar(bl.items[i], r[i]);
+            worst = worst.max(d);
+            line += &format!(" {}={d:.1e}", LOSS_NAMES[i]);
+            assert!((bl.items[i] - r[i]).abs() <= 1e-5 * r[i].abs() + 1e-6, "{br} {}: {} vs {}", LOSS_NAMES[i], bl.items[i], r[i]);
+        }
+        eprintln!("{line}");
+    }
+    let total_ref = get(&gl, "epoch0.total").item().unwrap();
+    let total = loss.total.item().unwrap();
+    eprintln!("float64 forward + loss: total rel dev {:.1e}, worst item {worst:.1e}", rel_scalar(total, total_ref));
+    assert!((total - total_ref).abs() <= 1e-5 * total_ref.abs() + 1e-6, "total");
+}
