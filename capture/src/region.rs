@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use ptl_autograd::{
-    attach_custom_node, autocast_dtype, is_grad_enabled, BackwardOp, DType, Device, GradModeGuard, Rng, Tensor, TensorKind,
+    attach_custom_node, autocast_dtype, is_grad_enabled, BackwardOp, DType, Device, GradModeGuard, GraphSafeRng, Rng, Tensor, TensorKind,
 };
 
 use crate::backend::{Backend, Graph, PoolHandle};
@@ -47,6 +47,8 @@ pub struct RegionSpec {
     pub surface: SurfaceFn,
     pub func: RegionFn,
     pub host_state: Vec<Arc<dyn HostState>>,
+    /// Graph-safe generators the body draws from (capture.md §9).
+    pub graph_rngs: Vec<Arc<GraphSafeRng>>,
 }
 
 impl RegionSpec {
@@ -55,11 +57,18 @@ impl RegionSpec {
         surface: impl Fn() -> Vec<(String, Tensor, TensorKind)> + Send + Sync + 'static,
         func: impl Fn(&[Tensor]) -> ptl_autograd::Result<Vec<Tensor>> + Send + Sync + 'static,
     ) -> RegionSpec {
-        RegionSpec { name: name.into(), surface: Arc::new(surface), func: Arc::new(func), host_state: Vec::new() }
+        RegionSpec { name: name.into(), surface: Arc::new(surface), func: Arc::new(func), host_state: Vec::new(), graph_rngs: Vec::new() }
     }
     /// Registers host state for warmup/capture rollback.
     pub fn with_host_state(mut self, s: Arc<dyn HostState>) -> RegionSpec {
         self.host_state.push(s);
+        self
+    }
+    /// Registers a graph-safe generator the body draws from (dropout, noise): its offset is rolled
+    /// back after warmup and capture, captured draws read the device state, and every replay (or
+    /// native run) advances it exactly as an eager call would, so replays draw fresh numbers.
+    pub fn with_graph_rng(mut self, rng: Arc<GraphSafeRng>) -> RegionSpec {
+        self.graph_rngs.push(rng);
         self
     }
 }
@@ -234,6 +243,8 @@ pub(crate) struct Recording {
     strict_masks: bool,
     backend: Arc<dyn Backend>,
     pool: Option<PoolHandle>,
+    /// Generators drawn from by the forward graph, with the graph's whole-run increment for each.
+    rngs: Vec<(Arc<GraphSafeRng>, u64)>,
 }
 
 impl Drop for Recording {
@@ -570,7 +581,14 @@ impl RegionHandle {
                 host_ops += 1;
             }
         }
-        launch_replay(rec.fwd.as_ref())?;
+        for (r, whole) in &rec.rngs {
+            r.begin_replay(*whole)?;
+        }
+        let launched = launch_replay(rec.fwd.as_ref());
+        for (r, _) in &rec.rngs {
+            r.end_replay();
+        }
+        launched?;
         let mut outs = Vec::with_capacity(core.static_out.len());
         for s in &core.static_out {
             outs.push(s.deep_copy()?);
@@ -615,6 +633,7 @@ impl RegionHandle {
         // ---- warmup on the capture stream, observationally free --------------------------------
         let buf_snap: Vec<Tensor> = buffers.iter().map(|b| b.deep_copy()).collect::<ptl_autograd::Result<_>>()?;
         let host_snap: Vec<Vec<u64>> = spec.host_state.iter().map(|h| h.snapshot()).collect();
+        let rng_snap: Vec<(u64, u64)> = spec.graph_rngs.iter().map(|r| r.snapshot()).collect();
         let grad_stash: Vec<Option<Tensor>> = params
             .iter()
             .map(|p| {
@@ -672,6 +691,9 @@ impl RegionHandle {
             }
             for (h, s) in spec.host_state.iter().zip(&host_snap) {
                 h.restore(s);
+            }
+            for (r, s) in spec.graph_rngs.iter().zip(&rng_snap) {
+                r.restore(*s);
             }
             Ok(())
         };
@@ -749,8 +771,25 @@ impl RegionHandle {
         // ---- capture: forward, then the all-outputs backward --------------------------------------
         let slack = |n: usize| ((n as f64) * cfg.arena_slack.max(1.0)) as usize + cfg.arena_extra_bytes;
         let c = core.clone();
+        let rngs = spec.graph_rngs.clone();
+        let wholes = Arc::new(Mutex::new(vec![0u64; rngs.len()]));
+        let w = wholes.clone();
+        let be = backend.clone();
+        let fwd_body = move || -> Result<()> {
+            if !be.is_capturing() {
+                // A backend that replays by running the body (the test double): draws happen now.
+                return c.fwd_body();
+            }
+            // Draws during the capture become relative to each generator's device state.
+            for r in &rngs {
+                r.begin_capture()?;
+            }
+            let res = c.fwd_body();
+            *lock(&w) = rngs.iter().map(|r| r.end_capture()).collect();
+            res
+        };
         let captured = (|| -> Result<(Box<dyn Graph>, BwdGraphs)> {
-            let fwd = backend.record(&region, device, slack(fwd_bytes), pool.as_ref(), Arc::new(move || c.fwd_body()))?;
+            let fwd = backend.record(&region, device, slack(fwd_bytes), pool.as_ref(), Arc::new(fwd_body))?;
             let mut bwd = BTreeMap::new();
             if needs_grad && core.out_grad.iter().any(|g| *g) {
                 let mask = core.out_grad.clone();
@@ -764,6 +803,10 @@ impl RegionHandle {
         for (h, s) in spec.host_state.iter().zip(&host_snap) {
             h.restore(s);
         }
+        for (r, s) in spec.graph_rngs.iter().zip(&rng_snap) {
+            r.restore(*s);
+        }
+        let rngs: Vec<(Arc<GraphSafeRng>, u64)> = spec.graph_rngs.iter().cloned().zip(lock(&wholes).iter().copied()).collect();
         let (fwd, bwd) = captured?;
         {
             let mut s = lock(&self.shared.stats);
@@ -783,6 +826,7 @@ impl RegionHandle {
             strict_masks: cfg.strict_masks,
             backend,
             pool,
+            rngs,
         })
     }
 }

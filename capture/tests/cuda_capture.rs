@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use common::*;
-use ptl_autograd::{cuda, no_grad, DType, Device, Rng, Tensor};
+use ptl_autograd::{cuda, no_grad, DType, Device, GraphSafeRng, Rng, Tensor};
 use ptl_capture::{Backend, CaptureError, CudaBackend, FallbackReason, Recorder, RecorderConfig, RegionSpec, RetireReason};
 
 fn device() -> Option<Device> {
@@ -365,8 +365,56 @@ fn t9_capture_hygiene() {
     println!("ok T9 nested capture: the inner region ran natively inside the outer capture (InsideCapture), outer recorded and replayed");
 }
 
+/// T10 body: two dropouts of different sizes drawing from one generator.
+fn t10_body(rng: &GraphSafeRng, x: &Tensor) -> ptl_autograd::Result<Vec<Tensor>> {
+    let a = x.dropout(0.5, rng)?;
+    let b = x.narrow(0, 0, 37)?.dropout(0.25, rng)?;
+    Ok(vec![a, b])
+}
+
 #[test]
-fn t10_rng_regions_fall_back_and_match_native_sequence() {
+fn t10_graph_safe_rng_replays_draw_the_eager_sequence() {
+    let Some(dev) = device() else { return };
+    let eager = GraphSafeRng::new(42, dev).unwrap();
+    let rng = Arc::new(GraphSafeRng::new(42, dev).unwrap());
+    let r2 = rng.clone();
+    let rec = Recorder::cuda(RecorderConfig { warmup_calls: 1, ..cfg() });
+    let region = rec.region(RegionSpec::new("dropout", Vec::new, move |xs: &[Tensor]| t10_body(&r2, &xs[0])).with_graph_rng(rng.clone()));
+    let x0 = Tensor::rand(vec![4096], 0.5, 1.5, DType::F32, dev, &mut Rng::new(7)).unwrap();
+    let mut masks = Vec::new();
+    let mut last_offset = 0;
+    for i in 0..6 {
+        // eager reference: same generator state, same ops, gradients through the masks
+        let xe = x0.detach().requires_grad_(true).unwrap();
+        let want = t10_body(&eager, &xe).unwrap();
+        want[0].sum_all().unwrap().add(&want[1].sum_all().unwrap()).unwrap().backward().unwrap();
+        let xr = x0.detach().requires_grad_(true).unwrap();
+        let got = region.call(std::slice::from_ref(&xr)).unwrap();
+        got[0].sum_all().unwrap().add(&got[1].sum_all().unwrap()).unwrap().backward().unwrap();
+        for k in 0..2 {
+            assert_eq!(got[k].to_bytes().unwrap(), want[k].to_bytes().unwrap(), "call {i}, output {k}: differs from the eager sequence");
+        }
+        assert_eq!(xr.grad().unwrap().to_bytes().unwrap(), xe.grad().unwrap().to_bytes().unwrap(), "call {i}: input gradient");
+        assert_eq!(rng.offset(), eager.offset(), "call {i}: host offset");
+        // whole-graph increment: 4096/4 = 1024 blocks, then ceil(37/4) = 10 -> 12; multiples of 4
+        assert_eq!(rng.offset() - last_offset, 1024 + 12, "call {i}: offset advance");
+        assert_eq!(rng.offset() % 4, 0);
+        last_offset = rng.offset();
+        masks.push(got[0].to_bytes().unwrap());
+    }
+    let s = region.stats();
+    assert_eq!((s.captures, s.replays, s.native_total()), (1, 5, 1), "{s:?}");
+    for w in masks.windows(2) {
+        assert_ne!(w[0], w[1], "consecutive calls must draw fresh masks");
+    }
+    println!(
+        "ok T10: graph-safe Philox RNG: 1 warmup + 5 calls (1 capture, 5 replays) equal 6 eager steps bitwise (outputs and input gradients); \
+         masks differ per replay; host offset advances by the whole-graph increment 1036 (multiple of 4) per call"
+    );
+}
+
+#[test]
+fn t10b_host_rng_regions_fall_back_and_match_native_sequence() {
     let Some(dev) = device() else { return };
     let dropout = |rng: &Mutex<Rng>, x: &Tensor| -> ptl_autograd::Result<Tensor> {
         let keep = Tensor::rand(x.dims().to_vec(), 0.0, 1.0, DType::F32, x.device(), &mut rng.lock().unwrap())?
@@ -392,7 +440,7 @@ fn t10_rng_regions_fall_back_and_match_native_sequence() {
     let s = region.stats();
     assert_eq!(s.capture_failures.get("host_upload"), Some(&1), "{s:?}");
     println!(
-        "ok T10 (partial): host-RNG region refused capture (HostUpload) and fell back; masks differ per call and equal the native sequence (ptl has no device RNG ops yet)"
+        "ok T10b: a region drawing from a host RNG refuses capture (HostUpload) and falls back; masks differ per call and equal the native sequence"
     );
 }
 

@@ -207,3 +207,33 @@ fn disabled_recorder_is_native() {
     assert_eq!(regions.trunk.stats().native_for(FallbackReason::Disabled), 4);
     assert_eq!(backend.records.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
+
+/// T10 on the double: a region drawing from a graph-safe generator gives the eager sequence call
+/// for call (the double's replays run the body in the generator's replay mode), and the host
+/// offset advances exactly as eager.
+#[test]
+fn t10_graph_safe_rng_on_the_double_matches_eager() {
+    use ptl_autograd::GraphSafeRng;
+    let body = |rng: &GraphSafeRng, x: &Tensor| -> ptl_autograd::Result<Vec<Tensor>> {
+        Ok(vec![x.dropout(0.5, rng)?, x.narrow(0, 0, 37)?.dropout(0.25, rng)?])
+    };
+    let (rec, _) = recorder(RecorderConfig { warmup_calls: 1, ..Default::default() });
+    let eager = GraphSafeRng::new(42, Device::Cpu).unwrap();
+    let rng = Arc::new(GraphSafeRng::new(42, Device::Cpu).unwrap());
+    let r2 = rng.clone();
+    let region = rec.region(RegionSpec::new("dropout", Vec::new, move |xs: &[Tensor]| body(&r2, &xs[0])).with_graph_rng(rng.clone()));
+    let x = Tensor::rand(vec![4096], 0.5, 1.5, DType::F32, Device::Cpu, &mut Rng::new(7)).unwrap();
+    let mut first = Vec::new();
+    for i in 0..5 {
+        let want = body(&eager, &x).unwrap();
+        let got = region.call(std::slice::from_ref(&x)).unwrap();
+        for k in 0..2 {
+            assert_eq!(got[k].to_bytes().unwrap(), want[k].to_bytes().unwrap(), "call {i}, output {k}");
+        }
+        assert_eq!(rng.offset(), eager.offset(), "call {i}");
+        first.push(got[0].to_bytes().unwrap());
+    }
+    assert_ne!(first[1], first[2]);
+    let s = region.stats();
+    assert_eq!((s.captures, s.replays), (1, 4), "{s:?}");
+}

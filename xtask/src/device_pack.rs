@@ -1,6 +1,9 @@
-//! `cargo xtask device-pack`: builds the CUDA test and bench binaries of ptl-autograd and ptl-data (release, `cuda` feature),
-//! strips them and copies them with `run.sh` and the PyTorch reference script into `device-pack/`
-//! (git-ignored). On the GPU machine run `bash device-pack/run.sh`; logs go to `$OUT`.
+//! `cargo xtask device-pack`: builds the CUDA test and bench binaries of ptl-autograd, ptl-data,
+//! ptl-capture and ptl-trainer (release, `cuda` feature), strips them and copies them with `run.sh`,
+//! the PyTorch reference script and the goldens the GPU tests read (`goldens/loss_cases`) into
+//! `device-pack/` (git-ignored). On the GPU machine run `bash device-pack/run.sh`; logs go to `$OUT`.
+//! Binaries are named `test_<crate>_<target>`; `T14` of ptl-capture also runs under
+//! `compute-sanitizer` when the GPU machine has it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,14 +20,29 @@ export OUT
 (nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv) > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 status=0
+[ -d goldens ] && export PTL_GOLDENS=$PWD/goldens
 for t in test_*; do
   [ -x "$t" ] || continue
   echo "=== $t"
-  ./"$t" --test-threads=1 --nocapture > "$OUT/$t.log" 2>&1
+  start=$(date +%s.%N)
+  timeout 300 ./"$t" --test-threads=1 --nocapture > "$OUT/$t.log" 2>&1
   rc=$?
-  grep -E "^(ok |skipping|test result|test .* FAILED|failures:|.*panicked)" "$OUT/$t.log"
+  echo "($t: rc=$rc, $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s)"
+  grep -E "^(ok |bench |skipping|test result|test .* FAILED|failures:|.*panicked|loss case|warning: ptl-capture)" "$OUT/$t.log" | cut -c1-400
   [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/$t.log"; }
 done
+# Teardown safety (capture.md I14) under the memory checker.
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [ -n "$SAN" ] && [ -x test_capture_cuda_capture ] && [ "${SKIP_SANITIZER:-0}" != 1 ]; then
+  echo "=== compute-sanitizer memcheck: test_capture_cuda_capture t14"
+  timeout 300 "$SAN" --tool memcheck --error-exitcode 7 ./test_capture_cuda_capture t14 --test-threads=1 --nocapture \
+      > "$OUT/sanitizer_t14.log" 2>&1
+  rc=$?
+  grep -E "ERROR SUMMARY|^ok |test result" "$OUT/sanitizer_t14.log"
+  [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/sanitizer_t14.log"; }
+else
+  echo "compute-sanitizer not found: T14 ran without it"
+fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "=== bench_cuda_ops"
   ./bench_cuda_ops > "$OUT/bench_ours.log" 2>&1 || status=1
@@ -55,6 +73,10 @@ pub fn run(args: &[String]) -> Result<(), String> {
             "ptl-autograd",
             "-p",
             "ptl-data",
+            "-p",
+            "ptl-capture",
+            "-p",
+            "ptl-trainer",
             "--features",
             "cuda",
             "--tests",
@@ -81,10 +103,14 @@ pub fn run(args: &[String]) -> Result<(), String> {
         let Some(exe) = v["executable"].as_str() else { continue };
         let name = v["target"]["name"].as_str().unwrap_or("");
         let kind = v["target"]["kind"][0].as_str().unwrap_or("");
-        if !name.starts_with("cuda_") || !(kind == "test" || kind == "bench") {
+        let wanted = name.starts_with("cuda_") || (kind == "test" && name == "loss_cuda");
+        if !wanted || !(kind == "test" || kind == "bench") {
             continue;
         }
-        let dst = pack.join(format!("{kind}_{name}"));
+        // package id: "path+file:///…/capture#ptl-capture@0.1.0" -> "capture"
+        let pkg = v["package_id"].as_str().unwrap_or("").rsplit('#').next().unwrap_or("").split('@').next().unwrap_or("");
+        let krate = pkg.strip_prefix("ptl-").unwrap_or(pkg);
+        let dst = pack.join(if kind == "bench" { format!("{kind}_{name}") } else { format!("{kind}_{krate}_{name}") });
         std::fs::copy(exe, &dst).map_err(|e| format!("copying {exe}: {e}"))?;
         let _ = Command::new("strip").arg(&dst).status();
         total += std::fs::metadata(&dst).map(|m| m.len()).unwrap_or(0);
@@ -95,6 +121,19 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     std::fs::copy(root.join("autograd/benches/torch_ops.py"), pack.join("torch_ops.py"))
         .map_err(|e| format!("copying torch_ops.py: {e}"))?;
+    // The CUDA loss test reads the loss-case goldens (../shared does not travel to the GPU machine).
+    let goldens = std::env::var_os("PTL_GOLDENS").map(PathBuf::from).unwrap_or_else(|| root.join("../shared/goldens"));
+    let cases = goldens.join("loss_cases");
+    if cases.is_dir() {
+        let dst = pack.join("goldens/loss_cases");
+        std::fs::create_dir_all(&dst).map_err(|e| format!("creating {}: {e}", dst.display()))?;
+        for e in std::fs::read_dir(&cases).map_err(|e| format!("reading {}: {e}", cases.display()))?.flatten() {
+            std::fs::copy(e.path(), dst.join(e.file_name())).map_err(|err| format!("copying {}: {err}", e.path().display()))?;
+            total += e.metadata().map(|m| m.len()).unwrap_or(0);
+        }
+    } else {
+        eprintln!("device-pack: {} not found; the CUDA loss test will skip", cases.display());
+    }
     let run = pack.join("run.sh");
     std::fs::write(&run, RUN_SH).map_err(|e| format!("writing run.sh: {e}"))?;
     #[cfg(unix)]

@@ -43,6 +43,7 @@ pub use alloc::{
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
 pub use device::CudaSetupError;
 pub use graph::{begin_capture, end_capture, graph_mem_reserved, time_on_stream, CudaGraph};
+pub(crate) use ops::{philox_keep_mask, rng_state_set};
 pub use user_kernel::{KernelArg, UserKernel};
 
 use alloc::DevBuf;
