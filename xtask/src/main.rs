@@ -5,13 +5,15 @@ use std::process::{Command, ExitCode};
 mod bench_train;
 mod device_pack;
 mod gate;
+mod heads_pack;
 
 fn usage() -> &'static str {
     "usage: cargo xtask <command>\n\
      commands:\n  \
        gate            cargo fmt --check, clippy -D warnings, cargo test --workspace\n  \
        device-pack     build the CUDA test/bench binaries + run.sh into device-pack/ (for the GPU machine)\n  \
-       bench-train     the training benchmark workload in fresh processes (--pack: into train-pack/ for the GPU machine)\n"
+       bench-train     the training benchmark workload in fresh processes (--pack: into train-pack/ for the GPU machine)\n  \
+       heads-pack      the model's CUDA golden tests + forward/backward bench next to PyTorch into heads-pack/\n"
 }
 
 fn main() -> ExitCode {
@@ -20,6 +22,7 @@ fn main() -> ExitCode {
         Some("gate") => gate::run(),
         Some("device-pack") => device_pack::run(&args[1..]),
         Some("bench-train") => bench_train::run(&args[1..]),
+        Some("heads-pack") => heads_pack::run(&args[1..]),
         Some("-h") | Some("--help") | None => {
             print!("{}", usage());
             return ExitCode::SUCCESS;
