@@ -497,3 +497,33 @@ fn philox_dropout_matches_cpu() {
     assert_eq!(xc.grad().unwrap().to_vec::<f32>().unwrap(), xg.grad().unwrap().to_vec::<f32>().unwrap(), "dropout gradient");
     println!("ok philox keep mask / dropout: CPU and CUDA bytes identical");
 }
+
+/// bf16/f16 forward convolutions go through cuDNN's graph API (the faster engines), not the legacy
+/// fallback, at the model's 3×3 shapes (stride 1 and 2, depthwise): results match the CPU within
+/// the half-precision tolerance and repeat bit for bit.
+#[test]
+fn half_convs_use_the_graph_api() {
+    let Some(dev) = gpu() else { return };
+    let (g0, l0) = ptl_autograd::cuda::conv_forward_paths();
+    let mut rng = Rng::new(5);
+    let cases: [(&[usize], &[usize], usize, usize); 3] =
+        [(&[2, 64, 40, 40], &[64, 64, 3, 3], 1, 1), (&[2, 32, 40, 40], &[64, 32, 3, 3], 2, 1), (&[2, 64, 20, 20], &[64, 1, 3, 3], 1, 64)];
+    for dt in [DType::BF16, DType::F16] {
+        for (xs, ws, stride, groups) in cases {
+            let x = Tensor::rand(xs.to_vec(), -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap().to_dtype(dt).unwrap();
+            let w = Tensor::rand(ws.to_vec(), -0.2, 0.2, DType::F32, Device::Cpu, &mut rng).unwrap().to_dtype(dt).unwrap();
+            let want =
+                x.to_dtype(DType::F32).unwrap().conv2d(&w.to_dtype(DType::F32).unwrap(), None, (stride, stride), (1, 1), groups).unwrap();
+            let (xg, wg) = (x.to_device(dev).unwrap(), w.to_device(dev).unwrap());
+            let y1 = xg.conv2d(&wg, None, (stride, stride), (1, 1), groups).unwrap();
+            let y2 = xg.conv2d(&wg, None, (stride, stride), (1, 1), groups).unwrap();
+            assert_eq!(y1.to_bytes().unwrap(), y2.to_bytes().unwrap(), "{dt} {xs:?}: repeat differs");
+            let got = y1.to_dtype(DType::F32).unwrap().to_device(Device::Cpu).unwrap();
+            let r = rel(&got.to_f64_vec().unwrap(), &want.to_f64_vec().unwrap());
+            assert!(r <= tol(dt), "{dt} {xs:?} w {ws:?}: rel {r:.2e}");
+        }
+    }
+    let (g1, l1) = ptl_autograd::cuda::conv_forward_paths();
+    println!("ok half convs: {} through the cuDNN graph API, {} through the legacy fallback", g1 - g0, l1 - l0);
+    assert!(g1 - g0 >= 12, "expected the graph API for every half-precision forward conv here ({} graph, {} legacy)", g1 - g0, l1 - l0);
+}

@@ -1,5 +1,6 @@
 //! Convolution forward / backward-data / backward-weight through cuDNN (legacy API, NCHW), and
-//! 1×1 stride-1 convolutions through cuBLAS GEMMs.
+//! 1×1 stride-1 convolutions through cuBLAS GEMMs. bf16/f16 forward convolutions go through the
+//! graph API first (`conv_graph`), which reaches faster engines for NCHW half precision.
 //!
 //! Only deterministic algorithms are eligible. By default the choice is cuDNN's heuristic ranking,
 //! which is identical in every process, so a fixed seed gives the same bytes run to run (a timed
@@ -52,6 +53,8 @@ struct Plan {
 pub(crate) struct Dnn {
     handle: ns::cudnnHandle_t,
     plans: HashMap<(Conv2dParams, DType, Dir), Plan>,
+    /// bf16/f16 forward plans of the graph API (`None`: no usable engine, legacy path).
+    graph_plans: HashMap<(Conv2dParams, DType), Option<super::conv_graph::GraphPlan>>,
 }
 unsafe impl Send for Dnn {}
 
@@ -78,7 +81,7 @@ impl Dnn {
         dev.bind()?;
         let handle = nr::create_handle().map_err(e("cudnnCreate"))?;
         unsafe { nr::set_stream(handle, dev.cu_stream as ns::cudaStream_t) }.map_err(e("cudnnSetStream"))?;
-        Ok(Dnn { handle, plans: HashMap::new() })
+        Ok(Dnn { handle, plans: HashMap::new(), graph_plans: HashMap::new() })
     }
 
     fn plan(&mut self, dev: &Arc<Dev>, p: &Conv2dParams, dt: DType, dir: Dir, bufs: Bufs) -> Result<&Plan> {
@@ -264,6 +267,24 @@ impl Dnn {
     }
 }
 
+/// Forward convolutions of bf16/f16 tensors run through the graph API and through the legacy API
+/// (process totals; see [`conv_forward_paths`]).
+static GRAPH_FWD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static LEGACY_HALF_FWD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many half-precision forward convolutions ran through cuDNN's graph API and how many fell
+/// back to the legacy API in this process (`(graph, legacy)`), to check which path is in use.
+pub fn conv_forward_paths() -> (u64, u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    (GRAPH_FWD.load(Relaxed), LEGACY_HALF_FWD.load(Relaxed))
+}
+
+/// `PTL_CUDNN_LEGACY=1`: half-precision forward convolutions use the legacy API too.
+fn legacy_forced() -> bool {
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("PTL_CUDNN_LEGACY").is_ok_and(|v| v == "1"))
+}
+
 fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'static str) -> Result<CudaStorage> {
     if a.dtype != b.dtype {
         return Err(Error::DTypeMismatch { op, lhs: a.dtype, rhs: b.dtype });
@@ -293,6 +314,24 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
     }
     let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let h = dnn.handle;
+    if dir == Dir::Fwd && dt.is_half() && !legacy_forced() {
+        let key = (*p, dt);
+        let entry = dnn.graph_plans.entry(key).or_insert_with(|| {
+            let built = super::conv_graph::build_forward(dev, h, p, dt);
+            if let Err(err) = &built {
+                eprintln!("ptl: {err}; this shape uses the legacy cuDNN API");
+            }
+            built.ok()
+        });
+        if let Some(gp) = entry {
+            gp.execute(h, a.buf.ptr, b.buf.ptr, out.buf.ptr)?;
+            GRAPH_FWD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Ok(out);
+        }
+    }
+    if dir == Dir::Fwd && dt.is_half() {
+        LEGACY_HALF_FWD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
     let plan = dnn.plan(dev, p, dt, dir, (pa, pb, po))?;
     let (af, bf) = (1f32, 0f32);
