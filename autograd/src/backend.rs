@@ -192,6 +192,11 @@ pub trait BackendStorage: Sized {
     fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)>;
     /// Gradient of the pool input from the output gradient (`self`) and the argmax indices.
     fn max_pool2d_backward(&self, indices: &Self, p: &Pool2dParams) -> Result<Self>;
+    /// Nearest upsampling of an NCHW tensor (`shape` = [n, c, h, w]) by an integer factor.
+    fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize) -> Result<Self>;
+    /// Its gradient: each input position receives the sum of its factor×factor block of the
+    /// output gradient (`self`, shape [n, c, h·f, w·f]), summed in row-major order.
+    fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize) -> Result<Self>;
     /// Top-k along `dim`, sorted (largest first when `largest`), ties by lower index. No gradient.
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)>;
 

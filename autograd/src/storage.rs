@@ -226,6 +226,20 @@ impl Storage {
             }
         }
     }
+    pub fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize) -> Result<Storage> {
+        match self {
+            Storage::Cpu(s) => Ok(Storage::Cpu(s.upsample_nearest2d(shape, factor)?)),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.upsample_nearest2d(shape, factor)?)),
+        }
+    }
+    pub fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize) -> Result<Storage> {
+        match self {
+            Storage::Cpu(s) => Ok(Storage::Cpu(s.upsample_nearest2d_backward(shape, factor)?)),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.upsample_nearest2d_backward(shape, factor)?)),
+        }
+    }
     pub fn max_pool2d_backward(&self, idx: &Storage, p: &Pool2dParams) -> Result<Storage> {
         pair!("max_pool2d_backward", self, idx, |a, b| a.max_pool2d_backward(b, p))
     }

@@ -378,6 +378,9 @@ fn batch_norm_pool_matmul() {
     });
     case("linear", FP64, &[(&[4, 6, 32], -1.0, 1.0), (&[20, 32], -1.0, 1.0), (&[20], -1.0, 1.0)], &|v, _| v[0].linear(&v[1], Some(&v[2])));
     case("softmax", FP64, &[(&[3, 5, 33], -3.0, 3.0)], &|v, _| v[0].softmax(-1));
+    // rows of the attention length (warp-per-row kernel) and longer than 1024 (block-per-row kernel)
+    case("softmax_rows400", FP64, &[(&[6, 400], -3.0, 3.0)], &|v, _| v[0].softmax(-1));
+    case("softmax_rows1500", FP64, &[(&[3, 1500], -3.0, 3.0)], &|v, _| v[0].softmax(-1));
     case("softmax_dim1", FP64, &[(&[3, 17, 4], -3.0, 3.0)], &|v, _| v[0].softmax(1));
     case("log_softmax", FP64, &[(&[3, 5, 33], -3.0, 3.0)], &|v, _| v[0].log_softmax(2));
     case("bce_with_logits", FP64, &[(&[3, 5, 8], -4.0, 4.0), (&[3, 5, 8], 0.0, 1.0)], &|v, _| v[0].bce_with_logits(&v[1]));

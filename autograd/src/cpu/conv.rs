@@ -285,3 +285,39 @@ pub(crate) fn max_pool2d_backward(dy: &CpuStorage, idx: &CpuStorage, p: &Pool2dP
     let idx = idx.as_i64("max_pool2d_backward")?;
     super::float_map!(dy, "max_pool2d_backward", |v| pool_bwd(v, idx, p))
 }
+
+/// Nearest upsampling by `f` of `x` (`shape` = [n, c, h, w]): each value fills its f×f block.
+pub(crate) fn upsample_fwd<T: Float + Send + Sync>(x: &[T], shape: [usize; 4], f: usize) -> Vec<T> {
+    let (h, w) = (shape[2], shape[3]);
+    let (oh, ow) = (h * f, w * f);
+    let mut y = vec![T::zero(); x.len() * f * f];
+    y.par_chunks_mut((oh * ow).max(1)).zip(x.par_chunks((h * w).max(1))).for_each(|(o, i)| {
+        for r in 0..oh {
+            for c in 0..ow {
+                o[r * ow + c] = i[(r / f) * w + c / f];
+            }
+        }
+    });
+    y
+}
+
+/// Gradient of [`upsample_fwd`]: each input position sums its f×f block of `dy`, row-major.
+pub(crate) fn upsample_bwd<T: Float + Send + Sync>(dy: &[T], shape: [usize; 4], f: usize) -> Vec<T> {
+    let (h, w) = (shape[2], shape[3]);
+    let ow = w * f;
+    let mut dx = vec![T::zero(); shape.iter().product()];
+    dx.par_chunks_mut((h * w).max(1)).zip(dy.par_chunks((h * w * f * f).max(1))).for_each(|(d, g)| {
+        for r in 0..h {
+            for c in 0..w {
+                let mut s = T::zero();
+                for a in 0..f {
+                    for b in 0..f {
+                        s = s + g[(r * f + a) * ow + c * f + b];
+                    }
+                }
+                d[r * w + c] = s;
+            }
+        }
+    });
+    dx
+}

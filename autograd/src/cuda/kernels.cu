@@ -828,3 +828,100 @@ extern "C" __global__ void rng_state_set(unsigned long long* s, unsigned long lo
     s[0] = seed;
     s[1] = off;
 }
+
+// ---- nearest upsampling by an integer factor (NCHW) ---------------------------------------------
+// Forward: one thread per input element writes its f×f block. Backward: one thread per input
+// element sums its f×f block of output gradients in a fixed order (row-major), no atomics.
+template <typename T>
+__device__ void upsample_fwd_k(const T* x, T* y, u32 n, u32 h, u32 w, u32 f) {
+    const u32 W = w * f;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        const u32 c = i % w, t = i / w, r = t % h, pl = t / h;
+        const T v = x[i];
+        T* o = y + ((size_t)pl * h * f + (size_t)r * f) * W + (size_t)c * f;
+        for (u32 a = 0; a < f; ++a)
+            for (u32 b = 0; b < f; ++b) o[(size_t)a * W + b] = v;
+    }
+}
+template <typename T>
+__device__ void upsample_bwd_k(const T* dy, T* dx, u32 n, u32 h, u32 w, u32 f) {
+    typedef typename Acc<T>::type A;
+    const u32 W = w * f;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        const u32 c = i % w, t = i / w, r = t % h, pl = t / h;
+        const T* g = dy + ((size_t)pl * h * f + (size_t)r * f) * W + (size_t)c * f;
+        A s = (A)0;
+        for (u32 a = 0; a < f; ++a)
+            for (u32 b = 0; b < f; ++b) s += to_acc(g[(size_t)a * W + b]);
+        dx[i] = store<T, A>(s);
+    }
+}
+#define INST_UPSAMPLE(name, T) \
+    extern "C" __global__ void upsample_fwd_##name(const T* x, T* y, u32 n, u32 h, u32 w, u32 f) { upsample_fwd_k<T>(x, y, n, h, w, f); } \
+    extern "C" __global__ void upsample_bwd_##name(const T* dy, T* dx, u32 n, u32 h, u32 w, u32 f) { upsample_bwd_k<T>(dy, dx, n, h, w, f); }
+FLOAT_TYPES(INST_UPSAMPLE)
+
+// ---- softmax over short rows (d ≤ 1024) -------------------------------------------------------------
+// One warp per row, the row held in registers (≤ 32 values per lane): one read, one write. Max and
+// sum by an xor-shuffle butterfly: floating-point addition is commutative, so every lane ends with
+// the same bits, and the order is fixed (deterministic). Sum in f64 for f32/f64, as the block kernel.
+template <typename T>
+__device__ void softmax_warp_k(const T* x, T* y, u32 rows, u32 d, int lg) {
+    typedef typename Acc<T>::type A;
+    typedef typename SumAcc<T>::type S;
+    const u32 lane = threadIdx.x & 31u;
+    const u32 wpb = blockDim.x >> 5;
+    for (u32 r = blockIdx.x * wpb + (threadIdx.x >> 5); r < rows; r += gridDim.x * wpb) {
+        const T* row = x + (size_t)r * d;
+        T* out = y + (size_t)r * d;
+        A v[32];
+        A m = -(A)F_INF;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) {
+            const u32 j = lane + 32u * k;
+            v[k] = j < d ? to_acc(row[j]) : -(A)F_INF;
+            if (j < d && (v[k] > m || is_nan(v[k]))) m = v[k];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const A q = __shfl_xor_sync(0xffffffffu, m, o);
+            if (q > m || is_nan(q)) m = q;
+        }
+        S s = 0;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) {
+            if (lane + 32u * k < d) s += (S)m_exp(v[k] - m);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const A st = (A)s;
+        const A ls = m_log(st);
+#pragma unroll
+        for (int k = 0; k < 32; ++k) {
+            const u32 j = lane + 32u * k;
+            if (j < d) {
+                const A xm = v[k] - m;
+                out[j] = store<T, A>(lg ? xm - ls : m_exp(xm) / st);
+            }
+        }
+    }
+}
+#define INST_SOFTMAX_WARP(name, T) \
+    extern "C" __global__ void softmax_warp_##name(const T* x, T* y, u32 rows, u32 d, int lg) { softmax_warp_k<T>(x, y, rows, d, lg); }
+FLOAT_TYPES(INST_SOFTMAX_WARP)
+
+// ---- row copies (concatenation, narrowing) ------------------------------------------------------------
+// `rows` rows of `cols` vectors of type V; pitches in vectors. One division per vector.
+template <typename V>
+__device__ void copy2d_k(const V* s, V* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) {
+    const u32 total = rows * cols;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const u32 r = i / cols, c = i - r * cols;
+        d[(size_t)r * dp + c] = s[(size_t)r * sp + c];
+    }
+}
+extern "C" __global__ void copy2d_v16(const uint4* s, uint4* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<uint4>(s, d, rows, cols, sp, dp); }
+extern "C" __global__ void copy2d_v8(const uint2* s, uint2* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<uint2>(s, d, rows, cols, sp, dp); }
+extern "C" __global__ void copy2d_v4(const unsigned int* s, unsigned int* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<unsigned int>(s, d, rows, cols, sp, dp); }
+extern "C" __global__ void copy2d_v2(const unsigned short* s, unsigned short* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<unsigned short>(s, d, rows, cols, sp, dp); }
+extern "C" __global__ void copy2d_v1(const u8* s, u8* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<u8>(s, d, rows, cols, sp, dp); }

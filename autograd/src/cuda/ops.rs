@@ -6,11 +6,12 @@ use std::ffi::c_void;
 
 use cudarc::driver::result as dr;
 
-use super::device::{cu_err, sfx};
+use super::device::{cu_err, sfx, Dev};
 use super::CudaStorage;
 use crate::backend::{BinaryOp, CmpOp, Pool2dParams, ReduceOp, UnaryOp};
 use crate::shape::Layout;
 use crate::{DType, Error, Result};
+use std::sync::Arc;
 
 const MAXD: usize = 8;
 
@@ -336,41 +337,48 @@ pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage
     }
     let g = strided("copy_strided", &sl.shape, &[(&sl.strides, sl.offset), (&dl.strides, dl.offset)])?;
     // Row copies (concatenation, narrowing): after coalescing, rows of contiguous elements with
-    // pitches on both sides go through one 2-D memcpy instead of an indexing kernel.
+    // pitches on both sides go through a vectorised 2-D copy kernel (16-byte accesses where the
+    // row width, pitches and bases allow) instead of the per-element indexing kernel.
     let rows_ok = |k: usize| g.st[k][1] == 1 && g.st[k][0] >= g.shape[1];
     if g.rank <= 2
         && (g.rank < 2 || (rows_ok(0) && rows_ok(1)))
         && (g.rank == 0 || g.st[0][g.rank as usize - 1] == 1 && g.st[1][g.rank as usize - 1] == 1)
     {
-        dev.bind()?;
         let (h, w, sp, dp) = match g.rank {
             2 => (g.shape[0] as usize, g.shape[1] as usize * es, g.st[0][0] as usize * es, g.st[1][0] as usize * es),
             1 => (1, g.shape[0] as usize * es, g.shape[0] as usize * es, g.shape[0] as usize * es),
             _ => (1, es, es, es),
         };
-        let c = cudarc::driver::sys::CUDA_MEMCPY2D {
-            srcXInBytes: 0,
-            srcY: 0,
-            srcMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            srcHost: std::ptr::null(),
-            srcDevice: src.buf.ptr + (g.off[0] as usize * es) as u64,
-            srcArray: std::ptr::null_mut(),
-            srcPitch: sp,
-            dstXInBytes: 0,
-            dstY: 0,
-            dstMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            dstHost: std::ptr::null_mut(),
-            dstDevice: dst.buf.ptr + (g.off[1] as usize * es) as u64,
-            dstArray: std::ptr::null_mut(),
-            dstPitch: dp,
-            WidthInBytes: w,
-            Height: h,
-        };
-        return unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&c, dev.cu_stream) }.result().map_err(|e| cu_err("cuMemcpy2DAsync", e));
+        let sb = src.buf.ptr + (g.off[0] as usize * es) as u64;
+        let db = dst.buf.ptr + (g.off[1] as usize * es) as u64;
+        return copy_rows(dev, sb, db, h, w, sp, dp);
     }
     let f = dev.func("copy_s", sfx(src.dtype))?;
     let (px, py, nn) = (ptr(src), ptr(dst), u32c("copy_strided", n)?);
     dev.launch1d(f, n, &mut args!(px, py, nn, g))
+}
+
+/// Copies `h` rows of `w` bytes from `sb` (pitch `sp`) to `db` (pitch `dp`) with the widest
+/// access (16/8/4/2/1 bytes) that divides the width, both pitches and both base addresses.
+fn copy_rows(dev: &Arc<Dev>, sb: u64, db: u64, h: usize, w: usize, sp: usize, dp: usize) -> Result<()> {
+    let all = (w | sp | dp) as u64 | sb | db;
+    let v = [16usize, 8, 4, 2, 1].into_iter().find(|v| all.is_multiple_of(*v as u64)).unwrap_or(1);
+    let name = match v {
+        16 => "copy2d_v16",
+        8 => "copy2d_v8",
+        4 => "copy2d_v4",
+        2 => "copy2d_v2",
+        _ => "copy2d_v1",
+    };
+    let total = h * (w / v);
+    if total == 0 {
+        return Ok(());
+    }
+    let f = dev.func(name, "")?;
+    let (rows, cols) = (u32c("copy_strided", h)?, u32c("copy_strided", w / v)?);
+    u32c("copy_strided", total)?;
+    let (spv, dpv) = ((sp / v) as u64, (dp / v) as u64);
+    dev.launch1d(f, total, &mut args!(sb, db, rows, cols, spv, dpv))
 }
 
 // ---- reductions -----------------------------------------------------------------------------------
@@ -747,7 +755,12 @@ pub(crate) fn softmax(x: &CudaStorage, shape: &[usize], dim: usize, log: bool) -
     }
     let (px, py, dd, ii, lg) = (ptr(x), ptr(&out), u32c("softmax", d)?, u32c("softmax", inner)?, log as i32);
     u32c("softmax", x.len)?;
-    if inner == 1 {
+    if inner == 1 && d <= 1024 {
+        // Short rows: a warp per row, the row in registers (8 rows per 256-thread block).
+        let f = dev.func("softmax_warp", sfx(x.dtype))?;
+        let rows = u32c("softmax", outer)?;
+        dev.launch(f, (outer.div_ceil(8).clamp(1, 1 << 20) as u32, 1, 1), (256, 1, 1), &mut args!(px, py, rows, dd, lg))
+    } else if inner == 1 {
         let f = dev.func("softmax_rows", sfx(x.dtype))?;
         dev.launch(f, (u32c("softmax", outer)?, 1, 1), (256, 1, 1), &mut args!(px, py, dd, lg))
     } else {
@@ -817,4 +830,27 @@ pub(crate) fn rng_state_set(state: &CudaStorage, seed: u64, offset: u64) -> Resu
     let f = dev.func("rng_state_set", "")?;
     let sp = ptr(state);
     dev.launch(f, (1, 1, 1), (1, 1, 1), &mut args!(sp, seed, offset))
+}
+
+// ---- nearest upsampling -------------------------------------------------------------------------------
+
+/// `x` (`shape` = [n, c, h, w]) upsampled by `f` (forward) or, with `backward`, the f×f block sums
+/// of an output gradient `x` ([n, c, h·f, w·f]) back to `shape`.
+pub(crate) fn upsample_nearest2d(x: &CudaStorage, shape: [usize; 4], f: usize, backward: bool) -> Result<CudaStorage> {
+    let op = if backward { "upsample_nearest2d_backward" } else { "upsample_nearest2d" };
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op, dtype: x.dtype, expected: "a float dtype" });
+    }
+    let dev = &x.buf.dev;
+    let n_in: usize = shape.iter().product();
+    let out = CudaStorage::alloc(dev, x.dtype, if backward { n_in } else { n_in * f * f })?;
+    if n_in == 0 {
+        return Ok(out);
+    }
+    let k = dev.func(if backward { "upsample_bwd" } else { "upsample_fwd" }, sfx(x.dtype))?;
+    let (px, py) = (ptr(x), ptr(&out));
+    let (nn, h, w, ff) = (u32c(op, n_in)?, u32c(op, shape[2])?, u32c(op, shape[3])?, u32c(op, f)?);
+    u32c(op, n_in * f * f)?;
+    dev.launch1d(k, n_in, &mut args!(px, py, nn, h, w, ff))?;
+    Ok(out)
 }

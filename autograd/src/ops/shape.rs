@@ -275,10 +275,36 @@ impl Tensor {
     /// Nearest-neighbour upsampling of an NCHW tensor by an integer factor.
     pub fn upsample_nearest(&self, factor: usize) -> Result<Tensor> {
         let d = self.dims();
-        if d.len() != 4 {
-            return Err(Error::invalid("upsample_nearest", format!("expected NCHW, got {d:?}")));
+        if d.len() != 4 || factor == 0 {
+            return Err(Error::invalid("upsample_nearest", format!("expected NCHW and a factor ≥ 1, got {d:?} and {factor}")));
         }
         let (n, c, h, w) = (d[0], d[1], d[2], d[3]);
-        self.reshape(vec![n, c, h, 1, w, 1])?.expand(&[n, c, h, factor, w, factor])?.reshape(vec![n, c, h * factor, w * factor])
+        if !self.dtype().is_float() {
+            // Integer tensors: a broadcast copy (no gradient to carry).
+            return self.reshape(vec![n, c, h, 1, w, 1])?.expand(&[n, c, h, factor, w, factor])?.reshape(vec![
+                n,
+                c,
+                h * factor,
+                w * factor,
+            ]);
+        }
+        // Float tensors: a dedicated kernel each way (one pass over memory, no reduction kernel).
+        let shape = [n, c, h, w];
+        let y = Tensor::from_storage(self.read_storage().upsample_nearest2d(shape, factor)?, vec![n, c, h * factor, w * factor])?;
+        if !self.requires_grad() || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        Ok(record1(
+            &[self],
+            y,
+            FnBackward {
+                name: "upsample_nearest",
+                f: move |g: &[Option<Tensor>]| {
+                    let Some(g) = &g[0] else { return Ok(vec![None]) };
+                    let s = g.read_storage().upsample_nearest2d_backward(shape, factor)?;
+                    Ok(vec![Some(Tensor::from_storage(s, shape.to_vec())?)])
+                },
+            },
+        ))
     }
 }
