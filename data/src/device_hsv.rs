@@ -7,6 +7,9 @@
 //! division tables, and HSV→BGR in float32 with explicitly rounded operations (`__fmul_rn`,
 //! `__fsub_rn`, `__fmaf_rn`) so the compiler can neither contract nor reorder them.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
 use ptl_autograd::cuda::{KernelArg, UserKernel};
 use ptl_autograd::{DType, Device, Tensor};
 
@@ -97,6 +100,19 @@ fn lut_bytes(gains: &[HsvGains]) -> Vec<u8> {
     out
 }
 
+/// The compiled kernel of `device`: built once per process and device (the training loop calls
+/// this every batch, so neither the source nor the function lookup is redone per step).
+fn kernel_for(device: Device) -> Result<UserKernel> {
+    static KERNELS: OnceLock<Mutex<HashMap<Device, UserKernel>>> = OnceLock::new();
+    let mut cache = KERNELS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(k) = cache.get(&device) {
+        return Ok(k.clone());
+    }
+    let k = UserKernel::compile(device, "ptl_data_hsv", &kernel_source(), "hsv_jitter_rgb_nchw").map_err(device_err)?;
+    cache.insert(device, k.clone());
+    Ok(k)
+}
+
 fn device_err(e: ptl_autograd::Error) -> DataError {
     DataError::Device(e.to_string())
 }
@@ -125,7 +141,7 @@ pub fn apply_hsv_device(images: &Tensor, gains: &[HsvGains]) -> Result<Tensor> {
     }
     let plane32 = u32::try_from(plane).map_err(|_| DataError::Invalid(format!("apply_hsv_device: image plane {plane} too large")))?;
     let n32 = u32::try_from(n).map_err(|_| DataError::Invalid(format!("apply_hsv_device: batch {n} too large")))?;
-    let kernel = UserKernel::compile(device, "ptl_data_hsv", &kernel_source(), "hsv_jitter_rgb_nchw").map_err(device_err)?;
+    let kernel = kernel_for(device)?;
     let luts = Tensor::from_vec(lut_bytes(gains), vec![n, LUT_STRIDE], device).map_err(device_err)?;
     let out = Tensor::zeros(dims.clone(), DType::U8, device).map_err(device_err)?;
     let block = 256u32;

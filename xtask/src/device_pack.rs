@@ -6,7 +6,6 @@
 //! `compute-sanitizer` when the GPU machine has it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
 const MAX_BYTES: u64 = 64 << 20;
 
@@ -63,57 +62,23 @@ fn root() -> PathBuf {
 pub fn run(args: &[String]) -> Result<(), String> {
     let root = root();
     let pack = root.join("device-pack");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = Command::new(&cargo);
-    cmd.current_dir(&root)
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "ptl-autograd",
-            "-p",
-            "ptl-data",
-            "-p",
-            "ptl-capture",
-            "-p",
-            "ptl-trainer",
-            "--features",
-            "cuda",
-            "--tests",
-            "--benches",
-            "--message-format=json-render-diagnostics",
-        ])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    eprintln!("device-pack: {cmd:?}");
-    let out = cmd.output().map_err(|e| format!("running cargo: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("cargo build failed ({})", out.status));
-    }
+    let artifacts = crate::artifacts::build(
+        "device-pack",
+        &["-p", "ptl-autograd", "-p", "ptl-data", "-p", "ptl-capture", "-p", "ptl-trainer", "--features", "cuda", "--tests", "--benches"],
+        args,
+    )?;
     let _ = std::fs::remove_dir_all(&pack);
     std::fs::create_dir_all(&pack).map_err(|e| format!("creating {}: {e}", pack.display()))?;
     let mut total = 0u64;
     let mut copied = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
-        if v["reason"] != "compiler-artifact" {
-            continue;
-        }
-        let Some(exe) = v["executable"].as_str() else { continue };
-        let name = v["target"]["name"].as_str().unwrap_or("");
-        let kind = v["target"]["kind"][0].as_str().unwrap_or("");
+    for a in artifacts {
+        let (name, kind) = (a.name.as_str(), a.kind.as_str());
         let wanted = name.starts_with("cuda_") || (kind == "test" && name == "loss_cuda");
         if !wanted || !(kind == "test" || kind == "bench") {
             continue;
         }
-        // package id: "path+file:///…/capture#ptl-capture@0.1.0" -> "capture"
-        let pkg = v["package_id"].as_str().unwrap_or("").rsplit('#').next().unwrap_or("").split('@').next().unwrap_or("");
-        let krate = pkg.strip_prefix("ptl-").unwrap_or(pkg);
-        let dst = pack.join(if kind == "bench" { format!("{kind}_{name}") } else { format!("{kind}_{krate}_{name}") });
-        std::fs::copy(exe, &dst).map_err(|e| format!("copying {exe}: {e}"))?;
-        let _ = Command::new("strip").arg(&dst).status();
-        total += std::fs::metadata(&dst).map(|m| m.len()).unwrap_or(0);
+        let dst = pack.join(if kind == "bench" { format!("{kind}_{name}") } else { format!("{kind}_{}_{name}", a.krate) });
+        total += crate::artifacts::copy_stripped(&a.exe, &dst)?;
         copied.push(dst);
     }
     if copied.is_empty() {

@@ -8,7 +8,6 @@
 //! `heads-pack/` (git-ignored). On the GPU machine: `bash heads-pack/run.sh`; logs go to `$OUT`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # ptl-heads on the GPU: golden tests (CUDA fp32/bf16), forward+backward bench, PyTorch side by side.
@@ -47,48 +46,17 @@ fn copy(src: &Path, dst: &Path) -> Result<u64, String> {
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let root = root();
     let pack = root.join("heads-pack");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = Command::new(&cargo);
-    cmd.current_dir(&root)
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "ptl-heads",
-            "--features",
-            "cuda",
-            "--test",
-            "golden_forward",
-            "--test",
-            "stems_and_grads",
-            "--bench",
-            "forward_backward",
-            "--message-format=json-render-diagnostics",
-        ])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    eprintln!("heads-pack: {cmd:?}");
-    let out = cmd.output().map_err(|e| format!("running cargo: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("cargo build failed ({})", out.status));
-    }
+    let artifacts = crate::artifacts::build(
+        "heads-pack",
+        &["-p", "ptl-heads", "--features", "cuda", "--test", "golden_forward", "--test", "stems_and_grads", "--bench", "forward_backward"],
+        args,
+    )?;
     let _ = std::fs::remove_dir_all(&pack);
     std::fs::create_dir_all(pack.join("goldens/model")).map_err(|e| format!("creating {}: {e}", pack.display()))?;
     std::fs::create_dir_all(pack.join("whl")).map_err(|e| format!("creating {}: {e}", pack.display()))?;
     let mut total = 0u64;
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
-        if v["reason"] != "compiler-artifact" {
-            continue;
-        }
-        let (Some(exe), Some(name), Some(kind)) = (v["executable"].as_str(), v["target"]["name"].as_str(), v["target"]["kind"][0].as_str())
-        else {
-            continue;
-        };
-        let dst = pack.join(format!("{kind}_{name}"));
-        total += copy(Path::new(exe), &dst)?;
-        let _ = Command::new("strip").arg(&dst).status();
+    for a in artifacts {
+        total += crate::artifacts::copy_stripped(&a.exe, &pack.join(format!("{}_{}", a.kind, a.name)))?;
     }
     let goldens = std::env::var_os("PTL_GOLDENS").map(PathBuf::from).unwrap_or_else(|| root.join("../shared/goldens"));
     for f in ["weights.safetensors", "forward.safetensors", "forward_layers.safetensors", "forward.json", "params.json"] {

@@ -2,6 +2,7 @@
 
 use std::process::{Command, ExitCode};
 
+mod artifacts;
 mod bench_train;
 mod device_pack;
 mod gate;

@@ -63,31 +63,38 @@ fn float_state(m: &PoseModel) -> Vec<(String, Tensor)> {
     module::state_dict(m).into_iter().map(|(n, t, _)| (n, t)).collect()
 }
 
+/// Uploads a u8 NCHW batch (still u8 on the device).
+fn upload_u8(img: &[u8], shape: [usize; 4], device: Device) -> Result<Tensor> {
+    Ok(Tensor::from_vec(img.to_vec(), shape.to_vec(), Device::Cpu)?.to_device(device)?)
+}
+
+/// u8 pixels to f32 in [0, 1].
+fn to_unit_f32(u8_batch: &Tensor) -> Result<Tensor> {
+    Ok(u8_batch.to_dtype(DType::F32)?.affine(1.0 / 255.0, 0.0)?)
+}
+
 /// Uploads a u8 NCHW batch and scales it to [0, 1] in f32.
 pub fn images_to_tensor(img: &[u8], shape: [usize; 4], device: Device) -> Result<Tensor> {
-    let t = Tensor::from_vec(img.to_vec(), shape.to_vec(), Device::Cpu)?.to_device(device)?;
-    Ok(t.to_dtype(DType::F32)?.affine(1.0 / 255.0, 0.0)?)
+    to_unit_f32(&upload_u8(img, shape, device)?)
 }
 
 /// Uploads a training batch; when its HSV jitter was left to the device (CUDA runs), applies it
 /// there in one fused launch (byte-identical to the CPU path, so results do not depend on where it ran).
 fn train_images_to_tensor(batch: &ptl_data::Batch, device: Device) -> Result<Tensor> {
-    let u8_batch = Tensor::from_vec(batch.img.clone(), batch.shape.to_vec(), Device::Cpu)?.to_device(device)?;
-    let u8_batch = if batch.hsv_applied {
-        u8_batch
-    } else {
-        #[cfg(feature = "cuda")]
-        {
-            ptl_data::device_hsv::apply_hsv_device(&u8_batch, &batch.hsv_gains)?
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let mut img = batch.img.clone();
-            ptl_data::apply_hsv_batch_rgb_nchw(&mut img, batch.shape[2], batch.shape[3], &batch.hsv_gains);
-            Tensor::from_vec(img, batch.shape.to_vec(), Device::Cpu)?.to_device(device)?
-        }
-    };
-    Ok(u8_batch.to_dtype(DType::F32)?.affine(1.0 / 255.0, 0.0)?)
+    if batch.hsv_applied {
+        return images_to_tensor(&batch.img, batch.shape, device);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let jittered = ptl_data::device_hsv::apply_hsv_device(&upload_u8(&batch.img, batch.shape, device)?, &batch.hsv_gains)?;
+        to_unit_f32(&jittered)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let mut img = batch.img.clone();
+        ptl_data::apply_hsv_batch_rgb_nchw(&mut img, batch.shape[2], batch.shape[3], &batch.hsv_gains);
+        images_to_tensor(&img, batch.shape, device)
+    }
 }
 
 fn branch(b: &ptl_heads::BranchOutput) -> BranchOutputs {

@@ -1,0 +1,57 @@
+//! Release builds whose test/bench executables the device packs copy (shared by `device-pack`
+//! and `heads-pack`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// One executable cargo produced.
+pub(crate) struct Artifact {
+    pub exe: PathBuf,
+    /// Target name (e.g. `cuda_ops`).
+    pub name: String,
+    /// `test`, `bench`, `bin`, …
+    pub kind: String,
+    /// Package name without the `ptl-` prefix (e.g. `capture`).
+    pub krate: String,
+}
+
+/// Runs `cargo build --release <args> <extra>` in the workspace root and returns the executables.
+pub(crate) fn build(step: &str, args: &[&str], extra: &[String]) -> Result<Vec<Artifact>, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.current_dir(crate::workspace_root())
+        .args(["build", "--release", "--message-format=json-render-diagnostics"])
+        .args(args)
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    eprintln!("{step}: {cmd:?}");
+    let out = cmd.output().map_err(|e| format!("{step}: running cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{step}: cargo build failed ({})", out.status));
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        if v["reason"] != "compiler-artifact" {
+            continue;
+        }
+        let Some(exe) = v["executable"].as_str() else { continue };
+        // package id: "path+file:///…/capture#ptl-capture@0.1.0" -> "capture"
+        let pkg = v["package_id"].as_str().unwrap_or("").rsplit('#').next().unwrap_or("").split('@').next().unwrap_or("");
+        found.push(Artifact {
+            exe: PathBuf::from(exe),
+            name: v["target"]["name"].as_str().unwrap_or("").to_string(),
+            kind: v["target"]["kind"][0].as_str().unwrap_or("").to_string(),
+            krate: pkg.strip_prefix("ptl-").unwrap_or(pkg).to_string(),
+        });
+    }
+    Ok(found)
+}
+
+/// Copies `src` to `dst`, strips it, and returns its size.
+pub(crate) fn copy_stripped(src: &Path, dst: &Path) -> Result<u64, String> {
+    std::fs::copy(src, dst).map_err(|e| format!("copying {} -> {}: {e}", src.display(), dst.display()))?;
+    let _ = Command::new("strip").arg(dst).status();
+    Ok(std::fs::metadata(dst).map(|m| m.len()).unwrap_or(0))
+}
