@@ -173,9 +173,29 @@ mod bench {
             out.row("host sum_dim", DType::F32, host_us(500, || drop(a.sum_dim(0, true).unwrap())));
             out.row("host conv2d", DType::F32, host_us(500, || drop(x.conv2d(&w, None, (1, 1), (1, 1), 1).unwrap())));
             out.row("host matmul", DType::F32, host_us(500, || drop(m.matmul(&m).unwrap())));
+            let (xb, wb, mb) = (x.to_dtype(DType::BF16).unwrap(), w.to_dtype(DType::BF16).unwrap(), m.to_dtype(DType::BF16).unwrap());
+            out.row("host conv2d", DType::BF16, host_us(500, || drop(xb.conv2d(&wb, None, (1, 1), (1, 1), 1).unwrap())));
+            out.row("host matmul", DType::BF16, host_us(500, || drop(mb.matmul(&mb).unwrap())));
         });
         let ag = a.requires_grad_(true).unwrap();
         out.row("host add (grad recorded)", DType::F32, host_us(500, || drop(ag.add(&b).unwrap())));
+        // Both gradients of a 3x3 conv (two cuDNN calls plus the tape's bookkeeping).
+        let (xg, wg) = (x.requires_grad_(true).unwrap(), w.requires_grad_(true).unwrap());
+        let yg = xg.conv2d(&wg, None, (1, 1), (1, 1), 1).unwrap();
+        let gy = yg.ones_like().unwrap();
+        out.row(
+            "host conv2d backward (data + weight)",
+            DType::F32,
+            host_us(200, || {
+                xg.set_grad(None);
+                wg.set_grad(None);
+                yg.backward_with(&gy).unwrap();
+            }),
+        );
+        // Where an op's host time goes (pieces timed alone; no PyTorch counterpart).
+        for (what, us) in cuda::host_probe::host_cost_breakdown(DEV, 1000).unwrap() {
+            out.row(&format!("breakdown: {what}"), DType::F32, us);
+        }
         cuda::synchronize(DEV).unwrap();
         println!("peak allocated {:.1} MiB", cuda::memory_stats(DEV).unwrap().peak_allocated as f64 / (1 << 20) as f64);
     }

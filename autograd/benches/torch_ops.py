@@ -133,8 +133,16 @@ def main(out_dir):
         row("host sum_dim", "F32", host_us(500, lambda: a.sum(0, keepdim=True)))
         row("host conv2d", "F32", host_us(500, lambda: F.conv2d(x, w, None, 1, 1)))
         row("host matmul", "F32", host_us(500, lambda: m @ m))
+        xb, wb, mb = x.bfloat16(), w.bfloat16(), m.bfloat16()
+        row("host conv2d", "BF16", host_us(500, lambda: F.conv2d(xb, wb, None, 1, 1)))
+        row("host matmul", "BF16", host_us(500, lambda: mb @ mb))
     ag = a.clone().requires_grad_(True)
     row("host add (grad recorded)", "F32", host_us(500, lambda: ag + b))
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    yg = F.conv2d(xg, wg, None, 1, 1)
+    gy = torch.ones_like(yg)
+    row("host conv2d backward (data + weight)", "F32",
+        host_us(200, lambda: torch.autograd.grad(yg, (xg, wg), gy, retain_graph=True)))
     f.close()
 
 

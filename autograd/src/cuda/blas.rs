@@ -36,6 +36,16 @@ impl Blas {
     }
 }
 
+/// The device's cuBLAS handle (created on first use). Callers serialise on the compute stream.
+pub(crate) fn handle(dev: &Arc<Dev>) -> Result<bs::cublasHandle_t> {
+    dev.bind()?;
+    let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        *guard = Some(Blas::new(dev)?);
+    }
+    guard.as_ref().map(|b| b.handle).ok_or_else(|| Error::Cuda("cuBLAS handle".into()))
+}
+
 pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Result<CudaStorage> {
     if a.dtype != b.dtype {
         return Err(Error::DTypeMismatch { op: "matmul", lhs: a.dtype, rhs: b.dtype });

@@ -18,17 +18,11 @@ use std::sync::Arc;
 use cudarc::cudnn::{result as nr, sys as ns};
 
 use super::alloc::DevBuf;
+pub(crate) use super::conv_graph::Dir;
 use super::device::{cu_err, Dev};
 use super::CudaStorage;
 use crate::backend::Conv2dParams;
 use crate::{DType, Error, Result};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Dir {
-    Fwd,
-    BwdData,
-    BwdFilter,
-}
 
 #[derive(Clone, Copy)]
 enum Algo {
@@ -53,8 +47,8 @@ struct Plan {
 pub(crate) struct Dnn {
     handle: ns::cudnnHandle_t,
     plans: HashMap<(Conv2dParams, DType, Dir), Plan>,
-    /// bf16/f16 forward plans of the graph API (`None`: no usable engine, legacy path).
-    graph_plans: HashMap<(Conv2dParams, DType), Option<super::conv_graph::GraphPlan>>,
+    /// Graph-API plans (`None`: no usable engine for the shape, legacy path).
+    graph_plans: HashMap<(Conv2dParams, DType, Dir), Option<super::conv_graph::GraphPlan>>,
 }
 unsafe impl Send for Dnn {}
 
@@ -267,22 +261,37 @@ impl Dnn {
     }
 }
 
-/// Forward convolutions of bf16/f16 tensors run through the graph API and through the legacy API
-/// (process totals; see [`conv_forward_paths`]).
-static GRAPH_FWD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static LEGACY_HALF_FWD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many half-precision forward convolutions ran through cuDNN's graph API and how many fell
-/// back to the legacy API in this process (`(graph, legacy)`), to check which path is in use.
-pub fn conv_forward_paths() -> (u64, u64) {
-    use std::sync::atomic::Ordering::Relaxed;
-    (GRAPH_FWD.load(Relaxed), LEGACY_HALF_FWD.load(Relaxed))
+thread_local! {
+    /// cuDNN convolutions queued by this thread through the graph API and the legacy API.
+    static PATHS: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
 }
 
-/// `PTL_CUDNN_LEGACY=1`: half-precision forward convolutions use the legacy API too.
+/// How many cuDNN convolutions (any direction and dtype; 1×1 GEMMs not counted) the calling thread
+/// ran through the graph API and how many through the legacy API (`(graph, legacy)`), to check
+/// which path is in use.
+pub fn conv_paths() -> (u64, u64) {
+    PATHS.with(|c| c.get())
+}
+
+fn count(graph: bool) {
+    PATHS.with(|c| {
+        let (g, l) = c.get();
+        c.set(if graph { (g + 1, l) } else { (g, l + 1) });
+    });
+}
+
+/// `PTL_CUDNN_LEGACY=1`: every convolution uses the legacy API (for comparison).
 fn legacy_forced() -> bool {
     static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FORCED.get_or_init(|| std::env::var("PTL_CUDNN_LEGACY").is_ok_and(|v| v == "1"))
+}
+
+fn out_len(dir: Dir, p: &Conv2dParams) -> usize {
+    match dir {
+        Dir::Fwd => p.out_shape().iter().product(),
+        Dir::BwdData => p.batch * p.c_in * p.h_in * p.w_in,
+        Dir::BwdFilter => p.weight_shape().iter().product(),
+    }
 }
 
 fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'static str) -> Result<CudaStorage> {
@@ -291,14 +300,16 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
     }
     let dt = a.dtype;
     ndt(dt)?;
+    let out = CudaStorage::alloc(&a.buf.dev, dt, out_len(dir, p))?;
+    run_into(dir, a, b, p, op, out)
+}
+
+/// Computes direction `dir` into `out` (already allocated with the direction's size). Inputs: Fwd
+/// (x, w), BwdData (dy, w), BwdFilter (dy, x).
+pub(crate) fn run_into(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'static str, out: CudaStorage) -> Result<CudaStorage> {
+    let dt = a.dtype;
     let dev = &a.buf.dev;
-    let out_len = match dir {
-        Dir::Fwd => p.out_shape().iter().product(),
-        Dir::BwdData => p.batch * p.c_in * p.h_in * p.w_in,
-        Dir::BwdFilter => p.weight_shape().iter().product(),
-    };
-    let out = CudaStorage::alloc(dev, dt, out_len)?;
-    if out_len == 0 {
+    if out.len == 0 {
         return Ok(out);
     }
     if p.batch == 0 || p.h_out() == 0 || p.w_out() == 0 {
@@ -314,24 +325,28 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
     }
     let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let h = dnn.handle;
-    if dir == Dir::Fwd && dt.is_half() && !legacy_forced() {
-        let key = (*p, dt);
-        let entry = dnn.graph_plans.entry(key).or_insert_with(|| {
-            let built = super::conv_graph::build_forward(dev, h, p, dt);
+    if dt != DType::F64 && !legacy_forced() {
+        let entry = dnn.graph_plans.entry((*p, dt, dir)).or_insert_with(|| {
+            let built = super::conv_graph::build(dev, h, p, dt, dir);
             if let Err(err) = &built {
                 eprintln!("ptl: {err}; this shape uses the legacy cuDNN API");
             }
             built.ok()
         });
         if let Some(gp) = entry {
-            gp.execute(h, a.buf.ptr, b.buf.ptr, out.buf.ptr)?;
-            GRAPH_FWD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // Buffers by their forward-convolution names (x, w, y).
+            let (a, b, o) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
+            let (x, w, y) = match dir {
+                Dir::Fwd => (a, b, o),
+                Dir::BwdData => (o, b, a),
+                Dir::BwdFilter => (b, o, a),
+            };
+            gp.execute(h, x, w, y)?;
+            count(true);
             return Ok(out);
         }
     }
-    if dir == Dir::Fwd && dt.is_half() {
-        LEGACY_HALF_FWD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
+    count(false);
     let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
     let plan = dnn.plan(dev, p, dt, dir, (pa, pb, po))?;
     let (af, bf) = (1f32, 0f32);

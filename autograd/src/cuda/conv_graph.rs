@@ -1,12 +1,19 @@
-//! Forward convolutions of bf16/f16 tensors through cuDNN's graph (backend) API.
+//! Convolutions (forward, backward-data, backward-filter; f32, bf16, f16) through cuDNN's graph
+//! (backend) API.
 //!
 //! Why: for NCHW half-precision 3×3 convolutions the legacy API's algorithms measured 1.5–4× slower
-//! on the H200 than what PyTorch reaches through the graph API (`cuda_ops_h200.md`). Engines are
-//! taken in cuDNN's heuristic order (mode INSTANT: the same ranking in every process, so a fixed
-//! seed still gives the same bytes run to run), skipping engines cuDNN marks nondeterministic or as
-//! reducing in reduced precision (products must accumulate in f32); the first engine that builds
-//! an execution plan within the workspace limit is kept for the shape. If none does, the caller
-//! falls back to the legacy API. `PTL_CUDNN_LEGACY=1` forces the legacy path (for comparison).
+//! on the H200 than what PyTorch reaches through the graph API (`cuda_ops_h200.md`), and in cuDNN 9
+//! a legacy call costs ~35 µs of host time against a few µs for executing a built plan. Engines
+//! are taken in cuDNN's heuristic order (mode INSTANT: the same ranking in every process, so a
+//! fixed seed still gives the same bytes run to run), skipping engines cuDNN marks
+//! nondeterministic or as reducing in reduced precision (products must accumulate in f32), and for
+//! f32 engines on tensor cores (TF32): f32 stays true FP32. The first engine that builds an
+//! execution plan within the workspace limit is kept for the shape. If none does, the caller falls
+//! back to the legacy API. `PTL_CUDNN_LEGACY=1` forces the legacy path (for comparison).
+//!
+//! Executing needs a "variant pack" (the call's device pointers); building one is most of the host
+//! cost of a call, so each plan keeps the last few packs keyed by their pointers (the stream-ordered
+//! pool hands the same addresses back step after step).
 
 use std::ffi::c_void;
 
@@ -42,6 +49,15 @@ fn check(what: &str, st: ns::cudnnStatus_t) -> Result<()> {
     }
 }
 
+/// `check` for attribute setters: the message is only formatted on failure (this runs per call).
+fn check_set(name: A, st: ns::cudnnStatus_t) -> Result<()> {
+    if st == ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda(format!("cuDNN graph API: set {name:?}: {st:?}")))
+    }
+}
+
 impl Desc {
     fn new(ty: D) -> Result<Desc> {
         let mut d: ns::cudnnBackendDescriptor_t = std::ptr::null_mut();
@@ -53,9 +69,7 @@ impl Desc {
     /// Sets an attribute from a slice of values of the matching C type.
     fn set<V>(&self, name: A, ty: T, vals: &[V]) -> Result<()> {
         // SAFETY: `vals` holds `len` elements of the C type `ty` names (checked by each caller).
-        check(&format!("set {name:?}"), unsafe {
-            ns::cudnnBackendSetAttribute(self.0, name, ty, vals.len() as i64, vals.as_ptr() as *const c_void)
-        })
+        check_set(name, unsafe { ns::cudnnBackendSetAttribute(self.0, name, ty, vals.len() as i64, vals.as_ptr() as *const c_void) })
     }
 
     fn set_desc(&self, name: A, d: &Desc) -> Result<()> {
@@ -64,19 +78,33 @@ impl Desc {
 
     fn finalize(&self, what: &str) -> Result<()> {
         // SAFETY: a live descriptor.
-        check(&format!("finalize {what}"), unsafe { ns::cudnnBackendFinalize(self.0) })
+        check(what, unsafe { ns::cudnnBackendFinalize(self.0) })
     }
 }
 
-/// A built forward plan (descriptors kept alive with it) and its workspace.
+/// Which convolution a plan computes. Buffers are named after the forward convolution whatever
+/// the direction: `x` (input / its gradient), `w` (filter / its gradient), `y` (output / its
+/// gradient).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Dir {
+    /// y = conv(x, w)
+    Fwd,
+    /// dx = conv_transpose(dy, w)
+    BwdData,
+    /// dw = correlation of dy with x
+    BwdFilter,
+}
+
+/// Variant packs kept per plan (most recently used last).
+const PACKS_KEPT: usize = 8;
+
+/// A built plan (descriptors kept alive with it), its workspace, and its recent variant packs.
 pub(crate) struct GraphPlan {
     plan: Desc,
     ws: Option<DevBuf>,
+    packs: Vec<([u64; 3], Desc)>,
     _keep: Vec<Desc>,
 }
-
-// SAFETY: used under the device's cuDNN mutex only.
-unsafe impl Send for GraphPlan {}
 
 const UID_X: i64 = 1;
 const UID_W: i64 = 2;
@@ -87,9 +115,10 @@ const ALIGN: i64 = 16;
 
 fn data_type(dt: DType) -> Result<ns::cudnnDataType_t> {
     match dt {
+        DType::F32 => Ok(ns::cudnnDataType_t::CUDNN_DATA_FLOAT),
         DType::BF16 => Ok(ns::cudnnDataType_t::CUDNN_DATA_BFLOAT16),
         DType::F16 => Ok(ns::cudnnDataType_t::CUDNN_DATA_HALF),
-        other => Err(Error::UnsupportedDType { op: "conv2d (cuDNN graph)", dtype: other, expected: "bf16 or f16" }),
+        other => Err(Error::UnsupportedDType { op: "conv2d (cuDNN graph)", dtype: other, expected: "f32, bf16 or f16" }),
     }
 }
 
@@ -106,19 +135,20 @@ fn tensor(uid: i64, dims: [usize; 4], dt: ns::cudnnDataType_t) -> Result<Desc> {
     Ok(d)
 }
 
-/// Numerical notes that rule an engine out.
-fn excluded(note: ns::cudnnBackendNumericalNote_t) -> bool {
+/// Numerical notes that rule an engine out for data of type `dt`: nondeterminism, reductions in
+/// reduced precision, down-converted inputs, and for f32 tensor cores (they would run TF32).
+fn excluded(note: ns::cudnnBackendNumericalNote_t, dt: DType) -> bool {
     use ns::cudnnBackendNumericalNote_t as N;
     matches!(
         note,
         N::CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC
             | N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION
             | N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS
-    )
+    ) || (dt == DType::F32 && note == N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE)
 }
 
-/// Builds the forward plan for `p` in `dt`, or explains why none is usable.
-pub(crate) fn build_forward(dev: &std::sync::Arc<Dev>, handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType) -> Result<GraphPlan> {
+/// Builds the plan for direction `dir` of `p` in `dt`, or explains why none is usable.
+pub(crate) fn build(dev: &std::sync::Arc<Dev>, handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<GraphPlan> {
     let t = data_type(dt)?;
     let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t)?;
     let w = tensor(UID_W, p.weight_shape(), t)?;
@@ -133,14 +163,7 @@ pub(crate) fn build_forward(dev: &std::sync::Arc<Dev>, handle: ns::cudnnHandle_t
     conv.set(A::CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, T::CUDNN_TYPE_INT64, &pad)?;
     conv.set(A::CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, T::CUDNN_TYPE_INT64, &pad)?;
     conv.finalize("convolution")?;
-    let op = Desc::new(D::CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR)?;
-    op.set_desc(A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, &x)?;
-    op.set_desc(A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, &w)?;
-    op.set_desc(A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, &y)?;
-    op.set_desc(A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, &conv)?;
-    op.set(A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, T::CUDNN_TYPE_FLOAT, &[1f32])?;
-    op.set(A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, T::CUDNN_TYPE_FLOAT, &[0f32])?;
-    op.finalize("convolution forward operation")?;
+    let op = operation(dir, &x, &w, &y, &conv)?;
     let graph = Desc::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
     graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &[op.0])?;
     graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, T::CUDNN_TYPE_HANDLE, &[handle])?;
@@ -178,7 +201,7 @@ pub(crate) fn build_forward(dev: &std::sync::Arc<Dev>, handle: ns::cudnnHandle_t
     let mut why = Vec::new();
     let mut chosen = None;
     for (k, cfg) in cfgs.iter().take(got.max(0) as usize).enumerate() {
-        match try_engine(dev, handle, cfg) {
+        match try_engine(dev, handle, cfg, dt) {
             Ok((plan, ws, engine)) => {
                 chosen = Some((plan, ws, engine));
                 break;
@@ -188,13 +211,64 @@ pub(crate) fn build_forward(dev: &std::sync::Arc<Dev>, handle: ns::cudnnHandle_t
     }
     let Some((plan, ws, engine)) = chosen else {
         return Err(Error::Cuda(format!(
-            "cuDNN graph API: no usable deterministic engine among {got} for {p:?} {dt} ({})",
+            "cuDNN graph API: no usable deterministic {dir:?} engine among {got} for {p:?} {dt} ({})",
             why.join("; ")
         )));
     };
     let mut keep = vec![x, w, y, conv, op, graph, heur, engine];
     keep.extend(cfgs);
-    Ok(GraphPlan { plan, ws, _keep: keep })
+    Ok(GraphPlan { plan, ws, packs: Vec::new(), _keep: keep })
+}
+
+/// The convolution operation node of direction `dir` (α = 1, β = 0).
+fn operation(dir: Dir, x: &Desc, w: &Desc, y: &Desc, conv: &Desc) -> Result<Desc> {
+    let (ty, [ax, aw, ay, ac, alpha, beta], what) = match dir {
+        Dir::Fwd => (
+            D::CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR,
+            [
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA,
+            ],
+            "convolution forward operation",
+        ),
+        Dir::BwdData => (
+            D::CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
+            [
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA,
+            ],
+            "convolution backward-data operation",
+        ),
+        Dir::BwdFilter => (
+            D::CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
+            [
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA,
+            ],
+            "convolution backward-filter operation",
+        ),
+    };
+    let op = Desc::new(ty)?;
+    op.set_desc(ax, x)?;
+    op.set_desc(aw, w)?;
+    op.set_desc(ay, y)?;
+    op.set_desc(ac, conv)?;
+    op.set(alpha, T::CUDNN_TYPE_FLOAT, &[1f32])?;
+    op.set(beta, T::CUDNN_TYPE_FLOAT, &[0f32])?;
+    op.finalize(what)?;
+    Ok(op)
 }
 
 /// Checks one heuristic result: its engine's numerical notes, then whether a plan builds.
@@ -202,6 +276,7 @@ fn try_engine(
     dev: &std::sync::Arc<Dev>,
     handle: ns::cudnnHandle_t,
     cfg: &Desc,
+    dt: DType,
 ) -> std::result::Result<(Desc, Option<DevBuf>, Desc), String> {
     let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR).map_err(|e| e.to_string())?;
     let mut n = 0i64;
@@ -236,7 +311,7 @@ fn try_engine(
     if st != ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
         return Err(format!("notes unreadable ({st:?})"));
     }
-    if let Some(bad) = notes[..nn.clamp(0, 16) as usize].iter().find(|n| excluded(**n)) {
+    if let Some(bad) = notes[..nn.clamp(0, 16) as usize].iter().find(|n| excluded(**n, dt)) {
         return Err(format!("{bad:?}"));
     }
     let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR).map_err(|e| e.to_string())?;
@@ -267,8 +342,31 @@ fn try_engine(
 }
 
 impl GraphPlan {
-    /// Queues `y = conv(x, w)` on the handle's stream.
-    pub(crate) fn execute(&self, handle: ns::cudnnHandle_t, x: u64, w: u64, y: u64) -> Result<()> {
+    /// Queues the plan's convolution on the handle's stream with the buffers named as in the
+    /// forward convolution (see [`Dir`]): reads two of `x`, `w`, `y` and writes the third.
+    pub(crate) fn execute(&mut self, handle: ns::cudnnHandle_t, x: u64, w: u64, y: u64) -> Result<()> {
+        let key = [x, w, y];
+        let pack = match self.packs.iter().position(|(k, _)| *k == key) {
+            Some(i) => {
+                let hit = self.packs.remove(i);
+                self.packs.push(hit);
+                &self.packs[self.packs.len() - 1].1
+            }
+            None => {
+                let vp = self.variant_pack(key)?;
+                if self.packs.len() == PACKS_KEPT {
+                    self.packs.remove(0);
+                }
+                self.packs.push((key, vp));
+                &self.packs[self.packs.len() - 1].1
+            }
+        };
+        // SAFETY: a finalized plan and variant pack whose pointers are live device buffers (the
+        // pack was built for exactly these pointers).
+        check("execute", unsafe { ns::cudnnBackendExecute(handle, self.plan.0, pack.0) })
+    }
+
+    fn variant_pack(&self, [x, w, y]: [u64; 3]) -> Result<Desc> {
         let vp = Desc::new(D::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
         let ptrs: [*mut c_void; 3] = [x as *mut c_void, w as *mut c_void, y as *mut c_void];
         vp.set(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, T::CUDNN_TYPE_INT64, &[UID_X, UID_W, UID_Y])?;
@@ -276,7 +374,6 @@ impl GraphPlan {
         let ws: *mut c_void = self.ws.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr as *mut c_void);
         vp.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, T::CUDNN_TYPE_VOID_PTR, &[ws])?;
         vp.finalize("variant pack")?;
-        // SAFETY: a finalized plan and variant pack whose pointers are live device buffers.
-        check("execute", unsafe { ns::cudnnBackendExecute(handle, self.plan.0, vp.0) })
+        Ok(vp)
     }
 }

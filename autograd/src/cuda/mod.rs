@@ -31,6 +31,8 @@ mod conv;
 mod conv_graph;
 mod device;
 mod graph;
+#[doc(hidden)]
+pub mod host_probe;
 mod ops;
 mod user_kernel;
 
@@ -42,7 +44,7 @@ pub use alloc::{
     empty_cache, memory_stats, reset_peak_memory_stats, set_poison_allocations, synchronize, MemPool, MemPoolGuard, MemoryStats,
 };
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
-pub use conv::conv_forward_paths;
+pub use conv::conv_paths;
 pub use device::CudaSetupError;
 pub use graph::{begin_capture, end_capture, graph_mem_reserved, time_on_stream, CudaGraph};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
