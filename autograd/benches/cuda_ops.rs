@@ -38,12 +38,15 @@ mod bench {
         Tensor::randn(shape.to_vec(), 0.0, 1.0, dt, DEV, rng).unwrap()
     }
 
-    /// GPU time per call in µs: 3 warm-ups, then `reps` calls between two events.
+    /// GPU time per call in µs: 3 warm-ups, then `reps` calls between two events, queued behind a
+    /// ~20 ms spin kernel so the whole loop is on the stream before the first event runs (the
+    /// events then time GPU execution, not the host's launch rate).
     fn gpu_us(reps: usize, mut f: impl FnMut()) -> f64 {
         for _ in 0..3 {
             f();
         }
         cuda::synchronize(DEV).unwrap();
+        cuda::gpu_spin(DEV, 40_000_000).unwrap();
         let (_, ms) = cuda::time_on_stream(DEV, || {
             for _ in 0..reps {
                 f();
@@ -53,19 +56,25 @@ mod bench {
         ms * 1000.0 / reps as f64
     }
 
-    /// Host time per call in µs (no synchronisation inside the timed loop).
+    /// Host time per call in µs: the median over 5 batches of `reps` calls, each batch timed
+    /// without synchronisation inside (robust to a burst of interference on the machine).
     fn host_us(reps: usize, mut f: impl FnMut()) -> f64 {
         for _ in 0..10 {
             f();
         }
+        let mut batches: Vec<f64> = (0..5)
+            .map(|_| {
+                cuda::synchronize(DEV).unwrap();
+                let t = Instant::now();
+                for _ in 0..reps {
+                    f();
+                }
+                t.elapsed().as_secs_f64() * 1e6 / reps as f64
+            })
+            .collect();
         cuda::synchronize(DEV).unwrap();
-        let t = Instant::now();
-        for _ in 0..reps {
-            f();
-        }
-        let us = t.elapsed().as_secs_f64() * 1e6 / reps as f64;
-        cuda::synchronize(DEV).unwrap();
-        us
+        batches.sort_by(f64::total_cmp);
+        batches[2]
     }
 
     // (channels, spatial) per pyramid level of YOLO26n-pose at 640 px.
@@ -193,7 +202,7 @@ mod bench {
             }),
         );
         // Where an op's host time goes (pieces timed alone; no PyTorch counterpart).
-        for (what, us) in cuda::host_probe::host_cost_breakdown(DEV, 1000).unwrap() {
+        for (what, us) in cuda::host_probe::host_cost_breakdown(DEV, 300).unwrap() {
             out.row(&format!("breakdown: {what}"), DType::F32, us);
         }
         cuda::synchronize(DEV).unwrap();

@@ -53,10 +53,13 @@ def main(out_dir):
         f.write(json.dumps({"name": name, "dtype": dt, "us": round(us, 3)}) + "\n")
 
     def gpu_us(reps, fn):
+        # Same method as the Rust bench: the timed loop queues behind a ~20 ms spin kernel, so
+        # the events time GPU execution rather than the host's launch rate.
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(40_000_000)
         a.record()
         for _ in range(reps):
             fn()
@@ -65,15 +68,18 @@ def main(out_dir):
         return a.elapsed_time(b) * 1000.0 / reps
 
     def host_us(reps, fn):
+        # Median over 5 batches of `reps` calls (robust to a burst of interference).
         for _ in range(10):
             fn()
+        batches = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            batches.append((time.perf_counter() - t) * 1e6 / reps)
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        us = (time.perf_counter() - t) * 1e6 / reps
-        torch.cuda.synchronize()
-        return us
+        return sorted(batches)[2]
 
     for dtn, dt in [("F32", torch.float32), ("BF16", torch.bfloat16)]:
         rnd = lambda *s: torch.randn(*s, device=dev, dtype=dt)

@@ -389,6 +389,31 @@ fn batch_norm_pool_matmul() {
     });
 }
 
+/// f32/bf16/f16 GEMMs (matmul with broadcast and transposes, 1×1 convolutions forward and
+/// backward, including the half-precision weight gradient accumulated in f32) run through
+/// cuBLASLt's cached plans, not the classic cuBLAS call; values are checked by the cases above.
+#[test]
+fn gemms_use_cublaslt() {
+    let Some(dev) = gpu() else { return };
+    let (lt0, classic0) = ptl_autograd::cuda::gemm_paths();
+    let mut rng = Rng::new(11);
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let a = Tensor::rand(vec![2, 7, 5], -1.0, 1.0, dt, dev, &mut rng).unwrap();
+        let b = Tensor::rand(vec![6, 7], -1.0, 1.0, dt, dev, &mut rng).unwrap();
+        let y1 = a.transpose(1, 2).unwrap().matmul(&b.transpose(0, 1).unwrap()).unwrap();
+        let y2 = a.transpose(1, 2).unwrap().matmul(&b.transpose(0, 1).unwrap()).unwrap();
+        assert_eq!(y1.to_bytes().unwrap(), y2.to_bytes().unwrap(), "{dt}: matmul repeat differs");
+        let x = Tensor::rand(vec![2, 8, 5, 5], -1.0, 1.0, dt, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+        let w = Tensor::rand(vec![4, 8, 1, 1], -1.0, 1.0, dt, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+        x.conv2d(&w, None, (1, 1), (0, 0), 1).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(x.grad().is_some() && w.grad().is_some());
+    }
+    let (lt1, classic1) = ptl_autograd::cuda::gemm_paths();
+    println!("ok gemms: {} through cuBLASLt, {} through classic cuBLAS", lt1 - lt0, classic1 - classic0);
+    assert_eq!(classic1 - classic0, 0, "a GEMM fell back to the classic cuBLAS call");
+    assert!(lt1 - lt0 >= 3 * (2 + 1 + 1 + 2), "expected every GEMM through cuBLASLt ({} lt)", lt1 - lt0);
+}
+
 #[test]
 fn absent_gradients_match_cpu() {
     // b does not reach the output: its gradient stays None on both devices.
@@ -443,6 +468,61 @@ fn transfers_and_memory_api() {
     let e = Tensor::zeros(vec![2], DType::F32, Device::Cuda(99)).unwrap_err();
     assert!(format!("{e}").contains("cuda:99"), "{e}");
     println!("ok transfers, pinned upload, memory stats, pools, {}", cuda::device_name(0).unwrap());
+}
+
+/// The host-side block cache: a freed block is handed back to the next request of its size
+/// without a driver call (same address), statistics still count only live tensors, private pools
+/// and stream captures bypass it, a captured graph replays correctly while eager code allocates
+/// around it, and `empty_cache` returns everything to the driver.
+#[test]
+fn block_cache_reuse_capture_and_empty() {
+    let Some(dev) = gpu() else { return };
+    use ptl_autograd::cuda::{self, capture_support::device_ptr};
+    cuda::synchronize(dev).unwrap();
+    let base = cuda::memory_stats(dev).unwrap().allocated;
+    // 3000 f32 = 12000 B: an odd size no other test of this thread leaves cached.
+    let a = Tensor::full(vec![3000], 2.0, DType::F32, dev).unwrap();
+    let pa = device_ptr(&a).unwrap();
+    assert_eq!(cuda::memory_stats(dev).unwrap().allocated, base + 12000);
+    drop(a);
+    assert_eq!(cuda::memory_stats(dev).unwrap().allocated, base, "a cached block is not counted as allocated");
+    let b = Tensor::full(vec![3000], 3.0, DType::F32, dev).unwrap();
+    assert_eq!(device_ptr(&b).unwrap(), pa, "the freed block is reused for the same size");
+    assert_eq!(b.sum_all().unwrap().item().unwrap(), 9000.0, "the new owner's values, not the old ones");
+    // A private pool never takes a cached block.
+    drop(b);
+    let pool = cuda::MemPool::new(dev).unwrap();
+    let c = pool.scope(|| Tensor::full(vec![3000], 1.0, DType::F32, dev).unwrap());
+    assert_ne!(device_ptr(&c).unwrap(), pa, "private-pool allocation came from the block cache");
+    drop(c);
+    // Raw stream capture: allocations inside come from the pool (graph-owned), not the cache;
+    // replays stay right while eager code reuses cached blocks in between.
+    let x = Tensor::full(vec![3000], 1.5, DType::F32, dev).unwrap();
+    let out = Tensor::zeros(vec![3000], DType::F32, dev).unwrap();
+    let spare = Tensor::zeros(vec![3000], DType::F32, dev).unwrap();
+    let ps = device_ptr(&spare).unwrap();
+    drop(spare); // now cached
+    cuda::synchronize(dev).unwrap();
+    cuda::begin_capture(dev).unwrap();
+    let t = x.mul_scalar(2.0).unwrap();
+    assert_ne!(device_ptr(&t).unwrap(), ps, "an allocation inside a capture came from the block cache");
+    let y = t.add_scalar(1.0).unwrap();
+    drop(t);
+    out.copy_(&y).unwrap();
+    drop(y);
+    let graph = cuda::end_capture(dev).unwrap();
+    for k in 0..5 {
+        let noise = Tensor::full(vec![3000], k as f64, DType::F32, dev).unwrap();
+        assert_eq!(device_ptr(&noise).unwrap(), ps, "eager allocations still use the cache after the capture");
+        graph.launch().unwrap();
+        drop(noise);
+        assert_eq!(out.sum_all().unwrap().item().unwrap(), 3000.0 * 4.0, "replay {k}");
+    }
+    drop((x, out, graph));
+    cuda::empty_cache(dev).unwrap();
+    let s = cuda::memory_stats(dev).unwrap();
+    assert_eq!(s.allocated, base);
+    println!("ok block cache: reuse, pools and captures bypass it, replays correct, empty_cache ({} B reserved after)", s.reserved);
 }
 
 /// Runs everywhere (CPU): the fused BN+SiLU matches `batch_norm2d(..).silu()` in f64, forward,

@@ -39,8 +39,15 @@ if [ -n "$SAN" ] && [ -x test_capture_cuda_capture ] && [ "${SKIP_SANITIZER:-0}"
   rc=$?
   grep -E "ERROR SUMMARY|^ok |test result" "$OUT/sanitizer_t14.log"
   [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/sanitizer_t14.log"; }
+  # The allocator's block cache: reuse across an eager/captured boundary under the memory checker.
+  echo "=== compute-sanitizer memcheck: test_autograd_cuda_ops block_cache"
+  timeout 300 "$SAN" --tool memcheck --error-exitcode 7 ./test_autograd_cuda_ops block_cache --test-threads=1 --nocapture \
+      > "$OUT/sanitizer_block_cache.log" 2>&1
+  rc=$?
+  grep -E "ERROR SUMMARY|test result" "$OUT/sanitizer_block_cache.log"
+  [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/sanitizer_block_cache.log"; }
 else
-  echo "compute-sanitizer not found: T14 ran without it"
+  echo "memcheck runs skipped (SKIP_SANITIZER=1, or no compute-sanitizer on this machine)"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "=== bench_cuda_ops"

@@ -3,6 +3,14 @@
 //! `u64::MAX`, so freed memory stays cached) or from a private [`MemPool`] while one is entered on
 //! the calling thread. Statistics follow PyTorch's `memory_allocated` / `memory_reserved` and their
 //! peaks.
+//!
+//! In front of the default pool sits a host-side block cache (like PyTorch's caching allocator):
+//! a freed block goes onto a free list of its size and the next request of that size takes it
+//! back without a driver call (an alloc + free pair costs ~0.6–1.1 µs of host time in the driver,
+//! a sizeable part of a ~4 µs eager op). Reuse is safe because every buffer is used on the one
+//! compute stream, so work queued with the new owner runs after the old owner's. The cache is
+//! bypassed while the stream is captured and for private pools, is bounded ([`CACHE_LIMIT`]), and
+//! is emptied into the pool when an allocation fails or on [`empty_cache`].
 
 use std::cell::RefCell;
 use std::ffi::c_void;
@@ -14,10 +22,68 @@ use cudarc::driver::{result as dr, sys};
 use super::device::{cu_err, Dev};
 use crate::{Device, Error, Result};
 
+/// Most bytes the block cache holds; blocks beyond it go back to the pool.
+pub const CACHE_LIMIT: u64 = 1 << 30;
+/// Larger blocks are never cached (they are rare and would pin much memory to one size).
+const CACHE_MAX_BLOCK: usize = 256 << 20;
+
+/// Free lists of default-pool blocks by block size (see the module docs).
+#[derive(Default)]
+pub(crate) struct BlockCache {
+    free: std::collections::HashMap<usize, Vec<sys::CUdeviceptr>>,
+    bytes: u64,
+}
+
+impl BlockCache {
+    fn take(&mut self, block: usize) -> Option<sys::CUdeviceptr> {
+        let p = self.free.get_mut(&block)?.pop()?;
+        self.bytes -= block as u64;
+        Some(p)
+    }
+
+    /// Keeps `ptr` for reuse unless the cache is full; `false` means the caller frees it.
+    fn put(&mut self, block: usize, ptr: sys::CUdeviceptr) -> bool {
+        if block > CACHE_MAX_BLOCK || self.bytes + block as u64 > CACHE_LIMIT {
+            return false;
+        }
+        self.free.entry(block).or_default().push(ptr);
+        self.bytes += block as u64;
+        true
+    }
+
+    /// Every cached block, emptying the cache.
+    fn drain(&mut self) -> Vec<sys::CUdeviceptr> {
+        self.bytes = 0;
+        self.free.drain().flat_map(|(_, v)| v).collect()
+    }
+}
+
+/// The size actually allocated for a request: rounded so that nearby sizes share free lists.
+fn block_size(bytes: usize) -> usize {
+    let n = bytes.max(1);
+    if n <= 1 << 20 {
+        n.next_multiple_of(512)
+    } else {
+        n.next_multiple_of(128 << 10)
+    }
+}
+
+/// Returns every cached block of `dev` to the default pool (stream-ordered frees).
+fn flush_block_cache(dev: &Dev) {
+    let blocks = dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).drain();
+    for p in blocks {
+        if let Err(e) = unsafe { dr::free_async(p, dev.cu_stream) } {
+            dev.record_deferred("cuMemFreeAsync (block cache)", e);
+        }
+    }
+}
+
 /// A device buffer owned by one tensor storage. Freed stream-ordered on drop.
 pub(crate) struct DevBuf {
     pub ptr: sys::CUdeviceptr,
     pub bytes: usize,
+    /// Size of the underlying block (≥ `bytes`; 0 for arena memory).
+    block: usize,
     pub dev: Arc<Dev>,
     /// Keeps a private pool alive while memory from it is live.
     _pool: Option<Arc<PoolInner>>,
@@ -48,21 +114,46 @@ impl DevBuf {
         dev.bind()?;
         if let Some(r) = super::capture_support::arena_alloc(dev, bytes) {
             let (ptr, arena) = r?;
-            return Ok(DevBuf { ptr, bytes, dev: dev.clone(), _pool: None, _arena: Some(arena) });
+            return Ok(DevBuf { ptr, bytes, block: 0, dev: dev.clone(), _pool: None, _arena: Some(arena) });
         }
-        let pool = POOL_STACK.with(|s| s.borrow().iter().rev().find(|p| p.dev.ordinal == dev.ordinal).cloned());
+        let pool = POOL_STACK.with(|s| {
+            let s = s.borrow();
+            if s.is_empty() {
+                None
+            } else {
+                s.iter().rev().find(|p| p.dev.ordinal == dev.ordinal).cloned()
+            }
+        });
         let raw_pool = pool.as_ref().map(|p| p.pool).unwrap_or(dev.default_pool);
         // A zero-byte request still gets a distinct (tiny) allocation so pointers stay unique.
-        let n = bytes.max(1);
-        let ptr = unsafe { dr::mem_pool::alloc_async(raw_pool, n, dev.cu_stream) }.map_err(|e| {
-            Error::Cuda(format!("out of device memory? cuMemAllocFromPoolAsync of {n} bytes on cuda:{} failed: {e:?}", dev.ordinal))
-        })?;
-        dev.note_alloc(n as u64);
+        let block = block_size(bytes);
+        let cacheable = pool.is_none() && !dev.capturing.load(Ordering::Relaxed);
+        let cached = if cacheable { dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).take(block) } else { None };
+        let ptr = match cached {
+            Some(p) => p,
+            None => {
+                let fresh = unsafe { dr::mem_pool::alloc_async(raw_pool, block, dev.cu_stream) };
+                match fresh {
+                    Ok(p) => p,
+                    // Out of memory with blocks parked in the cache: give them back and retry once.
+                    Err(_) if cacheable && dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).bytes > 0 => {
+                        flush_block_cache(dev);
+                        unsafe { dr::mem_pool::alloc_async(raw_pool, block, dev.cu_stream) }.map_err(|e| oom(dev, block, e))?
+                    }
+                    Err(e) => return Err(oom(dev, block, e)),
+                }
+            }
+        };
+        dev.note_alloc(bytes.max(1) as u64);
         if POISON.load(Ordering::Relaxed) {
-            unsafe { dr::memset_d8_async(ptr, 0xFF, n, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
+            unsafe { dr::memset_d8_async(ptr, 0xFF, block, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
         }
-        Ok(DevBuf { ptr, bytes, dev: dev.clone(), _pool: pool, _arena: None })
+        Ok(DevBuf { ptr, bytes, block, dev: dev.clone(), _pool: pool, _arena: None })
     }
+}
+
+fn oom(dev: &Dev, block: usize, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("out of device memory? cuMemAllocFromPoolAsync of {block} bytes on cuda:{} failed: {e:?}", dev.ordinal))
 }
 
 impl Drop for DevBuf {
@@ -70,10 +161,16 @@ impl Drop for DevBuf {
         if self._arena.is_some() || self.dev.bind().is_err() {
             return;
         }
+        self.dev.note_free(self.bytes.max(1) as u64);
+        if self._pool.is_none()
+            && !self.dev.capturing.load(Ordering::Relaxed)
+            && self.dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).put(self.block, self.ptr)
+        {
+            return;
+        }
         if let Err(e) = unsafe { dr::free_async(self.ptr, self.dev.cu_stream) } {
             self.dev.record_deferred("cuMemFreeAsync", e);
         }
-        self.dev.note_free(self.bytes.max(1) as u64);
     }
 }
 
@@ -148,9 +245,12 @@ pub fn reset_peak_memory_stats(device: Device) -> Result<()> {
     Ok(())
 }
 
-/// Returns cached, unused memory of the default pool to the driver (`torch.cuda.empty_cache`).
+/// Returns cached, unused memory (the block cache and the default pool's free memory) to the
+/// driver (`torch.cuda.empty_cache`).
 pub fn empty_cache(device: Device) -> Result<()> {
     let dev = cuda_dev(device)?;
+    dev.bind()?;
+    flush_block_cache(&dev);
     dev.synchronize()?;
     unsafe { dr::mem_pool::trim_to(dev.default_pool, 0) }.map_err(|e| cu_err("cuMemPoolTrimTo", e))
 }

@@ -306,7 +306,14 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
 
 /// Computes direction `dir` into `out` (already allocated with the direction's size). Inputs: Fwd
 /// (x, w), BwdData (dy, w), BwdFilter (dy, x).
-pub(crate) fn run_into(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'static str, out: CudaStorage) -> Result<CudaStorage> {
+pub(crate) fn run_into(
+    dir: Dir,
+    a: &CudaStorage,
+    b: &CudaStorage,
+    p: &Conv2dParams,
+    op: &'static str,
+    out: CudaStorage,
+) -> Result<CudaStorage> {
     let dt = a.dtype;
     let dev = &a.buf.dev;
     if out.len == 0 {

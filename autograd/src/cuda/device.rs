@@ -5,12 +5,12 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cudarc::driver::{result as dr, sys, CudaContext, CudaModule, CudaStream};
 
-use super::alloc::PoolInner;
+use super::alloc::{BlockCache, PoolInner};
 use super::blas::Blas;
 use super::conv::Dnn;
 pub use crate::error::CudaSetupError;
@@ -87,6 +87,11 @@ pub(crate) struct Dev {
     pub private_pools: Mutex<Vec<Weak<PoolInner>>>,
     /// Errors from `Drop` paths (frees), which cannot return them.
     pub deferred_error: Mutex<Option<String>>,
+    /// Freed default-pool blocks kept for reuse without a driver call ([`super::alloc`]).
+    pub block_cache: Mutex<BlockCache>,
+    /// Set while the compute stream is being captured ([`super::begin_capture`]): the block cache
+    /// is bypassed then, so a graph never holds a block the eager side could hand out again.
+    pub capturing: AtomicBool,
 }
 
 // SAFETY: the raw handles are process-global driver objects; all mutation goes through mutexes or
@@ -166,6 +171,8 @@ impl Dev {
             peak_allocated: AtomicU64::new(0),
             private_pools: Mutex::new(Vec::new()),
             deferred_error: Mutex::new(None),
+            block_cache: Mutex::new(BlockCache::default()),
+            capturing: AtomicBool::new(false),
         })
     }
 

@@ -27,15 +27,21 @@ unsafe impl Send for CudaGraph {}
 pub fn begin_capture(device: Device) -> Result<()> {
     let dev = dev_of(device)?;
     dev.bind()?;
-    unsafe { dr::stream::begin_capture(dev.cu_stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }
-        .map_err(|e| cu_err("cuStreamBeginCapture", e))
+    // Set first: from here on the allocator's block cache is bypassed.
+    let was = dev.capturing.swap(true, std::sync::atomic::Ordering::Relaxed);
+    unsafe { dr::stream::begin_capture(dev.cu_stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }.map_err(|e| {
+        dev.capturing.store(was, std::sync::atomic::Ordering::Relaxed);
+        cu_err("cuStreamBeginCapture", e)
+    })
 }
 
 /// Ends the capture started by [`begin_capture`] and instantiates the graph.
 pub fn end_capture(device: Device) -> Result<CudaGraph> {
     let dev = dev_of(device)?;
     dev.bind()?;
-    let graph = unsafe { dr::stream::end_capture(dev.cu_stream) }.map_err(|e| cu_err("cuStreamEndCapture", e))?;
+    let ended = unsafe { dr::stream::end_capture(dev.cu_stream) };
+    dev.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
+    let graph = ended.map_err(|e| cu_err("cuStreamEndCapture", e))?;
     if let Some(e) = dev.deferred_error.lock().unwrap_or_else(|e| e.into_inner()).take() {
         unsafe {
             let _ = dr::graph::destroy(graph);
@@ -87,6 +93,17 @@ pub fn graph_mem_reserved(device: Device) -> Result<u64> {
     .result()
     .map_err(|e| cu_err("cuDeviceGetGraphMemAttribute", e))?;
     Ok(v)
+}
+
+/// Queues a kernel that keeps the GPU busy for about `cycles` SM clock cycles (~0.5 ns each on an
+/// H200). Benchmarks queue it before an event-timed loop so the host gets ahead of the GPU and the
+/// events measure GPU time even for ops shorter than their launch cost.
+pub fn gpu_spin(device: Device, cycles: i64) -> Result<()> {
+    let dev = dev_of(device)?;
+    dev.bind()?;
+    let f = dev.func("spin_cycles", "")?;
+    let mut c = cycles;
+    dev.launch(f, (1, 1, 1), (1, 1, 1), &mut [&mut c as *mut i64 as *mut c_void])
 }
 
 /// Runs `f` between two events recorded on `device`'s compute stream and returns its result with

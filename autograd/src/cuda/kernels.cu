@@ -925,3 +925,11 @@ extern "C" __global__ void copy2d_v8(const uint2* s, uint2* d, u32 rows, u32 col
 extern "C" __global__ void copy2d_v4(const unsigned int* s, unsigned int* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<unsigned int>(s, d, rows, cols, sp, dp); }
 extern "C" __global__ void copy2d_v2(const unsigned short* s, unsigned short* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<unsigned short>(s, d, rows, cols, sp, dp); }
 extern "C" __global__ void copy2d_v1(const u8* s, u8* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<u8>(s, d, rows, cols, sp, dp); }
+
+// Keeps one thread busy for `cycles` SM clock cycles (benchmarks: lets the host queue a timed
+// loop while the GPU is busy, so event timing measures GPU time, not launch throughput).
+extern "C" __global__ void spin_cycles(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+}

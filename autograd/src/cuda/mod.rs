@@ -43,10 +43,11 @@ use cudarc::driver::{result as dr, sys};
 pub use alloc::{
     empty_cache, memory_stats, reset_peak_memory_stats, set_poison_allocations, synchronize, MemPool, MemPoolGuard, MemoryStats,
 };
+pub use blas::gemm_paths;
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
 pub use conv::conv_paths;
 pub use device::CudaSetupError;
-pub use graph::{begin_capture, end_capture, graph_mem_reserved, time_on_stream, CudaGraph};
+pub use graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
 pub use user_kernel::{KernelArg, UserKernel};
 
