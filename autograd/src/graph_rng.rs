@@ -101,6 +101,8 @@ impl GraphSafeRng {
 
     /// Reserves `blocks` Philox blocks for one op.
     pub(crate) fn draw(&self, op: &'static str, blocks: u64) -> Result<Draw> {
+        #[cfg(not(feature = "cuda"))]
+        let _ = op;
         let inc = increment(blocks);
         let mut i = self.lock();
         let seed = i.seed;

@@ -168,6 +168,27 @@ impl Storage {
             (s, d) => Err(Error::DeviceMismatch { op: "copy_strided", lhs: s.device(), rhs: d.device() }),
         }
     }
+    /// Concatenates contiguous inputs along one dimension in a single device pass where the
+    /// backend has one (CUDA, up to 8 inputs): `rows` = product of the dims before it, `srcs[k]` =
+    /// (input k's device address, its bytes per row). `Ok(false)`: copy input by input instead.
+    #[allow(unused_variables)]
+    pub fn cat_rows(&mut self, rows: usize, srcs: &[(Option<u64>, usize)]) -> Result<bool> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => {
+                if srcs.len() > crate::cuda::ops::CAT_MAX_INPUTS {
+                    return Ok(false);
+                }
+                let Some(ptrs) = srcs.iter().map(|&(p, w)| p.map(|p| (p, w))).collect::<Option<Vec<_>>>() else {
+                    return Ok(false);
+                };
+                crate::cuda::ops::cat_rows(d, rows, &ptrs)?;
+                Ok(true)
+            }
+            #[allow(unreachable_patterns)]
+            _ => Ok(false),
+        }
+    }
     pub fn add_assign(&mut self, src: &Storage) -> Result<()> {
         match (self, src) {
             (Storage::Cpu(d), Storage::Cpu(s)) => d.add_assign(s),

@@ -232,6 +232,15 @@ impl Tensor {
         Arc::as_ptr(&self.0.storage) as *const () as usize
     }
     /// Runs `f` on the storage (read lock held for the call).
+    /// Device address of this tensor's buffer (`None` on the CPU), for fused multi-input kernels.
+    pub(crate) fn device_address(&self) -> Option<u64> {
+        self.with_storage(|s| match s {
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Some(c.device_ptr()),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        })
+    }
     pub fn with_storage<R>(&self, f: impl FnOnce(&Storage) -> R) -> R {
         f(&self.read_storage())
     }

@@ -283,6 +283,21 @@ fn shapes() {
     case("narrow", FP64, &[(s, -2.0, 2.0)], &|v, _| v[0].narrow(2, 1, 2));
     case("cat", FP64, &[(s, -2.0, 2.0), (&[2, 5, 4, 5], -2.0, 2.0)], &|v, _| Tensor::cat(&[&v[0], &v[1]], 1));
     case("cat_last", FP64, &[(s, -2.0, 2.0), (&[2, 3, 4, 2], -2.0, 2.0)], &|v, _| Tensor::cat(&[&v[0], &v[1]], 3));
+    // Fused one-launch concatenation: three inputs along dim 0 (one row), odd widths (narrow
+    // accesses), the model's channel concat of four 16-byte-aligned inputs; and nine inputs (more
+    // than one launch takes: the per-input fallback).
+    case("cat3_dim0", FP64, &[(&[1, 3, 5], -2.0, 2.0), (&[2, 3, 5], -2.0, 2.0), (&[1, 3, 5], -2.0, 2.0)], &|v, _| {
+        Tensor::cat(&[&v[0], &v[1], &v[2]], 0)
+    });
+    case(
+        "cat4_channels",
+        FP64,
+        &[(&[2, 8, 4, 4], -2.0, 2.0), (&[2, 8, 4, 4], -2.0, 2.0), (&[2, 16, 4, 4], -2.0, 2.0), (&[2, 8, 4, 4], -2.0, 2.0)],
+        &|v, _| Tensor::cat(&[&v[0], &v[1], &v[2], &v[3]], 1),
+    );
+    case("cat9", FP64, &[(&[2, 1, 3], -2.0, 2.0), (&[2, 2, 3], -2.0, 2.0)], &|v, _| {
+        Tensor::cat(&[&v[0], &v[1], &v[0], &v[1], &v[0], &v[1], &v[0], &v[1], &v[0]], 1)
+    });
     case("split", FP64, &[(s, -2.0, 2.0)], &|v, _| {
         let p = v[0].split(&[1, 3], 2)?;
         p[0].mul(&p[1].sum_dim(2, true)?)

@@ -64,6 +64,9 @@ pub(crate) fn nvrtc_options(major: i32, minor: i32) -> cudarc::nvrtc::CompileOpt
     }
 }
 
+/// Channels the one-launch batch-norm statistics kernel handles (more: two launches).
+pub(crate) const BN_TICKETS: usize = 65535;
+
 /// Kernel source compiled with NVRTC at first use.
 const KERNELS: &str = include_str!("kernels.cu");
 
@@ -89,6 +92,9 @@ pub(crate) struct Dev {
     pub deferred_error: Mutex<Option<String>>,
     /// Freed default-pool blocks kept for reuse without a driver call ([`super::alloc`]).
     pub block_cache: Mutex<BlockCache>,
+    /// `BN_TICKETS` zeroed u32 counters for the one-launch batch-norm statistics kernel, allocated
+    /// at open (so never inside a capture) and kept for the device's lifetime.
+    pub bn_tickets: sys::CUdeviceptr,
     /// Set while the compute stream is being captured ([`super::begin_capture`]): the block cache
     /// is bypassed then, so a graph never holds a block the eager side could hand out again.
     pub capturing: AtomicBool,
@@ -156,6 +162,11 @@ impl Dev {
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
             .map_err(|e| init(&format!("NVRTC compile of the kernels (include path {cuda_home}/include; set CUDA_HOME)"), &e))?;
         let module = ctx.load_module(ptx).map_err(|e| init("load module", &e))?;
+        let bn_tickets = unsafe {
+            let p = dr::malloc_sync(BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
+            dr::memset_d8_sync(p, 0, BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
+            p
+        };
         Ok(Dev {
             ordinal,
             ctx,
@@ -173,6 +184,7 @@ impl Dev {
             deferred_error: Mutex::new(None),
             block_cache: Mutex::new(BlockCache::default()),
             capturing: AtomicBool::new(false),
+            bn_tickets,
         })
     }
 

@@ -617,17 +617,16 @@ __device__ void bn_partial_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32
         part[((size_t)ch * P + p) * 2 + 1] = sq[0];
     }
 }
-// Pass 2: one thread per channel combines its P partials in order and writes the affine parameters,
-// the normalisation parameters, and the updated running statistics.
+// Pass 2 for one channel: combines its P partials in order and writes the affine parameters, the
+// normalisation parameters, and the updated running statistics.
 template <typename T, typename S>
-__device__ void bn_finish_k(const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv,
-                            double eps, double mom, S* aff, S* nrm) {
-    u32 ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= c) return;
+__device__ void bn_finish_channel(u32 ch, const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b,
+                                  S* rm, S* rv, double eps, double mom, S* aff, S* nrm) {
     double s = 0.0, q = 0.0;
+    // L1-bypassing loads: in the fused kernel the partials come from other blocks.
     for (u32 p = 0; p < P; ++p) {
-        s += part[((size_t)ch * P + p) * 2];
-        q += part[((size_t)ch * P + p) * 2 + 1];
+        s += __ldcg(&part[((size_t)ch * P + p) * 2]);
+        q += __ldcg(&part[((size_t)ch * P + p) * 2 + 1]);
     }
     double K = (double)to_acc(x[(size_t)ch * hw]);
     double ms = s / count;
@@ -644,6 +643,35 @@ __device__ void bn_finish_k(const T* x, const double* part, u32 P, u32 c, u32 hw
     rm[ch] = (S)((1.0 - mom) * (double)rm[ch] + mom * mean);
     rv[ch] = (S)((1.0 - mom) * (double)rv[ch] + mom * unb);
 }
+// Pass 2 as its own kernel: one thread per channel.
+template <typename T, typename S>
+__device__ void bn_finish_k(const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv,
+                            double eps, double mom, S* aff, S* nrm) {
+    u32 ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    bn_finish_channel<T, S>(ch, x, part, P, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm);
+}
+// Both passes in one launch: pass 1, then the last block of each channel to finish (an integer
+// ticket per channel; which block is last does not matter, the partials are combined in the same
+// fixed order) runs pass 2 and resets the ticket to 0 for the next launch. `tickets` is a
+// device-lifetime array of zeros (one per channel).
+template <typename T, typename S>
+__device__ void bn_stats_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P, unsigned int* tickets, double count, const S* w,
+                           const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm) {
+    bn_partial_k<T>(x, part, n, c, hw, P);
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned int ticket = atomicAdd(&tickets[blockIdx.y], 1u);
+        last = ticket == P - 1;
+    }
+    __syncthreads();
+    if (last && threadIdx.x == 0) {
+        __threadfence();
+        bn_finish_channel<T, S>(blockIdx.y, x, (const double*)part, P, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm);
+        tickets[blockIdx.y] = 0u;
+    }
+}
 // y = act(x·p[c] + p[C + c]) over NCHW (act = SiLU when silu != 0).
 template <typename T, typename S>
 __device__ void chaffine_k(const T* x, const S* p, T* y, u32 n, u32 hw, u32 c, int silu) {
@@ -659,7 +687,8 @@ __device__ void chaffine_k(const T* x, const S* p, T* y, u32 n, u32 hw, u32 c, i
 #define INST_BN(name, T, S)                                                                                        \
     extern "C" __global__ void bn_partial_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P) { bn_partial_k<T>(x, part, n, c, hw, P); } \
     extern "C" __global__ void bn_finish_##name(const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm) { bn_finish_k<T, S>(x, part, P, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm); } \
-    extern "C" __global__ void chaffine_##name(const T* x, const S* p, T* y, u32 n, u32 hw, u32 c, int silu) { chaffine_k<T, S>(x, p, y, n, hw, c, silu); }
+    extern "C" __global__ void chaffine_##name(const T* x, const S* p, T* y, u32 n, u32 hw, u32 c, int silu) { chaffine_k<T, S>(x, p, y, n, hw, c, silu); } \
+    extern "C" __global__ void bn_stats_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P, unsigned int* tickets, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm) { bn_stats_k<T, S>(x, part, n, c, hw, P, tickets, count, w, b, rm, rv, eps, mom, aff, nrm); }
 INST_BN(f32, float, float)
 INST_BN(f64, double, double)
 INST_BN(f16, __half, float)
@@ -862,10 +891,11 @@ __device__ void upsample_bwd_k(const T* dy, T* dx, u32 n, u32 h, u32 w, u32 f) {
 FLOAT_TYPES(INST_UPSAMPLE)
 
 // ---- softmax over short rows (d ≤ 1024) -------------------------------------------------------------
-// One warp per row, the row held in registers (≤ 32 values per lane): one read, one write. Max and
-// sum by an xor-shuffle butterfly: floating-point addition is commutative, so every lane ends with
-// the same bits, and the order is fixed (deterministic). Sum in f64 for f32/f64, as the block kernel.
-template <typename T>
+// One warp per row, the row held in registers (E values per lane, E = the power of two ≥ d/32, so
+// short rows do not pay for 32 slots): one read, one write, one exp per element. Max and sum by an
+// xor-shuffle butterfly: floating-point addition is commutative, so every lane ends with the same
+// bits, and the order is fixed (deterministic). Sum in f64 for f32/f64, as the block kernel.
+template <typename T, int E>
 __device__ void softmax_warp_k(const T* x, T* y, u32 rows, u32 d, int lg) {
     typedef typename Acc<T>::type A;
     typedef typename SumAcc<T>::type S;
@@ -874,13 +904,16 @@ __device__ void softmax_warp_k(const T* x, T* y, u32 rows, u32 d, int lg) {
     for (u32 r = blockIdx.x * wpb + (threadIdx.x >> 5); r < rows; r += gridDim.x * wpb) {
         const T* row = x + (size_t)r * d;
         T* out = y + (size_t)r * d;
-        A v[32];
+        A v[E];
         A m = -(A)F_INF;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
+        for (int k = 0; k < E; ++k) {
             const u32 j = lane + 32u * k;
             v[k] = j < d ? to_acc(row[j]) : -(A)F_INF;
-            if (j < d && (v[k] > m || is_nan(v[k]))) m = v[k];
+        }
+#pragma unroll
+        for (int k = 0; k < E; ++k) {
+            if (lane + 32u * k < d && (v[k] > m || is_nan(v[k]))) m = v[k];
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -889,25 +922,28 @@ __device__ void softmax_warp_k(const T* x, T* y, u32 rows, u32 d, int lg) {
         }
         S s = 0;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            if (lane + 32u * k < d) s += (S)m_exp(v[k] - m);
+        for (int k = 0; k < E; ++k) {
+            // x - max stays in v for the log form; the exponential replaces it otherwise.
+            const A xm = v[k] - m;
+            const A e = lane + 32u * k < d ? m_exp(xm) : (A)0;
+            s += (S)e;
+            v[k] = lg ? xm : e;
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         const A st = (A)s;
         const A ls = m_log(st);
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
+        for (int k = 0; k < E; ++k) {
             const u32 j = lane + 32u * k;
-            if (j < d) {
-                const A xm = v[k] - m;
-                out[j] = store<T, A>(lg ? xm - ls : m_exp(xm) / st);
-            }
+            if (j < d) out[j] = store<T, A>(lg ? v[k] - ls : v[k] / st);
         }
     }
 }
+#define INST_SOFTMAX_WARP_E(name, T, E) \
+    extern "C" __global__ void softmax_warp##E##_##name(const T* x, T* y, u32 rows, u32 d, int lg) { softmax_warp_k<T, E>(x, y, rows, d, lg); }
 #define INST_SOFTMAX_WARP(name, T) \
-    extern "C" __global__ void softmax_warp_##name(const T* x, T* y, u32 rows, u32 d, int lg) { softmax_warp_k<T>(x, y, rows, d, lg); }
+    INST_SOFTMAX_WARP_E(name, T, 4) INST_SOFTMAX_WARP_E(name, T, 8) INST_SOFTMAX_WARP_E(name, T, 16) INST_SOFTMAX_WARP_E(name, T, 32)
 FLOAT_TYPES(INST_SOFTMAX_WARP)
 
 // ---- row copies (concatenation, narrowing) ------------------------------------------------------------
@@ -925,6 +961,30 @@ extern "C" __global__ void copy2d_v8(const uint2* s, uint2* d, u32 rows, u32 col
 extern "C" __global__ void copy2d_v4(const unsigned int* s, unsigned int* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<unsigned int>(s, d, rows, cols, sp, dp); }
 extern "C" __global__ void copy2d_v2(const unsigned short* s, unsigned short* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<unsigned short>(s, d, rows, cols, sp, dp); }
 extern "C" __global__ void copy2d_v1(const u8* s, u8* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<u8>(s, d, rows, cols, sp, dp); }
+
+// Concatenation of up to 8 contiguous inputs in one launch (blockIdx.y = input): input k holds
+// `rows` rows of cols[k] vectors and lands at vector offset off[k] of each output row (pitch dp).
+struct CatArgs {
+    unsigned long long src[8];
+    u32 cols[8];
+    u32 off[8];
+};
+template <typename V>
+__device__ void cat_rows_k(CatArgs a, V* d, u32 rows, u32 dp) {
+    const u32 k = blockIdx.y;
+    const V* s = (const V*)a.src[k];
+    const u32 cols = a.cols[k], off = a.off[k];
+    const u32 total = rows * cols;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const u32 r = i / cols, c = i - r * cols;
+        d[(size_t)r * dp + off + c] = s[i];
+    }
+}
+extern "C" __global__ void cat_rows_v16(CatArgs a, uint4* d, u32 rows, u32 dp) { cat_rows_k<uint4>(a, d, rows, dp); }
+extern "C" __global__ void cat_rows_v8(CatArgs a, uint2* d, u32 rows, u32 dp) { cat_rows_k<uint2>(a, d, rows, dp); }
+extern "C" __global__ void cat_rows_v4(CatArgs a, unsigned int* d, u32 rows, u32 dp) { cat_rows_k<unsigned int>(a, d, rows, dp); }
+extern "C" __global__ void cat_rows_v2(CatArgs a, unsigned short* d, u32 rows, u32 dp) { cat_rows_k<unsigned short>(a, d, rows, dp); }
+extern "C" __global__ void cat_rows_v1(CatArgs a, u8* d, u32 rows, u32 dp) { cat_rows_k<u8>(a, d, rows, dp); }
 
 // Keeps one thread busy for `cycles` SM clock cycles (benchmarks: lets the host queue a timed
 // loop while the GPU is busy, so event timing measures GPU time, not launch throughput).

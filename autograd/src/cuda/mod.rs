@@ -33,7 +33,7 @@ mod device;
 mod graph;
 #[doc(hidden)]
 pub mod host_probe;
-mod ops;
+pub(crate) mod ops;
 mod user_kernel;
 
 use std::sync::Arc;

@@ -381,6 +381,69 @@ fn copy_rows(dev: &Arc<Dev>, sb: u64, db: u64, h: usize, w: usize, sp: usize, dp
     dev.launch1d(f, total, &mut args!(sb, db, rows, cols, spv, dpv))
 }
 
+/// Kernel argument of `cat_rows_*` (see kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CatArgs {
+    src: [u64; 8],
+    cols: [u32; 8],
+    off: [u32; 8],
+}
+
+/// Most inputs [`cat_rows`] takes in one launch.
+pub(crate) const CAT_MAX_INPUTS: usize = 8;
+
+/// Concatenates contiguous inputs into `dst` in one launch: `rows` rows; input `k` (device address
+/// `srcs[k].0`) holds `srcs[k].1` bytes per row and lands at the running byte offset of each
+/// output row. Uses the widest access (16/8/4/2/1 bytes) that divides every width, offset, the
+/// output pitch and every base address.
+pub(crate) fn cat_rows(dst: &CudaStorage, rows: usize, srcs: &[(u64, usize)]) -> Result<()> {
+    const OP: &str = "cat";
+    if srcs.is_empty() || srcs.len() > CAT_MAX_INPUTS {
+        return Err(Error::invalid(OP, format!("{} inputs for one launch (1..={CAT_MAX_INPUTS})", srcs.len())));
+    }
+    let dev = &dst.buf.dev;
+    let pitch: usize = srcs.iter().map(|s| s.1).sum();
+    if rows * pitch != dst.len * dst.dtype.size_in_bytes() {
+        return Err(Error::invalid(
+            OP,
+            format!("{rows} rows of {pitch} bytes do not fill the {}-byte output", dst.len * dst.dtype.size_in_bytes()),
+        ));
+    }
+    let mut all = pitch as u64 | dst.buf.ptr;
+    let mut off = 0usize;
+    for &(p, w) in srcs {
+        all |= p | w as u64 | off as u64;
+        off += w;
+    }
+    let v = [16usize, 8, 4, 2, 1].into_iter().find(|v| all.is_multiple_of(*v as u64)).unwrap_or(1);
+    let name = match v {
+        16 => "cat_rows_v16",
+        8 => "cat_rows_v8",
+        4 => "cat_rows_v4",
+        2 => "cat_rows_v2",
+        _ => "cat_rows_v1",
+    };
+    let mut a = CatArgs::default();
+    let mut off = 0usize;
+    let mut most = 0usize;
+    for (k, &(p, w)) in srcs.iter().enumerate() {
+        a.src[k] = p;
+        a.cols[k] = u32c(OP, w / v)?;
+        a.off[k] = u32c(OP, off / v)?;
+        u32c(OP, rows * (w / v))?;
+        most = most.max(rows * (w / v));
+        off += w;
+    }
+    if most == 0 {
+        return Ok(());
+    }
+    let f = dev.func(name, "")?;
+    let (py, rr, dp) = (ptr(dst), u32c(OP, rows)?, u32c(OP, pitch / v)?);
+    let blocks = most.div_ceil(256).clamp(1, 65536) as u32;
+    dev.launch(f, (blocks, srcs.len() as u32, 1), (256, 1, 1), &mut args!(a, py, rr, dp))
+}
+
 // ---- reductions -----------------------------------------------------------------------------------
 
 fn split3(shape: &[usize], dim: usize) -> (usize, usize, usize) {
@@ -703,22 +766,36 @@ pub(crate) fn batch_norm_train_stats(
     if c == 0 || total == 0 {
         return Err(Error::invalid(OP, format!("empty batch for shape {shape:?}")));
     }
-    let parts = total.div_ceil(8192).clamp(1, 1024);
+    // Partitions per channel: ≤ 8192 elements each, and enough blocks in all (≥ 512, about four per
+    // SM) that small maps with few channels do not leave the GPU idle; ≥ 256 elements each.
+    let parts = total.div_ceil(8192).max(512usize.div_ceil(c)).min(total.div_ceil(256)).clamp(1, 1024);
     let part = super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
-    let f = dev.func("bn_partial", sfx(x.dtype))?;
     let (px, pp) = (ptr(x), part.ptr);
     let (nn, cc, hh, pn) = (u32c(OP, n)?, u32c(OP, c)?, u32c(OP, hw)?, parts as u32);
     u32c(OP, x.len)?;
-    dev.launch(f, (pn, cc, 1), (256, 1, 1), &mut args!(px, pp, nn, cc, hh, pn))?;
-    let f = dev.func("bn_finish", sfx(x.dtype))?;
     let count = total as f64;
     let (pw, pb, prm, prv, pa, pq) = (ptr(w), ptr(b), ptr(rm), ptr(rv), ptr(&aff), ptr(&nrm));
-    dev.launch(
-        f,
-        (c.div_ceil(128) as u32, 1, 1),
-        (128, 1, 1),
-        &mut args!(px, pp, pn, cc, hh, count, pw, pb, prm, prv, eps, momentum, pa, pq),
-    )?;
+    if c <= super::device::BN_TICKETS {
+        // One launch: the last block of each channel combines its partials (see kernels.cu).
+        let f = dev.func("bn_stats", sfx(x.dtype))?;
+        let tickets = dev.bn_tickets;
+        dev.launch(
+            f,
+            (pn, cc, 1),
+            (256, 1, 1),
+            &mut args!(px, pp, nn, cc, hh, pn, tickets, count, pw, pb, prm, prv, eps, momentum, pa, pq),
+        )?;
+    } else {
+        let f = dev.func("bn_partial", sfx(x.dtype))?;
+        dev.launch(f, (pn, cc, 1), (256, 1, 1), &mut args!(px, pp, nn, cc, hh, pn))?;
+        let f = dev.func("bn_finish", sfx(x.dtype))?;
+        dev.launch(
+            f,
+            (c.div_ceil(128) as u32, 1, 1),
+            (128, 1, 1),
+            &mut args!(px, pp, pn, cc, hh, count, pw, pb, prm, prv, eps, momentum, pa, pq),
+        )?;
+    }
     drop(part);
     Ok((aff, nrm))
 }
@@ -756,8 +833,15 @@ pub(crate) fn softmax(x: &CudaStorage, shape: &[usize], dim: usize, log: bool) -
     let (px, py, dd, ii, lg) = (ptr(x), ptr(&out), u32c("softmax", d)?, u32c("softmax", inner)?, log as i32);
     u32c("softmax", x.len)?;
     if inner == 1 && d <= 1024 {
-        // Short rows: a warp per row, the row in registers (8 rows per 256-thread block).
-        let f = dev.func("softmax_warp", sfx(x.dtype))?;
+        // Short rows: a warp per row, the row in registers (8 rows per 256-thread block), with
+        // as few register slots per lane as the row needs.
+        let name = match d.div_ceil(32) {
+            0..=4 => "softmax_warp4",
+            5..=8 => "softmax_warp8",
+            9..=16 => "softmax_warp16",
+            _ => "softmax_warp32",
+        };
+        let f = dev.func(name, sfx(x.dtype))?;
         let rows = u32c("softmax", outer)?;
         dev.launch(f, (outer.div_ceil(8).clamp(1, 1 << 20) as u32, 1, 1), (256, 1, 1), &mut args!(px, py, rows, dd, lg))
     } else if inner == 1 {

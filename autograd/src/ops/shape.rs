@@ -185,11 +185,18 @@ impl Tensor {
         let mut shape = first.dims().to_vec();
         shape[d] = total;
         let mut out = Storage::uninit(first.device(), first.dtype(), shape.iter().product())?;
+        // One pass for all inputs where the backend has it (CUDA), else a strided copy per input.
+        let rows: usize = shape[..d].iter().product();
+        let row_bytes = shape[d + 1..].iter().product::<usize>() * first.dtype().size_in_bytes();
+        let srcs: Vec<(Option<u64>, usize)> = tensors.iter().map(|t| (t.device_address(), t.dims()[d] * row_bytes)).collect();
+        let fused = out.cat_rows(rows, &srcs)?;
         let mut regions = Vec::with_capacity(tensors.len());
         let mut start = 0;
         for t in tensors {
-            let lay = narrow_layout(&shape, d, start, t.dims()[d]);
-            t.read_storage().copy_strided(&Layout::contiguous(t.dims()), &mut out, &lay)?;
+            if !fused {
+                let lay = narrow_layout(&shape, d, start, t.dims()[d]);
+                t.read_storage().copy_strided(&Layout::contiguous(t.dims()), &mut out, &lay)?;
+            }
             regions.push((start, t.dims()[d]));
             start += t.dims()[d];
         }
