@@ -120,9 +120,19 @@ pub(crate) fn record(inputs: &[&Tensor], outputs: Vec<Tensor>, op: impl Backward
 }
 
 /// Single-output convenience for [`record`].
+/// (No intermediate vectors: this runs for every recorded op, on the eager launch path.)
 pub(crate) fn record1(inputs: &[&Tensor], output: Tensor, op: impl BackwardOp + 'static) -> Tensor {
-    let mut v = record(inputs, vec![output.clone()], op);
-    v.pop().unwrap_or(output)
+    let track = is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
+    if !track {
+        return output;
+    }
+    let node = Arc::new(Node {
+        id: next_node_id(),
+        op: Box::new(op),
+        inputs: inputs.iter().map(|t| if t.requires_grad() { Some((*t).clone()) } else { None }).collect(),
+        num_outputs: 1,
+    });
+    Tensor::build(output.0.storage.clone(), output.shape().clone(), false, Some(GradFn { node, index: 0 }))
 }
 
 /// Connects already computed `outputs` to `inputs` through a custom backward (e.g. a replayed

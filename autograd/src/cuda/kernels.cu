@@ -971,9 +971,20 @@ struct CatArgs {
 };
 template <typename V>
 __device__ void cat_rows_k(CatArgs a, V* d, u32 rows, u32 dp) {
+    // Select this block's input with constant indices only: indexing the parameter struct with
+    // blockIdx.y would make every thread copy it to local memory first.
     const u32 k = blockIdx.y;
-    const V* s = (const V*)a.src[k];
-    const u32 cols = a.cols[k], off = a.off[k];
+    unsigned long long src = a.src[0];
+    u32 cols = a.cols[0], off = a.off[0];
+#pragma unroll
+    for (u32 j = 1; j < 8; ++j) {
+        if (k == j) {
+            src = a.src[j];
+            cols = a.cols[j];
+            off = a.off[j];
+        }
+    }
+    const V* s = (const V*)src;
     const u32 total = rows * cols;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
         const u32 r = i / cols, c = i - r * cols;
