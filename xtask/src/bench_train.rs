@@ -75,8 +75,8 @@ if [ -n "${ULTRA:-}" ] && [ "${ULTRA_FIRST:-0}" != 1 ]; then run_ultra; fi
 python3 - "$OUT" <<'EOF'
 import glob, json, os, sys
 out = sys.argv[1]
-print("\n| run | precision / optimizer | complete s | step median ms (p10-p90) | peak alloc/reserved MiB | pose mAP50 per epoch | losses sha256 |")
-print("|---|---|---|---|---|---|---|")
+print("\n| run | precision / optimizer | complete s | step median ms (p10-p90) | peak alloc/reserved MiB | pose mAP50 per epoch | losses sha256 | library workspaces MiB |")
+print("|---|---|---|---|---|---|---|---|")
 for f in sorted(glob.glob(os.path.join(out, "summary_run*.json"))):
     s = json.load(open(f))
     st = s.get("step_time") or {}
@@ -85,7 +85,7 @@ for f in sorted(glob.glob(os.path.join(out, "summary_run*.json"))):
     print(f"| ptl {os.path.basename(f)[8:-5]} | {s['precision']} / {s['optimizer']} | {s['total_runtime_s']:.1f} | "
           f"{st.get('median_ms', float('nan')):.1f} ({st.get('p10_ms', float('nan')):.1f}-{st.get('p90_ms', float('nan')):.1f}) | "
           f"{mib(s.get('peak_allocated_bytes'))}/{mib(s.get('peak_reserved_bytes'))} | "
-          f"{' '.join('-' if v is None else f'{v:.3f}' for v in mp)} | {s['hashes'].get('step_losses', '')[:16]} |")
+          f"{' '.join('-' if v is None else f'{v:.3f}' for v in mp)} | {s['hashes'].get('step_losses', '')[:16]} | {mib(s.get('library_workspace_bytes'))} |")
 for f in sorted(glob.glob(os.path.join(out, "ultra-*", "anchor_train.json"))):
     r = json.load(open(f))
     st = r.get("step_time_post_warmup") or {}

@@ -22,10 +22,13 @@ use cudarc::driver::{result as dr, sys};
 use super::device::{cu_err, Dev};
 use crate::{Device, Error, Result};
 
-/// Most bytes the block cache holds; blocks beyond it go back to the pool.
-pub const CACHE_LIMIT: u64 = 1 << 30;
-/// Larger blocks are never cached (they are rare and would pin much memory to one size).
-const CACHE_MAX_BLOCK: usize = 256 << 20;
+/// Most bytes the block cache holds; blocks beyond it go back to the pool. Memory parked here is
+/// tied to one size, so the pool may grow by up to this much (measured: a 1 GiB limit raised a
+/// training run's peak reserved memory by exactly 1 GiB).
+pub const CACHE_LIMIT: u64 = 256 << 20;
+/// Larger blocks are not cached: they are few per step (high-resolution activations), so their
+/// driver calls cost little next to their GPU work, and they would fill the cache quickly.
+const CACHE_MAX_BLOCK: usize = 4 << 20;
 
 /// Free lists of default-pool blocks by block size (see the module docs).
 #[derive(Default)]
@@ -232,6 +235,16 @@ pub fn memory_stats(device: Device) -> Result<MemoryStats> {
         peak_allocated: dev.peak_allocated.load(Ordering::Relaxed),
         peak_reserved: peak_reserved.max(reserved),
     })
+}
+
+/// Bytes of device memory held by the math libraries' workspaces on `device` (the cuBLAS/cuBLASLt
+/// workspace and every cached cuDNN plan's), part of [`MemoryStats::allocated`]. They stay for
+/// the process lifetime, since recorded graphs keep their addresses.
+pub fn library_workspace_bytes(device: Device) -> Result<u64> {
+    let dev = cuda_dev(device)?;
+    let blas = if dev.blas.lock().unwrap_or_else(|e| e.into_inner()).is_some() { super::blas::WORKSPACE as u64 } else { 0 };
+    let dnn = dev.dnn.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map_or(0, |d| d.workspace_bytes());
+    Ok(blas + dnn)
 }
 
 /// Resets the peaks to the current values (`torch.cuda.reset_peak_memory_stats`).

@@ -32,7 +32,7 @@ pub(crate) struct Blas {
 }
 unsafe impl Send for Blas {}
 
-const WORKSPACE: usize = 32 << 20;
+pub(crate) const WORKSPACE: usize = 32 << 20;
 
 /// What a cuBLASLt plan depends on: the GEMM's shape and layout, the dtype, and whether `C` is f32.
 type LtKey = (MatmulParams, DType, bool);

@@ -1,15 +1,16 @@
-//! Convolution forward / backward-data / backward-weight through cuDNN (legacy API, NCHW), and
-//! 1×1 stride-1 convolutions through cuBLAS GEMMs. bf16/f16 forward convolutions go through the
-//! graph API first (`conv_graph`), which reaches faster engines for NCHW half precision.
+//! Convolution forward / backward-data / backward-filter through cuDNN, and 1×1 stride-1
+//! convolutions through GEMMs. f32/bf16/f16 go through the graph API first (`conv_graph`: faster
+//! engines, a few µs of host time per call); this file's legacy-API path (NCHW) serves f64 and any
+//! shape the graph API has no deterministic engine for (`PTL_CUDNN_LEGACY=1` forces it).
 //!
-//! Only deterministic algorithms are eligible. By default the choice is cuDNN's heuristic ranking,
-//! which is identical in every process, so a fixed seed gives the same bytes run to run (a timed
-//! choice can differ between processes and with it the rounding). `PTL_CUDNN_BENCHMARK=1` (like
-//! `cudnn.benchmark`) times the deterministic candidates once per (shape, dtype, direction) with
-//! `cudnnFind*AlgorithmEx` on the call's own buffers (first, eager call — never inside a capture)
-//! and keeps the fastest. f32 uses `CUDNN_FMA_MATH` (true FP32, no TF32), f16/bf16 tensor cores with an f32
-//! compute type, f64 the double path. Each plan owns its workspace, so a captured step never
-//! allocates inside cuDNN.
+//! Legacy path: only deterministic algorithms are eligible. By default the choice is cuDNN's
+//! heuristic ranking, which is identical in every process, so a fixed seed gives the same bytes run
+//! to run (a timed choice can differ between processes and with it the rounding).
+//! `PTL_CUDNN_BENCHMARK=1` (like `cudnn.benchmark`) times the deterministic candidates once per
+//! (shape, dtype, direction) with `cudnnFind*AlgorithmEx` on the call's own buffers (first, eager
+//! call — never inside a capture) and keeps the fastest. f32 uses `CUDNN_FMA_MATH` (true FP32, no
+//! TF32), f16/bf16 tensor cores with an f32 compute type, f64 the double path. Each plan owns its
+//! workspace, so a captured step never allocates inside cuDNN.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -71,6 +72,13 @@ fn e(what: &'static str) -> impl Fn(nr::CudnnError) -> Error {
 }
 
 impl Dnn {
+    /// Bytes held by the cached plans' workspaces (legacy and graph API).
+    pub(crate) fn workspace_bytes(&self) -> u64 {
+        let legacy: usize = self.plans.values().map(|p| p.ws.as_ref().map_or(0, |w| w.bytes)).sum();
+        let graph: u64 = self.graph_plans.values().flatten().map(|g| g.workspace_bytes() as u64).sum();
+        legacy as u64 + graph
+    }
+
     fn new(dev: &Arc<Dev>) -> Result<Dnn> {
         dev.bind()?;
         let handle = nr::create_handle().map_err(e("cudnnCreate"))?;

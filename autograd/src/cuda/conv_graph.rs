@@ -342,6 +342,11 @@ fn try_engine(
 }
 
 impl GraphPlan {
+    /// Bytes of the plan's own workspace.
+    pub(crate) fn workspace_bytes(&self) -> usize {
+        self.ws.as_ref().map_or(0, |w| w.bytes)
+    }
+
     /// Queues the plan's convolution on the handle's stream with the buffers named as in the
     /// forward convolution (see [`Dir`]): reads two of `x`, `w`, `y` and writes the third.
     pub(crate) fn execute(&mut self, handle: ns::cudnnHandle_t, x: u64, w: u64, y: u64) -> Result<()> {

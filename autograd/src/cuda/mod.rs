@@ -7,15 +7,20 @@
 //!   (headers from `$CUDA_HOME/include`, default `/usr/local/cuda/include`). Reductions and
 //!   scatter/index adds use fixed-order loops and trees, never float atomics, so results are
 //!   bit-identical run to run. f16/bf16 are computed in f32.
-//! - **Libraries**: matmul through cuBLAS (true FP32, f16/bf16 with f32 accumulation); conv through
-//!   cuDNN restricted to deterministic algorithms (cuDNN's heuristic pick by default — the same in
-//!   every process — or the fastest measured once per shape with `PTL_CUDNN_BENCHMARK=1`) with
-//!   per-shape cached workspaces; 1×1 convs as cuBLAS GEMMs.
+//! - **Libraries**: matmul through cuBLASLt with plans cached per shape (true FP32, f16/bf16 with
+//!   f32 accumulation; classic cuBLAS as the fallback); convolutions (forward, backward-data,
+//!   backward-filter) through cuDNN's graph API with execution plans and variant packs cached per
+//!   shape, restricted to deterministic engines (heuristic order, the same in every process; no
+//!   TF32 for f32) and with the legacy API as the fallback; 1×1 convolutions as GEMMs. Each plan
+//!   owns its workspace, so captured steps never allocate inside a library.
 //! - **Fused kernels**: BatchNorm+SiLU forward (`Tensor::batch_norm2d_silu`: deterministic batch
-//!   statistics, running-stat update and affine+SiLU in three kernels), (log-)softmax in one
-//!   kernel, BCE-with-logits in one element-wise pass.
-//! - **Memory**: stream-ordered allocation from the device pool (release threshold `u64::MAX`), or
-//!   from a private [`MemPool`] while it is entered; [`memory_stats`] / [`reset_peak_memory_stats`].
+//!   statistics and running-stat update in one launch, affine+SiLU in a second), (log-)softmax in
+//!   one kernel (a warp per row for rows ≤ 1024), BCE-with-logits in one element-wise pass,
+//!   concatenation of up to 8 inputs in one launch.
+//! - **Memory**: stream-ordered allocation from the device pool (release threshold `u64::MAX`)
+//!   behind a host-side block cache (freed blocks reused by size without a driver call), or from a
+//!   private [`MemPool`] while it is entered; [`memory_stats`] / [`reset_peak_memory_stats`] /
+//!   [`library_workspace_bytes`].
 //! - **Host transfers** happen only in `Tensor::to_vec` / `item` / `to_f64_vec` / `to_bytes` /
 //!   `to_device(Cpu)` (synchronising reads) and uploads (`from_vec`, `to_device(Cuda)`,
 //!   [`PinnedBuffer::upload`]). Every other op is asynchronous.
@@ -41,7 +46,8 @@ use std::sync::Arc;
 use cudarc::driver::{result as dr, sys};
 
 pub use alloc::{
-    empty_cache, memory_stats, reset_peak_memory_stats, set_poison_allocations, synchronize, MemPool, MemPoolGuard, MemoryStats,
+    empty_cache, library_workspace_bytes, memory_stats, reset_peak_memory_stats, set_poison_allocations, synchronize, MemPool,
+    MemPoolGuard, MemoryStats,
 };
 pub use blas::gemm_paths;
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};

@@ -59,6 +59,10 @@ pub struct RunSummary {
     pub step_time: StepTiming,
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
+    /// Part of the allocated memory held by the math libraries' workspaces (cuBLAS and cached
+    /// cuDNN plans) at the end of the run; `None` on the CPU.
+    #[serde(default)]
+    pub library_workspace_bytes: Option<u64>,
     pub optimizer_steps: u64,
     pub final_metrics: Vec<(String, f64)>,
     pub metrics_per_epoch: Vec<Vec<(String, f64)>>,

@@ -457,6 +457,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         step_time: StepTiming::from_samples(&run.step_ms),
         peak_allocated_bytes,
         peak_reserved_bytes,
+        library_workspace_bytes: crate::pose::library_workspace_bytes(cfg.device),
         optimizer_steps: run.state.global_step,
         final_metrics: run.metrics_per_epoch.last().cloned().unwrap_or_default(),
         metrics_per_epoch: run.metrics_per_epoch.clone(),

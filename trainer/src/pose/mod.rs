@@ -24,6 +24,16 @@ pub fn memory_peaks(device: ptl_autograd::Device) -> (Option<u64>, Option<u64>) 
     (None, None)
 }
 
+/// Bytes held by the math libraries' workspaces on `device` (`None` on the CPU).
+pub fn library_workspace_bytes(device: ptl_autograd::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return ptl_autograd::cuda::library_workspace_bytes(device).ok();
+    }
+    let _ = device;
+    None
+}
+
 /// Resets the peak statistics at the start of a run (no-op on the CPU).
 pub fn reset_memory_peaks(device: ptl_autograd::Device) {
     #[cfg(feature = "cuda")]
