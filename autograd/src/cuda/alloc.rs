@@ -22,26 +22,35 @@ use cudarc::driver::{result as dr, sys};
 use super::device::{cu_err, Dev};
 use crate::{Device, Error, Result};
 
-/// Most bytes the block cache holds; blocks beyond it go back to the pool. Memory parked here is
-/// tied to one size, so the pool may grow by up to this much (measured: a 1 GiB limit raised a
-/// training run's peak reserved memory by exactly 1 GiB).
-pub const CACHE_LIMIT: u64 = 256 << 20;
-/// Larger blocks are not cached: they are few per step (high-resolution activations), so their
-/// driver calls cost little next to their GPU work, and they would fill the cache quickly.
-const CACHE_MAX_BLOCK: usize = 4 << 20;
+/// Most bytes the block cache holds; blocks beyond it go back to the pool.
+pub const CACHE_LIMIT: u64 = 1 << 30;
+/// Larger blocks are not cached (rare, and they would fill the cache at once).
+const CACHE_MAX_BLOCK: usize = 256 << 20;
 
 /// Free lists of default-pool blocks by block size (see the module docs).
+///
+/// A request takes the smallest cached block that fits with at most 1/8 to spare. On a miss, blocks
+/// of other sizes worth at least the request go back to the pool first, so parked blocks never make
+/// the pool grow: reserved memory stays at the working set (a cache that only ever held blocks
+/// raised a training run's peak reserved memory by its whole 1 GiB limit). Large outputs need the
+/// cache too: a stream-ordered pool allocation and free around a kernel cost GPU time as well
+/// (measured: a 5 MB softmax 6.6 → 7.5 µs, a 6.5 MB concat 4.1 → 5.4 µs when served by the pool).
 #[derive(Default)]
 pub(crate) struct BlockCache {
-    free: std::collections::HashMap<usize, Vec<sys::CUdeviceptr>>,
+    free: std::collections::BTreeMap<usize, Vec<sys::CUdeviceptr>>,
     bytes: u64,
 }
 
 impl BlockCache {
-    fn take(&mut self, block: usize) -> Option<sys::CUdeviceptr> {
-        let p = self.free.get_mut(&block)?.pop()?;
-        self.bytes -= block as u64;
-        Some(p)
+    /// A cached block of at least `block` bytes (at most 1/8 more) and its size.
+    fn take(&mut self, block: usize) -> Option<(sys::CUdeviceptr, usize)> {
+        let (&size, list) = self.free.range_mut(block..=block + block / 8).find(|(_, l)| !l.is_empty())?;
+        let p = list.pop()?;
+        if list.is_empty() {
+            self.free.remove(&size);
+        }
+        self.bytes -= size as u64;
+        Some((p, size))
     }
 
     /// Keeps `ptr` for reuse unless the cache is full; `false` means the caller frees it.
@@ -54,10 +63,40 @@ impl BlockCache {
         true
     }
 
+    /// Removes cached blocks, largest first, until at least `bytes` are taken out (or the cache is
+    /// empty); the caller returns them to the pool.
+    fn evict(&mut self, bytes: usize) -> Vec<sys::CUdeviceptr> {
+        let mut out = Vec::new();
+        let mut freed = 0usize;
+        while freed < bytes {
+            let Some(mut e) = self.free.last_entry() else { break };
+            let size = *e.key();
+            let p = e.get_mut().pop();
+            if e.get().is_empty() {
+                e.remove();
+            }
+            if let Some(p) = p {
+                out.push(p);
+                freed += size;
+                self.bytes -= size as u64;
+            }
+        }
+        out
+    }
+
     /// Every cached block, emptying the cache.
     fn drain(&mut self) -> Vec<sys::CUdeviceptr> {
         self.bytes = 0;
-        self.free.drain().flat_map(|(_, v)| v).collect()
+        std::mem::take(&mut self.free).into_values().flatten().collect()
+    }
+}
+
+/// Returns `ptrs` to `dev`'s default pool (stream-ordered frees).
+fn free_to_pool(dev: &Dev, ptrs: Vec<sys::CUdeviceptr>) {
+    for p in ptrs {
+        if let Err(e) = unsafe { dr::free_async(p, dev.cu_stream) } {
+            dev.record_deferred("cuMemFreeAsync (block cache)", e);
+        }
     }
 }
 
@@ -74,11 +113,7 @@ fn block_size(bytes: usize) -> usize {
 /// Returns every cached block of `dev` to the default pool (stream-ordered frees).
 fn flush_block_cache(dev: &Dev) {
     let blocks = dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).drain();
-    for p in blocks {
-        if let Err(e) = unsafe { dr::free_async(p, dev.cu_stream) } {
-            dev.record_deferred("cuMemFreeAsync (block cache)", e);
-        }
-    }
+    free_to_pool(dev, blocks);
 }
 
 /// A device buffer owned by one tensor storage. Freed stream-ordered on drop.
@@ -129,11 +164,28 @@ impl DevBuf {
         });
         let raw_pool = pool.as_ref().map(|p| p.pool).unwrap_or(dev.default_pool);
         // A zero-byte request still gets a distinct (tiny) allocation so pointers stay unique.
-        let block = block_size(bytes);
+        let mut block = block_size(bytes);
         let cacheable = pool.is_none() && !dev.capturing.load(Ordering::Relaxed);
-        let cached = if cacheable { dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).take(block) } else { None };
+        let cached = if cacheable {
+            let mut cache = dev.block_cache.lock().unwrap_or_else(|e| e.into_inner());
+            match cache.take(block) {
+                Some(hit) => Some(hit),
+                None => {
+                    // Miss: give parked blocks back first so the pool reuses them instead of growing.
+                    let victims = if cache.bytes >= block as u64 { cache.evict(block) } else { Vec::new() };
+                    drop(cache);
+                    free_to_pool(dev, victims);
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let ptr = match cached {
-            Some(p) => p,
+            Some((p, size)) => {
+                block = size;
+                p
+            }
             None => {
                 let fresh = unsafe { dr::mem_pool::alloc_async(raw_pool, block, dev.cu_stream) };
                 match fresh {
@@ -395,5 +447,48 @@ impl MemPool {
     /// The raw `CUmemoryPool` (for graph recorders that pass it to the driver).
     pub fn raw(&self) -> sys::CUmemoryPool {
         self.inner.pool
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_cache_best_fit_limits_and_eviction() {
+        let mut c = BlockCache::default();
+        assert!(c.put(4096, 0x1000));
+        assert!(c.put(8192, 0x2000));
+        assert!(c.put(4608, 0x3000));
+        assert_eq!(c.bytes, 4096 + 8192 + 4608);
+        // Smallest fit with at most 1/8 to spare: 4096 exactly, then 4608 (= 4096 + 1/8) for the next.
+        assert_eq!(c.take(4096), Some((0x1000, 4096)));
+        assert_eq!(c.take(4096), Some((0x3000, 4608)));
+        // 8192 is more than 1/8 above 4096: not handed out for it.
+        assert_eq!(c.take(4096), None);
+        assert_eq!(c.take(8000), Some((0x2000, 8192)));
+        assert_eq!(c.bytes, 0);
+        assert!(c.free.is_empty(), "no empty lists are kept");
+        // Limits: blocks above the size cap are refused.
+        assert!(!c.put(CACHE_MAX_BLOCK + 512, 0x4000));
+        // Eviction takes the largest blocks first until the request is covered.
+        for (i, size) in [1024usize, 2048, 65536, 65536, 4096].into_iter().enumerate() {
+            assert!(c.put(size, 0x10000 * (i as u64 + 1)));
+        }
+        let out = c.evict(70000);
+        assert_eq!(out, vec![0x40000, 0x30000], "both 64 KiB blocks, newest first");
+        assert_eq!(c.bytes, 1024 + 2048 + 4096);
+        assert_eq!(c.evict(1 << 30).len(), 3, "an eviction larger than the cache empties it");
+        assert_eq!(c.bytes, 0);
+        assert!(c.free.is_empty());
+        // The byte limit.
+        let mut c = BlockCache::default();
+        let mut n = 0;
+        while c.put(CACHE_MAX_BLOCK, n) {
+            n += 1;
+        }
+        assert_eq!(n as u64, CACHE_LIMIT / CACHE_MAX_BLOCK as u64);
+        assert_eq!(c.drain().len() as u64, n);
+        assert_eq!(c.bytes, 0);
     }
 }

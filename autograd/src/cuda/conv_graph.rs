@@ -12,8 +12,8 @@
 //! back to the legacy API. `PTL_CUDNN_LEGACY=1` forces the legacy path (for comparison).
 //!
 //! Executing needs a "variant pack" (the call's device pointers); building one is most of the host
-//! cost of a call, so each plan keeps the last few packs keyed by their pointers (the stream-ordered
-//! pool hands the same addresses back step after step).
+//! cost of a call, so each plan keeps the last few packs keyed by their pointers (the allocator
+//! hands the same addresses back step after step). Plans share one workspace (`conv::Workspace`).
 
 use std::ffi::c_void;
 
@@ -22,8 +22,6 @@ use ns::cudnnBackendAttributeName_t as A;
 use ns::cudnnBackendAttributeType_t as T;
 use ns::cudnnBackendDescriptorType_t as D;
 
-use super::alloc::DevBuf;
-use super::device::Dev;
 use crate::backend::Conv2dParams;
 use crate::{DType, Error, Result};
 
@@ -98,11 +96,12 @@ pub(crate) enum Dir {
 /// Variant packs kept per plan (most recently used last).
 const PACKS_KEPT: usize = 8;
 
-/// A built plan (descriptors kept alive with it), its workspace, and its recent variant packs.
+/// A built plan (descriptors kept alive with it), the workspace it needs, and its recent variant
+/// packs (keyed by the three tensor addresses and the workspace address).
 pub(crate) struct GraphPlan {
     plan: Desc,
-    ws: Option<DevBuf>,
-    packs: Vec<([u64; 3], Desc)>,
+    ws_bytes: usize,
+    packs: Vec<([u64; 4], Desc)>,
     _keep: Vec<Desc>,
 }
 
@@ -148,7 +147,7 @@ fn excluded(note: ns::cudnnBackendNumericalNote_t, dt: DType) -> bool {
 }
 
 /// Builds the plan for direction `dir` of `p` in `dt`, or explains why none is usable.
-pub(crate) fn build(dev: &std::sync::Arc<Dev>, handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<GraphPlan> {
+pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<GraphPlan> {
     let t = data_type(dt)?;
     let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t)?;
     let w = tensor(UID_W, p.weight_shape(), t)?;
@@ -201,15 +200,15 @@ pub(crate) fn build(dev: &std::sync::Arc<Dev>, handle: ns::cudnnHandle_t, p: &Co
     let mut why = Vec::new();
     let mut chosen = None;
     for (k, cfg) in cfgs.iter().take(got.max(0) as usize).enumerate() {
-        match try_engine(dev, handle, cfg, dt) {
-            Ok((plan, ws, engine)) => {
-                chosen = Some((plan, ws, engine));
+        match try_engine(handle, cfg, dt) {
+            Ok((plan, ws_bytes, engine)) => {
+                chosen = Some((plan, ws_bytes, engine));
                 break;
             }
             Err(reason) => why.push(format!("#{k}: {reason}")),
         }
     }
-    let Some((plan, ws, engine)) = chosen else {
+    let Some((plan, ws_bytes, engine)) = chosen else {
         return Err(Error::Cuda(format!(
             "cuDNN graph API: no usable deterministic {dir:?} engine among {got} for {p:?} {dt} ({})",
             why.join("; ")
@@ -217,7 +216,7 @@ pub(crate) fn build(dev: &std::sync::Arc<Dev>, handle: ns::cudnnHandle_t, p: &Co
     };
     let mut keep = vec![x, w, y, conv, op, graph, heur, engine];
     keep.extend(cfgs);
-    Ok(GraphPlan { plan, ws, packs: Vec::new(), _keep: keep })
+    Ok(GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: keep })
 }
 
 /// The convolution operation node of direction `dir` (α = 1, β = 0).
@@ -272,12 +271,7 @@ fn operation(dir: Dir, x: &Desc, w: &Desc, y: &Desc, conv: &Desc) -> Result<Desc
 }
 
 /// Checks one heuristic result: its engine's numerical notes, then whether a plan builds.
-fn try_engine(
-    dev: &std::sync::Arc<Dev>,
-    handle: ns::cudnnHandle_t,
-    cfg: &Desc,
-    dt: DType,
-) -> std::result::Result<(Desc, Option<DevBuf>, Desc), String> {
+fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::Result<(Desc, usize, Desc), String> {
     let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR).map_err(|e| e.to_string())?;
     let mut n = 0i64;
     let mut e = engine.0;
@@ -337,20 +331,20 @@ fn try_engine(
     if ws > MAX_WS {
         return Err(format!("workspace {ws} bytes"));
     }
-    let ws = if ws > 0 { Some(DevBuf::alloc(dev, ws as usize).map_err(|e| e.to_string())?) } else { None };
-    Ok((plan, ws, engine))
+    Ok((plan, ws.max(0) as usize, engine))
 }
 
 impl GraphPlan {
-    /// Bytes of the plan's own workspace.
+    /// Workspace bytes the plan needs (see [`super::conv::Workspace`]).
     pub(crate) fn workspace_bytes(&self) -> usize {
-        self.ws.as_ref().map_or(0, |w| w.bytes)
+        self.ws_bytes
     }
 
     /// Queues the plan's convolution on the handle's stream with the buffers named as in the
     /// forward convolution (see [`Dir`]): reads two of `x`, `w`, `y` and writes the third.
-    pub(crate) fn execute(&mut self, handle: ns::cudnnHandle_t, x: u64, w: u64, y: u64) -> Result<()> {
-        let key = [x, w, y];
+    /// `ws`: a device workspace of at least [`Self::workspace_bytes`] bytes.
+    pub(crate) fn execute(&mut self, handle: ns::cudnnHandle_t, x: u64, w: u64, y: u64, ws: u64) -> Result<()> {
+        let key = [x, w, y, ws];
         let pack = match self.packs.iter().position(|(k, _)| *k == key) {
             Some(i) => {
                 let hit = self.packs.remove(i);
@@ -371,12 +365,12 @@ impl GraphPlan {
         check("execute", unsafe { ns::cudnnBackendExecute(handle, self.plan.0, pack.0) })
     }
 
-    fn variant_pack(&self, [x, w, y]: [u64; 3]) -> Result<Desc> {
+    fn variant_pack(&self, [x, w, y, ws]: [u64; 4]) -> Result<Desc> {
         let vp = Desc::new(D::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
         let ptrs: [*mut c_void; 3] = [x as *mut c_void, w as *mut c_void, y as *mut c_void];
         vp.set(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, T::CUDNN_TYPE_INT64, &[UID_X, UID_W, UID_Y])?;
         vp.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, T::CUDNN_TYPE_VOID_PTR, &ptrs)?;
-        let ws: *mut c_void = self.ws.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr as *mut c_void);
+        let ws = ws as *mut c_void;
         vp.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, T::CUDNN_TYPE_VOID_PTR, &[ws])?;
         vp.finalize("variant pack")?;
         Ok(vp)
