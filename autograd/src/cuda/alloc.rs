@@ -5,8 +5,8 @@
 //! peaks.
 //!
 //! In front of the default pool sits a host-side block cache (like PyTorch's caching allocator):
-//! a freed block goes onto a free list of its size and the next request of that size takes it
-//! back without a driver call (an alloc + free pair costs ~0.6–1.1 µs of host time in the driver,
+//! a freed block goes onto a free list of its size and the next request it fits (with at most 1/8
+//! to spare) takes it back without a driver call (an alloc + free pair costs ~0.6–1.1 µs of host time in the driver,
 //! a sizeable part of a ~4 µs eager op). Reuse is safe because every buffer is used on the one
 //! compute stream, so work queued with the new owner runs after the old owner's. The cache is
 //! bypassed while the stream is captured and for private pools, is bounded ([`CACHE_LIMIT`]), and
@@ -22,19 +22,20 @@ use cudarc::driver::{result as dr, sys};
 use super::device::{cu_err, Dev};
 use crate::{Device, Error, Result};
 
-/// Most bytes the block cache holds; blocks beyond it go back to the pool.
-pub const CACHE_LIMIT: u64 = 1 << 30;
+/// Most bytes the block cache holds; blocks beyond it go back to the pool. Blocks parked here are
+/// tied to their size, so the pool may need up to this much more memory than the working set.
+pub const CACHE_LIMIT: u64 = 512 << 20;
 /// Larger blocks are not cached (rare, and they would fill the cache at once).
-const CACHE_MAX_BLOCK: usize = 256 << 20;
+const CACHE_MAX_BLOCK: usize = 64 << 20;
 
 /// Free lists of default-pool blocks by block size (see the module docs).
 ///
-/// A request takes the smallest cached block that fits with at most 1/8 to spare. On a miss, blocks
-/// of other sizes worth at least the request go back to the pool first, so parked blocks never make
-/// the pool grow: reserved memory stays at the working set (a cache that only ever held blocks
-/// raised a training run's peak reserved memory by its whole 1 GiB limit). Large outputs need the
-/// cache too: a stream-ordered pool allocation and free around a kernel cost GPU time as well
-/// (measured: a 5 MB softmax 6.6 → 7.5 µs, a 6.5 MB concat 4.1 → 5.4 µs when served by the pool).
+/// A request takes the smallest cached block that fits with at most 1/8 to spare. Large outputs
+/// need the cache too: a stream-ordered pool allocation and free around a kernel cost GPU time as
+/// well (measured: a 5 MB softmax 6.6 → 7.5 µs, a 6.5 MB concat 4.1 → 5.4 µs when served by the
+/// pool). Handing parked blocks back to the pool on every miss, to keep reserved memory at the
+/// working set, was tried and dropped: misses on data-dependent sizes then evicted activation
+/// blocks the step needed next (bf16 training steps 69 → 78 ms) for little memory saved.
 #[derive(Default)]
 pub(crate) struct BlockCache {
     free: std::collections::BTreeMap<usize, Vec<sys::CUdeviceptr>>,
@@ -61,27 +62,6 @@ impl BlockCache {
         self.free.entry(block).or_default().push(ptr);
         self.bytes += block as u64;
         true
-    }
-
-    /// Removes cached blocks, largest first, until at least `bytes` are taken out (or the cache is
-    /// empty); the caller returns them to the pool.
-    fn evict(&mut self, bytes: usize) -> Vec<sys::CUdeviceptr> {
-        let mut out = Vec::new();
-        let mut freed = 0usize;
-        while freed < bytes {
-            let Some(mut e) = self.free.last_entry() else { break };
-            let size = *e.key();
-            let p = e.get_mut().pop();
-            if e.get().is_empty() {
-                e.remove();
-            }
-            if let Some(p) = p {
-                out.push(p);
-                freed += size;
-                self.bytes -= size as u64;
-            }
-        }
-        out
     }
 
     /// Every cached block, emptying the cache.
@@ -166,21 +146,7 @@ impl DevBuf {
         // A zero-byte request still gets a distinct (tiny) allocation so pointers stay unique.
         let mut block = block_size(bytes);
         let cacheable = pool.is_none() && !dev.capturing.load(Ordering::Relaxed);
-        let cached = if cacheable {
-            let mut cache = dev.block_cache.lock().unwrap_or_else(|e| e.into_inner());
-            match cache.take(block) {
-                Some(hit) => Some(hit),
-                None => {
-                    // Miss: give parked blocks back first so the pool reuses them instead of growing.
-                    let victims = if cache.bytes >= block as u64 { cache.evict(block) } else { Vec::new() };
-                    drop(cache);
-                    free_to_pool(dev, victims);
-                    None
-                }
-            }
-        } else {
-            None
-        };
+        let cached = if cacheable { dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).take(block) } else { None };
         let ptr = match cached {
             Some((p, size)) => {
                 block = size;
@@ -455,7 +421,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn block_cache_best_fit_limits_and_eviction() {
+    fn block_cache_best_fit_and_limits() {
         let mut c = BlockCache::default();
         assert!(c.put(4096, 0x1000));
         assert!(c.put(8192, 0x2000));
@@ -471,23 +437,13 @@ mod tests {
         assert!(c.free.is_empty(), "no empty lists are kept");
         // Limits: blocks above the size cap are refused.
         assert!(!c.put(CACHE_MAX_BLOCK + 512, 0x4000));
-        // Eviction takes the largest blocks first until the request is covered.
-        for (i, size) in [1024usize, 2048, 65536, 65536, 4096].into_iter().enumerate() {
-            assert!(c.put(size, 0x10000 * (i as u64 + 1)));
-        }
-        let out = c.evict(70000);
-        assert_eq!(out, vec![0x40000, 0x30000], "both 64 KiB blocks, newest first");
-        assert_eq!(c.bytes, 1024 + 2048 + 4096);
-        assert_eq!(c.evict(1 << 30).len(), 3, "an eviction larger than the cache empties it");
-        assert_eq!(c.bytes, 0);
-        assert!(c.free.is_empty());
         // The byte limit.
         let mut c = BlockCache::default();
         let mut n = 0;
         while c.put(CACHE_MAX_BLOCK, n) {
             n += 1;
         }
-        assert_eq!(n as u64, CACHE_LIMIT / CACHE_MAX_BLOCK as u64);
+        assert_eq!(n, CACHE_LIMIT / CACHE_MAX_BLOCK as u64);
         assert_eq!(c.drain().len() as u64, n);
         assert_eq!(c.bytes, 0);
     }
