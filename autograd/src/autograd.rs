@@ -102,37 +102,40 @@ fn next_node_id() -> u64 {
 /// input requires a gradient (otherwise the outputs are returned unchanged). Backward closures
 /// capture *detached* handles, so a node never owns the tensors that own it (no Arc cycles).
 pub(crate) fn record(inputs: &[&Tensor], outputs: Vec<Tensor>, op: impl BackwardOp + 'static) -> Vec<Tensor> {
-    let track = is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
-    if !track {
+    if !tracking(inputs) {
         return outputs;
     }
-    let node = Arc::new(Node {
-        id: next_node_id(),
-        op: Box::new(op),
-        inputs: inputs.iter().map(|t| if t.requires_grad() { Some((*t).clone()) } else { None }).collect(),
-        num_outputs: outputs.len(),
-    });
-    outputs
-        .iter()
-        .enumerate()
-        .map(|(i, t)| Tensor::build(t.0.storage.clone(), t.shape().clone(), false, Some(GradFn { node: node.clone(), index: i })))
-        .collect()
+    let node = new_node(inputs, Box::new(op), outputs.len());
+    outputs.iter().enumerate().map(|(i, t)| with_history(t, &node, i)).collect()
 }
 
 /// Single-output convenience for [`record`].
 /// (No intermediate vectors: this runs for every recorded op, on the eager launch path.)
 pub(crate) fn record1(inputs: &[&Tensor], output: Tensor, op: impl BackwardOp + 'static) -> Tensor {
-    let track = is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
-    if !track {
+    if !tracking(inputs) {
         return output;
     }
-    let node = Arc::new(Node {
+    with_history(&output, &new_node(inputs, Box::new(op), 1), 0)
+}
+
+/// Whether an op over `inputs` is recorded: grad mode is on and some input needs a gradient.
+fn tracking(inputs: &[&Tensor]) -> bool {
+    is_grad_enabled() && inputs.iter().any(|t| t.requires_grad())
+}
+
+/// The node for `op` over `inputs` (keeping the inputs that need gradients).
+fn new_node(inputs: &[&Tensor], op: Box<dyn BackwardOp>, num_outputs: usize) -> Arc<Node> {
+    Arc::new(Node {
         id: next_node_id(),
-        op: Box::new(op),
+        op,
         inputs: inputs.iter().map(|t| if t.requires_grad() { Some((*t).clone()) } else { None }).collect(),
-        num_outputs: 1,
-    });
-    Tensor::build(output.0.storage.clone(), output.shape().clone(), false, Some(GradFn { node, index: 0 }))
+        num_outputs,
+    })
+}
+
+/// A new handle on `t`'s storage that is output `index` of `node`.
+fn with_history(t: &Tensor, node: &Arc<Node>, index: usize) -> Tensor {
+    Tensor::build(t.0.storage.clone(), t.shape().clone(), false, Some(GradFn { node: node.clone(), index }))
 }
 
 /// Connects already computed `outputs` to `inputs` through a custom backward (e.g. a replayed
@@ -148,21 +151,11 @@ pub fn attach_custom_node(op: Arc<dyn BackwardOp>, inputs: &[&Tensor], outputs: 
             self.0.backward(g)
         }
     }
-    let track = is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
-    if !track {
+    if !tracking(inputs) {
         return outputs.iter().map(|t| t.detach()).collect();
     }
-    let node = Arc::new(Node {
-        id: next_node_id(),
-        op: Box::new(Shared(op)),
-        inputs: inputs.iter().map(|t| if t.requires_grad() { Some((*t).clone()) } else { None }).collect(),
-        num_outputs: outputs.len(),
-    });
-    outputs
-        .iter()
-        .enumerate()
-        .map(|(i, t)| Tensor::build(t.0.storage.clone(), t.shape().clone(), false, Some(GradFn { node: node.clone(), index: i })))
-        .collect()
+    let node = new_node(inputs, Box::new(Shared(op)), outputs.len());
+    outputs.iter().enumerate().map(|(i, t)| with_history(t, &node, i)).collect()
 }
 
 /// Nodes reachable from `root`, parents after children (reverse gives a valid processing order).

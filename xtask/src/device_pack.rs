@@ -30,22 +30,19 @@ for t in test_*; do
   grep -E "^(ok |bench |skipping|test result|test .* FAILED|failures:|.*panicked|loss case|warning: ptl-capture)" "$OUT/$t.log" | cut -c1-400
   [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/$t.log"; }
 done
-# Teardown safety (capture.md I14) under the memory checker.
+# Under the memory checker: teardown safety (capture.md I14) and the allocator's block cache
+# (reuse across an eager/captured boundary).
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+memcheck() { # log-name binary filter
+  echo "=== compute-sanitizer memcheck: $2 $3"
+  timeout 300 "$SAN" --tool memcheck --error-exitcode 7 ./"$2" "$3" --test-threads=1 --nocapture > "$OUT/sanitizer_$1.log" 2>&1
+  local rc=$?
+  grep -E "ERROR SUMMARY|^ok |test result" "$OUT/sanitizer_$1.log"
+  [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/sanitizer_$1.log"; }
+}
 if [ -n "$SAN" ] && [ -x test_capture_cuda_capture ] && [ "${SKIP_SANITIZER:-0}" != 1 ]; then
-  echo "=== compute-sanitizer memcheck: test_capture_cuda_capture t14"
-  timeout 300 "$SAN" --tool memcheck --error-exitcode 7 ./test_capture_cuda_capture t14 --test-threads=1 --nocapture \
-      > "$OUT/sanitizer_t14.log" 2>&1
-  rc=$?
-  grep -E "ERROR SUMMARY|^ok |test result" "$OUT/sanitizer_t14.log"
-  [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/sanitizer_t14.log"; }
-  # The allocator's block cache: reuse across an eager/captured boundary under the memory checker.
-  echo "=== compute-sanitizer memcheck: test_autograd_cuda_ops block_cache"
-  timeout 300 "$SAN" --tool memcheck --error-exitcode 7 ./test_autograd_cuda_ops block_cache --test-threads=1 --nocapture \
-      > "$OUT/sanitizer_block_cache.log" 2>&1
-  rc=$?
-  grep -E "ERROR SUMMARY|test result" "$OUT/sanitizer_block_cache.log"
-  [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/sanitizer_block_cache.log"; }
+  memcheck t14 test_capture_cuda_capture t14
+  memcheck block_cache test_autograd_cuda_ops block_cache
 else
   echo "memcheck runs skipped (SKIP_SANITIZER=1, or no compute-sanitizer on this machine)"
 fi

@@ -17,7 +17,7 @@ use cudarc::cublas::{result as br, sys as bs};
 use cudarc::cublaslt::{result as lr, sys as ls};
 
 use super::alloc::DevBuf;
-use super::device::{cu_err, Dev};
+use super::device::{count_path, cu_err, Dev, LibPath};
 use super::CudaStorage;
 use crate::backend::MatmulParams;
 use crate::{DType, Error, Result};
@@ -174,22 +174,11 @@ pub(crate) fn handle(dev: &Arc<Dev>) -> Result<bs::cublasHandle_t> {
     guard.as_ref().map(|b| b.handle).ok_or_else(|| Error::Cuda("cuBLAS handle".into()))
 }
 
-thread_local! {
-    /// GEMMs queued by this thread through cuBLASLt and through the classic cuBLAS API.
-    static PATHS: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
-}
-
 /// How many GEMMs (matmul, bmm, 1×1 convolutions) the calling thread ran through cuBLASLt and how
 /// many through the classic cuBLAS API (`(lt, classic)`), to check which path is in use.
 pub fn gemm_paths() -> (u64, u64) {
-    PATHS.with(|c| c.get())
-}
-
-fn count(lt: bool) {
-    PATHS.with(|c| {
-        let (a, b) = c.get();
-        c.set(if lt { (a + 1, b) } else { (a, b + 1) });
-    });
+    let c = super::device::path_counts();
+    (c[LibPath::GemmLt as usize], c[LibPath::GemmClassic as usize])
 }
 pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Result<CudaStorage> {
     if a.dtype != b.dtype {
@@ -250,10 +239,10 @@ pub(crate) fn gemm(dev: &Arc<Dev>, dtype: DType, p: &MatmulParams, pa: u64, pb: 
                 )
             }
             .map_err(|e| cu_err("cublasLtMatmul", e))
-            .map(|()| count(true));
+            .map(|()| count_path(LibPath::GemmLt));
         }
     }
-    count(false);
+    count_path(LibPath::GemmClassic);
     let h = blas.handle;
     // Row-major C (m×n) = op(A)·op(B) is column-major Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ.
     let (m, n, k) = (p.m as i32, p.n as i32, p.k as i32);

@@ -20,7 +20,7 @@ use cudarc::cudnn::{result as nr, sys as ns};
 
 use super::alloc::DevBuf;
 pub(crate) use super::conv_graph::Dir;
-use super::device::{cu_err, Dev};
+use super::device::{count_path, cu_err, Dev, LibPath};
 use super::CudaStorage;
 use crate::backend::Conv2dParams;
 use crate::{DType, Error, Result};
@@ -299,23 +299,12 @@ impl Dnn {
     }
 }
 
-thread_local! {
-    /// cuDNN convolutions queued by this thread through the graph API and the legacy API.
-    static PATHS: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
-}
-
 /// How many cuDNN convolutions (any direction and dtype; 1×1 GEMMs not counted) the calling thread
 /// ran through the graph API and how many through the legacy API (`(graph, legacy)`), to check
 /// which path is in use.
 pub fn conv_paths() -> (u64, u64) {
-    PATHS.with(|c| c.get())
-}
-
-fn count(graph: bool) {
-    PATHS.with(|c| {
-        let (g, l) = c.get();
-        c.set(if graph { (g + 1, l) } else { (g, l + 1) });
-    });
+    let c = super::device::path_counts();
+    (c[LibPath::ConvGraph as usize], c[LibPath::ConvLegacy as usize])
 }
 
 /// `PTL_CUDNN_LEGACY=1`: every convolution uses the legacy API (for comparison).
@@ -388,11 +377,11 @@ pub(crate) fn run_into(
             };
             let ws = dnn.workspace.get(dev, gp.workspace_bytes())?;
             gp.execute(h, x, w, y, ws)?;
-            count(true);
+            count_path(LibPath::ConvGraph);
             return Ok(out);
         }
     }
-    count(false);
+    count_path(LibPath::ConvLegacy);
     let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
     let plan = dnn.plan(dev, p, dt, dir, (pa, pb, po))?;
     let ws_bytes = plan.ws_bytes;

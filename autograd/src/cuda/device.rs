@@ -64,6 +64,32 @@ pub(crate) fn nvrtc_options(major: i32, minor: i32) -> cudarc::nvrtc::CompileOpt
     }
 }
 
+/// Library calls that took the fast path or the fallback, counted per thread (diagnostics: tests
+/// and benchmarks check which path ran). Indexed by [`LibPath`].
+#[derive(Clone, Copy)]
+pub(crate) enum LibPath {
+    ConvGraph,
+    ConvLegacy,
+    GemmLt,
+    GemmClassic,
+}
+
+thread_local! {
+    static LIB_PATHS: std::cell::Cell<[u64; 4]> = const { std::cell::Cell::new([0; 4]) };
+}
+
+pub(crate) fn count_path(p: LibPath) {
+    LIB_PATHS.with(|c| {
+        let mut v = c.get();
+        v[p as usize] += 1;
+        c.set(v);
+    });
+}
+
+pub(crate) fn path_counts() -> [u64; 4] {
+    LIB_PATHS.with(|c| c.get())
+}
+
 /// Channels the one-launch batch-norm statistics kernel handles (more: two launches).
 pub(crate) const BN_TICKETS: usize = 65535;
 

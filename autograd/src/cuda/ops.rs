@@ -358,18 +358,17 @@ pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage
     dev.launch1d(f, n, &mut args!(px, py, nn, g))
 }
 
+/// The widest access (16, 8, 4, 2 or 1 bytes) that divides `all` (the OR of every size, pitch,
+/// offset and base address involved).
+fn access_width(all: u64) -> usize {
+    [16usize, 8, 4, 2, 1].into_iter().find(|v| all.is_multiple_of(*v as u64)).unwrap_or(1)
+}
+
 /// Copies `h` rows of `w` bytes from `sb` (pitch `sp`) to `db` (pitch `dp`) with the widest
 /// access (16/8/4/2/1 bytes) that divides the width, both pitches and both base addresses.
 fn copy_rows(dev: &Arc<Dev>, sb: u64, db: u64, h: usize, w: usize, sp: usize, dp: usize) -> Result<()> {
-    let all = (w | sp | dp) as u64 | sb | db;
-    let v = [16usize, 8, 4, 2, 1].into_iter().find(|v| all.is_multiple_of(*v as u64)).unwrap_or(1);
-    let name = match v {
-        16 => "copy2d_v16",
-        8 => "copy2d_v8",
-        4 => "copy2d_v4",
-        2 => "copy2d_v2",
-        _ => "copy2d_v1",
-    };
+    let v = access_width((w | sp | dp) as u64 | sb | db);
+    let name = ["copy2d_v1", "copy2d_v2", "copy2d_v4", "copy2d_v8", "copy2d_v16"][v.trailing_zeros() as usize];
     let total = h * (w / v);
     if total == 0 {
         return Ok(());
@@ -416,14 +415,8 @@ pub(crate) fn cat_rows(dst: &CudaStorage, rows: usize, srcs: &[(u64, usize)]) ->
         all |= p | w as u64 | off as u64;
         off += w;
     }
-    let v = [16usize, 8, 4, 2, 1].into_iter().find(|v| all.is_multiple_of(*v as u64)).unwrap_or(1);
-    let name = match v {
-        16 => "cat_rows_v16",
-        8 => "cat_rows_v8",
-        4 => "cat_rows_v4",
-        2 => "cat_rows_v2",
-        _ => "cat_rows_v1",
-    };
+    let v = access_width(all);
+    let name = ["cat_rows_v1", "cat_rows_v2", "cat_rows_v4", "cat_rows_v8", "cat_rows_v16"][v.trailing_zeros() as usize];
     let mut a = CatArgs::default();
     let mut off = 0usize;
     let mut most = 0usize;
@@ -937,4 +930,23 @@ pub(crate) fn upsample_nearest2d(x: &CudaStorage, shape: [usize; 4], f: usize, b
     u32c(op, n_in * f * f)?;
     dev.launch1d(k, n_in, &mut args!(px, py, nn, h, w, ff))?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::access_width;
+
+    #[test]
+    fn access_width_is_the_widest_common_divisor() {
+        assert_eq!(access_width(0), 16);
+        assert_eq!(access_width(4096 | 1600), 16);
+        assert_eq!(access_width(24), 8);
+        assert_eq!(access_width(12), 4);
+        assert_eq!(access_width(6), 2);
+        assert_eq!(access_width(0x1000 | 3), 1);
+        // Kernel-name tables are indexed by log2 of the width.
+        for (v, k) in [(1usize, 0u32), (2, 1), (4, 2), (8, 3), (16, 4)] {
+            assert_eq!(v.trailing_zeros(), k);
+        }
+    }
 }
