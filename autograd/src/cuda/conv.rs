@@ -3,14 +3,12 @@
 //! engines, a few µs of host time per call); this file's legacy-API path (NCHW) serves f64 and any
 //! shape the graph API has no deterministic engine for (`PTL_CUDNN_LEGACY=1` forces it).
 //!
-//! Legacy path: only deterministic algorithms are eligible. By default the choice is cuDNN's
-//! heuristic ranking, which is identical in every process, so a fixed seed gives the same bytes run
-//! to run (a timed choice can differ between processes and with it the rounding).
-//! `PTL_CUDNN_BENCHMARK=1` (like `cudnn.benchmark`) times the deterministic candidates once per
-//! (shape, dtype, direction) with `cudnnFind*AlgorithmEx` on the call's own buffers (first, eager
-//! call — never inside a capture) and keeps the fastest. f32 uses `CUDNN_FMA_MATH` (true FP32, no
-//! TF32), f16/bf16 tensor cores with an f32 compute type, f64 the double path. Each plan owns its
-//! workspace, so a captured step never allocates inside cuDNN.
+//! Legacy path: only deterministic algorithms, in cuDNN's heuristic ranking (identical in every
+//! process, so a fixed seed gives the same bytes run to run). f32 uses `CUDNN_FMA_MATH` (true FP32,
+//! no TF32), f16/bf16 tensor cores with an f32 compute type, f64 the double path. (A timed choice,
+//! `PTL_CUDNN_BENCHMARK`, existed while every convolution went this way; it was dropped when the
+//! graph API took over, since it had come to time only f64 and fallback shapes.) All plans share one
+//! workspace ([`Workspace`]), so a captured step never allocates inside cuDNN.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -32,9 +30,8 @@ enum Algo {
     W(ns::cudnnConvolutionBwdFilterAlgo_t),
 }
 
-/// Raw (a, b, out) device pointers of the call that creates a plan.
-type Bufs = (*const c_void, *const c_void, *mut c_void);
-
+/// Descriptors live as long as the process (plans are never dropped), so a plan is a plain copy.
+#[derive(Clone, Copy)]
 struct Plan {
     x: ns::cudnnTensorDescriptor_t,
     y: ns::cudnnTensorDescriptor_t,
@@ -87,8 +84,6 @@ pub(crate) struct Dnn {
 unsafe impl Send for Dnn {}
 
 const MAX_WS: usize = 512 << 20;
-/// Scratch workspace for measuring candidate algorithms.
-const FIND_WS: usize = 256 << 20;
 
 fn ndt(dt: DType) -> Result<ns::cudnnDataType_t> {
     Ok(match dt {
@@ -117,17 +112,18 @@ impl Dnn {
         Ok(Dnn { handle, workspace: Workspace::default(), plans: HashMap::new(), graph_plans: HashMap::new() })
     }
 
-    fn plan(&mut self, dev: &Arc<Dev>, p: &Conv2dParams, dt: DType, dir: Dir, bufs: Bufs) -> Result<&Plan> {
+    /// The cached legacy plan for (`p`, `dt`, `dir`), built on first use.
+    fn plan(&mut self, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<Plan> {
         let key = (*p, dt, dir);
-        if !self.plans.contains_key(&key) {
-            let plan = self.make_plan(dev, p, dt, dir, bufs)?;
-            self.plans.insert(key, plan);
+        if let Some(plan) = self.plans.get(&key) {
+            return Ok(*plan);
         }
-        self.plans.get(&key).ok_or_else(|| Error::Cuda("conv plan cache".into()))
+        let plan = self.make_plan(p, dt, dir)?;
+        self.plans.insert(key, plan);
+        Ok(plan)
     }
 
-    fn make_plan(&self, dev: &Arc<Dev>, p: &Conv2dParams, dt: DType, dir: Dir, bufs: Bufs) -> Result<Plan> {
-        // bufs: Fwd (x, w, y); BwdData (dy, w, dx); BwdFilter (dy, x, dw).
+    fn make_plan(&self, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<Plan> {
         let t = ndt(dt)?;
         let nchw = ns::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
         let i = |v: usize| v as i32;
@@ -172,23 +168,11 @@ impl Dnn {
             let okst = ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
             let h = self.handle;
             let mut cnt = 0i32;
-            // Candidates are measured once per plan with cudnnFind*Ex on the real buffers and a
-            // scratch workspace (eager only, before any capture); only deterministic algorithms
-            // are eligible. Only with PTL_CUDNN_BENCHMARK=1 (the default is the heuristic ranking,
-            // the same in every process).
-            let measure = std::env::var("PTL_CUDNN_BENCHMARK").map(|v| v == "1").unwrap_or(false);
-            let scratch = if measure { DevBuf::alloc(dev, FIND_WS).ok() } else { None };
-            let (sp, sb) = scratch.as_ref().map(|b| (b.ptr as *mut c_void, FIND_WS)).unwrap_or((std::ptr::null_mut(), 0));
+            // cuDNN's heuristic ranking (the same in every process); the first deterministic pick.
             macro_rules! choose {
-                ($perf_t:ty, $find:expr, $heur:expr, $wsq:expr, $wrap:path, $what:literal) => {{
+                ($perf_t:ty, $heur:expr, $wsq:expr, $wrap:path, $what:literal) => {{
                     let mut perf = vec![std::mem::zeroed::<$perf_t>(); 16];
-                    let found = measure && scratch.is_some() && {
-                        cnt = 0;
-                        $find(&mut perf, &mut cnt)
-                    };
-                    if !found {
-                        $heur(&mut perf, &mut cnt).map_err(e(concat!("cuDNN ", $what, " heuristics")))?;
-                    }
+                    $heur(&mut perf, &mut cnt).map_err(e(concat!("cuDNN ", $what, " heuristics")))?;
                     let pick = perf[..cnt.max(0) as usize]
                         .iter()
                         .find(|q| q.status == okst && q.determinism == det && math_ok(q.mathType) && q.memory <= MAX_WS)
@@ -202,23 +186,6 @@ impl Dnn {
             let (algo, math, ws_bytes) = match dir {
                 Dir::Fwd => choose!(
                     ns::cudnnConvolutionFwdAlgoPerf_t,
-                    |perf: &mut Vec<ns::cudnnConvolutionFwdAlgoPerf_t>, cnt: &mut i32| ns::cudnnFindConvolutionForwardAlgorithmEx(
-                        h,
-                        x,
-                        bufs.0,
-                        w,
-                        bufs.1,
-                        conv,
-                        y,
-                        bufs.2,
-                        16,
-                        cnt,
-                        perf.as_mut_ptr(),
-                        sp,
-                        sb
-                    )
-                    .result()
-                    .is_ok(),
                     |perf: &mut Vec<ns::cudnnConvolutionFwdAlgoPerf_t>, cnt: &mut i32| nr::get_convolution_forward_algorithm(
                         h,
                         x,
@@ -233,57 +200,17 @@ impl Dnn {
                     Algo::F,
                     "forward"
                 ),
-                Dir::BwdData => {
-                    choose!(
-                        ns::cudnnConvolutionBwdDataAlgoPerf_t,
-                        |perf: &mut Vec<ns::cudnnConvolutionBwdDataAlgoPerf_t>, cnt: &mut i32| {
-                            ns::cudnnFindConvolutionBackwardDataAlgorithmEx(
-                                h,
-                                w,
-                                bufs.1,
-                                y,
-                                bufs.0,
-                                conv,
-                                x,
-                                bufs.2,
-                                16,
-                                cnt,
-                                perf.as_mut_ptr(),
-                                sp,
-                                sb,
-                            )
-                            .result()
-                            .is_ok()
-                        },
-                        |perf: &mut Vec<ns::cudnnConvolutionBwdDataAlgoPerf_t>, cnt: &mut i32| {
-                            nr::get_convolution_backward_data_algorithm(h, w, y, conv, x, 16, cnt, perf.as_mut_ptr())
-                        },
-                        |a| nr::get_convolution_backward_data_workspace_size(h, w, y, conv, x, a),
-                        Algo::D,
-                        "backward-data"
-                    )
-                }
+                Dir::BwdData => choose!(
+                    ns::cudnnConvolutionBwdDataAlgoPerf_t,
+                    |perf: &mut Vec<ns::cudnnConvolutionBwdDataAlgoPerf_t>, cnt: &mut i32| {
+                        nr::get_convolution_backward_data_algorithm(h, w, y, conv, x, 16, cnt, perf.as_mut_ptr())
+                    },
+                    |a| nr::get_convolution_backward_data_workspace_size(h, w, y, conv, x, a),
+                    Algo::D,
+                    "backward-data"
+                ),
                 Dir::BwdFilter => choose!(
                     ns::cudnnConvolutionBwdFilterAlgoPerf_t,
-                    |perf: &mut Vec<ns::cudnnConvolutionBwdFilterAlgoPerf_t>, cnt: &mut i32| {
-                        ns::cudnnFindConvolutionBackwardFilterAlgorithmEx(
-                            h,
-                            x,
-                            bufs.1,
-                            y,
-                            bufs.0,
-                            conv,
-                            w,
-                            bufs.2,
-                            16,
-                            cnt,
-                            perf.as_mut_ptr(),
-                            sp,
-                            sb,
-                        )
-                        .result()
-                        .is_ok()
-                    },
                     |perf: &mut Vec<ns::cudnnConvolutionBwdFilterAlgoPerf_t>, cnt: &mut i32| {
                         nr::get_convolution_backward_filter_algorithm(h, x, y, conv, w, 16, cnt, perf.as_mut_ptr())
                     },
@@ -292,7 +219,6 @@ impl Dnn {
                     "backward-filter"
                 ),
             };
-            drop(scratch);
             let _ = math;
             Ok(Plan { x, y, w, conv, algo, ws_bytes })
         }
@@ -383,10 +309,8 @@ pub(crate) fn run_into(
     }
     count_path(LibPath::ConvLegacy);
     let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
-    let plan = dnn.plan(dev, p, dt, dir, (pa, pb, po))?;
-    let ws_bytes = plan.ws_bytes;
-    let ws = dnn.workspace.get(dev, ws_bytes)? as *mut c_void;
-    let plan = dnn.plans.get(&(*p, dt, dir)).ok_or_else(|| Error::Cuda("conv plan cache".into()))?;
+    let plan = dnn.plan(p, dt, dir)?;
+    let ws = dnn.workspace.get(dev, plan.ws_bytes)? as *mut c_void;
     let (af, bf) = (1f32, 0f32);
     let (ad, bd) = (1f64, 0f64);
     let (alpha, beta) = if dt == DType::F64 {

@@ -70,6 +70,19 @@ impl Desc {
         check_set(name, unsafe { ns::cudnnBackendSetAttribute(self.0, name, ty, vals.len() as i64, vals.as_ptr() as *const c_void) })
     }
 
+    /// Reads attribute `name` into `out` (values of the C type `ty`); returns how many were
+    /// written (with an empty `out`: how many there are).
+    fn get<V>(&self, name: A, ty: T, out: &mut [V]) -> Result<usize> {
+        let mut n = 0i64;
+        let ptr = if out.is_empty() { std::ptr::null_mut() } else { out.as_mut_ptr() as *mut c_void };
+        // SAFETY: `out` has room for `len` elements of the C type `ty` (checked by each caller).
+        let st = unsafe { ns::cudnnBackendGetAttribute(self.0, name, ty, out.len() as i64, &mut n, ptr) };
+        if st != ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+            return Err(Error::Cuda(format!("cuDNN graph API: get {name:?}: {st:?}")));
+        }
+        Ok(n.max(0) as usize)
+    }
+
     fn set_desc(&self, name: A, d: &Desc) -> Result<()> {
         self.set(name, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &[d.0])
     }
@@ -171,35 +184,15 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
     heur.set_desc(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &graph)?;
     heur.set(A::CUDNN_ATTR_ENGINEHEUR_MODE, T::CUDNN_TYPE_HEUR_MODE, &[ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_INSTANT])?;
     heur.finalize("engine heuristics")?;
-    let mut count = 0i64;
-    // SAFETY: a count query (no array).
-    check("heuristic result count", unsafe {
-        ns::cudnnBackendGetAttribute(
-            heur.0,
-            A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-            T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            0,
-            &mut count,
-            std::ptr::null_mut(),
-        )
-    })?;
-    let cfgs: Vec<Desc> = (0..count.clamp(0, 64)).map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)).collect::<Result<_>>()?;
+    let results = (A::CUDNN_ATTR_ENGINEHEUR_RESULTS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR);
+    let count = heur.get::<ns::cudnnBackendDescriptor_t>(results.0, results.1, &mut [])?;
+    let cfgs: Vec<Desc> = (0..count.min(64)).map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)).collect::<Result<_>>()?;
+    // cuDNN fills the created engine-config descriptors.
     let mut raw: Vec<ns::cudnnBackendDescriptor_t> = cfgs.iter().map(|c| c.0).collect();
-    let mut got = 0i64;
-    // SAFETY: `raw` holds `cfgs.len()` created engine-config descriptors for cuDNN to fill.
-    check("heuristic results", unsafe {
-        ns::cudnnBackendGetAttribute(
-            heur.0,
-            A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-            T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            raw.len() as i64,
-            &mut got,
-            raw.as_mut_ptr() as *mut c_void,
-        )
-    })?;
+    let got = heur.get(results.0, results.1, &mut raw)?;
     let mut why = Vec::new();
     let mut chosen = None;
-    for (k, cfg) in cfgs.iter().take(got.max(0) as usize).enumerate() {
+    for (k, cfg) in cfgs.iter().take(got).enumerate() {
         match try_engine(handle, cfg, dt) {
             Ok((plan, ws_bytes, engine)) => {
                 chosen = Some((plan, ws_bytes, engine));
@@ -273,61 +266,24 @@ fn operation(dir: Dir, x: &Desc, w: &Desc, y: &Desc, conv: &Desc) -> Result<Desc
 /// Checks one heuristic result: its engine's numerical notes, then whether a plan builds.
 fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::Result<(Desc, usize, Desc), String> {
     let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR).map_err(|e| e.to_string())?;
-    let mut n = 0i64;
-    let mut e = engine.0;
-    // SAFETY: `e` is a created engine descriptor for cuDNN to fill.
-    let st = unsafe {
-        ns::cudnnBackendGetAttribute(
-            cfg.0,
-            A::CUDNN_ATTR_ENGINECFG_ENGINE,
-            T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            1,
-            &mut n,
-            &mut e as *mut _ as *mut c_void,
-        )
-    };
-    if st != ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
-        return Err(format!("engine unreadable ({st:?})"));
-    }
+    // cuDNN fills the created engine descriptor.
+    cfg.get(A::CUDNN_ATTR_ENGINECFG_ENGINE, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &mut [engine.0])
+        .map_err(|e| format!("engine unreadable ({e})"))?;
     let mut notes = [ns::cudnnBackendNumericalNote_t::CUDNN_NUMERICAL_NOTE_TYPE_COUNT; 16];
-    let mut nn = 0i64;
-    // SAFETY: `notes` has room for 16 notes.
-    let st = unsafe {
-        ns::cudnnBackendGetAttribute(
-            engine.0,
-            A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
-            T::CUDNN_TYPE_NUMERICAL_NOTE,
-            notes.len() as i64,
-            &mut nn,
-            notes.as_mut_ptr() as *mut c_void,
-        )
-    };
-    if st != ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
-        return Err(format!("notes unreadable ({st:?})"));
-    }
-    if let Some(bad) = notes[..nn.clamp(0, 16) as usize].iter().find(|n| excluded(**n, dt)) {
+    let nn = engine
+        .get(A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, T::CUDNN_TYPE_NUMERICAL_NOTE, &mut notes)
+        .map_err(|e| format!("notes unreadable ({e})"))?;
+    if let Some(bad) = notes[..nn.min(16)].iter().find(|n| excluded(**n, dt)) {
         return Err(format!("{bad:?}"));
     }
     let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR).map_err(|e| e.to_string())?;
     plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, T::CUDNN_TYPE_HANDLE, &[handle]).map_err(|e| e.to_string())?;
     plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg).map_err(|e| e.to_string())?;
     plan.finalize("execution plan").map_err(|e| e.to_string())?;
-    let mut ws = 0i64;
-    let mut wn = 0i64;
-    // SAFETY: one int64.
-    let st = unsafe {
-        ns::cudnnBackendGetAttribute(
-            plan.0,
-            A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-            T::CUDNN_TYPE_INT64,
-            1,
-            &mut wn,
-            &mut ws as *mut i64 as *mut c_void,
-        )
-    };
-    if st != ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
-        return Err(format!("workspace size unreadable ({st:?})"));
-    }
+    let mut ws = [0i64];
+    plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, T::CUDNN_TYPE_INT64, &mut ws)
+        .map_err(|e| format!("workspace size unreadable ({e})"))?;
+    let ws = ws[0];
     if ws > MAX_WS {
         return Err(format!("workspace {ws} bytes"));
     }
