@@ -49,11 +49,13 @@ struct LtPlan {
 
 impl Drop for LtPlan {
     fn drop(&mut self) {
-        // SAFETY: created in `lt_plan`, destroyed once.
+        // SAFETY: created in `build_lt_plan` (null when a build stopped before it), destroyed once.
         unsafe {
-            let _ = lr::destroy_matrix_layout(self.a);
-            let _ = lr::destroy_matrix_layout(self.b);
-            let _ = lr::destroy_matrix_layout(self.c);
+            for l in [self.a, self.b, self.c] {
+                if !l.is_null() {
+                    let _ = lr::destroy_matrix_layout(l);
+                }
+            }
             let _ = lr::destroy_matmul_desc(self.desc);
         }
     }
@@ -101,32 +103,33 @@ fn build_lt_plan(lt: ls::cublasLtHandle_t, (p, dt, c_f32): LtKey) -> std::result
     // Stored (pre-op) shapes in the column-major view.
     let (a_rows, a_cols) = if p.rhs_t { (k, n) } else { (n, k) };
     let (b_rows, b_cols) = if p.lhs_t { (m, k) } else { (k, m) };
-    let desc = lr::create_matmul_desc(ls::cublasComputeType_t::CUBLAS_COMPUTE_32F, ls::cudaDataType::CUDA_R_32F)?;
-    let a = lr::create_matrix_layout(t, a_rows, a_cols, a_rows as i64)?;
-    let b = lr::create_matrix_layout(t, b_rows, b_cols, b_rows as i64)?;
-    let c = lr::create_matrix_layout(ct, n, m, n as i64)?;
+    // Built up in place: on an error, dropping the partial plan releases what exists.
+    let mut plan = LtPlan {
+        desc: lr::create_matmul_desc(ls::cublasComputeType_t::CUBLAS_COMPUTE_32F, ls::cudaDataType::CUDA_R_32F)?,
+        a: std::ptr::null_mut(),
+        b: std::ptr::null_mut(),
+        c: std::ptr::null_mut(),
+        // SAFETY: plain data, overwritten by the heuristic's pick below.
+        algo: unsafe { std::mem::zeroed() },
+        ws: 0,
+    };
+    plan.a = lr::create_matrix_layout(t, a_rows, a_cols, a_rows as i64)?;
+    plan.b = lr::create_matrix_layout(t, b_rows, b_cols, b_rows as i64)?;
+    plan.c = lr::create_matrix_layout(ct, n, m, n as i64)?;
     let batch = p.batch() as i32;
     let strides = [
-        (a, if p.rhs_batch == 1 { 0 } else { (p.k * p.n) as i64 }),
-        (b, if p.lhs_batch == 1 { 0 } else { (p.m * p.k) as i64 }),
-        (c, (p.m * p.n) as i64),
+        (plan.a, if p.rhs_batch == 1 { 0 } else { (p.k * p.n) as i64 }),
+        (plan.b, if p.lhs_batch == 1 { 0 } else { (p.m * p.k) as i64 }),
+        (plan.c, (p.m * p.n) as i64),
     ];
-    let sz = |v: usize| v;
     // SAFETY: descriptors created above; attribute buffers are the documented C types.
     unsafe {
-        let (ta, tb) = (op(p.rhs_t) as i32, op(p.lhs_t) as i32);
-        lr::set_matmul_desc_attribute(
-            desc,
-            ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-            &ta as *const i32 as *const c_void,
-            sz(4),
-        )?;
-        lr::set_matmul_desc_attribute(
-            desc,
-            ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-            &tb as *const i32 as *const c_void,
-            sz(4),
-        )?;
+        for (attr, t) in [
+            (ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, op(p.rhs_t) as i32),
+            (ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, op(p.lhs_t) as i32),
+        ] {
+            lr::set_matmul_desc_attribute(plan.desc, attr, &t as *const i32 as *const c_void, 4)?;
+        }
         for (l, stride) in strides {
             lr::set_matrix_layout_attribute(
                 l,
@@ -149,29 +152,30 @@ fn build_lt_plan(lt: ls::cublasLtHandle_t, (p, dt, c_f32): LtKey) -> std::result
             &ws as *const u64 as *const c_void,
             8,
         )
-        .and_then(|()| lr::get_matmul_algo_heuristic(lt, desc, a, b, c, c, pref));
+        .and_then(|()| lr::get_matmul_algo_heuristic(lt, plan.desc, plan.a, plan.b, plan.c, plan.c, pref));
         let _ = lr::destroy_matmul_pref(pref);
-        match heur {
-            Ok(h) => Ok(LtPlan { desc, a, b, c, algo: h.algo, ws: h.workspaceSize }),
-            Err(e) => {
-                let _ = lr::destroy_matrix_layout(a);
-                let _ = lr::destroy_matrix_layout(b);
-                let _ = lr::destroy_matrix_layout(c);
-                let _ = lr::destroy_matmul_desc(desc);
-                Err(e)
-            }
-        }
+        let h = heur?;
+        plan.algo = h.algo;
+        plan.ws = h.workspaceSize;
     }
+    Ok(plan)
 }
 
-/// The device's cuBLAS handle (created on first use). Callers serialise on the compute stream.
-pub(crate) fn handle(dev: &Arc<Dev>) -> Result<bs::cublasHandle_t> {
+/// Runs `f` on the device's cuBLAS state (created on first use) under its lock.
+fn with_blas<R>(dev: &Arc<Dev>, f: impl FnOnce(&mut Blas) -> Result<R>) -> Result<R> {
     dev.bind()?;
     let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
-    if guard.is_none() {
-        *guard = Some(Blas::new(dev)?);
-    }
-    guard.as_ref().map(|b| b.handle).ok_or_else(|| Error::Cuda("cuBLAS handle".into()))
+    let blas = match guard.as_mut() {
+        Some(b) => b,
+        None => guard.insert(Blas::new(dev)?),
+    };
+    f(blas)
+}
+
+/// The device's cuBLAS handle (for the host-cost probe's bare calls; callers serialise on the
+/// compute stream).
+pub(crate) fn handle(dev: &Arc<Dev>) -> Result<bs::cublasHandle_t> {
+    with_blas(dev, |b| Ok(b.handle))
 }
 
 /// How many GEMMs (matmul, bmm, 1×1 convolutions) the calling thread ran through cuBLASLt and how
@@ -205,13 +209,22 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
 /// `c_f32`, half inputs write an f32 `C` (for accumulation across calls).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(dev: &Arc<Dev>, dtype: DType, p: &MatmulParams, pa: u64, pb: u64, pc: u64, beta: f32, c_f32: bool) -> Result<()> {
-    dev.bind()?;
+    with_blas(dev, |blas| gemm_on(blas, dev, dtype, p, pa, pb, pc, beta, c_f32))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_on(
+    blas: &mut Blas,
+    dev: &Arc<Dev>,
+    dtype: DType,
+    p: &MatmulParams,
+    pa: u64,
+    pb: u64,
+    pc: u64,
+    beta: f32,
+    c_f32: bool,
+) -> Result<()> {
     let batch = p.batch();
-    let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
-    if guard.is_none() {
-        *guard = Some(Blas::new(dev)?);
-    }
-    let blas = guard.as_mut().ok_or_else(|| Error::Cuda("cuBLAS handle".into()))?;
     if lt_type(dtype).is_some() {
         let (lt, stream, ws) = (blas.lt, dev.cu_stream as ls::cudaStream_t, blas.workspace.ptr);
         if let (Some(lt), Some(plan)) = (lt, blas.lt_plan((*p, dtype, c_f32))) {
