@@ -189,14 +189,7 @@ fn t6_accumulation_over_two_replays_equals_native() {
         let ds = [Data::new(dev, DType::F32, 2, 16, 1), Data::new(dev, DType::F32, 2, 16, 2), Data::new(dev, DType::F32, 2, 16, 3)];
         let mut out = vec![];
         for (k, d) in ds.iter().enumerate() {
-            let (a, b1) = if recorded {
-                let f = regions.trunk.call(std::slice::from_ref(&d.x)).unwrap().remove(0);
-                let a = regions.a.call(std::slice::from_ref(&f)).unwrap().remove(0);
-                (a, regions.b.call(std::slice::from_ref(&f)).unwrap().remove(0))
-            } else {
-                let f = Net::trunk(&net.p, &d.x).unwrap();
-                (Net::head_a(&net.p, &f).unwrap(), Net::head_b(&net.p, &f).unwrap().0)
-            };
+            let (a, b1, _) = forward(&net, recorded.then_some(&regions), &d.x).unwrap();
             a.mul(&d.ra).unwrap().mean_all().unwrap().add(&b1.mul(&d.rb1).unwrap().mean_all().unwrap()).unwrap().backward().unwrap();
             if k == 0 {
                 // Keep a handle on the first gradient: later replays must not overwrite it.

@@ -75,14 +75,7 @@ fn t6_gradient_accumulation_over_two_replays() {
         let d1 = Data::new(Device::Cpu, DType::F32, 2, 8, 1);
         let d2 = Data::new(Device::Cpu, DType::F32, 2, 8, 2);
         for d in [&d1, &d2] {
-            let (a, b1) = if recorded {
-                let f = regions.trunk.call(std::slice::from_ref(&d.x)).unwrap().remove(0);
-                let a = regions.a.call(std::slice::from_ref(&f)).unwrap().remove(0);
-                (a, regions.b.call(std::slice::from_ref(&f)).unwrap().remove(0))
-            } else {
-                let f = Net::trunk(&net.p, &d.x).unwrap();
-                (Net::head_a(&net.p, &f).unwrap(), Net::head_b(&net.p, &f).unwrap().0)
-            };
+            let (a, b1, _) = forward(&net, recorded.then_some(&regions), &d.x).unwrap();
             a.mul(&d.ra).unwrap().mean_all().unwrap().add(&b1.mul(&d.rb1).unwrap().mean_all().unwrap()).unwrap().backward().unwrap();
         }
         net.p.trainable().iter().map(|(_, p)| p.grad().map(|g| g.to_bytes().unwrap()).unwrap_or_default()).collect()

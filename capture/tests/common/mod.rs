@@ -176,26 +176,31 @@ pub struct StepOut {
     pub has_grad: Vec<(String, bool)>,
 }
 
+/// Trunk, head A and head B's two outputs on `x`; `regions = None` runs natively.
+pub fn forward(net: &Net, regions: Option<&Regions>, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    match regions {
+        None => {
+            let f = Net::trunk(&net.p, x)?;
+            let a = Net::head_a(&net.p, &f)?;
+            let (b1, b2) = Net::head_b(&net.p, &f)?;
+            Ok((a, b1, b2))
+        }
+        Some(r) => {
+            let f = r.trunk.call(std::slice::from_ref(x)).map_err(ptl_autograd::Error::from)?.remove(0);
+            let a = r.a.call(std::slice::from_ref(&f)).map_err(ptl_autograd::Error::from)?.remove(0);
+            let mut b = r.b.call(std::slice::from_ref(&f)).map_err(ptl_autograd::Error::from)?;
+            let b2 = b.remove(1);
+            Ok((a, b.remove(0), b2))
+        }
+    }
+}
+
 /// One SGD step; `regions = None` runs natively.
 pub fn step(net: &Net, regions: Option<&Regions>, d: &Data, mode: usize, lr: f64) -> Result<StepOut> {
     for (_, p) in net.p.trainable() {
         p.set_grad(None);
     }
-    let (a, b1, b2) = match regions {
-        None => {
-            let f = Net::trunk(&net.p, &d.x)?;
-            let a = Net::head_a(&net.p, &f)?;
-            let (b1, b2) = Net::head_b(&net.p, &f)?;
-            (a, b1, b2)
-        }
-        Some(r) => {
-            let f = r.trunk.call(std::slice::from_ref(&d.x)).map_err(ptl_autograd::Error::from)?.remove(0);
-            let a = r.a.call(std::slice::from_ref(&f)).map_err(ptl_autograd::Error::from)?.remove(0);
-            let mut b = r.b.call(std::slice::from_ref(&f)).map_err(ptl_autograd::Error::from)?;
-            let b2 = b.remove(1);
-            (a, b.remove(0), b2)
-        }
-    };
+    let (a, b1, b2) = forward(net, regions, &d.x)?;
     let mut loss = a.mul(&d.ra)?.mean_all()?;
     if mode >= 1 {
         loss = loss.add(&b1.mul(&d.rb1)?.mean_all()?)?;
