@@ -80,7 +80,7 @@ impl Blas {
     /// no algorithm for it).
     fn lt_plan(&mut self, key: LtKey) -> Option<&LtPlan> {
         let lt = self.lt?;
-        self.plans.entry(key).or_insert_with(|| build_lt_plan(lt, key).ok()).as_ref()
+        self.plans.entry(key).or_insert_with(|| super::counters::time_setup(|| build_lt_plan(lt, key)).ok()).as_ref()
     }
 }
 
@@ -167,7 +167,7 @@ fn with_blas<R>(dev: &Arc<Dev>, f: impl FnOnce(&mut Blas) -> Result<R>) -> Resul
     let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
     let blas = match guard.as_mut() {
         Some(b) => b,
-        None => guard.insert(Blas::new(dev)?),
+        None => guard.insert(super::counters::time_setup(|| Blas::new(dev))?),
     };
     f(blas)
 }

@@ -118,7 +118,7 @@ impl Dnn {
         if let Some(plan) = self.plans.get(&key) {
             return Ok(*plan);
         }
-        let plan = self.make_plan(p, dt, dir)?;
+        let plan = super::counters::time_setup(|| self.make_plan(p, dt, dir))?;
         self.plans.insert(key, plan);
         Ok(plan)
     }
@@ -281,13 +281,13 @@ pub(crate) fn run_into(
     }
     let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
-        *guard = Some(Dnn::new(dev)?);
+        *guard = Some(super::counters::time_setup(|| Dnn::new(dev))?);
     }
     let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let h = dnn.handle;
     if dt != DType::F64 && !legacy_forced() {
         let entry = dnn.graph_plans.entry((*p, dt, dir)).or_insert_with(|| {
-            let built = super::conv_graph::build(h, p, dt, dir);
+            let built = super::counters::time_setup(|| super::conv_graph::build(h, p, dt, dir));
             if let Err(err) = &built {
                 eprintln!("ptl: {err}; this shape uses the legacy cuDNN API");
             }

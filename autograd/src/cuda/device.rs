@@ -55,15 +55,6 @@ pub(crate) fn cuda_home() -> String {
     std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")).unwrap_or_else(|_| "/usr/local/cuda".into())
 }
 
-/// NVRTC options for this GPU: its own architecture (else PTX targets sm_75) and the CUDA include path.
-pub(crate) fn nvrtc_options(major: i32, minor: i32) -> cudarc::nvrtc::CompileOptions {
-    cudarc::nvrtc::CompileOptions {
-        include_paths: vec![format!("{}/include", cuda_home())],
-        options: vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".into()],
-        ..Default::default()
-    }
-}
-
 /// Library calls that took the fast path or the fallback, counted per thread (diagnostics: tests
 /// and benchmarks check which path ran). Indexed by [`LibPath`].
 #[derive(Clone, Copy)]
@@ -79,6 +70,7 @@ thread_local! {
 }
 
 pub(crate) fn count_path(p: LibPath) {
+    super::counters::count(super::counters::Count::LibraryCall);
     LIB_PATHS.with(|c| {
         let mut v = c.get();
         v[p as usize] += 1;
@@ -183,11 +175,9 @@ impl Dev {
         }
         .map_err(|e| init("pool release threshold", &e))?;
         let (major, minor) = ctx.compute_capability().map_err(|e| init("compute capability", &e))?;
-        let cuda_home = cuda_home();
-        let opts = nvrtc_options(major, minor);
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
-            .map_err(|e| init(&format!("NVRTC compile of the kernels (include path {cuda_home}/include; set CUDA_HOME)"), &e))?;
-        let module = ctx.load_module(ptx).map_err(|e| init("load module", &e))?;
+        let module = super::module_cache::load_module(&ctx, "ptl-kernels", KERNELS, major, minor).map_err(|e| CudaSetupError::Init {
+            detail: format!("kernels (CUDA headers from {}/include; set CUDA_HOME): {e}", cuda_home()),
+        })?;
         let bn_tickets = unsafe {
             let p = dr::malloc_sync(BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
             dr::memset_d8_sync(p, 0, BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
@@ -250,6 +240,7 @@ impl Dev {
 
     #[inline]
     pub fn launch(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), params: &mut [*mut c_void]) -> Result<()> {
+        super::counters::count(super::counters::Count::KernelLaunch);
         // SAFETY: every caller passes pointers to live arguments matching the kernel signature.
         unsafe { dr::launch_kernel(f, grid, block, 0, self.cu_stream, params) }.map_err(|e| cu_err("kernel launch", e))
     }
@@ -257,6 +248,7 @@ impl Dev {
     /// Waits for all work queued on the compute stream.
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
+        super::counters::count(super::counters::Count::HostSync);
         unsafe { dr::stream::synchronize(self.cu_stream) }.map_err(|e| cu_err("stream synchronize", e))
     }
 

@@ -56,6 +56,7 @@ impl CudaGraph {
     /// Queues one replay on the compute stream (asynchronous).
     pub fn launch(&self) -> Result<()> {
         self.dev.bind()?;
+        super::counters::count(super::counters::Count::GraphLaunch);
         unsafe { dr::graph::launch(self.exec, self.dev.cu_stream) }.map_err(|e| cu_err("cuGraphLaunch", e))
     }
 
@@ -119,6 +120,7 @@ pub fn time_on_stream<R>(device: Device, f: impl FnOnce() -> R) -> Result<(R, f6
     dev.bind()?;
     let ms = unsafe {
         dr::event::record(b, dev.cu_stream).map_err(|e| cu_err("cuEventRecord", e))?;
+        super::counters::count(super::counters::Count::HostSync);
         dr::event::synchronize(b).map_err(|e| cu_err("cuEventSynchronize", e))?;
         let ms = dr::event::elapsed(a, b).map_err(|e| cu_err("cuEventElapsedTime", e))?;
         let _ = dr::event::destroy(a);

@@ -3,8 +3,9 @@
 //! - **Device and stream**: each GPU gets one context and one compute stream, opened on first use
 //!   ([`Device::Cuda`]); all work is queued on that stream, in program order. cudarc's event
 //!   tracking is off (it breaks stream capture).
-//! - **Kernels**: `kernels.cu`, compiled once per process with NVRTC for the device's `sm_XY`
-//!   (headers from `$CUDA_HOME/include`, default `/usr/local/cuda/include`). Reductions and
+//! - **Kernels**: `kernels.cu`, compiled with NVRTC to machine code (CUBIN) for the device's
+//!   `sm_XY` (headers from `$CUDA_HOME/include`, default `/usr/local/cuda/include`) and kept in an
+//!   on-disk cache across processes ([`kernel_cache_dir`], [`module_reports`]). Reductions and
 //!   scatter/index adds use fixed-order loops and trees, never float atomics, so results are
 //!   bit-identical run to run. f16/bf16 are computed in f32.
 //! - **Libraries**: matmul through cuBLASLt with plans cached per shape (true FP32, f16/bf16 with
@@ -34,10 +35,13 @@ mod blas;
 pub mod capture_support;
 mod conv;
 mod conv_graph;
+mod counters;
 mod device;
 mod graph;
 #[doc(hidden)]
 pub mod host_probe;
+mod kernel_timer;
+mod module_cache;
 pub(crate) mod ops;
 mod user_kernel;
 
@@ -52,8 +56,11 @@ pub use alloc::{
 pub use blas::gemm_paths;
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
 pub use conv::conv_paths;
+pub use counters::{counters, library_setup, CudaCounters};
 pub use device::CudaSetupError;
 pub use graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph};
+pub use kernel_timer::{GpuKernelTimer, GpuKernelTotals};
+pub use module_cache::{kernel_cache_dir, module_reports, ModuleReport, ModuleSource};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
 pub use user_kernel::{KernelArg, UserKernel};
 
@@ -149,6 +156,7 @@ impl CudaStorage {
         let bytes = s.as_bytes();
         if !bytes.is_empty() {
             // Pageable source: the driver stages it before returning, so `s` may be dropped after.
+            counters::count(counters::Count::HostToDevice);
             unsafe { dr::memcpy_htod_async(out.buf.ptr, bytes, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyHtoDAsync", e))?;
         }
         Ok(out)
@@ -161,6 +169,7 @@ impl CudaStorage {
         dev.bind()?;
         let mut bytes = vec![0u8; self.len * self.dtype.size_in_bytes()];
         if !bytes.is_empty() {
+            counters::count(counters::Count::DeviceToHost);
             unsafe { dr::memcpy_dtoh_async(&mut bytes, self.buf.ptr, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoHAsync", e))?;
         }
         dev.synchronize()?;
@@ -173,6 +182,7 @@ impl CudaStorage {
         let out = CudaStorage::alloc(dev, self.dtype, self.len)?;
         let n = self.len * self.dtype.size_in_bytes();
         if n > 0 {
+            counters::count(counters::Count::DeviceToDevice);
             unsafe { dr::memcpy_dtod_async(out.buf.ptr, self.buf.ptr, n, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
         }
         Ok(out)
@@ -286,17 +296,27 @@ impl BackendStorage for CudaStorage {
 
 /// Page-locked host memory for fast, asynchronous uploads of u8 image batches.
 ///
-/// Fill it with [`PinnedBuffer::as_mut_slice`] (which first waits for the previous upload from this
-/// buffer to finish), then call [`PinnedBuffer::upload`]: the copy is queued on the device's compute
-/// stream and the call returns at once.
+/// Fill it through [`PinnedBuffer::host_mut`] (no CUDA call: loader worker threads may fill a
+/// buffer while the training thread records a CUDA graph) or [`PinnedBuffer::as_mut_slice`]
+/// (waits for the last upload), then call [`PinnedBuffer::upload`] or
+/// [`PinnedBuffer::upload_prefix`]: the copy is queued on the device's compute stream and the
+/// call returns at once. Until [`PinnedBuffer::poll_idle`] has seen that copy finish, the buffer
+/// counts as in flight and `host_mut` refuses it, so host writes never race the DMA.
 pub struct PinnedBuffer {
     ptr: *mut u8,
     len: usize,
     dev: Arc<Dev>,
     event: sys::CUevent,
+    in_flight: bool,
 }
 
 unsafe impl Send for PinnedBuffer {}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedBuffer({} bytes, {:?}, in flight: {})", self.len, self.dev, self.in_flight)
+    }
+}
 
 impl PinnedBuffer {
     /// Allocates `len` bytes of pinned host memory usable with `device`.
@@ -305,7 +325,7 @@ impl PinnedBuffer {
         dev.bind()?;
         let ptr = unsafe { dr::malloc_host(len.max(1), 0) }.map_err(|e| cu_err("cuMemHostAlloc", e))? as *mut u8;
         let event = dr::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| cu_err("cuEventCreate", e))?;
-        Ok(PinnedBuffer { ptr, len, dev, event })
+        Ok(PinnedBuffer { ptr, len, dev, event, in_flight: false })
     }
 
     pub fn len(&self) -> usize {
@@ -315,11 +335,45 @@ impl PinnedBuffer {
         self.len == 0
     }
 
+    /// The device the buffer uploads to.
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.dev.ordinal)
+    }
+
     /// Host access; blocks until the last upload from this buffer has been read by the GPU.
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
-        self.dev.bind()?;
-        unsafe { dr::event::synchronize(self.event) }.map_err(|e| cu_err("cuEventSynchronize", e))?;
+        if self.in_flight {
+            capture_support::check_host_sync("PinnedBuffer::as_mut_slice")?;
+            self.dev.bind()?;
+            counters::count(counters::Count::HostSync);
+            unsafe { dr::event::synchronize(self.event) }.map_err(|e| cu_err("cuEventSynchronize", e))?;
+            self.in_flight = false;
+        }
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+
+    /// Host access without any CUDA call: `None` while an upload from the buffer may still be
+    /// reading it (until [`PinnedBuffer::poll_idle`] has returned true).
+    pub fn host_mut(&mut self) -> Option<&mut [u8]> {
+        (!self.in_flight).then(|| unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+
+    /// Whether the last upload has finished (a non-blocking event query); afterwards
+    /// [`PinnedBuffer::host_mut`] hands the memory out again.
+    pub fn poll_idle(&mut self) -> Result<bool> {
+        if !self.in_flight {
+            return Ok(true);
+        }
+        capture_support::check_host_sync("PinnedBuffer::poll_idle")?;
+        self.dev.bind()?;
+        match unsafe { dr::event::query(self.event) } {
+            Ok(()) => {
+                self.in_flight = false;
+                Ok(true)
+            }
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(cu_err("cuEventQuery", e)),
+        }
     }
 
     /// Queues a host→device copy of the whole buffer into a new U8 tensor of `shape` (asynchronous).
@@ -331,14 +385,32 @@ impl PinnedBuffer {
                 format!("shape {shape:?} has {} elements, buffer holds {}", shape.numel(), self.len),
             ));
         }
-        let out = CudaStorage::alloc(&self.dev, DType::U8, self.len)?;
-        if self.len > 0 {
+        self.upload_prefix(shape)
+    }
+
+    /// Queues a host→device copy of the first `shape.numel()` bytes into a new U8 tensor of
+    /// `shape` (asynchronous; a buffer sized for a full batch also carries a partial one).
+    pub fn upload_prefix(&mut self, shape: impl Into<crate::Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        let n = shape.numel();
+        if n > self.len {
+            return Err(Error::invalid(
+                "PinnedBuffer::upload_prefix",
+                format!("shape {shape:?} has {n} elements, buffer holds only {}", self.len),
+            ));
+        }
+        capture_support::check_host_upload("PinnedBuffer::upload")?;
+        self.dev.bind()?;
+        let out = CudaStorage::alloc(&self.dev, DType::U8, n)?;
+        if n > 0 {
+            counters::count(counters::Count::HostToDevice);
             unsafe {
-                sys::cuMemcpyHtoDAsync_v2(out.buf.ptr, self.ptr as *const std::ffi::c_void, self.len, self.dev.cu_stream)
+                sys::cuMemcpyHtoDAsync_v2(out.buf.ptr, self.ptr as *const std::ffi::c_void, n, self.dev.cu_stream)
                     .result()
                     .map_err(|e| cu_err("cuMemcpyHtoDAsync (pinned)", e))?;
                 dr::event::record(self.event, self.dev.cu_stream).map_err(|e| cu_err("cuEventRecord", e))?;
             }
+            self.in_flight = true;
         }
         Tensor::from_storage(crate::storage::Storage::Cuda(out), shape)
     }

@@ -259,6 +259,7 @@ pub(crate) fn fill(s: &CudaStorage, value: f64) -> Result<()> {
     }
     if value == 0.0 && value.is_sign_positive() {
         dev.bind()?;
+        super::counters::count(super::counters::Count::Memset);
         return unsafe { dr::memset_d8_async(s.buf.ptr, 0, s.len * s.dtype.size_in_bytes(), dev.cu_stream) }
             .map_err(|e| cu_err("cuMemsetD8Async", e));
     }
@@ -280,6 +281,7 @@ pub(crate) fn to_dtype(x: &CudaStorage, dt: DType) -> Result<CudaStorage> {
     let src = x.dtype;
     if matches!((src, dt), (DType::Bool, DType::U8)) {
         dev.bind()?;
+        super::counters::count(super::counters::Count::DeviceToDevice);
         unsafe { dr::memcpy_dtod_async(out.buf.ptr, x.buf.ptr, x.len, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
         return Ok(out);
     }
@@ -330,6 +332,7 @@ pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage
     let es = src.dtype.size_in_bytes();
     if sl.is_contiguous() && dl.is_contiguous() {
         dev.bind()?;
+        super::counters::count(super::counters::Count::DeviceToDevice);
         return unsafe {
             dr::memcpy_dtod_async(dst.buf.ptr + (dl.offset * es) as u64, src.buf.ptr + (sl.offset * es) as u64, n * es, dev.cu_stream)
         }

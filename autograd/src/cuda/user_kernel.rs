@@ -1,8 +1,8 @@
 //! Kernels that other crates bring as CUDA source (e.g. ptl-data's fused HSV jitter).
 //!
 //! The core op set stays generic; a crate that needs one fused, domain-specific kernel compiles
-//! it here with the same NVRTC options as the core kernels (this GPU's architecture, the CUDA
-//! include path) and launches it on the device's one compute stream, so it is ordered with every
+//! it here with the same NVRTC options as the core kernels (CUBIN for this GPU's architecture,
+//! the CUDA include path, the same on-disk cache) and launches it on the device's one compute stream, so it is ordered with every
 //! other op, asynchronous, and recordable into a CUDA graph like them. Modules are compiled once
 //! per device and name and cached for the life of the process.
 
@@ -12,7 +12,7 @@ use std::sync::Arc;
 use cudarc::driver::{result as dr, sys};
 
 use super::dev_of;
-use super::device::{cu_err, nvrtc_options, Dev};
+use super::device::{cu_err, Dev};
 use crate::storage::Storage;
 use crate::{Device, Error, Result, Tensor};
 
@@ -59,9 +59,8 @@ impl UserKernel {
                 Some(m) => m.clone(),
                 None => {
                     let (major, minor) = dev.ctx.compute_capability().map_err(|e| cu_err("compute capability", e))?;
-                    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, nvrtc_options(major, minor))
-                        .map_err(|e| Error::Cuda(format!("NVRTC compile of user module {module}: {e:?}")))?;
-                    let m = dev.ctx.load_module(ptx).map_err(|e| cu_err(&format!("load module {module}"), e))?;
+                    let m = super::module_cache::load_module(&dev.ctx, module, source, major, minor)
+                        .map_err(|e| Error::Cuda(format!("user module {module}: {e}")))?;
                     cache.insert(module.to_string(), m.clone());
                     m
                 }
@@ -136,6 +135,7 @@ impl UserKernel {
             })
             .collect();
         self.dev.bind()?;
+        super::counters::count(super::counters::Count::KernelLaunch);
         // SAFETY: the caller guarantees the signature; `slots` outlives the launch call, which copies the values.
         unsafe { dr::launch_kernel(self.func, grid, block, 0, self.dev.cu_stream, &mut params) }
             .map_err(|e| cu_err(&format!("launch of {}", self.name), e))

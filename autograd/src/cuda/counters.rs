@@ -1,0 +1,96 @@
+//! Process-wide counts of what the CUDA backend asks of the driver: kernel launches, library
+//! calls (cuDNN, cuBLAS/cuBLASLt), graph launches, copies, memsets and host synchronisations.
+//!
+//! They are how a run reports "launches per step" and how a test proves that a region was
+//! replayed instead of launched op by op. Relaxed atomics: a count costs about a nanosecond and
+//! the numbers are read between steps, never to order memory.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What one counter counts.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Count {
+    KernelLaunch,
+    LibraryCall,
+    GraphLaunch,
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+    Memset,
+    HostSync,
+}
+
+const N: usize = 8;
+static COUNTS: [AtomicU64; N] = [const { AtomicU64::new(0) }; N];
+
+#[inline]
+pub(crate) fn count(c: Count) {
+    COUNTS[c as usize].fetch_add(1, Ordering::Relaxed);
+}
+
+/// A snapshot of the counters (all threads of the process, all devices).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaCounters {
+    /// Kernels launched one by one from the host (ours and [`super::UserKernel`]s).
+    pub kernel_launches: u64,
+    /// cuDNN and cuBLAS/cuBLASLt calls (each may run one or more kernels on the device).
+    pub library_calls: u64,
+    /// CUDA graph launches (one launch replays a whole recorded region).
+    pub graph_launches: u64,
+    pub host_to_device_copies: u64,
+    pub device_to_host_copies: u64,
+    pub device_to_device_copies: u64,
+    pub memsets: u64,
+    /// Points where the host waited for the device (stream/event synchronisation, host reads).
+    pub host_syncs: u64,
+}
+
+impl CudaCounters {
+    /// Counts since `earlier` (a snapshot taken before).
+    pub fn since(&self, earlier: &CudaCounters) -> CudaCounters {
+        CudaCounters {
+            kernel_launches: self.kernel_launches.saturating_sub(earlier.kernel_launches),
+            library_calls: self.library_calls.saturating_sub(earlier.library_calls),
+            graph_launches: self.graph_launches.saturating_sub(earlier.graph_launches),
+            host_to_device_copies: self.host_to_device_copies.saturating_sub(earlier.host_to_device_copies),
+            device_to_host_copies: self.device_to_host_copies.saturating_sub(earlier.device_to_host_copies),
+            device_to_device_copies: self.device_to_device_copies.saturating_sub(earlier.device_to_device_copies),
+            memsets: self.memsets.saturating_sub(earlier.memsets),
+            host_syncs: self.host_syncs.saturating_sub(earlier.host_syncs),
+        }
+    }
+}
+
+/// The current counts.
+pub fn counters() -> CudaCounters {
+    let g = |c: Count| COUNTS[c as usize].load(Ordering::Relaxed);
+    CudaCounters {
+        kernel_launches: g(Count::KernelLaunch),
+        library_calls: g(Count::LibraryCall),
+        graph_launches: g(Count::GraphLaunch),
+        host_to_device_copies: g(Count::HostToDevice),
+        device_to_host_copies: g(Count::DeviceToHost),
+        device_to_device_copies: g(Count::DeviceToDevice),
+        memsets: g(Count::Memset),
+        host_syncs: g(Count::HostSync),
+    }
+}
+
+static PLANS: AtomicU64 = AtomicU64::new(0);
+static PLAN_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Runs `f`, a one-time library set-up (a cuDNN/cuBLAS handle, an execution plan), and adds its
+/// wall time to [`library_setup`].
+pub(crate) fn time_setup<R>(f: impl FnOnce() -> R) -> R {
+    let t = std::time::Instant::now();
+    let r = f();
+    PLANS.fetch_add(1, Ordering::Relaxed);
+    PLAN_NS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    r
+}
+
+/// Library set-ups so far (handles and execution plans of cuDNN and cuBLAS/cuBLASLt) and the
+/// seconds they took: a fixed cost of the first steps, paid once per process.
+pub fn library_setup() -> (u64, f64) {
+    (PLANS.load(Ordering::Relaxed), PLAN_NS.load(Ordering::Relaxed) as f64 * 1e-9)
+}
