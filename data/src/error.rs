@@ -45,8 +45,9 @@ pub enum DataError {
     /// A device operation (upload, kernel compile or launch) failed.
     #[error("device: {0} (check the CUDA setup: `ptl train --device cpu` runs without a GPU)")]
     Device(String),
-    /// A prefetch worker failed unexpectedly (a bug); the loader was shut down.
-    #[error("prefetch worker failed: {0}")]
+    /// Building a training batch failed or panicked (the message names the batch and its
+    /// images); the prefetching pool was shut down.
+    #[error("training batch could not be built: {0}")]
     Worker(String),
 }
 

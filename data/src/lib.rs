@@ -31,5 +31,5 @@ pub use dataset::{OpenOptions, PoseDataset, ScanReport, SkipReason};
 pub use error::{DataError, Result};
 pub use hsv::{apply_hsv_batch_rgb_nchw, apply_hsv_bgr_hwc, HsvGains, HsvLut};
 pub use labels::KptShape;
-pub use loader::{Batch, Prefetcher, RatioPad, TrainConfig, TrainLoader, ValLoader};
+pub use loader::{Batch, BatchStage, PrefetchPlan, Prefetcher, RatioPad, TrainConfig, TrainLoader, ValLoader};
 pub use synth::{ensure as synth_ensure, generate as synth_generate, SynthOptions, SynthStats};

@@ -272,7 +272,8 @@ impl TrainLoader {
 
     /// Starts worker threads that prepare batches from `start_epoch` to the last epoch, in order, ahead of use.
     pub fn prefetch(self: &Arc<Self>, start_epoch: usize) -> Prefetcher {
-        Prefetcher::new(self.clone(), start_epoch)
+        let plan = PrefetchPlan { start_epoch, batches_per_epoch: None };
+        Prefetcher::new(self.clone(), plan, Arc::new(Ok))
     }
 }
 
@@ -433,34 +434,50 @@ impl ValLoader {
     }
 }
 
-struct State {
+struct State<T> {
     next_job: u64,
     consumed: u64,
     total: u64,
     capacity: u64,
-    done: BTreeMap<u64, Result<Batch>>,
+    done: BTreeMap<u64, Result<T>>,
     stop: bool,
 }
 
-struct Shared {
-    m: Mutex<State>,
+struct Shared<T> {
+    m: Mutex<State<T>>,
     work: Condvar,
     ready: Condvar,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
+impl<T> Shared<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
         self.m.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
+/// What a [`Prefetcher`] prepares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefetchPlan {
+    /// First epoch (a resumed run starts later).
+    pub start_epoch: usize,
+    /// Batches taken from each epoch (`None` = all; a fit's `max_batches` stops epochs early).
+    pub batches_per_epoch: Option<usize>,
+}
+
+/// Work done on the worker thread after a batch is built (e.g. copying its pixels into pinned
+/// memory for an asynchronous upload). It must not call the GPU: the training thread may be
+/// recording a CUDA graph meanwhile.
+pub type BatchStage<T> = Arc<dyn Fn(Batch) -> Result<T> + Send + Sync>;
+
 /// Prepares training batches ahead on worker threads, across epoch boundaries (the next epoch's first batches are
 /// built while the caller validates). Batches come out in (epoch, index) order and their bytes do not depend on
-/// the number of workers. Dropping it stops and joins the workers; a failed batch is returned as an error and
-/// stops the pool.
-pub struct Prefetcher {
+/// the number of workers. Dropping it stops and joins the workers. A failed or panicking batch comes back as a
+/// [`DataError::Worker`] naming the batch and its images, and stops the pool; with no workers, batches are built
+/// in the calling thread when asked for.
+pub struct Prefetcher<T = Batch> {
     loader: Arc<TrainLoader>,
-    shared: Arc<Shared>,
+    stage: BatchStage<T>,
+    shared: Arc<Shared<T>>,
     handles: Vec<JoinHandle<()>>,
     start_epoch: usize,
     nb: u64,
@@ -468,22 +485,47 @@ pub struct Prefetcher {
     failed: bool,
 }
 
-fn run_job(loader: &TrainLoader, start_epoch: usize, nb: u64, seq: u64) -> Result<Batch> {
-    let epoch = start_epoch + (seq / nb) as usize;
-    let b = (seq % nb) as usize;
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loader.build_batch(epoch, b))).unwrap_or_else(|p| {
-        let msg = p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "panic".into());
-        Err(DataError::Worker(format!("epoch {epoch} batch {b}: {msg}")))
-    })
+/// The message of a caught panic.
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panic".into())
 }
 
-impl Prefetcher {
-    fn new(loader: Arc<TrainLoader>, start_epoch: usize) -> Self {
-        let nb = loader.batches_per_epoch() as u64;
+fn run_job<T>(loader: &TrainLoader, stage: &BatchStage<T>, start_epoch: usize, nb: u64, seq: u64) -> Result<T> {
+    let epoch = start_epoch + (seq / nb) as usize;
+    let b = (seq % nb) as usize;
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loader.build_batch(epoch, b).and_then(|batch| stage(batch))));
+    let (cause, detail) = match built {
+        Ok(Ok(t)) => return Ok(t),
+        Ok(Err(e)) => ("failed", e.to_string()),
+        Err(p) => ("panicked", panic_message(p)),
+    };
+    let files = loader.batch_files(epoch, b);
+    let shown: Vec<String> = files.iter().take(4).map(|f| f.display().to_string()).collect();
+    let more = if files.len() > shown.len() { format!(" and {} more", files.len() - shown.len()) } else { String::new() };
+    Err(DataError::Worker(format!("epoch {epoch} batch {b} (images {}{more}) {cause}: {detail}", shown.join(", "))))
+}
+
+impl TrainLoader {
+    /// Image files of batch `b` of `epoch`, in batch order.
+    pub fn batch_files(&self, epoch: usize, b: usize) -> Vec<PathBuf> {
+        let order = self.epoch_order(epoch);
+        let lo = (b * self.batch).min(order.len());
+        let hi = ((b + 1) * self.batch).min(order.len());
+        order[lo..hi].iter().map(|&i| self.ds.items[i].im_file.clone()).collect()
+    }
+
+    /// Starts worker threads that build the batches of `plan` in order, ahead of use, and pass
+    /// each through `stage` on the worker thread.
+    pub fn prefetch_staged<T: Send + 'static>(self: &Arc<Self>, plan: PrefetchPlan, stage: BatchStage<T>) -> Prefetcher<T> {
+        Prefetcher::new(self.clone(), plan, stage)
+    }
+}
+
+impl<T: Send + 'static> Prefetcher<T> {
+    fn new(loader: Arc<TrainLoader>, plan: PrefetchPlan, stage: BatchStage<T>) -> Self {
+        let full = loader.batches_per_epoch();
+        let nb = plan.batches_per_epoch.map_or(full, |m| m.clamp(1, full)) as u64;
+        let start_epoch = plan.start_epoch;
         let epochs = loader.cfg.epochs.saturating_sub(start_epoch) as u64;
         let shared = Arc::new(Shared {
             m: Mutex::new(State {
@@ -501,27 +543,28 @@ impl Prefetcher {
         for wi in 0..loader.cfg.workers {
             let sh = shared.clone();
             let ld = loader.clone();
+            let st = stage.clone();
             let h = std::thread::Builder::new().name(format!("ptl-data-{wi}")).spawn(move || loop {
                 let seq = {
-                    let mut st = sh.lock();
+                    let mut g = sh.lock();
                     loop {
-                        if st.stop {
+                        if g.stop {
                             return;
                         }
-                        if st.next_job < st.total && st.next_job < st.consumed + st.capacity {
-                            let s = st.next_job;
-                            st.next_job += 1;
+                        if g.next_job < g.total && g.next_job < g.consumed + g.capacity {
+                            let s = g.next_job;
+                            g.next_job += 1;
                             break s;
                         }
-                        if st.next_job >= st.total {
+                        if g.next_job >= g.total {
                             return;
                         }
-                        st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
+                        g = sh.work.wait(g).unwrap_or_else(|p| p.into_inner());
                     }
                 };
-                let res = run_job(&ld, start_epoch, nb, seq);
-                let mut st = sh.lock();
-                st.done.insert(seq, res);
+                let res = run_job(&ld, &st, start_epoch, nb, seq);
+                let mut g = sh.lock();
+                g.done.insert(seq, res);
                 sh.ready.notify_all();
             });
             match h {
@@ -529,7 +572,7 @@ impl Prefetcher {
                 Err(_) => break, // fewer workers; the consumer builds inline if none started
             }
         }
-        Prefetcher { loader, shared, handles, start_epoch, nb, next_seq: 0, failed: false }
+        Prefetcher { loader, stage, shared, handles, start_epoch, nb, next_seq: 0, failed: false }
     }
 
     /// Epoch of the next batch.
@@ -537,15 +580,25 @@ impl Prefetcher {
         self.start_epoch + (self.next_seq / self.nb.max(1)) as usize
     }
 
+    /// Batches taken from each epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.nb as usize
+    }
+
+    /// Worker threads running (0: batches are built in the calling thread).
+    pub fn workers(&self) -> usize {
+        self.handles.len()
+    }
+
     /// Next batch in (epoch, index) order; `None` after the last epoch or after an error.
-    pub fn next_batch(&mut self) -> Option<Result<Batch>> {
+    pub fn next_batch(&mut self) -> Option<Result<T>> {
         let total = self.shared.lock().total;
         if self.failed || self.next_seq >= total {
             return None;
         }
         let seq = self.next_seq;
         let res = if self.handles.is_empty() {
-            run_job(&self.loader, self.start_epoch, self.nb, seq)
+            run_job(&self.loader, &self.stage, self.start_epoch, self.nb, seq)
         } else {
             let mut st = self.shared.lock();
             loop {
@@ -566,11 +619,13 @@ impl Prefetcher {
     }
 
     /// Iterator over the remaining batches of the current epoch.
-    pub fn epoch(&mut self) -> EpochIter<'_> {
+    pub fn epoch(&mut self) -> EpochIter<'_, T> {
         let epoch = self.current_epoch();
         EpochIter { p: self, epoch }
     }
+}
 
+impl<T> Prefetcher<T> {
     fn shutdown(&mut self) {
         {
             let mut st = self.shared.lock();
@@ -583,27 +638,27 @@ impl Prefetcher {
     }
 }
 
-impl Iterator for Prefetcher {
-    type Item = Result<Batch>;
+impl<T: Send + 'static> Iterator for Prefetcher<T> {
+    type Item = Result<T>;
     fn next(&mut self) -> Option<Self::Item> {
         self.next_batch()
     }
 }
 
-impl Drop for Prefetcher {
+impl<T> Drop for Prefetcher<T> {
     fn drop(&mut self) {
         self.shutdown();
     }
 }
 
 /// Batches of one epoch from a [`Prefetcher`].
-pub struct EpochIter<'a> {
-    p: &'a mut Prefetcher,
+pub struct EpochIter<'a, T = Batch> {
+    p: &'a mut Prefetcher<T>,
     epoch: usize,
 }
 
-impl Iterator for EpochIter<'_> {
-    type Item = Result<Batch>;
+impl<T: Send + 'static> Iterator for EpochIter<'_, T> {
+    type Item = Result<T>;
     fn next(&mut self) -> Option<Self::Item> {
         if self.p.current_epoch() != self.epoch {
             return None;

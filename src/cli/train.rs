@@ -128,9 +128,46 @@ pub fn run_train(a: TrainArgs) -> Result<(), String> {
         cfg.save_dir.display()
     );
     let s = fit(&cfg, Vec::new()).map_err(|e| e.to_string())?;
+    let t = &s.timing;
     println!(
-        "finished in {:.1} s, {} optimizer steps, step time median {:.1} ms",
-        s.total_runtime_s, s.optimizer_steps, s.step_time.median_ms
+        "finished in {:.1} s, {} optimizer steps; start-to-start step median {:.1} ms (p10 {:.1}, p90 {:.1}, {} steps), \
+         data wait {:.2} ms/step, {} loader workers",
+        s.total_runtime_s,
+        s.optimizer_steps,
+        s.step_time.median_ms,
+        s.step_time.p10_ms,
+        s.step_time.p90_ms,
+        s.step_time.timed_steps,
+        t.data_wait_ms_mean,
+        t.workers
+    );
+    if let Some(g) = &t.gpu {
+        println!(
+            "GPU time {:.1} ms/step in {:.0} kernels (device-event span {:.1} ms/step, {} steps traced)",
+            g.kernel_ms_per_step, g.kernels_per_step, g.event_span_ms_per_step, g.steps
+        );
+    }
+    if let Some(l) = &t.launches {
+        println!(
+            "per step: {:.0} kernel launches, {:.0} library calls, {:.0} graph launches, {:.0} copies, {:.0} host syncs",
+            l.kernel_launches,
+            l.library_calls,
+            l.graph_launches,
+            l.host_to_device_copies + l.device_to_host_copies + l.device_to_device_copies,
+            l.host_syncs
+        );
+    }
+    let st = &s.startup;
+    println!(
+        "start-up: {} s to the first step (dataset {:.2} s, device {:.2} s, model {:.2} s); first step {:.2} s; \
+         {} library set-ups {:.2} s",
+        st.process_to_first_step_s.map_or("?".into(), |v| format!("{v:.2}")),
+        st.dataset_open_s,
+        st.device_open_s,
+        st.model_build_s,
+        st.first_step_s,
+        st.library_setups,
+        st.library_setup_s
     );
     for (k, v) in &s.final_metrics {
         println!("  {k:<24} {v:.4}");

@@ -44,7 +44,7 @@ fn tiny(save: &str) -> PoseTrainConfig {
         batch: 2,
         imgsz: 64,
         seed: 11,
-        workers: 0,
+        workers: Some(0),
         max_batches: Some(2),
         timing_warmup_steps: 0,
         save_dir: std::env::temp_dir().join(format!("ptl-fit-{save}-{}", std::process::id())),

@@ -129,3 +129,45 @@ pub fn time_on_stream<R>(device: Device, f: impl FnOnce() -> R) -> Result<(R, f6
     };
     Ok((r, ms as f64))
 }
+
+/// A timing event recorded on a device's compute stream: the span between two marks is the
+/// device time between the points where they were queued (idle gaps included).
+pub struct StreamMark {
+    event: sys::CUevent,
+    dev: Arc<Dev>,
+}
+
+unsafe impl Send for StreamMark {}
+
+impl StreamMark {
+    /// Queues a mark on `device`'s compute stream (asynchronous).
+    pub fn record(device: Device) -> Result<StreamMark> {
+        let dev = dev_of(device)?;
+        dev.bind()?;
+        let event = dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cu_err("cuEventCreate", e))?;
+        let mark = StreamMark { event, dev };
+        unsafe { dr::event::record(mark.event, mark.dev.cu_stream) }.map_err(|e| cu_err("cuEventRecord", e))?;
+        Ok(mark)
+    }
+
+    /// Milliseconds of device time from this mark to `later` (waits until `later` is reached).
+    pub fn elapsed_ms_until(&self, later: &StreamMark) -> Result<f64> {
+        super::capture_support::check_host_sync("StreamMark::elapsed_ms_until")?;
+        self.dev.bind()?;
+        super::counters::count(super::counters::Count::HostSync);
+        unsafe {
+            dr::event::synchronize(later.event).map_err(|e| cu_err("cuEventSynchronize", e))?;
+            dr::event::elapsed(self.event, later.event).map(|ms| ms as f64).map_err(|e| cu_err("cuEventElapsedTime", e))
+        }
+    }
+}
+
+impl Drop for StreamMark {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            unsafe {
+                let _ = dr::event::destroy(self.event);
+            }
+        }
+    }
+}

@@ -19,6 +19,8 @@ pub struct StepTiming {
     pub p10_ms: f64,
     #[serde(default)]
     pub p90_ms: f64,
+    #[serde(default)]
+    pub mean_ms: f64,
 }
 
 impl StepTiming {
@@ -32,8 +34,120 @@ impl StepTiming {
         let n = s.len();
         let median = if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) };
         let q = |f: f64| s[(f * (n - 1) as f64) as usize];
-        StepTiming { timed_steps: n, median_ms: median, min_ms: s[0], max_ms: s[n - 1], p10_ms: q(0.1), p90_ms: q(0.9) }
+        let mean_ms = s.iter().sum::<f64>() / n as f64;
+        StepTiming { timed_steps: n, median_ms: median, min_ms: s[0], max_ms: s[n - 1], p10_ms: q(0.1), p90_ms: q(0.9), mean_ms }
     }
+}
+
+/// How steps were timed, and what a step cost (training.md-style start-to-start figures next to
+/// the GPU's own time). All per-step figures are means over the window named.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TimingReport {
+    /// Steps at the start of the process left out of every figure (warm-up).
+    pub warmup_steps: usize,
+    /// Start-to-start step time (from the start of one step — waiting for its batch included —
+    /// to the start of the next, within an epoch) over every post-warm-up step outside the GPU
+    /// window.
+    pub start_to_start: StepTiming,
+    /// The seed's measure: 16 consecutive steps after the warm-up, device synchronised at both
+    /// ends, total time / 16.
+    pub sync_window_ms_per_step: Option<f64>,
+    /// Mean time the training thread waited for a batch, over the timed steps.
+    pub data_wait_ms_mean: f64,
+    /// Loader worker threads (0: batches built on the training thread).
+    pub workers: usize,
+    /// Batches uploaded from pageable memory on a CUDA device (pinned ring ran dry; 0 normally).
+    pub pageable_uploads: u64,
+    /// Host-side counts per step over the sync window (CUDA only).
+    pub launches: Option<LaunchesPerStep>,
+    /// Kernel time per step from CUPTI over a window near the end of the run (CUDA only).
+    pub gpu: Option<GpuWindowReport>,
+    /// Why there is no GPU window (no CUPTI, too few steps, CPU run).
+    pub gpu_unavailable: Option<String>,
+    /// Per-stage times (`profile=true` only: every stage ends with a device synchronisation).
+    pub stages: Option<StageProfile>,
+}
+
+/// What the host asked of the CUDA backend per step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LaunchesPerStep {
+    pub steps: usize,
+    pub kernel_launches: f64,
+    pub library_calls: f64,
+    pub graph_launches: f64,
+    pub host_to_device_copies: f64,
+    pub device_to_host_copies: f64,
+    pub device_to_device_copies: f64,
+    pub memsets: f64,
+    pub host_syncs: f64,
+}
+
+/// GPU time of a window of steps: the sum of kernel durations (CUPTI) next to the device-event
+/// span of the same steps (which also counts the GPU's idle gaps).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuWindowReport {
+    pub steps: usize,
+    /// Global step index (in this process) of the window's first step.
+    pub first_step: usize,
+    pub kernel_ms_per_step: f64,
+    pub kernels_per_step: f64,
+    pub memcpy_ms_per_step: f64,
+    pub memcpys_per_step: f64,
+    pub memsets_per_step: f64,
+    pub event_span_ms_per_step: f64,
+    /// Activity records CUPTI dropped (the sums are low when this is not 0).
+    pub dropped_records: u64,
+}
+
+/// Median milliseconds per stage (`profile=true`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageProfile {
+    pub steps: usize,
+    pub data_ms: f64,
+    pub upload_ms: f64,
+    pub forward_ms: f64,
+    pub loss_ms: f64,
+    pub backward_ms: f64,
+    /// Unscale, clip, step, scaler update and zero-grad (optimizer steps only).
+    pub optimizer_ms: f64,
+    /// EMA update (optimizer steps only).
+    pub ema_ms: f64,
+}
+
+/// Where the time before the training loop (and in its first step) went.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StartupReport {
+    /// From process start (the kernel's record of it) to the start of `fit`; `None` where unknown.
+    pub process_to_fit_s: Option<f64>,
+    /// Scanning, decoding and resizing the train and val images.
+    pub dataset_open_s: f64,
+    /// Opening the device: context, stream, kernels (compiled or from the cache) and their load.
+    pub device_open_s: f64,
+    /// Device code modules loaded so far: how each was obtained and what it cost.
+    pub kernel_modules: Vec<KernelModuleTime>,
+    /// Building the model, the EMA copy, the optimizer and the loss.
+    pub model_build_s: f64,
+    /// cuDNN/cuBLAS handles and execution plans built so far, and their total wall time.
+    pub library_setups: u64,
+    pub library_setup_s: f64,
+    /// The first training step (first-use plans and allocations).
+    pub first_step_s: f64,
+    /// From process start to the start of the first step.
+    pub process_to_first_step_s: Option<f64>,
+    /// From `fit` start to the start of the first step.
+    pub fit_to_first_step_s: f64,
+    /// Wall time of each epoch of this process (training, validation, checkpoint).
+    pub epoch_s: Vec<f64>,
+}
+
+/// One device-code module's start-up cost.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct KernelModuleTime {
+    pub name: String,
+    /// `cache-hit`, `compiled`, `rebuilt` or `uncached`.
+    pub source: String,
+    pub compile_s: f64,
+    pub load_s: f64,
 }
 
 /// SHA-256 hashes of the run's end state (hex).
@@ -56,7 +170,12 @@ pub struct RunSummary {
     pub imgsz: usize,
     pub optimizer: String,
     pub total_runtime_s: f64,
+    /// Start-to-start step time (the same as `timing.start_to_start`).
     pub step_time: StepTiming,
+    #[serde(default)]
+    pub timing: TimingReport,
+    #[serde(default)]
+    pub startup: StartupReport,
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
     /// Part of the allocated memory held by the math libraries' workspaces (cuBLAS and cached

@@ -76,15 +76,29 @@ pub struct PoseTrainConfig {
     pub nbs: usize,
     pub close_mosaic: usize,
     pub mosaic: f64,
-    pub workers: usize,
+    /// Loader worker threads. `None` (the default): Ultralytics' rule on a GPU — min(8, CPU
+    /// cores, batches per epoch), 0 for one batch — and on the CPU min(2, cores / 8), so
+    /// that workers do not fight the CPU backend's own threads. 0 builds batches on the
+    /// training thread.
+    pub workers: Option<usize>,
     /// Gradient clipping max norm (10 in the reference).
     pub clip_max_norm: f64,
     /// Validate after every epoch.
     pub val: bool,
     /// Stop an epoch after this many batches (tiny test runs); `None` = the whole epoch.
     pub max_batches: Option<usize>,
-    /// Steps excluded from the timing statistics at the start (warm caches, first allocations).
+    /// Steps excluded from the timing statistics at the start (warm caches, first allocations);
+    /// 10 as in the benchmark protocol.
     pub timing_warmup_steps: usize,
+    /// Trace 16 steps near the end of the run with CUPTI for the GPU time per step (CUDA only).
+    pub gpu_time: bool,
+    /// Time forward, loss, backward, optimizer and EMA separately, synchronising the device after
+    /// each (diagnosis only: it slows every step).
+    pub profile: bool,
+    /// Test hook: building this (epoch, batch) panics inside the loader.
+    #[doc(hidden)]
+    #[serde(skip)]
+    pub inject_loader_panic_at: Option<(usize, usize)>,
     /// Output folder (checkpoints, results.csv, summary.json, plots).
     pub save_dir: PathBuf,
     /// Resume from this checkpoint.
@@ -135,11 +149,14 @@ impl Default for PoseTrainConfig {
             nbs: 64,
             close_mosaic: 10,
             mosaic: 1.0,
-            workers: 8,
+            workers: None,
             clip_max_norm: 10.0,
             val: true,
             max_batches: None,
-            timing_warmup_steps: 3,
+            timing_warmup_steps: 10,
+            gpu_time: true,
+            profile: false,
+            inject_loader_panic_at: None,
             save_dir: PathBuf::from("runs/pose/train"),
             resume: None,
             plugins: Some(Vec::new()),
@@ -151,6 +168,21 @@ impl Default for PoseTrainConfig {
 }
 
 impl PoseTrainConfig {
+    /// Loader workers for a run of `batches_per_epoch` batches on `device` (see [`Self::workers`]).
+    pub fn effective_workers(&self, batches_per_epoch: usize) -> usize {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let n = match (self.workers, self.device) {
+            (Some(w), _) => w,
+            (None, Device::Cuda(_)) => 8.min(cores),
+            (None, Device::Cpu) => 2.min(cores / 8),
+        };
+        if batches_per_epoch <= 1 {
+            0
+        } else {
+            n.min(batches_per_epoch)
+        }
+    }
+
     /// Applies one `key=value` override (Ultralytics spelling).
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
         let bad = |reason: String| TrainerError::InvalidArgument { what: "override", reason };
@@ -182,12 +214,14 @@ impl PoseTrainConfig {
             "nbs" => self.nbs = int(value)?,
             "close_mosaic" => self.close_mosaic = int(value)?,
             "mosaic" => self.mosaic = num(value)?,
-            "workers" => self.workers = int(value)?,
+            "workers" => self.workers = Some(int(value)?),
             "val" => self.val = boolean(value)?,
             "max_batches" => self.max_batches = Some(int(value)?),
             "project" | "save_dir" => self.save_dir = PathBuf::from(value),
             "resume" => self.resume = Some(PathBuf::from(value)),
             "plots" => self.plots = boolean(value)?,
+            "gpu_time" => self.gpu_time = boolean(value)?,
+            "profile" => self.profile = boolean(value)?,
             "plugins" => self.plugins = Some(value.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()),
             _ => return Err(bad(format!("unknown key `{key}` (see `ptl train --help` for the list)"))),
         }

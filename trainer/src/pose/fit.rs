@@ -7,14 +7,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ptl_autograd::{hash, module, no_grad, DType, Device, Module, Tensor, TensorKind};
-use ptl_data::{OpenOptions, PoseDataset, TrainConfig, TrainLoader};
+use ptl_data::{OpenOptions, PoseDataset, PrefetchPlan, TrainConfig, TrainLoader};
 use ptl_heads::{ModelConfig, PoseModel, Scale};
 
+use super::clock::StepClock;
 use super::config::{PoseTrainConfig, Precision};
+use super::pipeline::{device_images, TrainPipeline};
+use super::probe;
 use super::validate::{validate, ValResult};
 use crate::fit::{
     save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PluginStack, ResultsCsv, RunHashes, RunSummary, Stage, StageInfo,
-    StepTiming,
+    StageProfile, StartupReport,
 };
 use crate::loss::{Anchors, BranchOutputs, E2ELoss, LossConfig, TargetBatch};
 use crate::optim::{
@@ -46,7 +49,14 @@ struct Run {
     nb: usize,
     state: LoopState,
     view: LoopView,
-    step_ms: Vec<f64>,
+    clock: StepClock,
+    /// Per-step stage times (`profile=true`): data, upload, forward, loss, backward, optimizer, EMA
+    /// (NaN where a stage did not run).
+    stage_ms: Vec<[f64; 7]>,
+    /// Wall time of each epoch run by this process.
+    epoch_s: Vec<f64>,
+    workers: usize,
+    pageable_uploads: u64,
     metrics_per_epoch: Vec<Vec<(String, f64)>>,
     optimizer_name: String,
     /// Named parameters, walked once: parameters keep their storage for the whole run.
@@ -78,25 +88,6 @@ pub fn images_to_tensor(img: &[u8], shape: [usize; 4], device: Device) -> Result
     to_unit_f32(&upload_u8(img, shape, device)?)
 }
 
-/// Uploads a training batch; when its HSV jitter was left to the device (CUDA runs), applies it
-/// there in one fused launch (byte-identical to the CPU path, so results do not depend on where it ran).
-fn train_images_to_tensor(batch: &ptl_data::Batch, device: Device) -> Result<Tensor> {
-    if batch.hsv_applied {
-        return images_to_tensor(&batch.img, batch.shape, device);
-    }
-    #[cfg(feature = "cuda")]
-    {
-        let jittered = ptl_data::device_hsv::apply_hsv_device(&upload_u8(&batch.img, batch.shape, device)?, &batch.hsv_gains)?;
-        to_unit_f32(&jittered)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let mut img = batch.img.clone();
-        ptl_data::apply_hsv_batch_rgb_nchw(&mut img, batch.shape[2], batch.shape[3], &batch.hsv_gains);
-        images_to_tensor(&img, batch.shape, device)
-    }
-}
-
 fn branch(b: &ptl_heads::BranchOutput) -> BranchOutputs {
     BranchOutputs { boxes: b.boxes.clone(), scores: b.scores.clone(), kpts: b.kpts.clone(), kpts_sigma: b.kpts_sigma.clone() }
 }
@@ -113,8 +104,29 @@ impl Run {
         self.optimizer.param_groups().iter().map(|g| g.lr).collect()
     }
 
-    /// One batch: warm-up, forward+loss, backward, and (when due) the optimizer step.
-    fn train_batch(&mut self, epoch: usize, i: usize, batch: &ptl_data::Batch, sums: &mut [f64; 6]) -> Result<()> {
+    /// Stage boundary of the `profile=true` diagnosis: waits for the device and returns the
+    /// milliseconds since `t` (then restarts `t`); NaN (and no wait) when profiling is off.
+    fn stage_mark(&self, t: &mut Instant) -> Result<f64> {
+        if !self.cfg.profile {
+            return Ok(f64::NAN);
+        }
+        probe::sync(self.cfg.device)?;
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        *t = Instant::now();
+        Ok(ms)
+    }
+
+    /// One batch: warm-up, forward+loss, backward, and (when due) the optimizer step. `pixels` are
+    /// the batch's u8 images already on the device; `data_ms` is how long the step waited for them.
+    fn train_batch(
+        &mut self,
+        epoch: usize,
+        i: usize,
+        batch: &ptl_data::Batch,
+        pixels: &Tensor,
+        data_ms: f64,
+        sums: &mut [f64; 6],
+    ) -> Result<()> {
         let ni = i + self.nb * epoch;
         if let Some(acc) = self.warmup.apply(ni, epoch, &self.lambda, self.optimizer.param_groups_mut()) {
             self.accumulate = acc;
@@ -122,9 +134,11 @@ impl Run {
         self.view.batch_in_epoch = i;
         self.view.lr = self.lrs();
         self.each_cb(|c, v| c.on_train_batch_start(v));
-        let t0 = Instant::now();
-        let device = self.cfg.device;
-        let x = train_images_to_tensor(batch, device)?;
+        let mut t = Instant::now();
+        let mut stages = [f64::NAN; 7];
+        stages[0] = data_ms;
+        let x = device_images(batch, pixels)?;
+        stages[1] = self.stage_mark(&mut t)?;
         let targets = TargetBatch {
             batch_idx: batch.batch_idx.clone(),
             cls: batch.cls.clone(),
@@ -146,6 +160,7 @@ impl Run {
         }
         let out =
             out.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the forward stage produced no output".into() })?;
+        stages[2] = self.stage_mark(&mut t)?;
         let mut loss = None;
         {
             let (criterion, model) = (&self.criterion, &self.model);
@@ -168,6 +183,7 @@ impl Run {
         let loss =
             loss.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the loss stage produced no output".into() })?;
         drop(out);
+        stages[3] = self.stage_mark(&mut t)?;
 
         self.each_cb(|c, v| c.on_before_backward(v));
         let to_backprop = match self.scaler.as_mut() {
@@ -175,6 +191,7 @@ impl Run {
             None => loss.total.clone(),
         };
         self.plugins.run(info(Stage::Backward), &mut || Ok(to_backprop.backward()?))?;
+        stages[4] = self.stage_mark(&mut t)?;
         self.each_cb(|c, v| c.on_after_backward(v));
         if !self.callbacks.is_empty() {
             let v = self.view.clone();
@@ -190,12 +207,14 @@ impl Run {
         }
 
         if ni as i64 - self.state.last_opt_step >= self.accumulate as i64 {
-            self.optimizer_step(ni, epoch)?;
+            let mut t = Instant::now();
+            let ema_ms = self.optimizer_step(ni, epoch)?;
+            stages[5] = self.stage_mark(&mut t)? - ema_ms;
+            stages[6] = ema_ms;
             self.state.last_opt_step = ni as i64;
         }
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        if self.state.step_losses.len() > self.cfg.timing_warmup_steps {
-            self.step_ms.push(ms);
+        if self.cfg.profile {
+            self.stage_ms.push(stages);
         }
         self.view.mean_items = sums.iter().map(|s| s / (i + 1) as f64).collect();
         self.each_cb(|c, v| c.on_train_batch_end(v));
@@ -203,13 +222,16 @@ impl Run {
     }
 
     /// Unscale → hook → clip → step (skipped on inf under 16-mixed) → scaler update → zero grad → EMA.
-    fn optimizer_step(&mut self, ni: usize, epoch: usize) -> Result<()> {
+    /// Returns the EMA update's milliseconds under `profile=true` (device synchronised around it), else 0.
+    fn optimizer_step(&mut self, ni: usize, epoch: usize) -> Result<f64> {
         let info = StageInfo { stage: Stage::OptimizerStep, epoch, batch_index: ni, training: true };
         let params = &self.params;
         let max_norm = self.cfg.clip_max_norm;
         let (optimizer, scaler, ema, model) = (&mut self.optimizer, &mut self.scaler, &mut self.ema, &self.model);
         let callbacks = &mut self.callbacks;
         let view = self.view.clone();
+        let (profile, device) = (self.cfg.profile, self.cfg.device);
+        let mut ema_ms = 0.0;
         self.plugins.run(info, &mut || {
             if let Some(s) = scaler.as_mut() {
                 s.unscale_(optimizer.as_ref())?;
@@ -229,12 +251,20 @@ impl Run {
                 cb.on_before_zero_grad(&view);
             }
             optimizer.zero_grad();
+            if profile {
+                probe::sync(device)?;
+            }
+            let t = Instant::now();
             ema.update_module(model)?;
+            if profile {
+                probe::sync(device)?;
+                ema_ms = t.elapsed().as_secs_f64() * 1e3;
+            }
             Ok(())
         })?;
         self.state.global_step += 1;
         self.view.global_step = self.state.global_step;
-        Ok(())
+        Ok(ema_ms)
     }
 
     /// Copies the EMA weights into the evaluation model (in place).
@@ -351,17 +381,28 @@ impl Run {
 pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<RunSummary> {
     cfg.validate()?;
     let started = Instant::now();
+    let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
+    let t = Instant::now();
+    probe::open_device(cfg.device)?;
+    startup.device_open_s = t.elapsed().as_secs_f64();
     crate::pose::reset_memory_peaks(cfg.device);
     std::fs::create_dir_all(&cfg.save_dir).map_err(|e| TrainerError::Io { path: cfg.save_dir.clone(), source: e })?;
+    let t = Instant::now();
     let open = OpenOptions { imgsz: cfg.imgsz as u32, verbose: true, ..OpenOptions::default() };
     let train_ds = Arc::new(PoseDataset::open_yaml(&cfg.data, "train", &open)?);
     let val_ds = if cfg.val { Some(Arc::new(PoseDataset::open_yaml(&cfg.data, "val", &open)?)) } else { None };
+    startup.dataset_open_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let batches = train_ds.len().div_ceil(cfg.batch.min(train_ds.len()).max(1));
+    let batches = cfg.max_batches.map_or(batches, |m| m.min(batches));
+    let workers = cfg.effective_workers(batches);
     let mut tcfg = TrainConfig {
         batch: cfg.batch,
         seed: cfg.seed,
         epochs: cfg.epochs,
         close_mosaic: cfg.close_mosaic,
-        workers: cfg.workers,
+        workers,
+        inject_panic_at: cfg.inject_loader_panic_at,
         // CUDA runs jitter colours on the device after the upload (one fused launch per batch).
         hsv_on_device: matches!(cfg.device, Device::Cuda(_)) && cfg!(feature = "cuda"),
         ..TrainConfig::default()
@@ -427,13 +468,18 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         nb,
         state: LoopState { epoch: -1, last_opt_step: -1, ..LoopState::default() },
         view: LoopView { epochs: cfg.epochs, batches_per_epoch: nb, ..LoopView::default() },
-        step_ms: Vec::new(),
+        clock: StepClock::new(cfg.device, cfg.timing_warmup_steps, Err("not started".into())),
+        stage_ms: Vec::new(),
+        epoch_s: Vec::new(),
+        workers,
+        pageable_uploads: 0,
         metrics_per_epoch: Vec::new(),
         optimizer_name: format!("{:?}", resolved.name),
         params: Vec::new(),
         anchors: None,
     };
     run.params = model_params(&run.model);
+    startup.model_build_s = t.elapsed().as_secs_f64();
     let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
     let result = fit_loop(&mut run, &train_args);
     if let Err(e) = &result {
@@ -446,6 +492,17 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     }
     let hashes = run.hashes()?;
     let (peak_allocated_bytes, peak_reserved_bytes) = crate::pose::memory_peaks(cfg.device);
+    let mut timing = run.clock.finish(run.workers, run.pageable_uploads);
+    timing.stages = stage_profile(&run.stage_ms);
+    let (first_began, first_step_s) = run.clock.first_step();
+    startup.first_step_s = first_step_s;
+    if let Some(t) = first_began {
+        startup.fit_to_first_step_s = t.duration_since(started).as_secs_f64();
+        startup.process_to_first_step_s = startup.process_to_fit_s.map(|p| p + startup.fit_to_first_step_s);
+    }
+    startup.kernel_modules = probe::kernel_modules();
+    (startup.library_setups, startup.library_setup_s) = probe::library_setup();
+    startup.epoch_s = run.epoch_s.clone();
     let summary = RunSummary {
         device: cfg.device.to_string(),
         precision: cfg.precision.name().into(),
@@ -454,7 +511,9 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         imgsz: cfg.imgsz,
         optimizer: run.optimizer_name.clone(),
         total_runtime_s: started.elapsed().as_secs_f64(),
-        step_time: StepTiming::from_samples(&run.step_ms),
+        step_time: timing.start_to_start.clone(),
+        timing,
+        startup,
         peak_allocated_bytes,
         peak_reserved_bytes,
         library_workspace_bytes: crate::pose::library_workspace_bytes(cfg.device),
@@ -487,8 +546,16 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         .chain((0..run.optimizer.param_groups().len()).map(|i| format!("lr/pg{i}")))
         .collect();
     let csv = ResultsCsv::new(&cfg.save_dir.join("results.csv"), columns);
+    let last_epoch = cfg.stop_after_epochs.map_or(cfg.epochs, |n| (start_epoch + n).min(cfg.epochs)).max(start_epoch + 1) - 1;
+    let device = cfg.device;
+    let gpu_plan = StepClock::plan_gpu_window(cfg.gpu_time, device, cfg.timing_warmup_steps, start_epoch, last_epoch, run.nb);
+    run.clock = StepClock::new(device, cfg.timing_warmup_steps, gpu_plan);
+    let image_bytes = run.loader.batch_size() * 3 * cfg.imgsz * cfg.imgsz;
+    let plan = PrefetchPlan { start_epoch, batches_per_epoch: Some(run.nb) };
+    let mut pipeline = TrainPipeline::start(&run.loader, plan, device, image_bytes)?;
     let fit_start = Instant::now();
     for epoch in start_epoch..cfg.epochs {
+        let epoch_start = Instant::now();
         // Scheduler first (epoch e uses lf(e)); the criterion weights follow the epoch count.
         run.scheduler = LrScheduler::new(run.lambda, epoch);
         run.scheduler.step(run.optimizer.param_groups_mut());
@@ -499,11 +566,25 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         let mut sums = [0f64; 6];
         let bar = super::progress::EpochBar::new(cfg.progress, epoch, cfg.epochs, run.nb);
         for i in 0..run.nb {
-            let batch = run.loader.build_batch(epoch, i)?;
-            run.train_batch(epoch, i, &batch, &mut sums)?;
+            run.clock.begin_step(epoch, i, run.nb)?;
+            let (batch, pixels, waited) = pipeline.next()?.ok_or_else(|| TrainerError::InvalidArgument {
+                what: "loader",
+                reason: format!("the batch pipeline ended before epoch {epoch} batch {i}"),
+            })?;
+            if (batch.epoch, batch.index) != (epoch, i) {
+                return Err(TrainerError::InvalidArgument {
+                    what: "loader",
+                    reason: format!("expected epoch {epoch} batch {i}, the pipeline delivered epoch {} batch {}", batch.epoch, batch.index),
+                });
+            }
+            run.clock.data_wait(waited);
+            run.train_batch(epoch, i, &batch, &pixels, waited.as_secs_f64() * 1e3, &mut sums)?;
+            run.clock.end_step();
             bar.update(i, &run.view.mean_items, run.view.lr.first().copied().unwrap_or(0.0));
         }
         bar.finish();
+        let stats = pipeline.stats();
+        (run.workers, run.pageable_uploads) = (stats.workers, stats.pageable_uploads);
         let lrs = run.lrs();
         // Validation on the EMA model.
         let val = if let Some(ds) = run.val_ds.clone() {
@@ -540,6 +621,7 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         }
         run.each_cb(|c, v| c.on_save_checkpoint(v));
         run.each_cb(|c, v| c.on_train_epoch_end(v));
+        run.epoch_s.push(epoch_start.elapsed().as_secs_f64());
         if cfg.stop_after_epochs.is_some_and(|n| epoch + 1 - start_epoch >= n) && epoch + 1 < cfg.epochs {
             return Ok(());
         }
@@ -558,4 +640,30 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     run.each_cb(|c, v| c.on_fit_end(v));
     run.each_cb(|c, v| c.teardown(v));
     Ok(())
+}
+
+/// Medians of the `profile=true` stage times (NaN entries — stages that did not run — skipped).
+fn stage_profile(samples: &[[f64; 7]]) -> Option<StageProfile> {
+    if samples.is_empty() {
+        return None;
+    }
+    let median = |k: usize| {
+        let mut v: Vec<f64> = samples.iter().map(|s| s[k]).filter(|x| x.is_finite()).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        match v.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => v[n / 2],
+            n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+        }
+    };
+    Some(StageProfile {
+        steps: samples.len(),
+        data_ms: median(0),
+        upload_ms: median(1),
+        forward_ms: median(2),
+        loss_ms: median(3),
+        backward_ms: median(4),
+        optimizer_ms: median(5),
+        ema_ms: median(6),
+    })
 }

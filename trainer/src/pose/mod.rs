@@ -1,9 +1,12 @@
 //! Pose training: configuration, the fit loop, validation.
 
+mod clock;
 pub mod config;
 pub mod draw;
 pub mod fit;
+mod pipeline;
 pub mod plots;
+mod probe;
 mod progress;
 pub mod validate;
 

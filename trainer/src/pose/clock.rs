@@ -1,0 +1,248 @@
+//! Step timing as the benchmark protocol defines it.
+//!
+//! - **Start-to-start**: a step starts when the training thread asks for its batch, so waiting
+//!   for data counts; a step's time runs to the start of the next step of the same epoch (the
+//!   last step of an epoch has none: validation follows). The first `warmup` steps of the process
+//!   are left out.
+//! - **Sync window**: the 16 steps after the warm-up, with the device synchronised at both ends
+//!   (total / 16) — the seed's figure; the backend's launch counters are read over the same steps.
+//! - **GPU window**: 16 steps near the end of the run traced with CUPTI (sum of kernel durations)
+//!   next to their device-event span. Tracing costs host time per launch, so these steps and the
+//!   step before them are left out of the start-to-start statistics.
+
+use std::time::{Duration, Instant};
+
+use ptl_autograd::Device;
+
+use super::probe::{sync, CounterMark, GpuWindow};
+use crate::fit::{GpuWindowReport, LaunchesPerStep, StepTiming, TimingReport};
+use crate::Result;
+
+/// Steps in the sync and GPU windows.
+pub(crate) const WINDOW: usize = 16;
+
+struct Previous {
+    epoch: usize,
+    start: Instant,
+    timed: bool,
+}
+
+enum SyncWindow {
+    Pending,
+    Running { first: usize, t0: Instant, counters: CounterMark },
+    Done,
+}
+
+enum Gpu {
+    /// Starts at (epoch, batch index).
+    Planned(usize, usize),
+    Running(GpuWindow, usize),
+    Done(GpuWindowReport),
+    Unavailable(String),
+}
+
+pub(crate) struct StepClock {
+    device: Device,
+    warmup: usize,
+    steps: usize,
+    prev: Option<Previous>,
+    current_timed: bool,
+    step_began: Option<Instant>,
+    samples: Vec<f64>,
+    waits: Vec<f64>,
+    sync_window: SyncWindow,
+    sync_ms: Option<f64>,
+    launches: Option<LaunchesPerStep>,
+    gpu: Gpu,
+    first_step_s: Option<f64>,
+    first_step_began: Option<Instant>,
+}
+
+impl StepClock {
+    /// `gpu_plan`: where the GPU window starts (epoch, batch index), or why there is none.
+    pub fn new(device: Device, warmup: usize, gpu_plan: std::result::Result<(usize, usize), String>) -> StepClock {
+        StepClock {
+            device,
+            warmup,
+            steps: 0,
+            prev: None,
+            current_timed: false,
+            step_began: None,
+            samples: Vec::new(),
+            waits: Vec::new(),
+            sync_window: SyncWindow::Pending,
+            sync_ms: None,
+            launches: None,
+            gpu: match gpu_plan {
+                Ok((e, b)) => Gpu::Planned(e, b),
+                Err(why) => Gpu::Unavailable(why),
+            },
+            first_step_s: None,
+            first_step_began: None,
+        }
+    }
+
+    /// Where the GPU window of a run goes: the last 16 steps but one of the process's last epoch,
+    /// clear of the warm-up and the sync window.
+    pub fn plan_gpu_window(
+        enabled: bool,
+        device: Device,
+        warmup: usize,
+        start_epoch: usize,
+        last_epoch: usize,
+        nb: usize,
+    ) -> std::result::Result<(usize, usize), String> {
+        if !enabled {
+            return Err("gpu_time=false".into());
+        }
+        if !device.is_cuda() {
+            return Err("GPU time is measured on CUDA devices only".into());
+        }
+        let first = nb.checked_sub(WINDOW + 1).filter(|&b| b >= 1).ok_or_else(|| format!("epochs of {nb} steps are too short"))?;
+        let steps_before = (last_epoch - start_epoch) * nb + first;
+        if steps_before < warmup + WINDOW + 1 {
+            return Err(format!("{steps_before} steps before the window: the warm-up and sync window need {}", warmup + WINDOW + 1));
+        }
+        Ok((last_epoch, first))
+    }
+
+    /// Called when a step starts, before its batch is fetched.
+    pub fn begin_step(&mut self, epoch: usize, batch: usize, nb: usize) -> Result<()> {
+        let now = Instant::now();
+        if let Some(p) = self.prev.take() {
+            if p.epoch == epoch && p.timed {
+                self.samples.push(now.duration_since(p.start).as_secs_f64() * 1e3);
+            }
+        }
+        let step = self.steps;
+        match &self.sync_window {
+            SyncWindow::Pending if step >= self.warmup && batch + WINDOW <= nb => {
+                sync(self.device)?;
+                self.sync_window = SyncWindow::Running { first: step, t0: Instant::now(), counters: CounterMark::now(self.device) };
+            }
+            SyncWindow::Running { first, t0, counters } if step == first + WINDOW => {
+                sync(self.device)?;
+                self.sync_ms = Some(t0.elapsed().as_secs_f64() * 1e3 / WINDOW as f64);
+                self.launches = counters.per_step_until(&CounterMark::now(self.device), WINDOW);
+                self.sync_window = SyncWindow::Done;
+            }
+            _ => {}
+        }
+        let mut in_gpu_window = false;
+        match std::mem::replace(&mut self.gpu, Gpu::Unavailable(String::new())) {
+            Gpu::Planned(e, b) if (e, b) == (epoch, batch) => {
+                self.gpu = match GpuWindow::start(self.device, step) {
+                    Ok(w) => Gpu::Running(w, step),
+                    Err(why) => Gpu::Unavailable(why),
+                };
+                in_gpu_window = true;
+            }
+            Gpu::Planned(e, b) => {
+                // The step just before the window ends where tracing starts.
+                in_gpu_window = e == epoch && batch + 1 == b;
+                self.gpu = Gpu::Planned(e, b);
+            }
+            Gpu::Running(w, first) if step == first + WINDOW => {
+                self.gpu = match w.finish(self.device, WINDOW) {
+                    Ok(r) => Gpu::Done(r),
+                    Err(why) => Gpu::Unavailable(why),
+                };
+                in_gpu_window = true;
+            }
+            Gpu::Running(w, first) => {
+                self.gpu = Gpu::Running(w, first);
+                in_gpu_window = true;
+            }
+            other => self.gpu = other,
+        }
+        self.current_timed = step >= self.warmup && !in_gpu_window;
+        let start = Instant::now();
+        if step == 0 {
+            self.first_step_began = Some(start);
+        }
+        self.step_began = Some(start);
+        self.prev = Some(Previous { epoch, start, timed: self.current_timed });
+        Ok(())
+    }
+
+    /// The current step waited `d` for its batch.
+    pub fn data_wait(&mut self, d: Duration) {
+        if self.current_timed {
+            self.waits.push(d.as_secs_f64() * 1e3);
+        }
+    }
+
+    /// Called when a step's work has been queued (its loss read back).
+    pub fn end_step(&mut self) {
+        if self.steps == 0 {
+            self.first_step_s = self.step_began.map(|t| t.elapsed().as_secs_f64());
+        }
+        self.steps += 1;
+    }
+
+    /// Start of the first step, and how long it took.
+    pub fn first_step(&self) -> (Option<Instant>, f64) {
+        (self.first_step_began, self.first_step_s.unwrap_or(0.0))
+    }
+
+    /// Closes any open window and returns the figures.
+    pub fn finish(&mut self, workers: usize, pageable_uploads: u64) -> TimingReport {
+        if let Gpu::Running(w, first) = std::mem::replace(&mut self.gpu, Gpu::Unavailable(String::new())) {
+            let steps = self.steps - first;
+            self.gpu = match w.finish(self.device, steps) {
+                Ok(r) => Gpu::Done(r),
+                Err(why) => Gpu::Unavailable(why),
+            };
+        }
+        let (gpu, gpu_unavailable) = match &self.gpu {
+            Gpu::Done(r) => (Some(r.clone()), None),
+            Gpu::Unavailable(why) => (None, Some(why.clone())),
+            Gpu::Planned(..) => (None, Some("the run ended before the GPU window".into())),
+            Gpu::Running(..) => (None, Some("window still open".into())),
+        };
+        TimingReport {
+            warmup_steps: self.warmup,
+            start_to_start: StepTiming::from_samples(&self.samples),
+            sync_window_ms_per_step: self.sync_ms,
+            data_wait_ms_mean: if self.waits.is_empty() { 0.0 } else { self.waits.iter().sum::<f64>() / self.waits.len() as f64 },
+            workers,
+            pageable_uploads,
+            launches: self.launches.clone(),
+            gpu,
+            gpu_unavailable,
+            stages: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_window_plan() {
+        let cuda = Device::Cuda(0);
+        assert_eq!(StepClock::plan_gpu_window(true, cuda, 10, 0, 0, 128), Ok((0, 111)));
+        assert_eq!(StepClock::plan_gpu_window(true, cuda, 10, 0, 4, 128), Ok((4, 111)));
+        assert!(StepClock::plan_gpu_window(true, cuda, 10, 0, 0, 30).is_err(), "too short for warm-up + sync window");
+        assert!(StepClock::plan_gpu_window(true, Device::Cpu, 10, 0, 0, 128).is_err());
+        assert!(StepClock::plan_gpu_window(false, cuda, 10, 0, 0, 128).is_err());
+    }
+
+    #[test]
+    fn start_to_start_samples_skip_warmup_and_epoch_ends() {
+        let mut c = StepClock::new(Device::Cpu, 2, Err("cpu".into()));
+        for epoch in 0..2 {
+            for b in 0..5 {
+                c.begin_step(epoch, b, 5).unwrap();
+                c.data_wait(Duration::from_millis(1));
+                c.end_step();
+            }
+        }
+        let r = c.finish(0, 0);
+        // Epoch 0: steps 2, 3 timed (step 4 has no successor in its epoch); epoch 1: steps 5..8.
+        assert_eq!(r.start_to_start.timed_steps, 6);
+        assert!(r.data_wait_ms_mean >= 1.0);
+        assert!(r.sync_window_ms_per_step.is_none(), "no 16-step stretch in 5-step epochs");
+    }
+}

@@ -1,0 +1,175 @@
+//! Device-side measurements of a fit, with CPU stand-ins: synchronisation, the backend's launch
+//! counters, the CUPTI kernel-time window and start-up figures. Everything here is diagnostics;
+//! none of it changes what a step computes.
+
+use ptl_autograd::Device;
+
+use crate::fit::{GpuWindowReport, KernelModuleTime, LaunchesPerStep};
+use crate::Result;
+
+/// Waits for all work queued on `device` (no-op on the CPU).
+pub(crate) fn sync(device: Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        ptl_autograd::cuda::synchronize(device)?;
+    }
+    let _ = device;
+    Ok(())
+}
+
+/// Opens the device now (context, kernels) so that its cost is measured apart from the rest.
+pub(crate) fn open_device(device: Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(n) = device {
+        ptl_autograd::cuda::check(n).map_err(ptl_autograd::Error::CudaUnavailable)?;
+    }
+    let _ = device;
+    Ok(())
+}
+
+/// A snapshot of the backend's counters (`None` on the CPU).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CounterMark {
+    #[cfg(feature = "cuda")]
+    counts: Option<ptl_autograd::cuda::CudaCounters>,
+}
+
+impl CounterMark {
+    pub fn now(device: Device) -> CounterMark {
+        let _ = device;
+        CounterMark {
+            #[cfg(feature = "cuda")]
+            counts: device.is_cuda().then(ptl_autograd::cuda::counters),
+        }
+    }
+
+    /// Counts per step from this mark to `later` over `steps` steps.
+    pub fn per_step_until(&self, later: &CounterMark, steps: usize) -> Option<LaunchesPerStep> {
+        #[cfg(feature = "cuda")]
+        if let (Some(a), Some(b)) = (self.counts, later.counts) {
+            let d = b.since(&a);
+            let n = steps.max(1) as f64;
+            return Some(LaunchesPerStep {
+                steps,
+                kernel_launches: d.kernel_launches as f64 / n,
+                library_calls: d.library_calls as f64 / n,
+                graph_launches: d.graph_launches as f64 / n,
+                host_to_device_copies: d.host_to_device_copies as f64 / n,
+                device_to_host_copies: d.device_to_host_copies as f64 / n,
+                device_to_device_copies: d.device_to_device_copies as f64 / n,
+                memsets: d.memsets as f64 / n,
+                host_syncs: d.host_syncs as f64 / n,
+            });
+        }
+        let _ = (later, steps);
+        None
+    }
+}
+
+/// A running CUPTI window: kernel durations plus a device-event span.
+pub(crate) struct GpuWindow {
+    first_step: usize,
+    #[cfg(feature = "cuda")]
+    timer: ptl_autograd::cuda::GpuKernelTimer,
+    #[cfg(feature = "cuda")]
+    mark: ptl_autograd::cuda::StreamMark,
+}
+
+impl GpuWindow {
+    /// Starts a window on `device`; `Err(reason)` when it cannot be measured there.
+    pub fn start(device: Device, first_step: usize) -> std::result::Result<GpuWindow, String> {
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            let timer = ptl_autograd::cuda::GpuKernelTimer::start(device).map_err(|e| e.to_string())?;
+            let mark = ptl_autograd::cuda::StreamMark::record(device).map_err(|e| e.to_string())?;
+            return Ok(GpuWindow { first_step, timer, mark });
+        }
+        let _ = (device, first_step);
+        Err("GPU time is measured on CUDA devices only".into())
+    }
+
+    /// Ends the window after `steps` steps.
+    pub fn finish(self, device: Device, steps: usize) -> std::result::Result<GpuWindowReport, String> {
+        #[cfg(feature = "cuda")]
+        {
+            let end = ptl_autograd::cuda::StreamMark::record(device).map_err(|e| e.to_string())?;
+            let span = self.mark.elapsed_ms_until(&end).map_err(|e| e.to_string())?;
+            let t = self.timer.finish().map_err(|e| e.to_string())?;
+            let n = steps.max(1) as f64;
+            Ok(GpuWindowReport {
+                steps,
+                first_step: self.first_step,
+                kernel_ms_per_step: t.kernel_ns as f64 * 1e-6 / n,
+                kernels_per_step: t.kernels as f64 / n,
+                memcpy_ms_per_step: t.memcpy_ns as f64 * 1e-6 / n,
+                memcpys_per_step: t.memcpys as f64 / n,
+                memsets_per_step: t.memsets as f64 / n,
+                event_span_ms_per_step: span / n,
+                dropped_records: t.dropped,
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, steps, self.first_step);
+            Err("GPU time is measured on CUDA devices only".into())
+        }
+    }
+}
+
+/// Device-code modules loaded in this process and what each cost.
+pub(crate) fn kernel_modules() -> Vec<KernelModuleTime> {
+    #[cfg(feature = "cuda")]
+    {
+        use ptl_autograd::cuda::ModuleSource;
+        ptl_autograd::cuda::module_reports()
+            .into_iter()
+            .map(|r| KernelModuleTime {
+                name: r.name,
+                source: match r.source {
+                    ModuleSource::CacheHit => "cache-hit",
+                    ModuleSource::Compiled => "compiled",
+                    ModuleSource::Rebuilt => "rebuilt",
+                    ModuleSource::Uncached => "uncached",
+                }
+                .into(),
+                compile_s: r.compile_s,
+                load_s: r.load_s,
+            })
+            .collect()
+    }
+    #[cfg(not(feature = "cuda"))]
+    Vec::new()
+}
+
+/// cuDNN/cuBLAS set-ups so far and their seconds.
+pub(crate) fn library_setup() -> (u64, f64) {
+    #[cfg(feature = "cuda")]
+    return ptl_autograd::cuda::library_setup();
+    #[cfg(not(feature = "cuda"))]
+    (0, 0.0)
+}
+
+/// Seconds since this process started, from the kernel's record (Linux); `None` elsewhere.
+pub(crate) fn process_age_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // `rest` starts at field 3 (state); starttime is field 22, in clock ticks since boot.
+    let start_ticks: f64 = rest.split_whitespace().nth(19)?.parse().ok()?;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime").ok()?.split_whitespace().next()?.parse().ok()?;
+    // USER_HZ is 100 on every Linux ABI that ptl runs on.
+    Some((uptime - start_ticks / 100.0).max(0.0))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn process_age_is_small_and_grows() {
+        if let Some(a) = super::process_age_s() {
+            assert!((0.0..3600.0).contains(&a), "test process started {a} s ago");
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            let b = super::process_age_s().unwrap();
+            assert!(b >= a);
+        }
+    }
+}
