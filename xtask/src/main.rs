@@ -3,7 +3,7 @@
 use std::process::{Command, ExitCode};
 
 mod artifacts;
-mod bench_train;
+mod bench;
 mod device_pack;
 mod gate;
 mod heads_pack;
@@ -13,7 +13,7 @@ fn usage() -> &'static str {
      commands:\n  \
        gate            cargo fmt --check, clippy -D warnings, cargo test --workspace\n  \
        device-pack     build the CUDA test/bench binaries + run.sh into device-pack/ (for the GPU machine)\n  \
-       bench-train     the training benchmark workload in fresh processes (--pack: into train-pack/ for the GPU machine)\n  \
+       bench           training benchmark: arms in alternating fresh processes next to Ultralytics (--help)\n  \
        heads-pack      the model's CUDA golden tests + forward/backward bench next to PyTorch into heads-pack/\n"
 }
 
@@ -22,7 +22,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("gate") => gate::run(),
         Some("device-pack") => device_pack::run(&args[1..]),
-        Some("bench-train") => bench_train::run(&args[1..]),
+        Some("bench") => bench::run(&args[1..]),
         Some("heads-pack") => heads_pack::run(&args[1..]),
         Some("-h") | Some("--help") | None => {
             print!("{}", usage());

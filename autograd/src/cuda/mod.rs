@@ -60,7 +60,7 @@ pub use counters::{counters, library_setup, CudaCounters};
 pub use device::CudaSetupError;
 pub use graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph, StreamMark};
 pub use kernel_timer::{GpuKernelTimer, GpuKernelTotals};
-pub use module_cache::{kernel_cache_dir, module_reports, ModuleReport, ModuleSource};
+pub use module_cache::{kernel_cache_dir, module_reports, probe_module_cache, ModuleReport, ModuleSource};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
 pub use user_kernel::{KernelArg, UserKernel};
 

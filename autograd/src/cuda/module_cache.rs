@@ -223,6 +223,24 @@ pub(crate) fn load_module(
     Ok(m)
 }
 
+/// Loads `source` as module `name` through the on-disk cache, bypassing the process's own module
+/// table, checks that `function` is in it, and says how its code was obtained (so a test can play
+/// several processes in one).
+#[doc(hidden)]
+pub fn probe_module_cache(device: crate::Device, name: &str, source: &str, function: &str) -> crate::Result<ModuleSource> {
+    let dev = super::dev_of(device)?;
+    dev.bind()?;
+    let (major, minor) = dev.ctx.compute_capability().map_err(|e| super::device::cu_err("compute capability", e))?;
+    let m = load_module(&dev.ctx, name, source, major, minor).map_err(crate::Error::Cuda)?;
+    m.load_function(function).map_err(|e| super::device::cu_err(&format!("kernel {function} in module {name}"), e))?;
+    module_reports()
+        .iter()
+        .rev()
+        .find(|r| r.name == name)
+        .map(|r| r.source)
+        .ok_or_else(|| crate::Error::Cuda(format!("module {name}: no load report")))
+}
+
 fn record(name: &str, source: ModuleSource, compile_s: f64, load_s: f64, note: Option<String>) {
     if let Some(n) = &note {
         eprintln!("ptl: {n}");

@@ -43,6 +43,8 @@ impl StepTiming {
 /// the GPU's own time). All per-step figures are means over the window named.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TimingReport {
+    /// Steps run by this process.
+    pub steps: usize,
     /// Steps at the start of the process left out of every figure (warm-up).
     pub warmup_steps: usize,
     /// Start-to-start step time (from the start of one step — waiting for its batch included —

@@ -201,6 +201,7 @@ impl StepClock {
             Gpu::Running(..) => (None, Some("window still open".into())),
         };
         TimingReport {
+            steps: self.steps,
             warmup_steps: self.warmup,
             start_to_start: StepTiming::from_samples(&self.samples),
             sync_window_ms_per_step: self.sync_ms,

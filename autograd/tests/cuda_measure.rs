@@ -1,0 +1,97 @@
+//! What the CUDA backend measures about itself: the on-disk CUBIN cache (hit, miss, corrupt and
+//! stale entries), the launch counters, and the CUPTI kernel timer against device events.
+//! Without a usable GPU each test prints `skipping: <reason>` and passes.
+#![cfg(feature = "cuda")]
+
+use ptl_autograd::cuda::{self, ModuleSource};
+use ptl_autograd::{DType, Device, Tensor};
+
+fn gpu() -> Option<Device> {
+    match cuda::check(0) {
+        Ok(()) => Some(Device::Cuda(0)),
+        Err(e @ (ptl_autograd::CudaSetupError::NoDriver | ptl_autograd::CudaSetupError::NoDevice { .. })) => {
+            println!("skipping: {e}");
+            None
+        }
+        Err(e) => panic!("a GPU is present but CUDA is not usable: {e}"),
+    }
+}
+
+const SRC: &str = r#"extern "C" __global__ void scale_probe(float* x, float a, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= a;
+}"#;
+
+#[test]
+fn kernel_cache_hits_and_rebuilds_damaged_entries() {
+    let Some(dev) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ptl-kcache-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // The cache folder is read per load; this test owns the variable while it runs.
+    std::env::set_var("PTL_KERNEL_CACHE", &dir);
+    let name = "ptl_cache_probe";
+    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Compiled, "empty cache: compiled");
+    let entries: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).collect();
+    assert_eq!(entries.len(), 1, "one entry written: {entries:?}");
+    let entry = &entries[0];
+    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::CacheHit, "second load: from disk");
+    // A flipped byte in the payload: the checksum catches it, the entry is rebuilt.
+    let mut bytes = std::fs::read(entry).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x5a;
+    std::fs::write(entry, &bytes).unwrap();
+    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Rebuilt);
+    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::CacheHit, "the rebuilt entry is good");
+    // Truncated file.
+    std::fs::write(entry, &std::fs::read(entry).unwrap()[..100]).unwrap();
+    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Rebuilt);
+    // Another source under the same module name is another entry, never the stale one.
+    let src2 = SRC.replace("*= a", "*= a * 2.0f");
+    assert_eq!(cuda::probe_module_cache(dev, name, &src2, "scale_probe").unwrap(), ModuleSource::Compiled);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+    // Cache switched off: compiled, nothing written.
+    std::env::set_var("PTL_KERNEL_CACHE", "off");
+    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Uncached);
+    std::env::remove_var("PTL_KERNEL_CACHE");
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("ok kernel cache: compiled → hit → corrupt rebuilt → hit → truncated rebuilt; new source = new entry; off = uncached");
+}
+
+#[test]
+fn counters_and_kernel_timer_agree_with_what_ran() {
+    let Some(dev) = gpu() else { return };
+    let x = Tensor::ones(vec![1 << 20], DType::F32, dev).unwrap();
+    let _ = x.affine(2.0, 1.0).unwrap();
+    cuda::synchronize(dev).unwrap();
+    let timer = match cuda::GpuKernelTimer::start(dev) {
+        Ok(t) => t,
+        Err(e) => panic!("CUPTI must be usable on the GPU machine (run.sh sets LD_LIBRARY_PATH): {e}"),
+    };
+    let before = cuda::counters();
+    let mark = cuda::StreamMark::record(dev).unwrap();
+    let n = 50;
+    let mut y = x.clone();
+    for _ in 0..n {
+        y = y.affine(1.0001, 0.0).unwrap();
+    }
+    cuda::gpu_spin(dev, 2_000_000).unwrap(); // ~1 ms of one kernel
+    let end = cuda::StreamMark::record(dev).unwrap();
+    let span = mark.elapsed_ms_until(&end).unwrap();
+    let counted = cuda::counters().since(&before);
+    let t = timer.finish().unwrap();
+    assert_eq!(counted.kernel_launches, n + 1, "the host counted every launch: {counted:?}");
+    assert_eq!(t.kernels, n + 1, "CUPTI saw every kernel: {t:?}");
+    assert_eq!(t.dropped, 0);
+    let kernel_ms = t.kernel_ns as f64 * 1e-6;
+    assert!(kernel_ms > 0.3, "the spin kernel alone runs ~1 ms: {kernel_ms} ms");
+    assert!(kernel_ms <= span * 1.01 + 0.01, "kernels of one stream do not overlap: sum {kernel_ms} ms ≤ span {span} ms");
+    // A second window starts from zero.
+    let timer = cuda::GpuKernelTimer::start(dev).unwrap();
+    let _ = x.affine(3.0, 0.0).unwrap();
+    let t2 = timer.finish().unwrap();
+    assert_eq!(t2.kernels, 1);
+    println!(
+        "ok counters/timer: {} launches, {} kernels, {kernel_ms:.3} ms of kernels in a {span:.3} ms span",
+        counted.kernel_launches, t.kernels
+    );
+}

@@ -1,0 +1,731 @@
+//! `cargo xtask bench`: the training benchmark in alternating fresh processes, next to Ultralytics.
+//!
+//! Workload (the seed's): YOLO26n-pose, batch 4, 640 px, mosaic every epoch, seed 347, on the
+//! synthetic set `ptl data synth` writes (512 training images of which 226 backgrounds, 15
+//! validation images); both frameworks train on the same folder. Arms run as A B C A B C … per
+//! precision, each in a fresh process; every finished run is appended to `runs.jsonl` at once, so a
+//! call that is cut short keeps what it measured, and `--report` merges the files of several calls
+//! into one table (`bench.md`) and one JSON (`bench.json`).
+//!
+//! Precision pairing: ptl `16-mixed` ↔ Ultralytics `amp=True` (FP16 + GradScaler), `bf16-mixed` ↔
+//! `amp=bf16`, `32-true` ↔ `amp=False`.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+const ULTRA_SCRIPT: &str = include_str!("../assets/ultralytics_bench.py");
+const ULTRA: &str = "ultralytics";
+
+const HELP: &str = "usage: cargo xtask bench [options]            run the benchmark here (builds ptl in release)
+       cargo xtask bench --pack [options]     write bench-pack/ for the GPU machine: `bash bench-pack/run.sh [options]`
+       cargo xtask bench --report DIR...      merge the runs.jsonl of earlier calls into one table
+options:
+  --arms A,B         ptl arms: native (default), workers0 (batches built on the training thread)
+  --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
+  --precisions P,Q   bf16-mixed,32-true,16-mixed (default bf16-mixed)
+  --pairs N          rounds of every arm per precision (default 3)
+  --epochs N         epochs per run (default 1)
+  --optimizer O      MuSGD (default), auto, SGD, AdamW
+  --budget-s S       start no run that would end after S seconds (estimated from earlier runs)
+  --out DIR          results (default $OUT or bench-out)
+  --work DIR         dataset, kernel cache and run folders (default /tmp/ptl-bench)
+  --warm             keep the kernel cache (default: the first ptl run starts with an empty one: cold)
+  --device D         ptl's device (default cuda:0)
+  --imgsz N          image size of the dataset and the runs (default 640)
+  --images N         training images of the synthetic set (default 512, 44 % backgrounds; for harness checks)";
+
+#[derive(Clone, Debug)]
+struct Opts {
+    arms: Vec<String>,
+    ultralytics: bool,
+    precisions: Vec<String>,
+    pairs: usize,
+    epochs: usize,
+    optimizer: String,
+    budget_s: Option<f64>,
+    out: PathBuf,
+    work: PathBuf,
+    cold_first: bool,
+    device: String,
+    imgsz: usize,
+    images: usize,
+}
+
+fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
+    let mut o = Opts {
+        arms: vec!["native".into()],
+        ultralytics: false,
+        precisions: vec!["bf16-mixed".into()],
+        pairs: 3,
+        epochs: 1,
+        optimizer: "MuSGD".into(),
+        budget_s: None,
+        out: std::env::var_os("OUT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("bench-out")),
+        work: PathBuf::from("/tmp/ptl-bench"),
+        cold_first: true,
+        device: "cuda:0".into(),
+        imgsz: 640,
+        images: 512,
+    };
+    let mut rest = Vec::new();
+    let mut it = args.iter();
+    let list = |v: &str| v.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect::<Vec<_>>();
+    while let Some(a) = it.next() {
+        let mut val = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value\n{HELP}"));
+        match a.as_str() {
+            "--arms" => o.arms = list(&val("--arms")?),
+            "--vs" => {
+                let v = val("--vs")?;
+                if v != ULTRA {
+                    return Err(format!("--vs {v}: only `ultralytics` is known"));
+                }
+                o.ultralytics = true;
+            }
+            "--precisions" => o.precisions = list(&val("--precisions")?),
+            "--pairs" => o.pairs = val("--pairs")?.parse().map_err(|_| "--pairs wants a number".to_string())?,
+            "--epochs" => o.epochs = val("--epochs")?.parse().map_err(|_| "--epochs wants a number".to_string())?,
+            "--optimizer" => o.optimizer = val("--optimizer")?,
+            "--budget-s" => o.budget_s = Some(val("--budget-s")?.parse().map_err(|_| "--budget-s wants seconds".to_string())?),
+            "--out" => o.out = PathBuf::from(val("--out")?),
+            "--work" => o.work = PathBuf::from(val("--work")?),
+            "--warm" => o.cold_first = false,
+            "--device" => o.device = val("--device")?,
+            "--imgsz" => o.imgsz = val("--imgsz")?.parse().map_err(|_| "--imgsz wants a number".to_string())?,
+            "--images" => o.images = val("--images")?.parse().map_err(|_| "--images wants a number".to_string())?,
+            "-h" | "--help" => return Err(HELP.into()),
+            other => rest.push(other.to_string()),
+        }
+    }
+    for arm in &o.arms {
+        arm_overrides(arm)?;
+    }
+    for p in &o.precisions {
+        ultra_amp(p)?;
+    }
+    if o.pairs == 0 || o.epochs == 0 {
+        return Err("--pairs and --epochs must be at least 1".into());
+    }
+    Ok((o, rest))
+}
+
+/// `key=value` overrides of a ptl arm.
+fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
+    match arm {
+        "native" => Ok(vec![]),
+        "workers0" => Ok(vec!["workers=0".into()]),
+        other => Err(format!("unknown arm `{other}` (known: native, workers0)")),
+    }
+}
+
+/// Ultralytics' `amp` for a ptl precision.
+fn ultra_amp(precision: &str) -> Result<&'static str, String> {
+    match precision {
+        "16-mixed" => Ok("True"),
+        "bf16-mixed" => Ok("bf16"),
+        "32-true" => Ok("False"),
+        other => Err(format!("unknown precision `{other}` (bf16-mixed, 32-true, 16-mixed)")),
+    }
+}
+
+pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    if args.first().map(String::as_str) == Some("--report") {
+        let dirs: Vec<PathBuf> = args[1..].iter().filter(|a| !a.starts_with("--")).map(PathBuf::from).collect();
+        let out = std::env::var_os("OUT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("bench-out"));
+        let mut recs = Vec::new();
+        for d in &dirs {
+            recs.extend(read_runs(&d.join("runs.jsonl"))?);
+        }
+        return write_report(&recs, &out);
+    }
+    if args.first().map(String::as_str) == Some("--here") {
+        // On the GPU machine, from bench-pack/run.sh: ptl and the driver lie beside this binary.
+        let (o, _) = parse(&args[1..])?;
+        let dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
+        return run_bench(&o, &dir.join("ptl"), &dir.join("ultralytics_bench.py"), Some(&dir.join("whl")));
+    }
+    let pack = args.iter().any(|a| a == "--pack");
+    let args: Vec<String> = args.iter().filter(|a| *a != "--pack").cloned().collect();
+    let (o, rest) = parse(&args)?;
+    if let Some(x) = rest.first() {
+        return Err(format!("unknown option {x}\n{HELP}"));
+    }
+    crate::cargo("build ptl and xtask (release)", &["build", "--release", "-p", "ptl", "-p", "ptl-xtask"])?;
+    let root = crate::workspace_root();
+    let ptl = root.join("target/release/ptl");
+    if pack {
+        return write_pack(&root, &ptl, &args, o.ultralytics);
+    }
+    let script = o.work.join("ultralytics_bench.py");
+    std::fs::create_dir_all(&o.work).map_err(|e| format!("{}: {e}", o.work.display()))?;
+    std::fs::write(&script, ULTRA_SCRIPT).map_err(|e| format!("{}: {e}", script.display()))?;
+    let wheels = root.join(".whl");
+    run_bench(&o, &ptl, &script, wheels.is_dir().then_some(wheels.as_path()))
+}
+
+fn write_pack(root: &Path, ptl: &Path, args: &[String], ultralytics: bool) -> Result<(), String> {
+    let pack = root.join("bench-pack");
+    let _ = std::fs::remove_dir_all(&pack);
+    std::fs::create_dir_all(&pack).map_err(|e| format!("creating {}: {e}", pack.display()))?;
+    let mut bytes = crate::artifacts::copy_stripped(ptl, &pack.join("ptl"))?;
+    bytes += crate::artifacts::copy_stripped(&root.join("target/release/ptl-xtask"), &pack.join("xtask"))?;
+    std::fs::write(pack.join("ultralytics_bench.py"), ULTRA_SCRIPT).map_err(|e| format!("writing the driver: {e}"))?;
+    if ultralytics {
+        bytes += copy_wheels(&root.join(".whl"), &pack.join("whl"))?;
+    }
+    let defaults = args.iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" ");
+    let script = format!(
+        "#!/usr/bin/env bash\n# cargo xtask bench on the GPU machine; arguments replace the packed defaults.\n\
+         # Results: $OUT/runs.jsonl, $OUT/bench.md, $OUT/bench.json (OUT defaults to bench-pack/out).\n\
+         set -u\ncd \"$(dirname \"$0\")\"\nexport OUT=${{OUT:-$PWD/out}}\n\
+         for d in /usr/local/cuda/extras/CUPTI/lib64 /usr/local/cuda/lib64; do [ -d $d ] && export LD_LIBRARY_PATH=$d:${{LD_LIBRARY_PATH:-}}; done\n\
+         nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; echo \"cores: $(nproc)\"\n\
+         if [ $# -gt 0 ]; then exec ./xtask bench --here \"$@\"; else exec ./xtask bench --here {defaults}; fi\n"
+    );
+    std::fs::write(pack.join("run.sh"), script).map_err(|e| format!("writing run.sh: {e}"))?;
+    eprintln!("bench: packed {} ({:.1} MiB); on the GPU machine: bash bench-pack/run.sh", pack.display(), bytes as f64 / 1048576.0);
+    Ok(())
+}
+
+/// Copies the Ultralytics wheels (ultralytics, ultralytics-thop; polars when present, but the
+/// driver runs without it) and returns their size.
+fn copy_wheels(from: &Path, to: &Path) -> Result<u64, String> {
+    std::fs::create_dir_all(to).map_err(|e| format!("{}: {e}", to.display()))?;
+    let entries = std::fs::read_dir(from).map_err(|e| {
+        format!("{}: {e} (download ultralytics==8.4.190 and ultralytics-thop==2.2.3 wheels there: see README)", from.display())
+    })?;
+    let mut n = 0;
+    let mut bytes = 0;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.ends_with(".whl") && name.starts_with("ultralytics") {
+            bytes += std::fs::copy(e.path(), to.join(&name)).map_err(|err| format!("copying {name}: {err}"))?;
+            n += 1;
+        }
+    }
+    if n < 2 {
+        return Err(format!("{}: need the ultralytics and ultralytics-thop wheels, found {n}", from.display()));
+    }
+    Ok(bytes)
+}
+
+/// Which run a record is.
+struct RunId<'a> {
+    kind: &'a str,
+    arm: &'a str,
+    precision: &'a str,
+    pair: usize,
+    /// The first ptl process, with an empty kernel cache.
+    cold: bool,
+}
+
+/// One finished (or failed) run.
+fn record(id: RunId<'_>, wall_s: f64, exit: i32, result: Value) -> Value {
+    json!({ "kind": id.kind, "arm": id.arm, "precision": id.precision, "pair": id.pair, "wall_s": wall_s, "exit": exit,
+            "cold": id.cold, "result": result })
+}
+
+fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Result<(), String> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
+    std::fs::create_dir_all(&o.work).map_err(|e| format!("{}: {e}", o.work.display()))?;
+    let data = ensure_dataset(ptl, o)?;
+    let site = if o.ultralytics { Some(install_ultralytics(wheels, &o.work)?) } else { None };
+    let kcache = o.work.join("kernels");
+    if o.cold_first {
+        let _ = std::fs::remove_dir_all(&kcache);
+    }
+    let log = o.out.join("runs.jsonl");
+    let mut arms: Vec<String> = o.arms.clone();
+    if o.ultralytics {
+        arms.push(ULTRA.into());
+    }
+    let mut durations: BTreeMap<String, f64> = BTreeMap::new();
+    let mut recs = Vec::new();
+    let mut first_ptl = o.cold_first;
+    for precision in &o.precisions {
+        for pair in 0..o.pairs {
+            for arm in &arms {
+                let est = durations.get(&format!("{arm}/{precision}")).or_else(|| durations.get(arm)).copied();
+                let est = est.unwrap_or(if arm == ULTRA { 40.0 } else { 30.0 } * o.epochs as f64);
+                if let Some(b) = o.budget_s {
+                    if started.elapsed().as_secs_f64() + est > b {
+                        eprintln!("bench: budget: skipping {arm} {precision} pair {pair} (≈{est:.0} s would end past {b:.0} s)");
+                        continue;
+                    }
+                }
+                let t = Instant::now();
+                let rec = if arm == ULTRA {
+                    run_ultralytics(o, script, site.as_deref(), &data, precision, pair)?
+                } else {
+                    let cold = std::mem::take(&mut first_ptl);
+                    run_ptl(o, ptl, &kcache, &data, arm, precision, pair, cold)?
+                };
+                let took = t.elapsed().as_secs_f64();
+                durations.insert(format!("{arm}/{precision}"), took);
+                durations.insert(arm.clone(), took);
+                let mut f =
+                    std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+                writeln!(f, "{rec}").map_err(|e| format!("{}: {e}", log.display()))?;
+                eprintln!("bench: {arm} {precision} pair {pair}: {}", one_line(&rec));
+                recs.push(rec);
+            }
+        }
+    }
+    write_report(&read_runs(&log)?, &o.out)
+}
+
+fn ensure_dataset(ptl: &Path, o: &Opts) -> Result<PathBuf, String> {
+    let synth = o.work.join(format!("synth-{}-{}", o.images, o.imgsz));
+    let yaml = synth.join("data.yaml");
+    if yaml.exists() {
+        return Ok(yaml);
+    }
+    let t = Instant::now();
+    let run = Command::new(ptl)
+        .args(["data", "synth", "--out"])
+        .arg(&synth)
+        .args(["--train", &o.images.to_string(), "--background", &(o.images * 226 / 512).to_string(), "--val", "15"])
+        .args(["--imgsz", &o.imgsz.to_string(), "--seed", "347"])
+        .output()
+        .map_err(|e| format!("starting {}: {e}", ptl.display()))?;
+    let _ = std::fs::write(o.out.join("synth.log"), [run.stdout.as_slice(), run.stderr.as_slice()].concat());
+    if !run.status.success() || !yaml.exists() {
+        return Err(format!("ptl data synth failed ({}): {}", run.status, String::from_utf8_lossy(&run.stderr)));
+    }
+    eprintln!("bench: dataset written in {:.1} s: {}", t.elapsed().as_secs_f64(), synth.display());
+    Ok(yaml)
+}
+
+fn install_ultralytics(wheels: Option<&Path>, work: &Path) -> Result<PathBuf, String> {
+    let site = work.join("ul_site");
+    if site.join("ultralytics").is_dir() {
+        return Ok(site);
+    }
+    let wheels = wheels.filter(|w| w.is_dir()).ok_or("--vs ultralytics: no wheel folder (pack with the wheels in .whl/)")?;
+    let whl: Vec<PathBuf> = std::fs::read_dir(wheels)
+        .map_err(|e| format!("{}: {e}", wheels.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "whl"))
+        .collect();
+    let st = Command::new("python3")
+        .args(["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--target"])
+        .arg(&site)
+        .args(&whl)
+        .status()
+        .map_err(|e| format!("starting pip: {e}"))?;
+    if !st.success() {
+        return Err(format!("pip install of {} wheels failed ({st})", whl.len()));
+    }
+    Ok(site)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precision: &str, pair: usize, cold: bool) -> Result<Value, String> {
+    let project = o.work.join(format!("runs/{arm}-{precision}-{pair}"));
+    let _ = std::fs::remove_dir_all(&project);
+    let mut cmd = Command::new(ptl);
+    cmd.arg("train")
+        .arg(format!("data={}", data.display()))
+        .args([format!("epochs={}", o.epochs), "batch=4".into(), format!("imgsz={}", o.imgsz), format!("optimizer={}", o.optimizer)])
+        .args(["close_mosaic=0", "seed=347", "plots=false"])
+        .arg(format!("project={}", project.display()))
+        .args(arm_overrides(arm)?)
+        .args(["--device", &o.device, "--precision", precision])
+        .env("PTL_KERNEL_CACHE", kcache);
+    let t = Instant::now();
+    let out = cmd.output().map_err(|e| format!("starting ptl: {e}"))?;
+    let wall = t.elapsed().as_secs_f64();
+    let logname = format!("ptl-{arm}-{precision}-{pair}.log");
+    let _ = std::fs::write(o.out.join(&logname), [out.stdout.as_slice(), out.stderr.as_slice()].concat());
+    let summary = std::fs::read_to_string(project.join("summary.json")).ok().and_then(|s| serde_json::from_str(&s).ok());
+    let exit = out.status.code().unwrap_or(-1);
+    if exit != 0 {
+        eprintln!("bench: ptl {arm} {precision} failed ({}); log {logname}:\n{}", out.status, tail(&out.stderr, 15));
+    }
+    Ok(record(RunId { kind: "ptl", arm, precision, pair, cold }, wall, exit, summary.unwrap_or(Value::Null)))
+}
+
+fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, precision: &str, pair: usize) -> Result<Value, String> {
+    let result = o.work.join(format!("ultra-{precision}-{pair}.json"));
+    let _ = std::fs::remove_file(&result);
+    let mut cmd = Command::new("python3");
+    cmd.arg(script)
+        .arg("--data")
+        .arg(data)
+        .arg("--out")
+        .arg(&result)
+        .args(["--epochs", &o.epochs.to_string(), "--amp", ultra_amp(precision)?, "--optimizer", &o.optimizer])
+        .args(["--imgsz", &o.imgsz.to_string()])
+        .env("PYTHONUNBUFFERED", "1")
+        .env("ULTRA_WORK", o.work.join("ultra"));
+    if let Some(s) = site {
+        cmd.env("PYTHONPATH", s);
+    }
+    let t = Instant::now();
+    let out = cmd.output().map_err(|e| format!("starting python3: {e}"))?;
+    let wall = t.elapsed().as_secs_f64();
+    let logname = format!("ultra-{precision}-{pair}.log");
+    let _ = std::fs::write(o.out.join(&logname), [out.stdout.as_slice(), out.stderr.as_slice()].concat());
+    let res = std::fs::read_to_string(&result).ok().and_then(|s| serde_json::from_str(&s).ok());
+    let exit = out.status.code().unwrap_or(-1);
+    if exit != 0 {
+        eprintln!("bench: ultralytics {precision} failed ({}); log {logname}:\n{}", out.status, tail(&out.stderr, 15));
+    }
+    Ok(record(RunId { kind: ULTRA, arm: ULTRA, precision, pair, cold: false }, wall, exit, res.unwrap_or(Value::Null)))
+}
+
+fn tail(bytes: &[u8], lines: usize) -> String {
+    let s = String::from_utf8_lossy(bytes);
+    let v: Vec<&str> = s.lines().collect();
+    v[v.len().saturating_sub(lines)..].join("\n")
+}
+
+fn read_runs(path: &Path) -> Result<Vec<Value>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    text.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).map_err(|e| format!("{}: {e}", path.display()))).collect()
+}
+
+// ---- the report ---------------------------------------------------------------------------------
+
+/// The figures of one run, whichever framework produced it.
+#[derive(Clone, Debug, Default)]
+struct Figures {
+    wall_s: f64,
+    step_ms: Option<f64>,
+    sync_ms: Option<f64>,
+    wait_ms: Option<f64>,
+    gpu_ms: Option<f64>,
+    gpu_kernels: Option<f64>,
+    span_ms: Option<f64>,
+    launches: Option<f64>,
+    syncs: Option<f64>,
+    alloc_mib: Option<f64>,
+    reserved_mib: Option<f64>,
+    map50: Vec<f64>,
+    to_first_step_s: Option<f64>,
+    hashes: Option<Value>,
+}
+
+fn figures(r: &Value) -> Figures {
+    let res = &r["result"];
+    let f = |v: &Value| v.as_f64();
+    let mib = |v: &Value| v.as_f64().map(|b| b / 1048576.0);
+    let mut x = Figures { wall_s: r["wall_s"].as_f64().unwrap_or(f64::NAN), ..Figures::default() };
+    if r["kind"] == ULTRA {
+        x.step_ms = f(&res["start_to_start"]["median_ms"]).filter(|_| res["start_to_start"]["timed_steps"].as_u64().unwrap_or(1) > 0);
+        x.sync_ms = f(&res["sync_window_ms_per_step"]);
+        x.wait_ms = f(&res["data_wait_ms_mean"]);
+        x.to_first_step_s = f(&res["process_to_first_step_s"]);
+        x.map50 = res["metrics_per_epoch"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|m| m["metrics/mAP50(P)"].as_f64()).collect())
+            .unwrap_or_default();
+    } else {
+        let t = &res["timing"];
+        x.step_ms = f(&t["start_to_start"]["median_ms"]).filter(|_| t["start_to_start"]["timed_steps"].as_u64().unwrap_or(0) > 0);
+        x.sync_ms = f(&t["sync_window_ms_per_step"]);
+        x.wait_ms = f(&t["data_wait_ms_mean"]);
+        x.gpu_ms = f(&t["gpu"]["kernel_ms_per_step"]);
+        x.gpu_kernels = f(&t["gpu"]["kernels_per_step"]);
+        x.span_ms = f(&t["gpu"]["event_span_ms_per_step"]);
+        let l = &t["launches"];
+        x.launches = match (f(&l["kernel_launches"]), f(&l["library_calls"]), f(&l["graph_launches"])) {
+            (Some(a), Some(b), Some(c)) => Some(a + b + c),
+            _ => None,
+        };
+        x.syncs = f(&l["host_syncs"]);
+        x.to_first_step_s = f(&res["startup"]["process_to_first_step_s"]);
+        x.map50 = res["metrics_per_epoch"]
+            .as_array()
+            .map(|a| {
+                a.iter().filter_map(|m| m.as_array()?.iter().find(|kv| kv[0] == "metrics/mAP50(P)").and_then(|kv| kv[1].as_f64())).collect()
+            })
+            .unwrap_or_default();
+        x.hashes = Some(res["hashes"].clone()).filter(|h| !h.is_null());
+    }
+    x.alloc_mib = mib(&res["peak_allocated_bytes"]);
+    x.reserved_mib = mib(&res["peak_reserved_bytes"]);
+    x
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.retain(|x| x.is_finite());
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    Some(if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) })
+}
+
+/// `median (min–max)` of the finite values, or `–`.
+fn mr(v: &[Option<f64>], digits: usize) -> String {
+    let xs: Vec<f64> = v.iter().flatten().copied().filter(|x| x.is_finite()).collect();
+    match median(xs.clone()) {
+        None => "–".into(),
+        Some(m) if xs.len() == 1 => format!("{m:.digits$}"),
+        Some(m) => {
+            let lo = xs.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!("{m:.digits$} ({lo:.digits$}–{hi:.digits$})")
+        }
+    }
+}
+
+fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let ok: Vec<&Value> = recs.iter().filter(|r| r["exit"] == 0 && !r["result"].is_null()).collect();
+    let failed = recs.len() - ok.len();
+    // (precision, arm) -> runs, in first-seen order of arms.
+    let mut groups: BTreeMap<(String, String), Vec<&Value>> = BTreeMap::new();
+    let mut arm_order: Vec<String> = Vec::new();
+    for r in &ok {
+        let arm = r["arm"].as_str().unwrap_or("?").to_string();
+        if !arm_order.contains(&arm) {
+            arm_order.push(arm.clone());
+        }
+        groups.entry((r["precision"].as_str().unwrap_or("?").to_string(), arm)).or_default().push(r);
+    }
+    let precisions: Vec<String> = {
+        let mut p: Vec<String> = groups.keys().map(|k| k.0.clone()).collect();
+        p.dedup();
+        p
+    };
+    let mut md = String::new();
+    md.push_str(&format!(
+        "{} runs ({} failed). Medians over runs, (min–max) across runs; step = start-to-start median of a run, after 10 warm-up steps.\n\n",
+        recs.len(),
+        failed
+    ));
+    md.push_str("| precision | arm | runs | complete s | step ms | sync-window ms | data wait ms | GPU kernel ms/step | GPU kernels/step | event span ms/step | host launches/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
+    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    let mut json_groups = Vec::new();
+    for p in &precisions {
+        for arm in &arm_order {
+            let Some(runs) = groups.get(&(p.clone(), arm.clone())) else { continue };
+            let fs: Vec<Figures> = runs.iter().map(|r| figures(r)).collect();
+            let col = |g: fn(&Figures) -> Option<f64>| fs.iter().map(g).collect::<Vec<_>>();
+            let cold: Vec<Option<f64>> = runs.iter().zip(&fs).filter(|(r, _)| r["cold"] == true).map(|(_, f)| f.to_first_step_s).collect();
+            let warm: Vec<Option<f64>> = runs.iter().zip(&fs).filter(|(r, _)| r["cold"] != true).map(|(_, f)| f.to_first_step_s).collect();
+            let label = if arm == ULTRA { format!("Ultralytics amp={}", ultra_amp(p).unwrap_or("?")) } else { format!("ptl {arm}") };
+            let map = fs.first().map(|f| f.map50.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(" ")).unwrap_or_default();
+            md.push_str(&format!(
+                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
+                fs.len(),
+                mr(&col(|f| Some(f.wall_s)), 1),
+                mr(&col(|f| f.step_ms), 1),
+                mr(&col(|f| f.sync_ms), 1),
+                mr(&col(|f| f.wait_ms), 2),
+                mr(&col(|f| f.gpu_ms), 1),
+                mr(&col(|f| f.gpu_kernels), 0),
+                mr(&col(|f| f.span_ms), 1),
+                mr(&col(|f| f.launches), 0),
+                mr(&col(|f| f.syncs), 0),
+                mr(&col(|f| f.alloc_mib), 0),
+                mr(&col(|f| f.reserved_mib), 0),
+                mr(&cold, 1),
+                mr(&warm, 1),
+                map
+            ));
+            json_groups.push(json!({
+                "precision": p, "arm": arm, "runs": fs.len(),
+                "complete_s": fs.iter().map(|f| f.wall_s).collect::<Vec<_>>(),
+                "step_ms": col(|f| f.step_ms), "sync_window_ms": col(|f| f.sync_ms), "data_wait_ms": col(|f| f.wait_ms),
+                "gpu_kernel_ms_per_step": col(|f| f.gpu_ms), "gpu_kernels_per_step": col(|f| f.gpu_kernels),
+                "event_span_ms_per_step": col(|f| f.span_ms), "host_launches_per_step": col(|f| f.launches),
+                "host_syncs_per_step": col(|f| f.syncs), "peak_allocated_mib": col(|f| f.alloc_mib), "peak_reserved_mib": col(|f| f.reserved_mib),
+                "to_first_step_s_cold": cold, "to_first_step_s_warm": warm,
+                "map50_per_epoch": fs.iter().map(|f| f.map50.clone()).collect::<Vec<_>>(),
+            }));
+        }
+    }
+    // Paired ratios: each arm against Ultralytics (or the first arm) of the same precision and pair.
+    let mut ratios = Vec::new();
+    md.push_str("\nPaired ratios (same precision, same round; median (min–max) over rounds):\n\n| precision | arm / reference | complete | step |\n|---|---|---:|---:|\n");
+    for p in &precisions {
+        let reference = if groups.contains_key(&(p.clone(), ULTRA.into())) { ULTRA.to_string() } else { arm_order[0].clone() };
+        for arm in arm_order.iter().filter(|a| **a != reference) {
+            let (Some(a), Some(b)) = (groups.get(&(p.clone(), arm.clone())), groups.get(&(p.clone(), reference.clone()))) else { continue };
+            let mut wall = Vec::new();
+            let mut step = Vec::new();
+            for ra in a {
+                if let Some(rb) = b.iter().find(|rb| rb["pair"] == ra["pair"]) {
+                    let (fa, fb) = (figures(ra), figures(rb));
+                    wall.push(Some(fa.wall_s / fb.wall_s));
+                    step.push(fa.step_ms.zip(fb.step_ms).map(|(x, y)| x / y));
+                }
+            }
+            md.push_str(&format!("| {p} | {arm} / {reference} | {} | {} |\n", mr(&wall, 3), mr(&step, 3)));
+            ratios.push(json!({ "precision": p, "arm": arm, "reference": reference, "complete": wall, "step": step }));
+        }
+    }
+    // What removing the serial batch building saved, against what the serial loop waited.
+    for p in &precisions {
+        let (Some(n), Some(w)) = (groups.get(&(p.clone(), "native".into())), groups.get(&(p.clone(), "workers0".into()))) else { continue };
+        let mut saved = Vec::new();
+        let mut waited = Vec::new();
+        for rw in w {
+            if let Some(rn) = n.iter().find(|rn| rn["pair"] == rw["pair"]) {
+                let (fw, fnat) = (figures(rw), figures(rn));
+                saved.push(Some(fw.wall_s - fnat.wall_s));
+                let steps = rw["result"]["timing"]["steps"].as_f64().unwrap_or(0.0);
+                waited.push(fw.wait_ms.map(|ms| (ms - fnat.wait_ms.unwrap_or(0.0)) * steps / 1e3));
+            }
+        }
+        md.push_str(&format!(
+            "\n{p}: native finishes {} s sooner than workers0; workers0's extra data wait × steps ≈ {} s.\n",
+            mr(&saved, 1),
+            mr(&waited, 1)
+        ));
+    }
+    // Hashes: every ptl run of one precision must end with the same bytes.
+    md.push('\n');
+    let mut hash_ok = true;
+    for p in &precisions {
+        let hs: Vec<(String, Value)> = ok
+            .iter()
+            .filter(|r| r["precision"] == p.as_str() && r["kind"] == "ptl")
+            .filter_map(|r| figures(r).hashes.map(|h| (format!("{} #{}", r["arm"].as_str().unwrap_or("?"), r["pair"]), h)))
+            .collect();
+        if hs.len() > 1 {
+            let same = hs.iter().all(|(_, h)| *h == hs[0].1);
+            hash_ok &= same;
+            let short = hs[0].1["model"].as_str().unwrap_or("").chars().take(16).collect::<String>();
+            md.push_str(&format!("{p}: {} ptl runs, hashes identical: {same} (model {short}…)\n", hs.len()));
+            if !same {
+                for (who, h) in &hs {
+                    md.push_str(&format!("  {who}: model {} losses {}\n", h["model"], h["step_losses"]));
+                }
+            }
+        }
+    }
+    md.push_str(&startup_table(&ok));
+    print!("{md}");
+    std::fs::write(out.join("bench.md"), &md).map_err(|e| format!("writing bench.md: {e}"))?;
+    let j = json!({ "groups": json_groups, "ratios": ratios, "hashes_identical": hash_ok, "failed_runs": failed });
+    std::fs::write(out.join("bench.json"), serde_json::to_string_pretty(&j).unwrap_or_default())
+        .map_err(|e| format!("writing bench.json: {e}"))?;
+    if !hash_ok {
+        return Err("ptl runs of one precision ended with different hashes".into());
+    }
+    Ok(())
+}
+
+/// Reads one figure out of a run's start-up report.
+type Pick = fn(&Value) -> Option<f64>;
+
+/// Start-up breakdown of the first (cold) ptl run and the median of the warm ones.
+fn startup_table(ok: &[&Value]) -> String {
+    let ptl: Vec<&&Value> = ok.iter().filter(|r| r["kind"] == "ptl").collect();
+    if ptl.is_empty() {
+        return String::new();
+    }
+    let col = |sel: Pick, cold: bool| -> String {
+        let v: Vec<Option<f64>> = ptl.iter().filter(|r| (r["cold"] == true) == cold).map(|r| sel(&r["result"]["startup"])).collect();
+        mr(&v, 2)
+    };
+    let rows: [(&str, Pick); 9] = [
+        ("process start → fit", |s| s["process_to_fit_s"].as_f64()),
+        ("device open (context, kernels)", |s| s["device_open_s"].as_f64()),
+        ("kernel compile (NVRTC)", |s| {
+            s["kernel_modules"].as_array().map(|a| a.iter().filter_map(|m| m["compile_s"].as_f64()).fold(0.0, |x, y| x + y))
+        }),
+        ("dataset scan/decode", |s| s["dataset_open_s"].as_f64()),
+        ("model, EMA, optimizer", |s| s["model_build_s"].as_f64()),
+        ("fit → first step", |s| s["fit_to_first_step_s"].as_f64()),
+        ("process start → first step", |s| s["process_to_first_step_s"].as_f64()),
+        ("first step", |s| s["first_step_s"].as_f64()),
+        ("cuDNN/cuBLAS set-ups (whole run)", |s| s["library_setup_s"].as_f64()),
+    ];
+    let mut md =
+        String::from("\nptl start-up (s; cold = first process with an empty kernel cache):\n\n| phase | cold | warm |\n|---|---:|---:|\n");
+    for (name, sel) in rows {
+        md.push_str(&format!("| {name} | {} | {} |\n", col(sel, true), col(sel, false)));
+    }
+    let epochs = |cold: bool| -> String {
+        ptl.iter()
+            .find(|r| (r["cold"] == true) == cold)
+            .and_then(|r| {
+                r["result"]["startup"]["epoch_s"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(Value::as_f64).map(|v| format!("{v:.1}")).collect::<Vec<_>>().join(" "))
+            })
+            .unwrap_or_else(|| "–".into())
+    };
+    md.push_str(&format!("| epoch times (one run) | {} | {} |\n", epochs(true), epochs(false)));
+    md
+}
+
+fn one_line(r: &Value) -> String {
+    let f = figures(r);
+    format!(
+        "exit {}, {:.1} s, step {}, GPU {} ms/step, to first step {} s",
+        r["exit"],
+        f.wall_s,
+        f.step_ms.map_or("–".into(), |v| format!("{v:.1} ms")),
+        f.gpu_ms.map_or("–".into(), |v| format!("{v:.1}")),
+        f.to_first_step_s.map_or("–".into(), |v| format!("{v:.1}"))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ptl_run(arm: &str, pair: usize, wall: f64, step: f64, model: &str) -> Value {
+        record(
+            RunId { kind: "ptl", arm, precision: "bf16-mixed", pair, cold: pair == 0 && arm == "native" },
+            wall,
+            0,
+            json!({
+                "timing": { "start_to_start": { "median_ms": step, "timed_steps": 100 }, "data_wait_ms_mean": 1.0,
+                            "launches": { "kernel_launches": 9000.0, "library_calls": 900.0, "graph_launches": 0.0, "host_syncs": 3.0 },
+                            "gpu": { "kernel_ms_per_step": 40.0, "kernels_per_step": 10000.0, "event_span_ms_per_step": 60.0 } },
+                "startup": { "process_to_first_step_s": 2.0, "epoch_s": [10.0] },
+                "metrics_per_epoch": [[["metrics/mAP50(P)", 0.01]]],
+                "hashes": { "model": model, "step_losses": "l" },
+                "peak_allocated_bytes": 1048576.0 * 2048.0, "peak_reserved_bytes": 1048576.0 * 3000.0
+            }),
+        )
+    }
+
+    #[test]
+    fn report_pairs_arms_and_checks_hashes() {
+        let ultra = |pair: usize| {
+            record(
+                RunId { kind: ULTRA, arm: ULTRA, precision: "bf16-mixed", pair, cold: false },
+                30.0,
+                0,
+                json!({ "start_to_start": { "median_ms": 150.0 }, "metrics_per_epoch": [{ "metrics/mAP50(P)": 0.02 }] }),
+            )
+        };
+        let recs = vec![ptl_run("native", 0, 15.0, 75.0, "m"), ultra(0), ptl_run("native", 1, 16.0, 76.0, "m"), ultra(1)];
+        let out = std::env::temp_dir().join(format!("ptl-bench-report-{}", std::process::id()));
+        write_report(&recs, &out).expect("report");
+        let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
+        assert!(md.contains("| bf16-mixed | ptl native | 2 | 15.5 (15.0–16.0) | 75.5 (75.0–76.0) |"), "{md}");
+        assert!(md.contains("| bf16-mixed | native / ultralytics | 0.517 (0.500–0.533) | 0.503 (0.500–0.507) |"), "{md}");
+        assert!(md.contains("hashes identical: true"), "{md}");
+        let bad = vec![ptl_run("native", 0, 15.0, 75.0, "m"), ptl_run("workers0", 0, 20.0, 110.0, "other")];
+        assert!(write_report(&bad, &out).is_err(), "differing hashes fail the bench");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+
+    #[test]
+    fn options_are_checked() {
+        assert!(parse(&["--arms".into(), "native,bogus".into()]).is_err());
+        assert!(parse(&["--precisions".into(), "fp8".into()]).is_err());
+        let (o, _) = parse(&["--arms".into(), "native,workers0".into(), "--vs".into(), "ultralytics".into()]).expect("parse");
+        assert_eq!(o.arms, ["native", "workers0"]);
+        assert!(o.ultralytics);
+        assert_eq!(ultra_amp("16-mixed"), Ok("True"));
+        assert_eq!(ultra_amp("bf16-mixed"), Ok("bf16"));
+        assert_eq!(ultra_amp("32-true"), Ok("False"));
+    }
+}
