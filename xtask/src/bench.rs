@@ -246,7 +246,20 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
     }
     let mut durations: BTreeMap<String, f64> = BTreeMap::new();
     let mut recs = Vec::new();
-    let mut first_ptl = o.cold_first;
+    let append = |rec: &Value| -> Result<(), String> {
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        writeln!(f, "{rec}").map_err(|e| format!("{}: {e}", log.display()))
+    };
+    if o.cold_first {
+        // One extra process with an empty kernel cache, reported apart (arm `<arm>-cold`): the
+        // fixed costs of a fresh machine. The paired rounds that follow all start warm.
+        if let (Some(arm), Some(precision)) = (o.arms.first(), o.precisions.first()) {
+            let rec = run_ptl(o, ptl, &kcache, &data, arm, precision, 0, true)?;
+            append(&rec)?;
+            eprintln!("bench: cold {arm} {precision}: {}", one_line(&rec));
+            durations.insert(arm.clone(), rec["wall_s"].as_f64().unwrap_or(60.0));
+        }
+    }
     for precision in &o.precisions {
         for pair in 0..o.pairs {
             for arm in &arms {
@@ -262,15 +275,12 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
                 let rec = if arm == ULTRA {
                     run_ultralytics(o, script, site.as_deref(), &data, precision, pair)?
                 } else {
-                    let cold = std::mem::take(&mut first_ptl);
-                    run_ptl(o, ptl, &kcache, &data, arm, precision, pair, cold)?
+                    run_ptl(o, ptl, &kcache, &data, arm, precision, pair, false)?
                 };
                 let took = t.elapsed().as_secs_f64();
                 durations.insert(format!("{arm}/{precision}"), took);
                 durations.insert(arm.clone(), took);
-                let mut f =
-                    std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-                writeln!(f, "{rec}").map_err(|e| format!("{}: {e}", log.display()))?;
+                append(&rec)?;
                 eprintln!("bench: {arm} {precision} pair {pair}: {}", one_line(&rec));
                 recs.push(rec);
             }
@@ -327,7 +337,8 @@ fn install_ultralytics(wheels: Option<&Path>, work: &Path) -> Result<PathBuf, St
 
 #[allow(clippy::too_many_arguments)]
 fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precision: &str, pair: usize, cold: bool) -> Result<Value, String> {
-    let project = o.work.join(format!("runs/{arm}-{precision}-{pair}"));
+    let label = if cold { format!("{arm}-cold") } else { arm.to_string() };
+    let project = o.work.join(format!("runs/{label}-{precision}-{pair}"));
     let _ = std::fs::remove_dir_all(&project);
     let mut cmd = Command::new(ptl);
     cmd.arg("train")
@@ -341,14 +352,14 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
     let t = Instant::now();
     let out = cmd.output().map_err(|e| format!("starting ptl: {e}"))?;
     let wall = t.elapsed().as_secs_f64();
-    let logname = format!("ptl-{arm}-{precision}-{pair}.log");
+    let logname = format!("ptl-{label}-{precision}-{pair}.log");
     let _ = std::fs::write(o.out.join(&logname), [out.stdout.as_slice(), out.stderr.as_slice()].concat());
     let summary = std::fs::read_to_string(project.join("summary.json")).ok().and_then(|s| serde_json::from_str(&s).ok());
     let exit = out.status.code().unwrap_or(-1);
     if exit != 0 {
         eprintln!("bench: ptl {arm} {precision} failed ({}); log {logname}:\n{}", out.status, tail(&out.stderr, 15));
     }
-    Ok(record(RunId { kind: "ptl", arm, precision, pair, cold }, wall, exit, summary.unwrap_or(Value::Null)))
+    Ok(record(RunId { kind: "ptl", arm: &label, precision, pair, cold }, wall, exit, summary.unwrap_or(Value::Null)))
 }
 
 fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, precision: &str, pair: usize) -> Result<Value, String> {
@@ -550,7 +561,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     md.push_str("\nPaired ratios (same precision, same round; median (min–max) over rounds):\n\n| precision | arm / reference | complete | step |\n|---|---|---:|---:|\n");
     for p in &precisions {
         let reference = if groups.contains_key(&(p.clone(), ULTRA.into())) { ULTRA.to_string() } else { arm_order[0].clone() };
-        for arm in arm_order.iter().filter(|a| **a != reference) {
+        for arm in arm_order.iter().filter(|a| **a != reference && !a.ends_with("-cold")) {
             let (Some(a), Some(b)) = (groups.get(&(p.clone(), arm.clone())), groups.get(&(p.clone(), reference.clone()))) else { continue };
             let mut wall = Vec::new();
             let mut step = Vec::new();
@@ -630,7 +641,7 @@ fn startup_table(ok: &[&Value]) -> String {
         let v: Vec<Option<f64>> = ptl.iter().filter(|r| (r["cold"] == true) == cold).map(|r| sel(&r["result"]["startup"])).collect();
         mr(&v, 2)
     };
-    let rows: [(&str, Pick); 9] = [
+    let rows: [(&str, Pick); 13] = [
         ("process start → fit", |s| s["process_to_fit_s"].as_f64()),
         ("device open (context, kernels)", |s| s["device_open_s"].as_f64()),
         ("kernel compile (NVRTC)", |s| {
@@ -642,6 +653,10 @@ fn startup_table(ok: &[&Value]) -> String {
         ("process start → first step", |s| s["process_to_first_step_s"].as_f64()),
         ("first step", |s| s["first_step_s"].as_f64()),
         ("cuDNN/cuBLAS set-ups (whole run)", |s| s["library_setup_s"].as_f64()),
+        ("  of which cuDNN conv plans", |s| s["conv_plan_s"].as_f64()),
+        ("  of which cuBLASLt plans", |s| s["gemm_plan_s"].as_f64()),
+        ("cuDNN conv plans built (count)", |s| s["conv_plans"].as_f64()),
+        ("cuBLASLt plans built (count)", |s| s["gemm_plans"].as_f64()),
     ];
     let mut md =
         String::from("\nptl start-up (s; cold = first process with an empty kernel cache):\n\n| phase | cold | warm |\n|---|---:|---:|\n");

@@ -17,6 +17,7 @@ use cudarc::cublas::{result as br, sys as bs};
 use cudarc::cublaslt::{result as lr, sys as ls};
 
 use super::alloc::DevBuf;
+use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
 use super::CudaStorage;
 use crate::backend::MatmulParams;
@@ -80,7 +81,7 @@ impl Blas {
     /// no algorithm for it).
     fn lt_plan(&mut self, key: LtKey) -> Option<&LtPlan> {
         let lt = self.lt?;
-        self.plans.entry(key).or_insert_with(|| super::counters::time_setup(|| build_lt_plan(lt, key)).ok()).as_ref()
+        self.plans.entry(key).or_insert_with(|| super::counters::time_setup(Setup::GemmPlan, || build_lt_plan(lt, key)).ok()).as_ref()
     }
 }
 
@@ -167,7 +168,7 @@ fn with_blas<R>(dev: &Arc<Dev>, f: impl FnOnce(&mut Blas) -> Result<R>) -> Resul
     let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
     let blas = match guard.as_mut() {
         Some(b) => b,
-        None => guard.insert(super::counters::time_setup(|| Blas::new(dev))?),
+        None => guard.insert(super::counters::time_setup(Setup::Handle, || Blas::new(dev))?),
     };
     f(blas)
 }

@@ -18,6 +18,7 @@ use cudarc::cudnn::{result as nr, sys as ns};
 
 use super::alloc::DevBuf;
 pub(crate) use super::conv_graph::Dir;
+use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
 use super::CudaStorage;
 use crate::backend::Conv2dParams;
@@ -118,7 +119,7 @@ impl Dnn {
         if let Some(plan) = self.plans.get(&key) {
             return Ok(*plan);
         }
-        let plan = super::counters::time_setup(|| self.make_plan(p, dt, dir))?;
+        let plan = super::counters::time_setup(Setup::ConvPlan, || self.make_plan(p, dt, dir))?;
         self.plans.insert(key, plan);
         Ok(plan)
     }
@@ -281,13 +282,13 @@ pub(crate) fn run_into(
     }
     let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
-        *guard = Some(super::counters::time_setup(|| Dnn::new(dev))?);
+        *guard = Some(super::counters::time_setup(Setup::Handle, || Dnn::new(dev))?);
     }
     let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let h = dnn.handle;
     if dt != DType::F64 && !legacy_forced() {
         let entry = dnn.graph_plans.entry((*p, dt, dir)).or_insert_with(|| {
-            let built = super::counters::time_setup(|| super::conv_graph::build(h, p, dt, dir));
+            let built = super::counters::time_setup(Setup::ConvPlan, || super::conv_graph::build(h, p, dt, dir));
             if let Err(err) = &built {
                 eprintln!("ptl: {err}; this shape uses the legacy cuDNN API");
             }

@@ -76,21 +76,53 @@ pub fn counters() -> CudaCounters {
     }
 }
 
-static PLANS: AtomicU64 = AtomicU64::new(0);
-static PLAN_NS: AtomicU64 = AtomicU64::new(0);
+/// Kinds of one-time library set-up.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Setup {
+    /// cuDNN or cuBLAS/cuBLASLt handle.
+    Handle,
+    /// A cuDNN execution plan (graph API or legacy algorithm choice).
+    ConvPlan,
+    /// A cuBLASLt matmul plan.
+    GemmPlan,
+}
 
-/// Runs `f`, a one-time library set-up (a cuDNN/cuBLAS handle, an execution plan), and adds its
-/// wall time to [`library_setup`].
-pub(crate) fn time_setup<R>(f: impl FnOnce() -> R) -> R {
+static SETUPS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+static SETUP_NS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+
+/// Runs `f`, a one-time library set-up, and adds its wall time to [`library_setup`].
+pub(crate) fn time_setup<R>(kind: Setup, f: impl FnOnce() -> R) -> R {
     let t = std::time::Instant::now();
     let r = f();
-    PLANS.fetch_add(1, Ordering::Relaxed);
-    PLAN_NS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    SETUPS[kind as usize].fetch_add(1, Ordering::Relaxed);
+    SETUP_NS[kind as usize].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
     r
 }
 
-/// Library set-ups so far (handles and execution plans of cuDNN and cuBLAS/cuBLASLt) and the
-/// seconds they took: a fixed cost of the first steps, paid once per process.
-pub fn library_setup() -> (u64, f64) {
-    (PLANS.load(Ordering::Relaxed), PLAN_NS.load(Ordering::Relaxed) as f64 * 1e-9)
+/// One-time library set-ups so far: how many and how many seconds they took.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LibrarySetup {
+    pub handles: u64,
+    pub handle_s: f64,
+    /// cuDNN execution plans, one per convolution shape, dtype and direction.
+    pub conv_plans: u64,
+    pub conv_plan_s: f64,
+    /// cuBLASLt plans, one per matmul shape and dtype.
+    pub gemm_plans: u64,
+    pub gemm_plan_s: f64,
+}
+
+/// Library set-ups (handles and execution plans of cuDNN and cuBLAS/cuBLASLt) so far: a fixed
+/// cost paid once per process and shape.
+pub fn library_setup() -> LibrarySetup {
+    let n = |k: Setup| SETUPS[k as usize].load(Ordering::Relaxed);
+    let s = |k: Setup| SETUP_NS[k as usize].load(Ordering::Relaxed) as f64 * 1e-9;
+    LibrarySetup {
+        handles: n(Setup::Handle),
+        handle_s: s(Setup::Handle),
+        conv_plans: n(Setup::ConvPlan),
+        conv_plan_s: s(Setup::ConvPlan),
+        gemm_plans: n(Setup::GemmPlan),
+        gemm_plan_s: s(Setup::GemmPlan),
+    }
 }

@@ -56,7 +56,7 @@ pub use alloc::{
 pub use blas::gemm_paths;
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
 pub use conv::conv_paths;
-pub use counters::{counters, library_setup, CudaCounters};
+pub use counters::{counters, library_setup, CudaCounters, LibrarySetup};
 pub use device::CudaSetupError;
 pub use graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph, StreamMark};
 pub use kernel_timer::{GpuKernelTimer, GpuKernelTotals};

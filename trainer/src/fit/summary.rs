@@ -132,6 +132,15 @@ pub struct StartupReport {
     /// cuDNN/cuBLAS handles and execution plans built so far, and their total wall time.
     pub library_setups: u64,
     pub library_setup_s: f64,
+    /// The same by kind: cuDNN convolution plans, cuBLASLt matmul plans (one per new shape).
+    #[serde(default)]
+    pub conv_plans: u64,
+    #[serde(default)]
+    pub conv_plan_s: f64,
+    #[serde(default)]
+    pub gemm_plans: u64,
+    #[serde(default)]
+    pub gemm_plan_s: f64,
     /// The first training step (first-use plans and allocations).
     pub first_step_s: f64,
     /// From process start to the start of the first step.

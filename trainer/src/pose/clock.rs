@@ -187,12 +187,14 @@ impl StepClock {
 
     /// Closes any open window and returns the figures.
     pub fn finish(&mut self, workers: usize, pageable_uploads: u64) -> TimingReport {
-        if let Gpu::Running(w, first) = std::mem::replace(&mut self.gpu, Gpu::Unavailable(String::new())) {
-            let steps = self.steps - first;
-            self.gpu = match w.finish(self.device, steps) {
-                Ok(r) => Gpu::Done(r),
-                Err(why) => Gpu::Unavailable(why),
-            };
+        if matches!(self.gpu, Gpu::Running(..)) {
+            if let Gpu::Running(w, first) = std::mem::replace(&mut self.gpu, Gpu::Unavailable(String::new())) {
+                let steps = self.steps - first;
+                self.gpu = match w.finish(self.device, steps) {
+                    Ok(r) => Gpu::Done(r),
+                    Err(why) => Gpu::Unavailable(why),
+                };
+            }
         }
         let (gpu, gpu_unavailable) = match &self.gpu {
             Gpu::Done(r) => (Some(r.clone()), None),

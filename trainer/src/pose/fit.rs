@@ -501,7 +501,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         startup.process_to_first_step_s = startup.process_to_fit_s.map(|p| p + startup.fit_to_first_step_s);
     }
     startup.kernel_modules = probe::kernel_modules();
-    (startup.library_setups, startup.library_setup_s) = probe::library_setup();
+    probe::library_setup(&mut startup);
     startup.epoch_s = run.epoch_s.clone();
     let summary = RunSummary {
         device: cfg.device.to_string(),

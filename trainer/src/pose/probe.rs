@@ -4,7 +4,7 @@
 
 use ptl_autograd::Device;
 
-use crate::fit::{GpuWindowReport, KernelModuleTime, LaunchesPerStep};
+use crate::fit::{GpuWindowReport, KernelModuleTime, LaunchesPerStep, StartupReport};
 use crate::Result;
 
 /// Waits for all work queued on `device` (no-op on the CPU).
@@ -141,12 +141,16 @@ pub(crate) fn kernel_modules() -> Vec<KernelModuleTime> {
     Vec::new()
 }
 
-/// cuDNN/cuBLAS set-ups so far and their seconds.
-pub(crate) fn library_setup() -> (u64, f64) {
+/// Fills in the cuDNN/cuBLAS set-ups so far (counts and seconds; zero on the CPU).
+pub(crate) fn library_setup(s: &mut StartupReport) {
     #[cfg(feature = "cuda")]
-    return ptl_autograd::cuda::library_setup();
-    #[cfg(not(feature = "cuda"))]
-    (0, 0.0)
+    {
+        let l = ptl_autograd::cuda::library_setup();
+        s.library_setups = l.handles + l.conv_plans + l.gemm_plans;
+        s.library_setup_s = l.handle_s + l.conv_plan_s + l.gemm_plan_s;
+        (s.conv_plans, s.conv_plan_s, s.gemm_plans, s.gemm_plan_s) = (l.conv_plans, l.conv_plan_s, l.gemm_plans, l.gemm_plan_s);
+    }
+    let _ = s;
 }
 
 /// Seconds since this process started, from the kernel's record (Linux); `None` elsewhere.
