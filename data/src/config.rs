@@ -186,6 +186,16 @@ impl DatasetConfig {
                 if f.iter().any(|&i| i >= kpt_shape.k) {
                     return Err(cfg_err(yaml_path, "flip_idx", "entries must be keypoint indices < K"));
                 }
+                let mut seen = vec![false; kpt_shape.k];
+                for &i in &f {
+                    if std::mem::replace(&mut seen[i], true) {
+                        return Err(cfg_err(
+                            yaml_path,
+                            "flip_idx",
+                            format!("index {i} appears twice: flip_idx must be a permutation of 0..{} (keypoint k swaps with flip_idx[k])", kpt_shape.k),
+                        ));
+                    }
+                }
                 Some(f)
             }
         };
@@ -249,27 +259,71 @@ fn has_image_suffix(p: &Path) -> bool {
     p.extension().and_then(|e| e.to_str()).map(|e| IMG_FORMATS.contains(&e.to_ascii_lowercase().as_str())).unwrap_or(false)
 }
 
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    let rd = std::fs::read_dir(dir).map_err(|e| DataError::io(dir, e))?;
-    for entry in rd {
-        let entry = entry.map_err(|e| DataError::io(dir, e))?;
-        let p = entry.path();
-        if p.is_dir() {
-            walk(&p, out)?;
-        } else if has_image_suffix(&p) {
-            out.push(p);
-        }
-    }
-    Ok(())
+/// Files found under some folders, and the folder links that were not followed.
+#[derive(Debug, Default)]
+pub struct Walk {
+    pub files: Vec<PathBuf>,
+    /// Symbolic links to a folder that encloses them or was already walked (a loop, or the same
+    /// files twice): skipped.
+    pub links_not_followed: Vec<PathBuf>,
+    visited: std::collections::HashSet<PathBuf>,
 }
 
-/// Collects the image paths of split entries (directories searched recursively, list files with `./` relative to
-/// the list file's folder), sorted in string order. Missing entries are errors.
-pub fn collect_images(entries: &[PathBuf]) -> Result<Vec<PathBuf>> {
+impl Walk {
+    /// Walks `dir` recursively, keeping files for which `keep` is true. A folder reached through a
+    /// symbolic link is entered only if its real path is neither an ancestor of the link nor a
+    /// folder walked before.
+    pub fn walk(&mut self, dir: &Path, keep: &dyn Fn(&Path) -> bool) -> Result<()> {
+        let real = std::fs::canonicalize(dir).map_err(|e| DataError::io(dir, e))?;
+        self.visited.insert(real.clone());
+        self.walk_real(dir, &real, keep)
+    }
+
+    fn walk_real(&mut self, dir: &Path, real: &Path, keep: &dyn Fn(&Path) -> bool) -> Result<()> {
+        let rd = std::fs::read_dir(dir).map_err(|e| DataError::io(dir, e))?;
+        let mut entries: Vec<_> = rd.collect::<std::io::Result<Vec<_>>>().map_err(|e| DataError::io(dir, e))?;
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
+            let p = entry.path();
+            if !p.is_dir() {
+                if keep(&p) {
+                    self.files.push(p);
+                }
+                continue;
+            }
+            let is_link = entry.file_type().map(|t| t.is_symlink()).unwrap_or(false);
+            let sub_real = if is_link {
+                match std::fs::canonicalize(&p) {
+                    Ok(r) => r,
+                    Err(_) => {
+                        self.links_not_followed.push(p);
+                        continue;
+                    }
+                }
+            } else {
+                real.join(entry.file_name())
+            };
+            if is_link && (real.starts_with(&sub_real) || self.visited.contains(&sub_real)) {
+                self.links_not_followed.push(p);
+                continue;
+            }
+            self.visited.insert(sub_real.clone());
+            self.walk_real(&p, &sub_real, keep)?;
+        }
+        Ok(())
+    }
+}
+
+/// Collects the image paths of split entries (directories searched recursively without following
+/// folder links into loops, list files with `./` relative to the list file's folder), sorted in
+/// string order, and the folder links not followed. Missing entries are errors.
+pub fn collect_images(entries: &[PathBuf]) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
+    let mut walk = Walk::default();
     let mut out = Vec::new();
     for e in entries {
         if e.is_dir() {
-            walk(e, &mut out)?;
+            walk.walk(e, &has_image_suffix)?;
+            out.append(&mut walk.files);
         } else if e.is_file() {
             let text = std::fs::read_to_string(e).map_err(|err| DataError::io(e, err))?;
             let parent = e.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -298,7 +352,7 @@ pub fn collect_images(entries: &[PathBuf]) -> Result<Vec<PathBuf>> {
     }
     out.sort_by(|a, b| a.to_string_lossy().cmp(&b.to_string_lossy()));
     out.dedup();
-    Ok(out)
+    Ok((out, walk.links_not_followed))
 }
 
 #[cfg(test)]

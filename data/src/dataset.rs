@@ -42,6 +42,8 @@ pub enum SkipReason {
     UnreadableLabel,
     /// The label file breaks a label rule (column count, range, NaN, class, …).
     InvalidLabel,
+    /// The image is larger than [`crate::image::MAX_PIXELS`] (header checked, never decoded).
+    OversizeImage,
 }
 
 impl std::fmt::Display for SkipReason {
@@ -50,6 +52,7 @@ impl std::fmt::Display for SkipReason {
             SkipReason::BadImage => "bad image",
             SkipReason::UnreadableLabel => "unreadable label",
             SkipReason::InvalidLabel => "invalid label",
+            SkipReason::OversizeImage => "oversize image",
         })
     }
 }
@@ -81,6 +84,8 @@ pub struct ScanReport {
     pub orphan_labels: Vec<PathBuf>,
     /// All warnings, each naming its file.
     pub warnings: Vec<String>,
+    /// Folder links not followed (loops, folders reached twice).
+    pub links_not_followed: usize,
 }
 
 impl ScanReport {
@@ -108,7 +113,7 @@ impl ScanReport {
             self.skipped.len(),
             self.skip_summary(),
             self.orphan_labels.len()
-        )
+        ) + &if self.links_not_followed > 0 { format!(", {} folder links not followed", self.links_not_followed) } else { String::new() }
     }
 }
 
@@ -213,6 +218,7 @@ fn process(entry: &Entry, rules: &LabelRules, opts: &OpenOptions) -> Outcome {
         Ok((img, ori)) => {
             Outcome::Kept(Item { im_file: entry.im_file.clone(), labels, ori_shape: ori, image: Arc::new(img) }, has_label_file, warnings)
         }
+        Err(e @ DataError::ImageTooLarge { .. }) => skip(&entry.im_file, SkipReason::OversizeImage, e.to_string(), warnings),
         Err(e) => skip(&entry.im_file, SkipReason::BadImage, e.to_string(), warnings),
     }
 }
@@ -234,7 +240,7 @@ impl PoseDataset {
                 message: format!("split `{split}` is not defined in the dataset yaml"),
             });
         }
-        let images = collect_images(entries)?;
+        let (images, mut links_not_followed) = collect_images(entries)?;
         let mut label_files_found = 0usize;
         let mut known_labels = std::collections::HashSet::new();
         let list: Vec<Entry> = images
@@ -253,10 +259,12 @@ impl PoseDataset {
         for e in entries.iter().filter(|e| e.is_dir()) {
             let ldir = label_path_for(&e.join("x")).parent().map(Path::to_path_buf).unwrap_or_default();
             if ldir.is_dir() && ldir != *e {
-                let mut txts = Vec::new();
-                collect_txt(&ldir, &mut txts);
+                let mut walk = crate::config::Walk::default();
+                walk.walk(&ldir, &|p: &Path| p.extension().is_some_and(|x| x == "txt"))?;
+                let mut txts = walk.files;
                 txts.sort();
                 orphans.extend(txts.into_iter().filter(|t| !known_labels.contains(t)));
+                links_not_followed.append(&mut walk.links_not_followed);
             }
         }
         if split == "train" && label_files_found == 0 && !images.is_empty() {
@@ -270,11 +278,22 @@ impl PoseDataset {
             flip_idx: cfg.flip_idx.clone(),
             kpt_oks_sigmas: cfg.kpt_oks_sigmas.clone(),
         };
-        Self::build(split, meta, list, orphans, opts)
+        Self::build_with(split, meta, list, orphans, &links_not_followed, opts)
     }
 
     /// Builds a dataset from entries: validates labels, decodes and prepares images (in parallel).
     pub(crate) fn build(split: &str, meta: DatasetMeta, entries: Vec<Entry>, orphans: Vec<PathBuf>, opts: &OpenOptions) -> Result<Self> {
+        Self::build_with(split, meta, entries, orphans, &[], opts)
+    }
+
+    fn build_with(
+        split: &str,
+        meta: DatasetMeta,
+        entries: Vec<Entry>,
+        orphans: Vec<PathBuf>,
+        links: &[PathBuf],
+        opts: &OpenOptions,
+    ) -> Result<Self> {
         if opts.imgsz < 32 {
             return Err(DataError::Invalid(format!("imgsz {} is too small (use ≥ 32)", opts.imgsz)));
         }
@@ -295,6 +314,13 @@ impl PoseDataset {
             report.warnings.push(format!("{}: label file has no matching image (ignored); add the image or delete the label", o.display()));
         }
         report.orphan_labels = orphans;
+        for l in links {
+            report.warnings.push(format!(
+                "{}: folder link not followed (it points to an enclosing folder or to one already read: a loop or the same files twice)",
+                l.display()
+            ));
+        }
+        report.links_not_followed = links.len();
         for o in outcomes {
             match o {
                 Outcome::Kept(item, has_file, w) => {
@@ -356,19 +382,6 @@ impl PoseDataset {
             kpt_shape: KptShape::COCO,
             flip_idx: Some(COCO_FLIP_IDX.to_vec()),
             kpt_oks_sigmas: crate::config::COCO_OKS_SIGMAS.to_vec(),
-        }
-    }
-}
-
-fn collect_txt(dir: &Path, out: &mut Vec<PathBuf>) {
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                collect_txt(&p, out);
-            } else if p.extension().is_some_and(|x| x == "txt") {
-                out.push(p);
-            }
         }
     }
 }

@@ -66,11 +66,30 @@ pub struct DecodeInfo {
 /// Minimum image side accepted (data.md §1).
 pub const MIN_SIDE: u32 = 10;
 
+/// Largest image accepted, in pixels (width × height from the file's header, checked before any
+/// pixel memory is allocated): PIL's decompression-bomb limit, about 179 megapixels (13,377 px
+/// square) — 0.5 GB of BGR pixels. A larger image is skipped as oversize, never decoded.
+pub const MAX_PIXELS: u64 = 178_956_970;
+
+/// Rejects a header size above [`MAX_PIXELS`].
+pub fn check_image_size(w: u32, h: u32, path: &Path) -> Result<()> {
+    let pixels = w as u64 * h as u64;
+    if pixels > MAX_PIXELS {
+        return Err(DataError::ImageTooLarge { path: path.to_path_buf(), w, h, max_pixels: MAX_PIXELS });
+    }
+    Ok(())
+}
+
 /// Decodes JPEG or PNG bytes to BGR, applying the EXIF orientation.
 pub fn decode_bytes(bytes: &[u8], path: &Path) -> Result<(Image, DecodeInfo)> {
     use image::ImageDecoder;
     let err = |m: String| DataError::Decode { path: path.to_path_buf(), message: m };
-    let reader = image::ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| err(e.to_string()))?;
+    let mut reader = image::ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| err(e.to_string()))?;
+    // Bound what the decoder may allocate (the header can claim any size): the pixels of the
+    // largest accepted image plus room for the decoder's own buffers.
+    let mut limits = image::Limits::default();
+    limits.max_alloc = Some(MAX_PIXELS * 4 + (64 << 20));
+    reader.limits(limits);
     let format = reader.format();
     match format {
         Some(image::ImageFormat::Jpeg) | Some(image::ImageFormat::Png) => {}
@@ -82,6 +101,8 @@ pub fn decode_bytes(bytes: &[u8], path: &Path) -> Result<(Image, DecodeInfo)> {
         info.truncated_jpeg = true;
     }
     let mut decoder = reader.into_decoder().map_err(|e| err(e.to_string()))?;
+    let (hw, hh) = decoder.dimensions();
+    check_image_size(hw, hh, path)?;
     let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
     let mut img = image::DynamicImage::from_decoder(decoder).map_err(|e| err(e.to_string()))?;
     img.apply_orientation(orientation);

@@ -125,6 +125,30 @@ pub fn parse_label_text(text: &str, path: &Path, rules: &LabelRules) -> Result<(
             }
         }
     }
+    // Box centres and sizes are normalised too: Ultralytics checks only the keypoints here, but a
+    // centre of 1.7 lies outside the image and would train on nothing (stricter on purpose).
+    for (ln, row) in &rows {
+        for (name, v) in [("centre x", row[1]), ("centre y", row[2]), ("width", row[3]), ("height", row[4])] {
+            if v > 1.01 {
+                return Err(lerr(path, Some(*ln), format!("box {name} {v} > 1.01: boxes must be normalised to [0, 1] by the image size")));
+            }
+        }
+    }
+    // COCO visibility: 0 = not labelled, 1 = occluded, 2 = visible.
+    if d == 3 {
+        for (ln, row) in &rows {
+            for j in 0..k {
+                let v = row[5 + j * d + 2];
+                if v != 0.0 && v != 1.0 && v != 2.0 {
+                    return Err(lerr(
+                        path,
+                        Some(*ln),
+                        format!("keypoint {j} visibility {v} is not 0, 1 or 2 (0 = not labelled, 1 = occluded, 2 = visible)"),
+                    ));
+                }
+            }
+        }
+    }
     // lower bound over everything
     let boxes_ok = rows.iter().all(|(_, r)| r[3] >= 0.0 && r[4] >= 0.0);
     let lower = if boxes_ok { -0.01 } else { 0.0 };
@@ -282,9 +306,11 @@ mod tests {
             let e = parse_label_text(&text, p, &rules()).unwrap_err().to_string();
             assert!(e.contains(want) && e.contains("bad.txt:1"), "{e} (wanted {want})");
         }
-        // box values are not bound-checked above; small negatives allowed when w, h ≥ 0
+        // box values are bound-checked too (stricter than Ultralytics); small negatives allowed when w, h ≥ 0
         let t = row(0.0, 0.0).replacen("0.5", "1.2", 1);
-        assert!(parse_label_text(&t, p, &rules()).is_ok());
+        assert!(parse_label_text(&t, p, &rules()).unwrap_err().to_string().contains("box centre x 1.2 > 1.01"));
+        let t = row(0.0, 0.0).replacen("0.5", "1.005", 1);
+        assert!(parse_label_text(&t, p, &rules()).is_ok(), "1.01 tolerance as for keypoints");
         let t = row(0.0, 0.0).replace(" 0.3 ", " -0.005 ");
         assert!(parse_label_text(&t, p, &rules()).is_ok());
         assert!(parse_label_text("", p, &rules()).unwrap().0.is_empty());
