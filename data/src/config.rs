@@ -192,7 +192,10 @@ impl DatasetConfig {
                         return Err(cfg_err(
                             yaml_path,
                             "flip_idx",
-                            format!("index {i} appears twice: flip_idx must be a permutation of 0..{} (keypoint k swaps with flip_idx[k])", kpt_shape.k),
+                            format!(
+                                "index {i} appears twice: flip_idx must be a permutation of 0..{} (keypoint k swaps with flip_idx[k])",
+                                kpt_shape.k
+                            ),
                         ));
                     }
                 }

@@ -30,6 +30,18 @@ pub enum TrainerError {
     /// JSON that parses but is inconsistent (e.g. results for an image not in the GT).
     #[error("inconsistent COCO data: {0}")]
     Coco(String),
+    /// Resuming with a setting that differs from the run's own (only machine settings may change).
+    #[error(
+        "resume from {path}: `{key}` is {given} here but the run was trained with {stored}; drop it (resume restores the run's \
+         settings) or, to train differently, start a new run from the weights"
+    )]
+    ResumeMismatch { path: PathBuf, key: String, stored: String, given: String },
+    /// The loss stayed non-finite after the recovery attempts (training.md §9).
+    #[error(
+        "non-finite loss at epoch {epoch}, batch {batch} (step {step}): {term} is {value} ({attempts} reloads of the last \
+         checkpoint did not help); likely cause: {hint}"
+    )]
+    NonFiniteLoss { epoch: usize, batch: usize, step: usize, term: &'static str, value: f64, attempts: usize, hint: String },
     /// A checkpoint that cannot be used (truncated, foreign, wrong format version).
     #[error("checkpoint {path}: {msg}")]
     Checkpoint { path: PathBuf, msg: String },

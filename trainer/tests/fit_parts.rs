@@ -105,6 +105,7 @@ fn manifest() -> Manifest {
         callbacks: Default::default(),
         plugins: Default::default(),
         recordings: "none".into(),
+        history: Default::default(),
     }
 }
 

@@ -12,8 +12,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Result, TrainerError};
 
-/// Version of the manifest layout; bump when fields change meaning.
-pub const CHECKPOINT_FORMAT: u32 = 1;
+/// Version of the manifest layout; bump when fields change meaning. Format 1 (no run history) is
+/// migrated on load.
+pub const CHECKPOINT_FORMAT: u32 = 2;
+/// The oldest format this build migrates.
+pub const OLDEST_CHECKPOINT_FORMAT: u32 = 1;
 const MANIFEST_KEY: &str = "ptl.manifest";
 
 /// Loop counters and RNG state needed to continue a run exactly.
@@ -28,6 +31,20 @@ pub struct LoopState {
     /// Per-step losses so far (the run's loss sequence, hashed in the summary).
     pub step_losses: Vec<f64>,
     pub best_fitness: Option<f64>,
+}
+
+/// What a run has produced so far, kept in every checkpoint so that a resumed run continues the
+/// same `results.csv` and summary (format 2).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunHistory {
+    /// `results.csv` header and one formatted row per completed epoch (the file is rewritten from
+    /// these, so a kill between checkpoint and CSV can never duplicate or lose a row).
+    pub columns: Vec<String>,
+    pub rows: Vec<String>,
+    /// Validation metrics per completed epoch (`None` for a non-finite value).
+    pub metrics: Vec<Vec<(String, Option<f64>)>>,
+    /// Seconds of fitting before this checkpoint (the CSV's time column continues from it).
+    pub fit_time_s: f64,
 }
 
 /// Everything except tensors.
@@ -47,6 +64,9 @@ pub struct Manifest {
     pub plugins: serde_json::Map<String, serde_json::Value>,
     /// CUDA-graph recordings are never serialised: they are rebuilt after a restore.
     pub recordings: String,
+    /// Results so far (format 2; empty after migrating a format-1 checkpoint).
+    #[serde(default)]
+    pub history: RunHistory,
 }
 
 /// A loaded or to-be-saved checkpoint.
@@ -78,25 +98,60 @@ pub fn save_checkpoint(path: &Path, ckpt: &Checkpoint) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     }
     let tmp = PathBuf::from(format!("{}.tmp", path.display()));
-    let mut f = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
-    f.write_all(&bytes).map_err(|e| io(&tmp, e))?;
-    f.sync_all().map_err(|e| io(&tmp, e))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| io(path, e))
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
+        f.write_all(&bytes).map_err(|e| io(&tmp, e))?;
+        f.sync_all().map_err(|e| io(&tmp, e))?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(|e| io(path, e))
+    })();
+    if written.is_err() {
+        // Disk full or similar: leave no half-written file behind (the previous checkpoint stays).
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Reads a checkpoint; a truncated or foreign file is a [`TrainerError::Checkpoint`].
 pub fn load_checkpoint(path: &Path, device: Device) -> Result<Checkpoint> {
     let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+    let manifest = parse_manifest(path, &bytes)?;
     let origin = path.display().to_string();
     let corrupt = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
-    let meta =
-        safetensors_metadata(&bytes, &origin).map_err(|e| corrupt(format!("{e} (the file is truncated or not a ptl checkpoint)")))?;
-    let raw = meta.get(MANIFEST_KEY).ok_or_else(|| corrupt("no ptl manifest in the header (not a ptl checkpoint?)".into()))?;
-    let manifest: Manifest = serde_json::from_str(raw).map_err(|e| corrupt(format!("unreadable manifest: {e}")))?;
-    if manifest.format != CHECKPOINT_FORMAT {
-        return Err(corrupt(format!("checkpoint format {} is not supported (this build reads {CHECKPOINT_FORMAT})", manifest.format)));
-    }
     let tensors = from_safetensors_bytes(&bytes, device, &origin).map_err(|e| corrupt(e.to_string()))?;
     Ok(Checkpoint { manifest, tensors })
+}
+
+/// Reads only a checkpoint's manifest (settings, counters, history).
+pub fn read_manifest(path: &Path) -> Result<Manifest> {
+    let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+    parse_manifest(path, &bytes)
+}
+
+fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest> {
+    let origin = path.display().to_string();
+    let corrupt = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
+    let meta = safetensors_metadata(bytes, &origin).map_err(|e| corrupt(format!("{e} (the file is truncated or not a ptl checkpoint)")))?;
+    let raw = meta.get(MANIFEST_KEY).ok_or_else(|| corrupt("no ptl manifest in the header (not a ptl checkpoint?)".into()))?;
+    let format = serde_json::from_str::<serde_json::Value>(raw)
+        .ok()
+        .and_then(|v| v["format"].as_u64())
+        .ok_or_else(|| corrupt("unreadable manifest: no format number".into()))?;
+    if !(OLDEST_CHECKPOINT_FORMAT as u64..=CHECKPOINT_FORMAT as u64).contains(&format) {
+        return Err(corrupt(format!(
+            "checkpoint format {format} is not supported: this build reads formats {OLDEST_CHECKPOINT_FORMAT} to {CHECKPOINT_FORMAT}{}",
+            if format > CHECKPOINT_FORMAT as u64 { " (written by a newer ptl: update ptl)" } else { "" }
+        )));
+    }
+    let mut manifest: Manifest = serde_json::from_str(raw).map_err(|e| corrupt(format!("unreadable manifest: {e}")))?;
+    if manifest.format == 1 {
+        // Format 1 kept no run history: a resumed run's results.csv and summary start at the resume.
+        eprintln!(
+            "ptl: {}: checkpoint format 1 (ptl {}) migrated: it has no epoch history, so results.csv and the summary list only the epochs after the resume",
+            path.display(),
+            manifest.ptl_version
+        );
+        manifest.format = CHECKPOINT_FORMAT;
+    }
+    Ok(manifest)
 }

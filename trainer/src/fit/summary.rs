@@ -194,6 +194,13 @@ pub struct RunSummary {
     #[serde(default)]
     pub library_workspace_bytes: Option<u64>,
     pub optimizer_steps: u64,
+    /// Where the run's artefacts went (a numbered sibling of the asked-for folder when that one
+    /// already held a run).
+    #[serde(default)]
+    pub save_dir: std::path::PathBuf,
+    /// Seconds of fitting over every process of the run (resumes included).
+    #[serde(default)]
+    pub fit_time_s: f64,
     pub final_metrics: Vec<(String, f64)>,
     pub metrics_per_epoch: Vec<Vec<(String, f64)>>,
     pub hashes: RunHashes,
@@ -207,25 +214,38 @@ impl RunSummary {
     }
 }
 
-/// Appends one row per epoch to `results.csv` (header written with the first row).
+/// `results.csv`: a header and one row per completed epoch, rewritten whole (temporary file +
+/// rename) from the rows a checkpoint holds, so the file always matches the last checkpoint.
 pub struct ResultsCsv {
     path: std::path::PathBuf,
-    columns: Vec<String>,
 }
 
 impl ResultsCsv {
-    pub fn new(path: &Path, columns: Vec<String>) -> Self {
-        ResultsCsv { path: path.to_path_buf(), columns }
+    pub fn new(path: &Path) -> Self {
+        ResultsCsv { path: path.to_path_buf() }
     }
 
-    pub fn append(&self, values: &[f64]) -> Result<()> {
+    /// One row as written to the file.
+    pub fn format_row(values: &[f64]) -> String {
+        values.iter().map(|v| format!("{v:.6}")).collect::<Vec<_>>().join(",")
+    }
+
+    /// Writes `columns` and `rows` as the whole file.
+    pub fn write(&self, columns: &[String], rows: &[String]) -> Result<()> {
         let io = |e| TrainerError::Io { path: self.path.clone(), source: e };
-        let fresh = !self.path.exists();
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).map_err(io)?;
-        if fresh {
-            writeln!(f, "{}", self.columns.join(",")).map_err(io)?;
+        let tmp = std::path::PathBuf::from(format!("{}.tmp", self.path.display()));
+        let written = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            writeln!(f, "{}", columns.join(","))?;
+            for r in rows {
+                writeln!(f, "{r}")?;
+            }
+            f.sync_all()?;
+            std::fs::rename(&tmp, &self.path)
+        })();
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
         }
-        let row: Vec<String> = values.iter().map(|v| format!("{v:.6}")).collect();
-        writeln!(f, "{}", row.join(",")).map_err(io)
+        written.map_err(io)
     }
 }

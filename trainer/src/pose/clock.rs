@@ -165,6 +165,12 @@ impl StepClock {
         Ok(())
     }
 
+    /// The next step does not continue the previous one (an epoch is run again): no
+    /// start-to-start sample spans the gap.
+    pub fn break_sequence(&mut self) {
+        self.prev = None;
+    }
+
     /// The current step waited `d` for its batch.
     pub fn data_wait(&mut self, d: Duration) {
         if self.current_timed {

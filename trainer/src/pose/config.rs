@@ -50,8 +50,10 @@ impl Precision {
     }
 }
 
-/// Everything a pose training run needs. Defaults follow Ultralytics 8.4.190.
+/// Everything a pose training run needs. Defaults follow Ultralytics 8.4.190. Fields missing from a
+/// stored configuration (an older checkpoint's) take their defaults.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PoseTrainConfig {
     /// Dataset yaml (Ultralytics layout).
     pub data: PathBuf,
@@ -99,8 +101,12 @@ pub struct PoseTrainConfig {
     #[doc(hidden)]
     #[serde(skip)]
     pub inject_loader_panic_at: Option<(usize, usize)>,
-    /// Output folder (checkpoints, results.csv, summary.json, plots).
+    /// Output folder (checkpoints, results.csv, summary.json, plots). The CLI moves a new run
+    /// whose folder already holds one to a numbered sibling (`train2`, …) unless `exist_ok`.
     pub save_dir: PathBuf,
+    /// Train into an existing `save_dir` (the CLI's numbering is off).
+    #[serde(default)]
+    pub exist_ok: bool,
     /// Resume from this checkpoint.
     pub resume: Option<PathBuf>,
     /// Replay plugins to enable (`None` = all registered, `Some([])` = native).
@@ -158,6 +164,7 @@ impl Default for PoseTrainConfig {
             profile: false,
             inject_loader_panic_at: None,
             save_dir: PathBuf::from("runs/pose/train"),
+            exist_ok: false,
             resume: None,
             plugins: Some(Vec::new()),
             stop_after_epochs: None,
@@ -223,25 +230,185 @@ impl PoseTrainConfig {
             "gpu_time" => self.gpu_time = boolean(value)?,
             "profile" => self.profile = boolean(value)?,
             "plugins" => self.plugins = Some(value.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()),
-            _ => return Err(bad(format!("unknown key `{key}` (see `ptl train --help` for the list)"))),
+            "exist_ok" => self.exist_ok = boolean(value)?,
+            _ => return Err(bad(format!("unknown key `{key}` (`ptl cfg` lists every key with its default)"))),
         }
         Ok(())
     }
 
-    /// Checks values that would otherwise fail deep inside the run.
+    /// Checks values that would otherwise fail deep inside the run (or, worse, train on
+    /// quietly): sizes that cannot be allocated and non-finite or absurd hyperparameters.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Err(TrainerError::InvalidArgument { what: "config", reason });
-        if self.epochs == 0 {
-            return bad("epochs must be at least 1".into());
+        if self.epochs == 0 || self.epochs > MAX_EPOCHS {
+            return bad(format!("epochs {} must be in 1..={MAX_EPOCHS}", self.epochs));
         }
-        if self.batch == 0 {
-            return bad("batch must be at least 1".into());
+        if self.batch == 0 || self.batch > MAX_BATCH {
+            return bad(format!("batch {} must be in 1..={MAX_BATCH}", self.batch));
         }
-        if self.imgsz < 32 || self.imgsz % 32 != 0 {
-            return bad(format!("imgsz {} must be a multiple of 32 (≥ 32)", self.imgsz));
+        if self.imgsz < 32 || self.imgsz % 32 != 0 || self.imgsz > MAX_IMGSZ {
+            return bad(format!("imgsz {} must be a multiple of 32 in 32..={MAX_IMGSZ}", self.imgsz));
         }
-        if !(self.lr0 > 0.0 && self.lr0.is_finite()) {
-            return bad(format!("lr0 {} must be positive", self.lr0));
+        let pixels = self.batch as u64 * self.imgsz as u64 * self.imgsz as u64;
+        if pixels > MAX_BATCH_PIXELS {
+            return bad(format!(
+                "batch {} × imgsz {}² = {pixels} pixels per batch is over the {MAX_BATCH_PIXELS} limit \
+                 (the mosaic canvas and activations would not fit): lower batch or imgsz",
+                self.batch, self.imgsz
+            ));
+        }
+        if self.nbs == 0 {
+            return bad("nbs must be at least 1".into());
+        }
+        // (name, value, lowest, highest, lowest excluded)
+        let ranges: [(&str, f64, f64, f64, bool); 10] = [
+            ("lr0", self.lr0, 0.0, 10.0, true),
+            ("lrf", self.lrf, 0.0, 10.0, true),
+            ("momentum", self.momentum, 0.0, 1.0, false),
+            ("weight_decay", self.weight_decay, 0.0, 1.0, false),
+            ("warmup_epochs", self.warmup_epochs, 0.0, MAX_EPOCHS as f64, false),
+            ("warmup_momentum", self.warmup_momentum, 0.0, 1.0, false),
+            ("warmup_bias_lr", self.warmup_bias_lr, 0.0, 10.0, false),
+            ("mosaic", self.mosaic, 0.0, 1.0, false),
+            ("clip_max_norm", self.clip_max_norm, 0.0, 1e6, true),
+            ("lr0·lrf", self.lr0 * self.lrf, 0.0, 10.0, true),
+        ];
+        for (name, v, lo, hi, open_lo) in ranges {
+            let low_ok = if open_lo { v > lo } else { v >= lo };
+            if !v.is_finite() || !low_ok || v > hi {
+                let lo_br = if open_lo { "(" } else { "[" };
+                return bad(format!("{name} = {v} is outside {lo_br}{lo}, {hi}] (see `ptl cfg` for the defaults)"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every key `ptl train` accepts, with its default and what it does (`ptl cfg`).
+    pub fn keys() -> Vec<(&'static str, String, &'static str)> {
+        let d = PoseTrainConfig::default();
+        let opt = |v: Option<usize>| v.map_or("auto".to_string(), |n| n.to_string());
+        vec![
+            ("data", d.data.display().to_string(), "dataset yaml (Ultralytics layout) or a COCO keypoints JSON"),
+            ("epochs", d.epochs.to_string(), "epochs to train"),
+            ("batch", d.batch.to_string(), "images per batch"),
+            ("imgsz", d.imgsz.to_string(), "training image size (multiple of 32)"),
+            ("device", d.device.to_string(), "cpu, cuda:N (also --device; `auto` picks a GPU when there is one)"),
+            ("precision", d.precision.name().to_string(), "32-true, bf16-mixed or 16-mixed (also --precision; alias amp)"),
+            ("seed", d.seed.to_string(), "random seed (also --seed)"),
+            ("scale", d.scale.clone(), "model scale: n, s, m, l or x (alias model)"),
+            ("optimizer", d.optimizer.clone(), "auto, SGD, MuSGD or AdamW (auto is resolved once and stored in checkpoints)"),
+            ("lr0", d.lr0.to_string(), "initial learning rate"),
+            ("lrf", d.lrf.to_string(), "final learning rate as a fraction of lr0"),
+            ("momentum", d.momentum.to_string(), "SGD momentum / Adam beta1"),
+            ("weight_decay", d.weight_decay.to_string(), "weight decay (scaled by batch / nbs)"),
+            ("warmup_epochs", d.warmup_epochs.to_string(), "warm-up length in epochs"),
+            ("warmup_momentum", d.warmup_momentum.to_string(), "momentum at the start of the warm-up"),
+            ("warmup_bias_lr", d.warmup_bias_lr.to_string(), "bias learning rate at the start of the warm-up"),
+            ("cos_lr", d.cos_lr.to_string(), "cosine learning-rate schedule"),
+            ("nbs", d.nbs.to_string(), "nominal batch size (gradient accumulation up to it)"),
+            ("close_mosaic", d.close_mosaic.to_string(), "turn mosaic off for the last N epochs (0 = never)"),
+            ("mosaic", d.mosaic.to_string(), "mosaic probability"),
+            ("workers", opt(d.workers), "loader threads (auto: min(8, cores) on a GPU, min(2, cores/8) on the CPU)"),
+            ("val", d.val.to_string(), "validate after every epoch"),
+            ("max_batches", "all".into(), "stop each epoch after this many batches (quick runs)"),
+            ("project", d.save_dir.display().to_string(), "output folder (alias save_dir); an existing one gets a numbered sibling"),
+            ("exist_ok", d.exist_ok.to_string(), "train into an existing project folder instead of a new numbered one"),
+            ("resume", "none".into(), "continue from a checkpoint (its settings are restored; only machine keys may change)"),
+            ("plots", d.plots.to_string(), "draw results.png and validation predictions at the end"),
+            ("gpu_time", d.gpu_time.to_string(), "trace 16 steps with CUPTI for the GPU time per step (CUDA)"),
+            ("profile", d.profile.to_string(), "time each stage with device synchronisation (diagnosis only)"),
+        ]
+    }
+}
+
+/// Largest `epochs`.
+pub const MAX_EPOCHS: usize = 100_000;
+/// Largest `batch`.
+pub const MAX_BATCH: usize = 4096;
+/// Largest `imgsz` (a 2·imgsz mosaic canvas of 8192 px is 0.8 GB of pixels).
+pub const MAX_IMGSZ: usize = 8192;
+/// Largest batch × imgsz² (pixels of one batch).
+pub const MAX_BATCH_PIXELS: u64 = 1 << 30;
+
+/// Settings a resumed run may change: where and how it runs, not what it computes.
+pub const MACHINE_KEYS: [&str; 12] = [
+    "device",
+    "workers",
+    "progress",
+    "plots",
+    "gpu_time",
+    "profile",
+    "timing_warmup_steps",
+    "save_dir",
+    "exist_ok",
+    "resume",
+    "stop_after_epochs",
+    "inject_loader_panic_at",
+];
+
+/// `dir` if it holds no earlier run, else the first of `dir2`, `dir3`, … that does not exist
+/// (Ultralytics' `increment_path`).
+pub fn unused_save_dir(dir: &std::path::Path) -> PathBuf {
+    let holds_run = |d: &std::path::Path| ["weights", "results.csv", "summary.json"].iter().any(|f| d.join(f).exists());
+    if !holds_run(dir) {
+        return dir.to_path_buf();
+    }
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "train".into());
+    (2..).map(|n| dir.with_file_name(format!("{name}{n}"))).find(|d| !d.exists()).unwrap_or_else(|| dir.to_path_buf())
+}
+
+impl PoseTrainConfig {
+    /// The settings a checkpoint's run was trained with.
+    pub fn from_checkpoint(path: &std::path::Path) -> Result<PoseTrainConfig> {
+        let manifest = crate::fit::checkpoint::read_manifest(path)?;
+        serde_json::from_value(manifest.train_args).map_err(|e| TrainerError::Checkpoint {
+            path: path.to_path_buf(),
+            msg: format!("its run settings cannot be read ({e}); it was written by ptl {}", manifest.ptl_version),
+        })
+    }
+
+    /// The configuration to resume `path` with: the run's own settings, then `overrides`
+    /// (`key=value`, as on the command line). A machine setting may change; a setting that
+    /// changes the training is a [`TrainerError::ResumeMismatch`] naming both values.
+    pub fn for_resume(path: &std::path::Path, overrides: &[(String, String)]) -> Result<PoseTrainConfig> {
+        let mut cfg = PoseTrainConfig::from_checkpoint(path)?;
+        // The run lives where its checkpoint is (`<save_dir>/weights/last.ckpt`), even if moved.
+        if let Some(run_dir) = path.parent().filter(|p| p.file_name().is_some_and(|n| n == "weights")).and_then(|p| p.parent()) {
+            cfg.save_dir = run_dir.to_path_buf();
+        }
+        cfg.resume = Some(path.to_path_buf());
+        // How the earlier process was to end is not part of the run.
+        cfg.stop_after_epochs = None;
+        cfg.inject_loader_panic_at = None;
+        for (k, v) in overrides.iter().filter(|(k, _)| k != "resume") {
+            cfg.set(k, v)?;
+        }
+        cfg.resume = Some(path.to_path_buf());
+        cfg.check_resume(path)?;
+        Ok(cfg)
+    }
+
+    /// Checks that every setting that shapes the training equals the checkpoint's.
+    pub fn check_resume(&self, path: &std::path::Path) -> Result<()> {
+        let stored = PoseTrainConfig::from_checkpoint(path)?;
+        let json = |c: &PoseTrainConfig| serde_json::to_value(c).unwrap_or(serde_json::Value::Null);
+        let (a, b) = (json(&stored), json(self));
+        let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+            return Ok(());
+        };
+        for (key, stored_v) in a {
+            if MACHINE_KEYS.contains(&key.as_str()) {
+                continue;
+            }
+            let given = b.get(key).cloned().unwrap_or(serde_json::Value::Null);
+            if given != *stored_v {
+                return Err(TrainerError::ResumeMismatch {
+                    path: path.to_path_buf(),
+                    key: key.clone(),
+                    stored: stored_v.to_string(),
+                    given: given.to_string(),
+                });
+            }
         }
         Ok(())
     }

@@ -16,8 +16,8 @@ use super::pipeline::{device_images, TrainPipeline};
 use super::probe;
 use super::validate::{validate, ValResult};
 use crate::fit::{
-    save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PluginStack, ResultsCsv, RunHashes, RunSummary, Stage, StageInfo,
-    StageProfile, StartupReport,
+    save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PluginStack, ResultsCsv, RunHashes, RunHistory, RunSummary,
+    Stage, StageInfo, StageProfile, StartupReport,
 };
 use crate::loss::{Anchors, BranchOutputs, E2ELoss, LossConfig, TargetBatch};
 use crate::optim::{
@@ -57,12 +57,28 @@ struct Run {
     epoch_s: Vec<f64>,
     workers: usize,
     pageable_uploads: u64,
+    /// results.csv rows and metrics of every completed epoch (kept in checkpoints).
+    history: RunHistory,
+    /// The first non-finite loss of the current epoch attempt.
+    nonfinite: Option<NonFiniteStep>,
+    /// The optimizer as resolved (`auto` → a name, lr0, momentum), stored in checkpoints.
+    resolved: serde_json::Value,
     metrics_per_epoch: Vec<Vec<(String, f64)>>,
     optimizer_name: String,
     /// Named parameters, walked once: parameters keep their storage for the whole run.
     params: Vec<(String, Tensor)>,
     /// Anchor grid of the last input size (training batches share one size).
     anchors: Option<((usize, usize), Anchors)>,
+}
+
+/// Where a loss first went non-finite.
+#[derive(Clone, Copy, Debug)]
+struct NonFiniteStep {
+    epoch: usize,
+    batch: usize,
+    step: usize,
+    term: &'static str,
+    value: f64,
 }
 
 fn model_params(m: &PoseModel) -> Vec<(String, Tensor)> {
@@ -172,13 +188,21 @@ impl Run {
                     a
                 }
             };
-            self.plugins.run(info(Stage::Loss), &mut || {
+            let ran = self.plugins.run(info(Stage::Loss), &mut || {
                 let flow = &model.head().flow_model;
                 loss = Some(ptl_autograd::autocast(autocast, || {
                     criterion.loss(&branch(&out.one2many), &branch(&out.one2one), &targets, &anchors, Some(flow))
                 })?);
                 Ok(())
-            })?;
+            });
+            // Non-finite predictions (diverged weights) stop the loss itself: the batch is
+            // skipped — no backward, no step — and the epoch ends in the recovery below.
+            if let Err(TrainerError::NonFinite { what, value, .. }) = &ran {
+                self.note_nonfinite(NonFiniteStep { epoch, batch: i, step: ni, term: what, value: *value });
+                self.state.step_losses.push(f64::NAN);
+                return Ok(());
+            }
+            ran?;
         }
         let loss =
             loss.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the loss stage produced no output".into() })?;
@@ -201,6 +225,10 @@ impl Run {
         }
 
         let total = loss.total.detach().item()?;
+        let named = LOSS_NAMES.iter().zip(loss.items).find(|(_, v)| !v.is_finite());
+        if let Some((term, value)) = named.map(|(n, v)| (*n, v)).or((!total.is_finite()).then_some(("total loss", total))) {
+            self.note_nonfinite(NonFiniteStep { epoch, batch: i, step: ni, term, value });
+        }
         self.state.step_losses.push(total);
         for (s, v) in sums.iter_mut().zip(loss.items) {
             *s += v;
@@ -267,6 +295,34 @@ impl Run {
         Ok(ema_ms)
     }
 
+    /// Keeps the first non-finite step of an epoch attempt and says so once.
+    fn note_nonfinite(&mut self, nf: NonFiniteStep) {
+        if self.nonfinite.is_none() {
+            eprintln!(
+                "ptl: warning: {} is {} at epoch {}, batch {} (step {}); likely cause: {}",
+                nf.term,
+                nf.value,
+                nf.epoch,
+                nf.batch,
+                nf.step,
+                self.nonfinite_hint()
+            );
+            self.nonfinite = Some(nf);
+        }
+    }
+
+    /// The setting most likely behind a non-finite loss.
+    fn nonfinite_hint(&self) -> String {
+        let c = &self.cfg;
+        if c.precision == Precision::F16Mixed {
+            "fp16 overflow: the GradScaler skips such steps; if it persists train with --precision bf16-mixed or a lower lr0".into()
+        } else if c.lr0 > 0.05 {
+            format!("lr0 = {} is high for this optimizer; try lr0=0.01 or lower", c.lr0)
+        } else {
+            format!("diverging weights or bad labels: lower lr0 (now {}) or check the dataset's warnings", c.lr0)
+        }
+    }
+
     /// Copies the EMA weights into the evaluation model (in place).
     fn sync_ema_model(&self) -> Result<()> {
         let values: HashMap<String, Tensor> = self.ema.ema_tensors().iter().cloned().collect();
@@ -305,6 +361,7 @@ impl Run {
             "meta": serde_json::to_value(self.optimizer.state_meta()).unwrap_or(serde_json::Value::Null),
             "scheduler": serde_json::to_value(&self.scheduler).unwrap_or(serde_json::Value::Null),
             "accumulate": self.accumulate,
+            "resolved": self.resolved,
         });
         Ok(Checkpoint {
             manifest: Manifest {
@@ -319,15 +376,23 @@ impl Run {
                 callbacks: self.callbacks.iter().map(|c| (c.state_key(), c.state())).collect(),
                 plugins: self.plugins.states(),
                 recordings: "none".into(),
+                history: self.history.clone(),
             },
             tensors,
         })
     }
 
-    fn restore(&mut self, path: &Path) -> Result<()> {
+    /// Restores the run from a checkpoint. `ema_into_model`: the live model takes the EMA weights
+    /// (training.md §9's recovery from a non-finite loss) instead of its own.
+    fn restore(&mut self, path: &Path, ema_into_model: bool) -> Result<()> {
         let ck = crate::fit::load_checkpoint(path, self.cfg.device)?;
         let bad = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
-        self.model.load_state_dict(&ck.part("model"), true).map_err(|e| bad(e.to_string()))?;
+        let stored = &ck.manifest.optimizer["resolved"];
+        if !stored.is_null() && *stored != self.resolved {
+            return Err(bad(format!("the optimizer resolves to {} now but the run used {stored}", self.resolved)));
+        }
+        let model_part = if ema_into_model { "ema" } else { "model" };
+        self.model.load_state_dict(&ck.part(model_part), !ema_into_model).map_err(|e| bad(e.to_string()))?;
         let ema_meta = serde_json::from_value(ck.manifest.ema.clone()).map_err(|e| bad(format!("EMA state: {e}")))?;
         self.ema.load(&ema_meta, &ck.part("ema"))?;
         self.optimizer.load_state_tensors(&ck.part("optim"))?;
@@ -354,6 +419,7 @@ impl Run {
             });
         }
         self.state = ck.manifest.loop_state.clone();
+        self.history = ck.manifest.history.clone();
         Ok(())
     }
 
@@ -381,6 +447,21 @@ impl Run {
 pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<RunSummary> {
     cfg.validate()?;
     let started = Instant::now();
+    let mut cfg = cfg.clone();
+    if let Some(path) = &cfg.resume {
+        cfg.check_resume(path)?;
+    } else if !cfg.exist_ok {
+        let fresh = super::config::unused_save_dir(&cfg.save_dir);
+        if fresh != cfg.save_dir {
+            eprintln!(
+                "ptl: {} already holds a run; writing to {} (exist_ok=true trains into the existing folder)",
+                cfg.save_dir.display(),
+                fresh.display()
+            );
+            cfg.save_dir = fresh;
+        }
+    }
+    let cfg = &cfg;
     let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
     let t = Instant::now();
     probe::open_device(cfg.device)?;
@@ -475,6 +556,12 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         pageable_uploads: 0,
         metrics_per_epoch: Vec::new(),
         optimizer_name: format!("{:?}", resolved.name),
+        history: RunHistory::default(),
+        nonfinite: None,
+        resolved: serde_json::json!({
+            "name": format!("{:?}", resolved.name), "lr0": resolved.lr0, "momentum": resolved.momentum,
+            "warmup_bias_lr": resolved.warmup_bias_lr, "weight_decay": resolved.weight_decay,
+        }),
         params: Vec::new(),
         anchors: None,
     };
@@ -518,6 +605,8 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         peak_reserved_bytes,
         library_workspace_bytes: crate::pose::library_workspace_bytes(cfg.device),
         optimizer_steps: run.state.global_step,
+        save_dir: cfg.save_dir.clone(),
+        fit_time_s: run.history.fit_time_s,
         final_metrics: run.metrics_per_epoch.last().cloned().unwrap_or_default(),
         metrics_per_epoch: run.metrics_per_epoch.clone(),
         hashes,
@@ -530,7 +619,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
 fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     let cfg = run.cfg.clone();
     if let Some(path) = &cfg.resume {
-        run.restore(path)?;
+        run.restore(path, false)?;
     }
     let start_epoch = (run.state.epoch + 1) as usize;
     run.view.epoch = start_epoch;
@@ -545,7 +634,20 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         .chain(ValResult::metric_names().iter().map(|s| s.to_string()))
         .chain((0..run.optimizer.param_groups().len()).map(|i| format!("lr/pg{i}")))
         .collect();
-    let csv = ResultsCsv::new(&cfg.save_dir.join("results.csv"), columns);
+    if run.history.columns.is_empty() {
+        run.history.columns = columns;
+    }
+    // The CSV always matches the last checkpoint: a resume rewrites it from the checkpoint's rows
+    // (a kill between the two writes can neither duplicate nor lose an epoch).
+    let csv = ResultsCsv::new(&cfg.save_dir.join("results.csv"));
+    if cfg.resume.is_some() {
+        csv.write(&run.history.columns, &run.history.rows)?;
+    }
+    run.metrics_per_epoch =
+        run.history.metrics.iter().map(|m| m.iter().map(|(k, v)| (k.clone(), v.unwrap_or(f64::NAN))).collect()).collect();
+    let fit_time_before = run.history.fit_time_s;
+    let last_ckpt = cfg.save_dir.join("weights").join("last.ckpt");
+    let mut attempts = 0usize;
     let last_epoch = cfg.stop_after_epochs.map_or(cfg.epochs, |n| (start_epoch + n).min(cfg.epochs)).max(start_epoch + 1) - 1;
     let device = cfg.device;
     let gpu_plan = StepClock::plan_gpu_window(cfg.gpu_time, device, cfg.timing_warmup_steps, start_epoch, last_epoch, run.nb);
@@ -554,7 +656,8 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     let plan = PrefetchPlan { start_epoch, batches_per_epoch: Some(run.nb) };
     let mut pipeline = TrainPipeline::start(&run.loader, plan, device, image_bytes)?;
     let fit_start = Instant::now();
-    for epoch in start_epoch..cfg.epochs {
+    let mut epoch = start_epoch;
+    while epoch < cfg.epochs {
         let epoch_start = Instant::now();
         // Scheduler first (epoch e uses lf(e)); the criterion weights follow the epoch count.
         run.scheduler = LrScheduler::new(run.lambda, epoch);
@@ -585,6 +688,39 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         bar.finish();
         let stats = pipeline.stats();
         (run.workers, run.pageable_uploads) = (stats.workers, stats.pageable_uploads);
+        if let Some(nf) = run.nonfinite.take() {
+            // training.md §9: reload the last checkpoint (its EMA weights into the model), reset the
+            // optimizer-step counter and run the epoch again; after 3 attempts, stop. Without a
+            // checkpoint to go back to (the first epoch) Ultralytics only warns and trains on with
+            // broken weights; we stop at once with the same message.
+            // `last.ckpt` of this run exists once an epoch has completed.
+            let can_reload = run.state.epoch >= 0 && last_ckpt.exists();
+            attempts += 1;
+            if !can_reload || attempts > 3 {
+                return Err(TrainerError::NonFiniteLoss {
+                    epoch: nf.epoch,
+                    batch: nf.batch,
+                    step: nf.step,
+                    term: nf.term,
+                    value: nf.value,
+                    attempts: attempts - 1,
+                    hint: run.nonfinite_hint(),
+                });
+            }
+            eprintln!(
+                "ptl: non-finite loss in epoch {epoch}: reloading {} and running the epoch again ({attempts}/3)",
+                last_ckpt.display()
+            );
+            drop(pipeline);
+            run.restore(&last_ckpt, true)?;
+            run.state.last_opt_step = -1;
+            run.clock.break_sequence();
+            let plan = PrefetchPlan { start_epoch: epoch, batches_per_epoch: Some(run.nb) };
+            pipeline = TrainPipeline::start(&run.loader, plan, device, image_bytes)?;
+            continue;
+        } else {
+            attempts = 0;
+        }
         let lrs = run.lrs();
         // Validation on the EMA model.
         let val = if let Some(ds) = run.val_ds.clone() {
@@ -607,24 +743,30 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
                 run.state.best_fitness = Some(f);
             }
         }
-        let mut row = vec![epoch as f64 + 1.0, fit_start.elapsed().as_secs_f64()];
+        let fit_time = fit_time_before + fit_start.elapsed().as_secs_f64();
+        let mut row = vec![epoch as f64 + 1.0, fit_time];
         row.extend(sums.iter().map(|s| s / run.nb as f64));
         row.extend(val.as_ref().map(|v| v.metric_values()).unwrap_or_else(|| vec![f64::NAN; ValResult::metric_names().len()]));
         row.extend(lrs);
-        csv.append(&row)?;
-        run.metrics_per_epoch.push(val.map(|v| v.metrics).unwrap_or_default());
+        let metrics = val.map(|v| v.metrics).unwrap_or_default();
+        run.history.rows.push(ResultsCsv::format_row(&row));
+        run.history.metrics.push(metrics.iter().map(|(k, v)| (k.clone(), v.is_finite().then_some(*v))).collect());
+        run.history.fit_time_s = fit_time;
+        run.metrics_per_epoch.push(metrics);
+        // Checkpoint first, then the CSV derived from it.
         let ck = run.checkpoint(train_args)?;
-        let weights = cfg.save_dir.join("weights");
-        save_checkpoint(&weights.join("last.ckpt"), &ck)?;
+        save_checkpoint(&last_ckpt, &ck)?;
         if fitness.is_some() && fitness == run.state.best_fitness {
-            save_checkpoint(&weights.join("best.ckpt"), &ck)?;
+            save_checkpoint(&cfg.save_dir.join("weights").join("best.ckpt"), &ck)?;
         }
+        csv.write(&run.history.columns, &run.history.rows)?;
         run.each_cb(|c, v| c.on_save_checkpoint(v));
         run.each_cb(|c, v| c.on_train_epoch_end(v));
         run.epoch_s.push(epoch_start.elapsed().as_secs_f64());
         if cfg.stop_after_epochs.is_some_and(|n| epoch + 1 - start_epoch >= n) && epoch + 1 < cfg.epochs {
             return Ok(());
         }
+        epoch += 1;
     }
     if cfg.plots {
         let csv = cfg.save_dir.join("results.csv");
