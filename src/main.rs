@@ -26,6 +26,8 @@ enum Command {
     Val(cli::predict::ValArgs),
     /// Draw predictions of a checkpoint on images (PNGs + predictions.json).
     Predict(cli::predict::PredictArgs),
+    /// List every `key=value` setting of `ptl train` with its default.
+    Cfg,
 }
 
 #[derive(Subcommand, Debug)]
@@ -101,6 +103,10 @@ fn main() -> ExitCode {
         Command::Train(a) => cli::train::run_train(a),
         Command::Val(a) => cli::predict::run_val(a),
         Command::Predict(a) => cli::predict::run_predict(a),
+        Command::Cfg => {
+            cli::train::print_keys();
+            Ok(())
+        }
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

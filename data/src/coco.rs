@@ -53,6 +53,36 @@ struct CocoFile {
     annotations: Vec<CocoAnn>,
 }
 
+/// Why COCO annotations were not used, and how many were.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CocoReport {
+    pub images: usize,
+    pub annotations: usize,
+    /// Annotations that became label rows.
+    pub used: usize,
+    /// Skipped annotations by reason (data.md §2's rules, plus malformed entries), in first-seen order.
+    pub skipped: Vec<(&'static str, usize)>,
+}
+
+impl CocoReport {
+    fn skip(&mut self, reason: &'static str) {
+        match self.skipped.iter_mut().find(|(r, _)| *r == reason) {
+            Some((_, n)) => *n += 1,
+            None => self.skipped.push((reason, 1)),
+        }
+    }
+
+    /// E.g. "120 annotations, 100 used; skipped: 12 crowd, 8 no labelled keypoint".
+    pub fn summary(&self) -> String {
+        let skipped = if self.skipped.is_empty() {
+            "none skipped".to_string()
+        } else {
+            format!("skipped: {}", self.skipped.iter().map(|(r, n)| format!("{n} {r}")).collect::<Vec<_>>().join(", "))
+        };
+        format!("{} images, {} annotations, {} used; {skipped}", self.images, self.annotations, self.used)
+    }
+}
+
 /// One image of a converted COCO file: its file name and its label text (`None` = no annotation → no label file).
 #[derive(Clone, Debug, PartialEq)]
 pub struct CocoLabel {
@@ -68,17 +98,30 @@ fn is_crowd(v: &serde_json::Value) -> bool {
     }
 }
 
-/// Converts COCO keypoint JSON text into per-image YOLO label text, in the JSON's image order.
+/// Converts COCO keypoint JSON text into per-image YOLO label text, in the JSON's image order
+/// (17 keypoints per annotation).
 pub fn convert_coco_text(json: &str, json_path: &Path) -> Result<Vec<CocoLabel>> {
+    Ok(convert_coco_counted(json, json_path, 17)?.0)
+}
+
+/// [`convert_coco_text`] for `nkpt` keypoints, with every annotation that was not used counted by
+/// reason.
+pub fn convert_coco_counted(json: &str, json_path: &Path, nkpt: usize) -> Result<(Vec<CocoLabel>, CocoReport)> {
     let file: CocoFile = serde_json::from_str(json).map_err(|e| DataError::Json {
         path: json_path.to_path_buf(),
         line: e.line(),
         column: e.column(),
         message: e.to_string(),
     })?;
+    let mut report = CocoReport { images: file.images.len(), annotations: file.annotations.len(), ..Default::default() };
+    let known: std::collections::HashSet<u64> = file.images.iter().map(|im| im.id).collect();
     let mut by_image: HashMap<u64, Vec<&CocoAnn>> = HashMap::new();
     for a in &file.annotations {
-        by_image.entry(a.image_id).or_default().push(a);
+        if known.contains(&a.image_id) {
+            by_image.entry(a.image_id).or_default().push(a);
+        } else {
+            report.skip("no image with that image_id");
+        }
     }
     let mut out = Vec::with_capacity(file.images.len());
     for im in &file.images {
@@ -90,27 +133,48 @@ pub fn convert_coco_text(json: &str, json_path: &Path) -> Result<Vec<CocoLabel>>
         let mut rows: Vec<Vec<f64>> = Vec::new();
         let mut boxes: Vec<Vec<f64>> = Vec::new();
         for a in anns {
-            if is_crowd(&a.iscrowd) || a.bbox.len() != 4 || !(w > 0.0 && h > 0.0) {
+            if is_crowd(&a.iscrowd) {
+                report.skip("crowd");
+                continue;
+            }
+            if !(w > 0.0 && h > 0.0 && w.is_finite() && h.is_finite()) {
+                report.skip("image without a valid width/height");
+                continue;
+            }
+            if a.bbox.len() != 4 || a.bbox.iter().any(|v| !v.is_finite()) {
+                report.skip("bbox is not 4 finite numbers");
                 continue;
             }
             let bw = a.bbox[2] / w;
             let bh = a.bbox[3] / h;
             let cx = (a.bbox[0] + a.bbox[2] / 2.0) / w;
             let cy = (a.bbox[1] + a.bbox[3] / 2.0) / h;
-            if bw <= 0.0 || bh <= 0.0 || !bw.is_finite() || !bh.is_finite() {
+            if bw <= 0.0 || bh <= 0.0 {
+                report.skip("empty box");
                 continue;
             }
             let Some(cls) = usize::try_from(a.category_id - 1).ok().and_then(|i| COCO91_TO_80.get(i).copied().flatten()) else {
+                report.skip("category_id without a COCO class");
                 continue;
             };
-            let Some(kp) = &a.keypoints else { continue };
-            if kp.len() % 3 != 0 || kp.chunks(3).all(|p| p[2] == 0.0) {
-                continue; // no labelled keypoint
+            let Some(kp) = &a.keypoints else {
+                report.skip("no keypoints field");
+                continue;
+            };
+            if kp.len() != nkpt * 3 || kp.iter().any(|v| !v.is_finite()) {
+                report.skip("keypoints not 3·K finite numbers");
+                continue;
+            }
+            if kp.chunks(3).all(|p| p[2] == 0.0) {
+                report.skip("no labelled keypoint");
+                continue;
             }
             let bx = vec![cls as f64, cx, cy, bw, bh];
             if boxes.contains(&bx) {
+                report.skip("duplicate");
                 continue;
             }
+            report.used += 1;
             let mut row = bx.clone();
             boxes.push(bx);
             for p in kp.chunks(3) {
@@ -126,7 +190,7 @@ pub fn convert_coco_text(json: &str, json_path: &Path) -> Result<Vec<CocoLabel>>
         }
         out.push(CocoLabel { file_name: im.file_name.clone(), text: Some(text) });
     }
-    Ok(out)
+    Ok((out, report))
 }
 
 /// Writes the converted labels as `<labels_dir>/<file stem>.txt` (only for images with annotations).
@@ -149,11 +213,30 @@ pub fn convert_coco_file(json_path: &Path, labels_dir: &Path) -> Result<usize> {
 impl PoseDataset {
     /// Opens a COCO keypoints JSON with its image folder (`image_dir/<file_name>`), converting labels in memory.
     pub fn from_coco(json_path: &Path, image_dir: &Path, split: &str, opts: &OpenOptions) -> Result<Self> {
+        Self::from_coco_with(json_path, image_dir, split, PoseDataset::coco_person_meta(), opts)
+    }
+
+    /// [`PoseDataset::from_coco`] with the dataset's own metadata (names, keypoints, flips). Every
+    /// annotation that cannot be used is counted by reason in the report; a split left with no
+    /// usable annotation at all is an error.
+    pub fn from_coco_with(
+        json_path: &Path,
+        image_dir: &Path,
+        split: &str,
+        meta: crate::dataset::DatasetMeta,
+        opts: &OpenOptions,
+    ) -> Result<Self> {
         if !image_dir.is_dir() {
             return Err(DataError::MissingPath { path: image_dir.to_path_buf(), what: "COCO image folder" });
         }
         let text = std::fs::read_to_string(json_path).map_err(|e| DataError::io(json_path, e))?;
-        let labels = convert_coco_text(&text, json_path)?;
+        let (labels, report) = convert_coco_counted(&text, json_path, meta.kpt_shape.k)?;
+        if opts.verbose {
+            eprintln!("ptl-data: {split}: COCO {}: {}", json_path.display(), report.summary());
+        }
+        if report.used == 0 {
+            return Err(DataError::NoUsableAnnotations { path: json_path.to_path_buf(), summary: report.summary() });
+        }
         let mut entries: Vec<Entry> = labels
             .into_iter()
             .map(|l| {
@@ -163,7 +246,12 @@ impl PoseDataset {
             })
             .collect();
         entries.sort_by(|a, b| a.im_file.to_string_lossy().cmp(&b.im_file.to_string_lossy()));
-        PoseDataset::build(split, PoseDataset::coco_person_meta(), entries, Vec::new(), opts)
+        let mut ds = PoseDataset::build(split, meta, entries, Vec::new(), opts)?;
+        for (reason, n) in &report.skipped {
+            ds.report.warnings.push(format!("{}: {n} annotations skipped: {reason}", json_path.display()));
+        }
+        ds.report.coco = Some(report);
+        Ok(ds)
     }
 }
 

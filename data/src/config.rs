@@ -59,6 +59,9 @@ pub struct DatasetConfig {
     pub kpt_names: Vec<String>,
     pub kpt_oks_sigmas: Vec<f32>,
     pub channels: usize,
+    /// Image folders of COCO-JSON splits (`train_images:`, `val_images:`, `test_images:`), resolved
+    /// against `root`; without one the folder is looked for next to the JSON ([`coco_image_dir`]).
+    pub split_images: Vec<(String, PathBuf)>,
 }
 
 fn cfg_err(path: &Path, field: &'static str, message: impl Into<String>) -> DataError {
@@ -77,6 +80,39 @@ impl DatasetConfig {
     pub fn load(yaml_path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(yaml_path).map_err(|e| DataError::io(yaml_path, e))?;
         Self::parse(&text, yaml_path)
+    }
+
+    /// A COCO keypoints JSON used directly as a dataset: the file is both the train and the val
+    /// split (validation then runs on the training annotations), person class, COCO keypoints.
+    pub fn coco_json(json: &Path) -> Result<Self> {
+        if !json.is_file() {
+            return Err(DataError::MissingPath { path: json.to_path_buf(), what: "COCO keypoints JSON" });
+        }
+        let root = json.parent().map(Path::to_path_buf).unwrap_or_default();
+        Ok(DatasetConfig {
+            yaml_path: json.to_path_buf(),
+            root,
+            train: vec![json.to_path_buf()],
+            val: vec![json.to_path_buf()],
+            test: Vec::new(),
+            names: vec!["person".into()],
+            nc: 1,
+            kpt_shape: KptShape::COCO,
+            flip_idx: Some(COCO_FLIP_IDX.to_vec()),
+            kpt_names: COCO_KPT_NAMES.iter().map(|s| s.to_string()).collect(),
+            kpt_oks_sigmas: COCO_OKS_SIGMAS.to_vec(),
+            channels: 3,
+            split_images: Vec::new(),
+        })
+    }
+
+    /// Reads a dataset yaml, or a COCO keypoints JSON given directly (`.json`).
+    pub fn load_any(path: &Path) -> Result<Self> {
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+            Self::coco_json(path)
+        } else {
+            Self::load(path)
+        }
     }
 
     /// Parses yaml text; `yaml_path` locates relative paths and names the file in errors.
@@ -133,6 +169,17 @@ impl DatasetConfig {
         let train = split("train")?;
         let val = split("val")?;
         let test = split("test")?;
+        let mut split_images = Vec::new();
+        for (name, key) in [("train", "train_images"), ("val", "val_images"), ("test", "test_images")] {
+            match get(key) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(s)) => {
+                    let p = PathBuf::from(s);
+                    split_images.push((name.to_string(), if p.is_absolute() { p } else { root.join(p) }));
+                }
+                Some(other) => return Err(cfg_err(yaml_path, "train_images", format!("`{key}`: expected a folder path, got {other:?}"))),
+            }
+        }
         if train.is_empty() && val.is_empty() {
             return Err(cfg_err(yaml_path, "train", "neither `train` nor `val` is given"));
         }
@@ -234,6 +281,7 @@ impl DatasetConfig {
             nc,
             kpt_shape,
             flip_idx,
+            split_images,
             kpt_names,
             kpt_oks_sigmas,
             channels,
@@ -356,6 +404,34 @@ pub fn collect_images(entries: &[PathBuf]) -> Result<(Vec<PathBuf>, Vec<PathBuf>
     out.sort_by(|a, b| a.to_string_lossy().cmp(&b.to_string_lossy()));
     out.dedup();
     Ok((out, walk.links_not_followed))
+}
+
+/// The image folder of a COCO keypoints JSON: the split's `<split>_images` entry, else the first
+/// folder holding images of `<root>/images/<set>`, `<json dir>/../images/<set>`, `<json dir>/../<set>`,
+/// `<json dir>/images`, `<json dir>`, where `<set>` is what follows the last `_` of the file stem
+/// (`person_keypoints_val2017.json` → `val2017`).
+pub fn coco_image_dir(cfg: &DatasetConfig, split: &str, json: &Path) -> Result<PathBuf> {
+    if let Some((_, p)) = cfg.split_images.iter().find(|(s, _)| s == split) {
+        return Ok(p.clone());
+    }
+    let stem = json.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let set = stem.rsplit('_').next().unwrap_or(&stem).to_string();
+    let dir = json.parent().map(Path::to_path_buf).unwrap_or_default();
+    let up = dir.parent().map(Path::to_path_buf).unwrap_or_else(|| dir.clone());
+    let candidates = [cfg.root.join("images").join(&set), up.join("images").join(&set), up.join(&set), dir.join("images"), dir.clone()];
+    candidates.iter().find(|c| has_images(c)).cloned().ok_or_else(|| DataError::Config {
+        path: cfg.yaml_path.clone(),
+        field: "train_images",
+        message: format!(
+            "no image folder for {} (looked in {}): add `{split}_images: <folder>` to the dataset yaml",
+            json.display(),
+            candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", ")
+        ),
+    })
+}
+
+fn has_images(dir: &Path) -> bool {
+    std::fs::read_dir(dir).map(|rd| rd.flatten().any(|e| has_image_suffix(&e.path()))).unwrap_or(false)
 }
 
 #[cfg(test)]

@@ -86,6 +86,8 @@ pub struct ScanReport {
     pub warnings: Vec<String>,
     /// Folder links not followed (loops, folders reached twice).
     pub links_not_followed: usize,
+    /// Annotation counts of a COCO keypoints source.
+    pub coco: Option<crate::coco::CocoReport>,
 }
 
 impl ScanReport {
@@ -226,7 +228,7 @@ fn process(entry: &Entry, rules: &LabelRules, opts: &OpenOptions) -> Outcome {
 impl PoseDataset {
     /// Opens split `split` (`train`, `val`, `test`) of a dataset yaml.
     pub fn open_yaml(yaml: &Path, split: &str, opts: &OpenOptions) -> Result<Self> {
-        let cfg = DatasetConfig::load(yaml)?;
+        let cfg = DatasetConfig::load_any(yaml)?;
         Self::open(&cfg, split, opts)
     }
 
@@ -239,6 +241,25 @@ impl PoseDataset {
                 field: "train",
                 message: format!("split `{split}` is not defined in the dataset yaml"),
             });
+        }
+        let is_json = |p: &PathBuf| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+        if entries.iter().any(is_json) {
+            let [json] = entries else {
+                return Err(DataError::Config {
+                    path: cfg.yaml_path.clone(),
+                    field: "train",
+                    message: format!("split `{split}` mixes a COCO JSON with other entries: give one JSON file per split"),
+                });
+            };
+            let image_dir = crate::config::coco_image_dir(cfg, split, json)?;
+            let meta = DatasetMeta {
+                names: cfg.names.clone(),
+                nc: cfg.nc,
+                kpt_shape: cfg.kpt_shape,
+                flip_idx: cfg.flip_idx.clone(),
+                kpt_oks_sigmas: cfg.kpt_oks_sigmas.clone(),
+            };
+            return PoseDataset::from_coco_with(json, &image_dir, split, meta, opts);
         }
         let (images, mut links_not_followed) = collect_images(entries)?;
         let mut label_files_found = 0usize;

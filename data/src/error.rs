@@ -33,6 +33,9 @@ pub enum DataError {
     /// An image could not be decoded.
     #[error("{path}: cannot decode image: {message} (re-save the file as JPEG or PNG)")]
     Decode { path: PathBuf, message: String },
+    /// A COCO keypoints file whose annotations are all unusable.
+    #[error("{path}: no usable annotation ({summary}); check the file against the COCO keypoints format")]
+    NoUsableAnnotations { path: PathBuf, summary: String },
     /// The image header claims more pixels than [`crate::image::MAX_PIXELS`]: not decoded.
     #[error("{path}: image of {w}x{h} pixels is larger than the {max_pixels}-pixel limit (skipped; downscale it)")]
     ImageTooLarge { path: PathBuf, w: u32, h: u32, max_pixels: u64 },

@@ -54,16 +54,22 @@ pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, 
     let args = ck.manifest.train_args.clone();
     let scale = Scale::parse(args["scale"].as_str().unwrap_or("n")).map_err(|e| e.to_string())?;
     let ema = ck.part("ema");
-    let nkpt = 17;
+    let weights_part = if ema.is_empty() { ck.part("model") } else { ema.clone() };
+    // The keypoint count is the model's own: the keypoint view `cv4_kpts.0` has K·3 outputs.
+    let nkpt = weights_part
+        .iter()
+        .find(|(n, _)| n.ends_with("cv4_kpts.0.weight"))
+        .map(|(_, t)| t.dims()[0] / 3)
+        .ok_or_else(|| format!("{}: no keypoint head (cv4_kpts) in the checkpoint: not a pose model", path.display()))?;
     let mut model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale }, device, 0).map_err(|e| e.to_string())?;
-    let weights = if ema.is_empty() { ck.part("model") } else { ema };
+    let weights = weights_part;
     model.load_state_dict(&weights, false).map_err(|e| e.to_string())?;
     model.set_training(false);
     Ok((model, args))
 }
 
 pub fn run_val(a: ValArgs) -> Result<(), String> {
-    let device = super::train::resolve_device(&a.device)?;
+    let device = super::train::resolve_device(&a.device, "validating")?;
     let (model, args) = model_from_checkpoint(&a.weights, device)?;
     let data = match &a.data {
         Some(d) => d.clone(),
@@ -71,6 +77,15 @@ pub fn run_val(a: ValArgs) -> Result<(), String> {
     };
     let open = ptl_data::OpenOptions { imgsz: a.imgsz as u32, ..Default::default() };
     let ds = std::sync::Arc::new(ptl_data::PoseDataset::open_yaml(&data, "val", &open).map_err(|e| e.to_string())?);
+    let model_k = model.head().kpt_shape.0;
+    if ds.nkpt() != model_k {
+        return Err(format!(
+            "{} predicts {model_k} keypoints per person but {} has {} (kpt_shape): validate on a dataset with the same keypoints",
+            a.weights.display(),
+            data.display(),
+            ds.nkpt()
+        ));
+    }
     let r = ptl_trainer::pose::validate(&model, &ds, a.batch, device, ptl_trainer::pose::Precision::F32).map_err(|e| e.to_string())?;
     println!("validated {} images of {}", r.images, data.display());
     for (k, v) in &r.metrics {
@@ -98,17 +113,20 @@ fn images_in(source: &Path) -> Result<Vec<PathBuf>, String> {
 }
 
 pub fn run_predict(a: PredictArgs) -> Result<(), String> {
-    let device = super::train::resolve_device(&a.device)?;
+    let device = super::train::resolve_device(&a.device, "predicting")?;
     let (model, _) = model_from_checkpoint(&a.weights, device)?;
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
-    let nk = 17;
+    let nk = model.head().kpt_shape.0;
+    let sources = images_in(&a.source)?;
+    let mut unreadable = 0usize;
     let cfg = NmsConfig { conf_thres: a.conf, ..NmsConfig::default() };
     let mut all = Vec::new();
-    for path in images_in(&a.source)? {
-        let (img, _) = match ptl_data::image::decode_file(&path) {
+    for path in &sources {
+        let (img, _) = match ptl_data::image::decode_file(path) {
             Ok(x) => x,
             Err(e) => {
                 eprintln!("ptl: skipping {}: {e}", path.display());
+                unreadable += 1;
                 continue;
             }
         };
@@ -151,6 +169,13 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
         ptl_data::image::write_png(&drawn, &png).map_err(|e| e.to_string())?;
         println!("{}: {} persons -> {}", path.display(), people.len(), png.display());
         all.push(serde_json::json!({ "image": path.display().to_string(), "persons": people }));
+    }
+    if unreadable == sources.len() {
+        return Err(format!(
+            "none of the {} image files in {} could be read (see the messages above); nothing was predicted",
+            sources.len(),
+            a.source.display()
+        ));
     }
     let json = a.out.join("predictions.json");
     std::fs::write(&json, serde_json::to_string_pretty(&all).unwrap_or_default())

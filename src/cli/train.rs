@@ -74,8 +74,25 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
         } else if s.ends_with(".yaml") || s.ends_with(".yml") {
             apply_yaml(&mut cfg, Path::new(s))?;
         } else {
-            return Err(format!("`{s}` is neither key=value nor a .yaml config"));
+            return Err(format!("`{s}` is neither key=value nor a .yaml config (`ptl cfg` lists the keys)"));
         }
+    }
+    if let Some((_, path)) = overrides.iter().find(|(k, _)| k == "resume") {
+        // A resume continues the checkpoint's run with its own settings; only machine settings
+        // may be given (a training setting that differs is an error naming both values).
+        if a.settings.iter().any(|s| s.ends_with(".yaml") || s.ends_with(".yml")) {
+            return Err("resume= restores the run's settings from the checkpoint: drop the .yaml config".into());
+        }
+        let mut given = overrides.clone();
+        if let Some(p) = &a.precision {
+            given.push(("precision".into(), p.clone()));
+        }
+        if let Some(s) = a.seed {
+            given.push(("seed".into(), s.to_string()));
+        }
+        let mut cfg = PoseTrainConfig::for_resume(Path::new(path), &given).map_err(|e| e.to_string())?;
+        cfg.device = resolve_device(&a.device, "training")?;
+        return Ok(cfg);
     }
     let data_given = a.settings.iter().any(|s| s.starts_with("data=")) || cfg.data != PoseTrainConfig::default().data;
     if !data_given {
@@ -91,7 +108,7 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     for (k, v) in &overrides {
         cfg.set(k, v).map_err(|e| e.to_string())?;
     }
-    cfg.device = resolve_device(&a.device)?;
+    cfg.device = resolve_device(&a.device, "training")?;
     if let Some(p) = &a.precision {
         cfg.precision = Precision::parse(p).map_err(|e| e.to_string())?;
     }
@@ -102,13 +119,13 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     Ok(cfg)
 }
 
-/// Parses `--device` and says clearly which device will be used.
-pub fn resolve_device(s: &str) -> Result<Device, String> {
+/// Parses `--device` and says clearly which device will be used for `doing` (training, …).
+pub fn resolve_device(s: &str, doing: &str) -> Result<Device, String> {
     let d = Device::parse(s).map_err(|e| e.to_string())?;
     if s.trim() == "auto" {
         match d {
-            Device::Cpu => eprintln!("ptl: no usable CUDA GPU found; training on the CPU"),
-            Device::Cuda(n) => eprintln!("ptl: using GPU cuda:{n}"),
+            Device::Cpu => eprintln!("ptl: no usable CUDA GPU found; {doing} on the CPU"),
+            Device::Cuda(n) => eprintln!("ptl: {doing} on GPU cuda:{n}"),
         }
     }
     Ok(d)
@@ -174,4 +191,15 @@ pub fn run_train(a: TrainArgs) -> Result<(), String> {
     }
     println!("artefacts: {}", cfg.save_dir.display());
     Ok(())
+}
+
+/// `ptl cfg`: every training key with its default and meaning.
+pub fn print_keys() {
+    let keys = PoseTrainConfig::keys();
+    let wk = keys.iter().map(|(k, _, _)| k.len()).max().unwrap_or(0);
+    let wd = keys.iter().map(|(_, d, _)| d.len()).max().unwrap_or(0).min(28);
+    println!("ptl train [cfg.yaml] [key=value …] — keys (default, meaning):");
+    for (k, d, help) in keys {
+        println!("  {k:<wk$}  {d:<wd$}  {help}");
+    }
 }

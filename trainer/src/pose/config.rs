@@ -292,7 +292,7 @@ impl PoseTrainConfig {
             ("epochs", d.epochs.to_string(), "epochs to train"),
             ("batch", d.batch.to_string(), "images per batch"),
             ("imgsz", d.imgsz.to_string(), "training image size (multiple of 32)"),
-            ("device", d.device.to_string(), "cpu, cuda:N (also --device; `auto` picks a GPU when there is one)"),
+            ("device", "auto".into(), "auto, cpu or cuda:N (also --device; auto picks a GPU when there is one)"),
             ("precision", d.precision.name().to_string(), "32-true, bf16-mixed or 16-mixed (also --precision; alias amp)"),
             ("seed", d.seed.to_string(), "random seed (also --seed)"),
             ("scale", d.scale.clone(), "model scale: n, s, m, l or x (alias model)"),
