@@ -344,7 +344,7 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
     cmd.arg("train")
         .arg(format!("data={}", data.display()))
         .args([format!("epochs={}", o.epochs), "batch=4".into(), format!("imgsz={}", o.imgsz), format!("optimizer={}", o.optimizer)])
-        .args(["close_mosaic=0", "seed=347", "plots=false"])
+        .args(["close_mosaic=0", "seed=347", "plots=false", "exist_ok=true"])
         .arg(format!("project={}", project.display()))
         .args(arm_overrides(arm)?)
         .args(["--device", &o.device, "--precision", precision])

@@ -622,6 +622,9 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         run.restore(path, false)?;
     }
     let start_epoch = (run.state.epoch + 1) as usize;
+    if cfg.resume.is_some() && start_epoch >= cfg.epochs {
+        eprintln!("ptl: the run in {} already finished its {} epochs: nothing to resume", cfg.save_dir.display(), cfg.epochs);
+    }
     run.view.epoch = start_epoch;
     run.each_cb(|c, v| c.setup(v));
     run.plugins.on_fit_start()?;

@@ -1,0 +1,180 @@
+//! The `ptl` command line on bad input (reliability issue): typed errors and non-zero exits,
+//! never an abort; resume with the checkpoint's own settings; COCO JSON as `data=`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn ptl(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ptl")).args(args).current_dir(cwd).env("PTL_CACHE", cwd.join("cache")).output().expect("run ptl")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// A tiny synthetic dataset (8 training images, 64 px).
+fn synth(dir: &Path) -> PathBuf {
+    let out = dir.join("ds");
+    let o = ptl(
+        &[
+            "data",
+            "synth",
+            "--out",
+            out.to_str().unwrap(),
+            "--train",
+            "8",
+            "--background",
+            "2",
+            "--val",
+            "2",
+            "--imgsz",
+            "64",
+            "--seed",
+            "3",
+        ],
+        dir,
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    out.join("data.yaml")
+}
+
+fn train_args(data: &Path, project: &Path) -> Vec<String> {
+    [
+        format!("data={}", data.display()),
+        "epochs=2".into(),
+        "batch=2".into(),
+        "imgsz=64".into(),
+        "max_batches=2".into(),
+        "optimizer=SGD".into(),
+        "plots=false".into(),
+        format!("project={}", project.display()),
+        "--device".into(),
+        "cpu".into(),
+    ]
+    .to_vec()
+}
+
+fn run_train(args: &[String], cwd: &Path) -> Output {
+    let mut all = vec!["train"];
+    all.extend(args.iter().map(String::as_str));
+    ptl(&all, cwd)
+}
+
+#[test]
+fn resume_alone_continues_the_checkpoints_run_and_refuses_changed_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let project = dir.path().join("run");
+    let o = run_train(&train_args(&data, &project), dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    let ckpt = project.join("weights/last.ckpt");
+    // A changed training setting: exit 1, both values named, nothing trained.
+    let o = ptl(&["train", &format!("resume={}", ckpt.display()), "batch=4", "--device", "cpu"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("`batch` is 4 here but the run was trained with 2"), "{}", text(&o));
+    // resume= alone: the run's own dataset (not the embedded default), into the run's folder.
+    let o = ptl(&["train", &format!("resume={}", ckpt.display()), "--device", "cpu"], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!text(&o).contains("embedded default"), "{}", text(&o));
+    assert!(text(&o).contains(&data.display().to_string()), "trains on the checkpoint's dataset: {}", text(&o));
+    assert!(text(&o).contains("nothing to resume"), "the run had finished: {}", text(&o));
+}
+
+#[test]
+fn absurd_sizes_and_unknown_keys_exit_with_a_message_not_an_abort() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let mut args = train_args(&data, &dir.path().join("big"));
+    args.push("imgsz=100000".into());
+    let o = run_train(&args, dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("imgsz 100000"), "{}", text(&o));
+    let o = ptl(&["train", "bogus_key=1"], dir.path());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).contains("ptl cfg"), "points to the key list: {}", text(&o));
+    let o = ptl(&["cfg"], dir.path());
+    assert!(o.status.success() && text(&o).contains("imgsz") && text(&o).contains("exist_ok"), "{}", text(&o));
+}
+
+#[test]
+fn predict_and_val_refuse_what_they_cannot_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let project = dir.path().join("run");
+    let mut args = train_args(&data, &project);
+    args[1] = "epochs=1".into();
+    let o = run_train(&args, dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    let w = project.join("weights/last.ckpt");
+    let w = w.to_str().unwrap();
+    // Nothing decodes: exit 1.
+    let junk = dir.path().join("junk");
+    std::fs::create_dir_all(&junk).unwrap();
+    std::fs::write(junk.join("a.jpg"), b"not a jpeg").unwrap();
+    std::fs::write(junk.join("b.png"), b"not a png").unwrap();
+    let o = ptl(
+        &["predict", "--weights", w, "--source", junk.to_str().unwrap(), "--out", dir.path().join("pred").to_str().unwrap()],
+        dir.path(),
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("none of the 2 image files"), "{}", text(&o));
+    // A good image next to the junk: predicted, exit 0; the wording names predicting, not training.
+    let img = std::fs::read_dir(data.parent().unwrap().join("images/val")).unwrap().flatten().next().unwrap().path();
+    std::fs::copy(&img, junk.join("good.jpg")).unwrap();
+    let o = ptl(
+        &["predict", "--weights", w, "--source", junk.to_str().unwrap(), "--out", dir.path().join("pred").to_str().unwrap()],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!text(&o).contains("training on"), "{}", text(&o));
+    // A 5-keypoint dataset for a 17-keypoint model: a clear error.
+    let ds5 = dir.path().join("ds5");
+    for d in ["images/val", "labels/val"] {
+        std::fs::create_dir_all(ds5.join(d)).unwrap();
+    }
+    std::fs::copy(&img, ds5.join("images/val/a.jpg")).unwrap();
+    std::fs::write(ds5.join("labels/val/a.txt"), "0 0.5 0.5 0.2 0.2 0.5 0.5 2 0.5 0.5 2 0.5 0.5 2 0.5 0.5 2 0.5 0.5 2\n").unwrap();
+    std::fs::write(ds5.join("d.yaml"), format!("path: {}\nval: images/val\nkpt_shape: [5, 3]\nnames: [person]\n", ds5.display())).unwrap();
+    let o = ptl(&["val", "--weights", w, "--data", ds5.join("d.yaml").to_str().unwrap(), "--imgsz", "64", "--device", "cpu"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("predicts 17 keypoints") && text(&o).contains("has 5"), "{}", text(&o));
+}
+
+#[test]
+fn a_coco_json_trains_as_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let root = data.parent().unwrap();
+    // Write the synthetic train labels as COCO keypoints JSON next to an images/train2017 folder.
+    let coco = dir.path().join("coco");
+    std::fs::create_dir_all(coco.join("annotations")).unwrap();
+    std::fs::create_dir_all(coco.join("images/train2017")).unwrap();
+    let mut images = Vec::new();
+    let mut anns = Vec::new();
+    for (i, e) in std::fs::read_dir(root.join("images/train")).unwrap().flatten().enumerate() {
+        let p = e.path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        std::fs::copy(&p, coco.join("images/train2017").join(&name)).unwrap();
+        let (w, h) = (64.0, 64.0);
+        images.push(format!(r#"{{"id": {i}, "file_name": "{name}", "width": {w}, "height": {h}}}"#));
+        let label = root.join("labels/train").join(p.with_extension("txt").file_name().unwrap());
+        for line in std::fs::read_to_string(label).unwrap_or_default().lines() {
+            let v: Vec<f64> = line.split_whitespace().map(|t| t.parse().unwrap()).collect();
+            let (bw, bh) = (v[3] * w, v[4] * h);
+            let kps: Vec<String> = v[5..].chunks(3).map(|k| format!("{}, {}, {}", k[0] * w, k[1] * h, k[2])).collect();
+            anns.push(format!(
+                r#"{{"image_id": {i}, "category_id": 1, "iscrowd": 0, "bbox": [{}, {}, {bw}, {bh}], "keypoints": [{}]}}"#,
+                v[1] * w - bw / 2.0,
+                v[2] * h - bh / 2.0,
+                kps.join(", ")
+            ));
+        }
+    }
+    let json = coco.join("annotations/person_keypoints_train2017.json");
+    std::fs::write(&json, format!(r#"{{"images": [{}], "annotations": [{}]}}"#, images.join(","), anns.join(","))).unwrap();
+    let mut args = train_args(&json, &dir.path().join("cocorun"));
+    args[1] = "epochs=1".into();
+    let o = run_train(&args, dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("annotations") && text(&o).contains("used"), "{}", text(&o));
+}
