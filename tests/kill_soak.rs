@@ -212,5 +212,8 @@ fn sigkill_and_resume_gives_the_uninterrupted_hashes() {
         landed.len(),
         root.display()
     );
+    // results.csv follows the checkpoints: one row per epoch, in order, whatever the kills hit.
+    let want: Vec<String> = (1..=EPOCHS).map(|e| e.to_string()).collect();
+    assert_eq!(csv_epochs(&p2), want, "results.csv rows after the kills (logs kept in {})", root.display());
     let _ = std::fs::remove_dir_all(&root);
 }

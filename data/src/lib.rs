@@ -18,6 +18,8 @@ pub mod dataset;
 #[cfg(feature = "cuda")]
 pub mod device_hsv;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod hsv;
 pub mod image;
 pub mod labels;

@@ -80,7 +80,7 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     if let Some((_, path)) = overrides.iter().find(|(k, _)| k == "resume") {
         // A resume continues the checkpoint's run with its own settings; only machine settings
         // may be given (a training setting that differs is an error naming both values).
-        if a.settings.iter().any(|s| s.ends_with(".yaml") || s.ends_with(".yml")) {
+        if a.settings.iter().any(|s| !s.contains('=') && (s.ends_with(".yaml") || s.ends_with(".yml"))) {
             return Err("resume= restores the run's settings from the checkpoint: drop the .yaml config".into());
         }
         let mut given = overrides.clone();

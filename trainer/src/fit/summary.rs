@@ -210,7 +210,13 @@ pub struct RunSummary {
 impl RunSummary {
     pub fn write(&self, path: &Path) -> Result<()> {
         let s = serde_json::to_string_pretty(self).map_err(|e| TrainerError::InvalidArgument { what: "summary", reason: e.to_string() })?;
-        std::fs::write(path, s).map_err(|e| TrainerError::Io { path: path.to_path_buf(), source: e })
+        // Temporary file + rename: a kill mid-write never leaves a truncated summary.
+        let tmp = std::path::PathBuf::from(format!("{}.tmp", path.display()));
+        let written = std::fs::write(&tmp, s).and_then(|()| std::fs::rename(&tmp, path));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written.map_err(|e| TrainerError::Io { path: path.to_path_buf(), source: e })
     }
 }
 

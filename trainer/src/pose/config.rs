@@ -349,7 +349,7 @@ pub const MACHINE_KEYS: [&str; 12] = [
 /// `dir` if it holds no earlier run, else the first of `dir2`, `dir3`, … that does not exist
 /// (Ultralytics' `increment_path`).
 pub fn unused_save_dir(dir: &std::path::Path) -> PathBuf {
-    let holds_run = |d: &std::path::Path| ["weights", "results.csv", "summary.json"].iter().any(|f| d.join(f).exists());
+    let holds_run = |d: &std::path::Path| ["weights/last.ckpt", "results.csv", "summary.json"].iter().any(|f| d.join(f).exists());
     if !holds_run(dir) {
         return dir.to_path_buf();
     }
