@@ -127,6 +127,10 @@ fn predict_and_val_refuse_what_they_cannot_use() {
     );
     assert!(o.status.success(), "{}", text(&o));
     assert!(!text(&o).contains("training on"), "{}", text(&o));
+    // `val` on the run's own dataset: works, and its device line speaks of validating.
+    let o = ptl(&["val", "--weights", w, "--imgsz", "64", "--device", "auto"], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("validating on") && !text(&o).contains("training on"), "{}", text(&o));
     // A 5-keypoint dataset for a 17-keypoint model: a clear error.
     let ds5 = dir.path().join("ds5");
     for d in ["images/val", "labels/val"] {

@@ -177,7 +177,15 @@ pub struct FuzzRun {
 /// mutations of a random corpus entry, fixed `seed`), catching panics.
 pub fn run(name: &str, corpus: &[Vec<u8>], executions: u64, seed: u64) -> Option<FuzzRun> {
     let f = target(name)?;
-    let dict = dictionary(name);
+    Some(run_with(f, dictionary(name), corpus, executions, seed))
+}
+
+/// [`run`] for any function (tests of the harness itself), with a generic dictionary.
+pub fn run_fn(f: fn(&[u8]), corpus: &[Vec<u8>], executions: u64, seed: u64) -> FuzzRun {
+    run_with(f, &[b"!", b"0", b" "], corpus, executions, seed)
+}
+
+fn run_with(f: fn(&[u8]), dict: &[&[u8]], corpus: &[Vec<u8>], executions: u64, seed: u64) -> FuzzRun {
     let mut rng = XorShift(seed | 1);
     let mut out = FuzzRun::default();
     let exec = |input: &[u8], out: &mut FuzzRun| {
@@ -205,5 +213,5 @@ pub fn run(name: &str, corpus: &[Vec<u8>], executions: u64, seed: u64) -> Option
         exec(&input, &mut out);
     }
     std::panic::set_hook(hook);
-    Some(out)
+    out
 }

@@ -5,6 +5,7 @@ use std::process::{Command, ExitCode};
 mod artifacts;
 mod bench;
 mod device_pack;
+mod fuzz;
 mod gate;
 mod heads_pack;
 
@@ -14,7 +15,8 @@ fn usage() -> &'static str {
        gate            cargo fmt --check, clippy -D warnings, cargo test --workspace\n  \
        device-pack     build the CUDA test/bench binaries + run.sh into device-pack/ (for the GPU machine)\n  \
        bench           training benchmark: arms in alternating fresh processes next to Ultralytics (--help)\n  \
-       heads-pack      the model's CUDA golden tests + forward/backward bench next to PyTorch into heads-pack/\n"
+       heads-pack      the model's CUDA golden tests + forward/backward bench next to PyTorch into heads-pack/\n  \
+       fuzz            fuzz the label/yaml/COCO/image parsers (libFuzzer via cargo +nightly fuzz; --stable, --runs N)\n"
 }
 
 fn main() -> ExitCode {
@@ -24,6 +26,7 @@ fn main() -> ExitCode {
         Some("device-pack") => device_pack::run(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
         Some("heads-pack") => heads_pack::run(&args[1..]),
+        Some("fuzz") => fuzz::run(&args[1..]),
         Some("-h") | Some("--help") | None => {
             print!("{}", usage());
             return ExitCode::SUCCESS;
