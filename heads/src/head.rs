@@ -14,7 +14,7 @@ use crate::nn::{Conv, Conv2d, Init};
 use crate::{HeadsError, Result};
 
 /// Which branch set of the end-to-end head.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Branch {
     /// Trained with top-10 assignment; default inference path (with NMS).
     OneToMany,
@@ -41,7 +41,7 @@ impl Branch {
 }
 
 /// The three stem kinds of a level.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StemKind {
     Box,
     Class,
@@ -413,7 +413,7 @@ impl Pose26 {
         self.set(branch).sigma_views.get(level)
     }
 
-    fn check_feats(&self, feats: &[Tensor]) -> Result<()> {
+    pub(crate) fn check_feats(&self, feats: &[Tensor]) -> Result<()> {
         if feats.len() != self.num_levels() {
             return Err(HeadsError::input("Pose26::forward", format!("expected {} feature maps, got {}", self.num_levels(), feats.len())));
         }
@@ -428,42 +428,13 @@ impl Pose26 {
     /// Runs one branch set on `feats`: every stem, the keypoint views and (when `with_sigma`) the
     /// sigma views; flattened per level and concatenated over levels.
     pub fn forward_branch(&self, branch: Branch, feats: &[Tensor], with_sigma: bool) -> Result<BranchOutput> {
-        self.check_feats(feats)?;
-        let set = self.set(branch);
-        let b = feats[0].dims()[0];
-        let flat = |t: Tensor, c: usize| -> Result<Tensor> {
-            let n = t.dims()[2] * t.dims()[3];
-            Ok(t.reshape(vec![b, c, n])?)
-        };
-        let (mut boxes, mut scores, mut kpts, mut sigmas) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (i, x) in feats.iter().enumerate() {
-            boxes.push(flat(set.box_stems[i].forward(x)?, 4 * self.reg_max)?);
-            scores.push(flat(set.class_stems[i].forward(x)?, self.nc)?);
-            let p = set.point_stems[i].forward(x)?;
-            kpts.push(flat(set.kpt_views[i].forward(&p)?, self.nk())?);
-            if with_sigma {
-                sigmas.push(flat(set.sigma_views[i].forward(&p)?, self.nk_sigma())?);
-            }
-        }
-        let cat = |v: &[Tensor]| -> Result<Tensor> {
-            let r: Vec<&Tensor> = v.iter().collect();
-            Ok(Tensor::cat(&r, 2)?)
-        };
-        Ok(BranchOutput {
-            boxes: cat(&boxes)?,
-            scores: cat(&scores)?,
-            kpts: cat(&kpts)?,
-            kpts_sigma: if with_sigma { Some(cat(&sigmas)?) } else { None },
-        })
+        self.forward_branch_with(branch, feats, with_sigma, &crate::pieces::NativeRunner)
     }
 
     /// Both branch sets; the one-to-one set receives detached features. Sigma views are
     /// evaluated in training mode only.
     pub fn forward(&self, feats: &[Tensor]) -> Result<HeadOutput> {
-        let one2many = self.forward_branch(Branch::OneToMany, feats, self.training)?;
-        let detached: Vec<Tensor> = feats.iter().map(|f| f.detach()).collect();
-        let one2one = self.forward_branch(Branch::OneToOne, &detached, self.training)?;
-        Ok(HeadOutput { one2many, one2one, feats: feats.to_vec() })
+        self.forward_with(feats, &crate::pieces::NativeRunner)
     }
 
     /// Anchors `(A, 2)` and strides `(A, 1)` for these feature maps (f32, their device).

@@ -46,6 +46,7 @@ pub mod flow;
 pub mod head;
 pub mod model;
 pub mod nn;
+pub mod pieces;
 pub mod summary;
 
 pub use decode::{decode_boxes, decode_boxes_grid, decode_kpts, decode_kpts_grid, decode_predictions, make_anchors};
@@ -54,4 +55,5 @@ pub use flow::RealNvp;
 pub use head::{Branch, BranchOutput, HeadOutput, Pose26, StemKind, StemRef};
 pub use model::{ModelConfig, PoseModel, Prediction, Scale};
 pub use nn::{autocast, AutocastGuard};
+pub use pieces::{NativeRunner, Piece, PieceBody, PieceRunner};
 pub use summary::ModelSummary;

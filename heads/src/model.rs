@@ -100,7 +100,7 @@ impl LayerKind {
             LayerKind::Pose(_) => "Pose26",
         }
     }
-    fn as_module(&self) -> Option<&dyn Module> {
+    pub(crate) fn as_module(&self) -> Option<&dyn Module> {
         match self {
             LayerKind::Conv(m) => Some(m),
             LayerKind::C3k2(m) => Some(m),
@@ -373,8 +373,7 @@ impl PoseModel {
     /// Full forward. Training mode: raw outputs of both branch sets (with sigma views); eval
     /// mode: the same without sigma views (see [`PoseModel::predict`] for decoding).
     pub fn forward(&self, x: &Tensor) -> Result<HeadOutput> {
-        let feats = self.forward_features(x)?;
-        self.head().forward(&feats)
+        self.forward_with(x, &crate::pieces::NativeRunner)
     }
 
     /// Eval-style inference (call `set_training(false)` first for running BN statistics): the
