@@ -52,6 +52,6 @@ pub use backend::{Backend, Body, Graph, PoolHandle};
 pub use cuda_backend::CudaBackend;
 pub use error::{CaptureError, Result};
 pub use recorder::{Recorder, RecorderConfig};
-pub use region::{HostState, RegionHandle, RegionSpec, SurfaceFn};
+pub use region::{BodyFn, HostState, RegionHandle, RegionSpec, SurfaceFn};
 pub use signature::{InputSig, Signature};
 pub use stats::{FallbackReason, RegionStats, RetireReason};

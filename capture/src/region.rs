@@ -40,12 +40,17 @@ impl HostState for Mutex<Rng> {
     }
 }
 
-/// What to record: a name, the surface, the callable, and any host state it touches.
+/// The body of one call, borrowed for the duration of [`RegionHandle::call_with`].
+pub type BodyFn<'a> = dyn Fn(&[Tensor]) -> ptl_autograd::Result<Vec<Tensor>> + 'a;
+
+/// What to record: a name, the surface, the callable, and any host state it touches. A region made
+/// with [`RegionSpec::per_call`] has neither surface nor callable: each
+/// [`RegionHandle::call_with`] brings them, over the live model.
 #[derive(Clone)]
 pub struct RegionSpec {
     pub name: String,
-    pub surface: SurfaceFn,
-    pub func: RegionFn,
+    pub surface: Option<SurfaceFn>,
+    pub func: Option<RegionFn>,
     pub host_state: Vec<Arc<dyn HostState>>,
     /// Graph-safe generators the body draws from (capture.md §9).
     pub graph_rngs: Vec<Arc<GraphSafeRng>>,
@@ -57,7 +62,18 @@ impl RegionSpec {
         surface: impl Fn() -> Vec<(String, Tensor, TensorKind)> + Send + Sync + 'static,
         func: impl Fn(&[Tensor]) -> ptl_autograd::Result<Vec<Tensor>> + Send + Sync + 'static,
     ) -> RegionSpec {
-        RegionSpec { name: name.into(), surface: Arc::new(surface), func: Arc::new(func), host_state: Vec::new(), graph_rngs: Vec::new() }
+        RegionSpec {
+            name: name.into(),
+            surface: Some(Arc::new(surface)),
+            func: Some(Arc::new(func)),
+            host_state: Vec::new(),
+            graph_rngs: Vec::new(),
+        }
+    }
+    /// A region whose surface and body come with every call ([`RegionHandle::call_with`]): no
+    /// `'static` copy of the modules it runs.
+    pub fn per_call(name: impl Into<String>) -> RegionSpec {
+        RegionSpec { name: name.into(), surface: None, func: None, host_state: Vec::new(), graph_rngs: Vec::new() }
     }
     /// Registers host state for warmup/capture rollback.
     pub fn with_host_state(mut self, s: Arc<dyn HostState>) -> RegionSpec {
@@ -75,6 +91,57 @@ impl RegionSpec {
 
 thread_local! {
     static IN_REPLAY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Where a region's recordings find the body of the call in progress: lent by the calling
+/// thread for exactly the duration of one call (`lend` returns a guard that takes it back), and
+/// refused to any other thread. Graph bodies (captured forward, the test double's replays) run
+/// inside that call, on that thread, so the borrow is always live when it is used.
+#[derive(Default)]
+pub(crate) struct BodySlot {
+    lent: Mutex<Option<(std::thread::ThreadId, BodyPtr)>>,
+}
+
+#[derive(Clone, Copy)]
+struct BodyPtr(*const BodyFn<'static>);
+
+// SAFETY: the pointer is only dereferenced by the thread that lent it, while the lend is live.
+unsafe impl Send for BodyPtr {}
+unsafe impl Sync for BodyPtr {}
+
+pub(crate) struct LendGuard<'s> {
+    slot: &'s BodySlot,
+    previous: Option<(std::thread::ThreadId, BodyPtr)>,
+}
+
+impl Drop for LendGuard<'_> {
+    fn drop(&mut self) {
+        *lock(&self.slot.lent) = self.previous.take();
+    }
+}
+
+impl BodySlot {
+    /// Lends `body` until the guard is dropped (nested lends restore the outer one).
+    pub(crate) fn lend<'a>(&'a self, body: &'a BodyFn<'a>) -> LendGuard<'a> {
+        // SAFETY: only the lifetime is erased; `call` dereferences the pointer only on this
+        // thread and only while this guard (which borrows `body`) is alive.
+        let ptr: *const BodyFn<'static> = unsafe { std::mem::transmute::<*const BodyFn<'a>, *const BodyFn<'static>>(body as *const _) };
+        let previous = lock(&self.lent).replace((std::thread::current().id(), BodyPtr(ptr)));
+        LendGuard { slot: self, previous }
+    }
+
+    /// Runs the lent body on `xs`.
+    fn call(&self, region: &str, xs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let lent = *lock(&self.lent);
+        match lent {
+            Some((thread, BodyPtr(ptr))) if thread == std::thread::current().id() => {
+                // SAFETY: see `lend`: same thread, inside the lending call.
+                Ok(unsafe { (*ptr)(xs) }?)
+            }
+            Some(_) => Err(CaptureError::Region { region: region.into(), msg: "the region body was used from another thread".into() }),
+            None => Err(CaptureError::Region { region: region.into(), msg: "the region body ran outside its call".into() }),
+        }
+    }
 }
 
 fn launch_replay(g: &dyn Graph) -> Result<()> {
@@ -96,7 +163,7 @@ type BwdGraphs = BTreeMap<Vec<bool>, Box<dyn Graph>>;
 /// Static buffers and the region body shared by a recording's graphs.
 struct Core {
     region: String,
-    func: RegionFn,
+    body: Arc<BodySlot>,
     needs_grad: bool,
     static_in: Vec<Tensor>,
     leaves: Vec<Tensor>,
@@ -128,7 +195,7 @@ impl Core {
         self.note_body_run();
         let outs = {
             let _g = GradModeGuard::new(self.needs_grad);
-            (self.func)(&self.leaves)?
+            self.body.call(&self.region, &self.leaves)?
         };
         if outs.len() != self.static_out.len() {
             return Err(self.err(format!("returned {} outputs, {} at warmup", outs.len(), self.static_out.len())));
@@ -390,6 +457,10 @@ pub(crate) struct RegionShared {
     state: Mutex<RegionState>,
     stats: Arc<Mutex<RegionStats>>,
     name: String,
+    /// The body of the call in progress, shared by the region's recordings.
+    body: Arc<BodySlot>,
+    /// Serialises calls (the lent body belongs to one call at a time).
+    calls: Mutex<()>,
 }
 
 impl RegionShared {
@@ -406,6 +477,8 @@ impl RegionShared {
             }),
             stats: Arc::new(Mutex::new(RegionStats::default())),
             name,
+            body: Arc::new(BodySlot::default()),
+            calls: Mutex::new(()),
         }
     }
     pub(crate) fn name(&self) -> &str {
@@ -485,22 +558,49 @@ impl RegionHandle {
     }
 
     /// Runs the region: natively, or by capturing and replaying its graphs (see the crate docs).
+    /// For a region made with [`RegionSpec::new`].
     pub fn call(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let (surface, func) = {
+            let st = lock(&self.shared.state);
+            (st.spec.surface.clone(), st.spec.func.clone())
+        };
+        let (Some(surface), Some(func)) = (surface, func) else {
+            return Err(CaptureError::Region {
+                region: self.name().to_string(),
+                msg: "this region takes its body with every call: use call_with".into(),
+            });
+        };
+        self.call_with(inputs, &surface(), &*func)
+    }
+
+    /// Runs the region with this call's `surface` (the parameters and buffers `body` reads) and
+    /// `body`, borrowed for the call only — natively, or by capturing and replaying. `inputs` may
+    /// be empty (a region that only reads its surface, e.g. an optimizer update).
+    pub fn call_with(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &BodyFn<'_>) -> Result<Vec<Tensor>> {
+        let _one_call = lock(&self.shared.calls);
+        let _lent = self.shared.body.lend(body);
+        self.call_inner(inputs, surface, body)
+    }
+
+    fn call_inner(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &BodyFn<'_>) -> Result<Vec<Tensor>> {
         let cfg = &self.recorder.config;
         let backend = self.recorder.backend.clone();
         let mut st = lock(&self.shared.state);
         if !cfg.enabled {
-            return self.native_with(&st, inputs, FallbackReason::Disabled);
+            return self.native_with(inputs, body, FallbackReason::Disabled);
         }
         if st.hooks {
-            return self.native_with(&st, inputs, FallbackReason::Hooks);
+            return self.native_with(inputs, body, FallbackReason::Hooks);
         }
-        if inputs.is_empty() || (backend.name() == "cuda" && inputs.iter().any(|t| t.device() == Device::Cpu)) {
-            return self.native_with(&st, inputs, FallbackReason::Unsupported);
+        // The device: the inputs', or for a region without inputs its surface's.
+        let device = inputs.first().or(surface.first().map(|(_, t, _)| t)).map(Tensor::device);
+        let on_cpu = inputs.iter().chain(surface.iter().map(|(_, t, _)| t)).any(|t| t.device() == Device::Cpu);
+        if device.is_none() || (backend.name() == "cuda" && on_cpu) {
+            return self.native_with(inputs, body, FallbackReason::Unsupported);
         }
         if backend.is_capturing() {
             // Inside another region's capture: run natively so the work lands in that graph.
-            return self.native_with(&st, inputs, FallbackReason::InsideCapture);
+            return self.native_with(inputs, body, FallbackReason::InsideCapture);
         }
         let precision = autocast_dtype();
         // Precision check: a precision change retires recordings made under another precision.
@@ -511,10 +611,9 @@ impl RegionHandle {
             *lock(&self.shared.stats).retired.entry(RetireReason::Precision).or_default() += gone;
         }
         let key = Signature::of(inputs, is_grad_enabled(), st.training, precision);
-        let surface = (st.spec.surface)();
         if let Some(pos) = st.recordings.iter().position(|r| r.key == key) {
             let rec = st.recordings[pos].clone();
-            if let Some(buffer) = rec.stale(&surface) {
+            if let Some(buffer) = rec.stale(surface) {
                 st.recordings.remove(pos);
                 st.seen.remove(&key);
                 drop(rec);
@@ -522,29 +621,29 @@ impl RegionHandle {
                 *s.retired.entry(RetireReason::Storage).or_default() += 1;
                 s.warn(CaptureError::StaleRecording { region: self.name().to_string(), buffer }.to_string());
                 drop(s);
-                return self.native_with(&st, inputs, FallbackReason::Stale);
+                return self.native_with(inputs, body, FallbackReason::Stale);
             }
             if rec.pending_alive() {
                 if cfg.strict_pending {
                     return Err(CaptureError::PendingBackward { region: self.name().to_string() });
                 }
-                return self.native_with(&st, inputs, FallbackReason::PendingBackward);
+                return self.native_with(inputs, body, FallbackReason::PendingBackward);
             }
             drop(st);
             return self.replay(&rec, inputs);
         }
         if st.failed.contains(&key) {
-            return self.native_with(&st, inputs, FallbackReason::CaptureFailed);
+            return self.native_with(inputs, body, FallbackReason::CaptureFailed);
         }
         let seen = st.seen.entry(key.clone()).or_insert(0);
         *seen += 1;
         if *seen <= cfg.warmup_calls {
-            return self.native_with(&st, inputs, FallbackReason::Warmup);
+            return self.native_with(inputs, body, FallbackReason::Warmup);
         }
         if st.recordings.len() >= cfg.max_recordings.max(1) {
-            return self.native_with(&st, inputs, FallbackReason::CacheFull);
+            return self.native_with(inputs, body, FallbackReason::CacheFull);
         }
-        match self.capture(&st, &key, inputs, &surface) {
+        match self.capture(&st, &key, inputs, surface, body) {
             Ok(rec) => {
                 let rec = Arc::new(rec);
                 st.recordings.push(rec.clone());
@@ -554,7 +653,7 @@ impl RegionHandle {
             Err(e) => {
                 self.note_failure(&e);
                 st.failed.insert(key);
-                self.native_with(&st, inputs, FallbackReason::CaptureFailed)
+                self.native_with(inputs, body, FallbackReason::CaptureFailed)
             }
         }
     }
@@ -567,9 +666,9 @@ impl RegionHandle {
         s.warn(w);
     }
 
-    fn native_with(&self, st: &RegionState, inputs: &[Tensor], why: FallbackReason) -> Result<Vec<Tensor>> {
+    fn native_with(&self, inputs: &[Tensor], body: &BodyFn<'_>, why: FallbackReason) -> Result<Vec<Tensor>> {
         lock(&self.shared.stats).bump_native(why);
-        Ok((st.spec.func)(inputs)?)
+        Ok(body(inputs)?)
     }
 
     fn replay(&self, rec: &Arc<Recording>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
@@ -618,12 +717,22 @@ impl RegionHandle {
         Ok(outs)
     }
 
-    fn capture(&self, st: &RegionState, key: &Signature, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)]) -> Result<Recording> {
+    fn capture(
+        &self,
+        st: &RegionState,
+        key: &Signature,
+        inputs: &[Tensor],
+        surface: &[(String, Tensor, TensorKind)],
+        body: &BodyFn<'_>,
+    ) -> Result<Recording> {
         let cfg = &self.recorder.config;
         let backend = self.recorder.backend.clone();
         let spec = &st.spec;
         let region = spec.name.clone();
-        let device = inputs[0].device();
+        let device = inputs.first().or(surface.first().map(|(_, t, _)| t)).map(Tensor::device).ok_or_else(|| CaptureError::Region {
+            region: region.clone(),
+            msg: "a region needs inputs or a surface to know its device".into(),
+        })?;
         let params: Vec<Tensor> =
             surface.iter().filter(|(_, t, k)| *k == TensorKind::Parameter && t.requires_grad()).map(|(_, t, _)| t.clone()).collect();
         let buffers: Vec<Tensor> = surface.iter().filter(|(_, _, k)| *k == TensorKind::Buffer).map(|(_, t, _)| t.clone()).collect();
@@ -655,7 +764,7 @@ impl RegionHandle {
                 let mut outs: Vec<Tensor> = Vec::new();
                 let n = backend.measure(&mut || {
                     let _g = GradModeGuard::new(needs_grad);
-                    outs = (spec.func)(&warm_leaves)?;
+                    outs = body(&warm_leaves)?;
                     Ok(())
                 })?;
                 fwd_bytes = fwd_bytes.max(n);
@@ -753,7 +862,7 @@ impl RegionHandle {
             .collect::<ptl_autograd::Result<_>>()?;
         let core = Arc::new(Core {
             region: region.clone(),
-            func: spec.func.clone(),
+            body: self.shared.body.clone(),
             needs_grad,
             static_in,
             leaves,
