@@ -20,7 +20,7 @@ impl ReplayPlugin for CountingPlugin {
     fn name(&self) -> &'static str {
         "test-counting"
     }
-    fn around(&mut self, info: StageInfo, next: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
+    fn around(&self, info: StageInfo, next: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
         self.log.lock().unwrap().push(format!("enter {:?}", info.stage));
         next()?;
         self.log.lock().unwrap().push(format!("leave {:?}", info.stage));
@@ -29,7 +29,7 @@ impl ReplayPlugin for CountingPlugin {
 }
 
 inventory::submit! {
-    PluginRegistration { name: "test-counting", create: || Box::new(CountingPlugin::default()) }
+    PluginRegistration { name: "test-counting", create: |_| Ok(Box::new(CountingPlugin::default())) }
 }
 
 #[derive(Clone)]
@@ -41,7 +41,7 @@ impl ReplayPlugin for Outer {
     fn priority(&self) -> i32 {
         -1
     }
-    fn around(&mut self, _: StageInfo, next: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
+    fn around(&self, _: StageInfo, next: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
         self.0.lock().unwrap().push("outer".into());
         next()
     }
@@ -54,7 +54,8 @@ fn info() -> StageInfo {
 #[test]
 fn registry_discovers_plugins_from_other_crates() {
     assert!(registered_plugins().iter().any(|r| r.name == "test-counting"));
-    let mut stack = PluginStack::from_registry(Some(&["test-counting".to_string()])).unwrap();
+    let none = serde_json::Map::new();
+    let stack = PluginStack::from_registry(&["test-counting".to_string()], &none).unwrap();
     assert_eq!(stack.names(), vec!["test-counting"]);
     let mut ran = 0;
     stack
@@ -64,15 +65,23 @@ fn registry_discovers_plugins_from_other_crates() {
         })
         .unwrap();
     assert_eq!(ran, 1);
-    let err = PluginStack::from_registry(Some(&["nope".to_string()])).err().unwrap();
+    let err = PluginStack::from_registry(&["nope".to_string()], &none).err().unwrap();
     assert!(err.to_string().contains("no replay plugin named `nope`"), "{err}");
+    let twice = ["test-counting".to_string(), "test-counting".to_string()];
+    let err = PluginStack::from_registry(&twice, &none).err().unwrap();
+    assert!(err.to_string().contains("listed twice"), "{err}");
+    let mut cfg = serde_json::Map::new();
+    cfg.insert("other".into(), serde_json::json!({}));
+    let err = PluginStack::from_registry(&["test-counting".to_string()], &cfg).err().unwrap();
+    assert!(err.to_string().contains("does not enable"), "{err}");
+    assert!(PluginStack::from_registry(&[], &none).unwrap().is_empty(), "replay= empty: native");
 }
 
 #[test]
 fn stacked_plugins_nest_in_priority_order_and_native_runs_once() {
     let log = Arc::new(Mutex::new(Vec::new()));
     let inner = CountingPlugin { log: log.clone() };
-    let mut stack = PluginStack::new(vec![Box::new(inner), Box::new(Outer(log.clone()))]);
+    let stack = PluginStack::new(vec![Box::new(inner), Box::new(Outer(log.clone()))]);
     let native_log = log.clone();
     stack
         .run(info(), &mut || {
@@ -81,7 +90,7 @@ fn stacked_plugins_nest_in_priority_order_and_native_runs_once() {
         })
         .unwrap();
     assert_eq!(*log.lock().unwrap(), vec!["outer", "enter Forward", "native", "leave Forward"]);
-    let mut empty = PluginStack::default();
+    let empty = PluginStack::default();
     let mut n = 0;
     empty
         .run(info(), &mut || {

@@ -1,10 +1,21 @@
-//! Replay plugins: the extension point through which CUDA-graph strategies wrap stages of a
-//! training step. Plugins register with `inventory` from any crate (no fork needed) and the
-//! trainer stacks every registered plugin that is enabled; with none, each stage runs natively.
+//! Replay plugins: the extension point through which CUDA-graph strategies run pieces of the
+//! model and wrap stages of a training step. Plugins register with `inventory` from any crate (no
+//! fork needed); a fit enables the ones its `replay=` list names, in priority order. With none,
+//! every piece and stage runs natively.
+//!
+//! A plugin sees the run at [`ReplayPlugin::setup`] (model, named parameters, optimizer, EMA,
+//! configuration), may claim pieces of the model ([`ReplayPlugin::claims`]; the first claimant
+//! in priority order runs a piece) and wraps stages ([`ReplayPlugin::around`]). Its state goes into
+//! checkpoints as JSON and comes back on resume; recordings never do — a clone or a restored plugin
+//! starts with none.
 
 use dyn_clone::DynClone;
+use ptl_autograd::{Tensor, TensorKind};
+use ptl_heads::{Piece, PieceBody, PieceRunner, PoseModel};
 
-use crate::Result;
+use crate::optim::{ModelEma, Optimizer};
+use crate::pose::PoseTrainConfig;
+use crate::{Result, TrainerError};
 
 /// The stages of one training step a plugin may wrap.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -30,28 +41,61 @@ pub struct StageInfo {
     pub training: bool,
 }
 
-/// A replay strategy. Every method has a native default, so a plugin overrides only what it needs.
+/// What a plugin is given when a fit starts (after any checkpoint was restored).
+pub struct PluginSetup<'a> {
+    pub model: &'a PoseModel,
+    /// The model's parameters by state-dict name (their storage lives for the whole run).
+    pub params: &'a [(String, Tensor)],
+    pub optimizer: &'a dyn Optimizer,
+    pub ema: &'a ModelEma,
+    pub config: &'a PoseTrainConfig,
+}
+
+/// A replay strategy. Every method has a native default, so a plugin overrides only what it
+/// needs. Methods called during a step take `&self`: plugins keep their mutable state behind
+/// interior mutability (their recorders already do).
 pub trait ReplayPlugin: DynClone + Send {
     /// Unique registered name (also the key of its state in checkpoints).
     fn name(&self) -> &'static str;
-    /// Lower runs outermost when several plugins wrap the same stage.
+    /// Lower runs outermost when several plugins wrap the same stage, and claims pieces first.
     fn priority(&self) -> i32 {
         0
     }
-    /// Called once before the first batch, after any checkpoint was restored.
-    fn on_fit_start(&mut self) -> Result<()> {
+    /// Called once per fit, after any checkpoint was restored, before the first batch.
+    fn setup(&mut self, ctx: &PluginSetup<'_>) -> Result<()> {
+        let _ = ctx;
         Ok(())
+    }
+    /// Whether this plugin runs `piece` (see [`ReplayPlugin::run_piece`]).
+    fn claims(&self, piece: Piece) -> bool {
+        let _ = piece;
+        false
+    }
+    /// Runs a claimed piece: must return what `body(inputs)` returns (natively or by replay).
+    /// `surface` is what the body reads (the model's parameters and buffers of the piece).
+    fn run_piece(
+        &self,
+        piece: Piece,
+        inputs: &[Tensor],
+        surface: &[(String, Tensor, TensorKind)],
+        body: &PieceBody<'_>,
+    ) -> ptl_heads::Result<Vec<Tensor>> {
+        let _ = (piece, surface);
+        body(inputs)
     }
     /// Runs a stage. `next` performs the stage (natively or through the next plugin) and must be
     /// called exactly once unless the plugin replaces the work with an equivalent replay.
-    fn around(&mut self, info: StageInfo, next: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+    fn around(&self, info: StageInfo, next: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         let _ = info;
         next()
     }
     /// Validation is a region boundary: nothing may be left pending (capture.md §14).
-    fn on_validation_start(&mut self) -> Result<()> {
+    fn on_validation_start(&self) -> Result<()> {
         Ok(())
     }
+    /// The fit ended (normally or with an error): release per-fit holds (pending backwards,
+    /// skipped-backward marks) so that a later fit starts clean.
+    fn on_fit_end(&self) {}
     /// One line for the run summary (counters), if the plugin has something to say.
     fn summary(&self) -> Option<String> {
         None
@@ -60,15 +104,21 @@ pub trait ReplayPlugin: DynClone + Send {
     fn state(&self) -> serde_json::Value {
         serde_json::Value::Null
     }
+    /// Restores what [`ReplayPlugin::state`] saved (on resume, before `setup`).
+    fn load_state(&mut self, state: &serde_json::Value) -> Result<()> {
+        let _ = state;
+        Ok(())
+    }
 }
 
 dyn_clone::clone_trait_object!(ReplayPlugin);
 
-/// A plugin's entry in the global registry: `inventory::submit! { PluginRegistration { … } }`.
+/// A plugin's entry in the global registry:
+/// `inventory::submit! { PluginRegistration { name: "…", create: |cfg| … } }`.
 pub struct PluginRegistration {
     pub name: &'static str,
-    /// Builds a fresh plugin (with no recordings).
-    pub create: fn() -> Box<dyn ReplayPlugin>,
+    /// Builds a fresh plugin (with no recordings) from its configuration (`null`: defaults).
+    pub create: fn(&serde_json::Value) -> Result<Box<dyn ReplayPlugin>>,
 }
 
 inventory::collect!(PluginRegistration);
@@ -87,24 +137,40 @@ pub struct PluginStack {
 }
 
 impl PluginStack {
-    /// Instantiates the registered plugins whose names are in `enabled` (all when `None`).
-    pub fn from_registry(enabled: Option<&[String]>) -> Result<Self> {
+    /// Instantiates the registered plugins named in `enabled` (empty: native), each with its
+    /// entry of `configs` (by name; absent = defaults). A name registered twice, listed twice
+    /// or not registered at all is an error.
+    pub fn from_registry(enabled: &[String], configs: &serde_json::Map<String, serde_json::Value>) -> Result<Self> {
         let reg = registered_plugins();
-        if let Some(names) = enabled {
-            for n in names {
-                if !reg.iter().any(|r| r.name == n) {
-                    let known: Vec<&str> = reg.iter().map(|r| r.name).collect();
-                    return Err(crate::TrainerError::InvalidArgument {
-                        what: "plugins",
-                        reason: format!("no replay plugin named `{n}` is registered (registered: {known:?})"),
-                    });
-                }
+        let bad = |reason: String| TrainerError::InvalidArgument { what: "replay", reason };
+        for w in reg.windows(2) {
+            if w[0].name == w[1].name {
+                return Err(bad(format!(
+                    "two replay plugins are registered under the name `{}`: rename one (names key checkpoints)",
+                    w[0].name
+                )));
             }
         }
-        let mut plugins: Vec<Box<dyn ReplayPlugin>> =
-            reg.iter().filter(|r| enabled.is_none_or(|e| e.iter().any(|n| n == r.name))).map(|r| (r.create)()).collect();
-        plugins.sort_by_key(|p| p.priority());
-        Ok(PluginStack { plugins })
+        let mut plugins: Vec<Box<dyn ReplayPlugin>> = Vec::new();
+        for (i, n) in enabled.iter().enumerate() {
+            if enabled[..i].contains(n) {
+                return Err(bad(format!("`{n}` is listed twice in replay=")));
+            }
+            let r = reg.iter().find(|r| r.name == n).ok_or_else(|| {
+                let known: Vec<&str> = reg.iter().map(|r| r.name).collect();
+                bad(format!("no replay plugin named `{n}` is registered (registered: {known:?})"))
+            })?;
+            let cfg = configs.get(n).cloned().unwrap_or(serde_json::Value::Null);
+            let p = (r.create)(&cfg)?;
+            if p.name() != r.name {
+                return Err(bad(format!("the plugin registered as `{}` calls itself `{}`", r.name, p.name())));
+            }
+            plugins.push(p);
+        }
+        if let Some(unused) = configs.keys().find(|k| !enabled.contains(k)) {
+            return Err(bad(format!("replay_config has settings for `{unused}`, which replay= does not enable")));
+        }
+        Ok(PluginStack::new(plugins))
     }
 
     /// A stack with exactly these plugins (tests, programmatic use).
@@ -121,23 +187,43 @@ impl PluginStack {
         self.plugins.iter().map(|p| p.name()).collect()
     }
 
+    /// The plugins, outermost first.
+    pub fn plugins(&self) -> &[Box<dyn ReplayPlugin>] {
+        &self.plugins
+    }
+
     /// Runs `native` for `info`, wrapped by every plugin (outermost first).
-    pub fn run(&mut self, info: StageInfo, native: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        fn nest(ps: &mut [Box<dyn ReplayPlugin>], info: StageInfo, native: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-            match ps.split_first_mut() {
+    pub fn run(&self, info: StageInfo, native: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        fn nest(ps: &[Box<dyn ReplayPlugin>], info: StageInfo, native: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+            match ps.split_first() {
                 None => native(),
                 Some((first, rest)) => first.around(info, &mut || nest(rest, info, native)),
             }
         }
-        nest(&mut self.plugins, info, native)
+        nest(&self.plugins, info, native)
     }
 
-    pub fn on_fit_start(&mut self) -> Result<()> {
-        self.plugins.iter_mut().try_for_each(|p| p.on_fit_start())
+    /// The plugin that runs `piece`: the first claimant in priority order.
+    pub fn claimant(&self, piece: Piece) -> Option<&dyn ReplayPlugin> {
+        self.plugins.iter().find(|p| p.claims(piece)).map(|p| p.as_ref())
     }
 
-    pub fn on_validation_start(&mut self) -> Result<()> {
-        self.plugins.iter_mut().try_for_each(|p| p.on_validation_start())
+    /// A [`PieceRunner`] over `model` that hands each piece to its claimant (native otherwise).
+    pub fn runner<'a>(&'a self, model: &'a PoseModel) -> StackRunner<'a> {
+        StackRunner { stack: self, model }
+    }
+
+    /// Gives every plugin the run (after restore, before the first batch).
+    pub fn setup(&mut self, ctx: &PluginSetup<'_>) -> Result<()> {
+        self.plugins.iter_mut().try_for_each(|p| p.setup(ctx))
+    }
+
+    pub fn on_validation_start(&self) -> Result<()> {
+        self.plugins.iter().try_for_each(|p| p.on_validation_start())
+    }
+
+    pub fn on_fit_end(&self) {
+        self.plugins.iter().for_each(|p| p.on_fit_end())
     }
 
     /// One line per plugin that reports counters.
@@ -147,5 +233,33 @@ impl PluginStack {
 
     pub fn states(&self) -> serde_json::Map<String, serde_json::Value> {
         self.plugins.iter().map(|p| (p.name().to_string(), p.state())).collect()
+    }
+
+    /// Restores saved states (a state whose plugin is not enabled is an error: the run was
+    /// trained with it).
+    pub fn load_states(&mut self, states: &serde_json::Map<String, serde_json::Value>) -> Result<()> {
+        for (name, state) in states {
+            let p = self.plugins.iter_mut().find(|p| p.name() == name).ok_or_else(|| TrainerError::InvalidArgument {
+                what: "replay",
+                reason: format!("the checkpoint holds the state of replay plugin `{name}`, which this fit does not enable"),
+            })?;
+            p.load_state(state)?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs each piece through the plugin that claims it, natively otherwise.
+pub struct StackRunner<'a> {
+    stack: &'a PluginStack,
+    model: &'a PoseModel,
+}
+
+impl PieceRunner for StackRunner<'_> {
+    fn run(&self, piece: Piece, inputs: &[Tensor], body: &PieceBody<'_>) -> ptl_heads::Result<Vec<Tensor>> {
+        match self.stack.claimant(piece) {
+            Some(p) => p.run_piece(piece, inputs, &self.model.piece_surface(piece), body),
+            None => body(inputs),
+        }
     }
 }

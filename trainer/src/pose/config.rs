@@ -109,8 +109,10 @@ pub struct PoseTrainConfig {
     pub exist_ok: bool,
     /// Resume from this checkpoint.
     pub resume: Option<PathBuf>,
-    /// Replay plugins to enable (`None` = all registered, `Some([])` = native).
-    pub plugins: Option<Vec<String>>,
+    /// Replay plugins to enable, by registered name (empty: native, the default).
+    pub replay: Vec<String>,
+    /// Per-plugin configuration, by name (JSON; absent: the plugin's defaults).
+    pub replay_config: serde_json::Map<String, serde_json::Value>,
     /// End this invocation after this many epochs (checkpoint written), as if the process was
     /// killed there; `resume` continues. Used for time-boxed runs and kill/resume tests.
     pub stop_after_epochs: Option<usize>,
@@ -166,7 +168,8 @@ impl Default for PoseTrainConfig {
             save_dir: PathBuf::from("runs/pose/train"),
             exist_ok: false,
             resume: None,
-            plugins: Some(Vec::new()),
+            replay: Vec::new(),
+            replay_config: serde_json::Map::new(),
             stop_after_epochs: None,
             plots: true,
             progress: true,
@@ -229,7 +232,11 @@ impl PoseTrainConfig {
             "plots" => self.plots = boolean(value)?,
             "gpu_time" => self.gpu_time = boolean(value)?,
             "profile" => self.profile = boolean(value)?,
-            "plugins" => self.plugins = Some(value.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()),
+            "replay" => self.replay = value.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect(),
+            "replay_config" => {
+                self.replay_config = serde_json::from_str(value)
+                    .map_err(|e| bad(format!("`replay_config={value}`: expected a JSON object of plugin name → settings ({e})")))?
+            }
             "exist_ok" => self.exist_ok = boolean(value)?,
             _ => return Err(bad(format!("unknown key `{key}` (`ptl cfg` lists every key with its default)"))),
         }
@@ -317,6 +324,8 @@ impl PoseTrainConfig {
             ("plots", d.plots.to_string(), "draw results.png and validation predictions at the end"),
             ("gpu_time", d.gpu_time.to_string(), "trace 16 steps with CUPTI for the GPU time per step (CUDA)"),
             ("profile", d.profile.to_string(), "time each stage with device synchronisation (diagnosis only)"),
+            ("replay", "none".into(), "replay plugins to enable, comma-separated (e.g. feature,stem); none = native"),
+            ("replay_config", "{}".into(), "JSON settings per replay plugin, e.g. {\"stem\": {\"warmup\": 1}}"),
         ]
     }
 }

@@ -169,8 +169,9 @@ impl Run {
         let mut out = None;
         {
             let model = &self.model;
+            let runner = self.plugins.runner(model);
             self.plugins.run(info(Stage::Forward), &mut || {
-                out = Some(ptl_autograd::autocast(autocast, || model.forward(&x))?);
+                out = Some(ptl_autograd::autocast(autocast, || model.forward_with(&x, &runner))?);
                 Ok(())
             })?;
         }
@@ -420,6 +421,7 @@ impl Run {
         }
         self.state = ck.manifest.loop_state.clone();
         self.history = ck.manifest.history.clone();
+        self.plugins.load_states(&ck.manifest.plugins)?;
         Ok(())
     }
 
@@ -529,7 +531,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         _ => None,
     };
     let criterion = E2ELoss::new(LossConfig::with_keypoints(nkpt, None), cfg.epochs);
-    let plugins = PluginStack::from_registry(cfg.plugins.as_deref())?;
+    let plugins = PluginStack::from_registry(&cfg.replay, &cfg.replay_config)?;
     let mut run = Run {
         cfg: cfg.clone(),
         model,
@@ -569,6 +571,8 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     startup.model_build_s = t.elapsed().as_secs_f64();
     let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
     let result = fit_loop(&mut run, &train_args);
+    // Per-fit holds of the plugins go whatever happened (a later fit starts clean).
+    run.plugins.on_fit_end();
     if let Err(e) = &result {
         let msg = e.to_string();
         let v = run.view.clone();
@@ -627,7 +631,19 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     }
     run.view.epoch = start_epoch;
     run.each_cb(|c, v| c.setup(v));
-    run.plugins.on_fit_start()?;
+    {
+        let ctx = crate::fit::PluginSetup {
+            model: &run.model,
+            params: &run.params,
+            optimizer: run.optimizer.as_ref(),
+            ema: &run.ema,
+            config: &run.cfg,
+        };
+        run.plugins.setup(&ctx)?;
+        if !run.plugins.is_empty() {
+            eprintln!("ptl: replay plugins: {}", run.plugins.names().join(", "));
+        }
+    }
     run.each_cb(|c, v| c.on_fit_start(v));
     run.each_cb(|c, v| c.on_train_start(v));
     let columns: Vec<String> = ["epoch", "time"]
