@@ -186,10 +186,13 @@ pub fn run_train(a: TrainArgs) -> Result<(), String> {
         st.library_setups,
         st.library_setup_s
     );
+    for line in &s.plugins {
+        println!("replay {line}");
+    }
     for (k, v) in &s.final_metrics {
         println!("  {k:<24} {v:.4}");
     }
-    println!("artefacts: {}", cfg.save_dir.display());
+    println!("artefacts: {}", s.save_dir.display());
     Ok(())
 }
 

@@ -100,6 +100,11 @@ pub trait ReplayPlugin: DynClone + Send {
     fn summary(&self) -> Option<String> {
         None
     }
+    /// Per-region counters for the run summary, as JSON (region name → counters). Tests and
+    /// benches read them to prove that regions replayed.
+    fn counters(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
     /// Serialisable configuration/state for checkpoints (never recordings).
     fn state(&self) -> serde_json::Value {
         serde_json::Value::Null
@@ -229,6 +234,11 @@ impl PluginStack {
     /// One line per plugin that reports counters.
     pub fn summaries(&self) -> Vec<String> {
         self.plugins.iter().filter_map(|p| p.summary().map(|s| format!("{}: {s}", p.name()))).collect()
+    }
+
+    /// Counters of every plugin that reports them, by plugin name.
+    pub fn counters(&self) -> serde_json::Map<String, serde_json::Value> {
+        self.plugins.iter().map(|p| (p.name().to_string(), p.counters())).filter(|(_, c)| !c.is_null()).collect()
     }
 
     pub fn states(&self) -> serde_json::Map<String, serde_json::Value> {

@@ -204,7 +204,11 @@ pub struct RunSummary {
     pub final_metrics: Vec<(String, f64)>,
     pub metrics_per_epoch: Vec<Vec<(String, f64)>>,
     pub hashes: RunHashes,
+    /// One line per replay plugin (its counters).
     pub plugins: Vec<String>,
+    /// Per-region counters of each replay plugin (plugin → region → counters).
+    #[serde(default)]
+    pub replay_counters: serde_json::Map<String, serde_json::Value>,
 }
 
 impl RunSummary {

@@ -571,6 +571,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     startup.model_build_s = t.elapsed().as_secs_f64();
     let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
     let result = fit_loop(&mut run, &train_args);
+    let (plugin_lines, replay_counters) = (run.plugins.summaries(), run.plugins.counters());
     // Per-fit holds of the plugins go whatever happened (a later fit starts clean).
     run.plugins.on_fit_end();
     if let Err(e) = &result {
@@ -614,7 +615,8 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         final_metrics: run.metrics_per_epoch.last().cloned().unwrap_or_default(),
         metrics_per_epoch: run.metrics_per_epoch.clone(),
         hashes,
-        plugins: run.plugins.summaries(),
+        plugins: plugin_lines,
+        replay_counters,
     };
     summary.write(&cfg.save_dir.join("summary.json"))?;
     Ok(summary)

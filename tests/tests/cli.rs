@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn ptl(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ptl")).args(args).current_dir(cwd).env("PTL_CACHE", cwd.join("cache")).output().expect("run ptl")
+    Command::new(env!("CARGO_BIN_EXE_ptl-ext")).args(args).current_dir(cwd).env("PTL_CACHE", cwd.join("cache")).output().expect("run ptl")
 }
 
 fn text(o: &Output) -> String {

@@ -47,7 +47,7 @@ impl Drop for Running {
 fn spawn(args: &[String], log: &Path) -> Running {
     let out = File::create(log).expect("log file");
     let err = out.try_clone().expect("log file");
-    let child = Command::new(env!("CARGO_BIN_EXE_ptl"))
+    let child = Command::new(env!("CARGO_BIN_EXE_ptl-ext"))
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::from(out))

@@ -1,0 +1,85 @@
+//! Shared-feature replay: the trunk (backbone + neck) as one recorded region.
+
+use ptl_autograd::{Tensor, TensorKind};
+use ptl_capture::RecorderConfig;
+use ptl_heads::{Piece, PieceBody};
+use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin};
+
+use crate::PieceRegions;
+
+/// `replay=feature`. Configuration: a `ptl_capture::RecorderConfig` as JSON (`replay_config=
+/// {"feature": {"warmup_calls": 2}}`).
+#[derive(Clone)]
+pub struct FeaturePlugin {
+    regions: PieceRegions,
+}
+
+impl FeaturePlugin {
+    pub const NAME: &'static str = "feature";
+
+    pub fn new(config: RecorderConfig) -> FeaturePlugin {
+        FeaturePlugin { regions: PieceRegions::new(config) }
+    }
+
+    /// Counters of the trunk region.
+    pub fn regions(&self) -> &PieceRegions {
+        &self.regions
+    }
+}
+
+pub(crate) fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::Result<RecorderConfig> {
+    if cfg.is_null() {
+        return Ok(RecorderConfig::default());
+    }
+    serde_json::from_value(cfg.clone()).map_err(|e| ptl_trainer::TrainerError::InvalidArgument {
+        what: "replay_config",
+        reason: format!("`{name}`: {e} (fields of ptl_capture::RecorderConfig: enabled, warmup_calls, warmup_iters, max_recordings, …)"),
+    })
+}
+
+impl ReplayPlugin for FeaturePlugin {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+    fn priority(&self) -> i32 {
+        -10
+    }
+    fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
+        self.regions.start(ctx.config.device);
+        Ok(())
+    }
+    fn claims(&self, piece: Piece) -> bool {
+        piece == Piece::Trunk
+    }
+    fn run_piece(
+        &self,
+        piece: Piece,
+        inputs: &[Tensor],
+        surface: &[(String, Tensor, TensorKind)],
+        body: &PieceBody<'_>,
+    ) -> ptl_heads::Result<Vec<Tensor>> {
+        self.regions.run(piece, inputs, surface, body)
+    }
+    fn on_fit_end(&self) {
+        self.regions.release();
+    }
+    fn summary(&self) -> Option<String> {
+        self.regions.summary()
+    }
+    fn counters(&self) -> serde_json::Value {
+        self.regions.counters_json()
+    }
+    fn state(&self) -> serde_json::Value {
+        serde_json::json!({ "recorder": self.regions.config() })
+    }
+    fn load_state(&mut self, state: &serde_json::Value) -> ptl_trainer::Result<()> {
+        if !state["recorder"].is_null() {
+            self.regions.set_config(parse_config(Self::NAME, &state["recorder"])?);
+        }
+        Ok(())
+    }
+}
+
+inventory::submit! {
+    PluginRegistration { name: FeaturePlugin::NAME, create: |cfg| Ok(Box::new(FeaturePlugin::new(parse_config(FeaturePlugin::NAME, cfg)?))) }
+}

@@ -1,0 +1,104 @@
+//! One recorder per plugin and one region per piece: the part both plugins share.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use ptl_autograd::{Device, Tensor, TensorKind};
+use ptl_capture::{Recorder, RecorderConfig, RegionHandle, RegionSpec};
+use ptl_heads::{HeadsError, Piece, PieceBody};
+
+/// A recorder and the regions of the pieces it has seen. `Clone` gives a fresh recorder with the
+/// same configuration and no region or recording (checkpoints and clones never carry graphs).
+pub struct PieceRegions {
+    config: RecorderConfig,
+    recorder: Option<Recorder>,
+    regions: Mutex<BTreeMap<Piece, Arc<RegionHandle>>>,
+}
+
+impl Clone for PieceRegions {
+    fn clone(&self) -> Self {
+        PieceRegions::new(self.config.clone())
+    }
+}
+
+impl PieceRegions {
+    pub fn new(config: RecorderConfig) -> PieceRegions {
+        PieceRegions { config, recorder: None, regions: Mutex::new(BTreeMap::new()) }
+    }
+
+    /// The recorder configuration (what a checkpoint keeps).
+    pub fn config(&self) -> &RecorderConfig {
+        &self.config
+    }
+
+    /// Replaces the configuration (before [`PieceRegions::start`]).
+    pub fn set_config(&mut self, config: RecorderConfig) {
+        self.config = config;
+    }
+
+    /// Starts recording for a fit on `device`: CUDA graphs on a GPU, the test double on the CPU.
+    pub fn start(&mut self, device: Device) {
+        self.release();
+        let recorder = match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => Recorder::cuda(self.config.clone()),
+            _ => Recorder::with_backend(self.config.clone(), Arc::new(ptl_capture::testing::ReplayNatively::default())),
+        };
+        self.recorder = Some(recorder);
+    }
+
+    /// Runs `piece` through its region (created on first use).
+    pub fn run(
+        &self,
+        piece: Piece,
+        inputs: &[Tensor],
+        surface: &[(String, Tensor, TensorKind)],
+        body: &PieceBody<'_>,
+    ) -> ptl_heads::Result<Vec<Tensor>> {
+        let Some(recorder) = &self.recorder else {
+            return body(inputs); // not started (a plugin used outside a fit): native
+        };
+        let region = {
+            let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+            regions.entry(piece).or_insert_with(|| Arc::new(recorder.region(RegionSpec::per_call(piece.name())))).clone()
+        };
+        let body = |xs: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> { body(xs).map_err(to_tensor_error) };
+        region.call_with(inputs, surface, &body).map_err(|e| HeadsError::Runner { piece: piece.name(), msg: e.to_string() })
+    }
+
+    /// Drops every recording (and its pool) and forgets pending backwards.
+    pub fn release(&self) {
+        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        for r in regions.values() {
+            r.discard_pending();
+            r.release();
+        }
+        regions.clear();
+    }
+
+    /// Counters per region, `capture[backend]: name: … | …`.
+    pub fn summary(&self) -> Option<String> {
+        self.recorder.as_ref().map(Recorder::summary_line)
+    }
+
+    /// Counters of each region as JSON (region name → `ptl_capture::RegionStats`).
+    pub fn counters_json(&self) -> serde_json::Value {
+        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        serde_json::Value::Object(
+            regions.iter().map(|(p, r)| (p.name(), serde_json::to_value(r.stats()).unwrap_or(serde_json::Value::Null))).collect(),
+        )
+    }
+
+    /// Counters of each region, by piece.
+    pub fn stats(&self) -> Vec<(Piece, ptl_capture::RegionStats)> {
+        self.regions.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(p, r)| (*p, r.stats())).collect()
+    }
+}
+
+/// A piece body's error as the recorder's body error.
+fn to_tensor_error(e: HeadsError) -> ptl_autograd::Error {
+    match e {
+        HeadsError::Tensor(t) => t,
+        other => ptl_autograd::Error::InvalidArgument { op: "piece body", msg: other.to_string() },
+    }
+}

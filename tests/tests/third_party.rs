@@ -1,0 +1,80 @@
+//! A plugin from another crate (`ptl-example-plugin`, registered through inventory, no change to
+//! ptl-trainer or ptl-plugins) is discovered by the `ptl-ext` binary and stacked with ptl's own
+//! `feature` and `stem` plugins in a real fit; the fit's bytes equal native.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn ptl(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ptl-ext")).args(args).current_dir(cwd).output().expect("run ptl-ext")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).expect("summary")).expect("json")
+}
+
+#[test]
+fn a_third_party_plugin_is_discovered_and_stacked() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dir.path().join("ds");
+    let o = ptl(
+        &[
+            "data",
+            "synth",
+            "--out",
+            ds.to_str().unwrap(),
+            "--train",
+            "8",
+            "--background",
+            "2",
+            "--val",
+            "2",
+            "--imgsz",
+            "64",
+            "--seed",
+            "3",
+        ],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let data = format!("data={}", ds.join("data.yaml").display());
+    let train = |project: &str, replay: &str| {
+        let p = dir.path().join(project);
+        let args = [
+            "train",
+            &data,
+            "epochs=2",
+            "batch=2",
+            "imgsz=64",
+            "max_batches=3",
+            "optimizer=SGD",
+            "plots=false",
+            "workers=0",
+            &format!("project={}", p.display()),
+            replay,
+            "--device",
+            "cpu",
+        ];
+        let o = ptl(&args, dir.path());
+        assert!(o.status.success(), "{}", text(&o));
+        (p, text(&o))
+    };
+    let (native, _) = train("native", "replay=");
+    let (stacked, out) = train("stacked", "replay=feature,stem,count");
+    assert!(out.contains("replay plugins: feature, stem, count"), "priority order (feature first, count last): {out}");
+    assert!(out.contains("replay count: ") && out.contains("(forward 6, loss 6, backward 6, optimizer"), "one line per plugin: {out}");
+    let (n, s) = (summary(&native), summary(&stacked));
+    assert_eq!(n["hashes"], s["hashes"], "stacking plugins changes no byte");
+    let counters = &s["replay_counters"];
+    assert_eq!(counters["count"]["stages"], 6 * 3 + s["optimizer_steps"].as_u64().unwrap());
+    assert!(counters["feature"]["trunk"]["replays"].as_u64().unwrap() >= 5, "{counters}");
+    assert_eq!(counters["stem"].as_object().map(|m| m.len()), Some(18));
+    // An unknown plugin names the registered ones, the third-party one among them.
+    let o = ptl(&["train", &data, "replay=nope", "--device", "cpu"], dir.path());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).contains("\"count\"") && text(&o).contains("\"stem\""), "{}", text(&o));
+}
