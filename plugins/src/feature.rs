@@ -27,14 +27,30 @@ impl FeaturePlugin {
     }
 }
 
+/// The recorder settings of a plugin: `ptl_capture::RecorderConfig` fields over the plugins'
+/// defaults — one recording per region, so a temporary shape (the last partial batch, another
+/// image size) runs natively and replay resumes on the recorded shape.
 pub(crate) fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::Result<RecorderConfig> {
-    if cfg.is_null() {
-        return Ok(RecorderConfig::default());
+    let mut merged = serde_json::to_value(plugin_defaults()).unwrap_or_default();
+    if let (Some(m), Some(given)) = (merged.as_object_mut(), cfg.as_object()) {
+        for (k, v) in given {
+            m.insert(k.clone(), v.clone());
+        }
+    } else if !cfg.is_null() {
+        return Err(ptl_trainer::TrainerError::InvalidArgument {
+            what: "replay_config",
+            reason: format!("`{name}`: expected a JSON object of recorder settings, got {cfg}"),
+        });
     }
-    serde_json::from_value(cfg.clone()).map_err(|e| ptl_trainer::TrainerError::InvalidArgument {
+    serde_json::from_value(merged).map_err(|e| ptl_trainer::TrainerError::InvalidArgument {
         what: "replay_config",
         reason: format!("`{name}`: {e} (fields of ptl_capture::RecorderConfig: enabled, warmup_calls, warmup_iters, max_recordings, …)"),
     })
+}
+
+/// Recorder defaults of the replay plugins.
+pub fn plugin_defaults() -> RecorderConfig {
+    RecorderConfig { max_recordings: 1, ..RecorderConfig::default() }
 }
 
 impl ReplayPlugin for FeaturePlugin {

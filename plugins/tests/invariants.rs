@@ -1,0 +1,169 @@
+//! Host-logic invariants of the replay plugins on the CPU test double (issue "plugins I", point 3):
+//! signatures with `requires_grad`, per-fit holds, clones, temporary shapes, and the replay guard
+//! that keeps "equal to native" from passing when nothing was replayed.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use ptl_autograd::{DType, Device, Tensor};
+use ptl_heads::{Branch, ModelConfig, Piece, PieceBody, PieceRunner, PoseModel, Scale, StemKind};
+use ptl_plugins::{FeaturePlugin, PieceRegions};
+use ptl_trainer::fit::ReplayPlugin;
+use ptl_trainer::pose::{fit, PoseTrainConfig};
+
+struct Through<'a> {
+    regions: &'a PieceRegions,
+    model: &'a PoseModel,
+}
+
+impl PieceRunner for Through<'_> {
+    fn run(&self, piece: Piece, inputs: &[Tensor], body: &PieceBody<'_>) -> ptl_heads::Result<Vec<Tensor>> {
+        self.regions.run(piece, inputs, &self.model.piece_surface(piece), body)
+    }
+}
+
+fn model() -> PoseModel {
+    PoseModel::new(ModelConfig { nc: 1, kpt_shape: (17, 3), scale: Scale::N }, Device::Cpu, 5).expect("model")
+}
+
+fn image(b: usize) -> Tensor {
+    let mut rng = ptl_autograd::Rng::new(3);
+    Tensor::rand(vec![b, 3, 64, 64], 0.0, 1.0, DType::F32, Device::Cpu, &mut rng).expect("image")
+}
+
+fn started() -> PieceRegions {
+    let mut r = PieceRegions::new(ptl_plugins::feature::plugin_defaults());
+    r.start(Device::Cpu);
+    r
+}
+
+/// One training step's forward + a backward through every output.
+fn step(m: &PoseModel, regions: &PieceRegions, x: &Tensor) -> ptl_heads::HeadOutput {
+    let out = m.forward_with(x, &Through { regions, model: m }).expect("forward");
+    let mut total = out.one2many.boxes.sum_all().unwrap();
+    for t in [&out.one2many.kpts, &out.one2one.boxes, &out.one2one.kpts, &out.one2one.scores] {
+        total = total.add(&t.sum_all().unwrap()).unwrap();
+    }
+    total.backward().unwrap();
+    out
+}
+
+#[test]
+fn replayed_features_keep_requires_grad_and_stems_key_on_it() {
+    let m = model();
+    let regions = started();
+    let x = image(2);
+    for _ in 0..3 {
+        let out = step(&m, &regions, &x);
+        assert!(out.feats.iter().all(Tensor::requires_grad), "a replayed differentiable feature keeps requires_grad");
+    }
+    let stats = regions.stats();
+    let get = |p: Piece| stats.iter().find(|(q, _)| *q == p).map(|(_, s)| s.clone()).expect("region");
+    assert!(get(Piece::Trunk).replays >= 2);
+    for branch in Branch::ALL {
+        let s = get(Piece::Stem { branch, level: 0, kind: StemKind::Box });
+        assert!(s.replays >= 2 && s.live_recordings == 1, "{branch:?}: one bounded signature: {s:?}");
+    }
+}
+
+#[test]
+fn a_fresh_shape_runs_natively_and_replay_resumes() {
+    let m = model();
+    let regions = started();
+    let (full, partial) = (image(2), image(1));
+    for x in [&full, &full, &full, &partial, &full, &partial, &full] {
+        step(&m, &regions, x);
+    }
+    let (_, t) = regions.stats().into_iter().find(|(p, _)| *p == Piece::Trunk).expect("trunk");
+    // full: warm-up, capture+replay, replay; partial: warm-up of its signature; full: replay;
+    // partial: cache full (one recording per region); full: replay.
+    assert_eq!(t.replays, 4, "{t:?}");
+    assert_eq!(t.native_for(ptl_capture::FallbackReason::Warmup), 2, "{t:?}");
+    assert_eq!(t.native_for(ptl_capture::FallbackReason::CacheFull), 1, "{t:?}");
+}
+
+#[test]
+fn clones_and_restored_plugins_start_without_recordings_and_fit_end_releases() {
+    let m = model();
+    let mut plugin = FeaturePlugin::new(ptl_plugins::feature::plugin_defaults());
+    let regions_of = |p: &FeaturePlugin| p.regions().stats().len();
+    // Drive the plugin's own regions as a fit would.
+    let mut started = plugin.regions().clone();
+    started.start(Device::Cpu);
+    for _ in 0..3 {
+        step(&m, &started, &image(2));
+    }
+    assert!(!started.stats().is_empty());
+    assert_eq!(started.clone().stats().len(), 0, "a clone holds no region and no recording");
+    let state = plugin.state();
+    let mut restored = FeaturePlugin::new(ptl_capture::RecorderConfig::default());
+    restored.load_state(&state).expect("state");
+    assert_eq!(regions_of(&restored), 0, "a restored plugin holds no recording");
+    assert_eq!(restored.regions().config(), plugin.regions().config(), "its configuration comes back");
+    started.release();
+    assert!(started.stats().is_empty(), "release drops every region (the fit-end hold reset)");
+    plugin.on_fit_end();
+}
+
+fn dataset() -> PathBuf {
+    static YAML: OnceLock<PathBuf> = OnceLock::new();
+    YAML.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ptl-plugins-inv-{}", std::process::id()));
+        let opts =
+            ptl_data::SynthOptions { out: dir, train: 8, background: 2, val: 2, imgsz: 64, seed: 3, threads: 1, ..Default::default() };
+        ptl_data::synth_generate(&opts).expect("synthetic dataset").yaml
+    })
+    .clone()
+}
+
+fn tiny(save: &str) -> PoseTrainConfig {
+    PoseTrainConfig {
+        data: dataset(),
+        epochs: 2,
+        batch: 2,
+        imgsz: 64,
+        seed: 11,
+        workers: Some(0),
+        max_batches: Some(3),
+        timing_warmup_steps: 0,
+        save_dir: std::env::temp_dir().join(format!("ptl-plugins-inv-{save}-{}", std::process::id())),
+        plots: false,
+        progress: false,
+        optimizer: "SGD".into(),
+        replay: vec!["feature".into(), "stem".into()],
+        exist_ok: true,
+        ..PoseTrainConfig::default()
+    }
+}
+
+/// The guard the identity tests use: every region replayed after its warm-up.
+fn replayed_every_step(s: &ptl_trainer::fit::RunSummary, plugin: &str, steps: u64) -> bool {
+    let Some(c) = s.replay_counters.get(plugin).and_then(|c| c.as_object()) else { return false };
+    !c.is_empty()
+        && c.values().all(|st| {
+            let warm = st["native"]["Warmup"].as_u64().unwrap_or(0);
+            st["replays"].as_u64().unwrap_or(0) >= steps - warm
+        })
+}
+
+#[test]
+fn the_replay_guard_fails_when_nothing_replayed() {
+    // Recording switched off: the fit is still byte-identical to native (it *is* native), and the
+    // guard must say that this proves nothing.
+    let mut off = tiny("off");
+    off.set("replay_config", r#"{"feature": {"enabled": false}, "stem": {"enabled": false}}"#).unwrap();
+    let s = fit(&off, vec![]).expect("fit with recording off");
+    assert!(!replayed_every_step(&s, "feature", 6) && !replayed_every_step(&s, "stem", 6), "{:?}", s.replay_counters);
+    let on = fit(&tiny("on"), vec![]).expect("fit");
+    assert!(replayed_every_step(&on, "feature", 6) && replayed_every_step(&on, "stem", 6), "{:?}", on.replay_counters);
+    assert_eq!(on.hashes, s.hashes);
+}
+
+#[test]
+fn a_failed_fit_leaves_nothing_for_the_next_one() {
+    let mut bad = tiny("fails");
+    bad.inject_loader_panic_at = Some((1, 1));
+    assert!(fit(&bad, vec![]).is_err());
+    let s = fit(&tiny("after"), vec![]).expect("the next fit");
+    assert!(replayed_every_step(&s, "stem", 6), "a clean start: {:?}", s.replay_counters);
+}
