@@ -85,7 +85,7 @@ fn a_fresh_shape_runs_natively_and_replay_resumes() {
 #[test]
 fn clones_and_restored_plugins_start_without_recordings_and_fit_end_releases() {
     let m = model();
-    let mut plugin = FeaturePlugin::new(ptl_plugins::feature::plugin_defaults());
+    let plugin = FeaturePlugin::new(ptl_plugins::feature::plugin_defaults());
     let regions_of = |p: &FeaturePlugin| p.regions().stats().len();
     // Drive the plugin's own regions as a fit would.
     let mut started = plugin.regions().clone();
