@@ -186,6 +186,15 @@ fn add_grads(a: Tensor, b: Tensor) -> Result<Tensor> {
     no_grad(|| a.add(&b))
 }
 
+/// The sum of one output's gradient contributions, latest-created consumer first (`None` when
+/// nothing arrived: an absent gradient stays absent).
+fn sum_contributions(mut c: Vec<(u64, Tensor)>) -> Result<Option<Tensor>> {
+    c.sort_by_key(|(id, _)| std::cmp::Reverse(*id));
+    let mut it = c.into_iter().map(|(_, g)| g);
+    let Some(first) = it.next() else { return Ok(None) };
+    it.try_fold(first, add_grads).map(Some)
+}
+
 impl Tensor {
     /// Back-propagates from a scalar (seed 1).
     pub fn backward(&self) -> Result<()> {
@@ -216,13 +225,18 @@ impl Tensor {
             return self.accumulate_grad(grad);
         };
         let order = topo_order(&root.node);
-        let mut pending: HashMap<u64, Vec<Option<Tensor>>> = HashMap::new();
-        let mut seed = vec![None; root.node.num_outputs];
-        seed[root.index] = Some(grad.clone());
+        // Gradient contributions per node output, with the id of the node that sent each: they
+        // are summed in a canonical order (latest-created consumer first) when the node runs, so
+        // a tensor read by several consumers gets the same bytes whatever the shape of the
+        // consumers' graphs — e.g. whether a consumer ran natively or as one replayed node.
+        let mut pending: HashMap<u64, Vec<Vec<(u64, Tensor)>>> = HashMap::new();
+        let mut seed = vec![Vec::new(); root.node.num_outputs];
+        seed[root.index].push((u64::MAX, grad.clone()));
         pending.insert(root.node.id, seed);
 
         for node in order.iter().rev() {
-            let Some(grads) = pending.remove(&node.id) else { continue };
+            let Some(contributions) = pending.remove(&node.id) else { continue };
+            let grads = contributions.into_iter().map(sum_contributions).collect::<Result<Vec<Option<Tensor>>>>()?;
             if grads.iter().all(Option::is_none) {
                 continue;
             }
@@ -245,11 +259,8 @@ impl Tensor {
                 }
                 match input.grad_fn() {
                     Some(gf) => {
-                        let slot = pending.entry(gf.node.id).or_insert_with(|| vec![None; gf.node.num_outputs]);
-                        slot[gf.index] = Some(match slot[gf.index].take() {
-                            Some(prev) => add_grads(prev, g)?,
-                            None => g,
-                        });
+                        let slot = pending.entry(gf.node.id).or_insert_with(|| vec![Vec::new(); gf.node.num_outputs]);
+                        slot[gf.index].push((node.id, g));
                     }
                     None => input.accumulate_grad(&g)?,
                 }

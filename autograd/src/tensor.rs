@@ -28,7 +28,9 @@ pub(crate) struct TensorImpl {
     pub(crate) shape: Shape,
     pub(crate) dtype: DType,
     pub(crate) device: Device,
-    pub(crate) requires_grad: bool,
+    /// Whether gradients are recorded for this tensor; a leaf's flag may be switched in place
+    /// ([`Tensor::set_requires_grad`], PyTorch's `param.requires_grad_(False)`: freezing).
+    pub(crate) requires_grad: std::sync::atomic::AtomicBool,
     pub(crate) grad_fn: Option<GradFn>,
     /// Accumulated gradient of a leaf; `None` means "no gradient reached it" (never zero-filled).
     pub(crate) grad: Mutex<Option<Tensor>>,
@@ -43,7 +45,7 @@ impl std::fmt::Debug for Tensor {
         write!(f, "Tensor{{shape: {:?}, dtype: {}, device: {}", self.dims(), self.dtype(), self.device())?;
         if let Some(g) = &self.0.grad_fn {
             write!(f, ", grad_fn: {}", g.node.name())?;
-        } else if self.0.requires_grad {
+        } else if self.requires_grad() {
             write!(f, ", leaf")?;
         }
         write!(f, "}}")
@@ -122,7 +124,7 @@ impl Tensor {
             shape,
             dtype,
             device,
-            requires_grad: requires_grad || grad_fn.is_some(),
+            requires_grad: std::sync::atomic::AtomicBool::new(requires_grad || grad_fn.is_some()),
             grad_fn,
             grad: Mutex::new(None),
         }))
@@ -206,7 +208,21 @@ impl Tensor {
         Ok(self.dims()[crate::shape::normalize_dim("dim", dim, self.rank())?])
     }
     pub fn requires_grad(&self) -> bool {
-        self.0.requires_grad
+        self.0.requires_grad.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Switches gradient recording of this leaf in place, for every handle on it (freezing a
+    /// parameter: the modules keep the same tensor). A frozen parameter's gradient stays absent.
+    /// Tensors produced by an op (with autograd history) cannot be switched.
+    pub fn set_requires_grad(&self, on: bool) -> Result<()> {
+        if self.0.grad_fn.is_some() {
+            return Err(Error::invalid("set_requires_grad", "only leaf tensors (parameters, inputs) can be switched; use detach()"));
+        }
+        if on && !self.dtype().is_float() {
+            return Err(Error::UnsupportedDType { op: "set_requires_grad", dtype: self.dtype(), expected: "a float dtype" });
+        }
+        self.0.requires_grad.store(on, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
     /// A leaf has no producing node (parameters, inputs, detached tensors).
     pub fn is_leaf(&self) -> bool {

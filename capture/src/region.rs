@@ -304,6 +304,8 @@ pub(crate) struct Recording {
     core: Arc<Core>,
     key: Signature,
     fingerprints: Vec<(String, usize, u64)>,
+    /// `requires_grad` of each surface parameter at capture (what the graphs compute gradients for).
+    trainable: Vec<bool>,
     pending: Mutex<Option<Weak<Token>>>,
     bwd_arena: usize,
     device: Device,
@@ -343,6 +345,16 @@ impl Recording {
             }
         }
         None
+    }
+
+    /// Whether a surface parameter was frozen or unfrozen since the capture.
+    fn trainable_changed(&self, surface: &[(String, Tensor, TensorKind)]) -> bool {
+        let now: Vec<bool> = surface.iter().filter(|(_, _, k)| *k == TensorKind::Parameter).map(|(_, t, _)| t.requires_grad()).collect();
+        now != self.trainable
+    }
+
+    fn arena_bytes(&self) -> u64 {
+        (self.fwd.arena_bytes() + lock(&self.bwd).values().map(|g| g.arena_bytes()).sum::<usize>()) as u64
     }
 
     fn nodes(&self) -> u64 {
@@ -501,6 +513,7 @@ impl RegionShared {
         let mut s = lock(&self.stats).clone();
         s.live_recordings = st.recordings.len() as u64;
         s.graph_nodes = st.recordings.iter().map(|r| r.nodes()).sum();
+        s.pool_bytes = st.recordings.iter().map(|r| r.arena_bytes()).sum();
         s
     }
 }
@@ -613,6 +626,13 @@ impl RegionHandle {
         let key = Signature::of(inputs, is_grad_enabled(), st.training, precision);
         if let Some(pos) = st.recordings.iter().position(|r| r.key == key) {
             let rec = st.recordings[pos].clone();
+            if rec.trainable_changed(surface) {
+                st.recordings.remove(pos);
+                st.seen.remove(&key);
+                drop(rec);
+                *lock(&self.shared.stats).retired.entry(RetireReason::Trainable).or_default() += 1;
+                return self.native_with(inputs, body, FallbackReason::Stale);
+            }
             if let Some(buffer) = rec.stale(surface) {
                 st.recordings.remove(pos);
                 st.seen.remove(&key);
@@ -923,12 +943,14 @@ impl RegionHandle {
             s.backward_captures += bwd.len() as u64;
         }
         let fingerprints = surface.iter().map(|(n, t, _)| (n.clone(), t.storage_ptr(), backend.address(t))).collect();
+        let trainable = surface.iter().filter(|(_, _, k)| *k == TensorKind::Parameter).map(|(_, t, _)| t.requires_grad()).collect();
         Ok(Recording {
             fwd,
             bwd: Mutex::new(bwd),
             core,
             key: key.clone(),
             fingerprints,
+            trainable,
             pending: Mutex::new(None),
             bwd_arena: slack(bwd_bytes),
             device,

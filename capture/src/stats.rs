@@ -34,6 +34,8 @@ pub enum RetireReason {
     Storage,
     /// The precision (autocast) changed.
     Precision,
+    /// The set of trainable parameters changed (a parameter was frozen or unfrozen).
+    Trainable,
     /// Released on request.
     Released,
 }
@@ -65,6 +67,9 @@ pub struct RegionStats {
     pub live_recordings: u64,
     /// Nodes of the live recordings' graphs.
     pub graph_nodes: u64,
+    /// Bytes reserved by the live recordings' arenas (their private pools' intermediates).
+    #[serde(default)]
+    pub pool_bytes: u64,
     /// Last warnings (capture failures), newest last, at most 8.
     pub warnings: Vec<String>,
 }

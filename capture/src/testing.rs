@@ -21,6 +21,8 @@ pub struct ReplayNatively {
 
 struct Stored {
     body: Body,
+    /// The arena the recorder asked for (nothing is reserved: the double runs eagerly).
+    arena: usize,
 }
 
 impl Graph for Stored {
@@ -31,7 +33,7 @@ impl Graph for Stored {
         1
     }
     fn arena_bytes(&self) -> usize {
-        0
+        self.arena
     }
 }
 
@@ -48,20 +50,13 @@ impl Backend for ReplayNatively {
     fn measure(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
         f().map(|_| 0)
     }
-    fn record(
-        &self,
-        _region: &str,
-        _device: Device,
-        _arena_bytes: usize,
-        _pool: Option<&PoolHandle>,
-        body: Body,
-    ) -> Result<Box<dyn Graph>> {
+    fn record(&self, _region: &str, _device: Device, arena_bytes: usize, _pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>> {
         let mut f = self.fail_next.lock().unwrap_or_else(|e| e.into_inner());
         if !f.is_empty() {
             return Err(f.remove(0));
         }
         self.records.fetch_add(1, Ordering::Relaxed);
-        Ok(Box::new(Stored { body }))
+        Ok(Box::new(Stored { body, arena: arena_bytes }))
     }
     fn address(&self, t: &Tensor) -> u64 {
         t.storage_ptr() as u64

@@ -196,6 +196,14 @@ pub struct PoseModel {
     pub save: Vec<usize>,
     pub device: Device,
     training: bool,
+    /// Identity of the current head (changes with [`PoseModel::replace_head`]).
+    head_id: u64,
+}
+
+/// A fresh head identity.
+fn next_head_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Eval-mode output.
@@ -297,12 +305,49 @@ impl PoseModel {
             }
         }
         save.sort_unstable();
-        Ok(PoseModel { config, layers, save, device, training: true })
+        Ok(PoseModel { config, layers, save, device, training: true, head_id: next_head_id() })
     }
 
     /// All layers, `model.0` … `model.23` (the last one is the `Pose26` head).
     pub fn layers(&self) -> &[Layer] {
         &self.layers
+    }
+
+    /// Identity of the current head: it changes whenever the head is replaced, so that anything
+    /// recorded against the old head (e.g. a replay plugin's recordings) knows to let go.
+    pub fn head_id(&self) -> u64 {
+        self.head_id
+    }
+
+    /// Swaps in `head` (e.g. for another number of keypoints: see [`PoseModel::rehead`]) and
+    /// returns the old one. Its input channels and strides must match the neck's.
+    pub fn replace_head(&mut self, mut head: Pose26) -> Result<Pose26> {
+        let cur = self.head();
+        if head.ch != cur.ch || head.strides != cur.strides {
+            return Err(HeadsError::Config(format!(
+                "replace_head: the new head reads channels {:?} at strides {:?}, the neck gives {:?} at {:?}",
+                head.ch, head.strides, cur.ch, cur.strides
+            )));
+        }
+        head.set_training(self.training);
+        let last = self.layers.last_mut().ok_or_else(|| HeadsError::Config("model without layers".into()))?;
+        let old = match std::mem::replace(&mut last.kind, LayerKind::Pose(Box::new(head))) {
+            LayerKind::Pose(h) => *h,
+            _ => return Err(HeadsError::Config("the last layer was not the head".into())),
+        };
+        self.config.nc = self.head().nc;
+        self.config.kpt_shape = self.head().kpt_shape;
+        self.head_id = next_head_id();
+        Ok(old)
+    }
+
+    /// Replaces the head by a freshly initialised one for `nc` classes and `kpt_shape`
+    /// keypoints (drawn from `seed`), returning the old head.
+    pub fn rehead(&mut self, nc: usize, kpt_shape: (usize, usize), seed: u64) -> Result<Pose26> {
+        let (ch, strides) = (self.head().ch.clone(), self.head().strides.clone());
+        let mut rng = Rng::new(seed);
+        let head = Pose26::new(nc, kpt_shape, &ch, &strides, &mut Init { rng: &mut rng, device: self.device })?;
+        self.replace_head(head)
     }
 
     /// The `Pose26` head.

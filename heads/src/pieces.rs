@@ -159,6 +159,17 @@ impl PoseModel {
         self.head().forward_with(&feats, runner)
     }
 
+    /// Freezes (`false`) or unfreezes (`true`) the parameters of `piece` in place: frozen
+    /// parameters receive no gradient (absent, not zero) and the optimizer skips them.
+    pub fn set_piece_trainable(&self, piece: Piece, trainable: bool) -> Result<()> {
+        for (_, t, k) in self.piece_surface(piece) {
+            if k == TensorKind::Parameter {
+                t.set_requires_grad(trainable)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The parameters and buffers `piece` reads, with their state-dict names, in a stable order
     /// (what a recorder fingerprints and snapshots).
     pub fn piece_surface(&self, piece: Piece) -> Vec<(String, Tensor, TensorKind)> {

@@ -2,7 +2,7 @@
 
 use ptl_autograd::{Tensor, TensorKind};
 use ptl_capture::RecorderConfig;
-use ptl_heads::{Piece, PieceBody};
+use ptl_heads::{Piece, PieceBody, PoseModel};
 use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin};
 
 use crate::PieceRegions;
@@ -12,13 +12,15 @@ use crate::PieceRegions;
 #[derive(Clone)]
 pub struct FeaturePlugin {
     regions: PieceRegions,
+    /// The trunk has frozen parameters: this fit runs it natively.
+    trunk_frozen: bool,
 }
 
 impl FeaturePlugin {
     pub const NAME: &'static str = "feature";
 
     pub fn new(config: RecorderConfig) -> FeaturePlugin {
-        FeaturePlugin { regions: PieceRegions::new(config) }
+        FeaturePlugin { regions: PieceRegions::new(config), trunk_frozen: false }
     }
 
     /// Counters of the trunk region.
@@ -62,19 +64,26 @@ impl ReplayPlugin for FeaturePlugin {
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
         self.regions.start(ctx.config.device);
+        let surface = ctx.model.piece_surface(Piece::Trunk);
+        let frozen = surface.iter().filter(|(_, t, k)| *k == TensorKind::Parameter && !t.requires_grad()).count();
+        self.trunk_frozen = frozen > 0;
+        if self.trunk_frozen {
+            eprintln!("ptl: feature replay: {frozen} trunk parameters are frozen (freeze=…): the trunk runs natively for this whole fit");
+        }
         Ok(())
     }
     fn claims(&self, piece: Piece) -> bool {
-        piece == Piece::Trunk
+        piece == Piece::Trunk && !self.trunk_frozen
     }
     fn run_piece(
         &self,
+        model: &PoseModel,
         piece: Piece,
         inputs: &[Tensor],
         surface: &[(String, Tensor, TensorKind)],
         body: &PieceBody<'_>,
     ) -> ptl_heads::Result<Vec<Tensor>> {
-        self.regions.run(piece, inputs, surface, body)
+        self.regions.run(model, piece, inputs, surface, body)
     }
     fn on_fit_end(&self) {
         self.regions.release();

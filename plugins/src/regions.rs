@@ -13,6 +13,8 @@ pub struct PieceRegions {
     config: RecorderConfig,
     recorder: Option<Recorder>,
     regions: Mutex<BTreeMap<Piece, Arc<RegionHandle>>>,
+    /// The model head the recordings were made against ([`ptl_heads::PoseModel::head_id`]).
+    head: Mutex<Option<u64>>,
 }
 
 impl Clone for PieceRegions {
@@ -23,7 +25,7 @@ impl Clone for PieceRegions {
 
 impl PieceRegions {
     pub fn new(config: RecorderConfig) -> PieceRegions {
-        PieceRegions { config, recorder: None, regions: Mutex::new(BTreeMap::new()) }
+        PieceRegions { config, recorder: None, regions: Mutex::new(BTreeMap::new()), head: Mutex::new(None) }
     }
 
     /// The recorder configuration (what a checkpoint keeps).
@@ -47,9 +49,12 @@ impl PieceRegions {
         self.recorder = Some(recorder);
     }
 
-    /// Runs `piece` through its region (created on first use).
+    /// Runs `piece` of `model` through its region (created on first use). A replaced head
+    /// (another [`ptl_heads::PoseModel::head_id`]) first retires every recording — the trunk's
+    /// (the parent the stems hang off) and the old stems' — and releases their pools.
     pub fn run(
         &self,
+        model: &ptl_heads::PoseModel,
         piece: Piece,
         inputs: &[Tensor],
         surface: &[(String, Tensor, TensorKind)],
@@ -58,12 +63,28 @@ impl PieceRegions {
         let Some(recorder) = &self.recorder else {
             return body(inputs); // not started (a plugin used outside a fit): native
         };
+        {
+            let mut head = self.head.lock().unwrap_or_else(|e| e.into_inner());
+            if head.is_some_and(|h| h != model.head_id()) {
+                self.release_recordings();
+            }
+            *head = Some(model.head_id());
+        }
         let region = {
             let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
             regions.entry(piece).or_insert_with(|| Arc::new(recorder.region(RegionSpec::per_call(piece.name())))).clone()
         };
         let body = |xs: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> { body(xs).map_err(to_tensor_error) };
         region.call_with(inputs, surface, &body).map_err(|e| HeadsError::Runner { piece: piece.name(), msg: e.to_string() })
+    }
+
+    /// Retires every recording (counted as released; the regions and their counters stay).
+    fn release_recordings(&self) {
+        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        for r in regions.values() {
+            r.discard_pending();
+            r.release();
+        }
     }
 
     /// Drops every recording (and its pool) and forgets pending backwards.

@@ -2,7 +2,7 @@
 
 use ptl_autograd::{Tensor, TensorKind};
 use ptl_capture::RecorderConfig;
-use ptl_heads::{Piece, PieceBody};
+use ptl_heads::{Piece, PieceBody, PoseModel};
 use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin};
 
 use crate::feature::parse_config;
@@ -42,12 +42,13 @@ impl ReplayPlugin for StemPlugin {
     }
     fn run_piece(
         &self,
+        model: &PoseModel,
         piece: Piece,
         inputs: &[Tensor],
         surface: &[(String, Tensor, TensorKind)],
         body: &PieceBody<'_>,
     ) -> ptl_heads::Result<Vec<Tensor>> {
-        self.regions.run(piece, inputs, surface, body)
+        self.regions.run(model, piece, inputs, surface, body)
     }
     fn on_fit_end(&self) {
         self.regions.release();

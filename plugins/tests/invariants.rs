@@ -18,7 +18,7 @@ struct Through<'a> {
 
 impl PieceRunner for Through<'_> {
     fn run(&self, piece: Piece, inputs: &[Tensor], body: &PieceBody<'_>) -> ptl_heads::Result<Vec<Tensor>> {
-        self.regions.run(piece, inputs, &self.model.piece_surface(piece), body)
+        self.regions.run(self.model, piece, inputs, &self.model.piece_surface(piece), body)
     }
 }
 
@@ -166,4 +166,127 @@ fn a_failed_fit_leaves_nothing_for_the_next_one() {
     assert!(fit(&bad, vec![]).is_err());
     let s = fit(&tiny("after"), vec![]).expect("the next fit");
     assert!(replayed_every_step(&s, "stem", 6), "a clean start: {:?}", s.replay_counters);
+}
+
+#[test]
+fn replacing_the_head_retires_the_trunk_and_the_old_stems() {
+    let mut m = model();
+    let regions = started();
+    for _ in 0..3 {
+        step(&m, &regions, &image(2));
+    }
+    let pools = |r: &PieceRegions| r.stats().iter().map(|(_, s)| s.pool_bytes).sum::<u64>();
+    let before = pools(&regions);
+    assert!(before > 0, "live recordings hold pools");
+    let old = m.rehead(1, (5, 3), 9).expect("re-head to 5 keypoints");
+    assert_eq!(old.kpt_shape, (17, 3));
+    assert_eq!(m.head().kpt_shape, (5, 3));
+    // The next forward with the new head: every old recording goes before anything replays.
+    let out = step(&m, &regions, &image(2));
+    assert_eq!(out.one2many.kpts.dims()[1], 15);
+    let stats = regions.stats();
+    let (_, trunk) = stats.iter().find(|(p, _)| *p == Piece::Trunk).expect("trunk");
+    assert_eq!(trunk.retired_for(ptl_capture::RetireReason::Released), 1, "the parent feature recording retired: {trunk:?}");
+    assert!(stats.iter().all(|(_, s)| s.live_recordings == 0), "no recording survives a new head");
+    assert_eq!(pools(&regions), 0, "their pools were released ({before} bytes before)");
+    for _ in 0..2 {
+        step(&m, &regions, &image(2));
+    }
+    assert!(regions.stats().iter().all(|(_, s)| s.live_recordings == 1), "recorded again against the new head");
+}
+
+#[test]
+fn freezing_one_stem_retires_only_its_recording() {
+    let m = model();
+    let regions = started();
+    for _ in 0..3 {
+        step(&m, &regions, &image(2));
+    }
+    let frozen = Piece::Stem { branch: Branch::OneToMany, level: 1, kind: StemKind::Class };
+    m.set_piece_trainable(frozen, false).expect("freeze one stem");
+    step(&m, &regions, &image(2));
+    for (p, s) in regions.stats() {
+        let trainable_retired = s.retired_for(ptl_capture::RetireReason::Trainable);
+        assert_eq!(trainable_retired, (p == frozen) as u64, "{p}: {s:?}");
+    }
+    let w = &m.piece_surface(frozen)[0].1;
+    assert!(w.grad().is_none() || !w.requires_grad(), "a frozen parameter gets no new gradient");
+}
+
+#[test]
+fn a_frozen_trunk_runs_natively_for_the_whole_fit_and_frozen_layers_do_not_move() {
+    let cfg = PoseTrainConfig { freeze: (0..23).collect(), ..tiny("frozen") };
+    let native = fit(&PoseTrainConfig { replay: vec![], ..cfg.clone() }, vec![]).expect("native frozen fit");
+    let replayed = fit(&cfg, vec![]).expect("replayed frozen fit");
+    assert_eq!(native.hashes, replayed.hashes);
+    assert!(
+        replayed.replay_counters.get("feature").is_none_or(|c| c.as_object().is_none_or(|m| m.is_empty())),
+        "the trunk was never recorded"
+    );
+    assert!(replayed_every_step(&replayed, "stem", 6), "the stems still replay: {:?}", replayed.replay_counters);
+    // The frozen trunk kept its initial weights.
+    let initial = model_with_seed(11);
+    let ck = ptl_trainer::fit::load_checkpoint(&cfg.save_dir.join("weights/last.ckpt"), Device::Cpu).expect("checkpoint");
+    let trained = ck.part("model");
+    for (name, t, _) in initial.piece_surface(Piece::Trunk).into_iter().filter(|(_, _, k)| *k == ptl_autograd::TensorKind::Parameter) {
+        assert_eq!(t.to_bytes().unwrap(), trained[&name].to_bytes().unwrap(), "{name} moved although frozen");
+    }
+}
+
+fn model_with_seed(seed: u64) -> PoseModel {
+    PoseModel::new(ModelConfig { nc: 1, kpt_shape: (17, 3), scale: Scale::N }, Device::Cpu, seed).expect("model")
+}
+
+/// Gradients of every parameter: `None` where absent.
+fn grads(m: &PoseModel) -> Vec<(String, Option<Vec<u8>>)> {
+    ptl_autograd::module::named_parameters(m).into_iter().map(|(n, p)| (n, p.grad().map(|g| g.to_bytes().unwrap()))).collect()
+}
+
+fn clear_grads(m: &PoseModel) {
+    for (_, p) in ptl_autograd::module::named_parameters(m) {
+        p.set_grad(None);
+    }
+}
+
+/// One step whose objective reads the point outputs only when `with_points`.
+fn changing_supervision_step(m: &PoseModel, runner: &dyn PieceRunner, x: &Tensor, with_points: bool) {
+    let out = m.forward_with(x, runner).expect("forward");
+    let mut total = out.one2many.boxes.sum_all().unwrap().add(&out.one2many.scores.sum_all().unwrap()).unwrap();
+    total = total.add(&out.one2one.boxes.sum_all().unwrap()).unwrap();
+    if with_points {
+        total = total.add(&out.one2many.kpts.sum_all().unwrap()).unwrap();
+        total = total.add(&out.one2one.kpts_sigma.as_ref().unwrap().sum_all().unwrap()).unwrap();
+    }
+    total.backward().unwrap();
+}
+
+#[test]
+fn unread_point_outputs_leave_point_gradients_absent_as_natively() {
+    let (native_m, replay_m) = (model(), model());
+    let regions = started();
+    let through = Through { regions: &regions, model: &replay_m };
+    let x = image(2);
+    for (i, with_points) in [true, true, false, true, false, false].into_iter().enumerate() {
+        clear_grads(&native_m);
+        clear_grads(&replay_m);
+        changing_supervision_step(&native_m, &ptl_heads::NativeRunner, &x, with_points);
+        changing_supervision_step(&replay_m, &through, &x, with_points);
+        let (gn, gr) = (grads(&native_m), grads(&replay_m));
+        let differ: Vec<(&String, bool, bool)> =
+            gn.iter().zip(&gr).filter(|(a, b)| a.1 != b.1).map(|(a, b)| (&a.0, a.1.is_some(), b.1.is_some())).collect();
+        assert!(
+            differ.is_empty(),
+            "step {i}: gradients (and their absence) equal native; differ (name, native has, replay has): {differ:?}"
+        );
+        let point_params: Vec<&(String, Option<Vec<u8>>)> = gr.iter().filter(|(n, _)| n.contains("cv4")).collect();
+        if with_points {
+            assert!(point_params.iter().any(|(_, g)| g.is_some()));
+        } else {
+            assert!(point_params.iter().all(|(_, g)| g.is_none()), "step {i}: no point backward ran, point gradients stay absent");
+        }
+    }
+    let stats = regions.stats();
+    let point =
+        stats.iter().find(|(p, _)| matches!(p, Piece::Stem { kind: StemKind::Point, branch: Branch::OneToMany, level: 0 })).unwrap();
+    assert!(point.1.replays >= 4, "the point stems replayed through the changing supervision: {:?}", point.1);
 }

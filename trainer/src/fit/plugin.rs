@@ -71,16 +71,17 @@ pub trait ReplayPlugin: DynClone + Send {
         let _ = piece;
         false
     }
-    /// Runs a claimed piece: must return what `body(inputs)` returns (natively or by replay).
-    /// `surface` is what the body reads (the model's parameters and buffers of the piece).
+    /// Runs a claimed piece of `model`: must return what `body(inputs)` returns (natively or by
+    /// replay). `surface` is what the body reads (the model's parameters and buffers of the piece).
     fn run_piece(
         &self,
+        model: &PoseModel,
         piece: Piece,
         inputs: &[Tensor],
         surface: &[(String, Tensor, TensorKind)],
         body: &PieceBody<'_>,
     ) -> ptl_heads::Result<Vec<Tensor>> {
-        let _ = (piece, surface);
+        let _ = (model, piece, surface);
         body(inputs)
     }
     /// Runs a stage. `next` performs the stage (natively or through the next plugin) and must be
@@ -268,7 +269,7 @@ pub struct StackRunner<'a> {
 impl PieceRunner for StackRunner<'_> {
     fn run(&self, piece: Piece, inputs: &[Tensor], body: &PieceBody<'_>) -> ptl_heads::Result<Vec<Tensor>> {
         match self.stack.claimant(piece) {
-            Some(p) => p.run_piece(piece, inputs, &self.model.piece_surface(piece), body),
+            Some(p) => p.run_piece(self.model, piece, inputs, &self.model.piece_surface(piece), body),
             None => body(inputs),
         }
     }

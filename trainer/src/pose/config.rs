@@ -107,6 +107,9 @@ pub struct PoseTrainConfig {
     /// Train into an existing `save_dir` (the CLI's numbering is off).
     #[serde(default)]
     pub exist_ok: bool,
+    /// Layers whose parameters are frozen (Ultralytics' `freeze`: `freeze=N` is layers 0…N−1,
+    /// `freeze=0,3,5` a list); empty: nothing frozen.
+    pub freeze: Vec<usize>,
     /// Resume from this checkpoint.
     pub resume: Option<PathBuf>,
     /// Replay plugins to enable, by registered name (empty: native, the default).
@@ -167,6 +170,7 @@ impl Default for PoseTrainConfig {
             inject_loader_panic_at: None,
             save_dir: PathBuf::from("runs/pose/train"),
             exist_ok: false,
+            freeze: Vec::new(),
             resume: None,
             replay: Vec::new(),
             replay_config: serde_json::Map::new(),
@@ -238,6 +242,16 @@ impl PoseTrainConfig {
                     .map_err(|e| bad(format!("`replay_config={value}`: expected a JSON object of plugin name → settings ({e})")))?
             }
             "exist_ok" => self.exist_ok = boolean(value)?,
+            "freeze" => {
+                let v = value.trim().trim_start_matches('[').trim_end_matches(']');
+                self.freeze = if v.is_empty() || v.eq_ignore_ascii_case("none") {
+                    Vec::new()
+                } else if !v.contains(',') {
+                    (0..int(v)?).collect()
+                } else {
+                    v.split(',').map(|s| int(s.trim())).collect::<Result<Vec<_>>>()?
+                };
+            }
             _ => return Err(bad(format!("unknown key `{key}` (`ptl cfg` lists every key with its default)"))),
         }
         Ok(())
@@ -320,6 +334,7 @@ impl PoseTrainConfig {
             ("max_batches", "all".into(), "stop each epoch after this many batches (quick runs)"),
             ("project", d.save_dir.display().to_string(), "output folder (alias save_dir); an existing one gets a numbered sibling"),
             ("exist_ok", d.exist_ok.to_string(), "train into an existing project folder instead of a new numbered one"),
+            ("freeze", "none".into(), "freeze layers: N = layers 0…N−1, or a list 0,3,5 (frozen parameters get no gradient)"),
             ("resume", "none".into(), "continue from a checkpoint (its settings are restored; only machine keys may change)"),
             ("plots", d.plots.to_string(), "draw results.png and validation predictions at the end"),
             ("gpu_time", d.gpu_time.to_string(), "trace 16 steps with CUPTI for the GPU time per step (CUDA)"),

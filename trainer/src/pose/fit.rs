@@ -498,6 +498,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let nkpt = train_ds.nkpt();
     let mcfg = ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale: Scale::parse(&cfg.scale)? };
     let model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
+    freeze_layers(&model, &cfg.freeze)?;
     let mut ema_model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
     ema_model.set_training(false);
 
@@ -829,4 +830,29 @@ fn stage_profile(samples: &[[f64; 7]]) -> Option<StageProfile> {
         optimizer_ms: median(5),
         ema_ms: median(6),
     })
+}
+
+/// Freezes the parameters of `layers` (Ultralytics' `freeze`): they keep `requires_grad = false`
+/// for the whole run, receive no gradient and are skipped by the optimizer.
+fn freeze_layers(model: &PoseModel, layers: &[usize]) -> Result<()> {
+    if layers.is_empty() {
+        return Ok(());
+    }
+    let n_layers = model.layers().len();
+    if let Some(bad) = layers.iter().find(|&&i| i >= n_layers) {
+        return Err(TrainerError::InvalidArgument {
+            what: "freeze",
+            reason: format!("layer {bad} does not exist (the model has layers 0…{})", n_layers - 1),
+        });
+    }
+    let prefixes: Vec<String> = layers.iter().map(|i| format!("model.{i}.")).collect();
+    let mut frozen = 0;
+    for (name, p) in module::named_parameters(model) {
+        if prefixes.iter().any(|pre| name.starts_with(pre)) {
+            p.set_requires_grad(false)?;
+            frozen += 1;
+        }
+    }
+    eprintln!("ptl: freeze: {frozen} parameters of layers {layers:?} are frozen");
+    Ok(())
 }
