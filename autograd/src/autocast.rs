@@ -18,15 +18,23 @@ pub fn autocast_dtype() -> Option<DType> {
 
 /// Runs `f` with `dtype` (F16 or BF16; `None` disables) as the compute dtype of conv/matmul.
 pub fn autocast<R>(dtype: Option<DType>, f: impl FnOnce() -> R) -> R {
-    let prev = AUTOCAST.with(|a| a.replace(dtype));
-    struct Restore(Option<DType>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            AUTOCAST.with(|a| a.set(self.0));
-        }
-    }
-    let _restore = Restore(prev);
+    let _restore = AutocastGuard::new(dtype);
     f()
+}
+
+/// Sets the autocast dtype of this thread until dropped (then the previous one comes back).
+pub struct AutocastGuard(Option<DType>);
+
+impl AutocastGuard {
+    pub fn new(dtype: Option<DType>) -> AutocastGuard {
+        AutocastGuard(AUTOCAST.with(|a| a.replace(dtype)))
+    }
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        AUTOCAST.with(|a| a.set(self.0));
+    }
 }
 
 /// Casts an f32 operand to the autocast dtype when autocast is active.

@@ -39,7 +39,7 @@ pub mod shape;
 pub mod storage;
 pub mod tensor;
 
-pub use autocast::{autocast, autocast_dtype};
+pub use autocast::{autocast, autocast_dtype, AutocastGuard};
 pub use autograd::{attach_custom_node, is_grad_enabled, no_grad, BackwardOp, GradModeGuard};
 pub use cpu::CpuStorage;
 pub use device::Device;

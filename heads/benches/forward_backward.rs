@@ -10,8 +10,9 @@
 use std::time::Instant;
 
 use ptl_autograd::module::{named_parameters, zero_grad};
+use ptl_autograd::AutocastGuard;
 use ptl_autograd::{DType, Device, Rng, Tensor};
-use ptl_heads::{AutocastGuard, ModelConfig, PoseModel};
+use ptl_heads::{ModelConfig, PoseModel};
 
 struct Args {
     device: Device,

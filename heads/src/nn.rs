@@ -36,46 +36,10 @@ pub fn xavier_uniform(shape: &[usize], fan_in: usize, fan_out: usize, gain: f64,
     uniform(shape, gain * (6.0 / (fan_in + fan_out) as f64).sqrt(), device, rng)
 }
 
-thread_local! {
-    static AUTOCAST: std::cell::Cell<Option<DType>> = const { std::cell::Cell::new(None) };
-}
-
-/// The autocast compute dtype of this thread (`None`: run in the tensors' own dtype).
-pub fn autocast_dtype() -> Option<DType> {
-    AUTOCAST.with(|a| a.get())
-}
-
-/// Restores the previous autocast mode when dropped.
-pub struct AutocastGuard(Option<DType>);
-
-impl AutocastGuard {
-    /// Sets the autocast dtype (e.g. `Some(DType::BF16)`) for this thread until dropped.
-    pub fn new(dtype: Option<DType>) -> Self {
-        AutocastGuard(AUTOCAST.with(|a| a.replace(dtype)))
-    }
-}
-
-impl Drop for AutocastGuard {
-    fn drop(&mut self) {
-        AUTOCAST.with(|a| a.set(self.0));
-    }
-}
-
-/// Runs `f` with autocast-style mixed precision, like `torch.autocast(dtype=…)`: convolutions
-/// and attention matmuls take their operands in `dtype` (f32 master weights are cast at use,
-/// gradients flow back to them in f32) and return float32 activations; BatchNorm, activations,
-/// residual adds, softmax and the flow stay in float32.
-pub fn autocast<R>(dtype: DType, f: impl FnOnce() -> R) -> R {
-    let _g = AutocastGuard::new(Some(dtype));
-    f()
-}
-
-/// Matmul under the current autocast mode (operands cast to the autocast dtype, f32 result).
+/// Matmul of the attention blocks. Mixed precision is `ptl_autograd::autocast`'s (as
+/// `torch.autocast`: operands and result in the compute dtype); the model has no mode of its own.
 pub(crate) fn matmul_ac(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    match autocast_dtype() {
-        Some(d) if d != a.dtype() => Ok(a.to_dtype(d)?.matmul(&b.to_dtype(d)?)?.to_dtype(a.dtype())?),
-        _ => Ok(a.matmul(b)?),
-    }
+    Ok(a.matmul(b)?)
 }
 
 /// Casts a parameter to the activation dtype when they differ (autocast-style execution: f32
@@ -120,16 +84,7 @@ impl Conv2d {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (s, p) = ((self.stride, self.stride), (self.padding, self.padding));
-        if let Some(d) = autocast_dtype() {
-            if d != x.dtype() {
-                // Autocast: low-precision operands, result back in the activation dtype.
-                let y = x.to_dtype(d)?.conv2d(&self.weight.to_dtype(d)?, None, s, p, self.groups)?.to_dtype(x.dtype())?;
-                return match &self.bias {
-                    Some(b) => Ok(y.add(&cast_like(b, &y)?.reshape(vec![1, b.numel(), 1, 1])?)?),
-                    None => Ok(y),
-                };
-            }
-        }
+        // Under `ptl_autograd::autocast` the convolution itself casts to the compute dtype.
         let w = cast_like(&self.weight, x)?;
         let b = match &self.bias {
             Some(b) => Some(cast_like(b, x)?),

@@ -25,7 +25,7 @@ fn check_train_forward(device: Device, compute: DType, tol: f64) {
     let g = load(&dir, "forward.safetensors", device);
     let gl = load(&dir, "forward_layers.safetensors", device);
     let x = get(&g, "input").clone();
-    let _ac = ptl_heads::nn::AutocastGuard::new(if compute == DType::F32 { None } else { Some(compute) });
+    let _ac = ptl_autograd::AutocastGuard::new(if compute == DType::F32 { None } else { Some(compute) });
     let mut layer_out: Vec<(usize, Tensor)> = Vec::new();
     let feats = model
         .forward_features_with(&x, &mut |i, t| {
@@ -97,7 +97,7 @@ fn check_eval_forward(device: Device, compute: DType, tol: f64) {
     let mut model = golden_model(&dir, device);
     let g = load(&dir, "forward.safetensors", device);
     let x = get(&g, "input").clone();
-    let _ac = ptl_heads::nn::AutocastGuard::new(if compute == DType::F32 { None } else { Some(compute) });
+    let _ac = ptl_autograd::AutocastGuard::new(if compute == DType::F32 { None } else { Some(compute) });
     model.set_training(false);
     let f32_ = |t: &Tensor| t.to_dtype(DType::F32).expect("f32");
     let mut r = Report::default();
@@ -184,7 +184,7 @@ fn check_head_on_golden_feats(device: Device, compute: DType, tol: f64) {
     let model = golden_model(&dir, device);
     let g = load(&dir, "forward.safetensors", device);
     let feats: Vec<Tensor> = (0..3).map(|i| get(&g, &format!("train.feats.{i}")).clone()).collect();
-    let _ac = ptl_heads::nn::AutocastGuard::new(if compute == DType::F32 { None } else { Some(compute) });
+    let _ac = ptl_autograd::AutocastGuard::new(if compute == DType::F32 { None } else { Some(compute) });
     let out = model.head().forward(&feats).expect("head");
     let f32_ = |t: &Tensor| t.to_dtype(DType::F32).expect("f32");
     let mut r = Report::default();
