@@ -33,6 +33,11 @@ impl FeaturePlugin {
 /// defaults — one recording per region, so a temporary shape (the last partial batch, another
 /// image size) runs natively and replay resumes on the recorded shape.
 pub(crate) fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::Result<RecorderConfig> {
+    let mut cfg = cfg.clone();
+    if let Some(m) = cfg.as_object_mut() {
+        m.remove("inject_capture_failures");
+    }
+    let cfg = &cfg;
     let mut merged = serde_json::to_value(plugin_defaults()).unwrap_or_default();
     if let (Some(m), Some(given)) = (merged.as_object_mut(), cfg.as_object()) {
         for (k, v) in given {
@@ -48,6 +53,11 @@ pub(crate) fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::
         what: "replay_config",
         reason: format!("`{name}`: {e} (fields of ptl_capture::RecorderConfig: enabled, warmup_calls, warmup_iters, max_recordings, …)"),
     })
+}
+
+/// `inject_capture_failures` of a plugin configuration (a test hook: that many captures fail).
+pub(crate) fn injected_failures(cfg: &serde_json::Value) -> usize {
+    cfg["inject_capture_failures"].as_u64().unwrap_or(0) as usize
 }
 
 /// Recorder defaults of the replay plugins.
@@ -106,5 +116,12 @@ impl ReplayPlugin for FeaturePlugin {
 }
 
 inventory::submit! {
-    PluginRegistration { name: FeaturePlugin::NAME, create: |cfg| Ok(Box::new(FeaturePlugin::new(parse_config(FeaturePlugin::NAME, cfg)?))) }
+    PluginRegistration {
+        name: FeaturePlugin::NAME,
+        create: |cfg| {
+            let mut p = FeaturePlugin::new(parse_config(FeaturePlugin::NAME, cfg)?);
+            p.regions.inject_capture_failures(injected_failures(cfg));
+            Ok(Box::new(p))
+        },
+    }
 }

@@ -11,6 +11,8 @@ use ptl_heads::{HeadsError, Piece, PieceBody};
 /// same configuration and no region or recording (checkpoints and clones never carry graphs).
 pub struct PieceRegions {
     config: RecorderConfig,
+    /// Test hook: the first N captures fail (CPU test double only), to exercise fallbacks.
+    inject_capture_failures: usize,
     recorder: Option<Recorder>,
     regions: Mutex<BTreeMap<Piece, Arc<RegionHandle>>>,
     /// The model head the recordings were made against ([`ptl_heads::PoseModel::head_id`]).
@@ -19,18 +21,24 @@ pub struct PieceRegions {
 
 impl Clone for PieceRegions {
     fn clone(&self) -> Self {
-        PieceRegions::new(self.config.clone())
+        PieceRegions { inject_capture_failures: self.inject_capture_failures, ..PieceRegions::new(self.config.clone()) }
     }
 }
 
 impl PieceRegions {
     pub fn new(config: RecorderConfig) -> PieceRegions {
-        PieceRegions { config, recorder: None, regions: Mutex::new(BTreeMap::new()), head: Mutex::new(None) }
+        PieceRegions { config, inject_capture_failures: 0, recorder: None, regions: Mutex::new(BTreeMap::new()), head: Mutex::new(None) }
     }
 
     /// The recorder configuration (what a checkpoint keeps).
     pub fn config(&self) -> &RecorderConfig {
         &self.config
+    }
+
+    /// Makes the first `n` captures of the next fit fail (on the CPU test double).
+    #[doc(hidden)]
+    pub fn inject_capture_failures(&mut self, n: usize) {
+        self.inject_capture_failures = n;
     }
 
     /// Replaces the configuration (before [`PieceRegions::start`]).
@@ -44,7 +52,15 @@ impl PieceRegions {
         let recorder = match device {
             #[cfg(feature = "cuda")]
             Device::Cuda(_) => Recorder::cuda(self.config.clone()),
-            _ => Recorder::with_backend(self.config.clone(), Arc::new(ptl_capture::testing::ReplayNatively::default())),
+            _ => {
+                let double = ptl_capture::testing::ReplayNatively::default();
+                let failures = (0..self.inject_capture_failures).map(|i| ptl_capture::CaptureError::Region {
+                    region: "injected".into(),
+                    msg: format!("injected capture failure {}", i + 1),
+                });
+                double.fail_next.lock().unwrap_or_else(|e| e.into_inner()).extend(failures);
+                Recorder::with_backend(self.config.clone(), Arc::new(double))
+            }
         };
         self.recorder = Some(recorder);
     }

@@ -5,7 +5,7 @@ use ptl_capture::RecorderConfig;
 use ptl_heads::{Piece, PieceBody, PoseModel};
 use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin};
 
-use crate::feature::parse_config;
+use crate::feature::{injected_failures, parse_config};
 use crate::PieceRegions;
 
 /// `replay=stem`. Each stem has its own signature (the one-to-many stems read features that
@@ -71,5 +71,12 @@ impl ReplayPlugin for StemPlugin {
 }
 
 inventory::submit! {
-    PluginRegistration { name: StemPlugin::NAME, create: |cfg| Ok(Box::new(StemPlugin::new(parse_config(StemPlugin::NAME, cfg)?))) }
+    PluginRegistration {
+        name: StemPlugin::NAME,
+        create: |cfg| {
+            let mut p = StemPlugin::new(parse_config(StemPlugin::NAME, cfg)?);
+            p.regions.inject_capture_failures(injected_failures(cfg));
+            Ok(Box::new(p))
+        },
+    }
 }

@@ -91,3 +91,27 @@ fn bad_replay_configuration_is_a_typed_error() {
     let e = fit(&tiny("unknown", &["nope"]), vec![]).expect_err("unknown plugin");
     assert!(e.to_string().contains("no replay plugin named `nope`") && e.to_string().contains("stem"), "{e}");
 }
+
+#[test]
+fn an_injected_capture_failure_falls_back_to_native_and_changes_no_byte() {
+    let native = fit(&tiny("fail-native", &[]), vec![]).expect("native");
+    let mut cfg = tiny("fail-replay", &["feature", "stem"]);
+    cfg.set("replay_config", r#"{"stem": {"inject_capture_failures": 2}}"#).expect("config");
+    let s = fit(&cfg, vec![]).expect("a capture failure is not a fit failure");
+    assert_eq!(s.hashes, native.hashes, "the failed regions ran natively, bytes unchanged");
+    let stems = s.replay_counters["stem"].as_object().expect("stem counters");
+    let failed: Vec<&String> =
+        stems.iter().filter(|(_, st)| st["native"]["CaptureFailed"].as_u64().unwrap_or(0) > 0).map(|(n, _)| n).collect();
+    assert_eq!(failed.len(), 2, "exactly the two injected failures: {failed:?}");
+    for name in &failed {
+        let st = &stems[name.as_str()];
+        assert_eq!(st["replays"], 0, "{name}: no recording after the failure");
+        assert!(
+            st["warnings"].as_array().is_some_and(|w| w.iter().any(|m| m.as_str().is_some_and(|m| m.contains(name.as_str())))),
+            "{name}: warned: {st}"
+        );
+    }
+    assert_replayed(&s, "feature", 1, 6);
+    let replaying = stems.values().filter(|st| st["replays"].as_u64().unwrap_or(0) >= 5).count();
+    assert_eq!(replaying, 16, "the other stems still replay");
+}

@@ -68,7 +68,22 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let pack = root.join("device-pack");
     let artifacts = crate::artifacts::build(
         "device-pack",
-        &["-p", "ptl-autograd", "-p", "ptl-data", "-p", "ptl-capture", "-p", "ptl-trainer", "--features", "cuda", "--tests", "--benches"],
+        &[
+            "-p",
+            "ptl-autograd",
+            "-p",
+            "ptl-data",
+            "-p",
+            "ptl-capture",
+            "-p",
+            "ptl-trainer",
+            "-p",
+            "ptl-plugins",
+            "--features",
+            "cuda",
+            "--tests",
+            "--benches",
+        ],
         args,
     )?;
     let _ = std::fs::remove_dir_all(&pack);
