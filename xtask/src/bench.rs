@@ -25,7 +25,8 @@ const HELP: &str = "usage: cargo xtask bench [options]            run the benchm
        cargo xtask bench --pack [options]     write bench-pack/ for the GPU machine: `bash bench-pack/run.sh [options]`
        cargo xtask bench --report DIR...      merge the runs.jsonl of earlier calls into one table
 options:
-  --arms A,B         ptl arms: native (default), workers0 (batches built on the training thread)
+  --arms A,B         ptl arms: native (default), workers0 (batches built on the training thread),
+                     feature (replay=feature), feature+stem (replay=feature,stem)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --precisions P,Q   bf16-mixed,32-true,16-mixed (default bf16-mixed)
   --pairs N          rounds of every arm per precision (default 3)
@@ -118,7 +119,9 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
     match arm {
         "native" => Ok(vec![]),
         "workers0" => Ok(vec!["workers=0".into()]),
-        other => Err(format!("unknown arm `{other}` (known: native, workers0)")),
+        "feature" => Ok(vec!["replay=feature".into()]),
+        "feature+stem" => Ok(vec!["replay=feature,stem".into()]),
+        other => Err(format!("unknown arm `{other}` (known: native, workers0, feature, feature+stem)")),
     }
 }
 
@@ -616,14 +619,50 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             }
         }
     }
+    // Replay arms count only when every region replayed after its warm-up (the recorder falls
+    // back to native on purpose, and then "equal hashes" proves nothing).
+    let mut guard_ok = true;
+    for r in ok.iter().filter(|r| r["kind"] == "ptl") {
+        let counters = &r["result"]["replay_counters"];
+        let Some(plugins) = counters.as_object().filter(|m| !m.is_empty()) else { continue };
+        let steps = r["result"]["timing"]["steps"].as_u64().unwrap_or(0);
+        for (plugin, regions) in plugins {
+            for (name, st) in regions.as_object().into_iter().flatten() {
+                let native: u64 = st["native"].as_object().map(|m| m.values().filter_map(|v| v.as_u64()).sum()).unwrap_or(0);
+                let replays = st["replays"].as_u64().unwrap_or(0);
+                // Partial batches (another shape) may run natively; everything else must replay.
+                let shape = st["native"]["CacheFull"].as_u64().unwrap_or(0) + st["native"]["Warmup"].as_u64().unwrap_or(0);
+                if replays + shape < steps || native > shape {
+                    guard_ok = false;
+                    md.push_str(&format!(
+                        "REPLAY GUARD FAILED: {} {} #{}: {plugin}/{name}: {replays} replays in {steps} steps, native {native} ({})\n",
+                        r["arm"].as_str().unwrap_or("?"),
+                        r["precision"].as_str().unwrap_or("?"),
+                        r["pair"],
+                        st["native"]
+                    ));
+                }
+            }
+        }
+    }
+    if ok.iter().any(|r| r["result"]["replay_counters"].as_object().is_some_and(|m| !m.is_empty())) {
+        md.push_str(&format!(
+            "replay guard (every region replayed on every step after warm-up): {}\n",
+            if guard_ok { "ok" } else { "FAILED" }
+        ));
+    }
     md.push_str(&startup_table(&ok));
     print!("{md}");
     std::fs::write(out.join("bench.md"), &md).map_err(|e| format!("writing bench.md: {e}"))?;
-    let j = json!({ "groups": json_groups, "ratios": ratios, "hashes_identical": hash_ok, "failed_runs": failed });
+    let j =
+        json!({ "groups": json_groups, "ratios": ratios, "hashes_identical": hash_ok, "replay_guard_ok": guard_ok, "failed_runs": failed });
     std::fs::write(out.join("bench.json"), serde_json::to_string_pretty(&j).unwrap_or_default())
         .map_err(|e| format!("writing bench.json: {e}"))?;
     if !hash_ok {
         return Err("ptl runs of one precision ended with different hashes".into());
+    }
+    if !guard_ok {
+        return Err("a replay arm did not replay every region after its warm-up".into());
     }
     Ok(())
 }
@@ -729,6 +768,13 @@ mod tests {
         assert!(md.contains("hashes identical: true"), "{md}");
         let bad = vec![ptl_run("native", 0, 15.0, 75.0, "m"), ptl_run("workers0", 0, 20.0, 110.0, "other")];
         assert!(write_report(&bad, &out).is_err(), "differing hashes fail the bench");
+        // A replay arm whose region fell back to native (e.g. a capture failure) fails the guard.
+        let mut replay = ptl_run("feature", 0, 14.0, 60.0, "m");
+        replay["result"]["timing"]["steps"] = json!(100);
+        replay["result"]["replay_counters"] = json!({ "feature": { "trunk": { "replays": 99, "native": { "Warmup": 1 } } } });
+        assert!(write_report(&[ptl_run("native", 0, 15.0, 75.0, "m"), replay.clone()], &out).is_ok(), "replayed after warm-up");
+        replay["result"]["replay_counters"]["feature"]["trunk"] = json!({ "replays": 0, "native": { "Warmup": 1, "CaptureFailed": 99 } });
+        assert!(write_report(&[ptl_run("native", 0, 15.0, 75.0, "m"), replay], &out).is_err(), "nothing replayed: the guard fails");
         let _ = std::fs::remove_dir_all(&out);
     }
 
