@@ -226,10 +226,10 @@ struct RunId<'a> {
     cold: bool,
 }
 
-/// One finished (or failed) run.
-fn record(id: RunId<'_>, wall_s: f64, exit: i32, result: Value) -> Value {
+/// One finished (or failed) run; `error` is the end of its output when it failed.
+fn record(id: RunId<'_>, wall_s: f64, exit: i32, result: Value, error: Option<String>) -> Value {
     json!({ "kind": id.kind, "arm": id.arm, "precision": id.precision, "pair": id.pair, "wall_s": wall_s, "exit": exit,
-            "cold": id.cold, "result": result })
+            "cold": id.cold, "result": result, "error": error })
 }
 
 fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Result<(), String> {
@@ -359,10 +359,11 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
     let _ = std::fs::write(o.out.join(&logname), [out.stdout.as_slice(), out.stderr.as_slice()].concat());
     let summary = std::fs::read_to_string(project.join("summary.json")).ok().and_then(|s| serde_json::from_str(&s).ok());
     let exit = out.status.code().unwrap_or(-1);
-    if exit != 0 {
-        eprintln!("bench: ptl {arm} {precision} failed ({}); log {logname}:\n{}", out.status, tail(&out.stderr, 15));
+    let error = (exit != 0).then(|| tail(&out.stderr, 6));
+    if let Some(e) = &error {
+        eprintln!("bench: ptl {arm} {precision} failed ({}); log {logname}:\n{e}", out.status);
     }
-    Ok(record(RunId { kind: "ptl", arm: &label, precision, pair, cold }, wall, exit, summary.unwrap_or(Value::Null)))
+    Ok(record(RunId { kind: "ptl", arm: &label, precision, pair, cold }, wall, exit, summary.unwrap_or(Value::Null), error))
 }
 
 fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, precision: &str, pair: usize) -> Result<Value, String> {
@@ -388,10 +389,11 @@ fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, pr
     let _ = std::fs::write(o.out.join(&logname), [out.stdout.as_slice(), out.stderr.as_slice()].concat());
     let res = std::fs::read_to_string(&result).ok().and_then(|s| serde_json::from_str(&s).ok());
     let exit = out.status.code().unwrap_or(-1);
-    if exit != 0 {
-        eprintln!("bench: ultralytics {precision} failed ({}); log {logname}:\n{}", out.status, tail(&out.stderr, 15));
+    let error = (exit != 0).then(|| tail(&out.stderr, 6));
+    if let Some(e) = &error {
+        eprintln!("bench: ultralytics {precision} failed ({}); log {logname}:\n{e}", out.status);
     }
-    Ok(record(RunId { kind: ULTRA, arm: ULTRA, precision, pair, cold: false }, wall, exit, res.unwrap_or(Value::Null)))
+    Ok(record(RunId { kind: ULTRA, arm: ULTRA, precision, pair, cold: false }, wall, exit, res.unwrap_or(Value::Null), error))
 }
 
 fn tail(bytes: &[u8], lines: usize) -> String {
@@ -652,12 +654,28 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         ));
     }
     md.push_str(&startup_table(&ok));
+    if failed > 0 {
+        md.push_str("\nFailed runs (their figures are left out above):\n\n");
+        for r in recs.iter().filter(|r| r["exit"] != 0 || r["result"].is_null()) {
+            let err = r["error"].as_str().unwrap_or("no result file was written").replace('\n', " ⏎ ");
+            md.push_str(&format!(
+                "- {} {} #{}: exit {}: {err}\n",
+                r["arm"].as_str().unwrap_or("?"),
+                r["precision"].as_str().unwrap_or("?"),
+                r["pair"],
+                r["exit"]
+            ));
+        }
+    }
     print!("{md}");
     std::fs::write(out.join("bench.md"), &md).map_err(|e| format!("writing bench.md: {e}"))?;
     let j =
         json!({ "groups": json_groups, "ratios": ratios, "hashes_identical": hash_ok, "replay_guard_ok": guard_ok, "failed_runs": failed });
     std::fs::write(out.join("bench.json"), serde_json::to_string_pretty(&j).unwrap_or_default())
         .map_err(|e| format!("writing bench.json: {e}"))?;
+    if failed > 0 {
+        return Err(format!("{failed} of {} runs failed (listed at the end of {})", recs.len(), out.join("bench.md").display()));
+    }
     if !hash_ok {
         return Err("ptl runs of one precision ended with different hashes".into());
     }
@@ -746,6 +764,7 @@ mod tests {
                 "hashes": { "model": model, "step_losses": "l" },
                 "peak_allocated_bytes": 1048576.0 * 2048.0, "peak_reserved_bytes": 1048576.0 * 3000.0
             }),
+            None,
         )
     }
 
@@ -757,6 +776,7 @@ mod tests {
                 30.0,
                 0,
                 json!({ "start_to_start": { "median_ms": 150.0 }, "metrics_per_epoch": [{ "metrics/mAP50(P)": 0.02 }] }),
+                None,
             )
         };
         let recs = vec![ptl_run("native", 0, 15.0, 75.0, "m"), ultra(0), ptl_run("native", 1, 16.0, 76.0, "m"), ultra(1)];
@@ -775,6 +795,18 @@ mod tests {
         assert!(write_report(&[ptl_run("native", 0, 15.0, 75.0, "m"), replay.clone()], &out).is_ok(), "replayed after warm-up");
         replay["result"]["replay_counters"]["feature"]["trunk"] = json!({ "replays": 0, "native": { "Warmup": 1, "CaptureFailed": 99 } });
         assert!(write_report(&[ptl_run("native", 0, 15.0, 75.0, "m"), replay], &out).is_err(), "nothing replayed: the guard fails");
+        // Failed runs (e.g. no GPU) fail the bench and are listed with their error, never an empty table.
+        let dead = record(
+            RunId { kind: "ptl", arm: "native", precision: "bf16-mixed", pair: 0, cold: false },
+            0.1,
+            1,
+            Value::Null,
+            Some("error: CUDA is not usable: no driver".into()),
+        );
+        let e = write_report(&[dead], &out).expect_err("a failed run fails the report");
+        assert!(e.contains("1 of 1 runs failed"), "{e}");
+        let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
+        assert!(md.contains("native bf16-mixed #0: exit 1: error: CUDA is not usable"), "{md}");
         let _ = std::fs::remove_dir_all(&out);
     }
 
