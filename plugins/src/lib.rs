@@ -3,10 +3,10 @@
 //! Replay strategies for ptl fits, registered through `inventory` so that a fit's `replay=` list
 //! finds them (the trainer never imports this crate; linking it is enough):
 //!
-//! - [`feature`] (`replay=feature`): the trunk (backbone + neck) forward and backward as one
+//! - `replay=feature` ([`Scope::Trunk`]): the trunk (backbone + neck) forward and backward as one
 //!   recorded region. Its features receive gradient from the one-to-many stems; the one-to-one
 //!   stems read detached copies (the head detaches them outside the region).
-//! - [`stem`] (`replay=stem`): each of the head's 18 stems as its own region and autograd node (a
+//! - `replay=stem` ([`Scope::Stems`]): each of the head's 18 stems as its own region and autograd node (a
 //!   point stem's region includes its keypoint and uncertainty views).
 //!
 //! Both record with CUDA graphs on a GPU and with `ptl-capture`'s test double on the CPU (which
@@ -14,10 +14,8 @@
 //! region falls back to native execution when it must (warm-up, another shape, a capture
 //! failure, …) and says so in its counters: check them before believing "replay equals native".
 
-pub mod feature;
 mod regions;
-pub mod stem;
+mod replay;
 
-pub use feature::FeaturePlugin;
 pub use regions::PieceRegions;
-pub use stem::StemPlugin;
+pub use replay::{plugin_defaults, PieceReplay, Scope};

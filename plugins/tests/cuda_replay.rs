@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use ptl_autograd::Device;
-use ptl_plugins::{FeaturePlugin, StemPlugin};
+use ptl_plugins::PieceReplay;
 use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
 
 fn gpu() -> Option<Device> {
@@ -21,7 +21,7 @@ fn gpu() -> Option<Device> {
 #[test]
 fn cuda_replay_equals_native_in_every_precision() {
     let Some(dev) = gpu() else { return };
-    assert_eq!((FeaturePlugin::NAME, StemPlugin::NAME), ("feature", "stem"));
+    assert_eq!((PieceReplay::FEATURE, PieceReplay::STEM), ("feature", "stem"));
     let dir = std::env::temp_dir().join(format!("ptl-cuda-replay-{}", std::process::id()));
     let data = ptl_data::synth_generate(&ptl_data::SynthOptions {
         out: dir.join("ds"),

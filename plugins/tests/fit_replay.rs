@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use ptl_plugins::{FeaturePlugin, StemPlugin};
+use ptl_plugins::PieceReplay;
 use ptl_trainer::pose::{fit, PoseTrainConfig};
 
 fn dataset() -> PathBuf {
@@ -57,7 +57,7 @@ fn assert_replayed(s: &ptl_trainer::fit::RunSummary, plugin: &str, regions: usiz
 #[test]
 fn replayed_fits_equal_native_and_the_counters_prove_replay() {
     // Keep the plugin crate linked (its registrations are found through inventory).
-    assert_eq!((FeaturePlugin::NAME, StemPlugin::NAME), ("feature", "stem"));
+    assert_eq!((PieceReplay::FEATURE, PieceReplay::STEM), ("feature", "stem"));
     let native = fit(&tiny("native", &[]), vec![]).expect("native fit");
     let feature = fit(&tiny("feature", &["feature"]), vec![]).expect("feature fit");
     let both = fit(&tiny("both", &["feature", "stem"]), vec![]).expect("feature+stem fit");

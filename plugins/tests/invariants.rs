@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use ptl_autograd::{DType, Device, Tensor};
 use ptl_heads::{Branch, ModelConfig, Piece, PieceBody, PieceRunner, PoseModel, Scale, StemKind};
-use ptl_plugins::{FeaturePlugin, PieceRegions};
+use ptl_plugins::{PieceRegions, PieceReplay, Scope};
 use ptl_trainer::fit::ReplayPlugin;
 use ptl_trainer::pose::{fit, PoseTrainConfig};
 
@@ -32,7 +32,7 @@ fn image(b: usize) -> Tensor {
 }
 
 fn started() -> PieceRegions {
-    let mut r = PieceRegions::new(ptl_plugins::feature::plugin_defaults());
+    let mut r = PieceRegions::new(ptl_plugins::plugin_defaults());
     r.start(Device::Cpu);
     r
 }
@@ -85,8 +85,8 @@ fn a_fresh_shape_runs_natively_and_replay_resumes() {
 #[test]
 fn clones_and_restored_plugins_start_without_recordings_and_fit_end_releases() {
     let m = model();
-    let plugin = FeaturePlugin::new(ptl_plugins::feature::plugin_defaults());
-    let regions_of = |p: &FeaturePlugin| p.regions().stats().len();
+    let plugin = PieceReplay::new(Scope::Trunk, ptl_plugins::plugin_defaults());
+    let regions_of = |p: &PieceReplay| p.regions().stats().len();
     // Drive the plugin's own regions as a fit would.
     let mut started = plugin.regions().clone();
     started.start(Device::Cpu);
@@ -96,7 +96,7 @@ fn clones_and_restored_plugins_start_without_recordings_and_fit_end_releases() {
     assert!(!started.stats().is_empty());
     assert_eq!(started.clone().stats().len(), 0, "a clone holds no region and no recording");
     let state = plugin.state();
-    let mut restored = FeaturePlugin::new(ptl_capture::RecorderConfig::default());
+    let mut restored = PieceReplay::new(Scope::Trunk, ptl_capture::RecorderConfig::default());
     restored.load_state(&state).expect("state");
     assert_eq!(regions_of(&restored), 0, "a restored plugin holds no recording");
     assert_eq!(restored.regions().config(), plugin.regions().config(), "its configuration comes back");

@@ -1,0 +1,158 @@
+//! The two replay plugins: one type, two scopes. `feature` records the trunk (backbone + neck)
+//! as one region; `stem` records each of the head's 18 stems as its own region and autograd node
+//! (the one-to-many stems read features that require grad, the one-to-one stems detached ones,
+//! so each stem has its own signature; a point stem's region includes its views).
+
+use ptl_autograd::{Tensor, TensorKind};
+use ptl_capture::RecorderConfig;
+use ptl_heads::{Piece, PieceBody, PoseModel};
+use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin};
+
+use crate::PieceRegions;
+
+/// Which pieces a [`PieceReplay`] records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// The trunk (`replay=feature`).
+    Trunk,
+    /// The 18 head stems (`replay=stem`).
+    Stems,
+}
+
+impl Scope {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::Trunk => PieceReplay::FEATURE,
+            Scope::Stems => PieceReplay::STEM,
+        }
+    }
+    fn covers(self, piece: Piece) -> bool {
+        match self {
+            Scope::Trunk => piece == Piece::Trunk,
+            Scope::Stems => matches!(piece, Piece::Stem { .. }),
+        }
+    }
+}
+
+/// A replay plugin over the pieces of one [`Scope`]. Configuration: `ptl_capture::RecorderConfig`
+/// fields as JSON over [`plugin_defaults`] (`replay_config={"stem": {"warmup_calls": 2}}`).
+#[derive(Clone)]
+pub struct PieceReplay {
+    scope: Scope,
+    regions: PieceRegions,
+    /// The scope's pieces run natively for this whole fit (the trunk has frozen parameters).
+    native_for_fit: bool,
+}
+
+/// Recorder defaults of the replay plugins: one recording per region, so a temporary shape (the
+/// last partial batch, another image size) runs natively and replay resumes on the recorded one.
+pub fn plugin_defaults() -> RecorderConfig {
+    RecorderConfig { max_recordings: 1, ..RecorderConfig::default() }
+}
+
+/// The recorder settings of plugin `name` from its JSON configuration (the test hook
+/// `inject_capture_failures` is taken out first).
+fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::Result<RecorderConfig> {
+    let bad = |reason: String| ptl_trainer::TrainerError::InvalidArgument { what: "replay_config", reason: format!("`{name}`: {reason}") };
+    let mut merged = serde_json::to_value(plugin_defaults()).map_err(|e| bad(e.to_string()))?;
+    match (merged.as_object_mut(), cfg) {
+        (_, serde_json::Value::Null) => {}
+        (Some(m), serde_json::Value::Object(given)) => {
+            m.extend(given.iter().filter(|(k, _)| *k != "inject_capture_failures").map(|(k, v)| (k.clone(), v.clone())));
+        }
+        _ => return Err(bad(format!("expected a JSON object of recorder settings, got {cfg}"))),
+    }
+    serde_json::from_value(merged)
+        .map_err(|e| bad(format!("{e} (fields of ptl_capture::RecorderConfig: enabled, warmup_calls, warmup_iters, max_recordings, …)")))
+}
+
+impl PieceReplay {
+    pub const FEATURE: &'static str = "feature";
+    pub const STEM: &'static str = "stem";
+
+    pub fn new(scope: Scope, config: RecorderConfig) -> PieceReplay {
+        PieceReplay { scope, regions: PieceRegions::new(config), native_for_fit: false }
+    }
+
+    /// The plugin from its registration's configuration.
+    fn from_config(scope: Scope, cfg: &serde_json::Value) -> ptl_trainer::Result<Box<dyn ReplayPlugin>> {
+        let mut p = PieceReplay::new(scope, parse_config(scope.name(), cfg)?);
+        p.regions.inject_capture_failures(cfg["inject_capture_failures"].as_u64().unwrap_or(0) as usize);
+        Ok(Box::new(p))
+    }
+
+    pub fn scope(&self) -> Scope {
+        self.scope
+    }
+
+    /// The recorder and its regions (counters).
+    pub fn regions(&self) -> &PieceRegions {
+        &self.regions
+    }
+}
+
+impl ReplayPlugin for PieceReplay {
+    fn name(&self) -> &'static str {
+        self.scope.name()
+    }
+    fn priority(&self) -> i32 {
+        match self.scope {
+            Scope::Trunk => -10,
+            Scope::Stems => 0,
+        }
+    }
+    fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
+        self.regions.start(ctx.config.device);
+        self.native_for_fit = false;
+        if self.scope == Scope::Trunk {
+            let surface = ctx.model.piece_surface(Piece::Trunk);
+            let frozen = surface.iter().filter(|(_, t, k)| *k == TensorKind::Parameter && !t.requires_grad()).count();
+            if frozen > 0 {
+                self.native_for_fit = true;
+                eprintln!(
+                    "ptl: feature replay: {frozen} trunk parameters are frozen (freeze=…): the trunk runs natively for this whole fit"
+                );
+            }
+        }
+        Ok(())
+    }
+    fn claims(&self, piece: Piece) -> bool {
+        self.scope.covers(piece) && !self.native_for_fit
+    }
+    fn run_piece(
+        &self,
+        model: &PoseModel,
+        piece: Piece,
+        inputs: &[Tensor],
+        surface: &[(String, Tensor, TensorKind)],
+        body: &PieceBody<'_>,
+    ) -> ptl_heads::Result<Vec<Tensor>> {
+        self.regions.run(model, piece, inputs, surface, body)
+    }
+    fn on_fit_end(&self) {
+        self.regions.release();
+    }
+    fn summary(&self) -> Option<String> {
+        self.regions.summary()
+    }
+    fn counters(&self) -> serde_json::Value {
+        self.regions.counters_json()
+    }
+    fn state(&self) -> serde_json::Value {
+        serde_json::json!({ "recorder": self.regions.config() })
+    }
+    fn load_state(&mut self, state: &serde_json::Value) -> ptl_trainer::Result<()> {
+        if !state["recorder"].is_null() {
+            self.regions.set_config(parse_config(self.name(), &state["recorder"])?);
+        }
+        Ok(())
+    }
+}
+
+inventory::submit! {
+    PluginRegistration { name: PieceReplay::FEATURE, create: |cfg| PieceReplay::from_config(Scope::Trunk, cfg) }
+}
+
+inventory::submit! {
+    PluginRegistration { name: PieceReplay::STEM, create: |cfg| PieceReplay::from_config(Scope::Stems, cfg) }
+}
