@@ -77,6 +77,14 @@ impl PieceRunner for NativeRunner {
     }
 }
 
+/// The single input of `piece` (a runner could hand a body anything: a typed error, not a panic).
+fn only_input(xs: &[Tensor], piece: Piece) -> Result<&Tensor> {
+    match xs {
+        [x] => Ok(x),
+        _ => Err(crate::HeadsError::Config(format!("piece {piece} was given {} inputs, expected 1", xs.len()))),
+    }
+}
+
 fn one(mut v: Vec<Tensor>, piece: Piece) -> Result<Tensor> {
     match v.len() {
         1 => Ok(v.remove(0)),
@@ -104,28 +112,35 @@ impl Pose26 {
         let (mut boxes, mut scores, mut kpts, mut sigmas) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (level, x) in feats.iter().enumerate() {
             let piece = Piece::Stem { branch, level, kind: StemKind::Box };
-            let body = |xs: &[Tensor]| -> Result<Vec<Tensor>> { Ok(vec![flat(set.box_stems[level].forward(&xs[0])?, nbox)?]) };
+            let body =
+                |xs: &[Tensor]| -> Result<Vec<Tensor>> { Ok(vec![flat(set.box_stems[level].forward(only_input(xs, piece)?)?, nbox)?]) };
             boxes.push(one(runner.run(piece, std::slice::from_ref(x), &body)?, piece)?);
             let piece = Piece::Stem { branch, level, kind: StemKind::Class };
-            let body = |xs: &[Tensor]| -> Result<Vec<Tensor>> { Ok(vec![flat(set.class_stems[level].forward(&xs[0])?, nc)?]) };
+            let body =
+                |xs: &[Tensor]| -> Result<Vec<Tensor>> { Ok(vec![flat(set.class_stems[level].forward(only_input(xs, piece)?)?, nc)?]) };
             scores.push(one(runner.run(piece, std::slice::from_ref(x), &body)?, piece)?);
             let piece = Piece::Stem { branch, level, kind: StemKind::Point };
             let body = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-                let p = set.point_stems[level].forward(&xs[0])?;
+                let p = set.point_stems[level].forward(only_input(xs, piece)?)?;
                 let mut out = vec![flat(set.kpt_views[level].forward(&p)?, nk)?];
                 if with_sigma {
                     out.push(flat(set.sigma_views[level].forward(&p)?, nks)?);
                 }
                 Ok(out)
             };
-            let mut out = runner.run(piece, std::slice::from_ref(x), &body)?;
-            if out.len() != 1 + with_sigma as usize {
-                return Err(crate::HeadsError::Config(format!("piece {piece} returned {} outputs", out.len())));
+            let out = runner.run(piece, std::slice::from_ref(x), &body)?;
+            let expected = 1 + with_sigma as usize;
+            match <[Tensor; 2]>::try_from(out) {
+                Ok([k, s]) if with_sigma => {
+                    kpts.push(k);
+                    sigmas.push(s);
+                }
+                Err(out) if !with_sigma && out.len() == 1 => kpts.extend(out),
+                Ok(_) => return Err(crate::HeadsError::Config(format!("piece {piece} returned 2 outputs, expected 1"))),
+                Err(out) => {
+                    return Err(crate::HeadsError::Config(format!("piece {piece} returned {} outputs, expected {expected}", out.len())))
+                }
             }
-            if with_sigma {
-                sigmas.push(out.pop().unwrap_or_else(|| unreachable!("length checked")));
-            }
-            kpts.push(out.remove(0));
         }
         let cat = |v: &[Tensor]| -> Result<Tensor> {
             let r: Vec<&Tensor> = v.iter().collect();
@@ -151,7 +166,7 @@ impl Pose26 {
 impl PoseModel {
     /// [`PoseModel::forward`] with the trunk and every stem run through `runner`.
     pub fn forward_with(&self, x: &Tensor, runner: &dyn PieceRunner) -> Result<HeadOutput> {
-        let body = |xs: &[Tensor]| self.forward_features(&xs[0]);
+        let body = |xs: &[Tensor]| self.forward_features(only_input(xs, Piece::Trunk)?);
         let feats = runner.run(Piece::Trunk, std::slice::from_ref(x), &body)?;
         if feats.len() != self.head().num_levels() {
             return Err(crate::HeadsError::Config(format!("piece trunk returned {} features", feats.len())));

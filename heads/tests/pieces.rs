@@ -91,3 +91,33 @@ fn piece_surfaces_cover_the_model_once() {
     assert!(point.iter().any(|(n, _, _)| n == "model.23.one2one_cv4_kpts.2.weight"), "a point piece includes its views");
     assert_eq!(Piece::Stem { branch: Branch::OneToOne, level: 2, kind: StemKind::Point }.name(), "stem.one2one_cv4.2");
 }
+
+/// A runner that breaks the contract: hands bodies no inputs, or adds an output to point stems.
+enum Broken {
+    NoInputs,
+    ExtraPointOutput,
+}
+
+impl PieceRunner for Broken {
+    fn run(&self, piece: Piece, inputs: &[Tensor], body: &PieceBody<'_>) -> Result<Vec<Tensor>> {
+        match self {
+            Broken::NoInputs => body(&[]),
+            Broken::ExtraPointOutput => {
+                let mut out = body(inputs)?;
+                if matches!(piece, Piece::Stem { kind: StemKind::Point, .. }) {
+                    out.push(out[0].clone());
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+#[test]
+fn a_runner_breaking_the_contract_gets_a_typed_error_naming_the_piece() {
+    let m = model();
+    let Err(err) = m.forward_with(&image(), &Broken::NoInputs) else { panic!("no inputs must be an error") };
+    assert!(err.to_string().contains("piece trunk was given 0 inputs, expected 1"), "{err}");
+    let Err(err) = m.forward_with(&image(), &Broken::ExtraPointOutput) else { panic!("an extra output must be an error") };
+    assert!(err.to_string().contains("piece stem.cv4.0 returned 3 outputs, expected 2"), "{err}");
+}

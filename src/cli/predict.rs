@@ -59,7 +59,7 @@ pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, 
     let nkpt = weights_part
         .iter()
         .find(|(n, _)| n.ends_with("cv4_kpts.0.weight"))
-        .map(|(_, t)| t.dims()[0] / 3)
+        .and_then(|(_, t)| t.dims().first().map(|k3| k3 / 3))
         .ok_or_else(|| format!("{}: no keypoint head (cv4_kpts) in the checkpoint: not a pose model", path.display()))?;
     let mut model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale }, device, 0).map_err(|e| e.to_string())?;
     let weights = weights_part;
