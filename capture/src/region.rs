@@ -349,8 +349,8 @@ impl Recording {
 
     /// Whether a surface parameter was frozen or unfrozen since the capture.
     fn trainable_changed(&self, surface: &[(String, Tensor, TensorKind)]) -> bool {
-        let now: Vec<bool> = surface.iter().filter(|(_, _, k)| *k == TensorKind::Parameter).map(|(_, t, _)| t.requires_grad()).collect();
-        now != self.trainable
+        let now = surface.iter().filter(|(_, _, k)| *k == TensorKind::Parameter).map(|(_, t, _)| t.requires_grad());
+        !now.eq(self.trainable.iter().copied())
     }
 
     fn arena_bytes(&self) -> u64 {

@@ -54,5 +54,5 @@ pub use error::{HeadsError, Result};
 pub use flow::RealNvp;
 pub use head::{Branch, BranchOutput, HeadOutput, Pose26, StemKind, StemRef};
 pub use model::{ModelConfig, PoseModel, Prediction, Scale};
-pub use pieces::{NativeRunner, Piece, PieceBody, PieceRunner};
+pub use pieces::{NativeRunner, Piece, PieceBody, PieceRunner, PieceSurface};
 pub use summary::ModelSummary;

@@ -198,6 +198,9 @@ pub struct PoseModel {
     training: bool,
     /// Identity of the current head (changes with [`PoseModel::replace_head`]).
     head_id: u64,
+    /// [`PoseModel::piece_surface`] by piece: built once (a replay plugin asks every step),
+    /// dropped when the head is replaced — the only structural change a model has.
+    pub(crate) surfaces: std::sync::Mutex<HashMap<crate::Piece, crate::PieceSurface>>,
 }
 
 /// A fresh head identity.
@@ -305,7 +308,7 @@ impl PoseModel {
             }
         }
         save.sort_unstable();
-        Ok(PoseModel { config, layers, save, device, training: true, head_id: next_head_id() })
+        Ok(PoseModel { config, layers, save, device, training: true, head_id: next_head_id(), surfaces: Default::default() })
     }
 
     /// All layers, `model.0` … `model.23` (the last one is the `Pose26` head).
@@ -338,6 +341,7 @@ impl PoseModel {
         self.config.nc = self.head().nc;
         self.config.kpt_shape = self.head().kpt_shape;
         self.head_id = next_head_id();
+        self.surfaces.get_mut().unwrap_or_else(|e| e.into_inner()).clear();
         Ok(old)
     }
 

@@ -58,6 +58,9 @@ impl std::fmt::Display for Piece {
     }
 }
 
+/// What a piece reads: `(state-dict name, tensor, kind)` in a stable order, shared.
+pub type PieceSurface = std::sync::Arc<[(String, Tensor, TensorKind)]>;
+
 /// The body of a piece: its inputs to its outputs, over the live model.
 pub type PieceBody<'a> = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'a;
 
@@ -177,8 +180,8 @@ impl PoseModel {
     /// Freezes (`false`) or unfreezes (`true`) the parameters of `piece` in place: frozen
     /// parameters receive no gradient (absent, not zero) and the optimizer skips them.
     pub fn set_piece_trainable(&self, piece: Piece, trainable: bool) -> Result<()> {
-        for (_, t, k) in self.piece_surface(piece) {
-            if k == TensorKind::Parameter {
+        for (_, t, k) in self.piece_surface(piece).iter() {
+            if *k == TensorKind::Parameter {
                 t.set_requires_grad(trainable)?;
             }
         }
@@ -186,8 +189,15 @@ impl PoseModel {
     }
 
     /// The parameters and buffers `piece` reads, with their state-dict names, in a stable order
-    /// (what a recorder fingerprints and snapshots).
-    pub fn piece_surface(&self, piece: Piece) -> Vec<(String, Tensor, TensorKind)> {
+    /// (what a recorder fingerprints and snapshots). Built on first use and shared after that:
+    /// the tensors are handles, so the entries see in-place updates (optimizer steps, loaded
+    /// weights, freezing); replacing the head rebuilds them.
+    pub fn piece_surface(&self, piece: Piece) -> PieceSurface {
+        let mut cache = self.surfaces.lock().unwrap_or_else(|e| e.into_inner());
+        cache.entry(piece).or_insert_with(|| self.build_piece_surface(piece).into()).clone()
+    }
+
+    fn build_piece_surface(&self, piece: Piece) -> Vec<(String, Tensor, TensorKind)> {
         let mut out = Vec::new();
         let mut push = |n: &str, t: &Tensor, k: TensorKind| out.push((n.to_string(), t.clone(), k));
         let head_index = self.layers().len() - 1;

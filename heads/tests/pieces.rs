@@ -79,7 +79,7 @@ fn piece_surfaces_cover_the_model_once() {
     for piece in Piece::all(3) {
         let s = m.piece_surface(piece);
         assert!(!s.is_empty(), "{piece} reads parameters");
-        for (name, _, _) in s {
+        for (name, _, _) in s.iter() {
             assert!(covered.insert(name.clone()), "{name} belongs to two pieces");
         }
     }
@@ -120,4 +120,20 @@ fn a_runner_breaking_the_contract_gets_a_typed_error_naming_the_piece() {
     assert!(err.to_string().contains("piece trunk was given 0 inputs, expected 1"), "{err}");
     let Err(err) = m.forward_with(&image(), &Broken::ExtraPointOutput) else { panic!("an extra output must be an error") };
     assert!(err.to_string().contains("piece stem.cv4.0 returned 3 outputs, expected 2"), "{err}");
+}
+
+#[test]
+fn a_replaced_head_gets_fresh_surfaces_and_the_trunk_keeps_its_own() {
+    let mut m = model();
+    let point = Piece::Stem { branch: Branch::OneToMany, level: 0, kind: StemKind::Point };
+    let kpt_rows = |m: &PoseModel| {
+        let s = m.piece_surface(point);
+        s.iter().find(|(n, _, _)| n == "model.23.cv4_kpts.0.weight").map(|(_, t, _)| t.dims()[0])
+    };
+    let trunk = m.piece_surface(Piece::Trunk);
+    assert_eq!(kpt_rows(&m), Some(17 * 3));
+    m.rehead(1, (5, 3), 9).expect("rehead");
+    assert_eq!(kpt_rows(&m), Some(5 * 3), "the point stem's surface is the new head's");
+    let again = m.piece_surface(Piece::Trunk);
+    assert!(trunk.iter().zip(again.iter()).all(|(a, b)| a.0 == b.0 && a.1.storage_ptr() == b.1.storage_ptr()));
 }

@@ -228,8 +228,8 @@ fn a_frozen_trunk_runs_natively_for_the_whole_fit_and_frozen_layers_do_not_move(
     let initial = model_with_seed(11);
     let ck = ptl_trainer::fit::load_checkpoint(&cfg.save_dir.join("weights/last.ckpt"), Device::Cpu).expect("checkpoint");
     let trained = ck.part("model");
-    for (name, t, _) in initial.piece_surface(Piece::Trunk).into_iter().filter(|(_, _, k)| *k == ptl_autograd::TensorKind::Parameter) {
-        assert_eq!(t.to_bytes().unwrap(), trained[&name].to_bytes().unwrap(), "{name} moved although frozen");
+    for (name, t, _) in initial.piece_surface(Piece::Trunk).iter().filter(|(_, _, k)| *k == ptl_autograd::TensorKind::Parameter) {
+        assert_eq!(t.to_bytes().unwrap(), trained[name].to_bytes().unwrap(), "{name} moved although frozen");
     }
 }
 
