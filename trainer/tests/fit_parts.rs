@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 
 use ptl_autograd::{DType, Device, Tensor};
 use ptl_trainer::fit::{
-    load_checkpoint, registered_plugins, save_checkpoint, Checkpoint, LoopState, Manifest, PluginRegistration, PluginStack, ReplayPlugin,
-    Stage, StageInfo, StepTiming,
+    load_checkpoint, read_manifest, registered_plugins, save_checkpoint, Checkpoint, LoopState, Manifest, PluginRegistration, PluginStack,
+    ReplayPlugin, Stage, StageInfo, StepTiming,
 };
 use ptl_trainer::TrainerError;
 
@@ -134,8 +134,16 @@ fn checkpoint_round_trip_and_corruption_is_typed() {
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 5]).unwrap();
     assert!(matches!(load_checkpoint(&path, Device::Cpu), Err(TrainerError::Checkpoint { .. })));
+    // The manifest comes from the header alone; the tensors are checked when loaded.
+    assert_eq!(read_manifest(&path).unwrap().loop_state, ckpt.manifest.loop_state);
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    std::fs::write(&path, &bytes[..8 + header_len / 2]).unwrap();
+    let e = read_manifest(&path).err().unwrap();
+    assert!(matches!(e, TrainerError::Checkpoint { .. }) && e.to_string().contains("does not fit the file"), "{e}");
     std::fs::write(&path, b"definitely not a checkpoint").unwrap();
     let e = load_checkpoint(&path, Device::Cpu).err().unwrap();
+    assert!(matches!(e, TrainerError::Checkpoint { .. }), "{e}");
+    let e = read_manifest(&path).err().unwrap();
     assert!(matches!(e, TrainerError::Checkpoint { .. }), "{e}");
     assert!(matches!(load_checkpoint(&dir.join("missing.ckpt"), Device::Cpu), Err(TrainerError::Io { .. })));
     let _ = std::fs::remove_dir_all(&dir);

@@ -3,7 +3,7 @@
 //! the header metadata. Written atomically: temporary file, fsync, rename.
 
 use std::collections::HashMap;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use ptl_autograd::module::{from_safetensors_bytes, safetensors_metadata, to_safetensors_bytes_with_metadata};
@@ -115,23 +115,50 @@ pub fn save_checkpoint(path: &Path, ckpt: &Checkpoint) -> Result<()> {
 /// Reads a checkpoint; a truncated or foreign file is a [`TrainerError::Checkpoint`].
 pub fn load_checkpoint(path: &Path, device: Device) -> Result<Checkpoint> {
     let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
-    let manifest = parse_manifest(path, &bytes)?;
     let origin = path.display().to_string();
     let corrupt = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
+    let meta =
+        safetensors_metadata(&bytes, &origin).map_err(|e| corrupt(format!("{e} (the file is truncated or not a ptl checkpoint)")))?;
+    let manifest = parse_manifest(path, &meta)?;
     let tensors = from_safetensors_bytes(&bytes, device, &origin).map_err(|e| corrupt(e.to_string()))?;
     Ok(Checkpoint { manifest, tensors })
 }
 
-/// Reads only a checkpoint's manifest (settings, counters, history).
+/// Reads only a checkpoint's manifest (settings, counters, history) from the file's header —
+/// not its tensors, which [`load_checkpoint`] reads and checks.
 pub fn read_manifest(path: &Path) -> Result<Manifest> {
-    let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
-    parse_manifest(path, &bytes)
+    parse_manifest(path, &read_header_metadata(path)?)
 }
 
-fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest> {
-    let origin = path.display().to_string();
+/// The `__metadata__` of a safetensors file from its header alone: an 8-byte little-endian
+/// length, then that many bytes of JSON.
+fn read_header_metadata(path: &Path) -> Result<HashMap<String, String>> {
+    /// Larger headers are refused (the safetensors format's own limit).
+    const MAX_HEADER: u64 = 100_000_000;
+    let corrupt = |msg: String| TrainerError::Checkpoint {
+        path: path.to_path_buf(),
+        msg: format!("{msg} (the file is truncated or not a ptl checkpoint)"),
+    };
+    let mut file = std::fs::File::open(path).map_err(|e| io(path, e))?;
+    let file_len = file.metadata().map_err(|e| io(path, e))?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|_| corrupt(format!("{file_len} bytes: shorter than a safetensors header")))?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_HEADER || len.saturating_add(8) > file_len {
+        return Err(corrupt(format!("header length {len} does not fit the file ({file_len} bytes)")));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).map_err(|e| io(path, e))?;
+    #[derive(Deserialize)]
+    struct Header {
+        #[serde(rename = "__metadata__", default)]
+        metadata: HashMap<String, String>,
+    }
+    serde_json::from_slice::<Header>(&header).map(|h| h.metadata).map_err(|e| corrupt(format!("unreadable header: {e}")))
+}
+
+fn parse_manifest(path: &Path, meta: &HashMap<String, String>) -> Result<Manifest> {
     let corrupt = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
-    let meta = safetensors_metadata(bytes, &origin).map_err(|e| corrupt(format!("{e} (the file is truncated or not a ptl checkpoint)")))?;
     let raw = meta.get(MANIFEST_KEY).ok_or_else(|| corrupt("no ptl manifest in the header (not a ptl checkpoint?)".into()))?;
     let format = serde_json::from_str::<serde_json::Value>(raw)
         .ok()

@@ -6,7 +6,7 @@ pub mod plugin;
 pub mod summary;
 
 pub use callback::{Callback, HookTrace, LoopView};
-pub use checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, LoopState, Manifest, RunHistory};
+pub use checkpoint::{load_checkpoint, read_manifest, save_checkpoint, Checkpoint, LoopState, Manifest, RunHistory};
 pub use plugin::{registered_plugins, PluginRegistration, PluginSetup, PluginStack, ReplayPlugin, StackRunner, Stage, StageInfo};
 pub use summary::{
     GpuWindowReport, KernelModuleTime, LaunchesPerStep, ResultsCsv, RunHashes, RunSummary, StageProfile, StartupReport, StepTiming,

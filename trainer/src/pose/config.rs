@@ -395,7 +395,8 @@ impl PoseTrainConfig {
     /// (`key=value`, as on the command line). A machine setting may change; a setting that
     /// changes the training is a [`TrainerError::ResumeMismatch`] naming both values.
     pub fn for_resume(path: &std::path::Path, overrides: &[(String, String)]) -> Result<PoseTrainConfig> {
-        let mut cfg = PoseTrainConfig::from_checkpoint(path)?;
+        let stored = PoseTrainConfig::from_checkpoint(path)?;
+        let mut cfg = stored.clone();
         // The run lives where its checkpoint is (`<save_dir>/weights/last.ckpt`), even if moved.
         if let Some(run_dir) = path.parent().filter(|p| p.file_name().is_some_and(|n| n == "weights")).and_then(|p| p.parent()) {
             cfg.save_dir = run_dir.to_path_buf();
@@ -408,15 +409,19 @@ impl PoseTrainConfig {
             cfg.set(k, v)?;
         }
         cfg.resume = Some(path.to_path_buf());
-        cfg.check_resume(path)?;
+        cfg.check_resume_against(&stored, path)?;
         Ok(cfg)
     }
 
     /// Checks that every setting that shapes the training equals the checkpoint's.
     pub fn check_resume(&self, path: &std::path::Path) -> Result<()> {
-        let stored = PoseTrainConfig::from_checkpoint(path)?;
+        self.check_resume_against(&PoseTrainConfig::from_checkpoint(path)?, path)
+    }
+
+    /// [`PoseTrainConfig::check_resume`] against the settings `stored` read from `path`.
+    fn check_resume_against(&self, stored: &PoseTrainConfig, path: &std::path::Path) -> Result<()> {
         let json = |c: &PoseTrainConfig| serde_json::to_value(c).unwrap_or(serde_json::Value::Null);
-        let (a, b) = (json(&stored), json(self));
+        let (a, b) = (json(stored), json(self));
         let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
             return Ok(());
         };
