@@ -84,6 +84,22 @@ impl RegionStats {
     pub fn retired_for(&self, r: RetireReason) -> u64 {
         self.retired.get(&r).copied().unwrap_or(0)
     }
+    /// Why this region did not replay every one of `calls` calls after its warm-up, if it did
+    /// not. The guard under every "replay equals native" claim: the recorder falls back to
+    /// native on purpose, and equal bytes from native calls prove nothing. `allowed` reasons
+    /// (e.g. [`FallbackReason::CacheFull`] for a smaller last batch) count like warm-up.
+    pub fn replay_shortfall(&self, calls: u64, allowed: &[FallbackReason]) -> Option<String> {
+        let excused = |r: &FallbackReason| *r == FallbackReason::Warmup || allowed.contains(r);
+        let other: Vec<String> = self.native.iter().filter(|(r, n)| !excused(r) && **n > 0).map(|(r, n)| format!("{r:?} {n}")).collect();
+        let excused_calls: u64 = self.native.iter().filter(|(r, _)| excused(r)).map(|(_, n)| n).sum();
+        if !other.is_empty() {
+            Some(format!("ran natively: {}", other.join(", ")))
+        } else if self.replays + excused_calls < calls {
+            Some(format!("{} replays and {excused_calls} warm-up calls in {calls} calls", self.replays))
+        } else {
+            None
+        }
+    }
     pub(crate) fn bump_native(&mut self, r: FallbackReason) {
         *self.native.entry(r).or_default() += 1;
     }
@@ -116,5 +132,21 @@ impl RegionStats {
             s += &format!(", capture failures {}", f.join(", "));
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_replay_guard_names_what_ran_natively() {
+        let mut s = RegionStats { replays: 9, ..Default::default() };
+        s.bump_native(FallbackReason::Warmup);
+        assert_eq!(s.replay_shortfall(10, &[]), None);
+        assert_eq!(s.replay_shortfall(11, &[]).as_deref(), Some("9 replays and 1 warm-up calls in 11 calls"));
+        s.bump_native(FallbackReason::CacheFull);
+        assert_eq!(s.replay_shortfall(10, &[]).as_deref(), Some("ran natively: CacheFull 1"));
+        assert_eq!(s.replay_shortfall(11, &[FallbackReason::CacheFull]), None);
     }
 }

@@ -12,10 +12,13 @@
 //! Both record with CUDA graphs on a GPU and with `ptl-capture`'s test double on the CPU (which
 //! re-runs the body on replay), so CPU CI exercises the recorder's real state machine. Every
 //! region falls back to native execution when it must (warm-up, another shape, a capture
-//! failure, …) and says so in its counters: check them before believing "replay equals native".
+//! failure, …) and says so in its counters: check them ([`replay_shortfalls`]) before believing
+//! "replay equals native".
 
+mod guard;
 mod regions;
 mod replay;
 
+pub use guard::replay_shortfalls;
 pub use regions::PieceRegions;
 pub use replay::{plugin_defaults, PieceReplay, Scope};

@@ -2,8 +2,7 @@
 //! signatures with `requires_grad`, per-fit holds, clones, temporary shapes, and the replay guard
 //! that keeps "equal to native" from passing when nothing was replayed.
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
+mod common;
 
 use ptl_autograd::{DType, Device, Tensor};
 use ptl_heads::{Branch, ModelConfig, Piece, PieceBody, PieceRunner, PoseModel, Scale, StemKind};
@@ -105,45 +104,13 @@ fn clones_and_restored_plugins_start_without_recordings_and_fit_end_releases() {
     plugin.on_fit_end();
 }
 
-fn dataset() -> PathBuf {
-    static YAML: OnceLock<PathBuf> = OnceLock::new();
-    YAML.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ptl-plugins-inv-{}", std::process::id()));
-        let opts =
-            ptl_data::SynthOptions { out: dir, train: 8, background: 2, val: 2, imgsz: 64, seed: 3, threads: 1, ..Default::default() };
-        ptl_data::synth_generate(&opts).expect("synthetic dataset").yaml
-    })
-    .clone()
-}
-
 fn tiny(save: &str) -> PoseTrainConfig {
-    PoseTrainConfig {
-        data: dataset(),
-        epochs: 2,
-        batch: 2,
-        imgsz: 64,
-        seed: 11,
-        workers: Some(0),
-        max_batches: Some(3),
-        timing_warmup_steps: 0,
-        save_dir: std::env::temp_dir().join(format!("ptl-plugins-inv-{save}-{}", std::process::id())),
-        plots: false,
-        progress: false,
-        optimizer: "SGD".into(),
-        replay: vec!["feature".into(), "stem".into()],
-        exist_ok: true,
-        ..PoseTrainConfig::default()
-    }
+    common::tiny(&format!("inv-{save}"), &["feature", "stem"])
 }
 
 /// The guard the identity tests use: every region replayed after its warm-up.
 fn replayed_every_step(s: &ptl_trainer::fit::RunSummary, plugin: &str, steps: u64) -> bool {
-    let Some(c) = s.replay_counters.get(plugin).and_then(|c| c.as_object()) else { return false };
-    !c.is_empty()
-        && c.values().all(|st| {
-            let warm = st["native"]["Warmup"].as_u64().unwrap_or(0);
-            st["replays"].as_u64().unwrap_or(0) >= steps - warm
-        })
+    ptl_plugins::replay_shortfalls(s, plugin, steps, &[]).is_empty()
 }
 
 #[test]
