@@ -1,42 +1,12 @@
 //! The `ptl` command line on bad input (reliability issue): typed errors and non-zero exits,
 //! never an abort; resume with the checkpoint's own settings; COCO JSON as `data=`.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn ptl(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ptl-ext")).args(args).current_dir(cwd).env("PTL_CACHE", cwd.join("cache")).output().expect("run ptl")
-}
+use std::path::Path;
+use std::process::Output;
 
-fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
-
-/// A tiny synthetic dataset (8 training images, 64 px).
-fn synth(dir: &Path) -> PathBuf {
-    let out = dir.join("ds");
-    let o = ptl(
-        &[
-            "data",
-            "synth",
-            "--out",
-            out.to_str().unwrap(),
-            "--train",
-            "8",
-            "--background",
-            "2",
-            "--val",
-            "2",
-            "--imgsz",
-            "64",
-            "--seed",
-            "3",
-        ],
-        dir,
-    );
-    assert!(o.status.success(), "{}", text(&o));
-    out.join("data.yaml")
-}
+use common::{ptl, synth, text};
 
 fn train_args(data: &Path, project: &Path) -> Vec<String> {
     [

@@ -4,6 +4,8 @@
 //!
 //! Run with `--nocapture` to see where the kills landed.
 
+mod common;
+
 use std::fs::File;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -93,10 +95,7 @@ fn train_args(data: &Path, project: &Path) -> Vec<String> {
 }
 
 fn hashes(project: &Path) -> serde_json::Value {
-    let path = project.join("summary.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    v["hashes"].clone()
+    common::summary(project)["hashes"].clone()
 }
 
 /// Data rows of `results.csv` (0 when absent).
@@ -130,11 +129,8 @@ fn sigkill_and_resume_gives_the_uninterrupted_hashes() {
     let logs = root.join("logs");
     std::fs::create_dir_all(&logs).expect("soak folder");
     let data = root.join("data");
-    let synth: Vec<String> = ["data", "synth", "--out", &data.display().to_string()]
-        .iter()
-        .chain(&["--train", "8", "--background", "2", "--val", "2", "--imgsz", "64", "--seed", "3"])
-        .map(|s| s.to_string())
-        .collect();
+    let synth: Vec<String> =
+        ["data", "synth", "--out", &data.display().to_string()].iter().chain(&common::SYNTH_OPTIONS).map(|s| s.to_string()).collect();
     let status = wait_for(&mut spawn(&synth, &logs.join("synth.log")), Duration::from_secs(60));
     assert!(status.is_some_and(|s| s.success()), "ptl data synth failed (see {})", logs.display());
     let yaml = data.join("data.yaml");

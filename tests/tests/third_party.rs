@@ -2,46 +2,15 @@
 //! ptl-trainer or ptl-plugins) is discovered by the `ptl-ext` binary and stacked with ptl's own
 //! `feature` and `stem` plugins in a real fit; the fit's bytes equal native.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
-fn ptl(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ptl-ext")).args(args).current_dir(cwd).output().expect("run ptl-ext")
-}
-
-fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
-
-fn summary(dir: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).expect("summary")).expect("json")
-}
+use common::{ptl, summary, synth, text};
 
 #[test]
 fn a_third_party_plugin_is_discovered_and_stacked() {
     let dir = tempfile::tempdir().unwrap();
-    let ds = dir.path().join("ds");
-    let o = ptl(
-        &[
-            "data",
-            "synth",
-            "--out",
-            ds.to_str().unwrap(),
-            "--train",
-            "8",
-            "--background",
-            "2",
-            "--val",
-            "2",
-            "--imgsz",
-            "64",
-            "--seed",
-            "3",
-        ],
-        dir.path(),
-    );
-    assert!(o.status.success(), "{}", text(&o));
-    let data = format!("data={}", ds.join("data.yaml").display());
+    let yaml = synth(dir.path());
+    let data = format!("data={}", yaml.display());
     let train = |project: &str, replay: &str| {
         let p = dir.path().join(project);
         let args = [
