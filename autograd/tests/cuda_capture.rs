@@ -66,14 +66,7 @@ fn bytes(t: &Tensor) -> Vec<u8> {
 
 #[test]
 fn capture_replay_matches_eager() {
-    let dev = match cuda::check(0) {
-        Ok(()) => Device::Cuda(0),
-        Err(e @ (ptl_autograd::CudaSetupError::NoDriver | ptl_autograd::CudaSetupError::NoDevice { .. })) => {
-            println!("skipping: {e}");
-            return;
-        }
-        Err(e) => panic!("a GPU is present but CUDA is not usable: {e}"),
-    };
+    let Some(dev) = cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}")) else { return };
     for dt in [DType::F32, DType::BF16] {
         let net = Net::new(dev, dt);
         // Eager twice (warms cuDNN plans / cuBLAS handles; checks eager determinism).

@@ -7,14 +7,7 @@ use ptl_autograd::cuda::{self, ModuleSource};
 use ptl_autograd::{DType, Device, Tensor};
 
 fn gpu() -> Option<Device> {
-    match cuda::check(0) {
-        Ok(()) => Some(Device::Cuda(0)),
-        Err(e @ (ptl_autograd::CudaSetupError::NoDriver | ptl_autograd::CudaSetupError::NoDevice { .. })) => {
-            println!("skipping: {e}");
-            None
-        }
-        Err(e) => panic!("a GPU is present but CUDA is not usable: {e}"),
-    }
+    ptl_autograd::cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}"))
 }
 
 const SRC: &str = r#"extern "C" __global__ void scale_probe(float* x, float a, unsigned n) {

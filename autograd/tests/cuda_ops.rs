@@ -11,17 +11,9 @@
 use ptl_autograd::{BatchNormOptions, DType, Device, Result, Rng, Tensor};
 
 fn gpu() -> Option<Device> {
-    match ptl_autograd::cuda::check(0) {
-        Ok(()) => {
-            ptl_autograd::cuda::set_poison_allocations(true);
-            Some(Device::Cuda(0))
-        }
-        Err(e @ (ptl_autograd::CudaSetupError::NoDriver | ptl_autograd::CudaSetupError::NoDevice { .. })) => {
-            println!("skipping: {e}");
-            None
-        }
-        Err(e) => panic!("a GPU is present but CUDA is not usable: {e}"),
-    }
+    let dev = ptl_autograd::cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}"))?;
+    ptl_autograd::cuda::set_poison_allocations(true);
+    Some(dev)
 }
 
 fn rel(a: &[f64], b: &[f64]) -> f64 {

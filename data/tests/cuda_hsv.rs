@@ -15,14 +15,7 @@ use ptl_data::rng::Rng;
 use ptl_data::{apply_hsv_batch_rgb_nchw, HsvGains, OpenOptions, PoseDataset, SynthOptions, TrainConfig, TrainLoader};
 
 fn gpu() -> Option<Device> {
-    match ptl_autograd::cuda::check(0) {
-        Ok(()) => Some(Device::Cuda(0)),
-        Err(e @ (ptl_autograd::CudaSetupError::NoDriver | ptl_autograd::CudaSetupError::NoDevice { .. })) => {
-            println!("skipping: {e}");
-            None
-        }
-        Err(e) => panic!("a GPU is present but CUDA is not usable: {e}"),
-    }
+    ptl_autograd::cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}"))
 }
 
 fn on_device(dev: Device, img: &[u8], n: usize, h: usize, w: usize, gains: &[HsvGains]) -> Vec<u8> {

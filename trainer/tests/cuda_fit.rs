@@ -9,14 +9,7 @@ use ptl_autograd::Device;
 use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
 
 fn gpu() -> Option<Device> {
-    match ptl_autograd::cuda::check(0) {
-        Ok(()) => Some(Device::Cuda(0)),
-        Err(e @ (ptl_autograd::CudaSetupError::NoDriver | ptl_autograd::CudaSetupError::NoDevice { .. })) => {
-            println!("skipping: {e}");
-            None
-        }
-        Err(e) => panic!("a GPU is present but CUDA is not usable: {e}"),
-    }
+    ptl_autograd::cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}"))
 }
 
 fn dataset() -> PathBuf {

@@ -95,6 +95,20 @@ pub fn check(ordinal: usize) -> std::result::Result<(), CudaSetupError> {
     Dev::get(ordinal).map(|_| ())
 }
 
+/// `cuda:ordinal` for a CUDA test: `Ok(None)` (the reason printed as `skipping: …`) on a machine
+/// without a driver or GPU, so the test passes as skipped there; a GPU that is present but
+/// unusable is an error, never a skip.
+pub fn device_for_tests(ordinal: usize) -> std::result::Result<Option<Device>, CudaSetupError> {
+    match check(ordinal) {
+        Ok(()) => Ok(Some(Device::Cuda(ordinal))),
+        Err(e @ (CudaSetupError::NoDriver | CudaSetupError::NoDevice { .. })) => {
+            println!("skipping: {e}");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Number of visible GPUs (0 when the driver or a library is missing).
 pub fn device_count() -> usize {
     device::probe().unwrap_or(0)
