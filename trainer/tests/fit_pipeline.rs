@@ -12,55 +12,18 @@
 //! where a GEMM/convolution fingerprint matches the recording machine's; elsewhere the test says
 //! so and checks worker-count independence only.
 
-use std::path::PathBuf;
-use std::sync::{mpsc, Arc, OnceLock};
+mod fit_support;
+
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use ptl_autograd::{hash, Device, Tensor};
 use ptl_trainer::fit::RunHashes;
 use ptl_trainer::pose::{fit, PoseTrainConfig};
 
-fn dataset_yaml() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ptl-fit-pipeline-{}", std::process::id()));
-        let opts = ptl_data::SynthOptions {
-            out: dir.clone(),
-            train: 8,
-            background: 2,
-            val: 2,
-            imgsz: 64,
-            seed: 3,
-            threads: 1,
-            ..Default::default()
-        };
-        ptl_data::synth_generate(&opts).expect("synthetic dataset");
-        dir
-    });
-    std::fs::read_dir(dir)
-        .expect("dataset dir")
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|x| x == "yaml"))
-        .expect("dataset yaml")
-}
-
 fn tiny(save: &str, workers: usize) -> PoseTrainConfig {
-    PoseTrainConfig {
-        data: dataset_yaml(),
-        epochs: 2,
-        batch: 2,
-        imgsz: 64,
-        seed: 11,
-        workers: Some(workers),
-        max_batches: Some(2),
-        timing_warmup_steps: 0,
-        save_dir: std::env::temp_dir().join(format!("ptl-fit-pipeline-{save}-w{workers}-{}", std::process::id())),
-        plots: false,
-        progress: false,
-        optimizer: "SGD".into(),
-        ..PoseTrainConfig::default()
-    }
+    let save_dir = std::env::temp_dir().join(format!("ptl-fit-pipeline-{save}-w{workers}-{}", std::process::id()));
+    PoseTrainConfig { workers: Some(workers), ..fit_support::tiny_in(&save_dir) }
 }
 
 /// Full epochs of the 8 training images at batch 3: three batches, the last one partial.
@@ -117,7 +80,7 @@ fn cpu_fingerprint() -> String {
 /// SHA-256 over every batch's pixels and labels of `cfg`'s loader, epochs 0 and 1.
 fn batch_hashes(batch: usize) -> String {
     let open = ptl_data::OpenOptions { imgsz: 64, verbose: false, ..Default::default() };
-    let ds = Arc::new(ptl_data::PoseDataset::open_yaml(&dataset_yaml(), "train", &open).expect("dataset"));
+    let ds = Arc::new(ptl_data::PoseDataset::open_yaml(&fit_support::dataset(), "train", &open).expect("dataset"));
     let cfg = ptl_data::TrainConfig { batch, seed: 11, epochs: 2, workers: 2, ..Default::default() };
     let ld = Arc::new(ptl_data::TrainLoader::new(ds, cfg).expect("loader"));
     let mut bytes = Vec::new();

@@ -1,58 +1,15 @@
 //! End-to-end native training on the CPU with a tiny synthetic dataset: determinism (hashes),
 //! hook order (insta snapshot), kill-and-resume, corrupt checkpoints, 16-mixed skipped step.
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+mod fit_support;
+
+use std::path::PathBuf;
 
 use ptl_trainer::fit::{Callback, HookTrace, LoopView};
 use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
 
-/// A 64-px synthetic dataset shared by the tests of this file (generated once).
-fn dataset() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ptl-fit-pose-{}", std::process::id()));
-        let opts = ptl_data::SynthOptions {
-            out: dir.clone(),
-            train: 8,
-            background: 2,
-            val: 2,
-            imgsz: 64,
-            seed: 3,
-            threads: 1,
-            ..Default::default()
-        };
-        ptl_data::synth_generate(&opts).expect("synthetic dataset");
-        dir
-    })
-}
-
-fn yaml() -> PathBuf {
-    let d = dataset();
-    std::fs::read_dir(d)
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|x| x == "yaml"))
-        .expect("dataset yaml")
-}
-
 fn tiny(save: &str) -> PoseTrainConfig {
-    PoseTrainConfig {
-        data: yaml(),
-        epochs: 2,
-        batch: 2,
-        imgsz: 64,
-        seed: 11,
-        workers: Some(0),
-        max_batches: Some(2),
-        timing_warmup_steps: 0,
-        save_dir: std::env::temp_dir().join(format!("ptl-fit-{save}-{}", std::process::id())),
-        plots: false,
-        progress: false,
-        optimizer: "SGD".into(),
-        ..PoseTrainConfig::default()
-    }
+    fit_support::tiny_in(&std::env::temp_dir().join(format!("ptl-fit-{save}-{}", std::process::id())))
 }
 
 #[test]

@@ -3,25 +3,16 @@
 //! overwrites an old one, failed writes leave nothing behind, older checkpoint formats migrate,
 //! and a non-finite loss is recovered from (or named) as training.md §9 says.
 
+mod fit_support;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use ptl_autograd::{Device, Tensor};
 use ptl_trainer::fit::{load_checkpoint, save_checkpoint, Callback, LoopView};
 use ptl_trainer::pose::{fit, PoseTrainConfig};
 use ptl_trainer::TrainerError;
-
-fn dataset() -> PathBuf {
-    static YAML: OnceLock<PathBuf> = OnceLock::new();
-    YAML.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ptl-fit-rel-{}", std::process::id()));
-        let opts =
-            ptl_data::SynthOptions { out: dir, train: 8, background: 2, val: 2, imgsz: 64, seed: 3, threads: 1, ..Default::default() };
-        ptl_data::synth_generate(&opts).expect("synthetic dataset").yaml
-    })
-    .clone()
-}
 
 fn run_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ptl-fit-rel-{name}-{}", std::process::id()));
@@ -30,21 +21,7 @@ fn run_dir(name: &str) -> PathBuf {
 }
 
 fn tiny(save: &Path) -> PoseTrainConfig {
-    PoseTrainConfig {
-        data: dataset(),
-        epochs: 3,
-        batch: 2,
-        imgsz: 64,
-        seed: 11,
-        workers: Some(0),
-        max_batches: Some(2),
-        timing_warmup_steps: 0,
-        save_dir: save.to_path_buf(),
-        plots: false,
-        progress: false,
-        optimizer: "SGD".into(),
-        ..PoseTrainConfig::default()
-    }
+    PoseTrainConfig { epochs: 3, ..fit_support::tiny_in(save) }
 }
 
 fn csv_rows(dir: &Path) -> Vec<String> {

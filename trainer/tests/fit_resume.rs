@@ -2,47 +2,19 @@
 //! boundary, so the first step after resuming consumes gradients accumulated before the stop and
 //! makes the second EMA update (whose decay depends on the restored update count).
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+mod fit_support;
 
 use ptl_autograd::Device;
 use ptl_trainer::fit::load_checkpoint;
 use ptl_trainer::pose::{fit, PoseTrainConfig};
-
-/// A 64-px synthetic dataset (8 pose images + 2 backgrounds for training), generated once.
-fn yaml() -> &'static Path {
-    static YAML: OnceLock<PathBuf> = OnceLock::new();
-    YAML.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ptl-fit-resume-data-{}", std::process::id()));
-        let opts =
-            ptl_data::SynthOptions { out: dir, train: 8, background: 2, val: 2, imgsz: 64, seed: 3, threads: 1, ..Default::default() };
-        ptl_data::synth_generate(&opts).expect("synthetic dataset").yaml
-    })
-}
 
 /// 2 epochs × 3 batches of 2 images, SGD, nbs 4 ⇒ accumulate 2, no warm-up (so accumulate
 /// stays 2 from the first batch). Optimizer steps after global batches ni = 1, 3, 5 (`ni −
 /// last_opt_step ≥ 2`, `last_opt_step` starting at −1): the step at ni = 3 (epoch 1, batch 0)
 /// sums the gradients of ni = 2 (epoch 0, batch 2) and ni = 3, and is the second EMA update.
 fn straddling(save: &str) -> PoseTrainConfig {
-    PoseTrainConfig {
-        data: yaml().to_path_buf(),
-        epochs: 2,
-        batch: 2,
-        nbs: 4,
-        warmup_epochs: 0.0,
-        imgsz: 64,
-        seed: 11,
-        workers: Some(0),
-        max_batches: Some(3),
-        timing_warmup_steps: 0,
-        val: false,
-        save_dir: std::env::temp_dir().join(format!("ptl-fit-resume-{save}-{}", std::process::id())),
-        plots: false,
-        progress: false,
-        optimizer: "SGD".into(),
-        ..PoseTrainConfig::default()
-    }
+    let save_dir = std::env::temp_dir().join(format!("ptl-fit-resume-{save}-{}", std::process::id()));
+    PoseTrainConfig { nbs: 4, warmup_epochs: 0.0, max_batches: Some(3), val: false, ..fit_support::tiny_in(&save_dir) }
 }
 
 /// Stopping after epoch 0 and resuming gives the uninterrupted run's hashes (model, optimizer,
