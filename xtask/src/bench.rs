@@ -249,6 +249,17 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
     }
     let mut durations: BTreeMap<String, f64> = BTreeMap::new();
     let mut recs = Vec::new();
+    // A run that fails before any of its kind succeeded (no GPU, a broken install) would fail
+    // the same way every time: stop there instead of starting the rest.
+    let mut kind_ok: BTreeMap<String, bool> = BTreeMap::new();
+    let first_failure = |rec: &Value, kind_ok: &mut BTreeMap<String, bool>| -> Option<String> {
+        let ok = rec["exit"] == 0 && !rec["result"].is_null();
+        let kind = rec["kind"].as_str().unwrap_or("?").to_string();
+        let seen_ok = kind_ok.entry(kind.clone()).or_insert(false);
+        *seen_ok |= ok;
+        (!*seen_ok).then(|| format!("the first {kind} run failed, so no further run was started"))
+    };
+    let mut stopped = None;
     let append = |rec: &Value| -> Result<(), String> {
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("{}: {e}", log.display()))?;
         writeln!(f, "{rec}").map_err(|e| format!("{}: {e}", log.display()))
@@ -261,11 +272,15 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
             append(&rec)?;
             eprintln!("bench: cold {arm} {precision}: {}", one_line(&rec));
             durations.insert(arm.clone(), rec["wall_s"].as_f64().unwrap_or(60.0));
+            stopped = first_failure(&rec, &mut kind_ok);
         }
     }
-    for precision in &o.precisions {
+    'runs: for precision in &o.precisions {
         for pair in 0..o.pairs {
             for arm in &arms {
+                if stopped.is_some() {
+                    break 'runs;
+                }
                 let est = durations.get(&format!("{arm}/{precision}")).or_else(|| durations.get(arm)).copied();
                 let est = est.unwrap_or(if arm == ULTRA { 40.0 } else { 30.0 } * o.epochs as f64);
                 if let Some(b) = o.budget_s {
@@ -285,11 +300,16 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
                 durations.insert(arm.clone(), took);
                 append(&rec)?;
                 eprintln!("bench: {arm} {precision} pair {pair}: {}", one_line(&rec));
+                stopped = first_failure(&rec, &mut kind_ok);
                 recs.push(rec);
             }
         }
     }
-    write_report(&read_runs(&log)?, &o.out)
+    let report = write_report(&read_runs(&log)?, &o.out);
+    match stopped {
+        Some(why) => Err(format!("{why}: {}", report.err().unwrap_or_default())),
+        None => report,
+    }
 }
 
 fn ensure_dataset(ptl: &Path, o: &Opts) -> Result<PathBuf, String> {
@@ -513,6 +533,14 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         p.dedup();
         p
     };
+    if ok.is_empty() {
+        let md = format!("{} runs, all failed: no figures.\n{}", recs.len(), failed_runs(recs));
+        print!("{md}");
+        std::fs::write(out.join("bench.md"), &md).map_err(|e| format!("writing bench.md: {e}"))?;
+        std::fs::write(out.join("bench.json"), json!({ "groups": [], "failed_runs": failed }).to_string())
+            .map_err(|e| format!("writing bench.json: {e}"))?;
+        return Err(format!("all {} runs failed (listed in {})", recs.len(), out.join("bench.md").display()));
+    }
     let mut md = String::new();
     md.push_str(&format!(
         "{} runs ({} failed). Medians over runs, (min–max) across runs; step = start-to-start median of a run, after 10 warm-up steps.\n\n",
@@ -655,17 +683,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     }
     md.push_str(&startup_table(&ok));
     if failed > 0 {
-        md.push_str("\nFailed runs (their figures are left out above):\n\n");
-        for r in recs.iter().filter(|r| r["exit"] != 0 || r["result"].is_null()) {
-            let err = r["error"].as_str().unwrap_or("no result file was written").replace('\n', " ⏎ ");
-            md.push_str(&format!(
-                "- {} {} #{}: exit {}: {err}\n",
-                r["arm"].as_str().unwrap_or("?"),
-                r["precision"].as_str().unwrap_or("?"),
-                r["pair"],
-                r["exit"]
-            ));
-        }
+        md.push_str(&failed_runs(recs));
     }
     print!("{md}");
     std::fs::write(out.join("bench.md"), &md).map_err(|e| format!("writing bench.md: {e}"))?;
@@ -683,6 +701,22 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         return Err("a replay arm did not replay every region after its warm-up".into());
     }
     Ok(())
+}
+
+/// The failed runs with the end of their output.
+fn failed_runs(recs: &[Value]) -> String {
+    let mut md = String::from("\nFailed runs (their figures are left out):\n\n");
+    for r in recs.iter().filter(|r| r["exit"] != 0 || r["result"].is_null()) {
+        let err = r["error"].as_str().unwrap_or("no result file was written").replace('\n', " ⏎ ");
+        md.push_str(&format!(
+            "- {} {} #{}: exit {}: {err}\n",
+            r["arm"].as_str().unwrap_or("?"),
+            r["precision"].as_str().unwrap_or("?"),
+            r["pair"],
+            r["exit"]
+        ));
+    }
+    md
 }
 
 /// Reads one figure out of a run's start-up report.
@@ -804,9 +838,10 @@ mod tests {
             Some("error: CUDA is not usable: no driver".into()),
         );
         let e = write_report(&[dead], &out).expect_err("a failed run fails the report");
-        assert!(e.contains("1 of 1 runs failed"), "{e}");
+        assert!(e.contains("all 1 runs failed"), "{e}");
         let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
         assert!(md.contains("native bf16-mixed #0: exit 1: error: CUDA is not usable"), "{md}");
+        assert!(md.starts_with("1 runs, all failed: no figures.") && !md.contains("| precision |"), "no empty table: {md}");
         let _ = std::fs::remove_dir_all(&out);
     }
 
