@@ -22,7 +22,7 @@ use ptl_trainer::fit::RunHashes;
 use ptl_trainer::pose::{fit, PoseTrainConfig};
 
 fn tiny(save: &str, workers: usize) -> PoseTrainConfig {
-    let save_dir = std::env::temp_dir().join(format!("ptl-fit-pipeline-{save}-w{workers}-{}", std::process::id()));
+    let save_dir = fit_support::scratch(&format!("pipeline-{save}-w{workers}"));
     PoseTrainConfig { workers: Some(workers), ..fit_support::tiny_in(&save_dir) }
 }
 

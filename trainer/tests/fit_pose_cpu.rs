@@ -9,7 +9,7 @@ use ptl_trainer::fit::{Callback, HookTrace, LoopView};
 use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
 
 fn tiny(save: &str) -> PoseTrainConfig {
-    fit_support::tiny_in(&std::env::temp_dir().join(format!("ptl-fit-{save}-{}", std::process::id())))
+    fit_support::tiny_in(&fit_support::scratch(save))
 }
 
 #[test]

@@ -14,12 +14,6 @@ use ptl_trainer::fit::{load_checkpoint, save_checkpoint, Callback, LoopView};
 use ptl_trainer::pose::{fit, PoseTrainConfig};
 use ptl_trainer::TrainerError;
 
-fn run_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ptl-fit-rel-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 fn tiny(save: &Path) -> PoseTrainConfig {
     PoseTrainConfig { epochs: 3, ..fit_support::tiny_in(save) }
 }
@@ -30,7 +24,7 @@ fn csv_rows(dir: &Path) -> Vec<String> {
 
 #[test]
 fn resume_restores_the_runs_settings_and_refuses_changes() {
-    let dir = run_dir("resume");
+    let dir = fit_support::scratch("resume");
     let cfg = tiny(&dir);
     fit(&PoseTrainConfig { stop_after_epochs: Some(1), ..cfg.clone() }, vec![]).expect("first epoch");
     let ckpt = dir.join("weights/last.ckpt");
@@ -54,13 +48,13 @@ fn resume_restores_the_runs_settings_and_refuses_changes() {
     assert!(matches!(e, TrainerError::ResumeMismatch { ref key, .. } if key == "data"), "{e}");
     // And the restored configuration finishes the run like an uninterrupted one.
     let resumed = fit(&restored, vec![]).expect("resumed");
-    let full = fit(&tiny(&run_dir("resume-full")), vec![]).expect("uninterrupted");
+    let full = fit(&tiny(&fit_support::scratch("resume-full")), vec![]).expect("uninterrupted");
     assert_eq!(resumed.hashes, full.hashes);
 }
 
 #[test]
 fn results_csv_and_summary_follow_the_checkpoint_across_resumes() {
-    let dir = run_dir("csv");
+    let dir = fit_support::scratch("csv");
     let cfg = tiny(&dir);
     fit(&PoseTrainConfig { stop_after_epochs: Some(1), ..cfg.clone() }, vec![]).expect("epoch 0");
     // A process killed between an old-style CSV append and its checkpoint left a row too many.
@@ -84,7 +78,7 @@ fn results_csv_and_summary_follow_the_checkpoint_across_resumes() {
 
 #[test]
 fn a_new_run_never_overwrites_an_old_one() {
-    let dir = run_dir("project");
+    let dir = fit_support::scratch("project");
     let first = fit(&tiny(&dir), vec![]).expect("first");
     assert_eq!(first.save_dir, dir);
     let second = fit(&tiny(&dir), vec![]).expect("second");
@@ -99,7 +93,7 @@ fn a_new_run_never_overwrites_an_old_one() {
 
 #[test]
 fn a_failed_checkpoint_write_leaves_no_temporary_file() {
-    let dir = run_dir("diskfull");
+    let dir = fit_support::scratch("diskfull");
     let dir2 = dir.clone();
     let ckpt = ptl_trainer::fit::Checkpoint {
         manifest: {
@@ -117,7 +111,7 @@ fn a_failed_checkpoint_write_leaves_no_temporary_file() {
 
 #[test]
 fn older_and_newer_checkpoint_formats() {
-    let dir = run_dir("formats");
+    let dir = fit_support::scratch("formats");
     fit(&PoseTrainConfig { epochs: 1, ..tiny(&dir) }, vec![]).expect("fit");
     let ck = load_checkpoint(&dir.join("weights/last.ckpt"), Device::Cpu).expect("load");
     assert_eq!(ck.manifest.history.rows.len(), 1, "format 2 keeps the epoch history");
@@ -161,13 +155,13 @@ impl Callback for PoisonWeights {
 fn a_non_finite_loss_reloads_the_last_checkpoint_then_stops_with_a_named_error() {
     // Once: epoch 1 goes non-finite, is run again from epoch 0's checkpoint, and the fit ends.
     let seen = Arc::new(AtomicUsize::new(0));
-    let cfg = PoseTrainConfig { nbs: 2, warmup_epochs: 0.0, ..tiny(&run_dir("nan-once")) };
+    let cfg = PoseTrainConfig { nbs: 2, warmup_epochs: 0.0, ..tiny(&fit_support::scratch("nan-once")) };
     let s = fit(&cfg, vec![Box::new(PoisonWeights { times: 1, seen: seen.clone() })]).expect("recovered");
     assert_eq!(seen.load(Ordering::SeqCst), 2, "epoch 1 ran twice");
     assert_eq!(s.metrics_per_epoch.len(), 3);
     // Always: three reloads, then a typed error naming the step, the term and a likely cause.
     let seen = Arc::new(AtomicUsize::new(0));
-    let cfg = PoseTrainConfig { nbs: 2, warmup_epochs: 0.0, ..tiny(&run_dir("nan-always")) };
+    let cfg = PoseTrainConfig { nbs: 2, warmup_epochs: 0.0, ..tiny(&fit_support::scratch("nan-always")) };
     let e = fit(&cfg, vec![Box::new(PoisonWeights { times: usize::MAX, seen: seen.clone() })]).expect_err("gives up");
     assert_eq!(seen.load(Ordering::SeqCst), 4, "the first attempt and 3 reloads");
     let msg = e.to_string();
@@ -177,7 +171,7 @@ fn a_non_finite_loss_reloads_the_last_checkpoint_then_stops_with_a_named_error()
 
 #[test]
 fn absurd_settings_are_typed_errors_up_front() {
-    let base = tiny(&run_dir("settings"));
+    let base = tiny(&fit_support::scratch("settings"));
     for (key, value) in [
         ("momentum", "nan"),
         ("mosaic", "nan"),

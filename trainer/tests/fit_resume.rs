@@ -13,7 +13,7 @@ use ptl_trainer::pose::{fit, PoseTrainConfig};
 /// last_opt_step ≥ 2`, `last_opt_step` starting at −1): the step at ni = 3 (epoch 1, batch 0)
 /// sums the gradients of ni = 2 (epoch 0, batch 2) and ni = 3, and is the second EMA update.
 fn straddling(save: &str) -> PoseTrainConfig {
-    let save_dir = std::env::temp_dir().join(format!("ptl-fit-resume-{save}-{}", std::process::id()));
+    let save_dir = fit_support::scratch(save);
     PoseTrainConfig { nbs: 4, warmup_epochs: 0.0, max_batches: Some(3), val: false, ..fit_support::tiny_in(&save_dir) }
 }
 
