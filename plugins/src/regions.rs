@@ -1,6 +1,6 @@
 //! One recorder per plugin and one region per piece: the part both plugins share.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use ptl_autograd::{Device, Tensor, TensorKind};
@@ -17,6 +17,8 @@ pub struct PieceRegions {
     regions: Mutex<BTreeMap<Piece, Arc<RegionHandle>>>,
     /// The model head the recordings were made against ([`ptl_heads::PoseModel::head_id`]).
     head: Mutex<Option<u64>>,
+    /// Pieces with hooks registered: they run natively (a hook must see every call).
+    hooked: Mutex<BTreeSet<Piece>>,
 }
 
 impl Clone for PieceRegions {
@@ -27,7 +29,14 @@ impl Clone for PieceRegions {
 
 impl PieceRegions {
     pub fn new(config: RecorderConfig) -> PieceRegions {
-        PieceRegions { config, inject_capture_failures: 0, recorder: None, regions: Mutex::new(BTreeMap::new()), head: Mutex::new(None) }
+        PieceRegions {
+            config,
+            inject_capture_failures: 0,
+            recorder: None,
+            regions: Mutex::new(BTreeMap::new()),
+            head: Mutex::new(None),
+            hooked: Mutex::new(BTreeSet::new()),
+        }
     }
 
     /// The recorder configuration (what a checkpoint keeps).
@@ -88,10 +97,31 @@ impl PieceRegions {
         }
         let region = {
             let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-            regions.entry(piece).or_insert_with(|| Arc::new(recorder.region(RegionSpec::per_call(piece.name())))).clone()
+            regions
+                .entry(piece)
+                .or_insert_with(|| {
+                    let r = recorder.region(RegionSpec::per_call(piece.name()));
+                    r.set_hooks(self.hooked.lock().unwrap_or_else(|e| e.into_inner()).contains(&piece));
+                    Arc::new(r)
+                })
+                .clone()
         };
         let body = |xs: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> { body(xs).map_err(to_tensor_error) };
         region.call_with(inputs, surface, &body).map_err(|e| HeadsError::Runner { piece: piece.name(), msg: e.to_string() })
+    }
+
+    /// Marks `piece` as hooked (a user inspects its calls): it runs natively, its recordings stay
+    /// for when the hook goes. Other pieces are not affected.
+    pub fn set_hooks(&self, piece: Piece, on: bool) {
+        let mut hooked = self.hooked.lock().unwrap_or_else(|e| e.into_inner());
+        if on {
+            hooked.insert(piece);
+        } else {
+            hooked.remove(&piece);
+        }
+        if let Some(r) = self.regions.lock().unwrap_or_else(|e| e.into_inner()).get(&piece) {
+            r.set_hooks(on);
+        }
     }
 
     /// Retires every recording (counted as released; the regions and their counters stay).

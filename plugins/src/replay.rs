@@ -42,6 +42,9 @@ pub struct PieceReplay {
     regions: PieceRegions,
     /// The scope's pieces run natively for this whole fit (the trunk has frozen parameters).
     native_for_fit: bool,
+    /// Test hook (`"dispatch": false`): the plugin claims no piece, as if the trainer's dispatch
+    /// to it were broken — the mutation tests show that the identity tests then fail.
+    dispatch: bool,
 }
 
 /// Recorder defaults of the replay plugins: one recording per region, so a temporary shape (the
@@ -50,15 +53,18 @@ pub fn plugin_defaults() -> RecorderConfig {
     RecorderConfig { max_recordings: 1, ..RecorderConfig::default() }
 }
 
+/// Configuration keys that steer tests, not the recorder.
+const TEST_HOOKS: [&str; 2] = ["inject_capture_failures", "dispatch"];
+
 /// The recorder settings of plugin `name` from its JSON configuration (the test hook
-/// `inject_capture_failures` is taken out first).
+/// hooks `inject_capture_failures` and `dispatch` are taken out first).
 fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::Result<RecorderConfig> {
     let bad = |reason: String| ptl_trainer::TrainerError::InvalidArgument { what: "replay_config", reason: format!("`{name}`: {reason}") };
     let mut merged = serde_json::to_value(plugin_defaults()).map_err(|e| bad(e.to_string()))?;
     match (merged.as_object_mut(), cfg) {
         (_, serde_json::Value::Null) => {}
         (Some(m), serde_json::Value::Object(given)) => {
-            m.extend(given.iter().filter(|(k, _)| *k != "inject_capture_failures").map(|(k, v)| (k.clone(), v.clone())));
+            m.extend(given.iter().filter(|(k, _)| !TEST_HOOKS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())));
         }
         _ => return Err(bad(format!("expected a JSON object of recorder settings, got {cfg}"))),
     }
@@ -71,13 +77,14 @@ impl PieceReplay {
     pub const STEM: &'static str = "stem";
 
     pub fn new(scope: Scope, config: RecorderConfig) -> PieceReplay {
-        PieceReplay { scope, regions: PieceRegions::new(config), native_for_fit: false }
+        PieceReplay { scope, regions: PieceRegions::new(config), native_for_fit: false, dispatch: true }
     }
 
     /// The plugin from its registration's configuration.
     fn from_config(scope: Scope, cfg: &serde_json::Value) -> ptl_trainer::Result<Box<dyn ReplayPlugin>> {
         let mut p = PieceReplay::new(scope, parse_config(scope.name(), cfg)?);
         p.regions.inject_capture_failures(cfg["inject_capture_failures"].as_u64().unwrap_or(0) as usize);
+        p.dispatch = cfg["dispatch"].as_bool().unwrap_or(true);
         Ok(Box::new(p))
     }
 
@@ -117,7 +124,7 @@ impl ReplayPlugin for PieceReplay {
         Ok(())
     }
     fn claims(&self, piece: Piece) -> bool {
-        self.scope.covers(piece) && !self.native_for_fit
+        self.dispatch && self.scope.covers(piece) && !self.native_for_fit
     }
     fn run_piece(
         &self,
