@@ -471,6 +471,17 @@ fn transfers_and_memory_api() {
     drop(t);
     pool.trim().unwrap();
     assert_eq!(pool.stats().unwrap().reserved, 0);
+    // A destroyed private pool's high-water mark stays in the device's reserved peak (a fit
+    // reads its peaks after the recordings, and their pools, are gone).
+    cuda::reset_peak_memory_stats(dev).unwrap();
+    let before = cuda::memory_stats(dev).unwrap();
+    let pool = cuda::MemPool::new(dev).unwrap();
+    drop(pool.scope(|| Tensor::ones(vec![16 << 20], DType::F32, dev).unwrap()));
+    drop(pool);
+    cuda::synchronize(dev).unwrap();
+    let after = cuda::memory_stats(dev).unwrap();
+    assert!(after.peak_reserved >= before.peak_reserved + (64 << 20), "{before:?} -> {after:?}");
+    assert!(after.peak_reserved >= after.peak_allocated, "reserved peak ≥ allocated peak: {after:?}");
     // Errors: a bad ordinal is a typed error, not a panic.
     let e = Tensor::zeros(vec![2], DType::F32, Device::Cuda(99)).unwrap_err();
     assert!(format!("{e}").contains("cuda:99"), "{e}");

@@ -205,8 +205,9 @@ pub struct MemoryStats {
     pub reserved: u64,
     /// Peak of `allocated` since the last [`reset_peak_memory_stats`].
     pub peak_allocated: u64,
-    /// Peak of `reserved` since the last reset (sum of the pools' high-water marks: exact while
-    /// only one pool is in use, an upper bound with private pools).
+    /// Peak of `reserved` since the last reset (sum of the pools' high-water marks, destroyed
+    /// private pools included: exact while only one pool is in use, an upper bound with private
+    /// pools).
     pub peak_reserved: u64,
 }
 
@@ -243,7 +244,8 @@ fn live_pools(dev: &Dev) -> Vec<Arc<PoolInner>> {
 pub fn memory_stats(device: Device) -> Result<MemoryStats> {
     let dev = cuda_dev(device)?;
     let mut reserved = pool_attr(dev.default_pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
-    let mut peak_reserved = pool_attr(dev.default_pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?;
+    let mut peak_reserved = pool_attr(dev.default_pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?
+        + dev.released_pool_peaks.load(Ordering::Relaxed);
     for p in live_pools(&dev) {
         reserved += pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
         peak_reserved += pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?;
@@ -270,6 +272,7 @@ pub fn library_workspace_bytes(device: Device) -> Result<u64> {
 pub fn reset_peak_memory_stats(device: Device) -> Result<()> {
     let dev = cuda_dev(device)?;
     dev.peak_allocated.store(dev.allocated.load(Ordering::Relaxed), Ordering::Relaxed);
+    dev.released_pool_peaks.store(0, Ordering::Relaxed);
     reset_pool_peaks(dev.default_pool)?;
     for p in live_pools(&dev) {
         reset_pool_peaks(p.pool)?;
@@ -309,6 +312,9 @@ unsafe impl Sync for PoolInner {}
 impl Drop for PoolInner {
     fn drop(&mut self) {
         // Every buffer of the pool is gone (they hold the Arc); wait for their frees, then destroy.
+        if let Ok(high) = pool_attr(self.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) {
+            self.dev.released_pool_peaks.fetch_add(high, Ordering::Relaxed);
+        }
         if self.dev.synchronize().is_ok() {
             if let Err(e) = unsafe { dr::mem_pool::destroy(self.pool) } {
                 self.dev.record_deferred("cuMemPoolDestroy", e);

@@ -106,6 +106,9 @@ pub(crate) struct Dev {
     pub allocated: AtomicU64,
     pub peak_allocated: AtomicU64,
     pub private_pools: Mutex<Vec<Weak<PoolInner>>>,
+    /// Reserved high-water marks of private pools destroyed since the last peak reset, so that
+    /// a peak read after the recordings are gone still counts their memory.
+    pub released_pool_peaks: AtomicU64,
     /// Errors from `Drop` paths (frees), which cannot return them.
     pub deferred_error: Mutex<Option<String>>,
     /// Freed default-pool blocks kept for reuse without a driver call ([`super::alloc`]).
@@ -197,6 +200,7 @@ impl Dev {
             allocated: AtomicU64::new(0),
             peak_allocated: AtomicU64::new(0),
             private_pools: Mutex::new(Vec::new()),
+            released_pool_peaks: AtomicU64::new(0),
             deferred_error: Mutex::new(None),
             block_cache: Mutex::new(BlockCache::default()),
             capturing: AtomicBool::new(false),
