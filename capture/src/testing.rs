@@ -5,8 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ptl_autograd::storage::Storage;
-use ptl_autograd::{CpuStorage, Device, Tensor};
+use ptl_autograd::{Device, Tensor};
 
 use crate::backend::{Backend, Body, Graph, PoolHandle};
 use crate::{CaptureError, Result};
@@ -59,21 +58,8 @@ impl Backend for ReplayNatively {
         self.records.fetch_add(1, Ordering::Relaxed);
         Ok(Box::new(Stored { body, arena: arena_bytes }))
     }
-    /// The host buffer's address, so that a storage swapped under a tensor handle is seen as a
-    /// move, as a device pointer would be.
     fn address(&self, t: &Tensor) -> u64 {
-        t.with_storage(|s| match s {
-            Storage::Cpu(c) => match c {
-                CpuStorage::F32(v) => v.as_ptr() as u64,
-                CpuStorage::F64(v) => v.as_ptr() as u64,
-                CpuStorage::F16(v) => v.as_ptr() as u64,
-                CpuStorage::BF16(v) => v.as_ptr() as u64,
-                CpuStorage::I64(v) => v.as_ptr() as u64,
-                CpuStorage::U8(v) | CpuStorage::Bool(v) => v.as_ptr() as u64,
-            },
-            #[allow(unreachable_patterns)]
-            _ => t.storage_ptr() as u64,
-        })
+        t.storage_ptr() as u64
     }
     fn synchronize(&self, _device: Device) -> Result<()> {
         Ok(())

@@ -152,8 +152,14 @@ pub fn warmup_leaves_every_regions_batchnorm_statistics_as_native(dev: Device) {
 // ---- c. storage, hooks, precision, pending backward: per stem -----------------------------------
 
 /// A stem parameter whose storage moved (swapped for a copy) retires that stem's recording only;
-/// the stem records again and the others keep replaying.
+/// the stem records again and the others keep replaying. Real graphs only: the check compares
+/// device addresses; on the CPU double a buffer's identity is its tensor handle (CPU in-place ops
+/// may reallocate the host vector), moved only by replacing the handle — capture's `t8` tests that.
 pub fn a_moved_stem_parameter_retires_only_that_stem(dev: Device) {
+    if !dev.is_cuda() {
+        println!("skipping on the CPU double: storage moves are device-address checks (capture t8 covers the host logic)");
+        return;
+    }
     let m = model(dev);
     let regions = started(dev);
     let x = image(dev, 2);
