@@ -46,6 +46,9 @@ pub struct Node {
     /// Inputs that require gradients (`None` where an input does not).
     inputs: Vec<Option<Tensor>>,
     num_outputs: usize,
+    /// The [`crate::stage`] tag the node was created under; its backward runs under
+    /// `stage | BACKWARD_OF`.
+    stage: u8,
 }
 
 impl Node {
@@ -130,6 +133,7 @@ fn new_node(inputs: &[&Tensor], op: Box<dyn BackwardOp>, num_outputs: usize) -> 
         op,
         inputs: inputs.iter().map(|t| if t.requires_grad() { Some((*t).clone()) } else { None }).collect(),
         num_outputs,
+        stage: crate::stage::current(),
     })
 }
 
@@ -236,6 +240,7 @@ impl Tensor {
 
         for node in order.iter().rev() {
             let Some(contributions) = pending.remove(&node.id) else { continue };
+            let _stage = crate::stage::StageGuard::new(node.stage | crate::stage::BACKWARD_OF);
             let grads = contributions.into_iter().map(sum_contributions).collect::<Result<Vec<Option<Tensor>>>>()?;
             if grads.iter().all(Option::is_none) {
                 continue;

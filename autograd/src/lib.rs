@@ -36,6 +36,7 @@ pub mod module;
 mod ops;
 pub mod rng;
 pub mod shape;
+pub mod stage;
 pub mod storage;
 pub mod tensor;
 

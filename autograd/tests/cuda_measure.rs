@@ -88,3 +88,37 @@ fn counters_and_kernel_timer_agree_with_what_ran() {
         counted.kernel_launches, t.kernels
     );
 }
+
+/// A detailed window names every kernel and labels it with the stage tag it was launched under;
+/// the backward of a node created under tag 2 runs under `2 | BACKWARD_OF`.
+#[test]
+fn a_detailed_window_labels_kernels_by_stage() {
+    use ptl_autograd::stage::{in_stage, BACKWARD_OF};
+    let Some(dev) = gpu() else { return };
+    let x = Tensor::ones(vec![4096], DType::F32, dev).unwrap().requires_grad_(true).unwrap();
+    let warm = x.mul(&x).unwrap().sum_all().unwrap();
+    warm.backward().unwrap();
+    x.set_grad(None);
+    cuda::synchronize(dev).unwrap();
+    let timer = cuda::GpuKernelTimer::start_detailed(dev).expect("CUPTI detailed window");
+    let y = in_stage(2, || x.mul(&x).unwrap());
+    let s = in_stage(3, || y.sum_all().unwrap());
+    in_stage(4, || s.backward().unwrap());
+    in_stage(5, || cuda::gpu_spin(dev, 200_000).unwrap());
+    let (totals, detail) = timer.finish_detailed().unwrap();
+    let stages: std::collections::BTreeSet<u8> = detail.iter().map(|d| d.stage).collect();
+    for want in [2, 3, 5, 2 | BACKWARD_OF, 3 | BACKWARD_OF] {
+        assert!(stages.contains(&want), "stage {want:#x} has kernels: {detail:?}");
+    }
+    assert_eq!(detail.iter().map(|d| d.count).sum::<u64>(), totals.kernels, "every kernel is in the detail");
+    assert_eq!(detail.iter().map(|d| d.ns).sum::<u64>(), totals.kernel_ns);
+    assert!(detail.iter().all(|d| !d.name.is_empty() && d.name != "?"), "{detail:?}");
+    let spin = detail.iter().find(|d| d.stage == 5).unwrap();
+    assert!(spin.name.contains("spin"), "{spin:?}");
+    println!(
+        "ok detailed window: {} kernels in {} (stage, name) rows: {:?}",
+        totals.kernels,
+        detail.len(),
+        detail.iter().map(|d| (d.stage, d.name.as_str(), d.count)).collect::<Vec<_>>()
+    );
+}

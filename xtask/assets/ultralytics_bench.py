@@ -7,7 +7,12 @@ times itself, written to one JSON file.
   the loop, data wait included), after 10 warm-up steps;
 - sync window: 16 steps after the warm-up with `torch.cuda.synchronize()` at both ends;
 - data wait: `on_train_batch_end(g-1)` -> `on_train_batch_start(g)` (the loader's `next`);
-- time to the first step, peak memory, metrics per epoch.
+- time to the first step, peak memory, metrics per epoch;
+- GPU kernel time per step by stage and op class (`gpu_breakdown`): the PyTorch profiler over 16
+  steps of the last epoch (the last 16 but one, as ptl's traced window), stages marked with
+  `record_function` around Ultralytics' own methods (upload, model forward, loss, backward, optimizer,
+  EMA); a kernel counts for the innermost stage whose range holds its launch. Those steps are left
+  out of the start-to-start figures (profiling slows them).
 
 usage: ultralytics_bench.py --data DS/data.yaml --out RESULT.json [--epochs 1] [--amp True|False|bf16]
                             [--optimizer MuSGD] [--batch 4] [--imgsz 640] [--workers 8] [--seed 347]
@@ -33,6 +38,7 @@ ap.add_argument("--seed", type=int, default=347)
 ap.add_argument("--optimizer", default="MuSGD")
 ap.add_argument("--amp", default="True")
 ap.add_argument("--warmup", type=int, default=10)
+ap.add_argument("--gpu-window", type=int, default=1, help="0: no profiler window")
 args = ap.parse_args()
 
 work = Path(os.environ.get("ULTRA_WORK", "/tmp/ptl-bench-ultra"))
@@ -69,7 +75,76 @@ except Exception as e:  # not fatal
 cuda = torch.cuda.is_available()
 sync = torch.cuda.synchronize if cuda else (lambda: None)
 rec = {"starts": [], "ends": {}, "metrics": [], "epoch_s": [], "sync_window": None, "first_step": None, "amp": None}
-state = {"g": 0, "sw0": None, "epoch_t0": None}
+state = {"g": 0, "sw0": None, "epoch_t0": None, "prof": None, "prof_steps": set()}
+WINDOW = 16
+
+
+def staged(label, fn):
+    """`fn` run inside a profiler range named `label`."""
+    def wrapper(*a, **k):
+        with torch.profiler.record_function("ptl-stage:" + label):
+            return fn(*a, **k)
+    return wrapper
+
+
+class StagedCriterion:
+    """The model's criterion, its calls marked as the loss stage; every attribute passes through."""
+    def __init__(self, inner):
+        object.__setattr__(self, "inner", inner)
+
+    def __call__(self, *a, **k):
+        with torch.profiler.record_function("ptl-stage:loss"):
+            return self.inner(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+
+
+def mark_stages(tr):
+    m = tr.model
+    m.predict = staged("model forward", m.predict)
+    init = m.init_criterion
+    m.init_criterion = lambda *a, **k: StagedCriterion(init(*a, **k))
+    if getattr(m, "criterion", None) is not None:
+        m.criterion = StagedCriterion(m.criterion)
+    tr.preprocess_batch = staged("upload", tr.preprocess_batch)
+    tr.optimizer_step = staged("optimizer", tr.optimizer_step)
+    if getattr(tr, "ema", None) is not None:
+        tr.ema.update = staged("EMA", tr.ema.update)
+    backward = torch.Tensor.backward
+
+    def staged_backward(self, *a, **k):
+        if state.get("want_mem"):
+            state["want_mem"] = False
+            rec["memory_at_backward"] = memory_at_backward(tr)
+        return staged("backward (model+loss)", backward)(self, *a, **k)
+
+    torch.Tensor.backward = staged_backward
+
+
+def memory_at_backward(tr):
+    """Device memory right before the first profiled step's backward, by owner (as ptl reports it)."""
+    def nbytes(ts):
+        seen, n = set(), 0
+        for t in ts:
+            if t is None or not torch.is_tensor(t) or not t.is_cuda or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            n += t.numel() * t.element_size()
+        return n
+    m = tr.model
+    params = list(m.parameters())
+    opt_state = [v for st in tr.optimizer.state.values() for v in st.values()]
+    ema = list(tr.ema.ema.state_dict().values()) if getattr(tr, "ema", None) is not None else []
+    parts = [["parameters", nbytes(params)], ["buffers", nbytes(m.buffers())], ["gradients (accumulated)", nbytes(p.grad for p in params)],
+             ["optimizer state", nbytes(opt_state)], ["EMA shadow", nbytes(ema)]]
+    alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    return {"allocated_bytes": alloc, "reserved_bytes": reserved, "parts": parts,
+            "activations_and_temporaries_bytes": max(alloc - sum(p[1] for p in parts), 0),
+            "cached_free_bytes": max(reserved - alloc, 0)}
 
 
 def on_train_start(tr):
@@ -78,6 +153,102 @@ def on_train_start(tr):
     rec["optimizer"] = type(tr.optimizer).__name__
     rec["workers"] = tr.train_loader.num_workers
     rec["nb"] = len(tr.train_loader)
+    if cuda and args.gpu_window:
+        mark_stages(tr)
+        nb = rec["nb"]
+        first = (args.epochs - 1) * nb + nb - WINDOW - 1
+        state["prof_first"] = first if nb > WINDOW + 1 and first >= args.warmup + WINDOW + 1 else None
+
+
+def kernel_class(name):
+    k = name.lower()
+    if any(p in k for p in ("cudnn", "conv", "fprop", "dgrad", "wgrad", "nchw", "nhwc")):
+        return "cuDNN"
+    if any(p in k for p in ("gemm", "cublas", "cutlass")):
+        return "cuBLAS"
+    for key, label in (("batch_norm", "batch_norm"), ("reduce_kernel", "reduce"), ("catarray", "cat"), ("upsample", "upsample"),
+                       ("multi_tensor_apply", "foreach (optimizer/EMA)"), ("elementwise", "elementwise"), ("index", "index/scatter"),
+                       ("scatter", "index/scatter"), ("gather", "index/scatter"), ("sort", "sort/topk"), ("topk", "sort/topk"),
+                       ("copy", "copy/cast")):
+        if key in k:
+            return label
+    return "other"
+
+
+def breakdown(trace_path, steps):
+    """Kernel time per step by stage / class / (stage, kernel) from a Chrome trace of the profiler."""
+    import bisect
+    ev = json.loads(Path(trace_path).read_text())
+    ev = ev.get("traceEvents", ev)
+    ranges = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"][len("ptl-stage:"):]) for e in ev
+                    if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ptl-stage:"))
+    launch = {e["args"]["correlation"]: e["ts"] for e in ev
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    starts = [r[0] for r in ranges]
+
+    def stage_at(ts):
+        best = None
+        for i in range(bisect.bisect_right(starts, ts) - 1, -1, -1):
+            a, b, label = ranges[i]
+            if a <= ts <= b and (best is None or a >= best[0]):
+                best = (a, label)
+            if ts - a > 60e6:
+                break
+        return best[1] if best else "other"
+
+    by = {}
+    for e in ev:
+        if e.get("cat") != "kernel":
+            continue
+        ts = launch.get(e.get("args", {}).get("correlation"))
+        stage = stage_at(ts) if ts is not None else "other"
+        key = (stage, e["name"])
+        c, us = by.get(key, (0, 0.0))
+        by[key] = (c + 1, us + float(e.get("dur", 0)))
+
+    def shares(f):
+        acc = {}
+        for (stage, name), (c, us) in by.items():
+            lab = f(stage, name)
+            a = acc.get(lab, (0, 0.0))
+            acc[lab] = (a[0] + c, a[1] + us)
+        return sorted(({"label": k, "ms_per_step": us / 1e3 / steps, "kernels_per_step": c / steps} for k, (c, us) in acc.items()),
+                      key=lambda d: -d["ms_per_step"])
+
+    top = sorted(({"stage": st, "class": kernel_class(n), "name": n, "ms_per_step": us / 1e3 / steps, "kernels_per_step": c / steps}
+                  for (st, n), (c, us) in by.items()), key=lambda d: -d["ms_per_step"])[:40]
+    total_us = sum(us for _, us in by.values())
+    return {"steps": steps, "kernel_ms_per_step": total_us / 1e3 / steps,
+            "kernels_per_step": sum(c for c, _ in by.values()) / steps,
+            "by_stage": shares(lambda st, n: st), "by_class": shares(lambda st, n: kernel_class(n)), "top": top}
+
+
+def profiler_window(g):
+    first = state.get("prof_first")
+    if first is None:
+        return
+    if g == first:
+        sync()
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+        prof.start()
+        state["prof"] = prof
+        state["want_mem"] = True
+    if first <= g < first + WINDOW + 1:
+        state["prof_steps"].add(g)  # the step before ends where tracing starts: left out too
+    if g == first - 1:
+        state["prof_steps"].add(g)
+    if g == first + WINDOW and state["prof"] is not None:
+        sync()
+        state["prof"].stop()
+        path = work / "ultra-trace.json"
+        try:
+            state["prof"].export_chrome_trace(str(path))
+            rec["gpu_breakdown"] = breakdown(path, WINDOW)
+        except Exception as e:  # keep the run; say why there is no breakdown
+            rec["gpu_breakdown_error"] = repr(e)
+        finally:
+            path.unlink(missing_ok=True)
+            state["prof"] = None
 
 
 def on_train_epoch_start(tr):
@@ -86,6 +257,7 @@ def on_train_epoch_start(tr):
 
 def on_train_batch_start(tr):
     g = state["g"]
+    profiler_window(g)
     if g == args.warmup or g == args.warmup + 16:
         sync()
         t = time.perf_counter()
@@ -135,7 +307,7 @@ except Exception as e:  # keep what was measured
 T_END = time.perf_counter()
 
 s2s = [1e3 * (t1 - t0) for (g0, e0, t0), (g1, e1, t1) in zip(rec["starts"], rec["starts"][1:])
-       if e0 == e1 and g0 >= args.warmup]
+       if e0 == e1 and g0 >= args.warmup and g0 not in state["prof_steps"]]
 waits = [1e3 * (t - rec["ends"][g - 1]) for g, e, t in rec["starts"] if g >= args.warmup and (g - 1) in rec["ends"]]
 
 
@@ -158,6 +330,8 @@ res = {
     "epoch_s": rec["epoch_s"], "metrics_per_epoch": rec["metrics"],
     "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+    "gpu_breakdown": rec.get("gpu_breakdown"), "gpu_breakdown_error": rec.get("gpu_breakdown_error"),
+    "memory_at_backward": rec.get("memory_at_backward"),
 }
 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 Path(args.out).write_text(json.dumps(res, indent=1))

@@ -458,6 +458,8 @@ fn figures(r: &Value) -> Figures {
         x.sync_ms = f(&res["sync_window_ms_per_step"]);
         x.wait_ms = f(&res["data_wait_ms_mean"]);
         x.to_first_step_s = f(&res["process_to_first_step_s"]);
+        x.gpu_ms = f(&res["gpu_breakdown"]["kernel_ms_per_step"]);
+        x.gpu_kernels = f(&res["gpu_breakdown"]["kernels_per_step"]);
         x.map50 = res["metrics_per_epoch"]
             .as_array()
             .map(|a| a.iter().filter_map(|m| m["metrics/mAP50(P)"].as_f64()).collect())
@@ -681,6 +683,8 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             if guard_ok { "ok" } else { "FAILED" }
         ));
     }
+    md.push_str(&breakdown_section(&ok));
+    md.push_str(&memory_section(&ok));
     md.push_str(&startup_table(&ok));
     if failed > 0 {
         md.push_str(&failed_runs(recs));
@@ -715,6 +719,141 @@ fn failed_runs(recs: &[Value]) -> String {
             r["pair"],
             r["exit"]
         ));
+    }
+    md
+}
+
+/// A run's kernel-time breakdown: ptl's traced window, or the Ultralytics driver's profiler window
+/// (same shape: `by_stage`, `by_class`, `top`).
+fn breakdown_of(r: &Value) -> Option<&Value> {
+    let b = if r["kind"] == ULTRA { &r["result"]["gpu_breakdown"] } else { &r["result"]["timing"]["gpu"]["breakdown"] };
+    b.is_object().then_some(b)
+}
+
+/// Median (ms, kernels) per step of `label` in list `key` over `runs` (absent label: 0 in that run).
+fn share_median(runs: &[&Value], key: &str, label: &str) -> (f64, f64) {
+    let pick = |f: &str| -> f64 {
+        let v: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| breakdown_of(r))
+            .map(|b| b[key].as_array().and_then(|a| a.iter().find(|e| e["label"] == label)).and_then(|e| e[f].as_f64()).unwrap_or(0.0))
+            .collect();
+        median(v).unwrap_or(0.0)
+    };
+    (pick("ms_per_step"), pick("kernels_per_step"))
+}
+
+/// GPU kernel time per step by stage and by op class for every arm with a breakdown, and the
+/// largest kernels of one run per arm: where the GPU time goes, ptl next to Ultralytics.
+fn breakdown_section(ok: &[&Value]) -> String {
+    let mut groups: Vec<((String, String), Vec<&Value>)> = Vec::new();
+    for r in ok.iter().filter(|r| r["cold"] != true && breakdown_of(r).is_some()) {
+        let key = (r["precision"].as_str().unwrap_or("?").to_string(), r["arm"].as_str().unwrap_or("?").to_string());
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(r),
+            None => groups.push((key, vec![r])),
+        }
+    }
+    if groups.is_empty() {
+        return String::new();
+    }
+    groups.sort_by(|a, b| a.0 .0.cmp(&b.0 .0));
+    const ORDER: [&str; 9] =
+        ["model forward", "model backward", "loss", "loss backward", "backward (engine)", "optimizer", "EMA", "upload", "other"];
+    let mut stages: Vec<String> = ORDER.iter().map(|s| s.to_string()).collect();
+    for (_, runs) in &groups {
+        for b in runs.iter().filter_map(|r| breakdown_of(r)) {
+            for e in b["by_stage"].as_array().into_iter().flatten() {
+                let l = e["label"].as_str().unwrap_or("?").to_string();
+                if !stages.contains(&l) {
+                    stages.push(l);
+                }
+            }
+        }
+    }
+    stages.retain(|st| groups.iter().any(|(_, runs)| share_median(runs, "by_stage", st).0 > 0.0));
+    let mut md = String::from(
+        "\nGPU kernel time per step by stage, ms (kernels) — median over runs; a replayed graph's kernels count for the stage that launched it:\n\n| precision | arm | total |",
+    );
+    for st in &stages {
+        md.push_str(&format!(" {st} |"));
+    }
+    md.push_str(&format!("\n|---|---|---:|{}\n", "---:|".repeat(stages.len())));
+    for ((p, arm), runs) in &groups {
+        let cells: Vec<(f64, f64)> = stages.iter().map(|st| share_median(runs, "by_stage", st)).collect();
+        let total: f64 = cells.iter().map(|c| c.0).sum();
+        md.push_str(&format!("| {p} | {arm} | {total:.1} |"));
+        for (ms, n) in cells {
+            md.push_str(&format!(" {ms:.2} ({n:.0}) |"));
+        }
+        md.push('\n');
+    }
+    md.push_str("\nBy op class (ms/step, kernels/step; the 12 largest):\n\n");
+    for ((p, arm), runs) in &groups {
+        let first = runs.iter().find_map(|r| breakdown_of(r));
+        let labels: Vec<String> = first
+            .and_then(|b| b["by_class"].as_array())
+            .map(|a| a.iter().take(12).filter_map(|e| e["label"].as_str().map(str::to_string)).collect())
+            .unwrap_or_default();
+        let items: Vec<String> = labels
+            .iter()
+            .map(|l| {
+                let (ms, n) = share_median(runs, "by_class", l);
+                format!("{l} {ms:.2} ({n:.0})")
+            })
+            .collect();
+        md.push_str(&format!("- {p} {arm}: {}\n", items.join(" · ")));
+    }
+    md.push_str("\nLargest kernels of one run per arm (stage · class · kernel: ms/step, kernels/step):\n\n");
+    for ((p, arm), runs) in &groups {
+        let Some(b) = runs.iter().find_map(|r| breakdown_of(r)) else { continue };
+        md.push_str(&format!("- {p} {arm}:\n"));
+        for e in b["top"].as_array().into_iter().flatten().take(15) {
+            let name: String = e["name"].as_str().unwrap_or("?").chars().take(90).collect();
+            md.push_str(&format!(
+                "  - {} · {} · `{name}`: {:.3} ({:.0})\n",
+                e["stage"].as_str().unwrap_or("?"),
+                e["class"].as_str().unwrap_or("?"),
+                e["ms_per_step"].as_f64().unwrap_or(0.0),
+                e["kernels_per_step"].as_f64().unwrap_or(0.0)
+            ));
+        }
+    }
+    md
+}
+
+/// Device memory right before backward in one run per (precision, arm): what holds it.
+fn memory_section(ok: &[&Value]) -> String {
+    let mut seen: Vec<(String, String)> = Vec::new();
+    let mut md = String::new();
+    for r in ok.iter().filter(|r| r["cold"] != true) {
+        let m = if r["kind"] == ULTRA { &r["result"]["memory_at_backward"] } else { &r["result"]["timing"]["gpu"]["memory"] };
+        let key = (r["precision"].as_str().unwrap_or("?").to_string(), r["arm"].as_str().unwrap_or("?").to_string());
+        if !m.is_object() || seen.contains(&key) {
+            continue;
+        }
+        if md.is_empty() {
+            md.push_str("\nDevice memory right before the backward of a traced step (MiB; one run per arm):\n\n");
+        }
+        let mib = |v: &Value| v.as_f64().unwrap_or(0.0) / 1048576.0;
+        let mut parts: Vec<String> =
+            m["parts"].as_array().into_iter().flatten().map(|p| format!("{} {:.0}", p[0].as_str().unwrap_or("?"), mib(&p[1]))).collect();
+        for (label, k) in [("library workspaces", "library_workspace_bytes"), ("replay pools", "replay_pool_bytes")] {
+            if m[k].as_f64().is_some_and(|v| v > 0.0) {
+                parts.push(format!("{label} {:.0}", mib(&m[k])));
+            }
+        }
+        parts.push(format!("activations + temporaries {:.0}", mib(&m["activations_and_temporaries_bytes"])));
+        md.push_str(&format!(
+            "- {} {}: allocated {:.0} = {}; reserved {:.0} (cached free {:.0})\n",
+            key.0,
+            key.1,
+            mib(&m["allocated_bytes"]),
+            parts.join(" + "),
+            mib(&m["reserved_bytes"]),
+            mib(&m["cached_free_bytes"])
+        ));
+        seen.push(key);
     }
     md
 }
@@ -792,7 +931,12 @@ mod tests {
             json!({
                 "timing": { "start_to_start": { "median_ms": step, "timed_steps": 100 }, "data_wait_ms_mean": 1.0,
                             "launches": { "kernel_launches": 9000.0, "library_calls": 900.0, "graph_launches": 0.0, "host_syncs": 3.0 },
-                            "gpu": { "kernel_ms_per_step": 40.0, "kernels_per_step": 10000.0, "event_span_ms_per_step": 60.0 } },
+                            "gpu": { "kernel_ms_per_step": 40.0, "kernels_per_step": 10000.0, "event_span_ms_per_step": 60.0,
+                                     "breakdown": { "by_stage": [{ "label": "model backward", "ms_per_step": 30.0, "kernels_per_step": 7000.0 },
+                                                                 { "label": "model forward", "ms_per_step": 10.0, "kernels_per_step": 3000.0 }],
+                                                    "by_class": [{ "label": "reduce_rows", "ms_per_step": 12.5, "kernels_per_step": 900.0 }],
+                                                    "top": [{ "stage": "model backward", "class": "reduce_rows", "name": "reduce_rows_f32",
+                                                              "ms_per_step": 9.0, "kernels_per_step": 500.0 }] } } },
                 "startup": { "process_to_first_step_s": 2.0, "epoch_s": [10.0] },
                 "metrics_per_epoch": [[["metrics/mAP50(P)", 0.01]]],
                 "hashes": { "model": model, "step_losses": "l" },
@@ -820,6 +964,9 @@ mod tests {
         assert!(md.contains("| bf16-mixed | ptl native | 2 | 15.5 (15.0–16.0) | 75.5 (75.0–76.0) |"), "{md}");
         assert!(md.contains("| bf16-mixed | native / ultralytics | 0.517 (0.500–0.533) | 0.503 (0.500–0.507) |"), "{md}");
         assert!(md.contains("hashes identical: true"), "{md}");
+        assert!(md.contains("| bf16-mixed | native | 40.0 | 10.00 (3000) | 30.00 (7000) |"), "stage breakdown: {md}");
+        assert!(md.contains("- bf16-mixed native: reduce_rows 12.50 (900)"), "class breakdown: {md}");
+        assert!(md.contains("model backward · reduce_rows · `reduce_rows_f32`: 9.000 (500)"), "top kernels: {md}");
         let bad = vec![ptl_run("native", 0, 15.0, 75.0, "m"), ptl_run("workers0", 0, 20.0, 110.0, "other")];
         assert!(write_report(&bad, &out).is_err(), "differing hashes fail the bench");
         // A replay arm whose region fell back to native (e.g. a capture failure) fails the guard.

@@ -258,6 +258,13 @@ pub fn memory_stats(device: Device) -> Result<MemoryStats> {
     })
 }
 
+/// Bytes allocated from the live private pools of `device` (recorded graphs' arenas and static
+/// buffers), part of [`MemoryStats::allocated`].
+pub fn private_pool_allocated_bytes(device: Device) -> Result<u64> {
+    let dev = cuda_dev(device)?;
+    live_pools(&dev).iter().map(|p| pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)).sum()
+}
+
 /// Bytes of device memory held by the math libraries' workspaces on `device` (the cuBLAS/cuBLASLt
 /// workspace and every cached cuDNN plan's), part of [`MemoryStats::allocated`]. They stay for
 /// the process lifetime, since recorded graphs keep their addresses.

@@ -36,6 +36,67 @@ pub struct GpuKernelTotals {
 static TOTALS: Mutex<GpuKernelTotals> =
     Mutex::new(GpuKernelTotals { kernels: 0, kernel_ns: 0, memcpys: 0, memcpy_ns: 0, memsets: 0, memset_ns: 0, dropped: 0 });
 static RUNNING: AtomicBool = AtomicBool::new(false);
+/// A detailed window runs: kernels are kept by name and stage tag ([`GpuKernelTimer::start_detailed`]).
+static DETAILED: AtomicBool = AtomicBool::new(false);
+
+/// GPU time of one kernel name under one [`crate::stage`] tag in a detailed window.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelDetail {
+    /// The stage tag of the host call that launched it (a graph launch for replayed kernels).
+    pub stage: u8,
+    pub name: String,
+    pub count: u64,
+    /// Summed kernel durations, nanoseconds.
+    pub ns: u64,
+}
+
+/// Raw records of a detailed window: kernels by CUPTI correlation id, and the stage each
+/// correlation id was launched under (external-correlation records, which may come in any order).
+#[derive(Default)]
+struct Detail {
+    kernels: Vec<(u32, u32, u64)>,
+    names: std::collections::HashMap<usize, u32>,
+    name_list: Vec<String>,
+    stage_of: std::collections::HashMap<u32, u8>,
+}
+
+static DETAIL: Mutex<Option<Detail>> = Mutex::new(None);
+
+thread_local! {
+    /// Whether this thread has an external correlation id pushed (detailed windows only).
+    static PUSHED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+const EXTERNAL: cs::CUpti_ExternalCorrelationKind = cs::CUpti_ExternalCorrelationKind::CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0;
+
+/// Labels this thread's next CUDA calls with `tag` while a detailed window runs (called by
+/// [`crate::stage`] on every change; a relaxed load otherwise).
+pub fn stage_changed(tag: u8) {
+    if !DETAILED.load(Ordering::Relaxed) {
+        return;
+    }
+    push_stage(tag);
+}
+
+fn push_stage(tag: u8) {
+    // SAFETY: plain CUPTI calls on this thread's external-correlation stack (one entry kept).
+    unsafe {
+        if PUSHED.with(|p| p.get()) {
+            let mut last = 0u64;
+            let _ = cs::cuptiActivityPopExternalCorrelationId(EXTERNAL, &mut last);
+        }
+        let ok = cs::cuptiActivityPushExternalCorrelationId(EXTERNAL, tag as u64).result().is_ok();
+        PUSHED.with(|p| p.set(ok));
+    }
+}
+
+fn pop_stage() {
+    if PUSHED.with(|p| p.replace(false)) {
+        let mut last = 0u64;
+        // SAFETY: pops the entry this thread pushed.
+        let _ = unsafe { cs::cuptiActivityPopExternalCorrelationId(EXTERNAL, &mut last) };
+    }
+}
 
 const BUFFER_BYTES: usize = 8 << 20;
 const BUFFER_ALIGN: usize = 8;
@@ -43,6 +104,12 @@ const BUFFER_ALIGN: usize = 8;
 /// memset records; checked against the bindings in the tests below.
 const START_AT: usize = 16;
 const END_AT: usize = 24;
+/// Offsets of `correlationId` (u32) and `name` (C string) in kernel records (v4 and later, the
+/// same prefix), and of `externalId` (u64) / `correlationId` in external-correlation records.
+const KERNEL_CORRELATION_AT: usize = 92;
+const KERNEL_NAME_AT: usize = 104;
+const EXTERNAL_ID_AT: usize = 8;
+const EXTERNAL_CORRELATION_AT: usize = 16;
 
 fn layout() -> std::alloc::Layout {
     // BUFFER_BYTES and BUFFER_ALIGN are valid constants.
@@ -64,6 +131,7 @@ extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _stream: u3
         return;
     }
     let mut sums = GpuKernelTotals::default();
+    let mut detail = DETAIL.lock().unwrap_or_else(|e| e.into_inner());
     let mut record: *mut cs::CUpti_Activity = std::ptr::null_mut();
     // SAFETY: `buffer` holds `valid` bytes of records written by CUPTI; each record starts with
     // its kind, and kernel/memcpy/memset records carry start/end at the offsets above.
@@ -80,6 +148,23 @@ extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _stream: u3
             if kind == Kind::CUPTI_ACTIVITY_KIND_KERNEL as u32 || kind == Kind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL as u32 {
                 sums.kernels += 1;
                 sums.kernel_ns += span();
+                if let Some(d) = detail.as_mut() {
+                    let corr = std::ptr::read_unaligned(base.add(KERNEL_CORRELATION_AT) as *const u32);
+                    let name = std::ptr::read_unaligned(base.add(KERNEL_NAME_AT) as *const *const std::ffi::c_char);
+                    let next = d.name_list.len() as u32;
+                    let id = *d.names.entry(name as usize).or_insert(next);
+                    if id == next {
+                        let text = if name.is_null() { "?".into() } else { std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned() };
+                        d.name_list.push(text);
+                    }
+                    d.kernels.push((corr, id, span()));
+                }
+            } else if kind == Kind::CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION as u32 {
+                if let Some(d) = detail.as_mut() {
+                    let ext = std::ptr::read_unaligned(base.add(EXTERNAL_ID_AT) as *const u64);
+                    let corr = std::ptr::read_unaligned(base.add(EXTERNAL_CORRELATION_AT) as *const u32);
+                    d.stage_of.insert(corr, ext as u8);
+                }
             } else if kind == Kind::CUPTI_ACTIVITY_KIND_MEMCPY as u32 {
                 sums.memcpys += 1;
                 sums.memcpy_ns += span();
@@ -90,6 +175,7 @@ extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _stream: u3
         }
         std::alloc::dealloc(buffer, layout());
     }
+    drop(detail);
     let mut t = TOTALS.lock().unwrap_or_else(|e| e.into_inner());
     t.kernels += sums.kernels;
     t.kernel_ns += sums.kernel_ns;
@@ -183,6 +269,37 @@ impl GpuKernelTimer {
         Ok(GpuKernelTimer { device })
     }
 
+    /// [`GpuKernelTimer::start`], also keeping every kernel's name and the [`crate::stage`] tag it
+    /// was launched under (CUPTI external correlation; more host cost per launch than `start`).
+    /// Tags are followed on the calling thread, the one that launches the work.
+    pub fn start_detailed(device: Device) -> Result<GpuKernelTimer> {
+        let t = GpuKernelTimer::start(device)?;
+        *DETAIL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Detail::default());
+        activity::enable(Kind::CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION).map_err(|e| cupti_err("cuptiActivityEnable", e))?;
+        DETAILED.store(true, Ordering::SeqCst);
+        push_stage(crate::stage::current());
+        Ok(t)
+    }
+
+    /// Ends a detailed window: the totals and the GPU time per (stage tag, kernel name), largest
+    /// first. Kernels whose launch had no tag record come under tag 0.
+    pub fn finish_detailed(self) -> Result<(GpuKernelTotals, Vec<KernelDetail>)> {
+        let totals = self.finish()?;
+        let d = DETAIL.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        let mut by: std::collections::HashMap<(u8, u32), (u64, u64)> = std::collections::HashMap::new();
+        for (corr, name, ns) in &d.kernels {
+            let e = by.entry((d.stage_of.get(corr).copied().unwrap_or(0), *name)).or_default();
+            e.0 += 1;
+            e.1 += ns;
+        }
+        let mut out: Vec<KernelDetail> = by
+            .into_iter()
+            .map(|((stage, name), (count, ns))| KernelDetail { stage, name: d.name_list[name as usize].clone(), count, ns })
+            .collect();
+        out.sort_by(|a, b| b.ns.cmp(&a.ns).then(a.stage.cmp(&b.stage)).then(a.name.cmp(&b.name)));
+        Ok((totals, out))
+    }
+
     /// Waits for the device, stops tracing and returns the totals of the window.
     pub fn finish(self) -> Result<GpuKernelTotals> {
         let r = (|| {
@@ -204,6 +321,10 @@ impl GpuKernelTimer {
     fn stop(&self) {
         for k in KINDS {
             let _ = activity::disable(k);
+        }
+        if DETAILED.swap(false, Ordering::SeqCst) {
+            pop_stage();
+            let _ = activity::disable(Kind::CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION);
         }
         RUNNING.store(false, Ordering::SeqCst);
     }
@@ -230,5 +351,14 @@ mod tests {
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemcpy6, end), END_AT);
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemset4, start), START_AT);
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemset4, end), END_AT);
+        for (corr, name) in [
+            (std::mem::offset_of!(cs::CUpti_ActivityKernel4, correlationId), std::mem::offset_of!(cs::CUpti_ActivityKernel4, name)),
+            (std::mem::offset_of!(cs::CUpti_ActivityKernel9, correlationId), std::mem::offset_of!(cs::CUpti_ActivityKernel9, name)),
+            (std::mem::offset_of!(cs::CUpti_ActivityKernel10, correlationId), std::mem::offset_of!(cs::CUpti_ActivityKernel10, name)),
+        ] {
+            assert_eq!((corr, name), (KERNEL_CORRELATION_AT, KERNEL_NAME_AT));
+        }
+        assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityExternalCorrelation, externalId), EXTERNAL_ID_AT);
+        assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityExternalCorrelation, correlationId), EXTERNAL_CORRELATION_AT);
     }
 }

@@ -50,8 +50,8 @@ use std::sync::Arc;
 use cudarc::driver::{result as dr, sys};
 
 pub use alloc::{
-    empty_cache, library_workspace_bytes, memory_stats, reset_peak_memory_stats, set_poison_allocations, synchronize, MemPool,
-    MemPoolGuard, MemoryStats,
+    empty_cache, library_workspace_bytes, memory_stats, private_pool_allocated_bytes, reset_peak_memory_stats, set_poison_allocations,
+    synchronize, MemPool, MemPoolGuard, MemoryStats,
 };
 pub use blas::gemm_paths;
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
@@ -59,7 +59,7 @@ pub use conv::conv_paths;
 pub use counters::{counters, library_setup, CudaCounters, LibrarySetup};
 pub use device::CudaSetupError;
 pub use graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph, StreamMark};
-pub use kernel_timer::{GpuKernelTimer, GpuKernelTotals};
+pub use kernel_timer::{stage_changed, GpuKernelTimer, GpuKernelTotals, KernelDetail};
 pub use module_cache::{kernel_cache_dir, module_reports, probe_module_cache, ModuleReport, ModuleSource};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
 pub use user_kernel::{KernelArg, UserKernel};

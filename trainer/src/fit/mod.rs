@@ -9,6 +9,6 @@ pub use callback::{Callback, HookTrace, LoopView};
 pub use checkpoint::{load_checkpoint, read_manifest, save_checkpoint, Checkpoint, LoopState, Manifest, RunHistory};
 pub use plugin::{registered_plugins, PluginRegistration, PluginSetup, PluginStack, ReplayPlugin, StackRunner, Stage, StageInfo};
 pub use summary::{
-    GpuWindowReport, KernelModuleTime, LaunchesPerStep, ResultsCsv, RunHashes, RunSummary, StageProfile, StartupReport, StepTiming,
-    TimingReport,
+    GpuWindowReport, KernelBreakdown, KernelModuleTime, KernelRow, KernelShare, LaunchesPerStep, MemoryAtBackward, ResultsCsv, RunHashes,
+    RunSummary, StageProfile, StartupReport, StepTiming, TimingReport,
 };

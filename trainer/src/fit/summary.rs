@@ -99,6 +99,63 @@ pub struct GpuWindowReport {
     pub event_span_ms_per_step: f64,
     /// Activity records CUPTI dropped (the sums are low when this is not 0).
     pub dropped_records: u64,
+    /// Where the kernel time went: by step stage, by op class, and the largest kernels.
+    #[serde(default)]
+    pub breakdown: Option<KernelBreakdown>,
+    /// Where the memory is when backward starts (the step's peak), first step of the window.
+    #[serde(default)]
+    pub memory: Option<MemoryAtBackward>,
+}
+
+/// Device memory right before the first traced step's backward — when the forward's saved
+/// activations are all alive, next to the persistent state — split by owner.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryAtBackward {
+    pub allocated_bytes: u64,
+    pub reserved_bytes: u64,
+    /// Model parameters and buffers, gradients present, optimizer state, EMA copy.
+    pub parts: Vec<(String, u64)>,
+    /// cuBLAS workspace and cached cuDNN plans' workspaces.
+    pub library_workspace_bytes: u64,
+    /// Recorded regions' private pools (replay), included in `allocated_bytes`.
+    pub replay_pool_bytes: u64,
+    /// What remains of `allocated_bytes`: the forward's saved activations, the loss's tensors and
+    /// live temporaries.
+    pub activations_and_temporaries_bytes: u64,
+    /// Reserved but not allocated: freed blocks the allocators keep for reuse.
+    pub cached_free_bytes: u64,
+}
+
+/// Kernel time of one label (a stage, an op class) per step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct KernelShare {
+    pub label: String,
+    pub ms_per_step: f64,
+    pub kernels_per_step: f64,
+}
+
+/// One kernel name under one stage.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct KernelRow {
+    pub stage: String,
+    /// `cuDNN`, `cuBLAS`, or one of ptl's kernel families (the name without its dtype suffix).
+    pub class: String,
+    pub name: String,
+    pub ms_per_step: f64,
+    pub kernels_per_step: f64,
+}
+
+/// The summed kernel time of a traced window split by the step stage each kernel was launched
+/// under (model forward, model backward, loss, loss backward, optimizer, EMA, …; a replayed
+/// graph's kernels go to the stage that launched it) and by op class, largest first.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct KernelBreakdown {
+    pub by_stage: Vec<KernelShare>,
+    pub by_class: Vec<KernelShare>,
+    /// (stage, class) pairs, largest first.
+    pub by_stage_class: Vec<KernelRow>,
+    /// The 40 largest (stage, kernel name) rows.
+    pub top: Vec<KernelRow>,
 }
 
 /// Median milliseconds per stage (`profile=true`).

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use ptl_autograd::Device;
 
 use super::probe::{sync, CounterMark, GpuWindow};
-use crate::fit::{GpuWindowReport, LaunchesPerStep, StepTiming, TimingReport};
+use crate::fit::{GpuWindowReport, LaunchesPerStep, MemoryAtBackward, StepTiming, TimingReport};
 use crate::Result;
 
 /// Steps in the sync and GPU windows.
@@ -56,6 +56,8 @@ pub(crate) struct StepClock {
     gpu: Gpu,
     first_step_s: Option<f64>,
     first_step_began: Option<Instant>,
+    /// Memory at the first traced step's backward.
+    memory: Option<MemoryAtBackward>,
 }
 
 impl StepClock {
@@ -79,6 +81,7 @@ impl StepClock {
             },
             first_step_s: None,
             first_step_began: None,
+            memory: None,
         }
     }
 
@@ -186,6 +189,15 @@ impl StepClock {
         self.steps += 1;
     }
 
+    /// Whether the memory snapshot of the GPU window is still to be taken (this step is traced).
+    pub fn wants_memory_snapshot(&self) -> bool {
+        matches!(self.gpu, Gpu::Running(..)) && self.memory.is_none()
+    }
+
+    pub fn set_memory_snapshot(&mut self, m: MemoryAtBackward) {
+        self.memory = Some(m);
+    }
+
     /// Start of the first step, and how long it took.
     pub fn first_step(&self) -> (Option<Instant>, f64) {
         (self.first_step_began, self.first_step_s.unwrap_or(0.0))
@@ -203,7 +215,7 @@ impl StepClock {
             }
         }
         let (gpu, gpu_unavailable) = match &self.gpu {
-            Gpu::Done(r) => (Some(r.clone()), None),
+            Gpu::Done(r) => (Some(GpuWindowReport { memory: self.memory.clone(), ..r.clone() }), None),
             Gpu::Unavailable(why) => (None, Some(why.clone())),
             Gpu::Planned(..) => (None, Some("the run ended before the GPU window".into())),
             Gpu::Running(..) => (None, Some("window still open".into())),

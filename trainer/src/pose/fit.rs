@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use ptl_autograd::stage::{in_stage, StageGuard};
 use ptl_autograd::{hash, module, no_grad, DType, Device, Module, Tensor, TensorKind};
 use ptl_data::{OpenOptions, PoseDataset, PrefetchPlan, TrainConfig, TrainLoader};
 use ptl_heads::{ModelConfig, PoseModel, Scale};
@@ -14,6 +15,7 @@ use super::clock::StepClock;
 use super::config::{PoseTrainConfig, Precision};
 use super::pipeline::{device_images, TrainPipeline};
 use super::probe;
+use super::stages;
 use super::validate::{validate, ValResult};
 use crate::fit::{
     save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PluginStack, ResultsCsv, RunHashes, RunHistory, RunSummary,
@@ -153,7 +155,7 @@ impl Run {
         let mut t = Instant::now();
         let mut stages = [f64::NAN; 7];
         stages[0] = data_ms;
-        let x = device_images(batch, pixels)?;
+        let x = in_stage(stages::UPLOAD, || device_images(batch, pixels))?;
         stages[1] = self.stage_mark(&mut t)?;
         let targets = TargetBatch {
             batch_idx: batch.batch_idx.clone(),
@@ -171,7 +173,7 @@ impl Run {
             let model = &self.model;
             let runner = self.plugins.runner(model);
             self.plugins.run(info(Stage::Forward), &mut || {
-                out = Some(ptl_autograd::autocast(autocast, || model.forward_with(&x, &runner))?);
+                out = Some(in_stage(stages::FORWARD, || ptl_autograd::autocast(autocast, || model.forward_with(&x, &runner)))?);
                 Ok(())
             })?;
         }
@@ -191,8 +193,10 @@ impl Run {
             };
             let ran = self.plugins.run(info(Stage::Loss), &mut || {
                 let flow = &model.head().flow_model;
-                loss = Some(ptl_autograd::autocast(autocast, || {
-                    criterion.loss(&branch(&out.one2many), &branch(&out.one2one), &targets, &anchors, Some(flow))
+                loss = Some(in_stage(stages::LOSS, || {
+                    ptl_autograd::autocast(autocast, || {
+                        criterion.loss(&branch(&out.one2many), &branch(&out.one2one), &targets, &anchors, Some(flow))
+                    })
                 })?);
                 Ok(())
             });
@@ -210,12 +214,18 @@ impl Run {
         drop(out);
         stages[3] = self.stage_mark(&mut t)?;
 
+        if self.clock.wants_memory_snapshot() {
+            let snapshot = self.memory_parts();
+            if let Some(m) = probe::memory_at_backward(self.cfg.device, snapshot) {
+                self.clock.set_memory_snapshot(m);
+            }
+        }
         self.each_cb(|c, v| c.on_before_backward(v));
         let to_backprop = match self.scaler.as_mut() {
             Some(s) => s.scale(&loss.total)?,
             None => loss.total.clone(),
         };
-        self.plugins.run(info(Stage::Backward), &mut || Ok(to_backprop.backward()?))?;
+        self.plugins.run(info(Stage::Backward), &mut || Ok(in_stage(stages::BACKWARD, || to_backprop.backward())?))?;
         stages[4] = self.stage_mark(&mut t)?;
         self.each_cb(|c, v| c.on_after_backward(v));
         if !self.callbacks.is_empty() {
@@ -250,6 +260,24 @@ impl Run {
         Ok(())
     }
 
+    /// The persistent state's bytes by owner (for the memory snapshot at backward).
+    fn memory_parts(&self) -> Vec<(String, u64)> {
+        let sd = module::state_dict(&self.model);
+        let params = probe::tensor_bytes(sd.iter().filter(|e| e.2 == TensorKind::Parameter).map(|e| &e.1));
+        let buffers = probe::tensor_bytes(sd.iter().filter(|e| e.2 != TensorKind::Parameter).map(|e| &e.1));
+        let grads: Vec<Tensor> = self.params.iter().filter_map(|(_, p)| p.grad()).collect();
+        let opt: Vec<(String, Tensor)> = self.optimizer.state_tensors();
+        let ema: Vec<(String, Tensor, TensorKind)> = module::state_dict(&self.ema_model);
+        vec![
+            ("parameters".into(), params),
+            ("buffers".into(), buffers),
+            ("gradients (accumulated)".into(), probe::tensor_bytes(grads.iter())),
+            ("optimizer state".into(), probe::tensor_bytes(opt.iter().map(|e| &e.1))),
+            ("EMA shadow".into(), probe::tensor_bytes(self.ema.ema_tensors().iter().map(|e| &e.1))),
+            ("EMA validation model".into(), probe::tensor_bytes(ema.iter().map(|e| &e.1))),
+        ]
+    }
+
     /// Unscale → hook → clip → step (skipped on inf under 16-mixed) → scaler update → zero grad → EMA.
     /// Returns the EMA update's milliseconds under `profile=true` (device synchronised around it), else 0.
     fn optimizer_step(&mut self, ni: usize, epoch: usize) -> Result<f64> {
@@ -262,6 +290,7 @@ impl Run {
         let (profile, device) = (self.cfg.profile, self.cfg.device);
         let mut ema_ms = 0.0;
         self.plugins.run(info, &mut || {
+            let _stage = StageGuard::new(stages::OPTIMIZER);
             if let Some(s) = scaler.as_mut() {
                 s.unscale_(optimizer.as_ref())?;
             }
@@ -284,7 +313,7 @@ impl Run {
                 probe::sync(device)?;
             }
             let t = Instant::now();
-            ema.update_module(model)?;
+            in_stage(stages::EMA, || ema.update_module(model))?;
             if profile {
                 probe::sync(device)?;
                 ema_ms = t.elapsed().as_secs_f64() * 1e3;

@@ -8,6 +8,7 @@ mod pipeline;
 pub mod plots;
 mod probe;
 mod progress;
+pub mod stages;
 pub mod validate;
 
 pub use config::{PoseTrainConfig, Precision};

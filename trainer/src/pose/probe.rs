@@ -80,7 +80,7 @@ impl GpuWindow {
     pub fn start(device: Device, first_step: usize) -> std::result::Result<GpuWindow, String> {
         #[cfg(feature = "cuda")]
         if device.is_cuda() {
-            let timer = ptl_autograd::cuda::GpuKernelTimer::start(device).map_err(|e| e.to_string())?;
+            let timer = ptl_autograd::cuda::GpuKernelTimer::start_detailed(device).map_err(|e| e.to_string())?;
             let mark = ptl_autograd::cuda::StreamMark::record(device).map_err(|e| e.to_string())?;
             return Ok(GpuWindow { first_step, timer, mark });
         }
@@ -94,7 +94,8 @@ impl GpuWindow {
         {
             let end = ptl_autograd::cuda::StreamMark::record(device).map_err(|e| e.to_string())?;
             let span = self.mark.elapsed_ms_until(&end).map_err(|e| e.to_string())?;
-            let t = self.timer.finish().map_err(|e| e.to_string())?;
+            let (t, detail) = self.timer.finish_detailed().map_err(|e| e.to_string())?;
+            let rows: Vec<(u8, String, u64, u64)> = detail.into_iter().map(|d| (d.stage, d.name, d.count, d.ns)).collect();
             let n = steps.max(1) as f64;
             Ok(GpuWindowReport {
                 steps,
@@ -106,6 +107,8 @@ impl GpuWindow {
                 memsets_per_step: t.memsets as f64 / n,
                 event_span_ms_per_step: span / n,
                 dropped_records: t.dropped,
+                breakdown: Some(super::stages::breakdown(&rows, steps)),
+                memory: None,
             })
         }
         #[cfg(not(feature = "cuda"))]
@@ -176,4 +179,33 @@ mod tests {
             assert!(b >= a);
         }
     }
+}
+
+/// Bytes of the tensors in `ts` (each storage counted once).
+pub(crate) fn tensor_bytes<'a>(ts: impl IntoIterator<Item = &'a ptl_autograd::Tensor>) -> u64 {
+    let mut seen = std::collections::HashSet::new();
+    ts.into_iter().filter(|t| seen.insert(t.storage_ptr())).map(|t| (t.numel() * t.dtype().size_in_bytes()) as u64).sum()
+}
+
+/// The device's memory now, with the persistent `parts` named and the rest attributed to
+/// activations and temporaries (`None` on the CPU or when the device cannot say).
+pub(crate) fn memory_at_backward(device: Device, parts: Vec<(String, u64)>) -> Option<crate::fit::MemoryAtBackward> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let m = ptl_autograd::cuda::memory_stats(device).ok()?;
+        let workspace = ptl_autograd::cuda::library_workspace_bytes(device).unwrap_or(0);
+        let pools = ptl_autograd::cuda::private_pool_allocated_bytes(device).unwrap_or(0);
+        let named: u64 = parts.iter().map(|p| p.1).sum::<u64>() + workspace + pools;
+        return Some(crate::fit::MemoryAtBackward {
+            allocated_bytes: m.allocated,
+            reserved_bytes: m.reserved,
+            parts,
+            library_workspace_bytes: workspace,
+            replay_pool_bytes: pools,
+            activations_and_temporaries_bytes: m.allocated.saturating_sub(named),
+            cached_free_bytes: m.reserved.saturating_sub(m.allocated),
+        });
+    }
+    let _ = (device, parts);
+    None
 }
