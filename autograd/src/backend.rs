@@ -220,6 +220,23 @@ pub trait BackendStorage: Sized {
     /// `y = act(x·p[c] + p[C + c])` over a contiguous NCHW tensor with `p` = `[scale; C] ++ [shift; C]`
     /// (statistics dtype); `act` is SiLU when `silu`, else identity. Output in the input dtype.
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self>;
+    /// Backward of `y = act(x·aff[c] + aff[C + c])` for batch-norm (`self` = x, NCHW), with
+    /// `nrm` = `[invstd; C] ++ [−mean·invstd; C]` and the weight `w` (statistics dtype): with
+    /// `gz = g·act'(z)` and `x̂ = x·nrm[c] + nrm[C + c]`, returns `(dx, Σ gz·x̂, Σ gz)` — the input
+    /// gradient in the input dtype and the weight and bias gradients per channel (statistics
+    /// dtype). `training` adds the batch-statistics terms: `dx = w·invstd·(gz − (Σgz + x̂·Σgz·x̂)/N)`,
+    /// else `dx = w·invstd·gz`. Sums accumulate in f64 in a fixed order.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_act_backward(
+        &self,
+        g: &Self,
+        shape: &[usize],
+        aff: &Self,
+        nrm: &Self,
+        w: &Self,
+        silu: bool,
+        training: bool,
+    ) -> Result<(Self, Self, Self)>;
     /// Eval-mode batch-norm parameters from `self` = weight and the running statistics (all of one
     /// float dtype, length C): the same `(aff, nrm)` pair as [`Self::batch_norm_train_stats`].
     fn batch_norm_eval_params(&self, bias: &Self, running_mean: &Self, running_var: &Self, eps: f64) -> Result<(Self, Self)>;

@@ -290,6 +290,32 @@ impl Storage {
             (x, w, b, _, _) => Err(mismatch3("batch_norm_train_stats", x, w, b)),
         }
     }
+    /// See [`BackendStorage::batch_norm_act_backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_act_backward(
+        &self,
+        g: &Storage,
+        shape: &[usize],
+        aff: &Storage,
+        nrm: &Storage,
+        w: &Storage,
+        silu: bool,
+        training: bool,
+    ) -> Result<(Storage, Storage, Storage)> {
+        match (self, g, aff, nrm, w) {
+            (Storage::Cpu(x), Storage::Cpu(g), Storage::Cpu(a), Storage::Cpu(n), Storage::Cpu(w)) => {
+                let (dx, gw, gb) = x.batch_norm_act_backward(g, shape, a, n, w, silu, training)?;
+                Ok((Storage::Cpu(dx), Storage::Cpu(gw), Storage::Cpu(gb)))
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(x), Storage::Cuda(g), Storage::Cuda(a), Storage::Cuda(n), Storage::Cuda(w)) => {
+                let (dx, gw, gb) = x.batch_norm_act_backward(g, shape, a, n, w, silu, training)?;
+                Ok((Storage::Cuda(dx), Storage::Cuda(gw), Storage::Cuda(gb)))
+            }
+            #[allow(unreachable_patterns)]
+            (x, g, a, _, _) => Err(mismatch3("batch_norm_act_backward", x, g, a)),
+        }
+    }
     /// See [`BackendStorage::batch_norm_eval_params`].
     pub fn batch_norm_eval_params(&self, b: &Storage, rm: &Storage, rv: &Storage, eps: f64) -> Result<(Storage, Storage)> {
         match (self, b, rm, rv) {

@@ -92,6 +92,66 @@ pub(crate) fn channel_affine(x: &CpuStorage, shape: &[usize], p: &CpuStorage, si
     super::float_map!(x, OP, |v| map(v, c, hw, &pv, silu))
 }
 
+/// See [`BackendStorage::batch_norm_act_backward`]: per channel in f64 (the CPU reference of the
+/// CUDA kernels).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batch_norm_act_backward(
+    x: &CpuStorage,
+    g: &CpuStorage,
+    shape: &[usize],
+    aff: &CpuStorage,
+    nrm: &CpuStorage,
+    w: &CpuStorage,
+    silu: bool,
+    training: bool,
+) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
+    const OP: &str = "batch_norm_act_backward";
+    if !x.dtype().is_float() || g.dtype() != x.dtype() || g.len() != x.len() {
+        return Err(Error::invalid(
+            OP,
+            format!("x ({} × {}) and g ({} × {}) must be one float dtype and size", x.len(), x.dtype(), g.len(), g.dtype()),
+        ));
+    }
+    let (n, c, hw) = nchw(OP, shape, x.len())?;
+    let sd = stats_dtype(x.dtype());
+    let (av, nv, wv) = (stats_vec(OP, aff, sd, 2 * c)?, stats_vec(OP, nrm, sd, 2 * c)?, stats_vec(OP, w, sd, c)?);
+    let (xv, gv) = (x.to_f64_vec(), g.to_f64_vec());
+    let gz_at = |i: usize, ch: usize| -> (f64, f64) {
+        let z = xv[i] * av[ch] + av[c + ch];
+        let gz = if silu {
+            let s = 1.0 / (1.0 + (-z).exp());
+            gv[i] * (s * (1.0 + z * (1.0 - s)))
+        } else {
+            gv[i]
+        };
+        (gz, xv[i] * nv[ch] + nv[c + ch])
+    };
+    let count = (n * hw) as f64;
+    let (mut gw, mut gb, mut dx) = (vec![0.0; c], vec![0.0; c], vec![0.0; x.len()]);
+    for ch in 0..c {
+        let (mut s1, mut s2) = (0.0, 0.0);
+        for ni in 0..n {
+            for i in (ni * c + ch) * hw..(ni * c + ch + 1) * hw {
+                let (gz, xh) = gz_at(i, ch);
+                s1 += gz;
+                s2 += gz * xh;
+            }
+        }
+        gb[ch] = s1;
+        gw[ch] = s2;
+        let k = wv[ch] * nv[ch];
+        let (b0, c0) = if training { (-k * s1 / count, -k * s2 / count) } else { (0.0, 0.0) };
+        for ni in 0..n {
+            let start = (ni * c + ch) * hw;
+            for (i, d) in dx[start..start + hw].iter_mut().enumerate() {
+                let (gz, xh) = gz_at(start + i, ch);
+                *d = k * gz + b0 + c0 * xh;
+            }
+        }
+    }
+    Ok((CpuStorage::from_f64(x.dtype(), &dx), CpuStorage::from_f64(sd, &gw), CpuStorage::from_f64(sd, &gb)))
+}
+
 pub(crate) fn softmax(x: &CpuStorage, shape: &[usize], dim: usize, log: bool) -> Result<CpuStorage> {
     let (outer, d, inner) = super::reduce::split3(shape, dim);
     fn run<T: num_traits::Float>(v: &[T], outer: usize, d: usize, inner: usize, log: bool) -> Vec<T> {

@@ -278,6 +278,18 @@ impl BackendStorage for CpuStorage {
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
         fused::channel_affine(self, shape, params, silu)
     }
+    fn batch_norm_act_backward(
+        &self,
+        g: &Self,
+        shape: &[usize],
+        aff: &Self,
+        nrm: &Self,
+        w: &Self,
+        silu: bool,
+        training: bool,
+    ) -> Result<(Self, Self, Self)> {
+        fused::batch_norm_act_backward(self, g, shape, aff, nrm, w, silu, training)
+    }
     fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self> {
         fused::softmax(self, shape, dim, log)
     }

@@ -232,6 +232,11 @@ fn cupti_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("CUPTI {what}: {e:?}"))
 }
 
+/// What a detailed window adds: the driver and runtime API records (which carry the launches'
+/// correlation ids) and the external-correlation records that tie them to a stage tag.
+const DETAIL_KINDS: [Kind; 3] =
+    [Kind::CUPTI_ACTIVITY_KIND_DRIVER, Kind::CUPTI_ACTIVITY_KIND_RUNTIME, Kind::CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION];
+
 const KINDS: [Kind; 3] = [Kind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, Kind::CUPTI_ACTIVITY_KIND_MEMCPY, Kind::CUPTI_ACTIVITY_KIND_MEMSET];
 
 /// Sums the GPU time of every kernel, copy and memset that runs between [`GpuKernelTimer::start`]
@@ -275,7 +280,10 @@ impl GpuKernelTimer {
     pub fn start_detailed(device: Device) -> Result<GpuKernelTimer> {
         let t = GpuKernelTimer::start(device)?;
         *DETAIL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Detail::default());
-        activity::enable(Kind::CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION).map_err(|e| cupti_err("cuptiActivityEnable", e))?;
+        // External-correlation records come with the API records of the calls they label.
+        for k in DETAIL_KINDS {
+            activity::enable(k).map_err(|e| cupti_err("cuptiActivityEnable", e))?;
+        }
         DETAILED.store(true, Ordering::SeqCst);
         push_stage(crate::stage::current());
         Ok(t)
@@ -324,7 +332,9 @@ impl GpuKernelTimer {
         }
         if DETAILED.swap(false, Ordering::SeqCst) {
             pop_stage();
-            let _ = activity::disable(Kind::CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION);
+            for k in DETAIL_KINDS {
+                let _ = activity::disable(k);
+            }
         }
         RUNNING.store(false, Ordering::SeqCst);
     }

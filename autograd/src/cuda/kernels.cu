@@ -684,6 +684,88 @@ __device__ void chaffine_k(const T* x, const S* p, T* y, u32 n, u32 hw, u32 c, i
     }
 }
 
+// ---- batch-norm (+SiLU) backward --------------------------------------------------------------------
+// gz = g·act'(z) with z = x·aff[ch] + aff[C+ch]; x̂ = x·nrm[ch] + nrm[C+ch].
+template <typename T, typename S>
+__device__ __forceinline__ void bnb_terms(T xv, T gv, const S* aff, const S* nrm, u32 ch, u32 c, int silu, double& gz, double& xh) {
+    double x = (double)to_acc(xv), g = (double)to_acc(gv);
+    double z = x * (double)aff[ch] + (double)aff[c + ch];
+    if (silu) {
+        double s = 1.0 / (1.0 + exp(-z));
+        gz = g * (s * (1.0 + z * (1.0 - s)));
+    } else {
+        gz = g;
+    }
+    xh = x * (double)nrm[ch] + (double)nrm[c + ch];
+}
+// Pass 1: block (p, ch) sums gz and gz·x̂ over its share of the channel's N·HW elements.
+template <typename T, typename S>
+__device__ void bnb_partial_k(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu) {
+    __shared__ double s1[256];
+    __shared__ double s2[256];
+    u32 ch = blockIdx.y, p = blockIdx.x, t = threadIdx.x;
+    u32 total = n * hw;
+    u32 chunk = (total + P - 1) / P;
+    u32 start = p * chunk, end = min(total, start + chunk);
+    double a = 0.0, q = 0.0;
+    for (u32 i = start + t; i < end; i += 256) {
+        u32 ni = i / hw, j = i - ni * hw;
+        size_t k = ((size_t)ni * c + ch) * hw + j;
+        double gz, xh;
+        bnb_terms<T, S>(x[k], g[k], aff, nrm, ch, c, silu, gz, xh);
+        a += gz;
+        q += gz * xh;
+    }
+    s1[t] = a;
+    s2[t] = q;
+    __syncthreads();
+    for (u32 k = 128; k > 0; k >>= 1) {
+        if (t < k) { s1[t] += s1[t + k]; s2[t] += s2[t + k]; }
+        __syncthreads();
+    }
+    if (t == 0) {
+        part[((size_t)ch * P + p) * 2] = s1[0];
+        part[((size_t)ch * P + p) * 2 + 1] = s2[0];
+    }
+}
+// Pass 2, one thread per channel: partials in order → gw = Σgz·x̂, gb = Σgz, and dx's
+// coefficients coef = [k; k·(−Σgz/N); k·(−Σgz·x̂/N)] with k = w·invstd (eval: no batch terms).
+template <typename S>
+__device__ void bnb_finish_k(const double* part, u32 P, u32 c, double count, const S* w, const S* nrm, int training, S* gw, S* gb, S* coef) {
+    u32 ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    double a = 0.0, q = 0.0;
+    for (u32 p = 0; p < P; ++p) {
+        a += part[((size_t)ch * P + p) * 2];
+        q += part[((size_t)ch * P + p) * 2 + 1];
+    }
+    gb[ch] = (S)a;
+    gw[ch] = (S)q;
+    double k = (double)w[ch] * (double)nrm[ch];
+    coef[ch] = (S)k;
+    coef[c + ch] = (S)(training ? -k * a / count : 0.0);
+    coef[2 * c + ch] = (S)(training ? -k * q / count : 0.0);
+}
+// Pass 3: dx = coef[0]·gz + coef[1] + coef[2]·x̂, elementwise.
+template <typename T, typename S>
+__device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx, u32 len, u32 hw, u32 c, int silu) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += blockDim.x * gridDim.x) {
+        u32 ch = (i / hw) % c;
+        double gz, xh;
+        bnb_terms<T, S>(x[i], g[i], aff, nrm, ch, c, silu, gz, xh);
+        double r = (double)coef[ch] * gz + (double)coef[c + ch] + (double)coef[2 * c + ch] * xh;
+        dx[i] = store<T, typename Acc<T>::type>((typename Acc<T>::type)r);
+    }
+}
+#define INST_BNB(name, T, S) \
+    extern "C" __global__ void bnb_partial_##name(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu) { bnb_partial_k<T, S>(x, g, aff, nrm, part, n, c, hw, P, silu); } \
+    extern "C" __global__ void bnb_finish_##name(const double* part, u32 P, u32 c, double count, const S* w, const S* nrm, int training, S* gw, S* gb, S* coef) { bnb_finish_k<S>(part, P, c, count, w, nrm, training, gw, gb, coef); } \
+    extern "C" __global__ void bnb_dx_##name(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx, u32 len, u32 hw, u32 c, int silu) { bnb_dx_k<T, S>(x, g, aff, nrm, coef, dx, len, hw, c, silu); }
+INST_BNB(f32, float, float)
+INST_BNB(f64, double, double)
+INST_BNB(f16, __half, float)
+INST_BNB(bf16, __nv_bfloat16, float)
+
 #define INST_BN(name, T, S)                                                                                        \
     extern "C" __global__ void bn_partial_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P) { bn_partial_k<T>(x, part, n, c, hw, P); } \
     extern "C" __global__ void bn_finish_##name(const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm) { bn_finish_k<T, S>(x, part, P, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm); } \

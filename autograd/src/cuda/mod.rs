@@ -300,6 +300,18 @@ impl BackendStorage for CudaStorage {
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
         ops::channel_affine(self, shape, params, silu)
     }
+    fn batch_norm_act_backward(
+        &self,
+        g: &Self,
+        shape: &[usize],
+        aff: &Self,
+        nrm: &Self,
+        w: &Self,
+        silu: bool,
+        training: bool,
+    ) -> Result<(Self, Self, Self)> {
+        ops::batch_norm_act_backward(self, g, shape, aff, nrm, w, silu, training)
+    }
     fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self> {
         ops::softmax(self, shape, dim, log)
     }

@@ -796,6 +796,63 @@ pub(crate) fn batch_norm_train_stats(
     Ok((aff, nrm))
 }
 
+/// See `BackendStorage::batch_norm_act_backward`: three launches — per-(channel, partition) f64
+/// partial sums of `gz` and `gz·x̂`, a per-channel finish (fixed order: the weight and bias
+/// gradients and dx's coefficients), and one elementwise pass for dx.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batch_norm_act_backward(
+    x: &CudaStorage,
+    g: &CudaStorage,
+    shape: &[usize],
+    aff: &CudaStorage,
+    nrm: &CudaStorage,
+    w: &CudaStorage,
+    silu: bool,
+    training: bool,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_act_backward";
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
+    }
+    if g.dtype != x.dtype || g.len != x.len {
+        return Err(Error::invalid(OP, format!("g ({} × {}) must match x ({} × {})", g.len, g.dtype, x.len, x.dtype)));
+    }
+    let (n, c, hw) = nchw(OP, shape, x.len)?;
+    let sd = crate::backend::stats_dtype(x.dtype);
+    stats_arg(OP, aff, sd, 2 * c)?;
+    stats_arg(OP, nrm, sd, 2 * c)?;
+    stats_arg(OP, w, sd, c)?;
+    for s in [g, aff, nrm, w] {
+        x.same_device(OP, s)?;
+    }
+    let dev = &x.buf.dev;
+    let total = n * hw;
+    if c == 0 || total == 0 {
+        return Err(Error::invalid(OP, format!("empty batch for shape {shape:?}")));
+    }
+    let dx = CudaStorage::alloc(dev, x.dtype, x.len)?;
+    let gw = CudaStorage::alloc(dev, sd, c)?;
+    let gb = CudaStorage::alloc(dev, sd, c)?;
+    let coef = CudaStorage::alloc(dev, sd, 3 * c)?;
+    // The forward's partitioning (see batch_norm_train_stats).
+    let parts = total.div_ceil(8192).max(512usize.div_ceil(c)).min(total.div_ceil(256)).clamp(1, 1024);
+    let part = super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
+    let (px, pg, pa, pn, pw, pp) = (ptr(x), ptr(g), ptr(aff), ptr(nrm), ptr(w), part.ptr);
+    let (nn, cc, hh, pnum) = (u32c(OP, n)?, u32c(OP, c)?, u32c(OP, hw)?, parts as u32);
+    let len = u32c(OP, x.len)?;
+    let (act, train, count) = (silu as i32, training as i32, total as f64);
+    let f = dev.func("bnb_partial", sfx(x.dtype))?;
+    dev.launch(f, (pnum, cc, 1), (256, 1, 1), &mut args!(px, pg, pa, pn, pp, nn, cc, hh, pnum, act))?;
+    let f = dev.func("bnb_finish", sfx(x.dtype))?;
+    let (pgw, pgb, pc) = (ptr(&gw), ptr(&gb), ptr(&coef));
+    dev.launch(f, (c.div_ceil(128) as u32, 1, 1), (128, 1, 1), &mut args!(pp, pnum, cc, count, pw, pn, train, pgw, pgb, pc))?;
+    let f = dev.func("bnb_dx", sfx(x.dtype))?;
+    let pdx = ptr(&dx);
+    dev.launch1d(f, x.len, &mut args!(px, pg, pa, pn, pc, pdx, len, hh, cc, act))?;
+    drop(part);
+    Ok((dx, gw, gb))
+}
+
 pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, silu: bool) -> Result<CudaStorage> {
     const OP: &str = "channel_affine";
     if !x.dtype.is_float() {
