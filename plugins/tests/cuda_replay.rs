@@ -123,8 +123,8 @@ fn spawn_child(data: &std::path::Path, save: &std::path::Path, replay: &str, log
         .expect("start the child fit")
 }
 
-/// SIGKILLs a `replay=feature,stem` bf16 fit three times mid-run (CUDA graphs live), resumes it from
-/// `last.ckpt` each time, and lets the last process finish: its hashes equal an uninterrupted native
+/// SIGKILLs a `replay=feature,stem` bf16 fit three times mid-run (CUDA graphs live), each time after
+/// it wrote a new checkpoint, resumes it from `last.ckpt` each time, and lets the last process finish: its hashes equal an uninterrupted native
 /// fit's, and the last process's regions replayed every step after their warm-up.
 #[test]
 fn cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
@@ -159,30 +159,50 @@ fn cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
 
     let killed = root.join("killed");
     let last = killed.join("weights/last.ckpt");
+    let epochs_done = || -> i64 {
+        if last.exists() {
+            ptl_trainer::fit::read_manifest(&last).map(|m| m.loop_state.epoch + 1).unwrap_or(-1)
+        } else {
+            0
+        }
+    };
+    // Each kill lands after the run has written a checkpoint beyond the previous one (so every
+    // resume continues a checkpoint), a little later each time, mid-epoch or mid-save.
     let mut landed = Vec::new();
-    for (i, fraction) in [0.45, 0.55, 0.6].into_iter().enumerate() {
+    // Set when a process finished the run before its kill moment: the epoch it had resumed at.
+    let mut finished_from = None;
+    for i in 0..3 {
         let log = root.join(format!("killed-{i}.log"));
+        let before = epochs_done();
         let mut child = spawn_child(&data, &killed, "feature,stem", &log);
-        std::thread::sleep(Duration::from_secs_f64(reference_s * fraction));
-        if child.try_wait().expect("poll").is_some() {
-            break; // finished before the kill moment
+        let deadline = Instant::now() + Duration::from_secs_f64(reference_s * 3.0 + 30.0);
+        while epochs_done() <= before && child.try_wait().expect("poll").is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_secs_f64(reference_s / KILL_EPOCHS as f64 * (0.05 + 0.1 * i as f64)));
+        if let Some(st) = child.try_wait().expect("poll") {
+            assert!(st.success(), "child {i} failed: see {}", log.display());
+            finished_from = Some(before.max(0) as usize);
+            break;
         }
         child.kill().expect("SIGKILL");
         let _ = child.wait();
-        let epochs = if last.exists() {
-            ptl_trainer::fit::read_manifest(&last).expect("a last.ckpt left by a kill reads").loop_state.epoch + 1
-        } else {
-            0
-        };
+        let epochs = epochs_done();
+        assert!(epochs >= 0, "the last.ckpt left by kill {i} does not read");
         landed.push(epochs);
-        println!("kill {i} at {:.2} s: last.ckpt holds {epochs} of {KILL_EPOCHS} epochs", reference_s * fraction);
+        println!("kill {i}: last.ckpt holds {epochs} of {KILL_EPOCHS} epochs");
     }
     assert!(landed.iter().any(|&e| e > 0 && (e as usize) < KILL_EPOCHS), "no kill landed mid-run after a checkpoint: {landed:?}");
-    let resumed_from =
-        if last.exists() { ptl_trainer::fit::read_manifest(&last).expect("manifest").loop_state.epoch as usize + 1 } else { 0 };
-    let log = root.join("killed-final.log");
-    let st = spawn_child(&data, &killed, "feature,stem", &log).wait().expect("final child");
-    assert!(st.success(), "the final resumed child failed: see {}", log.display());
+    let resumed_from = match finished_from {
+        Some(from) => from,
+        None => {
+            let from = epochs_done() as usize;
+            let log = root.join("killed-final.log");
+            let st = spawn_child(&data, &killed, "feature,stem", &log).wait().expect("final child");
+            assert!(st.success(), "the final resumed child failed: see {}", log.display());
+            from
+        }
+    };
     let s = summary(&killed);
     assert_eq!(s.hashes, native.hashes, "killed and resumed with replay ≡ uninterrupted native");
     let steps = ((KILL_EPOCHS - resumed_from) * KILL_BATCHES) as u64;

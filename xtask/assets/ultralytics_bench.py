@@ -308,7 +308,8 @@ T_END = time.perf_counter()
 
 s2s = [1e3 * (t1 - t0) for (g0, e0, t0), (g1, e1, t1) in zip(rec["starts"], rec["starts"][1:])
        if e0 == e1 and g0 >= args.warmup and g0 not in state["prof_steps"]]
-waits = [1e3 * (t - rec["ends"][g - 1]) for g, e, t in rec["starts"] if g >= args.warmup and (g - 1) in rec["ends"]]
+waits = [1e3 * (t - rec["ends"][g - 1]) for g, e, t in rec["starts"]
+         if g >= args.warmup and (g - 1) in rec["ends"] and g not in state["prof_steps"] and (g - 1) not in state["prof_steps"]]
 
 
 def stats(x):
