@@ -168,19 +168,6 @@ pub(crate) fn process_age_s() -> Option<f64> {
     Some((uptime - start_ticks / 100.0).max(0.0))
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn process_age_is_small_and_grows() {
-        if let Some(a) = super::process_age_s() {
-            assert!((0.0..3600.0).contains(&a), "test process started {a} s ago");
-            std::thread::sleep(std::time::Duration::from_millis(30));
-            let b = super::process_age_s().unwrap();
-            assert!(b >= a);
-        }
-    }
-}
-
 /// Bytes of the tensors in `ts` (each storage counted once).
 pub(crate) fn tensor_bytes<'a>(ts: impl IntoIterator<Item = &'a ptl_autograd::Tensor>) -> u64 {
     let mut seen = std::collections::HashSet::new();
@@ -208,4 +195,17 @@ pub(crate) fn memory_at_backward(device: Device, parts: Vec<(String, u64)>) -> O
     }
     let _ = (device, parts);
     None
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn process_age_is_small_and_grows() {
+        if let Some(a) = super::process_age_s() {
+            assert!((0.0..3600.0).contains(&a), "test process started {a} s ago");
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            let b = super::process_age_s().unwrap();
+            assert!(b >= a);
+        }
+    }
 }
