@@ -38,7 +38,8 @@ options:
   --warm             keep the kernel cache (default: the first ptl run starts with an empty one: cold)
   --device D         ptl's device (default cuda:0)
   --imgsz N          image size of the dataset and the runs (default 640)
-  --images N         training images of the synthetic set (default 512, 44 % backgrounds; for harness checks)";
+  --images N         training images of the synthetic set (default 512, 44 % backgrounds; for harness checks)
+  --batch N          batch size of every run, ptl and Ultralytics (default 4)";
 
 #[derive(Clone, Debug)]
 struct Opts {
@@ -55,6 +56,7 @@ struct Opts {
     device: String,
     imgsz: usize,
     images: usize,
+    batch: usize,
 }
 
 fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
@@ -72,6 +74,7 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
         device: "cuda:0".into(),
         imgsz: 640,
         images: 512,
+        batch: 4,
     };
     let mut rest = Vec::new();
     let mut it = args.iter();
@@ -98,6 +101,7 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
             "--device" => o.device = val("--device")?,
             "--imgsz" => o.imgsz = val("--imgsz")?.parse().map_err(|_| "--imgsz wants a number".to_string())?,
             "--images" => o.images = val("--images")?.parse().map_err(|_| "--images wants a number".to_string())?,
+            "--batch" => o.batch = val("--batch")?.parse().map_err(|_| "--batch wants a number".to_string())?,
             "-h" | "--help" => return Err(HELP.into()),
             other => rest.push(other.to_string()),
         }
@@ -108,8 +112,8 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
     for p in &o.precisions {
         ultra_amp(p)?;
     }
-    if o.pairs == 0 || o.epochs == 0 {
-        return Err("--pairs and --epochs must be at least 1".into());
+    if o.pairs == 0 || o.epochs == 0 || o.batch == 0 {
+        return Err("--pairs, --epochs and --batch must be at least 1".into());
     }
     Ok((o, rest))
 }
@@ -361,12 +365,17 @@ fn install_ultralytics(wheels: Option<&Path>, work: &Path) -> Result<PathBuf, St
 #[allow(clippy::too_many_arguments)]
 fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precision: &str, pair: usize, cold: bool) -> Result<Value, String> {
     let label = if cold { format!("{arm}-cold") } else { arm.to_string() };
-    let project = o.work.join(format!("runs/{label}-{precision}-{pair}"));
+    let project = o.work.join(format!("runs/{label}-{precision}-b{}-{pair}", o.batch));
     let _ = std::fs::remove_dir_all(&project);
     let mut cmd = Command::new(ptl);
     cmd.arg("train")
         .arg(format!("data={}", data.display()))
-        .args([format!("epochs={}", o.epochs), "batch=4".into(), format!("imgsz={}", o.imgsz), format!("optimizer={}", o.optimizer)])
+        .args([
+            format!("epochs={}", o.epochs),
+            format!("batch={}", o.batch),
+            format!("imgsz={}", o.imgsz),
+            format!("optimizer={}", o.optimizer),
+        ])
         .args(["close_mosaic=0", "seed=347", "plots=false", "exist_ok=true"])
         .arg(format!("project={}", project.display()))
         .args(arm_overrides(arm)?)
@@ -383,7 +392,9 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
     if let Some(e) = &error {
         eprintln!("bench: ptl {arm} {precision} failed ({}); log {logname}:\n{e}", out.status);
     }
-    Ok(record(RunId { kind: "ptl", arm: &label, precision, pair, cold }, wall, exit, summary.unwrap_or(Value::Null), error))
+    let mut rec = record(RunId { kind: "ptl", arm: &label, precision, pair, cold }, wall, exit, summary.unwrap_or(Value::Null), error);
+    rec["batch"] = json!(o.batch);
+    Ok(rec)
 }
 
 fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, precision: &str, pair: usize) -> Result<Value, String> {
@@ -396,7 +407,7 @@ fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, pr
         .arg("--out")
         .arg(&result)
         .args(["--epochs", &o.epochs.to_string(), "--amp", ultra_amp(precision)?, "--optimizer", &o.optimizer])
-        .args(["--imgsz", &o.imgsz.to_string()])
+        .args(["--imgsz", &o.imgsz.to_string(), "--batch", &o.batch.to_string()])
         .env("PYTHONUNBUFFERED", "1")
         .env("ULTRA_WORK", o.work.join("ultra"));
     if let Some(s) = site {
@@ -413,7 +424,9 @@ fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, pr
     if let Some(e) = &error {
         eprintln!("bench: ultralytics {precision} failed ({}); log {logname}:\n{e}", out.status);
     }
-    Ok(record(RunId { kind: ULTRA, arm: ULTRA, precision, pair, cold: false }, wall, exit, res.unwrap_or(Value::Null), error))
+    let mut rec = record(RunId { kind: ULTRA, arm: ULTRA, precision, pair, cold: false }, wall, exit, res.unwrap_or(Value::Null), error);
+    rec["batch"] = json!(o.batch);
+    Ok(rec)
 }
 
 fn tail(bytes: &[u8], lines: usize) -> String {
@@ -516,8 +529,25 @@ fn mr(v: &[Option<f64>], digits: usize) -> String {
     }
 }
 
+/// The precision without a batch suffix (`bf16-mixed · batch 16` → `bf16-mixed`).
+fn base_precision(p: &str) -> &str {
+    p.split(" · ").next().unwrap_or(p)
+}
+
 fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
+    // Runs of another batch size than the default 4 form their own rows ("bf16-mixed · batch 16").
+    let relabelled: Vec<Value> = recs
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            if let Some(b) = r["batch"].as_u64().filter(|&b| b != 4) {
+                r["precision"] = json!(format!("{} · batch {b}", r["precision"].as_str().unwrap_or("?")));
+            }
+            r
+        })
+        .collect();
+    let recs = relabelled.as_slice();
     let ok: Vec<&Value> = recs.iter().filter(|r| r["exit"] == 0 && !r["result"].is_null()).collect();
     let failed = recs.len() - ok.len();
     // (precision, arm) -> runs, in first-seen order of arms.
@@ -559,7 +589,11 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             let col = |g: fn(&Figures) -> Option<f64>| fs.iter().map(g).collect::<Vec<_>>();
             let cold: Vec<Option<f64>> = runs.iter().zip(&fs).filter(|(r, _)| r["cold"] == true).map(|(_, f)| f.to_first_step_s).collect();
             let warm: Vec<Option<f64>> = runs.iter().zip(&fs).filter(|(r, _)| r["cold"] != true).map(|(_, f)| f.to_first_step_s).collect();
-            let label = if arm == ULTRA { format!("Ultralytics amp={}", ultra_amp(p).unwrap_or("?")) } else { format!("ptl {arm}") };
+            let label = if arm == ULTRA {
+                format!("Ultralytics amp={}", ultra_amp(base_precision(p)).unwrap_or("?"))
+            } else {
+                format!("ptl {arm}")
+            };
             let map = fs.first().map(|f| f.map50.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(" ")).unwrap_or_default();
             md.push_str(&format!(
                 "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
@@ -967,6 +1001,13 @@ mod tests {
         assert!(md.contains("| bf16-mixed | native | 40.0 | 10.00 (3000) | 30.00 (7000) |"), "stage breakdown: {md}");
         assert!(md.contains("- bf16-mixed native: reduce_rows 12.50 (900)"), "class breakdown: {md}");
         assert!(md.contains("model backward · reduce_rows · `reduce_rows_f32`: 9.000 (500)"), "top kernels: {md}");
+        // Another batch size forms its own rows (and its own hash group).
+        let mut b16 = ptl_run("native", 1, 30.0, 120.0, "m16");
+        b16["batch"] = json!(16);
+        write_report(&[ptl_run("native", 0, 15.0, 75.0, "m"), b16], &out).expect("report with two batch sizes");
+        let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
+        assert!(md.contains("| bf16-mixed · batch 16 | ptl native | 1 | 30.0 |"), "{md}");
+        assert!(md.contains("| bf16-mixed | ptl native | 1 | 15.0 |"), "{md}");
         let bad = vec![ptl_run("native", 0, 15.0, 75.0, "m"), ptl_run("workers0", 0, 20.0, 110.0, "other")];
         assert!(write_report(&bad, &out).is_err(), "differing hashes fail the bench");
         // A replay arm whose region fell back to native (e.g. a capture failure) fails the guard.
@@ -998,6 +1039,9 @@ mod tests {
         assert!(parse(&["--precisions".into(), "fp8".into()]).is_err());
         let (o, _) = parse(&["--arms".into(), "native,workers0".into(), "--vs".into(), "ultralytics".into()]).expect("parse");
         assert_eq!(o.arms, ["native", "workers0"]);
+        assert_eq!(o.batch, 4);
+        assert_eq!(parse(&["--batch".into(), "16".into()]).expect("parse").0.batch, 16);
+        assert!(parse(&["--batch".into(), "0".into()]).is_err());
         assert!(o.ultralytics);
         assert_eq!(ultra_amp("16-mixed"), Ok("True"));
         assert_eq!(ultra_amp("bf16-mixed"), Ok("bf16"));
