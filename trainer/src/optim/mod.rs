@@ -41,6 +41,7 @@
 pub mod adamw;
 pub mod clip;
 pub mod ema;
+pub mod grouped;
 pub mod groups;
 pub mod musgd;
 pub mod newton_schulz;
@@ -56,6 +57,7 @@ use ptl_autograd::{Module, Tensor, TensorKind};
 pub use adamw::AdamW;
 pub use clip::clip_grad_norm;
 pub use ema::ModelEma;
+pub use grouped::{Grouped, TensorUpdate};
 pub use groups::{
     auto_iterations, build_groups, capped_accumulate, classify, is_boosted, nominal_accumulate, norm_modules_from_names, resolve,
     round_half_even, scaled_weight_decay, step_due, NamedParam, NsPrecision, OptimizerConfig, OptimizerName, ParamGroup, ParamKind,

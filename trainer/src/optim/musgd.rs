@@ -2,15 +2,14 @@
 //! orthogonalised momentum update scaled by `muon_factor` **plus** an SGD-Nesterov update scaled by
 //! `sgd_factor` (separate buffers); other groups get plain SGD-Nesterov.
 
-use std::collections::HashMap;
-
 use ptl_autograd::Tensor;
 
-use super::groups::{NsPrecision, OptimizerName, ParamGroup};
+use super::grouped::{Grouped, TensorUpdate};
+use super::groups::{NamedParam, NsPrecision, OptimizerName, ParamGroup};
+use super::lerp;
 use super::newton_schulz::orthogonalized_update;
 use super::sgd::{sgd_update, MOMENTUM_BUFFER};
-use super::state::{apply_groups_meta, groups_meta, OptimizerMeta, ParamStates};
-use super::{lerp, present_grad, Optimizer};
+use super::state::{OptimizerMeta, ParamStates};
 use crate::error::Result;
 
 /// Key of the separate SGD buffer of Muon parameters (the Muon momentum uses [`MOMENTUM_BUFFER`]).
@@ -53,9 +52,11 @@ pub fn muon_apply(
     sgd_update(p, grad, sgd_buf, lr, momentum, weight_decay, nesterov, sgd_factor)
 }
 
-pub struct MuSgd {
-    groups: Vec<ParamGroup>,
-    state: ParamStates,
+/// MuSGD over Ultralytics' groups (Muon groups flagged `use_muon`).
+pub type MuSgd = Grouped<MuSgdUpdate>;
+
+/// MuSGD's per-tensor update and its factors.
+pub struct MuSgdUpdate {
     pub muon_factor: f64,
     pub sgd_factor: f64,
     pub ns_precision: NsPrecision,
@@ -63,65 +64,40 @@ pub struct MuSgd {
 
 impl MuSgd {
     pub fn new(groups: Vec<ParamGroup>, ns_precision: NsPrecision) -> Self {
-        MuSgd { groups, state: ParamStates::default(), muon_factor: MUON_FACTOR, sgd_factor: SGD_FACTOR, ns_precision }
-    }
-    pub fn state(&self) -> &ParamStates {
-        &self.state
+        Grouped::with_update(groups, MuSgdUpdate { muon_factor: MUON_FACTOR, sgd_factor: SGD_FACTOR, ns_precision })
     }
 }
 
-impl Optimizer for MuSgd {
+impl TensorUpdate for MuSgdUpdate {
     fn kind(&self) -> OptimizerName {
         OptimizerName::MuSgd
     }
-    fn param_groups(&self) -> &[ParamGroup] {
-        &self.groups
+    fn state_keys(&self) -> &'static [&'static str] {
+        &[MOMENTUM_BUFFER, MOMENTUM_BUFFER_SGD]
     }
-    fn param_groups_mut(&mut self) -> &mut [ParamGroup] {
-        &mut self.groups
-    }
-    fn step(&mut self) -> Result<()> {
-        for g in &self.groups {
-            let mu = g.momentum.unwrap_or(0.0);
-            for p in &g.params {
-                let Some(grad) = present_grad(p)? else { continue };
-                if g.use_muon {
-                    let m = self.state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
-                    let b = self.state.get_or_zeros(&p.name, MOMENTUM_BUFFER_SGD, &p.tensor)?;
-                    let u = muon_momentum(&grad, &m, mu, g.nesterov)?;
-                    let o = orthogonalized_update(&u, self.ns_precision)?;
-                    muon_apply(&p.tensor, &grad, &o, &b, g.lr, mu, g.weight_decay, g.nesterov, self.muon_factor, self.sgd_factor)?;
-                } else {
-                    let buf = self.state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
-                    sgd_update(&p.tensor, &grad, &buf, g.lr, mu, g.weight_decay, g.nesterov, 1.0)?;
-                }
-            }
-        }
-        Ok(())
-    }
-    fn state_tensors(&self) -> Vec<(String, Tensor)> {
-        self.state.to_named(&self.groups)
-    }
-    fn load_state_tensors(&mut self, tensors: &HashMap<String, Tensor>) -> Result<()> {
-        self.state.load_named(&self.groups, &[MOMENTUM_BUFFER, MOMENTUM_BUFFER_SGD], tensors)
-    }
-    fn state_meta(&self) -> OptimizerMeta {
-        OptimizerMeta {
-            optimizer: self.kind(),
-            muon_factor: Some(self.muon_factor),
-            sgd_factor: Some(self.sgd_factor),
-            groups: groups_meta(&self.groups),
-            steps: Default::default(),
+    fn update(&self, g: &ParamGroup, p: &NamedParam, grad: &Tensor, state: &mut ParamStates) -> Result<()> {
+        let mu = g.momentum.unwrap_or(0.0);
+        if g.use_muon {
+            let m = state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
+            let b = state.get_or_zeros(&p.name, MOMENTUM_BUFFER_SGD, &p.tensor)?;
+            let u = muon_momentum(grad, &m, mu, g.nesterov)?;
+            let o = orthogonalized_update(&u, self.ns_precision)?;
+            muon_apply(&p.tensor, grad, &o, &b, g.lr, mu, g.weight_decay, g.nesterov, self.muon_factor, self.sgd_factor)
+        } else {
+            let buf = state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
+            sgd_update(&p.tensor, grad, &buf, g.lr, mu, g.weight_decay, g.nesterov, 1.0)
         }
     }
-    fn load_state_meta(&mut self, meta: &OptimizerMeta) -> Result<()> {
-        apply_groups_meta(self.kind(), &mut self.groups, meta)?;
+    fn write_meta(&self, meta: &mut OptimizerMeta) {
+        meta.muon_factor = Some(self.muon_factor);
+        meta.sgd_factor = Some(self.sgd_factor);
+    }
+    fn read_meta(&mut self, meta: &OptimizerMeta) {
         if let Some(f) = meta.muon_factor {
             self.muon_factor = f;
         }
         if let Some(f) = meta.sgd_factor {
             self.sgd_factor = f;
         }
-        Ok(())
     }
 }

@@ -1,12 +1,10 @@
 //! SGD with (Nesterov) momentum, PyTorch semantics, no dampening (training.md §3.4 non-Muon part).
 
-use std::collections::HashMap;
-
 use ptl_autograd::Tensor;
 
-use super::groups::{OptimizerName, ParamGroup};
-use super::state::{apply_groups_meta, groups_meta, OptimizerMeta, ParamStates};
-use super::{present_grad, Optimizer};
+use super::grouped::{Grouped, TensorUpdate};
+use super::groups::{NamedParam, OptimizerName, ParamGroup};
+use super::state::ParamStates;
 use crate::error::Result;
 
 /// Momentum-buffer key (PyTorch's name).
@@ -37,66 +35,35 @@ pub(crate) fn sgd_update(
 }
 
 /// `torch.optim.SGD(nesterov=True)` over Ultralytics' three groups [weight, bn, bias].
-pub struct Sgd {
-    groups: Vec<ParamGroup>,
-    state: ParamStates,
-}
+pub type Sgd = Grouped<SgdUpdate>;
+
+/// SGD's per-tensor update: plain SGD (no buffer) without momentum, else [`sgd_update`].
+pub struct SgdUpdate;
 
 impl Sgd {
     pub fn new(groups: Vec<ParamGroup>) -> Self {
-        Sgd { groups, state: ParamStates::default() }
-    }
-    pub fn state(&self) -> &ParamStates {
-        &self.state
+        Grouped::with_update(groups, SgdUpdate)
     }
 }
 
-impl Optimizer for Sgd {
+impl TensorUpdate for SgdUpdate {
     fn kind(&self) -> OptimizerName {
         OptimizerName::Sgd
     }
-    fn param_groups(&self) -> &[ParamGroup] {
-        &self.groups
+    fn state_keys(&self) -> &'static [&'static str] {
+        &[MOMENTUM_BUFFER]
     }
-    fn param_groups_mut(&mut self) -> &mut [ParamGroup] {
-        &mut self.groups
-    }
-    fn step(&mut self) -> Result<()> {
-        for g in &self.groups {
-            let mu = g.momentum.unwrap_or(0.0);
-            for p in &g.params {
-                let Some(grad) = present_grad(p)? else { continue };
-                if mu == 0.0 {
-                    // Plain SGD keeps no buffer.
-                    ptl_autograd::no_grad(|| -> Result<()> {
-                        let gd = if g.weight_decay != 0.0 { grad.add(&p.tensor.mul_scalar(g.weight_decay)?)? } else { grad.clone() };
-                        p.tensor.copy_(&p.tensor.add(&gd.mul_scalar(-g.lr)?)?)?;
-                        Ok(())
-                    })?;
-                    continue;
-                }
-                let buf = self.state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
-                sgd_update(&p.tensor, &grad, &buf, g.lr, mu, g.weight_decay, g.nesterov, 1.0)?;
-            }
+    fn update(&self, g: &ParamGroup, p: &NamedParam, grad: &Tensor, state: &mut ParamStates) -> Result<()> {
+        let mu = g.momentum.unwrap_or(0.0);
+        if mu == 0.0 {
+            // Plain SGD keeps no buffer.
+            return ptl_autograd::no_grad(|| -> Result<()> {
+                let gd = if g.weight_decay != 0.0 { grad.add(&p.tensor.mul_scalar(g.weight_decay)?)? } else { grad.clone() };
+                p.tensor.copy_(&p.tensor.add(&gd.mul_scalar(-g.lr)?)?)?;
+                Ok(())
+            });
         }
-        Ok(())
-    }
-    fn state_tensors(&self) -> Vec<(String, Tensor)> {
-        self.state.to_named(&self.groups)
-    }
-    fn load_state_tensors(&mut self, tensors: &HashMap<String, Tensor>) -> Result<()> {
-        self.state.load_named(&self.groups, &[MOMENTUM_BUFFER], tensors)
-    }
-    fn state_meta(&self) -> OptimizerMeta {
-        OptimizerMeta {
-            optimizer: self.kind(),
-            muon_factor: None,
-            sgd_factor: None,
-            groups: groups_meta(&self.groups),
-            steps: Default::default(),
-        }
-    }
-    fn load_state_meta(&mut self, meta: &OptimizerMeta) -> Result<()> {
-        apply_groups_meta(self.kind(), &mut self.groups, meta)
+        let buf = state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
+        sgd_update(&p.tensor, grad, &buf, g.lr, mu, g.weight_decay, g.nesterov, 1.0)
     }
 }
