@@ -334,7 +334,11 @@ impl PoseLoss26 {
         let total = no_grad(|| -> Result<Tensor> {
             let mut acc: Option<Tensor> = None;
             for (_, t) in &list {
-                let x = t.detach().to_dtype(DType::F64)?.sum_all()?;
+                // Rows first, then the row sums: a whole-tensor sum is one block on CUDA
+                // (0.2–0.8 ms per output at 640 px); the order does not matter for finiteness
+                // (an f64 sum of f32 values cannot overflow).
+                let x = t.detach().to_dtype(DType::F64)?;
+                let x = if x.rank() >= 2 { x.sum_dim(-1, false)?.sum_all()? } else { x.sum_all()? };
                 acc = Some(match acc {
                     None => x,
                     Some(a) => a.add(&x)?,
