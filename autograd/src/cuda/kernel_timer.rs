@@ -71,7 +71,7 @@ const EXTERNAL: cs::CUpti_ExternalCorrelationKind = cs::CUpti_ExternalCorrelatio
 
 /// Labels this thread's next CUDA calls with `tag` while a detailed window runs (called by
 /// [`crate::stage`] on every change; a relaxed load otherwise).
-pub fn stage_changed(tag: u8) {
+pub(crate) fn stage_changed(tag: u8) {
     if !DETAILED.load(Ordering::Relaxed) {
         return;
     }
