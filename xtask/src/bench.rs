@@ -38,7 +38,8 @@ options:
   --warm             keep the kernel cache (default: the first ptl run starts with an empty one: cold)
   --device D         ptl's device (default cuda:0)
   --imgsz N          image size of the dataset and the runs (default 640)
-  --images N         training images of the synthetic set (default 512, 44 % backgrounds; for harness checks)
+  --images N         training images of the synthetic set (default 128 × batch: 512 at batch 4, 128 steps
+                     per epoch at any batch size, so the traced GPU window fits; 44 % backgrounds)
   --batch N          batch size of every run, ptl and Ultralytics (default 4)";
 
 #[derive(Clone, Debug)]
@@ -55,8 +56,16 @@ struct Opts {
     cold_first: bool,
     device: String,
     imgsz: usize,
-    images: usize,
+    /// `None`: 128 × batch (128 steps per epoch whatever the batch size).
+    images: Option<usize>,
     batch: usize,
+}
+
+impl Opts {
+    /// Training images of the synthetic set.
+    fn images(&self) -> usize {
+        self.images.unwrap_or(128 * self.batch)
+    }
 }
 
 fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
@@ -73,7 +82,7 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
         cold_first: true,
         device: "cuda:0".into(),
         imgsz: 640,
-        images: 512,
+        images: None,
         batch: 4,
     };
     let mut rest = Vec::new();
@@ -100,7 +109,7 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
             "--warm" => o.cold_first = false,
             "--device" => o.device = val("--device")?,
             "--imgsz" => o.imgsz = val("--imgsz")?.parse().map_err(|_| "--imgsz wants a number".to_string())?,
-            "--images" => o.images = val("--images")?.parse().map_err(|_| "--images wants a number".to_string())?,
+            "--images" => o.images = Some(val("--images")?.parse().map_err(|_| "--images wants a number".to_string())?),
             "--batch" => o.batch = val("--batch")?.parse().map_err(|_| "--batch wants a number".to_string())?,
             "-h" | "--help" => return Err(HELP.into()),
             other => rest.push(other.to_string()),
@@ -317,7 +326,7 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
 }
 
 fn ensure_dataset(ptl: &Path, o: &Opts) -> Result<PathBuf, String> {
-    let synth = o.work.join(format!("synth-{}-{}", o.images, o.imgsz));
+    let synth = o.work.join(format!("synth-{}-{}", o.images(), o.imgsz));
     let yaml = synth.join("data.yaml");
     if yaml.exists() {
         return Ok(yaml);
@@ -326,7 +335,7 @@ fn ensure_dataset(ptl: &Path, o: &Opts) -> Result<PathBuf, String> {
     let run = Command::new(ptl)
         .args(["data", "synth", "--out"])
         .arg(&synth)
-        .args(["--train", &o.images.to_string(), "--background", &(o.images * 226 / 512).to_string(), "--val", "15"])
+        .args(["--train", &o.images().to_string(), "--background", &(o.images() * 226 / 512).to_string(), "--val", "15"])
         .args(["--imgsz", &o.imgsz.to_string(), "--seed", "347"])
         .output()
         .map_err(|e| format!("starting {}: {e}", ptl.display()))?;
@@ -1040,7 +1049,10 @@ mod tests {
         let (o, _) = parse(&["--arms".into(), "native,workers0".into(), "--vs".into(), "ultralytics".into()]).expect("parse");
         assert_eq!(o.arms, ["native", "workers0"]);
         assert_eq!(o.batch, 4);
-        assert_eq!(parse(&["--batch".into(), "16".into()]).expect("parse").0.batch, 16);
+        assert_eq!(o.images(), 512, "512 images at batch 4");
+        let (b16, _) = parse(&["--batch".into(), "16".into()]).expect("parse");
+        assert_eq!((b16.batch, b16.images()), (16, 2048), "128 steps per epoch at batch 16");
+        assert_eq!(parse(&["--batch".into(), "16".into(), "--images".into(), "64".into()]).expect("parse").0.images(), 64);
         assert!(parse(&["--batch".into(), "0".into()]).is_err());
         assert!(o.ultralytics);
         assert_eq!(ultra_amp("16-mixed"), Ok("True"));
