@@ -69,22 +69,12 @@ fn cuda_replay_equals_native_in_every_precision() {
 
 mod kill;
 
-/// Not a test of its own: the fit of one child process of the kill-and-resume test (run with
-/// `--ignored --exact` and the `PTL_KILL_*` variables).
-#[test]
-#[ignore = "helper: the child process of the kill-and-resume test"]
-fn kill_resume_child() {
-    kill::child(gpu().expect("the parent saw a GPU"));
-}
-
 /// SIGKILLs a `replay=feature,stem` bf16 fit three times mid-run (CUDA graphs live), each time after
 /// it wrote a new checkpoint, resumes it from `last.ckpt` each time, and lets the last process
 /// finish: its hashes equal an uninterrupted native fit's, and the last process's regions replayed
 /// every step after their warm-up.
 #[test]
 fn cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
-    if gpu().is_none() {
-        return;
-    }
-    kill::killed_and_resumed_ends_with_the_native_hashes("cuda");
+    let Some(dev) = gpu() else { return };
+    kill::killed_and_resumed_ends_with_the_native_hashes("cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes", "cuda", dev);
 }

@@ -84,17 +84,14 @@ fn an_injected_capture_failure_falls_back_to_native_and_changes_no_byte() {
     assert_eq!(replaying, 16, "the other stems still replay");
 }
 
-/// Not a test of its own: the fit of one child process of the kill-and-resume test.
-#[test]
-#[ignore = "helper: the child process of the kill-and-resume test"]
-fn kill_resume_child() {
-    kill::child(ptl_autograd::Device::Cpu);
-}
-
 /// SIGKILL-and-resume with `replay=feature,stem` on the CPU double: the resumed run ends with the
 /// native hashes and its regions replay every step after their warm-up (the CUDA binary runs the
 /// same with real graphs).
 #[test]
 fn a_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
-    kill::killed_and_resumed_ends_with_the_native_hashes("cpu");
+    kill::killed_and_resumed_ends_with_the_native_hashes(
+        "a_replayed_fit_killed_and_resumed_ends_with_the_native_hashes",
+        "cpu",
+        ptl_autograd::Device::Cpu,
+    );
 }

@@ -1,6 +1,6 @@
-//! Kill-and-resume with replay on, shared by the CPU (test double) and CUDA test binaries: the
-//! binary re-runs itself as a child (`kill_resume_child`, `--ignored --exact`) whose fit the parent
-//! SIGKILLs; the device comes from the calling binary.
+//! Kill-and-resume with replay on, shared by the CPU (test double) and CUDA test binaries: the test
+//! re-runs itself (its own name, `--exact`) as a child process with the `PTL_KILL_*` variables set;
+//! that process runs the fit, which the parent SIGKILLs. The device comes from the calling binary.
 
 use ptl_autograd::Device;
 use ptl_plugins::replay_shortfalls;
@@ -37,18 +37,20 @@ fn kill_cfg(dev: Device, data: &std::path::Path, save: &std::path::Path, replay:
     }
 }
 
-/// The child's fit, on `dev`, from the `PTL_KILL_*` variables the parent sets.
-pub fn child(dev: Device) {
-    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set: run through the kill-and-resume test"));
-    let (data, save) = (std::path::PathBuf::from(var("PTL_KILL_DATA")), std::path::PathBuf::from(var("PTL_KILL_SAVE")));
-    fit(&kill_cfg(dev, &data, &save, &var("PTL_KILL_REPLAY")), vec![]).expect("child fit");
+/// In a child process (the `PTL_KILL_*` variables set): its fit on `dev`; `false` in the parent.
+fn ran_as_child(dev: Device) -> bool {
+    let Ok(save) = std::env::var("PTL_KILL_SAVE") else { return false };
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set although PTL_KILL_SAVE is"));
+    let data = std::path::PathBuf::from(var("PTL_KILL_DATA"));
+    fit(&kill_cfg(dev, &data, std::path::Path::new(&save), &var("PTL_KILL_REPLAY")), vec![]).expect("child fit");
+    true
 }
 
-/// A `kill_resume_child` process over `save`.
-fn spawn_child(data: &std::path::Path, save: &std::path::Path, replay: &str, log: &std::path::Path) -> std::process::Child {
+/// A child process running test `test` of this binary over `save`.
+fn spawn_child(test: &str, data: &std::path::Path, save: &std::path::Path, replay: &str, log: &std::path::Path) -> std::process::Child {
     let out = std::fs::File::create(log).expect("child log");
     std::process::Command::new(std::env::current_exe().expect("test binary"))
-        .args(["--ignored", "--exact", "kill_resume_child", "--nocapture", "--test-threads=1"])
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env("PTL_KILL_DATA", data)
         .env("PTL_KILL_SAVE", save)
         .env("PTL_KILL_REPLAY", replay)
@@ -58,10 +60,14 @@ fn spawn_child(data: &std::path::Path, save: &std::path::Path, replay: &str, log
         .expect("start the child fit")
 }
 
-/// The test body (`tag` names the device in the scratch folder): an uninterrupted native child,
-/// three SIGKILLed `replay=feature,stem` children each killed after a new checkpoint, a final
-/// resume; its hashes equal native and its regions replayed every step after warm-up.
-pub fn killed_and_resumed_ends_with_the_native_hashes(tag: &str) {
+/// The body of test `test` on `dev` (`tag` names the device in the scratch folder): an
+/// uninterrupted native child, three SIGKILLed `replay=feature,stem` children each killed after a
+/// new checkpoint, a final resume; its hashes equal native and its regions replayed every step
+/// after warm-up. In a child process it is that child's fit instead.
+pub fn killed_and_resumed_ends_with_the_native_hashes(test: &str, tag: &str, dev: Device) {
+    if ran_as_child(dev) {
+        return;
+    }
     use std::time::{Duration, Instant};
     let root = std::env::temp_dir().join(format!("ptl-{tag}-kill-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
@@ -83,7 +89,7 @@ pub fn killed_and_resumed_ends_with_the_native_hashes(tag: &str) {
     // Uninterrupted native reference, in a child process too (same start-up as the killed ones).
     let native_dir = root.join("native");
     let t0 = Instant::now();
-    let st = spawn_child(&data, &native_dir, "", &root.join("native.log")).wait().expect("native child");
+    let st = spawn_child(test, &data, &native_dir, "", &root.join("native.log")).wait().expect("native child");
     assert!(st.success(), "native child failed: see {}", root.join("native.log").display());
     let reference_s = t0.elapsed().as_secs_f64();
     let native = summary(&native_dir);
@@ -105,7 +111,7 @@ pub fn killed_and_resumed_ends_with_the_native_hashes(tag: &str) {
     for i in 0..3 {
         let log = root.join(format!("killed-{i}.log"));
         let before = epochs_done();
-        let mut child = spawn_child(&data, &killed, "feature,stem", &log);
+        let mut child = spawn_child(test, &data, &killed, "feature,stem", &log);
         let deadline = Instant::now() + Duration::from_secs_f64(reference_s * 3.0 + 30.0);
         while epochs_done() <= before && child.try_wait().expect("poll").is_none() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -129,7 +135,7 @@ pub fn killed_and_resumed_ends_with_the_native_hashes(tag: &str) {
         None => {
             let from = epochs_done() as usize;
             let log = root.join("killed-final.log");
-            let st = spawn_child(&data, &killed, "feature,stem", &log).wait().expect("final child");
+            let st = spawn_child(test, &data, &killed, "feature,stem", &log).wait().expect("final child");
             assert!(st.success(), "the final resumed child failed: see {}", log.display());
             from
         }
