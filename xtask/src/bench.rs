@@ -23,7 +23,7 @@ const ULTRA: &str = "ultralytics";
 
 const HELP: &str = "usage: cargo xtask bench [options]            run the benchmark here (builds ptl in release)
        cargo xtask bench --pack [options]     write bench-pack/ for the GPU machine: `bash bench-pack/run.sh [options]`
-       cargo xtask bench --report DIR...      merge the runs.jsonl of earlier calls into one table
+       cargo xtask bench --report DIR|FILE... merge the runs.jsonl of earlier calls (or runs files) into one table
 options:
   --arms A,B         ptl arms: native (default), workers0 (batches built on the training thread),
                      feature (replay=feature), feature+stem (replay=feature,stem)
@@ -154,7 +154,8 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         let out = std::env::var_os("OUT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("bench-out"));
         let mut recs = Vec::new();
         for d in &dirs {
-            recs.extend(read_runs(&d.join("runs.jsonl"))?);
+            // A folder's runs.jsonl, or a runs file itself (e.g. a kept `runs-before-….jsonl`).
+            recs.extend(read_runs(&if d.is_dir() { d.join("runs.jsonl") } else { d.clone() })?);
         }
         return write_report(&recs, &out);
     }
@@ -256,12 +257,19 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
         let _ = std::fs::remove_dir_all(&kcache);
     }
     let log = o.out.join("runs.jsonl");
+    // This call's report covers this call's runs: an earlier call's runs.jsonl in the same folder is
+    // kept under a dated name (`--report` merges it back in when wanted).
+    if log.exists() {
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let kept = o.out.join(format!("runs-before-{secs}.jsonl"));
+        std::fs::rename(&log, &kept).map_err(|e| format!("moving the earlier {} aside: {e}", log.display()))?;
+        eprintln!("bench: the earlier runs of {} are kept in {}", o.out.display(), kept.display());
+    }
     let mut arms: Vec<String> = o.arms.clone();
     if o.ultralytics {
         arms.push(ULTRA.into());
     }
     let mut durations: BTreeMap<String, f64> = BTreeMap::new();
-    let mut recs = Vec::new();
     // A run that fails before any of its kind succeeded (no GPU, a broken install) would fail
     // the same way every time: stop there instead of starting the rest.
     let mut kind_ok: BTreeMap<String, bool> = BTreeMap::new();
@@ -314,7 +322,6 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
                 append(&rec)?;
                 eprintln!("bench: {arm} {precision} pair {pair}: {}", one_line(&rec));
                 stopped = first_failure(&rec, &mut kind_ok);
-                recs.push(rec);
             }
         }
     }
