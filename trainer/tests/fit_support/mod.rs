@@ -1,52 +1,14 @@
 //! What the CPU fit tests share: a 64-px synthetic dataset and a tiny fit configuration.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use ptl_trainer::pose::PoseTrainConfig;
 
-const PREFIX: &str = "ptl-trainer-tests";
+pub use ptl_test_support::scratch;
 
-/// This test process's folder under the temporary directory, `<tmp>/ptl-trainer-tests-<pid>`: every run of
-/// the tests writes into it. A tiny fit leaves ~100 MB of checkpoints, so when the folder is first
-/// made the ones of earlier, finished test processes are removed (Linux: a process is finished when
-/// `/proc/<pid>` is gone; elsewhere nothing is removed).
-fn process_root() -> &'static Path {
-    static ROOT: OnceLock<PathBuf> = OnceLock::new();
-    ROOT.get_or_init(|| {
-        let tmp = std::env::temp_dir();
-        let me = std::process::id();
-        let finished = |pid: u32| Path::new("/proc/self").exists() && !Path::new("/proc").join(pid.to_string()).exists();
-        for e in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let pid = name.strip_prefix(PREFIX).and_then(|p| p.strip_prefix('-')).and_then(|p| p.parse::<u32>().ok());
-            if pid.is_some_and(|p| p != me && finished(p)) {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-        tmp.join(format!("{PREFIX}-{me}"))
-    })
-}
-
-/// A fresh folder `name` inside this process's folder (what an earlier test of the same name
-/// left is removed).
-pub fn scratch(name: &str) -> PathBuf {
-    let d = process_root().join(name);
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-/// 8 pose images + 2 backgrounds for training and 2 for validation at 64 px, generated once per
-/// test process; its `data.yaml`.
+/// The tiny synthetic dataset (`ptl_test_support::tiny_dataset`).
 pub fn dataset() -> PathBuf {
-    static YAML: OnceLock<PathBuf> = OnceLock::new();
-    YAML.get_or_init(|| {
-        let dir = scratch("data");
-        let opts =
-            ptl_data::SynthOptions { out: dir, train: 8, background: 2, val: 2, imgsz: 64, seed: 3, threads: 1, ..Default::default() };
-        ptl_data::synth_generate(&opts).expect("synthetic dataset").yaml
-    })
-    .clone()
+    ptl_test_support::tiny_dataset()
 }
 
 /// 2 epochs of 2 batches of 2 images at 64 px, SGD, on the training thread, saved to `save_dir`.
