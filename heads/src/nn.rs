@@ -187,19 +187,9 @@ impl Conv {
         Conv::new(c1, c2, k, 1, gcd(c1, c2), true, init)
     }
 
-    /// On CUDA the BatchNorm (+SiLU) runs fused; the CPU keeps the composed ops, the bitwise
-    /// reference its goldens and pinned fit hashes were recorded with.
+    /// Conv, then BatchNorm (+SiLU) as one fused op on every device.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let z = self.conv.forward(x)?;
-        if z.device().is_cuda() {
-            return self.bn.forward_fused(&z, self.act);
-        }
-        let y = self.bn.forward(&z)?;
-        if self.act {
-            Ok(y.silu()?)
-        } else {
-            Ok(y)
-        }
+        self.bn.forward_fused(&self.conv.forward(x)?, self.act)
     }
 }
 

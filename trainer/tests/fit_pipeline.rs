@@ -3,9 +3,10 @@
 //! The hashes below were first computed by the serial loop (batches built on the training
 //! thread, before the pipeline existed; commit d2dc5ac) for a tiny fit, a full-epoch fit with a
 //! partial last batch, and a killed-and-resumed run, and the prefetched fit reproduced them. They
-//! were recomputed once since, by the 0-worker fit, when the autograd engine started summing a
-//! tensor's gradient contributions in a canonical order (so that replayed regions give native
-//! bytes): that change moved the last bits of every fit, not the data. The prefetched fit — 0 and
+//! were recomputed since by the 0-worker fit, twice, for changes that moved the last bits of every
+//! fit but not the data: when the autograd engine started summing a tensor's gradient
+//! contributions in a canonical order (so that replayed regions give native bytes), and when the
+//! model's BatchNorm (+SiLU) became one fused op on every device. The prefetched fit — 0 and
 //! 2 workers — must reproduce them, not only agree with itself. The batch hashes depend on the data pipeline
 //! alone and are checked everywhere. The fit hashes also depend on how this CPU's GEMM rounds
 //! (the `gemm` crate picks its blocking from the cache sizes it detects), so they are compared
@@ -43,20 +44,20 @@ fn recorded(model: &str, optimizer: &str, ema: &str, step_losses: &str) -> RunHa
 
 fn serial_tiny() -> RunHashes {
     recorded(
-        "56ed2a4d3d4e7f187c1a654a3b8aedc8f8deb28481111d9a9900c3781b1a40f9",
-        "132f4afb72be6ea6dfcdfbd0a1a7783b7f0c0ed042b2c632789eb750f2651805",
-        "8dadf7be804aa8281e09996fde688464860848435aec6eeb91f87af4ac177114",
-        "5ed692b1a0bae7d492bae476268b3f000da460f1fd828d0274cb3aaf9ed2754e",
+        "e4250e14bcb0def4d8c20310bdec61b71b96aaca2f41cd123423d4f818d5d941",
+        "8d1adf37c6cdc0a047ae6253c0fa7a9c74564e325eba0f9d0f5d61fdab123b19",
+        "1878e74bc9c2c385507ef37d552537e3055588f830c2d0edd3223083cb636fd5",
+        "c0045152c80494113720ef33b501029aa79b51447c0141c21a02bc5ee55ffa9b",
     )
 }
 
 /// The full-epoch run; the killed-after-one-epoch-and-resumed run ended with the same hashes.
 fn serial_full_b3() -> RunHashes {
     recorded(
-        "a37fd60f9873b852c0899a15db2f541db696b1c11e1271972fd200c9164b7b7a",
-        "021bcfd925b3fadb3a2b33d2b0b44689fed3f47352f951897d4898e26b9a1296",
-        "9146569906d2b8d250631f1c6c0a9e797b655ecde3942bface860c2477e6b337",
-        "849d651650f037e6184d536f0174c6b042c985b2b20dfaa28474842bd864b83f",
+        "9176f5ff90e556ffa46a73b24ba74a2e4a0c8d2391a0b8b4d11603008e5b848a",
+        "0a6bbd5d6f38f8ed2fb8f53997963c3ce91c93eaffb03405a974cde2c022fe2b",
+        "b527b6a6015e96562f3a1c0c7d34b43d0fd6f7b5c494c8952d3332444d656574",
+        "b2574f6490707723d1a65c1d98a8628df89a88a808708fa3a9ed2e2ff5952427",
     )
 }
 
