@@ -205,7 +205,8 @@ pub trait BackendStorage: Sized {
     /// the statistics dtype (f64 for f64 input, else f32); the running statistics are updated in
     /// place (`r ← (1 − momentum)·r + momentum·batch`, unbiased variance). Returns
     /// `([scale; C] ++ [shift; C], [invstd; C] ++ [−mean·invstd; C])` in the statistics dtype, with
-    /// `scale = weight·invstd`, `shift = bias − mean·scale`.
+    /// `scale = weight·invstd`, `shift = bias − mean·scale`. `batches`, when given (one i64), is
+    /// incremented by one in the same pass (`num_batches_tracked`).
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_train_stats(
         &self,
@@ -214,6 +215,7 @@ pub trait BackendStorage: Sized {
         bias: &Self,
         running_mean: &mut Self,
         running_var: &mut Self,
+        batches: Option<&mut Self>,
         eps: f64,
         momentum: f64,
     ) -> Result<(Self, Self)>;

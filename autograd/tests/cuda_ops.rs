@@ -361,11 +361,22 @@ fn batch_norm_pool_matmul() {
         v[0].batch_norm2d(&v[1], &v[2], &rm, &rv, BatchNormOptions { training: false, ..opts })
     });
     // Fused BN (+SiLU) on the GPU against the composed CPU ops (forward, backward, running stats).
-    for (training, silu) in [(true, true), (false, true), (true, false)] {
+    // Shapes: HW = 42 (16-byte vectors only for f64; scalar kernels otherwise, one block per
+    // channel), HW = 1600 (vectors for every dtype, 25 blocks per channel combined by the last
+    // one), and 4 channels × 24,576 values (96 blocks per channel).
+    for (training, silu, shape) in [
+        (true, true, [3, 8, 7, 6]),
+        (false, true, [3, 8, 7, 6]),
+        (true, false, [3, 8, 7, 6]),
+        (true, true, [4, 16, 40, 40]),
+        (false, true, [4, 16, 40, 40]),
+        (true, false, [2, 4, 128, 96]),
+    ] {
         let o = BatchNormOptions { training, ..opts };
-        case("batch_norm_silu_fused", FP64, &[(&[3, 8, 7, 6], -2.0, 2.0), (&[8], 0.5, 1.5), (&[8], -0.5, 0.5)], &move |v, d| {
-            let rm = Tensor::full(vec![8], 0.1, DType::F32, d)?;
-            let rv = Tensor::full(vec![8], 0.8, DType::F32, d)?;
+        let c = shape[1];
+        case("batch_norm_silu_fused", FP64, &[(&shape, -2.0, 2.0), (&[c], 0.5, 1.5), (&[c], -0.5, 0.5)], &move |v, d| {
+            let rm = Tensor::full(vec![c], 0.1, DType::F32, d)?;
+            let rv = Tensor::full(vec![c], 0.8, DType::F32, d)?;
             let y = if d == Device::Cpu {
                 let y = v[0].batch_norm2d(&v[1], &v[2], &rm, &rv, o)?;
                 if silu {
@@ -377,7 +388,7 @@ fn batch_norm_pool_matmul() {
                 v[0].batch_norm2d_fused(&v[1], &v[2], &rm, &rv, o, silu)?
             };
             // Fold the updated running statistics into the output so they are compared too.
-            y.add(&rm.add(&rv)?.to_dtype(y.dtype())?.reshape(vec![1, 8, 1, 1])?.detach())
+            y.add(&rm.add(&rv)?.to_dtype(y.dtype())?.reshape(vec![1, c, 1, 1])?.detach())
         });
     }
     case("max_pool_k5_s1_p2", FP64, &[(&[2, 3, 13, 11], -3.0, 3.0)], &|v, _| v[0].max_pool2d(5, 1, 2));
@@ -579,6 +590,30 @@ fn fused_bn_silu_matches_composed_on_cpu() {
             let e = rel(b, a);
             assert!(e < 1e-12, "training={training} silu={silu} item {k}: rel err {e:e}");
         }
+    }
+}
+
+/// The fused BN counts training batches in `num_batches_tracked` inside its statistics kernel
+/// (CPU, and CUDA when present), leaves it alone in eval mode, and rejects a counter that is not
+/// one i64.
+#[test]
+fn fused_bn_counts_batches() {
+    let devices: Vec<Device> = std::iter::once(Device::Cpu).chain(gpu()).collect();
+    for dev in devices {
+        let mut rng = Rng::new(5);
+        let x = Tensor::rand(vec![2, 8, 4, 4], -1.0, 1.0, DType::F32, dev, &mut rng).unwrap();
+        let (w, b) = (Tensor::ones(vec![8], DType::F32, dev).unwrap(), Tensor::zeros(vec![8], DType::F32, dev).unwrap());
+        let (rm, rv) = (Tensor::zeros(vec![8], DType::F32, dev).unwrap(), Tensor::ones(vec![8], DType::F32, dev).unwrap());
+        let nbt = Tensor::zeros((), DType::I64, dev).unwrap();
+        let train = BatchNormOptions { training: true, momentum: 0.03, eps: 1e-3 };
+        for _ in 0..3 {
+            x.batch_norm2d_fused_tracked(&w, &b, &rm, &rv, Some(&nbt), train, true).unwrap();
+        }
+        x.batch_norm2d_fused_tracked(&w, &b, &rm, &rv, Some(&nbt), BatchNormOptions { training: false, ..train }, true).unwrap();
+        assert_eq!(nbt.to_vec::<i64>().unwrap(), vec![3], "{dev}: three training batches counted");
+        let wrong = Tensor::zeros(vec![2], DType::I64, dev).unwrap();
+        let err = x.batch_norm2d_fused_tracked(&w, &b, &rm, &rv, Some(&wrong), train, true).unwrap_err().to_string();
+        assert!(err.contains("num_batches_tracked"), "{dev}: {err}");
     }
 }
 

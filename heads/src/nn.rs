@@ -144,12 +144,16 @@ impl BatchNorm2d {
     /// ([`Tensor::batch_norm2d_fused`]: equal up to rounding, a few kernels instead of dozens).
     pub fn forward_fused(&self, x: &Tensor, silu: bool) -> Result<Tensor> {
         let opts = BatchNormOptions { training: self.training, momentum: self.momentum, eps: self.eps };
-        let y = x.batch_norm2d_fused(&self.weight, &self.bias, &self.running_mean, &self.running_var, opts, silu)?;
-        if self.training {
-            let one = Tensor::ones((), DType::I64, self.num_batches_tracked.device())?;
-            self.num_batches_tracked.add_(&one)?;
-        }
-        Ok(y)
+        // The statistics kernel counts the batch (training mode only).
+        Ok(x.batch_norm2d_fused_tracked(
+            &self.weight,
+            &self.bias,
+            &self.running_mean,
+            &self.running_var,
+            Some(&self.num_batches_tracked),
+            opts,
+            silu,
+        )?)
     }
 }
 

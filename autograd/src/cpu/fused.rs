@@ -26,6 +26,7 @@ pub(crate) fn batch_norm_train_stats(
     b: &CpuStorage,
     rm: &mut CpuStorage,
     rv: &mut CpuStorage,
+    batches: Option<&mut CpuStorage>,
     eps: f64,
     momentum: f64,
 ) -> Result<(CpuStorage, CpuStorage)> {
@@ -33,6 +34,11 @@ pub(crate) fn batch_norm_train_stats(
     if !x.dtype().is_float() {
         return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype(), expected: "a float dtype" });
     }
+    let batches = match batches {
+        None => None,
+        Some(CpuStorage::I64(v)) if v.len() == 1 => Some(v),
+        Some(s) => return Err(Error::invalid(OP, format!("the batch counter must be one i64, got {} of {}", s.len(), s.dtype()))),
+    };
     let (n, c, hw) = nchw(OP, shape, x.len())?;
     let sd = stats_dtype(x.dtype());
     let (wv, bv, rmv, rvv) = (stats_vec(OP, w, sd, c)?, stats_vec(OP, b, sd, c)?, stats_vec(OP, rm, sd, c)?, stats_vec(OP, rv, sd, c)?);
@@ -62,6 +68,9 @@ pub(crate) fn batch_norm_train_stats(
     }
     *rm = CpuStorage::from_f64(sd, &nrm_rm);
     *rv = CpuStorage::from_f64(sd, &nrm_rv);
+    if let Some(count) = batches {
+        count[0] += 1;
+    }
     let _ = (&mut nrm_rm, &mut nrm_rv);
     Ok((CpuStorage::from_f64(sd, &aff), CpuStorage::from_f64(sd, &nrm)))
 }

@@ -270,10 +270,11 @@ impl BackendStorage for CpuStorage {
         bias: &Self,
         running_mean: &mut Self,
         running_var: &mut Self,
+        batches: Option<&mut Self>,
         eps: f64,
         momentum: f64,
     ) -> Result<(Self, Self)> {
-        fused::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, eps, momentum)
+        fused::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum)
     }
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
         fused::channel_affine(self, shape, params, silu)

@@ -586,191 +586,240 @@ __device__ void maxpool_bwd_k(const T* dy, const i64* idx, T* dx, PoolGeo g) {
 }
 
 // ---- fused batch norm -----------------------------------------------------------------------------
-// Pass 1: grid (P, C), block 256: per-(channel, chunk) sums of x − K and (x − K)² in f64, K being the
-// channel's first element (shifted sums keep E[x²] − E[x]² well conditioned). Fixed-order tree.
-template <typename T>
-__device__ void bn_partial_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P) {
-    __shared__ double ss[256];
-    __shared__ double sq[256];
-    u32 ch = blockIdx.y, p = blockIdx.x, t = threadIdx.x;
-    u32 total = n * hw;
-    u32 chunk = (total + P - 1) / P;
-    u32 start = p * chunk;
-    u32 end = start + chunk < total ? start + chunk : total;
-    double K = (double)to_acc(x[(size_t)ch * hw]);
-    double s = 0.0, q = 0.0;
-    for (u32 i = start + t; i < end; i += 256) {
-        u32 ni = i / hw, j = i - ni * hw;
-        double v = (double)to_acc(x[((size_t)ni * c + ch) * hw + j]) - K;
-        s += v;
-        q += v * v;
-    }
-    ss[t] = s;
-    sq[t] = q;
-    __syncthreads();
-    for (u32 k = 128; k > 0; k >>= 1) {
-        if (t < k) { ss[t] += ss[t + k]; sq[t] += sq[t + k]; }
-        __syncthreads();
-    }
-    if (t == 0) {
-        part[((size_t)ch * P + p) * 2] = ss[0];
-        part[((size_t)ch * P + p) * 2 + 1] = sq[0];
+// NCHW: a channel's N·HW elements are N runs of HW. Every kernel here takes a vector width V: with
+// HW % V == 0 and 16-byte aligned buffers the host picks V = 16 / sizeof(T) (one 16-byte load per
+// V elements, which keeps enough bytes in flight to run near bandwidth; a run never splits a
+// vector), else V = 1. Elementwise math runs in the accumulator type (f32, f64 for f64 tensors);
+// the per-channel sums accumulate in f64 and combine in a fixed order (no float atomics).
+
+// V consecutive elements from p + i (i a multiple of V), in the accumulator type.
+template <typename T, int V>
+__device__ __forceinline__ void ld_vec(const T* p, size_t i, typename Acc<T>::type (&o)[V]) {
+    if (V == 1) {
+        o[0] = to_acc(p[i]);
+    } else {
+        uint4 u = __ldg(reinterpret_cast<const uint4*>(p + i));
+        const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+        for (int k = 0; k < V; ++k) o[k] = to_acc(e[k]);
     }
 }
-// Pass 2 for one channel: combines its P partials in order and writes the affine parameters, the
-// normalisation parameters, and the updated running statistics.
-template <typename T, typename S>
-__device__ void bn_finish_channel(u32 ch, const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b,
-                                  S* rm, S* rv, double eps, double mom, S* aff, S* nrm) {
-    double s = 0.0, q = 0.0;
-    // L1-bypassing loads: in the fused kernel the partials come from other blocks.
-    for (u32 p = 0; p < P; ++p) {
-        s += __ldcg(&part[((size_t)ch * P + p) * 2]);
-        q += __ldcg(&part[((size_t)ch * P + p) * 2 + 1]);
+// Stores V values (rounded once) to p + i.
+template <typename T, int V>
+__device__ __forceinline__ void st_vec(T* p, size_t i, const typename Acc<T>::type (&v)[V]) {
+    typedef typename Acc<T>::type A;
+    if (V == 1) {
+        p[i] = store<T, A>(v[0]);
+    } else {
+        uint4 u;
+        T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+        for (int k = 0; k < V; ++k) e[k] = store<T, A>(v[k]);
+        *reinterpret_cast<uint4*>(p + i) = u;
     }
-    double K = (double)to_acc(x[(size_t)ch * hw]);
-    double ms = s / count;
+}
+// Element index of vector v of channel ch (hv = HW / V vectors per run).
+__device__ __forceinline__ size_t bn_vec_index(u32 v, u32 hv, u32 ch, u32 c, u32 hw, int V) {
+    u32 ni = v / hv, j = v - ni * hv;
+    return ((size_t)ni * c + ch) * hw + (size_t)j * V;
+}
+// Block p's share [start, end) of a channel's nv vectors split P ways.
+__device__ __forceinline__ void bn_chunk(u32 nv, u32 P, u32 p, u32& start, u32& end) {
+    u32 chunk = (nv + P - 1) / P;
+    start = min(p * chunk, nv);
+    end = min(start + chunk, nv);
+}
+// Fixed-order sum of (a, b) over a 256-thread block: warp shuffles, then the 8 warp sums in order.
+// The result is valid in thread 0; every thread must call it.
+__device__ __forceinline__ void bn_block_sum2(double& a, double& b) {
+    __shared__ double sa[8], sb[8];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_down_sync(0xffffffffu, a, o);
+        b += __shfl_down_sync(0xffffffffu, b, o);
+    }
+    const u32 w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) { sa[w] = a; sb[w] = b; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        a = sa[0];
+        b = sb[0];
+        for (int k = 1; k < 8; ++k) { a += sa[k]; b += sb[k]; }
+    }
+    __syncthreads();  // sa/sb may be reused by the next call
+}
+// Writes block p's partial pair and takes a ticket; true in every thread of the channel's last
+// block to finish, which then holds the channel's totals (combined in order p = 0, 1, …, P−1 per
+// thread stride, then the fixed tree) in thread 0 and resets the ticket for the next launch.
+// Which block is last does not change the result.
+__device__ __forceinline__ bool bn_last_block_totals(double& a, double& b, double* part, u32 ch, u32 p, u32 P, unsigned int* tickets) {
+    __shared__ bool last;
+    bn_block_sum2(a, b);
+    if (threadIdx.x == 0) {
+        part[((size_t)ch * P + p) * 2] = a;
+        part[((size_t)ch * P + p) * 2 + 1] = b;
+        __threadfence();
+        last = atomicAdd(&tickets[ch], 1u) == P - 1;
+    }
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    a = 0.0;
+    b = 0.0;
+    for (u32 k = threadIdx.x; k < P; k += 256) {  // L1-bypassing: written by other blocks
+        a += __ldcg(&part[((size_t)ch * P + k) * 2]);
+        b += __ldcg(&part[((size_t)ch * P + k) * 2 + 1]);
+    }
+    bn_block_sum2(a, b);
+    if (threadIdx.x == 0) tickets[ch] = 0u;
+    return true;
+}
+
+// Training statistics, grid (P, C), block 256: shifted sums of x − K and (x − K)² (K = the
+// channel's first element, which keeps E[x²] − E[x]² well conditioned); the channel's last block
+// writes the affine parameters aff = [w·invstd; b − mean·w·invstd], the normalisation parameters
+// nrm = [invstd; −mean·invstd] and the running statistics, and (channel 0) counts the batch in
+// `nbt` when given. `tickets`: a device-lifetime array of zeros, one per channel.
+template <typename T, typename S, int V>
+__device__ void bn_stats_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P, unsigned int* tickets, double count, const S* w,
+                           const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) {
+    typedef typename Acc<T>::type A;
+    const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
+    u32 start, end;
+    bn_chunk(n * hv, P, p, start, end);
+    const A K = to_acc(x[(size_t)ch * hw]);
+    double s = 0.0, q = 0.0;
+    for (u32 v = start + threadIdx.x; v < end; v += 256) {
+        A e[V];
+        ld_vec<T, V>(x, bn_vec_index(v, hv, ch, c, hw, V), e);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const double d = (double)(e[k] - K);
+            s += d;
+            q += d * d;
+        }
+    }
+    if (!bn_last_block_totals(s, q, part, ch, p, P, tickets) || threadIdx.x != 0) return;
+    const double ms = s / count;
     double var = q / count - ms * ms;
     if (var < 0.0) var = 0.0;
-    double mean = K + ms;
-    double invstd = 1.0 / sqrt(var + eps);
-    double scale = (double)w[ch] * invstd;
+    const double mean = (double)K + ms;
+    const double invstd = 1.0 / sqrt(var + eps);
+    const double scale = (double)w[ch] * invstd;
     aff[ch] = (S)scale;
     aff[c + ch] = (S)((double)b[ch] - mean * scale);
     nrm[ch] = (S)invstd;
     nrm[c + ch] = (S)(-mean * invstd);
-    double unb = count > 1.0 ? var * count / (count - 1.0) : var;
+    const double unb = count > 1.0 ? var * count / (count - 1.0) : var;
     rm[ch] = (S)((1.0 - mom) * (double)rm[ch] + mom * mean);
     rv[ch] = (S)((1.0 - mom) * (double)rv[ch] + mom * unb);
+    if (nbt != nullptr && ch == 0) *nbt += 1;
 }
-// Pass 2 as its own kernel: one thread per channel.
-template <typename T, typename S>
-__device__ void bn_finish_k(const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv,
-                            double eps, double mom, S* aff, S* nrm) {
-    u32 ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= c) return;
-    bn_finish_channel<T, S>(ch, x, part, P, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm);
-}
-// Both passes in one launch: pass 1, then the last block of each channel to finish (an integer
-// ticket per channel; which block is last does not matter, the partials are combined in the same
-// fixed order) runs pass 2 and resets the ticket to 0 for the next launch. `tickets` is a
-// device-lifetime array of zeros (one per channel).
-template <typename T, typename S>
-__device__ void bn_stats_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P, unsigned int* tickets, double count, const S* w,
-                           const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm) {
-    bn_partial_k<T>(x, part, n, c, hw, P);
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const unsigned int ticket = atomicAdd(&tickets[blockIdx.y], 1u);
-        last = ticket == P - 1;
-    }
-    __syncthreads();
-    if (last && threadIdx.x == 0) {
-        __threadfence();
-        bn_finish_channel<T, S>(blockIdx.y, x, (const double*)part, P, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm);
-        tickets[blockIdx.y] = 0u;
-    }
-}
-// y = act(x·p[c] + p[C + c]) over NCHW (act = SiLU when silu != 0).
-template <typename T, typename S>
-__device__ void chaffine_k(const T* x, const S* p, T* y, u32 n, u32 hw, u32 c, int silu) {
+// y = act(x·p[c] + p[C + c]) over NCHW (act = SiLU when silu != 0), V elements per thread step;
+// nvec = len / V, hv = HW / V.
+template <typename T, typename S, int V>
+__device__ void chaffine_k(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c, int silu) {
     typedef typename Acc<T>::type A;
-    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
-        u32 ch = (i / hw) % c;
-        A z = to_acc(x[i]) * (A)p[ch] + (A)p[c + ch];
-        if (silu) z = z / ((A)1 + m_exp(-z));
-        y[i] = store<T, A>(z);
+    for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += blockDim.x * gridDim.x) {
+        const u32 ch = (v / hv) % c;
+        const A sc = (A)p[ch], sh = (A)p[c + ch];
+        A e[V];
+        ld_vec<T, V>(x, (size_t)v * V, e);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            A z = e[k] * sc + sh;
+            e[k] = silu ? z / ((A)1 + m_exp(-z)) : z;
+        }
+        st_vec<T, V>(y, (size_t)v * V, e);
     }
 }
 
 // ---- batch-norm (+SiLU) backward --------------------------------------------------------------------
 // gz = g·act'(z) with z = x·aff[ch] + aff[C+ch]; x̂ = x·nrm[ch] + nrm[C+ch].
-template <typename T, typename S>
-__device__ __forceinline__ void bnb_terms(T xv, T gv, const S* aff, const S* nrm, u32 ch, u32 c, int silu, double& gz, double& xh) {
-    double x = (double)to_acc(xv), g = (double)to_acc(gv);
-    double z = x * (double)aff[ch] + (double)aff[c + ch];
+template <typename A>
+__device__ __forceinline__ void bnb_terms(A x, A g, A a0, A a1, A n0, A n1, int silu, A& gz, A& xh) {
+    const A z = x * a0 + a1;
     if (silu) {
-        double s = 1.0 / (1.0 + exp(-z));
-        gz = g * (s * (1.0 + z * (1.0 - s)));
+        const A s = (A)1 / ((A)1 + m_exp(-z));
+        gz = g * (s * ((A)1 + z * ((A)1 - s)));
     } else {
         gz = g;
     }
-    xh = x * (double)nrm[ch] + (double)nrm[c + ch];
+    xh = x * n0 + n1;
 }
-// Pass 1: block (p, ch) sums gz and gz·x̂ over its share of the channel's N·HW elements.
-template <typename T, typename S>
-__device__ void bnb_partial_k(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu) {
-    __shared__ double s1[256];
-    __shared__ double s2[256];
-    u32 ch = blockIdx.y, p = blockIdx.x, t = threadIdx.x;
-    u32 total = n * hw;
-    u32 chunk = (total + P - 1) / P;
-    u32 start = p * chunk, end = min(total, start + chunk);
-    double a = 0.0, q = 0.0;
-    for (u32 i = start + t; i < end; i += 256) {
-        u32 ni = i / hw, j = i - ni * hw;
-        size_t k = ((size_t)ni * c + ch) * hw + j;
-        double gz, xh;
-        bnb_terms<T, S>(x[k], g[k], aff, nrm, ch, c, silu, gz, xh);
-        a += gz;
-        q += gz * xh;
+// Reduction, grid (P, C), block 256: per-channel sums Σgz and Σgz·x̂; the channel's last block
+// writes gw = Σgz·x̂, gb = Σgz and dx's coefficients coef = [k; −k·Σgz/N; −k·Σgz·x̂/N] with
+// k = w·invstd (eval: no batch terms).
+template <typename T, typename S, int V>
+__device__ void bnb_reduce_k(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu,
+                             unsigned int* tickets, double count, const S* w, int training, S* gw, S* gb, S* coef) {
+    typedef typename Acc<T>::type A;
+    const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
+    const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
+    u32 start, end;
+    bn_chunk(n * hv, P, p, start, end);
+    double sa = 0.0, sq = 0.0;
+    for (u32 v = start + threadIdx.x; v < end; v += 256) {
+        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, i, xe);
+        ld_vec<T, V>(g, i, ge);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            A gz, xh;
+            bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
+            sa += (double)gz;
+            sq += (double)gz * (double)xh;
+        }
     }
-    s1[t] = a;
-    s2[t] = q;
-    __syncthreads();
-    for (u32 k = 128; k > 0; k >>= 1) {
-        if (t < k) { s1[t] += s1[t + k]; s2[t] += s2[t + k]; }
-        __syncthreads();
-    }
-    if (t == 0) {
-        part[((size_t)ch * P + p) * 2] = s1[0];
-        part[((size_t)ch * P + p) * 2 + 1] = s2[0];
-    }
-}
-// Pass 2, one thread per channel: partials in order → gw = Σgz·x̂, gb = Σgz, and dx's
-// coefficients coef = [k; k·(−Σgz/N); k·(−Σgz·x̂/N)] with k = w·invstd (eval: no batch terms).
-template <typename S>
-__device__ void bnb_finish_k(const double* part, u32 P, u32 c, double count, const S* w, const S* nrm, int training, S* gw, S* gb, S* coef) {
-    u32 ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= c) return;
-    double a = 0.0, q = 0.0;
-    for (u32 p = 0; p < P; ++p) {
-        a += part[((size_t)ch * P + p) * 2];
-        q += part[((size_t)ch * P + p) * 2 + 1];
-    }
-    gb[ch] = (S)a;
-    gw[ch] = (S)q;
-    double k = (double)w[ch] * (double)nrm[ch];
+    if (!bn_last_block_totals(sa, sq, part, ch, p, P, tickets) || threadIdx.x != 0) return;
+    gb[ch] = (S)sa;
+    gw[ch] = (S)sq;
+    const double k = (double)w[ch] * (double)nrm[ch];
     coef[ch] = (S)k;
-    coef[c + ch] = (S)(training ? -k * a / count : 0.0);
-    coef[2 * c + ch] = (S)(training ? -k * q / count : 0.0);
+    coef[c + ch] = (S)(training ? -k * sa / count : 0.0);
+    coef[2 * c + ch] = (S)(training ? -k * sq / count : 0.0);
 }
-// Pass 3: dx = coef[0]·gz + coef[1] + coef[2]·x̂, elementwise.
-template <typename T, typename S>
-__device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx, u32 len, u32 hw, u32 c, int silu) {
-    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += blockDim.x * gridDim.x) {
-        u32 ch = (i / hw) % c;
-        double gz, xh;
-        bnb_terms<T, S>(x[i], g[i], aff, nrm, ch, c, silu, gz, xh);
-        double r = (double)coef[ch] * gz + (double)coef[c + ch] + (double)coef[2 * c + ch] * xh;
-        dx[i] = store<T, typename Acc<T>::type>((typename Acc<T>::type)r);
+// dx = coef[0]·gz + coef[1] + coef[2]·x̂, V elements per thread step.
+template <typename T, typename S, int V>
+__device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx, u32 nvec, u32 hv, u32 c, int silu) {
+    typedef typename Acc<T>::type A;
+    for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += blockDim.x * gridDim.x) {
+        const u32 ch = (v / hv) % c;
+        const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
+        const A k0 = (A)coef[ch], k1 = (A)coef[c + ch], k2 = (A)coef[2 * c + ch];
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, (size_t)v * V, xe);
+        ld_vec<T, V>(g, (size_t)v * V, ge);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            A gz, xh;
+            bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
+            xe[k] = k0 * gz + k1 + k2 * xh;
+        }
+        st_vec<T, V>(dx, (size_t)v * V, xe);
     }
 }
-#define INST_BNB(name, T, S) \
-    extern "C" __global__ void bnb_partial_##name(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu) { bnb_partial_k<T, S>(x, g, aff, nrm, part, n, c, hw, P, silu); } \
-    extern "C" __global__ void bnb_finish_##name(const double* part, u32 P, u32 c, double count, const S* w, const S* nrm, int training, S* gw, S* gb, S* coef) { bnb_finish_k<S>(part, P, c, count, w, nrm, training, gw, gb, coef); } \
-    extern "C" __global__ void bnb_dx_##name(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx, u32 len, u32 hw, u32 c, int silu) { bnb_dx_k<T, S>(x, g, aff, nrm, coef, dx, len, hw, c, silu); }
-INST_BNB(f32, float, float)
-INST_BNB(f64, double, double)
-INST_BNB(f16, __half, float)
-INST_BNB(bf16, __nv_bfloat16, float)
-
-#define INST_BN(name, T, S)                                                                                        \
-    extern "C" __global__ void bn_partial_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P) { bn_partial_k<T>(x, part, n, c, hw, P); } \
-    extern "C" __global__ void bn_finish_##name(const T* x, const double* part, u32 P, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm) { bn_finish_k<T, S>(x, part, P, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm); } \
-    extern "C" __global__ void chaffine_##name(const T* x, const S* p, T* y, u32 n, u32 hw, u32 c, int silu) { chaffine_k<T, S>(x, p, y, n, hw, c, silu); } \
-    extern "C" __global__ void bn_stats_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P, unsigned int* tickets, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm) { bn_stats_k<T, S>(x, part, n, c, hw, P, tickets, count, w, b, rm, rv, eps, mom, aff, nrm); }
+#define INST_BN_V(name, T, S, V, sfx)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bn_stats##sfx##_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P,    \
+        unsigned int* tickets, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) { \
+        bn_stats_k<T, S, V>(x, part, n, c, hw, P, tickets, count, w, b, rm, rv, eps, mom, aff, nrm, nbt);                              \
+    }                                                                                                                                  \
+    extern "C" __global__ void chaffine##sfx##_##name(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c, int silu) {              \
+        chaffine_k<T, S, V>(x, p, y, nvec, hv, c, silu);                                                                               \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bnb_reduce##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,    \
+        double* part, u32 n, u32 c, u32 hw, u32 P, int silu, unsigned int* tickets, double count, const S* w, int training, S* gw,     \
+        S* gb, S* coef) {                                                                                                              \
+        bnb_reduce_k<T, S, V>(x, g, aff, nrm, part, n, c, hw, P, silu, tickets, count, w, training, gw, gb, coef);                    \
+    }                                                                                                                                  \
+    extern "C" __global__ void bnb_dx##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx,         \
+        u32 nvec, u32 hv, u32 c, int silu) {                                                                                           \
+        bnb_dx_k<T, S, V>(x, g, aff, nrm, coef, dx, nvec, hv, c, silu);                                                                \
+    }
+#define INST_BN(name, T, S)            \
+    INST_BN_V(name, T, S, 1, )         \
+    INST_BN_V(name, T, S, 16 / sizeof(T), _v)
 INST_BN(f32, float, float)
 INST_BN(f64, double, double)
 INST_BN(f16, __half, float)

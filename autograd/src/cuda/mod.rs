@@ -293,10 +293,11 @@ impl BackendStorage for CudaStorage {
         bias: &Self,
         running_mean: &mut Self,
         running_var: &mut Self,
+        batches: Option<&mut Self>,
         eps: f64,
         momentum: f64,
     ) -> Result<(Self, Self)> {
-        ops::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, eps, momentum)
+        ops::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum)
     }
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
         ops::channel_affine(self, shape, params, silu)

@@ -733,7 +733,34 @@ fn stats_arg(op: &'static str, s: &CudaStorage, want: DType, c: usize) -> Result
     Ok(())
 }
 
-/// Deterministic two-kernel batch statistics + parameter finish (see kernels.cu).
+/// Vector width of the batch-norm kernels (see kernels.cu): 16-byte loads when every run of HW
+/// elements is a whole number of vectors and the buffers are 16-byte aligned, else 1.
+fn bn_vector(dtype: DType, hw: usize, bufs: &[&CudaStorage]) -> (&'static str, usize) {
+    let v = 16 / dtype.size_in_bytes();
+    if hw % v == 0 && bufs.iter().all(|b| ptr(b) % 16 == 0) {
+        ("_v", v)
+    } else {
+        ("", 1)
+    }
+}
+
+/// Blocks per channel of the batch-norm reductions: ≤ 8192 elements each, and enough blocks in all
+/// (≥ 512, about four per SM) that small maps with few channels do not leave the GPU idle; ≥ 256
+/// elements each. The forward and backward use the same split.
+fn bn_parts(total: usize, c: usize) -> usize {
+    total.div_ceil(8192).max(512usize.div_ceil(c)).min(total.div_ceil(256)).clamp(1, 1024)
+}
+
+fn bn_channels(op: &'static str, c: usize) -> Result<u32> {
+    if c > super::device::BN_TICKETS {
+        return Err(Error::invalid(op, format!("{c} channels; the CUDA batch norm handles at most {}", super::device::BN_TICKETS)));
+    }
+    u32c(op, c)
+}
+
+/// Deterministic one-launch batch statistics: per-(channel, block) f64 partial sums, the last
+/// block of each channel finishing its parameters, running statistics and (optionally) the
+/// `num_batches_tracked` counter (see kernels.cu).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn batch_norm_train_stats(
     x: &CudaStorage,
@@ -742,6 +769,7 @@ pub(crate) fn batch_norm_train_stats(
     b: &CudaStorage,
     rm: &mut CudaStorage,
     rv: &mut CudaStorage,
+    batches: Option<&mut CudaStorage>,
     eps: f64,
     momentum: f64,
 ) -> Result<(CudaStorage, CudaStorage)> {
@@ -755,50 +783,46 @@ pub(crate) fn batch_norm_train_stats(
         stats_arg(OP, s, sd, c)?;
         x.same_device(OP, s)?;
     }
+    let nbt = match batches {
+        Some(s) => {
+            if s.dtype != DType::I64 || s.len != 1 {
+                return Err(Error::invalid(OP, format!("the batch counter must be one i64, got {} of {}", s.len, s.dtype)));
+            }
+            x.same_device(OP, s)?;
+            ptr(s)
+        }
+        None => 0u64,
+    };
     let dev = &x.buf.dev;
-    let aff = CudaStorage::alloc(dev, sd, 2 * c)?;
-    let nrm = CudaStorage::alloc(dev, sd, 2 * c)?;
     let total = n * hw;
     if c == 0 || total == 0 {
         return Err(Error::invalid(OP, format!("empty batch for shape {shape:?}")));
     }
-    // Partitions per channel: ≤ 8192 elements each, and enough blocks in all (≥ 512, about four per
-    // SM) that small maps with few channels do not leave the GPU idle; ≥ 256 elements each.
-    let parts = total.div_ceil(8192).max(512usize.div_ceil(c)).min(total.div_ceil(256)).clamp(1, 1024);
+    let aff = CudaStorage::alloc(dev, sd, 2 * c)?;
+    let nrm = CudaStorage::alloc(dev, sd, 2 * c)?;
+    let parts = bn_parts(total, c);
     let part = super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
+    let (vsfx, _) = bn_vector(x.dtype, hw, &[x]);
     let (px, pp) = (ptr(x), part.ptr);
-    let (nn, cc, hh, pn) = (u32c(OP, n)?, u32c(OP, c)?, u32c(OP, hw)?, parts as u32);
+    let (nn, cc, hh, pn) = (u32c(OP, n)?, bn_channels(OP, c)?, u32c(OP, hw)?, parts as u32);
     u32c(OP, x.len)?;
     let count = total as f64;
     let (pw, pb, prm, prv, pa, pq) = (ptr(w), ptr(b), ptr(rm), ptr(rv), ptr(&aff), ptr(&nrm));
-    if c <= super::device::BN_TICKETS {
-        // One launch: the last block of each channel combines its partials (see kernels.cu).
-        let f = dev.func("bn_stats", sfx(x.dtype))?;
-        let tickets = dev.bn_tickets;
-        dev.launch(
-            f,
-            (pn, cc, 1),
-            (256, 1, 1),
-            &mut args!(px, pp, nn, cc, hh, pn, tickets, count, pw, pb, prm, prv, eps, momentum, pa, pq),
-        )?;
-    } else {
-        let f = dev.func("bn_partial", sfx(x.dtype))?;
-        dev.launch(f, (pn, cc, 1), (256, 1, 1), &mut args!(px, pp, nn, cc, hh, pn))?;
-        let f = dev.func("bn_finish", sfx(x.dtype))?;
-        dev.launch(
-            f,
-            (c.div_ceil(128) as u32, 1, 1),
-            (128, 1, 1),
-            &mut args!(px, pp, pn, cc, hh, count, pw, pb, prm, prv, eps, momentum, pa, pq),
-        )?;
-    }
+    let f = dev.func(if vsfx.is_empty() { "bn_stats" } else { "bn_stats_v" }, sfx(x.dtype))?;
+    let tickets = dev.bn_tickets;
+    dev.launch(
+        f,
+        (pn, cc, 1),
+        (256, 1, 1),
+        &mut args!(px, pp, nn, cc, hh, pn, tickets, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt),
+    )?;
     drop(part);
     Ok((aff, nrm))
 }
 
-/// See `BackendStorage::batch_norm_act_backward`: three launches — per-(channel, partition) f64
-/// partial sums of `gz` and `gz·x̂`, a per-channel finish (fixed order: the weight and bias
-/// gradients and dx's coefficients), and one elementwise pass for dx.
+/// See `BackendStorage::batch_norm_act_backward`: two launches — per-(channel, block) f64 partial
+/// sums of `gz` and `gz·x̂` whose last block per channel writes the weight and bias gradients and
+/// dx's coefficients (fixed order), then one elementwise pass for dx.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn batch_norm_act_backward(
     x: &CudaStorage,
@@ -834,21 +858,24 @@ pub(crate) fn batch_norm_act_backward(
     let gw = CudaStorage::alloc(dev, sd, c)?;
     let gb = CudaStorage::alloc(dev, sd, c)?;
     let coef = CudaStorage::alloc(dev, sd, 3 * c)?;
-    // The forward's partitioning (see batch_norm_train_stats).
-    let parts = total.div_ceil(8192).max(512usize.div_ceil(c)).min(total.div_ceil(256)).clamp(1, 1024);
+    let parts = bn_parts(total, c);
     let part = super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
+    let (vsfx, v) = bn_vector(x.dtype, hw, &[x, g, &dx]);
     let (px, pg, pa, pn, pw, pp) = (ptr(x), ptr(g), ptr(aff), ptr(nrm), ptr(w), part.ptr);
-    let (nn, cc, hh, pnum) = (u32c(OP, n)?, u32c(OP, c)?, u32c(OP, hw)?, parts as u32);
-    let len = u32c(OP, x.len)?;
+    let (nn, cc, hh, pnum) = (u32c(OP, n)?, bn_channels(OP, c)?, u32c(OP, hw)?, parts as u32);
+    u32c(OP, x.len)?;
     let (act, train, count) = (silu as i32, training as i32, total as f64);
-    let f = dev.func("bnb_partial", sfx(x.dtype))?;
-    dev.launch(f, (pnum, cc, 1), (256, 1, 1), &mut args!(px, pg, pa, pn, pp, nn, cc, hh, pnum, act))?;
-    let f = dev.func("bnb_finish", sfx(x.dtype))?;
-    let (pgw, pgb, pc) = (ptr(&gw), ptr(&gb), ptr(&coef));
-    dev.launch(f, (c.div_ceil(128) as u32, 1, 1), (128, 1, 1), &mut args!(pp, pnum, cc, count, pw, pn, train, pgw, pgb, pc))?;
-    let f = dev.func("bnb_dx", sfx(x.dtype))?;
-    let pdx = ptr(&dx);
-    dev.launch1d(f, x.len, &mut args!(px, pg, pa, pn, pc, pdx, len, hh, cc, act))?;
+    let (pgw, pgb, pc, tickets) = (ptr(&gw), ptr(&gb), ptr(&coef), dev.bn_tickets);
+    let f = dev.func(if vsfx.is_empty() { "bnb_reduce" } else { "bnb_reduce_v" }, sfx(x.dtype))?;
+    dev.launch(
+        f,
+        (pnum, cc, 1),
+        (256, 1, 1),
+        &mut args!(px, pg, pa, pn, pp, nn, cc, hh, pnum, act, tickets, count, pw, train, pgw, pgb, pc),
+    )?;
+    let f = dev.func(if vsfx.is_empty() { "bnb_dx" } else { "bnb_dx_v" }, sfx(x.dtype))?;
+    let (pdx, nvec, hv) = (ptr(&dx), (x.len / v) as u32, (hw / v) as u32);
+    dev.launch1d(f, x.len / v, &mut args!(px, pg, pa, pn, pc, pdx, nvec, hv, cc, act))?;
     drop(part);
     Ok((dx, gw, gb))
 }
@@ -866,10 +893,12 @@ pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, 
     if x.len == 0 {
         return Ok(out);
     }
-    let f = dev.func("chaffine", sfx(x.dtype))?;
+    let (vsfx, v) = bn_vector(x.dtype, hw, &[x, &out]);
+    let f = dev.func(if vsfx.is_empty() { "chaffine" } else { "chaffine_v" }, sfx(x.dtype))?;
     let (px, pp, py) = (ptr(x), ptr(p), ptr(&out));
-    let (n, h, cc, act) = (u32c(OP, x.len)?, u32c(OP, hw)?, u32c(OP, c)?, silu as i32);
-    dev.launch1d(f, x.len, &mut args!(px, pp, py, n, h, cc, act))?;
+    u32c(OP, x.len)?;
+    let (nvec, hv, cc, act) = ((x.len / v) as u32, (hw / v) as u32, u32c(OP, c)?, silu as i32);
+    dev.launch1d(f, x.len / v, &mut args!(px, pp, py, nvec, hv, cc, act))?;
     Ok(out)
 }
 

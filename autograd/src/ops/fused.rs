@@ -32,6 +32,31 @@ impl Tensor {
         opts: BatchNormOptions,
         silu: bool,
     ) -> Result<Tensor> {
+        self.batch_norm2d_fused_tracked(weight, bias, running_mean, running_var, None, opts, silu)
+    }
+
+    /// [`Tensor::batch_norm2d_fused`] that also counts the batch in `num_batches_tracked` (a scalar
+    /// i64, incremented in training mode) inside the statistics kernel, instead of two more
+    /// launches per layer for `+= 1`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm2d_fused_tracked(
+        &self,
+        weight: &Tensor,
+        bias: &Tensor,
+        running_mean: &Tensor,
+        running_var: &Tensor,
+        num_batches_tracked: Option<&Tensor>,
+        opts: BatchNormOptions,
+        silu: bool,
+    ) -> Result<Tensor> {
+        if let Some(t) = num_batches_tracked {
+            if t.dtype() != crate::DType::I64 || t.numel() != 1 || t.read_storage().len() != 1 {
+                return Err(Error::invalid(
+                    "batch_norm2d_silu",
+                    format!("num_batches_tracked must be a one-element i64 tensor with its own storage, got {} of shape {:?}", t.dtype(), t.dims()),
+                ));
+            }
+        }
         let d = self.dims().to_vec();
         if d.len() != 4 {
             return Err(Error::invalid("batch_norm2d_silu", format!("expected NCHW input, got {d:?}")));
@@ -65,7 +90,8 @@ impl Tensor {
                     let (ws, bs) = (w.read_storage(), b.read_storage());
                     let mut rms = rm.write_storage();
                     let mut rvs = rv.write_storage();
-                    x.batch_norm_train_stats(&d, &ws, &bs, &mut rms, &mut rvs, opts.eps, opts.momentum)?
+                    let mut counter = num_batches_tracked.map(|t| t.write_storage());
+                    x.batch_norm_train_stats(&d, &ws, &bs, &mut rms, &mut rvs, counter.as_deref_mut(), opts.eps, opts.momentum)?
                 };
                 if rm.storage_ptr() != running_mean.storage_ptr() {
                     running_mean.copy_(&rm.to_dtype(running_mean.dtype())?)?;
