@@ -9,6 +9,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::storage::Storage;
 use crate::{Error, Result, Tensor};
 
 /// The backward half of an op (or of any custom multi-output node).
@@ -229,6 +230,7 @@ impl Tensor {
             return self.accumulate_grad(grad);
         };
         let order = topo_order(&root.node);
+        let mut leaf_grads: Vec<(Tensor, Tensor)> = Vec::new();
         // Gradient contributions per node output, with the id of the node that sent each: they
         // are summed in a canonical order (latest-created consumer first) when the node runs, so
         // a tensor read by several consumers gets the same bytes whatever the shape of the
@@ -267,10 +269,60 @@ impl Tensor {
                         let slot = pending.entry(gf.node.id).or_insert_with(|| vec![Vec::new(); gf.node.num_outputs]);
                         slot[gf.index].push((node.id, g));
                     }
-                    None => input.accumulate_grad(&g)?,
+                    None => leaf_grads.push((input.clone(), g)),
                 }
             }
         }
-        Ok(())
+        accumulate_leaf_grads(leaf_grads)
     }
+}
+
+/// Adds the gradients that reached leaves during one backward into their `.grad`, each leaf's
+/// contributions in arrival order (as if each were added when it arrived): round k holds every
+/// leaf's k-th contribution; a leaf without a gradient takes its first one as is, and the adds into
+/// existing gradients of a round run as one batch ([`Storage::add_assign_many`]: on CUDA a launch
+/// per 40 tensors instead of one per parameter). An add whose source shares storage with another
+/// operand of the batch runs on its own.
+fn accumulate_leaf_grads(items: Vec<(Tensor, Tensor)>) -> Result<()> {
+    let mut rounds: Vec<Vec<(Tensor, Tensor)>> = Vec::new();
+    let mut seen: HashMap<usize, usize> = HashMap::new();
+    for (leaf, g) in items {
+        let k = seen.entry(Arc::as_ptr(&leaf.0) as usize).or_insert(0);
+        if rounds.len() <= *k {
+            rounds.push(Vec::new());
+        }
+        rounds[*k].push((leaf, g));
+        *k += 1;
+    }
+    for round in rounds {
+        let mut adds: Vec<(Tensor, Tensor)> = Vec::new();
+        for (leaf, g) in round {
+            let existing = leaf.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            match existing {
+                Some(e) => adds.push((e, g)),
+                None => leaf.accumulate_grad(&g)?,
+            }
+        }
+        let mut batch: Vec<(Tensor, Tensor)> = Vec::with_capacity(adds.len());
+        let mut alone: Vec<(Tensor, Tensor)> = Vec::new();
+        let mut used: HashSet<usize> = HashSet::new();
+        for (e, g) in adds {
+            if used.insert(e.storage_ptr()) && used.insert(g.storage_ptr()) {
+                batch.push((e, g));
+            } else {
+                alone.push((e, g));
+            }
+        }
+        {
+            let mut dsts: Vec<_> = batch.iter().map(|(e, _)| e.write_storage()).collect();
+            let srcs: Vec<_> = batch.iter().map(|(_, g)| g.read_storage()).collect();
+            let mut pairs: Vec<(&mut Storage, &Storage)> = dsts.iter_mut().map(|d| &mut **d).zip(srcs.iter().map(|s| &**s)).collect();
+            Storage::add_assign_many(&mut pairs)?;
+        }
+        for (e, g) in alone {
+            let src = g.read_storage();
+            e.write_storage().add_assign(&src)?;
+        }
+    }
+    Ok(())
 }

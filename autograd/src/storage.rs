@@ -198,6 +198,26 @@ impl Storage {
             (d, s) => Err(Error::DeviceMismatch { op: "add_assign", lhs: d.device(), rhs: s.device() }),
         }
     }
+    /// `dst += src` for every pair (each as [`Storage::add_assign`] would); on CUDA one launch per
+    /// dtype and 40 tensors instead of one per pair.
+    pub fn add_assign_many(pairs: &mut [(&mut Storage, &Storage)]) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if pairs.iter().all(|(d, s)| matches!((&**d, s), (Storage::Cuda(_), Storage::Cuda(_)))) {
+            let mut cuda: Vec<(&mut crate::cuda::CudaStorage, &crate::cuda::CudaStorage)> = pairs
+                .iter_mut()
+                .filter_map(|(d, s)| match (&mut **d, &**s) {
+                    (Storage::Cuda(d), Storage::Cuda(s)) => Some((d, s)),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                })
+                .collect();
+            return crate::cuda::ops::add_assign_many(&mut cuda);
+        }
+        for (d, s) in pairs.iter_mut() {
+            d.add_assign(s)?;
+        }
+        Ok(())
+    }
     pub fn index_select(&self, shape: &[usize], dim: usize, idx: &Storage) -> Result<Storage> {
         pair!("index_select", self, idx, |s, i| s.index_select(shape, dim, i))
     }

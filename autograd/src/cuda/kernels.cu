@@ -825,6 +825,39 @@ INST_BN(f64, double, double)
 INST_BN(f16, __half, float)
 INST_BN(bf16, __nv_bfloat16, float)
 
+// ---- multi-tensor accumulate -----------------------------------------------------------------------
+// dst_k[i] += src_k[i] for up to MT_ADD same-dtype tensors in one launch — gradient accumulation
+// into many parameters without a launch each. The table travels in the kernel parameters (graph
+// capture keeps it); block b works on chunk b − first_block[k] of the tensor k whose block range
+// holds b. The sum is the one binary add computes (same bytes).
+#define MT_ADD 40
+#define MT_CHUNK 2048
+struct MtAddTable {
+    unsigned long long dst[MT_ADD];
+    unsigned long long src[MT_ADD];
+    u32 len[MT_ADD];
+    u32 first_block[MT_ADD + 1];
+    u32 count;
+};
+template <typename T>
+__device__ void mt_add_k(const MtAddTable& t) {
+    typedef typename Acc<T>::type A;
+    const u32 b = blockIdx.x;
+    u32 k = 0;
+    while (k + 1 < t.count && b >= t.first_block[k + 1]) ++k;
+    T* d = reinterpret_cast<T*>(t.dst[k]);
+    const T* s = reinterpret_cast<const T*>(t.src[k]);
+    const u32 base = (b - t.first_block[k]) * MT_CHUNK;
+    const u32 end = min(base + MT_CHUNK, t.len[k]);
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = store<T, A>(to_acc(d[i]) + to_acc(s[i]));
+}
+#define INST_MT(name, T) \
+    extern "C" __global__ void mt_add_##name(const MtAddTable t) { mt_add_k<T>(t); }
+INST_MT(f32, float)
+INST_MT(f64, double)
+INST_MT(f16, __half)
+INST_MT(bf16, __nv_bfloat16)
+
 // ---- instantiations ---------------------------------------------------------------------------------------
 #define FLOAT_TYPES(X) X(f32, float) X(f64, double) X(f16, __half) X(bf16, __nv_bfloat16)
 #define ALL_TYPES(X) FLOAT_TYPES(X) X(i64, i64) X(u8, u8)

@@ -199,6 +199,63 @@ pub(crate) fn add_assign(dst: &mut CudaStorage, src: &CudaStorage) -> Result<()>
     binary_into(dst, &l, src, &l, BinaryOp::Add, dst)
 }
 
+/// Tensors per multi-tensor launch and elements per block (`MT_ADD`, `MT_CHUNK` in kernels.cu).
+const MT_ADD: usize = 40;
+const MT_CHUNK: usize = 2048;
+
+/// The kernel-parameter table of `mt_add` (layout of `MtAddTable` in kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MtAddTable {
+    dst: [u64; MT_ADD],
+    src: [u64; MT_ADD],
+    len: [u32; MT_ADD],
+    first_block: [u32; MT_ADD + 1],
+    count: u32,
+}
+
+/// `dst[i] += src[i]` for every pair, the same bytes as [`add_assign`] on each, with one launch per
+/// dtype and 40 tensors. Every pair is checked before anything is launched.
+pub(crate) fn add_assign_many(pairs: &mut [(&mut CudaStorage, &CudaStorage)]) -> Result<()> {
+    for (d, s) in pairs.iter() {
+        if d.len != s.len {
+            return Err(Error::ShapeMismatch { op: "add_assign", lhs: vec![d.len], rhs: vec![s.len] });
+        }
+        if d.dtype != s.dtype || !d.dtype.is_float() {
+            return Err(Error::DTypeMismatch { op: "add_assign", lhs: d.dtype, rhs: s.dtype });
+        }
+        d.same_device("add_assign", s)?;
+        u32c("add_assign", d.len)?;
+    }
+    let Some((first, _)) = pairs.first() else { return Ok(()) };
+    let dev = &first.buf.dev;
+    for (d, _) in pairs.iter().skip(1) {
+        first.same_device("add_assign", d)?;
+    }
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let items: Vec<(u64, u64, usize)> =
+            pairs.iter().filter(|(d, _)| d.dtype == dtype && d.len > 0).map(|(d, s)| (ptr(d), ptr(s), d.len)).collect();
+        for chunk in items.chunks(MT_ADD) {
+            let mut t = MtAddTable {
+                dst: [0; MT_ADD],
+                src: [0; MT_ADD],
+                len: [0; MT_ADD],
+                first_block: [0; MT_ADD + 1],
+                count: chunk.len() as u32,
+            };
+            let mut blocks = 0usize;
+            for (k, &(d, s, n)) in chunk.iter().enumerate() {
+                (t.dst[k], t.src[k], t.len[k], t.first_block[k]) = (d, s, n as u32, blocks as u32);
+                blocks += n.div_ceil(MT_CHUNK);
+            }
+            t.first_block[chunk.len()] = u32c("add_assign", blocks)?;
+            let f = dev.func("mt_add", sfx(dtype))?;
+            dev.launch(f, (blocks as u32, 1, 1), (256, 1, 1), &mut args!(t))?;
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn cmp(a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout, op: CmpOp) -> Result<CudaStorage> {
     if a.dtype != b.dtype {
         return Err(Error::DTypeMismatch { op: "cmp", lhs: a.dtype, rhs: b.dtype });
