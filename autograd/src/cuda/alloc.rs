@@ -22,11 +22,25 @@ use cudarc::driver::{result as dr, sys};
 use super::device::{cu_err, Dev};
 use crate::{Device, Error, Result};
 
-/// Most bytes the block cache holds; blocks beyond it go back to the pool. Blocks parked here are
-/// tied to their size, so the pool may need up to this much more memory than the working set.
+/// Most bytes the block cache holds by default; blocks beyond it go back to the pool. Blocks parked
+/// here are tied to their size, so the pool may need up to this much more memory than the working
+/// set.
 pub const CACHE_LIMIT: u64 = 512 << 20;
-/// Larger blocks are not cached (rare, and they would fill the cache at once).
+/// Larger blocks are not cached by default (rare, and they would fill the cache at once).
 const CACHE_MAX_BLOCK: usize = 64 << 20;
+/// The environment variable that overrides both limits: `<limit MiB>,<largest cached block MiB>`
+/// (`0,0` turns the cache off), for a smaller card or a tighter memory budget.
+pub const CACHE_ENV: &str = "PTL_CUDA_BLOCK_CACHE";
+
+/// The block cache's limits from [`CACHE_ENV`] (defaults when unset).
+pub(crate) fn cache_limits_from_env() -> std::result::Result<(u64, usize), String> {
+    let Ok(v) = std::env::var(CACHE_ENV) else { return Ok((CACHE_LIMIT, CACHE_MAX_BLOCK)) };
+    let bad = || format!("{CACHE_ENV}={v:?}: expected `<limit MiB>,<largest cached block MiB>`, e.g. `256,16`");
+    let (a, b) = v.split_once(',').ok_or_else(bad)?;
+    let limit: u64 = a.trim().parse().map_err(|_| bad())?;
+    let block: usize = b.trim().parse().map_err(|_| bad())?;
+    Ok((limit << 20, block << 20))
+}
 
 /// Free lists of default-pool blocks by block size (see the module docs).
 ///
@@ -37,13 +51,24 @@ const CACHE_MAX_BLOCK: usize = 64 << 20;
 /// working set, was tried and dropped: misses on data-dependent sizes then evict blocks the step
 /// needs next, and it saved no memory in training runs (peak reserved bf16 2976–3104 MiB with it,
 /// 2784 MiB without; f32 3168 / 3776 MiB; step times within the machines' ±8 % spread).
-#[derive(Default)]
 pub(crate) struct BlockCache {
     free: std::collections::BTreeMap<usize, Vec<sys::CUdeviceptr>>,
     bytes: u64,
+    limit: u64,
+    max_block: usize,
+}
+
+impl Default for BlockCache {
+    fn default() -> Self {
+        BlockCache::with_limits(CACHE_LIMIT, CACHE_MAX_BLOCK)
+    }
 }
 
 impl BlockCache {
+    pub(crate) fn with_limits(limit: u64, max_block: usize) -> Self {
+        BlockCache { free: Default::default(), bytes: 0, limit, max_block }
+    }
+
     /// A cached block of at least `block` bytes (at most 1/8 more) and its size.
     fn take(&mut self, block: usize) -> Option<(sys::CUdeviceptr, usize)> {
         let (&size, list) = self.free.range_mut(block..=block + block / 8).find(|(_, l)| !l.is_empty())?;
@@ -57,7 +82,7 @@ impl BlockCache {
 
     /// Keeps `ptr` for reuse unless the cache is full; `false` means the caller frees it.
     fn put(&mut self, block: usize, ptr: sys::CUdeviceptr) -> bool {
-        if block > CACHE_MAX_BLOCK || self.bytes + block as u64 > CACHE_LIMIT {
+        if block > self.max_block || self.bytes + block as u64 > self.limit {
             return false;
         }
         self.free.entry(block).or_default().push(ptr);
@@ -460,5 +485,12 @@ mod tests {
         assert_eq!(n, CACHE_LIMIT / CACHE_MAX_BLOCK as u64);
         assert_eq!(c.drain().len() as u64, n);
         assert_eq!(c.bytes, 0);
+        // Configured limits (PTL_CUDA_BLOCK_CACHE): 1 MiB in all, blocks up to 512 KiB.
+        let mut c = BlockCache::with_limits(1 << 20, 512 << 10);
+        assert!(!c.put((512 << 10) + 512, 0x1000));
+        assert!(c.put(512 << 10, 0x2000) && c.put(512 << 10, 0x3000));
+        assert!(!c.put(512, 0x4000), "full");
+        let mut off = BlockCache::with_limits(0, 0);
+        assert!(!off.put(512, 0x1000), "0,0 turns the cache off");
     }
 }

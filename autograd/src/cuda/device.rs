@@ -181,6 +181,7 @@ impl Dev {
         let module = super::module_cache::load_module(&ctx, "ptl-kernels", KERNELS, major, minor).map_err(|e| CudaSetupError::Init {
             detail: format!("kernels (CUDA headers from {}/include; set CUDA_HOME): {e}", cuda_home()),
         })?;
+        let (cache_limit, cache_max_block) = super::alloc::cache_limits_from_env().map_err(|detail| CudaSetupError::Init { detail })?;
         let bn_tickets = unsafe {
             let p = dr::malloc_sync(BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
             dr::memset_d8_sync(p, 0, BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
@@ -202,7 +203,7 @@ impl Dev {
             private_pools: Mutex::new(Vec::new()),
             released_pool_peaks: AtomicU64::new(0),
             deferred_error: Mutex::new(None),
-            block_cache: Mutex::new(BlockCache::default()),
+            block_cache: Mutex::new(BlockCache::with_limits(cache_limit, cache_max_block)),
             capturing: AtomicBool::new(false),
             bn_tickets,
         })

@@ -53,7 +53,11 @@ impl Tensor {
             if t.dtype() != crate::DType::I64 || t.numel() != 1 || t.read_storage().len() != 1 {
                 return Err(Error::invalid(
                     "batch_norm2d_silu",
-                    format!("num_batches_tracked must be a one-element i64 tensor with its own storage, got {} of shape {:?}", t.dtype(), t.dims()),
+                    format!(
+                        "num_batches_tracked must be a one-element i64 tensor with its own storage, got {} of shape {:?}",
+                        t.dtype(),
+                        t.dims()
+                    ),
                 ));
             }
         }
