@@ -794,7 +794,7 @@ fn stats_arg(op: &'static str, s: &CudaStorage, want: DType, c: usize) -> Result
 /// elements is a whole number of vectors and the buffers are 16-byte aligned, else 1.
 fn bn_vector(dtype: DType, hw: usize, bufs: &[&CudaStorage]) -> (&'static str, usize) {
     let v = 16 / dtype.size_in_bytes();
-    if hw % v == 0 && bufs.iter().all(|b| ptr(b) % 16 == 0) {
+    if hw.is_multiple_of(v) && bufs.iter().all(|b| ptr(b).is_multiple_of(16)) {
         ("_v", v)
     } else {
         ("", 1)
