@@ -9,8 +9,9 @@
 //! to spare) takes it back without a driver call (an alloc + free pair costs ~0.6–1.1 µs of host time in the driver,
 //! a sizeable part of a ~4 µs eager op). Reuse is safe because every buffer is used on the one
 //! compute stream, so work queued with the new owner runs after the old owner's. The cache is
-//! bypassed while the stream is captured and for private pools, is bounded ([`CACHE_LIMIT`]), and
-//! is emptied into the pool when an allocation fails or on [`empty_cache`].
+//! bypassed while the stream is captured and for private pools, holds small blocks only and is
+//! bounded ([`CACHE_LIMIT`]; both limits can be set with [`CACHE_ENV`]), and is emptied into the
+//! pool when an allocation fails or on [`empty_cache`].
 
 use std::cell::RefCell;
 use std::ffi::c_void;
@@ -22,12 +23,14 @@ use cudarc::driver::{result as dr, sys};
 use super::device::{cu_err, Dev};
 use crate::{Device, Error, Result};
 
-/// Most bytes the block cache holds by default; blocks beyond it go back to the pool. Blocks parked
-/// here are tied to their size, so the pool may need up to this much more memory than the working
-/// set.
-pub const CACHE_LIMIT: u64 = 512 << 20;
-/// Larger blocks are not cached by default (rare, and they would fill the cache at once).
-const CACHE_MAX_BLOCK: usize = 64 << 20;
+/// Most bytes the block cache holds by default; blocks beyond it go back to the pool.
+pub const CACHE_LIMIT: u64 = 64 << 20;
+/// Larger blocks are not cached by default: they go back to the pool, which reuses freed memory
+/// for requests of any size. Parked blocks are tied to their size, so caching the large ones made
+/// reserved memory grow far beyond the working set (H200, native bf16 batch 4, 512 MiB / 64 MiB
+/// limits: 1,376 MiB reserved for 846 MiB allocated; 256 / 16: 1,216; cache off: 896, GPU time per
+/// step unchanged). Small blocks are most of the requests, and their host-side saving remains.
+const CACHE_MAX_BLOCK: usize = 1 << 20;
 /// The environment variable that overrides both limits: `<limit MiB>,<largest cached block MiB>`
 /// (`0,0` turns the cache off), for a smaller card or a tighter memory budget.
 pub const CACHE_ENV: &str = "PTL_CUDA_BLOCK_CACHE";
@@ -44,13 +47,12 @@ pub(crate) fn cache_limits_from_env() -> std::result::Result<(u64, usize), Strin
 
 /// Free lists of default-pool blocks by block size (see the module docs).
 ///
-/// A request takes the smallest cached block that fits with at most 1/8 to spare. Large outputs
-/// need the cache too: a stream-ordered pool allocation and free around a kernel cost GPU time as
-/// well (measured: a 5 MB softmax 6.6 → 7.5 µs, a 6.5 MB concat 4.1 → 5.4 µs when served by the
-/// pool). Handing parked blocks back to the pool on every miss, to keep reserved memory at the
-/// working set, was tried and dropped: misses on data-dependent sizes then evict blocks the step
-/// needs next, and it saved no memory in training runs (peak reserved bf16 2976–3104 MiB with it,
-/// 2784 MiB without; f32 3168 / 3776 MiB; step times within the machines' ±8 % spread).
+/// A request takes the smallest cached block that fits with at most 1/8 to spare. Only small
+/// blocks are cached by default (see [`CACHE_MAX_BLOCK`]): a pool allocation of a large output
+/// costs a little GPU time in isolation (a 5 MB softmax 6.6 → 7.5 µs, an earlier micro-benchmark),
+/// but in a training step the summed kernel time was the same with the cache off, and the pool's
+/// reuse across sizes saved 480 MiB of reserved memory. Handing parked blocks back to the pool on
+/// every miss was tried earlier and dropped (it evicted blocks the step needed next).
 pub(crate) struct BlockCache {
     free: std::collections::BTreeMap<usize, Vec<sys::CUdeviceptr>>,
     bytes: u64,
@@ -150,6 +152,16 @@ pub fn set_poison_allocations(on: bool) {
 thread_local! {
     /// Private pools entered on this thread (innermost last).
     static POOL_STACK: RefCell<Vec<Arc<PoolInner>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether an allocation on `dev` from this thread now would come from the default pool in plain
+/// eager execution: no stream capture, no private pool entered, no recorder measuring or carving
+/// an arena. Scratch memory that lives for one library call may then be allocated per call.
+pub(crate) fn eager_scratch_ok(dev: &Dev) -> bool {
+    !dev.capturing.load(Ordering::Relaxed)
+        && !super::capture_support::is_capturing()
+        && !super::capture_support::is_measuring()
+        && POOL_STACK.with(|s| s.borrow().is_empty())
 }
 
 impl DevBuf {

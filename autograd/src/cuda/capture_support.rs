@@ -153,6 +153,11 @@ pub fn begin_alloc_measure() {
     MEASURE.with(|m| m.set(Some(0)));
 }
 
+/// Whether this thread is counting its allocations ([`begin_alloc_measure`]).
+pub(crate) fn is_measuring() -> bool {
+    MEASURE.with(|m| m.get().is_some())
+}
+
 /// Stops counting; returns the bytes (each request rounded up to [`ARENA_ALIGN`]).
 pub fn end_alloc_measure() -> usize {
     MEASURE.with(|m| m.take()).unwrap_or(0)

@@ -42,29 +42,41 @@ struct Plan {
     ws_bytes: usize,
 }
 
-/// The one workspace every cuDNN plan of a device uses (calls run one after another on the compute
-/// stream), sized to the largest need so far. When a plan needs more, the old buffer is freed
-/// (stream-ordered, after the work already queued on it) — unless a CUDA graph was captured with
-/// its address, then it stays for the graph's sake and the new one is at least twice as large, so
-/// kept buffers sum to less than twice the largest need. (One workspace per plan summed to 0.9 GiB
-/// in bf16 and 2.0 GiB in f32 in a training run; keeping every outgrown buffer cost ~100 MiB.)
+/// cuDNN scratch memory. In plain eager execution each call gets its own, freed (stream-ordered)
+/// right after the call: the memory counts only while the convolution runs, like PyTorch's (a
+/// persistent workspace sized for the largest plan held ~85 MiB through the whole step). While a
+/// stream is captured, a recorder measures or a private pool is entered, the call uses the one
+/// persistent workspace of the device instead — a captured graph keeps the address it saw — sized
+/// to the largest need so far. When such a call needs more, the old buffer is freed unless a
+/// capture has seen its address; then it stays for the graph's sake and the new one is at least
+/// twice as large, so kept buffers sum to less than twice the largest need.
 #[derive(Default)]
 pub(crate) struct Workspace {
-    /// Buffers, the current one last, each with whether a capture has seen its address.
+    /// Persistent buffers, the current one last, each with whether a capture has seen its address.
     bufs: Vec<(DevBuf, bool)>,
 }
 
+/// A workspace for one call: its address, and the buffer when it is the call's own.
+pub(crate) struct WsLease {
+    pub ptr: u64,
+    _own: Option<DevBuf>,
+}
+
 impl Workspace {
-    /// Address of a workspace of at least `bytes` bytes (0 when none is needed).
-    fn get(&mut self, dev: &Arc<Dev>, bytes: usize) -> Result<u64> {
+    /// A workspace of at least `bytes` bytes for one call (address 0 when none is needed).
+    fn get(&mut self, dev: &Arc<Dev>, bytes: usize) -> Result<WsLease> {
         if bytes == 0 {
-            return Ok(0);
+            return Ok(WsLease { ptr: 0, _own: None });
+        }
+        if super::alloc::eager_scratch_ok(dev) {
+            let b = DevBuf::alloc(dev, bytes)?;
+            return Ok(WsLease { ptr: b.ptr, _own: Some(b) });
         }
         let capturing = dev.capturing.load(std::sync::atomic::Ordering::Relaxed);
         if let Some((b, pinned)) = self.bufs.last_mut() {
             if b.bytes >= bytes {
                 *pinned |= capturing;
-                return Ok(b.ptr);
+                return Ok(WsLease { ptr: b.ptr, _own: None });
             }
         }
         let size = match self.bufs.last() {
@@ -79,7 +91,7 @@ impl Workspace {
         let b = DevBuf::alloc(dev, size)?;
         let ptr = b.ptr;
         self.bufs.push((b, capturing));
-        Ok(ptr)
+        Ok(WsLease { ptr, _own: None })
     }
 
     fn bytes(&self) -> u64 {
@@ -315,7 +327,7 @@ pub(crate) fn run_into(
                 Dir::BwdFilter => (b, o, a),
             };
             let ws = dnn.workspace.get(dev, gp.workspace_bytes())?;
-            gp.execute(h, x, w, y, ws)?;
+            gp.execute(h, x, w, y, ws.ptr)?;
             count_path(LibPath::ConvGraph);
             return Ok(out);
         }
@@ -323,7 +335,8 @@ pub(crate) fn run_into(
     count_path(LibPath::ConvLegacy);
     let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
     let plan = dnn.plan(p, dt, dir)?;
-    let ws = dnn.workspace.get(dev, plan.ws_bytes)? as *mut c_void;
+    let lease = dnn.workspace.get(dev, plan.ws_bytes)?;
+    let ws = lease.ptr as *mut c_void;
     let (af, bf) = (1f32, 0f32);
     let (ad, bd) = (1f64, 0f64);
     let (alpha, beta) = if dt == DType::F64 {
