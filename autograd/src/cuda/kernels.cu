@@ -648,13 +648,15 @@ __device__ __forceinline__ void bn_block_sum2(double& a, double& b) {
     }
     __syncthreads();  // sa/sb may be reused by the next call
 }
-// Writes block p's partial pair and takes a ticket; true in every thread of the channel's last
-// block to finish, which then holds the channel's totals (combined in order p = 0, 1, …, P−1 per
-// thread stride, then the fixed tree) in thread 0 and resets the ticket for the next launch.
-// Which block is last does not change the result.
+// The channel's totals in thread 0 of one block, or false in every thread of the other blocks.
+// P = 1: the block's own sums. Else each block writes its partial pair and takes a ticket; the
+// last block to finish (which one does not change the result) sums the P partials in a fixed
+// order in its first warp (lane-strided, then the fixed shuffle tree) and resets the ticket for
+// the next launch.
 __device__ __forceinline__ bool bn_last_block_totals(double& a, double& b, double* part, u32 ch, u32 p, u32 P, unsigned int* tickets) {
     __shared__ bool last;
     bn_block_sum2(a, b);
+    if (P == 1) return true;
     if (threadIdx.x == 0) {
         part[((size_t)ch * P + p) * 2] = a;
         part[((size_t)ch * P + p) * 2 + 1] = b;
@@ -662,15 +664,19 @@ __device__ __forceinline__ bool bn_last_block_totals(double& a, double& b, doubl
         last = atomicAdd(&tickets[ch], 1u) == P - 1;
     }
     __syncthreads();
-    if (!last) return false;
+    if (!last || threadIdx.x >= 32) return false;
     __threadfence();
     a = 0.0;
     b = 0.0;
-    for (u32 k = threadIdx.x; k < P; k += 256) {  // L1-bypassing: written by other blocks
+    for (u32 k = threadIdx.x; k < P; k += 32) {  // L1-bypassing: written by other blocks
         a += __ldcg(&part[((size_t)ch * P + k) * 2]);
         b += __ldcg(&part[((size_t)ch * P + k) * 2 + 1]);
     }
-    bn_block_sum2(a, b);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_down_sync(0xffffffffu, a, o);
+        b += __shfl_down_sync(0xffffffffu, b, o);
+    }
     if (threadIdx.x == 0) tickets[ch] = 0u;
     return true;
 }
@@ -825,14 +831,14 @@ INST_BN(f64, double, double)
 INST_BN(f16, __half, float)
 INST_BN(bf16, __nv_bfloat16, float)
 
-// ---- multi-tensor accumulate -----------------------------------------------------------------------
+// ---- multi-tensor accumulate and cast ----------------------------------------------------------------
 // dst_k[i] += src_k[i] for up to MT_ADD same-dtype tensors in one launch — gradient accumulation
 // into many parameters without a launch each. The table travels in the kernel parameters (graph
 // capture keeps it); block b works on chunk b − first_block[k] of the tensor k whose block range
 // holds b. The sum is the one binary add computes (same bytes).
 #define MT_ADD 40
 #define MT_CHUNK 2048
-struct MtAddTable {
+struct MtTable {
     unsigned long long dst[MT_ADD];
     unsigned long long src[MT_ADD];
     u32 len[MT_ADD];
@@ -840,7 +846,7 @@ struct MtAddTable {
     u32 count;
 };
 template <typename T>
-__device__ void mt_add_k(const MtAddTable& t) {
+__device__ void mt_add_k(const MtTable& t) {
     typedef typename Acc<T>::type A;
     const u32 b = blockIdx.x;
     u32 k = 0;
@@ -852,11 +858,31 @@ __device__ void mt_add_k(const MtAddTable& t) {
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = store<T, A>(to_acc(d[i]) + to_acc(s[i]));
 }
 #define INST_MT(name, T) \
-    extern "C" __global__ void mt_add_##name(const MtAddTable t) { mt_add_k<T>(t); }
+    extern "C" __global__ void mt_add_##name(const MtTable t) { mt_add_k<T>(t); }
 INST_MT(f32, float)
 INST_MT(f64, double)
 INST_MT(f16, __half)
 INST_MT(bf16, __nv_bfloat16)
+// dst_k = cast(src_k) for up to MT_ADD tensors, rounding exactly as the one-tensor casts do (f32 to
+// a half type directly, the other way exactly): autocast's weight copies of a step in one launch.
+template <typename S, typename D> __device__ __forceinline__ D mt_conv(S x) { return from_d<D>(to_d(x)); }
+template <> __device__ __forceinline__ __nv_bfloat16 mt_conv<float, __nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half mt_conv<float, __half>(float x) { return __float2half_rn(x); }
+template <typename S, typename D>
+__device__ void mt_cast_k(const MtTable& t) {
+    const u32 b = blockIdx.x;
+    u32 k = 0;
+    while (k + 1 < t.count && b >= t.first_block[k + 1]) ++k;
+    D* d = reinterpret_cast<D*>(t.dst[k]);
+    const S* s = reinterpret_cast<const S*>(t.src[k]);
+    const u32 base = (b - t.first_block[k]) * MT_CHUNK;
+    const u32 end = min(base + MT_CHUNK, t.len[k]);
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = mt_conv<S, D>(s[i]);
+}
+extern "C" __global__ void mt_cast_f32_bf16(const MtTable t) { mt_cast_k<float, __nv_bfloat16>(t); }
+extern "C" __global__ void mt_cast_f32_f16(const MtTable t) { mt_cast_k<float, __half>(t); }
+extern "C" __global__ void mt_cast_bf16_f32(const MtTable t) { mt_cast_k<__nv_bfloat16, float>(t); }
+extern "C" __global__ void mt_cast_f16_f32(const MtTable t) { mt_cast_k<__half, float>(t); }
 
 // ---- instantiations ---------------------------------------------------------------------------------------
 #define FLOAT_TYPES(X) X(f32, float) X(f64, double) X(f16, __half) X(bf16, __nv_bfloat16)

@@ -203,10 +203,10 @@ pub(crate) fn add_assign(dst: &mut CudaStorage, src: &CudaStorage) -> Result<()>
 const MT_ADD: usize = 40;
 const MT_CHUNK: usize = 2048;
 
-/// The kernel-parameter table of `mt_add` (layout of `MtAddTable` in kernels.cu).
+/// The kernel-parameter table of `mt_add` / `mt_cast` (layout of `MtTable` in kernels.cu).
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct MtAddTable {
+struct MtTable {
     dst: [u64; MT_ADD],
     src: [u64; MT_ADD],
     len: [u32; MT_ADD],
@@ -235,25 +235,48 @@ pub(crate) fn add_assign_many(pairs: &mut [(&mut CudaStorage, &CudaStorage)]) ->
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         let items: Vec<(u64, u64, usize)> =
             pairs.iter().filter(|(d, _)| d.dtype == dtype && d.len > 0).map(|(d, s)| (ptr(d), ptr(s), d.len)).collect();
-        for chunk in items.chunks(MT_ADD) {
-            let mut t = MtAddTable {
-                dst: [0; MT_ADD],
-                src: [0; MT_ADD],
-                len: [0; MT_ADD],
-                first_block: [0; MT_ADD + 1],
-                count: chunk.len() as u32,
-            };
-            let mut blocks = 0usize;
-            for (k, &(d, s, n)) in chunk.iter().enumerate() {
-                (t.dst[k], t.src[k], t.len[k], t.first_block[k]) = (d, s, n as u32, blocks as u32);
-                blocks += n.div_ceil(MT_CHUNK);
-            }
-            t.first_block[chunk.len()] = u32c("add_assign", blocks)?;
-            let f = dev.func("mt_add", sfx(dtype))?;
+        let f = dev.func("mt_add", sfx(dtype))?;
+        launch_multi_tensor(dev, f, &items)?;
+    }
+    Ok(())
+}
+
+/// Launches a multi-tensor kernel over `(dst, src, len)` items, 40 tensors per launch.
+fn launch_multi_tensor(dev: &super::device::Dev, f: cudarc::driver::sys::CUfunction, items: &[(u64, u64, usize)]) -> Result<()> {
+    for chunk in items.chunks(MT_ADD) {
+        let mut t =
+            MtTable { dst: [0; MT_ADD], src: [0; MT_ADD], len: [0; MT_ADD], first_block: [0; MT_ADD + 1], count: chunk.len() as u32 };
+        let mut blocks = 0usize;
+        for (k, &(d, s, n)) in chunk.iter().enumerate() {
+            (t.dst[k], t.src[k], t.len[k], t.first_block[k]) = (d, s, u32c("multi-tensor", n)?, u32c("multi-tensor", blocks)?);
+            blocks += n.div_ceil(MT_CHUNK);
+        }
+        t.first_block[chunk.len()] = u32c("multi-tensor", blocks)?;
+        if blocks > 0 {
             dev.launch(f, (blocks as u32, 1, 1), (256, 1, 1), &mut args!(t))?;
         }
     }
     Ok(())
+}
+
+/// Casts every storage to `dt`, the same bytes as [`to_dtype`] on each; f32 ↔ bf16/f16 run as one
+/// launch per 40 tensors (autocast's weight copies and their gradients), other pairs one by one.
+pub(crate) fn to_dtype_many(xs: &[&CudaStorage], dt: DType) -> Result<Vec<CudaStorage>> {
+    let Some(first) = xs.first() else { return Ok(Vec::new()) };
+    let name = match (first.dtype, dt) {
+        (DType::F32, DType::BF16) => Some("mt_cast_f32_bf16"),
+        (DType::F32, DType::F16) => Some("mt_cast_f32_f16"),
+        (DType::BF16, DType::F32) => Some("mt_cast_bf16_f32"),
+        (DType::F16, DType::F32) => Some("mt_cast_f16_f32"),
+        _ => None,
+    };
+    let uniform = xs.iter().all(|x| x.dtype == first.dtype && x.same_device("to_dtype", first).is_ok());
+    let (Some(name), true) = (name, uniform) else { return xs.iter().map(|x| to_dtype(x, dt)).collect() };
+    let dev = &first.buf.dev;
+    let outs = xs.iter().map(|x| CudaStorage::alloc(dev, dt, x.len)).collect::<Result<Vec<_>>>()?;
+    let items: Vec<(u64, u64, usize)> = outs.iter().zip(xs).filter(|(_, x)| x.len > 0).map(|(o, x)| (ptr(o), ptr(x), x.len)).collect();
+    launch_multi_tensor(dev, dev.func(name, "")?, &items)?;
+    Ok(outs)
 }
 
 pub(crate) fn cmp(a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout, op: CmpOp) -> Result<CudaStorage> {
@@ -801,11 +824,12 @@ fn bn_vector(dtype: DType, hw: usize, bufs: &[&CudaStorage]) -> (&'static str, u
     }
 }
 
-/// Blocks per channel of the batch-norm reductions: ≤ 8192 elements each, and enough blocks in all
-/// (≥ 512, about four per SM) that small maps with few channels do not leave the GPU idle; ≥ 256
-/// elements each. The forward and backward use the same split.
+/// Blocks per channel of the batch-norm reductions: ≤ 8192 elements each and about two blocks per
+/// SM in all (264), but one block for a channel of ≤ 4096 elements, which then needs no second
+/// phase (the combine of partials is a serial tail of a few µs per launch, measured as most of a
+/// small layer's time). The forward and backward use the same split.
 fn bn_parts(total: usize, c: usize) -> usize {
-    total.div_ceil(8192).max(512usize.div_ceil(c)).min(total.div_ceil(256)).clamp(1, 1024)
+    total.div_ceil(8192).max(264usize.div_ceil(c)).min(total.div_ceil(4096)).clamp(1, 1024)
 }
 
 fn bn_channels(op: &'static str, c: usize) -> Result<u32> {
