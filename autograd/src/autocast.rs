@@ -3,12 +3,17 @@
 //! cast is differentiable, so gradients reach the f32 master weights in f32); element-wise ops
 //! promote mixed float operands to the wider type, so normalisation and losses run in f32.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::{DType, Result, Tensor};
 
 thread_local! {
     static AUTOCAST: Cell<Option<DType>> = const { Cell::new(None) };
+    /// Weight copies made up front by [`autocast_with_weights`]: dtype, and the copy of each f32
+    /// tensor by handle identity.
+    static WEIGHT_COPIES: RefCell<Option<(DType, HashMap<usize, Tensor>)>> = const { RefCell::new(None) };
 }
 
 /// The active autocast dtype on this thread, if any.
@@ -37,10 +42,51 @@ impl Drop for AutocastGuard {
     }
 }
 
+/// [`autocast`] with the f32 tensors of `weights` cast to `dtype` once, before `f`, in one batched
+/// cast ([`Tensor::to_dtype_many`]: one launch per 40 tensors and one autograd node, whose backward
+/// casts their gradients back in one go too); inside `f` the autocast ops take these copies
+/// instead of casting the weight at their first use. The same bytes as [`autocast`] — a copy is the
+/// cast the op would make. Later uses of a weight, and tensors not listed, are still cast at use. While a CUDA stream is
+/// captured or a recorder measures a region, the copies are not handed out (a recorded region
+/// must make its own casts, inside the graph).
+pub fn autocast_with_weights<R>(dtype: Option<DType>, weights: &[Tensor], f: impl FnOnce() -> R) -> Result<R> {
+    let Some(dt) = dtype.filter(|d| *d != DType::F32) else { return Ok(autocast(dtype, f)) };
+    let f32s: Vec<Tensor> = weights.iter().filter(|w| w.dtype() == DType::F32).cloned().collect();
+    let copies = Tensor::to_dtype_many(&f32s, dt)?;
+    let map: HashMap<usize, Tensor> = f32s.iter().zip(copies).map(|(w, c)| (Arc::as_ptr(&w.0) as usize, c)).collect();
+    let previous = WEIGHT_COPIES.with(|w| w.replace(Some((dt, map))));
+    struct Restore(Option<(DType, HashMap<usize, Tensor>)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            WEIGHT_COPIES.with(|w| *w.borrow_mut() = self.0.take());
+        }
+    }
+    let _restore = Restore(previous);
+    Ok(autocast(Some(dt), f))
+}
+
+/// The up-front copy of `t` in `dt`, if [`autocast_with_weights`] made one and it may be used now.
+fn weight_copy(t: &Tensor, dt: DType) -> Option<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::capture_support::is_capturing() || crate::cuda::capture_support::is_measuring() {
+        return None;
+    }
+    // Taken on first use: a second use casts again, so that each use's gradient is cast back to
+    // f32 on its own and summed there, as with a cast per use (summing them in the half type
+    // first would round).
+    WEIGHT_COPIES.with(|w| match &mut *w.borrow_mut() {
+        Some((d, map)) if *d == dt => map.remove(&(Arc::as_ptr(&t.0) as usize)),
+        _ => None,
+    })
+}
+
 /// Casts an f32 operand to the autocast dtype when autocast is active.
 pub(crate) fn cast_for_compute(t: &Tensor) -> Result<Tensor> {
     match autocast_dtype() {
-        Some(dt) if t.dtype() == DType::F32 && dt != DType::F32 => t.to_dtype(dt),
+        Some(dt) if t.dtype() == DType::F32 && dt != DType::F32 => match weight_copy(t, dt) {
+            Some(c) => Ok(c),
+            None => t.to_dtype(dt),
+        },
         _ => Ok(t.clone()),
     }
 }

@@ -159,6 +159,23 @@ impl Storage {
     pub fn to_dtype(&self, dtype: DType) -> Result<Storage> {
         unary_dispatch!(self, |s| s.to_dtype(dtype))
     }
+    /// Every storage cast to `dtype` (each as [`Storage::to_dtype`]); on CUDA the f32 ↔ half casts
+    /// of many tensors run as one launch per 40.
+    pub fn to_dtype_many(xs: &[&Storage], dtype: DType) -> Result<Vec<Storage>> {
+        #[cfg(feature = "cuda")]
+        if !xs.is_empty() && xs.iter().all(|s| matches!(s, Storage::Cuda(_))) {
+            let cuda: Vec<&crate::cuda::CudaStorage> = xs
+                .iter()
+                .filter_map(|s| match s {
+                    Storage::Cuda(c) => Some(c),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                })
+                .collect();
+            return Ok(crate::cuda::ops::to_dtype_many(&cuda, dtype)?.into_iter().map(Storage::Cuda).collect());
+        }
+        xs.iter().map(|s| s.to_dtype(dtype)).collect()
+    }
     pub fn copy_strided(&self, sl: &Layout, dst: &mut Storage, dl: &Layout) -> Result<()> {
         match (self, dst) {
             (Storage::Cpu(s), Storage::Cpu(d)) => s.copy_strided(sl, d, dl),

@@ -722,3 +722,40 @@ fn batched_gradient_accumulation_matches_one_add_each() {
         }
     }
 }
+
+/// `autocast_with_weights` (the weight copies of a forward made once, in one batched cast and one
+/// autograd node) gives the bytes of plain `autocast` — output and every gradient, bf16 and f16,
+/// with a weight used twice and one not listed — on the CPU and on CUDA.
+#[test]
+fn batched_weight_casts_match_autocast() {
+    let devices: Vec<Device> = std::iter::once(Device::Cpu).chain(gpu()).collect();
+    for dev in devices {
+        for dt in [DType::BF16, DType::F16] {
+            let mut rng = Rng::new(33);
+            let x = Tensor::rand(vec![2, 4, 9, 9], -1.0, 1.0, DType::F32, dev, &mut rng).unwrap();
+            let w1 = Tensor::rand(vec![8, 4, 3, 3], -0.5, 0.5, DType::F32, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+            let w2 = Tensor::rand(vec![8, 8, 1, 1], -0.5, 0.5, DType::F32, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+            let b2 = Tensor::rand(vec![8], -0.5, 0.5, DType::F32, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+            let run = |batched: bool| -> Vec<Vec<u8>> {
+                for t in [&w1, &w2, &b2] {
+                    t.zero_grad();
+                }
+                let f = || -> Tensor {
+                    let h = x.conv2d(&w1, None, (1, 1), (1, 1), 1).unwrap();
+                    let h = h.conv2d(&w2, Some(&b2), (1, 1), (0, 0), 1).unwrap();
+                    h.conv2d(&w2, None, (1, 1), (0, 0), 1).unwrap()
+                };
+                let y = if batched {
+                    ptl_autograd::autocast_with_weights(Some(dt), &[w1.clone(), w2.clone()], f).unwrap()
+                } else {
+                    ptl_autograd::autocast(Some(dt), f)
+                };
+                y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+                let mut v = vec![y.to_bytes().unwrap()];
+                v.extend([&w1, &w2, &b2].iter().map(|t| t.grad().expect("gradient").to_bytes().unwrap()));
+                v
+            };
+            assert_eq!(run(true), run(false), "{dev} {dt}: batched weight casts changed a result");
+        }
+    }
+}

@@ -182,7 +182,7 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
     graph.finalize("operation graph")?;
     let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
     heur.set_desc(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &graph)?;
-    heur.set(A::CUDNN_ATTR_ENGINEHEUR_MODE, T::CUDNN_TYPE_HEUR_MODE, &[ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_INSTANT])?;
+    heur.set(A::CUDNN_ATTR_ENGINEHEUR_MODE, T::CUDNN_TYPE_HEUR_MODE, &[heuristic_mode()])?;
     heur.finalize("engine heuristics")?;
     let results = (A::CUDNN_ATTR_ENGINEHEUR_RESULTS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR);
     let count = heur.get::<ns::cudnnBackendDescriptor_t>(results.0, results.1, &mut [])?;
@@ -210,6 +210,22 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
     let mut keep = vec![x, w, y, conv, op, graph, heur, engine];
     keep.extend(cfgs);
     Ok(GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: keep })
+}
+
+/// cuDNN's engine ranking: INSTANT, or `PTL_CUDNN_HEUR=a` / `b` for heuristics modes A and B. All
+/// three rank without timing anything, so the pick is the same in every process (a fixed seed still
+/// gives the same bytes); they may pick different engines (for comparing them on the bench).
+fn heuristic_mode() -> ns::cudnnBackendHeurMode_t {
+    static MODE: std::sync::OnceLock<ns::cudnnBackendHeurMode_t> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("PTL_CUDNN_HEUR").as_deref() {
+        Ok("a") => ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+        Ok("b") => ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_B,
+        Ok("instant") | Err(_) => ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_INSTANT,
+        Ok(other) => {
+            eprintln!("ptl: PTL_CUDNN_HEUR={other:?} is not `instant`, `a` or `b`; using `instant`");
+            ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_INSTANT
+        }
+    })
 }
 
 /// The convolution operation node of direction `dir` (α = 1, β = 0).

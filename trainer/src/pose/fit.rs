@@ -69,6 +69,9 @@ struct Run {
     optimizer_name: String,
     /// Named parameters, walked once: parameters keep their storage for the whole run.
     params: Vec<(String, Tensor)>,
+    /// The parameters autocast ops read (every one of rank ≥ 2: convolution and linear weights;
+    /// BatchNorm parameters and biases are rank 1), cast once per forward under mixed precision.
+    compute_weights: Vec<Tensor>,
     /// Anchor grid of the last input size (training batches share one size).
     anchors: Option<((usize, usize), Anchors)>,
 }
@@ -172,8 +175,13 @@ impl Run {
         {
             let model = &self.model;
             let runner = self.plugins.runner(model);
+            // Natively, autocast's weight copies are made once up front in one batched cast; a
+            // replay plugin's regions cast inside their graphs instead (see compute_weights).
+            let weights: &[Tensor] = if self.plugins.is_empty() { &self.compute_weights } else { &[] };
             self.plugins.run(info(Stage::Forward), &mut || {
-                out = Some(in_stage(stages::FORWARD, || ptl_autograd::autocast(autocast, || model.forward_with(&x, &runner)))?);
+                out = Some(in_stage(stages::FORWARD, || {
+                    ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(&x, &runner))?
+                })?);
                 Ok(())
             })?;
         }
@@ -595,9 +603,11 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
             "warmup_bias_lr": resolved.warmup_bias_lr, "weight_decay": resolved.weight_decay,
         }),
         params: Vec::new(),
+        compute_weights: Vec::new(),
         anchors: None,
     };
     run.params = model_params(&run.model);
+    run.compute_weights = run.params.iter().filter(|(_, t)| t.rank() >= 2).map(|(_, t)| t.clone()).collect();
     startup.model_build_s = t.elapsed().as_secs_f64();
     let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
     let result = fit_loop(&mut run, &train_args);
