@@ -80,6 +80,17 @@ fn weight_copy(t: &Tensor, dt: DType) -> Option<Tensor> {
     })
 }
 
+/// `t.to_dtype(dtype)`, taking the up-front copy of [`autocast_with_weights`] when there is one —
+/// for modules that cast a parameter to their input's dtype themselves.
+pub fn cast_weight(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    if t.dtype() == DType::F32 {
+        if let Some(c) = weight_copy(t, dtype) {
+            return Ok(c);
+        }
+    }
+    t.to_dtype(dtype)
+}
+
 /// Casts an f32 operand to the autocast dtype when autocast is active.
 pub(crate) fn cast_for_compute(t: &Tensor) -> Result<Tensor> {
     match autocast_dtype() {

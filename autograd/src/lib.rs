@@ -40,7 +40,7 @@ pub mod stage;
 pub mod storage;
 pub mod tensor;
 
-pub use autocast::{autocast, autocast_dtype, autocast_with_weights, AutocastGuard};
+pub use autocast::{autocast, autocast_dtype, autocast_with_weights, cast_weight, AutocastGuard};
 pub use autograd::{attach_custom_node, is_grad_enabled, no_grad, BackwardOp, GradModeGuard};
 pub use cpu::CpuStorage;
 pub use device::Device;

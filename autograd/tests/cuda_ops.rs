@@ -759,3 +759,24 @@ fn batched_weight_casts_match_autocast() {
         }
     }
 }
+
+/// Inside `autocast_with_weights` a listed weight's first cast is the up-front copy (made by the
+/// batched node), a second cast of it is a fresh one, and an unlisted tensor is cast at use.
+#[test]
+fn weight_copies_are_handed_out_once() {
+    let mut rng = Rng::new(3);
+    let w = Tensor::rand(vec![4, 3], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap().requires_grad_(true).unwrap();
+    let other = Tensor::rand(vec![3], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap().requires_grad_(true).unwrap();
+    let names = ptl_autograd::autocast_with_weights(Some(DType::BF16), std::slice::from_ref(&w), || {
+        [
+            ptl_autograd::cast_weight(&w, DType::BF16),
+            ptl_autograd::cast_weight(&w, DType::BF16),
+            ptl_autograd::cast_weight(&other, DType::BF16),
+        ]
+        .map(|t| t.unwrap().grad_fn_name())
+    })
+    .unwrap();
+    assert_eq!(names, [Some("to_dtype_many".to_string()), Some("to_dtype".to_string()), Some("to_dtype".to_string())]);
+    // Outside the scope nothing is cached.
+    assert_eq!(ptl_autograd::cast_weight(&w, DType::BF16).unwrap().grad_fn_name().as_deref(), Some("to_dtype"));
+}

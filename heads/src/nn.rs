@@ -48,7 +48,8 @@ pub(crate) fn cast_like(p: &Tensor, x: &Tensor) -> Result<Tensor> {
     if p.dtype() == x.dtype() {
         Ok(p.clone())
     } else {
-        Ok(p.to_dtype(x.dtype())?)
+        // Under `autocast_with_weights` the copy made up front for the whole forward.
+        Ok(ptl_autograd::cast_weight(p, x.dtype())?)
     }
 }
 

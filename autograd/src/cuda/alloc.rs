@@ -154,16 +154,6 @@ thread_local! {
     static POOL_STACK: RefCell<Vec<Arc<PoolInner>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Whether an allocation on `dev` from this thread now would come from the default pool in plain
-/// eager execution: no stream capture, no private pool entered, no recorder measuring or carving
-/// an arena. Scratch memory that lives for one library call may then be allocated per call.
-pub(crate) fn eager_scratch_ok(dev: &Dev) -> bool {
-    !dev.capturing.load(Ordering::Relaxed)
-        && !super::capture_support::is_capturing()
-        && !super::capture_support::is_measuring()
-        && POOL_STACK.with(|s| s.borrow().is_empty())
-}
-
 impl DevBuf {
     /// Uninitialised memory for `bytes` bytes (callers write every byte before reading).
     pub fn alloc(dev: &Arc<Dev>, bytes: usize) -> Result<DevBuf> {

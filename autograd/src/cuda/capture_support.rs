@@ -153,7 +153,7 @@ pub fn begin_alloc_measure() {
     MEASURE.with(|m| m.set(Some(0)));
 }
 
-/// Whether this thread is counting its allocations ([`begin_alloc_measure`]).
+/// Whether this thread is counting its allocations ([`begin_alloc_measure`]): a recorder's warm-up.
 pub(crate) fn is_measuring() -> bool {
     MEASURE.with(|m| m.get().is_some())
 }

@@ -42,41 +42,33 @@ struct Plan {
     ws_bytes: usize,
 }
 
-/// cuDNN scratch memory. In plain eager execution each call gets its own, freed (stream-ordered)
-/// right after the call: the memory counts only while the convolution runs, like PyTorch's (a
-/// persistent workspace sized for the largest plan held ~85 MiB through the whole step). While a
-/// stream is captured, a recorder measures or a private pool is entered, the call uses the one
-/// persistent workspace of the device instead — a captured graph keeps the address it saw — sized
-/// to the largest need so far. When such a call needs more, the old buffer is freed unless a
-/// capture has seen its address; then it stays for the graph's sake and the new one is at least
-/// twice as large, so kept buffers sum to less than twice the largest need.
+/// The one workspace every cuDNN plan of a device uses (calls run one after another on the compute
+/// stream), sized to the largest need so far. When a plan needs more, the old buffer is freed
+/// (stream-ordered, after the work already queued on it) unless a CUDA graph was captured with
+/// its address; then it stays for the graph's sake and the new one is at least twice as large, so
+/// kept buffers sum to less than twice the largest need. (One workspace per plan summed to 0.9 GiB
+/// in bf16 and 2.0 GiB in f32 in a training run; keeping every outgrown buffer cost ~20 MiB more.)
+/// A workspace per call, freed after it, was tried: the peak allocation barely moved (835 against
+/// 846 MiB — the largest workspaces are needed at the step's peak) and the pool, placing the big
+/// short-lived blocks between activations, reserved 1.5 GiB instead of 0.9. Plans are instead
+/// limited to [`max_workspace`] bytes.
 #[derive(Default)]
 pub(crate) struct Workspace {
-    /// Persistent buffers, the current one last, each with whether a capture has seen its address.
+    /// Buffers, the current one last, each with whether a capture has seen its address.
     bufs: Vec<(DevBuf, bool)>,
 }
 
-/// A workspace for one call: its address, and the buffer when it is the call's own.
-pub(crate) struct WsLease {
-    pub ptr: u64,
-    _own: Option<DevBuf>,
-}
-
 impl Workspace {
-    /// A workspace of at least `bytes` bytes for one call (address 0 when none is needed).
-    fn get(&mut self, dev: &Arc<Dev>, bytes: usize) -> Result<WsLease> {
+    /// Address of a workspace of at least `bytes` bytes (0 when none is needed).
+    fn get(&mut self, dev: &Arc<Dev>, bytes: usize) -> Result<u64> {
         if bytes == 0 {
-            return Ok(WsLease { ptr: 0, _own: None });
-        }
-        if super::alloc::eager_scratch_ok(dev) {
-            let b = DevBuf::alloc(dev, bytes)?;
-            return Ok(WsLease { ptr: b.ptr, _own: Some(b) });
+            return Ok(0);
         }
         let capturing = dev.capturing.load(std::sync::atomic::Ordering::Relaxed);
         if let Some((b, pinned)) = self.bufs.last_mut() {
             if b.bytes >= bytes {
                 *pinned |= capturing;
-                return Ok(WsLease { ptr: b.ptr, _own: None });
+                return Ok(b.ptr);
             }
         }
         let size = match self.bufs.last() {
@@ -91,13 +83,29 @@ impl Workspace {
         let b = DevBuf::alloc(dev, size)?;
         let ptr = b.ptr;
         self.bufs.push((b, capturing));
-        Ok(WsLease { ptr, _own: None })
+        Ok(ptr)
     }
 
     fn bytes(&self) -> u64 {
         self.bufs.iter().map(|(b, _)| b.bytes as u64).sum()
     }
 }
+
+/// The largest workspace a convolution plan may need (default 32 MiB; `PTL_CUDNN_WORKSPACE_MIB`
+/// sets it): engines needing more are passed over for the next one in cuDNN's ranking. The
+/// workspace is held for the whole run, so it adds to the peak memory one for one.
+pub(crate) fn max_workspace() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("PTL_CUDNN_WORKSPACE_MIB") {
+        Err(_) => DEFAULT_MAX_WS,
+        Ok(v) => v.trim().parse::<usize>().map(|m| m << 20).unwrap_or_else(|_| {
+            eprintln!("ptl: PTL_CUDNN_WORKSPACE_MIB={v:?} is not a number of MiB; using {} MiB", DEFAULT_MAX_WS >> 20);
+            DEFAULT_MAX_WS
+        }),
+    })
+}
+
+const DEFAULT_MAX_WS: usize = 32 << 20;
 
 pub(crate) struct Dnn {
     handle: ns::cudnnHandle_t,
@@ -327,7 +335,7 @@ pub(crate) fn run_into(
                 Dir::BwdFilter => (b, o, a),
             };
             let ws = dnn.workspace.get(dev, gp.workspace_bytes())?;
-            gp.execute(h, x, w, y, ws.ptr)?;
+            gp.execute(h, x, w, y, ws)?;
             count_path(LibPath::ConvGraph);
             return Ok(out);
         }
@@ -335,8 +343,7 @@ pub(crate) fn run_into(
     count_path(LibPath::ConvLegacy);
     let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
     let plan = dnn.plan(p, dt, dir)?;
-    let lease = dnn.workspace.get(dev, plan.ws_bytes)?;
-    let ws = lease.ptr as *mut c_void;
+    let ws = dnn.workspace.get(dev, plan.ws_bytes)? as *mut c_void;
     let (af, bf) = (1f32, 0f32);
     let (ad, bd) = (1f64, 0f64);
     let (alpha, beta) = if dt == DType::F64 {

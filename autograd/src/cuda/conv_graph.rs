@@ -121,7 +121,6 @@ pub(crate) struct GraphPlan {
 const UID_X: i64 = 1;
 const UID_W: i64 = 2;
 const UID_Y: i64 = 3;
-const MAX_WS: i64 = 512 << 20;
 /// Our buffers start at ≥ 256-byte boundaries (pool and arena allocations).
 const ALIGN: i64 = 16;
 
@@ -300,7 +299,7 @@ fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::
     plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, T::CUDNN_TYPE_INT64, &mut ws)
         .map_err(|e| format!("workspace size unreadable ({e})"))?;
     let ws = ws[0];
-    if ws > MAX_WS {
+    if ws > super::conv::max_workspace() as i64 {
         return Err(format!("workspace {ws} bytes"));
     }
     Ok((plan, ws.max(0) as usize, engine))
