@@ -189,7 +189,8 @@ fn binary_broadcast() {
         ("atan2", |a, b| a.atan2(b)),
     ];
     let shapes: &[(&[usize], &[usize])] =
-        &[(&[4, 5, 6], &[4, 5, 6]), (&[4, 5, 6], &[5, 1]), (&[6], &[2, 3, 6]), (&[2, 16, 9, 9], &[1, 16, 1, 1])];
+        // 120 equal-shape elements take the 16-byte vector kernel for every dtype, 105 the scalar one.
+        &[(&[4, 5, 6], &[4, 5, 6]), (&[3, 5, 7], &[3, 5, 7]), (&[4, 5, 6], &[5, 1]), (&[6], &[2, 3, 6]), (&[2, 16, 9, 9], &[1, 16, 1, 1])];
     for (name, f) in ops {
         for (sa, sb) in shapes {
             case(name, FP64, &[(sa, -2.0, 2.0), (sb, -2.0, 2.0)], &move |v, _| f(&v[0], &v[1]));
@@ -512,6 +513,8 @@ fn transfers_and_memory_api() {
 fn block_cache_reuse_capture_and_empty() {
     let Some(dev) = gpu() else { return };
     use ptl_autograd::cuda::{self, capture_support::device_ptr};
+    // The cache is off by default; this test turns it on and restores the limits at the end.
+    let before = cuda::set_block_cache_limits(dev, 512 << 20, 64 << 20).unwrap();
     cuda::synchronize(dev).unwrap();
     let base = cuda::memory_stats(dev).unwrap().allocated;
     // 3000 f32 = 12000 B: an odd size no other test of this thread leaves cached.
@@ -557,6 +560,7 @@ fn block_cache_reuse_capture_and_empty() {
     let s = cuda::memory_stats(dev).unwrap();
     assert_eq!(s.allocated, base);
     println!("ok block cache: reuse, pools and captures bypass it, replays correct, empty_cache ({} B reserved after)", s.reserved);
+    cuda::set_block_cache_limits(dev, before.0, before.1).unwrap();
 }
 
 /// Runs everywhere (CPU): the fused BN (+SiLU) matches `batch_norm2d(..)` (`.silu()`) in f64, forward,
@@ -779,4 +783,23 @@ fn weight_copies_are_handed_out_once() {
     assert_eq!(names, [Some("to_dtype_many".to_string()), Some("to_dtype".to_string()), Some("to_dtype".to_string())]);
     // Outside the scope nothing is cached.
     assert_eq!(ptl_autograd::cast_weight(&w, DType::BF16).unwrap().grad_fn_name().as_deref(), Some("to_dtype"));
+}
+
+/// In-place adds (the output is the first operand) through the vector and the scalar kernel give
+/// the CPU's values.
+#[test]
+fn in_place_add_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        for n in [4096usize, 4099] {
+            let mut rng = Rng::new(n as u64);
+            let (a, b) = (values(&[n], -2.0, 2.0, dt, &mut rng), values(&[n], -2.0, 2.0, dt, &mut rng));
+            let on = |d: Device| {
+                let x = Tensor::from_f64(&a, vec![n], dt, d).unwrap();
+                x.add_(&Tensor::from_f64(&b, vec![n], dt, d).unwrap()).unwrap();
+                x.to_f64_vec().unwrap()
+            };
+            assert_eq!(on(dev), on(Device::Cpu), "{dt} n={n}");
+        }
+    }
 }

@@ -9,9 +9,9 @@
 //! to spare) takes it back without a driver call (an alloc + free pair costs ~0.6–1.1 µs of host time in the driver,
 //! a sizeable part of a ~4 µs eager op). Reuse is safe because every buffer is used on the one
 //! compute stream, so work queued with the new owner runs after the old owner's. The cache is
-//! bypassed while the stream is captured and for private pools, holds small blocks only and is
-//! bounded ([`CACHE_LIMIT`]; both limits can be set with [`CACHE_ENV`]), and is emptied into the
-//! pool when an allocation fails or on [`empty_cache`].
+//! off by default (it costs reserved memory, see [`CACHE_LIMIT`]; [`CACHE_ENV`] or
+//! [`set_block_cache_limits`] turn it on), bypassed while the stream is captured and for private
+//! pools, and emptied into the pool when an allocation fails or on [`empty_cache`].
 
 use std::cell::RefCell;
 use std::ffi::c_void;
@@ -23,16 +23,17 @@ use cudarc::driver::{result as dr, sys};
 use super::device::{cu_err, Dev};
 use crate::{Device, Error, Result};
 
-/// Most bytes the block cache holds by default; blocks beyond it go back to the pool.
-pub const CACHE_LIMIT: u64 = 64 << 20;
-/// Larger blocks are not cached by default: they go back to the pool, which reuses freed memory
-/// for requests of any size. Parked blocks are tied to their size, so caching the large ones made
-/// reserved memory grow far beyond the working set (H200, native bf16 batch 4, 512 MiB / 64 MiB
-/// limits: 1,376 MiB reserved for 846 MiB allocated; 256 / 16: 1,216; cache off: 896, GPU time per
-/// step unchanged). Small blocks are most of the requests, and their host-side saving remains.
-const CACHE_MAX_BLOCK: usize = 1 << 20;
-/// The environment variable that overrides both limits: `<limit MiB>,<largest cached block MiB>`
-/// (`0,0` turns the cache off), for a smaller card or a tighter memory budget.
+/// Most bytes the block cache holds by default: none, the cache is off. Measured on the H200
+/// (native bf16 training, batch 4, same summed GPU time in every setting): limits 512 MiB / blocks
+/// ≤ 64 MiB reserved 1,376 MiB of pool memory for 846 MiB allocated; 256 / 16 MiB 1,216; 128 / 8
+/// MiB 1,408; even 64 / 1 MiB (small blocks only) 1,504–1,568 — parked blocks, however small, keep
+/// the pool's chunks from being reused for other sizes; off: 864–896. Host time per allocation is
+/// the cost (~0.6–1.1 µs per alloc + free pair in the driver), which replayed regions do not pay.
+pub const CACHE_LIMIT: u64 = 0;
+/// Larger blocks are not cached (with [`CACHE_ENV`] set).
+const CACHE_MAX_BLOCK: usize = 0;
+/// The environment variable that sets both limits: `<limit MiB>,<largest cached block MiB>`
+/// (e.g. `512,64` to trade reserved memory for host time per allocation; `0,0`, the default, is off).
 pub const CACHE_ENV: &str = "PTL_CUDA_BLOCK_CACHE";
 
 /// The block cache's limits from [`CACHE_ENV`] (defaults when unset).
@@ -43,6 +44,17 @@ pub(crate) fn cache_limits_from_env() -> std::result::Result<(u64, usize), Strin
     let limit: u64 = a.trim().parse().map_err(|_| bad())?;
     let block: usize = b.trim().parse().map_err(|_| bad())?;
     Ok((limit << 20, block << 20))
+}
+
+/// Sets the block cache's limits on `device` (bytes in all, largest cached block), returning the
+/// previous ones; cached blocks go back to the pool first. Like [`CACHE_ENV`], at run time.
+pub fn set_block_cache_limits(device: Device, limit: u64, max_block: usize) -> Result<(u64, usize)> {
+    let dev = super::dev_of(device)?;
+    flush_block_cache(&dev);
+    let mut c = dev.block_cache.lock().unwrap_or_else(|e| e.into_inner());
+    let before = (c.limit, c.max_block);
+    (c.limit, c.max_block) = (limit, max_block);
+    Ok(before)
 }
 
 /// Free lists of default-pool blocks by block size (see the module docs).
@@ -463,7 +475,10 @@ mod tests {
 
     #[test]
     fn block_cache_best_fit_and_limits() {
-        let mut c = BlockCache::default();
+        const LIMIT: u64 = 512 << 20;
+        const MAX_BLOCK: usize = 64 << 20;
+        assert!(!BlockCache::default().put(512, 0x1000), "off by default");
+        let mut c = BlockCache::with_limits(LIMIT, MAX_BLOCK);
         assert!(c.put(4096, 0x1000));
         assert!(c.put(8192, 0x2000));
         assert!(c.put(4608, 0x3000));
@@ -477,14 +492,14 @@ mod tests {
         assert_eq!(c.bytes, 0);
         assert!(c.free.is_empty(), "no empty lists are kept");
         // Limits: blocks above the size cap are refused.
-        assert!(!c.put(CACHE_MAX_BLOCK + 512, 0x4000));
+        assert!(!c.put(MAX_BLOCK + 512, 0x4000));
         // The byte limit.
-        let mut c = BlockCache::default();
+        let mut c = BlockCache::with_limits(LIMIT, MAX_BLOCK);
         let mut n = 0;
-        while c.put(CACHE_MAX_BLOCK, n) {
+        while c.put(MAX_BLOCK, n) {
             n += 1;
         }
-        assert_eq!(n, CACHE_LIMIT / CACHE_MAX_BLOCK as u64);
+        assert_eq!(n, LIMIT / MAX_BLOCK as u64);
         assert_eq!(c.drain().len() as u64, n);
         assert_eq!(c.bytes, 0);
         // Configured limits (PTL_CUDA_BLOCK_CACHE): 1 MiB in all, blocks up to 512 KiB.

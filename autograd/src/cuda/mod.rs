@@ -50,8 +50,8 @@ use std::sync::Arc;
 use cudarc::driver::{result as dr, sys};
 
 pub use alloc::{
-    empty_cache, library_workspace_bytes, memory_stats, private_pool_allocated_bytes, reset_peak_memory_stats, set_poison_allocations,
-    synchronize, MemPool, MemPoolGuard, MemoryStats,
+    empty_cache, library_workspace_bytes, memory_stats, private_pool_allocated_bytes, reset_peak_memory_stats, set_block_cache_limits,
+    set_poison_allocations, synchronize, MemPool, MemPoolGuard, MemoryStats,
 };
 pub use blas::gemm_paths;
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};

@@ -166,6 +166,14 @@ fn binary_into(a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout, op: B
                 return Err(unsupported());
             }
             if plain(la) && plain(lb) {
+                let v = if dt.is_float() { 16 / dt.size_in_bytes() } else { 1 };
+                if v > 1 && n.is_multiple_of(v) && [pa, pb, py].iter().all(|p| p.is_multiple_of(16)) {
+                    // ld.global.nc in the vector loads is safe with out == a: each thread reads
+                    // its elements before writing them, and no other thread touches them.
+                    let f = dev.func("binary_cv", sfx(dt))?;
+                    let nvec = nn / v as u32;
+                    return dev.launch1d(f, n / v, &mut args!(pa, pb, py, nvec, code));
+                }
                 let f = dev.func("binary_c", sfx(dt))?;
                 dev.launch1d(f, n, &mut args!(pa, pb, py, nn, code))
             } else {
