@@ -22,6 +22,15 @@ pub trait TensorUpdate: Send {
         false
     }
     fn update(&self, group: &ParamGroup, p: &NamedParam, grad: &Tensor, state: &mut ParamStates) -> Result<()>;
+    /// One group's update over its parameters that have a gradient (in group order): by default
+    /// [`TensorUpdate::update`] one by one; a rule may batch work across them (MuSGD's
+    /// Newton–Schulz) as long as every parameter ends as the one-by-one update leaves it.
+    fn update_group(&self, group: &ParamGroup, params: &[(&NamedParam, Tensor)], state: &mut ParamStates) -> Result<()> {
+        for (p, grad) in params {
+            self.update(group, p, grad, state)?;
+        }
+        Ok(())
+    }
     /// Its own scalars in the checkpoint metadata.
     fn write_meta(&self, _meta: &mut OptimizerMeta) {}
     fn read_meta(&mut self, _meta: &OptimizerMeta) {}
@@ -59,10 +68,13 @@ impl<U: TensorUpdate> Optimizer for Grouped<U> {
     }
     fn step(&mut self) -> Result<()> {
         for g in &self.groups {
+            let mut present = Vec::with_capacity(g.params.len());
             for p in &g.params {
-                let Some(grad) = present_grad(p)? else { continue };
-                self.update.update(g, p, &grad, &mut self.state)?;
+                if let Some(grad) = present_grad(p)? {
+                    present.push((p, grad));
+                }
             }
+            self.update.update_group(g, &present, &mut self.state)?;
         }
         Ok(())
     }

@@ -7,7 +7,7 @@ use ptl_autograd::Tensor;
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, NsPrecision, OptimizerName, ParamGroup};
 use super::lerp;
-use super::newton_schulz::orthogonalized_update;
+use super::newton_schulz::{orthogonalized_update, orthogonalized_updates};
 use super::sgd::{sgd_update, MOMENTUM_BUFFER};
 use super::state::{OptimizerMeta, ParamStates};
 use crate::error::Result;
@@ -88,6 +88,30 @@ impl TensorUpdate for MuSgdUpdate {
             sgd_update(&p.tensor, grad, &buf, g.lr, mu, g.weight_decay, g.nesterov, 1.0)
         }
     }
+    /// Muon groups in three passes — every momentum blend, then Newton–Schulz batched over the
+    /// blends of one shape, then every parameter update — which leaves each parameter, buffer and
+    /// blend as [`TensorUpdate::update`] one by one does (the passes touch disjoint tensors).
+    fn update_group(&self, g: &ParamGroup, params: &[(&NamedParam, Tensor)], state: &mut ParamStates) -> Result<()> {
+        if !g.use_muon {
+            for (p, grad) in params {
+                self.update(g, p, grad, state)?;
+            }
+            return Ok(());
+        }
+        let mu = g.momentum.unwrap_or(0.0);
+        let mut blends = Vec::with_capacity(params.len());
+        let mut sgd_bufs = Vec::with_capacity(params.len());
+        for (p, grad) in params {
+            let m = state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
+            sgd_bufs.push(state.get_or_zeros(&p.name, MOMENTUM_BUFFER_SGD, &p.tensor)?);
+            blends.push(muon_momentum(grad, &m, mu, g.nesterov)?);
+        }
+        let directions = orthogonalized_updates(&blends, self.ns_precision)?;
+        for (((p, grad), o), b) in params.iter().zip(&directions).zip(&sgd_bufs) {
+            muon_apply(&p.tensor, grad, o, b, g.lr, mu, g.weight_decay, g.nesterov, self.muon_factor, self.sgd_factor)?;
+        }
+        Ok(())
+    }
     fn write_meta(&self, meta: &mut OptimizerMeta) {
         meta.muon_factor = Some(self.muon_factor);
         meta.sgd_factor = Some(self.sgd_factor);
@@ -99,5 +123,67 @@ impl TensorUpdate for MuSgdUpdate {
         if let Some(f) = meta.sgd_factor {
             self.sgd_factor = f;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::groups::ParamKind;
+    use ptl_autograd::{module::parameter, DType, Device, Rng};
+
+    /// The batched group update (momentum blends, Newton–Schulz per shape, updates) leaves every
+    /// parameter and buffer with the bytes of the one-by-one update, over three steps, with
+    /// parameters of shared and unique shapes and one without a gradient.
+    #[test]
+    fn the_batched_muon_group_update_equals_one_by_one() {
+        let shapes = [vec![8, 4, 3, 3], vec![6, 5], vec![8, 4, 3, 3], vec![3, 7], vec![6, 5]];
+        let mut rng = Rng::new(5);
+        let init: Vec<Tensor> =
+            shapes.iter().map(|s| Tensor::rand(s.clone(), -0.5, 0.5, DType::F32, Device::Cpu, &mut rng).unwrap()).collect();
+        let grads: Vec<Vec<Tensor>> = (0..3)
+            .map(|_| shapes.iter().map(|s| Tensor::rand(s.clone(), -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap()).collect())
+            .collect();
+        let rule = MuSgdUpdate { muon_factor: MUON_FACTOR, sgd_factor: SGD_FACTOR, ns_precision: NsPrecision::Bf16 };
+        let run = |batched: bool| -> Vec<Vec<u8>> {
+            let params: Vec<NamedParam> = init
+                .iter()
+                .enumerate()
+                .map(|(i, t)| NamedParam { name: format!("p{i}"), tensor: parameter(t.deep_copy().unwrap()).unwrap() })
+                .collect();
+            let group = ParamGroup {
+                kind: ParamKind::Weight,
+                boosted: false,
+                lr: 0.01,
+                initial_lr: 0.01,
+                momentum: Some(0.9),
+                betas: None,
+                eps: 1e-8,
+                weight_decay: 5e-4,
+                nesterov: true,
+                use_muon: true,
+                params: params.clone(),
+            };
+            let mut state = ParamStates::default();
+            for step in &grads {
+                // Parameter 3 has no gradient: absent from the present list, untouched.
+                let present: Vec<(&NamedParam, Tensor)> =
+                    params.iter().zip(step).filter(|(p, _)| p.name != "p3").map(|(p, g)| (p, g.clone())).collect();
+                if batched {
+                    rule.update_group(&group, &present, &mut state).unwrap();
+                } else {
+                    for (p, g) in &present {
+                        rule.update(&group, p, g, &mut state).unwrap();
+                    }
+                }
+            }
+            let mut out: Vec<Vec<u8>> = params.iter().map(|p| p.tensor.to_bytes().unwrap()).collect();
+            out.extend(state.to_named(std::slice::from_ref(&group)).into_iter().map(|(_, t)| t.to_bytes().unwrap()));
+            out
+        };
+        let (a, b) = (run(true), run(false));
+        assert_eq!(a.len(), 5 + 2 * 4, "5 parameters, two buffers for each of the 4 with gradients");
+        assert_eq!(a, b);
+        assert_eq!(a[3], init[3].to_bytes().unwrap(), "no gradient: untouched");
     }
 }
