@@ -35,7 +35,10 @@ pub const LOSS_NAMES: [&str; 6] = ["box_loss", "pose_loss", "kobj_loss", "cls_lo
 struct Run {
     cfg: PoseTrainConfig,
     model: PoseModel,
-    ema_model: PoseModel,
+    /// The architecture, for the evaluation model built from the EMA weights at each validation
+    /// (built then and dropped after, so its 14 MiB — at the n scale — are not held through
+    /// training).
+    model_cfg: ModelConfig,
     criterion: E2ELoss,
     optimizer: Box<dyn Optimizer>,
     scheduler: LrScheduler,
@@ -275,14 +278,12 @@ impl Run {
         let buffers = probe::tensor_bytes(sd.iter().filter(|e| e.2 != TensorKind::Parameter).map(|e| &e.1));
         let grads: Vec<Tensor> = self.params.iter().filter_map(|(_, p)| p.grad()).collect();
         let opt: Vec<(String, Tensor)> = self.optimizer.state_tensors();
-        let ema: Vec<(String, Tensor, TensorKind)> = module::state_dict(&self.ema_model);
         vec![
             ("parameters".into(), params),
             ("buffers".into(), buffers),
             ("gradients (accumulated)".into(), probe::tensor_bytes(grads.iter())),
             ("optimizer state".into(), probe::tensor_bytes(opt.iter().map(|e| &e.1))),
             ("EMA shadow".into(), probe::tensor_bytes(self.ema.ema_tensors().iter().map(|e| &e.1))),
-            ("EMA validation model".into(), probe::tensor_bytes(ema.iter().map(|e| &e.1))),
         ]
     }
 
@@ -361,10 +362,18 @@ impl Run {
         }
     }
 
-    /// Copies the EMA weights into the evaluation model (in place).
-    fn sync_ema_model(&self) -> Result<()> {
+    /// An evaluation model (eval mode) holding the EMA weights; the live model's integer buffers.
+    fn ema_eval_model(&self) -> Result<PoseModel> {
+        let mut m = PoseModel::new(self.model_cfg, self.cfg.device, self.cfg.seed)?;
+        m.set_training(false);
+        self.sync_ema_model(&m)?;
+        Ok(m)
+    }
+
+    /// Copies the EMA weights into `eval_model` (in place).
+    fn sync_ema_model(&self, eval_model: &PoseModel) -> Result<()> {
         let values: HashMap<String, Tensor> = self.ema.ema_tensors().iter().cloned().collect();
-        let entries = module::state_dict(&self.ema_model);
+        let entries = module::state_dict(eval_model);
         no_grad(|| -> Result<()> {
             for (name, t, kind) in entries {
                 if let Some(v) = values.get(&name) {
@@ -536,8 +545,6 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let mcfg = ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale: Scale::parse(&cfg.scale)? };
     let model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
     freeze_layers(&model, &cfg.freeze)?;
-    let mut ema_model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
-    ema_model.set_training(false);
 
     // Optimiser per training.md §2–§3: nominal accumulation, wd scaling, `auto` rule.
     let accumulate_nominal = nominal_accumulate(cfg.nbs, cfg.batch)?.min(nb * cfg.epochs).max(1);
@@ -573,7 +580,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let mut run = Run {
         cfg: cfg.clone(),
         model,
-        ema_model,
+        model_cfg: mcfg,
         criterion,
         optimizer,
         scheduler: LrScheduler::new(lambda, 0),
@@ -788,8 +795,7 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             run.plugins.on_validation_start()?;
             run.each_cb(|c, v| c.on_validation_start(v));
             run.each_cb(|c, v| c.on_validation_epoch_start(v));
-            run.sync_ema_model()?;
-            let r = validate(&run.ema_model, &ds, cfg.batch * 2, cfg.device, cfg.precision)?;
+            let r = validate(&run.ema_eval_model()?, &ds, cfg.batch * 2, cfg.device, cfg.precision)?;
             run.view.metrics = r.metrics.clone();
             run.each_cb(|c, v| c.on_validation_epoch_end(v));
             run.each_cb(|c, v| c.on_validation_end(v));
@@ -835,8 +841,7 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             super::plots::plot_results(&csv, &cfg.save_dir.join("results.png"))?;
         }
         if let Some(ds) = run.val_ds.clone() {
-            run.sync_ema_model()?;
-            super::validate::draw_val_predictions(&run.ema_model, &ds, 4, cfg.device, &cfg.save_dir)?;
+            super::validate::draw_val_predictions(&run.ema_eval_model()?, &ds, 4, cfg.device, &cfg.save_dir)?;
         }
     }
     run.each_cb(|c, v| c.on_train_end(v));
