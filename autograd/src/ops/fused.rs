@@ -1,7 +1,7 @@
 //! Fused BatchNorm2d (+ SiLU): forward in two kernels on CUDA (deterministic per-channel statistics
 //! whose last block per channel also updates the running statistics, then one affine+SiLU pass),
-//! backward in three (per-channel sums of gz and gz·x̂, a per-channel finish, one pass for dx) where
-//! the composed ops take about twenty. The CPU runs the same algorithm in f64.
+//! backward in two (per-channel sums of gz and gz·x̂ whose last block per channel finishes it, one
+//! pass for dx) where the composed ops take about twenty. The CPU runs the same algorithm in f64.
 
 use crate::autograd::{record, FnBackward};
 use crate::backend::stats_dtype;
