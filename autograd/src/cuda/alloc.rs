@@ -38,11 +38,21 @@ pub const CACHE_ENV: &str = "PTL_CUDA_BLOCK_CACHE";
 
 /// The block cache's limits from [`CACHE_ENV`] (defaults when unset).
 pub(crate) fn cache_limits_from_env() -> std::result::Result<(u64, usize), String> {
-    let Ok(v) = std::env::var(CACHE_ENV) else { return Ok((CACHE_LIMIT, CACHE_MAX_BLOCK)) };
+    match std::env::var(CACHE_ENV) {
+        Ok(v) => parse_cache_limits(&v),
+        Err(_) => Ok((CACHE_LIMIT, CACHE_MAX_BLOCK)),
+    }
+}
+
+/// `<limit MiB>,<largest cached block MiB>` in bytes, or a message naming the variable and the form.
+fn parse_cache_limits(v: &str) -> std::result::Result<(u64, usize), String> {
     let bad = || format!("{CACHE_ENV}={v:?}: expected `<limit MiB>,<largest cached block MiB>`, e.g. `256,16`");
     let (a, b) = v.split_once(',').ok_or_else(bad)?;
     let limit: u64 = a.trim().parse().map_err(|_| bad())?;
     let block: usize = b.trim().parse().map_err(|_| bad())?;
+    if limit > (1 << 24) || block > (1 << 24) {
+        return Err(format!("{CACHE_ENV}={v:?}: a limit above 16 TiB is not a memory size"));
+    }
     Ok((limit << 20, block << 20))
 }
 
@@ -509,5 +519,15 @@ mod tests {
         assert!(!c.put(512, 0x4000), "full");
         let mut off = BlockCache::with_limits(0, 0);
         assert!(!off.put(512, 0x1000), "0,0 turns the cache off");
+    }
+
+    #[test]
+    fn cache_limits_parse_or_name_the_variable() {
+        assert_eq!(parse_cache_limits("256,16"), Ok((256 << 20, 16 << 20)));
+        assert_eq!(parse_cache_limits(" 0 , 0 "), Ok((0, 0)));
+        for bad in ["256", "a,b", "256;16", "-1,2", "99999999999,1"] {
+            let e = parse_cache_limits(bad).unwrap_err();
+            assert!(e.contains(CACHE_ENV), "{bad}: {e}");
+        }
     }
 }

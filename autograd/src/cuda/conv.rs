@@ -98,11 +98,19 @@ pub(crate) fn max_workspace() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| match std::env::var("PTL_CUDNN_WORKSPACE_MIB") {
         Err(_) => DEFAULT_MAX_WS,
-        Ok(v) => v.trim().parse::<usize>().map(|m| m << 20).unwrap_or_else(|_| {
-            eprintln!("ptl: PTL_CUDNN_WORKSPACE_MIB={v:?} is not a number of MiB; using {} MiB", DEFAULT_MAX_WS >> 20);
+        Ok(v) => parse_workspace_mib(&v).unwrap_or_else(|e| {
+            eprintln!("ptl: {e}; using {} MiB", DEFAULT_MAX_WS >> 20);
             DEFAULT_MAX_WS
         }),
     })
+}
+
+/// `PTL_CUDNN_WORKSPACE_MIB`'s value in bytes (at most 16 GiB).
+fn parse_workspace_mib(v: &str) -> std::result::Result<usize, String> {
+    match v.trim().parse::<usize>() {
+        Ok(m) if m <= 16 << 10 => Ok(m << 20),
+        _ => Err(format!("PTL_CUDNN_WORKSPACE_MIB={v:?} is not a number of MiB up to 16384")),
+    }
 }
 
 const DEFAULT_MAX_WS: usize = 32 << 20;
@@ -423,6 +431,18 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
             } else {
                 Ok(acc)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn workspace_limit_parses_or_names_the_variable() {
+        assert_eq!(super::parse_workspace_mib("32"), Ok(32 << 20));
+        assert_eq!(super::parse_workspace_mib(" 0 "), Ok(0));
+        for bad in ["", "x", "-4", "16385", "1e3"] {
+            assert!(super::parse_workspace_mib(bad).unwrap_err().contains("PTL_CUDNN_WORKSPACE_MIB"), "{bad}");
         }
     }
 }
