@@ -870,16 +870,22 @@ struct MtTable {
     u32 first_block[MT_ADD + 1];
     u32 count;
 };
-template <typename T>
-__device__ void mt_add_k(const MtTable& t) {
-    typedef typename Acc<T>::type A;
+// This block's tensor k and its element range [base, end).
+__device__ __forceinline__ u32 mt_locate(const MtTable& t, u32& base, u32& end) {
     const u32 b = blockIdx.x;
     u32 k = 0;
     while (k + 1 < t.count && b >= t.first_block[k + 1]) ++k;
+    base = (b - t.first_block[k]) * MT_CHUNK;
+    end = min(base + MT_CHUNK, t.len[k]);
+    return k;
+}
+template <typename T>
+__device__ void mt_add_k(const MtTable& t) {
+    typedef typename Acc<T>::type A;
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
     T* d = reinterpret_cast<T*>(t.dst[k]);
     const T* s = reinterpret_cast<const T*>(t.src[k]);
-    const u32 base = (b - t.first_block[k]) * MT_CHUNK;
-    const u32 end = min(base + MT_CHUNK, t.len[k]);
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = store<T, A>(to_acc(d[i]) + to_acc(s[i]));
 }
 #define INST_MT(name, T) \
@@ -895,13 +901,10 @@ template <> __device__ __forceinline__ __nv_bfloat16 mt_conv<float, __nv_bfloat1
 template <> __device__ __forceinline__ __half mt_conv<float, __half>(float x) { return __float2half_rn(x); }
 template <typename S, typename D>
 __device__ void mt_cast_k(const MtTable& t) {
-    const u32 b = blockIdx.x;
-    u32 k = 0;
-    while (k + 1 < t.count && b >= t.first_block[k + 1]) ++k;
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
     D* d = reinterpret_cast<D*>(t.dst[k]);
     const S* s = reinterpret_cast<const S*>(t.src[k]);
-    const u32 base = (b - t.first_block[k]) * MT_CHUNK;
-    const u32 end = min(base + MT_CHUNK, t.len[k]);
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = mt_conv<S, D>(s[i]);
 }
 extern "C" __global__ void mt_cast_f32_bf16(const MtTable t) { mt_cast_k<float, __nv_bfloat16>(t); }

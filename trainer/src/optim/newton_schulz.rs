@@ -33,38 +33,58 @@ pub fn newton_schulz5(g: &Tensor, precision: NsPrecision) -> Result<Tensor> {
             reason: format!("expected a 2-D matrix, got shape {:?}", g.dims()),
         });
     }
-    let (rows, cols) = (g.dims()[0], g.dims()[1]);
-    let wd = work_dtype(precision);
     ptl_autograd::no_grad(|| -> Result<Tensor> {
-        let mut x = g.to_dtype(wd)?;
-        // ‖X‖_F accumulated in (at least) f32, rounded to the working dtype, then + eps (rounded).
-        let acc = if wd == DType::F64 { DType::F64 } else { DType::F32 };
-        let norm = x.to_dtype(acc)?.square()?.sum_all()?.sqrt()?.to_dtype(wd)?;
-        let denom = norm.add_scalar(NS_EPS)?;
-        x = if wd == DType::BF16 {
-            // PyTorch divides a reduced-precision tensor by a scalar as x · (1/s) in f32.
-            x.to_dtype(DType::F32)?.mul(&denom.to_dtype(DType::F32)?.recip()?)?.to_dtype(wd)?
-        } else {
-            x.div(&denom)?
-        };
-        let transposed = rows > cols;
-        if transposed {
-            x = x.transpose(0, 1)?;
-        }
-        let (a, b, c) = NS_COEFFS;
-        for _ in 0..NS_STEPS {
-            // A = X·Xᵀ (one rounding); B = b·A + c·(A·A) and X = a·X + B·X as fused
-            // `baddbmm` (accumulate in `acc`, one rounding to the working dtype).
-            let xa = x.to_dtype(acc)?;
-            let gram = xa.matmul(&xa.transpose(0, 1)?)?.to_dtype(wd)?.to_dtype(acc)?;
-            let bm = gram.mul_scalar(b)?.add(&gram.matmul(&gram)?.mul_scalar(c)?)?.to_dtype(wd)?.to_dtype(acc)?;
-            x = xa.mul_scalar(a)?.add(&bm.matmul(&xa)?)?.to_dtype(wd)?;
-        }
-        if transposed {
-            x = x.transpose(0, 1)?;
-        }
-        Ok(x.to_dtype(g.dtype())?)
+        let x = g.to_dtype(work_dtype(precision))?;
+        let norm = frobenius_norm(&x)?;
+        Ok(iterate(x, &norm)?.to_dtype(g.dtype())?)
     })
+}
+
+/// ‖X‖_F of a matrix in the working dtype: accumulated in (at least) f32, rounded to the working
+/// dtype.
+fn frobenius_norm(x: &Tensor) -> Result<Tensor> {
+    let wd = x.dtype();
+    Ok(x.to_dtype(acc_dtype(wd))?.square()?.sum_all()?.sqrt()?.to_dtype(wd)?)
+}
+
+fn acc_dtype(wd: DType) -> DType {
+    if wd == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// The quintic iteration on `x` (a matrix or a stack of them, in the working dtype) after dividing
+/// by `norm` + eps (rounded; `norm` broadcasts over `x`); works on the wide orientation.
+fn iterate(x: Tensor, norm: &Tensor) -> Result<Tensor> {
+    let wd = x.dtype();
+    let acc = acc_dtype(wd);
+    let denom = norm.add_scalar(NS_EPS)?;
+    let mut x = if wd == DType::BF16 {
+        // PyTorch divides a reduced-precision tensor by a scalar as x · (1/s) in f32.
+        x.to_dtype(DType::F32)?.mul(&denom.to_dtype(DType::F32)?.recip()?)?.to_dtype(wd)?
+    } else {
+        x.div(&denom)?
+    };
+    let d = x.dims().to_vec();
+    let transposed = d[d.len() - 2] > d[d.len() - 1];
+    if transposed {
+        x = x.transpose(-2, -1)?;
+    }
+    let (a, b, c) = NS_COEFFS;
+    for _ in 0..NS_STEPS {
+        // A = X·Xᵀ (one rounding); B = b·A + c·(A·A) and X = a·X + B·X as fused
+        // `baddbmm` (accumulate in `acc`, one rounding to the working dtype).
+        let xa = x.to_dtype(acc)?;
+        let gram = xa.matmul(&xa.transpose(-2, -1)?)?.to_dtype(wd)?.to_dtype(acc)?;
+        let bm = gram.mul_scalar(b)?.add(&gram.matmul(&gram)?.mul_scalar(c)?)?.to_dtype(wd)?.to_dtype(acc)?;
+        x = xa.mul_scalar(a)?.add(&bm.matmul(&xa)?)?.to_dtype(wd)?;
+    }
+    if transposed {
+        x = x.transpose(-2, -1)?;
+    }
+    Ok(x)
 }
 
 /// [`newton_schulz5`] of several matrices of one shape and dtype at once: the matrices are stacked
@@ -86,43 +106,19 @@ pub fn newton_schulz5_many(gs: &[Tensor], precision: NsPrecision) -> Result<Vec<
             reason: format!("expected 2-D matrices of one shape and dtype, the first being {dims:?} {dtype}"),
         });
     }
-    let (rows, cols, n) = (dims[0], dims[1], gs.len());
+    let n = gs.len();
     let wd = work_dtype(precision);
     ptl_autograd::no_grad(|| -> Result<Vec<Tensor>> {
         let stacked: Vec<Tensor> = gs.iter().map(|g| g.unsqueeze(0)).collect::<std::result::Result<_, _>>()?;
-        let refs: Vec<&Tensor> = stacked.iter().collect();
-        let mut x = Tensor::cat(&refs, 0)?.to_dtype(wd)?;
-        let acc = if wd == DType::F64 { DType::F64 } else { DType::F32 };
+        let x = Tensor::cat(&stacked.iter().collect::<Vec<_>>(), 0)?.to_dtype(wd)?;
         // Each norm as newton_schulz5 takes it (one sum over the whole matrix: a batched
         // reduction over two dimensions sums in another order and moved f32 results).
         let norms = gs
             .iter()
-            .map(|g| -> Result<Tensor> {
-                Ok(g.to_dtype(wd)?.to_dtype(acc)?.square()?.sum_all()?.sqrt()?.to_dtype(wd)?.reshape(vec![1, 1, 1])?)
-            })
+            .map(|g| -> Result<Tensor> { Ok(frobenius_norm(&g.to_dtype(wd)?)?.reshape(vec![1, 1, 1])?) })
             .collect::<Result<Vec<Tensor>>>()?;
         let norm = Tensor::cat(&norms.iter().collect::<Vec<_>>(), 0)?;
-        let denom = norm.add_scalar(NS_EPS)?;
-        x = if wd == DType::BF16 {
-            x.to_dtype(DType::F32)?.mul(&denom.to_dtype(DType::F32)?.recip()?)?.to_dtype(wd)?
-        } else {
-            x.div(&denom)?
-        };
-        let transposed = rows > cols;
-        if transposed {
-            x = x.transpose(1, 2)?;
-        }
-        let (a, b, c) = NS_COEFFS;
-        for _ in 0..NS_STEPS {
-            let xa = x.to_dtype(acc)?;
-            let gram = xa.matmul(&xa.transpose(1, 2)?)?.to_dtype(wd)?.to_dtype(acc)?;
-            let bm = gram.mul_scalar(b)?.add(&gram.matmul(&gram)?.mul_scalar(c)?)?.to_dtype(wd)?.to_dtype(acc)?;
-            x = xa.mul_scalar(a)?.add(&bm.matmul(&xa)?)?.to_dtype(wd)?;
-        }
-        if transposed {
-            x = x.transpose(1, 2)?;
-        }
-        let x = x.to_dtype(dtype)?;
+        let x = iterate(x, &norm)?.to_dtype(dtype)?;
         (0..n).map(|i| Ok(x.narrow(0, i, 1)?.squeeze(0)?)).collect()
     })
 }
