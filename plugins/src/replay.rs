@@ -157,9 +157,9 @@ impl ReplayPlugin for PieceReplay {
 }
 
 inventory::submit! {
-    PluginRegistration { name: PieceReplay::FEATURE, create: |cfg| PieceReplay::from_config(Scope::Trunk, cfg) }
+    PluginRegistration { name: PieceReplay::FEATURE, in_all: true, create: |cfg| PieceReplay::from_config(Scope::Trunk, cfg) }
 }
 
 inventory::submit! {
-    PluginRegistration { name: PieceReplay::STEM, create: |cfg| PieceReplay::from_config(Scope::Stems, cfg) }
+    PluginRegistration { name: PieceReplay::STEM, in_all: true, create: |cfg| PieceReplay::from_config(Scope::Stems, cfg) }
 }

@@ -50,6 +50,24 @@ fn a_replayed_run_resumes_to_the_native_hashes() {
     assert_replayed(&resumed, "stem", 18, 3);
 }
 
+/// `replay=all` is every plugin of this crate (feature, stem), in the stack's priority order; a name
+/// listed besides it adds nothing twice (a third-party plugin stays out of it: tests/third_party.rs).
+#[test]
+fn replay_all_is_every_ptl_plugin() {
+    use ptl_trainer::fit::{PluginStack, ALL_PLUGINS};
+    assert_eq!((PieceReplay::FEATURE, PieceReplay::STEM), ("feature", "stem"));
+    let none = serde_json::Map::new();
+    let all = PluginStack::from_registry(&[ALL_PLUGINS.to_string()], &none).expect("replay=all");
+    let named = PluginStack::from_registry(&["feature".to_string(), "stem".to_string()], &none).expect("feature,stem");
+    assert_eq!(all.names(), named.names());
+    assert_eq!(all.names().len(), 2, "{:?}", all.names());
+    let both = PluginStack::from_registry(&[ALL_PLUGINS.to_string(), "stem".to_string()], &none).expect("all,stem");
+    assert_eq!(both.names(), named.names());
+    let mut cfg = serde_json::Map::new();
+    cfg.insert("feature".into(), serde_json::json!({}));
+    assert!(PluginStack::from_registry(&[ALL_PLUGINS.to_string()], &cfg).is_ok(), "settings of a plugin that all enables");
+}
+
 #[test]
 fn bad_replay_configuration_is_a_typed_error() {
     let mut cfg = tiny("badcfg", &["feature"]);

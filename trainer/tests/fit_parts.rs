@@ -29,7 +29,7 @@ impl ReplayPlugin for CountingPlugin {
 }
 
 inventory::submit! {
-    PluginRegistration { name: "test-counting", create: |_| Ok(Box::new(CountingPlugin::default())) }
+    PluginRegistration { name: "test-counting", in_all: false, create: |_| Ok(Box::new(CountingPlugin::default())) }
 }
 
 #[derive(Clone)]
@@ -75,6 +75,9 @@ fn registry_discovers_plugins_from_other_crates() {
     let err = PluginStack::from_registry(&["test-counting".to_string()], &cfg).err().unwrap();
     assert!(err.to_string().contains("does not enable"), "{err}");
     assert!(PluginStack::from_registry(&[], &none).unwrap().is_empty(), "replay= empty: native");
+    // This binary links no ptl-plugins: `all` names nothing, and says so instead of running native.
+    let err = PluginStack::from_registry(&["all".to_string()], &none).err().unwrap();
+    assert!(err.to_string().contains("ptl-plugins"), "{err}");
 }
 
 #[test]

@@ -26,7 +26,8 @@ const HELP: &str = "usage: cargo xtask bench [options]            run the benchm
        cargo xtask bench --report DIR|FILE... merge the runs.jsonl of earlier calls (or runs files) into one table
 options:
   --arms A,B         ptl arms: native (default), workers0 (batches built on the training thread),
-                     feature (replay=feature), feature+stem (replay=feature,stem)
+                     feature (replay=feature), feature+stem (replay=feature,stem), all (replay=all:
+                     every replay plugin of ptl-plugins)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --precisions P,Q   bf16-mixed,32-true,16-mixed (default bf16-mixed)
   --pairs N          rounds of every arm per precision (default 3)
@@ -134,7 +135,8 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         "workers0" => Ok(vec!["workers=0".into()]),
         "feature" => Ok(vec!["replay=feature".into()]),
         "feature+stem" => Ok(vec!["replay=feature,stem".into()]),
-        other => Err(format!("unknown arm `{other}` (known: native, workers0, feature, feature+stem)")),
+        "all" => Ok(vec!["replay=all".into()]),
+        other => Err(format!("unknown arm `{other}` (known: native, workers0, feature, feature+stem, all)")),
     }
 }
 

@@ -72,6 +72,8 @@ impl ReplayPlugin for CountPlugin {
 inventory::submit! {
     PluginRegistration {
         name: CountPlugin::NAME,
+        // A third-party plugin: enabled by its name, not by `replay=all`.
+        in_all: false,
         create: |cfg| Ok(Box::new(CountPlugin { start: cfg["start"].as_u64().unwrap_or(0), ..CountPlugin::default() })),
     }
 }

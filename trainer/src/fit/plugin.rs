@@ -120,12 +120,18 @@ pub trait ReplayPlugin: DynClone + Send {
 dyn_clone::clone_trait_object!(ReplayPlugin);
 
 /// A plugin's entry in the global registry:
-/// `inventory::submit! { PluginRegistration { name: "…", create: |cfg| … } }`.
+/// `inventory::submit! { PluginRegistration { name: "…", in_all: false, create: |cfg| … } }`.
 pub struct PluginRegistration {
     pub name: &'static str,
+    /// Whether `replay=all` enables it: ptl's own replay strategies (`ptl-plugins`) say yes; a
+    /// third-party plugin is enabled by its name.
+    pub in_all: bool,
     /// Builds a fresh plugin (with no recordings) from its configuration (`null`: defaults).
     pub create: fn(&serde_json::Value) -> Result<Box<dyn ReplayPlugin>>,
 }
+
+/// The name in `replay=` that stands for every registered plugin with [`PluginRegistration::in_all`].
+pub const ALL_PLUGINS: &str = "all";
 
 inventory::collect!(PluginRegistration);
 
@@ -143,9 +149,9 @@ pub struct PluginStack {
 }
 
 impl PluginStack {
-    /// Instantiates the registered plugins named in `enabled` (empty: native), each with its
-    /// entry of `configs` (by name; absent = defaults). A name registered twice, listed twice
-    /// or not registered at all is an error.
+    /// Instantiates the registered plugins named in `enabled` (empty: native; [`ALL_PLUGINS`]:
+    /// every plugin registered with `in_all`), each with its entry of `configs` (by name; absent =
+    /// defaults). A name registered twice, listed twice or not registered at all is an error.
     pub fn from_registry(enabled: &[String], configs: &serde_json::Map<String, serde_json::Value>) -> Result<Self> {
         let reg = registered_plugins();
         let bad = |reason: String| TrainerError::InvalidArgument { what: "replay", reason };
@@ -157,11 +163,39 @@ impl PluginStack {
                 )));
             }
         }
-        let mut plugins: Vec<Box<dyn ReplayPlugin>> = Vec::new();
         for (i, n) in enabled.iter().enumerate() {
             if enabled[..i].contains(n) {
                 return Err(bad(format!("`{n}` is listed twice in replay=")));
             }
+        }
+        // `all` expands to ptl's own plugins, in registry order; names listed besides it add to it.
+        let mut expanded: Vec<String> = Vec::new();
+        for n in enabled {
+            if n == ALL_PLUGINS {
+                if reg.iter().any(|r| r.name == ALL_PLUGINS) {
+                    return Err(bad(format!("a plugin is registered as `{ALL_PLUGINS}`, which replay= reserves: rename it")));
+                }
+                let own: Vec<String> = reg.iter().filter(|r| r.in_all).map(|r| r.name.to_string()).collect();
+                if own.is_empty() {
+                    return Err(bad(format!(
+                        "replay={ALL_PLUGINS}: this program registers none of ptl's replay plugins (link ptl-plugins, \
+                         as the ptl binary does, or name the plugins)"
+                    )));
+                }
+                expanded.extend(own);
+            } else {
+                expanded.push(n.clone());
+            }
+        }
+        let mut unique: Vec<String> = Vec::new();
+        for n in expanded {
+            if !unique.contains(&n) {
+                unique.push(n);
+            }
+        }
+        let enabled = &unique;
+        let mut plugins: Vec<Box<dyn ReplayPlugin>> = Vec::new();
+        for n in enabled.iter() {
             let r = reg.iter().find(|r| r.name == n).ok_or_else(|| {
                 let known: Vec<&str> = reg.iter().map(|r| r.name).collect();
                 bad(format!("no replay plugin named `{n}` is registered (registered: {known:?})"))

@@ -339,7 +339,11 @@ impl PoseTrainConfig {
             ("plots", d.plots.to_string(), "draw results.png and validation predictions at the end"),
             ("gpu_time", d.gpu_time.to_string(), "trace 16 steps with CUPTI for the GPU time per step (CUDA)"),
             ("profile", d.profile.to_string(), "time each stage with device synchronisation (diagnosis only)"),
-            ("replay", "none".into(), "replay plugins to enable, comma-separated (e.g. feature,stem); none = native"),
+            (
+                "replay",
+                "none".into(),
+                "replay plugins to enable, comma-separated (e.g. feature,stem; all = every ptl replay plugin); none = native",
+            ),
             ("replay_config", "{}".into(), "JSON settings per replay plugin, e.g. {\"stem\": {\"warmup\": 1}}"),
         ]
     }
