@@ -9,7 +9,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::storage::Storage;
 use crate::{Error, Result, Tensor};
 
 /// The backward half of an op (or of any custom multi-output node).
@@ -280,9 +279,8 @@ impl Tensor {
 /// Adds the gradients that reached leaves during one backward into their `.grad`, each leaf's
 /// contributions in arrival order (as if each were added when it arrived): round k holds every
 /// leaf's k-th contribution; a leaf without a gradient takes its first one as is, and the adds into
-/// existing gradients of a round run as one batch ([`Storage::add_assign_many`]: on CUDA a launch
-/// per 40 tensors instead of one per parameter). An add whose source shares storage with another
-/// operand of the batch runs on its own.
+/// existing gradients of a round run as one batch ([`Tensor::add_many_`]: on CUDA a launch per 40
+/// tensors instead of one per parameter).
 fn accumulate_leaf_grads(items: Vec<(Tensor, Tensor)>) -> Result<()> {
     let mut rounds: Vec<Vec<(Tensor, Tensor)>> = Vec::new();
     let mut seen: HashMap<usize, usize> = HashMap::new();
@@ -303,26 +301,8 @@ fn accumulate_leaf_grads(items: Vec<(Tensor, Tensor)>) -> Result<()> {
                 None => leaf.accumulate_grad(&g)?,
             }
         }
-        let mut batch: Vec<(Tensor, Tensor)> = Vec::with_capacity(adds.len());
-        let mut alone: Vec<(Tensor, Tensor)> = Vec::new();
-        let mut used: HashSet<usize> = HashSet::new();
-        for (e, g) in adds {
-            if used.insert(e.storage_ptr()) && used.insert(g.storage_ptr()) {
-                batch.push((e, g));
-            } else {
-                alone.push((e, g));
-            }
-        }
-        {
-            let mut dsts: Vec<_> = batch.iter().map(|(e, _)| e.write_storage()).collect();
-            let srcs: Vec<_> = batch.iter().map(|(_, g)| g.read_storage()).collect();
-            let mut pairs: Vec<(&mut Storage, &Storage)> = dsts.iter_mut().map(|d| &mut **d).zip(srcs.iter().map(|s| &**s)).collect();
-            Storage::add_assign_many(&mut pairs)?;
-        }
-        for (e, g) in alone {
-            let src = g.read_storage();
-            e.write_storage().add_assign(&src)?;
-        }
+        let refs: Vec<(&Tensor, &Tensor)> = adds.iter().map(|(e, g)| (e, g)).collect();
+        Tensor::add_many_(&refs)?;
     }
     Ok(())
 }

@@ -428,14 +428,18 @@ impl GraphedNode {
         }
         let (pp, ip) = lock(&core.presence).get(&mask).cloned().ok_or_else(|| core.err("no gradient presence recorded for this mask"))?;
         let _ng = GradModeGuard::new(false);
+        // Into existing gradients as one batched add (a launch per 40 parameters on CUDA, the
+        // bytes of one add each); a parameter without a gradient takes a copy.
+        let mut adds: Vec<(Tensor, &Tensor)> = Vec::new();
         for ((p, s), present) in core.params.iter().zip(&core.static_gparam).zip(&pp) {
             let (true, Some(s)) = (*present, s) else { continue };
             match p.grad() {
-                Some(existing) => existing.add_(s)?,
+                Some(existing) => adds.push((existing, s)),
                 None => p.set_grad(Some(s.deep_copy()?)),
             }
             host_ops += 1;
         }
+        Tensor::add_many_(&adds.iter().map(|(e, s)| (e, *s)).collect::<Vec<_>>())?;
         let mut out = Vec::with_capacity(n_total);
         for (s, present) in core.static_gin.iter().zip(&ip) {
             match (present, s) {
