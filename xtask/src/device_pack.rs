@@ -3,7 +3,8 @@
 //! the PyTorch reference script and the goldens the GPU tests read (`goldens/loss_cases`) into
 //! `device-pack/` (git-ignored). On the GPU machine run `bash device-pack/run.sh`; logs go to `$OUT`.
 //! Binaries are named `test_<crate>_<target>`; `T14` of ptl-capture also runs under
-//! `compute-sanitizer` when the GPU machine has it.
+//! `compute-sanitizer` when the GPU machine has it; `NCU_BN=1` profiles the BatchNorm kernels of the
+//! CUDA fit test with Nsight Compute.
 
 use std::path::{Path, PathBuf};
 
@@ -45,6 +46,16 @@ if [ -n "$SAN" ] && [ -x test_capture_cuda_capture ] && [ "${SKIP_SANITIZER:-0}"
   memcheck block_cache test_autograd_cuda_ops block_cache
 else
   echo "memcheck runs skipped (SKIP_SANITIZER=1, or no compute-sanitizer on this machine)"
+fi
+# NCU_BN=1: Nsight Compute on the BatchNorm kernels of the CUDA fit test (occupancy, launch
+# statistics, warp stalls, speed of light: why the reductions run far from bandwidth).
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+if [ "${NCU_BN:-0}" = 1 ] && [ -n "$NCU" ] && [ -x test_trainer_cuda_fit ]; then
+  echo "=== ncu: batch-norm kernels"
+  timeout 400 "$NCU" --clock-control none --kernel-name regex:'bn_stats|bnb_reduce|chaffine|bnb_dx' --launch-skip 1000 --launch-count 48 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --csv \
+    ./test_trainer_cuda_fit --test-threads=1 > "$OUT/ncu_bn.csv" 2> "$OUT/ncu_bn.log"
+  echo "(ncu rc=$?, $(wc -l < "$OUT/ncu_bn.csv") lines in ncu_bn.csv)"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "=== bench_cuda_ops"
