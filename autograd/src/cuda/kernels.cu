@@ -871,7 +871,8 @@ struct MtTable {
     u32 count;
 };
 // This block's tensor k and its element range [base, end).
-__device__ __forceinline__ u32 mt_locate(const MtTable& t, u32& base, u32& end) {
+template <typename Tab>
+__device__ __forceinline__ u32 mt_locate(const Tab& t, u32& base, u32& end) {
     const u32 b = blockIdx.x;
     u32 k = 0;
     while (k + 1 < t.count && b >= t.first_block[k + 1]) ++k;
@@ -911,6 +912,42 @@ extern "C" __global__ void mt_cast_f32_bf16(const MtTable t) { mt_cast_k<float, 
 extern "C" __global__ void mt_cast_f32_f16(const MtTable t) { mt_cast_k<float, __half>(t); }
 extern "C" __global__ void mt_cast_bf16_f32(const MtTable t) { mt_cast_k<__nv_bfloat16, float>(t); }
 extern "C" __global__ void mt_cast_f16_f32(const MtTable t) { mt_cast_k<__half, float>(t); }
+
+// ---- multi-tensor SGD step -------------------------------------------------------------------------
+// For up to MT_ADD f32 parameters at once, in place, the op sequence of the composed SGD update
+// with each op's own rounding (the composed `mul_scalar` is the unary affine x·s + 0, which the
+// compiler contracts to one fma — written here as that fma):
+//   g' = g + fma(p, wd, 0)            (when has_wd)
+//   b  = fma(b, μ, 0) + g'            (when has_buf; the buffer is written back)
+//   u  = nesterov ? g' + fma(b, μ, 0) : b     (u = g' without a buffer)
+//   p  = p + fma(u, −lr·factor, 0)
+struct MtSgdTable {
+    unsigned long long p[MT_ADD];
+    unsigned long long g[MT_ADD];
+    unsigned long long buf[MT_ADD];
+    u32 len[MT_ADD];
+    u32 first_block[MT_ADD + 1];
+    u32 count;
+};
+extern "C" __global__ void mt_sgd_f32(const MtSgdTable t, double wd, double mu, double nlr, float zero, int has_wd, int has_buf, int nesterov) {
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
+    float* P = reinterpret_cast<float*>(t.p[k]);
+    const float* G = reinterpret_cast<const float*>(t.g[k]);
+    float* B = reinterpret_cast<float*>(t.buf[k]);
+    const float fwd = (float)wd, fmu = (float)mu, fnlr = (float)nlr;
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) {
+        const float p = P[i];
+        const float gw = has_wd ? __fadd_rn(G[i], __fmaf_rn(p, fwd, zero)) : G[i];
+        float u = gw;
+        if (has_buf) {
+            const float b = __fadd_rn(__fmaf_rn(B[i], fmu, zero), gw);
+            B[i] = b;
+            u = nesterov ? __fadd_rn(gw, __fmaf_rn(b, fmu, zero)) : b;
+        }
+        P[i] = __fadd_rn(p, __fmaf_rn(u, fnlr, zero));
+    }
+}
 
 // ---- instantiations ---------------------------------------------------------------------------------------
 #define FLOAT_TYPES(X) X(f32, float) X(f64, double) X(f16, __half) X(bf16, __nv_bfloat16)

@@ -267,6 +267,47 @@ fn launch_multi_tensor(dev: &super::device::Dev, f: cudarc::driver::sys::CUfunct
     Ok(())
 }
 
+/// The kernel-parameter table of `mt_sgd_f32` (layout of `MtSgdTable` in kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MtSgdTable {
+    p: [u64; MT_ADD],
+    g: [u64; MT_ADD],
+    buf: [u64; MT_ADD],
+    len: [u32; MT_ADD],
+    first_block: [u32; MT_ADD + 1],
+    count: u32,
+}
+
+/// One fused SGD step over `(param, grad, buffer, len)` rows of f32 device memory (buffer 0 when
+/// `with_buf` is false); see `Tensor::sgd_step_many`. `any` names the device.
+pub(crate) fn sgd_many(any: &CudaStorage, rows: &[(u64, u64, u64, usize)], h: crate::ops::optim::SgdStep, with_buf: bool) -> Result<()> {
+    let dev = &any.buf.dev;
+    let f = dev.func("mt_sgd_f32", "")?;
+    let (wd, mu, nlr, zero) = (h.weight_decay, h.momentum, h.neg_lr, 0f32);
+    let (has_wd, has_buf, nesterov) = ((h.weight_decay != 0.0) as i32, with_buf as i32, h.nesterov as i32);
+    for chunk in rows.chunks(MT_ADD) {
+        let mut t = MtSgdTable {
+            p: [0; MT_ADD],
+            g: [0; MT_ADD],
+            buf: [0; MT_ADD],
+            len: [0; MT_ADD],
+            first_block: [0; MT_ADD + 1],
+            count: chunk.len() as u32,
+        };
+        let mut blocks = 0usize;
+        for (k, &(p, g, b, n)) in chunk.iter().enumerate() {
+            (t.p[k], t.g[k], t.buf[k], t.len[k], t.first_block[k]) = (p, g, b, u32c("sgd_step_many", n)?, u32c("sgd_step_many", blocks)?);
+            blocks += n.div_ceil(MT_CHUNK);
+        }
+        t.first_block[chunk.len()] = u32c("sgd_step_many", blocks)?;
+        if blocks > 0 {
+            dev.launch(f, (blocks as u32, 1, 1), (256, 1, 1), &mut args!(t, wd, mu, nlr, zero, has_wd, has_buf, nesterov))?;
+        }
+    }
+    Ok(())
+}
+
 /// Casts every storage to `dt`, the same bytes as [`to_dtype`] on each; f32 ↔ bf16/f16 run as one
 /// launch per 40 tensors (autocast's weight copies and their gradients), other pairs one by one.
 pub(crate) fn to_dtype_many(xs: &[&CudaStorage], dt: DType) -> Result<Vec<CudaStorage>> {

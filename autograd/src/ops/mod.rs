@@ -9,6 +9,7 @@ pub(crate) mod index;
 pub(crate) mod linalg;
 pub(crate) mod loss;
 pub(crate) mod norm;
+pub(crate) mod optim;
 pub(crate) mod reduce;
 pub(crate) mod shape;
 pub(crate) mod softmax;

@@ -8,7 +8,7 @@ use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, NsPrecision, OptimizerName, ParamGroup};
 use super::lerp;
 use super::newton_schulz::{orthogonalized_update, orthogonalized_updates};
-use super::sgd::{sgd_update, MOMENTUM_BUFFER};
+use super::sgd::{sgd_step, sgd_update, MOMENTUM_BUFFER};
 use super::state::{OptimizerMeta, ParamStates};
 use crate::error::Result;
 
@@ -48,8 +48,13 @@ pub fn muon_apply(
     muon_factor: f64,
     sgd_factor: f64,
 ) -> Result<()> {
-    ptl_autograd::no_grad(|| p.copy_(&p.add(&o.mul_scalar(-(lr * muon_factor))?)?))?;
+    muon_step(p, o, lr, muon_factor)?;
     sgd_update(p, grad, sgd_buf, lr, momentum, weight_decay, nesterov, sgd_factor)
+}
+
+/// The Muon half alone, in place: `p ← p − lr·muon_factor·o`.
+fn muon_step(p: &Tensor, o: &Tensor, lr: f64, muon_factor: f64) -> Result<()> {
+    Ok(ptl_autograd::no_grad(|| p.copy_(&p.add(&o.mul_scalar(-(lr * muon_factor))?)?))?)
 }
 
 /// MuSGD over Ultralytics' groups (Muon groups flagged `use_muon`).
@@ -92,13 +97,14 @@ impl TensorUpdate for MuSgdUpdate {
     /// blends of one shape, then every parameter update — which leaves each parameter, buffer and
     /// blend as [`TensorUpdate::update`] one by one does (the passes touch disjoint tensors).
     fn update_group(&self, g: &ParamGroup, params: &[(&NamedParam, Tensor)], state: &mut ParamStates) -> Result<()> {
-        if !g.use_muon {
-            for (p, grad) in params {
-                self.update(g, p, grad, state)?;
-            }
-            return Ok(());
-        }
         let mu = g.momentum.unwrap_or(0.0);
+        if !g.use_muon {
+            // Plain SGD-Nesterov, one fused step for the group.
+            let bufs = params.iter().map(|(p, _)| state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)).collect::<Result<Vec<_>>>()?;
+            let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+                params.iter().zip(&bufs).map(|((p, grad), b)| (&p.tensor, grad, Some(b))).collect();
+            return Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, 1.0))?);
+        }
         let mut blends = Vec::with_capacity(params.len());
         let mut sgd_bufs = Vec::with_capacity(params.len());
         for (p, grad) in params {
@@ -107,10 +113,13 @@ impl TensorUpdate for MuSgdUpdate {
             blends.push(muon_momentum(grad, &m, mu, g.nesterov)?);
         }
         let directions = orthogonalized_updates(&blends, self.ns_precision)?;
-        for (((p, grad), o), b) in params.iter().zip(&directions).zip(&sgd_bufs) {
-            muon_apply(&p.tensor, grad, o, b, g.lr, mu, g.weight_decay, g.nesterov, self.muon_factor, self.sgd_factor)?;
+        // muon_apply for every parameter: the Muon step, then the SGD part as one fused step.
+        for ((p, _), o) in params.iter().zip(&directions) {
+            muon_step(&p.tensor, o, g.lr, self.muon_factor)?;
         }
-        Ok(())
+        let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+            params.iter().zip(&sgd_bufs).map(|((p, grad), b)| (&p.tensor, grad, Some(b))).collect();
+        Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, self.sgd_factor))?)
     }
     fn write_meta(&self, meta: &mut OptimizerMeta) {
         meta.muon_factor = Some(self.muon_factor);

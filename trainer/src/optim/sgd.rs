@@ -1,6 +1,6 @@
 //! SGD with (Nesterov) momentum, PyTorch semantics, no dampening (training.md §3.4 non-Muon part).
 
-use ptl_autograd::Tensor;
+use ptl_autograd::{SgdStep, Tensor};
 
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, OptimizerName, ParamGroup};
@@ -24,14 +24,12 @@ pub(crate) fn sgd_update(
     nesterov: bool,
     factor: f64,
 ) -> Result<()> {
-    ptl_autograd::no_grad(|| -> Result<()> {
-        let g = if weight_decay != 0.0 { g.add(&p.mul_scalar(weight_decay)?)? } else { g.clone() };
-        let new_buf = buf.mul_scalar(momentum)?.add(&g)?;
-        buf.copy_(&new_buf)?;
-        let upd = if nesterov { g.add(&buf.mul_scalar(momentum)?)? } else { new_buf };
-        p.copy_(&p.add(&upd.mul_scalar(-(lr * factor))?)?)?;
-        Ok(())
-    })
+    Ok(Tensor::sgd_step_composed(p, g, Some(buf), sgd_step(lr, momentum, weight_decay, nesterov, factor))?)
+}
+
+/// The step's hyperparameters as the fused and composed SGD ops take them.
+pub(crate) fn sgd_step(lr: f64, momentum: f64, weight_decay: f64, nesterov: bool, factor: f64) -> SgdStep {
+    SgdStep { weight_decay, momentum, neg_lr: -(lr * factor), nesterov }
 }
 
 /// `torch.optim.SGD(nesterov=True)` over Ultralytics' three groups [weight, bn, bias].
@@ -57,13 +55,22 @@ impl TensorUpdate for SgdUpdate {
         let mu = g.momentum.unwrap_or(0.0);
         if mu == 0.0 {
             // Plain SGD keeps no buffer.
-            return ptl_autograd::no_grad(|| -> Result<()> {
-                let gd = if g.weight_decay != 0.0 { grad.add(&p.tensor.mul_scalar(g.weight_decay)?)? } else { grad.clone() };
-                p.tensor.copy_(&p.tensor.add(&gd.mul_scalar(-g.lr)?)?)?;
-                Ok(())
-            });
+            return Ok(Tensor::sgd_step_composed(&p.tensor, grad, None, sgd_step(g.lr, 0.0, g.weight_decay, g.nesterov, 1.0))?);
         }
         let buf = state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
         sgd_update(&p.tensor, grad, &buf, g.lr, mu, g.weight_decay, g.nesterov, 1.0)
+    }
+    /// The group as one fused step ([`Tensor::sgd_step_many`]: a launch per 40 parameters on
+    /// CUDA), the bytes of [`TensorUpdate::update`] on each.
+    fn update_group(&self, g: &ParamGroup, params: &[(&NamedParam, Tensor)], state: &mut ParamStates) -> Result<()> {
+        let mu = g.momentum.unwrap_or(0.0);
+        let bufs = if mu == 0.0 {
+            Vec::new()
+        } else {
+            params.iter().map(|(p, _)| state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)).collect::<Result<Vec<_>>>()?
+        };
+        let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+            params.iter().enumerate().map(|(i, (p, grad))| (&p.tensor, grad, bufs.get(i))).collect();
+        Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, 1.0))?)
     }
 }
