@@ -113,10 +113,11 @@ impl TensorUpdate for MuSgdUpdate {
             blends.push(muon_momentum(grad, &m, mu, g.nesterov)?);
         }
         let directions = orthogonalized_updates(&blends, self.ns_precision)?;
-        // muon_apply for every parameter: the Muon step, then the SGD part as one fused step.
-        for ((p, _), o) in params.iter().zip(&directions) {
-            muon_step(&p.tensor, o, g.lr, self.muon_factor)?;
-        }
+        // muon_apply for every parameter: the Muon steps `p + (−lr·muon_factor)·o` — the composed
+        // SGD step of gradient o without decay or buffer, so one fused step too — then the SGD part.
+        let muon: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+            params.iter().zip(&directions).map(|((p, _), o)| (&p.tensor, o, None)).collect();
+        Tensor::sgd_step_many(&muon, sgd_step(g.lr, 0.0, 0.0, false, self.muon_factor))?;
         let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
             params.iter().zip(&sgd_bufs).map(|((p, grad), b)| (&p.tensor, grad, Some(b))).collect();
         Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, self.sgd_factor))?)
