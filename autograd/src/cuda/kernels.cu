@@ -949,6 +949,30 @@ extern "C" __global__ void mt_sgd_f32(const MtSgdTable t, double wd, double mu, 
     }
 }
 
+// ---- multi-tensor momentum blend (Muon) -------------------------------------------------------------
+// For up to MT_ADD f32 tensors, with the composed ops' roundings (lerp(s, e, w) = s + fma(e − s, w, 0)
+// when |w| < 0.5, else e − fma(e − s, 1 − w, 0); f1/f2 are the factors, small1/small2 the branches):
+//   m ← lerp(m, g, 1 − β);   u = nesterov ? lerp(g, m, β) : m   (u written to a fresh buffer)
+extern "C" __global__ void mt_blend_f32(const MtSgdTable t, float f1, int small1, float f2, int small2, int nesterov, float zero) {
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
+    float* M = reinterpret_cast<float*>(t.p[k]);
+    const float* G = reinterpret_cast<const float*>(t.g[k]);
+    float* U = reinterpret_cast<float*>(t.buf[k]);
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) {
+        const float m = M[i], g = G[i];
+        const float d1 = __fsub_rn(g, m);
+        const float m1 = small1 ? __fadd_rn(m, __fmaf_rn(d1, f1, zero)) : __fsub_rn(g, __fmaf_rn(d1, f1, zero));
+        M[i] = m1;
+        float u = m1;
+        if (nesterov) {
+            const float d2 = __fsub_rn(m1, g);
+            u = small2 ? __fadd_rn(g, __fmaf_rn(d2, f2, zero)) : __fsub_rn(m1, __fmaf_rn(d2, f2, zero));
+        }
+        U[i] = u;
+    }
+}
+
 // ---- instantiations ---------------------------------------------------------------------------------------
 #define FLOAT_TYPES(X) X(f32, float) X(f64, double) X(f16, __half) X(bf16, __nv_bfloat16)
 #define ALL_TYPES(X) FLOAT_TYPES(X) X(i64, i64) X(u8, u8)

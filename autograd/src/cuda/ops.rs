@@ -308,6 +308,34 @@ pub(crate) fn sgd_many(any: &CudaStorage, rows: &[(u64, u64, u64, usize)], h: cr
     Ok(())
 }
 
+/// The fused momentum blend over `(momentum, grad, out, len)` rows; see `Tensor::momentum_blend_many`.
+pub(crate) fn blend_many(any: &CudaStorage, rows: &[(u64, u64, u64, usize)], f: [(f32, bool); 2], nesterov: bool) -> Result<()> {
+    let dev = &any.buf.dev;
+    let func = dev.func("mt_blend_f32", "")?;
+    let (f1, small1, f2, small2, nest, zero) = (f[0].0, f[0].1 as i32, f[1].0, f[1].1 as i32, nesterov as i32, 0f32);
+    for chunk in rows.chunks(MT_ADD) {
+        let mut t = MtSgdTable {
+            p: [0; MT_ADD],
+            g: [0; MT_ADD],
+            buf: [0; MT_ADD],
+            len: [0; MT_ADD],
+            first_block: [0; MT_ADD + 1],
+            count: chunk.len() as u32,
+        };
+        let mut blocks = 0usize;
+        for (k, &(m, g, u, n)) in chunk.iter().enumerate() {
+            (t.p[k], t.g[k], t.buf[k], t.len[k], t.first_block[k]) =
+                (m, g, u, u32c("momentum_blend_many", n)?, u32c("momentum_blend_many", blocks)?);
+            blocks += n.div_ceil(MT_CHUNK);
+        }
+        t.first_block[chunk.len()] = u32c("momentum_blend_many", blocks)?;
+        if blocks > 0 {
+            dev.launch(func, (blocks as u32, 1, 1), (256, 1, 1), &mut args!(t, f1, small1, f2, small2, nest, zero))?;
+        }
+    }
+    Ok(())
+}
+
 /// Casts every storage to `dt`, the same bytes as [`to_dtype`] on each; f32 ↔ bf16/f16 run as one
 /// launch per 40 tensors (autocast's weight copies and their gradients), other pairs one by one.
 pub(crate) fn to_dtype_many(xs: &[&CudaStorage], dt: DType) -> Result<Vec<CudaStorage>> {

@@ -101,3 +101,100 @@ fn fused_sgd(items: &[(&Tensor, &Tensor, Option<&Tensor>)], h: SgdStep) -> Resul
     }
     Ok(())
 }
+
+/// `lerp(start, end, w)` as PyTorch computes it for f32 (`w` rounded to f32 first; the branch on
+/// |w| < 0.5 keeps both ends exact): start + (end − start)·w, or end − (end − start)·(1 − w).
+pub fn lerp(start: &Tensor, end: &Tensor, w: f64) -> Result<Tensor> {
+    let w32 = w as f32;
+    let diff = end.sub(start)?;
+    if w32.abs() < 0.5 {
+        start.add(&diff.mul_scalar(f64::from(w32))?)
+    } else {
+        end.sub(&diff.mul_scalar(f64::from(1.0f32 - w32))?)
+    }
+}
+
+/// The factor [`lerp`] multiplies by, and whether it takes the `start +` branch.
+#[cfg(feature = "cuda")]
+fn lerp_factor(w: f64) -> (f32, bool) {
+    let w32 = w as f32;
+    if w32.abs() < 0.5 {
+        (w32, true)
+    } else {
+        (1.0f32 - w32, false)
+    }
+}
+
+impl Tensor {
+    /// Muon's momentum and Nesterov blend of one tensor, in place on `momentum`:
+    /// M ← lerp(M, g, 1 − β); returns U = lerp(g, M, β) (or M's new value without Nesterov).
+    pub fn momentum_blend_composed(grad: &Tensor, momentum: &Tensor, beta: f64, nesterov: bool) -> Result<Tensor> {
+        crate::no_grad(|| -> Result<Tensor> {
+            let m = lerp(momentum, grad, 1.0 - beta)?;
+            momentum.copy_(&m)?;
+            if nesterov {
+                lerp(grad, momentum, beta)
+            } else {
+                Ok(m)
+            }
+        })
+    }
+
+    /// [`Tensor::momentum_blend_composed`] for every `(gradient, momentum)` pair, the same bytes;
+    /// on CUDA f32 pairs with their own storages run as one kernel per 40.
+    pub fn momentum_blend_many(pairs: &[(&Tensor, &Tensor)], beta: f64, nesterov: bool) -> Result<Vec<Tensor>> {
+        let mut out: Vec<Option<Tensor>> = vec![None; pairs.len()];
+        let mut fused: Vec<usize> = Vec::new();
+        for (i, &(g, m)) in pairs.iter().enumerate() {
+            if fusable(m, g, None) {
+                fused.push(i);
+            } else {
+                out[i] = Some(Tensor::momentum_blend_composed(g, m, beta, nesterov)?);
+            }
+        }
+        if !fused.is_empty() {
+            for (i, u) in fused_blend(pairs, &fused, beta, nesterov)? {
+                out[i] = Some(u);
+            }
+        }
+        out.into_iter().map(|u| u.ok_or_else(|| crate::Error::invalid("momentum_blend_many", "an item got no result"))).collect()
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
+    use crate::storage::Storage;
+    // Every element of an output is written by the kernel.
+    let outs: Vec<Tensor> = idx
+        .iter()
+        .map(|&i| {
+            let m = pairs[i].1;
+            Tensor::from_storage(Storage::uninit(m.device(), m.dtype(), m.numel())?, m.shape().clone())
+        })
+        .collect::<Result<_>>()?;
+    {
+        let ms: Vec<_> = idx.iter().map(|&i| pairs[i].1.write_storage()).collect();
+        let gs: Vec<_> = idx.iter().map(|&i| pairs[i].0.read_storage()).collect();
+        let us: Vec<_> = outs.iter().map(|u| u.write_storage()).collect();
+        let ptr = |s: &Storage| match s {
+            Storage::Cuda(c) => Some(c.device_ptr()),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        };
+        let mut rows = Vec::with_capacity(idx.len());
+        for ((m, g), u) in ms.iter().zip(&gs).zip(&us) {
+            let (Some(mp), Some(gp), Some(up)) = (ptr(m), ptr(g), ptr(u)) else {
+                return Err(crate::Error::invalid("momentum_blend_many", "a fused item is not on CUDA"));
+            };
+            rows.push((mp, gp, up, m.len()));
+        }
+        let Storage::Cuda(first) = &*ms[0] else { return Err(crate::Error::invalid("momentum_blend_many", "a fused item is not on CUDA")) };
+        crate::cuda::ops::blend_many(first, &rows, [lerp_factor(1.0 - beta), lerp_factor(beta)], nesterov)?;
+    }
+    Ok(idx.iter().copied().zip(outs).collect())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
+    idx.iter().map(|&i| Ok((i, Tensor::momentum_blend_composed(pairs[i].0, pairs[i].1, beta, nesterov)?))).collect()
+}

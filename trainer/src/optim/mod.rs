@@ -145,11 +145,5 @@ pub(crate) fn present_grad(p: &NamedParam) -> Result<Option<Tensor>> {
 /// PyTorch `lerp(start, end, w)`: `start + w·(end − start)` for |w| < 0.5, else
 /// `end − (end − start)·(1 − w)`, with `w` as a float32 scalar.
 pub(crate) fn lerp(start: &Tensor, end: &Tensor, w: f64) -> Result<Tensor> {
-    let w32 = w as f32;
-    let diff = end.sub(start)?;
-    if w32.abs() < 0.5 {
-        Ok(start.add(&diff.mul_scalar(f64::from(w32))?)?)
-    } else {
-        Ok(end.sub(&diff.mul_scalar(f64::from(1.0f32 - w32))?)?)
-    }
+    Ok(ptl_autograd::lerp(start, end, w)?)
 }

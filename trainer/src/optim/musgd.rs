@@ -6,7 +6,6 @@ use ptl_autograd::Tensor;
 
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, NsPrecision, OptimizerName, ParamGroup};
-use super::lerp;
 use super::newton_schulz::{orthogonalized_update, orthogonalized_updates};
 use super::sgd::{sgd_step, sgd_update, MOMENTUM_BUFFER};
 use super::state::{OptimizerMeta, ParamStates};
@@ -22,15 +21,7 @@ pub const SGD_FACTOR: f64 = 1.0;
 /// Muon momentum and Nesterov blend, in place on `momentum`: M ← lerp(M, g, 1−β);
 /// returns U = lerp(g, M, β) (or M without Nesterov).
 pub fn muon_momentum(grad: &Tensor, momentum: &Tensor, beta: f64, nesterov: bool) -> Result<Tensor> {
-    ptl_autograd::no_grad(|| -> Result<Tensor> {
-        let m = lerp(momentum, grad, 1.0 - beta)?;
-        momentum.copy_(&m)?;
-        if nesterov {
-            lerp(grad, momentum, beta)
-        } else {
-            Ok(m)
-        }
-    })
+    Ok(Tensor::momentum_blend_composed(grad, momentum, beta, nesterov)?)
 }
 
 /// The parameter half of a Muon-group step, in place: `p ← p − lr·muon_factor·o`, then the SGD
@@ -105,13 +96,14 @@ impl TensorUpdate for MuSgdUpdate {
                 params.iter().zip(&bufs).map(|((p, grad), b)| (&p.tensor, grad, Some(b))).collect();
             return Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, 1.0))?);
         }
-        let mut blends = Vec::with_capacity(params.len());
+        let mut momenta = Vec::with_capacity(params.len());
         let mut sgd_bufs = Vec::with_capacity(params.len());
-        for (p, grad) in params {
-            let m = state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
+        for (p, _) in params {
+            momenta.push(state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?);
             sgd_bufs.push(state.get_or_zeros(&p.name, MOMENTUM_BUFFER_SGD, &p.tensor)?);
-            blends.push(muon_momentum(grad, &m, mu, g.nesterov)?);
         }
+        let pairs: Vec<(&Tensor, &Tensor)> = params.iter().zip(&momenta).map(|((_, grad), m)| (grad, m)).collect();
+        let blends = Tensor::momentum_blend_many(&pairs, mu, g.nesterov)?;
         let directions = orthogonalized_updates(&blends, self.ns_precision)?;
         // muon_apply for every parameter: the Muon steps `p + (−lr·muon_factor)·o` — the composed
         // SGD step of gradient o without decay or buffer, so one fused step too — then the SGD part.
