@@ -973,6 +973,21 @@ extern "C" __global__ void mt_blend_f32(const MtSgdTable t, float f1, int small1
     }
 }
 
+// ---- multi-tensor lerp in place (EMA) -----------------------------------------------------------------
+// dst ← lerp(dst, src, w) for up to MT_ADD f32 tensors, with the composed ops' roundings (see
+// mt_blend_f32): dst + fma(src − dst, f, 0) when small, else src − fma(src − dst, f, 0).
+extern "C" __global__ void mt_lerp_f32(const MtTable t, float f, int small, float zero) {
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
+    float* D = reinterpret_cast<float*>(t.dst[k]);
+    const float* S = reinterpret_cast<const float*>(t.src[k]);
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) {
+        const float d = D[i], s = S[i];
+        const float diff = __fsub_rn(s, d);
+        D[i] = small ? __fadd_rn(d, __fmaf_rn(diff, f, zero)) : __fsub_rn(s, __fmaf_rn(diff, f, zero));
+    }
+}
+
 // ---- instantiations ---------------------------------------------------------------------------------------
 #define FLOAT_TYPES(X) X(f32, float) X(f64, double) X(f16, __half) X(bf16, __nv_bfloat16)
 #define ALL_TYPES(X) FLOAT_TYPES(X) X(i64, i64) X(u8, u8)

@@ -336,6 +336,27 @@ pub(crate) fn blend_many(any: &CudaStorage, rows: &[(u64, u64, u64, usize)], f: 
     Ok(())
 }
 
+/// The fused in-place lerp over `(dst, src, len)` rows; see `Tensor::lerp_many_`.
+pub(crate) fn lerp_many(any: &CudaStorage, rows: &[(u64, u64, usize)], factor: f32, small: bool) -> Result<()> {
+    let dev = &any.buf.dev;
+    let f = dev.func("mt_lerp_f32", "")?;
+    let (sm, zero) = (small as i32, 0f32);
+    for chunk in rows.chunks(MT_ADD) {
+        let mut t =
+            MtTable { dst: [0; MT_ADD], src: [0; MT_ADD], len: [0; MT_ADD], first_block: [0; MT_ADD + 1], count: chunk.len() as u32 };
+        let mut blocks = 0usize;
+        for (k, &(d, s, n)) in chunk.iter().enumerate() {
+            (t.dst[k], t.src[k], t.len[k], t.first_block[k]) = (d, s, u32c("lerp_many_", n)?, u32c("lerp_many_", blocks)?);
+            blocks += n.div_ceil(MT_CHUNK);
+        }
+        t.first_block[chunk.len()] = u32c("lerp_many_", blocks)?;
+        if blocks > 0 {
+            dev.launch(f, (blocks as u32, 1, 1), (256, 1, 1), &mut args!(t, factor, sm, zero))?;
+        }
+    }
+    Ok(())
+}
+
 /// Casts every storage to `dt`, the same bytes as [`to_dtype`] on each; f32 ↔ bf16/f16 run as one
 /// launch per 40 tensors (autocast's weight copies and their gradients), other pairs one by one.
 pub(crate) fn to_dtype_many(xs: &[&CudaStorage], dt: DType) -> Result<Vec<CudaStorage>> {

@@ -116,7 +116,7 @@ pub fn lerp(start: &Tensor, end: &Tensor, w: f64) -> Result<Tensor> {
 
 /// The factor [`lerp`] multiplies by, and whether it takes the `start +` branch.
 #[cfg(feature = "cuda")]
-fn lerp_factor(w: f64) -> (f32, bool) {
+pub(crate) fn lerp_factor(w: f64) -> (f32, bool) {
     let w32 = w as f32;
     if w32.abs() < 0.5 {
         (w32, true)
@@ -197,4 +197,51 @@ fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov:
 #[cfg(not(feature = "cuda"))]
 fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
     idx.iter().map(|&i| Ok((i, Tensor::momentum_blend_composed(pairs[i].0, pairs[i].1, beta, nesterov)?))).collect()
+}
+
+impl Tensor {
+    /// `dst.copy_(&lerp(dst, src, w))` for every pair (an EMA update), the same bytes; on CUDA f32
+    /// pairs with their own storages run as one kernel per 40.
+    pub fn lerp_many_(pairs: &[(&Tensor, &Tensor)], w: f64) -> Result<()> {
+        let mut fused: Vec<(&Tensor, &Tensor)> = Vec::new();
+        for &(d, s) in pairs {
+            if fusable(d, s, None) {
+                fused.push((d, s));
+            } else {
+                crate::no_grad(|| d.copy_(&lerp(d, s, w)?))?;
+            }
+        }
+        fused_lerp(&fused, w)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn fused_lerp(pairs: &[(&Tensor, &Tensor)], w: f64) -> Result<()> {
+    use crate::storage::Storage;
+    if pairs.is_empty() {
+        return Ok(());
+    }
+    let ds: Vec<_> = pairs.iter().map(|(d, _)| d.write_storage()).collect();
+    let ss: Vec<_> = pairs.iter().map(|(_, s)| s.read_storage()).collect();
+    let ptr = |s: &Storage| match s {
+        Storage::Cuda(c) => Some(c.device_ptr()),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    };
+    let mut rows = Vec::with_capacity(pairs.len());
+    for (d, s) in ds.iter().zip(&ss) {
+        let (Some(dp), Some(sp)) = (ptr(d), ptr(s)) else { return Err(crate::Error::invalid("lerp_many_", "a fused item is not on CUDA")) };
+        rows.push((dp, sp, d.len()));
+    }
+    let Storage::Cuda(first) = &*ds[0] else { return Err(crate::Error::invalid("lerp_many_", "a fused item is not on CUDA")) };
+    let (f, small) = lerp_factor(w);
+    crate::cuda::ops::lerp_many(first, &rows, f, small)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_lerp(pairs: &[(&Tensor, &Tensor)], w: f64) -> Result<()> {
+    for &(d, s) in pairs {
+        crate::no_grad(|| d.copy_(&lerp(d, s, w)?))?;
+    }
+    Ok(())
 }
