@@ -21,8 +21,9 @@ impl Tensor {
     /// items with their own storages run as one kernel per 40, the others composed.
     pub fn sgd_step_many(items: &[(&Tensor, &Tensor, Option<&Tensor>)], h: SgdStep) -> Result<()> {
         let mut fused: Vec<(&Tensor, &Tensor, Option<&Tensor>)> = Vec::new();
+        let mut seen = Storages::default();
         for &(p, g, b) in items {
-            if fusable(p, g, b) {
+            if fusable(p, g, b) && seen.all_new(&[Some(p), Some(g), b]) {
                 fused.push((p, g, b));
             } else {
                 Tensor::sgd_step_composed(p, g, b, h)?;
@@ -49,6 +50,23 @@ impl Tensor {
             };
             p.copy_(&p.add(&upd.mul_scalar(h.neg_lr)?)?)
         })
+    }
+}
+
+/// The storages a fused launch already holds: an item that shares one runs composed (a launch
+/// locks every storage once, and a kernel item must not alias another's).
+#[derive(Default)]
+struct Storages(std::collections::HashSet<usize>);
+
+impl Storages {
+    /// Whether none of `ts` is held yet; if so they are held from now on.
+    fn all_new(&mut self, ts: &[Option<&Tensor>]) -> bool {
+        let ptrs: Vec<usize> = ts.iter().flatten().map(|t| t.storage_ptr()).collect();
+        if ptrs.iter().any(|p| self.0.contains(p)) {
+            return false;
+        }
+        self.0.extend(ptrs);
+        true
     }
 }
 
@@ -145,8 +163,9 @@ impl Tensor {
     pub fn momentum_blend_many(pairs: &[(&Tensor, &Tensor)], beta: f64, nesterov: bool) -> Result<Vec<Tensor>> {
         let mut out: Vec<Option<Tensor>> = vec![None; pairs.len()];
         let mut fused: Vec<usize> = Vec::new();
+        let mut seen = Storages::default();
         for (i, &(g, m)) in pairs.iter().enumerate() {
-            if fusable(m, g, None) {
+            if fusable(m, g, None) && seen.all_new(&[Some(m), Some(g)]) {
                 fused.push(i);
             } else {
                 out[i] = Some(Tensor::momentum_blend_composed(g, m, beta, nesterov)?);
@@ -204,8 +223,9 @@ impl Tensor {
     /// pairs with their own storages run as one kernel per 40.
     pub fn lerp_many_(pairs: &[(&Tensor, &Tensor)], w: f64) -> Result<()> {
         let mut fused: Vec<(&Tensor, &Tensor)> = Vec::new();
+        let mut seen = Storages::default();
         for &(d, s) in pairs {
-            if fusable(d, s, None) {
+            if fusable(d, s, None) && seen.all_new(&[Some(d), Some(s)]) {
                 fused.push((d, s));
             } else {
                 crate::no_grad(|| d.copy_(&lerp(d, s, w)?))?;
