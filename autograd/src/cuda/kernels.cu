@@ -857,15 +857,15 @@ INST_BCV(f16, __half)
 INST_BCV(bf16, __nv_bfloat16)
 
 // ---- multi-tensor accumulate and cast ----------------------------------------------------------------
-// dst_k[i] += src_k[i] for up to MT_ADD same-dtype tensors in one launch — gradient accumulation
+// dst_k[i] += src_k[i] (ptr[0], ptr[1]) for up to MT_ADD same-dtype tensors in one launch — gradient accumulation
 // into many parameters without a launch each. The table travels in the kernel parameters (graph
 // capture keeps it); block b works on chunk b − first_block[k] of the tensor k whose block range
 // holds b. The sum is the one binary add computes (same bytes).
 #define MT_ADD 40
 #define MT_CHUNK 2048
+// Up to three operand arrays per tensor (which one means what is each kernel's own).
 struct MtTable {
-    unsigned long long dst[MT_ADD];
-    unsigned long long src[MT_ADD];
+    unsigned long long ptr[3][MT_ADD];
     u32 len[MT_ADD];
     u32 first_block[MT_ADD + 1];
     u32 count;
@@ -885,8 +885,8 @@ __device__ void mt_add_k(const MtTable& t) {
     typedef typename Acc<T>::type A;
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
-    T* d = reinterpret_cast<T*>(t.dst[k]);
-    const T* s = reinterpret_cast<const T*>(t.src[k]);
+    T* d = reinterpret_cast<T*>(t.ptr[0][k]);
+    const T* s = reinterpret_cast<const T*>(t.ptr[1][k]);
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = store<T, A>(to_acc(d[i]) + to_acc(s[i]));
 }
 #define INST_MT(name, T) \
@@ -904,8 +904,8 @@ template <typename S, typename D>
 __device__ void mt_cast_k(const MtTable& t) {
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
-    D* d = reinterpret_cast<D*>(t.dst[k]);
-    const S* s = reinterpret_cast<const S*>(t.src[k]);
+    D* d = reinterpret_cast<D*>(t.ptr[0][k]);
+    const S* s = reinterpret_cast<const S*>(t.ptr[1][k]);
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = mt_conv<S, D>(s[i]);
 }
 extern "C" __global__ void mt_cast_f32_bf16(const MtTable t) { mt_cast_k<float, __nv_bfloat16>(t); }
@@ -921,20 +921,12 @@ extern "C" __global__ void mt_cast_f16_f32(const MtTable t) { mt_cast_k<__half, 
 //   b  = fma(b, μ, 0) + g'            (when has_buf; the buffer is written back)
 //   u  = nesterov ? g' + fma(b, μ, 0) : b     (u = g' without a buffer)
 //   p  = p + fma(u, −lr·factor, 0)
-struct MtSgdTable {
-    unsigned long long p[MT_ADD];
-    unsigned long long g[MT_ADD];
-    unsigned long long buf[MT_ADD];
-    u32 len[MT_ADD];
-    u32 first_block[MT_ADD + 1];
-    u32 count;
-};
-extern "C" __global__ void mt_sgd_f32(const MtSgdTable t, double wd, double mu, double nlr, float zero, int has_wd, int has_buf, int nesterov) {
+extern "C" __global__ void mt_sgd_f32(const MtTable t, double wd, double mu, double nlr, float zero, int has_wd, int has_buf, int nesterov) {
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
-    float* P = reinterpret_cast<float*>(t.p[k]);
-    const float* G = reinterpret_cast<const float*>(t.g[k]);
-    float* B = reinterpret_cast<float*>(t.buf[k]);
+    float* P = reinterpret_cast<float*>(t.ptr[0][k]);
+    const float* G = reinterpret_cast<const float*>(t.ptr[1][k]);
+    float* B = reinterpret_cast<float*>(t.ptr[2][k]);
     const float fwd = (float)wd, fmu = (float)mu, fnlr = (float)nlr;
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) {
         const float p = P[i];
@@ -953,12 +945,12 @@ extern "C" __global__ void mt_sgd_f32(const MtSgdTable t, double wd, double mu, 
 // For up to MT_ADD f32 tensors, with the composed ops' roundings (lerp(s, e, w) = s + fma(e − s, w, 0)
 // when |w| < 0.5, else e − fma(e − s, 1 − w, 0); f1/f2 are the factors, small1/small2 the branches):
 //   m ← lerp(m, g, 1 − β);   u = nesterov ? lerp(g, m, β) : m   (u written to a fresh buffer)
-extern "C" __global__ void mt_blend_f32(const MtSgdTable t, float f1, int small1, float f2, int small2, int nesterov, float zero) {
+extern "C" __global__ void mt_blend_f32(const MtTable t, float f1, int small1, float f2, int small2, int nesterov, float zero) {
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
-    float* M = reinterpret_cast<float*>(t.p[k]);
-    const float* G = reinterpret_cast<const float*>(t.g[k]);
-    float* U = reinterpret_cast<float*>(t.buf[k]);
+    float* M = reinterpret_cast<float*>(t.ptr[0][k]);
+    const float* G = reinterpret_cast<const float*>(t.ptr[1][k]);
+    float* U = reinterpret_cast<float*>(t.ptr[2][k]);
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) {
         const float m = M[i], g = G[i];
         const float d1 = __fsub_rn(g, m);
@@ -979,8 +971,8 @@ extern "C" __global__ void mt_blend_f32(const MtSgdTable t, float f1, int small1
 extern "C" __global__ void mt_lerp_f32(const MtTable t, float f, int small, float zero) {
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
-    float* D = reinterpret_cast<float*>(t.dst[k]);
-    const float* S = reinterpret_cast<const float*>(t.src[k]);
+    float* D = reinterpret_cast<float*>(t.ptr[0][k]);
+    const float* S = reinterpret_cast<const float*>(t.ptr[1][k]);
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) {
         const float d = D[i], s = S[i];
         const float diff = __fsub_rn(s, d);

@@ -211,15 +211,37 @@ pub(crate) fn add_assign(dst: &mut CudaStorage, src: &CudaStorage) -> Result<()>
 const MT_ADD: usize = 40;
 const MT_CHUNK: usize = 2048;
 
-/// The kernel-parameter table of `mt_add` / `mt_cast` (layout of `MtTable` in kernels.cu).
+/// The kernel-parameter table of the multi-tensor kernels (layout of `MtTable` in kernels.cu):
+/// up to three operand addresses per tensor, its length and first block.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct MtTable {
-    dst: [u64; MT_ADD],
-    src: [u64; MT_ADD],
+    ptr: [[u64; MT_ADD]; 3],
     len: [u32; MT_ADD],
     first_block: [u32; MT_ADD + 1],
     count: u32,
+}
+
+/// The tables for `rows` (operand addresses, length) in chunks of 40, each with its block count
+/// (tables without a block are left out).
+fn mt_tables(op: &'static str, rows: &[([u64; 3], usize)]) -> Result<Vec<(MtTable, u32)>> {
+    let mut out = Vec::with_capacity(rows.len().div_ceil(MT_ADD));
+    for chunk in rows.chunks(MT_ADD) {
+        let mut t = MtTable { ptr: [[0; MT_ADD]; 3], len: [0; MT_ADD], first_block: [0; MT_ADD + 1], count: chunk.len() as u32 };
+        let mut blocks = 0usize;
+        for (k, &(ptrs, n)) in chunk.iter().enumerate() {
+            for (a, &p) in ptrs.iter().enumerate() {
+                t.ptr[a][k] = p;
+            }
+            (t.len[k], t.first_block[k]) = (u32c(op, n)?, u32c(op, blocks)?);
+            blocks += n.div_ceil(MT_CHUNK);
+        }
+        t.first_block[chunk.len()] = u32c(op, blocks)?;
+        if blocks > 0 {
+            out.push((t, blocks as u32));
+        }
+    }
+    Ok(out)
 }
 
 /// `dst[i] += src[i]` for every pair, the same bytes as [`add_assign`] on each, with one launch per
@@ -249,110 +271,47 @@ pub(crate) fn add_assign_many(pairs: &mut [(&mut CudaStorage, &CudaStorage)]) ->
     Ok(())
 }
 
-/// Launches a multi-tensor kernel over `(dst, src, len)` items, 40 tensors per launch.
+/// Launches a table-only multi-tensor kernel (`mt_add`, `mt_cast`) over `(dst, src, len)` items.
 fn launch_multi_tensor(dev: &super::device::Dev, f: cudarc::driver::sys::CUfunction, items: &[(u64, u64, usize)]) -> Result<()> {
-    for chunk in items.chunks(MT_ADD) {
-        let mut t =
-            MtTable { dst: [0; MT_ADD], src: [0; MT_ADD], len: [0; MT_ADD], first_block: [0; MT_ADD + 1], count: chunk.len() as u32 };
-        let mut blocks = 0usize;
-        for (k, &(d, s, n)) in chunk.iter().enumerate() {
-            (t.dst[k], t.src[k], t.len[k], t.first_block[k]) = (d, s, u32c("multi-tensor", n)?, u32c("multi-tensor", blocks)?);
-            blocks += n.div_ceil(MT_CHUNK);
-        }
-        t.first_block[chunk.len()] = u32c("multi-tensor", blocks)?;
-        if blocks > 0 {
-            dev.launch(f, (blocks as u32, 1, 1), (256, 1, 1), &mut args!(t))?;
-        }
+    let rows: Vec<([u64; 3], usize)> = items.iter().map(|&(d, s, n)| ([d, s, 0], n)).collect();
+    for (t, blocks) in mt_tables("multi-tensor", &rows)? {
+        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t))?;
     }
     Ok(())
 }
 
-/// The kernel-parameter table of `mt_sgd_f32` (layout of `MtSgdTable` in kernels.cu).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MtSgdTable {
-    p: [u64; MT_ADD],
-    g: [u64; MT_ADD],
-    buf: [u64; MT_ADD],
-    len: [u32; MT_ADD],
-    first_block: [u32; MT_ADD + 1],
-    count: u32,
-}
-
-/// One fused SGD step over `(param, grad, buffer, len)` rows of f32 device memory (buffer 0 when
+/// One fused SGD step over `([param, grad, buffer], len)` rows of f32 device memory (buffer 0 when
 /// `with_buf` is false); see `Tensor::sgd_step_many`. `any` names the device.
-pub(crate) fn sgd_many(any: &CudaStorage, rows: &[(u64, u64, u64, usize)], h: crate::ops::optim::SgdStep, with_buf: bool) -> Result<()> {
+pub(crate) fn sgd_many(any: &CudaStorage, rows: &[([u64; 3], usize)], h: crate::ops::optim::SgdStep, with_buf: bool) -> Result<()> {
     let dev = &any.buf.dev;
     let f = dev.func("mt_sgd_f32", "")?;
     let (wd, mu, nlr, zero) = (h.weight_decay, h.momentum, h.neg_lr, 0f32);
     let (has_wd, has_buf, nesterov) = ((h.weight_decay != 0.0) as i32, with_buf as i32, h.nesterov as i32);
-    for chunk in rows.chunks(MT_ADD) {
-        let mut t = MtSgdTable {
-            p: [0; MT_ADD],
-            g: [0; MT_ADD],
-            buf: [0; MT_ADD],
-            len: [0; MT_ADD],
-            first_block: [0; MT_ADD + 1],
-            count: chunk.len() as u32,
-        };
-        let mut blocks = 0usize;
-        for (k, &(p, g, b, n)) in chunk.iter().enumerate() {
-            (t.p[k], t.g[k], t.buf[k], t.len[k], t.first_block[k]) = (p, g, b, u32c("sgd_step_many", n)?, u32c("sgd_step_many", blocks)?);
-            blocks += n.div_ceil(MT_CHUNK);
-        }
-        t.first_block[chunk.len()] = u32c("sgd_step_many", blocks)?;
-        if blocks > 0 {
-            dev.launch(f, (blocks as u32, 1, 1), (256, 1, 1), &mut args!(t, wd, mu, nlr, zero, has_wd, has_buf, nesterov))?;
-        }
+    for (t, blocks) in mt_tables("sgd_step_many", rows)? {
+        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, wd, mu, nlr, zero, has_wd, has_buf, nesterov))?;
     }
     Ok(())
 }
 
-/// The fused momentum blend over `(momentum, grad, out, len)` rows; see `Tensor::momentum_blend_many`.
-pub(crate) fn blend_many(any: &CudaStorage, rows: &[(u64, u64, u64, usize)], f: [(f32, bool); 2], nesterov: bool) -> Result<()> {
+/// The fused momentum blend over `([momentum, grad, out], len)` rows; see
+/// `Tensor::momentum_blend_many`.
+pub(crate) fn blend_many(any: &CudaStorage, rows: &[([u64; 3], usize)], f: [(f32, bool); 2], nesterov: bool) -> Result<()> {
     let dev = &any.buf.dev;
     let func = dev.func("mt_blend_f32", "")?;
     let (f1, small1, f2, small2, nest, zero) = (f[0].0, f[0].1 as i32, f[1].0, f[1].1 as i32, nesterov as i32, 0f32);
-    for chunk in rows.chunks(MT_ADD) {
-        let mut t = MtSgdTable {
-            p: [0; MT_ADD],
-            g: [0; MT_ADD],
-            buf: [0; MT_ADD],
-            len: [0; MT_ADD],
-            first_block: [0; MT_ADD + 1],
-            count: chunk.len() as u32,
-        };
-        let mut blocks = 0usize;
-        for (k, &(m, g, u, n)) in chunk.iter().enumerate() {
-            (t.p[k], t.g[k], t.buf[k], t.len[k], t.first_block[k]) =
-                (m, g, u, u32c("momentum_blend_many", n)?, u32c("momentum_blend_many", blocks)?);
-            blocks += n.div_ceil(MT_CHUNK);
-        }
-        t.first_block[chunk.len()] = u32c("momentum_blend_many", blocks)?;
-        if blocks > 0 {
-            dev.launch(func, (blocks as u32, 1, 1), (256, 1, 1), &mut args!(t, f1, small1, f2, small2, nest, zero))?;
-        }
+    for (t, blocks) in mt_tables("momentum_blend_many", rows)? {
+        dev.launch(func, (blocks, 1, 1), (256, 1, 1), &mut args!(t, f1, small1, f2, small2, nest, zero))?;
     }
     Ok(())
 }
 
-/// The fused in-place lerp over `(dst, src, len)` rows; see `Tensor::lerp_many_`.
-pub(crate) fn lerp_many(any: &CudaStorage, rows: &[(u64, u64, usize)], factor: f32, small: bool) -> Result<()> {
+/// The fused in-place lerp over `([dst, src, 0], len)` rows; see `Tensor::lerp_many_`.
+pub(crate) fn lerp_many(any: &CudaStorage, rows: &[([u64; 3], usize)], factor: f32, small: bool) -> Result<()> {
     let dev = &any.buf.dev;
     let f = dev.func("mt_lerp_f32", "")?;
     let (sm, zero) = (small as i32, 0f32);
-    for chunk in rows.chunks(MT_ADD) {
-        let mut t =
-            MtTable { dst: [0; MT_ADD], src: [0; MT_ADD], len: [0; MT_ADD], first_block: [0; MT_ADD + 1], count: chunk.len() as u32 };
-        let mut blocks = 0usize;
-        for (k, &(d, s, n)) in chunk.iter().enumerate() {
-            (t.dst[k], t.src[k], t.len[k], t.first_block[k]) = (d, s, u32c("lerp_many_", n)?, u32c("lerp_many_", blocks)?);
-            blocks += n.div_ceil(MT_CHUNK);
-        }
-        t.first_block[chunk.len()] = u32c("lerp_many_", blocks)?;
-        if blocks > 0 {
-            dev.launch(f, (blocks as u32, 1, 1), (256, 1, 1), &mut args!(t, factor, sm, zero))?;
-        }
+    for (t, blocks) in mt_tables("lerp_many_", rows)? {
+        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, factor, sm, zero))?;
     }
     Ok(())
 }

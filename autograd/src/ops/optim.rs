@@ -83,33 +83,52 @@ fn fusable(p: &Tensor, g: &Tensor, b: Option<&Tensor>) -> bool {
 
 #[cfg(feature = "cuda")]
 fn fused_sgd(items: &[(&Tensor, &Tensor, Option<&Tensor>)], h: SgdStep) -> Result<()> {
-    use crate::storage::Storage;
     // Items with and without a buffer take different kernel flags.
     for with_buf in [true, false] {
-        let part: Vec<_> = items.iter().filter(|(_, _, b)| b.is_some() == with_buf).collect();
-        if part.is_empty() {
-            continue;
+        let part: Vec<[Option<&Tensor>; 3]> =
+            items.iter().filter(|(_, _, b)| b.is_some() == with_buf).map(|&(p, g, b)| [Some(p), Some(g), b]).collect();
+        if !part.is_empty() {
+            on_device_rows("sgd_step_many", &part, [true, false, true], |dev, rows| crate::cuda::ops::sgd_many(dev, rows, h, with_buf))?;
         }
-        let ps: Vec<_> = part.iter().map(|(p, _, _)| p.write_storage()).collect();
-        let gs: Vec<_> = part.iter().map(|(_, g, _)| g.read_storage()).collect();
-        let bs: Vec<_> = part.iter().filter_map(|(_, _, b)| b.map(|b| b.write_storage())).collect();
-        let cuda = |s: &Storage| match s {
-            Storage::Cuda(c) => Some(c.device_ptr()),
-            #[allow(unreachable_patterns)]
-            _ => None,
-        };
-        let mut rows: Vec<(u64, u64, u64, usize)> = Vec::with_capacity(part.len());
-        for (i, ((p, g), _)) in ps.iter().zip(&gs).zip(&part).enumerate() {
-            let (Some(pp), Some(gp)) = (cuda(p), cuda(g)) else {
-                return Err(crate::Error::invalid("sgd_step_many", "a fused item is not on CUDA"));
-            };
-            let bp = if with_buf { bs.get(i).and_then(|b| cuda(b)).unwrap_or(0) } else { 0 };
-            rows.push((pp, gp, bp, p.len()));
-        }
-        let Storage::Cuda(first) = &*ps[0] else { return Err(crate::Error::invalid("sgd_step_many", "a fused item is not on CUDA")) };
-        crate::cuda::ops::sgd_many(first, &rows, h, with_buf)?;
     }
     Ok(())
+}
+
+/// Runs `launch` with the device addresses of `items` (up to three operands each; `written` says
+/// which operand slots the kernel writes, locked for writing) and the first operand's length,
+/// holding every storage's lock until it returns. `items` are fusable CUDA tensors.
+#[cfg(feature = "cuda")]
+fn on_device_rows(
+    op: &'static str,
+    items: &[[Option<&Tensor>; 3]],
+    written: [bool; 3],
+    launch: impl FnOnce(&crate::cuda::CudaStorage, &[([u64; 3], usize)]) -> Result<()>,
+) -> Result<()> {
+    use crate::storage::Storage;
+    use std::ops::Deref;
+    let mut held: Vec<Box<dyn Deref<Target = Storage> + '_>> = Vec::new();
+    let mut rows = Vec::with_capacity(items.len());
+    for item in items {
+        let mut ptrs = [0u64; 3];
+        let mut len = 0;
+        for (slot, t) in item.iter().enumerate() {
+            let Some(t) = t else { continue };
+            let guard: Box<dyn Deref<Target = Storage>> =
+                if written[slot] { Box::new(t.write_storage()) } else { Box::new(t.read_storage()) };
+            let Storage::Cuda(c) = &**guard else { return Err(crate::Error::invalid(op, "a fused item is not on CUDA")) };
+            ptrs[slot] = c.device_ptr();
+            if slot == 0 {
+                len = guard.len();
+            }
+            held.push(guard);
+        }
+        rows.push((ptrs, len));
+    }
+    match held.first().map(|g| &***g) {
+        Some(Storage::Cuda(first)) => launch(first, &rows),
+        Some(_) => Err(crate::Error::invalid(op, "a fused item is not on CUDA")),
+        None => Ok(()),
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -191,25 +210,11 @@ fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov:
             Tensor::from_storage(Storage::uninit(m.device(), m.dtype(), m.numel())?, m.shape().clone())
         })
         .collect::<Result<_>>()?;
-    {
-        let ms: Vec<_> = idx.iter().map(|&i| pairs[i].1.write_storage()).collect();
-        let gs: Vec<_> = idx.iter().map(|&i| pairs[i].0.read_storage()).collect();
-        let us: Vec<_> = outs.iter().map(|u| u.write_storage()).collect();
-        let ptr = |s: &Storage| match s {
-            Storage::Cuda(c) => Some(c.device_ptr()),
-            #[allow(unreachable_patterns)]
-            _ => None,
-        };
-        let mut rows = Vec::with_capacity(idx.len());
-        for ((m, g), u) in ms.iter().zip(&gs).zip(&us) {
-            let (Some(mp), Some(gp), Some(up)) = (ptr(m), ptr(g), ptr(u)) else {
-                return Err(crate::Error::invalid("momentum_blend_many", "a fused item is not on CUDA"));
-            };
-            rows.push((mp, gp, up, m.len()));
-        }
-        let Storage::Cuda(first) = &*ms[0] else { return Err(crate::Error::invalid("momentum_blend_many", "a fused item is not on CUDA")) };
-        crate::cuda::ops::blend_many(first, &rows, [lerp_factor(1.0 - beta), lerp_factor(beta)], nesterov)?;
-    }
+    let items: Vec<[Option<&Tensor>; 3]> = idx.iter().zip(&outs).map(|(&i, u)| [Some(pairs[i].1), Some(pairs[i].0), Some(u)]).collect();
+    let factors = [lerp_factor(1.0 - beta), lerp_factor(beta)];
+    on_device_rows("momentum_blend_many", &items, [true, false, true], |dev, rows| {
+        crate::cuda::ops::blend_many(dev, rows, factors, nesterov)
+    })?;
     Ok(idx.iter().copied().zip(outs).collect())
 }
 
@@ -237,25 +242,9 @@ impl Tensor {
 
 #[cfg(feature = "cuda")]
 fn fused_lerp(pairs: &[(&Tensor, &Tensor)], w: f64) -> Result<()> {
-    use crate::storage::Storage;
-    if pairs.is_empty() {
-        return Ok(());
-    }
-    let ds: Vec<_> = pairs.iter().map(|(d, _)| d.write_storage()).collect();
-    let ss: Vec<_> = pairs.iter().map(|(_, s)| s.read_storage()).collect();
-    let ptr = |s: &Storage| match s {
-        Storage::Cuda(c) => Some(c.device_ptr()),
-        #[allow(unreachable_patterns)]
-        _ => None,
-    };
-    let mut rows = Vec::with_capacity(pairs.len());
-    for (d, s) in ds.iter().zip(&ss) {
-        let (Some(dp), Some(sp)) = (ptr(d), ptr(s)) else { return Err(crate::Error::invalid("lerp_many_", "a fused item is not on CUDA")) };
-        rows.push((dp, sp, d.len()));
-    }
-    let Storage::Cuda(first) = &*ds[0] else { return Err(crate::Error::invalid("lerp_many_", "a fused item is not on CUDA")) };
+    let items: Vec<[Option<&Tensor>; 3]> = pairs.iter().map(|&(d, s)| [Some(d), Some(s), None]).collect();
     let (f, small) = lerp_factor(w);
-    crate::cuda::ops::lerp_many(first, &rows, f, small)
+    on_device_rows("lerp_many_", &items, [true, false, false], |dev, rows| crate::cuda::ops::lerp_many(dev, rows, f, small))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -5,9 +5,9 @@ use ptl_autograd::Tensor;
 
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, OptimizerName, ParamGroup};
-use super::lerp;
 use super::state::ParamStates;
 use crate::error::Result;
+use ptl_autograd::lerp;
 
 pub const EXP_AVG: &str = "exp_avg";
 pub const EXP_AVG_SQ: &str = "exp_avg_sq";

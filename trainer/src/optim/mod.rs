@@ -141,9 +141,3 @@ pub(crate) fn present_grad(p: &NamedParam) -> Result<Option<Tensor>> {
     }
     Ok(Some(g))
 }
-
-/// PyTorch `lerp(start, end, w)`: `start + w·(end − start)` for |w| < 0.5, else
-/// `end − (end − start)·(1 − w)`, with `w` as a float32 scalar.
-pub(crate) fn lerp(start: &Tensor, end: &Tensor, w: f64) -> Result<Tensor> {
-    Ok(ptl_autograd::lerp(start, end, w)?)
-}

@@ -109,14 +109,13 @@ pub fn newton_schulz5_many(gs: &[Tensor], precision: NsPrecision) -> Result<Vec<
     let n = gs.len();
     let wd = work_dtype(precision);
     ptl_autograd::no_grad(|| -> Result<Vec<Tensor>> {
-        let stacked: Vec<Tensor> = gs.iter().map(|g| g.unsqueeze(0)).collect::<std::result::Result<_, _>>()?;
-        let x = Tensor::cat(&stacked.iter().collect::<Vec<_>>(), 0)?.to_dtype(wd)?;
+        let xs: Vec<Tensor> = gs.iter().map(|g| g.to_dtype(wd)).collect::<std::result::Result<_, _>>()?;
         // Each norm as newton_schulz5 takes it (one sum over the whole matrix: a batched
         // reduction over two dimensions sums in another order and moved f32 results).
-        let norms = gs
-            .iter()
-            .map(|g| -> Result<Tensor> { Ok(frobenius_norm(&g.to_dtype(wd)?)?.reshape(vec![1, 1, 1])?) })
-            .collect::<Result<Vec<Tensor>>>()?;
+        let norms =
+            xs.iter().map(|x| -> Result<Tensor> { Ok(frobenius_norm(x)?.reshape(vec![1, 1, 1])?) }).collect::<Result<Vec<Tensor>>>()?;
+        let stacked: Vec<Tensor> = xs.iter().map(|x| x.unsqueeze(0)).collect::<std::result::Result<_, _>>()?;
+        let x = Tensor::cat(&stacked.iter().collect::<Vec<_>>(), 0)?;
         let norm = Tensor::cat(&norms.iter().collect::<Vec<_>>(), 0)?;
         let x = iterate(x, &norm)?.to_dtype(dtype)?;
         (0..n).map(|i| Ok(x.narrow(0, i, 1)?.squeeze(0)?)).collect()
