@@ -16,17 +16,7 @@ fn cuda_replay_equals_native_in_every_precision() {
     let Some(dev) = gpu() else { return };
     assert_eq!((PieceReplay::FEATURE, PieceReplay::STEM), ("feature", "stem"));
     let dir = std::env::temp_dir().join(format!("ptl-cuda-replay-{}", std::process::id()));
-    let data = ptl_data::synth_generate(&ptl_data::SynthOptions {
-        out: dir.join("ds"),
-        train: 40,
-        background: 10,
-        val: 4,
-        imgsz: 64,
-        seed: 5,
-        ..Default::default()
-    })
-    .expect("dataset")
-    .yaml;
+    let data = ptl_test_support::pose_dataset(&dir, 40, 10);
     for precision in [Precision::F32, Precision::Bf16Mixed, Precision::F16Mixed] {
         let run = |replay: &[&str]| {
             let cfg = PoseTrainConfig {

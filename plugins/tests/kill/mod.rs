@@ -71,17 +71,7 @@ pub fn killed_and_resumed_ends_with_the_native_hashes(test: &str, tag: &str, dev
     use std::time::{Duration, Instant};
     let root = std::env::temp_dir().join(format!("ptl-{tag}-kill-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
-    let data = ptl_data::synth_generate(&ptl_data::SynthOptions {
-        out: root.join("ds"),
-        train: 16,
-        background: 4,
-        val: 4,
-        imgsz: 64,
-        seed: 5,
-        ..Default::default()
-    })
-    .expect("dataset")
-    .yaml;
+    let data = ptl_test_support::pose_dataset(&root, 16, 4);
     let summary = |save: &std::path::Path| -> ptl_trainer::fit::RunSummary {
         let p = save.join("summary.json");
         serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).expect("summary")

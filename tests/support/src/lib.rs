@@ -54,3 +54,10 @@ pub fn tiny_dataset() -> PathBuf {
     })
     .clone()
 }
+
+/// A 64 px synthetic pose dataset of `train` images (`background` of them empty) and 4 validation
+/// images in `dir/ds`, seed 5: the CUDA replay and kill-and-resume fits' data; its `data.yaml`.
+pub fn pose_dataset(dir: &Path, train: usize, background: usize) -> PathBuf {
+    let opts = ptl_data::SynthOptions { out: dir.join("ds"), train, background, val: 4, imgsz: 64, seed: 5, ..Default::default() };
+    ptl_data::synth_generate(&opts).expect("synthetic dataset").yaml
+}
