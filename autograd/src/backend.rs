@@ -219,6 +219,26 @@ pub trait BackendStorage: Sized {
         eps: f64,
         momentum: f64,
     ) -> Result<(Self, Self)>;
+    /// [`Self::batch_norm_train_stats`] followed by [`Self::channel_affine`] with its `aff`:
+    /// returns `(y, aff, nrm)`. A backend may do both in fewer passes; the bytes must be those of
+    /// the two calls.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_train_apply(
+        &self,
+        shape: &[usize],
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        batches: Option<&mut Self>,
+        eps: f64,
+        momentum: f64,
+        silu: bool,
+    ) -> Result<(Self, Self, Self)> {
+        let (aff, nrm) = self.batch_norm_train_stats(shape, weight, bias, running_mean, running_var, batches, eps, momentum)?;
+        let y = self.channel_affine(shape, &aff, silu)?;
+        Ok((y, aff, nrm))
+    }
     /// `y = act(x·p[c] + p[C + c])` over a contiguous NCHW tensor with `p` = `[scale; C] ++ [shift; C]`
     /// (statistics dtype); `act` is SiLU when `silu`, else identity. Output in the input dtype.
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self>;

@@ -339,6 +339,45 @@ impl Storage {
             (x, w, b, _, _, _) => Err(mismatch3("batch_norm_train_stats", x, w, b)),
         }
     }
+    /// See [`BackendStorage::batch_norm_train_apply`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_train_apply(
+        &self,
+        shape: &[usize],
+        w: &Storage,
+        b: &Storage,
+        rm: &mut Storage,
+        rv: &mut Storage,
+        batches: Option<&mut Storage>,
+        eps: f64,
+        momentum: f64,
+        silu: bool,
+    ) -> Result<(Storage, Storage, Storage)> {
+        match (self, w, b, rm, rv, batches) {
+            (Storage::Cpu(x), Storage::Cpu(w), Storage::Cpu(b), Storage::Cpu(rm), Storage::Cpu(rv), nb) => {
+                let nb = match nb {
+                    None => None,
+                    Some(Storage::Cpu(s)) => Some(s),
+                    #[allow(unreachable_patterns)]
+                    Some(s) => return Err(Error::DeviceMismatch { op: "batch_norm_train_apply", lhs: Device::Cpu, rhs: s.device() }),
+                };
+                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu)?;
+                Ok((Storage::Cpu(y), Storage::Cpu(a), Storage::Cpu(n)))
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(x), Storage::Cuda(w), Storage::Cuda(b), Storage::Cuda(rm), Storage::Cuda(rv), nb) => {
+                let nb = match nb {
+                    None => None,
+                    Some(Storage::Cuda(s)) => Some(s),
+                    Some(s) => return Err(Error::DeviceMismatch { op: "batch_norm_train_apply", lhs: x.device(), rhs: s.device() }),
+                };
+                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu)?;
+                Ok((Storage::Cuda(y), Storage::Cuda(a), Storage::Cuda(n)))
+            }
+            #[allow(unreachable_patterns)]
+            (x, w, b, _, _, _) => Err(mismatch3("batch_norm_train_apply", x, w, b)),
+        }
+    }
     /// See [`BackendStorage::batch_norm_act_backward`].
     #[allow(clippy::too_many_arguments)]
     pub fn batch_norm_act_backward(

@@ -390,7 +390,11 @@ pub(crate) fn conv2d_backward_weight(dy: &CudaStorage, x: &CudaStorage, p: &Conv
 }
 
 /// 1×1 stride-1 convolutions are plain GEMMs: through cuBLAS (faster than cuDNN's picks here).
-/// The weight gradient sums the batch items in order with β = 1 (f32 accumulator for halves).
+/// The weight gradient is one batched GEMM writing an f32 partial per batch item, then one kernel
+/// adding the partials in item order and storing the result in the gradient's dtype: two launches
+/// whatever the batch (a GEMM per item accumulating with β = 1, plus a cast for halves, took
+/// `batch` + 1 launches, and cuBLAS split most of those GEMMs in two: 519 kernels, 1.9 ms of a
+/// batch-4 bf16 backward on the H200).
 fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: CudaStorage) -> Result<CudaStorage> {
     use crate::backend::MatmulParams;
     let dev = &a.buf.dev;
@@ -409,28 +413,16 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
             Ok(out)
         }
         Dir::BwdFilter => {
-            let es = dt.size_in_bytes() as u64;
             let half = dt.is_half();
-            let acc = if half { CudaStorage::alloc(dev, DType::F32, co * ci)? } else { out };
-            let mp = MatmulParams { lhs_batch: 1, rhs_batch: 1, m: co, n: ci, k: hw, lhs_t: false, rhs_t: true };
-            for i in 0..n as u64 {
-                let beta = if i == 0 { 0.0 } else { 1.0 };
-                super::blas::gemm(
-                    dev,
-                    dt,
-                    &mp,
-                    a.buf.ptr + i * (co * hw) as u64 * es,
-                    b.buf.ptr + i * (ci * hw) as u64 * es,
-                    acc.buf.ptr,
-                    beta,
-                    half,
-                )?;
+            let mp = MatmulParams { lhs_batch: n, rhs_batch: n, m: co, n: ci, k: hw, lhs_t: false, rhs_t: true };
+            if n == 1 && !half {
+                super::blas::gemm(dev, dt, &mp, a.buf.ptr, b.buf.ptr, out.buf.ptr, 0.0, false)?;
+                return Ok(out);
             }
-            if half {
-                super::ops::to_dtype(&acc, dt)
-            } else {
-                Ok(acc)
-            }
+            let partials = CudaStorage::alloc(dev, DType::F32, n * co * ci)?;
+            super::blas::gemm(dev, dt, &mp, a.buf.ptr, b.buf.ptr, partials.buf.ptr, 0.0, half)?;
+            super::ops::sum_partials(&partials, n, &out)?;
+            Ok(out)
         }
     }
 }

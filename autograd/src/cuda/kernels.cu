@@ -305,6 +305,20 @@ extern "C" __global__ void cast_f32_bf16(const float* x, __nv_bfloat16* y, u32 n
 extern "C" __global__ void cast_f32_f16(const float* x, __half* y, u32 n) {
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) y[i] = __float2half_rn(x[i]);
 }
+// Sum of `n` f32 partials of `len` values each, in order ((p0 + p1) + p2) + …, stored in the
+// output type with one rounding: the batch sum of a 1×1 convolution's weight gradient (one
+// batched GEMM writes a partial per image; this adds them).
+template <typename D>
+__device__ void sum_partials_k(const float* p, D* y, u32 n, u32 len) {
+    for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < len; j += blockDim.x * gridDim.x) {
+        float acc = p[j];
+        for (u32 i = 1; i < n; ++i) acc += p[(size_t)i * len + j];
+        y[j] = store<D, float>(acc);
+    }
+}
+extern "C" __global__ void sum_partials_f32(const float* p, float* y, u32 n, u32 len) { sum_partials_k<float>(p, y, n, len); }
+extern "C" __global__ void sum_partials_bf16(const float* p, __nv_bfloat16* y, u32 n, u32 len) { sum_partials_k<__nv_bfloat16>(p, y, n, len); }
+extern "C" __global__ void sum_partials_f16(const float* p, __half* y, u32 n, u32 len) { sum_partials_k<__half>(p, y, n, len); }
 // i64 to float types: exact i64->f64 like the CPU backend.
 template <typename D>
 __device__ void cast_from_i64_k(const i64* x, D* y, u32 n) {
@@ -681,6 +695,29 @@ __device__ __forceinline__ bool bn_last_block_totals(double& a, double& b, doubl
     return true;
 }
 
+// The channel's parameters from its shifted sums (s = Σ(x − K), q = Σ(x − K)²): writes aff, nrm,
+// the running statistics and (channel 0) the batch counter; returns aff's pair in (sc, sh).
+template <typename S>
+__device__ __forceinline__ void bn_stats_finish(double s, double q, double K, u32 ch, u32 c, double count, const S* w, const S* b,
+                                                S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, S& sc, S& sh) {
+    const double ms = s / count;
+    double var = q / count - ms * ms;
+    if (var < 0.0) var = 0.0;
+    const double mean = K + ms;
+    const double invstd = 1.0 / sqrt(var + eps);
+    const double scale = (double)w[ch] * invstd;
+    sc = (S)scale;
+    sh = (S)((double)b[ch] - mean * scale);
+    aff[ch] = sc;
+    aff[c + ch] = sh;
+    nrm[ch] = (S)invstd;
+    nrm[c + ch] = (S)(-mean * invstd);
+    const double unb = count > 1.0 ? var * count / (count - 1.0) : var;
+    rm[ch] = (S)((1.0 - mom) * (double)rm[ch] + mom * mean);
+    rv[ch] = (S)((1.0 - mom) * (double)rv[ch] + mom * unb);
+    if (nbt != nullptr && ch == 0) *nbt += 1;
+}
+
 // Training statistics, grid (P, C), block 256: shifted sums of x − K and (x − K)² (K = the
 // channel's first element, which keeps E[x²] − E[x]² well conditioned); the channel's last block
 // writes the affine parameters aff = [w·invstd; b − mean·w·invstd], the normalisation parameters
@@ -706,20 +743,8 @@ __device__ void bn_stats_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P
         }
     }
     if (!bn_last_block_totals(s, q, part, ch, p, P, tickets) || threadIdx.x != 0) return;
-    const double ms = s / count;
-    double var = q / count - ms * ms;
-    if (var < 0.0) var = 0.0;
-    const double mean = (double)K + ms;
-    const double invstd = 1.0 / sqrt(var + eps);
-    const double scale = (double)w[ch] * invstd;
-    aff[ch] = (S)scale;
-    aff[c + ch] = (S)((double)b[ch] - mean * scale);
-    nrm[ch] = (S)invstd;
-    nrm[c + ch] = (S)(-mean * invstd);
-    const double unb = count > 1.0 ? var * count / (count - 1.0) : var;
-    rm[ch] = (S)((1.0 - mom) * (double)rm[ch] + mom * mean);
-    rv[ch] = (S)((1.0 - mom) * (double)rv[ch] + mom * unb);
-    if (nbt != nullptr && ch == 0) *nbt += 1;
+    S sc, sh;
+    bn_stats_finish<S>(s, q, (double)K, ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
 }
 // y = act(x·p[c] + p[C + c]) over NCHW (act = SiLU when silu != 0), V elements per thread step;
 // nvec = len / V, hv = HW / V.
@@ -737,6 +762,49 @@ __device__ void chaffine_k(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c
             e[k] = silu ? z / ((A)1 + m_exp(-z)) : z;
         }
         st_vec<T, V>(y, (size_t)v * V, e);
+    }
+}
+
+// One block per channel (P = 1), grid (1, C): bn_stats_k's sums and parameters, then chaffine_k's
+// y = act(x·sc + sh) over the same channel in the same launch — the same arithmetic, so the same
+// bytes as the two launches, one launch fewer for each small layer.
+template <typename T, typename S, int V>
+__device__ void bn_fwd1_k(const T* x, T* y, u32 n, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv, double eps,
+                          double mom, S* aff, S* nrm, i64* nbt, int silu) {
+    typedef typename Acc<T>::type A;
+    __shared__ S ssc, ssh;
+    const u32 ch = blockIdx.y, hv = hw / V, nv = n * hv;
+    const A K = to_acc(x[(size_t)ch * hw]);
+    double s = 0.0, q = 0.0;
+    for (u32 v = threadIdx.x; v < nv; v += 256) {
+        A e[V];
+        ld_vec<T, V>(x, bn_vec_index(v, hv, ch, c, hw, V), e);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const double d = (double)(e[k] - K);
+            s += d;
+            q += d * d;
+        }
+    }
+    bn_block_sum2(s, q);
+    if (threadIdx.x == 0) {
+        S sc, sh;
+        bn_stats_finish<S>(s, q, (double)K, ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
+        ssc = sc;
+        ssh = sh;
+    }
+    __syncthreads();
+    const A sc = (A)ssc, sh = (A)ssh;
+    for (u32 v = threadIdx.x; v < nv; v += 256) {
+        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
+        A e[V];
+        ld_vec<T, V>(x, i, e);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            A z = e[k] * sc + sh;
+            e[k] = silu ? z / ((A)1 + m_exp(-z)) : z;
+        }
+        st_vec<T, V>(y, i, e);
     }
 }
 
@@ -806,6 +874,57 @@ __device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, con
         st_vec<T, V>(dx, (size_t)v * V, xe);
     }
 }
+// One block per channel (P = 1), grid (1, C): bnb_reduce_k's sums and coefficients, then bnb_dx_k's
+// dx over the same channel in the same launch (same arithmetic, same bytes, one launch fewer).
+template <typename T, typename S, int V>
+__device__ void bnb_fused1_k(const T* x, const T* g, const S* aff, const S* nrm, u32 n, u32 c, u32 hw, int silu, double count,
+                             const S* w, int training, S* gw, S* gb, S* coef, T* dx) {
+    typedef typename Acc<T>::type A;
+    __shared__ S sk[3];
+    const u32 ch = blockIdx.y, hv = hw / V, nv = n * hv;
+    const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
+    double sa = 0.0, sq = 0.0;
+    for (u32 v = threadIdx.x; v < nv; v += 256) {
+        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, i, xe);
+        ld_vec<T, V>(g, i, ge);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            A gz, xh;
+            bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
+            sa += (double)gz;
+            sq += (double)gz * (double)xh;
+        }
+    }
+    bn_block_sum2(sa, sq);
+    if (threadIdx.x == 0) {
+        gb[ch] = (S)sa;
+        gw[ch] = (S)sq;
+        const double k = (double)w[ch] * (double)nrm[ch];
+        sk[0] = (S)k;
+        sk[1] = (S)(training ? -k * sa / count : 0.0);
+        sk[2] = (S)(training ? -k * sq / count : 0.0);
+        coef[ch] = sk[0];
+        coef[c + ch] = sk[1];
+        coef[2 * c + ch] = sk[2];
+    }
+    __syncthreads();
+    const A k0 = (A)sk[0], k1 = (A)sk[1], k2 = (A)sk[2];
+    for (u32 v = threadIdx.x; v < nv; v += 256) {
+        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, i, xe);
+        ld_vec<T, V>(g, i, ge);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            A gz, xh;
+            bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
+            xe[k] = k0 * gz + k1 + k2 * xh;
+        }
+        st_vec<T, V>(dx, i, xe);
+    }
+}
 #define INST_BN_V(name, T, S, V, sfx)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bn_stats##sfx##_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P,    \
         unsigned int* tickets, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) { \
@@ -822,6 +941,14 @@ __device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, con
     extern "C" __global__ void bnb_dx##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx,         \
         u32 nvec, u32 hv, u32 c, int silu) {                                                                                           \
         bnb_dx_k<T, S, V>(x, g, aff, nrm, coef, dx, nvec, hv, c, silu);                                                                \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bn_fwd1##sfx##_##name(const T* x, T* y, u32 n, u32 c, u32 hw, double count,     \
+        const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {                            \
+        bn_fwd1_k<T, S, V>(x, y, n, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                        \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bnb_fused1##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,    \
+        u32 n, u32 c, u32 hw, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                        \
+        bnb_fused1_k<T, S, V>(x, g, aff, nrm, n, c, hw, silu, count, w, training, gw, gb, coef, dx);                                   \
     }
 #define INST_BN(name, T, S)            \
     INST_BN_V(name, T, S, 1, )         \

@@ -62,6 +62,7 @@ pub use graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_o
 pub(crate) use kernel_timer::stage_changed;
 pub use kernel_timer::{GpuKernelTimer, GpuKernelTotals, KernelDetail};
 pub use module_cache::{kernel_cache_dir, module_reports, probe_module_cache, ModuleReport, ModuleSource};
+pub use ops::set_bn_one_launch;
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
 pub use user_kernel::{KernelArg, UserKernel};
 
@@ -298,6 +299,20 @@ impl BackendStorage for CudaStorage {
         momentum: f64,
     ) -> Result<(Self, Self)> {
         ops::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum)
+    }
+    fn batch_norm_train_apply(
+        &self,
+        shape: &[usize],
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        batches: Option<&mut Self>,
+        eps: f64,
+        momentum: f64,
+        silu: bool,
+    ) -> Result<(Self, Self, Self)> {
+        ops::batch_norm_train_apply(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum, silu)
     }
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
         ops::channel_affine(self, shape, params, silu)

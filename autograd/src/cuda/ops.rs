@@ -406,6 +406,26 @@ pub(crate) fn fill(s: &CudaStorage, value: f64) -> Result<()> {
     dev.launch1d(f, s.len, &mut args!(py, nn, v))
 }
 
+/// `out` = the in-order sum of the `n` f32 partials of `out.len` values that `partials` holds,
+/// rounded once to `out`'s dtype (f32, bf16 or f16).
+pub(crate) fn sum_partials(partials: &CudaStorage, n: usize, out: &CudaStorage) -> Result<()> {
+    const OP: &str = "sum_partials";
+    if partials.dtype != DType::F32 || partials.len != n * out.len {
+        return Err(Error::invalid(OP, format!("{} {} values for {n} partials of {}", partials.len, partials.dtype, out.len)));
+    }
+    if !matches!(out.dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(Error::UnsupportedDType { op: OP, dtype: out.dtype, expected: "f32, bf16 or f16" });
+    }
+    partials.same_device(OP, out)?;
+    if out.len == 0 {
+        return Ok(());
+    }
+    let dev = &out.buf.dev;
+    let f = dev.func(OP, sfx(out.dtype))?;
+    let (pp, po, nn, ll) = (ptr(partials), ptr(out), u32c(OP, n)?, u32c(OP, out.len)?);
+    dev.launch1d(f, out.len, &mut args!(pp, po, nn, ll))
+}
+
 pub(crate) fn to_dtype(x: &CudaStorage, dt: DType) -> Result<CudaStorage> {
     let dev = &x.buf.dev;
     if x.dtype == dt {
@@ -889,6 +909,19 @@ fn bn_parts(total: usize, c: usize) -> usize {
     total.div_ceil(8192).max(264usize.div_ceil(c)).min(total.div_ceil(4096)).clamp(1, 1024)
 }
 
+static BN_ONE_LAUNCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether a batch-norm layer whose channels fit one block runs its forward (statistics + apply)
+/// and its backward (reduction + dx) as one launch each (the default) or as two, as larger layers
+/// do. Both give the same bytes; the switch exists to compare them (tests, benchmarks).
+pub fn set_bn_one_launch(on: bool) {
+    BN_ONE_LAUNCH.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn bn_one_launch(parts: usize) -> bool {
+    parts == 1 && BN_ONE_LAUNCH.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn bn_channels(op: &'static str, c: usize) -> Result<u32> {
     if c > super::device::BN_TICKETS {
         return Err(Error::invalid(op, format!("{c} channels; the CUDA batch norm handles at most {}", super::device::BN_TICKETS)));
@@ -911,6 +944,50 @@ pub(crate) fn batch_norm_train_stats(
     eps: f64,
     momentum: f64,
 ) -> Result<(CudaStorage, CudaStorage)> {
+    let (_, aff, nrm) = bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, None)?;
+    Ok((aff, nrm))
+}
+
+/// The statistics and `y = act(x·scale + shift)`: for a channel small enough for one block
+/// (`bn_parts` = 1) in one launch (`bn_fwd1`, the two kernels' arithmetic), else the statistics
+/// launch and [`channel_affine`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batch_norm_train_apply(
+    x: &CudaStorage,
+    shape: &[usize],
+    w: &CudaStorage,
+    b: &CudaStorage,
+    rm: &mut CudaStorage,
+    rv: &mut CudaStorage,
+    batches: Option<&mut CudaStorage>,
+    eps: f64,
+    momentum: f64,
+    silu: bool,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    match bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, Some(silu))? {
+        (Some(y), aff, nrm) => Ok((y, aff, nrm)),
+        (None, aff, nrm) => {
+            let y = channel_affine(x, shape, &aff, silu)?;
+            Ok((y, aff, nrm))
+        }
+    }
+}
+
+/// The statistics launch; with `apply` = `Some(silu)` and one block per channel, the fused
+/// statistics-and-apply launch, whose output it returns.
+#[allow(clippy::too_many_arguments)]
+fn bn_train(
+    x: &CudaStorage,
+    shape: &[usize],
+    w: &CudaStorage,
+    b: &CudaStorage,
+    rm: &mut CudaStorage,
+    rv: &mut CudaStorage,
+    batches: Option<&mut CudaStorage>,
+    eps: f64,
+    momentum: f64,
+    apply: Option<bool>,
+) -> Result<(Option<CudaStorage>, CudaStorage, CudaStorage)> {
     const OP: &str = "batch_norm_train_stats";
     if !x.dtype.is_float() {
         return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
@@ -939,13 +1016,29 @@ pub(crate) fn batch_norm_train_stats(
     let aff = CudaStorage::alloc(dev, sd, 2 * c)?;
     let nrm = CudaStorage::alloc(dev, sd, 2 * c)?;
     let parts = bn_parts(total, c);
-    let part = super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
+    // The statistics' summation order follows x's vector width alone; the fused launch also
+    // stores y with it, so y must allow it too.
     let (vsfx, _) = bn_vector(x.dtype, hw, &[x]);
-    let (px, pp) = (ptr(x), part.ptr);
-    let (nn, cc, hh, pn) = (u32c(OP, n)?, bn_channels(OP, c)?, u32c(OP, hw)?, parts as u32);
+    let (px, nn, cc, hh) = (ptr(x), u32c(OP, n)?, bn_channels(OP, c)?, u32c(OP, hw)?);
     u32c(OP, x.len)?;
     let count = total as f64;
     let (pw, pb, prm, prv, pa, pq) = (ptr(w), ptr(b), ptr(rm), ptr(rv), ptr(&aff), ptr(&nrm));
+    if let (Some(silu), true) = (apply, bn_one_launch(parts)) {
+        let y = CudaStorage::alloc(dev, x.dtype, x.len)?;
+        if bn_vector(x.dtype, hw, &[x, &y]).0 == vsfx {
+            let f = dev.func(if vsfx.is_empty() { "bn_fwd1" } else { "bn_fwd1_v" }, sfx(x.dtype))?;
+            let (py, act) = (ptr(&y), silu as i32);
+            dev.launch(
+                f,
+                (1, cc, 1),
+                (256, 1, 1),
+                &mut args!(px, py, nn, cc, hh, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt, act),
+            )?;
+            return Ok((Some(y), aff, nrm));
+        }
+    }
+    let part = super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
+    let (pp, pn) = (part.ptr, parts as u32);
     let f = dev.func(if vsfx.is_empty() { "bn_stats" } else { "bn_stats_v" }, sfx(x.dtype))?;
     let tickets = dev.bn_tickets;
     dev.launch(
@@ -955,12 +1048,13 @@ pub(crate) fn batch_norm_train_stats(
         &mut args!(px, pp, nn, cc, hh, pn, tickets, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt),
     )?;
     drop(part);
-    Ok((aff, nrm))
+    Ok((None, aff, nrm))
 }
 
 /// See `BackendStorage::batch_norm_act_backward`: two launches — per-(channel, block) f64 partial
 /// sums of `gz` and `gz·x̂` whose last block per channel writes the weight and bias gradients and
-/// dx's coefficients (fixed order), then one elementwise pass for dx.
+/// dx's coefficients (fixed order), then one elementwise pass for dx; one launch doing both when
+/// a channel fits one block.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn batch_norm_act_backward(
     x: &CudaStorage,
@@ -997,13 +1091,21 @@ pub(crate) fn batch_norm_act_backward(
     let gb = CudaStorage::alloc(dev, sd, c)?;
     let coef = CudaStorage::alloc(dev, sd, 3 * c)?;
     let parts = bn_parts(total, c);
-    let part = super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
     let (vsfx, v) = bn_vector(x.dtype, hw, &[x, g, &dx]);
-    let (px, pg, pa, pn, pw, pp) = (ptr(x), ptr(g), ptr(aff), ptr(nrm), ptr(w), part.ptr);
+    let (px, pg, pa, pn, pw) = (ptr(x), ptr(g), ptr(aff), ptr(nrm), ptr(w));
     let (nn, cc, hh, pnum) = (u32c(OP, n)?, bn_channels(OP, c)?, u32c(OP, hw)?, parts as u32);
     u32c(OP, x.len)?;
     let (act, train, count) = (silu as i32, training as i32, total as f64);
     let (pgw, pgb, pc, tickets) = (ptr(&gw), ptr(&gb), ptr(&coef), dev.bn_tickets);
+    if bn_one_launch(parts) {
+        // One block per channel: the reduction and dx in one launch (the two kernels' arithmetic).
+        let f = dev.func(if vsfx.is_empty() { "bnb_fused1" } else { "bnb_fused1_v" }, sfx(x.dtype))?;
+        let pdx = ptr(&dx);
+        dev.launch(f, (1, cc, 1), (256, 1, 1), &mut args!(px, pg, pa, pn, nn, cc, hh, act, count, pw, train, pgw, pgb, pc, pdx))?;
+        return Ok((dx, gw, gb));
+    }
+    let part = super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
+    let pp = part.ptr;
     let f = dev.func(if vsfx.is_empty() { "bnb_reduce" } else { "bnb_reduce_v" }, sfx(x.dtype))?;
     dev.launch(
         f,

@@ -5,6 +5,7 @@
 
 use crate::autograd::{record, FnBackward};
 use crate::backend::stats_dtype;
+use crate::storage::Storage;
 use crate::{BatchNormOptions, Error, Result, Tensor};
 
 impl Tensor {
@@ -78,7 +79,9 @@ impl Tensor {
         let n = d[0] * d[2] * d[3];
         // Per-channel parameters in the statistics dtype: aff = [scale; shift], nrm = [invstd; −mean·invstd].
         let w_sd = crate::no_grad(|| weight.detach().to_dtype(sd))?;
-        let (aff, nrm) = crate::no_grad(|| -> Result<(Tensor, Tensor)> {
+        // Training: statistics and y in one backend call (fused on CUDA for small layers); eval:
+        // parameters from the running statistics, then y.
+        let (y, aff, nrm) = crate::no_grad(|| -> Result<(Storage, Tensor, Tensor)> {
             let (w, b) = (w_sd.clone(), bias.detach().to_dtype(sd)?);
             if opts.training {
                 if n < 2 {
@@ -89,13 +92,13 @@ impl Tensor {
                 }
                 let (rm, rv) = (running_mean.to_dtype(sd)?, running_var.to_dtype(sd)?);
                 // Private copies when a cast was needed, so the update below writes through.
-                let (a, q) = {
+                let (y, a, q) = {
                     let x = self.read_storage();
                     let (ws, bs) = (w.read_storage(), b.read_storage());
                     let mut rms = rm.write_storage();
                     let mut rvs = rv.write_storage();
                     let mut counter = num_batches_tracked.map(|t| t.write_storage());
-                    x.batch_norm_train_stats(&d, &ws, &bs, &mut rms, &mut rvs, counter.as_deref_mut(), opts.eps, opts.momentum)?
+                    x.batch_norm_train_apply(&d, &ws, &bs, &mut rms, &mut rvs, counter.as_deref_mut(), opts.eps, opts.momentum, silu)?
                 };
                 if rm.storage_ptr() != running_mean.storage_ptr() {
                     running_mean.copy_(&rm.to_dtype(running_mean.dtype())?)?;
@@ -103,18 +106,16 @@ impl Tensor {
                 if rv.storage_ptr() != running_var.storage_ptr() {
                     running_var.copy_(&rv.to_dtype(running_var.dtype())?)?;
                 }
-                Ok((Tensor::from_storage(a, vec![2 * c])?, Tensor::from_storage(q, vec![2 * c])?))
+                Ok((y, Tensor::from_storage(a, vec![2 * c])?, Tensor::from_storage(q, vec![2 * c])?))
             } else {
                 let (rm, rv) = (running_mean.to_dtype(sd)?, running_var.to_dtype(sd)?);
                 let (a, q) =
                     w.read_storage().batch_norm_eval_params(&b.read_storage(), &rm.read_storage(), &rv.read_storage(), opts.eps)?;
-                Ok((Tensor::from_storage(a, vec![2 * c])?, Tensor::from_storage(q, vec![2 * c])?))
+                let y = self.read_storage().channel_affine(&d, &a, silu)?;
+                Ok((y, Tensor::from_storage(a, vec![2 * c])?, Tensor::from_storage(q, vec![2 * c])?))
             }
         })?;
-        let y = {
-            let s = self.read_storage().channel_affine(&d, &aff.read_storage(), silu)?;
-            Tensor::from_storage(s, d.clone())?
-        };
+        let y = Tensor::from_storage(y, d.clone())?;
         if !(self.requires_grad() || weight.requires_grad() || bias.requires_grad()) || !crate::is_grad_enabled() {
             return Ok(y);
         }
