@@ -906,7 +906,25 @@ fn bn_vector(dtype: DType, hw: usize, bufs: &[&CudaStorage]) -> (&'static str, u
 /// phase (the combine of partials is a serial tail of a few µs per launch, measured as most of a
 /// small layer's time). The forward and backward use the same split.
 fn bn_parts(total: usize, c: usize) -> usize {
+    let one = bn_one_block_max();
+    if total <= one {
+        return 1;
+    }
     total.div_ceil(8192).max(264usize.div_ceil(c)).min(total.div_ceil(4096)).clamp(1, 1024)
+}
+
+/// The largest channel (values) one block reduces alone: 4096, or `PTL_BN_ONE_BLOCK_MAX` (for
+/// measuring; a different value changes the summation order of the layers it moves, so the
+/// bytes of a run, which stay fixed for any one setting).
+fn bn_one_block_max() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("PTL_BN_ONE_BLOCK_MAX") {
+        Err(_) => 4096,
+        Ok(v) => v.trim().parse::<usize>().ok().filter(|&m| (1..=1 << 20).contains(&m)).unwrap_or_else(|| {
+            eprintln!("ptl: PTL_BN_ONE_BLOCK_MAX={v:?} is not a count of values from 1 to 1048576; using 4096");
+            4096
+        }),
+    })
 }
 
 static BN_ONE_LAUNCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
