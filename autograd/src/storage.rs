@@ -156,6 +156,15 @@ impl Storage {
     pub fn reduce(&self, shape: &[usize], dim: usize, op: ReduceOp) -> Result<Storage> {
         unary_dispatch!(self, |s| s.reduce(shape, dim, op))
     }
+    /// The sum over the outer and inner dims of `self` viewed as [outer, mid, inner] in one pass,
+    /// where the backend has one (CUDA); `None` elsewhere (the caller reduces dim by dim).
+    pub fn sum_mid(&self, outer: usize, mid: usize, inner: usize) -> Result<Option<Storage>> {
+        match self {
+            Storage::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(x) => Ok(Some(Storage::Cuda(crate::cuda::ops::sum_mid(x, outer, mid, inner)?))),
+        }
+    }
     pub fn to_dtype(&self, dtype: DType) -> Result<Storage> {
         unary_dispatch!(self, |s| s.to_dtype(dtype))
     }
@@ -183,6 +192,36 @@ impl Storage {
             (Storage::Cuda(s), Storage::Cuda(d)) => s.copy_strided(sl, d, dl),
             #[allow(unreachable_patterns)]
             (s, d) => Err(Error::DeviceMismatch { op: "copy_strided", lhs: s.device(), rhs: d.device() }),
+        }
+    }
+    /// Splits `self` along one dimension into contiguous outputs in a single device pass where the
+    /// backend has one (CUDA, up to 8 outputs): `rows` = product of the dims before it, `dsts[k]`
+    /// = (output k's device address, its bytes per row). `Ok(false)`: copy piece by piece instead.
+    #[allow(unused_variables)]
+    pub fn split_rows(&self, rows: usize, dsts: &[(Option<u64>, usize)]) -> Result<bool> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => {
+                if dsts.len() > crate::cuda::ops::CAT_MAX_INPUTS {
+                    return Ok(false);
+                }
+                let Some(ptrs) = dsts.iter().map(|&(p, w)| p.map(|p| (p, w))).collect::<Option<Vec<_>>>() else {
+                    return Ok(false);
+                };
+                crate::cuda::ops::split_rows(s, rows, &ptrs)?;
+                Ok(true)
+            }
+            #[allow(unreachable_patterns)]
+            _ => Ok(false),
+        }
+    }
+    /// The device address of a CUDA storage (`None` on the CPU).
+    pub fn device_address(&self) -> Option<u64> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Some(c.device_ptr()),
+            #[allow(unreachable_patterns)]
+            _ => None,
         }
     }
     /// Concatenates contiguous inputs along one dimension in a single device pass where the

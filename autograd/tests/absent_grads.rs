@@ -148,3 +148,19 @@ fn backward_errors_are_typed() {
     let e = y.backward().unwrap_err().to_string();
     assert!(e.contains("one-element"), "{e}");
 }
+
+/// `split` is one node: a piece that received no gradient contributes zeros to the input's
+/// gradient, and when no piece did the input's gradient stays absent.
+#[test]
+fn split_pieces_without_gradient() {
+    let x = leaf(vec![1.0, 2.0, 3.0, 4.0, 5.0]);
+    let p = x.split(&[2, 3], 0).unwrap();
+    p[1].square().unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), vec![0.0, 0.0, 6.0, 8.0, 10.0]);
+
+    let y = leaf(vec![1.0, 2.0, 3.0]);
+    let z = leaf(vec![1.0]);
+    let _pieces = y.split(&[1, 2], 0).unwrap();
+    z.square().unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(y.grad().is_none(), "no piece of y reached the loss: its gradient must be absent");
+}

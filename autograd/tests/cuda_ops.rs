@@ -341,7 +341,9 @@ fn conv(name: &str, x: &[usize], w: &[usize], stride: usize, pad: usize, groups:
 fn conv2d() {
     conv("conv3x3_s1", &[2, 8, 17, 15], &[16, 8, 3, 3], 1, 1, 1, true);
     conv("conv3x3_s2", &[2, 8, 17, 16], &[12, 8, 3, 3], 2, 1, 1, false);
+    // 1×1: HW = 81 (no 16-byte rows: a GEMM per item), HW = 64 (one batched GEMM of partials).
     conv("conv1x1", &[2, 16, 9, 9], &[8, 16, 1, 1], 1, 0, 1, true);
+    conv("conv1x1_rows16", &[3, 16, 8, 8], &[8, 16, 1, 1], 1, 0, 1, false);
     conv("conv_groups2", &[1, 8, 10, 10], &[12, 4, 3, 3], 1, 1, 2, false);
     conv("conv_depthwise", &[2, 16, 11, 9], &[16, 1, 3, 3], 2, 1, 16, true);
     conv("conv_nopad", &[1, 4, 9, 9], &[4, 4, 3, 3], 1, 0, 1, false);

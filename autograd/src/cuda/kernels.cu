@@ -428,6 +428,29 @@ __device__ void reduce_cols_k(const T* x, void* yv, u32 d, u32 inner, int op) {
     }
 }
 
+// Sum over the outer and inner dims of [outer, mid, inner], one block (256) per mid index: each
+// thread sums its stride of the outer·inner values in order, then a fixed tree over the block.
+// One launch for a bias gradient (N, H, W summed) where three one-dim reductions took three.
+template <typename T>
+__device__ void sum_mid_k(const T* x, T* y, u32 outer, u32 mid, u32 inner) {
+    typedef typename SumAcc<T>::type S;
+    typedef typename Acc<T>::type A;
+    __shared__ S sh[256];
+    const u32 m = blockIdx.x, t = threadIdx.x, total = outer * inner;
+    S acc = 0;
+    for (u32 j = t; j < total; j += 256) {
+        const u32 o = j / inner, i = j - o * inner;
+        acc += (S)to_acc(x[((size_t)o * mid + m) * inner + i]);
+    }
+    sh[t] = acc;
+    __syncthreads();
+    for (u32 w = 128; w > 0; w >>= 1) {
+        if (t < w) sh[t] += sh[t + w];
+        __syncthreads();
+    }
+    if (t == 0) y[m] = store<T, A>((A)sh[0]);
+}
+
 // ---- index kernels ----------------------------------------------------------------------------------
 // Out-of-range indices read/write nothing and yield zero (bounds are not checked on the host:
 // that would need a synchronising read).
@@ -1128,6 +1151,13 @@ extern "C" __global__ void binary_s_i64(const i64* a, const i64* b, i64* y, u32 
 extern "C" __global__ void index_add_i64(const i64* x, const i64* idx, const i64* src, i64* y, u32 outer, u32 d, u32 n, u32 inner) { index_add_k<i64>(x, idx, src, y, outer, d, n, inner); }
 extern "C" __global__ void scatter_add_i64(const i64* x, const i64* idx, const i64* src, i64* y, u32 n, GatherGeo g) { scatter_add_k<i64>(x, idx, src, y, n, g); }
 
+#define INST_SUM_MID(name, T) \
+    extern "C" __global__ void __launch_bounds__(256) sum_mid_##name(const T* x, T* y, u32 outer, u32 mid, u32 inner) { sum_mid_k<T>(x, y, outer, mid, inner); }
+INST_SUM_MID(f32, float)
+INST_SUM_MID(f64, double)
+INST_SUM_MID(f16, __half)
+INST_SUM_MID(bf16, __nv_bfloat16)
+
 #define INST_ALL(name, T)                                                                                            \
     extern "C" __global__ void cmp_s_##name(const T* a, const T* b, u8* y, u32 n, int op, Strided g) { cmp_s_k<T>(a, b, y, n, op, g); } \
     extern "C" __global__ void where_s_##name(const u8* c, const T* a, const T* b, T* y, u32 n, Strided g) { where_s_k<T>(c, a, b, y, n, g); } \
@@ -1409,6 +1439,35 @@ extern "C" __global__ void cat_rows_v8(CatArgs a, uint2* d, u32 rows, u32 dp) { 
 extern "C" __global__ void cat_rows_v4(CatArgs a, unsigned int* d, u32 rows, u32 dp) { cat_rows_k<unsigned int>(a, d, rows, dp); }
 extern "C" __global__ void cat_rows_v2(CatArgs a, unsigned short* d, u32 rows, u32 dp) { cat_rows_k<unsigned short>(a, d, rows, dp); }
 extern "C" __global__ void cat_rows_v1(CatArgs a, u8* d, u32 rows, u32 dp) { cat_rows_k<u8>(a, d, rows, dp); }
+
+// The inverse of cat_rows: output k (address a.src[k], a.cols[k] vectors per row) takes its
+// columns at offset a.off[k] of every row of s (pitch sp vectors). One launch for a split's
+// pieces (forward) and a concatenation's gradient pieces (backward).
+template <typename V>
+__device__ void split_rows_k(CatArgs a, const V* s, u32 rows, u32 sp) {
+    const u32 k = blockIdx.y;
+    unsigned long long dst = a.src[0];
+    u32 cols = a.cols[0], off = a.off[0];
+#pragma unroll
+    for (u32 j = 1; j < 8; ++j) {
+        if (k == j) {
+            dst = a.src[j];
+            cols = a.cols[j];
+            off = a.off[j];
+        }
+    }
+    V* d = (V*)dst;
+    const u32 total = rows * cols;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const u32 r = i / cols, c = i - r * cols;
+        d[i] = s[(size_t)r * sp + off + c];
+    }
+}
+extern "C" __global__ void split_rows_v16(CatArgs a, const uint4* s, u32 rows, u32 sp) { split_rows_k<uint4>(a, s, rows, sp); }
+extern "C" __global__ void split_rows_v8(CatArgs a, const uint2* s, u32 rows, u32 sp) { split_rows_k<uint2>(a, s, rows, sp); }
+extern "C" __global__ void split_rows_v4(CatArgs a, const unsigned int* s, u32 rows, u32 sp) { split_rows_k<unsigned int>(a, s, rows, sp); }
+extern "C" __global__ void split_rows_v2(CatArgs a, const unsigned short* s, u32 rows, u32 sp) { split_rows_k<unsigned short>(a, s, rows, sp); }
+extern "C" __global__ void split_rows_v1(CatArgs a, const u8* s, u32 rows, u32 sp) { split_rows_k<u8>(a, s, rows, sp); }
 
 // Keeps one thread busy for `cycles` SM clock cycles (benchmarks: lets the host queue a timed
 // loop while the GPU is busy, so event timing measures GPU time, not launch throughput).

@@ -597,6 +597,50 @@ pub(crate) fn cat_rows(dst: &CudaStorage, rows: usize, srcs: &[(u64, usize)]) ->
     dev.launch(f, (blocks, srcs.len() as u32, 1), (256, 1, 1), &mut args!(a, py, rr, dp))
 }
 
+/// Splits `src` (`rows` rows) into contiguous outputs in one launch, the inverse of
+/// [`cat_rows`]: output `k` (device address `dsts[k].0`) receives `dsts[k].1` bytes of every row,
+/// taken at the running byte offset. Same access-width rule as [`cat_rows`].
+pub(crate) fn split_rows(src: &CudaStorage, rows: usize, dsts: &[(u64, usize)]) -> Result<()> {
+    const OP: &str = "split";
+    if dsts.is_empty() || dsts.len() > CAT_MAX_INPUTS {
+        return Err(Error::invalid(OP, format!("{} outputs for one launch (1..={CAT_MAX_INPUTS})", dsts.len())));
+    }
+    let dev = &src.buf.dev;
+    let pitch: usize = dsts.iter().map(|s| s.1).sum();
+    if rows * pitch != src.len * src.dtype.size_in_bytes() {
+        return Err(Error::invalid(
+            OP,
+            format!("{rows} rows of {pitch} bytes do not cover the {}-byte input", src.len * src.dtype.size_in_bytes()),
+        ));
+    }
+    let mut all = pitch as u64 | src.buf.ptr;
+    let mut off = 0usize;
+    for &(p, w) in dsts {
+        all |= p | w as u64 | off as u64;
+        off += w;
+    }
+    let v = access_width(all);
+    let name = ["split_rows_v1", "split_rows_v2", "split_rows_v4", "split_rows_v8", "split_rows_v16"][v.trailing_zeros() as usize];
+    let mut a = CatArgs::default();
+    let mut off = 0usize;
+    let mut most = 0usize;
+    for (k, &(p, w)) in dsts.iter().enumerate() {
+        a.src[k] = p;
+        a.cols[k] = u32c(OP, w / v)?;
+        a.off[k] = u32c(OP, off / v)?;
+        u32c(OP, rows * (w / v))?;
+        most = most.max(rows * (w / v));
+        off += w;
+    }
+    if most == 0 {
+        return Ok(());
+    }
+    let f = dev.func(name, "")?;
+    let (ps, rr, sp) = (ptr(src), u32c(OP, rows)?, u32c(OP, pitch / v)?);
+    let blocks = most.div_ceil(256).clamp(1, 65536) as u32;
+    dev.launch(f, (blocks, dsts.len() as u32, 1), (256, 1, 1), &mut args!(a, ps, rr, sp))
+}
+
 // ---- reductions -----------------------------------------------------------------------------------
 
 fn split3(shape: &[usize], dim: usize) -> (usize, usize, usize) {
@@ -651,6 +695,28 @@ pub(crate) fn reduce(x: &CudaStorage, shape: &[usize], dim: usize, op: ReduceOp)
         }
         Ok(())
     }?;
+    Ok(out)
+}
+
+/// Sum over the outer and inner dims of `x` viewed as [outer, mid, inner] (one launch, one block per
+/// mid index, fixed order; sums of f32 in f64, of halves in f32, one rounding to `x`'s dtype).
+pub(crate) fn sum_mid(x: &CudaStorage, outer: usize, mid: usize, inner: usize) -> Result<CudaStorage> {
+    const OP: &str = "sum_mid";
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
+    }
+    if outer * mid * inner != x.len {
+        return Err(Error::invalid(OP, format!("[{outer}, {mid}, {inner}] does not cover {} values", x.len)));
+    }
+    let dev = &x.buf.dev;
+    let out = CudaStorage::alloc(dev, x.dtype, mid)?;
+    if mid == 0 {
+        return Ok(out);
+    }
+    let f = dev.func(OP, sfx(x.dtype))?;
+    u32c(OP, x.len)?;
+    let (px, py, oo, mm, ii) = (ptr(x), ptr(&out), u32c(OP, outer)?, u32c(OP, mid)?, u32c(OP, inner)?);
+    dev.launch(f, (mm, 1, 1), (256, 1, 1), &mut args!(px, py, oo, mm, ii))?;
     Ok(out)
 }
 

@@ -49,6 +49,9 @@ impl Tensor {
             .rank()
             .checked_sub(shape.len())
             .ok_or_else(|| Error::invalid("sum_to", format!("cannot sum {:?} to {:?}", self.dims(), shape)))?;
+        if let Some(t) = self.sum_to_in_one_pass(shape, extra)? {
+            return Ok(t);
+        }
         let mut t = self.clone();
         for _ in 0..extra {
             t = t.sum_dim(0, false)?;
@@ -62,5 +65,32 @@ impl Tensor {
             return Err(Error::invalid("sum_to", format!("cannot sum {:?} to {:?}", self.dims(), shape)));
         }
         Ok(t)
+    }
+
+    /// `sum_to` as one reduction when the kept dims are one contiguous block (a bias gradient:
+    /// [N, C, H, W] to [1, C, 1, 1]) and the backend has the pass (CUDA), outside autograd
+    /// recording (gradients are computed without it). `None`: reduce dim by dim.
+    fn sum_to_in_one_pass(&self, shape: &[usize], extra: usize) -> Result<Option<Tensor>> {
+        if (self.requires_grad() && crate::is_grad_enabled()) || !self.dtype().is_float() {
+            return Ok(None);
+        }
+        let dims = self.dims();
+        let target: Vec<usize> = std::iter::repeat_n(1, extra).chain(shape.iter().copied()).collect();
+        let kept: Vec<usize> = (0..dims.len()).filter(|&d| target[d] != 1).collect();
+        let (Some(&a), Some(&b)) = (kept.first(), kept.last()) else { return Ok(None) };
+        if (a..=b).any(|d| target[d] != dims[d]) {
+            return Ok(None);
+        }
+        let outer: usize = dims[..a].iter().product();
+        let mid: usize = dims[a..=b].iter().product();
+        let inner: usize = dims[b + 1..].iter().product();
+        // One block per kept value: worth it for few kept values with many summed ones each.
+        if inner < 2 || mid > 4096 || outer * inner < 256 {
+            return Ok(None);
+        }
+        match self.read_storage().sum_mid(outer, mid, inner)? {
+            Some(s) => Ok(Some(Tensor::from_storage(s, shape.to_vec())?)),
+            None => Ok(None),
+        }
     }
 }

@@ -29,6 +29,29 @@ fn narrow_layout(dims: &[usize], d: usize, start: usize, len: usize) -> Layout {
     Layout { shape, strides: st.clone(), offset: start * st[d] }
 }
 
+/// `x` cut along `d` into contiguous pieces of `sizes` (no autograd): one device pass where the
+/// backend has it (CUDA, up to 8 pieces), else a strided copy per piece.
+fn split_pieces(x: &Tensor, d: usize, sizes: &[usize]) -> Result<Vec<Tensor>> {
+    let dims = x.dims();
+    let rows: usize = dims[..d].iter().product();
+    let inner: usize = dims[d + 1..].iter().product();
+    let row_bytes = inner * x.dtype().size_in_bytes();
+    let mut outs = sizes.iter().map(|&l| Storage::uninit(x.device(), x.dtype(), rows * l * inner)).collect::<Result<Vec<_>>>()?;
+    let dsts: Vec<(Option<u64>, usize)> = outs.iter().zip(sizes).map(|(o, &l)| (o.device_address(), l * row_bytes)).collect();
+    let fused = x.read_storage().split_rows(rows, &dsts)?;
+    let mut start = 0;
+    let mut pieces = Vec::with_capacity(sizes.len());
+    for (out, &l) in outs.iter_mut().zip(sizes) {
+        let lay = narrow_layout(dims, d, start, l);
+        if !fused {
+            x.read_storage().copy_strided(&lay, out, &Layout::contiguous(&lay.shape))?;
+        }
+        start += l;
+        pieces.push(lay.shape);
+    }
+    outs.into_iter().zip(pieces).map(|(o, shape)| Tensor::from_storage(o, shape)).collect()
+}
+
 impl Tensor {
     /// Same data, new shape (no copy; storage is shared).
     pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
@@ -212,18 +235,19 @@ impl Tensor {
                 name: "cat",
                 f: move |g: &[Option<Tensor>]| {
                     let Some(g) = &g[0] else { return Ok(vec![None; needs.len()]) };
-                    regions
-                        .iter()
-                        .zip(&needs)
-                        .map(|(&(s, l), &need)| if need { g.narrow(d as isize, s, l).map(Some) } else { Ok(None) })
-                        .collect()
+                    // Every input's slice of the gradient in one pass (unneeded ones dropped).
+                    let sizes: Vec<usize> = regions.iter().map(|&(_, l)| l).collect();
+                    let pieces = split_pieces(g, d, &sizes)?;
+                    Ok(pieces.into_iter().zip(&needs).map(|(p, &need)| need.then_some(p)).collect())
                 },
             },
         )
         .remove(0))
     }
 
-    /// Splits along `dim` into pieces of the given sizes.
+    /// Splits along `dim` into pieces of the given sizes (copies, made in one device pass on
+    /// CUDA). One autograd node: its gradient is the pieces' gradients concatenated (zeros for a
+    /// piece that received none; absent when none did).
     pub fn split(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
         let d = normalize_dim("split", dim, self.rank())?;
         if sizes.iter().sum::<usize>() != self.dims()[d] {
@@ -232,15 +256,37 @@ impl Tensor {
                 format!("sizes {sizes:?} do not add up to {} (dim {d} of {:?})", self.dims()[d], self.dims()),
             ));
         }
-        let mut start = 0;
-        sizes
-            .iter()
-            .map(|&l| {
-                let t = self.narrow(d as isize, start, l);
-                start += l;
-                t
-            })
-            .collect()
+        if sizes.len() == 1 {
+            return Ok(vec![self.clone()]);
+        }
+        let pieces = split_pieces(self, d, sizes)?;
+        if !self.requires_grad() || !crate::is_grad_enabled() {
+            return Ok(pieces);
+        }
+        let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.dims().to_vec()).collect();
+        let (dtype, device) = (self.dtype(), self.device());
+        Ok(record(
+            &[self],
+            pieces,
+            FnBackward {
+                name: "split",
+                f: move |g: &[Option<Tensor>]| {
+                    if g.iter().all(Option::is_none) {
+                        return Ok(vec![None]);
+                    }
+                    let filled = g
+                        .iter()
+                        .zip(&shapes)
+                        .map(|(g, shape)| match g {
+                            Some(g) => Ok(g.clone()),
+                            None => Tensor::zeros(shape.clone(), dtype, device),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    let refs: Vec<&Tensor> = filled.iter().collect();
+                    Ok(vec![Some(Tensor::cat(&refs, d as isize)?)])
+                },
+            },
+        ))
     }
 
     /// Splits into `n` nearly equal chunks along `dim` (like `torch.chunk`).
