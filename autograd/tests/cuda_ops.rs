@@ -399,6 +399,10 @@ fn batch_norm_pool_matmul() {
     case("max_pool_k3_s2_p1", FP64, &[(&[2, 3, 12, 9], -3.0, 3.0)], &|v, _| v[0].max_pool2d(3, 2, 1));
     case("bmm", FP64, &[(&[3, 17, 24], -1.0, 1.0), (&[3, 24, 9], -1.0, 1.0)], &|v, _| v[0].bmm(&v[1]));
     case("matmul_broadcast", FP64, &[(&[2, 5, 7], -1.0, 1.0), (&[7, 6], -1.0, 1.0)], &|v, _| v[0].matmul(&v[1]));
+    for (lt, rt) in [(true, false), (false, true), (true, true)] {
+        let (ls, rs): (&[usize], &[usize]) = (if lt { &[2, 7, 5] } else { &[2, 5, 7] }, if rt { &[2, 6, 7] } else { &[2, 7, 6] });
+        case("matmul_t", FP64, &[(ls, -1.0, 1.0), (rs, -1.0, 1.0)], &move |v, _| v[0].matmul_t(&v[1], lt, rt));
+    }
     case("matmul_transposed", FP64, &[(&[2, 7, 5], -1.0, 1.0), (&[2, 6, 7], -1.0, 1.0)], &|v, _| {
         v[0].transpose(1, 2)?.matmul(&v[1].transpose(1, 2)?)
     });

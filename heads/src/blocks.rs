@@ -5,7 +5,7 @@
 use ptl_autograd::module::join_name;
 use ptl_autograd::{Module, Tensor, TensorKind};
 
-use crate::nn::{matmul_ac, Conv, Init};
+use crate::nn::{Conv, Init};
 use crate::Result;
 
 fn visit_seq<M: Module>(items: &[M], prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
@@ -265,8 +265,10 @@ impl Attention {
         let qkv = self.qkv.forward(x)?.reshape(vec![b, self.num_heads, 2 * self.key_dim + self.head_dim, n])?;
         let parts = qkv.split(&[self.key_dim, self.key_dim, self.head_dim], 2)?;
         let (q, k, v) = (&parts[0], &parts[1], &parts[2]);
-        let attn = matmul_ac(&q.transpose(-2, -1)?, k)?.mul_scalar(self.scale)?.softmax(-1)?;
-        let o = matmul_ac(v, &attn.transpose(-2, -1)?)?.reshape(vec![b, c, h, w])?;
+        // qᵀ·k and v·attnᵀ with the GEMMs reading the transposes (no transposed copies); mixed
+        // precision is `ptl_autograd::autocast`'s (operands and result in the compute dtype).
+        let attn = q.matmul_t(k, true, false)?.mul_scalar(self.scale)?.softmax(-1)?;
+        let o = v.matmul_t(&attn, false, true)?.reshape(vec![b, c, h, w])?;
         let pe = self.pe.forward(&v.reshape(vec![b, c, h, w])?)?;
         self.proj.forward(&o.add(&pe)?)
     }

@@ -36,12 +36,6 @@ pub fn xavier_uniform(shape: &[usize], fan_in: usize, fan_out: usize, gain: f64,
     uniform(shape, gain * (6.0 / (fan_in + fan_out) as f64).sqrt(), device, rng)
 }
 
-/// Matmul of the attention blocks. Mixed precision is `ptl_autograd::autocast`'s (as
-/// `torch.autocast`: operands and result in the compute dtype); the model has no mode of its own.
-pub(crate) fn matmul_ac(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    Ok(a.matmul(b)?)
-}
-
 /// Casts a parameter to the activation dtype when they differ (autocast-style execution: f32
 /// master weights, half-precision compute). Gradients flow back to the f32 parameter.
 pub(crate) fn cast_like(p: &Tensor, x: &Tensor) -> Result<Tensor> {

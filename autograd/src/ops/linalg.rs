@@ -76,6 +76,69 @@ impl Tensor {
         .remove(0))
     }
 
+    /// `op(self) · op(rhs)` over the last two dims, `op` a transpose where `lhs_t` / `rhs_t` ask
+    /// for one: the GEMM reads the operand transposed, so no transposed copy is made (forward or
+    /// backward). Leading dims must be equal (no broadcasting).
+    pub fn matmul_t(&self, rhs: &Tensor, lhs_t: bool, rhs_t: bool) -> Result<Tensor> {
+        if crate::autocast::autocast_dtype().is_some() {
+            let (a, b) = (crate::autocast::cast_for_compute(self)?, crate::autocast::cast_for_compute(rhs)?);
+            return crate::autocast::autocast(None, || a.matmul_t(&b, lhs_t, rhs_t));
+        }
+        super::same_dtype("matmul_t", self, rhs)?;
+        let (ad, bd) = (self.dims(), rhs.dims());
+        let mismatch = || Error::ShapeMismatch { op: "matmul_t", lhs: ad.to_vec(), rhs: bd.to_vec() };
+        if ad.len() < 2 || ad.len() != bd.len() || ad[..ad.len() - 2] != bd[..bd.len() - 2] {
+            return Err(mismatch());
+        }
+        let (ar, ac, br, bc) = (ad[ad.len() - 2], ad[ad.len() - 1], bd[bd.len() - 2], bd[bd.len() - 1]);
+        let (m, k) = if lhs_t { (ac, ar) } else { (ar, ac) };
+        let (k2, n) = if rhs_t { (bc, br) } else { (br, bc) };
+        if k != k2 {
+            return Err(mismatch());
+        }
+        let lead = ad[..ad.len() - 2].to_vec();
+        let batch: usize = lead.iter().product();
+        let p = MatmulParams { lhs_batch: batch, rhs_batch: batch, m, n, k, lhs_t, rhs_t };
+        let mut out_shape = lead;
+        out_shape.extend([m, n]);
+        let y = mm_raw(self, rhs, p)?.reshape(out_shape)?;
+        if !(self.requires_grad() || rhs.requires_grad()) || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let (a, b) = (self.detach(), rhs.detach());
+        let (need_a, need_b) = (self.requires_grad(), rhs.requires_grad());
+        let mp = move |m, n, k, lhs_t, rhs_t| MatmulParams { lhs_batch: batch, rhs_batch: batch, m, n, k, lhs_t, rhs_t };
+        Ok(record(
+            &[self, rhs],
+            vec![y],
+            FnBackward {
+                name: "matmul_t",
+                f: move |g: &[Option<Tensor>]| {
+                    let Some(g) = &g[0] else { return Ok(vec![None, None]) };
+                    let g3 = g.reshape(vec![batch, m, n])?;
+                    // A stored [m, k]: dA = dC · op(B)ᵀ; stored [k, m]: dA = op(B) · dCᵀ.
+                    let ga = if !need_a {
+                        None
+                    } else if lhs_t {
+                        Some(mm_raw(&b, &g3, mp(k, m, n, rhs_t, true))?.reshape(a.shape().clone())?)
+                    } else {
+                        Some(mm_raw(&g3, &b, mp(m, k, n, false, !rhs_t))?.reshape(a.shape().clone())?)
+                    };
+                    // B stored [k, n]: dB = op(A)ᵀ · dC; stored [n, k]: dB = dCᵀ · op(A).
+                    let gb = if !need_b {
+                        None
+                    } else if rhs_t {
+                        Some(mm_raw(&g3, &a, mp(n, k, m, true, lhs_t))?.reshape(b.shape().clone())?)
+                    } else {
+                        Some(mm_raw(&a, &g3, mp(k, n, m, !lhs_t, false))?.reshape(b.shape().clone())?)
+                    };
+                    Ok(vec![ga, gb])
+                },
+            },
+        )
+        .remove(0))
+    }
+
     /// Batched matmul of two 3-d tensors (alias of `matmul` with a rank check).
     pub fn bmm(&self, rhs: &Tensor) -> Result<Tensor> {
         if self.rank() != 3 || rhs.rank() != 3 {

@@ -72,8 +72,9 @@ struct Run {
     optimizer_name: String,
     /// Named parameters, walked once: parameters keep their storage for the whole run.
     params: Vec<(String, Tensor)>,
-    /// The parameters autocast ops read (every one of rank ≥ 2: convolution and linear weights;
-    /// BatchNorm parameters and biases are rank 1), cast once per forward under mixed precision.
+    /// The parameters autocast ops read, cast once per forward under mixed precision: every one of
+    /// rank ≥ 2 (convolution and linear weights) and the biases of convolutions (see
+    /// [`compute_weights`]); BatchNorm's rank-1 parameters are read in f32.
     compute_weights: Vec<Tensor>,
     /// Anchor grid of the last input size (training batches share one size).
     anchors: Option<((usize, usize), Anchors)>,
@@ -614,7 +615,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         anchors: None,
     };
     run.params = model_params(&run.model);
-    run.compute_weights = run.params.iter().filter(|(_, t)| t.rank() >= 2).map(|(_, t)| t.clone()).collect();
+    run.compute_weights = compute_weights(&run.params);
     startup.model_build_s = t.elapsed().as_secs_f64();
     let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
     let result = fit_loop(&mut run, &train_args);
@@ -899,4 +900,49 @@ fn freeze_layers(model: &PoseModel, layers: &[usize]) -> Result<()> {
     }
     eprintln!("ptl: freeze: {frozen} parameters of layers {layers:?} are frozen");
     Ok(())
+}
+
+/// The parameters the forward casts to the compute dtype: rank ≥ 2 ones, and a `<module>.bias`
+/// whose `<module>.weight` is a 4-d convolution weight (a convolution's bias is cast like its
+/// weight; a BatchNorm's weight is rank 1, so its bias stays out and is read in f32).
+fn compute_weights(params: &[(String, Tensor)]) -> Vec<Tensor> {
+    let conv_modules: std::collections::HashSet<&str> =
+        params.iter().filter(|(_, t)| t.rank() == 4).filter_map(|(n, _)| n.strip_suffix(".weight")).collect();
+    params
+        .iter()
+        .filter(|(n, t)| t.rank() >= 2 || (t.rank() == 1 && n.strip_suffix(".bias").is_some_and(|m| conv_modules.contains(m))))
+        .map(|(_, t)| t.clone())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The batched autocast copies cover every convolution weight and bias of YOLO26n-pose and no
+    /// BatchNorm parameter (those are read in f32: a bf16 copy would round them).
+    #[test]
+    fn compute_weights_are_conv_weights_and_biases() {
+        let model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (17, 3), scale: Scale::N }, Device::Cpu, 0).unwrap();
+        let params = model_params(&model);
+        let bn_modules: std::collections::HashSet<String> =
+            float_state(&model).into_iter().filter_map(|(n, _)| n.strip_suffix(".running_mean").map(str::to_string)).collect();
+        let chosen: std::collections::HashSet<usize> = compute_weights(&params).iter().map(|t| t.storage_ptr()).collect();
+        let (mut biases, mut bn) = (0, 0);
+        for (name, t) in &params {
+            let in_bn = name.rsplit_once('.').is_some_and(|(m, _)| bn_modules.contains(m));
+            if in_bn {
+                assert!(!chosen.contains(&t.storage_ptr()), "{name} is a BatchNorm parameter, read in f32");
+                bn += 1;
+            } else if t.rank() >= 2 {
+                assert!(chosen.contains(&t.storage_ptr()), "{name} (rank {}) is cast up front", t.rank());
+            } else {
+                let conv =
+                    name.strip_suffix(".bias").is_some_and(|m| params.iter().any(|(n, w)| *n == format!("{m}.weight") && w.rank() == 4));
+                assert_eq!(chosen.contains(&t.storage_ptr()), conv, "{name}: cast up front exactly when it is a convolution's bias");
+                biases += usize::from(conv);
+            }
+        }
+        assert!(biases > 0 && bn > 0, "{biases} convolution biases, {bn} BatchNorm parameters");
+    }
 }
