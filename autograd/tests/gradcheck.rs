@@ -187,16 +187,13 @@ fn pool_matmul_softmax_loss() {
     let b2 = rnd(&[4, 5], -1.0, 1.0, &mut rng);
     gradcheck("bmm", vec![a.clone(), b.clone()], |v| v[0].bmm(&v[1]));
     gradcheck("matmul_broadcast", vec![a.clone(), b2.clone()], |v| v[0].matmul(&v[1]));
-    // matmul_t: every transpose combination, each also equal to the materialised transposes.
+    // matmul_t: every transpose combination (on the CPU the transposes are materialised; the CUDA
+    // case in cuda_ops compares the GEMM's transposed reads with it).
     let at = rnd(&[2, 4, 3], -1.0, 1.0, &mut rng);
     let bt = rnd(&[2, 5, 4], -1.0, 1.0, &mut rng);
     for (lt, rt) in [(false, false), (true, false), (false, true), (true, true)] {
         let (l, r) = (if lt { at.clone() } else { a.clone() }, if rt { bt.clone() } else { b.clone() });
-        gradcheck(&format!("matmul_t({lt}, {rt})"), vec![l.clone(), r.clone()], move |v| v[0].matmul_t(&v[1], lt, rt));
-        let tr = |t: &Tensor, yes: bool| if yes { t.transpose(1, 2).unwrap() } else { t.clone() };
-        let want = tr(&l, lt).matmul(&tr(&r, rt)).unwrap().to_vec::<f64>().unwrap();
-        let got = l.matmul_t(&r, lt, rt).unwrap().to_vec::<f64>().unwrap();
-        assert!(want.iter().zip(&got).all(|(w, g)| (w - g).abs() < 1e-12), "matmul_t({lt}, {rt}) differs from matmul of the transposes");
+        gradcheck(&format!("matmul_t({lt}, {rt})"), vec![l, r], move |v| v[0].matmul_t(&v[1], lt, rt));
     }
     let w = rnd(&[3, 4], -1.0, 1.0, &mut rng);
     let bias = rnd(&[3], -1.0, 1.0, &mut rng);

@@ -77,12 +77,18 @@ impl Tensor {
     }
 
     /// `op(self) · op(rhs)` over the last two dims, `op` a transpose where `lhs_t` / `rhs_t` ask
-    /// for one: the GEMM reads the operand transposed, so no transposed copy is made (forward or
-    /// backward). Leading dims must be equal (no broadcasting).
+    /// for one: on CUDA the GEMM reads the operand transposed, so no transposed copy is made
+    /// (forward or backward); on the CPU it is `matmul` of the transposes (the CPU GEMM's sums
+    /// follow the operands' layout, and CPU runs keep their bytes). Leading dims must be equal (no
+    /// broadcasting).
     pub fn matmul_t(&self, rhs: &Tensor, lhs_t: bool, rhs_t: bool) -> Result<Tensor> {
         if crate::autocast::autocast_dtype().is_some() {
             let (a, b) = (crate::autocast::cast_for_compute(self)?, crate::autocast::cast_for_compute(rhs)?);
             return crate::autocast::autocast(None, || a.matmul_t(&b, lhs_t, rhs_t));
+        }
+        if self.device() == crate::Device::Cpu {
+            let tr = |t: &Tensor, yes: bool| if yes { t.transpose(-2, -1) } else { Ok(t.clone()) };
+            return tr(self, lhs_t)?.matmul(&tr(rhs, rhs_t)?);
         }
         super::same_dtype("matmul_t", self, rhs)?;
         let (ad, bd) = (self.dims(), rhs.dims());
