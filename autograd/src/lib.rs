@@ -39,6 +39,7 @@ pub mod shape;
 pub mod stage;
 pub mod storage;
 pub mod tensor;
+pub mod write_journal;
 
 pub use autocast::{autocast, autocast_dtype, autocast_with_weights, cast_weight, AutocastGuard};
 pub use autograd::{attach_custom_node, is_grad_enabled, no_grad, BackwardOp, GradModeGuard};
@@ -53,3 +54,4 @@ pub use ops::optim::{lerp, SgdStep};
 pub use rng::Rng;
 pub use shape::Shape;
 pub use tensor::{Element, Tensor, TensorId};
+pub use write_journal::{journal_writes, WriteJournal};

@@ -110,7 +110,9 @@ impl Tensor {
                 format!("storage has {} elements but shape {:?} needs {}", storage.len(), shape, shape.numel()),
             ));
         }
-        Ok(Tensor::build(Arc::new(RwLock::new(storage)), shape, false, None))
+        let storage = Arc::new(RwLock::new(storage));
+        crate::write_journal::note_created(&storage);
+        Ok(Tensor::build(storage, shape, false, None))
     }
 
     pub(crate) fn build(storage: Arc<RwLock<Storage>>, shape: Shape, requires_grad: bool, grad_fn: Option<GradFn>) -> Tensor {
@@ -240,6 +242,7 @@ impl Tensor {
         self.0.storage.read().unwrap_or_else(|e| e.into_inner())
     }
     pub(crate) fn write_storage(&self) -> RwLockWriteGuard<'_, Storage> {
+        crate::write_journal::before_write(&self.0.storage);
         self.0.storage.write().unwrap_or_else(|e| e.into_inner())
     }
     /// Address of the shared storage: equal for tensors that share memory, and unchanged by

@@ -783,42 +783,55 @@ impl RegionHandle {
         let mut gparam_dt: Vec<Option<DType>> = vec![None; params.len()];
         let mut gin_dt: Vec<Option<DType>> = vec![None; inputs.len()];
         let (mut fwd_bytes, mut bwd_bytes) = (0usize, 0usize);
-        let warm = (|| -> Result<()> {
-            for _ in 0..cfg.warmup_iters.max(1) {
-                let mut outs: Vec<Tensor> = Vec::new();
-                let n = backend.measure(&mut || {
-                    let _g = GradModeGuard::new(needs_grad);
-                    outs = body(&warm_leaves)?;
-                    Ok(())
-                })?;
-                fwd_bytes = fwd_bytes.max(n);
-                meta = outs.iter().map(|o| (o.dims().to_vec(), o.dtype(), needs_grad && o.requires_grad())).collect();
-                if meta.iter().any(|m| m.2) {
+        // Every storage the warmup writes that existed before it (parameters an optimizer body
+        // updates, its moments, EMA shadows, BatchNorm statistics) is copied before its first
+        // write and copied back below: the write-set of capture.md rule 2.1, found by watching.
+        let journaled = ptl_autograd::journal_writes(|| {
+            (|| -> Result<()> {
+                for _ in 0..cfg.warmup_iters.max(1) {
+                    let mut outs: Vec<Tensor> = Vec::new();
                     let n = backend.measure(&mut || {
-                        let present: Vec<&Tensor> = outs.iter().zip(&meta).filter(|(_, m)| m.2).map(|(o, _)| o).collect();
-                        let seeds: Vec<Tensor> = present.iter().map(|o| o.ones_like()).collect::<ptl_autograd::Result<_>>()?;
-                        seed_backward(&present, seeds)
+                        let _g = GradModeGuard::new(needs_grad);
+                        outs = body(&warm_leaves)?;
+                        Ok(())
                     })?;
-                    bwd_bytes = bwd_bytes.max(n);
-                    for (p, dt) in params.iter().zip(gparam_dt.iter_mut()) {
-                        if let Some(g) = p.grad() {
-                            *dt = Some(g.dtype());
+                    fwd_bytes = fwd_bytes.max(n);
+                    meta = outs.iter().map(|o| (o.dims().to_vec(), o.dtype(), needs_grad && o.requires_grad())).collect();
+                    if meta.iter().any(|m| m.2) {
+                        let n = backend.measure(&mut || {
+                            let present: Vec<&Tensor> = outs.iter().zip(&meta).filter(|(_, m)| m.2).map(|(o, _)| o).collect();
+                            let seeds: Vec<Tensor> = present.iter().map(|o| o.ones_like()).collect::<ptl_autograd::Result<_>>()?;
+                            seed_backward(&present, seeds)
+                        })?;
+                        bwd_bytes = bwd_bytes.max(n);
+                        for (p, dt) in params.iter().zip(gparam_dt.iter_mut()) {
+                            if let Some(g) = p.grad() {
+                                *dt = Some(g.dtype());
+                            }
+                            p.set_grad(None);
                         }
-                        p.set_grad(None);
-                    }
-                    for (l, dt) in warm_leaves.iter().zip(gin_dt.iter_mut()) {
-                        if let Some(g) = l.grad() {
-                            *dt = Some(g.dtype());
+                        for (l, dt) in warm_leaves.iter().zip(gin_dt.iter_mut()) {
+                            if let Some(g) = l.grad() {
+                                *dt = Some(g.dtype());
+                            }
+                            l.set_grad(None);
                         }
-                        l.set_grad(None);
                     }
                 }
-            }
-            Ok(())
-        })();
-        // Rollback, whatever happened: buffers bitwise, host state, parameter gradients.
+                Ok(())
+            })()
+        });
+        let (warm, journal) = match journaled {
+            Ok((w, j)) => (w, Some(j)),
+            Err(e) => (Err(e.into()), None),
+        };
+        // Rollback, whatever happened: the journaled write-set and buffers bitwise, host state,
+        // parameter gradients.
         let rollback = || -> Result<()> {
             let _g = GradModeGuard::new(false);
+            if let Some(j) = journal {
+                j.restore()?;
+            }
             for (b, s) in buffers.iter().zip(&buf_snap) {
                 b.copy_(s)?;
             }

@@ -230,3 +230,37 @@ fn t10_graph_safe_rng_on_the_double_matches_eager() {
     let s = region.stats();
     assert_eq!((s.captures, s.replays), (1, 4), "{s:?}");
 }
+
+/// Rule 2.1 for a region that writes state it does not declare — an optimizer-like body moving a
+/// parameter and its momentum in place (no surface, no buffers): the warmup's writes are found by
+/// the write journal and copied back, so after every call (native warmup call, warmup iteration +
+/// capture, replays) the state is eager execution's, byte for byte.
+#[test]
+fn t2_warmup_rolls_back_undeclared_writes() {
+    let (rec, _) = recorder(RecorderConfig::default());
+    let state = || {
+        let p = Tensor::from_vec(vec![1.0f32, -2.0, 3.0], 3, Device::Cpu).unwrap();
+        (p, Tensor::zeros(vec![3], DType::F32, Device::Cpu).unwrap())
+    };
+    fn step(p: &Tensor, m: &Tensor, x: &Tensor) -> ptl_autograd::Result<Tensor> {
+        no_grad(|| -> ptl_autograd::Result<()> {
+            m.copy_(&m.mul_scalar(0.9)?.add(x)?)?;
+            p.add_(&m.mul_scalar(-0.1)?)
+        })?;
+        p.mul(x)
+    }
+    let (pe, me) = state();
+    let (pr, mr) = state();
+    let (p2, m2) = (pr.clone(), mr.clone());
+    let region = rec.region(RegionSpec::new("update", Vec::new, move |xs| Ok(vec![step(&p2, &m2, &xs[0])?])));
+    for i in 0..5 {
+        let x = Tensor::from_vec(vec![0.5 * i as f32, 1.0, -1.0], 3, Device::Cpu).unwrap();
+        let a = step(&pe, &me, &x).unwrap();
+        let b = region.call(std::slice::from_ref(&x)).unwrap().remove(0);
+        assert_eq!(a.to_bytes().unwrap(), b.to_bytes().unwrap(), "call {i}: outputs");
+        assert_eq!(pe.to_bytes().unwrap(), pr.to_bytes().unwrap(), "call {i}: the parameter moved once per call");
+        assert_eq!(me.to_bytes().unwrap(), mr.to_bytes().unwrap(), "call {i}: the momentum moved once per call");
+    }
+    let s = region.stats();
+    assert_eq!((s.captures, s.replays), (1, 4), "{s:?}");
+}
