@@ -8,6 +8,8 @@
 //!   stems read detached copies (the head detaches them outside the region).
 //! - `replay=stem` ([`Scope::Stems`]): each of the head's 18 stems as its own region and autograd node (a
 //!   point stem's region includes its keypoint and uncertainty views).
+//! - `replay=ns` ([`NsReplay`]): MuSGD's batched Newton–Schulz, one region per group of equal
+//!   matrix shapes, reached through the optimizer stage (`ptl_trainer::optim::with_ns_runner`).
 //!
 //! Both record with CUDA graphs on a GPU and with `ptl-capture`'s test double on the CPU (which
 //! re-runs the body on replay), so CPU CI exercises the recorder's real state machine. Every
@@ -16,9 +18,11 @@
 //! "replay equals native".
 
 mod guard;
+mod ns;
 mod regions;
 mod replay;
 
 pub use guard::replay_shortfalls;
+pub use ns::NsReplay;
 pub use regions::PieceRegions;
 pub use replay::{plugin_defaults, PieceReplay, Scope};

@@ -58,7 +58,7 @@ const TEST_HOOKS: [&str; 2] = ["inject_capture_failures", "dispatch"];
 
 /// The recorder settings of plugin `name` from its JSON configuration (the test hook
 /// hooks `inject_capture_failures` and `dispatch` are taken out first).
-fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::Result<RecorderConfig> {
+pub(crate) fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::Result<RecorderConfig> {
     let bad = |reason: String| ptl_trainer::TrainerError::InvalidArgument { what: "replay_config", reason: format!("`{name}`: {reason}") };
     let mut merged = serde_json::to_value(plugin_defaults()).map_err(|e| bad(e.to_string()))?;
     match (merged.as_object_mut(), cfg) {

@@ -50,7 +50,7 @@ fn a_replayed_run_resumes_to_the_native_hashes() {
     assert_replayed(&resumed, "stem", 18, 3);
 }
 
-/// `replay=all` is every plugin of this crate (feature, stem), in the stack's priority order; a name
+/// `replay=all` is every plugin of this crate (feature, stem, ns), in the stack's priority order; a name
 /// listed besides it adds nothing twice (a third-party plugin stays out of it: tests/third_party.rs).
 #[test]
 fn replay_all_is_every_ptl_plugin() {
@@ -59,10 +59,13 @@ fn replay_all_is_every_ptl_plugin() {
     let none = serde_json::Map::new();
     let all = PluginStack::from_registry(&[ALL_PLUGINS.to_string()], &none).expect("replay=all");
     let named = PluginStack::from_registry(&["feature".to_string(), "stem".to_string()], &none).expect("feature,stem");
-    assert_eq!(all.names(), named.names());
-    assert_eq!(all.names().len(), 2, "{:?}", all.names());
+    let named_all =
+        PluginStack::from_registry(&["feature".to_string(), "stem".to_string(), "ns".to_string()], &none).expect("feature,stem,ns");
+    assert_eq!(all.names(), named_all.names());
+    assert_eq!(all.names(), vec!["feature", "stem", "ns"], "priority order");
     let both = PluginStack::from_registry(&[ALL_PLUGINS.to_string(), "stem".to_string()], &none).expect("all,stem");
-    assert_eq!(both.names(), named.names());
+    assert_eq!(both.names(), all.names());
+    assert_eq!(&named.names()[..], &all.names()[..2]);
     let mut cfg = serde_json::Map::new();
     cfg.insert("feature".into(), serde_json::json!({}));
     assert!(PluginStack::from_registry(&[ALL_PLUGINS.to_string()], &cfg).is_ok(), "settings of a plugin that all enables");
@@ -112,4 +115,33 @@ fn a_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
         "cpu",
         ptl_autograd::Device::Cpu,
     );
+}
+
+/// `replay=ns`: MuSGD's Newton–Schulz groups (one region per matrix shape) replay on every
+/// optimizer step after their warm-up, and the fit's bytes are native's; with the optimizer stage
+/// not wrapped (`dispatch: false`) no region exists and the guard says so.
+#[test]
+fn ns_replay_equals_native_and_replays_every_optimizer_step() {
+    use ptl_plugins::NsReplay;
+    assert_eq!(NsReplay::NAME, "ns");
+    let cfg = |save: &str, replay: &[&str]| PoseTrainConfig { optimizer: "MuSGD".into(), nbs: 2, ..tiny(save, replay) };
+    let native = fit(&cfg("ns-native", &[]), vec![]).expect("native MuSGD fit");
+    let ns = fit(&cfg("ns-replay", &["ns"]), vec![]).expect("ns fit");
+    assert_eq!(ns.hashes, native.hashes, "replay=ns changes no byte");
+    assert_eq!(ns.optimizer_steps, 6, "an optimizer step per batch (nbs = batch)");
+    let short = replay_shortfalls(&ns, "ns", ns.optimizer_steps, &[]);
+    assert!(short.is_empty(), "{short:?}");
+    let regions = ns.replay_counters["ns"].as_object().expect("ns counters");
+    assert!(regions.len() >= 2, "one region per Muon matrix shape: {:?}", regions.keys().collect::<Vec<_>>());
+    for (name, st) in regions {
+        // A shape may come up in several parameter groups: a call per group and step.
+        let replays = st["replays"].as_u64().unwrap_or(0);
+        assert!(replays >= ns.optimizer_steps - 1, "{name}: every step after the first replays: {st}");
+        assert_eq!(st["native"], serde_json::json!({"Warmup": 1}), "{name}: native only for its warm-up call: {st}");
+    }
+    let mut off = cfg("ns-off", &["ns"]);
+    off.set("replay_config", r#"{"ns": {"dispatch": false}}"#).expect("JSON parses");
+    let off = fit(&off, vec![]).expect("ns fit without dispatch");
+    assert_eq!(off.hashes, native.hashes);
+    assert!(!replay_shortfalls(&off, "ns", off.optimizer_steps, &[]).is_empty(), "the guard fails when nothing replayed");
 }

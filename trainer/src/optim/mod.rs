@@ -64,7 +64,7 @@ pub use groups::{
     ResolvedOptimizer,
 };
 pub use musgd::MuSgd;
-pub use newton_schulz::{newton_schulz5, orthogonalized_update};
+pub use newton_schulz::{newton_schulz5, orthogonalized_update, with_ns_runner, NsRunner};
 pub use scaler::{GradScaler, GradScalerConfig};
 pub use schedule::{warmup_iterations, LrLambda, LrScheduler, Warmup};
 pub use sgd::Sgd;

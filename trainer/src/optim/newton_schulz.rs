@@ -122,6 +122,35 @@ pub fn newton_schulz5_many(gs: &[Tensor], precision: NsPrecision) -> Result<Vec<
     })
 }
 
+/// Runs the batched Newton–Schulz of one shape group for an optimizer step: `body(matrices)`
+/// natively, or a replay of it (a plugin's recorded graph). It must return what `body` returns.
+pub trait NsRunner: Send + Sync {
+    fn run_ns(&self, matrices: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>>;
+}
+
+thread_local! {
+    static NS_RUNNER: std::cell::RefCell<Option<std::sync::Arc<dyn NsRunner>>> = const { std::cell::RefCell::new(None) };
+}
+
+fn current_ns_runner() -> Option<std::sync::Arc<dyn NsRunner>> {
+    NS_RUNNER.with(|r| r.borrow().clone())
+}
+
+/// Runs `f` (an optimizer step) with `runner` doing its Newton–Schulz groups on this thread: how
+/// a replay plugin reaches the optimizer without the trainer knowing it. The previous runner comes
+/// back when `f` returns or unwinds.
+pub fn with_ns_runner<R>(runner: std::sync::Arc<dyn NsRunner>, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<std::sync::Arc<dyn NsRunner>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            NS_RUNNER.with(|r| *r.borrow_mut() = previous);
+        }
+    }
+    let _restore = Restore(NS_RUNNER.with(|r| r.borrow_mut().replace(runner)));
+    f()
+}
+
 /// [`orthogonalized_update`] of many blends, batched: blends whose matrices share a shape go
 /// through one [`newton_schulz5_many`]. Results in the input order.
 pub fn orthogonalized_updates(us: &[Tensor], precision: NsPrecision) -> Result<Vec<Tensor>> {
@@ -138,7 +167,18 @@ pub fn orthogonalized_updates(us: &[Tensor], precision: NsPrecision) -> Result<V
     let mut out: Vec<Option<Tensor>> = vec![None; us.len()];
     for (_, idx) in by_shape {
         let group: Vec<Tensor> = idx.iter().map(|&i| mats[i].clone()).collect();
-        for (&i, o) in idx.iter().zip(newton_schulz5_many(&group, precision)?) {
+        let body = |ms: &[Tensor]| newton_schulz5_many(ms, precision);
+        let orthogonal = match current_ns_runner() {
+            Some(runner) => runner.run_ns(&group, &body)?,
+            None => body(&group)?,
+        };
+        if orthogonal.len() != group.len() {
+            return Err(TrainerError::InvalidArgument {
+                what: "Newton–Schulz runner",
+                reason: format!("returned {} matrices for {}", orthogonal.len(), group.len()),
+            });
+        }
+        for (&i, o) in idx.iter().zip(orthogonal) {
             out[i] = Some(scaled_back(o, us[i].dims())?);
         }
     }
