@@ -1,5 +1,6 @@
 //! Real CUDA graphs in real fits: native vs `replay=feature` vs `replay=feature,stem` in every
-//! precision — identical hashes, and every region replayed on every step after its warm-up.
+//! precision, and `replay=ns` / `replay=all` in bf16 — identical hashes, and every region replayed
+//! on every step after its warm-up.
 //! Without a usable GPU the test prints `skipping: <reason>` and passes.
 #![cfg(feature = "cuda")]
 
@@ -53,6 +54,54 @@ fn cuda_replay_equals_native_in_every_precision() {
         }
         println!("ok cuda replay {}: {}", precision.name(), both.plugins.join(" || ").chars().take(300).collect::<String>());
     }
+}
+
+/// `replay=ns` and `replay=all` (feature, stem, ns) on real CUDA graphs, MuSGD stepping every
+/// batch (nbs = batch): the hashes of native, and every Newton–Schulz group replayed on every
+/// optimizer step after its warm-up (the other regions on every batch).
+#[test]
+fn cuda_ns_replay_equals_native() {
+    let Some(dev) = gpu() else { return };
+    assert_eq!(ptl_plugins::NsReplay::NAME, "ns");
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-ns-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    let run = |replay: &[&str]| {
+        let cfg = PoseTrainConfig {
+            data: data.clone(),
+            epochs: 1,
+            batch: 2,
+            nbs: 2,
+            imgsz: 64,
+            seed: 5,
+            device: dev,
+            precision: Precision::Bf16Mixed,
+            workers: Some(2),
+            optimizer: "MuSGD".into(),
+            close_mosaic: 0,
+            plots: false,
+            progress: false,
+            gpu_time: false,
+            exist_ok: true,
+            replay: replay.iter().map(|s| s.to_string()).collect(),
+            save_dir: dir.join(format!("ns-{}", replay.join("+"))),
+            ..PoseTrainConfig::default()
+        };
+        fit(&cfg, vec![]).expect("fit")
+    };
+    let native = run(&[]);
+    let ns = run(&["ns"]);
+    let all = run(&["all"]);
+    assert_eq!(ns.hashes, native.hashes, "replay=ns");
+    assert_eq!(all.hashes, native.hashes, "replay=all");
+    let batches = 12u64;
+    assert_eq!(ns.optimizer_steps, batches, "a step per batch");
+    for (s, plugin, calls) in
+        [(&ns, "ns", ns.optimizer_steps), (&all, "ns", all.optimizer_steps), (&all, "feature", batches), (&all, "stem", batches)]
+    {
+        let short = replay_shortfalls(s, plugin, calls, &[]);
+        assert!(short.is_empty(), "{plugin}: {short:?}");
+    }
+    println!("ok cuda ns replay: {}", ns.plugins.join(" || ").chars().take(300).collect::<String>());
 }
 
 // ---- kill-and-resume with replay on ------------------------------------------------------------
