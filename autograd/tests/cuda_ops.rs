@@ -888,6 +888,77 @@ fn fused_sgd_matches_the_composed_step() {
     }
 }
 
+/// The `*_dev` optimizer ops read their scalars from a device f64 vector written before each step
+/// (`write_f64`): the same bytes as the host-scalar forms, with the values changing every step
+/// (a schedule) — SGD (decay on/off, Nesterov or not, with and without buffers), the momentum
+/// blend (β on both sides of lerp's 0.5 branch) and the EMA lerp; 45 f32 tensors, on the CPU and,
+/// when present, CUDA. Malformed scalar vectors are typed errors.
+#[test]
+fn device_scalar_optimizer_ops_match_the_host_scalar_ones() {
+    use ptl_autograd::DeviceScalars;
+    let devices: Vec<Device> = std::iter::once(Device::Cpu).chain(gpu()).collect();
+    for dev in devices {
+        let mut rng = Rng::new(31);
+        let sizes: Vec<usize> = (0..45).map(|k| [1usize, 9, 2048, 2049, 4000][k % 5] + k).collect();
+        let make = |rng: &mut Rng| -> Vec<Tensor> {
+            sizes.iter().map(|&n| Tensor::rand(vec![n], -1.0, 1.0, DType::F32, dev, rng).unwrap()).collect()
+        };
+        let (p0, b0) = (make(&mut rng), make(&mut rng));
+        let grads: Vec<Vec<Tensor>> = (0..3).map(|_| make(&mut rng)).collect();
+        let copies = |ts: &[Tensor]| -> Vec<Tensor> { ts.iter().map(|t| t.deep_copy().unwrap()).collect() };
+        let bytes = |ts: &[Tensor]| -> Vec<Vec<u8>> { ts.iter().map(|t| t.to_bytes().unwrap()).collect() };
+        let hp = Tensor::zeros(vec![8], DType::F64, dev).unwrap();
+        let at = |k: usize| DeviceScalars { values: &hp, at: k };
+        // SGD: [wd, μ, −lr] at 2.., a different lr each step.
+        for (nesterov, wd, with_buf) in [(true, 5e-4, true), (false, 5e-4, true), (true, 0.0, true), (false, 5e-4, false)] {
+            let (pa, ba, pb, bb) = (copies(&p0), copies(&b0), copies(&p0), copies(&b0));
+            for (step, gs) in grads.iter().enumerate() {
+                let h = ptl_autograd::SgdStep { weight_decay: wd, momentum: 0.937, neg_lr: -(0.01 / (step + 1) as f64), nesterov };
+                hp.write_f64(2, &[h.weight_decay, h.momentum, h.neg_lr]).unwrap();
+                let ta: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+                    pa.iter().zip(gs).zip(&ba).map(|((p, g), b)| (p, g, with_buf.then_some(b))).collect();
+                let tb: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+                    pb.iter().zip(gs).zip(&bb).map(|((p, g), b)| (p, g, with_buf.then_some(b))).collect();
+                Tensor::sgd_step_many(&ta, h).unwrap();
+                Tensor::sgd_step_many_dev(&tb, at(2), wd != 0.0, nesterov).unwrap();
+            }
+            assert_eq!((bytes(&pa), bytes(&ba)), (bytes(&pb), bytes(&bb)), "{dev} sgd nesterov={nesterov} wd={wd} buffer={with_buf}");
+        }
+        // Momentum blend: β at 5, a different β each step (0.3 and 0.7 take lerp's two branches).
+        for nesterov in [true, false] {
+            let (ma, mb) = (copies(&b0), copies(&b0));
+            for (gs, beta) in grads.iter().zip([0.937, 0.3, 0.7]) {
+                hp.write_f64(5, &[beta]).unwrap();
+                let pa: Vec<(&Tensor, &Tensor)> = gs.iter().zip(&ma).collect();
+                let pb: Vec<(&Tensor, &Tensor)> = gs.iter().zip(&mb).collect();
+                let ua = Tensor::momentum_blend_many(&pa, beta, nesterov).unwrap();
+                let ub = Tensor::momentum_blend_many_dev(&pb, at(5), nesterov).unwrap();
+                assert_eq!(bytes(&ua), bytes(&ub), "{dev} blend β={beta} nesterov={nesterov}: updates");
+            }
+            assert_eq!(bytes(&ma), bytes(&mb), "{dev} blend nesterov={nesterov}: momenta");
+        }
+        // EMA lerp: the weight at 0, 1 − d for a decay that grows each step.
+        let (ea, eb) = (copies(&p0), copies(&p0));
+        for (gs, w) in grads.iter().zip([0.9, 0.5, 0.0002]) {
+            hp.write_f64(0, &[w]).unwrap();
+            let pa: Vec<(&Tensor, &Tensor)> = ea.iter().zip(gs).collect();
+            let pb: Vec<(&Tensor, &Tensor)> = eb.iter().zip(gs).collect();
+            Tensor::lerp_many_(&pa, w).unwrap();
+            Tensor::lerp_many_dev_(&pb, at(0)).unwrap();
+        }
+        assert_eq!(bytes(&ea), bytes(&eb), "{dev} lerp");
+        // A scalar vector that is too short or not f64 is refused.
+        let short = Tensor::zeros(vec![2], DType::F64, dev).unwrap();
+        let wrong = Tensor::zeros(vec![8], DType::F32, dev).unwrap();
+        let pairs: Vec<(&Tensor, &Tensor)> = ea.iter().zip(&grads[0]).collect();
+        for (s, what) in [(DeviceScalars { values: &short, at: 2 }, "short"), (DeviceScalars { values: &wrong, at: 0 }, "f32")] {
+            let e = Tensor::lerp_many_dev_(&pairs, s).unwrap_err().to_string();
+            assert!(e.contains("device scalars"), "{dev} {what}: {e}");
+        }
+        assert!(wrong.write_f64(0, &[1.0]).is_err() && hp.write_f64(7, &[1.0, 2.0]).is_err(), "write_f64 checks dtype and range");
+    }
+}
+
 /// The fused momentum blend (Muon's lerp pair) gives the composed ops' bytes for the momentum and
 /// the blend, on CUDA (45 f32 tensors, Nesterov or not, three steps; β = 0.937 takes lerp's two
 /// branches); on the CPU it is the composed ops.

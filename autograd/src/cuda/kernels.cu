@@ -1071,13 +1071,13 @@ extern "C" __global__ void mt_cast_f16_f32(const MtTable t) { mt_cast_k<__half, 
 //   b  = fma(b, μ, 0) + g'            (when has_buf; the buffer is written back)
 //   u  = nesterov ? g' + fma(b, μ, 0) : b     (u = g' without a buffer)
 //   p  = p + fma(u, −lr·factor, 0)
-extern "C" __global__ void mt_sgd_f32(const MtTable t, double wd, double mu, double nlr, float zero, int has_wd, int has_buf, int nesterov) {
+__device__ __forceinline__ void mt_sgd_rows(const MtTable& t, float fwd, float fmu, float fnlr, float zero, int has_wd, int has_buf,
+                                            int nesterov) {
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
     float* P = reinterpret_cast<float*>(t.ptr[0][k]);
     const float* G = reinterpret_cast<const float*>(t.ptr[1][k]);
     float* B = reinterpret_cast<float*>(t.ptr[2][k]);
-    const float fwd = (float)wd, fmu = (float)mu, fnlr = (float)nlr;
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) {
         const float p = P[i];
         const float gw = has_wd ? __fadd_rn(G[i], __fmaf_rn(p, fwd, zero)) : G[i];
@@ -1090,12 +1090,28 @@ extern "C" __global__ void mt_sgd_f32(const MtTable t, double wd, double mu, dou
         P[i] = __fadd_rn(p, __fmaf_rn(u, fnlr, zero));
     }
 }
+extern "C" __global__ void mt_sgd_f32(const MtTable t, double wd, double mu, double nlr, float zero, int has_wd, int has_buf, int nesterov) {
+    mt_sgd_rows(t, (float)wd, (float)mu, (float)nlr, zero, has_wd, has_buf, nesterov);
+}
+// The same step with [wd, μ, −lr·factor] read from device memory (written by the host before the
+// step), so a recorded graph takes each step's values.
+extern "C" __global__ void mt_sgd_dev_f32(const MtTable t, const double* hp, float zero, int has_wd, int has_buf, int nesterov) {
+    mt_sgd_rows(t, (float)hp[0], (float)hp[1], (float)hp[2], zero, has_wd, has_buf, nesterov);
+}
+
+// The factor lerp multiplies by and its branch, as the host's `lerp_factor`: w rounded to f32;
+// |w| < 0.5 → (w, start + …), else (1 − w in f32, end − …).
+__device__ __forceinline__ void lerp_factor_of(double w, float& f, int& small) {
+    const float w32 = (float)w;
+    small = fabsf(w32) < 0.5f;
+    f = small ? w32 : __fsub_rn(1.0f, w32);
+}
 
 // ---- multi-tensor momentum blend (Muon) -------------------------------------------------------------
 // For up to MT_ADD f32 tensors, with the composed ops' roundings (lerp(s, e, w) = s + fma(e − s, w, 0)
 // when |w| < 0.5, else e − fma(e − s, 1 − w, 0); f1/f2 are the factors, small1/small2 the branches):
 //   m ← lerp(m, g, 1 − β);   u = nesterov ? lerp(g, m, β) : m   (u written to a fresh buffer)
-extern "C" __global__ void mt_blend_f32(const MtTable t, float f1, int small1, float f2, int small2, int nesterov, float zero) {
+__device__ __forceinline__ void mt_blend_rows(const MtTable& t, float f1, int small1, float f2, int small2, int nesterov, float zero) {
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
     float* M = reinterpret_cast<float*>(t.ptr[0][k]);
@@ -1114,11 +1130,22 @@ extern "C" __global__ void mt_blend_f32(const MtTable t, float f1, int small1, f
         U[i] = u;
     }
 }
+extern "C" __global__ void mt_blend_f32(const MtTable t, float f1, int small1, float f2, int small2, int nesterov, float zero) {
+    mt_blend_rows(t, f1, small1, f2, small2, nesterov, zero);
+}
+// β read from device memory; the factors of 1 − β (in f64) and β derived as on the host.
+extern "C" __global__ void mt_blend_dev_f32(const MtTable t, const double* hp, int nesterov, float zero) {
+    float f1, f2;
+    int small1, small2;
+    lerp_factor_of(1.0 - hp[0], f1, small1);
+    lerp_factor_of(hp[0], f2, small2);
+    mt_blend_rows(t, f1, small1, f2, small2, nesterov, zero);
+}
 
 // ---- multi-tensor lerp in place (EMA) -----------------------------------------------------------------
 // dst ← lerp(dst, src, w) for up to MT_ADD f32 tensors, with the composed ops' roundings (see
 // mt_blend_f32): dst + fma(src − dst, f, 0) when small, else src − fma(src − dst, f, 0).
-extern "C" __global__ void mt_lerp_f32(const MtTable t, float f, int small, float zero) {
+__device__ __forceinline__ void mt_lerp_rows(const MtTable& t, float f, int small, float zero) {
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
     float* D = reinterpret_cast<float*>(t.ptr[0][k]);
@@ -1128,6 +1155,14 @@ extern "C" __global__ void mt_lerp_f32(const MtTable t, float f, int small, floa
         const float diff = __fsub_rn(s, d);
         D[i] = small ? __fadd_rn(d, __fmaf_rn(diff, f, zero)) : __fsub_rn(s, __fmaf_rn(diff, f, zero));
     }
+}
+extern "C" __global__ void mt_lerp_f32(const MtTable t, float f, int small, float zero) { mt_lerp_rows(t, f, small, zero); }
+// The weight read from device memory (an EMA update whose decay changes every step).
+extern "C" __global__ void mt_lerp_dev_f32(const MtTable t, const double* hp, float zero) {
+    float f;
+    int small;
+    lerp_factor_of(hp[0], f, small);
+    mt_lerp_rows(t, f, small, zero);
 }
 
 // ---- instantiations ---------------------------------------------------------------------------------------

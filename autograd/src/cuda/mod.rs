@@ -178,6 +178,22 @@ impl CudaStorage {
         Ok(out)
     }
 
+    /// Writes host bytes into this storage at byte offset `at`, in place (an explicit host→device
+    /// copy on the compute stream; the driver stages the pageable source before returning).
+    pub(crate) fn write_from_host(&self, at: usize, bytes: &[u8]) -> Result<()> {
+        capture_support::check_host_upload("write_from_host")?;
+        if at + bytes.len() > self.len * self.dtype.size_in_bytes() {
+            return Err(Error::invalid("write_from_host", format!("{} bytes at {at} exceed the storage", bytes.len())));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let dev = &self.buf.dev;
+        dev.bind()?;
+        counters::count(counters::Count::HostToDevice);
+        unsafe { dr::memcpy_htod_async(self.buf.ptr + at as u64, bytes, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyHtoDAsync", e))
+    }
+
     /// Downloads to the host: waits for the stream, then copies (a synchronisation point).
     pub(crate) fn to_cpu(&self) -> Result<CpuStorage> {
         capture_support::check_host_sync("to_cpu")?;

@@ -316,6 +316,47 @@ pub(crate) fn lerp_many(any: &CudaStorage, rows: &[([u64; 3], usize)], factor: f
     Ok(())
 }
 
+/// [`sgd_many`] with `[weight_decay, momentum, neg_lr]` read from device address `hp` (f64).
+pub(crate) fn sgd_many_dev(
+    any: &CudaStorage,
+    rows: &[([u64; 3], usize)],
+    hp: u64,
+    weight_decay: bool,
+    with_buf: bool,
+    nesterov: bool,
+) -> Result<()> {
+    let dev = &any.buf.dev;
+    let f = dev.func("mt_sgd_dev_f32", "")?;
+    let (zero, has_wd, has_buf, nest) = (0f32, weight_decay as i32, with_buf as i32, nesterov as i32);
+    for (t, blocks) in mt_tables("sgd_step_many_dev", rows)? {
+        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, hp, zero, has_wd, has_buf, nest))?;
+    }
+    Ok(())
+}
+
+/// [`blend_many`] with β read from device address `hp` (f64); the lerp factors are derived in the
+/// kernel as [`crate::ops::optim::lerp_factor`] derives them.
+pub(crate) fn blend_many_dev(any: &CudaStorage, rows: &[([u64; 3], usize)], hp: u64, nesterov: bool) -> Result<()> {
+    let dev = &any.buf.dev;
+    let func = dev.func("mt_blend_dev_f32", "")?;
+    let (nest, zero) = (nesterov as i32, 0f32);
+    for (t, blocks) in mt_tables("momentum_blend_many_dev", rows)? {
+        dev.launch(func, (blocks, 1, 1), (256, 1, 1), &mut args!(t, hp, nest, zero))?;
+    }
+    Ok(())
+}
+
+/// [`lerp_many`] with the weight read from device address `hp` (f64).
+pub(crate) fn lerp_many_dev(any: &CudaStorage, rows: &[([u64; 3], usize)], hp: u64) -> Result<()> {
+    let dev = &any.buf.dev;
+    let f = dev.func("mt_lerp_dev_f32", "")?;
+    let zero = 0f32;
+    for (t, blocks) in mt_tables("lerp_many_dev_", rows)? {
+        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, hp, zero))?;
+    }
+    Ok(())
+}
+
 /// Casts every storage to `dt`, the same bytes as [`to_dtype`] on each; f32 ↔ bf16/f16 run as one
 /// launch per 40 tensors (autocast's weight copies and their gradients), other pairs one by one.
 pub(crate) fn to_dtype_many(xs: &[&CudaStorage], dt: DType) -> Result<Vec<CudaStorage>> {

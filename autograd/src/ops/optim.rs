@@ -1,6 +1,8 @@
 //! Fused optimizer steps over many tensors (PyTorch's fused / `_foreach` SGD): the bytes of the
 //! composed tensor ops they stand for, with one launch per 40 parameters on CUDA instead of about
-//! ten per parameter.
+//! ten per parameter. Each takes its scalars from the host (baked into the launch) or, in the
+//! `*_dev` forms, from device memory ([`DeviceScalars`]): what a recorded update needs to take each
+//! step's learning rate, momentum and decay (capture.md §16).
 
 use crate::{DType, Result, Tensor};
 
@@ -12,6 +14,227 @@ pub struct SgdStep {
     /// `−lr · factor`, computed by the caller as the composed update would (in f64).
     pub neg_lr: f64,
     pub nesterov: bool,
+}
+
+/// Where a `*_dev` optimizer op reads its scalars: `values[at..]` of an f64 tensor on the operands'
+/// device. The host writes them before the step ([`Tensor::write_f64`], outside any recorded
+/// graph) and the kernels read them, so a replay uses the step's values. Items the fused kernel
+/// cannot take (not CUDA f32, shared storages) run composed with the values read back to the host
+/// (a synchronisation on CUDA; on the CPU every item runs so, reading the tensor directly).
+#[derive(Clone, Copy)]
+pub struct DeviceScalars<'a> {
+    pub values: &'a Tensor,
+    pub at: usize,
+}
+
+impl DeviceScalars<'_> {
+    fn check(&self, op: &'static str, n: usize, device: crate::Device) -> Result<()> {
+        if self.values.dtype() != DType::F64 || self.values.rank() != 1 || self.values.numel() < self.at + n {
+            return Err(crate::Error::invalid(
+                op,
+                format!(
+                    "device scalars must be an f64 vector of at least {} values, got {:?} {}",
+                    self.at + n,
+                    self.values.dims(),
+                    self.values.dtype()
+                ),
+            ));
+        }
+        if self.values.device() != device {
+            return Err(crate::Error::DeviceMismatch { op, lhs: device, rhs: self.values.device() });
+        }
+        Ok(())
+    }
+    /// The `n` values, read back to the host (for the composed path).
+    fn host(&self, n: usize) -> Result<Vec<f64>> {
+        let all = self.values.to_vec::<f64>()?;
+        Ok(all[self.at..self.at + n].to_vec())
+    }
+    #[cfg(feature = "cuda")]
+    fn device_ptr(&self) -> Result<u64> {
+        match &*self.values.read_storage() {
+            crate::storage::Storage::Cuda(c) => Ok(c.device_ptr() + 8 * self.at as u64),
+            #[allow(unreachable_patterns)]
+            _ => Err(crate::Error::invalid("device scalars", "not on a CUDA device")),
+        }
+    }
+}
+
+impl Tensor {
+    /// Writes `values` into this f64 vector from element `at` on, in place (on CUDA a host→device
+    /// copy queued on the compute stream; not allowed while a graph is being recorded).
+    pub fn write_f64(&self, at: usize, values: &[f64]) -> Result<()> {
+        if self.dtype() != DType::F64 || at + values.len() > self.numel() {
+            return Err(crate::Error::invalid(
+                "write_f64",
+                format!("{} values at {at} into a {} tensor of {} elements", values.len(), self.dtype(), self.numel()),
+            ));
+        }
+        let mut st = self.write_storage();
+        match &mut *st {
+            crate::storage::Storage::Cpu(crate::CpuStorage::F64(v)) => {
+                v[at..at + values.len()].copy_from_slice(values);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            crate::storage::Storage::Cuda(c) => {
+                let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                c.write_from_host(8 * at, &bytes)
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(crate::Error::invalid("write_f64", "not an f64 storage")),
+        }
+    }
+
+    /// [`Tensor::sgd_step_many`] with `[weight_decay, momentum, neg_lr]` read from `s`; `nesterov`
+    /// and `weight_decay` (whether the decay term is applied) are fixed per call.
+    pub fn sgd_step_many_dev(
+        items: &[(&Tensor, &Tensor, Option<&Tensor>)],
+        s: DeviceScalars<'_>,
+        weight_decay: bool,
+        nesterov: bool,
+    ) -> Result<()> {
+        let Some(&(first, _, _)) = items.first() else { return Ok(()) };
+        s.check("sgd_step_many_dev", 3, first.device())?;
+        let mut fused: Vec<(&Tensor, &Tensor, Option<&Tensor>)> = Vec::new();
+        let mut composed: Vec<(&Tensor, &Tensor, Option<&Tensor>)> = Vec::new();
+        let mut seen = Storages::default();
+        for &(p, g, b) in items {
+            if fusable(p, g, b) && seen.all_new(&[Some(p), Some(g), b]) {
+                fused.push((p, g, b));
+            } else {
+                composed.push((p, g, b));
+            }
+        }
+        if !composed.is_empty() {
+            let v = s.host(3)?;
+            let h = SgdStep { weight_decay: if weight_decay { v[0] } else { 0.0 }, momentum: v[1], neg_lr: v[2], nesterov };
+            for (p, g, b) in composed {
+                Tensor::sgd_step_composed(p, g, b, h)?;
+            }
+        }
+        fused_sgd_dev(&fused, s, weight_decay, nesterov)
+    }
+
+    /// [`Tensor::momentum_blend_many`] with β read from `s`.
+    pub fn momentum_blend_many_dev(pairs: &[(&Tensor, &Tensor)], s: DeviceScalars<'_>, nesterov: bool) -> Result<Vec<Tensor>> {
+        let Some(&(g0, _)) = pairs.first() else { return Ok(Vec::new()) };
+        s.check("momentum_blend_many_dev", 1, g0.device())?;
+        let mut out: Vec<Option<Tensor>> = vec![None; pairs.len()];
+        let mut fused: Vec<usize> = Vec::new();
+        let mut seen = Storages::default();
+        let mut beta = None;
+        for (i, &(g, m)) in pairs.iter().enumerate() {
+            if fusable(m, g, None) && seen.all_new(&[Some(m), Some(g)]) {
+                fused.push(i);
+            } else {
+                let b = match beta {
+                    Some(b) => b,
+                    None => *beta.insert(s.host(1)?[0]),
+                };
+                out[i] = Some(Tensor::momentum_blend_composed(g, m, b, nesterov)?);
+            }
+        }
+        if !fused.is_empty() {
+            for (i, u) in fused_blend_dev(pairs, &fused, s, nesterov)? {
+                out[i] = Some(u);
+            }
+        }
+        out.into_iter().map(|u| u.ok_or_else(|| crate::Error::invalid("momentum_blend_many_dev", "an item got no result"))).collect()
+    }
+
+    /// [`Tensor::lerp_many_`] with the weight read from `s`.
+    pub fn lerp_many_dev_(pairs: &[(&Tensor, &Tensor)], s: DeviceScalars<'_>) -> Result<()> {
+        let Some(&(d0, _)) = pairs.first() else { return Ok(()) };
+        s.check("lerp_many_dev_", 1, d0.device())?;
+        let mut fused: Vec<(&Tensor, &Tensor)> = Vec::new();
+        let mut composed: Vec<(&Tensor, &Tensor)> = Vec::new();
+        let mut seen = Storages::default();
+        for &(d, src) in pairs {
+            if fusable(d, src, None) && seen.all_new(&[Some(d), Some(src)]) {
+                fused.push((d, src));
+            } else {
+                composed.push((d, src));
+            }
+        }
+        if !composed.is_empty() {
+            let w = s.host(1)?[0];
+            for (d, src) in composed {
+                crate::no_grad(|| d.copy_(&lerp(d, src, w)?))?;
+            }
+        }
+        fused_lerp_dev(&fused, s)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn fused_sgd_dev(items: &[(&Tensor, &Tensor, Option<&Tensor>)], s: DeviceScalars<'_>, weight_decay: bool, nesterov: bool) -> Result<()> {
+    if items.is_empty() {
+        return Ok(());
+    }
+    let hp = s.device_ptr()?;
+    for with_buf in [true, false] {
+        let part: Vec<[Option<&Tensor>; 3]> =
+            items.iter().filter(|(_, _, b)| b.is_some() == with_buf).map(|&(p, g, b)| [Some(p), Some(g), b]).collect();
+        if !part.is_empty() {
+            on_device_rows("sgd_step_many_dev", &part, [true, false, true], |dev, rows| {
+                crate::cuda::ops::sgd_many_dev(dev, rows, hp, weight_decay, with_buf, nesterov)
+            })?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_sgd_dev(items: &[(&Tensor, &Tensor, Option<&Tensor>)], _s: DeviceScalars<'_>, _weight_decay: bool, _nesterov: bool) -> Result<()> {
+    match items.is_empty() {
+        true => Ok(()),
+        false => Err(crate::Error::invalid("sgd_step_many_dev", "fused items without the CUDA backend")),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn fused_blend_dev(pairs: &[(&Tensor, &Tensor)], idx: &[usize], s: DeviceScalars<'_>, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
+    use crate::storage::Storage;
+    let hp = s.device_ptr()?;
+    let outs: Vec<Tensor> = idx
+        .iter()
+        .map(|&i| {
+            let m = pairs[i].1;
+            Tensor::from_storage(Storage::uninit(m.device(), m.dtype(), m.numel())?, m.shape().clone())
+        })
+        .collect::<Result<_>>()?;
+    let items: Vec<[Option<&Tensor>; 3]> = idx.iter().zip(&outs).map(|(&i, u)| [Some(pairs[i].1), Some(pairs[i].0), Some(u)]).collect();
+    on_device_rows("momentum_blend_many_dev", &items, [true, false, true], |dev, rows| {
+        crate::cuda::ops::blend_many_dev(dev, rows, hp, nesterov)
+    })?;
+    Ok(idx.iter().copied().zip(outs).collect())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_blend_dev(_pairs: &[(&Tensor, &Tensor)], idx: &[usize], _s: DeviceScalars<'_>, _nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
+    match idx.is_empty() {
+        true => Ok(Vec::new()),
+        false => Err(crate::Error::invalid("momentum_blend_many_dev", "fused items without the CUDA backend")),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn fused_lerp_dev(pairs: &[(&Tensor, &Tensor)], s: DeviceScalars<'_>) -> Result<()> {
+    if pairs.is_empty() {
+        return Ok(());
+    }
+    let hp = s.device_ptr()?;
+    let items: Vec<[Option<&Tensor>; 3]> = pairs.iter().map(|&(d, src)| [Some(d), Some(src), None]).collect();
+    on_device_rows("lerp_many_dev_", &items, [true, false, false], |dev, rows| crate::cuda::ops::lerp_many_dev(dev, rows, hp))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_lerp_dev(pairs: &[(&Tensor, &Tensor)], _s: DeviceScalars<'_>) -> Result<()> {
+    match pairs.is_empty() {
+        true => Ok(()),
+        false => Err(crate::Error::invalid("lerp_many_dev_", "fused items without the CUDA backend")),
+    }
 }
 
 impl Tensor {
