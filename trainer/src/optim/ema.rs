@@ -24,6 +24,9 @@ pub struct ModelEma {
     pub updates: u64,
     pub decay: f64,
     pub tau: f64,
+    /// The update's weight `1 − d` on the entries' device, written before each update and read by
+    /// the lerp kernels (so a recorded update takes each step's decay); never saved.
+    weight: Option<Tensor>,
 }
 
 fn ema_err(msg: String) -> TrainerError {
@@ -49,7 +52,7 @@ impl ModelEma {
             }
             entries.push((n.clone(), c));
         }
-        Ok(ModelEma { entries, index, updates, decay, tau })
+        Ok(ModelEma { entries, index, updates, decay, tau, weight: None })
     }
 
     /// From a module's full state dict (parameters and buffers).
@@ -89,7 +92,14 @@ impl ModelEma {
                 pairs.push((e, src.detach().to_dtype(e.dtype())?));
             }
             let refs: Vec<(&Tensor, &Tensor)> = pairs.iter().map(|(e, v)| (*e, v)).collect();
-            Ok(Tensor::lerp_many_(&refs, 1.0 - d)?)
+            let Some(&(first, _)) = refs.first() else { return Ok(()) };
+            let device = first.device();
+            if self.weight.as_ref().is_none_or(|w| w.device() != device) {
+                self.weight = Some(Tensor::zeros(vec![1], DType::F64, device)?);
+            }
+            let w = self.weight.as_ref().ok_or_else(|| ema_err("the weight vector was not made".into()))?;
+            w.write_f64(0, &[1.0 - d])?;
+            Ok(Tensor::lerp_many_dev_(&refs, ptl_autograd::DeviceScalars { values: w, at: 0 })?)
         })?;
         Ok(d)
     }

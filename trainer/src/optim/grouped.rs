@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use ptl_autograd::Tensor;
+use ptl_autograd::{DType, DeviceScalars, Tensor};
 
 use super::groups::{NamedParam, OptimizerName, ParamGroup};
 use super::state::{apply_groups_meta, groups_meta, OptimizerMeta, ParamStates};
@@ -31,6 +31,28 @@ pub trait TensorUpdate: Send {
         }
         Ok(())
     }
+    /// How many scalars per group the rule reads from device memory each step (0: none, the
+    /// host-scalar [`TensorUpdate::update_group`] runs). With some, [`Grouped`] writes every
+    /// group's [`TensorUpdate::write_scalars`] with one host→device copy before the updates and
+    /// runs [`TensorUpdate::update_group_dev`]: a recorded update then reads each step's learning
+    /// rate, momentum and decay (capture.md §16) instead of the ones it was recorded with.
+    fn device_scalars(&self) -> usize {
+        0
+    }
+    /// The group's scalars for this step (`out.len()` = [`TensorUpdate::device_scalars`]), in the
+    /// order [`TensorUpdate::update_group_dev`] reads them.
+    fn write_scalars(&self, _group: &ParamGroup, _out: &mut [f64]) {}
+    /// [`TensorUpdate::update_group`] with the group's scalars read from `s`; the same bytes.
+    fn update_group_dev(
+        &self,
+        group: &ParamGroup,
+        params: &[(&NamedParam, Tensor)],
+        state: &mut ParamStates,
+        s: DeviceScalars<'_>,
+    ) -> Result<()> {
+        let _ = s;
+        self.update_group(group, params, state)
+    }
     /// Its own scalars in the checkpoint metadata.
     fn write_meta(&self, _meta: &mut OptimizerMeta) {}
     fn read_meta(&mut self, _meta: &OptimizerMeta) {}
@@ -41,11 +63,37 @@ pub struct Grouped<U> {
     groups: Vec<ParamGroup>,
     state: ParamStates,
     update: U,
+    /// The step's device scalars, [`TensorUpdate::device_scalars`] per group in group order, on the
+    /// parameters' device (made at the first step; rewritten from the groups every step, never saved).
+    scalars: Option<Tensor>,
 }
 
 impl<U: TensorUpdate> Grouped<U> {
     pub fn with_update(groups: Vec<ParamGroup>, update: U) -> Self {
-        Grouped { groups, state: ParamStates::default(), update }
+        Grouped { groups, state: ParamStates::default(), update, scalars: None }
+    }
+
+    /// Writes every group's scalars for this step into the device vector (one host→device copy),
+    /// making it on `device` first; `None` when the rule reads none.
+    fn write_step_scalars(&mut self, device: ptl_autograd::Device) -> Result<Option<&Tensor>> {
+        let n = self.update.device_scalars();
+        if n == 0 {
+            return Ok(None);
+        }
+        let mut host = vec![0.0; n * self.groups.len()];
+        for (g, out) in self.groups.iter().zip(host.chunks_mut(n)) {
+            self.update.write_scalars(g, out);
+        }
+        let fits = self.scalars.as_ref().is_some_and(|t| t.device() == device && t.numel() == host.len());
+        if !fits {
+            self.scalars = Some(Tensor::zeros(vec![host.len()], DType::F64, device)?);
+        }
+        let t = self.scalars.as_ref().ok_or_else(|| crate::error::TrainerError::InvalidArgument {
+            what: "optimizer scalars",
+            reason: "the device vector was not made".into(),
+        })?;
+        t.write_f64(0, &host)?;
+        Ok(Some(t))
     }
     pub fn state(&self) -> &ParamStates {
         &self.state
@@ -67,14 +115,22 @@ impl<U: TensorUpdate> Optimizer for Grouped<U> {
         &mut self.groups
     }
     fn step(&mut self) -> Result<()> {
-        for g in &self.groups {
+        let device = self.groups.iter().flat_map(|g| &g.params).map(|p| p.tensor.device()).next();
+        let Some(device) = device else { return Ok(()) };
+        let n = self.update.device_scalars();
+        self.write_step_scalars(device)?;
+        let Grouped { groups, state, update, scalars } = self;
+        for (gi, g) in groups.iter().enumerate() {
             let mut present = Vec::with_capacity(g.params.len());
-            for p in &g.params {
+            for p in g.params.iter() {
                 if let Some(grad) = present_grad(p)? {
                     present.push((p, grad));
                 }
             }
-            self.update.update_group(g, &present, &mut self.state)?;
+            match scalars.as_ref().filter(|_| n > 0) {
+                Some(values) => update.update_group_dev(g, &present, state, DeviceScalars { values, at: gi * n })?,
+                None => update.update_group(g, &present, state)?,
+            }
         }
         Ok(())
     }
@@ -167,5 +223,111 @@ mod tests {
         again.load_state_tensors(&opt.state_tensors().into_iter().collect()).unwrap();
         assert_eq!(again.state_meta().steps, meta.steps);
         assert_eq!(again.state_tensors()[0].1.to_vec::<f32>().unwrap(), vec![2.0, 2.0]);
+    }
+}
+
+#[cfg(test)]
+mod device_scalar_tests {
+    use super::*;
+    use crate::optim::groups::{NsPrecision, ParamKind};
+    use crate::optim::musgd::MuSgdUpdate;
+    use crate::optim::sgd::SgdUpdate;
+    use ptl_autograd::{module::parameter, DType, Device, Rng};
+
+    /// A rule with its scalars on the host: the reference the device-scalar path must match.
+    struct HostOnly<U>(U);
+
+    impl<U: TensorUpdate> TensorUpdate for HostOnly<U> {
+        fn kind(&self) -> OptimizerName {
+            self.0.kind()
+        }
+        fn state_keys(&self) -> &'static [&'static str] {
+            self.0.state_keys()
+        }
+        fn update(&self, g: &ParamGroup, p: &NamedParam, grad: &Tensor, state: &mut ParamStates) -> Result<()> {
+            self.0.update(g, p, grad, state)
+        }
+        fn update_group(&self, g: &ParamGroup, params: &[(&NamedParam, Tensor)], state: &mut ParamStates) -> Result<()> {
+            self.0.update_group(g, params, state)
+        }
+    }
+
+    fn groups(rng: &mut Rng) -> Vec<ParamGroup> {
+        let group = |kind, wd: f64, use_muon: bool, shapes: &[&[usize]], rng: &mut Rng| ParamGroup {
+            kind,
+            boosted: false,
+            lr: 0.01,
+            initial_lr: 0.01,
+            momentum: Some(0.937),
+            betas: None,
+            eps: 1e-8,
+            weight_decay: wd,
+            nesterov: true,
+            use_muon,
+            params: shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| NamedParam {
+                    name: format!("{kind:?}.{i}"),
+                    tensor: parameter(Tensor::rand(s.to_vec(), -1.0, 1.0, DType::F32, Device::Cpu, rng).unwrap()).unwrap(),
+                })
+                .collect(),
+        };
+        vec![
+            group(ParamKind::Weight, 5e-4, true, &[&[8, 4, 3, 3], &[8, 4, 3, 3], &[16, 8, 1, 1]], rng),
+            group(ParamKind::Bn, 0.0, false, &[&[8], &[16]], rng),
+            group(ParamKind::Bias, 0.0, false, &[&[16]], rng),
+        ]
+    }
+
+    /// SGD and MuSGD read their step's scalars from the device vector (`update_group_dev`) and
+    /// end with the bytes of the host-scalar path — parameters and every state buffer — over
+    /// three steps whose learning rate and momentum change (warm-up) and with one parameter
+    /// without a gradient in a step.
+    #[test]
+    fn device_scalars_give_the_host_scalar_bytes() {
+        for muon in [false, true] {
+            let mut rng = Rng::new(4);
+            let (ga, gb) = (groups(&mut rng), groups(&mut Rng::new(4)));
+            let grads: Vec<Vec<Tensor>> = (0..3)
+                .map(|_| {
+                    ga.iter()
+                        .flat_map(|g| &g.params)
+                        .map(|p| Tensor::rand(p.tensor.dims().to_vec(), -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap())
+                        .collect()
+                })
+                .collect();
+            let mut dev: Box<dyn Optimizer> = if muon {
+                Box::new(Grouped::with_update(ga, MuSgdUpdate { muon_factor: 0.2, sgd_factor: 1.0, ns_precision: NsPrecision::F32 }))
+            } else {
+                Box::new(Grouped::with_update(ga, SgdUpdate))
+            };
+            let mut host: Box<dyn Optimizer> = if muon {
+                Box::new(Grouped::with_update(
+                    gb,
+                    HostOnly(MuSgdUpdate { muon_factor: 0.2, sgd_factor: 1.0, ns_precision: NsPrecision::F32 }),
+                ))
+            } else {
+                Box::new(Grouped::with_update(gb, HostOnly(SgdUpdate)))
+            };
+            for (step, gs) in grads.iter().enumerate() {
+                for opt in [&mut dev, &mut host] {
+                    for g in opt.param_groups_mut() {
+                        g.lr = 0.01 * (step + 1) as f64;
+                        g.momentum = Some(0.8 + 0.05 * step as f64);
+                    }
+                    let params: Vec<Tensor> = opt.param_groups().iter().flat_map(|g| &g.params).map(|p| p.tensor.clone()).collect();
+                    for (k, (p, g)) in params.iter().zip(gs).enumerate() {
+                        p.set_grad((step != 1 || k != 2).then(|| g.clone()));
+                    }
+                    opt.step().unwrap();
+                }
+            }
+            let bytes = |o: &dyn Optimizer| -> Vec<(String, Vec<u8>)> {
+                let ps = o.param_groups().iter().flat_map(|g| &g.params).map(|p| (p.name.clone(), p.tensor.to_bytes().unwrap()));
+                ps.chain(o.state_tensors().into_iter().map(|(n, t)| (n, t.to_bytes().unwrap()))).collect()
+            };
+            assert_eq!(bytes(dev.as_ref()), bytes(host.as_ref()), "muon={muon}");
+        }
     }
 }

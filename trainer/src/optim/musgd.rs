@@ -2,7 +2,7 @@
 //! orthogonalised momentum update scaled by `muon_factor` **plus** an SGD-Nesterov update scaled by
 //! `sgd_factor` (separate buffers); other groups get plain SGD-Nesterov.
 
-use ptl_autograd::Tensor;
+use ptl_autograd::{DeviceScalars, Tensor};
 
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, NsPrecision, OptimizerName, ParamGroup};
@@ -113,6 +113,51 @@ impl TensorUpdate for MuSgdUpdate {
         let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
             params.iter().zip(&sgd_bufs).map(|((p, grad), b)| (&p.tensor, grad, Some(b))).collect();
         Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, self.sgd_factor))?)
+    }
+    fn device_scalars(&self) -> usize {
+        7
+    }
+    /// `[wd, μ, −lr·f]` of the group's SGD step (f = 1, or `sgd_factor` in a Muon group), β = μ of
+    /// the Muon blend, and `[0, 0, −lr·muon_factor]` of the Muon step — as [`sgd_step`] computes them.
+    fn write_scalars(&self, g: &ParamGroup, out: &mut [f64]) {
+        let mu = g.momentum.unwrap_or(0.0);
+        let f = if g.use_muon { self.sgd_factor } else { 1.0 };
+        let sgd = sgd_step(g.lr, mu, g.weight_decay, g.nesterov, f);
+        let muon = sgd_step(g.lr, 0.0, 0.0, false, self.muon_factor);
+        out.copy_from_slice(&[sgd.weight_decay, sgd.momentum, sgd.neg_lr, mu, muon.weight_decay, muon.momentum, muon.neg_lr]);
+    }
+    /// [`TensorUpdate::update_group`] with the scalars of [`TensorUpdate::write_scalars`] read
+    /// from `s`: the same three passes, the same bytes.
+    fn update_group_dev(
+        &self,
+        g: &ParamGroup,
+        params: &[(&NamedParam, Tensor)],
+        state: &mut ParamStates,
+        s: DeviceScalars<'_>,
+    ) -> Result<()> {
+        let at = |k: usize| DeviceScalars { values: s.values, at: s.at + k };
+        let decay = g.weight_decay != 0.0;
+        if !g.use_muon {
+            let bufs = params.iter().map(|(p, _)| state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)).collect::<Result<Vec<_>>>()?;
+            let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+                params.iter().zip(&bufs).map(|((p, grad), b)| (&p.tensor, grad, Some(b))).collect();
+            return Ok(Tensor::sgd_step_many_dev(&items, at(0), decay, g.nesterov)?);
+        }
+        let mut momenta = Vec::with_capacity(params.len());
+        let mut sgd_bufs = Vec::with_capacity(params.len());
+        for (p, _) in params {
+            momenta.push(state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?);
+            sgd_bufs.push(state.get_or_zeros(&p.name, MOMENTUM_BUFFER_SGD, &p.tensor)?);
+        }
+        let pairs: Vec<(&Tensor, &Tensor)> = params.iter().zip(&momenta).map(|((_, grad), m)| (grad, m)).collect();
+        let blends = Tensor::momentum_blend_many_dev(&pairs, at(3), g.nesterov)?;
+        let directions = orthogonalized_updates(&blends, self.ns_precision)?;
+        let muon: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+            params.iter().zip(&directions).map(|((p, _), o)| (&p.tensor, o, None)).collect();
+        Tensor::sgd_step_many_dev(&muon, at(4), false, false)?;
+        let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+            params.iter().zip(&sgd_bufs).map(|((p, grad), b)| (&p.tensor, grad, Some(b))).collect();
+        Ok(Tensor::sgd_step_many_dev(&items, at(0), decay, g.nesterov)?)
     }
     fn write_meta(&self, meta: &mut OptimizerMeta) {
         meta.muon_factor = Some(self.muon_factor);

@@ -1,6 +1,6 @@
 //! SGD with (Nesterov) momentum, PyTorch semantics, no dampening (training.md §3.4 non-Muon part).
 
-use ptl_autograd::{SgdStep, Tensor};
+use ptl_autograd::{DeviceScalars, SgdStep, Tensor};
 
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, OptimizerName, ParamGroup};
@@ -72,5 +72,30 @@ impl TensorUpdate for SgdUpdate {
         let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
             params.iter().enumerate().map(|(i, (p, grad))| (&p.tensor, grad, bufs.get(i))).collect();
         Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, 1.0))?)
+    }
+    fn device_scalars(&self) -> usize {
+        3
+    }
+    /// `[weight_decay, momentum, −lr]` as [`sgd_step`] computes them.
+    fn write_scalars(&self, g: &ParamGroup, out: &mut [f64]) {
+        let h = sgd_step(g.lr, g.momentum.unwrap_or(0.0), g.weight_decay, g.nesterov, 1.0);
+        out.copy_from_slice(&[h.weight_decay, h.momentum, h.neg_lr]);
+    }
+    fn update_group_dev(
+        &self,
+        g: &ParamGroup,
+        params: &[(&NamedParam, Tensor)],
+        state: &mut ParamStates,
+        s: DeviceScalars<'_>,
+    ) -> Result<()> {
+        let mu = g.momentum.unwrap_or(0.0);
+        let bufs = if mu == 0.0 {
+            Vec::new()
+        } else {
+            params.iter().map(|(p, _)| state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)).collect::<Result<Vec<_>>>()?
+        };
+        let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
+            params.iter().enumerate().map(|(i, (p, grad))| (&p.tensor, grad, bufs.get(i))).collect();
+        Ok(Tensor::sgd_step_many_dev(&items, s, g.weight_decay != 0.0, g.nesterov)?)
     }
 }
