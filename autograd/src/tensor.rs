@@ -34,6 +34,11 @@ pub(crate) struct TensorImpl {
     pub(crate) grad_fn: Option<GradFn>,
     /// Accumulated gradient of a leaf; `None` means "no gradient reached it" (never zero-filled).
     pub(crate) grad: Mutex<Option<Tensor>>,
+    /// Whether [`Tensor::zero_grad`] keeps the gradient's buffer for the next one
+    /// ([`Tensor::set_keep_grad_buffer`]).
+    pub(crate) keep_grad: std::sync::atomic::AtomicBool,
+    /// The buffer kept by [`Tensor::zero_grad`] (the gradient is absent meanwhile).
+    pub(crate) kept_grad: Mutex<Option<Tensor>>,
 }
 
 /// A contiguous, row-major n-dimensional array. Cloning is cheap (shared storage and identity).
@@ -129,6 +134,8 @@ impl Tensor {
             requires_grad: std::sync::atomic::AtomicBool::new(requires_grad || grad_fn.is_some()),
             grad_fn,
             grad: Mutex::new(None),
+            keep_grad: std::sync::atomic::AtomicBool::new(false),
+            kept_grad: Mutex::new(None),
         }))
     }
 
@@ -313,17 +320,37 @@ impl Tensor {
     pub fn grad(&self) -> Option<Tensor> {
         self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
-    /// Replaces the gradient (`None` clears it, as `zero_grad(set_to_none=True)` does).
+    /// Replaces the gradient (`None` clears it, as `zero_grad(set_to_none=True)` does); a buffer
+    /// kept by [`Tensor::zero_grad`] is dropped.
     pub fn set_grad(&self, g: Option<Tensor>) {
         *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = g;
+        *self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
-    /// Clears the gradient to `None`.
+    /// Makes the gradient absent (`None`). With [`Tensor::set_keep_grad_buffer`] on, its buffer is
+    /// kept and the next gradient is written into it (same address, step after step — what a
+    /// recorded graph reading gradients needs); otherwise it is dropped.
     pub fn zero_grad(&self) {
-        self.set_grad(None)
+        let g = self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if self.0.keep_grad.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Some(g) = g {
+                *self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()) = Some(g);
+            }
+        }
+    }
+    /// Whether [`Tensor::zero_grad`] keeps this leaf's gradient buffer (persistent gradients):
+    /// "absent" keeps its meaning — `grad()` is `None` until a gradient arrives — but the buffer
+    /// is allocated once. Off by default (a kept buffer holds memory between steps). Turning it
+    /// off drops a kept buffer.
+    pub fn set_keep_grad_buffer(&self, on: bool) {
+        self.0.keep_grad.store(on, std::sync::atomic::Ordering::Relaxed);
+        if !on {
+            *self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
     }
 
-    /// Adds `g` into this leaf's gradient. The first gradient is stored privately (copied if its
-    /// storage is shared), later ones are added in place so the gradient buffer keeps its address.
+    /// Adds `g` into this leaf's gradient. The first gradient goes into the kept buffer when there
+    /// is one (a copy), else is stored privately (copied if its storage is shared); later ones are
+    /// added in place so the gradient buffer keeps its address.
     pub(crate) fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
         let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
         match slot.as_ref() {
@@ -332,7 +359,18 @@ impl Tensor {
                 existing.write_storage().add_assign(&src)?;
             }
             None => {
-                let own = if Arc::strong_count(&g.0.storage) == 1 && Arc::strong_count(&g.0) == 1 { g.detach() } else { g.deep_copy()? };
+                let kept = self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let fits = |k: &Tensor| {
+                    k.dims() == g.dims() && k.dtype() == g.dtype() && k.device() == g.device() && k.storage_ptr() != g.storage_ptr()
+                };
+                let own = match kept {
+                    Some(k) if fits(&k) => {
+                        k.copy_(&g.detach())?;
+                        k
+                    }
+                    _ if Arc::strong_count(&g.0.storage) == 1 && Arc::strong_count(&g.0) == 1 => g.detach(),
+                    _ => g.deep_copy()?,
+                };
                 *slot = Some(own);
             }
         }

@@ -164,3 +164,36 @@ fn split_pieces_without_gradient() {
     z.square().unwrap().sum_all().unwrap().backward().unwrap();
     assert!(y.grad().is_none(), "no piece of y reached the loss: its gradient must be absent");
 }
+
+/// Persistent gradients: with `set_keep_grad_buffer(true)`, `zero_grad` makes the gradient absent
+/// but keeps its buffer, and the next gradient is written into it (same storage address, the fresh
+/// values); a step in which the leaf gets no gradient leaves it absent; accumulation without a
+/// zero_grad adds in place as before.
+#[test]
+fn kept_gradient_buffers_keep_their_address_and_absent_its_meaning() {
+    let w = leaf(vec![1.0, 2.0, 3.0]);
+    w.set_keep_grad_buffer(true);
+    let loss = |x: f32| w.mul_scalar(x as f64).unwrap().square().unwrap().sum_all().unwrap();
+    loss(1.0).backward().unwrap();
+    let first = w.grad().expect("gradient after backward");
+    let addr = first.storage_ptr();
+    assert_eq!(first.to_vec::<f32>().unwrap(), vec![2.0, 4.0, 6.0]);
+    w.zero_grad();
+    assert!(w.grad().is_none(), "zero_grad makes it absent");
+    // A step where w gets no gradient: still absent.
+    let other = leaf(vec![1.0]);
+    other.square().unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(w.grad().is_none(), "no gradient reached w");
+    loss(2.0).backward().unwrap();
+    let second = w.grad().expect("gradient again");
+    assert_eq!(second.storage_ptr(), addr, "written into the kept buffer");
+    assert_eq!(second.to_vec::<f32>().unwrap(), vec![8.0, 16.0, 24.0], "the fresh gradient, not a sum with the old one");
+    loss(1.0).backward().unwrap();
+    assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), vec![10.0, 20.0, 30.0], "accumulation adds in place");
+    assert_eq!(w.grad().unwrap().storage_ptr(), addr);
+    // Turning it off drops the kept buffer; set_grad replaces it.
+    w.zero_grad();
+    w.set_keep_grad_buffer(false);
+    loss(1.0).backward().unwrap();
+    assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), vec![2.0, 4.0, 6.0]);
+}

@@ -145,3 +145,57 @@ fn ns_replay_equals_native_and_replays_every_optimizer_step() {
     assert_eq!(off.hashes, native.hashes);
     assert!(!replay_shortfalls(&off, "ns", off.optimizer_steps, &[]).is_empty(), "the guard fails when nothing replayed");
 }
+
+/// A plugin asking for persistent gradients (registered by this test binary, as a third party
+/// would): before each optimizer step it notes every parameter's gradient address.
+#[derive(Clone, Default)]
+struct KeepGrads {
+    params: Vec<ptl_autograd::Tensor>,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Vec<Option<usize>>>>>,
+}
+
+impl ptl_trainer::fit::ReplayPlugin for KeepGrads {
+    fn name(&self) -> &'static str {
+        "test-keep-grads"
+    }
+    fn persistent_gradients(&self) -> bool {
+        true
+    }
+    fn setup(&mut self, ctx: &ptl_trainer::fit::PluginSetup<'_>) -> ptl_trainer::Result<()> {
+        self.params = ctx.params.iter().map(|(_, t)| t.clone()).collect();
+        Ok(())
+    }
+    fn around(&self, info: ptl_trainer::fit::StageInfo, next: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
+        if info.stage == ptl_trainer::fit::Stage::OptimizerStep {
+            let addrs = self.params.iter().map(|p| p.grad().map(|g| g.storage_ptr())).collect();
+            self.seen.lock().unwrap().push(addrs);
+        }
+        next()
+    }
+    fn counters(&self) -> serde_json::Value {
+        let seen = self.seen.lock().unwrap();
+        serde_json::json!({ "steps": seen.len(), "addresses": *seen })
+    }
+}
+
+inventory::submit! {
+    ptl_trainer::fit::PluginRegistration { name: "test-keep-grads", in_all: false, create: |_| Ok(Box::new(KeepGrads::default())) }
+}
+
+/// Persistent gradients on request: with a plugin that asks for them, every parameter's gradient
+/// has the same address at every optimizer step (allocated once), and the fit's bytes are native's.
+#[test]
+fn a_plugin_gets_persistent_gradients_and_the_bytes_stay_native() {
+    let cfg = |save: &str, replay: &[&str]| PoseTrainConfig { nbs: 2, ..tiny(save, replay) };
+    let native = fit(&cfg("keep-native", &[]), vec![]).expect("native fit");
+    let kept = fit(&cfg("keep-grads", &["test-keep-grads"]), vec![]).expect("fit with persistent gradients");
+    assert_eq!(kept.hashes, native.hashes, "persistent gradients change no byte");
+    let c = &kept.replay_counters["test-keep-grads"];
+    let steps: Vec<Vec<Option<u64>>> = serde_json::from_value(c["addresses"].clone()).expect("addresses");
+    assert_eq!(steps.len() as u64, kept.optimizer_steps);
+    let first = &steps[0];
+    assert!(first.iter().all(Option::is_some), "every parameter has a gradient at the first step");
+    for (k, s) in steps.iter().enumerate() {
+        assert_eq!(s, first, "step {k}: gradient buffers moved");
+    }
+}

@@ -90,6 +90,13 @@ pub trait ReplayPlugin: DynClone + Send {
         let _ = info;
         next()
     }
+    /// Whether the fit should keep every parameter's gradient buffer across steps (persistent
+    /// gradients, `Tensor::set_keep_grad_buffer`): a plugin that records graphs reading or writing
+    /// gradients needs them at fixed addresses. Absent gradients stay absent. Off by default (the
+    /// kept buffers hold memory between steps).
+    fn persistent_gradients(&self) -> bool {
+        false
+    }
     /// Validation is a region boundary: nothing may be left pending (capture.md §14).
     fn on_validation_start(&self) -> Result<()> {
         Ok(())
@@ -256,6 +263,11 @@ impl PluginStack {
     /// Gives every plugin the run (after restore, before the first batch).
     pub fn setup(&mut self, ctx: &PluginSetup<'_>) -> Result<()> {
         self.plugins.iter_mut().try_for_each(|p| p.setup(ctx))
+    }
+
+    /// Whether any plugin asks for persistent gradients ([`ReplayPlugin::persistent_gradients`]).
+    pub fn wants_persistent_gradients(&self) -> bool {
+        self.plugins.iter().any(|p| p.persistent_gradients())
     }
 
     pub fn on_validation_start(&self) -> Result<()> {

@@ -622,6 +622,9 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let (plugin_lines, replay_counters) = (run.plugins.summaries(), run.plugins.counters());
     // Per-fit holds of the plugins go whatever happened (a later fit starts clean).
     run.plugins.on_fit_end();
+    for (_, p) in &run.params {
+        p.set_keep_grad_buffer(false);
+    }
     if let Err(e) = &result {
         let msg = e.to_string();
         let v = run.view.clone();
@@ -693,6 +696,11 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         if !run.plugins.is_empty() {
             eprintln!("ptl: replay plugins: {}", run.plugins.names().join(", "));
         }
+    }
+    // Persistent gradients when a plugin needs them at fixed addresses (dropped at the fit's end).
+    let persistent = run.plugins.wants_persistent_gradients();
+    for (_, p) in &run.params {
+        p.set_keep_grad_buffer(persistent);
     }
     run.each_cb(|c, v| c.on_fit_start(v));
     run.each_cb(|c, v| c.on_train_start(v));
