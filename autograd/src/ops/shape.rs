@@ -278,7 +278,8 @@ impl Tensor {
                         .iter()
                         .zip(&shapes)
                         .map(|(g, shape)| match g {
-                            Some(g) => Ok(g.clone()),
+                            Some(g) if g.dtype() == dtype => Ok(g.clone()),
+                            Some(g) => g.to_dtype(dtype),
                             None => Tensor::zeros(shape.clone(), dtype, device),
                         })
                         .collect::<Result<Vec<_>>>()?;
