@@ -1447,21 +1447,28 @@ struct CatArgs {
     u32 cols[8];
     u32 off[8];
 };
-template <typename V>
-__device__ void cat_rows_k(CatArgs a, V* d, u32 rows, u32 dp) {
-    // Select this block's input with constant indices only: indexing the parameter struct with
-    // blockIdx.y would make every thread copy it to local memory first.
+// Piece k = blockIdx.y of a cat/split: its address, columns and offset, selected with constant
+// indices only (indexing the parameter struct with blockIdx.y would make every thread copy it to
+// local memory first).
+__device__ __forceinline__ void cat_piece(const CatArgs& a, unsigned long long& addr, u32& cols, u32& off) {
     const u32 k = blockIdx.y;
-    unsigned long long src = a.src[0];
-    u32 cols = a.cols[0], off = a.off[0];
+    addr = a.src[0];
+    cols = a.cols[0];
+    off = a.off[0];
 #pragma unroll
     for (u32 j = 1; j < 8; ++j) {
         if (k == j) {
-            src = a.src[j];
+            addr = a.src[j];
             cols = a.cols[j];
             off = a.off[j];
         }
     }
+}
+template <typename V>
+__device__ void cat_rows_k(CatArgs a, V* d, u32 rows, u32 dp) {
+    unsigned long long src;
+    u32 cols, off;
+    cat_piece(a, src, cols, off);
     const V* s = (const V*)src;
     const u32 total = rows * cols;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
@@ -1480,17 +1487,9 @@ extern "C" __global__ void cat_rows_v1(CatArgs a, u8* d, u32 rows, u32 dp) { cat
 // pieces (forward) and a concatenation's gradient pieces (backward).
 template <typename V>
 __device__ void split_rows_k(CatArgs a, const V* s, u32 rows, u32 sp) {
-    const u32 k = blockIdx.y;
-    unsigned long long dst = a.src[0];
-    u32 cols = a.cols[0], off = a.off[0];
-#pragma unroll
-    for (u32 j = 1; j < 8; ++j) {
-        if (k == j) {
-            dst = a.src[j];
-            cols = a.cols[j];
-            off = a.off[j];
-        }
-    }
+    unsigned long long dst;
+    u32 cols, off;
+    cat_piece(a, dst, cols, off);
     V* d = (V*)dst;
     const u32 total = rows * cols;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {

@@ -598,88 +598,56 @@ pub(crate) const CAT_MAX_INPUTS: usize = 8;
 /// output row. Uses the widest access (16/8/4/2/1 bytes) that divides every width, offset, the
 /// output pitch and every base address.
 pub(crate) fn cat_rows(dst: &CudaStorage, rows: usize, srcs: &[(u64, usize)]) -> Result<()> {
-    const OP: &str = "cat";
-    if srcs.is_empty() || srcs.len() > CAT_MAX_INPUTS {
-        return Err(Error::invalid(OP, format!("{} inputs for one launch (1..={CAT_MAX_INPUTS})", srcs.len())));
-    }
-    let dev = &dst.buf.dev;
-    let pitch: usize = srcs.iter().map(|s| s.1).sum();
-    if rows * pitch != dst.len * dst.dtype.size_in_bytes() {
-        return Err(Error::invalid(
-            OP,
-            format!("{rows} rows of {pitch} bytes do not fill the {}-byte output", dst.len * dst.dtype.size_in_bytes()),
-        ));
-    }
-    let mut all = pitch as u64 | dst.buf.ptr;
-    let mut off = 0usize;
-    for &(p, w) in srcs {
-        all |= p | w as u64 | off as u64;
-        off += w;
-    }
-    let v = access_width(all);
-    let name = ["cat_rows_v1", "cat_rows_v2", "cat_rows_v4", "cat_rows_v8", "cat_rows_v16"][v.trailing_zeros() as usize];
-    let mut a = CatArgs::default();
-    let mut off = 0usize;
-    let mut most = 0usize;
-    for (k, &(p, w)) in srcs.iter().enumerate() {
-        a.src[k] = p;
-        a.cols[k] = u32c(OP, w / v)?;
-        a.off[k] = u32c(OP, off / v)?;
-        u32c(OP, rows * (w / v))?;
-        most = most.max(rows * (w / v));
-        off += w;
-    }
-    if most == 0 {
-        return Ok(());
-    }
-    let f = dev.func(name, "")?;
-    let (py, rr, dp) = (ptr(dst), u32c(OP, rows)?, u32c(OP, pitch / v)?);
-    let blocks = most.div_ceil(256).clamp(1, 65536) as u32;
-    dev.launch(f, (blocks, srcs.len() as u32, 1), (256, 1, 1), &mut args!(a, py, rr, dp))
+    launch_row_pieces("cat", "cat_rows", dst, rows, srcs)
 }
 
 /// Splits `src` (`rows` rows) into contiguous outputs in one launch, the inverse of
 /// [`cat_rows`]: output `k` (device address `dsts[k].0`) receives `dsts[k].1` bytes of every row,
 /// taken at the running byte offset. Same access-width rule as [`cat_rows`].
 pub(crate) fn split_rows(src: &CudaStorage, rows: usize, dsts: &[(u64, usize)]) -> Result<()> {
-    const OP: &str = "split";
-    if dsts.is_empty() || dsts.len() > CAT_MAX_INPUTS {
-        return Err(Error::invalid(OP, format!("{} outputs for one launch (1..={CAT_MAX_INPUTS})", dsts.len())));
+    launch_row_pieces("split", "split_rows", src, rows, dsts)
+}
+
+/// One launch of `kernel` (`cat_rows` / `split_rows`) between the `rows` rows of `whole` and the
+/// contiguous `pieces` (device address, bytes per row), which tile each row in order.
+fn launch_row_pieces(op: &'static str, kernel: &'static str, whole: &CudaStorage, rows: usize, pieces: &[(u64, usize)]) -> Result<()> {
+    if pieces.is_empty() || pieces.len() > CAT_MAX_INPUTS {
+        return Err(Error::invalid(op, format!("{} pieces for one launch (1..={CAT_MAX_INPUTS})", pieces.len())));
     }
-    let dev = &src.buf.dev;
-    let pitch: usize = dsts.iter().map(|s| s.1).sum();
-    if rows * pitch != src.len * src.dtype.size_in_bytes() {
+    let dev = &whole.buf.dev;
+    let pitch: usize = pieces.iter().map(|s| s.1).sum();
+    if rows * pitch != whole.len * whole.dtype.size_in_bytes() {
         return Err(Error::invalid(
-            OP,
-            format!("{rows} rows of {pitch} bytes do not cover the {}-byte input", src.len * src.dtype.size_in_bytes()),
+            op,
+            format!("{rows} rows of {pitch} bytes do not match the {}-byte tensor", whole.len * whole.dtype.size_in_bytes()),
         ));
     }
-    let mut all = pitch as u64 | src.buf.ptr;
+    let mut all = pitch as u64 | whole.buf.ptr;
     let mut off = 0usize;
-    for &(p, w) in dsts {
+    for &(p, w) in pieces {
         all |= p | w as u64 | off as u64;
         off += w;
     }
     let v = access_width(all);
-    let name = ["split_rows_v1", "split_rows_v2", "split_rows_v4", "split_rows_v8", "split_rows_v16"][v.trailing_zeros() as usize];
+    let name = ["_v1", "_v2", "_v4", "_v8", "_v16"][v.trailing_zeros() as usize];
     let mut a = CatArgs::default();
     let mut off = 0usize;
     let mut most = 0usize;
-    for (k, &(p, w)) in dsts.iter().enumerate() {
+    for (k, &(p, w)) in pieces.iter().enumerate() {
         a.src[k] = p;
-        a.cols[k] = u32c(OP, w / v)?;
-        a.off[k] = u32c(OP, off / v)?;
-        u32c(OP, rows * (w / v))?;
+        a.cols[k] = u32c(op, w / v)?;
+        a.off[k] = u32c(op, off / v)?;
+        u32c(op, rows * (w / v))?;
         most = most.max(rows * (w / v));
         off += w;
     }
     if most == 0 {
         return Ok(());
     }
-    let f = dev.func(name, "")?;
-    let (ps, rr, sp) = (ptr(src), u32c(OP, rows)?, u32c(OP, pitch / v)?);
+    let f = dev.func(kernel, &name[1..])?;
+    let (pw, rr, wp) = (ptr(whole), u32c(op, rows)?, u32c(op, pitch / v)?);
     let blocks = most.div_ceil(256).clamp(1, 65536) as u32;
-    dev.launch(f, (blocks, dsts.len() as u32, 1), (256, 1, 1), &mut args!(a, ps, rr, sp))
+    dev.launch(f, (blocks, pieces.len() as u32, 1), (256, 1, 1), &mut args!(a, pw, rr, wp))
 }
 
 // ---- reductions -----------------------------------------------------------------------------------

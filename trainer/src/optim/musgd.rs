@@ -84,36 +84,6 @@ impl TensorUpdate for MuSgdUpdate {
             sgd_update(&p.tensor, grad, &buf, g.lr, mu, g.weight_decay, g.nesterov, 1.0)
         }
     }
-    /// Muon groups in three passes — every momentum blend, then Newton–Schulz batched over the
-    /// blends of one shape, then every parameter update — which leaves each parameter, buffer and
-    /// blend as [`TensorUpdate::update`] one by one does (the passes touch disjoint tensors).
-    fn update_group(&self, g: &ParamGroup, params: &[(&NamedParam, Tensor)], state: &mut ParamStates) -> Result<()> {
-        let mu = g.momentum.unwrap_or(0.0);
-        if !g.use_muon {
-            // Plain SGD-Nesterov, one fused step for the group.
-            let bufs = params.iter().map(|(p, _)| state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)).collect::<Result<Vec<_>>>()?;
-            let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
-                params.iter().zip(&bufs).map(|((p, grad), b)| (&p.tensor, grad, Some(b))).collect();
-            return Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, 1.0))?);
-        }
-        let mut momenta = Vec::with_capacity(params.len());
-        let mut sgd_bufs = Vec::with_capacity(params.len());
-        for (p, _) in params {
-            momenta.push(state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?);
-            sgd_bufs.push(state.get_or_zeros(&p.name, MOMENTUM_BUFFER_SGD, &p.tensor)?);
-        }
-        let pairs: Vec<(&Tensor, &Tensor)> = params.iter().zip(&momenta).map(|((_, grad), m)| (grad, m)).collect();
-        let blends = Tensor::momentum_blend_many(&pairs, mu, g.nesterov)?;
-        let directions = orthogonalized_updates(&blends, self.ns_precision)?;
-        // muon_apply for every parameter: the Muon steps `p + (−lr·muon_factor)·o` — the composed
-        // SGD step of gradient o without decay or buffer, so one fused step too — then the SGD part.
-        let muon: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
-            params.iter().zip(&directions).map(|((p, _), o)| (&p.tensor, o, None)).collect();
-        Tensor::sgd_step_many(&muon, sgd_step(g.lr, 0.0, 0.0, false, self.muon_factor))?;
-        let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
-            params.iter().zip(&sgd_bufs).map(|((p, grad), b)| (&p.tensor, grad, Some(b))).collect();
-        Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, self.sgd_factor))?)
-    }
     fn device_scalars(&self) -> usize {
         7
     }
@@ -126,8 +96,11 @@ impl TensorUpdate for MuSgdUpdate {
         let muon = sgd_step(g.lr, 0.0, 0.0, false, self.muon_factor);
         out.copy_from_slice(&[sgd.weight_decay, sgd.momentum, sgd.neg_lr, mu, muon.weight_decay, muon.momentum, muon.neg_lr]);
     }
-    /// [`TensorUpdate::update_group`] with the scalars of [`TensorUpdate::write_scalars`] read
-    /// from `s`: the same three passes, the same bytes.
+    /// The group's update with the scalars of [`TensorUpdate::write_scalars`] read from `s`: Muon
+    /// groups in three passes — every momentum blend, then Newton–Schulz batched over the blends of
+    /// one shape, then every parameter update — which leaves each parameter, buffer and blend as
+    /// [`TensorUpdate::update`] one by one does (the passes touch disjoint tensors); other groups
+    /// one fused SGD-Nesterov step.
     fn update_group_dev(
         &self,
         g: &ParamGroup,
@@ -217,7 +190,11 @@ mod tests {
                 let present: Vec<(&NamedParam, Tensor)> =
                     params.iter().zip(step).filter(|(p, _)| p.name != "p3").map(|(p, g)| (p, g.clone())).collect();
                 if batched {
-                    rule.update_group(&group, &present, &mut state).unwrap();
+                    let scalars = Tensor::zeros(vec![7], DType::F64, Device::Cpu).unwrap();
+                    let mut host = [0.0; 7];
+                    rule.write_scalars(&group, &mut host);
+                    scalars.write_f64(0, &host).unwrap();
+                    rule.update_group_dev(&group, &present, &mut state, DeviceScalars { values: &scalars, at: 0 }).unwrap();
                 } else {
                     for (p, g) in &present {
                         rule.update(&group, p, g, &mut state).unwrap();

@@ -60,19 +60,6 @@ impl TensorUpdate for SgdUpdate {
         let buf = state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)?;
         sgd_update(&p.tensor, grad, &buf, g.lr, mu, g.weight_decay, g.nesterov, 1.0)
     }
-    /// The group as one fused step ([`Tensor::sgd_step_many`]: a launch per 40 parameters on
-    /// CUDA), the bytes of [`TensorUpdate::update`] on each.
-    fn update_group(&self, g: &ParamGroup, params: &[(&NamedParam, Tensor)], state: &mut ParamStates) -> Result<()> {
-        let mu = g.momentum.unwrap_or(0.0);
-        let bufs = if mu == 0.0 {
-            Vec::new()
-        } else {
-            params.iter().map(|(p, _)| state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)).collect::<Result<Vec<_>>>()?
-        };
-        let items: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
-            params.iter().enumerate().map(|(i, (p, grad))| (&p.tensor, grad, bufs.get(i))).collect();
-        Ok(Tensor::sgd_step_many(&items, sgd_step(g.lr, mu, g.weight_decay, g.nesterov, 1.0))?)
-    }
     fn device_scalars(&self) -> usize {
         3
     }
