@@ -783,11 +783,39 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
     if x.len == 0 {
         return Ok(out);
     }
-    let f = dev.func("index_add", sfx(x.dtype))?;
     let (px, pi, ps, py) = (ptr(x), ptr(idx), ptr(src), ptr(&out));
     let (o, dd, nn, ii) = (u32c("index_add", outer)?, u32c("index_add", d)?, u32c("index_add", n)?, u32c("index_add", inner)?);
-    dev.launch1d(f, x.len, &mut args!(px, pi, ps, py, o, dd, nn, ii))?;
+    if n == 0 || !INDEX_ADD_BY_BUCKETS.load(std::sync::atomic::Ordering::Relaxed) || (x.len as u64) * (n as u64) < 1 << 20 {
+        // Small: one launch scanning every index per output element.
+        let f = dev.func("index_add", sfx(x.dtype))?;
+        dev.launch1d(f, x.len, &mut args!(px, pi, ps, py, o, dd, nn, ii))?;
+        return Ok(out);
+    }
+    // By buckets (see kernels.cu): the same sums in the same order, O(n + d + outputs).
+    u32c("index_add", d + 1)?;
+    let (counts, cursor) = (super::alloc::DevBuf::alloc(dev, 4 * d)?, super::alloc::DevBuf::alloc(dev, 4 * d)?);
+    let (offsets, rows) = (super::alloc::DevBuf::alloc(dev, 4 * (d + 1))?, super::alloc::DevBuf::alloc(dev, 4 * n)?);
+    dev.bind()?;
+    for b in [&counts, &cursor] {
+        super::counters::count(super::counters::Count::Memset);
+        unsafe { dr::memset_d8_async(b.ptr, 0, b.bytes, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async", e))?;
+    }
+    let (pc, pu, po, pr) = (counts.ptr, cursor.ptr, offsets.ptr, rows.ptr);
+    dev.launch1d(dev.func("ia_count", "")?, n, &mut args!(pi, nn, dd, pc))?;
+    dev.launch(dev.func("ia_scan", "")?, (1, 1, 1), (1024, 1, 1), &mut args!(pc, po, dd))?;
+    dev.launch1d(dev.func("ia_fill", "")?, n, &mut args!(pi, nn, dd, po, pu, pr))?;
+    dev.launch1d(dev.func("ia_sort", "")?, d, &mut args!(po, dd, pr))?;
+    dev.launch1d(dev.func("ia_sum", sfx(x.dtype))?, x.len, &mut args!(px, ps, po, pr, py, o, dd, nn, ii))?;
     Ok(out)
+}
+
+static INDEX_ADD_BY_BUCKETS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether a large `index_add` runs by buckets (the default: count, scan, fill, sort, sum — five
+/// launches, linear work) or as the one-launch scan of every index per output element. Both give
+/// the same bytes; the switch exists to compare them (tests, benchmarks).
+pub fn set_index_add_by_buckets(on: bool) {
+    INDEX_ADD_BY_BUCKETS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 #[repr(C)]
