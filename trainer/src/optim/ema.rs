@@ -69,8 +69,30 @@ impl ModelEma {
     /// One EMA update from the live model's state dict (matched by name; every float EMA entry
     /// must be present). Returns the decay used.
     pub fn update(&mut self, model: &[(String, Tensor)]) -> Result<f64> {
+        let d = self.prepare_update()?;
+        self.update_prepared(model)?;
+        Ok(d)
+    }
+
+    /// The host part of [`ModelEma::update`], split so that the device part can be recorded:
+    /// counts the update and writes its weight `1 − d` to the device. Returns `d`.
+    pub fn prepare_update(&mut self) -> Result<f64> {
         self.updates += 1;
         let d = self.decay_at(self.updates);
+        let device = self.entries.iter().map(|(_, e)| e).find(|e| e.dtype().is_float()).map(|e| e.device());
+        if let Some(device) = device {
+            if self.weight.as_ref().is_none_or(|w| w.device() != device) {
+                self.weight = Some(Tensor::zeros(vec![1], DType::F64, device)?);
+            }
+            let w = self.weight.as_ref().ok_or_else(|| ema_err("the weight vector was not made".into()))?;
+            w.write_f64(0, &[1.0 - d])?;
+        }
+        Ok(d)
+    }
+
+    /// The device part of [`ModelEma::update`] after [`ModelEma::prepare_update`]: every float
+    /// entry moves toward the model's by the weight written there (no host→device copy).
+    pub fn update_prepared(&self, model: &[(String, Tensor)]) -> Result<()> {
         let same_order = model.len() == self.entries.len() && model.iter().zip(&self.entries).all(|(a, b)| a.0 == b.0);
         let lookup: HashMap<&str, &Tensor> = if same_order { HashMap::new() } else { model.iter().map(|(n, t)| (n.as_str(), t)).collect() };
         ptl_autograd::no_grad(|| -> Result<()> {
@@ -92,16 +114,12 @@ impl ModelEma {
                 pairs.push((e, src.detach().to_dtype(e.dtype())?));
             }
             let refs: Vec<(&Tensor, &Tensor)> = pairs.iter().map(|(e, v)| (*e, v)).collect();
-            let Some(&(first, _)) = refs.first() else { return Ok(()) };
-            let device = first.device();
-            if self.weight.as_ref().is_none_or(|w| w.device() != device) {
-                self.weight = Some(Tensor::zeros(vec![1], DType::F64, device)?);
+            if refs.is_empty() {
+                return Ok(());
             }
-            let w = self.weight.as_ref().ok_or_else(|| ema_err("the weight vector was not made".into()))?;
-            w.write_f64(0, &[1.0 - d])?;
+            let w = self.weight.as_ref().ok_or_else(|| ema_err("update_prepared() before prepare_update()".into()))?;
             Ok(Tensor::lerp_many_dev_(&refs, ptl_autograd::DeviceScalars { values: w, at: 0 })?)
-        })?;
-        Ok(d)
+        })
     }
 
     /// [`ModelEma::update`] from a module's state dict.

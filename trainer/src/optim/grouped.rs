@@ -115,10 +115,18 @@ impl<U: TensorUpdate> Optimizer for Grouped<U> {
         &mut self.groups
     }
     fn step(&mut self) -> Result<()> {
+        self.prepare_step()?;
+        self.step_prepared()
+    }
+    fn prepare_step(&mut self) -> Result<()> {
         let device = self.groups.iter().flat_map(|g| &g.params).map(|p| p.tensor.device()).next();
-        let Some(device) = device else { return Ok(()) };
+        if let Some(device) = device {
+            self.write_step_scalars(device)?;
+        }
+        Ok(())
+    }
+    fn step_prepared(&mut self) -> Result<()> {
         let n = self.update.device_scalars();
-        self.write_step_scalars(device)?;
         let Grouped { groups, state, update, scalars } = self;
         for (gi, g) in groups.iter().enumerate() {
             let mut present = Vec::with_capacity(g.params.len());

@@ -81,6 +81,18 @@ pub trait Optimizer: Send {
     fn param_groups_mut(&mut self) -> &mut [ParamGroup];
     /// One update from the current gradients; parameters without a gradient are skipped.
     fn step(&mut self) -> Result<()>;
+    /// The host part of a step, split from [`Optimizer::step_prepared`] so that the device part can
+    /// be recorded and replayed: writes the step's scalars (learning rates, momenta, decay) to the
+    /// device. `prepare_step` then `step_prepared` is `step`.
+    fn prepare_step(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// The device part of a step after [`Optimizer::prepare_step`]: every update, reading the scalars
+    /// it wrote; no host→device copy and no host read of device data. By default `step` (a rule
+    /// without device scalars does everything here).
+    fn step_prepared(&mut self) -> Result<()> {
+        self.step()
+    }
     /// Clears every gradient to `None` (`zero_grad(set_to_none=True)`).
     fn zero_grad(&self) {
         for g in self.param_groups() {
