@@ -10,6 +10,8 @@
 //!   point stem's region includes its keypoint and uncertainty views).
 //! - `replay=ns` ([`NsReplay`]): MuSGD's batched Newton–Schulz, one region per group of equal
 //!   matrix shapes, reached through the optimizer stage (`ptl_trainer::optim::with_ns_runner`).
+//! - `replay=optimizer` ([`UpdateReplay`]): the device part of the optimizer step (clipping and
+//!   the SGD / MuSGD update) as one region per gradient-presence mask; opt-in (not in `all` yet).
 //!
 //! Both record with CUDA graphs on a GPU and with `ptl-capture`'s test double on the CPU (which
 //! re-runs the body on replay), so CPU CI exercises the recorder's real state machine. Every
@@ -21,8 +23,10 @@ mod guard;
 mod ns;
 mod regions;
 mod replay;
+mod update;
 
 pub use guard::replay_shortfalls;
 pub use ns::NsReplay;
 pub use regions::PieceRegions;
 pub use replay::{plugin_defaults, PieceReplay, Scope};
+pub use update::UpdateReplay;

@@ -30,6 +30,12 @@ impl NsRunner for NsRegions {
         body: &dyn Fn(&[Tensor]) -> ptl_trainer::Result<Vec<Tensor>>,
     ) -> ptl_trainer::Result<Vec<Tensor>> {
         let Some(first) = matrices.first() else { return body(matrices) };
+        // Inside another recording (`replay=optimizer` records the whole update): run natively,
+        // so the kernels go into that graph.
+        #[cfg(feature = "cuda")]
+        if ptl_autograd::cuda::capture_support::is_capturing() {
+            return body(matrices);
+        }
         let key = (first.dims().to_vec(), first.dtype().to_string(), matrices.len());
         let region = {
             let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());

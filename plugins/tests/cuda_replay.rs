@@ -104,6 +104,48 @@ fn cuda_ns_replay_equals_native() {
     println!("ok cuda ns replay: {}", ns.plugins.join(" || ").chars().take(300).collect::<String>());
 }
 
+/// `replay=optimizer` on real CUDA graphs (capture.md T11): the recorded update follows the
+/// warm-up's learning-rate and momentum schedule (written to the device before each replay) and
+/// the fit ends with native's hashes, SGD and MuSGD in bf16, every step after the first replayed.
+#[test]
+fn cuda_optimizer_replay_follows_the_lr_schedule() {
+    let Some(dev) = gpu() else { return };
+    assert_eq!(ptl_plugins::UpdateReplay::NAME, "optimizer");
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-upd-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    for optimizer in ["SGD", "MuSGD"] {
+        let run = |replay: &[&str]| {
+            let cfg = PoseTrainConfig {
+                data: data.clone(),
+                epochs: 1,
+                batch: 2,
+                nbs: 2,
+                imgsz: 64,
+                seed: 6,
+                device: dev,
+                precision: Precision::Bf16Mixed,
+                workers: Some(2),
+                optimizer: optimizer.into(),
+                close_mosaic: 0,
+                plots: false,
+                progress: false,
+                gpu_time: false,
+                exist_ok: true,
+                replay: replay.iter().map(|s| s.to_string()).collect(),
+                save_dir: dir.join(format!("upd-{optimizer}-{}", replay.join("+"))),
+                ..PoseTrainConfig::default()
+            };
+            fit(&cfg, vec![]).expect("fit")
+        };
+        let native = run(&[]);
+        let upd = run(&["optimizer"]);
+        assert_eq!(upd.hashes, native.hashes, "{optimizer}: replay=optimizer");
+        let short = replay_shortfalls(&upd, "optimizer", upd.optimizer_steps, &[]);
+        assert!(short.is_empty(), "{optimizer}: {short:?}");
+        println!("ok cuda optimizer replay {optimizer}: {}", upd.plugins.join(" || ").chars().take(300).collect::<String>());
+    }
+}
+
 // ---- kill-and-resume with replay on ------------------------------------------------------------
 
 mod kill;

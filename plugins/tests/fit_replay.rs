@@ -199,3 +199,27 @@ fn a_plugin_gets_persistent_gradients_and_the_bytes_stay_native() {
         assert_eq!(s, first, "step {k}: gradient buffers moved");
     }
 }
+
+/// `replay=optimizer`: the device part of every optimizer step (clipping, SGD / MuSGD update)
+/// replays after its warm-up with the fit's bytes unchanged — learning rate and momentum change
+/// every step of the warm-up, so a replay that froze them would differ — and with `ns` stacked
+/// the fit still equals native.
+#[test]
+fn optimizer_replay_equals_native_and_replays_every_step() {
+    use ptl_plugins::UpdateReplay;
+    assert_eq!(UpdateReplay::NAME, "optimizer");
+    for optimizer in ["SGD", "MuSGD"] {
+        let cfg = |save: &str, replay: &[&str]| PoseTrainConfig { optimizer: optimizer.into(), nbs: 2, ..tiny(save, replay) };
+        let native = fit(&cfg(&format!("upd-native-{optimizer}"), &[]), vec![]).expect("native fit");
+        let upd = fit(&cfg(&format!("upd-{optimizer}"), &["optimizer"]), vec![]).expect("optimizer replay fit");
+        assert_eq!(upd.hashes, native.hashes, "{optimizer}: replay=optimizer changes no byte");
+        let short = replay_shortfalls(&upd, "optimizer", upd.optimizer_steps, &[]);
+        assert!(short.is_empty(), "{optimizer}: {short:?}");
+        let regions = upd.replay_counters["optimizer"].as_object().expect("optimizer counters");
+        assert_eq!(regions.len(), 1, "one presence mask: {:?}", regions.keys().collect::<Vec<_>>());
+        if optimizer == "MuSGD" {
+            let both = fit(&cfg("upd-ns", &["ns", "optimizer"]), vec![]).expect("ns + optimizer");
+            assert_eq!(both.hashes, native.hashes, "ns + optimizer changes no byte");
+        }
+    }
+}

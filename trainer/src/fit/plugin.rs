@@ -90,6 +90,16 @@ pub trait ReplayPlugin: DynClone + Send {
         let _ = info;
         next()
     }
+    /// Whether this plugin runs the device part of optimizer updates ([`ReplayPlugin::run_update`]).
+    fn claims_update(&self) -> bool {
+        false
+    }
+    /// Runs the device part of an optimizer step — gradient clipping and the update, after the
+    /// optimizer wrote the step's scalars to the device — natively (`body()`) or by a replay of it;
+    /// it must do what `body` does. Not called under 16-mixed (the grad scaler decides on the host).
+    fn run_update(&self, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        body()
+    }
     /// Whether the fit should keep every parameter's gradient buffer across steps (persistent
     /// gradients, `Tensor::set_keep_grad_buffer`): a plugin that records graphs reading or writing
     /// gradients needs them at fixed addresses. Absent gradients stay absent. Off by default (the
@@ -263,6 +273,15 @@ impl PluginStack {
     /// Gives every plugin the run (after restore, before the first batch).
     pub fn setup(&mut self, ctx: &PluginSetup<'_>) -> Result<()> {
         self.plugins.iter_mut().try_for_each(|p| p.setup(ctx))
+    }
+
+    /// The device part of an optimizer step through its claimant ([`ReplayPlugin::run_update`]),
+    /// natively when no plugin claims it.
+    pub fn run_update(&self, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        match self.plugins.iter().find(|p| p.claims_update()) {
+            Some(p) => p.run_update(body),
+            None => body(),
+        }
     }
 
     /// Whether any plugin asks for persistent gradients ([`ReplayPlugin::persistent_gradients`]).

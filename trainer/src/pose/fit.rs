@@ -299,7 +299,8 @@ impl Run {
         let view = self.view.clone();
         let (profile, device) = (self.cfg.profile, self.cfg.device);
         let mut ema_ms = 0.0;
-        self.plugins.run(info, &mut || {
+        let plugins = &self.plugins;
+        plugins.run(info, &mut || {
             let _stage = StageGuard::new(stages::OPTIMIZER);
             if let Some(s) = scaler.as_mut() {
                 s.unscale_(optimizer.as_ref())?;
@@ -307,13 +308,21 @@ impl Run {
             for cb in callbacks.iter_mut() {
                 cb.on_before_optimizer_step(&view);
             }
-            clip_grad_norm(params.iter().map(|(_, t)| t), max_norm)?;
             match scaler.as_mut() {
                 Some(s) => {
+                    clip_grad_norm(params.iter().map(|(_, t)| t), max_norm)?;
                     s.step(optimizer.as_mut())?;
                     s.update()?;
                 }
-                None => optimizer.step()?,
+                None => {
+                    // The host part (the step's scalars to the device), then the device part —
+                    // clipping and the update — which a plugin may record and replay.
+                    optimizer.prepare_step()?;
+                    plugins.run_update(&mut || {
+                        clip_grad_norm(params.iter().map(|(_, t)| t), max_norm)?;
+                        optimizer.step_prepared()
+                    })?;
+                }
             }
             for cb in callbacks.iter_mut() {
                 cb.on_before_zero_grad(&view);
