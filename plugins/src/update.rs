@@ -1,5 +1,6 @@
-//! `replay=optimizer`: the device part of the optimizer step — gradient clipping and the SGD /
-//! MuSGD update (Newton–Schulz included) — as one recorded region per gradient-presence mask.
+//! `replay=optimizer`: the device parts of the optimizer step — gradient clipping with the SGD /
+//! MuSGD update (Newton–Schulz included), one recorded region per gradient-presence mask, and the
+//! EMA update, one region.
 //! What makes it recordable: the step's scalars live on the device (the optimizer's host part
 //! writes them before the region, `Optimizer::prepare_step`), the gradients have fixed buffers
 //! (the plugin asks for persistent gradients), and the recorder's warmup rolls back everything the
@@ -11,13 +12,18 @@ use std::sync::{Arc, Mutex};
 
 use ptl_autograd::{Device, Tensor, TensorKind};
 use ptl_capture::{Recorder, RecorderConfig, RegionHandle, RegionSpec};
-use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin};
+use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, UpdatePart};
 
-/// The plugin's recorder and its regions, one per gradient-presence mask.
+/// A region's key: the part, and for the step which parameters have a gradient.
+type PartKey = (UpdatePart, Vec<bool>);
+
+/// The plugin's recorder and its regions: the step's, one per gradient-presence mask, and the
+/// EMA update's.
 struct UpdateRegions {
     recorder: Recorder,
     params: Vec<(String, Tensor)>,
-    regions: Mutex<BTreeMap<Vec<bool>, Arc<RegionHandle>>>,
+    ema: Vec<(String, Tensor)>,
+    regions: Mutex<BTreeMap<PartKey, Arc<RegionHandle>>>,
 }
 
 /// The `optimizer` replay plugin. Configuration: `ptl_capture::RecorderConfig` fields as JSON over
@@ -59,26 +65,36 @@ impl UpdateReplay {
 }
 
 impl UpdateRegions {
-    fn run(&self, body: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
-        let mask: Vec<bool> = self.params.iter().map(|(_, p)| p.grad().is_some()).collect();
-        // What the update reads and writes in place: the parameters and their (persistent)
-        // gradients — their addresses key the recording (a moved buffer retires it).
+    fn run(&self, part: UpdatePart, body: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
+        // What the part reads and writes in place — the step: the parameters and their
+        // (persistent) gradients; the EMA: the parameters and the EMA's tensors. Their addresses
+        // key the recording (a moved buffer retires it).
         let mut surface: Vec<(String, Tensor, TensorKind)> = Vec::with_capacity(2 * self.params.len());
-        for ((name, p), present) in self.params.iter().zip(&mask) {
+        let mask: Vec<bool> = match part {
+            UpdatePart::Step => self.params.iter().map(|(_, p)| p.grad().is_some()).collect(),
+            UpdatePart::Ema => Vec::new(),
+        };
+        for (name, p) in &self.params {
             surface.push((name.clone(), p.detach(), TensorKind::Buffer));
-            if let (true, Some(g)) = (*present, p.grad()) {
+            if let (UpdatePart::Step, Some(g)) = (part, p.grad()) {
                 surface.push((format!("{name}.grad"), g, TensorKind::Buffer));
             }
         }
+        if part == UpdatePart::Ema {
+            surface.extend(self.ema.iter().map(|(n, t)| (format!("ema.{n}"), t.clone(), TensorKind::Buffer)));
+        }
         let region = {
             let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-            let name = format!("update.{}", regions.len());
-            regions.entry(mask).or_insert_with(|| Arc::new(self.recorder.region(RegionSpec::per_call(name)))).clone()
+            let name = match part {
+                UpdatePart::Step => format!("update.{}", regions.keys().filter(|k| k.0 == UpdatePart::Step).count()),
+                UpdatePart::Ema => "ema".to_string(),
+            };
+            regions.entry((part, mask)).or_insert_with(|| Arc::new(self.recorder.region(RegionSpec::per_call(name)))).clone()
         };
         let body = std::cell::RefCell::new(body);
         let run = |_: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> {
             let mut b = body.borrow_mut();
-            (*b)().map_err(|e| ptl_autograd::Error::InvalidArgument { op: "optimizer update body", msg: e.to_string() })?;
+            (*b)().map_err(|e| ptl_autograd::Error::InvalidArgument { op: "optimizer update part", msg: e.to_string() })?;
             Ok(Vec::new())
         };
         ptl_autograd::no_grad(|| region.call_with(&[], &surface, &run))
@@ -116,6 +132,7 @@ impl ReplayPlugin for UpdateReplay {
         self.regions = Some(Arc::new(UpdateRegions {
             recorder: self.recorder(ctx.config.device),
             params: ctx.params.to_vec(),
+            ema: ctx.ema.ema_tensors().to_vec(),
             regions: Mutex::new(BTreeMap::new()),
         }));
         Ok(())
@@ -126,9 +143,9 @@ impl ReplayPlugin for UpdateReplay {
     fn claims_update(&self) -> bool {
         self.dispatch && self.regions.is_some()
     }
-    fn run_update(&self, body: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
+    fn run_update(&self, part: UpdatePart, body: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
         match &self.regions {
-            Some(r) => r.run(body),
+            Some(r) => r.run(part, body),
             None => body(),
         }
     }

@@ -200,8 +200,9 @@ fn a_plugin_gets_persistent_gradients_and_the_bytes_stay_native() {
     }
 }
 
-/// `replay=optimizer`: the device part of every optimizer step (clipping, SGD / MuSGD update)
-/// replays after its warm-up with the fit's bytes unchanged — learning rate and momentum change
+/// `replay=optimizer`: the device parts of every optimizer step (clipping with the SGD / MuSGD
+/// update, and the EMA update) replay after their warm-up with the fit's bytes unchanged — the
+/// learning rate, momentum and EMA decay change
 /// every step of the warm-up, so a replay that froze them would differ — and with `ns` stacked
 /// the fit still equals native.
 #[test]
@@ -216,7 +217,9 @@ fn optimizer_replay_equals_native_and_replays_every_step() {
         let short = replay_shortfalls(&upd, "optimizer", upd.optimizer_steps, &[]);
         assert!(short.is_empty(), "{optimizer}: {short:?}");
         let regions = upd.replay_counters["optimizer"].as_object().expect("optimizer counters");
-        assert_eq!(regions.len(), 1, "one presence mask: {:?}", regions.keys().collect::<Vec<_>>());
+        let mut names: Vec<&String> = regions.keys().collect();
+        names.sort();
+        assert_eq!(names, ["ema", "update.0"], "the EMA and one presence mask");
         if optimizer == "MuSGD" {
             let both = fit(&cfg("upd-ns", &["ns", "optimizer"]), vec![]).expect("ns + optimizer");
             assert_eq!(both.hashes, native.hashes, "ns + optimizer changes no byte");

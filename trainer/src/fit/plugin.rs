@@ -30,6 +30,15 @@ pub enum Stage {
     OptimizerStep,
 }
 
+/// The device parts of an optimizer step a plugin may run ([`ReplayPlugin::run_update`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum UpdatePart {
+    /// Gradient clipping and the optimizer's update (`Optimizer::step_prepared`).
+    Step,
+    /// The EMA update (`ModelEma::update_prepared`), after zero-grad.
+    Ema,
+}
+
 /// What a plugin sees about the step it wraps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StageInfo {
@@ -90,14 +99,16 @@ pub trait ReplayPlugin: DynClone + Send {
         let _ = info;
         next()
     }
-    /// Whether this plugin runs the device part of optimizer updates ([`ReplayPlugin::run_update`]).
+    /// Whether this plugin runs the device parts of optimizer steps ([`ReplayPlugin::run_update`]).
     fn claims_update(&self) -> bool {
         false
     }
-    /// Runs the device part of an optimizer step — gradient clipping and the update, after the
-    /// optimizer wrote the step's scalars to the device — natively (`body()`) or by a replay of it;
-    /// it must do what `body` does. Not called under 16-mixed (the grad scaler decides on the host).
-    fn run_update(&self, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+    /// Runs a device part of an optimizer step ([`UpdatePart`]), after its host part wrote the
+    /// step's scalars to the device, natively (`body()`) or by a replay of it; it must do what
+    /// `body` does. The step itself is not handed over under 16-mixed (the grad scaler decides on
+    /// the host).
+    fn run_update(&self, part: UpdatePart, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = part;
         body()
     }
     /// Whether the fit should keep every parameter's gradient buffer across steps (persistent
@@ -277,9 +288,9 @@ impl PluginStack {
 
     /// The device part of an optimizer step through its claimant ([`ReplayPlugin::run_update`]),
     /// natively when no plugin claims it.
-    pub fn run_update(&self, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+    pub fn run_update(&self, part: UpdatePart, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         match self.plugins.iter().find(|p| p.claims_update()) {
-            Some(p) => p.run_update(body),
+            Some(p) => p.run_update(part, body),
             None => body(),
         }
     }

@@ -318,7 +318,7 @@ impl Run {
                     // The host part (the step's scalars to the device), then the device part —
                     // clipping and the update — which a plugin may record and replay.
                     optimizer.prepare_step()?;
-                    plugins.run_update(&mut || {
+                    plugins.run_update(crate::fit::UpdatePart::Step, &mut || {
                         clip_grad_norm(params.iter().map(|(_, t)| t), max_norm)?;
                         optimizer.step_prepared()
                     })?;
@@ -332,7 +332,12 @@ impl Run {
                 probe::sync(device)?;
             }
             let t = Instant::now();
-            in_stage(stages::EMA, || ema.update_module(model))?;
+            in_stage(stages::EMA, || -> Result<()> {
+                // Host part (count, weight to the device), then the device part through a plugin.
+                let sd: Vec<(String, Tensor)> = module::state_dict(model).into_iter().map(|e| (e.0, e.1)).collect();
+                ema.prepare_update()?;
+                plugins.run_update(crate::fit::UpdatePart::Ema, &mut || ema.update_prepared(&sd))
+            })?;
             if profile {
                 probe::sync(device)?;
                 ema_ms = t.elapsed().as_secs_f64() * 1e3;
