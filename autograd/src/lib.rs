@@ -53,5 +53,5 @@ pub use ops::norm::BatchNormOptions;
 pub use ops::optim::{lerp, DeviceScalars, SgdStep};
 pub use rng::Rng;
 pub use shape::Shape;
-pub use tensor::{Element, Tensor, TensorId};
+pub use tensor::{Element, GradState, Tensor, TensorId};
 pub use write_journal::{journal_writes, WriteJournal};

@@ -41,6 +41,12 @@ pub(crate) struct TensorImpl {
     pub(crate) kept_grad: Mutex<Option<Tensor>>,
 }
 
+/// A leaf's gradient and kept buffer while taken out ([`Tensor::take_grad_state`]).
+pub struct GradState {
+    grad: Option<Tensor>,
+    kept: Option<Tensor>,
+}
+
 /// A contiguous, row-major n-dimensional array. Cloning is cheap (shared storage and identity).
 #[derive(Clone)]
 pub struct Tensor(pub(crate) Arc<TensorImpl>);
@@ -336,6 +342,24 @@ impl Tensor {
                 *self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()) = Some(g);
             }
         }
+    }
+    /// Takes the gradient and any kept buffer out of this leaf (leaving it with neither) — for code
+    /// whose gradients must not land in them, such as a recorder's warmup — to be put back with
+    /// [`Tensor::restore_grad_state`].
+    pub fn take_grad_state(&self) -> GradState {
+        let g = self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let k = self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()).take();
+        GradState { grad: g, kept: k }
+    }
+    /// Puts back what [`Tensor::take_grad_state`] took (whatever the leaf holds now is dropped).
+    pub fn restore_grad_state(&self, s: GradState) {
+        *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = s.grad;
+        *self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()) = s.kept;
+    }
+    /// Adds `g` into this leaf's gradient as the backward engine does: into the existing gradient,
+    /// else into a kept buffer ([`Tensor::set_keep_grad_buffer`]), else as a private copy.
+    pub fn add_to_grad(&self, g: &Tensor) -> Result<()> {
+        self.accumulate_grad(g)
     }
     /// Whether [`Tensor::zero_grad`] keeps this leaf's gradient buffer (persistent gradients):
     /// "absent" keeps its meaning — `grad()` is `None` until a gradient arrives — but the buffer

@@ -197,3 +197,23 @@ fn kept_gradient_buffers_keep_their_address_and_absent_its_meaning() {
     loss(1.0).backward().unwrap();
     assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), vec![2.0, 4.0, 6.0]);
 }
+
+/// `take_grad_state` takes the gradient and the kept buffer out, so a backward meanwhile (a
+/// recorder's warmup) neither adds to the gradient nor writes into the buffer; `restore_grad_state`
+/// puts both back, and `add_to_grad` fills a kept buffer as the engine does.
+#[test]
+fn taken_gradient_state_is_untouched_by_a_backward_meanwhile() {
+    let w = leaf(vec![1.0, 2.0]);
+    w.set_keep_grad_buffer(true);
+    w.square().unwrap().sum_all().unwrap().backward().unwrap();
+    let addr = w.grad().unwrap().storage_ptr();
+    w.zero_grad(); // absent, buffer kept
+    let state = w.take_grad_state();
+    w.mul_scalar(3.0).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_ne!(w.grad().unwrap().storage_ptr(), addr, "the backward meanwhile got its own buffer");
+    w.restore_grad_state(state);
+    assert!(w.grad().is_none(), "absent again");
+    w.add_to_grad(&Tensor::from_vec(vec![5.0f32, 6.0], 2, Device::Cpu).unwrap()).unwrap();
+    assert_eq!(w.grad().unwrap().storage_ptr(), addr, "the kept buffer came back and took the gradient");
+    assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), vec![5.0, 6.0]);
+}

@@ -212,21 +212,14 @@ impl Core {
     fn bwd_body(&self, mask: &[bool]) -> Result<()> {
         self.note_body_run();
         let outs = lock(&self.tape).clone().ok_or_else(|| self.err("backward recorded before any forward"))?;
-        let stash: Vec<Option<Tensor>> = self
-            .params
-            .iter()
-            .map(|p| {
-                let g = p.grad();
-                p.set_grad(None);
-                g
-            })
-            .collect();
+        // The parameters' gradients and kept buffers stay out of the body's backward.
+        let stash: Vec<ptl_autograd::GradState> = self.params.iter().map(|p| p.take_grad_state()).collect();
         for l in &self.leaves {
             l.set_grad(None);
         }
         let r = self.bwd_inner(mask, &outs);
         for (p, g) in self.params.iter().zip(stash) {
-            p.set_grad(g);
+            p.restore_grad_state(g);
         }
         for l in &self.leaves {
             l.set_grad(None);
@@ -435,7 +428,8 @@ impl GraphedNode {
             let (true, Some(s)) = (*present, s) else { continue };
             match p.grad() {
                 Some(existing) => adds.push((existing, s)),
-                None => p.set_grad(Some(s.deep_copy()?)),
+                // Into a kept buffer when the parameter has one (persistent gradients), else a copy.
+                None => p.add_to_grad(s)?,
             }
             host_ops += 1;
         }
@@ -767,14 +761,7 @@ impl RegionHandle {
         let buf_snap: Vec<Tensor> = buffers.iter().map(|b| b.deep_copy()).collect::<ptl_autograd::Result<_>>()?;
         let host_snap: Vec<Vec<u64>> = spec.host_state.iter().map(|h| h.snapshot()).collect();
         let rng_snap: Vec<(u64, u64)> = spec.graph_rngs.iter().map(|r| r.snapshot()).collect();
-        let grad_stash: Vec<Option<Tensor>> = params
-            .iter()
-            .map(|p| {
-                let g = p.grad();
-                p.set_grad(None);
-                g
-            })
-            .collect();
+        let grad_stash: Vec<ptl_autograd::GradState> = params.iter().map(|p| p.take_grad_state()).collect();
         let warm_leaves: Vec<Tensor> = inputs
             .iter()
             .map(|x| x.detach().requires_grad_(x.requires_grad() && x.dtype().is_float()))
@@ -845,7 +832,7 @@ impl RegionHandle {
         };
         let rb = rollback();
         for (p, g) in params.iter().zip(grad_stash) {
-            p.set_grad(g);
+            p.restore_grad_state(g);
         }
         warm?;
         rb?;

@@ -226,3 +226,23 @@ fn optimizer_replay_equals_native_and_replays_every_step() {
         }
     }
 }
+
+/// A run with `replay=optimizer,ns,feature,stem` stopped after its first epoch and resumed from
+/// `last.ckpt` ends with the uninterrupted native run's hashes (the recorded optimizer step and
+/// EMA start without recordings after the resume and follow the restored schedule), and the
+/// persistent gradients keep their buffers through the feature and stem regions' replayed
+/// backwards (a recording would go stale otherwise — the first version of this test caught it).
+#[test]
+fn an_optimizer_replayed_run_resumes_to_the_native_hashes() {
+    let cfg = |save: &str, replay: &[&str]| PoseTrainConfig { optimizer: "MuSGD".into(), nbs: 2, ..tiny(save, replay) };
+    let full = fit(&cfg("upd-resume-native", &[]), vec![]).expect("native");
+    let run = cfg("upd-resume", &["feature", "stem", "ns", "optimizer"]);
+    fit(&PoseTrainConfig { stop_after_epochs: Some(1), ..run.clone() }, vec![]).expect("first epoch");
+    let last = run.save_dir.join("weights/last.ckpt");
+    let resumed = fit(&PoseTrainConfig { resume: Some(last), ..run }, vec![]).expect("resumed");
+    assert_eq!(resumed.hashes, full.hashes);
+    // The resumed process made the second epoch's three steps (the counters are its own).
+    assert_eq!(resumed.optimizer_steps, 6);
+    let short = replay_shortfalls(&resumed, "optimizer", 3, &[]);
+    assert!(short.is_empty(), "{short:?} {}", resumed.replay_counters["optimizer"]);
+}
