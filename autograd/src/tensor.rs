@@ -356,10 +356,11 @@ impl Tensor {
         *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = s.grad;
         *self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()) = s.kept;
     }
-    /// Adds `g` into this leaf's gradient as the backward engine does: into the existing gradient,
-    /// else into a kept buffer ([`Tensor::set_keep_grad_buffer`]), else as a private copy.
+    /// Adds `g` into this leaf's gradient as the backward engine does — into the existing gradient,
+    /// else into a kept buffer ([`Tensor::set_keep_grad_buffer`]), else as a private copy — but
+    /// never takes `g`'s storage (the caller keeps using it: a recorder's static buffer).
     pub fn add_to_grad(&self, g: &Tensor) -> Result<()> {
-        self.accumulate_grad(g)
+        self.accumulate_grad_into(g, false)
     }
     /// Whether [`Tensor::zero_grad`] keeps this leaf's gradient buffer (persistent gradients):
     /// "absent" keeps its meaning — `grad()` is `None` until a gradient arrives — but the buffer
@@ -376,6 +377,12 @@ impl Tensor {
     /// is one (a copy), else is stored privately (copied if its storage is shared); later ones are
     /// added in place so the gradient buffer keeps its address.
     pub(crate) fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
+        self.accumulate_grad_into(g, true)
+    }
+
+    /// [`Tensor::accumulate_grad`]; `may_take`: a first gradient held by nobody else becomes the
+    /// gradient without a copy (the engine's temporaries).
+    fn accumulate_grad_into(&self, g: &Tensor, may_take: bool) -> Result<()> {
         let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
         match slot.as_ref() {
             Some(existing) => {
@@ -392,7 +399,7 @@ impl Tensor {
                         k.copy_(&g.detach())?;
                         k
                     }
-                    _ if Arc::strong_count(&g.0.storage) == 1 && Arc::strong_count(&g.0) == 1 => g.detach(),
+                    _ if may_take && Arc::strong_count(&g.0.storage) == 1 && Arc::strong_count(&g.0) == 1 => g.detach(),
                     _ => g.deep_copy()?,
                 };
                 *slot = Some(own);
