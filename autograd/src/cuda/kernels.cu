@@ -807,6 +807,34 @@ __device__ __forceinline__ void bn_stats_finish(double s, double q, double K, u3
     if (nbt != nullptr && ch == 0) *nbt += 1;
 }
 
+// This thread's shifted sums s += Σ(x − K), q += Σ(x − K)² over vectors [start, end) of channel ch
+// (thread t takes vectors start + t, start + t + 256, …).
+template <typename T, int V>
+__device__ __forceinline__ void bn_shifted_sums(const T* x, u32 ch, u32 c, u32 hw, typename Acc<T>::type K, u32 start, u32 end,
+                                                double& s, double& q) {
+    typedef typename Acc<T>::type A;
+    const u32 hv = hw / V;
+    for (u32 v = start + threadIdx.x; v < end; v += 256) {
+        A e[V];
+        ld_vec<T, V>(x, bn_vec_index(v, hv, ch, c, hw, V), e);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const double d = (double)(e[k] - K);
+            s += d;
+            q += d * d;
+        }
+    }
+}
+// y = act(x·sc + sh) for V values (act = SiLU when silu != 0).
+template <typename A, int V>
+__device__ __forceinline__ void bn_apply_vec(A* e, A sc, A sh, int silu) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        A z = e[k] * sc + sh;
+        e[k] = silu ? z / ((A)1 + m_exp(-z)) : z;
+    }
+}
+
 // Training statistics, grid (P, C), block 256: shifted sums of x − K and (x − K)² (K = the
 // channel's first element, which keeps E[x²] − E[x]² well conditioned); the channel's last block
 // writes the affine parameters aff = [w·invstd; b − mean·w·invstd], the normalisation parameters
@@ -821,16 +849,7 @@ __device__ void bn_stats_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P
     bn_chunk(n * hv, P, p, start, end);
     const A K = to_acc(x[(size_t)ch * hw]);
     double s = 0.0, q = 0.0;
-    for (u32 v = start + threadIdx.x; v < end; v += 256) {
-        A e[V];
-        ld_vec<T, V>(x, bn_vec_index(v, hv, ch, c, hw, V), e);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const double d = (double)(e[k] - K);
-            s += d;
-            q += d * d;
-        }
-    }
+    bn_shifted_sums<T, V>(x, ch, c, hw, K, start, end, s, q);
     if (!bn_last_block_totals(s, q, part, ch, p, P, tickets) || threadIdx.x != 0) return;
     S sc, sh;
     bn_stats_finish<S>(s, q, (double)K, ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
@@ -845,11 +864,7 @@ __device__ void chaffine_k(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c
         const A sc = (A)p[ch], sh = (A)p[c + ch];
         A e[V];
         ld_vec<T, V>(x, (size_t)v * V, e);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            A z = e[k] * sc + sh;
-            e[k] = silu ? z / ((A)1 + m_exp(-z)) : z;
-        }
+        bn_apply_vec<A, V>(e, sc, sh, silu);
         st_vec<T, V>(y, (size_t)v * V, e);
     }
 }
@@ -865,16 +880,7 @@ __device__ void bn_fwd1_k(const T* x, T* y, u32 n, u32 c, u32 hw, double count, 
     const u32 ch = blockIdx.y, hv = hw / V, nv = n * hv;
     const A K = to_acc(x[(size_t)ch * hw]);
     double s = 0.0, q = 0.0;
-    for (u32 v = threadIdx.x; v < nv; v += 256) {
-        A e[V];
-        ld_vec<T, V>(x, bn_vec_index(v, hv, ch, c, hw, V), e);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const double d = (double)(e[k] - K);
-            s += d;
-            q += d * d;
-        }
-    }
+    bn_shifted_sums<T, V>(x, ch, c, hw, K, 0, nv, s, q);
     bn_block_sum2(s, q);
     if (threadIdx.x == 0) {
         S sc, sh;
@@ -888,11 +894,7 @@ __device__ void bn_fwd1_k(const T* x, T* y, u32 n, u32 c, u32 hw, double count, 
         const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
         A e[V];
         ld_vec<T, V>(x, i, e);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            A z = e[k] * sc + sh;
-            e[k] = silu ? z / ((A)1 + m_exp(-z)) : z;
-        }
+        bn_apply_vec<A, V>(e, sc, sh, silu);
         st_vec<T, V>(y, i, e);
     }
 }
@@ -910,18 +912,13 @@ __device__ __forceinline__ void bnb_terms(A x, A g, A a0, A a1, A n0, A n1, int 
     }
     xh = x * n0 + n1;
 }
-// Reduction, grid (P, C), block 256: per-channel sums Σgz and Σgz·x̂; the channel's last block
-// writes gw = Σgz·x̂, gb = Σgz and dx's coefficients coef = [k; −k·Σgz/N; −k·Σgz·x̂/N] with
-// k = w·invstd (eval: no batch terms).
-template <typename T, typename S, int V>
-__device__ void bnb_reduce_k(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu,
-                             unsigned int* tickets, double count, const S* w, int training, S* gw, S* gb, S* coef) {
+// This thread's sums sa += Σgz, sq += Σgz·x̂ over vectors [start, end) of channel ch.
+template <typename T, int V>
+__device__ __forceinline__ void bnb_sums(const T* x, const T* g, u32 ch, u32 c, u32 hw, typename Acc<T>::type a0, typename Acc<T>::type a1,
+                                         typename Acc<T>::type n0, typename Acc<T>::type n1, int silu, u32 start, u32 end, double& sa,
+                                         double& sq) {
     typedef typename Acc<T>::type A;
-    const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
-    const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
-    u32 start, end;
-    bn_chunk(n * hv, P, p, start, end);
-    double sa = 0.0, sq = 0.0;
+    const u32 hv = hw / V;
     for (u32 v = start + threadIdx.x; v < end; v += 256) {
         const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
         A xe[V], ge[V];
@@ -935,13 +932,48 @@ __device__ void bnb_reduce_k(const T* x, const T* g, const S* aff, const S* nrm,
             sq += (double)gz * (double)xh;
         }
     }
-    if (!bn_last_block_totals(sa, sq, part, ch, p, P, tickets) || threadIdx.x != 0) return;
+}
+// The channel's totals to gw = Σgz·x̂, gb = Σgz and dx's coefficients
+// coef = [k; −k·Σgz/N; −k·Σgz·x̂/N] with k = w·invstd (eval: no batch terms), also returned in k3.
+template <typename S>
+__device__ __forceinline__ void bnb_finish(double sa, double sq, u32 ch, u32 c, double count, const S* w, const S* nrm, int training, S* gw,
+                                           S* gb, S* coef, S* k3) {
     gb[ch] = (S)sa;
     gw[ch] = (S)sq;
     const double k = (double)w[ch] * (double)nrm[ch];
-    coef[ch] = (S)k;
-    coef[c + ch] = (S)(training ? -k * sa / count : 0.0);
-    coef[2 * c + ch] = (S)(training ? -k * sq / count : 0.0);
+    k3[0] = (S)k;
+    k3[1] = (S)(training ? -k * sa / count : 0.0);
+    k3[2] = (S)(training ? -k * sq / count : 0.0);
+    coef[ch] = k3[0];
+    coef[c + ch] = k3[1];
+    coef[2 * c + ch] = k3[2];
+}
+// dx = k0·gz + k1 + k2·x̂ for V values (x in xe, g in ge; dx written over xe).
+template <typename A, int V>
+__device__ __forceinline__ void bnb_dx_vec(A* xe, const A* ge, A a0, A a1, A n0, A n1, A k0, A k1, A k2, int silu) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        A gz, xh;
+        bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
+        xe[k] = k0 * gz + k1 + k2 * xh;
+    }
+}
+// Reduction, grid (P, C), block 256: per-channel sums Σgz and Σgz·x̂; the channel's last block
+// writes gw = Σgz·x̂, gb = Σgz and dx's coefficients coef = [k; −k·Σgz/N; −k·Σgz·x̂/N] with
+// k = w·invstd (eval: no batch terms).
+template <typename T, typename S, int V>
+__device__ void bnb_reduce_k(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu,
+                             unsigned int* tickets, double count, const S* w, int training, S* gw, S* gb, S* coef) {
+    typedef typename Acc<T>::type A;
+    const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
+    const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
+    u32 start, end;
+    bn_chunk(n * hv, P, p, start, end);
+    double sa = 0.0, sq = 0.0;
+    bnb_sums<T, V>(x, g, ch, c, hw, a0, a1, n0, n1, silu, start, end, sa, sq);
+    if (!bn_last_block_totals(sa, sq, part, ch, p, P, tickets) || threadIdx.x != 0) return;
+    S k3[3];
+    bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, k3);
 }
 // dx = coef[0]·gz + coef[1] + coef[2]·x̂, V elements per thread step.
 template <typename T, typename S, int V>
@@ -954,12 +986,7 @@ __device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, con
         A xe[V], ge[V];
         ld_vec<T, V>(x, (size_t)v * V, xe);
         ld_vec<T, V>(g, (size_t)v * V, ge);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            A gz, xh;
-            bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
-            xe[k] = k0 * gz + k1 + k2 * xh;
-        }
+        bnb_dx_vec<A, V>(xe, ge, a0, a1, n0, n1, k0, k1, k2, silu);
         st_vec<T, V>(dx, (size_t)v * V, xe);
     }
 }
@@ -973,31 +1000,9 @@ __device__ void bnb_fused1_k(const T* x, const T* g, const S* aff, const S* nrm,
     const u32 ch = blockIdx.y, hv = hw / V, nv = n * hv;
     const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
     double sa = 0.0, sq = 0.0;
-    for (u32 v = threadIdx.x; v < nv; v += 256) {
-        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
-        A xe[V], ge[V];
-        ld_vec<T, V>(x, i, xe);
-        ld_vec<T, V>(g, i, ge);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            A gz, xh;
-            bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
-            sa += (double)gz;
-            sq += (double)gz * (double)xh;
-        }
-    }
+    bnb_sums<T, V>(x, g, ch, c, hw, a0, a1, n0, n1, silu, 0, nv, sa, sq);
     bn_block_sum2(sa, sq);
-    if (threadIdx.x == 0) {
-        gb[ch] = (S)sa;
-        gw[ch] = (S)sq;
-        const double k = (double)w[ch] * (double)nrm[ch];
-        sk[0] = (S)k;
-        sk[1] = (S)(training ? -k * sa / count : 0.0);
-        sk[2] = (S)(training ? -k * sq / count : 0.0);
-        coef[ch] = sk[0];
-        coef[c + ch] = sk[1];
-        coef[2 * c + ch] = sk[2];
-    }
+    if (threadIdx.x == 0) bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, sk);
     __syncthreads();
     const A k0 = (A)sk[0], k1 = (A)sk[1], k2 = (A)sk[2];
     for (u32 v = threadIdx.x; v < nv; v += 256) {
@@ -1005,12 +1010,7 @@ __device__ void bnb_fused1_k(const T* x, const T* g, const S* aff, const S* nrm,
         A xe[V], ge[V];
         ld_vec<T, V>(x, i, xe);
         ld_vec<T, V>(g, i, ge);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            A gz, xh;
-            bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
-            xe[k] = k0 * gz + k1 + k2 * xh;
-        }
+        bnb_dx_vec<A, V>(xe, ge, a0, a1, n0, n1, k0, k1, k2, silu);
         st_vec<T, V>(dx, i, xe);
     }
 }
