@@ -20,6 +20,7 @@
 //! "replay equals native".
 
 mod guard;
+mod keyed;
 mod ns;
 mod regions;
 mod replay;

@@ -6,22 +6,20 @@
 //! constants), so a recording replays whatever the step's learning rate. The plugin reaches the
 //! optimizer through `ptl_trainer::optim::with_ns_runner` around the optimizer stage.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use ptl_autograd::{Device, Tensor};
-use ptl_capture::{Recorder, RecorderConfig, RegionHandle, RegionSpec};
+use ptl_autograd::Tensor;
+use ptl_capture::RecorderConfig;
 use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, Stage, StageInfo};
 use ptl_trainer::optim::{with_ns_runner, NsRunner};
+
+use crate::keyed::KeyedRegions;
 
 /// A group's key: matrix shape, dtype and how many matrices.
 type GroupKey = (Vec<usize>, String, usize);
 
-/// The recorder and one region per Newton–Schulz group.
-struct NsRegions {
-    recorder: Recorder,
-    regions: Mutex<BTreeMap<GroupKey, Arc<RegionHandle>>>,
-}
+/// One region per Newton–Schulz group.
+struct NsRegions(KeyedRegions<GroupKey>);
 
 impl NsRunner for NsRegions {
     fn run_ns(
@@ -37,32 +35,13 @@ impl NsRunner for NsRegions {
             return body(matrices);
         }
         let key = (first.dims().to_vec(), first.dtype().to_string(), matrices.len());
-        let region = {
-            let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-            let name = format!("ns.{}x{}.{}", key.0.first().copied().unwrap_or(0), key.0.get(1).copied().unwrap_or(0), key.2);
-            regions.entry(key).or_insert_with(|| Arc::new(self.recorder.region(RegionSpec::per_call(name)))).clone()
-        };
+        let name = format!("ns.{}x{}.{}", key.0.first().copied().unwrap_or(0), key.0.get(1).copied().unwrap_or(0), key.2);
+        let region = self.0.region(key, |_| name);
         let body = |xs: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> {
             body(xs).map_err(|e| ptl_autograd::Error::InvalidArgument { op: "Newton–Schulz body", msg: e.to_string() })
         };
         ptl_autograd::no_grad(|| region.call_with(matrices, &[], &body))
             .map_err(|e| ptl_trainer::TrainerError::InvalidArgument { what: "ns replay", reason: e.to_string() })
-    }
-}
-
-impl NsRegions {
-    fn counters_json(&self) -> serde_json::Value {
-        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        serde_json::Value::Object(
-            regions.values().map(|r| (r.name().to_string(), serde_json::to_value(r.stats()).unwrap_or(serde_json::Value::Null))).collect(),
-        )
-    }
-    fn release(&self) {
-        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        for r in regions.values() {
-            r.release();
-        }
-        regions.clear();
     }
 }
 
@@ -95,14 +74,6 @@ impl NsReplay {
         p.dispatch = cfg["dispatch"].as_bool().unwrap_or(true);
         Ok(Box::new(p))
     }
-
-    fn recorder(&self, device: Device) -> Recorder {
-        match device {
-            #[cfg(feature = "cuda")]
-            Device::Cuda(_) => Recorder::cuda(self.config.clone()),
-            _ => Recorder::with_backend(self.config.clone(), Arc::new(ptl_capture::testing::ReplayNatively::default())),
-        }
-    }
 }
 
 impl ReplayPlugin for NsReplay {
@@ -114,9 +85,9 @@ impl ReplayPlugin for NsReplay {
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
         if let Some(r) = self.regions.take() {
-            r.release();
+            r.0.release();
         }
-        self.regions = Some(Arc::new(NsRegions { recorder: self.recorder(ctx.config.device), regions: Mutex::new(BTreeMap::new()) }));
+        self.regions = Some(Arc::new(NsRegions(KeyedRegions::new(&self.config, ctx.config.device))));
         Ok(())
     }
     fn around(&self, info: StageInfo, next: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
@@ -127,14 +98,14 @@ impl ReplayPlugin for NsReplay {
     }
     fn on_fit_end(&self) {
         if let Some(r) = &self.regions {
-            r.release();
+            r.0.release();
         }
     }
     fn summary(&self) -> Option<String> {
-        self.regions.as_ref().map(|r| r.recorder.summary_line())
+        self.regions.as_ref().map(|r| r.0.summary_line())
     }
     fn counters(&self) -> serde_json::Value {
-        self.regions.as_ref().map_or(serde_json::Value::Null, |r| r.counters_json())
+        self.regions.as_ref().map_or(serde_json::Value::Null, |r| r.0.counters_json())
     }
     fn state(&self) -> serde_json::Value {
         serde_json::json!({ "recorder": self.config })

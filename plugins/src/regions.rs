@@ -58,19 +58,11 @@ impl PieceRegions {
     /// Starts recording for a fit on `device`: CUDA graphs on a GPU, the test double on the CPU.
     pub fn start(&mut self, device: Device) {
         self.release();
-        let recorder = match device {
-            #[cfg(feature = "cuda")]
-            Device::Cuda(_) => Recorder::cuda(self.config.clone()),
-            _ => {
-                let double = ptl_capture::testing::ReplayNatively::default();
-                let failures = (0..self.inject_capture_failures).map(|i| ptl_capture::CaptureError::Region {
-                    region: "injected".into(),
-                    msg: format!("injected capture failure {}", i + 1),
-                });
-                double.fail_next.lock().unwrap_or_else(|e| e.into_inner()).extend(failures);
-                Recorder::with_backend(self.config.clone(), Arc::new(double))
-            }
-        };
+        let double = ptl_capture::testing::ReplayNatively::default();
+        let failures = (0..self.inject_capture_failures)
+            .map(|i| ptl_capture::CaptureError::Region { region: "injected".into(), msg: format!("injected capture failure {}", i + 1) });
+        double.fail_next.lock().unwrap_or_else(|e| e.into_inner()).extend(failures);
+        let recorder = crate::keyed::recorder_for(&self.config, device, double);
         self.recorder = Some(recorder);
     }
 

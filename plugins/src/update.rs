@@ -7,12 +7,13 @@
 //! update writes (parameters, momenta: the write journal). Under 16-mixed the grad scaler decides
 //! on the host, so the trainer does not hand the update to a plugin.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use ptl_autograd::{Device, Tensor, TensorKind};
-use ptl_capture::{Recorder, RecorderConfig, RegionHandle, RegionSpec};
+use ptl_autograd::{Tensor, TensorKind};
+use ptl_capture::RecorderConfig;
 use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, UpdatePart};
+
+use crate::keyed::KeyedRegions;
 
 /// A region's key: the part, and for the step which parameters have a gradient.
 type PartKey = (UpdatePart, Vec<bool>);
@@ -20,10 +21,9 @@ type PartKey = (UpdatePart, Vec<bool>);
 /// The plugin's recorder and its regions: the step's, one per gradient-presence mask, and the
 /// EMA update's.
 struct UpdateRegions {
-    recorder: Recorder,
+    regions: KeyedRegions<PartKey>,
     params: Vec<(String, Tensor)>,
     ema: Vec<(String, Tensor)>,
-    regions: Mutex<BTreeMap<PartKey, Arc<RegionHandle>>>,
 }
 
 /// The `optimizer` replay plugin. Configuration: `ptl_capture::RecorderConfig` fields as JSON over
@@ -54,14 +54,6 @@ impl UpdateReplay {
         p.dispatch = cfg["dispatch"].as_bool().unwrap_or(true);
         Ok(Box::new(p))
     }
-
-    fn recorder(&self, device: Device) -> Recorder {
-        match device {
-            #[cfg(feature = "cuda")]
-            Device::Cuda(_) => Recorder::cuda(self.config.clone()),
-            _ => Recorder::with_backend(self.config.clone(), Arc::new(ptl_capture::testing::ReplayNatively::default())),
-        }
-    }
 }
 
 impl UpdateRegions {
@@ -83,14 +75,10 @@ impl UpdateRegions {
         if part == UpdatePart::Ema {
             surface.extend(self.ema.iter().map(|(n, t)| (format!("ema.{n}"), t.clone(), TensorKind::Buffer)));
         }
-        let region = {
-            let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-            let name = match part {
-                UpdatePart::Step => format!("update.{}", regions.keys().filter(|k| k.0 == UpdatePart::Step).count()),
-                UpdatePart::Ema => "ema".to_string(),
-            };
-            regions.entry((part, mask)).or_insert_with(|| Arc::new(self.recorder.region(RegionSpec::per_call(name)))).clone()
-        };
+        let region = self.regions.region((part, mask), |made| match part {
+            UpdatePart::Step => format!("update.{}", made.keys().filter(|k| k.0 == UpdatePart::Step).count()),
+            UpdatePart::Ema => "ema".to_string(),
+        });
         let body = std::cell::RefCell::new(body);
         let run = |_: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> {
             let mut b = body.borrow_mut();
@@ -100,21 +88,6 @@ impl UpdateRegions {
         ptl_autograd::no_grad(|| region.call_with(&[], &surface, &run))
             .map(|_| ())
             .map_err(|e| ptl_trainer::TrainerError::InvalidArgument { what: "optimizer replay", reason: e.to_string() })
-    }
-
-    fn counters_json(&self) -> serde_json::Value {
-        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        serde_json::Value::Object(
-            regions.values().map(|r| (r.name().to_string(), serde_json::to_value(r.stats()).unwrap_or(serde_json::Value::Null))).collect(),
-        )
-    }
-
-    fn release(&self) {
-        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        for r in regions.values() {
-            r.release();
-        }
-        regions.clear();
     }
 }
 
@@ -127,13 +100,12 @@ impl ReplayPlugin for UpdateReplay {
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
         if let Some(r) = self.regions.take() {
-            r.release();
+            r.regions.release();
         }
         self.regions = Some(Arc::new(UpdateRegions {
-            recorder: self.recorder(ctx.config.device),
+            regions: KeyedRegions::new(&self.config, ctx.config.device),
             params: ctx.params.to_vec(),
             ema: ctx.ema.ema_tensors().to_vec(),
-            regions: Mutex::new(BTreeMap::new()),
         }));
         Ok(())
     }
@@ -151,14 +123,14 @@ impl ReplayPlugin for UpdateReplay {
     }
     fn on_fit_end(&self) {
         if let Some(r) = &self.regions {
-            r.release();
+            r.regions.release();
         }
     }
     fn summary(&self) -> Option<String> {
-        self.regions.as_ref().map(|r| r.recorder.summary_line())
+        self.regions.as_ref().map(|r| r.regions.summary_line())
     }
     fn counters(&self) -> serde_json::Value {
-        self.regions.as_ref().map_or(serde_json::Value::Null, |r| r.counters_json())
+        self.regions.as_ref().map_or(serde_json::Value::Null, |r| r.regions.counters_json())
     }
     fn state(&self) -> serde_json::Value {
         serde_json::json!({ "recorder": self.config })
