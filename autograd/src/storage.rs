@@ -197,23 +197,8 @@ impl Storage {
     /// Splits `self` along one dimension into contiguous outputs in a single device pass where the
     /// backend has one (CUDA, up to 8 outputs): `rows` = product of the dims before it, `dsts[k]`
     /// = (output k's device address, its bytes per row). `Ok(false)`: copy piece by piece instead.
-    #[allow(unused_variables)]
     pub fn split_rows(&self, rows: usize, dsts: &[(Option<u64>, usize)]) -> Result<bool> {
-        match self {
-            #[cfg(feature = "cuda")]
-            Storage::Cuda(s) => {
-                if dsts.len() > crate::cuda::ops::CAT_MAX_INPUTS {
-                    return Ok(false);
-                }
-                let Some(ptrs) = dsts.iter().map(|&(p, w)| p.map(|p| (p, w))).collect::<Option<Vec<_>>>() else {
-                    return Ok(false);
-                };
-                crate::cuda::ops::split_rows(s, rows, &ptrs)?;
-                Ok(true)
-            }
-            #[allow(unreachable_patterns)]
-            _ => Ok(false),
-        }
+        self.rows_in_one_pass(rows, dsts, true)
     }
     /// The device address of a CUDA storage (`None` on the CPU).
     pub fn device_address(&self) -> Option<u64> {
@@ -227,18 +212,26 @@ impl Storage {
     /// Concatenates contiguous inputs along one dimension in a single device pass where the
     /// backend has one (CUDA, up to 8 inputs): `rows` = product of the dims before it, `srcs[k]` =
     /// (input k's device address, its bytes per row). `Ok(false)`: copy input by input instead.
-    #[allow(unused_variables)]
     pub fn cat_rows(&mut self, rows: usize, srcs: &[(Option<u64>, usize)]) -> Result<bool> {
+        self.rows_in_one_pass(rows, srcs, false)
+    }
+    /// [`Storage::split_rows`] (`split`) or [`Storage::cat_rows`] between `self` and the pieces.
+    #[allow(unused_variables)]
+    fn rows_in_one_pass(&self, rows: usize, pieces: &[(Option<u64>, usize)], split: bool) -> Result<bool> {
         match self {
             #[cfg(feature = "cuda")]
-            Storage::Cuda(d) => {
-                if srcs.len() > crate::cuda::ops::CAT_MAX_INPUTS {
+            Storage::Cuda(whole) => {
+                if pieces.len() > crate::cuda::ops::CAT_MAX_INPUTS {
                     return Ok(false);
                 }
-                let Some(ptrs) = srcs.iter().map(|&(p, w)| p.map(|p| (p, w))).collect::<Option<Vec<_>>>() else {
+                let Some(ptrs) = pieces.iter().map(|&(p, w)| p.map(|p| (p, w))).collect::<Option<Vec<_>>>() else {
                     return Ok(false);
                 };
-                crate::cuda::ops::cat_rows(d, rows, &ptrs)?;
+                if split {
+                    crate::cuda::ops::split_rows(whole, rows, &ptrs)?;
+                } else {
+                    crate::cuda::ops::cat_rows(whole, rows, &ptrs)?;
+                }
                 Ok(true)
             }
             #[allow(unreachable_patterns)]
