@@ -101,6 +101,9 @@ impl ReplayPlugin for NsReplay {
             r.0.release();
         }
     }
+    fn cadence(&self) -> ptl_trainer::fit::ReplayCadence {
+        ptl_trainer::fit::ReplayCadence::PerOptimizerStep
+    }
     fn summary(&self) -> Option<String> {
         self.regions.as_ref().map(|r| r.0.summary_line())
     }

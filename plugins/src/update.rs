@@ -126,6 +126,9 @@ impl ReplayPlugin for UpdateReplay {
             r.regions.release();
         }
     }
+    fn cadence(&self) -> ptl_trainer::fit::ReplayCadence {
+        ptl_trainer::fit::ReplayCadence::PerOptimizerStep
+    }
     fn summary(&self) -> Option<String> {
         self.regions.as_ref().map(|r| r.regions.summary_line())
     }

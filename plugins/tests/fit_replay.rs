@@ -36,6 +36,7 @@ fn replayed_fits_equal_native_and_the_counters_prove_replay() {
     assert_replayed(&feature, "feature", 1, steps);
     assert_replayed(&both, "feature", 1, steps);
     assert_replayed(&both, "stem", 18, steps);
+    assert_eq!(both.replay_cadence.get("stem"), Some(&ptl_trainer::fit::ReplayCadence::PerBatch));
     assert!(both.plugins.iter().any(|l| l.starts_with("stem: capture[")), "{:?}", both.plugins);
 }
 
@@ -129,6 +130,8 @@ fn ns_replay_equals_native_and_replays_every_optimizer_step() {
     let ns = fit(&cfg("ns-replay", &["ns"]), vec![]).expect("ns fit");
     assert_eq!(ns.hashes, native.hashes, "replay=ns changes no byte");
     assert_eq!(ns.optimizer_steps, 6, "an optimizer step per batch (nbs = batch)");
+    use ptl_trainer::fit::ReplayCadence;
+    assert_eq!(ns.replay_cadence.get("ns"), Some(&ReplayCadence::PerOptimizerStep), "the summary says how often ns is called");
     let short = replay_shortfalls(&ns, "ns", ns.optimizer_steps, &[]);
     assert!(short.is_empty(), "{short:?}");
     let regions = ns.replay_counters["ns"].as_object().expect("ns counters");

@@ -712,9 +712,12 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         let batches = r["result"]["timing"]["steps"].as_u64().unwrap_or(0);
         let optimizer_steps = r["result"]["optimizer_steps"].as_u64().unwrap_or(0);
         for (plugin, regions) in plugins {
-            // Optimizer-stage plugins (`ns`) are called once per optimizer step (at least: a
-            // matrix shape may recur in several parameter groups), the others once per batch.
-            let steps = if plugin == "ns" { optimizer_steps } else { batches };
+            // Each plugin says how often its regions are called (the run summary's cadence):
+            // optimizer-stage plugins once per optimizer step (at least), the others per batch.
+            let steps = match r["result"]["replay_cadence"][plugin.as_str()].as_str() {
+                Some("per_optimizer_step") => optimizer_steps,
+                _ => batches,
+            };
             for (name, st) in regions.as_object().into_iter().flatten() {
                 let native: u64 = st["native"].as_object().map(|m| m.values().filter_map(|v| v.as_u64()).sum()).unwrap_or(0);
                 let replays = st["replays"].as_u64().unwrap_or(0);

@@ -30,6 +30,15 @@ pub enum Stage {
     OptimizerStep,
 }
 
+/// How often a plugin's regions are called: once per batch (the model's pieces) or once per
+/// optimizer step (the optimizer stage's). A replay guard counts a region's expected calls by it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplayCadence {
+    PerBatch,
+    PerOptimizerStep,
+}
+
 /// The device parts of an optimizer step a plugin may run ([`ReplayPlugin::run_update`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum UpdatePart {
@@ -125,6 +134,10 @@ pub trait ReplayPlugin: DynClone + Send {
     /// The fit ended (normally or with an error): release per-fit holds (pending backwards,
     /// skipped-backward marks) so that a later fit starts clean.
     fn on_fit_end(&self) {}
+    /// How often its regions are called ([`ReplayCadence`]; the run summary reports it).
+    fn cadence(&self) -> ReplayCadence {
+        ReplayCadence::PerBatch
+    }
     /// One line for the run summary (counters), if the plugin has something to say.
     fn summary(&self) -> Option<String> {
         None
@@ -316,6 +329,11 @@ impl PluginStack {
     /// Counters of every plugin that reports them, by plugin name.
     pub fn counters(&self) -> serde_json::Map<String, serde_json::Value> {
         self.plugins.iter().map(|p| (p.name().to_string(), p.counters())).filter(|(_, c)| !c.is_null()).collect()
+    }
+
+    /// Every plugin's [`ReplayPlugin::cadence`], by name.
+    pub fn cadences(&self) -> std::collections::BTreeMap<String, ReplayCadence> {
+        self.plugins.iter().map(|p| (p.name().to_string(), p.cadence())).collect()
     }
 
     pub fn states(&self) -> serde_json::Map<String, serde_json::Value> {

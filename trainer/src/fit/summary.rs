@@ -266,6 +266,9 @@ pub struct RunSummary {
     /// Per-region counters of each replay plugin (plugin → region → counters).
     #[serde(default)]
     pub replay_counters: serde_json::Map<String, serde_json::Value>,
+    /// How often each replay plugin's regions are called (per batch or per optimizer step).
+    #[serde(default)]
+    pub replay_cadence: std::collections::BTreeMap<String, crate::fit::plugin::ReplayCadence>,
 }
 
 impl RunSummary {

@@ -633,7 +633,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     startup.model_build_s = t.elapsed().as_secs_f64();
     let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
     let result = fit_loop(&mut run, &train_args);
-    let (plugin_lines, replay_counters) = (run.plugins.summaries(), run.plugins.counters());
+    let (plugin_lines, replay_counters, replay_cadence) = (run.plugins.summaries(), run.plugins.counters(), run.plugins.cadences());
     // Per-fit holds of the plugins go whatever happened (a later fit starts clean).
     run.plugins.on_fit_end();
     for (_, p) in &run.params {
@@ -682,6 +682,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         hashes,
         plugins: plugin_lines,
         replay_counters,
+        replay_cadence,
     };
     summary.write(&cfg.save_dir.join("summary.json"))?;
     Ok(summary)
