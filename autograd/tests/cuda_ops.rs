@@ -936,7 +936,7 @@ fn device_scalar_optimizer_ops_match_the_host_scalar_ones() {
         let copies = |ts: &[Tensor]| -> Vec<Tensor> { ts.iter().map(|t| t.deep_copy().unwrap()).collect() };
         let bytes = |ts: &[Tensor]| -> Vec<Vec<u8>> { ts.iter().map(|t| t.to_bytes().unwrap()).collect() };
         let hp = Tensor::zeros(vec![8], DType::F64, dev).unwrap();
-        let at = |k: usize| DeviceScalars { values: &hp, at: k };
+        let at = |k: usize| DeviceScalars::new(&hp, k);
         // SGD: [wd, μ, −lr] at 2.., a different lr each step.
         for (nesterov, wd, with_buf) in [(true, 5e-4, true), (false, 5e-4, true), (true, 0.0, true), (false, 5e-4, false)] {
             let (pa, ba, pb, bb) = (copies(&p0), copies(&b0), copies(&p0), copies(&b0));
@@ -979,7 +979,7 @@ fn device_scalar_optimizer_ops_match_the_host_scalar_ones() {
         let short = Tensor::zeros(vec![2], DType::F64, dev).unwrap();
         let wrong = Tensor::zeros(vec![8], DType::F32, dev).unwrap();
         let pairs: Vec<(&Tensor, &Tensor)> = ea.iter().zip(&grads[0]).collect();
-        for (s, what) in [(DeviceScalars { values: &short, at: 2 }, "short"), (DeviceScalars { values: &wrong, at: 0 }, "f32")] {
+        for (s, what) in [(DeviceScalars::new(&short, 2), "short"), (DeviceScalars::new(&wrong, 0), "f32")] {
             let e = Tensor::lerp_many_dev_(&pairs, s).unwrap_err().to_string();
             assert!(e.contains("device scalars"), "{dev} {what}: {e}");
         }

@@ -1,19 +1,34 @@
 //! `replay=optimizer`: the device parts of the optimizer step — gradient clipping with the SGD /
-//! MuSGD update (Newton–Schulz included), one recorded region per gradient-presence mask, and the
-//! EMA update, one region.
+//! MuSGD update (Newton–Schulz included) and, under 16-mixed, the unscale + inf check before it and
+//! the scaler's growth/backoff in it (the skip decided on the device), one recorded region per
+//! part and gradient-presence mask; and the EMA update, one region.
 //! What makes it recordable: the step's scalars live on the device (the optimizer's host part
 //! writes them before the region, `Optimizer::prepare_step`), the gradients have fixed buffers
 //! (the plugin asks for persistent gradients), and the recorder's warmup rolls back everything the
-//! update writes (parameters, momenta: the write journal). Under 16-mixed the grad scaler decides
-//! on the host, so the trainer does not hand the update to a plugin.
+//! update writes (parameters, momenta, scaler state: the write journal). AdamW's step keeps host
+//! scalars, so the trainer does not hand it to a plugin (`Optimizer::is_capturable`).
 
 use std::sync::Arc;
 
 use ptl_autograd::{Tensor, TensorKind};
 use ptl_capture::RecorderConfig;
 use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, UpdatePart};
+use ptl_trainer::optim::{with_ns_runner, NsRunner};
 
 use crate::keyed::KeyedRegions;
+
+/// Newton–Schulz run where the optimizer calls it: inside the update's region.
+struct InPlaceNs;
+
+impl NsRunner for InPlaceNs {
+    fn run_ns(
+        &self,
+        matrices: &[Tensor],
+        body: &dyn Fn(&[Tensor]) -> ptl_trainer::Result<Vec<Tensor>>,
+    ) -> ptl_trainer::Result<Vec<Tensor>> {
+        body(matrices)
+    }
+}
 
 /// A region's key: the part, and for the step which parameters have a gradient.
 type PartKey = (UpdatePart, Vec<bool>);
@@ -62,13 +77,14 @@ impl UpdateRegions {
         // (persistent) gradients; the EMA: the parameters and the EMA's tensors. Their addresses
         // key the recording (a moved buffer retires it).
         let mut surface: Vec<(String, Tensor, TensorKind)> = Vec::with_capacity(2 * self.params.len());
-        let mask: Vec<bool> = match part {
-            UpdatePart::Step => self.params.iter().map(|(_, p)| p.grad().is_some()).collect(),
-            UpdatePart::Ema => Vec::new(),
+        let reads_grads = matches!(part, UpdatePart::Unscale | UpdatePart::Step);
+        let mask: Vec<bool> = match reads_grads {
+            true => self.params.iter().map(|(_, p)| p.grad().is_some()).collect(),
+            false => Vec::new(),
         };
         for (name, p) in &self.params {
             surface.push((name.clone(), p.detach(), TensorKind::Buffer));
-            if let (UpdatePart::Step, Some(g)) = (part, p.grad()) {
+            if let (true, Some(g)) = (reads_grads, p.grad()) {
                 surface.push((format!("{name}.grad"), g, TensorKind::Buffer));
             }
         }
@@ -76,6 +92,7 @@ impl UpdateRegions {
             surface.extend(self.ema.iter().map(|(n, t)| (format!("ema.{n}"), t.clone(), TensorKind::Buffer)));
         }
         let region = self.regions.region((part, mask), |made| match part {
+            UpdatePart::Unscale => format!("unscale.{}", made.keys().filter(|k| k.0 == UpdatePart::Unscale).count()),
             UpdatePart::Step => format!("update.{}", made.keys().filter(|k| k.0 == UpdatePart::Step).count()),
             UpdatePart::Ema => "ema".to_string(),
         });
@@ -85,7 +102,9 @@ impl UpdateRegions {
             (*b)().map_err(|e| ptl_autograd::Error::InvalidArgument { op: "optimizer update part", msg: e.to_string() })?;
             Ok(Vec::new())
         };
-        ptl_autograd::no_grad(|| region.call_with(&[], &surface, &run))
+        // The step's Newton–Schulz runs inside this region (warm-up, recording and replay alike),
+        // not through `replay=ns`'s own regions: they would only ever see the warm-up.
+        with_ns_runner(Arc::new(InPlaceNs), || ptl_autograd::no_grad(|| region.call_with(&[], &surface, &run)))
             .map(|_| ())
             .map_err(|e| ptl_trainer::TrainerError::InvalidArgument { what: "optimizer replay", reason: e.to_string() })
     }
@@ -147,5 +166,5 @@ impl ReplayPlugin for UpdateReplay {
 }
 
 inventory::submit! {
-    PluginRegistration { name: UpdateReplay::NAME, in_all: false, create: UpdateReplay::from_config }
+    PluginRegistration { name: UpdateReplay::NAME, in_all: true, create: UpdateReplay::from_config }
 }

@@ -56,9 +56,10 @@ fn cuda_replay_equals_native_in_every_precision() {
     }
 }
 
-/// `replay=ns` and `replay=all` (feature, stem, ns) on real CUDA graphs, MuSGD stepping every
-/// batch (nbs = batch): the hashes of native, and every Newton–Schulz group replayed on every
-/// optimizer step after its warm-up (the other regions on every batch).
+/// `replay=ns` and `replay=all` (feature, stem, ns, optimizer) on real CUDA graphs, MuSGD stepping
+/// every batch (nbs = batch): the hashes of native; under `ns` every Newton–Schulz group replayed on
+/// every optimizer step after its warm-up; under `all` the recorded update (Newton–Schulz inside
+/// it) on every optimizer step and the model's regions on every batch.
 #[test]
 fn cuda_ns_replay_equals_native() {
     let Some(dev) = gpu() else { return };
@@ -96,7 +97,7 @@ fn cuda_ns_replay_equals_native() {
     let batches = 12u64;
     assert_eq!(ns.optimizer_steps, batches, "a step per batch");
     for (s, plugin, calls) in
-        [(&ns, "ns", ns.optimizer_steps), (&all, "ns", all.optimizer_steps), (&all, "feature", batches), (&all, "stem", batches)]
+        [(&ns, "ns", ns.optimizer_steps), (&all, "optimizer", all.optimizer_steps), (&all, "feature", batches), (&all, "stem", batches)]
     {
         let short = replay_shortfalls(s, plugin, calls, &[]);
         assert!(short.is_empty(), "{plugin}: {short:?}");
@@ -143,6 +144,81 @@ fn cuda_optimizer_replay_follows_the_lr_schedule() {
         let short = replay_shortfalls(&upd, "optimizer", upd.optimizer_steps, &[]);
         assert!(short.is_empty(), "{optimizer}: {short:?}");
         println!("ok cuda optimizer replay {optimizer}: {}", upd.plugins.join(" || ").chars().take(300).collect::<String>());
+    }
+}
+
+/// `replay=all` against native in 32-true, bf16-mixed and 16-mixed, MuSGD stepping every batch:
+/// identical hashes, and every region of every plugin replayed after its warm-up (the update's
+/// unscale and in-graph skip decision under 16-mixed included).
+#[test]
+fn cuda_all_replay_equals_native_in_every_precision() {
+    let Some(dev) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-all-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    for precision in [Precision::F32, Precision::Bf16Mixed, Precision::F16Mixed] {
+        let run = |replay: &[&str]| {
+            let cfg = PoseTrainConfig {
+                data: data.clone(),
+                epochs: 1,
+                batch: 2,
+                nbs: 2,
+                imgsz: 64,
+                seed: 8,
+                device: dev,
+                precision,
+                workers: Some(2),
+                optimizer: "MuSGD".into(),
+                close_mosaic: 0,
+                plots: false,
+                progress: false,
+                gpu_time: false,
+                exist_ok: true,
+                replay: replay.iter().map(|s| s.to_string()).collect(),
+                save_dir: dir.join(format!("all-{}-{}", precision.name(), replay.join("+"))),
+                ..PoseTrainConfig::default()
+            };
+            fit(&cfg, vec![]).expect("fit")
+        };
+        let native = run(&[]);
+        let all = run(&["all"]);
+        assert_eq!(all.hashes, native.hashes, "{}: replay=all", precision.name());
+        for (plugin, calls) in [("optimizer", all.optimizer_steps), ("feature", 12), ("stem", 12)] {
+            let short = replay_shortfalls(&all, plugin, calls, &[]);
+            assert!(short.is_empty(), "{} {plugin}: {short:?}", precision.name());
+        }
+        let upd = all.replay_counters["optimizer"].as_object().map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
+        println!("ok cuda all {}: optimizer regions {upd:?}", precision.name());
+    }
+}
+
+mod scaler_skip;
+
+/// capture.md T12 on real CUDA graphs, SGD and MuSGD: see `scaler_skip`.
+#[test]
+fn cuda_t12_an_injected_inf_skips_the_step_on_the_device() {
+    let Some(dev) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-t12-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 16, 4);
+    for optimizer in ["SGD", "MuSGD"] {
+        let base = PoseTrainConfig {
+            data: data.clone(),
+            epochs: 1,
+            batch: 2,
+            nbs: 2,
+            imgsz: 64,
+            seed: 9,
+            device: dev,
+            workers: Some(2),
+            close_mosaic: 0,
+            plots: false,
+            progress: false,
+            gpu_time: false,
+            exist_ok: true,
+            save_dir: dir.clone(),
+            ..PoseTrainConfig::default()
+        };
+        let s = scaler_skip::injected_inf_skips_the_step_on_the_device(&base, optimizer, 8);
+        println!("ok cuda T12 {optimizer}: {}", s.plugins.join(" || ").chars().take(300).collect::<String>());
     }
 }
 

@@ -4,6 +4,7 @@
 
 mod common;
 mod kill;
+mod scaler_skip;
 
 use common::tiny;
 use ptl_plugins::{replay_shortfalls, PieceReplay};
@@ -51,7 +52,7 @@ fn a_replayed_run_resumes_to_the_native_hashes() {
     assert_replayed(&resumed, "stem", 18, 3);
 }
 
-/// `replay=all` is every plugin of this crate (feature, stem, ns), in the stack's priority order; a name
+/// `replay=all` is every plugin of this crate (feature, stem, ns, optimizer), in the stack's priority order; a name
 /// listed besides it adds nothing twice (a third-party plugin stays out of it: tests/third_party.rs).
 #[test]
 fn replay_all_is_every_ptl_plugin() {
@@ -60,10 +61,9 @@ fn replay_all_is_every_ptl_plugin() {
     let none = serde_json::Map::new();
     let all = PluginStack::from_registry(&[ALL_PLUGINS.to_string()], &none).expect("replay=all");
     let named = PluginStack::from_registry(&["feature".to_string(), "stem".to_string()], &none).expect("feature,stem");
-    let named_all =
-        PluginStack::from_registry(&["feature".to_string(), "stem".to_string(), "ns".to_string()], &none).expect("feature,stem,ns");
+    let named_all = PluginStack::from_registry(&["feature", "stem", "ns", "optimizer"].map(String::from), &none).expect("each named");
     assert_eq!(all.names(), named_all.names());
-    assert_eq!(all.names(), vec!["feature", "stem", "ns"], "priority order");
+    assert_eq!(all.names(), vec!["feature", "stem", "ns", "optimizer"], "priority order");
     let both = PluginStack::from_registry(&[ALL_PLUGINS.to_string(), "stem".to_string()], &none).expect("all,stem");
     assert_eq!(both.names(), all.names());
     assert_eq!(&named.names()[..], &all.names()[..2]);
@@ -226,7 +226,28 @@ fn optimizer_replay_equals_native_and_replays_every_step() {
         if optimizer == "MuSGD" {
             let both = fit(&cfg("upd-ns", &["ns", "optimizer"]), vec![]).expect("ns + optimizer");
             assert_eq!(both.hashes, native.hashes, "ns + optimizer changes no byte");
+            // Newton–Schulz runs inside the recorded update: `ns` has no region of its own then
+            // (one would only ever see the warm-up), and the update still replays every step.
+            assert_eq!(both.replay_counters["ns"].as_object().map(|m| m.len()), Some(0), "{}", both.replay_counters["ns"]);
+            assert!(replay_shortfalls(&both, "optimizer", both.optimizer_steps, &[]).is_empty());
         }
+    }
+    // AdamW keeps host scalars (bias corrections from host step counts): its step is not handed
+    // to the plugin (only the EMA is recorded), and the bytes stay native's.
+    let cfg = |save: &str, replay: &[&str]| PoseTrainConfig { optimizer: "AdamW".into(), nbs: 2, ..tiny(save, replay) };
+    let native = fit(&cfg("upd-native-adamw", &[]), vec![]).expect("native AdamW");
+    let upd = fit(&cfg("upd-adamw", &["optimizer"]), vec![]).expect("AdamW with replay=optimizer");
+    assert_eq!(upd.hashes, native.hashes, "AdamW: replay=optimizer changes no byte");
+    let regions = upd.replay_counters["optimizer"].as_object().expect("optimizer counters");
+    assert_eq!(regions.keys().collect::<Vec<_>>(), ["ema"], "AdamW: only the EMA is recorded");
+}
+
+/// T12 on the CPU double (the CUDA binary runs it with real graphs): see `scaler_skip`.
+#[test]
+fn an_injected_inf_skips_the_step_on_the_device_natively_and_replayed() {
+    for optimizer in ["SGD", "MuSGD"] {
+        let base = PoseTrainConfig { nbs: 2, ..tiny(&format!("t12-{optimizer}"), &[]) };
+        scaler_skip::injected_inf_skips_the_step_on_the_device(&base, optimizer, 6);
     }
 }
 

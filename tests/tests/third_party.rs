@@ -44,7 +44,10 @@ fn a_third_party_plugin_is_discovered_and_stacked() {
     assert_eq!(counters["stem"].as_object().map(|m| m.len()), Some(18));
     // `replay=all` is ptl's own plugins only: the third-party one is enabled by its name.
     let (all, out) = train("all", "replay=all");
-    assert!(out.contains("replay plugins: feature, stem, ns\n") || out.contains("replay plugins: feature, stem, ns\r"), "{out}");
+    assert!(
+        out.contains("replay plugins: feature, stem, ns, optimizer\n") || out.contains("replay plugins: feature, stem, ns, optimizer\r"),
+        "{out}"
+    );
     assert_eq!(summary(&all)["hashes"], n["hashes"], "replay=all changes no byte");
     // An unknown plugin names the registered ones, the third-party one among them.
     let o = ptl(&["train", &data, "replay=nope", "--device", "cpu"], dir.path());

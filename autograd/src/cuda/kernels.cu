@@ -1160,8 +1160,12 @@ extern "C" __global__ void mt_sgd_f32(const MtTable t, double wd, double mu, dou
     mt_sgd_rows(t, (float)wd, (float)mu, (float)nlr, zero, has_wd, has_buf, nesterov);
 }
 // The same step with [wd, μ, −lr·factor] read from device memory (written by the host before the
-// step), so a recorded graph takes each step's values.
-extern "C" __global__ void mt_sgd_dev_f32(const MtTable t, const double* hp, float zero, int has_wd, int has_buf, int nesterov) {
+// step), so a recorded graph takes each step's values; nothing is written when the flag `skip`
+// (the grad scaler's found-inf; null: none) is non-zero.
+__device__ __forceinline__ bool skip_set(const float* skip) { return skip != nullptr && *skip != 0.0f; }
+extern "C" __global__ void mt_sgd_dev_f32(const MtTable t, const double* hp, const float* skip, float zero, int has_wd, int has_buf,
+                                          int nesterov) {
+    if (skip_set(skip)) return;
     mt_sgd_rows(t, (float)hp[0], (float)hp[1], (float)hp[2], zero, has_wd, has_buf, nesterov);
 }
 
@@ -1177,7 +1181,8 @@ __device__ __forceinline__ void lerp_factor_of(double w, float& f, int& small) {
 // For up to MT_ADD f32 tensors, with the composed ops' roundings (lerp(s, e, w) = s + fma(e − s, w, 0)
 // when |w| < 0.5, else e − fma(e − s, 1 − w, 0); f1/f2 are the factors, small1/small2 the branches):
 //   m ← lerp(m, g, 1 − β);   u = nesterov ? lerp(g, m, β) : m   (u written to a fresh buffer)
-__device__ __forceinline__ void mt_blend_rows(const MtTable& t, float f1, int small1, float f2, int small2, int nesterov, float zero) {
+__device__ __forceinline__ void mt_blend_rows(const MtTable& t, float f1, int small1, float f2, int small2, int nesterov, float zero,
+                                              bool write_m) {
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
     float* M = reinterpret_cast<float*>(t.ptr[0][k]);
@@ -1187,7 +1192,7 @@ __device__ __forceinline__ void mt_blend_rows(const MtTable& t, float f1, int sm
         const float m = M[i], g = G[i];
         const float d1 = __fsub_rn(g, m);
         const float m1 = small1 ? __fadd_rn(m, __fmaf_rn(d1, f1, zero)) : __fsub_rn(g, __fmaf_rn(d1, f1, zero));
-        M[i] = m1;
+        if (write_m) M[i] = m1;
         float u = m1;
         if (nesterov) {
             const float d2 = __fsub_rn(m1, g);
@@ -1197,15 +1202,16 @@ __device__ __forceinline__ void mt_blend_rows(const MtTable& t, float f1, int sm
     }
 }
 extern "C" __global__ void mt_blend_f32(const MtTable t, float f1, int small1, float f2, int small2, int nesterov, float zero) {
-    mt_blend_rows(t, f1, small1, f2, small2, nesterov, zero);
+    mt_blend_rows(t, f1, small1, f2, small2, nesterov, zero, true);
 }
-// β read from device memory; the factors of 1 − β (in f64) and β derived as on the host.
-extern "C" __global__ void mt_blend_dev_f32(const MtTable t, const double* hp, int nesterov, float zero) {
+// β read from device memory; the factors of 1 − β (in f64) and β derived as on the host. Under a
+// set `skip` flag the momenta keep their values (the blend is still written: a fresh buffer).
+extern "C" __global__ void mt_blend_dev_f32(const MtTable t, const double* hp, const float* skip, int nesterov, float zero) {
     float f1, f2;
     int small1, small2;
     lerp_factor_of(1.0 - hp[0], f1, small1);
     lerp_factor_of(hp[0], f2, small2);
-    mt_blend_rows(t, f1, small1, f2, small2, nesterov, zero);
+    mt_blend_rows(t, f1, small1, f2, small2, nesterov, zero, !skip_set(skip));
 }
 
 // ---- multi-tensor lerp in place (EMA) -----------------------------------------------------------------

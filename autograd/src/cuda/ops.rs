@@ -316,11 +316,13 @@ pub(crate) fn lerp_many(any: &CudaStorage, rows: &[([u64; 3], usize)], factor: f
     Ok(())
 }
 
-/// [`sgd_many`] with `[weight_decay, momentum, neg_lr]` read from device address `hp` (f64).
+/// [`sgd_many`] with `[weight_decay, momentum, neg_lr]` read from device address `hp` (f64); no
+/// write at all when the f32 flag at `skip` (0: none) is non-zero.
 pub(crate) fn sgd_many_dev(
     any: &CudaStorage,
     rows: &[([u64; 3], usize)],
     hp: u64,
+    skip: u64,
     weight_decay: bool,
     with_buf: bool,
     nesterov: bool,
@@ -329,19 +331,20 @@ pub(crate) fn sgd_many_dev(
     let f = dev.func("mt_sgd_dev_f32", "")?;
     let (zero, has_wd, has_buf, nest) = (0f32, weight_decay as i32, with_buf as i32, nesterov as i32);
     for (t, blocks) in mt_tables("sgd_step_many_dev", rows)? {
-        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, hp, zero, has_wd, has_buf, nest))?;
+        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, hp, skip, zero, has_wd, has_buf, nest))?;
     }
     Ok(())
 }
 
 /// [`blend_many`] with β read from device address `hp` (f64); the lerp factors are derived in the
-/// kernel as [`crate::ops::optim::lerp_factor`] derives them.
-pub(crate) fn blend_many_dev(any: &CudaStorage, rows: &[([u64; 3], usize)], hp: u64, nesterov: bool) -> Result<()> {
+/// kernel as [`crate::ops::optim::lerp_factor`] derives them; the momenta are not written when the
+/// f32 flag at `skip` (0: none) is non-zero.
+pub(crate) fn blend_many_dev(any: &CudaStorage, rows: &[([u64; 3], usize)], hp: u64, skip: u64, nesterov: bool) -> Result<()> {
     let dev = &any.buf.dev;
     let func = dev.func("mt_blend_dev_f32", "")?;
     let (nest, zero) = (nesterov as i32, 0f32);
     for (t, blocks) in mt_tables("momentum_blend_many_dev", rows)? {
-        dev.launch(func, (blocks, 1, 1), (256, 1, 1), &mut args!(t, hp, nest, zero))?;
+        dev.launch(func, (blocks, 1, 1), (256, 1, 1), &mut args!(t, hp, skip, nest, zero))?;
     }
     Ok(())
 }

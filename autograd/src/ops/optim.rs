@@ -21,14 +21,42 @@ pub struct SgdStep {
 /// graph) and the kernels read them, so a replay uses the step's values. Items the fused kernel
 /// cannot take (not CUDA f32, shared storages) run composed with the values read back to the host
 /// (a synchronisation on CUDA; on the CPU every item runs so, reading the tensor directly).
+///
+/// `skip` is an optional f32 0-d flag on the same device (the grad scaler's found-inf): when it
+/// holds a non-zero value the SGD step and the momentum blend leave parameters and buffers as they
+/// are — the skipped step of 16-mixed decided on the device, with no host read.
 #[derive(Clone, Copy)]
 pub struct DeviceScalars<'a> {
     pub values: &'a Tensor,
     pub at: usize,
+    pub skip: Option<&'a Tensor>,
+}
+
+impl<'a> DeviceScalars<'a> {
+    /// `values[at..]`, never skipping.
+    pub fn new(values: &'a Tensor, at: usize) -> DeviceScalars<'a> {
+        DeviceScalars { values, at, skip: None }
+    }
+    /// The same scalars `k` values further on (same skip flag).
+    pub fn offset(&self, k: usize) -> DeviceScalars<'a> {
+        DeviceScalars { values: self.values, at: self.at + k, skip: self.skip }
+    }
+    /// The same scalars, skipping the update when `flag` (f32, one value) is non-zero.
+    pub fn skipping_if(&self, flag: Option<&'a Tensor>) -> DeviceScalars<'a> {
+        DeviceScalars { values: self.values, at: self.at, skip: flag }
+    }
 }
 
 impl DeviceScalars<'_> {
     fn check(&self, op: &'static str, n: usize, device: crate::Device) -> Result<()> {
+        if let Some(f) = self.skip {
+            if f.dtype() != DType::F32 || f.numel() != 1 {
+                return Err(crate::Error::invalid(op, format!("the skip flag must be one f32 value, got {:?} {}", f.dims(), f.dtype())));
+            }
+            if f.device() != device {
+                return Err(crate::Error::DeviceMismatch { op, lhs: device, rhs: f.device() });
+            }
+        }
         if self.values.dtype() != DType::F64 || self.values.rank() != 1 || self.values.numel() < self.at + n {
             return Err(crate::Error::invalid(
                 op,
@@ -49,6 +77,24 @@ impl DeviceScalars<'_> {
     fn host(&self, n: usize) -> Result<Vec<f64>> {
         let all = self.values.to_vec::<f64>()?;
         Ok(all[self.at..self.at + n].to_vec())
+    }
+    /// Whether the skip flag is set, read back to the host (the composed path's decision; a
+    /// synchronisation on CUDA).
+    pub fn skipped_on_host(&self) -> Result<bool> {
+        match self.skip {
+            Some(f) => Ok(f.to_vec::<f32>()?.first().is_some_and(|v| *v != 0.0)),
+            None => Ok(false),
+        }
+    }
+    /// The skip flag's device address (0: none).
+    #[cfg(feature = "cuda")]
+    fn skip_ptr(&self) -> Result<u64> {
+        let Some(f) = self.skip else { return Ok(0) };
+        match &*f.read_storage() {
+            crate::storage::Storage::Cuda(c) => Ok(c.device_ptr()),
+            #[allow(unreachable_patterns)]
+            _ => Err(crate::Error::invalid("device scalars", "the skip flag is not on a CUDA device")),
+        }
     }
     #[cfg(feature = "cuda")]
     fn device_ptr(&self) -> Result<u64> {
@@ -106,7 +152,7 @@ impl Tensor {
                 composed.push((p, g, b));
             }
         }
-        if !composed.is_empty() {
+        if !composed.is_empty() && !s.skipped_on_host()? {
             let v = s.host(3)?;
             let h = SgdStep { weight_decay: if weight_decay { v[0] } else { 0.0 }, momentum: v[1], neg_lr: v[2], nesterov };
             for (p, g, b) in composed {
@@ -116,23 +162,28 @@ impl Tensor {
         fused_sgd_dev(&fused, s, weight_decay, nesterov)
     }
 
-    /// [`Tensor::momentum_blend_many`] with β read from `s`.
+    /// [`Tensor::momentum_blend_many`] with β read from `s`. Under a set skip flag the momenta stay
+    /// as they are and the blends are computed from the update they would have received.
     pub fn momentum_blend_many_dev(pairs: &[(&Tensor, &Tensor)], s: DeviceScalars<'_>, nesterov: bool) -> Result<Vec<Tensor>> {
         let Some(&(g0, _)) = pairs.first() else { return Ok(Vec::new()) };
         s.check("momentum_blend_many_dev", 1, g0.device())?;
         let mut out: Vec<Option<Tensor>> = vec![None; pairs.len()];
         let mut fused: Vec<usize> = Vec::new();
         let mut seen = Storages::default();
-        let mut beta = None;
+        let mut host = None;
         for (i, &(g, m)) in pairs.iter().enumerate() {
             if fusable(m, g, None) && seen.all_new(&[Some(m), Some(g)]) {
                 fused.push(i);
             } else {
-                let b = match beta {
-                    Some(b) => b,
-                    None => *beta.insert(s.host(1)?[0]),
+                let (b, skipped) = match host {
+                    Some(h) => h,
+                    None => *host.insert((s.host(1)?[0], s.skipped_on_host()?)),
                 };
-                out[i] = Some(Tensor::momentum_blend_composed(g, m, b, nesterov)?);
+                let u = match skipped {
+                    true => Tensor::momentum_blend_composed(g, &m.deep_copy()?, b, nesterov)?,
+                    false => Tensor::momentum_blend_composed(g, m, b, nesterov)?,
+                };
+                out[i] = Some(u);
             }
         }
         if !fused.is_empty() {
@@ -172,13 +223,13 @@ fn fused_sgd_dev(items: &[(&Tensor, &Tensor, Option<&Tensor>)], s: DeviceScalars
     if items.is_empty() {
         return Ok(());
     }
-    let hp = s.device_ptr()?;
+    let (hp, skip) = (s.device_ptr()?, s.skip_ptr()?);
     for with_buf in [true, false] {
         let part: Vec<[Option<&Tensor>; 3]> =
             items.iter().filter(|(_, _, b)| b.is_some() == with_buf).map(|&(p, g, b)| [Some(p), Some(g), b]).collect();
         if !part.is_empty() {
             on_device_rows("sgd_step_many_dev", &part, [true, false, true], |dev, rows| {
-                crate::cuda::ops::sgd_many_dev(dev, rows, hp, weight_decay, with_buf, nesterov)
+                crate::cuda::ops::sgd_many_dev(dev, rows, hp, skip, weight_decay, with_buf, nesterov)
             })?;
         }
     }
@@ -196,7 +247,7 @@ fn fused_sgd_dev(items: &[(&Tensor, &Tensor, Option<&Tensor>)], _s: DeviceScalar
 #[cfg(feature = "cuda")]
 fn fused_blend_dev(pairs: &[(&Tensor, &Tensor)], idx: &[usize], s: DeviceScalars<'_>, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
     use crate::storage::Storage;
-    let hp = s.device_ptr()?;
+    let (hp, skip) = (s.device_ptr()?, s.skip_ptr()?);
     let outs: Vec<Tensor> = idx
         .iter()
         .map(|&i| {
@@ -206,7 +257,7 @@ fn fused_blend_dev(pairs: &[(&Tensor, &Tensor)], idx: &[usize], s: DeviceScalars
         .collect::<Result<_>>()?;
     let items: Vec<[Option<&Tensor>; 3]> = idx.iter().zip(&outs).map(|(&i, u)| [Some(pairs[i].1), Some(pairs[i].0), Some(u)]).collect();
     on_device_rows("momentum_blend_many_dev", &items, [true, false, true], |dev, rows| {
-        crate::cuda::ops::blend_many_dev(dev, rows, hp, nesterov)
+        crate::cuda::ops::blend_many_dev(dev, rows, hp, skip, nesterov)
     })?;
     Ok(idx.iter().copied().zip(outs).collect())
 }

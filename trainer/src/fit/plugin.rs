@@ -42,7 +42,12 @@ pub enum ReplayCadence {
 /// The device parts of an optimizer step a plugin may run ([`ReplayPlugin::run_update`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum UpdatePart {
-    /// Gradient clipping and the optimizer's update (`Optimizer::step_prepared`).
+    /// 16-mixed only: every present gradient × 1/scale and the found-inf flag
+    /// (`GradScaler::unscale_grads`), before the `on_before_optimizer_step` callbacks.
+    Unscale,
+    /// Gradient clipping and the optimizer's update (`Optimizer::step_prepared`); under 16-mixed
+    /// the update skipped on the device by the found-inf flag (`Optimizer::step_prepared_unless`)
+    /// and the scaler's growth/backoff (`GradScaler::update_scale`).
     Step,
     /// The EMA update (`ModelEma::update_prepared`), after zero-grad.
     Ema,
@@ -114,8 +119,8 @@ pub trait ReplayPlugin: DynClone + Send {
     }
     /// Runs a device part of an optimizer step ([`UpdatePart`]), after its host part wrote the
     /// step's scalars to the device, natively (`body()`) or by a replay of it; it must do what
-    /// `body` does. The step itself is not handed over under 16-mixed (the grad scaler decides on
-    /// the host).
+    /// `body` does. The trainer hands over the unscale and the step only for an optimizer that
+    /// `Optimizer::is_capturable` (SGD, MuSGD; AdamW's step runs natively).
     fn run_update(&self, part: UpdatePart, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         let _ = part;
         body()

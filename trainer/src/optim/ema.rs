@@ -118,7 +118,7 @@ impl ModelEma {
                 return Ok(());
             }
             let w = self.weight.as_ref().ok_or_else(|| ema_err("update_prepared() before prepare_update()".into()))?;
-            Ok(Tensor::lerp_many_dev_(&refs, ptl_autograd::DeviceScalars { values: w, at: 0 })?)
+            Ok(Tensor::lerp_many_dev_(&refs, ptl_autograd::DeviceScalars::new(w, 0))?)
         })
     }
 

@@ -42,7 +42,10 @@ pub trait TensorUpdate: Send {
     /// The group's scalars for this step (`out.len()` = [`TensorUpdate::device_scalars`]), in the
     /// order [`TensorUpdate::update_group_dev`] reads them.
     fn write_scalars(&self, _group: &ParamGroup, _out: &mut [f64]) {}
-    /// [`TensorUpdate::update_group`] with the group's scalars read from `s`; the same bytes.
+    /// [`TensorUpdate::update_group`] with the group's scalars read from `s`; the same bytes. A
+    /// set `s.skip` flag (16-mixed's found-inf) means no write at all: a rule overriding this
+    /// passes it to its device ops, so the decision stays on the device. This default decides by
+    /// a host read.
     fn update_group_dev(
         &self,
         group: &ParamGroup,
@@ -50,7 +53,9 @@ pub trait TensorUpdate: Send {
         state: &mut ParamStates,
         s: DeviceScalars<'_>,
     ) -> Result<()> {
-        let _ = s;
+        if s.skipped_on_host()? {
+            return Ok(());
+        }
         self.update_group(group, params, state)
     }
     /// Its own scalars in the checkpoint metadata.
@@ -98,6 +103,26 @@ impl<U: TensorUpdate> Grouped<U> {
     pub fn state(&self) -> &ParamStates {
         &self.state
     }
+
+    /// Every group's update over its present gradients, skipped on the device when `skip` (an f32
+    /// flag) is set — only for rules with device scalars; the others never get a flag here.
+    fn run_updates(&mut self, skip: Option<&Tensor>) -> Result<()> {
+        let n = self.update.device_scalars();
+        let Grouped { groups, state, update, scalars } = self;
+        for (gi, g) in groups.iter().enumerate() {
+            let mut present = Vec::with_capacity(g.params.len());
+            for p in g.params.iter() {
+                if let Some(grad) = present_grad(p)? {
+                    present.push((p, grad));
+                }
+            }
+            match scalars.as_ref().filter(|_| n > 0) {
+                Some(values) => update.update_group_dev(g, &present, state, DeviceScalars::new(values, gi * n).skipping_if(skip))?,
+                None => update.update_group(g, &present, state)?,
+            }
+        }
+        Ok(())
+    }
     /// The per-tensor update (and its settings).
     pub fn update_rule(&self) -> &U {
         &self.update
@@ -126,21 +151,17 @@ impl<U: TensorUpdate> Optimizer for Grouped<U> {
         Ok(())
     }
     fn step_prepared(&mut self) -> Result<()> {
-        let n = self.update.device_scalars();
-        let Grouped { groups, state, update, scalars } = self;
-        for (gi, g) in groups.iter().enumerate() {
-            let mut present = Vec::with_capacity(g.params.len());
-            for p in g.params.iter() {
-                if let Some(grad) = present_grad(p)? {
-                    present.push((p, grad));
-                }
-            }
-            match scalars.as_ref().filter(|_| n > 0) {
-                Some(values) => update.update_group_dev(g, &present, state, DeviceScalars { values, at: gi * n })?,
-                None => update.update_group(g, &present, state)?,
-            }
+        self.run_updates(None)
+    }
+    fn is_capturable(&self) -> bool {
+        self.update.device_scalars() > 0
+    }
+    fn step_prepared_unless(&mut self, found_inf: &Tensor) -> Result<()> {
+        match self.is_capturable() {
+            true => self.run_updates(Some(found_inf)),
+            false if found_inf.item()? != 0.0 => Ok(()),
+            false => self.run_updates(None),
         }
-        Ok(())
     }
     fn state_tensors(&self) -> Vec<(String, Tensor)> {
         self.state.to_named(&self.groups)

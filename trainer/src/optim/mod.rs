@@ -8,9 +8,11 @@
 //!   never change (CUDA-graph recordings rely on that); buffers are allocated once, on first use;
 //! * all math is written with tensor ops and runs on the parameter's device, under `no_grad`.
 //!
-//! Not yet capturable (capture.md §16.1): lr, momentum, AdamW bias corrections and the EMA decay
-//! are host scalars folded into each op, so a CUDA-graph recording of `step()` would freeze them;
-//! replay the forward/backward only, and run the optimizer stage eagerly.
+//! Capturable where the rule reads device scalars (SGD, MuSGD, the EMA; capture.md §16): the host
+//! part of a step (`prepare_step`) writes learning rates, momenta and decay to the device, the
+//! device part (`step_prepared`, `step_prepared_unless` under 16-mixed) reads them, so a recorded
+//! update takes each step's values. AdamW keeps host scalars (bias corrections from host step
+//! counts): its step is not handed to a replay plugin.
 //!
 //! ```
 //! use ptl_autograd::{module::parameter, Device, Tensor};
@@ -92,6 +94,22 @@ pub trait Optimizer: Send {
     /// without device scalars does everything here).
     fn step_prepared(&mut self) -> Result<()> {
         self.step()
+    }
+    /// Whether the device part of a step can be recorded and replayed: it reads every scalar that
+    /// changes between steps from the device (written by [`Optimizer::prepare_step`]), and
+    /// [`Optimizer::step_prepared_unless`] decides on the device (no host read). Only then does the
+    /// trainer hand the step to a replay plugin.
+    fn is_capturable(&self) -> bool {
+        false
+    }
+    /// [`Optimizer::step_prepared`] unless the f32 flag `found_inf` (the grad scaler's) is non-zero,
+    /// in which case no parameter and no state changes: decided on the device where
+    /// [`Optimizer::is_capturable`], else by this default's host read.
+    fn step_prepared_unless(&mut self, found_inf: &Tensor) -> Result<()> {
+        match found_inf.item()? != 0.0 {
+            true => Ok(()),
+            false => self.step_prepared(),
+        }
     }
     /// Clears every gradient to `None` (`zero_grad(set_to_none=True)`).
     fn zero_grad(&self) {

@@ -108,7 +108,7 @@ impl TensorUpdate for MuSgdUpdate {
         state: &mut ParamStates,
         s: DeviceScalars<'_>,
     ) -> Result<()> {
-        let at = |k: usize| DeviceScalars { values: s.values, at: s.at + k };
+        let at = |k: usize| s.offset(k);
         let decay = g.weight_decay != 0.0;
         if !g.use_muon {
             let bufs = params.iter().map(|(p, _)| state.get_or_zeros(&p.name, MOMENTUM_BUFFER, &p.tensor)).collect::<Result<Vec<_>>>()?;
@@ -194,7 +194,7 @@ mod tests {
                     let mut host = [0.0; 7];
                     rule.write_scalars(&group, &mut host);
                     scalars.write_f64(0, &host).unwrap();
-                    rule.update_group_dev(&group, &present, &mut state, DeviceScalars { values: &scalars, at: 0 }).unwrap();
+                    rule.update_group_dev(&group, &present, &mut state, DeviceScalars::new(&scalars, 0)).unwrap();
                 } else {
                     for (p, g) in &present {
                         rule.update(&group, p, g, &mut state).unwrap();

@@ -2,8 +2,10 @@
 //! multiplied by `scale`; `unscale_` multiplies every present gradient by `1/scale` and records
 //! whether any was non-finite; `step` skips the optimizer step when one was; `update` backs off
 //! (×0.5, tracker reset) after an inf/NaN, or grows (×2) after `growth_interval` clean steps.
-//! Scale, growth tracker and found-inf flag live on the device as 0-d tensors updated in place; the
-//! only host read is the skip decision in [`GradScaler::step`].
+//! Scale, growth tracker and found-inf flag live on the device as 0-d tensors updated in place.
+//! Each call has a host part (the order of calls) and a device part (tensor ops only), so that a
+//! replay plugin can record the device parts; the skipped step is decided on the device by an
+//! optimizer that [`Optimizer::is_capturable`] (a host read otherwise).
 
 use ptl_autograd::{DType, Tensor};
 use serde::{Deserialize, Serialize};
@@ -104,23 +106,45 @@ impl GradScaler {
 
     /// Multiplies every present gradient of `opt` by `1/scale` (computed in f64, cast to f32) and
     /// records whether any value was non-finite. Calling it twice, or after `step`, is an error.
+    /// [`GradScaler::begin_unscale`] then [`GradScaler::unscale_grads`].
     pub fn unscale_(&mut self, opt: &dyn Optimizer) -> Result<()> {
-        if !self.cfg.enabled {
+        if !self.begin_unscale()? {
             return Ok(());
+        }
+        let grads: Vec<Tensor> = opt.param_groups().iter().flat_map(|g| g.params.iter()).filter_map(|p| p.tensor.grad()).collect();
+        self.unscale_grads(&grads)
+    }
+
+    /// The host part of an unscale: checks the order of calls and marks the unscale done. Returns
+    /// whether the scaler is enabled (nothing to do when not).
+    pub fn begin_unscale(&mut self) -> Result<bool> {
+        if !self.cfg.enabled {
+            return Ok(false);
         }
         match self.stage {
             Stage::Unscaled => return Err(scaler_err("unscale_() has already been called since the last update()")),
             Stage::Stepped => return Err(scaler_err("unscale_() is being called after step()")),
             Stage::Ready => {}
         }
-        let grads: Vec<Tensor> = opt.param_groups().iter().flat_map(|g| g.params.iter()).filter_map(|p| p.tensor.grad()).collect();
-        let (Some(scale), Some(found)) = (self.scale.clone(), self.found_inf.clone()) else {
+        if self.scale.is_none() {
+            return Err(scaler_err("unscale_() before scale(): the loss was never scaled in this iteration"));
+        }
+        self.checked = true;
+        self.stage = Stage::Unscaled;
+        Ok(true)
+    }
+
+    /// The device part of an unscale: every gradient in `grads` times `1/scale`, and the found-inf
+    /// flag set to whether any was non-finite. Tensor ops only (no host read, no host→device copy):
+    /// a replay plugin may record it.
+    pub fn unscale_grads(&self, grads: &[Tensor]) -> Result<()> {
+        let (Some(scale), Some(found)) = (self.scale.as_ref(), self.found_inf.as_ref()) else {
             return Err(scaler_err("unscale_() before scale(): the loss was never scaled in this iteration"));
         };
         ptl_autograd::no_grad(|| -> Result<()> {
             let inv = scale.to_dtype(DType::F64)?.recip()?.to_dtype(DType::F32)?;
             let mut any_bad = found.zeros_like()?;
-            for g in &grads {
+            for g in grads {
                 if g.dtype() == DType::F16 {
                     return Err(scaler_err("attempting to unscale FP16 gradients (parameters must stay FP32)"));
                 }
@@ -131,37 +155,45 @@ impl GradScaler {
             }
             found.copy_(&any_bad)?;
             Ok(())
-        })?;
-        self.checked = true;
-        self.stage = Stage::Unscaled;
-        Ok(())
+        })
     }
 
-    /// Unscales if not yet done, then runs `opt.step()` unless an inf/NaN was found (host read).
-    /// Returns whether the optimizer stepped.
+    /// Unscales if not yet done, then runs `opt.step()` unless an inf/NaN was found — decided on
+    /// the device where the optimizer [`Optimizer::is_capturable`] (the return value is then
+    /// `true`: the host does not know), else by a host read (returns whether it stepped).
     pub fn step(&mut self, opt: &mut dyn Optimizer) -> Result<bool> {
         if !self.cfg.enabled {
             opt.step()?;
             return Ok(true);
         }
-        if self.stage == Stage::Stepped {
-            return Err(scaler_err("step() has already been called since the last update()"));
-        }
         if self.stage == Stage::Ready {
             self.unscale_(opt)?;
         }
-        let found = match &self.found_inf {
-            Some(f) => f.item()? != 0.0,
-            None => false,
-        };
-        if !found {
-            opt.step()?;
+        let found = self.begin_step()?;
+        opt.prepare_step()?;
+        match opt.is_capturable() {
+            true => opt.step_prepared_unless(&found)?,
+            false if found.item()? != 0.0 => return Ok(false),
+            false => opt.step_prepared()?,
         }
+        Ok(true)
+    }
+
+    /// The host part of a step after the unscale: checks the order of calls, marks the step done
+    /// and returns the device found-inf flag the update is skipped by.
+    pub fn begin_step(&mut self) -> Result<Tensor> {
+        match self.stage {
+            Stage::Stepped => return Err(scaler_err("step() has already been called since the last update()")),
+            Stage::Ready => return Err(scaler_err("step() before unscale_(): no inf check was recorded")),
+            Stage::Unscaled => {}
+        }
+        let found = self.found_inf.clone().ok_or_else(|| scaler_err("step() before the scaler was used"))?;
         self.stage = Stage::Stepped;
-        Ok(!found)
+        Ok(found)
     }
 
     /// Backoff after an inf/NaN, else count a clean step and grow after `growth_interval` of them.
+    /// [`GradScaler::update_scale`] then [`GradScaler::end_update`].
     pub fn update(&mut self) -> Result<()> {
         if !self.cfg.enabled {
             return Ok(());
@@ -169,7 +201,14 @@ impl GradScaler {
         if !self.checked {
             return Err(scaler_err("no inf checks were recorded prior to update()"));
         }
-        let (Some(scale), Some(tracker), Some(found)) = (self.scale.clone(), self.tracker.clone(), self.found_inf.clone()) else {
+        self.update_scale()?;
+        self.end_update()
+    }
+
+    /// The device part of an update: the new scale and growth tracker from the found-inf flag, which
+    /// is then cleared. Tensor ops with the configuration's constants (no host read).
+    pub fn update_scale(&self) -> Result<()> {
+        let (Some(scale), Some(tracker), Some(found)) = (self.scale.as_ref(), self.tracker.as_ref(), self.found_inf.as_ref()) else {
             return Err(scaler_err("update() before the scaler was used"));
         };
         let cfg = self.cfg;
@@ -178,14 +217,21 @@ impl GradScaler {
             let inc = tracker.add_scalar(1.0)?;
             let grow = inc.ge_scalar(cfg.growth_interval as f64)?;
             let zero = tracker.zeros_like()?;
-            let grown = grow.where_cond(&scale.mul_scalar(cfg.growth_factor)?, &scale)?;
+            let grown = grow.where_cond(&scale.mul_scalar(cfg.growth_factor)?, scale)?;
             let new_scale = is_found.where_cond(&scale.mul_scalar(cfg.backoff_factor)?, &grown)?;
             let new_tracker = is_found.where_cond(&zero, &grow.where_cond(&zero, &inc)?)?;
             scale.copy_(&new_scale)?;
             tracker.copy_(&new_tracker)?;
             found.copy_(&zero)?;
             Ok(())
-        })?;
+        })
+    }
+
+    /// The host part of an update: back to the start of an iteration.
+    pub fn end_update(&mut self) -> Result<()> {
+        if !self.checked {
+            return Err(scaler_err("no inf checks were recorded prior to update()"));
+        }
         self.stage = Stage::Ready;
         self.checked = false;
         Ok(())

@@ -85,6 +85,10 @@ pub struct PoseTrainConfig {
     pub workers: Option<usize>,
     /// Gradient clipping max norm (10 in the reference).
     pub clip_max_norm: f64,
+    /// 16-mixed grad scaler: the first loss scale (PyTorch's 2¹⁶) and the clean steps after which
+    /// it doubles (PyTorch's 2000).
+    pub scaler_init_scale: f64,
+    pub scaler_growth_interval: usize,
     /// Validate after every epoch.
     pub val: bool,
     /// Stop an epoch after this many batches (tiny test runs); `None` = the whole epoch.
@@ -162,6 +166,8 @@ impl Default for PoseTrainConfig {
             mosaic: 1.0,
             workers: None,
             clip_max_norm: 10.0,
+            scaler_init_scale: 65536.0,
+            scaler_growth_interval: 2000,
             val: true,
             max_batches: None,
             timing_warmup_steps: 10,
@@ -230,6 +236,9 @@ impl PoseTrainConfig {
             "mosaic" => self.mosaic = num(value)?,
             "workers" => self.workers = Some(int(value)?),
             "val" => self.val = boolean(value)?,
+            "clip_max_norm" => self.clip_max_norm = num(value)?,
+            "scaler_init_scale" => self.scaler_init_scale = num(value)?,
+            "scaler_growth_interval" => self.scaler_growth_interval = int(value)?,
             "max_batches" => self.max_batches = Some(int(value)?),
             "project" | "save_dir" => self.save_dir = PathBuf::from(value),
             "resume" => self.resume = Some(PathBuf::from(value)),
@@ -282,7 +291,10 @@ impl PoseTrainConfig {
             return bad("nbs must be at least 1".into());
         }
         // (name, value, lowest, highest, lowest excluded)
-        let ranges: [(&str, f64, f64, f64, bool); 10] = [
+        if self.scaler_growth_interval == 0 {
+            return bad("scaler_growth_interval must be at least 1".into());
+        }
+        let ranges: [(&str, f64, f64, f64, bool); 11] = [
             ("lr0", self.lr0, 0.0, 10.0, true),
             ("lrf", self.lrf, 0.0, 10.0, true),
             ("momentum", self.momentum, 0.0, 1.0, false),
@@ -293,6 +305,7 @@ impl PoseTrainConfig {
             ("mosaic", self.mosaic, 0.0, 1.0, false),
             ("clip_max_norm", self.clip_max_norm, 0.0, 1e6, true),
             ("lr0·lrf", self.lr0 * self.lrf, 0.0, 10.0, true),
+            ("scaler_init_scale", self.scaler_init_scale, 0.0, f64::from(f32::MAX), true),
         ];
         for (name, v, lo, hi, open_lo) in ranges {
             let low_ok = if open_lo { v > lo } else { v >= lo };
@@ -331,6 +344,9 @@ impl PoseTrainConfig {
             ("mosaic", d.mosaic.to_string(), "mosaic probability"),
             ("workers", opt(d.workers), "loader threads (auto: min(8, cores) on a GPU, min(2, cores/8) on the CPU)"),
             ("val", d.val.to_string(), "validate after every epoch"),
+            ("clip_max_norm", d.clip_max_norm.to_string(), "gradient clipping: largest global L2 norm"),
+            ("scaler_init_scale", d.scaler_init_scale.to_string(), "16-mixed: the grad scaler's first loss scale"),
+            ("scaler_growth_interval", d.scaler_growth_interval.to_string(), "16-mixed: clean steps before the loss scale doubles"),
             ("max_batches", "all".into(), "stop each epoch after this many batches (quick runs)"),
             ("project", d.save_dir.display().to_string(), "output folder (alias save_dir); an existing one gets a numbered sibling"),
             ("exist_ok", d.exist_ok.to_string(), "train into an existing project folder instead of a new numbered one"),

@@ -302,27 +302,49 @@ impl Run {
         let plugins = &self.plugins;
         plugins.run(info, &mut || {
             let _stage = StageGuard::new(stages::OPTIMIZER);
+            // A step is handed to a replay plugin only when its device part reads every changing
+            // scalar from the device and decides a 16-mixed skip there (SGD, MuSGD; not AdamW).
+            let capturable = optimizer.is_capturable();
+            let run_update = |part: crate::fit::UpdatePart, body: &mut dyn FnMut() -> Result<()>| match capturable {
+                true => plugins.run_update(part, body),
+                false => body(),
+            };
+            // 16-mixed: the host part of the unscale (order of calls), then its device part —
+            // every present gradient × 1/scale and the found-inf flag.
             if let Some(s) = scaler.as_mut() {
-                s.unscale_(optimizer.as_ref())?;
+                if s.begin_unscale()? {
+                    let grads: Vec<Tensor> =
+                        optimizer.param_groups().iter().flat_map(|g| &g.params).filter_map(|p| p.tensor.grad()).collect();
+                    let s: &GradScaler = s;
+                    run_update(crate::fit::UpdatePart::Unscale, &mut || s.unscale_grads(&grads))?;
+                }
             }
             for cb in callbacks.iter_mut() {
                 cb.on_before_optimizer_step(&view);
             }
-            match scaler.as_mut() {
-                Some(s) => {
+            // The host part (the step's scalars to the device), then the device part — clipping,
+            // the update (skipped on the device after an inf/NaN under 16-mixed) and the scaler's
+            // growth/backoff — which a plugin may record and replay.
+            optimizer.prepare_step()?;
+            let found_inf = match scaler.as_mut().filter(|s| s.is_enabled()) {
+                Some(s) => Some(s.begin_step()?),
+                None => None,
+            };
+            {
+                let s: Option<&GradScaler> = scaler.as_ref().filter(|s| s.is_enabled());
+                run_update(crate::fit::UpdatePart::Step, &mut || {
                     clip_grad_norm(params.iter().map(|(_, t)| t), max_norm)?;
-                    s.step(optimizer.as_mut())?;
-                    s.update()?;
-                }
-                None => {
-                    // The host part (the step's scalars to the device), then the device part —
-                    // clipping and the update — which a plugin may record and replay.
-                    optimizer.prepare_step()?;
-                    plugins.run_update(crate::fit::UpdatePart::Step, &mut || {
-                        clip_grad_norm(params.iter().map(|(_, t)| t), max_norm)?;
-                        optimizer.step_prepared()
-                    })?;
-                }
+                    match (&found_inf, s) {
+                        (Some(found), Some(s)) => {
+                            optimizer.step_prepared_unless(found)?;
+                            s.update_scale()
+                        }
+                        _ => optimizer.step_prepared(),
+                    }
+                })?;
+            }
+            if let Some(s) = scaler.as_mut().filter(|s| s.is_enabled()) {
+                s.end_update()?;
             }
             for cb in callbacks.iter_mut() {
                 cb.on_before_zero_grad(&view);
@@ -587,7 +609,11 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     };
     let ema = ModelEma::from_module(&model)?;
     let scaler = match cfg.precision {
-        Precision::F16Mixed => Some(GradScaler::new(GradScalerConfig::default())?),
+        Precision::F16Mixed => Some(GradScaler::new(GradScalerConfig {
+            init_scale: cfg.scaler_init_scale,
+            growth_interval: cfg.scaler_growth_interval as u64,
+            ..GradScalerConfig::default()
+        })?),
         _ => None,
     };
     let criterion = E2ELoss::new(LossConfig::with_keypoints(nkpt, None), cfg.epochs);
