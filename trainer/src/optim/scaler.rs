@@ -159,8 +159,8 @@ impl GradScaler {
     }
 
     /// Unscales if not yet done, then runs `opt.step()` unless an inf/NaN was found — decided on
-    /// the device where the optimizer [`Optimizer::is_capturable`] (the return value is then
-    /// `true`: the host does not know), else by a host read (returns whether it stepped).
+    /// the device where the optimizer [`Optimizer::is_capturable`], else by a host read. Returns
+    /// whether it stepped (read back after the update; the fit loop uses the parts instead).
     pub fn step(&mut self, opt: &mut dyn Optimizer) -> Result<bool> {
         if !self.cfg.enabled {
             opt.step()?;
@@ -171,11 +171,14 @@ impl GradScaler {
         }
         let found = self.begin_step()?;
         opt.prepare_step()?;
-        match opt.is_capturable() {
-            true => opt.step_prepared_unless(&found)?,
-            false if found.item()? != 0.0 => return Ok(false),
-            false => opt.step_prepared()?,
+        if opt.is_capturable() {
+            opt.step_prepared_unless(&found)?;
+            return Ok(found.item()? == 0.0);
         }
+        if found.item()? != 0.0 {
+            return Ok(false);
+        }
+        opt.step_prepared()?;
         Ok(true)
     }
 
