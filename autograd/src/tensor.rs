@@ -356,6 +356,34 @@ impl Tensor {
         *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = s.grad;
         *self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()) = s.kept;
     }
+    /// Where this leaf's next gradient lands when it keeps its gradient buffer
+    /// ([`Tensor::set_keep_grad_buffer`]): the present gradient, accumulated into (`true`), or the
+    /// kept buffer, written (`false`). `None` without persistent gradients or before the first
+    /// gradient. A recorder writes a replayed backward's gradients there inside its graph.
+    pub fn grad_target(&self) -> Option<(Tensor, bool)> {
+        if !self.0.keep_grad.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        if let Some(g) = self.grad() {
+            return Some((g, true));
+        }
+        self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()).clone().map(|k| (k, false))
+    }
+    /// Makes the kept buffer the gradient as it is (a recorded graph wrote it): `grad()` is then
+    /// present. Returns whether it did (`false`: a gradient was present, or no buffer was kept).
+    pub fn adopt_kept_grad(&self) -> bool {
+        let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() {
+            return false;
+        }
+        match self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(k) => {
+                *slot = Some(k);
+                true
+            }
+            None => false,
+        }
+    }
     /// Adds `g` into this leaf's gradient as the backward engine does — into the existing gradient,
     /// else into a kept buffer ([`Tensor::set_keep_grad_buffer`]), else as a private copy — but
     /// never takes `g`'s storage (the caller keeps using it: a recorder's static buffer).

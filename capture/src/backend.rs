@@ -14,6 +14,10 @@ pub type Body = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 /// A private memory pool owned by one recording (opaque to the recorder).
 pub type PoolHandle = Box<dyn Any + Send + Sync>;
 
+/// An arena several graphs of one recording share ([`Backend::record_sharing`]): empty until the
+/// first of them is recorded (opaque to the recorder).
+pub type ArenaSlot = std::sync::Mutex<Option<Box<dyn Any + Send + Sync>>>;
+
 /// One recorded graph.
 pub trait Graph: Send + Sync {
     /// Queues one replay.
@@ -36,6 +40,22 @@ pub trait Backend: Send + Sync {
     fn measure(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<usize>;
     /// Records `body` into a graph whose intermediates live in an arena of `arena_bytes`.
     fn record(&self, region: &str, device: Device, arena_bytes: usize, pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>>;
+    /// [`Backend::record`] into the arena of `slot`, shared with the other graphs recorded through
+    /// it (made on first use): for graphs that run one after another and keep nothing in the arena
+    /// past their end — a recording's backward graphs, one per gradient mask and target. By
+    /// default each graph gets its own arena.
+    fn record_sharing(
+        &self,
+        region: &str,
+        device: Device,
+        arena_bytes: usize,
+        slot: &ArenaSlot,
+        pool: Option<&PoolHandle>,
+        body: Body,
+    ) -> Result<Box<dyn Graph>> {
+        let _ = slot;
+        self.record(region, device, arena_bytes, pool, body)
+    }
     /// The address of a tensor's memory as a graph would bake it.
     fn address(&self, t: &Tensor) -> u64;
     /// Waits for the device.

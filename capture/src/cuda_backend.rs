@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use ptl_autograd::cuda::{self, capture_support as cs, CaptureArena, CaptureViolation, MemPool};
 use ptl_autograd::{Device, Tensor};
 
-use crate::backend::{Backend, Body, Graph, PoolHandle};
+use crate::backend::{ArenaSlot, Backend, Body, Graph, PoolHandle};
 use crate::{CaptureError, Result};
 
 /// Captures CUDA graphs (stream capture of the compute stream, thread-local mode).
@@ -27,6 +27,8 @@ fn violation(region: &str, v: CaptureViolation) -> CaptureError {
 struct CudaRecorded {
     graph: Mutex<cuda::CudaGraph>,
     arena: std::sync::Arc<CaptureArena>,
+    /// Whether this graph made its arena (a graph sharing another's counts no arena bytes).
+    owns_arena: bool,
     nodes: usize,
     device: Device,
 }
@@ -45,7 +47,61 @@ impl Graph for CudaRecorded {
         self.nodes
     }
     fn arena_bytes(&self) -> usize {
-        self.arena.size()
+        if self.owns_arena {
+            self.arena.size()
+        } else {
+            0
+        }
+    }
+}
+
+/// A recording cannot start inside another (nor allocate its arena there).
+fn not_capturing(region: &str) -> Result<()> {
+    match cs::is_capturing() {
+        true => Err(CaptureError::NestedCapture { region: region.to_string() }),
+        false => Ok(()),
+    }
+}
+
+impl CudaBackend {
+    fn new_arena(&self, device: Device, arena_bytes: usize, pool: Option<&PoolHandle>) -> Result<std::sync::Arc<CaptureArena>> {
+        let mut arena = None;
+        self.in_pool(pool, &mut || {
+            arena = Some(CaptureArena::new(device, arena_bytes)?);
+            Ok(())
+        })?;
+        arena.ok_or_else(|| CaptureError::Backend("arena not created".into()))
+    }
+
+    /// Captures `body` on the compute stream with its allocations carved from `arena`.
+    fn capture_into(
+        &self,
+        region: &str,
+        device: Device,
+        arena: std::sync::Arc<CaptureArena>,
+        owns_arena: bool,
+        body: Body,
+    ) -> Result<Box<dyn Graph>> {
+        not_capturing(region)?;
+        cuda::synchronize(device)?;
+        let scope = cs::enter_capture_scope(arena.clone()).map_err(|v| violation(region, v))?;
+        if let Err(e) = cuda::begin_capture(device) {
+            drop(scope);
+            return Err(e.into());
+        }
+        let r = body();
+        let g = cuda::end_capture(device);
+        drop(scope);
+        if let Some(v) = cs::take_capture_violation() {
+            return Err(violation(region, v));
+        }
+        r?;
+        let g = g?;
+        let nodes = g.node_count()?;
+        if nodes == 0 {
+            return Err(CaptureError::EmptyGraph { region: region.to_string() });
+        }
+        Ok(Box::new(CudaRecorded { graph: Mutex::new(g), arena, owns_arena, nodes, device }))
     }
 }
 
@@ -75,34 +131,36 @@ impl Backend for CudaBackend {
         r.map(|_| n)
     }
     fn record(&self, region: &str, device: Device, arena_bytes: usize, pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>> {
-        if cs::is_capturing() {
-            return Err(CaptureError::NestedCapture { region: region.to_string() });
-        }
-        let mut arena = None;
-        self.in_pool(pool, &mut || {
-            arena = Some(CaptureArena::new(device, arena_bytes)?);
-            Ok(())
-        })?;
-        let arena = arena.ok_or_else(|| CaptureError::Backend("arena not created".into()))?;
-        cuda::synchronize(device)?;
-        let scope = cs::enter_capture_scope(arena.clone()).map_err(|v| violation(region, v))?;
-        if let Err(e) = cuda::begin_capture(device) {
-            drop(scope);
-            return Err(e.into());
-        }
-        let r = body();
-        let g = cuda::end_capture(device);
-        drop(scope);
-        if let Some(v) = cs::take_capture_violation() {
-            return Err(violation(region, v));
-        }
-        r?;
-        let g = g?;
-        let nodes = g.node_count()?;
-        if nodes == 0 {
-            return Err(CaptureError::EmptyGraph { region: region.to_string() });
-        }
-        Ok(Box::new(CudaRecorded { graph: Mutex::new(g), arena, nodes, device }))
+        not_capturing(region)?;
+        let arena = self.new_arena(device, arena_bytes, pool)?;
+        self.capture_into(region, device, arena, true, body)
+    }
+    fn record_sharing(
+        &self,
+        region: &str,
+        device: Device,
+        arena_bytes: usize,
+        slot: &ArenaSlot,
+        pool: Option<&PoolHandle>,
+        body: Body,
+    ) -> Result<Box<dyn Graph>> {
+        not_capturing(region)?;
+        let mut held = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let shared = held.as_ref().and_then(|a| a.downcast_ref::<std::sync::Arc<CaptureArena>>()).cloned();
+        let (arena, owns) = match shared {
+            // The graphs sharing it run one after another and keep nothing in it: the next one
+            // may use it from the start.
+            Some(a) if a.size() >= arena_bytes => {
+                a.rewind();
+                (a, false)
+            }
+            _ => {
+                let a = self.new_arena(device, arena_bytes, pool)?;
+                *held = Some(Box::new(a.clone()));
+                (a, true)
+            }
+        };
+        self.capture_into(region, device, arena, owns, body)
     }
     fn address(&self, t: &Tensor) -> u64 {
         cs::device_ptr(t).unwrap_or(t.storage_ptr() as u64)

@@ -9,7 +9,7 @@ use ptl_autograd::{
     attach_custom_node, autocast_dtype, is_grad_enabled, BackwardOp, DType, Device, GradModeGuard, GraphSafeRng, Rng, Tensor, TensorKind,
 };
 
-use crate::backend::{Backend, Graph, PoolHandle};
+use crate::backend::{ArenaSlot, Backend, Graph, PoolHandle};
 use crate::recorder::RecorderInner;
 use crate::signature::Signature;
 use crate::stats::{FallbackReason, RegionStats, RetireReason};
@@ -157,8 +157,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Per gradient mask: (parameters that receive a gradient, inputs that receive one).
 type Presence = (Vec<bool>, Vec<bool>);
-/// Backward graphs by gradient mask.
-type BwdGraphs = BTreeMap<Vec<bool>, Box<dyn Graph>>;
+/// Where a backward graph leaves the parameters' gradients: empty — in the recording's static
+/// buffers, added in by the host afterwards — or, per parameter, (address, accumulate) of its
+/// persistent gradient buffer, added into or written inside the graph (capture.md §13.1).
+type GradInto = Vec<Option<(u64, bool)>>;
+/// Backward graphs by gradient mask and where they leave the parameters' gradients.
+type BwdGraphs = BTreeMap<(Vec<bool>, GradInto), Box<dyn Graph>>;
+/// Per parameter: its persistent gradient buffer and whether the graph accumulates into it
+/// (`false`: the gradient was absent, the graph writes the buffer and the host marks it present).
+type GradTargets = Vec<Option<(Tensor, bool)>>;
 
 /// Static buffers and the region body shared by a recording's graphs.
 struct Core {
@@ -209,7 +216,26 @@ impl Core {
         Ok(())
     }
 
-    fn bwd_body(&self, mask: &[bool]) -> Result<()> {
+    /// The persistent gradient buffers the present gradients of `present` would land in, when
+    /// every such parameter has one of the static buffer's shape and dtype (`None`: the host path).
+    fn grad_targets(&self, present: &[bool]) -> Option<GradTargets> {
+        let mut out = Vec::with_capacity(self.params.len());
+        for ((p, s), on) in self.params.iter().zip(&self.static_gparam).zip(present) {
+            match (on, s) {
+                (true, Some(s)) => {
+                    let (t, acc) = p.grad_target()?;
+                    if t.dims() != s.dims() || t.dtype() != s.dtype() || t.device() != s.device() {
+                        return None;
+                    }
+                    out.push(Some((t, acc)));
+                }
+                _ => out.push(None),
+            }
+        }
+        Some(out)
+    }
+
+    fn bwd_body(&self, mask: &[bool], into: Option<&GradTargets>) -> Result<()> {
         self.note_body_run();
         let outs = lock(&self.tape).clone().ok_or_else(|| self.err("backward recorded before any forward"))?;
         // The parameters' gradients and kept buffers stay out of the body's backward.
@@ -217,7 +243,7 @@ impl Core {
         for l in &self.leaves {
             l.set_grad(None);
         }
-        let r = self.bwd_inner(mask, &outs);
+        let r = self.bwd_inner(mask, &outs, into);
         for (p, g) in self.params.iter().zip(stash) {
             p.restore_grad_state(g);
         }
@@ -227,7 +253,7 @@ impl Core {
         r
     }
 
-    fn bwd_inner(&self, mask: &[bool], outs: &[Tensor]) -> Result<()> {
+    fn bwd_inner(&self, mask: &[bool], outs: &[Tensor], into: Option<&GradTargets>) -> Result<()> {
         let mut present = Vec::new();
         let mut grads = Vec::new();
         for ((m, o), g) in mask.iter().zip(outs).zip(&self.static_gout) {
@@ -251,10 +277,35 @@ impl Core {
             }
             Ok(v)
         };
-        let pp = collect(&self.params, &self.static_gparam, "a parameter")?;
+        let pp = match into {
+            Some(targets) => self.grads_into(targets)?,
+            None => collect(&self.params, &self.static_gparam, "a parameter")?,
+        };
         let ip = collect(&self.leaves, &self.static_gin, "an input")?;
         lock(&self.presence).insert(mask.to_vec(), (pp, ip));
         Ok(())
+    }
+}
+
+impl Core {
+    /// The body's parameter gradients into their persistent buffers: added (one batched add, the
+    /// bytes of the engine's accumulation) or written (the first gradient of a window).
+    fn grads_into(&self, targets: &GradTargets) -> Result<Vec<bool>> {
+        let mut present = Vec::with_capacity(self.params.len());
+        let mut adds: Vec<(Tensor, Tensor)> = Vec::new();
+        for (p, t) in self.params.iter().zip(targets) {
+            match (p.grad(), t) {
+                (Some(g), Some((dst, true))) => adds.push((dst.clone(), g)),
+                (Some(g), Some((dst, false))) => dst.copy_(&g)?,
+                (Some(_), None) => {
+                    return Err(self.err("a parameter received a gradient it did not receive when this backward was first recorded"))
+                }
+                (None, _) => {}
+            }
+            present.push(p.grad().is_some());
+        }
+        Tensor::add_many_(&adds.iter().map(|(d, g)| (d, g)).collect::<Vec<_>>())?;
+        Ok(present)
     }
 }
 
@@ -301,6 +352,8 @@ pub(crate) struct Recording {
     trainable: Vec<bool>,
     pending: Mutex<Option<Weak<Token>>>,
     bwd_arena: usize,
+    /// The arena every backward graph of this recording shares (they run one at a time).
+    bwd_arena_slot: ArenaSlot,
     device: Device,
     strict_masks: bool,
     backend: Arc<dyn Backend>,
@@ -403,24 +456,46 @@ impl GraphedNode {
             dst.copy_(src)?;
             host_ops += 1;
         }
+        // With persistent gradients (and this mask seen once), the graph itself leaves the
+        // parameters' gradients in their buffers; otherwise in static buffers, added in below.
+        let known = lock(&core.presence).get(&mask).cloned();
+        let targets = known.as_ref().and_then(|(pp, _)| core.grad_targets(pp));
+        let into: GradInto = match &targets {
+            Some(ts) => ts.iter().map(|t| t.as_ref().map(|(x, acc)| (rec.backend.address(x), *acc))).collect(),
+            None => Vec::new(),
+        };
+        let key = (mask.clone(), into);
         {
             let mut bwd = lock(&rec.bwd);
-            if !bwd.contains_key(&mask) {
-                if rec.strict_masks {
+            if !bwd.contains_key(&key) {
+                if rec.strict_masks && !bwd.keys().any(|(m, _)| *m == mask) {
                     return Err(CaptureError::UnexpectedGradMask { region: core.region.clone(), mask });
                 }
                 let c = core.clone();
                 let m = mask.clone();
+                let t = targets.clone();
+                let body = Arc::new(move || c.bwd_body(&m, t.as_ref()));
                 let graph =
-                    rec.backend.record(&core.region, rec.device, rec.bwd_arena, rec.pool.as_ref(), Arc::new(move || c.bwd_body(&m)))?;
+                    rec.backend.record_sharing(&core.region, rec.device, rec.bwd_arena, &rec.bwd_arena_slot, rec.pool.as_ref(), body)?;
                 lock(&core.stats).backward_captures += 1;
-                bwd.insert(mask.clone(), graph);
+                bwd.insert(key.clone(), graph);
             }
-            let graph = bwd.get(&mask).ok_or_else(|| core.err("backward graph missing"))?;
+            let graph = bwd.get(&key).ok_or_else(|| core.err("backward graph missing"))?;
             launch_replay(graph.as_ref())?;
         }
         let (pp, ip) = lock(&core.presence).get(&mask).cloned().ok_or_else(|| core.err("no gradient presence recorded for this mask"))?;
         let _ng = GradModeGuard::new(false);
+        if let Some(ts) = &targets {
+            // The graph wrote or added every present gradient: a written buffer becomes present.
+            for ((p, t), present) in core.params.iter().zip(ts).zip(&pp) {
+                if let (true, Some((_, false))) = (*present, t) {
+                    if !p.adopt_kept_grad() {
+                        return Err(core.err("a persistent gradient buffer changed under a replayed backward"));
+                    }
+                }
+            }
+            return self.finish(&ip, host_ops);
+        }
         // Into existing gradients as one batched add (a launch per 40 parameters on CUDA, the
         // bytes of one add each); a parameter without a gradient takes a copy.
         let mut adds: Vec<(Tensor, &Tensor)> = Vec::new();
@@ -434,8 +509,15 @@ impl GraphedNode {
             host_ops += 1;
         }
         Tensor::add_many_(&adds.iter().map(|(e, s)| (e, *s)).collect::<Vec<_>>())?;
+        self.finish(&ip, host_ops)
+    }
+
+    /// The inputs' gradients (copies of the static buffers) and the counters of one replay.
+    fn finish(&self, ip: &[bool], mut host_ops: u64) -> Result<Vec<Option<Tensor>>> {
+        let core = &self.rec.core;
+        let n_total = self.n_inputs + core.params.len();
         let mut out = Vec::with_capacity(n_total);
-        for (s, present) in core.static_gin.iter().zip(&ip) {
+        for (s, present) in core.static_gin.iter().zip(ip) {
             match (present, s) {
                 (true, Some(s)) => {
                     out.push(Some(s.deep_copy()?));
@@ -921,6 +1003,7 @@ impl RegionHandle {
             *lock(&w) = rngs.iter().map(|r| r.end_capture()).collect();
             res
         };
+        let bwd_arena_slot = ArenaSlot::default();
         let captured = (|| -> Result<(Box<dyn Graph>, BwdGraphs)> {
             let fwd = backend.record(&region, device, slack(fwd_bytes), pool.as_ref(), Arc::new(fwd_body))?;
             let mut bwd = BTreeMap::new();
@@ -928,7 +1011,11 @@ impl RegionHandle {
                 let mask = core.out_grad.clone();
                 let c = core.clone();
                 let m = mask.clone();
-                bwd.insert(mask, backend.record(&region, device, slack(bwd_bytes), pool.as_ref(), Arc::new(move || c.bwd_body(&m)))?);
+                let body = Arc::new(move || c.bwd_body(&m, None));
+                bwd.insert(
+                    (mask, Vec::new()),
+                    backend.record_sharing(&region, device, slack(bwd_bytes), &bwd_arena_slot, pool.as_ref(), body)?,
+                );
             }
             Ok((fwd, bwd))
         })();
@@ -957,6 +1044,7 @@ impl RegionHandle {
             trainable,
             pending: Mutex::new(None),
             bwd_arena: slack(bwd_bytes),
+            bwd_arena_slot,
             device,
             strict_masks: cfg.strict_masks,
             backend,

@@ -102,6 +102,11 @@ impl ReplayPlugin for PieceReplay {
     fn name(&self) -> &'static str {
         self.scope.name()
     }
+    /// With fixed gradient buffers a recorded backward adds (or writes) the parameters'
+    /// gradients inside its graph instead of the host adding them in afterwards.
+    fn persistent_gradients(&self) -> bool {
+        true
+    }
     fn priority(&self) -> i32 {
         match self.scope {
             Scope::Trunk => -10,

@@ -84,6 +84,12 @@ impl CaptureArena {
     pub fn used(&self) -> usize {
         self.used.get()
     }
+    /// Hands the whole arena out again from its start, for the next graph recorded into it. Only
+    /// for graphs that run one after another on one stream and keep nothing in the arena past
+    /// their own end (a recording's backward graphs: their results go to static buffers).
+    pub fn rewind(&self) {
+        self.used.set(0);
+    }
     fn take(&self, bytes: usize) -> std::result::Result<u64, CaptureViolation> {
         let n = bytes.max(1).next_multiple_of(ARENA_ALIGN);
         let off = self.used.get();

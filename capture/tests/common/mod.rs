@@ -274,3 +274,30 @@ pub fn check_pair(p: &Pair, what: &str) {
         }
     }
 }
+
+/// Three gradient-accumulation windows of three micro-batches each, with persistent gradients
+/// (`set_keep_grad_buffer`) and a zero-grad after each window: the gradients' bytes and buffer
+/// addresses at the end of every window. A recorded backward writes or adds the gradients inside
+/// its graph here (capture.md §13.1), so the addresses must never move.
+pub fn persistent_windows(net: &Net, regions: Option<&Regions>, dev: Device, dt: DType, hw: usize) -> (Vec<Vec<Vec<u8>>>, Vec<Vec<usize>>) {
+    for (_, p) in net.p.trainable() {
+        p.set_keep_grad_buffer(true);
+    }
+    let (mut bytes, mut ptrs) = (Vec::new(), Vec::new());
+    for w in 0..3u64 {
+        for m in 0..3u64 {
+            let d = Data::new(dev, dt, 2, hw, 20 + 3 * w + m);
+            let (a, b1, _) = forward(net, regions, &d.x).unwrap();
+            a.mul(&d.ra).unwrap().mean_all().unwrap().add(&b1.mul(&d.rb1).unwrap().mean_all().unwrap()).unwrap().backward().unwrap();
+        }
+        // (The second output of head b is unused: its own parameters get no gradient.)
+        let grads: Vec<Tensor> = net.p.trainable().iter().filter_map(|(_, p)| p.grad()).collect();
+        assert!(grads.len() >= 8, "most parameters have a gradient: {}", grads.len());
+        bytes.push(grads.iter().map(|g| g.to_bytes().unwrap()).collect());
+        ptrs.push(grads.iter().map(|g| g.storage_ptr()).collect());
+        for (_, p) in net.p.trainable() {
+            p.zero_grad();
+        }
+    }
+    (bytes, ptrs)
+}
