@@ -743,6 +743,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         ));
     }
     md.push_str(&breakdown_section(&ok));
+    md.push_str(&update_steps_section(&ok));
     md.push_str(&memory_section(&ok));
     md.push_str(&startup_table(&ok));
     if failed > 0 {
@@ -882,6 +883,46 @@ fn breakdown_section(ok: &[&Value]) -> String {
 }
 
 /// Device memory right before backward in one run per (precision, arm): what holds it.
+/// Start-to-start medians of the steps that ran an optimizer update and of the others, per ptl
+/// arm (each run's medians; median and range over runs): the update's cost is their gap.
+fn update_steps_section(ok: &[&Value]) -> String {
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for r in ok.iter().filter(|r| r["kind"] == "ptl") {
+        let key = (r["precision"].as_str().unwrap_or("?").to_string(), r["arm"].as_str().unwrap_or("?").to_string());
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    let mut md = String::new();
+    for (precision, arm) in keys {
+        let runs: Vec<&&Value> =
+            ok.iter().filter(|r| r["kind"] == "ptl" && r["precision"] == precision.as_str() && r["arm"] == arm.as_str()).collect();
+        let median_of = |r: &Value, k: &str| -> Option<f64> {
+            let t = &r["result"]["timing"][k];
+            t["median_ms"].as_f64().filter(|_| t["timed_steps"].as_u64().unwrap_or(0) > 0)
+        };
+        let pairs: Vec<(f64, f64)> =
+            runs.iter().filter_map(|r| Some((median_of(r, "start_to_start_update")?, median_of(r, "start_to_start_no_update")?))).collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        let (upd, other): (Vec<f64>, Vec<f64>) = pairs.iter().copied().unzip();
+        if md.is_empty() {
+            md.push_str("\nSteps with an optimizer update against the others (start-to-start median ms of each run; median (min–max) over runs):\n\n");
+            md.push_str("| precision | arm | update steps | other steps | difference |\n|---|---|---:|---:|---:|\n");
+        }
+        let gaps: Vec<f64> = pairs.iter().map(|(u, o)| u - o).collect();
+        let fmt = |v: &[f64]| {
+            let mut s = v.to_vec();
+            s.sort_by(|a, b| a.total_cmp(b));
+            let m = if s.len() % 2 == 1 { s[s.len() / 2] } else { 0.5 * (s[s.len() / 2 - 1] + s[s.len() / 2]) };
+            format!("{m:.1} ({:.1}–{:.1})", s[0], s[s.len() - 1])
+        };
+        md.push_str(&format!("| {precision} | {arm} | {} | {} | {} |\n", fmt(&upd), fmt(&other), fmt(&gaps)));
+    }
+    md
+}
+
 fn memory_section(ok: &[&Value]) -> String {
     let mut seen: Vec<(String, String)> = Vec::new();
     let mut md = String::new();

@@ -51,6 +51,12 @@ pub struct TimingReport {
     /// to the start of the next, within an epoch) over every post-warm-up step outside the GPU
     /// window.
     pub start_to_start: StepTiming,
+    /// [`TimingReport::start_to_start`] split by whether the step ran an optimizer update (with
+    /// gradient accumulation most steps do not): an update's cost shows as the gap between the two.
+    #[serde(default)]
+    pub start_to_start_update: StepTiming,
+    #[serde(default)]
+    pub start_to_start_no_update: StepTiming,
     /// The seed's measure: 16 consecutive steps after the warm-up, device synchronised at both
     /// ends, total time / 16.
     pub sync_window_ms_per_step: Option<f64>,

@@ -25,6 +25,8 @@ struct Previous {
     epoch: usize,
     start: Instant,
     timed: bool,
+    /// Whether the step ran an optimizer update ([`StepClock::note_update`]).
+    updated: bool,
 }
 
 enum SyncWindow {
@@ -49,6 +51,8 @@ pub(crate) struct StepClock {
     current_timed: bool,
     step_began: Option<Instant>,
     samples: Vec<f64>,
+    /// Per sample: whether its step ran an optimizer update.
+    sample_updated: Vec<bool>,
     waits: Vec<f64>,
     sync_window: SyncWindow,
     sync_ms: Option<f64>,
@@ -71,6 +75,7 @@ impl StepClock {
             current_timed: false,
             step_began: None,
             samples: Vec::new(),
+            sample_updated: Vec::new(),
             waits: Vec::new(),
             sync_window: SyncWindow::Pending,
             sync_ms: None,
@@ -115,6 +120,7 @@ impl StepClock {
         if let Some(p) = self.prev.take() {
             if p.epoch == epoch && p.timed {
                 self.samples.push(now.duration_since(p.start).as_secs_f64() * 1e3);
+                self.sample_updated.push(p.updated);
             }
         }
         let step = self.steps;
@@ -164,8 +170,15 @@ impl StepClock {
             self.first_step_began = Some(start);
         }
         self.step_began = Some(start);
-        self.prev = Some(Previous { epoch, start, timed: self.current_timed });
+        self.prev = Some(Previous { epoch, start, timed: self.current_timed, updated: false });
         Ok(())
+    }
+
+    /// The current step runs an optimizer update.
+    pub fn note_update(&mut self) {
+        if let Some(p) = self.prev.as_mut() {
+            p.updated = true;
+        }
     }
 
     /// The next step does not continue the previous one (an epoch is run again): no
@@ -203,6 +216,11 @@ impl StepClock {
         (self.first_step_began, self.first_step_s.unwrap_or(0.0))
     }
 
+    /// The start-to-start samples of steps that did (or did not) run an optimizer update.
+    fn split_samples(&self, updated: bool) -> Vec<f64> {
+        self.samples.iter().zip(&self.sample_updated).filter(|(_, u)| **u == updated).map(|(s, _)| *s).collect()
+    }
+
     /// Closes any open window and returns the figures.
     pub fn finish(&mut self, workers: usize, pageable_uploads: u64) -> TimingReport {
         if matches!(self.gpu, Gpu::Running(..)) {
@@ -224,6 +242,8 @@ impl StepClock {
             steps: self.steps,
             warmup_steps: self.warmup,
             start_to_start: StepTiming::from_samples(&self.samples),
+            start_to_start_update: StepTiming::from_samples(&self.split_samples(true)),
+            start_to_start_no_update: StepTiming::from_samples(&self.split_samples(false)),
             sync_window_ms_per_step: self.sync_ms,
             data_wait_ms_mean: if self.waits.is_empty() { 0.0 } else { self.waits.iter().sum::<f64>() / self.waits.len() as f64 },
             workers,
@@ -257,12 +277,17 @@ mod tests {
             for b in 0..5 {
                 c.begin_step(epoch, b, 5).unwrap();
                 c.data_wait(Duration::from_millis(1));
+                if b % 2 == 1 {
+                    c.note_update();
+                }
                 c.end_step();
             }
         }
         let r = c.finish(0, 0);
         // Epoch 0: steps 2, 3 timed (step 4 has no successor in its epoch); epoch 1: steps 5..8.
         assert_eq!(r.start_to_start.timed_steps, 6);
+        // Updates at batches 1 and 3: batch 3 of epoch 0, batches 1 and 3 of epoch 1.
+        assert_eq!((r.start_to_start_update.timed_steps, r.start_to_start_no_update.timed_steps), (3, 3));
         assert!(r.data_wait_ms_mean >= 1.0);
         assert!(r.sync_window_ms_per_step.is_none(), "no 16-step stretch in 5-step epochs");
     }

@@ -258,6 +258,7 @@ impl Run {
         }
 
         if ni as i64 - self.state.last_opt_step >= self.accumulate as i64 {
+            self.clock.note_update();
             let mut t = Instant::now();
             let ema_ms = self.optimizer_step(ni, epoch)?;
             stages[5] = self.stage_mark(&mut t)? - ema_ms;
