@@ -226,12 +226,18 @@ fn cuda_t12_an_injected_inf_skips_the_step_on_the_device() {
 
 mod kill;
 
-/// SIGKILLs a `replay=feature,stem` bf16 fit three times mid-run (CUDA graphs live), each time after
-/// it wrote a new checkpoint, resumes it from `last.ckpt` each time, and lets the last process
-/// finish: its hashes equal an uninterrupted native fit's, and the last process's regions replayed
-/// every step after their warm-up.
+/// SIGKILLs a `replay=all` bf16 fit (an optimizer step every batch) three times mid-run (CUDA
+/// graphs live), each time after it wrote a new checkpoint, resumes it from `last.ckpt` each time,
+/// and lets the last process finish: its hashes equal an uninterrupted native fit's, and the last
+/// process's feature, stem and optimizer regions replayed every call after their warm-up.
 #[test]
 fn cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
     let Some(dev) = gpu() else { return };
-    kill::killed_and_resumed_ends_with_the_native_hashes("cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes", "cuda", dev);
+    kill::killed_and_resumed_ends_with_the_native_hashes(
+        "cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes",
+        "cuda",
+        dev,
+        kill::KillRun { replay: "all", nbs: 2 },
+        &["feature", "stem", "optimizer"],
+    );
 }

@@ -107,14 +107,16 @@ fn an_injected_capture_failure_falls_back_to_native_and_changes_no_byte() {
 }
 
 /// SIGKILL-and-resume with `replay=feature,stem` on the CPU double: the resumed run ends with the
-/// native hashes and its regions replay every step after their warm-up (the CUDA binary runs the
-/// same with real graphs).
+/// native hashes and its regions replay every step after their warm-up (the CUDA binary runs it
+/// with `replay=all` and real graphs).
 #[test]
 fn a_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
     kill::killed_and_resumed_ends_with_the_native_hashes(
         "a_replayed_fit_killed_and_resumed_ends_with_the_native_hashes",
         "cpu",
         ptl_autograd::Device::Cpu,
+        kill::KillRun { replay: "feature,stem", nbs: 64 },
+        &["feature", "stem"],
     );
 }
 

@@ -94,6 +94,8 @@ fn run_steps(cfg: &OptimizerConfig, file: &str, key: &str) -> (Worst, Worst, Wor
         let (d, _) = dev(&w[n.as_str()], &g[&format!("step0.param.{n}")]);
         assert_eq!(d, 0.0, "step0.param.{n} differs from weights");
     }
+    assert!(params.iter().all(|(_, t)| t.device() == optim_common::device()), "parameters on the golden device");
+    println!("{key}: three steps on {}", optim_common::device());
     let mut opt = build_optimizer(&params, cfg).expect("build");
     let groups_of: HashMap<String, bool> =
         opt.param_groups().iter().flat_map(|gr| gr.params.iter().map(move |p| (p.name.clone(), gr.use_muon))).collect();

@@ -21,6 +21,8 @@ export OUT
 cat "$OUT/device.txt"
 status=0
 [ -d goldens ] && export PTL_GOLDENS=$PWD/goldens
+# The optimizer goldens run on the GPU here (on the CPU in CI).
+export PTL_OPTIM_DEVICE=cuda:0
 for t in test_*; do
   [ -x "$t" ] || continue
   echo "=== $t"
@@ -74,7 +76,48 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
 }
 
+/// The goldens a packed test binary reads (`../shared` does not travel to the GPU machine):
+/// (binary name, files or folders under `goldens/`).
+const GOLDENS_OF: [(&str, &[&str]); 2] = [
+    ("loss_cuda", &["loss_cases"]),
+    ("optim_golden", &["optimizer", "model/weights.safetensors", "model/params.json", "model/loss.json", "model/loss.safetensors"]),
+];
+
+/// Copies `rel` (a file or a folder of files) from `src` into `dst`; returns the bytes copied.
+fn copy_golden(src: &Path, dst: &Path, rel: &str) -> Result<u64, String> {
+    let (from, to) = (src.join(rel), dst.join(rel));
+    let files: Vec<(PathBuf, PathBuf)> = if from.is_dir() {
+        std::fs::read_dir(&from)
+            .map_err(|e| format!("reading {}: {e}", from.display()))?
+            .flatten()
+            .map(|e| (e.path(), to.join(e.file_name())))
+            .collect()
+    } else {
+        vec![(from.clone(), to.clone())]
+    };
+    let mut total = 0;
+    for (f, t) in files {
+        if let Some(parent) = t.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
+        }
+        total += std::fs::copy(&f, &t).map_err(|e| format!("copying {}: {e}", f.display()))?;
+    }
+    Ok(total)
+}
+
 pub fn run(args: &[String]) -> Result<(), String> {
+    // `--only a,b`: pack only the binaries whose names contain one of these (the 64 MiB carry
+    // limit holds a subset when large goldens travel too); the rest goes to cargo.
+    let mut only: Vec<String> = Vec::new();
+    let mut rest: Vec<String> = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--only" => only = it.next().ok_or("--only needs a list of names")?.split(',').map(str::to_string).collect(),
+            _ => rest.push(a.clone()),
+        }
+    }
+    let args = &rest[..];
     let root = root();
     let pack = root.join("device-pack");
     let artifacts = crate::artifacts::build(
@@ -103,8 +146,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut copied = Vec::new();
     for a in artifacts {
         let (name, kind) = (a.name.as_str(), a.kind.as_str());
-        let wanted = name.starts_with("cuda_") || (kind == "test" && name == "loss_cuda");
-        if !wanted || !(kind == "test" || kind == "bench") {
+        let wanted = name.starts_with("cuda_") || (kind == "test" && GOLDENS_OF.iter().any(|(n, _)| *n == name));
+        let selected = only.is_empty() || only.iter().any(|o| name.contains(o.as_str()));
+        if !wanted || !selected || !(kind == "test" || kind == "bench") {
             continue;
         }
         let dst = pack.join(if kind == "bench" { format!("{kind}_{name}") } else { format!("{kind}_{}_{name}", a.krate) });
@@ -116,18 +160,19 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     std::fs::copy(root.join("autograd/benches/torch_ops.py"), pack.join("torch_ops.py"))
         .map_err(|e| format!("copying torch_ops.py: {e}"))?;
-    // The CUDA loss test reads the loss-case goldens (../shared does not travel to the GPU machine).
+    // The goldens the packed binaries read.
     let goldens = std::env::var_os("PTL_GOLDENS").map(PathBuf::from).unwrap_or_else(|| root.join("../shared/goldens"));
-    let cases = goldens.join("loss_cases");
-    if cases.is_dir() {
-        let dst = pack.join("goldens/loss_cases");
-        std::fs::create_dir_all(&dst).map_err(|e| format!("creating {}: {e}", dst.display()))?;
-        for e in std::fs::read_dir(&cases).map_err(|e| format!("reading {}: {e}", cases.display()))?.flatten() {
-            std::fs::copy(e.path(), dst.join(e.file_name())).map_err(|err| format!("copying {}: {err}", e.path().display()))?;
-            total += e.metadata().map(|m| m.len()).unwrap_or(0);
+    for (name, files) in GOLDENS_OF {
+        if !copied.iter().any(|c| c.file_name().is_some_and(|f| f.to_string_lossy().ends_with(name))) {
+            continue;
         }
-    } else {
-        eprintln!("device-pack: {} not found; the CUDA loss test will skip", cases.display());
+        if !goldens.is_dir() {
+            eprintln!("device-pack: {} not found; {name} will skip", goldens.display());
+            continue;
+        }
+        for f in files {
+            total += copy_golden(&goldens, &pack.join("goldens"), f)?;
+        }
     }
     let run = pack.join("run.sh");
     std::fs::write(&run, RUN_SH).map_err(|e| format!("writing run.sh: {e}"))?;

@@ -11,7 +11,7 @@ const KILL_BATCHES: usize = 5;
 
 /// The fit a child process runs: `replay` over the killed run's folder, resuming from its
 /// `last.ckpt` when there is one.
-fn kill_cfg(dev: Device, data: &std::path::Path, save: &std::path::Path, replay: &str) -> PoseTrainConfig {
+fn kill_cfg(dev: Device, data: &std::path::Path, save: &std::path::Path, replay: &str, nbs: usize) -> PoseTrainConfig {
     let last = save.join("weights/last.ckpt");
     PoseTrainConfig {
         data: data.to_path_buf(),
@@ -24,6 +24,7 @@ fn kill_cfg(dev: Device, data: &std::path::Path, save: &std::path::Path, replay:
         precision: if dev.is_cuda() { Precision::Bf16Mixed } else { Precision::F32 },
         workers: Some(2),
         max_batches: Some(KILL_BATCHES),
+        nbs,
         optimizer: "MuSGD".into(),
         close_mosaic: 2,
         plots: false,
@@ -42,18 +43,35 @@ fn ran_as_child(dev: Device) -> bool {
     let Ok(save) = std::env::var("PTL_KILL_SAVE") else { return false };
     let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set although PTL_KILL_SAVE is"));
     let data = std::path::PathBuf::from(var("PTL_KILL_DATA"));
-    fit(&kill_cfg(dev, &data, std::path::Path::new(&save), &var("PTL_KILL_REPLAY")), vec![]).expect("child fit");
+    let nbs = var("PTL_KILL_NBS").parse().expect("PTL_KILL_NBS is a number");
+    fit(&kill_cfg(dev, &data, std::path::Path::new(&save), &var("PTL_KILL_REPLAY"), nbs), vec![]).expect("child fit");
     true
 }
 
 /// A child process running test `test` of this binary over `save`.
-fn spawn_child(test: &str, data: &std::path::Path, save: &std::path::Path, replay: &str, log: &std::path::Path) -> std::process::Child {
+/// How the killed fits run: the replay plugins and the nominal batch size (2 = an optimizer step
+/// every batch; 64, the default, one in 32 at batch 2).
+#[derive(Clone, Copy)]
+pub struct KillRun<'a> {
+    pub replay: &'a str,
+    pub nbs: usize,
+}
+
+fn spawn_child(
+    test: &str,
+    data: &std::path::Path,
+    save: &std::path::Path,
+    run: (&str, usize),
+    log: &std::path::Path,
+) -> std::process::Child {
+    let (replay, nbs) = run;
     let out = std::fs::File::create(log).expect("child log");
     std::process::Command::new(std::env::current_exe().expect("test binary"))
         .args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env("PTL_KILL_DATA", data)
         .env("PTL_KILL_SAVE", save)
         .env("PTL_KILL_REPLAY", replay)
+        .env("PTL_KILL_NBS", nbs.to_string())
         .stdout(out.try_clone().expect("log"))
         .stderr(out)
         .spawn()
@@ -61,10 +79,10 @@ fn spawn_child(test: &str, data: &std::path::Path, save: &std::path::Path, repla
 }
 
 /// The body of test `test` on `dev` (`tag` names the device in the scratch folder): an
-/// uninterrupted native child, three SIGKILLed `replay=feature,stem` children each killed after a
-/// new checkpoint, a final resume; its hashes equal native and its regions replayed every step
-/// after warm-up. In a child process it is that child's fit instead.
-pub fn killed_and_resumed_ends_with_the_native_hashes(test: &str, tag: &str, dev: Device) {
+/// uninterrupted native child, three SIGKILLed `run.replay` children each killed after a new
+/// checkpoint, a final resume; its hashes equal native and every region of `plugins` replayed
+/// every call after its warm-up. In a child process it is that child's fit instead.
+pub fn killed_and_resumed_ends_with_the_native_hashes(test: &str, tag: &str, dev: Device, run: KillRun<'_>, plugins: &[&str]) {
     if ran_as_child(dev) {
         return;
     }
@@ -79,7 +97,7 @@ pub fn killed_and_resumed_ends_with_the_native_hashes(test: &str, tag: &str, dev
     // Uninterrupted native reference, in a child process too (same start-up as the killed ones).
     let native_dir = root.join("native");
     let t0 = Instant::now();
-    let st = spawn_child(test, &data, &native_dir, "", &root.join("native.log")).wait().expect("native child");
+    let st = spawn_child(test, &data, &native_dir, ("", run.nbs), &root.join("native.log")).wait().expect("native child");
     assert!(st.success(), "native child failed: see {}", root.join("native.log").display());
     let reference_s = t0.elapsed().as_secs_f64();
     let native = summary(&native_dir);
@@ -101,7 +119,7 @@ pub fn killed_and_resumed_ends_with_the_native_hashes(test: &str, tag: &str, dev
     for i in 0..3 {
         let log = root.join(format!("killed-{i}.log"));
         let before = epochs_done();
-        let mut child = spawn_child(test, &data, &killed, "feature,stem", &log);
+        let mut child = spawn_child(test, &data, &killed, (run.replay, run.nbs), &log);
         let deadline = Instant::now() + Duration::from_secs_f64(reference_s * 3.0 + 30.0);
         while epochs_done() <= before && child.try_wait().expect("poll").is_none() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -125,7 +143,7 @@ pub fn killed_and_resumed_ends_with_the_native_hashes(test: &str, tag: &str, dev
         None => {
             let from = epochs_done() as usize;
             let log = root.join("killed-final.log");
-            let st = spawn_child(test, &data, &killed, "feature,stem", &log).wait().expect("final child");
+            let st = spawn_child(test, &data, &killed, (run.replay, run.nbs), &log).wait().expect("final child");
             assert!(st.success(), "the final resumed child failed: see {}", log.display());
             from
         }
@@ -133,8 +151,10 @@ pub fn killed_and_resumed_ends_with_the_native_hashes(test: &str, tag: &str, dev
     let s = summary(&killed);
     assert_eq!(s.hashes, native.hashes, "killed and resumed with replay ≡ uninterrupted native");
     let steps = ((KILL_EPOCHS - resumed_from) * KILL_BATCHES) as u64;
-    for (plugin, regions) in [("feature", 1), ("stem", 18)] {
-        assert_eq!(s.replay_counters[plugin].as_object().map(|c| c.len()), Some(regions), "{plugin}");
+    for plugin in plugins {
+        // A plugin called per optimizer step is checked with a step every batch (nbs = batch).
+        let per_step = s.replay_cadence.get(*plugin) == Some(&ptl_trainer::fit::ReplayCadence::PerOptimizerStep);
+        assert!(!per_step || run.nbs == 2, "{plugin}: check it with nbs = batch = 2");
         let short = replay_shortfalls(&s, plugin, steps, &[]);
         assert!(short.is_empty(), "{plugin} over the last {steps} steps: {short:?}");
     }

@@ -20,9 +20,19 @@ pub fn goldens() -> Option<PathBuf> {
     }
 }
 
+/// Where the golden cases run: the CPU, or `$PTL_OPTIM_DEVICE` (the GPU machine's device pack
+/// sets `cuda:0`: the same cases on the CUDA backend).
+pub fn device() -> Device {
+    match std::env::var("PTL_OPTIM_DEVICE") {
+        Ok(d) if !d.is_empty() => Device::parse(&d).unwrap_or_else(|e| panic!("PTL_OPTIM_DEVICE={d}: {e}")),
+        _ => Device::Cpu,
+    }
+}
+
+/// A golden file's tensors, on [`device`].
 pub fn load(rel: &str) -> HashMap<String, Tensor> {
     let root = goldens().expect("goldens present");
-    module::load_safetensors(&root.join(rel), Device::Cpu).unwrap_or_else(|e| panic!("{rel}: {e}"))
+    module::load_safetensors(&root.join(rel), device()).unwrap_or_else(|e| panic!("{rel}: {e}"))
 }
 
 pub fn json(rel: &str) -> serde_json::Value {
