@@ -50,7 +50,7 @@ pub use error::{CudaSetupError, Error, Result};
 pub use graph_rng::GraphSafeRng;
 pub use module::{Module, TensorKind};
 pub use ops::norm::BatchNormOptions;
-pub use ops::optim::{lerp, DeviceScalars, SgdStep};
+pub use ops::optim::{adamw_composed, lerp, AdamWItem, DeviceScalars, SgdStep, ADAMW_SCALARS};
 pub use rng::Rng;
 pub use shape::Shape;
 pub use tensor::{Element, GradState, Tensor, TensorId};

@@ -975,6 +975,52 @@ fn device_scalar_optimizer_ops_match_the_host_scalar_ones() {
             Tensor::lerp_many_dev_(&pb, at(0)).unwrap();
         }
         assert_eq!(bytes(&ea), bytes(&eb), "{dev} lerp");
+        // AdamW: the 7 scalars in a vector of their own, a different lr each step, each parameter's
+        // step count on the device; against the composed update at the host-known step.
+        let ahp = Tensor::zeros(vec![ptl_autograd::ADAMW_SCALARS], DType::F64, dev).unwrap();
+        for wd in [0.0, 5e-4] {
+            let (pa, ma, va, pb, mb, vb) = (copies(&p0), copies(&b0), copies(&b0), copies(&p0), copies(&b0), copies(&b0));
+            // Second moments start non-negative (squares), as in a real run.
+            for v in va.iter().chain(&vb) {
+                v.copy_(&v.square().unwrap()).unwrap();
+            }
+            let counts: Vec<Tensor> = sizes.iter().map(|_| Tensor::zeros(vec![1], DType::F64, dev).unwrap()).collect();
+            for (step, gs) in grads.iter().enumerate() {
+                let (lr, b1, b2) = (0.002 / (step + 1) as f64, 0.9, 0.999);
+                let h = [1.0 - lr * wd, 1.0 - b1, b2, 1.0 - b2, 1e-8, lr, b1];
+                ahp.write_f64(0, &h).unwrap();
+                for (((p, g), m), v) in pa.iter().zip(gs).zip(&ma).zip(&va) {
+                    let c = Tensor::zeros(vec![1], DType::F64, dev).unwrap();
+                    let it = ptl_autograd::AdamWItem { param: p, grad: g, exp_avg: m, exp_avg_sq: v, step: &c };
+                    ptl_autograd::adamw_composed(&it, &h, (step + 1) as f64, wd != 0.0).unwrap();
+                }
+                let items: Vec<ptl_autograd::AdamWItem<'_>> = pb
+                    .iter()
+                    .zip(gs)
+                    .zip(&mb)
+                    .zip(&vb)
+                    .zip(&counts)
+                    .map(|((((p, g), m), v), c)| ptl_autograd::AdamWItem { param: p, grad: g, exp_avg: m, exp_avg_sq: v, step: c })
+                    .collect();
+                Tensor::adamw_step_many_dev(&items, DeviceScalars::new(&ahp, 0), wd != 0.0).unwrap();
+            }
+            assert_eq!((bytes(&pa), bytes(&ma), bytes(&va)), (bytes(&pb), bytes(&mb), bytes(&vb)), "{dev} adamw wd={wd}");
+            assert!(counts.iter().all(|c| c.to_vec::<f64>().unwrap() == [3.0]), "{dev}: every count at 3");
+            // Under a set skip flag nothing moves, counts included.
+            let flag = Tensor::full(vec![1], 1.0, DType::F32, dev).unwrap();
+            let before = (bytes(&pb), bytes(&mb), bytes(&vb));
+            let items: Vec<ptl_autograd::AdamWItem<'_>> = pb
+                .iter()
+                .zip(&grads[0])
+                .zip(&mb)
+                .zip(&vb)
+                .zip(&counts)
+                .map(|((((p, g), m), v), c)| ptl_autograd::AdamWItem { param: p, grad: g, exp_avg: m, exp_avg_sq: v, step: c })
+                .collect();
+            Tensor::adamw_step_many_dev(&items, DeviceScalars::new(&ahp, 0).skipping_if(Some(&flag)), wd != 0.0).unwrap();
+            assert_eq!((bytes(&pb), bytes(&mb), bytes(&vb)), before, "{dev} adamw skipped");
+            assert!(counts.iter().all(|c| c.to_vec::<f64>().unwrap() == [3.0]), "{dev}: skipped counts stay");
+        }
         // A scalar vector that is too short or not f64 is refused.
         let short = Tensor::zeros(vec![2], DType::F64, dev).unwrap();
         let wrong = Tensor::zeros(vec![8], DType::F32, dev).unwrap();

@@ -1,12 +1,12 @@
 //! `replay=optimizer`: the device parts of the optimizer step — gradient clipping with the SGD /
-//! MuSGD update (Newton–Schulz included) and, under 16-mixed, the unscale + inf check before it and
+//! MuSGD / AdamW update (Newton–Schulz included) and, under 16-mixed, the unscale + inf check before it and
 //! the scaler's growth/backoff in it (the skip decided on the device), one recorded region per
 //! part and gradient-presence mask; and the EMA update, one region.
 //! What makes it recordable: the step's scalars live on the device (the optimizer's host part
 //! writes them before the region, `Optimizer::prepare_step`), the gradients have fixed buffers
 //! (the plugin asks for persistent gradients), and the recorder's warmup rolls back everything the
-//! update writes (parameters, momenta, scaler state: the write journal). AdamW's step keeps host
-//! scalars, so the trainer does not hand it to a plugin (`Optimizer::is_capturable`).
+//! update writes (parameters, moments, step counts, scaler state: the write journal). SGD, MuSGD
+//! and AdamW qualify; the trainer hands over only a step that does (`Optimizer::is_capturable`).
 
 use std::sync::Arc;
 

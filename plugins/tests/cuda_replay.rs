@@ -107,14 +107,15 @@ fn cuda_ns_replay_equals_native() {
 
 /// `replay=optimizer` on real CUDA graphs (capture.md T11): the recorded update follows the
 /// warm-up's learning-rate and momentum schedule (written to the device before each replay) and
-/// the fit ends with native's hashes, SGD and MuSGD in bf16, every step after the first replayed.
+/// the fit ends with native's hashes, SGD, MuSGD and AdamW (its bias corrections from device step
+/// counts) in bf16, every step after the first replayed.
 #[test]
 fn cuda_optimizer_replay_follows_the_lr_schedule() {
     let Some(dev) = gpu() else { return };
     assert_eq!(ptl_plugins::UpdateReplay::NAME, "optimizer");
     let dir = std::env::temp_dir().join(format!("ptl-cuda-upd-{}", std::process::id()));
     let data = ptl_test_support::pose_dataset(&dir, 24, 6);
-    for optimizer in ["SGD", "MuSGD"] {
+    for optimizer in ["SGD", "MuSGD", "AdamW"] {
         let run = |replay: &[&str]| {
             let cfg = PoseTrainConfig {
                 data: data.clone(),
@@ -193,13 +194,13 @@ fn cuda_all_replay_equals_native_in_every_precision() {
 
 mod scaler_skip;
 
-/// capture.md T12 on real CUDA graphs, SGD and MuSGD: see `scaler_skip`.
+/// capture.md T12 on real CUDA graphs, SGD, MuSGD and AdamW: see `scaler_skip`.
 #[test]
 fn cuda_t12_an_injected_inf_skips_the_step_on_the_device() {
     let Some(dev) = gpu() else { return };
     let dir = std::env::temp_dir().join(format!("ptl-cuda-t12-{}", std::process::id()));
     let data = ptl_test_support::pose_dataset(&dir, 16, 4);
-    for optimizer in ["SGD", "MuSGD"] {
+    for optimizer in ["SGD", "MuSGD", "AdamW"] {
         let base = PoseTrainConfig {
             data: data.clone(),
             epochs: 1,

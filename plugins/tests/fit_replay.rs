@@ -234,20 +234,22 @@ fn optimizer_replay_equals_native_and_replays_every_step() {
             assert!(replay_shortfalls(&both, "optimizer", both.optimizer_steps, &[]).is_empty());
         }
     }
-    // AdamW keeps host scalars (bias corrections from host step counts): its step is not handed
-    // to the plugin (only the EMA is recorded), and the bytes stay native's.
+    // AdamW: its step counts live on the device too, so its update is recorded like the others.
     let cfg = |save: &str, replay: &[&str]| PoseTrainConfig { optimizer: "AdamW".into(), nbs: 2, ..tiny(save, replay) };
     let native = fit(&cfg("upd-native-adamw", &[]), vec![]).expect("native AdamW");
     let upd = fit(&cfg("upd-adamw", &["optimizer"]), vec![]).expect("AdamW with replay=optimizer");
     assert_eq!(upd.hashes, native.hashes, "AdamW: replay=optimizer changes no byte");
     let regions = upd.replay_counters["optimizer"].as_object().expect("optimizer counters");
-    assert_eq!(regions.keys().collect::<Vec<_>>(), ["ema"], "AdamW: only the EMA is recorded");
+    let mut names: Vec<&String> = regions.keys().collect();
+    names.sort();
+    assert_eq!(names, ["ema", "update.0"], "AdamW: the update and the EMA");
+    assert!(replay_shortfalls(&upd, "optimizer", upd.optimizer_steps, &[]).is_empty());
 }
 
 /// T12 on the CPU double (the CUDA binary runs it with real graphs): see `scaler_skip`.
 #[test]
 fn an_injected_inf_skips_the_step_on_the_device_natively_and_replayed() {
-    for optimizer in ["SGD", "MuSGD"] {
+    for optimizer in ["SGD", "MuSGD", "AdamW"] {
         let base = PoseTrainConfig { nbs: 2, ..tiny(&format!("t12-{optimizer}"), &[]) };
         scaler_skip::injected_inf_skips_the_step_on_the_device(&base, optimizer, 6);
     }

@@ -1237,6 +1237,51 @@ extern "C" __global__ void mt_lerp_dev_f32(const MtTable t, const double* hp, fl
     mt_lerp_rows(t, f, small, zero);
 }
 
+// ---- AdamW with device scalars (one parameter per launch) ------------------------------------------------
+// hp = [1 − lr·wd, 1 − β1, β2, 1 − β2, eps, lr, β1] (f64, computed on the host as the composed update
+// computes them); the step t = count + 1 (count read here, incremented by mt_count_dev afterwards).
+// The composed ops' roundings, in their order (unary affine x·a + b = fma(x, a, b); binary ops
+// rounded each):
+//   p ← fma(p, 1 − lr·wd, 0)                                   (when has_wd)
+//   m ← lerp(m, g, 1 − β1)
+//   v ← fma(v, β2, 0) + fma(g, 1 − β2, 0)·g
+//   d = fma(fma(sqrt(v), 1/√(1 − β2ᵗ), 0), 1, eps)
+//   p ← p + fma(m / d, −lr/(1 − β1ᵗ), 0)
+extern "C" __global__ void adamw_dev_f32(float* P, const float* G, float* M, float* V, const double* count, const double* hp,
+                                         const float* skip, u32 n, int has_wd, float zero) {
+    if (skip_set(skip)) return;
+    const double t = count[0] + 1.0;
+    const float fkeep = (float)hp[0];
+    float f1;
+    int small1;
+    lerp_factor_of(hp[1], f1, small1);
+    const float fb2 = (float)hp[2], f1b2 = (float)hp[3], feps = (float)hp[4];
+    const double bc1 = 1.0 - pow(hp[6], t), bc2 = 1.0 - pow(hp[2], t);
+    const float fisb = (float)(1.0 / sqrt(bc2));
+    const float fnss = (float)(-(hp[5] / bc1));
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        const float g = G[i];
+        float p = P[i];
+        if (has_wd) p = __fmaf_rn(p, fkeep, zero);
+        const float m = M[i];
+        const float d1 = __fsub_rn(g, m);
+        const float m1 = small1 ? __fadd_rn(m, __fmaf_rn(d1, f1, zero)) : __fsub_rn(g, __fmaf_rn(d1, f1, zero));
+        M[i] = m1;
+        const float v1 = __fadd_rn(__fmaf_rn(V[i], fb2, zero), __fmul_rn(__fmaf_rn(g, f1b2, zero), g));
+        V[i] = v1;
+        const float den = __fmaf_rn(__fmaf_rn(sqrtf(v1), fisb, zero), 1.0f, feps);
+        P[i] = __fadd_rn(p, __fmaf_rn(__fdiv_rn(m1, den), fnss, zero));
+    }
+}
+// count += 1 for up to MT_ADD f64 step counts (one element each), unless skipped.
+extern "C" __global__ void mt_count_dev(const MtTable t, const float* skip) {
+    if (skip_set(skip)) return;
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
+    double* C = reinterpret_cast<double*>(t.ptr[0][k]);
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) C[i] = C[i] + 1.0;
+}
+
 // ---- instantiations ---------------------------------------------------------------------------------------
 #define FLOAT_TYPES(X) X(f32, float) X(f64, double) X(f16, __half) X(bf16, __nv_bfloat16)
 #define ALL_TYPES(X) FLOAT_TYPES(X) X(i64, i64) X(u8, u8)

@@ -349,6 +349,29 @@ pub(crate) fn blend_many_dev(any: &CudaStorage, rows: &[([u64; 3], usize)], hp: 
     Ok(())
 }
 
+/// One parameter's AdamW step (`Tensor::adamw_step_many_dev`): `ptrs` = [param, grad, exp_avg,
+/// exp_avg_sq, step count (f64)], `n` elements, the group's scalars at `hp`, no write when the f32
+/// flag at `skip` (0: none) is set. The count is read, not written (`count_many_dev` follows).
+pub(crate) fn adamw_dev(any: &CudaStorage, ptrs: [u64; 5], n: usize, hp: u64, skip: u64, weight_decay: bool) -> Result<()> {
+    let dev = &any.buf.dev;
+    let f = dev.func("adamw_dev_f32", "")?;
+    let [p, g, m, v, c] = ptrs;
+    let (n32, has_wd, zero) = (u32c("adamw_step_many_dev", n)?, weight_decay as i32, 0f32);
+    let blocks = n.div_ceil(256).clamp(1, 1024) as u32;
+    dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(p, g, m, v, c, hp, skip, n32, has_wd, zero))
+}
+
+/// `count += 1` for every f64 count of `rows` (`([count, 0, 0], 1)`), unless the f32 flag at `skip`
+/// (0: none) is set.
+pub(crate) fn count_many_dev(any: &CudaStorage, rows: &[([u64; 3], usize)], skip: u64) -> Result<()> {
+    let dev = &any.buf.dev;
+    let f = dev.func("mt_count_dev", "")?;
+    for (t, blocks) in mt_tables("adamw_step_many_dev", rows)? {
+        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, skip))?;
+    }
+    Ok(())
+}
+
 /// [`lerp_many`] with the weight read from device address `hp` (f64).
 pub(crate) fn lerp_many_dev(any: &CudaStorage, rows: &[([u64; 3], usize)], hp: u64) -> Result<()> {
     let dev = &any.buf.dev;

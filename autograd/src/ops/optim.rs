@@ -218,6 +218,109 @@ impl Tensor {
     }
 }
 
+/// One parameter of [`Tensor::adamw_step_many_dev`]: the parameter, its gradient, its two moments
+/// and its step count (an f64 tensor of one value on the same device, which the step increments).
+#[derive(Clone, Copy)]
+pub struct AdamWItem<'a> {
+    pub param: &'a Tensor,
+    pub grad: &'a Tensor,
+    pub exp_avg: &'a Tensor,
+    pub exp_avg_sq: &'a Tensor,
+    pub step: &'a Tensor,
+}
+
+/// How many scalars [`Tensor::adamw_step_many_dev`] reads: `[1 − lr·wd, 1 − β1, β2, 1 − β2, eps,
+/// lr, β1]`, each computed on the host in f64 as the composed update computes it.
+pub const ADAMW_SCALARS: usize = 7;
+
+impl Tensor {
+    /// AdamW (PyTorch single-tensor semantics: decoupled decay, bias-corrected moments) over many
+    /// parameters with the group's scalars read from `s` and each parameter's step count read from
+    /// and incremented in its `step` tensor — the bytes of [`adamw_composed`], whose bias
+    /// corrections use that count. On CUDA one launch per parameter (f32) plus one for the counts;
+    /// under a set skip flag nothing moves, counts included (a skipped 16-mixed step).
+    pub fn adamw_step_many_dev(items: &[AdamWItem<'_>], s: DeviceScalars<'_>, weight_decay: bool) -> Result<()> {
+        let Some(first) = items.first() else { return Ok(()) };
+        s.check("adamw_step_many_dev", ADAMW_SCALARS, first.param.device())?;
+        let mut fused: Vec<AdamWItem<'_>> = Vec::new();
+        let mut composed: Vec<AdamWItem<'_>> = Vec::new();
+        let mut seen = Storages::default();
+        for it in items {
+            if it.step.dtype() != DType::F64 || it.step.numel() != 1 || it.step.device() != it.param.device() {
+                return Err(crate::Error::invalid("adamw_step_many_dev", "a step count must be one f64 value on the parameter's device"));
+            }
+            let all = [Some(it.param), Some(it.grad), Some(it.exp_avg), Some(it.exp_avg_sq), Some(it.step)];
+            if fusable(it.param, it.grad, Some(it.exp_avg)) && fusable(it.param, it.exp_avg_sq, None) && seen.all_new(&all) {
+                fused.push(*it);
+            } else {
+                composed.push(*it);
+            }
+        }
+        if !composed.is_empty() && !s.skipped_on_host()? {
+            let v = s.host(ADAMW_SCALARS)?;
+            let h: [f64; ADAMW_SCALARS] = std::array::from_fn(|i| v[i]);
+            for it in &composed {
+                let t = it.step.to_vec::<f64>()?.first().copied().unwrap_or(0.0) + 1.0;
+                adamw_composed(it, &h, t, weight_decay)?;
+                it.step.write_f64(0, &[t])?;
+            }
+        }
+        fused_adamw_dev(&fused, s, weight_decay)
+    }
+}
+
+/// AdamW's composed update of one parameter at step `t` with the scalars of
+/// [`Tensor::adamw_step_many_dev`] (the step count is not touched): the reference the fused kernel
+/// reproduces op by op.
+pub fn adamw_composed(it: &AdamWItem<'_>, h: &[f64; ADAMW_SCALARS], t: f64, weight_decay: bool) -> Result<()> {
+    let [keep, w1, b2, one_minus_b2, eps, lr, b1] = *h;
+    crate::no_grad(|| -> Result<()> {
+        let (x, g, m, v) = (it.param, it.grad, it.exp_avg, it.exp_avg_sq);
+        if weight_decay {
+            x.copy_(&x.mul_scalar(keep)?)?;
+        }
+        m.copy_(&lerp(m, g, w1)?)?;
+        v.copy_(&v.mul_scalar(b2)?.add(&g.mul_scalar(one_minus_b2)?.mul(g)?)?)?;
+        let bc1 = 1.0 - b1.powf(t);
+        let bc2 = 1.0 - b2.powf(t);
+        let step_size = lr / bc1;
+        let denom = v.sqrt()?.div_scalar(bc2.sqrt())?.add_scalar(eps)?;
+        x.copy_(&x.add(&m.div(&denom)?.mul_scalar(-step_size)?)?)?;
+        Ok(())
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn fused_adamw_dev(items: &[AdamWItem<'_>], s: DeviceScalars<'_>, weight_decay: bool) -> Result<()> {
+    use crate::storage::Storage;
+    if items.is_empty() {
+        return Ok(());
+    }
+    let (hp, skip) = (s.device_ptr()?, s.skip_ptr()?);
+    let mut counts: Vec<[Option<&Tensor>; 3]> = Vec::with_capacity(items.len());
+    for it in items {
+        let (p, m, v, st) = (it.param.write_storage(), it.exp_avg.write_storage(), it.exp_avg_sq.write_storage(), it.step.read_storage());
+        let g = it.grad.read_storage();
+        let (Storage::Cuda(pc), Storage::Cuda(gc), Storage::Cuda(mc), Storage::Cuda(vc), Storage::Cuda(sc)) = (&*p, &*g, &*m, &*v, &*st)
+        else {
+            return Err(crate::Error::invalid("adamw_step_many_dev", "a fused item is not on CUDA"));
+        };
+        let ptrs = [pc.device_ptr(), gc.device_ptr(), mc.device_ptr(), vc.device_ptr(), sc.device_ptr()];
+        crate::cuda::ops::adamw_dev(pc, ptrs, p.len(), hp, skip, weight_decay)?;
+        counts.push([Some(it.step), None, None]);
+    }
+    // Every update above read its count before any count moves (stream order).
+    on_device_rows("adamw_step_many_dev", &counts, [true, false, false], |dev, rows| crate::cuda::ops::count_many_dev(dev, rows, skip))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_adamw_dev(items: &[AdamWItem<'_>], _s: DeviceScalars<'_>, _weight_decay: bool) -> Result<()> {
+    match items.is_empty() {
+        true => Ok(()),
+        false => Err(crate::Error::invalid("adamw_step_many_dev", "fused items without the CUDA backend")),
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn fused_sgd_dev(items: &[(&Tensor, &Tensor, Option<&Tensor>)], s: DeviceScalars<'_>, weight_decay: bool, nesterov: bool) -> Result<()> {
     if items.is_empty() {

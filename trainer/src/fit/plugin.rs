@@ -120,7 +120,7 @@ pub trait ReplayPlugin: DynClone + Send {
     /// Runs a device part of an optimizer step ([`UpdatePart`]), after its host part wrote the
     /// step's scalars to the device, natively (`body()`) or by a replay of it; it must do what
     /// `body` does. The trainer hands over the unscale and the step only for an optimizer that
-    /// `Optimizer::is_capturable` (SGD, MuSGD; AdamW's step runs natively).
+    /// `Optimizer::is_capturable` (SGD, MuSGD, AdamW).
     fn run_update(&self, part: UpdatePart, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         let _ = part;
         body()

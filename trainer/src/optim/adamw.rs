@@ -1,7 +1,9 @@
 //! AdamW, PyTorch single-tensor semantics (training.md §3.6): decoupled decay, bias-corrected
-//! moments, eps 1e-8, no amsgrad; per-parameter step counters starting at 1.
+//! moments, eps 1e-8, no amsgrad; per-parameter step counters starting at 1. The step reads its
+//! scalars and each parameter's step count from the device (`Tensor::adamw_step_many_dev`), so it
+//! can be recorded; [`TensorUpdate::update`] is the host-scalar reference it matches.
 
-use ptl_autograd::Tensor;
+use ptl_autograd::{AdamWItem, DeviceScalars, Tensor, ADAMW_SCALARS};
 
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, OptimizerName, ParamGroup};
@@ -33,6 +35,35 @@ impl TensorUpdate for AdamWUpdate {
     }
     fn counts_steps(&self) -> bool {
         true
+    }
+    fn device_scalars(&self) -> usize {
+        ADAMW_SCALARS
+    }
+    /// `[1 − lr·wd, 1 − β1, β2, 1 − β2, eps, lr, β1]`, as [`TensorUpdate::update`] computes them.
+    fn write_scalars(&self, g: &ParamGroup, out: &mut [f64]) {
+        let (b1, b2) = g.betas.unwrap_or((0.9, 0.999));
+        out.copy_from_slice(&[1.0 - g.lr * g.weight_decay, 1.0 - b1, b2, 1.0 - b2, g.eps, g.lr, b1]);
+    }
+    /// The group's update from the device scalars, each parameter's step count on the device.
+    fn update_group_dev(
+        &self,
+        g: &ParamGroup,
+        params: &[(&NamedParam, Tensor)],
+        state: &mut ParamStates,
+        s: DeviceScalars<'_>,
+    ) -> Result<()> {
+        let mut held = Vec::with_capacity(params.len());
+        for (p, _) in params {
+            let m = state.get_or_zeros(&p.name, EXP_AVG, &p.tensor)?;
+            let v = state.get_or_zeros(&p.name, EXP_AVG_SQ, &p.tensor)?;
+            held.push((m, v, state.device_step(&p.name, &p.tensor)?));
+        }
+        let items: Vec<AdamWItem<'_>> = params
+            .iter()
+            .zip(&held)
+            .map(|((p, grad), (m, v, c))| AdamWItem { param: &p.tensor, grad, exp_avg: m, exp_avg_sq: v, step: c })
+            .collect();
+        Ok(Tensor::adamw_step_many_dev(&items, s, g.weight_decay != 0.0)?)
     }
     fn update(&self, g: &ParamGroup, p: &NamedParam, grad: &Tensor, state: &mut ParamStates) -> Result<()> {
         let (b1, b2) = g.betas.unwrap_or((0.9, 0.999));

@@ -183,7 +183,7 @@ impl<U: TensorUpdate> Optimizer for Grouped<U> {
     fn load_state_meta(&mut self, meta: &OptimizerMeta) -> Result<()> {
         apply_groups_meta(self.kind(), &mut self.groups, meta)?;
         if self.update.counts_steps() {
-            self.state.set_steps(&meta.steps);
+            self.state.set_steps(&meta.steps)?;
         }
         self.update.read_meta(meta);
         Ok(())
@@ -270,6 +270,9 @@ mod device_scalar_tests {
         fn kind(&self) -> OptimizerName {
             self.0.kind()
         }
+        fn counts_steps(&self) -> bool {
+            self.0.counts_steps()
+        }
         fn state_keys(&self) -> &'static [&'static str] {
             self.0.state_keys()
         }
@@ -309,13 +312,14 @@ mod device_scalar_tests {
         ]
     }
 
-    /// SGD and MuSGD read their step's scalars from the device vector (`update_group_dev`) and
-    /// end with the bytes of the host-scalar path — parameters and every state buffer — over
-    /// three steps whose learning rate and momentum change (warm-up) and with one parameter
-    /// without a gradient in a step.
+    /// SGD, MuSGD and AdamW read their step's scalars from the device vector (`update_group_dev`;
+    /// AdamW its step counts too) and end with the bytes of the host-scalar path — parameters,
+    /// every state buffer and the step counts — over three steps whose learning rate and momentum
+    /// change (warm-up) and with one parameter without a gradient in a step.
     #[test]
     fn device_scalars_give_the_host_scalar_bytes() {
-        for muon in [false, true] {
+        use crate::optim::adamw::AdamWUpdate;
+        for rule in ["sgd", "musgd", "adamw"] {
             let mut rng = Rng::new(4);
             let (ga, gb) = (groups(&mut rng), groups(&mut Rng::new(4)));
             let grads: Vec<Vec<Tensor>> = (0..3)
@@ -326,18 +330,11 @@ mod device_scalar_tests {
                         .collect()
                 })
                 .collect();
-            let mut dev: Box<dyn Optimizer> = if muon {
-                Box::new(Grouped::with_update(ga, MuSgdUpdate { muon_factor: 0.2, sgd_factor: 1.0, ns_precision: NsPrecision::F32 }))
-            } else {
-                Box::new(Grouped::with_update(ga, SgdUpdate))
-            };
-            let mut host: Box<dyn Optimizer> = if muon {
-                Box::new(Grouped::with_update(
-                    gb,
-                    HostOnly(MuSgdUpdate { muon_factor: 0.2, sgd_factor: 1.0, ns_precision: NsPrecision::F32 }),
-                ))
-            } else {
-                Box::new(Grouped::with_update(gb, HostOnly(SgdUpdate)))
+            let musgd = || MuSgdUpdate { muon_factor: 0.2, sgd_factor: 1.0, ns_precision: NsPrecision::F32 };
+            let (mut dev, mut host): (Box<dyn Optimizer>, Box<dyn Optimizer>) = match rule {
+                "musgd" => (Box::new(Grouped::with_update(ga, musgd())), Box::new(Grouped::with_update(gb, HostOnly(musgd())))),
+                "adamw" => (Box::new(Grouped::with_update(ga, AdamWUpdate)), Box::new(Grouped::with_update(gb, HostOnly(AdamWUpdate)))),
+                _ => (Box::new(Grouped::with_update(ga, SgdUpdate)), Box::new(Grouped::with_update(gb, HostOnly(SgdUpdate)))),
             };
             for (step, gs) in grads.iter().enumerate() {
                 for opt in [&mut dev, &mut host] {
@@ -356,7 +353,9 @@ mod device_scalar_tests {
                 let ps = o.param_groups().iter().flat_map(|g| &g.params).map(|p| (p.name.clone(), p.tensor.to_bytes().unwrap()));
                 ps.chain(o.state_tensors().into_iter().map(|(n, t)| (n, t.to_bytes().unwrap()))).collect()
             };
-            assert_eq!(bytes(dev.as_ref()), bytes(host.as_ref()), "muon={muon}");
+            assert_eq!(bytes(dev.as_ref()), bytes(host.as_ref()), "{rule}");
+            assert_eq!(dev.state_meta().steps, host.state_meta().steps, "{rule}: step counts");
+            assert!(dev.is_capturable() && !host.is_capturable(), "{rule}");
         }
     }
 }

@@ -11,8 +11,7 @@
 //! Capturable where the rule reads device scalars (SGD, MuSGD, the EMA; capture.md §16): the host
 //! part of a step (`prepare_step`) writes learning rates, momenta and decay to the device, the
 //! device part (`step_prepared`, `step_prepared_unless` under 16-mixed) reads them, so a recorded
-//! update takes each step's values. AdamW keeps host scalars (bias corrections from host step
-//! counts): its step is not handed to a replay plugin.
+//! update takes each step's values; AdamW keeps its step counts on the device as well.
 //!
 //! ```
 //! use ptl_autograd::{module::parameter, Device, Tensor};

@@ -15,6 +15,9 @@ use crate::error::{Result, TrainerError};
 pub struct ParamStates {
     buffers: HashMap<String, BTreeMap<String, Tensor>>,
     steps: HashMap<String, u64>,
+    /// Step counts kept on the device (AdamW's device path increments them there, so a skipped
+    /// 16-mixed step, decided on the device, does not count): they supersede `steps` where present.
+    device_steps: HashMap<String, Tensor>,
 }
 
 fn state_err(msg: String) -> TrainerError {
@@ -41,6 +44,16 @@ impl ParamStates {
     }
     pub fn step_count(&self, param: &str) -> u64 {
         self.steps.get(param).copied().unwrap_or(0)
+    }
+    /// The step count of `param` as one f64 value on `like`'s device, for an update that reads and
+    /// increments it there; made from the host count on first use.
+    pub fn device_step(&mut self, param: &str, like: &Tensor) -> Result<Tensor> {
+        if let Some(t) = self.device_steps.get(param) {
+            return Ok(t.clone());
+        }
+        let t = Tensor::full(vec![1], self.step_count(param) as f64, ptl_autograd::DType::F64, like.device())?;
+        self.device_steps.insert(param.to_string(), t.clone());
+        Ok(t)
     }
     /// Increments and returns the step counter of `param`.
     pub fn next_step(&mut self, param: &str) -> u64 {
@@ -100,11 +113,29 @@ impl ParamStates {
         })
     }
 
+    /// Every step count, those on the device read back (a synchronisation; checkpoints only). A
+    /// count that cannot be read keeps its host value, with a warning.
     pub(crate) fn steps_map(&self) -> BTreeMap<String, u64> {
-        self.steps.iter().map(|(k, v)| (k.clone(), *v)).collect()
+        let mut out: BTreeMap<String, u64> = self.steps.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        for (k, t) in &self.device_steps {
+            match t.to_vec::<f64>().map(|v| v.first().copied()) {
+                Ok(Some(v)) if v > 0.0 => {
+                    out.insert(k.clone(), v as u64);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    eprintln!("ptl: warning: the step count of `{k}` could not be read from the device ({e}); its host value is saved")
+                }
+            }
+        }
+        out
     }
-    pub(crate) fn set_steps(&mut self, steps: &BTreeMap<String, u64>) {
+    pub(crate) fn set_steps(&mut self, steps: &BTreeMap<String, u64>) -> Result<()> {
         self.steps = steps.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        for (k, t) in &self.device_steps {
+            t.write_f64(0, &[self.steps.get(k).copied().unwrap_or(0) as f64])?;
+        }
+        Ok(())
     }
 }
 
