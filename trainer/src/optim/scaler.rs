@@ -158,9 +158,10 @@ impl GradScaler {
         })
     }
 
-    /// Unscales if not yet done, then runs `opt.step()` unless an inf/NaN was found — decided on
-    /// the device where the optimizer [`Optimizer::is_capturable`], else by a host read. Returns
-    /// whether it stepped (read back after the update; the fit loop uses the parts instead).
+    /// Unscales if not yet done, then runs `opt.step()` unless an inf/NaN was found, decided by a
+    /// host read as PyTorch's `GradScaler.step` does (no state is created for a skipped step).
+    /// Returns whether it stepped. The fit loop uses the parts instead, with the skip decided on
+    /// the device ([`Optimizer::step_prepared_unless`]).
     pub fn step(&mut self, opt: &mut dyn Optimizer) -> Result<bool> {
         if !self.cfg.enabled {
             opt.step()?;
@@ -170,15 +171,10 @@ impl GradScaler {
             self.unscale_(opt)?;
         }
         let found = self.begin_step()?;
-        opt.prepare_step()?;
-        if opt.is_capturable() {
-            opt.step_prepared_unless(&found)?;
-            return Ok(found.item()? == 0.0);
-        }
         if found.item()? != 0.0 {
             return Ok(false);
         }
-        opt.step_prepared()?;
+        opt.step()?;
         Ok(true)
     }
 
