@@ -1097,3 +1097,42 @@ fn fused_lerp_matches_the_composed_one() {
         }
     }
 }
+
+/// Fused gradient clipping (`Tensor::clip_norm_many_`) on CUDA: the total norm within 1e-6 of the
+/// f64 one, every gradient scaled by the composed coefficient's value (within one rounding), the
+/// same bytes run to run, untouched bytes when the norm is under the limit; on the CPU it declines.
+#[test]
+fn fused_clipping_matches_the_composed_norm() {
+    let cpu = Tensor::rand(vec![5], -1.0, 1.0, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+    assert!(Tensor::clip_norm_many_(&[&cpu], 1.0).unwrap().is_none(), "the CPU runs the composed ops");
+    let Some(dev) = gpu() else { return };
+    let sizes: Vec<usize> = (0..93).map(|k| [1usize, 9, 2048, 2049, 70_000][k % 5] + 3 * k).collect();
+    let make = || -> Vec<Tensor> {
+        let mut rng = Rng::new(77);
+        sizes.iter().map(|&n| Tensor::rand(vec![n], -1.0, 1.0, DType::F32, dev, &mut rng).unwrap()).collect()
+    };
+    let host: Vec<Vec<f32>> = make().iter().map(|t| t.to_vec::<f32>().unwrap()).collect();
+    let exact = host.iter().flatten().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt();
+    for max_norm in [10.0, 1e9] {
+        let (a, b) = (make(), make());
+        let ra: Vec<&Tensor> = a.iter().collect();
+        let total = Tensor::clip_norm_many_(&ra, max_norm).unwrap().expect("fused on CUDA").item().unwrap();
+        let rb: Vec<&Tensor> = b.iter().collect();
+        Tensor::clip_norm_many_(&rb, max_norm).unwrap().expect("fused");
+        assert_eq!(
+            a.iter().map(|t| t.to_bytes().unwrap()).collect::<Vec<_>>(),
+            b.iter().map(|t| t.to_bytes().unwrap()).collect::<Vec<_>>()
+        );
+        assert!((total - exact).abs() <= 1e-6 * exact, "total {total} vs {exact}");
+        let coef = (max_norm as f32 / (total as f32 + 1e-6)).min(1.0);
+        for (t, h) in a.iter().zip(&host) {
+            for (x, y) in t.to_vec::<f32>().unwrap().iter().zip(h) {
+                let want = y * coef;
+                assert!((x - want).abs() <= want.abs() * 5e-7, "{x} vs {want}");
+                if max_norm > 1e8 {
+                    assert_eq!(x.to_bits(), y.to_bits(), "under the limit: untouched");
+                }
+            }
+        }
+    }
+}

@@ -1237,6 +1237,52 @@ extern "C" __global__ void mt_lerp_dev_f32(const MtTable t, const double* hp, fl
     mt_lerp_rows(t, f, small, zero);
 }
 
+// ---- gradient clipping (Tensor::clip_norm_many_) -------------------------------------------------------
+// Block b: the sum of squares of its chunk of tensor k — each thread strided over the chunk, then a
+// shared-memory tree in a fixed order — into partials[b].
+extern "C" __global__ void mt_sumsq_f32(const MtTable t, float* partials) {
+    __shared__ float sh[256];
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
+    const float* X = reinterpret_cast<const float*>(t.ptr[0][k]);
+    float acc = 0.0f;
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) acc = __fadd_rn(acc, __fmul_rn(X[i], X[i]));
+    sh[threadIdx.x] = acc;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sh[threadIdx.x] = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + s]);
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partials[blockIdx.x] = sh[0];
+}
+// Block k (one thread): tensor k's norm, √(its chunks' partials summed in order).
+extern "C" __global__ void mt_norms_f32(const MtTable t, const float* partials, float* norms) {
+    const u32 k = blockIdx.x;
+    if (k >= t.count || threadIdx.x != 0) return;
+    float s = 0.0f;
+    for (u32 b = t.first_block[k]; b < t.first_block[k + 1]; ++b) s = __fadd_rn(s, partials[b]);
+    norms[k] = sqrtf(s);
+}
+// One thread: total = √(Σ norm² in tensor order), coef = min(1, max_norm / (total + eps)) with the
+// composed ops' roundings (add, reciprocal, scale, clamp; NaN stays NaN).
+extern "C" __global__ void clip_coef_f32(const float* norms, u32 n, float max_norm, float eps, float* total, float* coef) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    float s = 0.0f;
+    for (u32 j = 0; j < n; ++j) s = __fadd_rn(s, __fmul_rn(norms[j], norms[j]));
+    const float tot = sqrtf(s);
+    const float c = __fmul_rn(__fdiv_rn(1.0f, __fadd_rn(tot, eps)), max_norm);
+    total[0] = tot;
+    coef[0] = c != c ? c : (c < 1.0f ? c : 1.0f);
+}
+// Every element of the table's tensors times coef[0].
+extern "C" __global__ void mt_scale_by_f32(const MtTable t, const float* coef) {
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
+    float* X = reinterpret_cast<float*>(t.ptr[0][k]);
+    const float c = coef[0];
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) X[i] = __fmul_rn(X[i], c);
+}
+
 // ---- AdamW with device scalars (one parameter per launch) ------------------------------------------------
 // hp = [1 − lr·wd, 1 − β1, β2, 1 − β2, eps, lr, β1] (f64, computed on the host as the composed update
 // computes them); the step t = count + 1 (count read here, incremented by mt_count_dev afterwards).

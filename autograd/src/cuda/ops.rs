@@ -209,7 +209,7 @@ pub(crate) fn add_assign(dst: &mut CudaStorage, src: &CudaStorage) -> Result<()>
 
 /// Tensors per multi-tensor launch and elements per block (`MT_ADD`, `MT_CHUNK` in kernels.cu).
 const MT_ADD: usize = 40;
-const MT_CHUNK: usize = 2048;
+pub(crate) const MT_CHUNK: usize = 2048;
 
 /// The kernel-parameter table of the multi-tensor kernels (layout of `MtTable` in kernels.cu):
 /// up to three operand addresses per tensor, its length and first block.
@@ -345,6 +345,32 @@ pub(crate) fn blend_many_dev(any: &CudaStorage, rows: &[([u64; 3], usize)], hp: 
     let (nest, zero) = (nesterov as i32, 0f32);
     for (t, blocks) in mt_tables("momentum_blend_many_dev", rows)? {
         dev.launch(func, (blocks, 1, 1), (256, 1, 1), &mut args!(t, hp, skip, nest, zero))?;
+    }
+    Ok(())
+}
+
+/// Gradient clipping over `rows` (`([grad, 0, 0], len)`, f32, in place; `Tensor::clip_norm_many_`):
+/// scratch = [partials (one per 2048-element chunk), norms (one per tensor), total, coefficient].
+/// Per table of 40: the chunks' sums of squares, then each tensor's norm; then the total and the
+/// coefficient in one thread; then per table every gradient times the coefficient.
+pub(crate) fn clip_norm_many(any: &CudaStorage, rows: &[([u64; 3], usize)], scratch: [u64; 4], max_norm: f32) -> Result<()> {
+    let dev = &any.buf.dev;
+    let [partials, norms, total, coef] = scratch;
+    let (sumsq, norm, finish, scale) =
+        (dev.func("mt_sumsq_f32", "")?, dev.func("mt_norms_f32", "")?, dev.func("clip_coef_f32", "")?, dev.func("mt_scale_by_f32", "")?);
+    let tables = mt_tables("clip_norm_many_", rows)?;
+    let (mut part_at, mut norm_at) = (0u64, 0u64);
+    for (t, blocks) in &tables {
+        let (pa, na) = (partials + 4 * part_at, norms + 4 * norm_at);
+        dev.launch(sumsq, (*blocks, 1, 1), (256, 1, 1), &mut args!(t, pa))?;
+        dev.launch(norm, (t.count, 1, 1), (1, 1, 1), &mut args!(t, pa, na))?;
+        part_at += u64::from(*blocks);
+        norm_at += u64::from(t.count);
+    }
+    let (n, eps) = (u32c("clip_norm_many_", rows.len())?, 1e-6f32);
+    dev.launch(finish, (1, 1, 1), (1, 1, 1), &mut args!(norms, n, max_norm, eps, total, coef))?;
+    for (t, blocks) in &tables {
+        dev.launch(scale, (*blocks, 1, 1), (256, 1, 1), &mut args!(t, coef))?;
     }
     Ok(())
 }
