@@ -1106,6 +1106,7 @@ fn fused_clipping_matches_the_composed_norm() {
     let cpu = Tensor::rand(vec![5], -1.0, 1.0, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
     assert!(Tensor::clip_norm_many_(&[&cpu], 1.0).unwrap().is_none(), "the CPU runs the composed ops");
     let Some(dev) = gpu() else { return };
+    ptl_autograd::cuda::set_fused_clip(true);
     let sizes: Vec<usize> = (0..93).map(|k| [1usize, 9, 2048, 2049, 70_000][k % 5] + 3 * k).collect();
     let make = || -> Vec<Tensor> {
         let mut rng = Rng::new(77);

@@ -63,7 +63,7 @@ pub(crate) use kernel_timer::stage_changed;
 pub use kernel_timer::{GpuKernelTimer, GpuKernelTotals, KernelDetail};
 pub use module_cache::{kernel_cache_dir, module_reports, probe_module_cache, ModuleReport, ModuleSource};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
-pub use ops::{set_bn_one_launch, set_index_add_by_buckets};
+pub use ops::{set_bn_one_launch, set_fused_clip, set_index_add_by_buckets};
 pub use user_kernel::{KernelArg, UserKernel};
 
 use alloc::DevBuf;

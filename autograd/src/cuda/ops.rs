@@ -360,19 +360,34 @@ pub(crate) fn clip_norm_many(any: &CudaStorage, rows: &[([u64; 3], usize)], scra
         (dev.func("mt_sumsq_f32", "")?, dev.func("mt_norms_f32", "")?, dev.func("clip_coef_f32", "")?, dev.func("mt_scale_by_f32", "")?);
     let tables = mt_tables("clip_norm_many_", rows)?;
     let (mut part_at, mut norm_at) = (0u64, 0u64);
-    for (t, blocks) in &tables {
+    // The tables go to the kernels by value (`args!` takes each argument's address: a reference
+    // there would hand the kernel a pointer instead of the table — the first GPU run's bug).
+    for &(t, blocks) in &tables {
         let (pa, na) = (partials + 4 * part_at, norms + 4 * norm_at);
-        dev.launch(sumsq, (*blocks, 1, 1), (256, 1, 1), &mut args!(t, pa))?;
+        dev.launch(sumsq, (blocks, 1, 1), (256, 1, 1), &mut args!(t, pa))?;
         dev.launch(norm, (t.count, 1, 1), (1, 1, 1), &mut args!(t, pa, na))?;
-        part_at += u64::from(*blocks);
+        part_at += u64::from(blocks);
         norm_at += u64::from(t.count);
     }
     let (n, eps) = (u32c("clip_norm_many_", rows.len())?, 1e-6f32);
     dev.launch(finish, (1, 1, 1), (1, 1, 1), &mut args!(norms, n, max_norm, eps, total, coef))?;
-    for (t, blocks) in &tables {
-        dev.launch(scale, (*blocks, 1, 1), (256, 1, 1), &mut args!(t, coef))?;
+    for &(t, blocks) in &tables {
+        dev.launch(scale, (blocks, 1, 1), (256, 1, 1), &mut args!(t, coef))?;
     }
     Ok(())
+}
+
+static FUSED_CLIP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether gradient clipping takes the multi-tensor kernels (`Tensor::clip_norm_many_`). Off by
+/// default: the kernels have not yet passed a GPU run (the first one failed on a table passed by
+/// reference, since fixed); the CUDA test `fused_clipping_matches_the_composed_norm` turns it on.
+pub fn set_fused_clip(on: bool) {
+    FUSED_CLIP.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub(crate) fn fused_clip_enabled() -> bool {
+    FUSED_CLIP.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One parameter's AdamW step (`Tensor::adamw_step_many_dev`): `ptrs` = [param, grad, exp_avg,

@@ -223,7 +223,8 @@ impl Tensor {
     /// each tensor's norm, the total norm of those, and every gradient times
     /// `min(1, max_norm / (total + 1e-6))` — always multiplied in, no host read. Returns the total
     /// as an f32 0-d tensor, or `None` (nothing done) unless every gradient is a whole f32 CUDA
-    /// tensor of its own storage: the caller then runs the composed ops. Three launches per 40
+    /// tensor of its own storage and the kernels are on (`cuda::set_fused_clip`; off by default
+    /// until they pass a GPU run): the caller then runs the composed ops. Three launches per 40
     /// tensors and one more instead of about ten per tensor; the sums of squares go by 2048-element
     /// chunks, each tree-summed in a fixed order, then chunk by chunk and tensor by tensor, so the
     /// result is deterministic (its last bits differ from the composed reduction's).
@@ -236,13 +237,16 @@ impl Tensor {
         if !matches!(device, crate::Device::Cuda(_)) || !grads.iter().all(|g| whole_f32(g) && seen.all_new(&[Some(*g)])) {
             return Ok(None);
         }
-        fused_clip(grads, max_norm).map(Some)
+        fused_clip(grads, max_norm)
     }
 }
 
 #[cfg(feature = "cuda")]
-fn fused_clip(grads: &[&Tensor], max_norm: f64) -> Result<Tensor> {
+fn fused_clip(grads: &[&Tensor], max_norm: f64) -> Result<Option<Tensor>> {
     use crate::storage::Storage;
+    if !crate::cuda::ops::fused_clip_enabled() {
+        return Ok(None);
+    }
     let device = grads[0].device();
     let items: Vec<[Option<&Tensor>; 3]> = grads.iter().map(|g| [Some(*g), None, None]).collect();
     let blocks: usize = grads.iter().map(|g| g.numel().div_ceil(crate::cuda::ops::MT_CHUNK)).sum();
@@ -261,11 +265,11 @@ fn fused_clip(grads: &[&Tensor], max_norm: f64) -> Result<Tensor> {
     on_device_rows("clip_norm_many_", &items, [true, false, false], |dev, rows| {
         crate::cuda::ops::clip_norm_many(dev, rows, [pp, np, tp, cp], max_norm as f32)
     })?;
-    Ok(total)
+    Ok(Some(total))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn fused_clip(_grads: &[&Tensor], _max_norm: f64) -> Result<Tensor> {
+fn fused_clip(_grads: &[&Tensor], _max_norm: f64) -> Result<Option<Tensor>> {
     Err(crate::Error::invalid("clip_norm_many_", "CUDA gradients without the CUDA backend"))
 }
 

@@ -1,7 +1,8 @@
 //! Global L2 gradient-norm clipping, PyTorch `clip_grad_norm_` semantics (trainer.md §8):
 //! absent gradients are skipped, the coefficient `min(1, max_norm / (total + 1e-6))` is always
-//! multiplied in (no host read), gradients are scaled in place. f32 gradients on CUDA take the
-//! multi-tensor kernels (`Tensor::clip_norm_many_`, a few launches), others the composed ops.
+//! multiplied in (no host read), gradients are scaled in place. f32 gradients on CUDA can take
+//! multi-tensor kernels (`Tensor::clip_norm_many_`, a few launches; off until they pass a GPU
+//! run), others the composed ops.
 
 use ptl_autograd::{DType, Device, Tensor};
 
@@ -16,7 +17,7 @@ pub fn clip_grad_norm<'a>(params: impl IntoIterator<Item = &'a Tensor>, max_norm
     ptl_autograd::no_grad(|| -> Result<Tensor> {
         let Some(first) = grads.first() else { return Ok(Tensor::scalar(0.0, DType::F32, Device::Cpu)?) };
         let device = first.device();
-        // f32 CUDA gradients: a few multi-tensor launches (`Tensor::clip_norm_many_`).
+        // f32 CUDA gradients with the fused kernels on: a few multi-tensor launches.
         let refs: Vec<&Tensor> = grads.iter().collect();
         if let Some(total) = Tensor::clip_norm_many_(&refs, max_norm)? {
             return Ok(total);
