@@ -23,7 +23,7 @@ const ULTRA: &str = "ultralytics";
 
 const HELP: &str = "usage: cargo xtask bench [options]            run the benchmark here (builds ptl in release)
        cargo xtask bench --pack [options]     write bench-pack/ for the GPU machine: `bash bench-pack/run.sh [options]`
-       cargo xtask bench --report DIR|FILE... merge the runs.jsonl of earlier calls (or runs files) into one table
+       cargo xtask bench --report DIR|FILE... [--out DIR]   merge the runs.jsonl of earlier calls (or runs files) into one table
 options:
   --arms A,B         ptl arms: native (default), workers0 (batches built on the training thread),
                      feature (replay=feature), feature+stem (replay=feature,stem), all (replay=all:
@@ -150,10 +150,30 @@ fn ultra_amp(precision: &str) -> Result<&'static str, String> {
     }
 }
 
+/// `--report`'s arguments: folders or runs files, and `--out DIR` (default `$OUT`, else
+/// `bench-out`).
+fn report_args(args: &[String]) -> Result<(Vec<PathBuf>, PathBuf), String> {
+    let mut out = std::env::var_os("OUT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("bench-out"));
+    let mut dirs = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--out" => out = PathBuf::from(it.next().ok_or("--out needs a folder")?),
+            x if x.starts_with("--") => {
+                return Err(format!("unknown option {x} after --report (it takes folders or runs files, and --out DIR)"))
+            }
+            _ => dirs.push(PathBuf::from(a)),
+        }
+    }
+    if dirs.is_empty() {
+        return Err("--report needs at least one folder (with runs.jsonl) or runs file".into());
+    }
+    Ok((dirs, out))
+}
+
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
     if args.first().map(String::as_str) == Some("--report") {
-        let dirs: Vec<PathBuf> = args[1..].iter().filter(|a| !a.starts_with("--")).map(PathBuf::from).collect();
-        let out = std::env::var_os("OUT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("bench-out"));
+        let (dirs, out) = report_args(&args[1..])?;
         let mut recs = Vec::new();
         for d in &dirs {
             // A folder's runs.jsonl, or a runs file itself (e.g. a kept `runs-before-….jsonl`).
@@ -1030,6 +1050,8 @@ mod tests {
             0,
             json!({
                 "timing": { "start_to_start": { "median_ms": step, "timed_steps": 100 }, "data_wait_ms_mean": 1.0,
+                            "start_to_start_update": { "median_ms": step + 4.0, "timed_steps": 6 },
+                            "start_to_start_no_update": { "median_ms": step, "timed_steps": 94 },
                             "launches": { "kernel_launches": 9000.0, "library_calls": 900.0, "graph_launches": 0.0, "host_syncs": 3.0 },
                             "gpu": { "kernel_ms_per_step": 40.0, "kernels_per_step": 10000.0, "event_span_ms_per_step": 60.0,
                                      "breakdown": { "by_stage": [{ "label": "model backward", "ms_per_step": 30.0, "kernels_per_step": 7000.0 },
@@ -1067,6 +1089,7 @@ mod tests {
         assert!(md.contains("| bf16-mixed | native | 40.0 | 10.00 (3000) | 30.00 (7000) |"), "stage breakdown: {md}");
         assert!(md.contains("- bf16-mixed native: reduce_rows 12.50 (900)"), "class breakdown: {md}");
         assert!(md.contains("model backward · reduce_rows · `reduce_rows_f32`: 9.000 (500)"), "top kernels: {md}");
+        assert!(md.contains("| bf16-mixed | native | 79.5 (79.0–80.0) | 75.5 (75.0–76.0) | 4.0 (4.0–4.0) |"), "update steps: {md}");
         // Another batch size forms its own rows (and its own hash group).
         let mut b16 = ptl_run("native", 1, 30.0, 120.0, "m16");
         b16["batch"] = json!(16);
@@ -1097,6 +1120,16 @@ mod tests {
         assert!(md.contains("native bf16-mixed #0: exit 1: error: CUDA is not usable"), "{md}");
         assert!(md.starts_with("1 runs, all failed: no figures.") && !md.contains("| precision |"), "no empty table: {md}");
         let _ = std::fs::remove_dir_all(&out);
+    }
+
+    #[test]
+    fn report_takes_folders_and_an_output() {
+        let v = |xs: &[&str]| xs.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let (dirs, out) = report_args(&v(&["a", "--out", "merged", "b"])).expect("folders and --out");
+        assert_eq!((dirs, out), (vec![PathBuf::from("a"), PathBuf::from("b")], PathBuf::from("merged")));
+        assert!(report_args(&v(&["a", "--out"])).is_err(), "--out without a folder");
+        assert!(report_args(&v(&["a", "--pairs", "3"])).is_err(), "an option --report does not take");
+        assert!(report_args(&v(&[])).is_err(), "no folder");
     }
 
     #[test]
