@@ -990,9 +990,7 @@ fn device_scalar_optimizer_ops_match_the_host_scalar_ones() {
                 let h = [1.0 - lr * wd, 1.0 - b1, b2, 1.0 - b2, 1e-8, lr, b1];
                 ahp.write_f64(0, &h).unwrap();
                 for (((p, g), m), v) in pa.iter().zip(gs).zip(&ma).zip(&va) {
-                    let c = Tensor::zeros(vec![1], DType::F64, dev).unwrap();
-                    let it = ptl_autograd::AdamWItem { param: p, grad: g, exp_avg: m, exp_avg_sq: v, step: &c };
-                    ptl_autograd::adamw_composed(&it, &h, (step + 1) as f64, wd != 0.0).unwrap();
+                    ptl_autograd::adamw_composed(p, g, m, v, &h, (step + 1) as f64, wd != 0.0).unwrap();
                 }
                 let items: Vec<ptl_autograd::AdamWItem<'_>> = pb
                     .iter()

@@ -12,6 +12,29 @@ fn gpu() -> Option<Device> {
     ptl_autograd::cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}"))
 }
 
+/// The 64 px CUDA fit every test here starts from: one epoch of batches of 2 on `data`, MuSGD,
+/// `seed`, two loader workers, mosaic kept, no plots, progress or GPU trace, `replay` into `save`.
+fn cuda_fit_cfg(data: &std::path::Path, dev: Device, seed: u64, replay: &[&str], save: std::path::PathBuf) -> PoseTrainConfig {
+    PoseTrainConfig {
+        data: data.to_path_buf(),
+        epochs: 1,
+        batch: 2,
+        imgsz: 64,
+        seed,
+        device: dev,
+        workers: Some(2),
+        optimizer: "MuSGD".into(),
+        close_mosaic: 0,
+        plots: false,
+        progress: false,
+        gpu_time: false,
+        exist_ok: true,
+        replay: replay.iter().map(|s| s.to_string()).collect(),
+        save_dir: save,
+        ..PoseTrainConfig::default()
+    }
+}
+
 #[test]
 fn cuda_replay_equals_native_in_every_precision() {
     let Some(dev) = gpu() else { return };
@@ -20,25 +43,8 @@ fn cuda_replay_equals_native_in_every_precision() {
     let data = ptl_test_support::pose_dataset(&dir, 40, 10);
     for precision in [Precision::F32, Precision::Bf16Mixed, Precision::F16Mixed] {
         let run = |replay: &[&str]| {
-            let cfg = PoseTrainConfig {
-                data: data.clone(),
-                epochs: 1,
-                batch: 2,
-                imgsz: 64,
-                seed: 3,
-                device: dev,
-                precision,
-                workers: Some(2),
-                optimizer: "MuSGD".into(),
-                close_mosaic: 0,
-                plots: false,
-                progress: false,
-                gpu_time: false,
-                exist_ok: true,
-                replay: replay.iter().map(|s| s.to_string()).collect(),
-                save_dir: dir.join(format!("{}-{}", precision.name(), replay.join("+"))),
-                ..PoseTrainConfig::default()
-            };
+            let save = dir.join(format!("{}-{}", precision.name(), replay.join("+")));
+            let cfg = PoseTrainConfig { precision, ..cuda_fit_cfg(&data, dev, 3, replay, save) };
             fit(&cfg, vec![]).expect("fit")
         };
         let native = run(&[]);
@@ -67,26 +73,8 @@ fn cuda_ns_replay_equals_native() {
     let dir = std::env::temp_dir().join(format!("ptl-cuda-ns-{}", std::process::id()));
     let data = ptl_test_support::pose_dataset(&dir, 24, 6);
     let run = |replay: &[&str]| {
-        let cfg = PoseTrainConfig {
-            data: data.clone(),
-            epochs: 1,
-            batch: 2,
-            nbs: 2,
-            imgsz: 64,
-            seed: 5,
-            device: dev,
-            precision: Precision::Bf16Mixed,
-            workers: Some(2),
-            optimizer: "MuSGD".into(),
-            close_mosaic: 0,
-            plots: false,
-            progress: false,
-            gpu_time: false,
-            exist_ok: true,
-            replay: replay.iter().map(|s| s.to_string()).collect(),
-            save_dir: dir.join(format!("ns-{}", replay.join("+"))),
-            ..PoseTrainConfig::default()
-        };
+        let save = dir.join(format!("ns-{}", replay.join("+")));
+        let cfg = PoseTrainConfig { nbs: 2, precision: Precision::Bf16Mixed, ..cuda_fit_cfg(&data, dev, 5, replay, save) };
         fit(&cfg, vec![]).expect("fit")
     };
     let native = run(&[]);
@@ -117,25 +105,12 @@ fn cuda_optimizer_replay_follows_the_lr_schedule() {
     let data = ptl_test_support::pose_dataset(&dir, 24, 6);
     for optimizer in ["SGD", "MuSGD", "AdamW"] {
         let run = |replay: &[&str]| {
+            let save = dir.join(format!("upd-{optimizer}-{}", replay.join("+")));
             let cfg = PoseTrainConfig {
-                data: data.clone(),
-                epochs: 1,
-                batch: 2,
                 nbs: 2,
-                imgsz: 64,
-                seed: 6,
-                device: dev,
                 precision: Precision::Bf16Mixed,
-                workers: Some(2),
                 optimizer: optimizer.into(),
-                close_mosaic: 0,
-                plots: false,
-                progress: false,
-                gpu_time: false,
-                exist_ok: true,
-                replay: replay.iter().map(|s| s.to_string()).collect(),
-                save_dir: dir.join(format!("upd-{optimizer}-{}", replay.join("+"))),
-                ..PoseTrainConfig::default()
+                ..cuda_fit_cfg(&data, dev, 6, replay, save)
             };
             fit(&cfg, vec![]).expect("fit")
         };
@@ -158,26 +133,8 @@ fn cuda_all_replay_equals_native_in_every_precision() {
     let data = ptl_test_support::pose_dataset(&dir, 24, 6);
     for precision in [Precision::F32, Precision::Bf16Mixed, Precision::F16Mixed] {
         let run = |replay: &[&str]| {
-            let cfg = PoseTrainConfig {
-                data: data.clone(),
-                epochs: 1,
-                batch: 2,
-                nbs: 2,
-                imgsz: 64,
-                seed: 8,
-                device: dev,
-                precision,
-                workers: Some(2),
-                optimizer: "MuSGD".into(),
-                close_mosaic: 0,
-                plots: false,
-                progress: false,
-                gpu_time: false,
-                exist_ok: true,
-                replay: replay.iter().map(|s| s.to_string()).collect(),
-                save_dir: dir.join(format!("all-{}-{}", precision.name(), replay.join("+"))),
-                ..PoseTrainConfig::default()
-            };
+            let save = dir.join(format!("all-{}-{}", precision.name(), replay.join("+")));
+            let cfg = PoseTrainConfig { nbs: 2, precision, ..cuda_fit_cfg(&data, dev, 8, replay, save) };
             fit(&cfg, vec![]).expect("fit")
         };
         let native = run(&[]);
@@ -201,23 +158,8 @@ fn cuda_t12_an_injected_inf_skips_the_step_on_the_device() {
     let dir = std::env::temp_dir().join(format!("ptl-cuda-t12-{}", std::process::id()));
     let data = ptl_test_support::pose_dataset(&dir, 16, 4);
     for optimizer in ["SGD", "MuSGD", "AdamW"] {
-        let base = PoseTrainConfig {
-            data: data.clone(),
-            epochs: 1,
-            batch: 2,
-            nbs: 2,
-            imgsz: 64,
-            seed: 9,
-            device: dev,
-            workers: Some(2),
-            close_mosaic: 0,
-            plots: false,
-            progress: false,
-            gpu_time: false,
-            exist_ok: true,
-            save_dir: dir.clone(),
-            ..PoseTrainConfig::default()
-        };
+        // (scaler_skip sets the precision, optimizer and replay of each of its runs.)
+        let base = PoseTrainConfig { nbs: 2, ..cuda_fit_cfg(&data, dev, 9, &[], dir.clone()) };
         let s = scaler_skip::injected_inf_skips_the_step_on_the_device(&base, optimizer, 8);
         println!("ok cuda T12 {optimizer}: {}", s.plugins.join(" || ").chars().take(300).collect::<String>());
     }

@@ -316,7 +316,7 @@ impl Tensor {
             let h: [f64; ADAMW_SCALARS] = std::array::from_fn(|i| v[i]);
             for it in &composed {
                 let t = it.step.to_vec::<f64>()?.first().copied().unwrap_or(0.0) + 1.0;
-                adamw_composed(it, &h, t, weight_decay)?;
+                adamw_composed(it.param, it.grad, it.exp_avg, it.exp_avg_sq, &h, t, weight_decay)?;
                 it.step.write_f64(0, &[t])?;
             }
         }
@@ -324,13 +324,12 @@ impl Tensor {
     }
 }
 
-/// AdamW's composed update of one parameter at step `t` with the scalars of
-/// [`Tensor::adamw_step_many_dev`] (the step count is not touched): the reference the fused kernel
+/// AdamW's composed update of parameter `x` (gradient `g`, moments `m`, `v`, all in place) at step
+/// `t` with the scalars of [`Tensor::adamw_step_many_dev`]: the reference the fused kernel
 /// reproduces op by op.
-pub fn adamw_composed(it: &AdamWItem<'_>, h: &[f64; ADAMW_SCALARS], t: f64, weight_decay: bool) -> Result<()> {
+pub fn adamw_composed(x: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &[f64; ADAMW_SCALARS], t: f64, weight_decay: bool) -> Result<()> {
     let [keep, w1, b2, one_minus_b2, eps, lr, b1] = *h;
     crate::no_grad(|| -> Result<()> {
-        let (x, g, m, v) = (it.param, it.grad, it.exp_avg, it.exp_avg_sq);
         if weight_decay {
             x.copy_(&x.mul_scalar(keep)?)?;
         }

@@ -3,13 +3,12 @@
 //! scalars and each parameter's step count from the device (`Tensor::adamw_step_many_dev`), so it
 //! can be recorded; [`TensorUpdate::update`] is the host-scalar reference it matches.
 
-use ptl_autograd::{AdamWItem, DeviceScalars, Tensor, ADAMW_SCALARS};
+use ptl_autograd::{adamw_composed, AdamWItem, DeviceScalars, Tensor, ADAMW_SCALARS};
 
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, OptimizerName, ParamGroup};
 use super::state::ParamStates;
 use crate::error::Result;
-use ptl_autograd::lerp;
 
 pub const EXP_AVG: &str = "exp_avg";
 pub const EXP_AVG_SQ: &str = "exp_avg_sq";
@@ -65,25 +64,13 @@ impl TensorUpdate for AdamWUpdate {
             .collect();
         Ok(Tensor::adamw_step_many_dev(&items, s, g.weight_decay != 0.0)?)
     }
+    /// The host-scalar update: the same arithmetic ([`adamw_composed`]) at the host's step count.
     fn update(&self, g: &ParamGroup, p: &NamedParam, grad: &Tensor, state: &mut ParamStates) -> Result<()> {
-        let (b1, b2) = g.betas.unwrap_or((0.9, 0.999));
+        let mut h = [0.0; ADAMW_SCALARS];
+        self.write_scalars(g, &mut h);
         let m = state.get_or_zeros(&p.name, EXP_AVG, &p.tensor)?;
         let v = state.get_or_zeros(&p.name, EXP_AVG_SQ, &p.tensor)?;
         let t = state.next_step(&p.name) as f64;
-        let (lr, wd, eps) = (g.lr, g.weight_decay, g.eps);
-        ptl_autograd::no_grad(|| -> Result<()> {
-            let x = &p.tensor;
-            if wd != 0.0 {
-                x.copy_(&x.mul_scalar(1.0 - lr * wd)?)?;
-            }
-            m.copy_(&lerp(&m, grad, 1.0 - b1)?)?;
-            v.copy_(&v.mul_scalar(b2)?.add(&grad.mul_scalar(1.0 - b2)?.mul(grad)?)?)?;
-            let bc1 = 1.0 - b1.powf(t);
-            let bc2 = 1.0 - b2.powf(t);
-            let step_size = lr / bc1;
-            let denom = v.sqrt()?.div_scalar(bc2.sqrt())?.add_scalar(eps)?;
-            x.copy_(&x.add(&m.div(&denom)?.mul_scalar(-step_size)?)?)?;
-            Ok(())
-        })
+        Ok(adamw_composed(&p.tensor, grad, &m, &v, &h, t, g.weight_decay != 0.0)?)
     }
 }
