@@ -7,7 +7,7 @@
 //! ```
 //!
 //! Each subcommand group parses its own arguments and calls into the library crates; add new
-//! groups (`train`, `val`, `predict`) as variants of [`Command`] with a `run_*` function.
+//! groups (`train`, `val`, `predict`) as variants of `Command` with a `run_*` function.
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -24,7 +24,7 @@ impl Instances {
         Instances { k, ..Default::default() }
     }
 
-    /// De-normalises labels (cx, cy, w, h in [0,1]) of an image of size `w × h` to pixel xyxy.
+    /// De-normalises labels (cx, cy, w, h in `[0, 1]`) of an image of size `w × h` to pixel xyxy.
     pub fn from_labels(l: &Labels, k: usize, w: f32, h: f32) -> Self {
         let boxes = l
             .boxes
@@ -87,7 +87,7 @@ impl Instances {
         self.kpts.extend(o.kpts);
     }
 
-    /// `Instances.clip`: box corners clamped to [0,w]×[0,h]; keypoints outside get v = 0, then are clamped.
+    /// `Instances.clip`: box corners clamped to `[0, w] × [0, h]`; keypoints outside get v = 0, then are clamped.
     pub fn clip(&mut self, w: f32, h: f32) {
         for b in &mut self.boxes {
             b[0] = b[0].clamp(0.0, w);
@@ -534,7 +534,7 @@ fn warp_separable(src: &Image, f: &[[f32; 3]; 2], out: &mut Image) {
 /// Warps `src` with the 3×3 matrix `m` (destination = m · source) into `out_w × out_h`, bilinear, constant border
 /// 114, as OpenCV ≥ 4.11 (`warpAffine` / `warpPerspective`, INTER_LINEAR, 8UC3) computes it: the inverse matrix in
 /// double, converted to float32; per destination pixel `sx = M₀·x + (M₁·y + M₂)` (and `/ (M₆·x + (M₇·y + M₈))` for
-/// perspective) in float32; see [`sample_into`]. Bit-exact against OpenCV 5.0 in the goldens.
+/// perspective) in float32; see `sample_into`. Bit-exact against OpenCV 5.0 in the goldens.
 pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) -> Image {
     let (ow, oh) = (out_w as usize, out_h as usize);
     let mut out = Image { w: out_w, h: out_h, data: vec![PAD_VALUE; ow * oh * 3] };

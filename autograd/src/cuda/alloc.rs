@@ -57,7 +57,7 @@ fn parse_cache_limits(v: &str) -> std::result::Result<(u64, usize), String> {
 }
 
 /// Sets the block cache's limits on `device` (bytes in all, largest cached block), returning the
-/// previous ones; cached blocks go back to the pool first. Like [`CACHE_ENV`], at run time.
+/// previous ones; cached blocks go back to the pool first. Like `CACHE_ENV`, at run time.
 pub fn set_block_cache_limits(device: Device, limit: u64, max_block: usize) -> Result<(u64, usize)> {
     let dev = super::dev_of(device)?;
     flush_block_cache(&dev);

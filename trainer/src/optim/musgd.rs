@@ -88,7 +88,7 @@ impl TensorUpdate for MuSgdUpdate {
         7
     }
     /// `[wd, μ, −lr·f]` of the group's SGD step (f = 1, or `sgd_factor` in a Muon group), β = μ of
-    /// the Muon blend, and `[0, 0, −lr·muon_factor]` of the Muon step — as [`sgd_step`] computes them.
+    /// the Muon blend, and `[0, 0, −lr·muon_factor]` of the Muon step — as `sgd_step` computes them.
     fn write_scalars(&self, g: &ParamGroup, out: &mut [f64]) {
         let mu = g.momentum.unwrap_or(0.0);
         let f = if g.use_muon { self.sgd_factor } else { 1.0 };

@@ -35,7 +35,7 @@ pub(crate) fn sgd_step(lr: f64, momentum: f64, weight_decay: f64, nesterov: bool
 /// `torch.optim.SGD(nesterov=True)` over Ultralytics' three groups [weight, bn, bias].
 pub type Sgd = Grouped<SgdUpdate>;
 
-/// SGD's per-tensor update: plain SGD (no buffer) without momentum, else [`sgd_update`].
+/// SGD's per-tensor update: plain SGD (no buffer) without momentum, else `sgd_update`.
 pub struct SgdUpdate;
 
 impl Sgd {
@@ -63,7 +63,7 @@ impl TensorUpdate for SgdUpdate {
     fn device_scalars(&self) -> usize {
         3
     }
-    /// `[weight_decay, momentum, −lr]` as [`sgd_step`] computes them.
+    /// `[weight_decay, momentum, −lr]` as `sgd_step` computes them.
     fn write_scalars(&self, g: &ParamGroup, out: &mut [f64]) {
         let h = sgd_step(g.lr, g.momentum.unwrap_or(0.0), g.weight_decay, g.nesterov, 1.0);
         out.copy_from_slice(&[h.weight_decay, h.momentum, h.neg_lr]);
