@@ -1,5 +1,6 @@
 //! What the optimizer-stage plugins (`ns`, `optimizer`) share: a recorder and per-call regions
-//! keyed by what selects a recording (a matrix-shape group, a gradient-presence mask).
+//! keyed by what selects a recording (a matrix-shape group, a gradient-presence mask), and the
+//! plugin shell around them (settings, this fit's regions, the dispatch test hook).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -60,5 +61,76 @@ impl<K: Ord> KeyedRegions<K> {
             r.release();
         }
         regions.clear();
+    }
+}
+
+/// A plugin's per-fit state that holds its keyed regions.
+pub(crate) trait HoldsRegions {
+    type Key: Ord;
+    fn keyed(&self) -> &KeyedRegions<Self::Key>;
+}
+
+/// The part of an optimizer-stage plugin that does not depend on what it records: its recorder
+/// settings (checkpointed), this fit's regions, and the `"dispatch": false` test hook (the seam
+/// acts broken, so that the mutation tests can show the replay guard failing).
+pub(crate) struct PluginShell<R> {
+    pub(crate) config: RecorderConfig,
+    regions: Option<Arc<R>>,
+    dispatch: bool,
+}
+
+impl<R> Clone for PluginShell<R> {
+    /// A clone starts without recordings (checkpoints and clones never carry graphs).
+    fn clone(&self) -> Self {
+        PluginShell { config: self.config.clone(), regions: None, dispatch: self.dispatch }
+    }
+}
+
+impl<R: HoldsRegions> PluginShell<R> {
+    pub(crate) fn new(config: RecorderConfig) -> Self {
+        PluginShell { config, regions: None, dispatch: true }
+    }
+
+    /// Settings of plugin `name` from its `replay_config` entry (recorder fields and `dispatch`).
+    pub(crate) fn from_config(name: &'static str, cfg: &serde_json::Value) -> ptl_trainer::Result<Self> {
+        let mut shell = PluginShell::new(crate::replay::parse_config(name, cfg)?);
+        shell.dispatch = cfg["dispatch"].as_bool().unwrap_or(true);
+        Ok(shell)
+    }
+
+    /// This fit's regions, the previous fit's released first.
+    pub(crate) fn install(&mut self, regions: R) {
+        self.release();
+        self.regions = Some(Arc::new(regions));
+    }
+
+    /// The regions, when the plugin dispatches to them.
+    pub(crate) fn active(&self) -> Option<&Arc<R>> {
+        self.regions.as_ref().filter(|_| self.dispatch)
+    }
+
+    pub(crate) fn release(&self) {
+        if let Some(r) = &self.regions {
+            r.keyed().release();
+        }
+    }
+
+    pub(crate) fn summary(&self) -> Option<String> {
+        self.regions.as_ref().map(|r| r.keyed().summary_line())
+    }
+
+    pub(crate) fn counters(&self) -> serde_json::Value {
+        self.regions.as_ref().map_or(serde_json::Value::Null, |r| r.keyed().counters_json())
+    }
+
+    pub(crate) fn state(&self) -> serde_json::Value {
+        serde_json::json!({ "recorder": self.config })
+    }
+
+    pub(crate) fn load_state(&mut self, name: &'static str, state: &serde_json::Value) -> ptl_trainer::Result<()> {
+        if !state["recorder"].is_null() {
+            self.config = crate::replay::parse_config(name, &state["recorder"])?;
+        }
+        Ok(())
     }
 }

@@ -4,16 +4,16 @@
 //! becomes a region whose inputs are the group's matrices and whose outputs are their
 //! orthogonalised updates. Newton–Schulz has no state and no hyperparameters (its coefficients are
 //! constants), so a recording replays whatever the step's learning rate. The plugin reaches the
-//! optimizer through `ptl_trainer::optim::with_ns_runner` around the optimizer stage.
-
-use std::sync::Arc;
+//! optimizer through `ptl_trainer::optim::with_ns_runner` around the optimizer stage. A plugin that
+//! records the whole update (`replay=optimizer`) installs its own runner inside it, so these regions
+//! are not used then.
 
 use ptl_autograd::Tensor;
 use ptl_capture::RecorderConfig;
 use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, Stage, StageInfo};
 use ptl_trainer::optim::{with_ns_runner, NsRunner};
 
-use crate::keyed::KeyedRegions;
+use crate::keyed::{HoldsRegions, KeyedRegions, PluginShell};
 
 /// A group's key: matrix shape, dtype and how many matrices.
 type GroupKey = (Vec<usize>, String, usize);
@@ -28,12 +28,6 @@ impl NsRunner for NsRegions {
         body: &dyn Fn(&[Tensor]) -> ptl_trainer::Result<Vec<Tensor>>,
     ) -> ptl_trainer::Result<Vec<Tensor>> {
         let Some(first) = matrices.first() else { return body(matrices) };
-        // Inside another recording (`replay=optimizer` records the whole update): run natively,
-        // so the kernels go into that graph.
-        #[cfg(feature = "cuda")]
-        if ptl_autograd::cuda::capture_support::is_capturing() {
-            return body(matrices);
-        }
         let key = (first.dims().to_vec(), first.dtype().to_string(), matrices.len());
         let name = format!("ns.{}x{}.{}", key.0.first().copied().unwrap_or(0), key.0.get(1).copied().unwrap_or(0), key.2);
         let region = self.0.region(key, |_| name);
@@ -47,18 +41,15 @@ impl NsRunner for NsRegions {
 
 /// The `ns` replay plugin. Configuration: `ptl_capture::RecorderConfig` fields as JSON over
 /// [`crate::plugin_defaults`].
+#[derive(Clone)]
 pub struct NsReplay {
-    config: RecorderConfig,
-    regions: Option<Arc<NsRegions>>,
-    /// Test hook (`"dispatch": false`): the optimizer stage is not wrapped, as if the seam were
-    /// broken — the mutation tests show that the replay guard then fails.
-    dispatch: bool,
+    shell: PluginShell<NsRegions>,
 }
 
-impl Clone for NsReplay {
-    /// A clone starts without recordings (checkpoints and clones never carry graphs).
-    fn clone(&self) -> Self {
-        NsReplay { config: self.config.clone(), regions: None, dispatch: self.dispatch }
+impl HoldsRegions for NsRegions {
+    type Key = GroupKey;
+    fn keyed(&self) -> &KeyedRegions<GroupKey> {
+        &self.0
     }
 }
 
@@ -66,13 +57,11 @@ impl NsReplay {
     pub const NAME: &'static str = "ns";
 
     pub fn new(config: RecorderConfig) -> NsReplay {
-        NsReplay { config, regions: None, dispatch: true }
+        NsReplay { shell: PluginShell::new(config) }
     }
 
     fn from_config(cfg: &serde_json::Value) -> ptl_trainer::Result<Box<dyn ReplayPlugin>> {
-        let mut p = NsReplay::new(crate::replay::parse_config(Self::NAME, cfg)?);
-        p.dispatch = cfg["dispatch"].as_bool().unwrap_or(true);
-        Ok(Box::new(p))
+        Ok(Box::new(NsReplay { shell: PluginShell::from_config(Self::NAME, cfg)? }))
     }
 }
 
@@ -84,40 +73,33 @@ impl ReplayPlugin for NsReplay {
         10
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
-        if let Some(r) = self.regions.take() {
-            r.0.release();
-        }
-        self.regions = Some(Arc::new(NsRegions(KeyedRegions::new(&self.config, ctx.config.device))));
+        let regions = NsRegions(KeyedRegions::new(&self.shell.config, ctx.config.device));
+        self.shell.install(regions);
         Ok(())
     }
     fn around(&self, info: StageInfo, next: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
-        match (&self.regions, info.stage, self.dispatch) {
-            (Some(r), Stage::OptimizerStep, true) => with_ns_runner(r.clone(), next),
+        match (self.shell.active(), info.stage) {
+            (Some(r), Stage::OptimizerStep) => with_ns_runner(r.clone(), next),
             _ => next(),
         }
     }
     fn on_fit_end(&self) {
-        if let Some(r) = &self.regions {
-            r.0.release();
-        }
+        self.shell.release();
     }
     fn cadence(&self) -> ptl_trainer::fit::ReplayCadence {
         ptl_trainer::fit::ReplayCadence::PerOptimizerStep
     }
     fn summary(&self) -> Option<String> {
-        self.regions.as_ref().map(|r| r.0.summary_line())
+        self.shell.summary()
     }
     fn counters(&self) -> serde_json::Value {
-        self.regions.as_ref().map_or(serde_json::Value::Null, |r| r.0.counters_json())
+        self.shell.counters()
     }
     fn state(&self) -> serde_json::Value {
-        serde_json::json!({ "recorder": self.config })
+        self.shell.state()
     }
     fn load_state(&mut self, state: &serde_json::Value) -> ptl_trainer::Result<()> {
-        if !state["recorder"].is_null() {
-            self.config = crate::replay::parse_config(Self::NAME, &state["recorder"])?;
-        }
-        Ok(())
+        self.shell.load_state(Self::NAME, state)
     }
 }
 

@@ -15,7 +15,7 @@ use ptl_capture::RecorderConfig;
 use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, UpdatePart};
 use ptl_trainer::optim::{with_ns_runner, NsRunner};
 
-use crate::keyed::KeyedRegions;
+use crate::keyed::{HoldsRegions, KeyedRegions, PluginShell};
 
 /// Newton–Schulz run where the optimizer calls it: inside the update's region.
 struct InPlaceNs;
@@ -39,21 +39,22 @@ struct UpdateRegions {
     regions: KeyedRegions<PartKey>,
     params: Vec<(String, Tensor)>,
     ema: Vec<(String, Tensor)>,
+    /// Surface names, made once per fit (not per step): `<param>.grad`, `ema.<name>`.
+    grad_names: Vec<String>,
+    ema_names: Vec<String>,
 }
 
 /// The `optimizer` replay plugin. Configuration: `ptl_capture::RecorderConfig` fields as JSON over
 /// [`crate::plugin_defaults`].
+#[derive(Clone)]
 pub struct UpdateReplay {
-    config: RecorderConfig,
-    regions: Option<Arc<UpdateRegions>>,
-    /// Test hook (`"dispatch": false`): the update is not claimed, as if the seam were broken.
-    dispatch: bool,
+    shell: PluginShell<UpdateRegions>,
 }
 
-impl Clone for UpdateReplay {
-    /// A clone starts without recordings (checkpoints and clones never carry graphs).
-    fn clone(&self) -> Self {
-        UpdateReplay { config: self.config.clone(), regions: None, dispatch: self.dispatch }
+impl HoldsRegions for UpdateRegions {
+    type Key = PartKey;
+    fn keyed(&self) -> &KeyedRegions<PartKey> {
+        &self.regions
     }
 }
 
@@ -61,13 +62,11 @@ impl UpdateReplay {
     pub const NAME: &'static str = "optimizer";
 
     pub fn new(config: RecorderConfig) -> UpdateReplay {
-        UpdateReplay { config, regions: None, dispatch: true }
+        UpdateReplay { shell: PluginShell::new(config) }
     }
 
     fn from_config(cfg: &serde_json::Value) -> ptl_trainer::Result<Box<dyn ReplayPlugin>> {
-        let mut p = UpdateReplay::new(crate::replay::parse_config(Self::NAME, cfg)?);
-        p.dispatch = cfg["dispatch"].as_bool().unwrap_or(true);
-        Ok(Box::new(p))
+        Ok(Box::new(UpdateReplay { shell: PluginShell::from_config(Self::NAME, cfg)? }))
     }
 }
 
@@ -82,14 +81,14 @@ impl UpdateRegions {
             true => self.params.iter().map(|(_, p)| p.grad().is_some()).collect(),
             false => Vec::new(),
         };
-        for (name, p) in &self.params {
+        for ((name, p), grad_name) in self.params.iter().zip(&self.grad_names) {
             surface.push((name.clone(), p.detach(), TensorKind::Buffer));
             if let (true, Some(g)) = (reads_grads, p.grad()) {
-                surface.push((format!("{name}.grad"), g, TensorKind::Buffer));
+                surface.push((grad_name.clone(), g, TensorKind::Buffer));
             }
         }
         if part == UpdatePart::Ema {
-            surface.extend(self.ema.iter().map(|(n, t)| (format!("ema.{n}"), t.clone(), TensorKind::Buffer)));
+            surface.extend(self.ema.iter().zip(&self.ema_names).map(|((_, t), n)| (n.clone(), t.clone(), TensorKind::Buffer)));
         }
         let region = self.regions.region((part, mask), |made| match part {
             UpdatePart::Unscale => format!("unscale.{}", made.keys().filter(|k| k.0 == UpdatePart::Unscale).count()),
@@ -118,50 +117,47 @@ impl ReplayPlugin for UpdateReplay {
         20
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
-        if let Some(r) = self.regions.take() {
-            r.regions.release();
-        }
-        self.regions = Some(Arc::new(UpdateRegions {
-            regions: KeyedRegions::new(&self.config, ctx.config.device),
+        let names = |prefix: &str, suffix: &str, ts: &[(String, Tensor)]| ts.iter().map(|(n, _)| format!("{prefix}{n}{suffix}")).collect();
+        let ema = ctx.ema.ema_tensors();
+        let regions = UpdateRegions {
+            regions: KeyedRegions::new(&self.shell.config, ctx.config.device),
+            grad_names: names("", ".grad", ctx.params),
+            ema_names: names("ema.", "", ema),
             params: ctx.params.to_vec(),
-            ema: ctx.ema.ema_tensors().to_vec(),
-        }));
+            ema: ema.to_vec(),
+        };
+        self.shell.install(regions);
         Ok(())
     }
     fn persistent_gradients(&self) -> bool {
         true
     }
     fn claims_update(&self) -> bool {
-        self.dispatch && self.regions.is_some()
+        self.shell.active().is_some()
     }
     fn run_update(&self, part: UpdatePart, body: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
-        match &self.regions {
+        match self.shell.active() {
             Some(r) => r.run(part, body),
             None => body(),
         }
     }
     fn on_fit_end(&self) {
-        if let Some(r) = &self.regions {
-            r.regions.release();
-        }
+        self.shell.release();
     }
     fn cadence(&self) -> ptl_trainer::fit::ReplayCadence {
         ptl_trainer::fit::ReplayCadence::PerOptimizerStep
     }
     fn summary(&self) -> Option<String> {
-        self.regions.as_ref().map(|r| r.regions.summary_line())
+        self.shell.summary()
     }
     fn counters(&self) -> serde_json::Value {
-        self.regions.as_ref().map_or(serde_json::Value::Null, |r| r.regions.counters_json())
+        self.shell.counters()
     }
     fn state(&self) -> serde_json::Value {
-        serde_json::json!({ "recorder": self.config })
+        self.shell.state()
     }
     fn load_state(&mut self, state: &serde_json::Value) -> ptl_trainer::Result<()> {
-        if !state["recorder"].is_null() {
-            self.config = crate::replay::parse_config(Self::NAME, &state["recorder"])?;
-        }
-        Ok(())
+        self.shell.load_state(Self::NAME, state)
     }
 }
 

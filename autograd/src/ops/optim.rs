@@ -403,16 +403,9 @@ fn fused_sgd_dev(items: &[(&Tensor, &Tensor, Option<&Tensor>)], _s: DeviceScalar
 
 #[cfg(feature = "cuda")]
 fn fused_blend_dev(pairs: &[(&Tensor, &Tensor)], idx: &[usize], s: DeviceScalars<'_>, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
-    use crate::storage::Storage;
     let (hp, skip) = (s.device_ptr()?, s.skip_ptr()?);
-    let outs: Vec<Tensor> = idx
-        .iter()
-        .map(|&i| {
-            let m = pairs[i].1;
-            Tensor::from_storage(Storage::uninit(m.device(), m.dtype(), m.numel())?, m.shape().clone())
-        })
-        .collect::<Result<_>>()?;
-    let items: Vec<[Option<&Tensor>; 3]> = idx.iter().zip(&outs).map(|(&i, u)| [Some(pairs[i].1), Some(pairs[i].0), Some(u)]).collect();
+    let outs = blend_outputs(pairs, idx)?;
+    let items = blend_items(pairs, idx, &outs);
     on_device_rows("momentum_blend_many_dev", &items, [true, false, true], |dev, rows| {
         crate::cuda::ops::blend_many_dev(dev, rows, hp, skip, nesterov)
     })?;
@@ -630,18 +623,29 @@ impl Tensor {
     }
 }
 
+/// The blends' output buffers of the fused momentum blend (uninitialised: the kernel writes every
+/// element), one per selected pair, shaped like its momentum.
 #[cfg(feature = "cuda")]
-fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
+fn blend_outputs(pairs: &[(&Tensor, &Tensor)], idx: &[usize]) -> Result<Vec<Tensor>> {
     use crate::storage::Storage;
-    // Every element of an output is written by the kernel.
-    let outs: Vec<Tensor> = idx
-        .iter()
+    idx.iter()
         .map(|&i| {
             let m = pairs[i].1;
             Tensor::from_storage(Storage::uninit(m.device(), m.dtype(), m.numel())?, m.shape().clone())
         })
-        .collect::<Result<_>>()?;
-    let items: Vec<[Option<&Tensor>; 3]> = idx.iter().zip(&outs).map(|(&i, u)| [Some(pairs[i].1), Some(pairs[i].0), Some(u)]).collect();
+        .collect()
+}
+
+/// The kernel rows `[momentum, gradient, blend]` of the selected pairs.
+#[cfg(feature = "cuda")]
+fn blend_items<'a>(pairs: &[(&'a Tensor, &'a Tensor)], idx: &[usize], outs: &'a [Tensor]) -> Vec<[Option<&'a Tensor>; 3]> {
+    idx.iter().zip(outs).map(|(&i, u)| [Some(pairs[i].1), Some(pairs[i].0), Some(u)]).collect()
+}
+
+#[cfg(feature = "cuda")]
+fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
+    let outs = blend_outputs(pairs, idx)?;
+    let items = blend_items(pairs, idx, &outs);
     let factors = [lerp_factor(1.0 - beta), lerp_factor(beta)];
     on_device_rows("momentum_blend_many", &items, [true, false, true], |dev, rows| {
         crate::cuda::ops::blend_many(dev, rows, factors, nesterov)
