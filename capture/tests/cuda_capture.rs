@@ -209,19 +209,8 @@ fn t6_accumulation_over_two_replays_equals_native() {
 #[test]
 fn t6_persistent_gradients_accumulate_inside_the_backward_graph() {
     let Some(dev) = device() else { return };
-    let native = persistent_windows(&Net::new(dev, DType::F32, 9), None, dev, DType::F32, 16);
     let rec = Recorder::cuda(RecorderConfig { warmup_calls: 0, ..cfg() });
-    let net = Net::new(dev, DType::F32, 9);
-    let regions = Regions::new(&rec, &net.p);
-    let (bytes, ptrs) = persistent_windows(&net, Some(&regions), dev, DType::F32, 16);
-    assert_eq!(bytes, native.0, "accumulated inside the graph like native");
-    assert!(ptrs.iter().all(|p| *p == ptrs[0]), "gradient buffers moved: {ptrs:?}");
-    // b's capture also recorded the backward of both its outputs, which this loss never uses.
-    for (name, r, bwd) in [("trunk", &regions.trunk, 3), ("a", &regions.a, 3), ("b", &regions.b, 4)] {
-        let st = r.stats();
-        assert_eq!(st.backward_captures, bwd, "{name}: static buffers, then write-into and add-into: {st:?}");
-        assert_eq!(st.backward_replays, 9, "{name}: {st:?}");
-    }
+    check_persistent_windows(&rec, dev, 16);
     println!("ok T6 persistent: 3 windows × 3 micro-batches accumulate inside the backward graphs, bitwise like native");
 }
 

@@ -89,19 +89,8 @@ fn t6_gradient_accumulation_over_two_replays() {
 /// bytes of native accumulation, and the buffers never move.
 #[test]
 fn t6_persistent_gradients_accumulate_inside_the_backward_graph() {
-    let native = persistent_windows(&Net::new(Device::Cpu, DType::F32, 9), None, Device::Cpu, DType::F32, 8);
     let (rec, _) = recorder(RecorderConfig { warmup_calls: 0, ..Default::default() });
-    let net = Net::new(Device::Cpu, DType::F32, 9);
-    let regions = Regions::new(&rec, &net.p);
-    let (bytes, ptrs) = persistent_windows(&net, Some(&regions), Device::Cpu, DType::F32, 8);
-    assert_eq!(bytes, native.0, "accumulated inside the graph like native");
-    assert!(ptrs.iter().all(|p| *p == ptrs[0]), "gradient buffers moved: {ptrs:?}");
-    // b's capture also recorded the backward of both its outputs, which this loss never uses.
-    for (name, r, bwd) in [("trunk", &regions.trunk, 3), ("a", &regions.a, 3), ("b", &regions.b, 4)] {
-        let st = r.stats();
-        assert_eq!(st.backward_captures, bwd, "{name}: static buffers, then write-into and add-into: {st:?}");
-        assert_eq!(st.backward_replays, 9, "{name}: {st:?}");
-    }
+    check_persistent_windows(&rec, Device::Cpu, 8);
 }
 
 #[test]

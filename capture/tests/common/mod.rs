@@ -301,3 +301,21 @@ pub fn persistent_windows(net: &Net, regions: Option<&Regions>, dev: Device, dt:
     }
     (bytes, ptrs)
 }
+
+/// [`persistent_windows`] natively and through `rec`'s regions: the same bytes, buffers that never
+/// move, and per region exactly the expected backward recordings — static buffers on the first
+/// replay, then write-into and add-into (region b's capture also recorded the backward of both its
+/// outputs, which this loss never uses) — and a backward replay for each of the 9 micro-batches.
+pub fn check_persistent_windows(rec: &ptl_capture::Recorder, dev: Device, hw: usize) {
+    let native = persistent_windows(&Net::new(dev, DType::F32, 9), None, dev, DType::F32, hw);
+    let net = Net::new(dev, DType::F32, 9);
+    let regions = Regions::new(rec, &net.p);
+    let (bytes, ptrs) = persistent_windows(&net, Some(&regions), dev, DType::F32, hw);
+    assert_eq!(bytes, native.0, "accumulated inside the graph like native");
+    assert!(ptrs.iter().all(|p| *p == ptrs[0]), "gradient buffers moved: {ptrs:?}");
+    for (name, r, bwd) in [("trunk", &regions.trunk, 3), ("a", &regions.a, 3), ("b", &regions.b, 4)] {
+        let st = r.stats();
+        assert_eq!(st.backward_captures, bwd, "{name}: static buffers, then write-into and add-into: {st:?}");
+        assert_eq!(st.backward_replays, 9, "{name}: {st:?}");
+    }
+}
