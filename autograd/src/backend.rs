@@ -183,6 +183,9 @@ pub trait BackendStorage: Sized {
     fn scatter_add(&self, shape: &[usize], dim: usize, idx: &Self, idx_shape: &[usize], src: &Self) -> Result<Self>;
 
     fn matmul(&self, rhs: &Self, p: &MatmulParams) -> Result<Self>;
+    /// `beta·c + alpha·op(self)·op(rhs)` with `c` of the product's shape (PyTorch `baddbmm`):
+    /// products accumulated as [`BackendStorage::matmul`] does, one rounding to the dtype.
+    fn matmul_add(&self, rhs: &Self, c: &Self, p: &MatmulParams, alpha: f64, beta: f64) -> Result<Self>;
     fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
     /// Gradient of the conv input given the output gradient (`self`).
     fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;

@@ -51,6 +51,7 @@ pub use graph_rng::GraphSafeRng;
 pub use module::{Module, TensorKind};
 pub use ops::norm::BatchNormOptions;
 pub use ops::optim::{adamw_composed, lerp, AdamWItem, DeviceScalars, SgdStep, ADAMW_SCALARS};
+pub use ops::pack::{PackedMatrix, Unpacked};
 pub use rng::Rng;
 pub use shape::Shape;
 pub use tensor::{Element, GradState, Tensor, TensorId};

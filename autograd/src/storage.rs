@@ -294,6 +294,15 @@ impl Storage {
     pub fn matmul(&self, rhs: &Storage, p: &MatmulParams) -> Result<Storage> {
         pair!("matmul", self, rhs, |a, b| a.matmul(b, p))
     }
+    pub fn matmul_add(&self, rhs: &Storage, c: &Storage, p: &MatmulParams, alpha: f64, beta: f64) -> Result<Storage> {
+        match (self, rhs, c) {
+            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => Ok(Storage::Cpu(a.matmul_add(b, c, p, alpha, beta)?)),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => Ok(Storage::Cuda(a.matmul_add(b, c, p, alpha, beta)?)),
+            #[allow(unreachable_patterns)]
+            (a, b, c) => Err(mismatch3("matmul_add", a, b, c)),
+        }
+    }
     pub fn conv2d(&self, w: &Storage, p: &Conv2dParams) -> Result<Storage> {
         pair!("conv2d", self, w, |a, b| a.conv2d(b, p))
     }

@@ -1135,3 +1135,66 @@ fn fused_clipping_matches_the_composed_norm() {
         }
     }
 }
+
+/// `baddbmm` on CUDA (cuBLASLt's alpha/beta epilogue, one rounding) against the CPU's: f32
+/// within summation-order error, bf16 within one bf16 rounding of the CPU result, f64 closely;
+/// the same bytes run to run.
+#[test]
+fn baddbmm_matches_the_cpu_reference() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(41);
+    let (c, a, b) = (
+        Tensor::rand(vec![3, 17, 9], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap(),
+        Tensor::rand(vec![3, 17, 40], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap(),
+        Tensor::rand(vec![3, 40, 9], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap(),
+    );
+    for (dt, tol) in [(DType::F32, 2e-5), (DType::F64, 1e-12), (DType::BF16, 1.6e-2)] {
+        let cast = |t: &Tensor, d: Device| t.to_dtype(dt).unwrap().to_device(d).unwrap();
+        let want = cast(&c, Device::Cpu).baddbmm(&cast(&a, Device::Cpu), &cast(&b, Device::Cpu), -4.775, 2.0315).unwrap();
+        let run = || cast(&c, dev).baddbmm(&cast(&a, dev), &cast(&b, dev), -4.775, 2.0315).unwrap();
+        let (got, again) = (run(), run());
+        assert_eq!(got.to_bytes().unwrap(), again.to_bytes().unwrap(), "{dt}: run to run");
+        let (g, w) =
+            (got.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap(), want.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap());
+        for (x, y) in g.iter().zip(&w) {
+            assert!((x - y).abs() <= tol * y.abs().max(1.0), "{dt}: {x} vs {y}");
+        }
+    }
+}
+
+/// The fused pack and unpack kernels give the composed ops' bytes (the CPU's): wide, tall and
+/// single-element matrices in bf16, f32 and f64 slots, more than one 40-matrix table, scales of 1
+/// and others.
+#[test]
+fn padded_batches_pack_and_unpack_as_composed() {
+    use ptl_autograd::{PackedMatrix, Unpacked};
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(43);
+    let shapes: Vec<(usize, usize)> = (0..45).map(|i| [(3, 70), (64, 5), (1, 1), (16, 16), (9, 64)][i % 5]).collect();
+    let host: Vec<Tensor> =
+        shapes.iter().map(|&(r, c)| Tensor::rand(vec![r, c], -2.0, 2.0, DType::F32, Device::Cpu, &mut rng).unwrap()).collect();
+    let on_dev: Vec<Tensor> = host.iter().map(|t| t.to_device(dev).unwrap()).collect();
+    let mats = |ts: &[Tensor]| -> Vec<(Tensor, PackedMatrix)> {
+        ts.iter().zip(&shapes).map(|(t, &(rows, cols))| (t.clone(), PackedMatrix { rows, cols, transposed: rows > cols })).collect()
+    };
+    let (mh, md) = (mats(&host), mats(&on_dev));
+    fn refs(m: &[(Tensor, PackedMatrix)]) -> Vec<(&Tensor, PackedMatrix)> {
+        m.iter().map(|(t, p)| (t, *p)).collect()
+    }
+    for dt in [DType::BF16, DType::F32, DType::F64] {
+        let want = Tensor::pack_padded(&refs(&mh), 16, 72, dt).unwrap();
+        let got = Tensor::pack_padded(&refs(&md), 16, 72, dt).unwrap();
+        assert_eq!(got.to_bytes().unwrap(), want.to_bytes().unwrap(), "pack into {dt}");
+        let items: Vec<Unpacked> = mh
+            .iter()
+            .enumerate()
+            .map(|(i, (t, m))| Unpacked { matrix: *m, dims: t.dims().to_vec(), scale: if i % 2 == 0 { 1.0 } else { 1.7320508 } })
+            .collect();
+        let back_want = want.unpack_padded(&items, DType::F32).unwrap();
+        let back_got = got.unpack_padded(&items, DType::F32).unwrap();
+        for (i, (g, w)) in back_got.iter().zip(&back_want).enumerate() {
+            assert_eq!(g.dims(), w.dims());
+            assert_eq!(g.to_bytes().unwrap(), w.to_bytes().unwrap(), "unpack {dt} slot {i}");
+        }
+    }
+}

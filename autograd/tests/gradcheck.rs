@@ -195,6 +195,8 @@ fn pool_matmul_softmax_loss() {
         let (l, r) = (if lt { at.clone() } else { a.clone() }, if rt { bt.clone() } else { b.clone() });
         gradcheck(&format!("matmul_t({lt}, {rt})"), vec![l, r], move |v| v[0].matmul_t(&v[1], lt, rt));
     }
+    let c = rnd(&[2, 3, 5], -1.0, 1.0, &mut rng);
+    gradcheck("baddbmm", vec![c, a.clone(), b.clone()], |v| v[0].baddbmm(&v[1], &v[2], -0.7, 1.9));
     let w = rnd(&[3, 4], -1.0, 1.0, &mut rng);
     let bias = rnd(&[3], -1.0, 1.0, &mut rng);
     gradcheck("linear", vec![a.clone(), w, bias], |v| v[0].linear(&v[1], Some(&v[2])));

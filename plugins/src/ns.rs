@@ -1,12 +1,12 @@
-//! `replay=ns`: MuSGD's batched Newton–Schulz as recorded regions. The optimizer orthogonalises
-//! its Muon momenta one shape group at a time (the groups' matrices stacked, five quintic
-//! iterations of batched GEMMs and casts: ≈ 100 launches per group); each (shape, dtype, count)
-//! becomes a region whose inputs are the group's matrices and whose outputs are their
-//! orthogonalised updates. Newton–Schulz has no state and no hyperparameters (its coefficients are
-//! constants), so a recording replays whatever the step's learning rate. The plugin reaches the
-//! optimizer through `ptl_trainer::optim::with_ns_runner` around the optimizer stage. A plugin that
-//! records the whole update (`replay=optimizer`) installs its own runner inside it, so these regions
-//! are not used then.
+//! `replay=ns`: MuSGD's Newton–Schulz as recorded regions. The optimizer orthogonalises each
+//! Muon group's momenta in one call (packed into a few zero-padded batches, five quintic
+//! iterations of three GEMMs each per batch); each call's (shapes, dtype) becomes a region whose
+//! inputs are the group's matrices and whose outputs are their orthogonalised, scaled updates.
+//! Newton–Schulz has no state and no hyperparameters (its coefficients are constants), so a
+//! recording replays whatever the step's learning rate. The plugin reaches the optimizer through
+//! `ptl_trainer::optim::with_ns_runner` around the optimizer stage. A plugin that records the
+//! whole update (`replay=optimizer`) installs its own runner inside it, so these regions are not
+//! used then.
 
 use ptl_autograd::Tensor;
 use ptl_capture::RecorderConfig;
@@ -15,10 +15,10 @@ use ptl_trainer::optim::{with_ns_runner, NsRunner};
 
 use crate::keyed::{HoldsRegions, KeyedRegions, PluginShell};
 
-/// A group's key: matrix shape, dtype and how many matrices.
-type GroupKey = (Vec<usize>, String, usize);
+/// A call's key: every matrix's shape, in order, and the dtype.
+type GroupKey = (Vec<Vec<usize>>, String);
 
-/// One region per Newton–Schulz group.
+/// One region per Newton–Schulz call (per Muon group).
 struct NsRegions(KeyedRegions<GroupKey>);
 
 impl NsRunner for NsRegions {
@@ -28,9 +28,10 @@ impl NsRunner for NsRegions {
         body: &dyn Fn(&[Tensor]) -> ptl_trainer::Result<Vec<Tensor>>,
     ) -> ptl_trainer::Result<Vec<Tensor>> {
         let Some(first) = matrices.first() else { return body(matrices) };
-        let key = (first.dims().to_vec(), first.dtype().to_string(), matrices.len());
-        let name = format!("ns.{}x{}.{}", key.0.first().copied().unwrap_or(0), key.0.get(1).copied().unwrap_or(0), key.2);
-        let region = self.0.region(key, |_| name);
+        let key: GroupKey = (matrices.iter().map(|m| m.dims().to_vec()).collect(), first.dtype().to_string());
+        let count = matrices.len();
+        // Named in order of first use: `ns.<region index>.<matrices>`, unique within the fit.
+        let region = self.0.region(key, |made| format!("ns.{}.{count}", made.len()));
         let body = |xs: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> {
             body(xs).map_err(|e| ptl_autograd::Error::InvalidArgument { op: "Newton–Schulz body", msg: e.to_string() })
         };

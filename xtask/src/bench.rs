@@ -928,9 +928,12 @@ fn update_steps_section(ok: &[&Value]) -> String {
         }
         let (upd, other): (Vec<f64>, Vec<f64>) = pairs.iter().copied().unzip();
         if md.is_empty() {
-            md.push_str("\nSteps with an optimizer update against the others (start-to-start median ms of each run; median (min–max) over runs):\n\n");
-            md.push_str("| precision | arm | update steps | other steps | difference |\n|---|---|---:|---:|---:|\n");
+            md.push_str("\nSteps with an optimizer update against the others (start-to-start median ms of each run; median (min–max) over runs), and the GPU kernel time of one update (optimizer and EMA stages of the traced window ÷ its updates):\n\n");
+            md.push_str(
+                "| precision | arm | update steps | other steps | difference | update kernel time, ms |\n|---|---|---:|---:|---:|---:|\n",
+            );
         }
+        let per_update: Vec<f64> = runs.iter().filter_map(|r| update_kernel_ms(r)).collect();
         let gaps: Vec<f64> = pairs.iter().map(|(u, o)| u - o).collect();
         let fmt = |v: &[f64]| {
             let mut s = v.to_vec();
@@ -938,9 +941,21 @@ fn update_steps_section(ok: &[&Value]) -> String {
             let m = if s.len() % 2 == 1 { s[s.len() / 2] } else { 0.5 * (s[s.len() / 2 - 1] + s[s.len() / 2]) };
             format!("{m:.1} ({:.1}–{:.1})", s[0], s[s.len() - 1])
         };
-        md.push_str(&format!("| {precision} | {arm} | {} | {} | {} |\n", fmt(&upd), fmt(&other), fmt(&gaps)));
+        let kernel = if per_update.is_empty() { "–".to_string() } else { fmt(&per_update) };
+        md.push_str(&format!("| {precision} | {arm} | {} | {} | {} | {kernel} |\n", fmt(&upd), fmt(&other), fmt(&gaps)));
     }
     md
+}
+
+/// One optimizer update's kernel time in a ptl run's traced window: the optimizer and EMA
+/// stages' ms per step × the window's steps ÷ its updates (`None` without a window or an update).
+fn update_kernel_ms(r: &Value) -> Option<f64> {
+    let gpu = &r["result"]["timing"]["gpu"];
+    let (steps, updates) = (gpu["steps"].as_f64()?, gpu["optimizer_steps"].as_f64().filter(|&u| u > 0.0)?);
+    let stages = gpu["breakdown"]["by_stage"].as_array()?;
+    let ms: f64 =
+        stages.iter().filter(|e| e["label"] == "optimizer" || e["label"] == "EMA").filter_map(|e| e["ms_per_step"].as_f64()).sum();
+    Some(ms * steps / updates)
 }
 
 fn memory_section(ok: &[&Value]) -> String {
@@ -1054,7 +1069,9 @@ mod tests {
                             "start_to_start_no_update": { "median_ms": step, "timed_steps": 94 },
                             "launches": { "kernel_launches": 9000.0, "library_calls": 900.0, "graph_launches": 0.0, "host_syncs": 3.0 },
                             "gpu": { "kernel_ms_per_step": 40.0, "kernels_per_step": 10000.0, "event_span_ms_per_step": 60.0,
+                                     "steps": 16, "optimizer_steps": 2,
                                      "breakdown": { "by_stage": [{ "label": "model backward", "ms_per_step": 30.0, "kernels_per_step": 7000.0 },
+                                                                 { "label": "optimizer", "ms_per_step": 0.25, "kernels_per_step": 50.0 },
                                                                  { "label": "model forward", "ms_per_step": 10.0, "kernels_per_step": 3000.0 }],
                                                     "by_class": [{ "label": "reduce_rows", "ms_per_step": 12.5, "kernels_per_step": 900.0 }],
                                                     "top": [{ "stage": "model backward", "class": "reduce_rows", "name": "reduce_rows_f32",
@@ -1086,10 +1103,13 @@ mod tests {
         assert!(md.contains("| bf16-mixed | ptl native | 2 | 15.5 (15.0–16.0) | 75.5 (75.0–76.0) |"), "{md}");
         assert!(md.contains("| bf16-mixed | native / ultralytics | 0.517 (0.500–0.533) | 0.503 (0.500–0.507) |"), "{md}");
         assert!(md.contains("hashes identical: true"), "{md}");
-        assert!(md.contains("| bf16-mixed | native | 40.0 | 10.00 (3000) | 30.00 (7000) |"), "stage breakdown: {md}");
+        assert!(md.contains("| bf16-mixed | native | 40.2 | 10.00 (3000) | 30.00 (7000) | 0.25 (50) |"), "stage breakdown: {md}");
         assert!(md.contains("- bf16-mixed native: reduce_rows 12.50 (900)"), "class breakdown: {md}");
         assert!(md.contains("model backward · reduce_rows · `reduce_rows_f32`: 9.000 (500)"), "top kernels: {md}");
-        assert!(md.contains("| bf16-mixed | native | 79.5 (79.0–80.0) | 75.5 (75.0–76.0) | 4.0 (4.0–4.0) |"), "update steps: {md}");
+        assert!(
+            md.contains("| bf16-mixed | native | 79.5 (79.0–80.0) | 75.5 (75.0–76.0) | 4.0 (4.0–4.0) | 2.0 (2.0–2.0) |"),
+            "update steps: {md}"
+        );
         // Another batch size forms its own rows (and its own hash group).
         let mut b16 = ptl_run("native", 1, 30.0, 120.0, "m16");
         b16["batch"] = json!(16);

@@ -101,3 +101,34 @@ pub(crate) fn matmul(a: &CpuStorage, b: &CpuStorage, p: &MatmulParams) -> Result
         _ => return Err(Error::UnsupportedDType { op: "matmul", dtype: a.dtype(), expected: "a float dtype" }),
     })
 }
+
+/// `beta·c + alpha·op(a)·op(b)` (PyTorch `baddbmm`): the product as [`matmul`] computes it, then
+/// each element combined in the accumulation type as the composed ops would (`x·s + 0` for a
+/// scale other than 1, one add) and rounded once to the dtype.
+pub(crate) fn matmul_add(a: &CpuStorage, b: &CpuStorage, c: &CpuStorage, p: &MatmulParams, alpha: f64, beta: f64) -> Result<CpuStorage> {
+    if a.len() != p.lhs_batch * p.m * p.k || b.len() != p.rhs_batch * p.k * p.n || c.len() != p.batch() * p.m * p.n {
+        let sizes = format!("storage sizes {} / {} / {} do not match {p:?}", a.len(), b.len(), c.len());
+        return Err(Error::invalid("matmul_add", sizes));
+    }
+    use CpuStorage as S;
+    fn combine<T: num_traits::Float>(acc: Vec<T>, c: &[T], alpha: T, beta: T) -> Vec<T> {
+        let scaled = |x: T, s: T| if s == T::one() { x } else { x * s + T::zero() };
+        acc.into_iter().zip(c).map(|(x, &y)| scaled(y, beta) + scaled(x, alpha)).collect()
+    }
+    let (a32, b32) = (alpha as f32, beta as f32);
+    Ok(match (a, b, c) {
+        (S::F32(x), S::F32(y), S::F32(z)) => S::F32(combine(bmm(x, y, p), z, a32, b32)),
+        (S::F64(x), S::F64(y), S::F64(z)) => S::F64(combine(bmm(x, y, p), z, alpha, beta)),
+        (S::F16(x), S::F16(y), S::F16(z)) => {
+            let acc = bmm(&super::widen_f16(x), &super::widen_f16(y), p);
+            S::F16(super::narrow_f16(combine(acc, &super::widen_f16(z), a32, b32)))
+        }
+        (S::BF16(x), S::BF16(y), S::BF16(z)) => {
+            let acc = bmm(&super::widen_bf16(x), &super::widen_bf16(y), p);
+            S::BF16(super::narrow_bf16(combine(acc, &super::widen_bf16(z), a32, b32)))
+        }
+        _ if a.dtype() != b.dtype() => return Err(Error::DTypeMismatch { op: "matmul_add", lhs: a.dtype(), rhs: b.dtype() }),
+        _ if a.dtype() != c.dtype() => return Err(Error::DTypeMismatch { op: "matmul_add", lhs: a.dtype(), rhs: c.dtype() }),
+        _ => return Err(Error::UnsupportedDType { op: "matmul_add", dtype: a.dtype(), expected: "a float dtype" }),
+    })
+}

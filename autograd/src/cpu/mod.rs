@@ -239,6 +239,9 @@ impl BackendStorage for CpuStorage {
     fn matmul(&self, rhs: &Self, p: &MatmulParams) -> Result<Self> {
         matmul::matmul(self, rhs, p)
     }
+    fn matmul_add(&self, rhs: &Self, c: &Self, p: &MatmulParams, alpha: f64, beta: f64) -> Result<Self> {
+        matmul::matmul_add(self, rhs, c, p, alpha, beta)
+    }
     fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
         conv::conv2d(self, weight, p)
     }

@@ -210,7 +210,49 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
 /// `c_f32`, half inputs write an f32 `C` (for accumulation across calls).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(dev: &Arc<Dev>, dtype: DType, p: &MatmulParams, pa: u64, pb: u64, pc: u64, beta: f32, c_f32: bool) -> Result<()> {
-    with_blas(dev, |blas| gemm_on(blas, dev, dtype, p, pa, pb, pc, beta, c_f32))
+    let scale = Scale { alpha: 1.0, beta, out: pc };
+    with_blas(dev, |blas| gemm_on(blas, dev, dtype, p, pa, pb, pc, scale, c_f32))
+}
+
+/// `D = alpha·op(A)·op(B) + beta·C` with `D` at `out` (which may be `C`'s address).
+#[derive(Clone, Copy)]
+struct Scale {
+    alpha: f32,
+    beta: f32,
+    out: u64,
+}
+
+/// `beta·c + alpha·op(a)·op(b)` into a new storage (`Tensor::baddbmm`): cuBLASLt's epilogue, f32
+/// compute and scale, one rounding to the dtype.
+pub(crate) fn matmul_add(
+    a: &CudaStorage,
+    b: &CudaStorage,
+    c: &CudaStorage,
+    p: &MatmulParams,
+    alpha: f64,
+    beta: f64,
+) -> Result<CudaStorage> {
+    if a.dtype != b.dtype || a.dtype != c.dtype {
+        let other = if a.dtype != b.dtype { b.dtype } else { c.dtype };
+        return Err(Error::DTypeMismatch { op: "matmul_add", lhs: a.dtype, rhs: other });
+    }
+    if a.len != p.lhs_batch * p.m * p.k || b.len != p.rhs_batch * p.k * p.n || c.len != p.batch() * p.m * p.n {
+        return Err(Error::invalid("matmul_add", format!("storage sizes {} / {} / {} do not match {p:?}", a.len, b.len, c.len)));
+    }
+    a.same_device("matmul_add", b)?;
+    a.same_device("matmul_add", c)?;
+    let dev = &a.buf.dev;
+    let out = CudaStorage::alloc(dev, a.dtype, c.len)?;
+    if out.len == 0 {
+        return Ok(out);
+    }
+    let scale = Scale { alpha: alpha as f32, beta: beta as f32, out: out.buf.ptr };
+    if p.k == 0 {
+        // `Tensor::baddbmm` computes beta·C itself when there is no product.
+        return Err(Error::invalid("matmul_add", "an empty inner dimension (k = 0)"));
+    }
+    with_blas(dev, |blas| gemm_on(blas, dev, a.dtype, p, a.buf.ptr, b.buf.ptr, c.buf.ptr, scale, false))?;
+    Ok(out)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -222,14 +264,15 @@ fn gemm_on(
     pa: u64,
     pb: u64,
     pc: u64,
-    beta: f32,
+    scale: Scale,
     c_f32: bool,
 ) -> Result<()> {
+    let Scale { alpha, beta, out: pd } = scale;
     let batch = p.batch();
     if lt_type(dtype).is_some() {
         let (lt, stream, ws) = (blas.lt, dev.cu_stream as ls::cudaStream_t, blas.workspace.ptr);
         if let (Some(lt), Some(plan)) = (lt, blas.lt_plan((*p, dtype, c_f32))) {
-            let (al, be) = (1f32, beta);
+            let (al, be) = (alpha, beta);
             // SAFETY: the plan's layouts describe exactly these buffers (sizes checked by callers);
             // the workspace is the handle's own, used in stream order.
             return unsafe {
@@ -244,7 +287,7 @@ fn gemm_on(
                     plan.b,
                     pc as *const c_void,
                     plan.c,
-                    pc as *mut c_void,
+                    pd as *mut c_void,
                     plan.c,
                     &plan.algo,
                     ws as *mut c_void,
@@ -257,6 +300,13 @@ fn gemm_on(
         }
     }
     count_path(LibPath::GemmClassic);
+    if pd != pc {
+        // The classic API writes C in place: start D as a copy of C.
+        let bytes = p.batch() * p.m * p.n * if c_f32 { 4 } else { dtype.size_in_bytes() };
+        // SAFETY: both buffers hold the product's batch·m·n elements (checked by the callers).
+        unsafe { cudarc::driver::result::memcpy_dtod_async(pd, pc, bytes, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
+    }
+    let pc = pd;
     let h = blas.handle;
     // Row-major C (m×n) = op(A)·op(B) is column-major Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ.
     let (m, n, k) = (p.m as i32, p.n as i32, p.k as i32);
@@ -269,7 +319,7 @@ fn gemm_on(
     unsafe {
         match dtype {
             DType::F32 => {
-                let (al, be) = (1f32, beta);
+                let (al, be) = (alpha, beta);
                 br::sgemm_strided_batched(
                     h,
                     opb,
@@ -292,7 +342,7 @@ fn gemm_on(
                 )
             }
             DType::F64 => {
-                let (al, be) = (1f64, beta as f64);
+                let (al, be) = (alpha as f64, beta as f64);
                 br::dgemm_strided_batched(
                     h,
                     opb,
@@ -316,7 +366,7 @@ fn gemm_on(
             }
             DType::F16 | DType::BF16 => {
                 let t = if dtype == DType::F16 { bs::cudaDataType::CUDA_R_16F } else { bs::cudaDataType::CUDA_R_16BF };
-                let (al, be) = (1f32, beta);
+                let (al, be) = (alpha, beta);
                 br::gemm_strided_batched_ex(
                     h,
                     opb,

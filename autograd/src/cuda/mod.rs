@@ -276,6 +276,9 @@ impl BackendStorage for CudaStorage {
         self.same_device("matmul", rhs)?;
         blas::matmul(self, rhs, p)
     }
+    fn matmul_add(&self, rhs: &Self, c: &Self, p: &MatmulParams, alpha: f64, beta: f64) -> Result<Self> {
+        blas::matmul_add(self, rhs, c, p, alpha, beta)
+    }
     fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
         self.same_device("conv2d", weight)?;
         conv::conv2d(self, weight, p)

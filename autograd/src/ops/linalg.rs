@@ -145,6 +145,62 @@ impl Tensor {
         .remove(0))
     }
 
+    /// `beta·self + alpha·(a · b)` over the last two dims, equal leading dims (PyTorch `baddbmm`,
+    /// without broadcasting or autocast): the products accumulated in f32 (f64 for f64) and the sum
+    /// rounded once to the dtype — the fused form of Newton–Schulz's reference (training.md §3.5).
+    pub fn baddbmm(&self, a: &Tensor, b: &Tensor, beta: f64, alpha: f64) -> Result<Tensor> {
+        super::same_dtype("baddbmm", a, b)?;
+        super::same_dtype("baddbmm", self, a)?;
+        let (cd, ad, bd) = (self.dims(), a.dims(), b.dims());
+        let mismatch = || Error::ShapeMismatch { op: "baddbmm", lhs: ad.to_vec(), rhs: bd.to_vec() };
+        let r = ad.len();
+        if r < 2 || bd.len() != r || cd.len() != r || ad[..r - 2] != bd[..r - 2] || ad[..r - 2] != cd[..r - 2] {
+            return Err(mismatch());
+        }
+        let (m, k, n) = (ad[r - 2], ad[r - 1], bd[r - 1]);
+        if bd[r - 2] != k || cd[r - 2] != m || cd[r - 1] != n {
+            return Err(mismatch());
+        }
+        if k == 0 {
+            return self.affine(beta, 0.0);
+        }
+        let batch: usize = ad[..r - 2].iter().product();
+        let p = MatmulParams { lhs_batch: batch, rhs_batch: batch, m, n, k, lhs_t: false, rhs_t: false };
+        let st = a.read_storage().matmul_add(&b.read_storage(), &self.read_storage(), &p, alpha, beta)?;
+        let y = Tensor::from_storage(st, cd.to_vec())?;
+        let needs = [self.requires_grad(), a.requires_grad(), b.requires_grad()];
+        if !needs.iter().any(|&x| x) || !crate::is_grad_enabled() {
+            return Ok(y);
+        }
+        let (ad_, bd_) = (a.detach(), b.detach());
+        let mp = move |m, n, k, lhs_t, rhs_t| MatmulParams { lhs_batch: batch, rhs_batch: batch, m, n, k, lhs_t, rhs_t };
+        Ok(record(
+            &[self, a, b],
+            vec![y],
+            FnBackward {
+                name: "baddbmm",
+                f: move |g: &[Option<Tensor>]| {
+                    let Some(g) = &g[0] else { return Ok(vec![None, None, None]) };
+                    let g3 = g.reshape(vec![batch, m, n])?;
+                    let gc = if needs[0] { Some(g.affine(beta, 0.0)?) } else { None };
+                    // dA = alpha·dD·Bᵀ, dB = alpha·Aᵀ·dD.
+                    let ga = if needs[1] {
+                        Some(mm_raw(&g3, &bd_, mp(m, k, n, false, true))?.affine(alpha, 0.0)?.reshape(ad_.shape().clone())?)
+                    } else {
+                        None
+                    };
+                    let gb = if needs[2] {
+                        Some(mm_raw(&ad_, &g3, mp(k, n, m, true, false))?.affine(alpha, 0.0)?.reshape(bd_.shape().clone())?)
+                    } else {
+                        None
+                    };
+                    Ok(vec![gc, ga, gb])
+                },
+            },
+        )
+        .remove(0))
+    }
+
     /// Batched matmul of two 3-d tensors (alias of `matmul` with a rank check).
     pub fn bmm(&self, rhs: &Tensor) -> Result<Tensor> {
         if self.rank() != 3 || rhs.rank() != 3 {

@@ -10,6 +10,7 @@ pub(crate) mod linalg;
 pub(crate) mod loss;
 pub(crate) mod norm;
 pub(crate) mod optim;
+pub mod pack;
 pub(crate) mod reduce;
 pub(crate) mod shape;
 pub(crate) mod softmax;

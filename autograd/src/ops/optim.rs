@@ -223,8 +223,8 @@ impl Tensor {
     /// each tensor's norm, the total norm of those, and every gradient times
     /// `min(1, max_norm / (total + 1e-6))` — always multiplied in, no host read. Returns the total
     /// as an f32 0-d tensor, or `None` (nothing done) unless every gradient is a whole f32 CUDA
-    /// tensor of its own storage and the kernels are on (`cuda::set_fused_clip`; off by default
-    /// until they pass a GPU run): the caller then runs the composed ops. Three launches per 40
+    /// tensor of its own storage and the kernels are on (`cuda::set_fused_clip`, on by default):
+    /// the caller then runs the composed ops. Three launches per 40
     /// tensors and one more instead of about ten per tensor; the sums of squares go by 2048-element
     /// chunks, each tree-summed in a fixed order, then chunk by chunk and tensor by tensor, so the
     /// result is deterministic (its last bits differ from the composed reduction's).

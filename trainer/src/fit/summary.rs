@@ -103,6 +103,10 @@ pub struct GpuWindowReport {
     pub memcpys_per_step: f64,
     pub memsets_per_step: f64,
     pub event_span_ms_per_step: f64,
+    /// Optimizer updates among the window's steps (an update's own kernel time is the optimizer
+    /// and EMA stages' time × steps / this).
+    #[serde(default)]
+    pub optimizer_steps: usize,
     /// Activity records CUPTI dropped (the sums are low when this is not 0).
     pub dropped_records: u64,
     /// Where the kernel time went: by step stage, by op class, and the largest kernels.

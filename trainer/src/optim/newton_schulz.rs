@@ -5,7 +5,7 @@
 //! rounding each). This reproduces the goldens' `ns_out_bf16` bit for bit on most matrices; the
 //! rest differ only through f32 summation order.
 
-use ptl_autograd::{DType, Tensor};
+use ptl_autograd::{DType, PackedMatrix, Tensor, Unpacked};
 
 use super::groups::NsPrecision;
 use crate::error::{Result, TrainerError};
@@ -27,24 +27,171 @@ fn work_dtype(p: NsPrecision) -> DType {
 
 /// Orthogonalises a 2-D matrix; the result has `g`'s dtype and shape.
 pub fn newton_schulz5(g: &Tensor, precision: NsPrecision) -> Result<Tensor> {
-    if g.rank() != 2 {
-        return Err(TrainerError::InvalidArgument {
-            what: "newton_schulz5",
-            reason: format!("expected a 2-D matrix, got shape {:?}", g.dims()),
-        });
-    }
-    ptl_autograd::no_grad(|| -> Result<Tensor> {
-        let x = g.to_dtype(work_dtype(precision))?;
-        let norm = frobenius_norm(&x)?;
-        Ok(iterate(x, &norm)?.to_dtype(g.dtype())?)
-    })
+    newton_schulz5_many(std::slice::from_ref(g), precision)?
+        .pop()
+        .ok_or_else(|| TrainerError::InvalidArgument { what: "newton_schulz5", reason: "no result for the matrix".into() })
 }
 
-/// ‖X‖_F of a matrix in the working dtype: accumulated in (at least) f32, rounded to the working
-/// dtype.
-fn frobenius_norm(x: &Tensor) -> Result<Tensor> {
+/// [`newton_schulz5`] of many 2-D matrices (any shapes, one dtype and device) at once, batched as
+/// [`Padding::for_device`] plans it. Results in the input order.
+pub fn newton_schulz5_many(gs: &[Tensor], precision: NsPrecision) -> Result<Vec<Tensor>> {
+    let Some(first) = gs.first() else { return Ok(Vec::new()) };
+    let jobs: Vec<NsJob> = gs.iter().map(|g| NsJob { matrix: g.clone(), dims: g.dims().to_vec(), scale: 1.0 }).collect();
+    orthogonalize(&jobs, precision, Padding::for_device(first.device()))
+}
+
+/// One matrix to orthogonalise, the shape its result is given back and the factor it is scaled by.
+struct NsJob {
+    matrix: Tensor,
+    dims: Vec<usize>,
+    scale: f64,
+}
+
+/// How matrices of different shapes share batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Padding {
+    /// One batch per exact (wide-oriented) shape: no padding, no wasted arithmetic (the CPU,
+    /// where a batch costs no launch).
+    ExactShapes,
+    /// Zero-padded batches of a few size classes, chosen by [`plan_batches`]'s cost model: on a
+    /// GPU every batch costs ≈ 25 launches per step, far more than the padding's arithmetic.
+    SizeClasses,
+}
+
+impl Padding {
+    pub fn for_device(device: ptl_autograd::Device) -> Padding {
+        match device {
+            ptl_autograd::Device::Cpu => Padding::ExactShapes,
+            _ => Padding::SizeClasses,
+        }
+    }
+}
+
+/// One padded batch: its slot shape (wide: rows ≤ cols) and the matrices in it (input indices).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NsBatch {
+    pub rows: usize,
+    pub cols: usize,
+    pub members: Vec<usize>,
+}
+
+/// Estimated fixed cost of one padded batch on the GPU (its ≈ 25 launches), in seconds, and the
+/// bf16 tensor-core rate its padded GEMMs run at (FLOP/s): the two terms [`plan_batches`] trades.
+const BATCH_COST_S: f64 = 80e-6;
+const GEMM_FLOPS: f64 = 100e12;
+
+/// Groups matrices (stored shapes `(rows, cols)`) into batches. Each is taken wide
+/// (min × max of its dims). With [`Padding::SizeClasses`] the short side rounds up to a power of
+/// two (at least 16), the long side to a multiple of 8 (tensor-core alignment), the matrices are
+/// ordered by (short class, long side) and cut into consecutive runs minimising
+/// Σ [`BATCH_COST_S`] + FLOP / [`GEMM_FLOPS`] (five iterations of 4·r²·c + 2·r³ each) — a shortest
+/// path over cut points, deterministic in the shapes.
+pub fn plan_batches(shapes: &[(usize, usize)], padding: Padding) -> Vec<NsBatch> {
+    let wide = |&(r, c): &(usize, usize)| (r.min(c), r.max(c));
+    if padding == Padding::ExactShapes {
+        let mut out: Vec<NsBatch> = Vec::new();
+        for (i, s) in shapes.iter().enumerate() {
+            let (r, c) = wide(s);
+            match out.iter_mut().find(|b| (b.rows, b.cols) == (r, c)) {
+                Some(b) => b.members.push(i),
+                None => out.push(NsBatch { rows: r, cols: c, members: vec![i] }),
+            }
+        }
+        return out;
+    }
+    let class = |i: usize| {
+        let (r, c) = wide(&shapes[i]);
+        (r.next_power_of_two().max(16), c.div_ceil(8) * 8)
+    };
+    let mut order: Vec<usize> = (0..shapes.len()).collect();
+    order.sort_by_key(|&i| (class(i), i));
+    let n = order.len();
+    let flops = |r: usize, c: usize| 5.0 * (4.0 * (r * r * c) as f64 + 2.0 * (r * r * r) as f64);
+    // best[j]: the cheapest cover of order[..j]; cut[j]: where its last batch starts.
+    let mut best = vec![0.0f64; n + 1];
+    let mut cut = vec![0usize; n + 1];
+    for j in 1..=n {
+        best[j] = f64::INFINITY;
+        let (mut r, mut c) = (0, 0);
+        for i in (0..j).rev() {
+            let (ri, ci) = class(order[i]);
+            (r, c) = (r.max(ri), c.max(ci));
+            let cost = best[i] + BATCH_COST_S + (j - i) as f64 * flops(r, c) / GEMM_FLOPS;
+            if cost < best[j] {
+                (best[j], cut[j]) = (cost, i);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut j = n;
+    while j > 0 {
+        let i = cut[j];
+        let members: Vec<usize> = order[i..j].to_vec();
+        let (rows, cols) = members.iter().fold((0, 0), |(r, c), &m| (r.max(class(m).0), c.max(class(m).1)));
+        out.push(NsBatch { rows, cols, members });
+        j = i;
+    }
+    out.reverse();
+    out
+}
+
+/// Orthogonalises every job's matrix through padded batches: per batch, pack (wide, cast to the
+/// working dtype), normalise each slot by its own Frobenius norm, iterate, unpack (cast back,
+/// scaled, in the job's dims). Zero padding changes no product, so a slot's result is its
+/// matrix's; only the summation order of a larger GEMM may differ.
+fn orthogonalize(jobs: &[NsJob], precision: NsPrecision, padding: Padding) -> Result<Vec<Tensor>> {
+    let dtype = jobs[0].matrix.dtype();
+    let mut shapes = Vec::with_capacity(jobs.len());
+    for j in jobs {
+        if j.matrix.rank() != 2 || j.matrix.dtype() != dtype {
+            return Err(TrainerError::InvalidArgument {
+                what: "newton_schulz5",
+                reason: format!("expected 2-D matrices of one dtype ({dtype}), got {:?} {}", j.matrix.dims(), j.matrix.dtype()),
+            });
+        }
+        shapes.push((j.matrix.dims()[0], j.matrix.dims()[1]));
+    }
+    let wd = work_dtype(precision);
+    let mut out: Vec<Option<Tensor>> = vec![None; jobs.len()];
+    ptl_autograd::no_grad(|| -> Result<()> {
+        for batch in plan_batches(&shapes, padding) {
+            let mats: Vec<(&Tensor, PackedMatrix)> = batch
+                .members
+                .iter()
+                .map(|&i| (&jobs[i].matrix, PackedMatrix { rows: shapes[i].0, cols: shapes[i].1, transposed: shapes[i].0 > shapes[i].1 }))
+                .collect();
+            let x = Tensor::pack_padded(&mats, batch.rows, batch.cols, wd)?;
+            let x = iterate(normalized(x)?)?;
+            let items: Vec<Unpacked> = batch
+                .members
+                .iter()
+                .zip(&mats)
+                .map(|(&i, (_, m))| Unpacked { matrix: *m, dims: jobs[i].dims.clone(), scale: jobs[i].scale })
+                .collect();
+            for (&i, o) in batch.members.iter().zip(x.unpack_padded(&items, dtype)?) {
+                out[i] = Some(o);
+            }
+        }
+        Ok(())
+    })?;
+    out.into_iter()
+        .map(|o| o.ok_or_else(|| TrainerError::InvalidArgument { what: "newton_schulz5", reason: "a matrix got no result".into() }))
+        .collect()
+}
+
+/// Each slot of a packed batch (working dtype) divided by its Frobenius norm + eps: the norm
+/// accumulated in (at least) f32 and rounded to the working dtype, as the reference divides.
+fn normalized(x: Tensor) -> Result<Tensor> {
     let wd = x.dtype();
-    Ok(x.to_dtype(acc_dtype(wd))?.square()?.sum_all()?.sqrt()?.to_dtype(wd)?)
+    let d = x.dims().to_vec();
+    let norm = x.reshape(vec![d[0], d[1] * d[2]])?.to_dtype(acc_dtype(wd))?.square()?.sum_dim(1, true)?.sqrt()?.to_dtype(wd)?;
+    let denom = norm.reshape(vec![d[0], 1, 1])?.add_scalar(NS_EPS)?;
+    Ok(if wd == DType::BF16 {
+        // PyTorch divides a reduced-precision tensor by a scalar as x · (1/s) in f32.
+        x.to_dtype(DType::F32)?.mul(&denom.to_dtype(DType::F32)?.recip()?)?.to_dtype(wd)?
+    } else {
+        x.div(&denom)?
+    })
 }
 
 fn acc_dtype(wd: DType) -> DType {
@@ -55,75 +202,21 @@ fn acc_dtype(wd: DType) -> DType {
     }
 }
 
-/// The quintic iteration on `x` (a matrix or a stack of them, in the working dtype) after dividing
-/// by `norm` + eps (rounded; `norm` broadcasts over `x`); works on the wide orientation.
-fn iterate(x: Tensor, norm: &Tensor) -> Result<Tensor> {
-    let wd = x.dtype();
-    let acc = acc_dtype(wd);
-    let denom = norm.add_scalar(NS_EPS)?;
-    let mut x = if wd == DType::BF16 {
-        // PyTorch divides a reduced-precision tensor by a scalar as x · (1/s) in f32.
-        x.to_dtype(DType::F32)?.mul(&denom.to_dtype(DType::F32)?.recip()?)?.to_dtype(wd)?
-    } else {
-        x.div(&denom)?
-    };
-    let d = x.dims().to_vec();
-    let transposed = d[d.len() - 2] > d[d.len() - 1];
-    if transposed {
-        x = x.transpose(-2, -1)?;
-    }
+/// The quintic iteration on a batch of wide matrices in the working dtype: A = X·Xᵀ,
+/// B = b·A + c·A·A and X = a·X + B·X, each one GEMM accumulating in f32 (f64 for f64) with one
+/// rounding to the working dtype — the reference's fused `baddbmm` form.
+fn iterate(mut x: Tensor) -> Result<Tensor> {
     let (a, b, c) = NS_COEFFS;
     for _ in 0..NS_STEPS {
-        // A = X·Xᵀ (one rounding); B = b·A + c·(A·A) and X = a·X + B·X as fused
-        // `baddbmm` (accumulate in `acc`, one rounding to the working dtype).
-        let xa = x.to_dtype(acc)?;
-        let gram = xa.matmul(&xa.transpose(-2, -1)?)?.to_dtype(wd)?.to_dtype(acc)?;
-        let bm = gram.mul_scalar(b)?.add(&gram.matmul(&gram)?.mul_scalar(c)?)?.to_dtype(wd)?.to_dtype(acc)?;
-        x = xa.mul_scalar(a)?.add(&bm.matmul(&xa)?)?.to_dtype(wd)?;
-    }
-    if transposed {
-        x = x.transpose(-2, -1)?;
+        let gram = x.matmul_t(&x, false, true)?;
+        let bm = gram.baddbmm(&gram, &gram, b, c)?;
+        x = x.baddbmm(&bm, &x, a, 1.0)?;
     }
     Ok(x)
 }
 
-/// [`newton_schulz5`] of several matrices of one shape and dtype at once: the matrices are stacked
-/// and every iteration is one batched op per step of the recurrence (MuSGD's groups share a few
-/// weight shapes); each matrix's Frobenius norm is its own. Same rounding points as
-/// [`newton_schulz5`], and bit for bit its result on the CPU backend (tested); on CUDA a batched
-/// GEMM may sum in another order than a single one.
-pub fn newton_schulz5_many(gs: &[Tensor], precision: NsPrecision) -> Result<Vec<Tensor>> {
-    match gs {
-        [] => return Ok(Vec::new()),
-        [g] => return Ok(vec![newton_schulz5(g, precision)?]),
-        _ => {}
-    }
-    let dims = gs[0].dims().to_vec();
-    let dtype = gs[0].dtype();
-    if dims.len() != 2 || gs.iter().any(|g| g.dims() != dims.as_slice() || g.dtype() != dtype) {
-        return Err(TrainerError::InvalidArgument {
-            what: "newton_schulz5_many",
-            reason: format!("expected 2-D matrices of one shape and dtype, the first being {dims:?} {dtype}"),
-        });
-    }
-    let n = gs.len();
-    let wd = work_dtype(precision);
-    ptl_autograd::no_grad(|| -> Result<Vec<Tensor>> {
-        let xs: Vec<Tensor> = gs.iter().map(|g| g.to_dtype(wd)).collect::<std::result::Result<_, _>>()?;
-        // Each norm as newton_schulz5 takes it (one sum over the whole matrix: a batched
-        // reduction over two dimensions sums in another order and moved f32 results).
-        let norms =
-            xs.iter().map(|x| -> Result<Tensor> { Ok(frobenius_norm(x)?.reshape(vec![1, 1, 1])?) }).collect::<Result<Vec<Tensor>>>()?;
-        let stacked: Vec<Tensor> = xs.iter().map(|x| x.unsqueeze(0)).collect::<std::result::Result<_, _>>()?;
-        let x = Tensor::cat(&stacked.iter().collect::<Vec<_>>(), 0)?;
-        let norm = Tensor::cat(&norms.iter().collect::<Vec<_>>(), 0)?;
-        let x = iterate(x, &norm)?.to_dtype(dtype)?;
-        (0..n).map(|i| Ok(x.narrow(0, i, 1)?.squeeze(0)?)).collect()
-    })
-}
-
-/// Runs the batched Newton–Schulz of one shape group for an optimizer step: `body(matrices)`
-/// natively, or a replay of it (a plugin's recorded graph). It must return what `body` returns.
+/// Runs the Newton–Schulz of one optimizer group's blends for a step: `body(matrices)` natively,
+/// or a replay of it (a plugin's recorded graph). It must return what `body` returns.
 pub trait NsRunner: Send + Sync {
     fn run_ns(&self, matrices: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>>;
 }
@@ -136,7 +229,7 @@ fn current_ns_runner() -> Option<std::sync::Arc<dyn NsRunner>> {
     NS_RUNNER.with(|r| r.borrow().clone())
 }
 
-/// Runs `f` (an optimizer step) with `runner` doing its Newton–Schulz groups on this thread: how
+/// Runs `f` (an optimizer step) with `runner` doing its Newton–Schulz work on this thread: how
 /// a replay plugin reaches the optimizer without the trainer knowing it. The previous runner comes
 /// back when `f` returns or unwinds.
 pub fn with_ns_runner<R>(runner: std::sync::Arc<dyn NsRunner>, f: impl FnOnce() -> R) -> R {
@@ -151,43 +244,36 @@ pub fn with_ns_runner<R>(runner: std::sync::Arc<dyn NsRunner>, f: impl FnOnce() 
     f()
 }
 
-/// [`orthogonalized_update`] of many blends, batched: blends whose matrices share a shape go
-/// through one [`newton_schulz5_many`]. Results in the input order.
+/// [`orthogonalized_update`] of many blends (one optimizer group's), batched across shapes as
+/// [`plan_batches`] plans for their device; the scale and the reshape back are part of the
+/// unpacking. One [`NsRunner`] call for all of them. Results in the input order.
 pub fn orthogonalized_updates(us: &[Tensor], precision: NsPrecision) -> Result<Vec<Tensor>> {
+    let Some(first) = us.first() else { return Ok(Vec::new()) };
     let mats = us.iter().map(as_matrix).collect::<Result<Vec<Tensor>>>()?;
-    // (matrix shape, dtype) → indices of the blends with it, in first-seen order.
-    let mut by_shape: Vec<(MatrixKey, Vec<usize>)> = Vec::new();
-    for (i, m) in mats.iter().enumerate() {
-        let key = (m.dims().to_vec(), m.dtype());
-        match by_shape.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, idx)) => idx.push(i),
-            None => by_shape.push((key, vec![i])),
-        }
-    }
-    let mut out: Vec<Option<Tensor>> = vec![None; us.len()];
-    for (_, idx) in by_shape {
-        let group: Vec<Tensor> = idx.iter().map(|&i| mats[i].clone()).collect();
-        let body = |ms: &[Tensor]| newton_schulz5_many(ms, precision);
-        let orthogonal = match current_ns_runner() {
-            Some(runner) => runner.run_ns(&group, &body)?,
-            None => body(&group)?,
-        };
-        if orthogonal.len() != group.len() {
+    let padding = Padding::for_device(first.device());
+    let body = |ms: &[Tensor]| -> Result<Vec<Tensor>> {
+        if ms.len() != us.len() {
             return Err(TrainerError::InvalidArgument {
-                what: "Newton–Schulz runner",
-                reason: format!("returned {} matrices for {}", orthogonal.len(), group.len()),
+                what: "Newton–Schulz body",
+                reason: format!("got {} matrices for {} blends", ms.len(), us.len()),
             });
         }
-        for (&i, o) in idx.iter().zip(orthogonal) {
-            out[i] = Some(scaled_back(o, us[i].dims())?);
-        }
+        let jobs: Vec<NsJob> =
+            ms.iter().zip(us).map(|(m, u)| NsJob { matrix: m.clone(), dims: u.dims().to_vec(), scale: muon_scale(u.dims()) }).collect();
+        orthogonalize(&jobs, precision, padding)
+    };
+    let orthogonal = match current_ns_runner() {
+        Some(runner) => runner.run_ns(&mats, &body)?,
+        None => body(&mats)?,
+    };
+    if orthogonal.len() != us.len() {
+        return Err(TrainerError::InvalidArgument {
+            what: "Newton–Schulz runner",
+            reason: format!("returned {} matrices for {}", orthogonal.len(), us.len()),
+        });
     }
-    out.into_iter()
-        .map(|o| o.ok_or_else(|| TrainerError::InvalidArgument { what: "muon update", reason: "a blend got no update".into() }))
-        .collect()
+    Ok(orthogonal)
 }
-
-type MatrixKey = (Vec<usize>, DType);
 
 /// A 2-D or 4-D blend as the matrix Newton–Schulz works on: (out, rest).
 fn as_matrix(u: &Tensor) -> Result<Tensor> {
@@ -199,13 +285,6 @@ fn as_matrix(u: &Tensor) -> Result<Tensor> {
             Err(TrainerError::InvalidArgument { what: "muon update", reason: format!("expected a 2-D or 4-D tensor, got shape {dims:?}") })
         }
     }
-}
-
-/// The orthogonalised matrix scaled by [`muon_scale`] of the blend's shape, in that shape.
-fn scaled_back(o: Tensor, dims: &[usize]) -> Result<Tensor> {
-    let s = muon_scale(dims);
-    let o = if s != 1.0 { ptl_autograd::no_grad(|| o.mul_scalar(s))? } else { o };
-    Ok(o.reshape(dims.to_vec())?)
 }
 
 /// `√max(1, n₋₂ / n₋₁)` of the gradient's last two dimensions.
@@ -220,7 +299,10 @@ pub fn muon_scale(dims: &[usize]) -> f64 {
 /// The Muon direction of a Nesterov blend `u` (2-D or 4-D): reshape 4-D to (out, rest),
 /// orthogonalise, scale by [`muon_scale`] of the original shape, reshape back.
 pub fn orthogonalized_update(u: &Tensor, precision: NsPrecision) -> Result<Tensor> {
-    scaled_back(newton_schulz5(&as_matrix(u)?, precision)?, u.dims())
+    let job = NsJob { matrix: as_matrix(u)?, dims: u.dims().to_vec(), scale: muon_scale(u.dims()) };
+    orthogonalize(std::slice::from_ref(&job), precision, Padding::for_device(u.device()))?
+        .pop()
+        .ok_or_else(|| TrainerError::InvalidArgument { what: "muon update", reason: "no result for the blend".into() })
 }
 
 #[cfg(test)]
@@ -253,6 +335,73 @@ mod batched_tests {
         for (u, b) in us.iter().zip(&batched) {
             assert_eq!(b.to_bytes().unwrap(), orthogonalized_update(u, NsPrecision::Bf16).unwrap().to_bytes().unwrap(), "{:?}", u.dims());
         }
-        assert!(newton_schulz5_many(&[us[1].clone(), us[1].transpose(0, 1).unwrap()], NsPrecision::F32).is_err(), "mixed shapes");
+        let half = us[1].to_dtype(DType::BF16).unwrap();
+        assert!(newton_schulz5_many(&[us[1].clone(), half], NsPrecision::F32).is_err(), "mixed dtypes");
+    }
+
+    /// Zero padding changes no product: orthogonalising through the GPU's padded size classes on
+    /// the CPU gives every matrix its exact-shape batch's result (wide, tall, tiny and square
+    /// matrices, scaled and reshaped back) up to summation order — the CPU GEMM sums a one-row
+    /// product in another order than a 16-row one — in every precision.
+    #[test]
+    fn padded_size_classes_give_the_exact_shapes_bytes() {
+        let mut rng = Rng::new(29);
+        let dims = [vec![4, 2, 3, 3], vec![5, 7], vec![4, 2, 3, 3], vec![8, 3, 1, 1], vec![1, 16], vec![20, 20], vec![3, 40]];
+        let us: Vec<Tensor> = dims.iter().map(|d| Tensor::rand(d.clone(), -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap()).collect();
+        let jobs: Vec<NsJob> =
+            us.iter().map(|u| NsJob { matrix: as_matrix(u).unwrap(), dims: u.dims().to_vec(), scale: muon_scale(u.dims()) }).collect();
+        let shapes: Vec<(usize, usize)> = jobs.iter().map(|j| (j.matrix.dims()[0], j.matrix.dims()[1])).collect();
+        assert!(
+            plan_batches(&shapes, Padding::SizeClasses).len() < plan_batches(&shapes, Padding::ExactShapes).len(),
+            "padding merges shapes"
+        );
+        for precision in [NsPrecision::Bf16, NsPrecision::F32, NsPrecision::F64] {
+            let exact = orthogonalize(&jobs, precision, Padding::ExactShapes).unwrap();
+            let padded = orthogonalize(&jobs, precision, Padding::SizeClasses).unwrap();
+            let tol = match precision {
+                NsPrecision::F64 => 1e-12,
+                NsPrecision::F32 => 1e-5,
+                NsPrecision::Bf16 => 2e-2,
+            };
+            for ((e, p), d) in exact.iter().zip(&padded).zip(&dims) {
+                assert_eq!(p.dims(), d.as_slice());
+                let (e, p) = (e.to_vec::<f32>().unwrap(), p.to_vec::<f32>().unwrap());
+                let worst = e.iter().zip(&p).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
+                assert!(worst <= tol, "{precision:?} {d:?}: differs by {worst}");
+            }
+        }
+    }
+
+    /// Every matrix lands in exactly one batch whose slot holds it wide; exact shapes never pad;
+    /// size classes round the short side to a power of two ≥ 16 and the long side to 8, and put
+    /// many small shapes into one batch.
+    #[test]
+    fn batch_plans_cover_every_matrix_once() {
+        let shapes: Vec<(usize, usize)> =
+            (0..60).map(|i| [(16, 144), (144, 16), (32, 288), (64, 576), (1, 64), (85, 765), (256, 1152), (9, 64)][i % 8]).collect();
+        for padding in [Padding::ExactShapes, Padding::SizeClasses] {
+            let plan = plan_batches(&shapes, padding);
+            let mut seen: Vec<usize> = plan.iter().flat_map(|b| b.members.clone()).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..shapes.len()).collect::<Vec<_>>(), "{padding:?}");
+            for b in &plan {
+                assert!(b.rows <= b.cols);
+                for &i in &b.members {
+                    let (r, c) = (shapes[i].0.min(shapes[i].1), shapes[i].0.max(shapes[i].1));
+                    assert!(r <= b.rows && c <= b.cols, "{padding:?} {:?} in {}×{}", shapes[i], b.rows, b.cols);
+                    if padding == Padding::ExactShapes {
+                        assert_eq!((r, c), (b.rows, b.cols));
+                    }
+                }
+                if padding == Padding::SizeClasses {
+                    assert!(b.rows.is_power_of_two() && b.rows >= 16 && b.cols % 8 == 0, "{}×{}", b.rows, b.cols);
+                }
+            }
+            let n = plan.len();
+            match padding {
+                Padding::ExactShapes => assert_eq!(n, 7, "16×144 and 144×16 share a wide shape"),
+                Padding::SizeClasses => assert!(n <= 4, "{n} batches"),
+            }
+        }
     }
 }

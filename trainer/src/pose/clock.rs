@@ -62,6 +62,8 @@ pub(crate) struct StepClock {
     first_step_began: Option<Instant>,
     /// Memory at the first traced step's backward.
     memory: Option<MemoryAtBackward>,
+    /// Optimizer updates in the GPU window's steps.
+    gpu_updates: usize,
 }
 
 impl StepClock {
@@ -87,6 +89,7 @@ impl StepClock {
             first_step_s: None,
             first_step_began: None,
             memory: None,
+            gpu_updates: 0,
         }
     }
 
@@ -153,7 +156,7 @@ impl StepClock {
             }
             Gpu::Running(w, first) if step == first + WINDOW => {
                 self.gpu = match w.finish(self.device, WINDOW) {
-                    Ok(r) => Gpu::Done(r),
+                    Ok(r) => Gpu::Done(GpuWindowReport { optimizer_steps: self.gpu_updates, ..r }),
                     Err(why) => Gpu::Unavailable(why),
                 };
                 in_gpu_window = true;
@@ -178,6 +181,9 @@ impl StepClock {
     pub fn note_update(&mut self) {
         if let Some(p) = self.prev.as_mut() {
             p.updated = true;
+        }
+        if matches!(self.gpu, Gpu::Running(..)) {
+            self.gpu_updates += 1;
         }
     }
 
@@ -227,7 +233,7 @@ impl StepClock {
             if let Gpu::Running(w, first) = std::mem::replace(&mut self.gpu, Gpu::Unavailable(String::new())) {
                 let steps = self.steps - first;
                 self.gpu = match w.finish(self.device, steps) {
-                    Ok(r) => Gpu::Done(r),
+                    Ok(r) => Gpu::Done(GpuWindowReport { optimizer_steps: self.gpu_updates, ..r }),
                     Err(why) => Gpu::Unavailable(why),
                 };
             }

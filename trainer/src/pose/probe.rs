@@ -106,6 +106,7 @@ impl GpuWindow {
                 memcpys_per_step: t.memcpys as f64 / n,
                 memsets_per_step: t.memsets as f64 / n,
                 event_span_ms_per_step: span / n,
+                optimizer_steps: 0,
                 dropped_records: t.dropped,
                 breakdown: Some(super::stages::breakdown(&rows, steps)),
                 memory: None,
