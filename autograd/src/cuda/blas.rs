@@ -210,15 +210,16 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, p: &MatmulParams) -> Resu
 /// `c_f32`, half inputs write an f32 `C` (for accumulation across calls).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(dev: &Arc<Dev>, dtype: DType, p: &MatmulParams, pa: u64, pb: u64, pc: u64, beta: f32, c_f32: bool) -> Result<()> {
-    let scale = Scale { alpha: 1.0, beta, out: pc };
+    let scale = Scale { alpha: 1.0, beta: f64::from(beta), out: pc };
     with_blas(dev, |blas| gemm_on(blas, dev, dtype, p, pa, pb, pc, scale, c_f32))
 }
 
-/// `D = alpha·op(A)·op(B) + beta·C` with `D` at `out` (which may be `C`'s address).
+/// `D = alpha·op(A)·op(B) + beta·C` with `D` at `out` (which may be `C`'s address); the scales
+/// go to the GEMM in its scale type (f32, f64 for DGEMM).
 #[derive(Clone, Copy)]
 struct Scale {
-    alpha: f32,
-    beta: f32,
+    alpha: f64,
+    beta: f64,
     out: u64,
 }
 
@@ -246,7 +247,7 @@ pub(crate) fn matmul_add(
     if out.len == 0 {
         return Ok(out);
     }
-    let scale = Scale { alpha: alpha as f32, beta: beta as f32, out: out.buf.ptr };
+    let scale = Scale { alpha, beta, out: out.buf.ptr };
     if p.k == 0 {
         // `Tensor::baddbmm` computes beta·C itself when there is no product.
         return Err(Error::invalid("matmul_add", "an empty inner dimension (k = 0)"));
@@ -272,7 +273,7 @@ fn gemm_on(
     if lt_type(dtype).is_some() {
         let (lt, stream, ws) = (blas.lt, dev.cu_stream as ls::cudaStream_t, blas.workspace.ptr);
         if let (Some(lt), Some(plan)) = (lt, blas.lt_plan((*p, dtype, c_f32))) {
-            let (al, be) = (alpha, beta);
+            let (al, be) = (alpha as f32, beta as f32);
             // SAFETY: the plan's layouts describe exactly these buffers (sizes checked by callers);
             // the workspace is the handle's own, used in stream order.
             return unsafe {
@@ -319,7 +320,7 @@ fn gemm_on(
     unsafe {
         match dtype {
             DType::F32 => {
-                let (al, be) = (alpha, beta);
+                let (al, be) = (alpha as f32, beta as f32);
                 br::sgemm_strided_batched(
                     h,
                     opb,
@@ -342,7 +343,7 @@ fn gemm_on(
                 )
             }
             DType::F64 => {
-                let (al, be) = (alpha as f64, beta as f64);
+                let (al, be) = (alpha, beta);
                 br::dgemm_strided_batched(
                     h,
                     opb,
@@ -366,7 +367,7 @@ fn gemm_on(
             }
             DType::F16 | DType::BF16 => {
                 let t = if dtype == DType::F16 { bs::cudaDataType::CUDA_R_16F } else { bs::cudaDataType::CUDA_R_16BF };
-                let (al, be) = (alpha, beta);
+                let (al, be) = (alpha as f32, beta as f32);
                 br::gemm_strided_batched_ex(
                     h,
                     opb,
