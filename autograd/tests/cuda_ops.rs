@@ -1198,3 +1198,39 @@ fn padded_batches_pack_and_unpack_as_composed() {
         }
     }
 }
+
+/// The fused unscale (`Tensor::unscale_many_`) gives the composed ops' bytes on CUDA — every
+/// gradient times the f32 inverse scale — and its flag is 0 on finite gradients, 1 when one of 45
+/// gradients (over two tables) holds an inf or a NaN; the flag starts from 0 whatever it held.
+#[test]
+fn fused_unscale_matches_the_composed_ops() {
+    let cpu = Tensor::zeros(vec![3], DType::F32, Device::Cpu).unwrap();
+    let (ci, cf) = (Tensor::scalar(1.0, DType::F32, Device::Cpu).unwrap(), Tensor::scalar(0.0, DType::F32, Device::Cpu).unwrap());
+    assert!(!Tensor::unscale_many_(&[&cpu], &ci, &cf).unwrap(), "the CPU runs the composed ops");
+    let Some(dev) = gpu() else { return };
+    let sizes: Vec<usize> = (0..45).map(|k| [1usize, 7, 2048, 2049, 9000][k % 5] + k).collect();
+    let inv = Tensor::scalar(1.0 / 65536.0, DType::F32, dev).unwrap();
+    for poison in [None, Some(f32::INFINITY), Some(f32::NAN)] {
+        let mut rng = Rng::new(91);
+        let host: Vec<Vec<f32>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                let mut v = Tensor::rand(vec![n], -3e4, 3e4, DType::F32, Device::Cpu, &mut rng).unwrap().to_vec::<f32>().unwrap();
+                if let (Some(p), 43) = (poison, k) {
+                    v[n / 2] = p;
+                }
+                v
+            })
+            .collect();
+        let grads: Vec<Tensor> = host.iter().map(|v| Tensor::from_vec(v.clone(), vec![v.len()], dev).unwrap()).collect();
+        let found = Tensor::scalar(7.0, DType::F32, dev).unwrap();
+        assert!(Tensor::unscale_many_(&grads.iter().collect::<Vec<_>>(), &inv, &found).unwrap(), "fused on CUDA");
+        let flag = found.to_vec::<f32>().unwrap()[0];
+        assert_eq!(flag, if poison.is_some() { 1.0 } else { 0.0 }, "{poison:?}");
+        for (g, v) in grads.iter().zip(&host) {
+            let want = Tensor::from_vec(v.clone(), vec![v.len()], dev).unwrap().mul(&inv).unwrap();
+            assert_eq!(g.to_bytes().unwrap(), want.to_bytes().unwrap());
+        }
+    }
+}

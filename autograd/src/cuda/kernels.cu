@@ -1341,6 +1341,25 @@ extern "C" __global__ void unpack_pad_bf16_f32(const PackTable t, float zero) { 
 extern "C" __global__ void unpack_pad_f32_f32(const PackTable t, float zero) { unpack_pad_k<float>(t, zero); }
 extern "C" __global__ void unpack_pad_f64_f32(const PackTable t, float zero) { unpack_pad_k<double>(t, zero); }
 
+// ---- GradScaler unscale (Tensor::unscale_many_) -----------------------------------------------------------
+// For up to MT_ADD f32 gradients in place: g ← g · inv[0] (one rounding, as the composed mul), and
+// found[0] ← 1 when the block's chunk held a value whose magnitude is not ≤ FLT_MAX (inf or NaN),
+// checked before scaling as the composed check is. The flag is zeroed before the first table; every
+// writer stores the same 1.0, so it does not depend on which block writes first.
+extern "C" __global__ void mt_unscale_f32(const MtTable t, const float* inv, float* found) {
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
+    float* G = reinterpret_cast<float*>(t.ptr[0][k]);
+    const float s = inv[0];
+    int bad = 0;
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) {
+        const float g = G[i];
+        bad |= !(fabsf(g) <= 3.402823466e+38f);
+        G[i] = __fmul_rn(g, s);
+    }
+    if (__syncthreads_or(bad) && threadIdx.x == 0) found[0] = 1.0f;
+}
+
 // ---- AdamW with device scalars (one parameter per launch) ------------------------------------------------
 // hp = [1 − lr·wd, 1 − β1, β2, 1 − β2, eps, lr, β1] (f64, computed on the host as the composed update
 // computes them); the step t = count + 1 (count read here, incremented by mt_count_dev afterwards).

@@ -377,6 +377,21 @@ pub(crate) fn clip_norm_many(any: &CudaStorage, rows: &[([u64; 3], usize)], scra
     Ok(())
 }
 
+/// GradScaler's unscale over `([grad, 0, 0], len)` rows (f32, in place; `Tensor::unscale_many_`):
+/// the flag at `found` zeroed, then one launch per table of 40 multiplying by the f32 at `inv` and
+/// setting the flag on a non-finite value.
+pub(crate) fn unscale_many(any: &CudaStorage, rows: &[([u64; 3], usize)], inv: u64, found: u64) -> Result<()> {
+    let dev = &any.buf.dev;
+    dev.bind()?;
+    super::counters::count(super::counters::Count::Memset);
+    unsafe { dr::memset_d8_async(found, 0, 4, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async", e))?;
+    let f = dev.func("mt_unscale_f32", "")?;
+    for (t, blocks) in mt_tables("unscale_many_", rows)? {
+        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, inv, found))?;
+    }
+    Ok(())
+}
+
 /// Matrices per padded-batch launch (`PACK_MAX` in kernels.cu).
 const PACK_MAX: usize = 40;
 

@@ -241,6 +241,53 @@ impl Tensor {
     }
 }
 
+impl Tensor {
+    /// GradScaler's unscale in place on CUDA (PyTorch's `_amp_foreach_non_finite_check_and_unscale_`):
+    /// every gradient times `inv_scale` (an f32 value), and `found` (an f32 value) set to 1 when a
+    /// gradient held an inf or NaN before scaling, else 0 — the bytes of the composed per-gradient
+    /// ops, in one launch per 40 gradients. Returns `false` (nothing done) unless every gradient is
+    /// a whole f32 CUDA tensor of its own storage and both scalars are one f32 value on that
+    /// device: the caller then runs the composed ops.
+    pub fn unscale_many_(grads: &[&Tensor], inv_scale: &Tensor, found: &Tensor) -> Result<bool> {
+        let Some(first) = grads.first() else { return Ok(false) };
+        let device = first.device();
+        let mut seen = Storages::default();
+        let whole_f32 =
+            |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() > 0 && t.read_storage().len() == t.numel();
+        let scalar = |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() == 1 && t.read_storage().len() == 1;
+        if !matches!(device, crate::Device::Cuda(_))
+            || !scalar(inv_scale)
+            || !scalar(found)
+            || !seen.all_new(&[Some(found)])
+            || !grads.iter().all(|g| whole_f32(g) && seen.all_new(&[Some(*g)]))
+        {
+            return Ok(false);
+        }
+        fused_unscale(grads, inv_scale, found)?;
+        Ok(true)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn fused_unscale(grads: &[&Tensor], inv_scale: &Tensor, found: &Tensor) -> Result<()> {
+    use crate::storage::Storage;
+    let inv = match &*inv_scale.read_storage() {
+        Storage::Cuda(c) => c.device_ptr(),
+        #[allow(unreachable_patterns)]
+        _ => return Err(crate::Error::invalid("unscale_many_", "the inverse scale is not on CUDA")),
+    };
+    let flag = found.write_storage();
+    let Storage::Cuda(f) = &*flag else { return Err(crate::Error::invalid("unscale_many_", "the found-inf flag is not on CUDA")) };
+    let fp = f.device_ptr();
+    let items: Vec<[Option<&Tensor>; 3]> = grads.iter().map(|g| [Some(*g), None, None]).collect();
+    on_device_rows("unscale_many_", &items, [true, false, false], |dev, rows| crate::cuda::ops::unscale_many(dev, rows, inv, fp))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_unscale(_grads: &[&Tensor], _inv_scale: &Tensor, _found: &Tensor) -> Result<()> {
+    Err(crate::Error::invalid("unscale_many_", "CUDA gradients without the CUDA backend"))
+}
+
 #[cfg(feature = "cuda")]
 fn fused_clip(grads: &[&Tensor], max_norm: f64) -> Result<Option<Tensor>> {
     use crate::storage::Storage;
