@@ -57,6 +57,38 @@ fn check_assignment(tag: &str, a: &Assignment, g: &std::collections::HashMap<Str
     assert!(tb_dev <= 1e-3, "{tag} {br}: target boxes");
 }
 
+/// The dense (device, fixed-shape) assigner gives the host assigner's assignment bit for bit on
+/// the golden case, from the branch's raw outputs and the targets padded to their bucket.
+fn check_dense_assignment(
+    tag: &str,
+    host: &Assignment,
+    outs: &ptl_trainer::loss::BranchOutputs,
+    targets: &ptl_trainer::loss::TargetBatch,
+    anchors: &Anchors,
+    params: &ptl_trainer::loss::AssignParams,
+) {
+    use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseInputs, DeviceTargets};
+    let bs = outs.boxes.dims()[0];
+    let device = outs.boxes.device();
+    let padded = ptl_trainer::loss::targets::pad_targets(targets, bs, anchors.image_hw()).unwrap();
+    let slots = target_bucket(padded.max_boxes).unwrap();
+    let dt = DeviceTargets::upload(&padded, slots, device).unwrap();
+    let (scores, boxes, kpts) = decode_for_assignment(&outs.boxes, &outs.scores, &outs.kpts, anchors).unwrap();
+    let na = anchors.len();
+    let ap = ptl_autograd::Tensor::from_vec(anchors.points_px(), vec![na, 2], device).unwrap();
+    let st = ptl_autograd::Tensor::from_vec(anchors.strides.clone(), vec![na], device).unwrap();
+    let d = assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, anchors_px: &ap, strides: &st, targets: &dt }, params)
+        .unwrap();
+    let fg: Vec<bool> = d.fg_mask.to_vec::<f32>().unwrap().iter().map(|&v| v != 0.0).collect();
+    assert_eq!(fg, host.fg_mask, "{tag}: dense foreground");
+    let gi: Vec<usize> = d.target_gt_idx.to_vec::<i64>().unwrap().iter().map(|&v| v as usize).collect();
+    assert_eq!(gi, host.target_gt_idx, "{tag}: dense GT index");
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(bits(d.target_bboxes.to_vec::<f32>().unwrap()), bits(host.target_bboxes.clone()), "{tag}: dense boxes");
+    assert_eq!(bits(d.target_scores.to_vec::<f32>().unwrap()), bits(host.target_scores.clone()), "{tag}: dense scores");
+    eprintln!("{tag}: dense assignment ({slots} slots) = host assignment, {} foreground", fg.iter().filter(|&&f| f).count());
+}
+
 fn run_case(file: &str) {
     let Some(root) = goldens() else { return };
     let g = load(root.join("loss_cases").join(file));
@@ -89,6 +121,8 @@ fn run_case(file: &str) {
         }
         eprintln!("{line}");
         check_assignment(file, &bl.assignment, &g, br);
+        let (outs, params) = if br == "one2many" { (&o2m, &crit.one2many.assign) } else { (&o2o, &crit.one2one.assign) };
+        check_dense_assignment(&format!("{file} {br}"), &bl.assignment, outs, &targets, &anchors, params);
     }
     let total_ref = get(&g, "total.scalar").item().unwrap();
     let total = out.total.item().unwrap();

@@ -42,6 +42,7 @@
 //! ```
 
 pub mod anchors;
+pub mod assign_dense;
 pub mod assigner;
 pub mod boxes;
 pub mod branch;
