@@ -67,18 +67,16 @@ fn check_dense_assignment(
     anchors: &Anchors,
     params: &ptl_trainer::loss::AssignParams,
 ) {
-    use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseInputs, DeviceTargets};
+    use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
     let bs = outs.boxes.dims()[0];
     let device = outs.boxes.device();
     let padded = ptl_trainer::loss::targets::pad_targets(targets, bs, anchors.image_hw()).unwrap();
     let slots = target_bucket(padded.max_boxes).unwrap();
     let dt = DeviceTargets::upload(&padded, slots, device).unwrap();
     let (scores, boxes, kpts) = decode_for_assignment(&outs.boxes, &outs.scores, &outs.kpts, anchors).unwrap();
-    let na = anchors.len();
-    let ap = ptl_autograd::Tensor::from_vec(anchors.points_px(), vec![na, 2], device).unwrap();
-    let st = ptl_autograd::Tensor::from_vec(anchors.strides.clone(), vec![na], device).unwrap();
-    let d = assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, anchors_px: &ap, strides: &st, targets: &dt }, params)
-        .unwrap();
+    let nc = outs.scores.dims()[1];
+    let geometry = DenseGeometry::new(anchors, &params.sigmas, nc, device).unwrap();
+    let d = assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, params).unwrap();
     let fg: Vec<bool> = d.fg_mask.to_vec::<f32>().unwrap().iter().map(|&v| v != 0.0).collect();
     assert_eq!(fg, host.fg_mask, "{tag}: dense foreground");
     let gi: Vec<usize> = d.target_gt_idx.to_vec::<i64>().unwrap().iter().map(|&v| v as usize).collect();

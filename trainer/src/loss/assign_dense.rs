@@ -70,6 +70,37 @@ impl DeviceTargets {
     }
 }
 
+/// What a dense assignment reads besides the predictions and targets, made once per image size
+/// on the device (so an assignment uploads nothing).
+#[derive(Clone, Debug)]
+pub struct DenseGeometry {
+    /// (A, 2) anchor centres in pixels.
+    pub anchors_px: Tensor,
+    /// (A,) anchor strides.
+    pub strides: Tensor,
+    /// (1, 1, 1, K) the OKS factors (2σ)² in f32, as the host assigner forms them.
+    pub sigma_sq: Tensor,
+    /// (1, max bucket, 1) slot indices 0, 1, … (i64).
+    pub slot_index: Tensor,
+    /// (1, 1, nc) class indices (i64).
+    pub class_index: Tensor,
+}
+
+impl DenseGeometry {
+    pub fn new(anchors: &super::Anchors, sigmas: &[f32], nc: usize, device: Device) -> Result<DenseGeometry> {
+        let na = anchors.len();
+        let sq: Vec<f32> = sigmas.iter().map(|&s| (2.0 * s) * (2.0 * s)).collect();
+        let largest = TARGET_BUCKETS[TARGET_BUCKETS.len() - 1];
+        Ok(DenseGeometry {
+            anchors_px: Tensor::from_vec(anchors.points_px(), vec![na, 2], device)?,
+            strides: Tensor::from_vec(anchors.strides.clone(), vec![na], device)?,
+            sigma_sq: Tensor::from_vec(sq, vec![1, 1, 1, sigmas.len()], device)?,
+            slot_index: Tensor::arange(0, largest as i64, DType::I64, device)?.reshape(vec![1, largest, 1])?,
+            class_index: Tensor::arange(0, nc as i64, DType::I64, device)?.reshape(vec![1, 1, nc])?,
+        })
+    }
+}
+
 /// Device inputs of one dense assignment (detached; pixels).
 pub struct DenseInputs<'a> {
     /// (B, A, nc) sigmoid scores.
@@ -78,10 +109,7 @@ pub struct DenseInputs<'a> {
     pub boxes: &'a Tensor,
     /// (B, A, K, 2) predicted keypoints.
     pub kpts: &'a Tensor,
-    /// (A, 2) anchor centres.
-    pub anchors_px: &'a Tensor,
-    /// (A,) anchor strides.
-    pub strides: &'a Tensor,
+    pub geometry: &'a DenseGeometry,
     pub targets: &'a DeviceTargets,
 }
 
@@ -140,10 +168,11 @@ fn assign_dense_inner(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAs
     }
     let (bs, na, nc) = (sd[0], sd[1], sd[2]);
     let (m, nk) = (kd[1], kd[2]);
-    if inp.boxes.dims() != [bs, na, 4] || inp.kpts.dims() != [bs, na, nk, 2] || inp.strides.dims() != [na] || kd[0] != bs {
+    let geo = inp.geometry;
+    if inp.boxes.dims() != [bs, na, 4] || inp.kpts.dims() != [bs, na, nk, 2] || geo.strides.dims() != [na] || kd[0] != bs {
         return Err(TrainerError::shape("dense assigner boxes / keypoints / strides", &[bs, na, 4], inp.boxes.numel()));
     }
-    if p.sigmas.len() != nk {
+    if p.sigmas.len() != nk || geo.sigma_sq.numel() != nk || geo.class_index.numel() != nc || geo.slot_index.numel() < m {
         return Err(TrainerError::InvalidArgument {
             what: "assigner sigmas",
             reason: format!("{} sigmas for {nk} keypoints", p.sigmas.len()),
@@ -160,9 +189,9 @@ fn assign_dense_inner(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAs
     // Column views of the GT boxes, (B, M, 1) each, and of the anchors, (1, 1, A).
     let gcol = |i: usize| -> Result<Tensor> { Ok(t.boxes.narrow(-1, i, 1)?) };
     let (gx1, gy1, gx2, gy2) = (gcol(0)?, gcol(1)?, gcol(2)?, gcol(3)?);
-    let ax = inp.anchors_px.narrow(-1, 0, 1)?.reshape(vec![1, 1, na])?;
-    let ay = inp.anchors_px.narrow(-1, 1, 1)?.reshape(vec![1, 1, na])?;
-    let st = inp.strides.reshape(vec![1, 1, na])?;
+    let ax = geo.anchors_px.narrow(-1, 0, 1)?.reshape(vec![1, 1, na])?;
+    let ay = geo.anchors_px.narrow(-1, 1, 1)?.reshape(vec![1, 1, na])?;
+    let st = geo.strides.reshape(vec![1, 1, na])?;
 
     // §2.1 candidates: in the box enlarged to the size floor, the level gate, the ungated fallback.
     let (cx, cy) = (gx1.add(&gx2)?.div_scalar(2.0)?, gy1.add(&gy2)?.div_scalar(2.0)?);
@@ -190,9 +219,7 @@ fn assign_dense_inner(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAs
     let vis = f32_mask(&gkv.gt_scalar(0.0)?)?;
     let nvis = vis.sum_dim(-1, false)?; // (B, M, 1): small integers, exact
     let area = w.mul(&h)?.mul_scalar(f64::from(p.area_factor))?; // (B, M, 1)
-    let two_s_sq: Vec<f32> = p.sigmas.iter().map(|&s| (2.0 * s) * (2.0 * s)).collect();
-    let two_s_sq = Tensor::from_vec(two_s_sq, vec![1, 1, 1, nk], device)?;
-    let denom = two_s_sq.mul(&area.add_scalar(eps)?.unsqueeze(-1)?)?.mul_scalar(2.0)?; // (B, M, 1, K)
+    let denom = geo.sigma_sq.mul(&area.add_scalar(eps)?.unsqueeze(-1)?)?.mul_scalar(2.0)?; // (B, M, 1, K)
     let pk = inp.kpts.unsqueeze(1)?; // (B, 1, A, K, 2)
     let pkx = pk.narrow(-1, 0, 1)?.squeeze(-1)?;
     let pky = pk.narrow(-1, 1, 1)?.squeeze(-1)?;
@@ -226,7 +253,7 @@ fn assign_dense_inner(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAs
     // §2.5 an anchor claimed by several GTs goes to the one of highest overlap (lowest slot on ties).
     let claims = pos.sum_dim(1, true)?; // (B, 1, A)
     let best = overlaps.argmax(1, true)?; // (B, 1, A)
-    let slot = Tensor::arange(0, m as i64, DType::I64, device)?.reshape(vec![1, m, 1])?;
+    let slot = geo.slot_index.narrow(1, 0, m)?;
     let one_hot = f32_mask(&slot.eq(&best)?)?;
     pos = f32_mask(&claims.gt_scalar(1.0)?)?.where_cond(&one_hot, &pos)?;
 
@@ -247,8 +274,7 @@ fn assign_dense_inner(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAs
     let target_labels = fg.where_cond(&labels, &zero_i)?;
     let gathered = t.boxes.gather(1, &gt_idx.unsqueeze(-1)?.expand(&[bs, na, 4])?)?;
     let target_bboxes = fg.unsqueeze(-1)?.where_cond(&gathered, &Tensor::zeros(vec![bs, na, 4], DType::F32, device)?)?;
-    let classes = Tensor::arange(0, nc as i64, DType::I64, device)?.reshape(vec![1, 1, nc]);
-    let cls_hot = f32_mask(&classes?.eq(&target_labels.unsqueeze(-1)?)?)?;
+    let cls_hot = f32_mask(&geo.class_index.eq(&target_labels.unsqueeze(-1)?)?)?;
     let target_scores = cls_hot.mul(&norm.mul(&fg)?.unsqueeze(-1)?)?;
     Ok(DenseAssignment { fg_mask: fg, target_gt_idx: gt_idx, target_labels, target_bboxes, target_scores })
 }
@@ -340,13 +366,13 @@ mod tests {
                 let slots = target_bucket(padded.max_boxes).unwrap();
                 let dt = DeviceTargets::upload(&padded, slots, Device::Cpu).unwrap();
                 let t = |v: &[f32], shape: Vec<usize>| Tensor::from_vec(v.to_vec(), shape, Device::Cpu).unwrap();
+                let geometry = DenseGeometry::new(&anchors, &sigmas, 1, Device::Cpu).unwrap();
                 let dense = assign_dense(
                     &DenseInputs {
                         scores: &t(&scores, vec![bs, na, 1]),
                         boxes: &t(&boxes, vec![bs, na, 4]),
                         kpts: &t(&kpts, vec![bs, na, NK, 2]),
-                        anchors_px: &t(&ap, vec![na, 2]),
-                        strides: &t(st, vec![na]),
+                        geometry: &geometry,
                         targets: &dt,
                     },
                     &params,
