@@ -156,17 +156,20 @@ fn dense_assignment_on_cuda_matches_the_host() {
     let (scores, boxes, kpts) = decode_for_assignment(&rb, &rs, &rk, &anchors).unwrap();
     let inputs = DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt };
     assign_dense(&inputs, &crit.one2many.assign).unwrap();
-    let timer = ptl_autograd::cuda::GpuKernelTimer::start(gpu).unwrap();
+    let timer = ptl_autograd::cuda::GpuKernelTimer::start_detailed(gpu).unwrap();
     let before = ptl_autograd::cuda::counters();
     for params in [&crit.one2many.assign, &crit.one2one.assign] {
         assign_dense(&inputs, params).unwrap();
     }
     let c = ptl_autograd::cuda::counters().since(&before);
-    let k = timer.finish().unwrap();
+    let (k, detail) = timer.finish_detailed().unwrap();
     eprintln!(
-        "dense assignment of both branches at batch 4, 640 px, 16 slots: {} launches, {} kernels, {:.3} ms of kernels",
+        "dense assignment of both branches at batch 4, 640 px, 16 slots: {} launches, {} kernels, {:.3} ms of kernels; largest:",
         c.kernel_launches + c.library_calls,
         k.kernels,
         k.kernel_ns as f64 * 1e-6
     );
+    for d in detail.iter().take(12) {
+        eprintln!("  dense kernel {}: {} × {:.3} ms", d.name.chars().take(60).collect::<String>(), d.count, d.ns as f64 * 1e-6);
+    }
 }
