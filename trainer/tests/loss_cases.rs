@@ -87,6 +87,72 @@ fn check_dense_assignment(
     eprintln!("{tag}: dense assignment ({slots} slots) = host assignment, {} foreground", fg.iter().filter(|&&f| f).count());
 }
 
+/// The fixed-shape loss terms (`loss::dense`) from the dense assignment against the host path's
+/// branch loss on the golden case: the six items bit for bit, every gradient (raw outputs and
+/// flow) within the goldens' 1e-4 — the flow's weight gradients sum over every (anchor, keypoint)
+/// row of its GEMMs instead of the visible ones only: another summation order.
+fn check_dense_terms(
+    file: &str,
+    g: &std::collections::HashMap<String, ptl_autograd::Tensor>,
+    flow_vals: &std::collections::HashMap<String, ptl_autograd::Tensor>,
+) {
+    use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
+    use ptl_trainer::loss::dense::dense_branch_terms;
+    let hw = f64v(get(g, "input.image_hw"));
+    let cfg = LossConfig::default();
+    let anchors = Anchors::from_image_hw((hw[0] as usize, hw[1] as usize), &cfg.strides).unwrap();
+    let targets = target_batch(g, "batch.");
+    let crit = E2ELoss::new(cfg.clone(), 100);
+    for (br, branch) in [("one2many", &crit.one2many), ("one2one", &crit.one2one)] {
+        let prefix = format!("input.{br}.");
+        let (host_out, dense_out) = (branch_leaves(g, &prefix), branch_leaves(g, &prefix));
+        let (host_flow, dense_flow) = (flow_from(flow_vals), flow_from(flow_vals));
+        let host = branch.loss(&host_out, &targets, &anchors, Some(&host_flow)).unwrap();
+        host.loss_times_bs.sum_all().unwrap().backward().unwrap();
+        let bs = dense_out.boxes.dims()[0];
+        let device = dense_out.boxes.device();
+        let padded = ptl_trainer::loss::targets::pad_targets(&targets, bs, anchors.image_hw()).unwrap();
+        let dt = DeviceTargets::upload(&padded, target_bucket(padded.max_boxes).unwrap(), device).unwrap();
+        let geometry = DenseGeometry::new(&anchors, &branch.assign.sigmas, cfg.nc, device).unwrap();
+        let (scores, boxes, kpts) = decode_for_assignment(&dense_out.boxes, &dense_out.scores, &dense_out.kpts, &anchors).unwrap();
+        let asg =
+            assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, &branch.assign)
+                .unwrap();
+        let terms = dense_branch_terms(&cfg, &dense_out, &asg, &dt, &anchors, Some(&dense_flow)).unwrap();
+        terms.mul_scalar(bs as f64).unwrap().sum_all().unwrap().backward().unwrap();
+        let items = f64v(&terms);
+        for i in 0..6 {
+            assert_eq!(
+                items[i].to_bits(),
+                host.items[i].to_bits(),
+                "{file} {br} {}: dense {} vs host {}",
+                LOSS_NAMES[i],
+                items[i],
+                host.items[i]
+            );
+        }
+        let mut worst = 0f64;
+        for (k, a, b) in [
+            ("boxes", &host_out.boxes, &dense_out.boxes),
+            ("scores", &host_out.scores, &dense_out.scores),
+            ("kpts", &host_out.kpts, &dense_out.kpts),
+            ("kpts_sigma", host_out.kpts_sigma.as_ref().unwrap(), dense_out.kpts_sigma.as_ref().unwrap()),
+        ] {
+            let d = rel_dev(&f64v(&b.grad().expect("dense gradient")), &f64v(&a.grad().expect("host gradient")), 1e-30);
+            assert!(d <= 1e-4, "{file} {br} grad {k}: {d:.2e}");
+            worst = worst.max(d);
+        }
+        for ((name, a), (_, b)) in
+            ptl_autograd::module::named_parameters(&host_flow).into_iter().zip(ptl_autograd::module::named_parameters(&dense_flow))
+        {
+            let d = rel_dev(&f64v(&b.grad().expect("dense flow gradient")), &f64v(&a.grad().expect("host flow gradient")), 1e-30);
+            assert!(d <= 1e-4, "{file} {br} flow grad {name}: {d:.2e}");
+            worst = worst.max(d);
+        }
+        eprintln!("{file} {br}: dense terms = host items bit for bit, gradients within {worst:.1e}");
+    }
+}
+
 fn run_case(file: &str) {
     let Some(root) = goldens() else { return };
     let g = load(root.join("loss_cases").join(file));
@@ -102,6 +168,7 @@ fn run_case(file: &str) {
     crit.one2many.assign.debug = true;
     crit.one2one.assign.debug = true;
     let out = crit.loss(&o2m, &o2o, &targets, &anchors, Some(&flow)).unwrap();
+    check_dense_terms(file, &g, &flow_vals);
 
     // Items per branch and term.
     let mut worst = 0f64;

@@ -46,6 +46,7 @@ pub mod assign_dense;
 pub mod assigner;
 pub mod boxes;
 pub mod branch;
+pub mod dense;
 pub mod e2e;
 pub mod targets;
 pub mod terms;
