@@ -1234,3 +1234,29 @@ fn fused_unscale_matches_the_composed_ops() {
         }
     }
 }
+
+/// Top-k of long rows with few picks (the selection kernel) gives the CPU's values and indices,
+/// ties by the lower index: rows of 8,400 values drawn from a few levels (many ties, many zeros),
+/// largest and smallest, k of 1, 7, 10 and 64, along the last and a middle dimension.
+#[test]
+fn topk_of_long_rows_matches_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(12);
+    let levels =
+        Tensor::rand(vec![6, 8400, 2], 0.0, 4.0, DType::F32, Device::Cpu, &mut rng).unwrap().floor().unwrap().mul_scalar(0.25).unwrap();
+    let on_dev = levels.to_device(dev).unwrap();
+    for (k, dim, largest) in [(1, 1, true), (7, 1, true), (10, 1, false), (64, 1, true), (10, 1, true)] {
+        let (cv, ci) = levels.topk(k, dim, largest).unwrap();
+        let (gv, gi) = on_dev.topk(k, dim, largest).unwrap();
+        assert_eq!(gv.to_bytes().unwrap(), cv.to_bytes().unwrap(), "values k {k} largest {largest}");
+        assert_eq!(gi.to_vec::<i64>().unwrap(), ci.to_vec::<i64>().unwrap(), "indices k {k} largest {largest}");
+    }
+    let rows = levels.transpose(1, 2).unwrap();
+    let (cv, ci) = rows.topk(10, -1, true).unwrap();
+    let (gv, gi) = rows.to_device(dev).unwrap().topk(10, -1, true).unwrap();
+    assert_eq!(
+        (gv.to_bytes().unwrap(), gi.to_vec::<i64>().unwrap()),
+        (cv.to_bytes().unwrap(), ci.to_vec::<i64>().unwrap()),
+        "last dimension"
+    );
+}

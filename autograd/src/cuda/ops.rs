@@ -1064,6 +1064,9 @@ pub(crate) fn scatter_add(
     Ok(out)
 }
 
+/// Largest k that takes the selection kernel (`topk_select_*`: one block-wide reduction per pick).
+const TOPK_SELECT_MAX_K: usize = 64;
+
 pub(crate) fn topk(x: &CudaStorage, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(CudaStorage, CudaStorage)> {
     let (outer, d, inner) = split3(shape, dim);
     if k > d {
@@ -1075,7 +1078,8 @@ pub(crate) fn topk(x: &CudaStorage, shape: &[usize], dim: usize, k: usize, large
     if outer * k * inner == 0 {
         return Ok((vals, idx));
     }
-    let f = dev.func("topk", sfx(x.dtype))?;
+    // Few picks from long rows: k selection rounds (k·d work) beat ranking every element (d²).
+    let f = if k <= TOPK_SELECT_MAX_K && d > 2 * k { dev.func("topk_select", sfx(x.dtype))? } else { dev.func("topk", sfx(x.dtype))? };
     let (px, pv, pi) = (ptr(x), ptr(&vals), ptr(&idx));
     let (dd, ii, kk, lg) = (u32c("topk", d)?, u32c("topk", inner)?, u32c("topk", k)?, largest as i32);
     let rows = u32c("topk", outer * inner)?;
