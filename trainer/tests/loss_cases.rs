@@ -169,6 +169,16 @@ fn run_case(file: &str) {
     crit.one2one.assign.debug = true;
     let out = crit.loss(&o2m, &o2o, &targets, &anchors, Some(&flow)).unwrap();
     check_dense_terms(file, &g, &flow_vals);
+    // The criterion on the dense path: the same total and logged items, bit for bit.
+    let mut dense_cfg = LossConfig::default();
+    dense_cfg.dense_assignment = true;
+    let dense = E2ELoss::new(dense_cfg, 100);
+    let dflow = flow_from(&flow_vals);
+    let dout =
+        dense.loss(&branch_leaves(&g, "input.one2many."), &branch_leaves(&g, "input.one2one."), &targets, &anchors, Some(&dflow)).unwrap();
+    assert_eq!(dout.total.item().unwrap().to_bits(), out.total.item().unwrap().to_bits(), "{file}: dense total");
+    assert_eq!(dout.items, out.items, "{file}: dense items");
+    assert!(dout.one2many.assignment.is_none() && dense.one2many.dense_fallbacks() == 0);
 
     // Items per branch and term.
     let mut worst = 0f64;
@@ -185,9 +195,10 @@ fn run_case(file: &str) {
             worst = worst.max(d);
         }
         eprintln!("{line}");
-        check_assignment(file, &bl.assignment, &g, br);
+        let host_asg = bl.assignment.as_ref().expect("the host path keeps its assignment");
+        check_assignment(file, host_asg, &g, br);
         let (outs, params) = if br == "one2many" { (&o2m, &crit.one2many.assign) } else { (&o2o, &crit.one2one.assign) };
-        check_dense_assignment(&format!("{file} {br}"), &bl.assignment, outs, &targets, &anchors, params);
+        check_dense_assignment(&format!("{file} {br}"), host_asg, outs, &targets, &anchors, params);
     }
     let total_ref = get(&g, "total.scalar").item().unwrap();
     let total = out.total.item().unwrap();
@@ -250,4 +261,31 @@ fn case5_crowded() {
 #[test]
 fn case6_no_targets() {
     run_case("case6_no_targets.safetensors");
+}
+
+/// A batch with more objects in one image than the largest target bucket (256) runs the host
+/// path on the dense setting — the same result — and is counted.
+#[test]
+fn dense_loss_beyond_the_largest_bucket_falls_back_to_the_host_path() {
+    use ptl_autograd::{DType, Device, Rng, Tensor};
+    let anchors = Anchors::from_image_hw((64, 64), &[8.0, 16.0, 32.0]).unwrap();
+    let na = anchors.len();
+    let mut rng = Rng::new(8);
+    let out = |c: usize, rng: &mut Rng| Tensor::rand(vec![1, c, na], 0.1, 2.0, DType::F32, Device::Cpu, rng).unwrap();
+    let outs =
+        ptl_trainer::loss::BranchOutputs { boxes: out(4, &mut rng), scores: out(1, &mut rng), kpts: out(51, &mut rng), kpts_sigma: None };
+    let n = 257;
+    let mut t = ptl_trainer::loss::TargetBatch { nkpt: 17, ..Default::default() };
+    for i in 0..n {
+        t.batch_idx.push(0.0);
+        t.cls.push(0.0);
+        t.bboxes.extend_from_slice(&[0.1 + 0.8 * (i as f32 / n as f32), 0.5, 0.05, 0.05]);
+        t.keypoints.extend((0..17).flat_map(|_| [0.5f32, 0.5, 2.0]));
+    }
+    let host = E2ELoss::new(LossConfig::default(), 10).loss(&outs, &outs, &t, &anchors, None).unwrap();
+    let dense = E2ELoss::new(LossConfig { dense_assignment: true, ..LossConfig::default() }, 10);
+    let got = dense.loss(&outs, &outs, &t, &anchors, None).unwrap();
+    assert_eq!(got.items, host.items);
+    assert_eq!((dense.one2many.dense_fallbacks(), dense.one2one.dense_fallbacks()), (1, 1), "each branch counted once");
+    assert!(got.one2many.assignment.is_some(), "the host path ran");
 }

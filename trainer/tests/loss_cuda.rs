@@ -56,8 +56,9 @@ fn loss_cases_cuda_match_cpu() {
         }
         let ((c, cg), (d, dg)) = (&res[0], &res[1]);
         for (bc, bd) in [(&c.one2many, &d.one2many), (&c.one2one, &d.one2one)] {
-            assert_eq!(bc.assignment.fg_mask, bd.assignment.fg_mask, "{file}: fg mask");
-            assert_eq!(bc.assignment.target_gt_idx, bd.assignment.target_gt_idx, "{file}: gt idx");
+            let (ac, ad) = (bc.assignment.as_ref().expect("host assignment"), bd.assignment.as_ref().expect("host assignment"));
+            assert_eq!(ac.fg_mask, ad.fg_mask, "{file}: fg mask");
+            assert_eq!(ac.target_gt_idx, ad.target_gt_idx, "{file}: gt idx");
             for (i, name) in LOSS_NAMES.iter().enumerate() {
                 let r = rel_scalar(bd.items[i], bc.items[i]);
                 assert!(r <= 1e-4, "{file} {name}: cuda {} cpu {}", bd.items[i], bc.items[i]);
@@ -97,8 +98,8 @@ fn dense_assignment_on_cuda_matches_the_host() {
         let (o2m, o2o) = (branch_leaves_on(&g, "input.one2many.", Device::Cpu), branch_leaves_on(&g, "input.one2one.", Device::Cpu));
         let host = crit.loss(&o2m, &o2o, &targets, &anchors, Some(&flow)).unwrap();
         for (br, prefix, params, h) in [
-            ("one2many", "input.one2many.", &crit.one2many.assign, &host.one2many.assignment),
-            ("one2one", "input.one2one.", &crit.one2one.assign, &host.one2one.assignment),
+            ("one2many", "input.one2many.", &crit.one2many.assign, host.one2many.assignment.as_ref().expect("host assignment")),
+            ("one2one", "input.one2one.", &crit.one2one.assign, host.one2one.assignment.as_ref().expect("host assignment")),
         ] {
             let outs = branch_leaves_on(&g, prefix, gpu);
             let bs = outs.boxes.dims()[0];

@@ -84,7 +84,7 @@ fn no_targets_gives_cls_only_and_connected_zero_gradients() {
             assert_eq!(*v, 0.0, "slot {i}");
         }
     }
-    assert!(out.one2many.assignment.fg_mask.iter().all(|f| !f));
+    assert!(out.one2many.assignment.as_ref().expect("host assignment").fg_mask.iter().all(|f| !f));
     out.total.backward().unwrap();
     all_grads_present(&o2m);
     all_grads_present(&o2o);
@@ -99,7 +99,7 @@ fn image_without_people_next_to_one_with_people() {
     let t = people(&[(1, 40.0, 30.0, 40.0, 50.0)], 2.0);
     let out = E2ELoss::new(LossConfig::default(), 10).loss(&o2m, &o2o, &t, &anchors(), Some(&f)).unwrap();
     let a = anchors().len();
-    let fg = &out.one2many.assignment.fg_mask;
+    let fg = &out.one2many.assignment.as_ref().expect("host assignment").fg_mask;
     assert!(fg[..a].iter().all(|f| !f), "image 0 has no foreground");
     assert!(fg[a..].iter().any(|&f| f));
     assert!(out.items.iter().all(|v| v.is_finite()));
@@ -111,7 +111,7 @@ fn all_keypoints_invisible() {
     let t = people(&[(0, 48.0, 32.0, 40.0, 40.0)], 0.0);
     let out = E2ELoss::new(LossConfig::default(), 10).loss(&o2m, &o2o, &t, &anchors(), Some(&f)).unwrap();
     let it = out.one2many.items;
-    assert!(out.one2many.assignment.fg_mask.iter().any(|&f| f), "CIoU fallback still assigns");
+    assert!(out.one2many.assignment.as_ref().expect("host assignment").fg_mask.iter().any(|&f| f), "CIoU fallback still assigns");
     assert_eq!(it[1], 0.0, "pose loss numerator is empty");
     assert_eq!(it[5], 0.0, "no visible keypoint: no RLE");
     assert!(it[2] > 0.0, "kobj still trains visibility towards 0");
@@ -129,7 +129,7 @@ fn tiny_boxes_use_the_size_floor() {
     let mut crit = E2ELoss::new(LossConfig::default(), 10);
     crit.one2many.assign.debug = true;
     let out = crit.loss(&o2m, &o2o, &t, &anchors(), Some(&f)).unwrap();
-    let asg = &out.one2many.assignment;
+    let asg = out.one2many.assignment.as_ref().expect("host assignment");
     let na = asg.num_anchors;
     for g in 0..2 {
         assert!(asg.candidates[g * na..(g + 1) * na].iter().any(|&c| c), "gt {g} has candidates");
@@ -152,13 +152,13 @@ fn more_targets_than_anchors_can_serve() {
     let t = people(&boxes, 2.0);
     let out = E2ELoss::new(LossConfig::default(), 10).loss(&o2m, &o2o, &t, &anchors(), Some(&f)).unwrap();
     for bl in [&out.one2many, &out.one2one] {
-        let a = &bl.assignment;
+        let a = bl.assignment.as_ref().expect("host assignment");
         let n_fg = a.fg_indices().len();
         assert!(n_fg > 0 && n_fg <= a.num_anchors);
         assert!(bl.items.iter().all(|v| v.is_finite()));
     }
     // o2o: every GT keeps at most one positive anchor.
-    let a = &out.one2one.assignment;
+    let a = out.one2one.assignment.as_ref().expect("host assignment");
     let mut per_gt = vec![0usize; a.max_boxes];
     for i in a.fg_indices() {
         per_gt[a.target_gt_idx[i]] += 1;

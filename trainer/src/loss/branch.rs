@@ -35,8 +35,9 @@ pub struct BranchLoss {
     pub loss_times_bs: Tensor,
     /// The six gain-scaled terms (detached host values): what is logged for this branch.
     pub items: [f64; 6],
-    /// The assignment behind it.
-    pub assignment: Assignment,
+    /// The assignment behind it (the host assigner's; `None` on the dense path, whose assignment
+    /// stays on the device).
+    pub assignment: Option<Assignment>,
     /// Host wall time (ms) of the phases: [device→host copies + decode, assignment,
     /// enqueueing the terms, reading the items back (waits for the device)].
     pub phase_ms: [f64; 4],
@@ -47,6 +48,8 @@ pub struct BranchLoss {
 pub struct PoseLoss26 {
     pub cfg: LossConfig,
     pub assign: AssignParams,
+    /// Dense-path calls that ran the host path (shared by clones).
+    dense_fallbacks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 fn host_f32(t: &Tensor, what: &'static str) -> Result<Vec<f32>> {
@@ -71,11 +74,51 @@ impl PoseLoss26 {
     /// A branch criterion with the given assigner top-k values (o2m: 10/10, o2o: 7/1).
     pub fn new(cfg: LossConfig, topk: usize, topk2: usize) -> PoseLoss26 {
         let assign = AssignParams::pose(topk, topk2, &cfg.strides, &cfg.sigmas);
-        PoseLoss26 { cfg, assign }
+        PoseLoss26 { cfg, assign, dense_fallbacks: Default::default() }
     }
 
     /// Evaluates the branch on raw outputs. `flow` is required when `kpts_sigma` is present.
     pub fn loss(
+        &self,
+        out: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+    ) -> Result<BranchLoss> {
+        if self.cfg.dense_assignment {
+            self.check_inputs(out, targets, anchors)?;
+            return self.loss_dense(out, targets, anchors, flow);
+        }
+        self.loss_host(out, targets, anchors, flow)
+    }
+
+    /// How many calls of the dense path fell back to the host path (targets beyond the largest bucket).
+    pub fn dense_fallbacks(&self) -> usize {
+        self.dense_fallbacks.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The shapes and keypoint count every path needs.
+    fn check_inputs(&self, out: &BranchOutputs, targets: &TargetBatch, anchors: &Anchors) -> Result<()> {
+        let (nc, nk) = (self.cfg.nc, self.cfg.nkpt);
+        let bs = out.boxes.dims().first().copied().unwrap_or(0);
+        let na = anchors.len();
+        check_dims("boxes (B, 4, A)", &out.boxes, &[bs, 4, na])?;
+        check_dims("scores (B, nc, A)", &out.scores, &[bs, nc, na])?;
+        check_dims("kpts (B, 3K, A)", &out.kpts, &[bs, 3 * nk, na])?;
+        if let Some(s) = &out.kpts_sigma {
+            check_dims("kpts_sigma (B, 2K, A)", s, &[bs, 2 * nk, na])?;
+        }
+        if targets.nkpt != nk {
+            return Err(TrainerError::InvalidArgument {
+                what: "targets.nkpt",
+                reason: format!("{} keypoints in targets, {nk} in the loss config", targets.nkpt),
+            });
+        }
+        Ok(())
+    }
+
+    /// The host-assigner path.
+    fn loss_host(
         &self,
         out: &BranchOutputs,
         targets: &TargetBatch,
@@ -320,7 +363,44 @@ impl PoseLoss26 {
         }
         let loss_times_bs = vec.mul(&Tensor::scalar(bs as f64, DType::F32, device)?)?;
         lap(3, &mut phase_ms);
-        Ok(BranchLoss { loss_times_bs, items, assignment: asg, phase_ms })
+        Ok(BranchLoss { loss_times_bs, items, assignment: Some(asg), phase_ms })
+    }
+
+    /// The branch on the dense path ([`LossConfig::dense_assignment`]): targets padded to their
+    /// bucket, the fixed-shape assigner and terms on the outputs' device, one host read (the items).
+    /// Targets beyond the largest bucket run the host path for that call, counted in
+    /// [`PoseLoss26::dense_fallbacks`].
+    fn loss_dense(
+        &self,
+        out: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+    ) -> Result<BranchLoss> {
+        use super::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
+        let clock = std::time::Instant::now();
+        let bs = out.boxes.dims().first().copied().unwrap_or(0);
+        let device = out.boxes.device();
+        let padded = pad_targets(targets, bs, anchors.image_hw())?;
+        let Some(slots) = target_bucket(padded.max_boxes) else {
+            self.dense_fallbacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return self.loss_host(out, targets, anchors, flow);
+        };
+        let dt = DeviceTargets::upload(&padded, slots, device)?;
+        let geometry = DenseGeometry::new(anchors, &self.assign.sigmas, self.cfg.nc, device)?;
+        let (scores, boxes, kpts) = decode_for_assignment(&out.boxes, &out.scores, &out.kpts, anchors)?;
+        let asg =
+            assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, &self.assign)?;
+        let vec = super::dense::dense_branch_terms(&self.cfg, out, &asg, &dt, anchors, flow)?;
+        let enqueued = clock.elapsed().as_secs_f64() * 1e3;
+        let hv = vec.detach().to_vec::<f32>()?;
+        let mut items = [0f64; 6];
+        for (i, v) in hv.iter().enumerate() {
+            items[i] = f64::from(*v);
+        }
+        let loss_times_bs = vec.mul(&Tensor::scalar(bs as f64, DType::F32, device)?)?;
+        let read = clock.elapsed().as_secs_f64() * 1e3 - enqueued;
+        Ok(BranchLoss { loss_times_bs, items, assignment: None, phase_ms: [0.0, 0.0, enqueued, read] })
     }
 
     /// Rejects NaN/inf in the outputs: one device-side sum (a single host sync); only when it is

@@ -106,6 +106,10 @@ pub struct LossConfig {
     pub rle_weights: Vec<f32>,
     /// Level strides (P3, P4, P5).
     pub strides: Vec<f64>,
+    /// Assign and compute the terms with fixed shapes on the predictions' device
+    /// ([`assign_dense`], [`dense`]: no host read but the items) instead of the host assigner.
+    /// Off by default: on the GPU its kernels are not yet within the loss's time budget.
+    pub dense_assignment: bool,
 }
 
 impl Default for LossConfig {
@@ -122,6 +126,7 @@ impl Default for LossConfig {
             sigmas: OKS_SIGMA.to_vec(),
             rle_weights: RLE_WEIGHT.to_vec(),
             strides: vec![8.0, 16.0, 32.0],
+            dense_assignment: false,
         }
     }
 }

@@ -89,6 +89,10 @@ pub struct PoseTrainConfig {
     /// it doubles (PyTorch's 2000).
     pub scaler_init_scale: f64,
     pub scaler_growth_interval: usize,
+    /// The loss's assigner: `host` (the default: the task-aligned assigner on host vectors, one
+    /// read of the candidates per branch) or `dense` (fixed-shape tensor ops on the predictions'
+    /// device, reading back only the loss items; on the GPU not yet within the loss's time budget).
+    pub loss_assigner: String,
     /// Validate after every epoch.
     pub val: bool,
     /// Stop an epoch after this many batches (tiny test runs); `None` = the whole epoch.
@@ -168,6 +172,7 @@ impl Default for PoseTrainConfig {
             clip_max_norm: 10.0,
             scaler_init_scale: 65536.0,
             scaler_growth_interval: 2000,
+            loss_assigner: "host".into(),
             val: true,
             max_batches: None,
             timing_warmup_steps: 10,
@@ -239,6 +244,10 @@ impl PoseTrainConfig {
             "clip_max_norm" => self.clip_max_norm = num(value)?,
             "scaler_init_scale" => self.scaler_init_scale = num(value)?,
             "scaler_growth_interval" => self.scaler_growth_interval = int(value)?,
+            "loss_assigner" => match value {
+                "host" | "dense" => self.loss_assigner = value.to_string(),
+                other => return Err(bad(format!("`loss_assigner={other}`: expected host or dense"))),
+            },
             "max_batches" => self.max_batches = Some(int(value)?),
             "project" | "save_dir" => self.save_dir = PathBuf::from(value),
             "resume" => self.resume = Some(PathBuf::from(value)),
@@ -347,6 +356,7 @@ impl PoseTrainConfig {
             ("clip_max_norm", d.clip_max_norm.to_string(), "gradient clipping: largest global L2 norm"),
             ("scaler_init_scale", d.scaler_init_scale.to_string(), "16-mixed: the grad scaler's first loss scale"),
             ("scaler_growth_interval", d.scaler_growth_interval.to_string(), "16-mixed: clean steps before the loss scale doubles"),
+            ("loss_assigner", d.loss_assigner.clone(), "host, or dense: fixed-shape assigner and loss on the device (experimental)"),
             ("max_batches", "all".into(), "stop each epoch after this many batches (quick runs)"),
             ("project", d.save_dir.display().to_string(), "output folder (alias save_dir); an existing one gets a numbered sibling"),
             ("exist_ok", d.exist_ok.to_string(), "train into an existing project folder instead of a new numbered one"),

@@ -617,7 +617,8 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         })?),
         _ => None,
     };
-    let criterion = E2ELoss::new(LossConfig::with_keypoints(nkpt, None), cfg.epochs);
+    let loss_cfg = LossConfig { dense_assignment: cfg.loss_assigner == "dense", ..LossConfig::with_keypoints(nkpt, None) };
+    let criterion = E2ELoss::new(loss_cfg, cfg.epochs);
     let plugins = PluginStack::from_registry(&cfg.replay, &cfg.replay_config)?;
     let mut run = Run {
         cfg: cfg.clone(),
