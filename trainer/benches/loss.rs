@@ -57,7 +57,7 @@ fn main() {
             t1,
             t0.elapsed() - t1,
             out.total.item().unwrap(),
-            out.one2many.assignment.fg_indices().len()
+            out.one2many.assignment.as_ref().map_or(0, |a| a.fg_indices().len())
         );
         for (name, b) in [("o2m", &out.one2many), ("o2o", &out.one2one)] {
             let p = b.phase_ms;

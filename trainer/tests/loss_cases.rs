@@ -170,9 +170,7 @@ fn run_case(file: &str) {
     let out = crit.loss(&o2m, &o2o, &targets, &anchors, Some(&flow)).unwrap();
     check_dense_terms(file, &g, &flow_vals);
     // The criterion on the dense path: the same total and logged items, bit for bit.
-    let mut dense_cfg = LossConfig::default();
-    dense_cfg.dense_assignment = true;
-    let dense = E2ELoss::new(dense_cfg, 100);
+    let dense = E2ELoss::new(LossConfig { dense_assignment: true, ..LossConfig::default() }, 100);
     let dflow = flow_from(&flow_vals);
     let dout =
         dense.loss(&branch_leaves(&g, "input.one2many."), &branch_leaves(&g, "input.one2one."), &targets, &anchors, Some(&dflow)).unwrap();
