@@ -58,6 +58,32 @@ fn host_f32(t: &Tensor, what: &'static str) -> Result<Vec<f32>> {
     Ok(v)
 }
 
+/// The RLE term's floor for σ: the smallest positive normal number of the sigma logits' dtype
+/// (6.1e-5 for f16, 1.18e-38 for f32 and bf16).
+pub(crate) fn sigma_floor_of(out: &BranchOutputs) -> f64 {
+    match out.kpts_sigma.as_ref().map(Tensor::dtype) {
+        Some(DType::F16) => 2f64.powi(-14),
+        _ => f64::from(f32::MIN_POSITIVE),
+    }
+}
+
+/// `t` in f32 (a differentiable cast when it is not already).
+pub(crate) fn f32_of(t: &Tensor) -> Result<Tensor> {
+    Ok(if t.dtype() == DType::F32 { t.clone() } else { t.to_dtype(DType::F32)? })
+}
+
+/// The six raw terms `[box, pose, kobj, cls, l1, rle]` times their gains, as one (6,) tensor.
+pub(crate) fn gain_scaled(cfg: &LossConfig, raw: [&Tensor; 6]) -> Result<Tensor> {
+    let gains = [cfg.box_gain, cfg.pose_gain, cfg.kobj_gain, cfg.cls_gain, cfg.l1_gain, cfg.rle_gain];
+    let device = raw[0].device();
+    let scaled: Vec<Tensor> = raw
+        .iter()
+        .zip(gains)
+        .map(|(l, g)| -> Result<Tensor> { Ok(l.reshape(1)?.mul(&Tensor::scalar(g, DType::F32, device)?)?) })
+        .collect::<Result<_>>()?;
+    Ok(Tensor::cat(&scaled.iter().collect::<Vec<_>>(), 0)?)
+}
+
 fn check_dims(what: &'static str, t: &Tensor, want: &[usize]) -> Result<()> {
     if t.dims() != want {
         return Err(TrainerError::ShapeMismatch {
@@ -127,11 +153,7 @@ impl PoseLoss26 {
     ) -> Result<BranchLoss> {
         // The loss runs in float32 whatever the head's precision (autocast outputs are cast
         // here, differentiably); the RLE sigma floor follows the outputs' own dtype.
-        let sigma_floor = match out.kpts_sigma.as_ref().map(Tensor::dtype) {
-            Some(DType::F16) => 2f64.powi(-14), // f16 smallest positive normal, 6.1e-5
-            _ => f64::from(f32::MIN_POSITIVE),
-        };
-        let f32_of = |t: &Tensor| -> Result<Tensor> { Ok(if t.dtype() == DType::F32 { t.clone() } else { t.to_dtype(DType::F32)? }) };
+        let sigma_floor = sigma_floor_of(out);
         let cast = BranchOutputs {
             boxes: f32_of(&out.boxes)?,
             scores: f32_of(&out.scores)?,
@@ -144,18 +166,7 @@ impl PoseLoss26 {
         let device = out.boxes.device();
         let bs = out.boxes.dims().first().copied().unwrap_or(0);
         let na = anchors.len();
-        check_dims("boxes (B, 4, A)", &out.boxes, &[bs, 4, na])?;
-        check_dims("scores (B, nc, A)", &out.scores, &[bs, nc, na])?;
-        check_dims("kpts (B, 3K, A)", &out.kpts, &[bs, 3 * nk, na])?;
-        if let Some(s) = &out.kpts_sigma {
-            check_dims("kpts_sigma (B, 2K, A)", s, &[bs, 2 * nk, na])?;
-        }
-        if targets.nkpt != nk {
-            return Err(TrainerError::InvalidArgument {
-                what: "targets.nkpt",
-                reason: format!("{} keypoints in targets, {nk} in the loss config", targets.nkpt),
-            });
-        }
+        self.check_inputs(out, targets, anchors)?;
         let (img_h, img_w) = anchors.image_hw();
 
         let clock = std::time::Instant::now();
@@ -346,15 +357,7 @@ impl PoseLoss26 {
             };
         }
 
-        let gains = [cfg.box_gain, cfg.pose_gain, cfg.kobj_gain, cfg.cls_gain, cfg.l1_gain, cfg.rle_gain];
-        let raw = [&l_box, &l_kpt, &l_kobj, &l_cls, &l_l1, &l_rle];
-        let scaled: Vec<Tensor> = raw
-            .iter()
-            .zip(gains)
-            .map(|(l, g)| -> Result<Tensor> { Ok(l.reshape(1)?.mul(&Tensor::scalar(g, DType::F32, device)?)?) })
-            .collect::<Result<_>>()?;
-        let refs: Vec<&Tensor> = scaled.iter().collect();
-        let vec = Tensor::cat(&refs, 0)?;
+        let vec = gain_scaled(cfg, [&l_box, &l_kpt, &l_kobj, &l_cls, &l_l1, &l_rle])?;
         lap(2, &mut phase_ms);
         let hv = vec.detach().to_vec::<f32>()?;
         let mut items = [0f64; 6];

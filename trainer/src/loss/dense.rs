@@ -9,7 +9,7 @@
 use ptl_autograd::{DType, Tensor};
 
 use super::assign_dense::{DenseAssignment, DeviceTargets};
-use super::branch::BranchOutputs;
+use super::branch::{f32_of, gain_scaled, sigma_floor_of, BranchOutputs};
 use super::terms::{self, constant};
 use super::{Anchors, FlowLogProb, LossConfig};
 use crate::error::{Result, TrainerError};
@@ -24,11 +24,7 @@ pub fn dense_branch_terms(
     anchors: &Anchors,
     flow: Option<&dyn FlowLogProb>,
 ) -> Result<Tensor> {
-    let f32_of = |t: &Tensor| -> Result<Tensor> { Ok(if t.dtype() == DType::F32 { t.clone() } else { t.to_dtype(DType::F32)? }) };
-    let sigma_floor = match out.kpts_sigma.as_ref().map(Tensor::dtype) {
-        Some(DType::F16) => 2f64.powi(-14),
-        _ => f64::from(f32::MIN_POSITIVE),
-    };
+    let sigma_floor = sigma_floor_of(out);
     let (boxes, scores, kpts) = (f32_of(&out.boxes)?, f32_of(&out.scores)?, f32_of(&out.kpts)?);
     let device = boxes.device();
     let (bs, na, nk, nc) = (boxes.dims()[0], anchors.len(), cfg.nkpt, cfg.nc);
@@ -126,12 +122,5 @@ pub fn dense_branch_terms(
         _ => Tensor::scalar(0.0, DType::F32, device)?,
     };
 
-    let gains = [cfg.box_gain, cfg.pose_gain, cfg.kobj_gain, cfg.cls_gain, cfg.l1_gain, cfg.rle_gain];
-    let raw = [&l_box, &l_kpt, &l_kobj, &l_cls, &l_l1, &l_rle];
-    let scaled: Vec<Tensor> = raw
-        .iter()
-        .zip(gains)
-        .map(|(l, g)| -> Result<Tensor> { Ok(l.reshape(1)?.mul(&Tensor::scalar(g, DType::F32, device)?)?) })
-        .collect::<Result<_>>()?;
-    Ok(Tensor::cat(&scaled.iter().collect::<Vec<_>>(), 0)?)
+    gain_scaled(cfg, [&l_box, &l_kpt, &l_kobj, &l_cls, &l_l1, &l_rle])
 }
