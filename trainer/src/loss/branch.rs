@@ -50,6 +50,19 @@ pub struct PoseLoss26 {
     pub assign: AssignParams,
     /// Dense-path calls that ran the host path (shared by clones).
     dense_fallbacks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// The dense assigner's constants for the last image size and device.
+    geometry: std::sync::Arc<std::sync::Mutex<Option<GeometryKey>>>,
+}
+
+type GeometryKey = (Vec<(usize, usize)>, ptl_autograd::Device, super::assign_dense::DenseGeometry);
+
+/// The six items of a gain-scaled term vector read back to the host.
+pub(crate) fn items_of(v: &[f32]) -> [f64; 6] {
+    let mut items = [0f64; 6];
+    for (i, x) in v.iter().take(6).enumerate() {
+        items[i] = f64::from(*x);
+    }
+    items
 }
 
 fn host_f32(t: &Tensor, what: &'static str) -> Result<Vec<f32>> {
@@ -100,7 +113,7 @@ impl PoseLoss26 {
     /// A branch criterion with the given assigner top-k values (o2m: 10/10, o2o: 7/1).
     pub fn new(cfg: LossConfig, topk: usize, topk2: usize) -> PoseLoss26 {
         let assign = AssignParams::pose(topk, topk2, &cfg.strides, &cfg.sigmas);
-        PoseLoss26 { cfg, assign, dense_fallbacks: Default::default() }
+        PoseLoss26 { cfg, assign, dense_fallbacks: Default::default(), geometry: Default::default() }
     }
 
     /// Evaluates the branch on raw outputs. `flow` is required when `kpts_sigma` is present.
@@ -112,10 +125,14 @@ impl PoseLoss26 {
         flow: Option<&dyn FlowLogProb>,
     ) -> Result<BranchLoss> {
         if self.cfg.dense_assignment {
-            self.check_inputs(out, targets, anchors)?;
             return self.loss_dense(out, targets, anchors, flow);
         }
         self.loss_host(out, targets, anchors, flow)
+    }
+
+    /// Notes one call of the dense path that runs the host path.
+    pub(crate) fn count_fallback(&self) {
+        self.dense_fallbacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// How many calls of the dense path fell back to the host path (targets beyond the largest bucket).
@@ -144,7 +161,7 @@ impl PoseLoss26 {
     }
 
     /// The host-assigner path.
-    fn loss_host(
+    pub(crate) fn loss_host(
         &self,
         out: &BranchOutputs,
         targets: &TargetBatch,
@@ -369,10 +386,8 @@ impl PoseLoss26 {
         Ok(BranchLoss { loss_times_bs, items, assignment: Some(asg), phase_ms })
     }
 
-    /// The branch on the dense path ([`LossConfig::dense_assignment`]): targets padded to their
-    /// bucket, the fixed-shape assigner and terms on the outputs' device, one host read (the items).
-    /// Targets beyond the largest bucket run the host path for that call, counted in
-    /// [`PoseLoss26::dense_fallbacks`].
+    /// The branch on the dense path ([`LossConfig::dense_assignment`]) with its one host read
+    /// (the items); see [`PoseLoss26::dense_terms`].
     fn loss_dense(
         &self,
         out: &BranchOutputs,
@@ -380,30 +395,58 @@ impl PoseLoss26 {
         anchors: &Anchors,
         flow: Option<&dyn FlowLogProb>,
     ) -> Result<BranchLoss> {
-        use super::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
         let clock = std::time::Instant::now();
+        let Some(vec) = self.dense_terms(out, targets, anchors, flow)? else {
+            return self.loss_host(out, targets, anchors, flow);
+        };
+        let enqueued = clock.elapsed().as_secs_f64() * 1e3;
+        let items = items_of(&vec.detach().to_vec::<f32>()?);
+        let bs = out.boxes.dims().first().copied().unwrap_or(0);
+        let loss_times_bs = vec.mul(&Tensor::scalar(bs as f64, DType::F32, out.boxes.device())?)?;
+        let read = clock.elapsed().as_secs_f64() * 1e3 - enqueued;
+        Ok(BranchLoss { loss_times_bs, items, assignment: None, phase_ms: [0.0, 0.0, enqueued, read] })
+    }
+
+    /// The six gain-scaled terms on the dense path as a (6,) tensor on the outputs' device, with
+    /// no host read: targets padded to their bucket, the fixed-shape assigner and terms. `None`
+    /// (counted in [`PoseLoss26::dense_fallbacks`]) when an image holds more objects than the
+    /// largest bucket: the caller runs the host path for that call.
+    pub fn dense_terms(
+        &self,
+        out: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+    ) -> Result<Option<Tensor>> {
+        use super::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseInputs, DeviceTargets};
+        self.check_inputs(out, targets, anchors)?;
         let bs = out.boxes.dims().first().copied().unwrap_or(0);
         let device = out.boxes.device();
         let padded = pad_targets(targets, bs, anchors.image_hw())?;
         let Some(slots) = target_bucket(padded.max_boxes) else {
-            self.dense_fallbacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return self.loss_host(out, targets, anchors, flow);
+            self.count_fallback();
+            return Ok(None);
         };
         let dt = DeviceTargets::upload(&padded, slots, device)?;
-        let geometry = DenseGeometry::new(anchors, &self.assign.sigmas, self.cfg.nc, device)?;
+        let geometry = self.geometry(anchors, device)?;
         let (scores, boxes, kpts) = decode_for_assignment(&out.boxes, &out.scores, &out.kpts, anchors)?;
         let asg =
             assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, &self.assign)?;
-        let vec = super::dense::dense_branch_terms(&self.cfg, out, &asg, &dt, anchors, flow)?;
-        let enqueued = clock.elapsed().as_secs_f64() * 1e3;
-        let hv = vec.detach().to_vec::<f32>()?;
-        let mut items = [0f64; 6];
-        for (i, v) in hv.iter().enumerate() {
-            items[i] = f64::from(*v);
+        Ok(Some(super::dense::dense_branch_terms(&self.cfg, out, &asg, &dt, anchors, flow)?))
+    }
+
+    /// The dense assigner's constants for these anchors on `device`, made on first use and kept
+    /// while the image size and device stay the same (so a call uploads only its targets).
+    fn geometry(&self, anchors: &Anchors, device: ptl_autograd::Device) -> Result<super::assign_dense::DenseGeometry> {
+        let mut cache = self.geometry.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((levels, dev, g)) = cache.as_ref() {
+            if *levels == anchors.level_hw && *dev == device {
+                return Ok(g.clone());
+            }
         }
-        let loss_times_bs = vec.mul(&Tensor::scalar(bs as f64, DType::F32, device)?)?;
-        let read = clock.elapsed().as_secs_f64() * 1e3 - enqueued;
-        Ok(BranchLoss { loss_times_bs, items, assignment: None, phase_ms: [0.0, 0.0, enqueued, read] })
+        let g = super::assign_dense::DenseGeometry::new(anchors, &self.assign.sigmas, self.cfg.nc, device)?;
+        *cache = Some((anchors.level_hw.clone(), device, g.clone()));
+        Ok(g)
     }
 
     /// Rejects NaN/inf in the outputs: one device-side sum (a single host sync); only when it is

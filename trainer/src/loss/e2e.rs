@@ -4,7 +4,7 @@
 use ptl_autograd::{DType, Tensor};
 
 use super::anchors::Anchors;
-use super::branch::{BranchLoss, BranchOutputs, PoseLoss26};
+use super::branch::{items_of, BranchLoss, BranchOutputs, PoseLoss26};
 use super::targets::TargetBatch;
 use super::{FlowLogProb, LossConfig};
 use crate::error::Result;
@@ -86,8 +86,18 @@ impl E2ELoss {
         anchors: &Anchors,
         flow: Option<&dyn FlowLogProb>,
     ) -> Result<LossOutput> {
-        let a = self.one2many.loss(o2m, targets, anchors, flow)?;
-        let b = self.one2one.loss(o2o, targets, anchors, flow)?;
+        let dense = self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment;
+        if dense {
+            if let Some(out) = self.loss_dense(o2m, o2o, targets, anchors, flow)? {
+                return Ok(out);
+            }
+        }
+        // Both branches on the host path (the dense path has counted its fallback).
+        let (a, b) = if dense {
+            (self.one2many.loss_host(o2m, targets, anchors, flow)?, self.one2one.loss_host(o2o, targets, anchors, flow)?)
+        } else {
+            (self.one2many.loss(o2m, targets, anchors, flow)?, self.one2one.loss(o2o, targets, anchors, flow)?)
+        };
         let dev = a.loss_times_bs.device();
         let wa = Tensor::scalar(self.w_o2m, DType::F32, dev)?;
         let wb = Tensor::scalar(self.w_o2o, DType::F32, dev)?;
@@ -98,5 +108,46 @@ impl E2ELoss {
             return Err(crate::error::TrainerError::NonFinite { what: "total loss", index: 0, value: t });
         }
         Ok(LossOutput { total, loss_vec, items: b.items, one2many: a, one2one: b, w_o2m: self.w_o2m, w_o2o: self.w_o2o })
+    }
+
+    /// Both branches on the dense path with one host read for the step (both item vectors and the
+    /// total together); `None` when a branch needs the host path (targets beyond the largest bucket).
+    fn loss_dense(
+        &self,
+        o2m: &BranchOutputs,
+        o2o: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+    ) -> Result<Option<LossOutput>> {
+        let clock = std::time::Instant::now();
+        // Whether the targets fit a bucket depends on the targets alone: the same for both branches.
+        let Some(va) = self.one2many.dense_terms(o2m, targets, anchors, flow)? else {
+            self.one2one.count_fallback();
+            return Ok(None);
+        };
+        let Some(vb) = self.one2one.dense_terms(o2o, targets, anchors, flow)? else { return Ok(None) };
+        let dev = va.device();
+        let bs = Tensor::scalar(o2m.boxes.dims().first().copied().unwrap_or(0) as f64, DType::F32, dev)?;
+        let (la, lb) = (va.mul(&bs)?, vb.mul(&bs)?);
+        let wa = Tensor::scalar(self.w_o2m, DType::F32, dev)?;
+        let wb = Tensor::scalar(self.w_o2o, DType::F32, dev)?;
+        let loss_vec = la.mul(&wa)?.add(&lb.mul(&wb)?)?;
+        let total = loss_vec.sum_all()?;
+        let enqueued = clock.elapsed().as_secs_f64() * 1e3;
+        let read = Tensor::cat(&[&va.detach(), &vb.detach(), &total.detach().reshape(1)?], 0)?.to_vec::<f32>()?;
+        let t = f64::from(read[12]);
+        if !t.is_finite() {
+            return Err(crate::error::TrainerError::NonFinite { what: "total loss", index: 0, value: t });
+        }
+        let waited = clock.elapsed().as_secs_f64() * 1e3 - enqueued;
+        let branch = |loss_times_bs: Tensor, items: [f64; 6]| BranchLoss {
+            loss_times_bs,
+            items,
+            assignment: None,
+            phase_ms: [0.0, 0.0, enqueued, waited],
+        };
+        let (a, b) = (branch(la, items_of(&read[0..6])), branch(lb, items_of(&read[6..12])));
+        Ok(Some(LossOutput { total, loss_vec, items: b.items, one2many: a, one2one: b, w_o2m: self.w_o2m, w_o2o: self.w_o2o }))
     }
 }
