@@ -98,10 +98,8 @@ fn check_dense_terms(
 ) {
     use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
     use ptl_trainer::loss::dense::dense_branch_terms;
-    let hw = f64v(get(g, "input.image_hw"));
     let cfg = LossConfig::default();
-    let anchors = Anchors::from_image_hw((hw[0] as usize, hw[1] as usize), &cfg.strides).unwrap();
-    let targets = target_batch(g, "batch.");
+    let (anchors, targets) = case_anchors_and_targets(g);
     let crit = E2ELoss::new(cfg.clone(), 100);
     for (br, branch) in [("one2many", &crit.one2many), ("one2one", &crit.one2one)] {
         let prefix = format!("input.{br}.");
@@ -158,10 +156,8 @@ fn run_case(file: &str) {
     let g = load(root.join("loss_cases").join(file));
     let flow_vals = load(root.join("loss_cases/flow.safetensors"));
     let flow = flow_from(&flow_vals);
-    let hw = f64v(get(&g, "input.image_hw"));
     let cfg = LossConfig::default();
-    let anchors = Anchors::from_image_hw((hw[0] as usize, hw[1] as usize), &cfg.strides).unwrap();
-    let targets = target_batch(&g, "batch.");
+    let (anchors, targets) = case_anchors_and_targets(&g);
     let o2m = branch_leaves(&g, "input.one2many.");
     let o2o = branch_leaves(&g, "input.one2one.");
     let mut crit = E2ELoss::new(cfg, 100);

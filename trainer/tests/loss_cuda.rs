@@ -19,21 +19,25 @@ const CASES: [&str; 6] = [
     "case6_no_targets.safetensors",
 ];
 
-#[test]
-fn loss_cases_cuda_match_cpu() {
-    let Some(root) = goldens() else { return };
+/// The goldens' folder and a CUDA device, or `None` (with the reason printed) to skip.
+fn goldens_and_gpu() -> Option<(std::path::PathBuf, Device)> {
+    let root = goldens()?;
     let gpu = Device::auto();
     if !gpu.is_cuda() {
         eprintln!("skipping: no usable CUDA device");
-        return;
+        return None;
     }
+    Some((root, gpu))
+}
+
+#[test]
+fn loss_cases_cuda_match_cpu() {
+    let Some((root, gpu)) = goldens_and_gpu() else { return };
     let flow_vals = load(root.join("loss_cases/flow.safetensors"));
     for file in CASES {
         let g = load(root.join("loss_cases").join(file));
-        let hw = f64v(get(&g, "input.image_hw"));
         let cfg = LossConfig::default();
-        let anchors = Anchors::from_image_hw((hw[0] as usize, hw[1] as usize), &cfg.strides).unwrap();
-        let targets = target_batch(&g, "batch.");
+        let (anchors, targets) = case_anchors_and_targets(&g);
         let crit = E2ELoss::new(cfg, 100);
         let mut res = Vec::new();
         for dev in [Device::Cpu, gpu] {
@@ -80,19 +84,12 @@ fn loss_cases_cuda_match_cpu() {
 #[test]
 fn dense_assignment_on_cuda_matches_the_host() {
     use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
-    let Some(root) = goldens() else { return };
-    let gpu = Device::auto();
-    if !gpu.is_cuda() {
-        eprintln!("skipping: no usable CUDA device");
-        return;
-    }
+    let Some((root, gpu)) = goldens_and_gpu() else { return };
     let flow_vals = load(root.join("loss_cases/flow.safetensors"));
     for file in CASES {
         let g = load(root.join("loss_cases").join(file));
-        let hw = f64v(get(&g, "input.image_hw"));
         let cfg = LossConfig::default();
-        let anchors = Anchors::from_image_hw((hw[0] as usize, hw[1] as usize), &cfg.strides).unwrap();
-        let targets = target_batch(&g, "batch.");
+        let (anchors, targets) = case_anchors_and_targets(&g);
         let crit = E2ELoss::new(cfg, 100);
         let flow = flow_on(&flow_vals, Device::Cpu);
         let (o2m, o2o) = (branch_leaves_on(&g, "input.one2many.", Device::Cpu), branch_leaves_on(&g, "input.one2one.", Device::Cpu));

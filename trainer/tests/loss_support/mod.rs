@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use ptl_autograd::{module, DType, Device, Rng, Tensor};
 use ptl_heads::nn::Init;
 use ptl_heads::RealNvp;
-use ptl_trainer::loss::{BranchOutputs, TargetBatch};
+use ptl_trainer::loss::{Anchors, BranchOutputs, LossConfig, TargetBatch};
 
 /// `shared/goldens` (or `$PTL_GOLDENS`), or `None` when the checkout has no shared folder.
 pub fn goldens() -> Option<PathBuf> {
@@ -85,4 +85,11 @@ pub fn rel_dev(a: &[f64], b: &[f64], floor: f64) -> f64 {
 /// |a − b| / |b| for scalars (absolute when |b| < 1e-6... scaled by max(|b|, 1e-6)).
 pub fn rel_scalar(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs().max(1e-6)
+}
+
+/// A golden loss case's anchors (from its image size, the default strides) and targets.
+pub fn case_anchors_and_targets(g: &HashMap<String, Tensor>) -> (Anchors, TargetBatch) {
+    let hw = f64v(get(g, "input.image_hw"));
+    let anchors = Anchors::from_image_hw((hw[0] as usize, hw[1] as usize), &LossConfig::default().strides).expect("anchors");
+    (anchors, target_batch(g, "batch."))
 }
