@@ -200,6 +200,9 @@ pub trait BackendStorage: Sized {
     /// Its gradient: each input position receives the sum of its factor×factor block of the
     /// output gradient (`self`, shape [n, c, h·f, w·f]), summed in row-major order.
     fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize) -> Result<Self>;
+    /// Positions (I64) of the first `size` non-zero elements in ascending order, padded with
+    /// `fill`: a fixed-shape `nonzero` (PyTorch `nonzero_static`) that needs no host read.
+    fn nonzero_static(&self, size: usize, fill: i64) -> Result<Self>;
     /// Top-k along `dim`, sorted (largest first when `largest`), ties by lower index. No gradient.
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)>;
 

@@ -469,6 +469,9 @@ impl Storage {
     pub fn channel_affine(&self, shape: &[usize], params: &Storage, silu: bool) -> Result<Storage> {
         pair!("channel_affine", self, params, |a, b| a.channel_affine(shape, b, silu))
     }
+    pub fn nonzero_static(&self, size: usize, fill: i64) -> Result<Storage> {
+        unary_dispatch!(self, |s| s.nonzero_static(size, fill))
+    }
     pub fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Storage, Storage)> {
         match self {
             Storage::Cpu(s) => {

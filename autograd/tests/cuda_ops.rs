@@ -1260,3 +1260,28 @@ fn topk_of_long_rows_matches_the_cpu() {
         "last dimension"
     );
 }
+
+/// `nonzero_static` on the GPU gives the CPU's positions: sparse and dense masks of 33,600 and
+/// 571,200 elements (f32 and u8), a size below the count (truncated), above it (padded with the
+/// fill) and of 0, an all-zero mask; and it reads nothing back to the host.
+#[test]
+fn nonzero_static_matches_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(31);
+    for (n, p) in [(33_600usize, 0.02f64), (571_200, 0.001), (5_000, 0.7), (1_000, 0.0)] {
+        let u = Tensor::rand(vec![n], 0.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap();
+        let mask = u.lt_scalar(p).unwrap().to_dtype(DType::F32).unwrap();
+        let count = mask.to_vec::<f32>().unwrap().iter().filter(|&&v| v != 0.0).count();
+        for size in [0, count / 2, count, count + 37] {
+            for m in [mask.clone(), mask.to_dtype(DType::U8).unwrap()] {
+                let want = m.nonzero_static(size, -1).unwrap().to_vec::<i64>().unwrap();
+                let on_dev = m.to_device(dev).unwrap();
+                let before = ptl_autograd::cuda::counters();
+                let got = on_dev.nonzero_static(size, -1).unwrap();
+                let c = ptl_autograd::cuda::counters().since(&before);
+                assert_eq!((c.host_syncs, c.device_to_host_copies), (0, 0), "no host read");
+                assert_eq!(got.to_vec::<i64>().unwrap(), want, "n {n}, {count} set, size {size}, {:?}", m.dtype());
+            }
+        }
+    }
+}

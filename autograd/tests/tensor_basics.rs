@@ -150,3 +150,15 @@ fn autocast_runs_conv_in_bf16_and_grads_reach_f32_weights() {
     y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
     assert_eq!(w.grad().unwrap().dtype(), DType::F32);
 }
+
+#[test]
+fn nonzero_static_keeps_the_first_positions_and_pads() {
+    let m = Tensor::from_vec(vec![0.0f32, 2.0, 0.0, -1.0, f32::NAN, 0.0, 3.0], vec![7], Device::Cpu).unwrap();
+    let at = |size: usize| m.nonzero_static(size, -1).unwrap().to_vec::<i64>().unwrap();
+    assert_eq!(at(4), vec![1, 3, 4, 6], "NaN counts as non-zero, as in PyTorch");
+    assert_eq!(at(2), vec![1, 3], "truncated to the size");
+    assert_eq!(at(6), vec![1, 3, 4, 6, -1, -1], "padded with the fill");
+    assert!(at(0).is_empty());
+    let grid = Tensor::from_vec(vec![0u8, 1, 1, 0, 0, 1], vec![2, 3], Device::Cpu).unwrap();
+    assert_eq!(grid.nonzero_static(3, 0).unwrap().to_vec::<i64>().unwrap(), vec![1, 2, 5], "flat positions of a 2-d mask");
+}

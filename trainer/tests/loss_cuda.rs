@@ -113,6 +113,12 @@ fn dense_assignment_on_cuda_matches_the_host() {
                 (0, 0, 0),
                 "{file} {br}: the dense assigner reads nothing back and uploads nothing ({during:?})"
             );
+            let composed = ptl_trainer::loss::assign_dense::assign_composed(
+                &DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt },
+                params,
+            )
+            .unwrap();
+            assert_same_assignment(&d, &composed, &format!("{file} {br}"));
             let fg: Vec<bool> = d.fg_mask.to_vec::<f32>().unwrap().iter().map(|&v| v != 0.0).collect();
             assert_eq!(fg, h.fg_mask, "{file} {br}: foreground");
             let gi: Vec<usize> = d.target_gt_idx.to_vec::<i64>().unwrap().iter().map(|&v| v as usize).collect();
@@ -153,21 +159,175 @@ fn dense_assignment_on_cuda_matches_the_host() {
     let (rb, rs, rk) = (raw(4).abs().unwrap(), raw(1), raw(51));
     let (scores, boxes, kpts) = decode_for_assignment(&rb, &rs, &rk, &anchors).unwrap();
     let inputs = DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt };
-    assign_dense(&inputs, &crit.one2many.assign).unwrap();
-    let timer = ptl_autograd::cuda::GpuKernelTimer::start_detailed(gpu).unwrap();
-    let before = ptl_autograd::cuda::counters();
-    for params in [&crit.one2many.assign, &crit.one2one.assign] {
-        assign_dense(&inputs, params).unwrap();
+    type AssignFn =
+        fn(&DenseInputs<'_>, &ptl_trainer::loss::AssignParams) -> ptl_trainer::Result<ptl_trainer::loss::assign_dense::DenseAssignment>;
+    let ways: [(&str, AssignFn); 2] = [("fused", assign_dense), ("composed", ptl_trainer::loss::assign_dense::assign_composed)];
+    for (way, assign) in ways {
+        assign(&inputs, &crit.one2many.assign).unwrap();
+        let timer = ptl_autograd::cuda::GpuKernelTimer::start_detailed(gpu).unwrap();
+        let before = ptl_autograd::cuda::counters();
+        let mut results = Vec::new();
+        for params in [&crit.one2many.assign, &crit.one2one.assign] {
+            results.push(assign(&inputs, params).unwrap());
+        }
+        let c = ptl_autograd::cuda::counters().since(&before);
+        let (k, detail) = timer.finish_detailed().unwrap();
+        eprintln!(
+            "dense assignment ({way}) of both branches at batch 4, 640 px, 16 slots: {} launches, {} kernels, {:.3} ms of kernels; largest:",
+            c.kernel_launches + c.library_calls,
+            k.kernels,
+            k.kernel_ns as f64 * 1e-6
+        );
+        for d in detail.iter().take(12) {
+            eprintln!("  {way} kernel {}: {} × {:.3} ms", d.name.chars().take(60).collect::<String>(), d.count, d.ns as f64 * 1e-6);
+        }
+        if way == "fused" {
+            for (params, fused) in [&crit.one2many.assign, &crit.one2one.assign].into_iter().zip(&results) {
+                let composed = ptl_trainer::loss::assign_dense::assign_composed(&inputs, params).unwrap();
+                assert_same_assignment(fused, &composed, "batch 4, 640 px");
+            }
+        }
     }
-    let c = ptl_autograd::cuda::counters().since(&before);
-    let (k, detail) = timer.finish_detailed().unwrap();
-    eprintln!(
-        "dense assignment of both branches at batch 4, 640 px, 16 slots: {} launches, {} kernels, {:.3} ms of kernels; largest:",
-        c.kernel_launches + c.library_calls,
-        k.kernels,
-        k.kernel_ns as f64 * 1e-6
-    );
-    for d in detail.iter().take(12) {
-        eprintln!("  dense kernel {}: {} × {:.3} ms", d.name.chars().take(60).collect::<String>(), d.count, d.ns as f64 * 1e-6);
+}
+
+/// The fused and composed dense assignments hold the same bytes.
+fn assert_same_assignment(
+    a: &ptl_trainer::loss::assign_dense::DenseAssignment,
+    b: &ptl_trainer::loss::assign_dense::DenseAssignment,
+    what: &str,
+) {
+    let bits = |t: &ptl_autograd::Tensor| -> Vec<u32> { t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect() };
+    assert_eq!(bits(&a.fg_mask), bits(&b.fg_mask), "{what}: fused vs composed foreground");
+    assert_eq!(a.target_gt_idx.to_vec::<i64>().unwrap(), b.target_gt_idx.to_vec::<i64>().unwrap(), "{what}: fused vs composed GT index");
+    assert_eq!(a.target_labels.to_vec::<i64>().unwrap(), b.target_labels.to_vec::<i64>().unwrap(), "{what}: fused vs composed labels");
+    assert_eq!(bits(&a.target_bboxes), bits(&b.target_bboxes), "{what}: fused vs composed boxes");
+    assert_eq!(bits(&a.target_scores), bits(&b.target_scores), "{what}: fused vs composed soft scores");
+}
+
+/// The fused CUDA assigner against the composed ops on the same GPU, bit for bit, on random
+/// crowded batches: tiny and large boxes, objects without visible keypoints, images without
+/// objects, every bucket up to 64 slots, and both branches' top-k settings (10/10 and 7/1).
+#[test]
+fn fused_assigner_equals_the_composed_ops_on_random_batches() {
+    use ptl_trainer::loss::assign_dense::{
+        assign_composed, assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets,
+    };
+    let gpu = Device::auto();
+    if !gpu.is_cuda() {
+        eprintln!("skipping: no usable CUDA device");
+        return;
     }
+    let cfg = LossConfig::default();
+    let mut rng = ptl_autograd::Rng::new(21);
+    for (case, (hw, counts)) in
+        [((128, 160), vec![3, 0, 7]), ((256, 256), vec![1, 12, 0, 30]), ((320, 192), vec![60, 2]), ((64, 64), vec![0, 0])]
+            .into_iter()
+            .enumerate()
+    {
+        let anchors = Anchors::from_image_hw(hw, &cfg.strides).unwrap();
+        let na = anchors.len();
+        let mut t = ptl_trainer::loss::TargetBatch { nkpt: 17, ..Default::default() };
+        for (b, &n) in counts.iter().enumerate() {
+            for i in 0..n {
+                let mut u = |lo: f32, hi: f32| lo + (hi - lo) * rng.uniform() as f32;
+                let (w, h) = if i % 4 == 3 { (u(0.01, 0.05), u(0.01, 0.05)) } else { (u(0.08, 0.7), u(0.08, 0.7)) };
+                let (cx, cy) = (u(w / 2.0, 1.0 - w / 2.0), u(h / 2.0, 1.0 - h / 2.0));
+                t.batch_idx.push(b as f32);
+                t.cls.push(0.0);
+                t.bboxes.extend_from_slice(&[cx, cy, w, h]);
+                let none_visible = i % 5 == 4;
+                for _ in 0..17 {
+                    let v = if none_visible || u(0.0, 1.0) < 0.3 { 0.0 } else { 2.0 };
+                    t.keypoints.extend_from_slice(&[u(cx - w / 2.0, cx + w / 2.0), u(cy - h / 2.0, cy + h / 2.0), v]);
+                }
+            }
+        }
+        let bs = counts.len();
+        let padded = ptl_trainer::loss::targets::pad_targets(&t, bs, anchors.image_hw()).unwrap();
+        let dt = DeviceTargets::upload(&padded, target_bucket(padded.max_boxes).unwrap(), gpu).unwrap();
+        let mut raw = |c: usize, lo: f64, hi: f64| {
+            ptl_autograd::Tensor::rand(vec![bs, c, na], lo, hi, ptl_autograd::DType::F32, gpu, &mut rng).unwrap()
+        };
+        let (rb, rs, rk) = (raw(4, 0.0, 4.0), raw(1, -3.0, 2.0), raw(51, -1.5, 1.5));
+        let (scores, boxes, kpts) = decode_for_assignment(&rb, &rs, &rk, &anchors).unwrap();
+        for (topk, topk2) in [(10, 10), (7, 1)] {
+            let params = ptl_trainer::loss::AssignParams::pose(topk, topk2, &cfg.strides, &cfg.sigmas);
+            let geometry = DenseGeometry::new(&anchors, &params.sigmas, 1, gpu).unwrap();
+            let inputs = DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt };
+            let fused = assign_dense(&inputs, &params).unwrap();
+            let composed = assign_composed(&inputs, &params).unwrap();
+            let what = format!("case {case} ({counts:?} at {hw:?}), top-k {topk}/{topk2}");
+            assert_same_assignment(&fused, &composed, &what);
+            let n_fg = fused.fg_mask.to_vec::<f32>().unwrap().iter().filter(|&&v| v != 0.0).count();
+            eprintln!("{what}: fused = composed ({n_fg} foreground anchors, {} slots)", dt.slots);
+        }
+    }
+}
+
+/// The whole criterion (both branches, forward and backward) at the benchmark's shape — batch 4,
+/// 640 px, a 16-slot bucket, random raw outputs, the golden flow — on the host path and on the
+/// dense path: launches, host synchronisations and summed kernel time of each, printed for the
+/// whole-step issue's budget (the loss and assigner ≤ 2 ms of kernels per step). The two totals
+/// must agree (the same assignment on the same outputs).
+#[test]
+fn criterion_kernel_time_at_the_benchmark_shape() {
+    let Some((root, gpu)) = goldens_and_gpu() else { return };
+    let flow = flow_on(&load(root.join("loss_cases/flow.safetensors")), gpu);
+    let anchors = Anchors::from_image_hw((640, 640), &LossConfig::default().strides).unwrap();
+    let na = anchors.len();
+    let mut rng = ptl_autograd::Rng::new(9);
+    let mut t = ptl_trainer::loss::TargetBatch { nkpt: 17, ..Default::default() };
+    for b in 0..4 {
+        for i in 0..(2 + 3 * b) {
+            let (w, h) = (0.05 + 0.4 * rng.uniform() as f32, 0.05 + 0.4 * rng.uniform() as f32);
+            let (cx, cy) = (w / 2.0 + (1.0 - w) * rng.uniform() as f32, h / 2.0 + (1.0 - h) * rng.uniform() as f32);
+            t.batch_idx.push(b as f32);
+            t.cls.push(0.0);
+            t.bboxes.extend_from_slice(&[cx, cy, w, h]);
+            for k in 0..17 {
+                let v = if (i + k) % 5 == 0 { 0.0 } else { 2.0 };
+                t.keypoints.extend_from_slice(&[cx + (k as f32 - 8.0) * w / 20.0, cy + (k as f32 % 3.0 - 1.0) * h / 4.0, v]);
+            }
+        }
+    }
+    let mut raw =
+        |c: usize, lo: f64, hi: f64| ptl_autograd::Tensor::rand(vec![4, c, na], lo, hi, ptl_autograd::DType::F32, gpu, &mut rng).unwrap();
+    let leaves = [raw(4, 0.0, 3.0), raw(1, -3.0, 1.0), raw(51, -1.0, 1.0), raw(34, -2.0, 2.0)];
+    let outs = |i: usize| ptl_trainer::loss::BranchOutputs {
+        boxes: leaves[0].narrow(1, 0, 4).unwrap().add_scalar(0.1 * i as f64).unwrap().detach().requires_grad_(true).unwrap(),
+        scores: leaves[1].detach().requires_grad_(true).unwrap(),
+        kpts: leaves[2].detach().requires_grad_(true).unwrap(),
+        kpts_sigma: Some(leaves[3].detach().requires_grad_(true).unwrap()),
+    };
+    let mut totals = Vec::new();
+    for dense in [false, true] {
+        let cfg = LossConfig { dense_assignment: dense, ..LossConfig::default() };
+        let mut crit = E2ELoss::new(cfg, 100);
+        crit.set_updates(40);
+        let run = || {
+            let (o2m, o2o) = (outs(0), outs(1));
+            let out = crit.loss(&o2m, &o2o, &t, &anchors, Some(&flow)).unwrap();
+            out.total.backward().unwrap();
+            out.total.detach().item().unwrap()
+        };
+        run();
+        let timer = ptl_autograd::cuda::GpuKernelTimer::start_detailed(gpu).unwrap();
+        let before = ptl_autograd::cuda::counters();
+        let total = run();
+        let c = ptl_autograd::cuda::counters().since(&before);
+        let (k, detail) = timer.finish_detailed().unwrap();
+        let path = if dense { "dense" } else { "host" };
+        eprintln!(
+            "criterion ({path}) at batch 4, 640 px, forward + backward: total {total:.6}, {} launches, {} host syncs, {} kernels, {:.3} ms of kernels; largest:",
+            c.kernel_launches + c.library_calls,
+            c.host_syncs,
+            k.kernels,
+            k.kernel_ns as f64 * 1e-6
+        );
+        for d in detail.iter().take(14) {
+            eprintln!("  {path} kernel {}: {} × {:.3} ms", d.name.chars().take(60).collect::<String>(), d.count, d.ns as f64 * 1e-6);
+        }
+        totals.push(total);
+    }
+    assert!(rel_scalar(totals[1], totals[0]) <= 1e-4, "dense total {} vs host {}", totals[1], totals[0]);
 }

@@ -45,6 +45,13 @@ fn check_idx(op: &'static str, idx: &[i64], size: usize) -> Result<()> {
     Ok(())
 }
 
+/// See [`crate::backend::BackendStorage::nonzero_static`].
+pub(crate) fn nonzero_static(s: &CpuStorage, size: usize, fill: i64) -> CpuStorage {
+    let mut out: Vec<i64> = s.to_f64_vec().iter().enumerate().filter(|(_, &v)| v != 0.0).map(|(i, _)| i as i64).take(size).collect();
+    out.resize(size, fill);
+    CpuStorage::I64(out)
+}
+
 pub(crate) fn index_select(s: &CpuStorage, shape: &[usize], dim: usize, idx: &CpuStorage) -> Result<CpuStorage> {
     let idx = idx.as_i64("index_select")?;
     let (outer, d, inner) = split3(shape, dim);

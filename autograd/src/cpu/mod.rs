@@ -266,6 +266,9 @@ impl BackendStorage for CpuStorage {
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)> {
         reduce::topk(self, shape, dim, k, largest)
     }
+    fn nonzero_static(&self, size: usize, fill: i64) -> Result<Self> {
+        Ok(index::nonzero_static(self, size, fill))
+    }
     fn batch_norm_train_stats(
         &self,
         shape: &[usize],

@@ -1489,6 +1489,35 @@ INST_SUM_MID(f64, double)
 INST_SUM_MID(f16, __half)
 INST_SUM_MID(bf16, __nv_bfloat16)
 
+// Positions of the non-zero elements (ascending), the first `size` of them, padded with `fill`:
+// one block of 1024 threads scans the input in chunks (a warp scan, then a scan of the warp
+// totals), so the order never depends on scheduling and no count travels to the host.
+template <typename T>
+__device__ void nonzero_static_k(const T* x, i64* y, u32 n, u32 size, i64 fill) {
+    __shared__ u32 warp_sums[32];
+    const u32 t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
+    u32 base = 0;
+    for (u32 start = 0; start < n && base < size; start += blockDim.x) {
+        const u32 i = start + t;
+        const u32 flag = (i < n && to_d(x[i]) != 0.0) ? 1u : 0u;
+        u32 v = flag;
+        for (int o = 1; o < 32; o <<= 1) { u32 w = __shfl_up_sync(0xffffffffu, v, o); if (lane >= (u32)o) v += w; }
+        if (lane == 31) warp_sums[warp] = v;
+        __syncthreads();
+        if (warp == 0) {
+            u32 s = lane < nw ? warp_sums[lane] : 0u;
+            for (int o = 1; o < 32; o <<= 1) { u32 w = __shfl_up_sync(0xffffffffu, s, o); if (lane >= (u32)o) s += w; }
+            warp_sums[lane] = s;
+        }
+        __syncthreads();
+        const u32 at = base + (warp > 0 ? warp_sums[warp - 1] : 0u) + v - flag;
+        if (flag && at < size) y[at] = (i64)i;
+        base += warp_sums[nw - 1];
+        __syncthreads();
+    }
+    for (u32 j = base + t; j < size; j += blockDim.x) y[j] = fill;
+}
+
 #define INST_ALL(name, T)                                                                                            \
     extern "C" __global__ void cmp_s_##name(const T* a, const T* b, u8* y, u32 n, int op, Strided g) { cmp_s_k<T>(a, b, y, n, op, g); } \
     extern "C" __global__ void where_s_##name(const u8* c, const T* a, const T* b, T* y, u32 n, Strided g) { where_s_k<T>(c, a, b, y, n, g); } \
@@ -1500,7 +1529,8 @@ INST_SUM_MID(bf16, __nv_bfloat16)
     extern "C" __global__ void gather_##name(const T* x, const i64* idx, T* y, u32 n, GatherGeo g) { gather_k<T>(x, idx, y, n, g); } \
     extern "C" __global__ void topk_##name(const T* x, T* yv, i64* yi, u32 d, u32 inner, u32 k, int largest) { topk_k<T>(x, yv, yi, d, inner, k, largest); } \
     extern "C" __global__ void topk_select_##name(const T* x, T* yv, i64* yi, u32 d, u32 inner, u32 k, int largest) { topk_select_k<T>(x, yv, yi, d, inner, k, largest); } \
-    extern "C" __global__ void cast_bool_##name(const T* x, u8* y, u32 n) { cast_bool_k<T>(x, y, n); }
+    extern "C" __global__ void cast_bool_##name(const T* x, u8* y, u32 n) { cast_bool_k<T>(x, y, n); } \
+    extern "C" __global__ void __launch_bounds__(1024) nonzero_static_##name(const T* x, i64* y, u32 n, u32 size, i64 fill) { nonzero_static_k<T>(x, y, n, size, fill); }
 ALL_TYPES(INST_ALL)
 
 // Generic casts between every pair (through f64).

@@ -306,6 +306,9 @@ impl BackendStorage for CudaStorage {
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)> {
         ops::topk(self, shape, dim, k, largest)
     }
+    fn nonzero_static(&self, size: usize, fill: i64) -> Result<Self> {
+        ops::nonzero_static(self, size, fill)
+    }
     fn batch_norm_train_stats(
         &self,
         shape: &[usize],

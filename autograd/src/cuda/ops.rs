@@ -1064,6 +1064,19 @@ pub(crate) fn scatter_add(
     Ok(out)
 }
 
+/// See [`crate::backend::BackendStorage::nonzero_static`]: one block, 1024 threads.
+pub(crate) fn nonzero_static(x: &CudaStorage, size: usize, fill: i64) -> Result<CudaStorage> {
+    let dev = &x.buf.dev;
+    let out = CudaStorage::alloc(dev, DType::I64, size)?;
+    if size == 0 {
+        return Ok(out);
+    }
+    let f = dev.func("nonzero_static", sfx(x.dtype))?;
+    let (px, py, nn, ss) = (ptr(x), ptr(&out), u32c("nonzero_static", x.len)?, u32c("nonzero_static", size)?);
+    dev.launch(f, (1, 1, 1), (1024, 1, 1), &mut args!(px, py, nn, ss, fill))?;
+    Ok(out)
+}
+
 /// Largest k that takes the selection kernel (`topk_select_*`: one block-wide reduction per pick).
 const TOPK_SELECT_MAX_K: usize = 64;
 

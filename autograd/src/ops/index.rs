@@ -99,6 +99,14 @@ impl Tensor {
         .remove(0))
     }
 
+    /// Positions (I64, ascending) of the first `size` non-zero elements of the flattened tensor,
+    /// padded with `fill` (PyTorch `nonzero_static`): a fixed shape and no host read, so a
+    /// recorded region can compact a mask. Elements beyond the first `size` are left out. No gradient.
+    pub fn nonzero_static(&self, size: usize, fill: i64) -> Result<Tensor> {
+        let s = self.read_storage().nonzero_static(size, fill)?;
+        Tensor::from_storage(s, vec![size])
+    }
+
     /// Positions of non-zero elements of a 1-d tensor, as I64 (a host read: not for hot paths).
     pub fn nonzero_1d(&self) -> Result<Tensor> {
         let v = self.to_f64_vec()?;

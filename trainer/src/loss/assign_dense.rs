@@ -154,12 +154,30 @@ fn f32_mask(c: &Tensor) -> Result<Tensor> {
     Ok(c.to_dtype(DType::F32)?)
 }
 
-/// Runs the assigner of loss.md §2 on fixed shapes (see the module doc).
+/// Runs the assigner of loss.md §2 on fixed shapes (see the module doc): on a CUDA device in four
+/// fused kernels ([`super::assign_fused`], the composed ops' bytes), elsewhere as composed tensor ops.
 pub fn assign_dense(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAssignment> {
-    no_grad(|| assign_dense_inner(inp, p))
+    no_grad(|| {
+        check_dense(inp, p)?;
+        #[cfg(feature = "cuda")]
+        if super::assign_fused::supports(inp, p) {
+            return super::assign_fused::assign_fused(inp, p);
+        }
+        assign_composed_checked(inp, p)
+    })
 }
 
-fn assign_dense_inner(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAssignment> {
+/// The assigner as composed tensor ops on any device (the CPU path, and the reference the fused
+/// CUDA kernels are tested against).
+pub fn assign_composed(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAssignment> {
+    no_grad(|| {
+        check_dense(inp, p)?;
+        assign_composed_checked(inp, p)
+    })
+}
+
+/// Rejects inputs whose shapes do not fit together, or parameters the dense assigner is not written for.
+fn check_dense(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<()> {
     let t = inp.targets;
     let sd = inp.scores.dims().to_vec();
     let kd = t.kpts.dims().to_vec();
@@ -184,6 +202,29 @@ fn assign_dense_inner(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAs
             reason: format!("α = {}, β = {}: the dense assigner is written for the pose assigner's 0.5 and 6", p.alpha, p.beta),
         });
     }
+    if t.boxes.dims() != [bs, m, 4] || t.mask.dims() != [bs, m] || t.labels.dims() != [bs, m] {
+        return Err(TrainerError::shape("dense assigner target boxes (B, M, 4), mask and labels (B, M)", &[bs, m, 4], t.boxes.numel()));
+    }
+    if t.slots != m || inp.scores.device() != t.boxes.device() || inp.scores.device() != geo.strides.device() {
+        return Err(TrainerError::InvalidArgument {
+            what: "dense assigner targets",
+            reason: format!(
+                "{} slots on {} for keypoints of {m} slots, predictions on {}, geometry on {}: upload the targets and make the geometry on the predictions' device",
+                t.slots,
+                t.boxes.device(),
+                inp.scores.device(),
+                geo.strides.device()
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn assign_composed_checked(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAssignment> {
+    let t = inp.targets;
+    let (bs, na, _) = (inp.scores.dims()[0], inp.scores.dims()[1], inp.scores.dims()[2]);
+    let (m, nk) = (t.kpts.dims()[1], t.kpts.dims()[2]);
+    let geo = inp.geometry;
     let device = inp.scores.device();
     let eps = f64::from(p.eps);
     // Column views of the GT boxes, (B, M, 1) each, and of the anchors, (1, 1, A).

@@ -43,6 +43,8 @@
 
 pub mod anchors;
 pub mod assign_dense;
+#[cfg(feature = "cuda")]
+pub mod assign_fused;
 pub mod assigner;
 pub mod boxes;
 pub mod branch;
