@@ -73,7 +73,13 @@ fn check_dense_assignment(
     let padded = ptl_trainer::loss::targets::pad_targets(targets, bs, anchors.image_hw()).unwrap();
     let slots = target_bucket(padded.max_boxes).unwrap();
     let dt = DeviceTargets::upload(&padded, slots, device).unwrap();
-    let (scores, boxes, kpts) = decode_for_assignment(&outs.boxes, &outs.scores, &outs.kpts, anchors).unwrap();
+    let (scores, boxes, kpts) = decode_for_assignment(
+        &outs.boxes,
+        &outs.scores,
+        &outs.kpts,
+        &DenseGeometry::new(anchors, &LossConfig::default().sigmas, 1, outs.boxes.device()).unwrap(),
+    )
+    .unwrap();
     let nc = outs.scores.dims()[1];
     let geometry = DenseGeometry::new(anchors, &params.sigmas, nc, device).unwrap();
     let d = assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, params).unwrap();
@@ -97,7 +103,7 @@ fn check_dense_terms(
     flow_vals: &std::collections::HashMap<String, ptl_autograd::Tensor>,
 ) {
     use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
-    use ptl_trainer::loss::dense::dense_branch_terms;
+    use ptl_trainer::loss::dense::{dense_branch_terms, DenseConstants};
     let cfg = LossConfig::default();
     let (anchors, targets) = case_anchors_and_targets(g);
     let crit = E2ELoss::new(cfg.clone(), 100);
@@ -112,11 +118,25 @@ fn check_dense_terms(
         let padded = ptl_trainer::loss::targets::pad_targets(&targets, bs, anchors.image_hw()).unwrap();
         let dt = DeviceTargets::upload(&padded, target_bucket(padded.max_boxes).unwrap(), device).unwrap();
         let geometry = DenseGeometry::new(&anchors, &branch.assign.sigmas, cfg.nc, device).unwrap();
-        let (scores, boxes, kpts) = decode_for_assignment(&dense_out.boxes, &dense_out.scores, &dense_out.kpts, &anchors).unwrap();
+        let (scores, boxes, kpts) = decode_for_assignment(
+            &dense_out.boxes,
+            &dense_out.scores,
+            &dense_out.kpts,
+            &DenseGeometry::new(&anchors, &LossConfig::default().sigmas, 1, dense_out.boxes.device()).unwrap(),
+        )
+        .unwrap();
         let asg =
             assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, &branch.assign)
                 .unwrap();
-        let terms = dense_branch_terms(&cfg, &dense_out, &asg, &dt, &anchors, Some(&dense_flow)).unwrap();
+        let terms = dense_branch_terms(
+            &cfg,
+            &dense_out,
+            &asg,
+            &dt,
+            &DenseConstants::new(&cfg, &branch.assign, &anchors, bs, dt.slots, device).unwrap(),
+            Some(&dense_flow),
+        )
+        .unwrap();
         terms.mul_scalar(bs as f64).unwrap().sum_all().unwrap().backward().unwrap();
         let items = f64v(&terms);
         for i in 0..6 {

@@ -103,7 +103,13 @@ fn dense_assignment_on_cuda_matches_the_host() {
             let padded = ptl_trainer::loss::targets::pad_targets(&targets, bs, anchors.image_hw()).unwrap();
             let dt = DeviceTargets::upload(&padded, target_bucket(padded.max_boxes).unwrap(), gpu).unwrap();
             let geometry = DenseGeometry::new(&anchors, &params.sigmas, outs.scores.dims()[1], gpu).unwrap();
-            let (scores, boxes, kpts) = decode_for_assignment(&outs.boxes, &outs.scores, &outs.kpts, &anchors).unwrap();
+            let (scores, boxes, kpts) = decode_for_assignment(
+                &outs.boxes,
+                &outs.scores,
+                &outs.kpts,
+                &DenseGeometry::new(&anchors, &LossConfig::default().sigmas, 1, outs.boxes.device()).unwrap(),
+            )
+            .unwrap();
             let before = ptl_autograd::cuda::counters();
             let d = assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, params)
                 .unwrap();
@@ -157,7 +163,9 @@ fn dense_assignment_on_cuda_matches_the_host() {
     let geometry = DenseGeometry::new(&anchors, &crit.one2many.assign.sigmas, 1, gpu).unwrap();
     let mut raw = |c: usize| ptl_autograd::Tensor::rand(vec![4, c, na], -2.0, 2.0, ptl_autograd::DType::F32, gpu, &mut rng).unwrap();
     let (rb, rs, rk) = (raw(4).abs().unwrap(), raw(1), raw(51));
-    let (scores, boxes, kpts) = decode_for_assignment(&rb, &rs, &rk, &anchors).unwrap();
+    let (scores, boxes, kpts) =
+        decode_for_assignment(&rb, &rs, &rk, &DenseGeometry::new(&anchors, &LossConfig::default().sigmas, 1, rb.device()).unwrap())
+            .unwrap();
     let inputs = DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt };
     type AssignFn =
         fn(&DenseInputs<'_>, &ptl_trainer::loss::AssignParams) -> ptl_trainer::Result<ptl_trainer::loss::assign_dense::DenseAssignment>;
@@ -249,7 +257,9 @@ fn fused_assigner_equals_the_composed_ops_on_random_batches() {
             ptl_autograd::Tensor::rand(vec![bs, c, na], lo, hi, ptl_autograd::DType::F32, gpu, &mut rng).unwrap()
         };
         let (rb, rs, rk) = (raw(4, 0.0, 4.0), raw(1, -3.0, 2.0), raw(51, -1.5, 1.5));
-        let (scores, boxes, kpts) = decode_for_assignment(&rb, &rs, &rk, &anchors).unwrap();
+        let (scores, boxes, kpts) =
+            decode_for_assignment(&rb, &rs, &rk, &DenseGeometry::new(&anchors, &LossConfig::default().sigmas, 1, rb.device()).unwrap())
+                .unwrap();
         for (topk, topk2) in [(10, 10), (7, 1)] {
             let params = ptl_trainer::loss::AssignParams::pose(topk, topk2, &cfg.strides, &cfg.sigmas);
             let geometry = DenseGeometry::new(&anchors, &params.sigmas, 1, gpu).unwrap();

@@ -27,7 +27,8 @@ const HELP: &str = "usage: cargo xtask bench [options]            run the benchm
 options:
   --arms A,B         ptl arms: native (default), workers0 (batches built on the training thread),
                      feature (replay=feature), feature+stem (replay=feature,stem), all (replay=all:
-                     every replay plugin of ptl-plugins)
+                     every replay plugin of ptl-plugins), dense (loss_assigner=dense: the fixed-shape
+                     assigner and loss), all+dense (both)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --precisions P,Q   bf16-mixed,32-true,16-mixed (default bf16-mixed)
   --pairs N          rounds of every arm per precision (default 3)
@@ -136,7 +137,9 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         "feature" => Ok(vec!["replay=feature".into()]),
         "feature+stem" => Ok(vec!["replay=feature,stem".into()]),
         "all" => Ok(vec!["replay=all".into()]),
-        other => Err(format!("unknown arm `{other}` (known: native, workers0, feature, feature+stem, all)")),
+        "dense" => Ok(vec!["loss_assigner=dense".into()]),
+        "all+dense" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into()]),
+        other => Err(format!("unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense)")),
     }
 }
 
@@ -702,20 +705,24 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             mr(&waited, 1)
         ));
     }
-    // Hashes: every ptl run of one precision must end with the same bytes.
+    // Hashes: every ptl run of one precision and loss algorithm must end with the same bytes (the
+    // dense arms compute the loss with another summation order than the host path's).
     md.push('\n');
     let mut hash_ok = true;
-    for p in &precisions {
+    let dense_arm = |r: &Value| r["arm"].as_str().is_some_and(|a| a.ends_with("dense"));
+    let families: Vec<(String, bool)> = precisions.iter().flat_map(|p| [(p.clone(), false), (p.clone(), true)]).collect();
+    for (p, dense) in &families {
         let hs: Vec<(String, Value)> = ok
             .iter()
-            .filter(|r| r["precision"] == p.as_str() && r["kind"] == "ptl")
+            .filter(|r| r["precision"] == p.as_str() && r["kind"] == "ptl" && dense_arm(r) == *dense)
             .filter_map(|r| figures(r).hashes.map(|h| (format!("{} #{}", r["arm"].as_str().unwrap_or("?"), r["pair"]), h)))
             .collect();
         if hs.len() > 1 {
             let same = hs.iter().all(|(_, h)| *h == hs[0].1);
             hash_ok &= same;
             let short = hs[0].1["model"].as_str().unwrap_or("").chars().take(16).collect::<String>();
-            md.push_str(&format!("{p}: {} ptl runs, hashes identical: {same} (model {short}…)\n", hs.len()));
+            let loss = if *dense { ", dense loss" } else { "" };
+            md.push_str(&format!("{p}{loss}: {} ptl runs, hashes identical: {same} (model {short}…)\n", hs.len()));
             if !same {
                 for (who, h) in &hs {
                     md.push_str(&format!("  {who}: model {} losses {}\n", h["model"], h["step_losses"]));

@@ -854,6 +854,25 @@ pub(crate) fn reduce(x: &CudaStorage, shape: &[usize], dim: usize, op: ReduceOp)
         let f = dev.func("reduce_rows", sfx(x.dtype))?;
         let grid = u32c("reduce", outer)?;
         dev.launch(f, (grid, 1, 1), (256, 1, 1), &mut args!(px, py, dd, code))
+    } else if code == 0 && outer * inner.div_ceil(32) < 64 && d >= 1024 && x.dtype.is_float() {
+        // A tall sum over few columns (a bias gradient over many rows): reduce_cols would give
+        // each column 8 threads; sum_mid gives it a block of 256 (fixed order, the same
+        // accumulation precision and one rounding).
+        let f = dev.func("sum_mid", sfx(x.dtype))?;
+        if outer == 1 {
+            let (oo, mm, ii) = (dd, u32c("reduce", inner)?, 1u32);
+            dev.launch(f, (mm, 1, 1), (256, 1, 1), &mut args!(px, py, oo, mm, ii))
+        } else {
+            // [outer, d, inner] → one sum_mid per outer index (its [d, inner] block).
+            let (in_es, out_es) = (x.dtype.size_in_bytes() as u64, out_dt.size_in_bytes() as u64);
+            for o in 0..outer {
+                let pxs = px + (o * d * inner) as u64 * in_es;
+                let pys = py + (o * inner) as u64 * out_es;
+                let (oo, mm, ii) = (dd, u32c("reduce", inner)?, 1u32);
+                dev.launch(f, (mm, 1, 1), (256, 1, 1), &mut args!(pxs, pys, oo, mm, ii))?;
+            }
+            Ok(())
+        }
     } else {
         let cols = inner.div_ceil(32);
         if cols > 65535 {

@@ -84,6 +84,9 @@ pub struct DenseGeometry {
     pub slot_index: Tensor,
     /// (1, 1, nc) class indices (i64).
     pub class_index: Tensor,
+    /// (1, A, 2) anchor centres in grid units and (1, A, 1) strides, for the decode.
+    pub anchors_grid: Tensor,
+    pub strides_col: Tensor,
 }
 
 impl DenseGeometry {
@@ -97,6 +100,8 @@ impl DenseGeometry {
             sigma_sq: Tensor::from_vec(sq, vec![1, 1, 1, sigmas.len()], device)?,
             slot_index: Tensor::arange(0, largest as i64, DType::I64, device)?.reshape(vec![1, largest, 1])?,
             class_index: Tensor::arange(0, nc as i64, DType::I64, device)?.reshape(vec![1, 1, nc])?,
+            anchors_grid: anchors.points_tensor(device)?.reshape(vec![1, na, 2])?,
+            strides_col: anchors.strides_tensor(device)?.reshape(vec![1, na, 1])?,
         })
     }
 }
@@ -116,18 +121,19 @@ pub struct DenseInputs<'a> {
 /// The assigner's view of one branch's raw outputs on their device — sigmoid scores (B, A, nc),
 /// xyxy boxes (B, A, 4) and keypoints (B, A, K, 2) in pixels — decoded with the host decode's f32
 /// arithmetic (`(anchor ∓ distance) · stride`, `(offset + anchor) · stride`). Detached.
-pub fn decode_for_assignment(boxes: &Tensor, scores: &Tensor, kpts: &Tensor, anchors: &super::Anchors) -> Result<(Tensor, Tensor, Tensor)> {
+pub fn decode_for_assignment(boxes: &Tensor, scores: &Tensor, kpts: &Tensor, geometry: &DenseGeometry) -> Result<(Tensor, Tensor, Tensor)> {
     no_grad(|| -> Result<(Tensor, Tensor, Tensor)> {
-        let device = boxes.device();
         let f32_of = |t: &Tensor| -> Result<Tensor> { Ok(t.detach().to_dtype(DType::F32)?.permute(&[0, 2, 1])?) };
         let (b, s, k) = (f32_of(boxes)?, f32_of(scores)?, f32_of(kpts)?);
         let (bs, na) = (b.dims()[0], b.dims()[1]);
         let nk = k.dims()[2] / 3;
-        let anc = anchors.points_tensor(device)?.reshape(vec![1, na, 2])?;
-        let st = anchors.strides_tensor(device)?.reshape(vec![1, na, 1])?;
+        if geometry.anchors_grid.dims() != [1, na, 2] {
+            return Err(TrainerError::shape("decode anchors (1, A, 2)", &[1, na, 2], geometry.anchors_grid.numel()));
+        }
+        let (anc, st) = (&geometry.anchors_grid, &geometry.strides_col);
         let lt = anc.sub(&b.narrow(-1, 0, 2)?)?;
         let rb = anc.add(&b.narrow(-1, 2, 2)?)?;
-        let px_boxes = Tensor::cat(&[&lt, &rb], -1)?.mul(&st)?;
+        let px_boxes = Tensor::cat(&[&lt, &rb], -1)?.mul(st)?;
         let kp = k.reshape(vec![bs, na, nk, 3])?.narrow(-1, 0, 2)?;
         let px_kpts = kp.add(&anc.unsqueeze(2)?)?.mul(&st.unsqueeze(-1)?)?;
         Ok((s.sigmoid()?, px_boxes, px_kpts))

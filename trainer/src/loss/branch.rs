@@ -51,10 +51,18 @@ pub struct PoseLoss26 {
     /// Dense-path calls that ran the host path (shared by clones).
     dense_fallbacks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     /// The dense assigner's constants for the last image size and device.
-    geometry: std::sync::Arc<std::sync::Mutex<Option<GeometryKey>>>,
+    dense_cache: std::sync::Arc<std::sync::Mutex<Option<DenseCache>>>,
 }
 
-type GeometryKey = (Vec<(usize, usize)>, ptl_autograd::Device, super::assign_dense::DenseGeometry);
+/// The dense path's constants of one image size and device: the assigner's geometry, and the
+/// terms' constants per (batch, slots).
+#[derive(Debug)]
+struct DenseCache {
+    levels: Vec<(usize, usize)>,
+    device: ptl_autograd::Device,
+    geometry: super::assign_dense::DenseGeometry,
+    constants: Vec<((usize, usize), super::dense::DenseConstants)>,
+}
 
 /// The six items of a gain-scaled term vector read back to the host.
 pub(crate) fn items_of(v: &[f32]) -> [f64; 6] {
@@ -88,11 +96,11 @@ pub(crate) fn f32_of(t: &Tensor) -> Result<Tensor> {
 /// The six raw terms `[box, pose, kobj, cls, l1, rle]` times their gains, as one (6,) tensor.
 pub(crate) fn gain_scaled(cfg: &LossConfig, raw: [&Tensor; 6]) -> Result<Tensor> {
     let gains = [cfg.box_gain, cfg.pose_gain, cfg.kobj_gain, cfg.cls_gain, cfg.l1_gain, cfg.rle_gain];
-    let device = raw[0].device();
     let scaled: Vec<Tensor> = raw
         .iter()
         .zip(gains)
-        .map(|(l, g)| -> Result<Tensor> { Ok(l.reshape(1)?.mul(&Tensor::scalar(g, DType::F32, device)?)?) })
+        // An immediate scale (no upload): the same rounding as a product with an f32 scalar tensor.
+        .map(|(l, g)| -> Result<Tensor> { Ok(l.reshape(1)?.mul_scalar(g)?) })
         .collect::<Result<_>>()?;
     Ok(Tensor::cat(&scaled.iter().collect::<Vec<_>>(), 0)?)
 }
@@ -113,7 +121,7 @@ impl PoseLoss26 {
     /// A branch criterion with the given assigner top-k values (o2m: 10/10, o2o: 7/1).
     pub fn new(cfg: LossConfig, topk: usize, topk2: usize) -> PoseLoss26 {
         let assign = AssignParams::pose(topk, topk2, &cfg.strides, &cfg.sigmas);
-        PoseLoss26 { cfg, assign, dense_fallbacks: Default::default(), geometry: Default::default() }
+        PoseLoss26 { cfg, assign, dense_fallbacks: Default::default(), dense_cache: Default::default() }
     }
 
     /// Evaluates the branch on raw outputs. `flow` is required when `kpts_sigma` is present.
@@ -428,25 +436,36 @@ impl PoseLoss26 {
             return Ok(None);
         };
         let dt = DeviceTargets::upload(&padded, slots, device)?;
-        let geometry = self.geometry(anchors, device)?;
-        let (scores, boxes, kpts) = decode_for_assignment(&out.boxes, &out.scores, &out.kpts, anchors)?;
+        let (geometry, consts) = self.dense_constants(anchors, bs, slots, device)?;
+        let (scores, boxes, kpts) = decode_for_assignment(&out.boxes, &out.scores, &out.kpts, &geometry)?;
         let asg =
             assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, &self.assign)?;
-        Ok(Some(super::dense::dense_branch_terms(&self.cfg, out, &asg, &dt, anchors, flow)?))
+        Ok(Some(super::dense::dense_branch_terms(&self.cfg, out, &asg, &dt, &consts, flow)?))
     }
 
-    /// The dense assigner's constants for these anchors on `device`, made on first use and kept
-    /// while the image size and device stay the same (so a call uploads only its targets).
-    fn geometry(&self, anchors: &Anchors, device: ptl_autograd::Device) -> Result<super::assign_dense::DenseGeometry> {
-        let mut cache = self.geometry.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((levels, dev, g)) = cache.as_ref() {
-            if *levels == anchors.level_hw && *dev == device {
-                return Ok(g.clone());
-            }
+    /// The dense path's constants for these anchors, batch size and slots on `device`, made on
+    /// first use and kept while the image size and device stay the same (so a call uploads only
+    /// its targets).
+    fn dense_constants(
+        &self,
+        anchors: &Anchors,
+        batch: usize,
+        slots: usize,
+        device: ptl_autograd::Device,
+    ) -> Result<(super::assign_dense::DenseGeometry, super::dense::DenseConstants)> {
+        let mut cache = self.dense_cache.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = !matches!(cache.as_ref(), Some(c) if c.levels == anchors.level_hw && c.device == device);
+        if fresh {
+            let geometry = super::assign_dense::DenseGeometry::new(anchors, &self.assign.sigmas, self.cfg.nc, device)?;
+            *cache = Some(DenseCache { levels: anchors.level_hw.clone(), device, geometry, constants: Vec::new() });
         }
-        let g = super::assign_dense::DenseGeometry::new(anchors, &self.assign.sigmas, self.cfg.nc, device)?;
-        *cache = Some((anchors.level_hw.clone(), device, g.clone()));
-        Ok(g)
+        let c = cache.as_mut().ok_or_else(|| TrainerError::InvalidArgument { what: "dense cache", reason: "not made".into() })?;
+        if let Some((_, k)) = c.constants.iter().find(|(key, _)| *key == (batch, slots)) {
+            return Ok((c.geometry.clone(), k.clone()));
+        }
+        let k = super::dense::DenseConstants::new(&self.cfg, &self.assign, anchors, batch, slots, device)?;
+        c.constants.push(((batch, slots), k.clone()));
+        Ok((c.geometry.clone(), k))
     }
 
     /// Rejects NaN/inf in the outputs: one device-side sum (a single host sync); only when it is
