@@ -426,6 +426,14 @@ impl PoseLoss26 {
         anchors: &Anchors,
         flow: Option<&dyn FlowLogProb>,
     ) -> Result<Option<Tensor>> {
+        let Some(parts) = self.dense_parts(out, targets, anchors)? else { return Ok(None) };
+        let rle = super::dense::rle_terms(&[&parts], flow)?;
+        Ok(Some(parts.finish(&self.cfg, &rle[0])?))
+    }
+
+    /// [`PoseLoss26::dense_terms`] before the RLE's flow (the criterion runs one flow for both
+    /// branches: [`super::dense::rle_terms`]).
+    pub fn dense_parts(&self, out: &BranchOutputs, targets: &TargetBatch, anchors: &Anchors) -> Result<Option<super::dense::DenseParts>> {
         use super::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseInputs, DeviceTargets};
         self.check_inputs(out, targets, anchors)?;
         let bs = out.boxes.dims().first().copied().unwrap_or(0);
@@ -440,7 +448,7 @@ impl PoseLoss26 {
         let (scores, boxes, kpts) = decode_for_assignment(&out.boxes, &out.scores, &out.kpts, &geometry)?;
         let asg =
             assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, &self.assign)?;
-        Ok(Some(super::dense::dense_branch_terms(&self.cfg, out, &asg, &dt, &consts, flow)?))
+        Ok(Some(super::dense::dense_branch_parts(&self.cfg, out, &asg, &dt, &consts)?))
     }
 
     /// The dense path's constants for these anchors, batch size and slots on `device`, made on

@@ -93,6 +93,96 @@ pub fn dense_branch_terms(
     consts: &DenseConstants,
     flow: Option<&dyn FlowLogProb>,
 ) -> Result<Tensor> {
+    let parts = dense_branch_parts(cfg, out, asg, targets, consts)?;
+    let rle = rle_terms(&[&parts], flow)?;
+    parts.finish(cfg, &rle[0])
+}
+
+/// One branch's terms before the RLE's flow: the five raw terms and the RLE's rows, so that the
+/// criterion can run the flow once over both branches' rows ([`rle_terms`]).
+pub struct DenseParts {
+    /// Raw `[box, pose, kobj, cls, l1]` (0-d each).
+    raw: [Tensor; 5],
+    rle: Option<RleRows>,
+    device: Device,
+}
+
+/// The RLE's padded rows of one branch: clamped errors (F·K, 2), σ (F, K, 1) with 1 where not
+/// kept, the keep mask (F, K, 1) and the keypoint weights (1, K, 1).
+struct RleRows {
+    error: Tensor,
+    sigma: Tensor,
+    keep: Tensor,
+    weights: Tensor,
+}
+
+impl DenseParts {
+    /// The (6,) gain-scaled terms with the branch's RLE term `rle` (from [`rle_terms`]).
+    pub fn finish(&self, cfg: &LossConfig, rle: &Tensor) -> Result<Tensor> {
+        let [b, k, o, c, l] = &self.raw;
+        gain_scaled(cfg, [b, k, o, c, l, rle])
+    }
+}
+
+/// The RLE term of each branch in `parts` with **one** flow evaluation over all their rows (the
+/// flow is per point, so batching the branches changes no value; it halves the flow's kernels).
+/// A branch without keypoint sigmas gets 0.
+pub fn rle_terms(parts: &[&DenseParts], flow: Option<&dyn FlowLogProb>) -> Result<Vec<Tensor>> {
+    let rows: Vec<&RleRows> = parts.iter().filter_map(|p| p.rle.as_ref()).collect();
+    let log_phi = match (rows.is_empty(), flow) {
+        (true, _) => None,
+        (false, None) => {
+            return Err(TrainerError::InvalidArgument {
+                what: "flow",
+                reason: "kpts_sigma given but no flow model for the RLE term".into(),
+            })
+        }
+        (false, Some(flow)) => {
+            let errors: Vec<&Tensor> = rows.iter().map(|r| &r.error).collect();
+            let n: usize = rows.iter().map(|r| r.error.dims()[0]).sum();
+            let all = if errors.len() == 1 { errors[0].clone() } else { Tensor::cat(&errors, 0)? };
+            let lp = flow.log_prob(&all)?;
+            if lp.dims() != [n] {
+                return Err(TrainerError::InvalidArgument {
+                    what: "flow.log_prob",
+                    reason: format!("returned shape {:?} for {n} errors", lp.dims()),
+                });
+            }
+            let sizes: Vec<usize> = rows.iter().map(|r| r.error.dims()[0]).collect();
+            Some(if sizes.len() == 1 { vec![lp] } else { lp.split(&sizes, 0)? })
+        }
+    };
+    let mut per_row = log_phi.into_iter().flatten();
+    parts
+        .iter()
+        .map(|p| match &p.rle {
+            None => Ok(Tensor::scalar(0.0, DType::F32, p.device)?),
+            Some(r) => {
+                let lp = per_row.next().ok_or_else(|| TrainerError::InvalidArgument { what: "flow", reason: "missing rows".into() })?;
+                let (s, e, keep) = (&r.sigma, &r.error, &r.keep);
+                let (f, nk) = (s.dims()[0], s.dims()[1]);
+                let e = e.reshape(vec![f, nk, 2])?;
+                let l = s
+                    .log()?
+                    .sub(&lp.reshape(vec![f, nk, 1])?)?
+                    .add(&s.mul_scalar(2.0)?.log()?.add(&e.abs()?)?)?
+                    .mul(&r.weights)?
+                    .mul(keep)?;
+                let n_keep = keep.sum_all()?.clamp_min(1.0)?;
+                Ok(l.div(&n_keep)?.sum_all()?.clamp_min(0.0)?)
+            }
+        })
+        .collect()
+}
+
+/// One branch's raw terms and RLE rows (see [`DenseParts`]).
+pub fn dense_branch_parts(
+    cfg: &LossConfig,
+    out: &BranchOutputs,
+    asg: &DenseAssignment,
+    targets: &DeviceTargets,
+    consts: &DenseConstants,
+) -> Result<DenseParts> {
     let sigma_floor = sigma_floor_of(out);
     let (boxes, scores, kpts) = (f32_of(&out.boxes)?, f32_of(&out.scores)?, f32_of(&out.kpts)?);
     let (bs, na, nk, nc) = (boxes.dims()[0], boxes.dims()[2], cfg.nkpt, cfg.nc);
@@ -166,9 +256,9 @@ pub fn dense_branch_terms(
     let vlog = kp.narrow(-1, 2, 1)?.squeeze(-1)?;
     let l_kobj = vlog.bce_with_logits(&m)?.mul(&valid)?.sum_all()?.mul(&inv_nk)?;
 
-    // RLE over the visible foreground keypoints whose error is finite.
-    let l_rle = match (&out.kpts_sigma, flow) {
-        (Some(sigma), Some(flow)) => {
+    // RLE rows: the visible foreground keypoints whose error is finite (the flow runs later).
+    let rle = match &out.kpts_sigma {
+        Some(sigma) => {
             let sg = rows_of(&f32_of(sigma)?.permute(&[0, 2, 1])?, nk * 2)?.reshape(vec![f, nk, 2])?;
             let sig = sg.sigmoid()?.clamp_min(sigma_floor)?;
             let error = kp_xy.sub(&gxy)?.div(&sig.add_scalar(1e-9)?)?;
@@ -179,30 +269,9 @@ pub fn dense_branch_terms(
             let keep = m.mul(&finite)?.unsqueeze(-1)?; // (F, K, 1)
             let e = keep.where_cond(&error, &consts.zero.unsqueeze(0)?)?.clamp(-100.0, 100.0)?;
             let s = keep.where_cond(&sig, &consts.one)?;
-            let log_phi = flow.log_prob(&e.reshape(vec![f * nk, 2])?)?;
-            if log_phi.dims() != [f * nk] {
-                return Err(TrainerError::InvalidArgument {
-                    what: "flow.log_prob",
-                    reason: format!("returned shape {:?} for {} errors", log_phi.dims(), f * nk),
-                });
-            }
-            let l = s
-                .log()?
-                .sub(&log_phi.reshape(vec![f, nk, 1])?)?
-                .add(&s.mul_scalar(2.0)?.log()?.add(&e.abs()?)?)?
-                .mul(&consts.rle_weights)?
-                .mul(&keep)?;
-            let n_keep = keep.sum_all()?.clamp_min(1.0)?;
-            l.div(&n_keep)?.sum_all()?.clamp_min(0.0)?
+            Some(RleRows { error: e.reshape(vec![f * nk, 2])?, sigma: s, keep, weights: consts.rle_weights.clone() })
         }
-        (Some(_), None) => {
-            return Err(TrainerError::InvalidArgument {
-                what: "flow",
-                reason: "kpts_sigma given but no flow model for the RLE term".into(),
-            })
-        }
-        _ => Tensor::scalar(0.0, DType::F32, boxes.device())?,
+        None => None,
     };
-
-    gain_scaled(cfg, [&l_box, &l_kpt, &l_kobj, &l_cls, &l_l1, &l_rle])
+    Ok(DenseParts { raw: [l_box, l_kpt, l_kobj, l_cls, l_l1], rle, device: boxes.device() })
 }

@@ -122,17 +122,18 @@ impl E2ELoss {
     ) -> Result<Option<LossOutput>> {
         let clock = std::time::Instant::now();
         // Whether the targets fit a bucket depends on the targets alone: the same for both branches.
-        let Some(va) = self.one2many.dense_terms(o2m, targets, anchors, flow)? else {
+        let Some(pa) = self.one2many.dense_parts(o2m, targets, anchors)? else {
             self.one2one.count_fallback();
             return Ok(None);
         };
-        let Some(vb) = self.one2one.dense_terms(o2o, targets, anchors, flow)? else { return Ok(None) };
-        let dev = va.device();
-        let bs = Tensor::scalar(o2m.boxes.dims().first().copied().unwrap_or(0) as f64, DType::F32, dev)?;
-        let (la, lb) = (va.mul(&bs)?, vb.mul(&bs)?);
-        let wa = Tensor::scalar(self.w_o2m, DType::F32, dev)?;
-        let wb = Tensor::scalar(self.w_o2o, DType::F32, dev)?;
-        let loss_vec = la.mul(&wa)?.add(&lb.mul(&wb)?)?;
+        let Some(pb) = self.one2one.dense_parts(o2o, targets, anchors)? else { return Ok(None) };
+        // One flow evaluation for both branches' RLE rows.
+        let rle = super::dense::rle_terms(&[&pa, &pb], flow)?;
+        let (va, vb) = (pa.finish(&self.one2many.cfg, &rle[0])?, pb.finish(&self.one2one.cfg, &rle[1])?);
+        // Immediate scales (no upload): the same roundings as products with f32 scalar tensors.
+        let bs = o2m.boxes.dims().first().copied().unwrap_or(0) as f64;
+        let (la, lb) = (va.mul_scalar(bs)?, vb.mul_scalar(bs)?);
+        let loss_vec = la.mul_scalar(self.w_o2m)?.add(&lb.mul_scalar(self.w_o2o)?)?;
         let total = loss_vec.sum_all()?;
         let enqueued = clock.elapsed().as_secs_f64() * 1e3;
         let read = Tensor::cat(&[&va.detach(), &vb.detach(), &total.detach().reshape(1)?], 0)?.to_vec::<f32>()?;
