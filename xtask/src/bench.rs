@@ -25,7 +25,7 @@ const HELP: &str = "usage: cargo xtask bench [options]            run the benchm
        cargo xtask bench --pack [options]     write bench-pack/ for the GPU machine: `bash bench-pack/run.sh [options]`
        cargo xtask bench --report DIR|FILE... [--out DIR]   merge the runs.jsonl of earlier calls (or runs files) into one table
 options:
-  --arms A,B         ptl arms: native (default), workers0 (batches built on the training thread),
+  --arms A,B         ptl arms (all but the dense ones on the host loss path): native (default), workers0 (batches built on the training thread),
                      feature (replay=feature), feature+stem (replay=feature,stem), all (replay=all:
                      every replay plugin of ptl-plugins), dense (loss_assigner=dense: the fixed-shape
                      assigner and loss), all+dense (both)
@@ -132,11 +132,12 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
 /// `key=value` overrides of a ptl arm.
 fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
     match arm {
-        "native" => Ok(vec![]),
-        "workers0" => Ok(vec!["workers=0".into()]),
-        "feature" => Ok(vec!["replay=feature".into()]),
-        "feature+stem" => Ok(vec!["replay=feature,stem".into()]),
-        "all" => Ok(vec!["replay=all".into()]),
+        // The loss path is named on every arm, so arms compare as labelled whatever the default.
+        "native" => Ok(vec!["loss_assigner=host".into()]),
+        "workers0" => Ok(vec!["workers=0".into(), "loss_assigner=host".into()]),
+        "feature" => Ok(vec!["replay=feature".into(), "loss_assigner=host".into()]),
+        "feature+stem" => Ok(vec!["replay=feature,stem".into(), "loss_assigner=host".into()]),
+        "all" => Ok(vec!["replay=all".into(), "loss_assigner=host".into()]),
         "dense" => Ok(vec!["loss_assigner=dense".into()]),
         "all+dense" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into()]),
         other => Err(format!("unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense)")),

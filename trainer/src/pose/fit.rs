@@ -617,7 +617,14 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         })?),
         _ => None,
     };
-    let loss_cfg = LossConfig { dense_assignment: cfg.loss_assigner == "dense", ..LossConfig::with_keypoints(nkpt, None) };
+    // `auto`: the fixed-shape path on a GPU (fewer host syncs and launches: faster there), the
+    // host path on the CPU (cheaper there, and the reference's own algorithm).
+    let dense = match cfg.loss_assigner.as_str() {
+        "dense" => true,
+        "auto" => cfg.device.is_cuda(),
+        _ => false,
+    };
+    let loss_cfg = LossConfig { dense_assignment: dense, ..LossConfig::with_keypoints(nkpt, None) };
     let criterion = E2ELoss::new(loss_cfg, cfg.epochs);
     let plugins = PluginStack::from_registry(&cfg.replay, &cfg.replay_config)?;
     let mut run = Run {
