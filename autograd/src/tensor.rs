@@ -288,11 +288,13 @@ impl Tensor {
 
     /// Copies the data to the host as `T` (must be the tensor's dtype).
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        crate::pending::count_immediate_read();
         let host = self.read_storage().to_cpu()?;
         T::from_storage(&host).ok_or(Error::DTypeMismatch { op: "to_vec", lhs: self.dtype(), rhs: T::DTYPE })
     }
     /// All values as f64, whatever the dtype (a host copy).
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
+        crate::pending::count_immediate_read();
         Ok(self.read_storage().to_cpu()?.to_f64_vec())
     }
     /// The value of a one-element tensor as f64 (a host copy).
@@ -304,6 +306,7 @@ impl Tensor {
     }
     /// Raw little-endian bytes of the data (host copy).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        crate::pending::count_immediate_read();
         Ok(self.read_storage().to_cpu()?.as_bytes().to_vec())
     }
 

@@ -1285,3 +1285,30 @@ fn nonzero_static_matches_the_cpu() {
         }
     }
 }
+
+/// `read_later` queues the copy without waiting (no host sync counted), and the values arrive:
+/// polled after later work, or waited for; f32 and bf16 (read as f32); pinned buffers are reused
+/// across reads; a read larger than the pooled size works too.
+#[test]
+fn deferred_reads_arrive_without_a_sync() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(41);
+    for (n, dtype) in [(13usize, DType::F32), (13, DType::BF16), (5000, DType::F32)] {
+        let x = Tensor::rand(vec![n], -3.0, 3.0, DType::F32, Device::Cpu, &mut rng).unwrap().to_dtype(dtype).unwrap();
+        let want: Vec<f32> = x.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+        let on_dev = x.to_device(dev).unwrap();
+        for round in 0..3 {
+            let before = ptl_autograd::cuda::counters();
+            let mut pending = on_dev.read_later().unwrap();
+            let queued = ptl_autograd::cuda::counters().since(&before);
+            assert_eq!(queued.host_syncs, 0, "queueing waits for nothing");
+            // Later work, then the values.
+            let _busy = on_dev.to_dtype(DType::F32).unwrap().exp().unwrap();
+            let got = if round == 0 { pending.wait().unwrap() } else {
+                ptl_autograd::cuda::synchronize(dev).unwrap();
+                pending.poll().unwrap().expect("done after a synchronize")
+            };
+            assert_eq!(got, want, "n {n} {dtype:?} round {round}");
+        }
+    }
+}

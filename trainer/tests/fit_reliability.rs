@@ -200,3 +200,49 @@ fn absurd_settings_are_typed_errors_up_front() {
     assert!(e.to_string().contains("pixels per batch"), "{e}");
     assert!(!base.save_dir.exists(), "nothing was written for a rejected configuration");
 }
+
+/// At epoch 1's first batch (after its backward) puts NaN into the RLE flow's parameters, which
+/// only the loss reads: the next batch's loss is NaN while the model's outputs stay finite. Keeps
+/// the first convolution's weights as seen at each batch of epoch 1.
+#[derive(Clone, Default)]
+struct PoisonTheFlow {
+    weights: Arc<std::sync::Mutex<Vec<(usize, Vec<u8>)>>>,
+    poisoned: Arc<AtomicUsize>,
+}
+
+impl Callback for PoisonTheFlow {
+    fn on_after_backward_params(&mut self, v: &LoopView, params: &[(String, Tensor)]) {
+        if v.epoch != 1 {
+            return;
+        }
+        let (_, w) = params.iter().find(|(n, _)| n == "model.0.conv.weight").expect("parameter");
+        self.weights.lock().unwrap().push((v.batch_in_epoch, w.to_bytes().unwrap()));
+        if v.batch_in_epoch == 0 && self.poisoned.fetch_add(1, Ordering::SeqCst) == 0 {
+            for (_, p) in params.iter().filter(|(n, _)| n.starts_with("model.23.flow_model.")) {
+                p.copy_(&Tensor::full(p.dims().to_vec(), f64::NAN, p.dtype(), p.device()).unwrap()).unwrap();
+            }
+        }
+    }
+}
+
+/// The dense path's device gate (the whole-step issue): a NaN loss leaves the weights untouched —
+/// the step after it sees the same first-layer weights — the warning names the step and the
+/// term, and the epoch runs again from the last checkpoint (training.md §9), after which the fit
+/// finishes. Its losses arrive a step late, without a host read in the step.
+#[test]
+fn a_nan_loss_on_the_dense_path_never_reaches_the_weights() {
+    let mut cfg = PoseTrainConfig { nbs: 2, warmup_epochs: 0.0, max_batches: Some(3), ..tiny(&fit_support::scratch("nan-dense")) };
+    cfg.set("loss_assigner", "dense").unwrap();
+    let poison = PoisonTheFlow::default();
+    let s = fit(&cfg, vec![Box::new(poison.clone())]).expect("recovered by the reload");
+    assert_eq!(s.metrics_per_epoch.len(), 3, "every epoch completed");
+    let seen = poison.weights.lock().unwrap().clone();
+    let batches: Vec<usize> = seen.iter().map(|(b, _)| *b).collect();
+    // Epoch 1, attempt 1: batch 0 (poisons the flow after its backward; its own step is clean),
+    // batches 1 and 2 (NaN losses: their steps are skipped); attempt 2 after the reload: 0, 1, 2.
+    assert_eq!(batches, vec![0, 1, 2, 0, 1, 2], "epoch 1 ran twice");
+    assert_ne!(seen[0].1, seen[1].1, "the clean step at batch 0 moved the weights");
+    assert_eq!(seen[1].1, seen[2].1, "the NaN step at batch 1 left the weights untouched");
+    let finite = |b: &[u8]| b.chunks_exact(4).all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite());
+    assert!(seen.iter().all(|(_, w)| finite(w)), "no NaN reached the first layer");
+}

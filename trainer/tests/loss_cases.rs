@@ -303,3 +303,40 @@ fn dense_loss_beyond_the_largest_bucket_falls_back_to_the_host_path() {
     assert_eq!((dense.one2many.dense_fallbacks(), dense.one2one.dense_fallbacks()), (1, 1), "each branch counted once");
     assert!(got.one2many.assignment.is_some(), "the host path ran");
 }
+
+/// With `defer_items` the dense criterion reads nothing back: its device values hold the items
+/// and the total a synchronous call returns (bit for bit), with a non-finite flag of 0; a NaN in
+/// the predictions sets the flag (1) instead of failing the call, which the synchronous call does.
+#[test]
+fn deferred_dense_items_carry_the_values_and_a_non_finite_flag() {
+    let Some(root) = goldens() else { return };
+    let g = load(root.join("loss_cases/case1_basic.safetensors"));
+    let flow = flow_from(&load(root.join("loss_cases/flow.safetensors")));
+    let (anchors, targets) = case_anchors_and_targets(&g);
+    let cfg = LossConfig { dense_assignment: true, ..LossConfig::default() };
+    let (o2m, o2o) = (branch_leaves(&g, "input.one2many."), branch_leaves(&g, "input.one2one."));
+    let sync = E2ELoss::new(cfg.clone(), 100);
+    let mut deferred = E2ELoss::new(cfg, 100);
+    deferred.defer_items = true;
+    let want = sync.loss(&o2m, &o2o, &targets, &anchors, Some(&flow)).unwrap();
+    let before = ptl_autograd::host_reads_on_this_thread();
+    let got = deferred.loss(&o2m, &o2o, &targets, &anchors, Some(&flow)).unwrap();
+    assert_eq!(ptl_autograd::host_reads_on_this_thread().since(&before).immediate, 0, "the deferred call reads nothing back");
+    let d = got.deferred.expect("deferred values");
+    let values = f64v(&d.values);
+    assert_eq!(values.len(), 13);
+    for (i, item) in want.items.iter().enumerate() {
+        assert_eq!(values[6 + i].to_bits(), item.to_bits(), "item {}", LOSS_NAMES[i]);
+    }
+    assert_eq!(values[12].to_bits(), want.total.item().unwrap().to_bits(), "total");
+    assert_eq!(f64v(&d.nonfinite), vec![0.0], "finite values: flag 0");
+    let mut scores = f32v(&o2m.scores);
+    scores[3] = f32::NAN;
+    let bad = ptl_trainer::loss::BranchOutputs {
+        scores: ptl_autograd::Tensor::from_vec(scores, o2m.scores.dims().to_vec(), ptl_autograd::Device::Cpu).unwrap(),
+        ..o2m.clone()
+    };
+    let flagged = deferred.loss(&bad, &o2o, &targets, &anchors, Some(&flow)).unwrap();
+    assert_eq!(f64v(&flagged.deferred.expect("deferred").nonfinite), vec![1.0], "a NaN prediction sets the flag");
+    assert!(sync.loss(&bad, &o2o, &targets, &anchors, Some(&flow)).is_err(), "the synchronous call rejects it");
+}

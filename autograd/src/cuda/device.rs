@@ -100,6 +100,9 @@ pub(crate) struct Dev {
     funcs: Mutex<HashMap<(&'static str, &'static str), sys::CUfunction>>,
     /// Modules compiled from other crates' sources ([`super::UserKernel`]), keyed by module name.
     pub user_modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+    /// Free pinned host buffers of [`super::PendingCopy`] (addresses of `PINNED_READ_BYTES` each):
+    /// a deferred read every step reuses them instead of allocating page-locked memory.
+    pub pinned_reads: Mutex<Vec<usize>>,
     pub blas: Mutex<Option<Blas>>,
     pub dnn: Mutex<Option<Dnn>>,
     /// Bytes currently handed out by this allocator (all pools) and the peak since the last reset.
@@ -196,6 +199,7 @@ impl Dev {
             module,
             funcs: Mutex::new(HashMap::new()),
             user_modules: Mutex::new(HashMap::new()),
+            pinned_reads: Mutex::new(Vec::new()),
             blas: Mutex::new(None),
             dnn: Mutex::new(None),
             allocated: AtomicU64::new(0),

@@ -43,6 +43,7 @@ pub mod host_probe;
 mod kernel_timer;
 mod module_cache;
 pub(crate) mod ops;
+mod pending_copy;
 mod user_kernel;
 
 use std::sync::Arc;
@@ -64,6 +65,7 @@ pub use kernel_timer::{GpuKernelTimer, GpuKernelTotals, KernelDetail};
 pub use module_cache::{kernel_cache_dir, module_reports, probe_module_cache, ModuleReport, ModuleSource};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
 pub use ops::{set_bn_one_launch, set_fused_clip, set_index_add_by_buckets};
+pub use pending_copy::PendingCopy;
 pub use user_kernel::{KernelArg, UserKernel};
 
 use alloc::DevBuf;

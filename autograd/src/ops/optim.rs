@@ -32,6 +32,21 @@ pub struct DeviceScalars<'a> {
     pub skip: Option<&'a Tensor>,
 }
 
+/// A small tensor's values as f64 for a composed op: the storage itself on the CPU (a backend
+/// reading its own memory, not a transfer: [`crate::host_reads`] does not count it), a counted,
+/// synchronising host read elsewhere.
+fn values_of(t: &Tensor) -> Result<Vec<f64>> {
+    let on_host = t.with_storage(|s| match s {
+        crate::storage::Storage::Cpu(c) => Some(c.to_f64_vec()),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    });
+    match on_host {
+        Some(v) => Ok(v),
+        None => t.to_f64_vec(),
+    }
+}
+
 impl<'a> DeviceScalars<'a> {
     /// `values[at..]`, never skipping.
     pub fn new(values: &'a Tensor, at: usize) -> DeviceScalars<'a> {
@@ -75,14 +90,14 @@ impl DeviceScalars<'_> {
     }
     /// The `n` values, read back to the host (for the composed path).
     fn host(&self, n: usize) -> Result<Vec<f64>> {
-        let all = self.values.to_vec::<f64>()?;
+        let all = values_of(self.values)?;
         Ok(all[self.at..self.at + n].to_vec())
     }
     /// Whether the skip flag is set, read back to the host (the composed path's decision; a
     /// synchronisation on CUDA).
     pub fn skipped_on_host(&self) -> Result<bool> {
         match self.skip {
-            Some(f) => Ok(f.to_vec::<f32>()?.first().is_some_and(|v| *v != 0.0)),
+            Some(f) => Ok(values_of(f)?.first().is_some_and(|v| *v != 0.0)),
             None => Ok(false),
         }
     }

@@ -24,6 +24,26 @@ pub struct LossOutput {
     /// Weights used for this call.
     pub w_o2m: f64,
     pub w_o2o: f64,
+    /// With [`E2ELoss::defer_items`] on the dense path: the values still on the device (then
+    /// `items` and the branches' items are NaN until read).
+    pub deferred: Option<DeferredItems>,
+}
+
+/// A criterion call's loss values left on the device, to be read later (no host sync).
+#[derive(Clone, Debug)]
+pub struct DeferredItems {
+    /// (13,) f32: the one-to-many branch's six gain-scaled terms, the one-to-one branch's six
+    /// (the logged items), then the total.
+    pub values: Tensor,
+    /// (1,) f32: 1 when any of `values` is not finite, else 0.
+    pub nonfinite: Tensor,
+}
+
+impl DeferredItems {
+    /// Index of the total in [`DeferredItems::values`].
+    pub const TOTAL: usize = 12;
+    /// Range of the logged (one-to-one) items in [`DeferredItems::values`].
+    pub const ITEMS: std::ops::Range<usize> = 6..12;
 }
 
 /// The criterion: two [`PoseLoss26`] and the moving weights.
@@ -39,6 +59,10 @@ pub struct E2ELoss {
     pub o2m_final: f64,
     pub w_o2m: f64,
     pub w_o2o: f64,
+    /// On the dense path, leave the loss values on the device ([`LossOutput::deferred`]) instead
+    /// of reading them (the fit loop on a GPU: it reads them a step later and gates the optimizer
+    /// step on the device flag). Off: one host read per call, and a non-finite total is an error.
+    pub defer_items: bool,
 }
 
 impl E2ELoss {
@@ -53,6 +77,7 @@ impl E2ELoss {
             o2m_final: 0.1,
             w_o2m: 0.8,
             w_o2o: 0.0,
+            defer_items: false,
         };
         c.w_o2o = (1.0 - c.w_o2m).max(0.0);
         c
@@ -107,7 +132,7 @@ impl E2ELoss {
         if !t.is_finite() {
             return Err(crate::error::TrainerError::NonFinite { what: "total loss", index: 0, value: t });
         }
-        Ok(LossOutput { total, loss_vec, items: b.items, one2many: a, one2one: b, w_o2m: self.w_o2m, w_o2o: self.w_o2o })
+        Ok(LossOutput { total, loss_vec, items: b.items, one2many: a, one2one: b, w_o2m: self.w_o2m, w_o2o: self.w_o2o, deferred: None })
     }
 
     /// Both branches on the dense path with one host read for the step (both item vectors and the
@@ -136,8 +161,34 @@ impl E2ELoss {
         let loss_vec = la.mul_scalar(self.w_o2m)?.add(&lb.mul_scalar(self.w_o2o)?)?;
         let total = loss_vec.sum_all()?;
         let enqueued = clock.elapsed().as_secs_f64() * 1e3;
-        let read = Tensor::cat(&[&va.detach(), &vb.detach(), &total.detach().reshape(1)?], 0)?.to_vec::<f32>()?;
-        let t = f64::from(read[12]);
+        let values = Tensor::cat(&[&va.detach(), &vb.detach(), &total.detach().reshape(1)?], 0)?;
+        if self.defer_items {
+            // x − x is 0 for a finite x and NaN otherwise: the flag without a host read.
+            let nonfinite = ptl_autograd::no_grad(|| -> Result<Tensor> {
+                let finite = values.sub(&values)?.eq_scalar(0.0)?.to_dtype(DType::F32)?;
+                Ok(finite.min_dim(0, true)?.0.affine(-1.0, 1.0)?)
+            })?;
+            let branch = |loss_times_bs: Tensor| BranchLoss {
+                loss_times_bs,
+                items: [f64::NAN; 6],
+                assignment: None,
+                phase_ms: [0.0, 0.0, enqueued, 0.0],
+            };
+            let (a, b) = (branch(la), branch(lb));
+            let deferred = Some(DeferredItems { values, nonfinite });
+            return Ok(Some(LossOutput {
+                total,
+                loss_vec,
+                items: [f64::NAN; 6],
+                one2many: a,
+                one2one: b,
+                w_o2m: self.w_o2m,
+                w_o2o: self.w_o2o,
+                deferred,
+            }));
+        }
+        let read = values.to_vec::<f32>()?;
+        let t = f64::from(read[DeferredItems::TOTAL]);
         if !t.is_finite() {
             return Err(crate::error::TrainerError::NonFinite { what: "total loss", index: 0, value: t });
         }
@@ -148,7 +199,16 @@ impl E2ELoss {
             assignment: None,
             phase_ms: [0.0, 0.0, enqueued, waited],
         };
-        let (a, b) = (branch(la, items_of(&read[0..6])), branch(lb, items_of(&read[6..12])));
-        Ok(Some(LossOutput { total, loss_vec, items: b.items, one2many: a, one2one: b, w_o2m: self.w_o2m, w_o2o: self.w_o2o }))
+        let (a, b) = (branch(la, items_of(&read[0..6])), branch(lb, items_of(&read[DeferredItems::ITEMS])));
+        Ok(Some(LossOutput {
+            total,
+            loss_vec,
+            items: b.items,
+            one2many: a,
+            one2one: b,
+            w_o2m: self.w_o2m,
+            w_o2o: self.w_o2o,
+            deferred: None,
+        }))
     }
 }

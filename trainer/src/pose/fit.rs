@@ -78,6 +78,21 @@ struct Run {
     compute_weights: Vec<Tensor>,
     /// Anchor grid of the last input size (training batches share one size).
     anchors: Option<((usize, usize), Anchors)>,
+    /// Loss values of earlier steps on their way to the host (the dense path's deferred items),
+    /// oldest first, and how many of this epoch's have arrived.
+    pending_losses: std::collections::VecDeque<PendingLoss>,
+    absorbed: usize,
+    /// With deferred items: a (1,) f32 device flag, 1 once a loss of the current accumulation
+    /// window was not finite (the optimizer step is skipped on the device then), and its zero.
+    loss_flag: Option<(Tensor, Tensor)>,
+}
+
+/// One step's deferred loss values ([`crate::loss::DeferredItems`]) being read.
+struct PendingLoss {
+    epoch: usize,
+    batch: usize,
+    step: usize,
+    read: ptl_autograd::PendingRead,
 }
 
 /// Where a loss first went non-finite.
@@ -217,6 +232,7 @@ impl Run {
             if let Err(TrainerError::NonFinite { what, value, .. }) = &ran {
                 self.note_nonfinite(NonFiniteStep { epoch, batch: i, step: ni, term: what, value: *value });
                 self.state.step_losses.push(f64::NAN);
+                self.absorbed += 1;
                 return Ok(());
             }
             ran?;
@@ -247,14 +263,23 @@ impl Run {
             }
         }
 
-        let total = loss.total.detach().item()?;
-        let named = LOSS_NAMES.iter().zip(loss.items).find(|(_, v)| !v.is_finite());
-        if let Some((term, value)) = named.map(|(n, v)| (*n, v)).or((!total.is_finite()).then_some(("total loss", total))) {
-            self.note_nonfinite(NonFiniteStep { epoch, batch: i, step: ni, term, value });
-        }
-        self.state.step_losses.push(total);
-        for (s, v) in sums.iter_mut().zip(loss.items) {
-            *s += v;
+        match &loss.deferred {
+            Some(d) => {
+                // No host read: the values travel to the host while later steps run, and the
+                // step's non-finite flag joins the window's on the device.
+                let (flag, zero) = match self.loss_flag.take() {
+                    Some(f) => f,
+                    None => (Tensor::zeros(vec![1], DType::F32, self.cfg.device)?, Tensor::zeros(vec![1], DType::F32, self.cfg.device)?),
+                };
+                no_grad(|| flag.copy_(&flag.maximum(&d.nonfinite)?))?;
+                self.loss_flag = Some((flag, zero));
+                self.pending_losses.push_back(PendingLoss { epoch, batch: i, step: ni, read: d.values.read_later()? });
+                self.absorb_losses(sums, false)?;
+            }
+            None => {
+                let total = loss.total.detach().item()?;
+                self.record_loss(NonFiniteStep { epoch, batch: i, step: ni, term: "", value: 0.0 }, total, loss.items, sums);
+            }
         }
 
         if ni as i64 - self.state.last_opt_step >= self.accumulate as i64 {
@@ -268,8 +293,48 @@ impl Run {
         if self.cfg.profile {
             self.stage_ms.push(stages);
         }
-        self.view.mean_items = sums.iter().map(|s| s / (i + 1) as f64).collect();
         self.each_cb(|c, v| c.on_train_batch_end(v));
+        Ok(())
+    }
+
+    /// Books one step's loss: the per-step total (hashed), the epoch's item sums, the running means
+    /// for the progress bar, and a non-finite note naming the step and the term.
+    fn record_loss(&mut self, at: NonFiniteStep, total: f64, items: [f64; 6], sums: &mut [f64; 6]) {
+        let named = LOSS_NAMES.iter().zip(items).find(|(_, v)| !v.is_finite());
+        if let Some((term, value)) = named.map(|(n, v)| (*n, v)).or((!total.is_finite()).then_some(("total loss", total))) {
+            self.note_nonfinite(NonFiniteStep { term, value, ..at });
+        }
+        self.state.step_losses.push(total);
+        for (s, v) in sums.iter_mut().zip(items) {
+            *s += v;
+        }
+        self.absorbed += 1;
+        self.view.mean_items = sums.iter().map(|s| s / self.absorbed as f64).collect();
+    }
+
+    /// Books the deferred losses that have reached the host, oldest first (all of them, waiting
+    /// where needed, when `drain`: at the end of an epoch).
+    fn absorb_losses(&mut self, sums: &mut [f64; 6], drain: bool) -> Result<()> {
+        while let Some(mut p) = self.pending_losses.pop_front() {
+            let values = match p.read.poll()? {
+                Some(v) => v,
+                None if drain => p.read.wait()?,
+                None => {
+                    self.pending_losses.push_front(p);
+                    break;
+                }
+            };
+            let (total, items) = match values.get(crate::loss::DeferredItems::TOTAL) {
+                Some(&t) => (f64::from(t), crate::loss::branch::items_of(&values[crate::loss::DeferredItems::ITEMS])),
+                None => {
+                    return Err(TrainerError::InvalidArgument {
+                        what: "deferred loss",
+                        reason: format!("{} values, expected 13", values.len()),
+                    })
+                }
+            };
+            self.record_loss(NonFiniteStep { epoch: p.epoch, batch: p.batch, step: p.step, term: "", value: 0.0 }, total, items, sums);
+        }
         Ok(())
     }
 
@@ -296,6 +361,8 @@ impl Run {
         let params = &self.params;
         let max_norm = self.cfg.clip_max_norm;
         let (optimizer, scaler, ema, model) = (&mut self.optimizer, &mut self.scaler, &mut self.ema, &self.model);
+        // Deferred losses: a non-finite one in this window skips the update on the device.
+        let loss_flag = self.loss_flag.as_ref().map(|(f, _)| f.clone());
         let callbacks = &mut self.callbacks;
         let view = self.view.clone();
         let (profile, device) = (self.cfg.profile, self.cfg.device);
@@ -340,7 +407,10 @@ impl Run {
                             optimizer.step_prepared_unless(found)?;
                             s.update_scale()
                         }
-                        _ => optimizer.step_prepared(),
+                        _ => match &loss_flag {
+                            Some(flag) => optimizer.step_prepared_unless(flag),
+                            None => optimizer.step_prepared(),
+                        },
                     }
                 })?;
             }
@@ -367,6 +437,9 @@ impl Run {
             }
             Ok(())
         })?;
+        if let Some((flag, zero)) = &self.loss_flag {
+            flag.copy_(zero)?;
+        }
         self.state.global_step += 1;
         self.view.global_step = self.state.global_step;
         Ok(ema_ms)
@@ -625,7 +698,9 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         _ => false,
     };
     let loss_cfg = LossConfig { dense_assignment: dense, ..LossConfig::with_keypoints(nkpt, None) };
-    let criterion = E2ELoss::new(loss_cfg, cfg.epochs);
+    let mut criterion = E2ELoss::new(loss_cfg, cfg.epochs);
+    // The dense path leaves its values on the device; the loop reads them a step later.
+    criterion.defer_items = dense;
     let plugins = PluginStack::from_registry(&cfg.replay, &cfg.replay_config)?;
     let mut run = Run {
         cfg: cfg.clone(),
@@ -662,6 +737,9 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         params: Vec::new(),
         compute_weights: Vec::new(),
         anchors: None,
+        pending_losses: Default::default(),
+        absorbed: 0,
+        loss_flag: None,
     };
     run.params = model_params(&run.model);
     run.compute_weights = compute_weights(&run.params);
@@ -794,6 +872,8 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         run.model.set_training(true);
         run.each_cb(|c, v| c.on_train_epoch_start(v));
         let mut sums = [0f64; 6];
+        run.absorbed = 0;
+        run.view.mean_items.clear(); // until this epoch's first loss arrives
         let bar = super::progress::EpochBar::new(cfg.progress, epoch, cfg.epochs, run.nb);
         for i in 0..run.nb {
             run.clock.begin_step(epoch, i, run.nb)?;
@@ -812,6 +892,7 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             run.clock.end_step();
             bar.update(i, &run.view.mean_items, run.view.lr.first().copied().unwrap_or(0.0));
         }
+        run.absorb_losses(&mut sums, true)?;
         bar.finish();
         let stats = pipeline.stats();
         (run.workers, run.pageable_uploads) = (stats.workers, stats.pageable_uploads);
