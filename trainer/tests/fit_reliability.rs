@@ -204,9 +204,12 @@ fn absurd_settings_are_typed_errors_up_front() {
 /// At epoch 1's first batch (after its backward) puts NaN into the RLE flow's parameters, which
 /// only the loss reads: the next batch's loss is NaN while the model's outputs stay finite. Keeps
 /// the first convolution's weights as seen at each batch of epoch 1.
+/// (batch in epoch, the first convolution's weight bytes) as each batch of epoch 1 saw them.
+type SeenWeights = Arc<std::sync::Mutex<Vec<(usize, Vec<u8>)>>>;
+
 #[derive(Clone, Default)]
 struct PoisonTheFlow {
-    weights: Arc<std::sync::Mutex<Vec<(usize, Vec<u8>)>>>,
+    weights: SeenWeights,
     poisoned: Arc<AtomicUsize>,
 }
 
