@@ -11,7 +11,10 @@
 //! - `replay=ns` ([`NsReplay`]): MuSGD's batched Newton–Schulz, one region per group of equal
 //!   matrix shapes, reached through the optimizer stage (`ptl_trainer::optim::with_ns_runner`).
 //! - `replay=optimizer` ([`UpdateReplay`]): the device part of the optimizer step (clipping and
-//!   the SGD / MuSGD update) as one region per gradient-presence mask; opt-in (not in `all` yet).
+//!   the SGD / MuSGD update) as one region per gradient-presence mask.
+//!
+//! - `replay=loss` ([`LossReplay`]): the dense criterion (`loss_assigner=dense`) as one region
+//!   and autograd node per batch shape and target bucket; opt-in (not in `all` yet).
 //!
 //! Both record with CUDA graphs on a GPU and with `ptl-capture`'s test double on the CPU (which
 //! re-runs the body on replay), so CPU CI exercises the recorder's real state machine. Every
@@ -21,12 +24,14 @@
 
 mod guard;
 mod keyed;
+mod loss;
 mod ns;
 mod regions;
 mod replay;
 mod update;
 
 pub use guard::replay_shortfalls;
+pub use loss::LossReplay;
 pub use ns::NsReplay;
 pub use regions::PieceRegions;
 pub use replay::{plugin_defaults, PieceReplay, Scope};

@@ -184,3 +184,35 @@ fn cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
         &["feature", "stem", "optimizer"],
     );
 }
+
+/// `replay=loss` on real CUDA graphs (the whole-step issue): the dense criterion recorded as one
+/// region with everything else replayed too (`replay=all,loss`), bf16 and 32-true: the hashes of
+/// the native dense fit and the loss region (with the model's) replayed on every batch after its
+/// warm-up.
+#[test]
+fn cuda_loss_replay_equals_native() {
+    let Some(dev) = gpu() else { return };
+    assert_eq!(ptl_plugins::LossReplay::NAME, "loss");
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-loss-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    for precision in [Precision::Bf16Mixed, Precision::F32] {
+        let run = |replay: &[&str]| {
+            let save = dir.join(format!("loss-{precision:?}-{}", replay.join("+")));
+            let mut cfg = PoseTrainConfig { nbs: 2, precision, ..cuda_fit_cfg(&data, dev, 5, replay, save) };
+            cfg.set("loss_assigner", "dense").expect("dense");
+            fit(&cfg, vec![]).expect("fit")
+        };
+        let native = run(&[]);
+        let every = run(&["all", "loss"]);
+        assert_eq!(every.hashes, native.hashes, "{precision:?}: replay=all,loss");
+        let batches = 12u64;
+        for plugin in ["loss", "feature", "stem"] {
+            let short = replay_shortfalls(&every, plugin, batches, &[]);
+            assert!(short.is_empty(), "{precision:?} {plugin}: {short:?}");
+        }
+        println!(
+            "ok cuda loss replay {precision:?}: {}",
+            every.plugins.iter().find(|l| l.starts_with("loss")).cloned().unwrap_or_default()
+        );
+    }
+}

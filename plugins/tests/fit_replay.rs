@@ -274,3 +274,27 @@ fn an_optimizer_replayed_run_resumes_to_the_native_hashes() {
     let short = replay_shortfalls(&resumed, "optimizer", 3, &[]);
     assert!(short.is_empty(), "{short:?} {}", resumed.replay_counters["optimizer"]);
 }
+
+/// `replay=loss` (the whole-step issue): the dense criterion recorded as one region and autograd
+/// node; with every other plugin too, a fit gives the native dense fit's bytes, the loss region
+/// replays forward and backward on every step after its warm-up, and `all` does not include it.
+#[test]
+fn loss_replay_equals_the_native_dense_fit_and_replays_every_step() {
+    use ptl_plugins::LossReplay;
+    let dense = |save: &str, replay: &[&str]| {
+        let mut c = tiny(save, replay);
+        c.set("loss_assigner", "dense").unwrap();
+        c
+    };
+    let native = fit(&dense("loss-native", &[]), vec![]).expect("native dense fit");
+    let loss = fit(&dense("loss-replay", &[LossReplay::NAME]), vec![]).expect("replay=loss");
+    let every = fit(&dense("loss-all", &["all", LossReplay::NAME]), vec![]).expect("replay=all,loss");
+    assert_eq!(loss.hashes, native.hashes, "replay=loss changes no byte");
+    assert_eq!(every.hashes, native.hashes, "replay=all,loss changes no byte");
+    let steps = 2 * 3;
+    assert_replayed(&loss, "loss", 1, steps);
+    assert_replayed(&every, "loss", 1, steps);
+    assert_replayed(&every, "stem", 18, steps);
+    let all = ptl_trainer::fit::PluginStack::from_registry(&["all".to_string()], &serde_json::Map::new()).unwrap();
+    assert!(!all.names().contains(&LossReplay::NAME), "opt-in until it has run on a GPU");
+}

@@ -28,7 +28,8 @@ options:
   --arms A,B         ptl arms (all but the dense ones on the host loss path): native (default), workers0 (batches built on the training thread),
                      feature (replay=feature), feature+stem (replay=feature,stem), all (replay=all:
                      every replay plugin of ptl-plugins), dense (loss_assigner=dense: the fixed-shape
-                     assigner and loss), all+dense (both)
+                     assigner and loss), all+dense (both), all+loss (all+dense with the dense loss
+                     recorded: replay=all,loss)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --precisions P,Q   bf16-mixed,32-true,16-mixed (default bf16-mixed)
   --pairs N          rounds of every arm per precision (default 3)
@@ -140,7 +141,8 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         "all" => Ok(vec!["replay=all".into(), "loss_assigner=host".into()]),
         "dense" => Ok(vec!["loss_assigner=dense".into()]),
         "all+dense" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into()]),
-        other => Err(format!("unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense)")),
+        "all+loss" => Ok(vec!["replay=all,loss".into(), "loss_assigner=dense".into()]),
+        other => Err(format!("unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss)")),
     }
 }
 
@@ -710,7 +712,8 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     // dense arms compute the loss with another summation order than the host path's).
     md.push('\n');
     let mut hash_ok = true;
-    let dense_arm = |r: &Value| r["arm"].as_str().is_some_and(|a| a.ends_with("dense"));
+    let dense_arm =
+        |r: &Value| r["arm"].as_str().and_then(|a| arm_overrides(a).ok()).is_some_and(|o| o.iter().any(|x| x == "loss_assigner=dense"));
     let families: Vec<(String, bool)> = precisions.iter().flat_map(|p| [(p.clone(), false), (p.clone(), true)]).collect();
     for (p, dense) in &families {
         let hs: Vec<(String, Value)> = ok

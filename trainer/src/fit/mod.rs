@@ -8,7 +8,7 @@ pub mod summary;
 pub use callback::{Callback, HookTrace, LoopView};
 pub use checkpoint::{load_checkpoint, read_manifest, save_checkpoint, Checkpoint, LoopState, Manifest, RunHistory};
 pub use plugin::{
-    registered_plugins, PluginRegistration, PluginSetup, PluginStack, ReplayCadence, ReplayPlugin, StackRunner, Stage, StageInfo,
+    registered_plugins, LossBody, PluginRegistration, PluginSetup, PluginStack, ReplayCadence, ReplayPlugin, StackRunner, Stage, StageInfo,
     UpdatePart, ALL_PLUGINS,
 };
 pub use summary::{

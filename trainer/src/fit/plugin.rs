@@ -125,6 +125,19 @@ pub trait ReplayPlugin: DynClone + Send {
         let _ = part;
         body()
     }
+    /// Whether this plugin runs the dense criterion's device work ([`ReplayPlugin::run_loss`]).
+    fn claims_loss(&self) -> bool {
+        false
+    }
+    /// Runs the dense criterion's device work (both branches' fixed-shape assignment and terms,
+    /// the RLE flow, the mix; `crate::loss::E2ELoss::loss_routed`): must return what
+    /// `body(inputs)` returns, natively or by replay. `inputs` are the two branches' raw outputs,
+    /// the padded device targets and the branch weights (`loss_routed` lists them); `surface` is
+    /// what the body reads besides them: the RLE flow's parameters.
+    fn run_loss(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &LossBody<'_>) -> Result<Vec<Tensor>> {
+        let _ = surface;
+        body(inputs)
+    }
     /// Whether the fit should keep every parameter's gradient buffer across steps (persistent
     /// gradients, `Tensor::set_keep_grad_buffer`): a plugin that records graphs reading or writing
     /// gradients needs them at fixed addresses. Absent gradients stay absent. Off by default (the
@@ -164,6 +177,9 @@ pub trait ReplayPlugin: DynClone + Send {
 }
 
 dyn_clone::clone_trait_object!(ReplayPlugin);
+
+/// The dense criterion's device work as a function of its input tensors ([`ReplayPlugin::run_loss`]).
+pub type LossBody<'a> = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'a;
 
 /// A plugin's entry in the global registry:
 /// `inventory::submit! { PluginRegistration { name: "…", in_all: false, create: |cfg| … } }`.
@@ -311,6 +327,20 @@ impl PluginStack {
             Some(p) => p.run_update(part, body),
             None => body(),
         }
+    }
+
+    /// The dense criterion's device work through its claimant ([`ReplayPlugin::run_loss`]),
+    /// natively when no plugin claims it.
+    pub fn run_loss(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &LossBody<'_>) -> Result<Vec<Tensor>> {
+        match self.plugins.iter().find(|p| p.claims_loss()) {
+            Some(p) => p.run_loss(inputs, surface, body),
+            None => body(inputs),
+        }
+    }
+
+    /// Whether any plugin claims the dense criterion.
+    pub fn claims_loss(&self) -> bool {
+        self.plugins.iter().any(|p| p.claims_loss())
     }
 
     /// Whether any plugin asks for persistent gradients ([`ReplayPlugin::persistent_gradients`]).

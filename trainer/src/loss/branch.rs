@@ -149,7 +149,7 @@ impl PoseLoss26 {
     }
 
     /// The shapes and keypoint count every path needs.
-    fn check_inputs(&self, out: &BranchOutputs, targets: &TargetBatch, anchors: &Anchors) -> Result<()> {
+    pub(crate) fn check_inputs(&self, out: &BranchOutputs, targets: &TargetBatch, anchors: &Anchors) -> Result<()> {
         let (nc, nk) = (self.cfg.nc, self.cfg.nkpt);
         let bs = out.boxes.dims().first().copied().unwrap_or(0);
         let na = anchors.len();
@@ -434,21 +434,44 @@ impl PoseLoss26 {
     /// [`PoseLoss26::dense_terms`] before the RLE's flow (the criterion runs one flow for both
     /// branches: [`super::dense::rle_terms`]).
     pub fn dense_parts(&self, out: &BranchOutputs, targets: &TargetBatch, anchors: &Anchors) -> Result<Option<super::dense::DenseParts>> {
-        use super::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseInputs, DeviceTargets};
+        let Some(dt) = self.dense_targets(out, targets, anchors)? else { return Ok(None) };
+        Ok(Some(self.dense_parts_on(out, &dt, anchors)?))
+    }
+
+    /// The dense path's targets on the outputs' device, padded to their bucket (one upload per
+    /// tensor), after the input checks; `None` (counted) beyond the largest bucket.
+    pub fn dense_targets(
+        &self,
+        out: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+    ) -> Result<Option<super::assign_dense::DeviceTargets>> {
+        use super::assign_dense::{target_bucket, DeviceTargets};
         self.check_inputs(out, targets, anchors)?;
         let bs = out.boxes.dims().first().copied().unwrap_or(0);
-        let device = out.boxes.device();
         let padded = pad_targets(targets, bs, anchors.image_hw())?;
         let Some(slots) = target_bucket(padded.max_boxes) else {
             self.count_fallback();
             return Ok(None);
         };
-        let dt = DeviceTargets::upload(&padded, slots, device)?;
-        let (geometry, consts) = self.dense_constants(anchors, bs, slots, device)?;
+        Ok(Some(DeviceTargets::upload(&padded, slots, out.boxes.device())?))
+    }
+
+    /// The branch's dense parts from targets already on the device: device work only (the
+    /// constants are cached after the first call), so a replay plugin can record it.
+    pub fn dense_parts_on(
+        &self,
+        out: &BranchOutputs,
+        dt: &super::assign_dense::DeviceTargets,
+        anchors: &Anchors,
+    ) -> Result<super::dense::DenseParts> {
+        use super::assign_dense::{assign_dense, decode_for_assignment, DenseInputs};
+        let bs = out.boxes.dims().first().copied().unwrap_or(0);
+        let (geometry, consts) = self.dense_constants(anchors, bs, dt.slots, out.boxes.device())?;
         let (scores, boxes, kpts) = decode_for_assignment(&out.boxes, &out.scores, &out.kpts, &geometry)?;
         let asg =
-            assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, &self.assign)?;
-        Ok(Some(super::dense::dense_branch_parts(&self.cfg, out, &asg, &dt, &consts)?))
+            assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: dt }, &self.assign)?;
+        super::dense::dense_branch_parts(&self.cfg, out, &asg, dt, &consts)
     }
 
     /// The dense path's constants for these anchors, batch size and slots on `device`, made on

@@ -4,6 +4,7 @@
 use ptl_autograd::{DType, Tensor};
 
 use super::anchors::Anchors;
+use super::assign_dense::DeviceTargets;
 use super::branch::{items_of, BranchLoss, BranchOutputs, PoseLoss26};
 use super::targets::TargetBatch;
 use super::{FlowLogProb, LossConfig};
@@ -63,7 +64,15 @@ pub struct E2ELoss {
     /// of reading them (the fit loop on a GPU: it reads them a step later and gates the optimizer
     /// step on the device flag). Off: one host read per call, and a non-finite total is an error.
     pub defer_items: bool,
+    /// The branch weights on the device ([`E2ELoss::weights_on`]), shared by clones.
+    weights: std::sync::Arc<std::sync::Mutex<Option<WeightsKey>>>,
 }
+
+type WeightsKey = ((f64, f64), ptl_autograd::Device, Tensor);
+
+/// Runs the dense criterion's device work: `route(inputs, body)` returns `body(inputs)`'s tensors
+/// (natively or by a replay of a recording of it).
+pub type LossRoute<'a> = dyn Fn(&[Tensor], &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>> + 'a;
 
 impl E2ELoss {
     /// Criterion for a run of `epochs` epochs (o2m top-k 10/10, o2o 7/1, weights 0.8 → 0.1).
@@ -78,6 +87,7 @@ impl E2ELoss {
             w_o2m: 0.8,
             w_o2o: 0.0,
             defer_items: false,
+            weights: Default::default(),
         };
         c.w_o2o = (1.0 - c.w_o2m).max(0.0);
         c
@@ -113,7 +123,7 @@ impl E2ELoss {
     ) -> Result<LossOutput> {
         let dense = self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment;
         if dense {
-            if let Some(out) = self.loss_dense(o2m, o2o, targets, anchors, flow)? {
+            if let Some(out) = self.loss_dense(o2m, o2o, targets, anchors, flow, None)? {
                 return Ok(out);
             }
         }
@@ -123,6 +133,11 @@ impl E2ELoss {
         } else {
             (self.one2many.loss(o2m, targets, anchors, flow)?, self.one2one.loss(o2o, targets, anchors, flow)?)
         };
+        self.mix_host(a, b)
+    }
+
+    /// The host path's mix of two branch results, with its host read of the total.
+    fn mix_host(&self, a: BranchLoss, b: BranchLoss) -> Result<LossOutput> {
         let dev = a.loss_times_bs.device();
         let wa = Tensor::scalar(self.w_o2m, DType::F32, dev)?;
         let wb = Tensor::scalar(self.w_o2o, DType::F32, dev)?;
@@ -135,8 +150,46 @@ impl E2ELoss {
         Ok(LossOutput { total, loss_vec, items: b.items, one2many: a, one2one: b, w_o2m: self.w_o2m, w_o2o: self.w_o2o, deferred: None })
     }
 
-    /// Both branches on the dense path with one host read for the step (both item vectors and the
-    /// total together); `None` when a branch needs the host path (targets beyond the largest bucket).
+    /// [`E2ELoss::loss`] with the dense path's device work handed to `route` (a replay plugin
+    /// that records it): `route(inputs, body)` must return what `body(inputs)` returns. The host
+    /// path and a batch beyond the largest bucket do not go through it.
+    pub fn loss_routed(
+        &self,
+        o2m: &BranchOutputs,
+        o2o: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+        route: &LossRoute<'_>,
+    ) -> Result<LossOutput> {
+        if self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment {
+            if let Some(out) = self.loss_dense(o2m, o2o, targets, anchors, flow, Some(route))? {
+                return Ok(out);
+            }
+            let (a, b) = (self.one2many.loss_host(o2m, targets, anchors, flow)?, self.one2one.loss_host(o2o, targets, anchors, flow)?);
+            return self.mix_host(a, b);
+        }
+        self.loss(o2m, o2o, targets, anchors, flow)
+    }
+
+    /// The branch weights (w_o2m, w_o2o) as a (2,) f32 device tensor, made when they change (once
+    /// per epoch): a recorded loss region reads them from the device.
+    fn weights_on(&self, device: ptl_autograd::Device) -> Result<Tensor> {
+        let mut cache = self.weights.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((w, dev, t)) = cache.as_ref() {
+            if *w == (self.w_o2m, self.w_o2o) && *dev == device {
+                return Ok(t.clone());
+            }
+        }
+        let t = Tensor::from_vec(vec![self.w_o2m as f32, self.w_o2o as f32], vec![2], device)?;
+        *cache = Some(((self.w_o2m, self.w_o2o), device, t.clone()));
+        Ok(t)
+    }
+
+    /// Both branches on the dense path: the targets uploaded once, then the device work (both
+    /// branches' assignment and terms, one flow evaluation, the mix) as one body over tensors —
+    /// `route` may record it — and one host read, or none with [`E2ELoss::defer_items`]. `None`
+    /// when a branch needs the host path (targets beyond the largest bucket).
     fn loss_dense(
         &self,
         o2m: &BranchOutputs,
@@ -144,30 +197,64 @@ impl E2ELoss {
         targets: &TargetBatch,
         anchors: &Anchors,
         flow: Option<&dyn FlowLogProb>,
+        route: Option<&LossRoute<'_>>,
     ) -> Result<Option<LossOutput>> {
         let clock = std::time::Instant::now();
         // Whether the targets fit a bucket depends on the targets alone: the same for both branches.
-        let Some(pa) = self.one2many.dense_parts(o2m, targets, anchors)? else {
+        let Some(dt) = self.one2many.dense_targets(o2m, targets, anchors)? else {
             self.one2one.count_fallback();
             return Ok(None);
         };
-        let Some(pb) = self.one2one.dense_parts(o2o, targets, anchors)? else { return Ok(None) };
-        // One flow evaluation for both branches' RLE rows.
-        let rle = super::dense::rle_terms(&[&pa, &pb], flow)?;
-        let (va, vb) = (pa.finish(&self.one2many.cfg, &rle[0])?, pb.finish(&self.one2one.cfg, &rle[1])?);
-        // Immediate scales (no upload): the same roundings as products with f32 scalar tensors.
-        let bs = o2m.boxes.dims().first().copied().unwrap_or(0) as f64;
-        let (la, lb) = (va.mul_scalar(bs)?, vb.mul_scalar(bs)?);
-        let loss_vec = la.mul_scalar(self.w_o2m)?.add(&lb.mul_scalar(self.w_o2o)?)?;
-        let total = loss_vec.sum_all()?;
-        let enqueued = clock.elapsed().as_secs_f64() * 1e3;
-        let values = Tensor::cat(&[&va.detach(), &vb.detach(), &total.detach().reshape(1)?], 0)?;
-        if self.defer_items {
+        self.one2one.check_inputs(o2o, targets, anchors)?;
+        let weights = self.weights_on(o2m.boxes.device())?;
+        let bs = o2m.boxes.dims().first().copied().unwrap_or(0);
+        let slots = dt.slots;
+        let sigma = |o: &BranchOutputs| o.kpts_sigma.clone();
+        let mut inputs =
+            vec![o2m.boxes.clone(), o2m.scores.clone(), o2m.kpts.clone(), o2o.boxes.clone(), o2o.scores.clone(), o2o.kpts.clone()];
+        inputs.extend([dt.labels.clone(), dt.boxes.clone(), dt.mask.clone(), dt.kpts.clone(), weights]);
+        let with_sigma = sigma(o2m).is_some() && sigma(o2o).is_some();
+        if let (Some(a), Some(b)) = (sigma(o2m), sigma(o2o)) {
+            inputs.extend([a, b]);
+        }
+        let body = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let branch = |i: usize, s: Option<usize>| BranchOutputs {
+                boxes: xs[i].clone(),
+                scores: xs[i + 1].clone(),
+                kpts: xs[i + 2].clone(),
+                kpts_sigma: s.map(|k| xs[k].clone()),
+            };
+            let (a_out, b_out) = if with_sigma { (branch(0, Some(11)), branch(3, Some(12))) } else { (branch(0, None), branch(3, None)) };
+            let dt = DeviceTargets { slots, labels: xs[6].clone(), boxes: xs[7].clone(), mask: xs[8].clone(), kpts: xs[9].clone() };
+            let pa = self.one2many.dense_parts_on(&a_out, &dt, anchors)?;
+            let pb = self.one2one.dense_parts_on(&b_out, &dt, anchors)?;
+            // One flow evaluation for both branches' RLE rows.
+            let rle = super::dense::rle_terms(&[&pa, &pb], flow)?;
+            let (va, vb) = (pa.finish(&self.one2many.cfg, &rle[0])?, pb.finish(&self.one2one.cfg, &rle[1])?);
+            // The batch as an immediate scale (fixed per shape), the epoch's weights from the device.
+            let (la, lb) = (va.mul_scalar(bs as f64)?, vb.mul_scalar(bs as f64)?);
+            let w = &xs[10];
+            let loss_vec = la.mul(&w.narrow(0, 0, 1)?)?.add(&lb.mul(&w.narrow(0, 1, 1)?)?)?;
+            let total = loss_vec.sum_all()?;
+            let values = Tensor::cat(&[&va.detach(), &vb.detach(), &total.detach().reshape(1)?], 0)?;
             // x − x is 0 for a finite x and NaN otherwise: the flag without a host read.
             let nonfinite = ptl_autograd::no_grad(|| -> Result<Tensor> {
                 let finite = values.sub(&values)?.eq_scalar(0.0)?.to_dtype(DType::F32)?;
                 Ok(finite.min_dim(0, true)?.0.affine(-1.0, 1.0)?)
             })?;
+            Ok(vec![total, loss_vec, values, nonfinite, la, lb])
+        };
+        let outs = match route {
+            Some(r) => r(&inputs, &body)?,
+            None => body(&inputs)?,
+        };
+        let [total, loss_vec, values, nonfinite, la, lb]: [Tensor; 6] =
+            outs.try_into().map_err(|v: Vec<Tensor>| crate::error::TrainerError::InvalidArgument {
+                what: "loss route",
+                reason: format!("returned {} tensors, the loss body makes 6", v.len()),
+            })?;
+        let enqueued = clock.elapsed().as_secs_f64() * 1e3;
+        if self.defer_items {
             let branch = |loss_times_bs: Tensor| BranchLoss {
                 loss_times_bs,
                 items: [f64::NAN; 6],

@@ -78,6 +78,8 @@ struct Run {
     compute_weights: Vec<Tensor>,
     /// Anchor grid of the last input size (training batches share one size).
     anchors: Option<((usize, usize), Anchors)>,
+    /// The RLE flow's parameters: what a recorded loss region reads besides its inputs.
+    flow_surface: Vec<(String, Tensor, TensorKind)>,
     /// Loss values of earlier steps on their way to the host (the dense path's deferred items),
     /// oldest first, and how many of this epoch's have arrived.
     pending_losses: std::collections::VecDeque<PendingLoss>,
@@ -218,11 +220,19 @@ impl Run {
                     a
                 }
             };
+            let (plugins, flow_surface) = (&self.plugins, &self.flow_surface);
             let ran = self.plugins.run(info(Stage::Loss), &mut || {
                 let flow = &model.head().flow_model;
+                // The dense criterion's device work goes to a plugin that claims it (recorded).
+                let route =
+                    |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| plugins.run_loss(inputs, flow_surface, body);
                 loss = Some(in_stage(stages::LOSS, || {
                     ptl_autograd::autocast(autocast, || {
-                        criterion.loss(&branch(&out.one2many), &branch(&out.one2one), &targets, &anchors, Some(flow))
+                        let (o2m, o2o) = (branch(&out.one2many), branch(&out.one2one));
+                        match plugins.claims_loss() {
+                            true => criterion.loss_routed(&o2m, &o2o, &targets, &anchors, Some(flow), &route),
+                            false => criterion.loss(&o2m, &o2o, &targets, &anchors, Some(flow)),
+                        }
                     })
                 })?);
                 Ok(())
@@ -737,12 +747,19 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         params: Vec::new(),
         compute_weights: Vec::new(),
         anchors: None,
+        flow_surface: Vec::new(),
         pending_losses: Default::default(),
         absorbed: 0,
         loss_flag: None,
     };
     run.params = model_params(&run.model);
     run.compute_weights = compute_weights(&run.params);
+    run.flow_surface = run
+        .params
+        .iter()
+        .filter(|(n, _)| n.starts_with("model.23.flow_model."))
+        .map(|(n, t)| (n.clone(), t.clone(), TensorKind::Parameter))
+        .collect();
     startup.model_build_s = t.elapsed().as_secs_f64();
     let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
     let result = fit_loop(&mut run, &train_args);
