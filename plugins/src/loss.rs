@@ -81,6 +81,9 @@ impl ReplayPlugin for LossReplay {
     fn on_fit_end(&self) {
         self.shell.release();
     }
+    fn cadence(&self) -> ptl_trainer::fit::ReplayCadence {
+        ptl_trainer::fit::ReplayCadence::OnePerBatch
+    }
     fn summary(&self) -> Option<String> {
         self.shell.summary()
     }

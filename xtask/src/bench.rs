@@ -749,6 +749,25 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
                 Some("per_optimizer_step") => optimizer_steps,
                 _ => batches,
             };
+            if r["result"]["replay_cadence"][plugin.as_str()].as_str() == Some("one_per_batch") {
+                // One region per batch, chosen by its shapes: the regions' counts add up.
+                let (mut replays, mut warm, mut native) = (0u64, 0u64, 0u64);
+                for st in regions.as_object().into_iter().flatten().map(|(_, st)| st) {
+                    replays += st["replays"].as_u64().unwrap_or(0);
+                    warm += st["native"]["CacheFull"].as_u64().unwrap_or(0) + st["native"]["Warmup"].as_u64().unwrap_or(0);
+                    native += st["native"].as_object().map(|m| m.values().filter_map(|v| v.as_u64()).sum::<u64>()).unwrap_or(0);
+                }
+                if replays + warm < batches || native > warm {
+                    guard_ok = false;
+                    md.push_str(&format!(
+                        "REPLAY GUARD FAILED: {} {} #{}: {plugin} (regions together): {replays} replays in {batches} steps, native {native}\n",
+                        r["arm"].as_str().unwrap_or("?"),
+                        r["precision"].as_str().unwrap_or("?"),
+                        r["pair"]
+                    ));
+                }
+                continue;
+            }
             for (name, st) in regions.as_object().into_iter().flatten() {
                 let native: u64 = st["native"].as_object().map(|m| m.values().filter_map(|v| v.as_u64()).sum()).unwrap_or(0);
                 let replays = st["replays"].as_u64().unwrap_or(0);

@@ -37,6 +37,9 @@ pub enum Stage {
 pub enum ReplayCadence {
     PerBatch,
     PerOptimizerStep,
+    /// Each batch calls one of the plugin's regions, the one of its shapes (the loss region per
+    /// target bucket): the guard counts the regions together.
+    OnePerBatch,
 }
 
 /// The device parts of an optimizer step a plugin may run ([`ReplayPlugin::run_update`]).
