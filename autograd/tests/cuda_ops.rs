@@ -1304,7 +1304,9 @@ fn deferred_reads_arrive_without_a_sync() {
             assert_eq!(queued.host_syncs, 0, "queueing waits for nothing");
             // Later work, then the values.
             let _busy = on_dev.to_dtype(DType::F32).unwrap().exp().unwrap();
-            let got = if round == 0 { pending.wait().unwrap() } else {
+            let got = if round == 0 {
+                pending.wait().unwrap()
+            } else {
                 ptl_autograd::cuda::synchronize(dev).unwrap();
                 pending.poll().unwrap().expect("done after a synchronize")
             };
