@@ -188,6 +188,7 @@ fn a_steady_state_dense_step_reads_nothing_back() {
         assert_eq!((r.immediate, r.deferred), (0, 1), "step {i}: no synchronous read, one deferred read ({r:?})");
     }
     assert!(run.optimizer_steps >= 1);
+    assert_eq!(run.dense_loss_fallbacks, 0, "every batch fitted a target bucket");
     let ckpt = ptl_trainer::fit::checkpoint::load_checkpoint(&cfg.save_dir.join("weights/last.ckpt"), ptl_autograd::Device::Cpu).unwrap();
     let losses = &ckpt.manifest.loop_state.step_losses;
     assert_eq!(losses.len(), 6, "every step's loss was booked");

@@ -786,6 +786,21 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             }
         }
     }
+    // The fixed-shape loss: a run whose batches fell back to the host path on more than 1 % of
+    // its steps does not measure the dense path.
+    for r in ok.iter().filter(|r| r["kind"] == "ptl") {
+        let fallbacks = r["result"]["dense_loss_fallbacks"].as_u64().unwrap_or(0);
+        let steps = r["result"]["timing"]["steps"].as_u64().unwrap_or(0);
+        if fallbacks * 100 > steps {
+            guard_ok = false;
+            md.push_str(&format!(
+                "DENSE LOSS GUARD FAILED: {} {} #{}: {fallbacks} of {steps} steps ran the host loss path (beyond the largest target bucket)\n",
+                r["arm"].as_str().unwrap_or("?"),
+                r["precision"].as_str().unwrap_or("?"),
+                r["pair"]
+            ));
+        }
+    }
     if ok.iter().any(|r| r["result"]["replay_counters"].as_object().is_some_and(|m| !m.is_empty())) {
         md.push_str(&format!(
             "replay guard (every region replayed on every step after warm-up): {}\n",
@@ -812,7 +827,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         return Err("ptl runs of one precision ended with different hashes".into());
     }
     if !guard_ok {
-        return Err("a replay arm did not replay every region after its warm-up".into());
+        return Err("a replay arm did not replay every region after its warm-up, or a dense arm ran the host loss on more than 1 % of its steps (bench.md says which)".into());
     }
     Ok(())
 }
@@ -1156,6 +1171,21 @@ mod tests {
         assert!(write_report(&[ptl_run("native", 0, 15.0, 75.0, "m"), replay.clone()], &out).is_ok(), "replayed after warm-up");
         replay["result"]["replay_counters"]["feature"]["trunk"] = json!({ "replays": 0, "native": { "Warmup": 1, "CaptureFailed": 99 } });
         assert!(write_report(&[ptl_run("native", 0, 15.0, 75.0, "m"), replay], &out).is_err(), "nothing replayed: the guard fails");
+        // The loss regions of a one-per-batch plugin count together (one region per target
+        // bucket); a dense arm whose batches fell back to the host loss on > 1 % of steps fails.
+        let mut dense = ptl_run("all+loss", 0, 14.0, 60.0, "d");
+        dense["result"]["timing"]["steps"] = json!(128);
+        dense["result"]["replay_cadence"] = json!({ "loss": "one_per_batch" });
+        dense["result"]["replay_counters"] = json!({ "loss": {
+            "loss.0": { "replays": 122, "native": { "Warmup": 1 } },
+            "loss.1": { "replays": 4, "native": { "Warmup": 1 } } } });
+        assert!(write_report(&[dense.clone()], &out).is_ok(), "every call replayed after its region's warm-up");
+        dense["result"]["dense_loss_fallbacks"] = json!(2);
+        assert!(write_report(&[dense.clone()], &out).is_err(), "2 of 128 steps on the host path");
+        let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
+        assert!(md.contains("DENSE LOSS GUARD FAILED: all+loss bf16-mixed #0: 2 of 128 steps"), "{md}");
+        dense["result"]["dense_loss_fallbacks"] = json!(1);
+        assert!(write_report(&[dense], &out).is_ok(), "1 of 128 steps is within 1 %");
         // Failed runs (e.g. no GPU) fail the bench and are listed with their error, never an empty table.
         let dead = record(
             RunId { kind: "ptl", arm: "native", precision: "bf16-mixed", pair: 0, cold: false },

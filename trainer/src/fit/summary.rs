@@ -279,6 +279,11 @@ pub struct RunSummary {
     /// How often each replay plugin's regions are called (per batch or per optimizer step).
     #[serde(default)]
     pub replay_cadence: std::collections::BTreeMap<String, crate::fit::plugin::ReplayCadence>,
+    /// Loss calls of this process that ran the host path although the fixed-shape one was asked
+    /// for (a batch beyond the largest target bucket); the bench's guard fails a run above 1 % of
+    /// its steps.
+    #[serde(default)]
+    pub dense_loss_fallbacks: u64,
 }
 
 impl RunSummary {

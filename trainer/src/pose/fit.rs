@@ -813,6 +813,8 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         plugins: plugin_lines,
         replay_counters,
         replay_cadence,
+        // Both branches fall back together; each counts the call once.
+        dense_loss_fallbacks: run.criterion.one2many.dense_fallbacks() as u64,
     };
     summary.write(&cfg.save_dir.join("summary.json"))?;
     Ok(summary)
