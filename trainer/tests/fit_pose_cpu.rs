@@ -194,3 +194,15 @@ fn a_steady_state_dense_step_reads_nothing_back() {
     assert_eq!(losses.len(), 6, "every step's loss was booked");
     assert!(losses.iter().all(|l| l.is_finite() && *l > 0.0), "{losses:?}");
 }
+
+/// A misspelt key is answered with the nearest accepted one; a key like none gets no guess.
+#[test]
+fn an_unknown_key_names_the_closest_one() {
+    let mut cfg = tiny("typo");
+    for (typo, want) in [("epoch", "epochs"), ("lr_0", "lr0"), ("imgsize", "imgsz"), ("optimiser", "optimizer")] {
+        let e = cfg.set(typo, "1").expect_err("unknown key").to_string();
+        assert!(e.contains(&format!("did you mean `{want}`?")), "{typo}: {e}");
+    }
+    let e = cfg.set("completely_unrelated", "1").expect_err("unknown key").to_string();
+    assert!(!e.contains("did you mean") && e.contains("ptl cfg"), "{e}");
+}

@@ -270,7 +270,10 @@ impl PoseTrainConfig {
                     v.split(',').map(|s| int(s.trim())).collect::<Result<Vec<_>>>()?
                 };
             }
-            _ => return Err(bad(format!("unknown key `{key}` (`ptl cfg` lists every key with its default)"))),
+            _ => {
+                let hint = closest_key(key).map(|k| format!("did you mean `{k}`? ")).unwrap_or_default();
+                return Err(bad(format!("unknown key `{key}` ({hint}`ptl cfg` lists every key with its default)")));
+            }
         }
         Ok(())
     }
@@ -471,4 +474,32 @@ impl PoseTrainConfig {
         }
         Ok(())
     }
+}
+
+/// The accepted key nearest to `key` by edit distance (at most a third of its length, and 3), for
+/// "did you mean …" on a typo.
+fn closest_key(key: &str) -> Option<&'static str> {
+    let limit = (key.chars().count() / 3).clamp(1, 3);
+    PoseTrainConfig::keys()
+        .into_iter()
+        .map(|(k, _, _)| (edit_distance(key, k), k))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, k)| (*d, *k))
+        .map(|(_, k)| k)
+}
+
+/// Levenshtein distance over characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (row[j + 1] + 1).min(row[j] + 1).min(diag + usize::from(ca != *cb));
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
 }
