@@ -206,3 +206,31 @@ fn an_unknown_key_names_the_closest_one() {
     let e = cfg.set("completely_unrelated", "1").expect_err("unknown key").to_string();
     assert!(!e.contains("did you mean") && e.contains("ptl cfg"), "{e}");
 }
+
+/// Ultralytics' loss-gain keys reach the criterion: with `pose=0 kobj=0` the logged pose and
+/// keypoint-visibility losses are 0 in every epoch while the box loss is not; a negative gain is
+/// refused up front.
+#[test]
+fn loss_gain_keys_reach_the_loss() {
+    let mut cfg = tiny("gains");
+    cfg.set("pose", "0").unwrap();
+    cfg.set("kobj", "0").unwrap();
+    fit(&cfg, vec![]).unwrap();
+    let csv = std::fs::read_to_string(cfg.save_dir.join("results.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').map(str::trim).collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no {name} in {header:?}"));
+    let (pose, kobj, boxl) = (col("train/pose_loss"), col("train/kobj_loss"), col("train/box_loss"));
+    let mut rows = 0;
+    for line in lines {
+        let v: Vec<f64> = line.split(',').map(|s| s.trim().parse().unwrap_or(f64::NAN)).collect();
+        assert_eq!((v[pose], v[kobj]), (0.0, 0.0), "{line}");
+        assert!(v[boxl] > 0.0, "{line}");
+        rows += 1;
+    }
+    assert_eq!(rows, 2, "two epochs");
+    let mut bad = tiny("gains-bad");
+    bad.set("box", "-1").unwrap();
+    let e = bad.validate().expect_err("negative gain").to_string();
+    assert!(e.contains("box"), "{e}");
+}

@@ -109,8 +109,8 @@ pub struct LossConfig {
     /// Level strides (P3, P4, P5).
     pub strides: Vec<f64>,
     /// Assign and compute the terms with fixed shapes on the predictions' device
-    /// ([`assign_dense`], [`dense`]: no host read but the items) instead of the host assigner.
-    /// Off by default: on the GPU its kernels are not yet within the loss's time budget.
+    /// ([`assign_dense`], [`dense`]: no host read, or one for the items) instead of the host
+    /// assigner. Off in this struct's default; fits turn it on on a GPU (`loss_assigner=auto`).
     pub dense_assignment: bool,
 }
 

@@ -89,10 +89,14 @@ pub struct PoseTrainConfig {
     /// it doubles (PyTorch's 2000).
     pub scaler_init_scale: f64,
     pub scaler_growth_interval: usize,
-    /// The loss's assigner: `host` (the default: the task-aligned assigner on host vectors, one
-    /// read of the candidates per branch) or `dense` (fixed-shape tensor ops on the predictions'
-    /// device, reading back only the loss items; on the GPU not yet within the loss's time budget).
+    /// The loss's assigner: `auto` (the default: `dense` on a CUDA device, `host` elsewhere),
+    /// `host` (the task-aligned assigner on host vectors, a few host reads per branch) or `dense`
+    /// (fixed-shape tensor ops on the predictions' device, no host read in a step).
     pub loss_assigner: String,
+    /// Loss gains, Ultralytics' `box`, `cls`, `dfl` (the box-side L1 term's), `pose`, `kobj`, `rle`.
+    /// (Checkpoints written before the gains were settings hold none: the defaults.)
+    #[serde(default)]
+    pub loss_gains: LossGains,
     /// Validate after every epoch.
     pub val: bool,
     /// Stop an epoch after this many batches (tiny test runs); `None` = the whole epoch.
@@ -173,6 +177,7 @@ impl Default for PoseTrainConfig {
             scaler_init_scale: 65536.0,
             scaler_growth_interval: 2000,
             loss_assigner: "auto".into(),
+            loss_gains: LossGains::default(),
             val: true,
             max_batches: None,
             timing_warmup_steps: 10,
@@ -248,6 +253,12 @@ impl PoseTrainConfig {
                 "auto" | "host" | "dense" => self.loss_assigner = value.to_string(),
                 other => return Err(bad(format!("`loss_assigner={other}`: expected auto, host or dense"))),
             },
+            "box" => self.loss_gains.box_gain = num(value)?,
+            "cls" => self.loss_gains.cls = num(value)?,
+            "dfl" => self.loss_gains.dfl = num(value)?,
+            "pose" => self.loss_gains.pose = num(value)?,
+            "kobj" => self.loss_gains.kobj = num(value)?,
+            "rle" => self.loss_gains.rle = num(value)?,
             "max_batches" => self.max_batches = Some(int(value)?),
             "project" | "save_dir" => self.save_dir = PathBuf::from(value),
             "resume" => self.resume = Some(PathBuf::from(value)),
@@ -306,7 +317,14 @@ impl PoseTrainConfig {
         if self.scaler_growth_interval == 0 {
             return bad("scaler_growth_interval must be at least 1".into());
         }
-        let ranges: [(&str, f64, f64, f64, bool); 11] = [
+        let g = &self.loss_gains;
+        let ranges: [(&str, f64, f64, f64, bool); 17] = [
+            ("box", g.box_gain, 0.0, 1000.0, false),
+            ("cls", g.cls, 0.0, 1000.0, false),
+            ("dfl", g.dfl, 0.0, 1000.0, false),
+            ("pose", g.pose, 0.0, 1000.0, false),
+            ("kobj", g.kobj, 0.0, 1000.0, false),
+            ("rle", g.rle, 0.0, 1000.0, false),
             ("lr0", self.lr0, 0.0, 10.0, true),
             ("lrf", self.lrf, 0.0, 10.0, true),
             ("momentum", self.momentum, 0.0, 1.0, false),
@@ -360,6 +378,12 @@ impl PoseTrainConfig {
             ("scaler_init_scale", d.scaler_init_scale.to_string(), "16-mixed: the grad scaler's first loss scale"),
             ("scaler_growth_interval", d.scaler_growth_interval.to_string(), "16-mixed: clean steps before the loss scale doubles"),
             ("loss_assigner", d.loss_assigner.clone(), "auto (dense on a CUDA device, else host), host (the reference's data-dependent assigner), or dense (fixed-shape assigner and loss on the device, no host read)"),
+            ("box", d.loss_gains.box_gain.to_string(), "box (CIoU) loss gain"),
+            ("cls", d.loss_gains.cls.to_string(), "classification loss gain"),
+            ("dfl", d.loss_gains.dfl.to_string(), "gain of the box-side L1 term (Ultralytics' dfl gain, reg_max 1)"),
+            ("pose", d.loss_gains.pose.to_string(), "keypoint (OKS) loss gain"),
+            ("kobj", d.loss_gains.kobj.to_string(), "keypoint visibility loss gain"),
+            ("rle", d.loss_gains.rle.to_string(), "keypoint RLE loss gain"),
             ("max_batches", "all".into(), "stop each epoch after this many batches (quick runs)"),
             ("project", d.save_dir.display().to_string(), "output folder (alias save_dir); an existing one gets a numbered sibling"),
             ("exist_ok", d.exist_ok.to_string(), "train into an existing project folder instead of a new numbered one"),
@@ -375,6 +399,25 @@ impl PoseTrainConfig {
             ),
             ("replay_config", "{}".into(), "JSON settings per replay plugin, e.g. {\"stem\": {\"warmup\": 1}}"),
         ]
+    }
+}
+
+/// The six loss gains (training.md §1: box 7.5, cls 0.5, dfl 1.5, pose 12, kobj 1, rle 1).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossGains {
+    #[serde(rename = "box")]
+    pub box_gain: f64,
+    pub cls: f64,
+    pub dfl: f64,
+    pub pose: f64,
+    pub kobj: f64,
+    pub rle: f64,
+}
+
+impl Default for LossGains {
+    fn default() -> Self {
+        let l = crate::loss::LossConfig::default();
+        LossGains { box_gain: l.box_gain, cls: l.cls_gain, dfl: l.l1_gain, pose: l.pose_gain, kobj: l.kobj_gain, rle: l.rle_gain }
     }
 }
 

@@ -707,7 +707,17 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         "auto" => cfg.device.is_cuda(),
         _ => false,
     };
-    let loss_cfg = LossConfig { dense_assignment: dense, ..LossConfig::with_keypoints(nkpt, None) };
+    let g = cfg.loss_gains;
+    let loss_cfg = LossConfig {
+        dense_assignment: dense,
+        box_gain: g.box_gain,
+        cls_gain: g.cls,
+        l1_gain: g.dfl,
+        pose_gain: g.pose,
+        kobj_gain: g.kobj,
+        rle_gain: g.rle,
+        ..LossConfig::with_keypoints(nkpt, None)
+    };
     let mut criterion = E2ELoss::new(loss_cfg, cfg.epochs);
     // The dense path leaves its values on the device; the loop reads them a step later.
     criterion.defer_items = dense;
