@@ -108,7 +108,14 @@ fn manifest() -> Manifest {
     Manifest {
         format: ptl_trainer::fit::checkpoint::CHECKPOINT_FORMAT,
         ptl_version: "test".into(),
-        loop_state: LoopState { epoch: 2, global_step: 7, last_opt_step: 40, step_losses: vec![1.5, 1.25], best_fitness: Some(0.25) },
+        loop_state: LoopState {
+            epoch: 2,
+            global_step: 7,
+            last_opt_step: 40,
+            step_losses: vec![1.5, 1.25],
+            best_fitness: Some(0.25),
+            ..LoopState::default()
+        },
         train_args: serde_json::json!({"epochs": 3}),
         optimizer: serde_json::json!({"lr": [0.01]}),
         scaler: serde_json::Value::Null,

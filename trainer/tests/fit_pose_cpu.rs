@@ -234,3 +234,24 @@ fn loss_gain_keys_reach_the_loss() {
     let e = bad.validate().expect_err("negative gain").to_string();
     assert!(e.contains("box"), "{e}");
 }
+
+/// `save_period=1` keeps a checkpoint of every epoch beside last/best (and they load); by default
+/// none is kept. The early stopper's state travels in the checkpoint.
+#[test]
+fn save_period_keeps_epoch_checkpoints() {
+    let mut cfg = tiny("period");
+    cfg.set("save_period", "1").unwrap();
+    cfg.set("patience", "50").unwrap();
+    fit(&cfg, vec![]).unwrap();
+    for e in 0..2 {
+        let p = cfg.save_dir.join(format!("weights/epoch{e}.ckpt"));
+        let ck = ptl_trainer::fit::checkpoint::load_checkpoint(&p, ptl_autograd::Device::Cpu).unwrap_or_else(|err| panic!("{p:?}: {err}"));
+        assert_eq!(ck.manifest.loop_state.epoch, e as i64);
+        let best = ck.manifest.loop_state.stopper.best_epoch;
+        assert!((1..=e + 1).contains(&best), "epoch {e}: the stopper's best epoch {best} is one of the epochs so far");
+    }
+    let plain = tiny("no-period");
+    fit(&plain, vec![]).unwrap();
+    assert!(!plain.save_dir.join("weights/epoch0.ckpt").exists());
+    assert!(tiny("x").set("save_period", "often").is_err());
+}

@@ -7,10 +7,12 @@ pub mod summary;
 
 pub use callback::{Callback, HookTrace, LoopView};
 pub use checkpoint::{load_checkpoint, read_manifest, save_checkpoint, Checkpoint, LoopState, Manifest, RunHistory};
+mod stopper;
 pub use plugin::{
     registered_plugins, LossBody, PluginRegistration, PluginSetup, PluginStack, ReplayCadence, ReplayPlugin, StackRunner, Stage, StageInfo,
     UpdatePart, ALL_PLUGINS,
 };
+pub use stopper::EarlyStopping;
 pub use summary::{
     GpuWindowReport, KernelBreakdown, KernelModuleTime, KernelRow, KernelShare, LaunchesPerStep, MemoryAtBackward, ResultsCsv, RunHashes,
     RunSummary, StageProfile, StartupReport, StepTiming, TimingReport,

@@ -93,6 +93,12 @@ pub struct PoseTrainConfig {
     /// `host` (the task-aligned assigner on host vectors, a few host reads per branch) or `dense`
     /// (fixed-shape tensor ops on the predictions' device, no host read in a step).
     pub loss_assigner: String,
+    /// Early stopping: stop after this many epochs without a better validation fitness (0: never).
+    #[serde(default = "default_patience")]
+    pub patience: usize,
+    /// Also keep `weights/epoch{N}.ckpt` every this many epochs (N 0-based; 0 or less: never).
+    #[serde(default)]
+    pub save_period: i64,
     /// Loss gains, Ultralytics' `box`, `cls`, `dfl` (the box-side L1 term's), `pose`, `kobj`, `rle`.
     /// (Checkpoints written before the gains were settings hold none: the defaults.)
     #[serde(default)]
@@ -178,6 +184,8 @@ impl Default for PoseTrainConfig {
             scaler_growth_interval: 2000,
             loss_assigner: "auto".into(),
             loss_gains: LossGains::default(),
+            patience: default_patience(),
+            save_period: -1,
             val: true,
             max_batches: None,
             timing_warmup_steps: 10,
@@ -253,6 +261,11 @@ impl PoseTrainConfig {
                 "auto" | "host" | "dense" => self.loss_assigner = value.to_string(),
                 other => return Err(bad(format!("`loss_assigner={other}`: expected auto, host or dense"))),
             },
+            "patience" => self.patience = int(value)?,
+            "save_period" => {
+                self.save_period =
+                    value.parse::<i64>().map_err(|_| bad(format!("`save_period={value}`: expected an integer (≤ 0: off)")))?
+            }
             "box" => self.loss_gains.box_gain = num(value)?,
             "cls" => self.loss_gains.cls = num(value)?,
             "dfl" => self.loss_gains.dfl = num(value)?,
@@ -378,6 +391,8 @@ impl PoseTrainConfig {
             ("scaler_init_scale", d.scaler_init_scale.to_string(), "16-mixed: the grad scaler's first loss scale"),
             ("scaler_growth_interval", d.scaler_growth_interval.to_string(), "16-mixed: clean steps before the loss scale doubles"),
             ("loss_assigner", d.loss_assigner.clone(), "auto (dense on a CUDA device, else host), host (the reference's data-dependent assigner), or dense (fixed-shape assigner and loss on the device, no host read)"),
+            ("patience", d.patience.to_string(), "early stopping: epochs without a better validation fitness (0 = never stop)"),
+            ("save_period", d.save_period.to_string(), "also keep weights/epoch{N}.ckpt every N epochs (≤ 0: off)"),
             ("box", d.loss_gains.box_gain.to_string(), "box (CIoU) loss gain"),
             ("cls", d.loss_gains.cls.to_string(), "classification loss gain"),
             ("dfl", d.loss_gains.dfl.to_string(), "gain of the box-side L1 term (Ultralytics' dfl gain, reg_max 1)"),
@@ -400,6 +415,11 @@ impl PoseTrainConfig {
             ("replay_config", "{}".into(), "JSON settings per replay plugin, e.g. {\"stem\": {\"warmup\": 1}}"),
         ]
     }
+}
+
+/// Ultralytics' default patience.
+fn default_patience() -> usize {
+    100
 }
 
 /// The six loss gains (training.md §1: box 7.5, cls 0.5, dfl 1.5, pose 12, kobj 1, rle 1).

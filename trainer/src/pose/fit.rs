@@ -974,10 +974,12 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         };
         run.state.epoch = epoch as i64;
         let fitness = val.as_ref().map(|v| v.fitness);
+        let mut stop_early = false;
         if let Some(f) = fitness {
             if run.state.best_fitness.is_none_or(|b| f > b) {
                 run.state.best_fitness = Some(f);
             }
+            stop_early = run.state.stopper.update(epoch + 1, f, cfg.patience);
         }
         let fit_time = fit_time_before + fit_start.elapsed().as_secs_f64();
         let mut row = vec![epoch as f64 + 1.0, fit_time];
@@ -995,10 +997,20 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         if fitness.is_some() && fitness == run.state.best_fitness {
             save_checkpoint(&cfg.save_dir.join("weights").join("best.ckpt"), &ck)?;
         }
+        if cfg.save_period > 0 && epoch as i64 % cfg.save_period == 0 {
+            save_checkpoint(&cfg.save_dir.join("weights").join(format!("epoch{epoch}.ckpt")), &ck)?;
+        }
         csv.write(&run.history.columns, &run.history.rows)?;
         run.each_cb(|c, v| c.on_save_checkpoint(v));
         run.each_cb(|c, v| c.on_train_epoch_end(v));
         run.epoch_s.push(epoch_start.elapsed().as_secs_f64());
+        if stop_early && epoch + 1 < cfg.epochs {
+            eprintln!(
+                "ptl: stopping early: no better fitness in the last {} epochs (best {:.5} at epoch {}); patience={} sets this (0 = never)",
+                cfg.patience, run.state.stopper.best_fitness, run.state.stopper.best_epoch, cfg.patience
+            );
+            break;
+        }
         if cfg.stop_after_epochs.is_some_and(|n| epoch + 1 - start_epoch >= n) && epoch + 1 < cfg.epochs {
             return Ok(());
         }
