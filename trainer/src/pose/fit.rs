@@ -951,6 +951,10 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             drop(pipeline);
             run.restore(&last_ckpt, true)?;
             run.state.last_opt_step = -1;
+            // A non-finite loss of the abandoned attempt must not skip the rerun's first update.
+            if let Some((flag, zero)) = &run.loss_flag {
+                flag.copy_(zero)?;
+            }
             run.clock.break_sequence();
             let plan = PrefetchPlan { start_epoch: epoch, batches_per_epoch: Some(run.nb) };
             pipeline = TrainPipeline::start(&run.loader, plan, device, image_bytes)?;
