@@ -25,11 +25,14 @@ pub struct OpenOptions {
     pub threads: usize,
     /// Print warnings to stderr as they are found (they are always kept in the report).
     pub verbose: bool,
+    /// Keep only the first `round(n · fraction)` images of the split in file order (Ultralytics'
+    /// `fraction`, for quick runs on part of a training set); 1 keeps them all.
+    pub fraction: f64,
 }
 
 impl Default for OpenOptions {
     fn default() -> Self {
-        OpenOptions { imgsz: 640, cache_dir: None, single_cls: false, threads: 0, verbose: true }
+        OpenOptions { imgsz: 640, cache_dir: None, single_cls: false, threads: 0, verbose: true, fraction: 1.0 }
     }
 }
 
@@ -318,6 +321,15 @@ impl PoseDataset {
         if opts.imgsz < 32 {
             return Err(DataError::Invalid(format!("imgsz {} is too small (use ≥ 32)", opts.imgsz)));
         }
+        if !(opts.fraction > 0.0 && opts.fraction <= 1.0) {
+            return Err(DataError::Invalid(format!(
+                "fraction {} is outside (0, 1]: the share of the split's images to use",
+                opts.fraction
+            )));
+        }
+        let mut entries = entries;
+        let keep = ((entries.len() as f64 * opts.fraction).round() as usize).max(1).min(entries.len());
+        entries.truncate(keep);
         let rules = LabelRules { kpt_shape: meta.kpt_shape, nc: meta.nc, single_cls: opts.single_cls };
         let run = || -> Vec<Outcome> { entries.par_iter().map(|e| process(e, &rules, opts)).collect() };
         let outcomes = if opts.threads > 0 {

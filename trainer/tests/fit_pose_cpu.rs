@@ -255,3 +255,28 @@ fn save_period_keeps_epoch_checkpoints() {
     assert!(!plain.save_dir.join("weights/epoch0.ckpt").exists());
     assert!(tiny("x").set("save_period", "often").is_err());
 }
+
+/// `fraction=0.5` trains on the first half of the training images (the tiny set's 8 → 4: two
+/// batches of 2 where the whole set gives four); a fraction outside (0, 1] is refused.
+#[test]
+fn fraction_uses_part_of_the_training_split() {
+    let whole = PoseTrainConfig { epochs: 1, max_batches: None, ..tiny("fraction-whole") };
+    let mut half = PoseTrainConfig { epochs: 1, max_batches: None, ..tiny("fraction-half") };
+    half.set("fraction", "0.5").unwrap();
+    let (w, h) = (fit(&whole, vec![]).unwrap(), fit(&half, vec![]).unwrap());
+    let steps = |dir: &std::path::Path| {
+        ptl_trainer::fit::checkpoint::load_checkpoint(&dir.join("weights/last.ckpt"), ptl_autograd::Device::Cpu)
+            .unwrap()
+            .manifest
+            .loop_state
+            .step_losses
+            .len()
+    };
+    assert_eq!((steps(&whole.save_dir), steps(&half.save_dir)), (4, 2));
+    assert_ne!(w.hashes.model, h.hashes.model);
+    for bad in ["0", "1.5", "-0.2"] {
+        let mut c = tiny("fraction-bad");
+        c.set("fraction", bad).unwrap();
+        assert!(c.validate().is_err(), "fraction={bad}");
+    }
+}

@@ -93,6 +93,10 @@ pub struct PoseTrainConfig {
     /// `host` (the task-aligned assigner on host vectors, a few host reads per branch) or `dense`
     /// (fixed-shape tensor ops on the predictions' device, no host read in a step).
     pub loss_assigner: String,
+    /// Train on the first `round(n · fraction)` training images (Ultralytics' `fraction`; the
+    /// validation split stays whole).
+    #[serde(default = "default_fraction")]
+    pub fraction: f64,
     /// Early stopping: stop after this many epochs without a better validation fitness (0: never).
     #[serde(default = "default_patience")]
     pub patience: usize,
@@ -184,6 +188,7 @@ impl Default for PoseTrainConfig {
             scaler_growth_interval: 2000,
             loss_assigner: "auto".into(),
             loss_gains: LossGains::default(),
+            fraction: 1.0,
             patience: default_patience(),
             save_period: -1,
             val: true,
@@ -261,6 +266,7 @@ impl PoseTrainConfig {
                 "auto" | "host" | "dense" => self.loss_assigner = value.to_string(),
                 other => return Err(bad(format!("`loss_assigner={other}`: expected auto, host or dense"))),
             },
+            "fraction" => self.fraction = num(value)?,
             "patience" => self.patience = int(value)?,
             "save_period" => {
                 self.save_period =
@@ -331,7 +337,8 @@ impl PoseTrainConfig {
             return bad("scaler_growth_interval must be at least 1".into());
         }
         let g = &self.loss_gains;
-        let ranges: [(&str, f64, f64, f64, bool); 17] = [
+        let ranges: [(&str, f64, f64, f64, bool); 18] = [
+            ("fraction", self.fraction, 0.0, 1.0, true),
             ("box", g.box_gain, 0.0, 1000.0, false),
             ("cls", g.cls, 0.0, 1000.0, false),
             ("dfl", g.dfl, 0.0, 1000.0, false),
@@ -391,6 +398,7 @@ impl PoseTrainConfig {
             ("scaler_init_scale", d.scaler_init_scale.to_string(), "16-mixed: the grad scaler's first loss scale"),
             ("scaler_growth_interval", d.scaler_growth_interval.to_string(), "16-mixed: clean steps before the loss scale doubles"),
             ("loss_assigner", d.loss_assigner.clone(), "auto (dense on a CUDA device, else host), host (the reference's data-dependent assigner), or dense (fixed-shape assigner and loss on the device, no host read)"),
+            ("fraction", d.fraction.to_string(), "share of the training images to use, in file order (0 < f ≤ 1)"),
             ("patience", d.patience.to_string(), "early stopping: epochs without a better validation fitness (0 = never stop)"),
             ("save_period", d.save_period.to_string(), "also keep weights/epoch{N}.ckpt every N epochs (≤ 0: off)"),
             ("box", d.loss_gains.box_gain.to_string(), "box (CIoU) loss gain"),
@@ -415,6 +423,11 @@ impl PoseTrainConfig {
             ("replay_config", "{}".into(), "JSON settings per replay plugin, e.g. {\"stem\": {\"warmup\": 1}}"),
         ]
     }
+}
+
+/// The whole training split.
+fn default_fraction() -> f64 {
+    1.0
 }
 
 /// Ultralytics' default patience.

@@ -639,7 +639,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     std::fs::create_dir_all(&cfg.save_dir).map_err(|e| TrainerError::Io { path: cfg.save_dir.clone(), source: e })?;
     let t = Instant::now();
     let open = OpenOptions { imgsz: cfg.imgsz as u32, verbose: true, ..OpenOptions::default() };
-    let train_ds = Arc::new(PoseDataset::open_yaml(&cfg.data, "train", &open)?);
+    let train_ds = Arc::new(PoseDataset::open_yaml(&cfg.data, "train", &OpenOptions { fraction: cfg.fraction, ..open.clone() })?);
     let val_ds = if cfg.val { Some(Arc::new(PoseDataset::open_yaml(&cfg.data, "val", &open)?)) } else { None };
     startup.dataset_open_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
