@@ -298,3 +298,38 @@ fn loss_replay_equals_the_native_dense_fit_and_replays_every_step() {
     let all = ptl_trainer::fit::PluginStack::from_registry(&["all".to_string()], &serde_json::Map::new()).unwrap();
     assert!(!all.names().contains(&LossReplay::NAME), "opt-in until it has run on a GPU");
 }
+
+/// Host reads (the backend's counters, this thread) between a batch's start and end hooks.
+#[derive(Clone, Default)]
+struct ReadsPerStep {
+    at_start: Option<ptl_autograd::HostReads>,
+    steps: std::sync::Arc<std::sync::Mutex<Vec<ptl_autograd::HostReads>>>,
+}
+
+impl ptl_trainer::fit::Callback for ReadsPerStep {
+    fn on_train_batch_start(&mut self, _: &ptl_trainer::fit::LoopView) {
+        self.at_start = Some(ptl_autograd::host_reads_on_this_thread());
+    }
+    fn on_train_batch_end(&mut self, _: &ptl_trainer::fit::LoopView) {
+        if let Some(s) = self.at_start.take() {
+            self.steps.lock().unwrap().push(ptl_autograd::host_reads_on_this_thread().since(&s));
+        }
+    }
+}
+
+/// With every region recorded (`replay=all,loss`, dense loss) a step after the warm-up reads
+/// nothing back synchronously on the CPU test double either: one deferred read of its loss values.
+#[test]
+fn a_replayed_dense_step_reads_nothing_back() {
+    let mut cfg = tiny("loss-reads", &["all", "loss"]);
+    cfg.set("loss_assigner", "dense").unwrap();
+    let reads = ReadsPerStep::default();
+    let s = fit(&cfg, vec![Box::new(reads.clone())]).expect("replay=all,loss");
+    let steps = reads.steps.lock().unwrap().clone();
+    assert_eq!(steps.len(), 6);
+    // After the first step (the regions' warm-up and the constants' uploads).
+    for (i, r) in steps.iter().enumerate().skip(1) {
+        assert_eq!((r.immediate, r.deferred), (0, 1), "step {i}: {r:?}");
+    }
+    assert_replayed(&s, "loss", 1, 6);
+}
