@@ -121,9 +121,23 @@ impl E2ELoss {
         anchors: &Anchors,
         flow: Option<&dyn FlowLogProb>,
     ) -> Result<LossOutput> {
+        self.loss_via(o2m, o2o, targets, anchors, flow, None)
+    }
+
+    /// [`E2ELoss::loss`] and [`E2ELoss::loss_routed`]: the dense path (through `route` when given),
+    /// else — or beyond the largest bucket — both branches on the host path.
+    fn loss_via(
+        &self,
+        o2m: &BranchOutputs,
+        o2o: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+        route: Option<&LossRoute<'_>>,
+    ) -> Result<LossOutput> {
         let dense = self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment;
         if dense {
-            if let Some(out) = self.loss_dense(o2m, o2o, targets, anchors, flow, None)? {
+            if let Some(out) = self.loss_dense(o2m, o2o, targets, anchors, flow, route)? {
                 return Ok(out);
             }
         }
@@ -162,14 +176,7 @@ impl E2ELoss {
         flow: Option<&dyn FlowLogProb>,
         route: &LossRoute<'_>,
     ) -> Result<LossOutput> {
-        if self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment {
-            if let Some(out) = self.loss_dense(o2m, o2o, targets, anchors, flow, Some(route))? {
-                return Ok(out);
-            }
-            let (a, b) = (self.one2many.loss_host(o2m, targets, anchors, flow)?, self.one2one.loss_host(o2o, targets, anchors, flow)?);
-            return self.mix_host(a, b);
-        }
-        self.loss(o2m, o2o, targets, anchors, flow)
+        self.loss_via(o2m, o2o, targets, anchors, flow, Some(route))
     }
 
     /// The branch weights (w_o2m, w_o2o) as a (2,) f32 device tensor, made when they change (once
