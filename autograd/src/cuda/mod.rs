@@ -361,6 +361,15 @@ impl BackendStorage for CudaStorage {
     }
 }
 
+/// Whether the stream has passed `event` (a non-blocking query; the device must be bound).
+pub(crate) fn event_reached(event: sys::CUevent) -> Result<bool> {
+    match unsafe { dr::event::query(event) } {
+        Ok(()) => Ok(true),
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        Err(e) => Err(cu_err("cuEventQuery", e)),
+    }
+}
+
 /// Page-locked host memory for fast, asynchronous uploads of u8 image batches.
 ///
 /// Fill it through [`PinnedBuffer::host_mut`] (no CUDA call: loader worker threads may fill a
@@ -433,14 +442,8 @@ impl PinnedBuffer {
         }
         capture_support::check_host_sync("PinnedBuffer::poll_idle")?;
         self.dev.bind()?;
-        match unsafe { dr::event::query(self.event) } {
-            Ok(()) => {
-                self.in_flight = false;
-                Ok(true)
-            }
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            Err(e) => Err(cu_err("cuEventQuery", e)),
-        }
+        self.in_flight = !event_reached(self.event)?;
+        Ok(!self.in_flight)
     }
 
     /// Queues a host→device copy of the whole buffer into a new U8 tensor of `shape` (asynchronous).

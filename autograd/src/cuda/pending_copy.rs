@@ -72,14 +72,8 @@ impl PendingCopy {
             return Ok(true);
         }
         self.dev.bind()?;
-        match unsafe { dr::event::query(self.event) } {
-            Ok(()) => {
-                self.done = true;
-                Ok(true)
-            }
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            Err(e) => Err(cu_err("cuEventQuery", e)),
-        }
+        self.done = super::event_reached(self.event)?;
+        Ok(self.done)
     }
 
     /// Waits for the copy (a host sync when it has not finished yet).
