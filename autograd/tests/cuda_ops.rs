@@ -407,6 +407,14 @@ fn batch_norm_pool_matmul() {
         v[0].transpose(1, 2)?.matmul(&v[1].transpose(1, 2)?)
     });
     case("linear", FP64, &[(&[4, 6, 32], -1.0, 1.0), (&[20, 32], -1.0, 1.0), (&[20], -1.0, 1.0)], &|v, _| v[0].linear(&v[1], Some(&v[2])));
+    // 2-wide layers over many rows (the RLE flow's first and last): their weight gradients split
+    // the long shared dimension into pieces (5 of 512 rows and one of 440 here).
+    case("linear_2_to_64_tall", FP64, &[(&[3000, 2], -1.0, 1.0), (&[64, 2], -1.0, 1.0), (&[64], -1.0, 1.0)], &|v, _| {
+        v[0].linear(&v[1], Some(&v[2]))
+    });
+    case("linear_64_to_2_tall", FP64, &[(&[3000, 64], -1.0, 1.0), (&[2, 64], -1.0, 1.0), (&[2], -1.0, 1.0)], &|v, _| {
+        v[0].linear(&v[1], Some(&v[2]))
+    });
     case("softmax", FP64, &[(&[3, 5, 33], -3.0, 3.0)], &|v, _| v[0].softmax(-1));
     // rows of the attention length (warp-per-row kernel) and longer than 1024 (block-per-row kernel)
     case("softmax_rows400", FP64, &[(&[6, 400], -3.0, 3.0)], &|v, _| v[0].softmax(-1));

@@ -8,7 +8,8 @@
 //! Its inputs: the two branches' raw outputs, the padded targets, the weights; its surface: the
 //! RLE flow's parameters (their gradients come out of the region's backward).
 //!
-//! Opt-in (`replay=all,loss` or `replay=feature,stem,loss`): not in `all` until it has run on a GPU.
+//! In `replay=all` (`replay=feature,stem,loss` names it alone). Without the dense criterion (the
+//! CPU's default `loss_assigner=host`) it records nothing.
 
 use ptl_autograd::{Tensor, TensorKind};
 use ptl_capture::RecorderConfig;
@@ -99,5 +100,5 @@ impl ReplayPlugin for LossReplay {
 }
 
 inventory::submit! {
-    PluginRegistration { name: LossReplay::NAME, in_all: false, create: LossReplay::from_config }
+    PluginRegistration { name: LossReplay::NAME, in_all: true, create: LossReplay::from_config }
 }

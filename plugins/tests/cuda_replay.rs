@@ -195,7 +195,7 @@ fn cuda_loss_replay_equals_native() {
     assert_eq!(ptl_plugins::LossReplay::NAME, "loss");
     let dir = std::env::temp_dir().join(format!("ptl-cuda-loss-{}", std::process::id()));
     let data = ptl_test_support::pose_dataset(&dir, 24, 6);
-    for precision in [Precision::Bf16Mixed, Precision::F32] {
+    for precision in [Precision::Bf16Mixed, Precision::F32, Precision::F16Mixed] {
         let run = |replay: &[&str]| {
             let save = dir.join(format!("loss-{precision:?}-{}", replay.join("+")));
             let mut cfg = PoseTrainConfig { nbs: 2, precision, ..cuda_fit_cfg(&data, dev, 5, replay, save) };

@@ -283,6 +283,7 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
     let kcache = o.work.join("kernels");
     if o.cold_first {
         let _ = std::fs::remove_dir_all(&kcache);
+        let _ = std::fs::remove_dir_all(cudnn_cache(&kcache));
     }
     let log = o.out.join("runs.jsonl");
     // This call's report covers this call's runs: an earlier call's runs.jsonl in the same folder is
@@ -406,6 +407,12 @@ fn install_ultralytics(wheels: Option<&Path>, work: &Path) -> Result<PathBuf, St
     Ok(site)
 }
 
+/// The cuDNN engine choices of the bench's ptl runs: beside their kernel cache, and cleared with
+/// it for a cold run.
+fn cudnn_cache(kcache: &Path) -> PathBuf {
+    kcache.with_file_name("cudnn")
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precision: &str, pair: usize, cold: bool) -> Result<Value, String> {
     let label = if cold { format!("{arm}-cold") } else { arm.to_string() };
@@ -424,7 +431,8 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
         .arg(format!("project={}", project.display()))
         .args(arm_overrides(arm)?)
         .args(["--device", &o.device, "--precision", precision])
-        .env("PTL_KERNEL_CACHE", kcache);
+        .env("PTL_KERNEL_CACHE", kcache)
+        .env("PTL_CUDNN_CACHE", cudnn_cache(kcache));
     let t = Instant::now();
     let out = cmd.output().map_err(|e| format!("starting ptl: {e}"))?;
     let wall = t.elapsed().as_secs_f64();
@@ -1068,8 +1076,9 @@ fn startup_table(ok: &[&Value]) -> String {
         ("cuDNN conv plans built (count)", |s| s["conv_plans"].as_f64()),
         ("cuBLASLt plans built (count)", |s| s["gemm_plans"].as_f64()),
     ];
-    let mut md =
-        String::from("\nptl start-up (s; cold = first process with an empty kernel cache):\n\n| phase | cold | warm |\n|---|---:|---:|\n");
+    let mut md = String::from(
+        "\nptl start-up (s; cold = first process with empty kernel and cuDNN caches):\n\n| phase | cold | warm |\n|---|---:|---:|\n",
+    );
     for (name, sel) in rows {
         md.push_str(&format!("| {name} | {} | {} |\n", col(sel, true), col(sel, false)));
     }

@@ -17,6 +17,8 @@ use std::sync::Arc;
 use cudarc::cudnn::{result as nr, sys as ns};
 
 use super::alloc::DevBuf;
+use super::conv_choice::{Choice, ChoiceCache};
+use super::conv_graph::Built;
 pub(crate) use super::conv_graph::Dir;
 use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
@@ -121,6 +123,8 @@ pub(crate) struct Dnn {
     plans: HashMap<(Conv2dParams, DType, Dir), Plan>,
     /// Graph-API plans (`None`: no usable engine for the shape, legacy path).
     graph_plans: HashMap<(Conv2dParams, DType, Dir), Option<super::conv_graph::GraphPlan>>,
+    /// Engine choices remembered across processes.
+    choices: ChoiceCache,
 }
 unsafe impl Send for Dnn {}
 
@@ -150,7 +154,18 @@ impl Dnn {
         dev.bind()?;
         let handle = nr::create_handle().map_err(e("cudnnCreate"))?;
         unsafe { nr::set_stream(handle, dev.cu_stream as ns::cudaStream_t) }.map_err(e("cudnnSetStream"))?;
-        Ok(Dnn { handle, workspace: Workspace::default(), plans: HashMap::new(), graph_plans: HashMap::new() })
+        let (major, minor) = dev.ctx.compute_capability().map_err(|err| cu_err("compute capability", err))?;
+        // SAFETY: a plain query.
+        let version = unsafe { ns::cudnnGetVersion() };
+        let context =
+            format!("cudnn {version} sm_{major}{minor} heuristics {:?} workspace {}", super::conv_graph::heuristic_mode(), max_workspace());
+        Ok(Dnn {
+            handle,
+            workspace: Workspace::default(),
+            plans: HashMap::new(),
+            graph_plans: HashMap::new(),
+            choices: ChoiceCache::new(context),
+        })
     }
 
     /// The cached legacy plan for (`p`, `dt`, `dir`), built on first use.
@@ -327,13 +342,11 @@ pub(crate) fn run_into(
     let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let h = dnn.handle;
     if dt != DType::F64 && !legacy_forced() {
-        let entry = dnn.graph_plans.entry((*p, dt, dir)).or_insert_with(|| {
-            let built = super::counters::time_setup(Setup::ConvPlan, || super::conv_graph::build(h, p, dt, dir));
-            if let Err(err) = &built {
-                eprintln!("ptl: {err}; this shape uses the legacy cuDNN API");
-            }
-            built.ok()
-        });
+        let choices = &dnn.choices;
+        let entry = dnn
+            .graph_plans
+            .entry((*p, dt, dir))
+            .or_insert_with(|| super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir)));
         if let Some(gp) = entry {
             // Buffers by their forward-convolution names (x, w, y).
             let (a, b, o) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
@@ -377,6 +390,36 @@ pub(crate) fn run_into(
     }
     .map_err(|err| cu_err(op, err))?;
     Ok(out)
+}
+
+/// The graph-API plan for (`p`, `dt`, `dir`), or `None` when no engine qualifies (legacy path),
+/// taking the outcome of an earlier process's engine walk when one is remembered.
+fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Option<super::conv_graph::GraphPlan> {
+    let key = format!("{p:?} {dt:?} {dir:?}");
+    let hint = match choices.get(&key) {
+        Some(Choice::Legacy) => return None,
+        Some(Choice::Engine(k)) => Some(k),
+        None => None,
+    };
+    match super::conv_graph::build(h, p, dt, dir, hint) {
+        Ok(Built::Plan(plan, k)) => {
+            if hint != Some(k) {
+                choices.put(&key, Choice::Engine(k));
+            }
+            Some(plan)
+        }
+        Ok(Built::NoEngine(why)) => {
+            let remembered = choices.dir().map(|d| format!(" (remembered in {})", d.display())).unwrap_or_default();
+            eprintln!("ptl: {why}; this shape uses the legacy cuDNN API{remembered}");
+            choices.put(&key, Choice::Legacy);
+            None
+        }
+        // A failure of cuDNN itself is not a property of the shape: not remembered.
+        Err(err) => {
+            eprintln!("ptl: {err}; this shape uses the legacy cuDNN API");
+            None
+        }
+    }
 }
 
 pub(crate) fn conv2d(x: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {

@@ -158,8 +158,11 @@ fn excluded(note: ns::cudnnBackendNumericalNote_t, dt: DType) -> bool {
     ) || (dt == DType::F32 && note == N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE)
 }
 
-/// Builds the plan for direction `dir` of `p` in `dt`, or explains why none is usable.
-pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<GraphPlan> {
+/// Builds the plan for direction `dir` of `p` in `dt` and says which position of cuDNN's ranking
+/// it took, or explains why none is usable. `hint`: the position a previous process ended with
+/// for the same shape, cuDNN and GPU (`conv_choice`), tried first; if it no longer builds, the
+/// whole ranking is walked as without one.
+pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir, hint: Option<usize>) -> Result<Built> {
     let t = data_type(dt)?;
     let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t)?;
     let w = tensor(UID_W, p.weight_shape(), t)?;
@@ -191,30 +194,45 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
     let got = heur.get(results.0, results.1, &mut raw)?;
     let mut why = Vec::new();
     let mut chosen = None;
-    for (k, cfg) in cfgs.iter().take(got).enumerate() {
-        match try_engine(handle, cfg, dt) {
-            Ok((plan, ws_bytes, engine)) => {
-                chosen = Some((plan, ws_bytes, engine));
-                break;
-            }
-            Err(reason) => why.push(format!("#{k}: {reason}")),
+    if let Some(k) = hint.filter(|&k| k < got) {
+        if let Ok((plan, ws_bytes, engine)) = try_engine(handle, &cfgs[k], dt) {
+            chosen = Some((plan, ws_bytes, engine, k));
         }
     }
-    let Some((plan, ws_bytes, engine)) = chosen else {
-        return Err(Error::Cuda(format!(
+    if chosen.is_none() {
+        for (k, cfg) in cfgs.iter().take(got).enumerate() {
+            match try_engine(handle, cfg, dt) {
+                Ok((plan, ws_bytes, engine)) => {
+                    chosen = Some((plan, ws_bytes, engine, k));
+                    break;
+                }
+                Err(reason) => why.push(format!("#{k}: {reason}")),
+            }
+        }
+    }
+    let Some((plan, ws_bytes, engine, position)) = chosen else {
+        return Ok(Built::NoEngine(format!(
             "cuDNN graph API: no usable deterministic {dir:?} engine among {got} for {p:?} {dt} ({})",
             why.join("; ")
         )));
     };
     let mut keep = vec![x, w, y, conv, op, graph, heur, engine];
     keep.extend(cfgs);
-    Ok(GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: keep })
+    Ok(Built::Plan(GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: keep }, position))
+}
+
+/// What walking cuDNN's ranking for one shape gave.
+pub(crate) enum Built {
+    /// A plan and its engine's position in the ranking.
+    Plan(GraphPlan, usize),
+    /// Every engine was refused (why, engine by engine): the shape needs the legacy API.
+    NoEngine(String),
 }
 
 /// cuDNN's engine ranking: INSTANT, or `PTL_CUDNN_HEUR=a` / `b` for heuristics modes A and B. All
 /// three rank without timing anything, so the pick is the same in every process (a fixed seed still
 /// gives the same bytes); they may pick different engines (for comparing them on the bench).
-fn heuristic_mode() -> ns::cudnnBackendHeurMode_t {
+pub(crate) fn heuristic_mode() -> ns::cudnnBackendHeurMode_t {
     static MODE: std::sync::OnceLock<ns::cudnnBackendHeurMode_t> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| match std::env::var("PTL_CUDNN_HEUR").as_deref() {
         Ok("a") => ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,

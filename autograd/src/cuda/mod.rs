@@ -34,6 +34,7 @@ mod alloc;
 mod blas;
 pub mod capture_support;
 mod conv;
+mod conv_choice;
 mod conv_graph;
 mod counters;
 mod device;
@@ -57,6 +58,7 @@ pub use alloc::{
 pub use blas::gemm_paths;
 pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
 pub use conv::conv_paths;
+pub use conv_choice::cudnn_cache_dir;
 pub use counters::{counters, library_setup, CudaCounters, LibrarySetup};
 pub use device::CudaSetupError;
 pub use graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph, StreamMark};

@@ -60,14 +60,20 @@ pub fn module_reports() -> Vec<ModuleReport> {
 
 /// The cache folder, or `None` when it is switched off or no home is known.
 pub fn kernel_cache_dir() -> Option<PathBuf> {
+    cache_dir("PTL_KERNEL_CACHE", "kernels")
+}
+
+/// One of ptl's cache folders: `$<own_var>` (`off`, `0` or `false` switch it off), else
+/// `$PTL_CACHE/<sub>`, else `$XDG_CACHE_HOME/ptl/<sub>`, else `~/.cache/ptl/<sub>`.
+pub(crate) fn cache_dir(own_var: &str, sub: &str) -> Option<PathBuf> {
     let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    if let Some(v) = var("PTL_KERNEL_CACHE") {
+    if let Some(v) = var(own_var) {
         return (!matches!(v.to_str(), Some("off" | "0" | "false"))).then_some(v);
     }
     var("PTL_CACHE")
-        .map(|d| d.join("kernels"))
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("ptl").join("kernels")))
-        .or_else(|| var("HOME").map(|h| h.join(".cache").join("ptl").join("kernels")))
+        .map(|d| d.join(sub))
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("ptl").join(sub)))
+        .or_else(|| var("HOME").map(|h| h.join(".cache").join("ptl").join(sub)))
 }
 
 /// NVRTC options for `sm_{major}{minor}` (machine code for this GPU, the CUDA include path).

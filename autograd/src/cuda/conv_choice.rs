@@ -1,0 +1,176 @@
+//! Which cuDNN engine each convolution shape ended up with, remembered across processes.
+//!
+//! Why: building a graph-API plan means walking cuDNN's heuristic list and finalizing an execution
+//! plan per engine until one is deterministic and fits the workspace limit; on the H200 a
+//! YOLO26n-pose fit spent 7–8 s of its 13 s in 168 such set-ups, most of it in shapes where every
+//! engine was finalized and refused (≈ 30 per shape) before the legacy API took over. The ranking
+//! is deterministic (heuristic mode INSTANT), so the outcome of that walk is a function of the
+//! shape, the cuDNN version, the GPU and the limit: a warm process finalizes only the engine that
+//! won (or goes straight to the legacy API) and gets the same engine — the same bytes — as the
+//! process that searched.
+//!
+//! An entry is one small text file named by the SHA-256 of its context and key; it repeats both,
+//! so a hash collision or a damaged file is never trusted, only searched again. A remembered
+//! engine that no longer builds is searched again from the top and the entry rewritten.
+//!
+//! Folder: `$PTL_CUDNN_CACHE`, else `$PTL_CACHE/cudnn`, else `$XDG_CACHE_HOME/ptl/cudnn`, else
+//! `~/.cache/ptl/cudnn`; `PTL_CUDNN_CACHE=off` disables it.
+
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+const MAGIC: &str = "PTLCONV1";
+
+/// The outcome of the engine walk for one shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Choice {
+    /// The position in cuDNN's heuristic list of the engine that built.
+    Engine(usize),
+    /// No engine qualified: the shape runs through the legacy API.
+    Legacy,
+}
+
+impl Choice {
+    fn encode(self) -> String {
+        match self {
+            Choice::Engine(k) => format!("engine {k}"),
+            Choice::Legacy => "legacy".into(),
+        }
+    }
+
+    fn decode(s: &str) -> Option<Choice> {
+        match s.split_once(' ') {
+            Some(("engine", k)) => k.parse().ok().map(Choice::Engine),
+            None if s == "legacy" => Some(Choice::Legacy),
+            _ => None,
+        }
+    }
+}
+
+/// The remembered choices of one device (`context`: everything besides the shape that the walk
+/// depends on — cuDNN version, compute capability, heuristic mode, workspace limit).
+pub(crate) struct ChoiceCache {
+    dir: Option<PathBuf>,
+    context: String,
+}
+
+/// The cache folder, or `None` when it is switched off or no home is known.
+pub fn cudnn_cache_dir() -> Option<PathBuf> {
+    super::module_cache::cache_dir("PTL_CUDNN_CACHE", "cudnn")
+}
+
+impl ChoiceCache {
+    pub(crate) fn new(context: String) -> ChoiceCache {
+        ChoiceCache { dir: cudnn_cache_dir(), context }
+    }
+
+    #[cfg(test)]
+    fn in_dir(dir: &Path, context: &str) -> ChoiceCache {
+        ChoiceCache { dir: Some(dir.to_path_buf()), context: context.into() }
+    }
+
+    fn path(&self, key: &str) -> Option<PathBuf> {
+        let dir = self.dir.as_ref()?;
+        let mut h = Sha256::new();
+        for part in [self.context.as_str(), key] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
+        let hex: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
+        Some(dir.join(format!("{hex}.conv")))
+    }
+
+    /// The remembered choice for `key`, if a valid entry for this context exists.
+    pub(crate) fn get(&self, key: &str) -> Option<Choice> {
+        let text = std::fs::read_to_string(self.path(key)?).ok()?;
+        let mut lines = text.lines();
+        if lines.next()? != MAGIC || lines.next()? != self.context || lines.next()? != key {
+            return None;
+        }
+        let choice = Choice::decode(lines.next()?)?;
+        lines.next().is_none().then_some(choice)
+    }
+
+    /// Remembers `choice` for `key` (best effort: a cache that cannot be written only costs the
+    /// next process the search; the first failure is reported once).
+    pub(crate) fn put(&self, key: &str, choice: Choice) {
+        let Some(path) = self.path(key) else { return };
+        let text = format!("{MAGIC}\n{}\n{key}\n{}\n", self.context, choice.encode());
+        if let Err(e) = super::module_cache::write_atomically(&path, text.as_bytes()) {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| eprintln!("ptl: cuDNN engine choices not remembered in {}: {e}", path.display()));
+        }
+    }
+
+    /// Where entries go (for messages).
+    pub(crate) fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh folder of this test's own (removed when dropped).
+    struct Scratch(PathBuf);
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let d = std::env::temp_dir().join(format!("ptl-conv-choice-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(&d).expect("scratch folder");
+            Scratch(d)
+        }
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn choices_round_trip_per_context_and_key() {
+        let dir = Scratch::new("round-trip");
+        let a = ChoiceCache::in_dir(dir.path(), "cudnn 91400 sm90 instant ws 33554432");
+        assert_eq!(a.get("shape 1"), None);
+        a.put("shape 1", Choice::Engine(3));
+        a.put("shape 2", Choice::Legacy);
+        assert_eq!(a.get("shape 1"), Some(Choice::Engine(3)));
+        assert_eq!(a.get("shape 2"), Some(Choice::Legacy));
+        a.put("shape 1", Choice::Engine(0));
+        assert_eq!(a.get("shape 1"), Some(Choice::Engine(0)));
+        // Another cuDNN, GPU or limit never sees these entries.
+        let b = ChoiceCache::in_dir(dir.path(), "cudnn 91500 sm90 instant ws 33554432");
+        assert_eq!(b.get("shape 1"), None);
+    }
+
+    #[test]
+    fn damaged_or_foreign_entries_are_not_trusted() {
+        let dir = Scratch::new("damaged");
+        let c = ChoiceCache::in_dir(dir.path(), "ctx");
+        c.put("k", Choice::Engine(2));
+        let path = c.path("k").expect("path");
+        let good = std::fs::read_to_string(&path).expect("entry");
+        for bad in [
+            good.replace("engine 2", "engine two"),
+            good.replace("\nk\n", "\nother key\n"),
+            good.replace(MAGIC, "PTLCONV0"),
+            format!("{good}extra\n"),
+            good[..good.len() / 2].to_string(),
+        ] {
+            std::fs::write(&path, bad).expect("write");
+            assert_eq!(c.get("k"), None);
+        }
+    }
+
+    #[test]
+    fn a_switched_off_cache_remembers_nothing() {
+        let c = ChoiceCache { dir: None, context: "ctx".into() };
+        c.put("k", Choice::Legacy);
+        assert_eq!(c.get("k"), None);
+    }
+}
