@@ -14,7 +14,10 @@
 //!   the SGD / MuSGD update) as one region per gradient-presence mask.
 //!
 //! - `replay=loss` ([`LossReplay`]): the dense criterion (`loss_assigner=dense`) as one region
-//!   and autograd node per batch shape and target bucket; opt-in (not in `all` yet).
+//!   and autograd node per batch shape and target bucket.
+//! - `replay=step` ([`LossReplay::STEP`]): a step's whole forward and that criterion as one
+//!   region per batch shape and target bucket (one forward and one backward graph per step);
+//!   the trunk, stem and loss regions then see only the steps it cannot take.
 //!
 //! Both record with CUDA graphs on a GPU and with `ptl-capture`'s test double on the CPU (which
 //! re-runs the body on replay), so CPU CI exercises the recorder's real state machine. Every

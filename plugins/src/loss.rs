@@ -1,15 +1,25 @@
-//! `replay=loss`: the dense criterion's device work — both branches' fixed-shape assignment
-//! (four fused kernels each on CUDA), their loss terms over the compacted foreground, one RLE
-//! flow evaluation and the branch mix — as one recorded region and autograd node per input
-//! signature (batch size and target bucket). What makes it recordable: `loss_assigner=dense`
-//! has no host read and no data-dependent shape (the targets are padded to a bucket and uploaded
-//! before the region, the loss values leave the region as device tensors read a step later, the
-//! epoch's branch weights are an input), and its constants are made on the first (warm-up) call.
-//! Its inputs: the two branches' raw outputs, the padded targets, the weights; its surface: the
-//! RLE flow's parameters (their gradients come out of the region's backward).
+//! `replay=loss` and `replay=step`: the dense criterion recorded alone, or together with the
+//! model's forward — one type, two scopes.
 //!
-//! In `replay=all` (`replay=feature,stem,loss` names it alone). Without the dense criterion (the
-//! CPU's default `loss_assigner=host`) it records nothing.
+//! `loss`: the dense criterion's device work — both branches' fixed-shape assignment (four fused
+//! kernels each on CUDA), their loss terms over the compacted foreground, one RLE flow evaluation
+//! and the branch mix — as one recorded region and autograd node per input signature (batch size
+//! and target bucket). What makes it recordable: `loss_assigner=dense` has no host read and no
+//! data-dependent shape (the targets are padded to a bucket and uploaded before the region, the
+//! loss values leave the region as device tensors read a step later, the epoch's branch weights
+//! are an input), and its constants are made on the first (warm-up) call. Its inputs: the two
+//! branches' raw outputs, the padded targets, the weights; its surface: the RLE flow's parameters
+//! (their gradients come out of the region's backward).
+//!
+//! `step`: the model's forward (trunk and all 18 stems, run natively inside the body) and that
+//! criterion as one region per input signature: its inputs are the images, the padded targets
+//! and the weights, its surface every parameter and buffer of the model, so a steady-state step
+//! is one forward graph and one backward graph (which writes or adds every parameter's gradient
+//! in place) — the trunk, stem and loss regions then see no call. A step the dense criterion
+//! cannot take (targets beyond the largest bucket) goes through the pieces as before.
+//!
+//! Both are in `replay=all`; without the dense criterion (the CPU's default
+//! `loss_assigner=host`) they record nothing.
 
 use ptl_autograd::{Tensor, TensorKind};
 use ptl_capture::RecorderConfig;
@@ -29,40 +39,33 @@ impl HoldsRegions for LossRegions {
     }
 }
 
-/// The `loss` replay plugin. Configuration: `ptl_capture::RecorderConfig` fields as JSON over
-/// [`crate::plugin_defaults`].
+/// The `loss` and `step` replay plugins. Configuration: `ptl_capture::RecorderConfig` fields as
+/// JSON over [`crate::plugin_defaults`].
 #[derive(Clone)]
 pub struct LossReplay {
     shell: PluginShell<LossRegions>,
+    /// `step`: the forward recorded with the criterion.
+    with_forward: bool,
 }
 
 impl LossReplay {
     pub const NAME: &'static str = "loss";
+    /// The plugin that records a step's forward together with the criterion.
+    pub const STEP: &'static str = "step";
 
-    pub fn new(config: RecorderConfig) -> LossReplay {
-        LossReplay { shell: PluginShell::new(config) }
+    /// The `loss` plugin (`with_forward`: the `step` plugin).
+    pub fn new(config: RecorderConfig, with_forward: bool) -> LossReplay {
+        LossReplay { shell: PluginShell::new(config), with_forward }
     }
 
-    fn from_config(cfg: &serde_json::Value) -> ptl_trainer::Result<Box<dyn ReplayPlugin>> {
-        Ok(Box::new(LossReplay { shell: PluginShell::from_config(Self::NAME, cfg)? }))
+    fn from_config(with_forward: bool, cfg: &serde_json::Value) -> ptl_trainer::Result<Box<dyn ReplayPlugin>> {
+        let name = if with_forward { Self::STEP } else { Self::NAME };
+        Ok(Box::new(LossReplay { shell: PluginShell::from_config(name, cfg)?, with_forward }))
     }
-}
 
-impl ReplayPlugin for LossReplay {
-    fn name(&self) -> &'static str {
-        Self::NAME
-    }
-    fn priority(&self) -> i32 {
-        5
-    }
-    fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
-        self.shell.install(LossRegions(KeyedRegions::new(&self.shell.config, ctx.config.device)));
-        Ok(())
-    }
-    fn claims_loss(&self) -> bool {
-        self.shell.active().is_some()
-    }
-    fn run_loss(
+    /// Records `body` as the region of its input signature (`loss.<n>` / `step.<n>`, numbered in
+    /// order of first use).
+    fn run_body(
         &self,
         inputs: &[Tensor],
         surface: &[(String, Tensor, TensorKind)],
@@ -70,14 +73,62 @@ impl ReplayPlugin for LossReplay {
     ) -> ptl_trainer::Result<Vec<Tensor>> {
         let Some(r) = self.shell.active() else { return body(inputs) };
         let key: LossKey = inputs.iter().map(|t| (t.dims().to_vec(), t.dtype().to_string())).collect();
-        // Named in order of first use: `loss.<region index>`.
-        let region = r.0.region(key, |made| format!("loss.{}", made.len()));
+        let name = self.name();
+        let region = r.0.region(key, |made| format!("{name}.{}", made.len()));
         let body = |xs: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> {
             body(xs).map_err(|e| ptl_autograd::Error::InvalidArgument { op: "loss body", msg: e.to_string() })
         };
-        region
-            .call_with(inputs, surface, &body)
-            .map_err(|e| ptl_trainer::TrainerError::InvalidArgument { what: "loss replay", reason: e.to_string() })
+        region.call_with(inputs, surface, &body).map_err(|e| ptl_trainer::TrainerError::InvalidArgument {
+            what: if self.with_forward { "step replay" } else { "loss replay" },
+            reason: e.to_string(),
+        })
+    }
+}
+
+impl ReplayPlugin for LossReplay {
+    fn name(&self) -> &'static str {
+        if self.with_forward {
+            Self::STEP
+        } else {
+            Self::NAME
+        }
+    }
+    fn priority(&self) -> i32 {
+        if self.with_forward {
+            -20
+        } else {
+            5
+        }
+    }
+    /// A recorded step writes or adds every parameter's gradient inside its backward graph.
+    fn persistent_gradients(&self) -> bool {
+        self.with_forward
+    }
+    fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
+        self.shell.install(LossRegions(KeyedRegions::new(&self.shell.config, ctx.config.device)));
+        Ok(())
+    }
+    fn claims_loss(&self) -> bool {
+        !self.with_forward && self.shell.active().is_some()
+    }
+    fn run_loss(
+        &self,
+        inputs: &[Tensor],
+        surface: &[(String, Tensor, TensorKind)],
+        body: &LossBody<'_>,
+    ) -> ptl_trainer::Result<Vec<Tensor>> {
+        self.run_body(inputs, surface, body)
+    }
+    fn claims_forward_loss(&self) -> bool {
+        self.with_forward && self.shell.active().is_some()
+    }
+    fn run_forward_loss(
+        &self,
+        inputs: &[Tensor],
+        surface: &[(String, Tensor, TensorKind)],
+        body: &LossBody<'_>,
+    ) -> ptl_trainer::Result<Vec<Tensor>> {
+        self.run_body(inputs, surface, body)
     }
     fn on_fit_end(&self) {
         self.shell.release();
@@ -100,5 +151,9 @@ impl ReplayPlugin for LossReplay {
 }
 
 inventory::submit! {
-    PluginRegistration { name: LossReplay::NAME, in_all: true, create: LossReplay::from_config }
+    PluginRegistration { name: LossReplay::NAME, in_all: true, create: |cfg| LossReplay::from_config(false, cfg) }
+}
+
+inventory::submit! {
+    PluginRegistration { name: LossReplay::STEP, in_all: true, create: |cfg| LossReplay::from_config(true, cfg) }
 }

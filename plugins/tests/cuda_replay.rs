@@ -84,9 +84,9 @@ fn cuda_ns_replay_equals_native() {
     assert_eq!(all.hashes, native.hashes, "replay=all");
     let batches = 12u64;
     assert_eq!(ns.optimizer_steps, batches, "a step per batch");
-    for (s, plugin, calls) in
-        [(&ns, "ns", ns.optimizer_steps), (&all, "optimizer", all.optimizer_steps), (&all, "feature", batches), (&all, "stem", batches)]
-    {
+    // On a GPU the criterion is dense by default: `all` records a step's forward and loss as one
+    // region (`step`).
+    for (s, plugin, calls) in [(&ns, "ns", ns.optimizer_steps), (&all, "optimizer", all.optimizer_steps), (&all, "step", batches)] {
         let short = replay_shortfalls(s, plugin, calls, &[]);
         assert!(short.is_empty(), "{plugin}: {short:?}");
     }
@@ -140,7 +140,7 @@ fn cuda_all_replay_equals_native_in_every_precision() {
         let native = run(&[]);
         let all = run(&["all"]);
         assert_eq!(all.hashes, native.hashes, "{}: replay=all", precision.name());
-        for (plugin, calls) in [("optimizer", all.optimizer_steps), ("feature", 12), ("stem", 12)] {
+        for (plugin, calls) in [("optimizer", all.optimizer_steps), ("step", 12)] {
             let short = replay_shortfalls(&all, plugin, calls, &[]);
             assert!(short.is_empty(), "{} {plugin}: {short:?}", precision.name());
         }
@@ -172,7 +172,8 @@ mod kill;
 /// SIGKILLs a `replay=all` bf16 fit (an optimizer step every batch) three times mid-run (CUDA
 /// graphs live), each time after it wrote a new checkpoint, resumes it from `last.ckpt` each time,
 /// and lets the last process finish: its hashes equal an uninterrupted native fit's, and the last
-/// process's feature, stem and optimizer regions replayed every call after their warm-up.
+/// process's step (forward and dense loss) and optimizer regions replayed every call after their
+/// warm-up.
 #[test]
 fn cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
     let Some(dev) = gpu() else { return };
@@ -181,18 +182,19 @@ fn cuda_replayed_fit_killed_and_resumed_ends_with_the_native_hashes() {
         "cuda",
         dev,
         kill::KillRun { replay: "all", nbs: 2 },
-        &["feature", "stem", "optimizer"],
+        &["step", "optimizer"],
     );
 }
 
-/// `replay=loss` on real CUDA graphs (the whole-step issue): the dense criterion recorded as one
-/// region with everything else replayed too (`replay=all,loss`), bf16 and 32-true: the hashes of
-/// the native dense fit and the loss region (with the model's) replayed on every batch after its
-/// warm-up.
+/// `replay=loss` and `replay=step` on real CUDA graphs (the whole-step issue), in 32-true,
+/// bf16-mixed and 16-mixed: the dense criterion recorded as one region beside the trunk and stem
+/// regions (`replay=feature,stem,loss`), and a step's whole forward and criterion recorded as one
+/// region (`replay=all`: the step region, the recorded update): the hashes of the native dense fit,
+/// and every region replayed on every batch (optimizer step) after its warm-up.
 #[test]
 fn cuda_loss_replay_equals_native() {
     let Some(dev) = gpu() else { return };
-    assert_eq!(ptl_plugins::LossReplay::NAME, "loss");
+    assert_eq!((ptl_plugins::LossReplay::NAME, ptl_plugins::LossReplay::STEP), ("loss", "step"));
     let dir = std::env::temp_dir().join(format!("ptl-cuda-loss-{}", std::process::id()));
     let data = ptl_test_support::pose_dataset(&dir, 24, 6);
     for precision in [Precision::Bf16Mixed, Precision::F32, Precision::F16Mixed] {
@@ -203,16 +205,22 @@ fn cuda_loss_replay_equals_native() {
             fit(&cfg, vec![]).expect("fit")
         };
         let native = run(&[]);
-        let every = run(&["all", "loss"]);
-        assert_eq!(every.hashes, native.hashes, "{precision:?}: replay=all,loss");
+        let pieces = run(&["feature", "stem", "loss"]);
+        let every = run(&["all"]);
+        assert_eq!(pieces.hashes, native.hashes, "{precision:?}: replay=feature,stem,loss");
+        assert_eq!(every.hashes, native.hashes, "{precision:?}: replay=all");
         let batches = 12u64;
-        for plugin in ["loss", "feature", "stem"] {
-            let short = replay_shortfalls(&every, plugin, batches, &[]);
+        for (s, plugin, calls) in [
+            (&pieces, "loss", batches),
+            (&pieces, "feature", batches),
+            (&pieces, "stem", batches),
+            (&every, "step", batches),
+            (&every, "optimizer", every.optimizer_steps),
+        ] {
+            let short = replay_shortfalls(s, plugin, calls, &[]);
             assert!(short.is_empty(), "{precision:?} {plugin}: {short:?}");
         }
-        println!(
-            "ok cuda loss replay {precision:?}: {}",
-            every.plugins.iter().find(|l| l.starts_with("loss")).cloned().unwrap_or_default()
-        );
+        let line = |s: &ptl_trainer::fit::RunSummary, p: &str| s.plugins.iter().find(|l| l.starts_with(p)).cloned().unwrap_or_default();
+        println!("ok cuda loss replay {precision:?}: {} || {}", line(&pieces, "loss"), line(&every, "step"));
     }
 }

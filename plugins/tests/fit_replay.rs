@@ -52,7 +52,7 @@ fn a_replayed_run_resumes_to_the_native_hashes() {
     assert_replayed(&resumed, "stem", 18, 3);
 }
 
-/// `replay=all` is every plugin of this crate (feature, stem, ns, optimizer), in the stack's priority order; a name
+/// `replay=all` is every plugin of this crate (step, feature, stem, loss, ns, optimizer), in the stack's priority order; a name
 /// listed besides it adds nothing twice (a third-party plugin stays out of it: tests/third_party.rs).
 #[test]
 fn replay_all_is_every_ptl_plugin() {
@@ -61,12 +61,13 @@ fn replay_all_is_every_ptl_plugin() {
     let none = serde_json::Map::new();
     let all = PluginStack::from_registry(&[ALL_PLUGINS.to_string()], &none).expect("replay=all");
     let named = PluginStack::from_registry(&["feature".to_string(), "stem".to_string()], &none).expect("feature,stem");
-    let named_all = PluginStack::from_registry(&["feature", "stem", "ns", "optimizer"].map(String::from), &none).expect("each named");
+    let named_all =
+        PluginStack::from_registry(&["feature", "stem", "ns", "optimizer", "loss", "step"].map(String::from), &none).expect("each named");
     assert_eq!(all.names(), named_all.names());
-    assert_eq!(all.names(), vec!["feature", "stem", "ns", "optimizer"], "priority order");
+    assert_eq!(all.names(), vec!["step", "feature", "stem", "loss", "ns", "optimizer"], "priority order");
     let both = PluginStack::from_registry(&[ALL_PLUGINS.to_string(), "stem".to_string()], &none).expect("all,stem");
     assert_eq!(both.names(), all.names());
-    assert_eq!(&named.names()[..], &all.names()[..2]);
+    assert_eq!(&named.names()[..], &all.names()[1..3]);
     let mut cfg = serde_json::Map::new();
     cfg.insert("feature".into(), serde_json::json!({}));
     assert!(PluginStack::from_registry(&[ALL_PLUGINS.to_string()], &cfg).is_ok(), "settings of a plugin that all enables");
@@ -275,28 +276,57 @@ fn an_optimizer_replayed_run_resumes_to_the_native_hashes() {
     assert!(short.is_empty(), "{short:?} {}", resumed.replay_counters["optimizer"]);
 }
 
+fn dense(save: &str, replay: &[&str]) -> PoseTrainConfig {
+    let mut c = tiny(save, replay);
+    c.set("loss_assigner", "dense").unwrap();
+    c
+}
+
 /// `replay=loss` (the whole-step issue): the dense criterion recorded as one region and autograd
-/// node; with every other plugin too, a fit gives the native dense fit's bytes, the loss region
-/// replays forward and backward on every step after its warm-up, and `all` does not include it.
+/// node; with the trunk and stems recorded too, a fit gives the native dense fit's bytes and the
+/// loss region replays forward and backward on every step after its warm-up.
 #[test]
 fn loss_replay_equals_the_native_dense_fit_and_replays_every_step() {
     use ptl_plugins::LossReplay;
-    let dense = |save: &str, replay: &[&str]| {
-        let mut c = tiny(save, replay);
-        c.set("loss_assigner", "dense").unwrap();
-        c
-    };
     let native = fit(&dense("loss-native", &[]), vec![]).expect("native dense fit");
     let loss = fit(&dense("loss-replay", &[LossReplay::NAME]), vec![]).expect("replay=loss");
-    let every = fit(&dense("loss-all", &["all", LossReplay::NAME]), vec![]).expect("replay=all,loss");
+    let pieces = fit(&dense("loss-pieces", &["feature", "stem", LossReplay::NAME]), vec![]).expect("replay=feature,stem,loss");
     assert_eq!(loss.hashes, native.hashes, "replay=loss changes no byte");
-    assert_eq!(every.hashes, native.hashes, "replay=all,loss changes no byte");
+    assert_eq!(pieces.hashes, native.hashes, "replay=feature,stem,loss changes no byte");
     let steps = 2 * 3;
     assert_replayed(&loss, "loss", 1, steps);
-    assert_replayed(&every, "loss", 1, steps);
-    assert_replayed(&every, "stem", 18, steps);
+    assert_replayed(&pieces, "loss", 1, steps);
+    assert_replayed(&pieces, "stem", 18, steps);
     let all = ptl_trainer::fit::PluginStack::from_registry(&["all".to_string()], &serde_json::Map::new()).unwrap();
-    assert!(!all.names().contains(&LossReplay::NAME), "opt-in until it has run on a GPU");
+    assert!(all.names().contains(&LossReplay::NAME), "in replay=all");
+}
+
+/// `replay=step`: a step's whole forward and the dense criterion as one region (one forward and
+/// one backward graph per step). Alone and as part of `replay=all` it gives the native dense
+/// fit's bytes, replays on every step after its warm-up, and leaves the trunk, stem and loss
+/// plugins nothing to record; on the host criterion (the CPU default) it records nothing and the
+/// pieces replay as before.
+#[test]
+fn step_replay_equals_the_native_dense_fit_and_replays_every_step() {
+    use ptl_plugins::LossReplay;
+    let native = fit(&dense("step-native", &[]), vec![]).expect("native dense fit");
+    let step = fit(&dense("step-replay", &[LossReplay::STEP]), vec![]).expect("replay=step");
+    let every = fit(&dense("step-all", &["all"]), vec![]).expect("replay=all, dense");
+    assert_eq!(step.hashes, native.hashes, "replay=step changes no byte");
+    assert_eq!(every.hashes, native.hashes, "replay=all changes no byte");
+    let steps = 2 * 3;
+    assert_replayed(&step, LossReplay::STEP, 1, steps);
+    assert_replayed(&every, LossReplay::STEP, 1, steps);
+    assert_eq!(every.replay_cadence.get(LossReplay::STEP), Some(&ptl_trainer::fit::ReplayCadence::OnePerBatch));
+    for idle in ["feature", "stem", "loss"] {
+        let regions = every.replay_counters.get(idle).and_then(|c| c.as_object()).map_or(0, |m| m.len());
+        assert_eq!(regions, 0, "{idle} recorded beside the step region: {:?}", every.replay_counters.get(idle));
+    }
+    // The host criterion: no step region, the pieces replay.
+    let host = fit(&tiny("step-host", &["all"]), vec![]).expect("replay=all, host loss");
+    let regions = host.replay_counters.get(LossReplay::STEP).and_then(|c| c.as_object()).map_or(0, |m| m.len());
+    assert_eq!(regions, 0, "{:?}", host.replay_counters.get(LossReplay::STEP));
+    assert_replayed(&host, "stem", 18, steps);
 }
 
 /// Host reads (the backend's counters, this thread) between a batch's start and end hooks.
@@ -317,12 +347,12 @@ impl ptl_trainer::fit::Callback for ReadsPerStep {
     }
 }
 
-/// With every region recorded (`replay=all,loss`, dense loss) a step after the warm-up reads
-/// nothing back synchronously on the CPU test double either: one deferred read of its loss values.
+/// With every region recorded (`replay=all`, dense loss: the step region) a step after the
+/// warm-up reads nothing back synchronously on the CPU test double either: one deferred read of
+/// its loss values.
 #[test]
 fn a_replayed_dense_step_reads_nothing_back() {
-    let mut cfg = tiny("loss-reads", &["all", "loss"]);
-    cfg.set("loss_assigner", "dense").unwrap();
+    let cfg = dense("loss-reads", &["all"]);
     let reads = ReadsPerStep::default();
     let s = fit(&cfg, vec![Box::new(reads.clone())]).expect("replay=all,loss");
     let steps = reads.steps.lock().unwrap().clone();
@@ -331,5 +361,5 @@ fn a_replayed_dense_step_reads_nothing_back() {
     for (i, r) in steps.iter().enumerate().skip(1) {
         assert_eq!((r.immediate, r.deferred), (0, 1), "step {i}: {r:?}");
     }
-    assert_replayed(&s, "loss", 1, 6);
+    assert_replayed(&s, ptl_plugins::LossReplay::STEP, 1, 6);
 }

@@ -164,9 +164,11 @@ pub fn run_train(a: TrainArgs) -> Result<(), String> {
             g.kernel_ms_per_step, g.kernels_per_step, g.event_span_ms_per_step, g.steps
         );
     }
-    if let Some(l) = &t.launches {
+    // The steady state (the traced window near the end) when there is one.
+    if let Some(l) = t.launches_steady.as_ref().or(t.launches.as_ref()) {
+        let when = if t.launches_steady.is_some() { "steady state" } else { "after the warm-up" };
         println!(
-            "per step: {:.0} kernel launches, {:.0} library calls, {:.0} graph launches, {:.0} copies, {:.0} host syncs",
+            "per step ({when}): {:.1} kernel launches, {:.1} library calls, {:.1} graph launches, {:.1} copies, {:.2} host syncs",
             l.kernel_launches,
             l.library_calls,
             l.graph_launches,

@@ -45,8 +45,8 @@ fn a_third_party_plugin_is_discovered_and_stacked() {
     // `replay=all` is ptl's own plugins only: the third-party one is enabled by its name.
     let (all, out) = train("all", "replay=all");
     assert!(
-        out.contains("replay plugins: feature, stem, loss, ns, optimizer\n")
-            || out.contains("replay plugins: feature, stem, loss, ns, optimizer\r"),
+        out.contains("replay plugins: step, feature, stem, loss, ns, optimizer\n")
+            || out.contains("replay plugins: step, feature, stem, loss, ns, optimizer\r"),
         "{out}"
     );
     assert_eq!(summary(&all)["hashes"], n["hashes"], "replay=all changes no byte");

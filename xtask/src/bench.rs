@@ -505,6 +505,7 @@ struct Figures {
     gpu_kernels: Option<f64>,
     span_ms: Option<f64>,
     launches: Option<f64>,
+    copies: Option<f64>,
     syncs: Option<f64>,
     alloc_mib: Option<f64>,
     reserved_mib: Option<f64>,
@@ -537,8 +538,13 @@ fn figures(r: &Value) -> Figures {
         x.gpu_ms = f(&t["gpu"]["kernel_ms_per_step"]);
         x.gpu_kernels = f(&t["gpu"]["kernels_per_step"]);
         x.span_ms = f(&t["gpu"]["event_span_ms_per_step"]);
-        let l = &t["launches"];
+        // The steady-state counts (the traced window) where the run has them.
+        let l = if t["launches_steady"].is_object() { &t["launches_steady"] } else { &t["launches"] };
         x.launches = match (f(&l["kernel_launches"]), f(&l["library_calls"]), f(&l["graph_launches"])) {
+            (Some(a), Some(b), Some(c)) => Some(a + b + c),
+            _ => None,
+        };
+        x.copies = match (f(&l["host_to_device_copies"]), f(&l["device_to_host_copies"]), f(&l["device_to_device_copies"])) {
             (Some(a), Some(b), Some(c)) => Some(a + b + c),
             _ => None,
         };
@@ -631,8 +637,8 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         recs.len(),
         failed
     ));
-    md.push_str("| precision | arm | runs | complete s | step ms | sync-window ms | data wait ms | GPU kernel ms/step | GPU kernels/step | event span ms/step | host launches/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
-    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    md.push_str("| precision | arm | runs | complete s | step ms | sync-window ms | data wait ms | GPU kernel ms/step | GPU kernels/step | event span ms/step | host launches/step | host copies/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
+    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     let mut json_groups = Vec::new();
     for p in &precisions {
         for arm in &arm_order {
@@ -648,7 +654,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             };
             let map = fs.first().map(|f| f.map50.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(" ")).unwrap_or_default();
             md.push_str(&format!(
-                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
+                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
                 fs.len(),
                 mr(&col(|f| Some(f.wall_s)), 1),
                 mr(&col(|f| f.step_ms), 1),
@@ -657,8 +663,9 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
                 mr(&col(|f| f.gpu_ms), 1),
                 mr(&col(|f| f.gpu_kernels), 0),
                 mr(&col(|f| f.span_ms), 1),
-                mr(&col(|f| f.launches), 0),
-                mr(&col(|f| f.syncs), 0),
+                mr(&col(|f| f.launches), 1),
+                mr(&col(|f| f.copies), 1),
+                mr(&col(|f| f.syncs), 2),
                 mr(&col(|f| f.alloc_mib), 0),
                 mr(&col(|f| f.reserved_mib), 0),
                 mr(&cold, 1),
@@ -670,7 +677,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
                 "complete_s": fs.iter().map(|f| f.wall_s).collect::<Vec<_>>(),
                 "step_ms": col(|f| f.step_ms), "sync_window_ms": col(|f| f.sync_ms), "data_wait_ms": col(|f| f.wait_ms),
                 "gpu_kernel_ms_per_step": col(|f| f.gpu_ms), "gpu_kernels_per_step": col(|f| f.gpu_kernels),
-                "event_span_ms_per_step": col(|f| f.span_ms), "host_launches_per_step": col(|f| f.launches),
+                "event_span_ms_per_step": col(|f| f.span_ms), "host_launches_per_step": col(|f| f.launches), "host_copies_per_step": col(|f| f.copies),
                 "host_syncs_per_step": col(|f| f.syncs), "peak_allocated_mib": col(|f| f.alloc_mib), "peak_reserved_mib": col(|f| f.reserved_mib),
                 "to_first_step_s_cold": cold, "to_first_step_s_warm": warm,
                 "map50_per_epoch": fs.iter().map(|f| f.map50.clone()).collect::<Vec<_>>(),
@@ -750,7 +757,21 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         let Some(plugins) = counters.as_object().filter(|m| !m.is_empty()) else { continue };
         let batches = r["result"]["timing"]["steps"].as_u64().unwrap_or(0);
         let optimizer_steps = r["result"]["optimizer_steps"].as_u64().unwrap_or(0);
-        for (plugin, regions) in plugins {
+        // A plugin that made no region saw no call (another plugin took its work: under
+        // `replay=all` with the dense loss the `step` region takes the trunk's, the stems' and the
+        // loss's); but some plugin must have replayed.
+        let active: Vec<(&String, &Value)> =
+            plugins.iter().filter(|(_, regions)| regions.as_object().is_some_and(|m| !m.is_empty())).collect();
+        if active.is_empty() {
+            guard_ok = false;
+            md.push_str(&format!(
+                "REPLAY GUARD FAILED: {} {} #{}: no plugin made a region\n",
+                r["arm"].as_str().unwrap_or("?"),
+                r["precision"].as_str().unwrap_or("?"),
+                r["pair"]
+            ));
+        }
+        for (plugin, regions) in active {
             // Each plugin says how often its regions are called (the run summary's cadence):
             // optimizer-stage plugins once per optimizer step (at least), the others per batch.
             let steps = match r["result"]["replay_cadence"][plugin.as_str()].as_str() {

@@ -141,6 +141,21 @@ pub trait ReplayPlugin: DynClone + Send {
         let _ = surface;
         body(inputs)
     }
+    /// Whether this plugin runs the model's forward and the dense criterion together
+    /// ([`ReplayPlugin::run_forward_loss`]): the whole forward-and-loss of a step as one body.
+    fn claims_forward_loss(&self) -> bool {
+        false
+    }
+    /// Runs a step's model forward and dense criterion as one body: must return what
+    /// `body(inputs)` returns, natively or by replay. `inputs` are the batch's images, the padded
+    /// device targets and the branch weights (`E2ELoss::loss_with_forward` lists them); `surface`
+    /// is everything the body reads besides them: the model's parameters and buffers, the RLE
+    /// flow's among them. Offered only when the fit is on the dense criterion and the batch's
+    /// targets fit a bucket; otherwise the step runs through the pieces and `run_loss`.
+    fn run_forward_loss(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &LossBody<'_>) -> Result<Vec<Tensor>> {
+        let _ = surface;
+        body(inputs)
+    }
     /// Whether the fit should keep every parameter's gradient buffer across steps (persistent
     /// gradients, `Tensor::set_keep_grad_buffer`): a plugin that records graphs reading or writing
     /// gradients needs them at fixed addresses. Absent gradients stay absent. Off by default (the
@@ -344,6 +359,25 @@ impl PluginStack {
     /// Whether any plugin claims the dense criterion.
     pub fn claims_loss(&self) -> bool {
         self.plugins.iter().any(|p| p.claims_loss())
+    }
+
+    /// A step's forward and dense criterion through their claimant
+    /// ([`ReplayPlugin::run_forward_loss`]), natively when no plugin claims them.
+    pub fn run_forward_loss(
+        &self,
+        inputs: &[Tensor],
+        surface: &[(String, Tensor, TensorKind)],
+        body: &LossBody<'_>,
+    ) -> Result<Vec<Tensor>> {
+        match self.plugins.iter().find(|p| p.claims_forward_loss()) {
+            Some(p) => p.run_forward_loss(inputs, surface, body),
+            None => body(inputs),
+        }
+    }
+
+    /// Whether any plugin claims a step's forward and criterion together.
+    pub fn claims_forward_loss(&self) -> bool {
+        self.plugins.iter().any(|p| p.claims_forward_loss())
     }
 
     /// Whether any plugin asks for persistent gradients ([`ReplayPlugin::persistent_gradients`]).

@@ -66,8 +66,14 @@ pub struct TimingReport {
     pub workers: usize,
     /// Batches uploaded from pageable memory on a CUDA device (pinned ring ran dry; 0 normally).
     pub pageable_uploads: u64,
-    /// Host-side counts per step over the sync window (CUDA only).
+    /// Host-side counts per step over the sync window (CUDA only). It follows the warm-up, so it
+    /// holds one-time work: with `nbs`/`batch` = 16 the first optimizer update and, under
+    /// replay, the backward graphs that update makes necessary are recorded inside it.
     pub launches: Option<LaunchesPerStep>,
+    /// The same counts over the GPU window's steps near the end of the run (CUDA only): the
+    /// steady state, the window's own synchronisations left out.
+    #[serde(default)]
+    pub launches_steady: Option<LaunchesPerStep>,
     /// Kernel time per step from CUPTI over a window near the end of the run (CUDA only).
     pub gpu: Option<GpuWindowReport>,
     /// Why there is no GPU window (no CUPTI, too few steps, CPU run).

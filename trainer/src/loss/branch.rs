@@ -446,15 +446,13 @@ impl PoseLoss26 {
         targets: &TargetBatch,
         anchors: &Anchors,
     ) -> Result<Option<super::assign_dense::DeviceTargets>> {
-        use super::assign_dense::{target_bucket, DeviceTargets};
         self.check_inputs(out, targets, anchors)?;
         let bs = out.boxes.dims().first().copied().unwrap_or(0);
-        let padded = pad_targets(targets, bs, anchors.image_hw())?;
-        let Some(slots) = target_bucket(padded.max_boxes) else {
+        let dt = padded_targets_on(targets, bs, anchors, out.boxes.device())?;
+        if dt.is_none() {
             self.count_fallback();
-            return Ok(None);
-        };
-        Ok(Some(DeviceTargets::upload(&padded, slots, out.boxes.device())?))
+        }
+        Ok(dt)
     }
 
     /// The branch's dense parts from targets already on the device: device work only (the
@@ -542,5 +540,21 @@ impl PoseLoss26 {
             z = z.add(&zero_connected(&flow.log_prob(&e)?)?)?;
         }
         Ok(z)
+    }
+}
+
+/// `targets` for a batch of `bs` images padded to their bucket and uploaded to `device`, or
+/// `None` beyond the largest bucket (not counted here: the host-path call that follows counts it).
+pub(crate) fn padded_targets_on(
+    targets: &TargetBatch,
+    bs: usize,
+    anchors: &Anchors,
+    device: ptl_autograd::Device,
+) -> Result<Option<super::assign_dense::DeviceTargets>> {
+    use super::assign_dense::{target_bucket, DeviceTargets};
+    let padded = pad_targets(targets, bs, anchors.image_hw())?;
+    match target_bucket(padded.max_boxes) {
+        Some(slots) => Ok(Some(DeviceTargets::upload(&padded, slots, device)?)),
+        None => Ok(None),
     }
 }

@@ -70,6 +70,15 @@ pub struct E2ELoss {
 
 type WeightsKey = ((f64, f64), ptl_autograd::Device, Tensor);
 
+/// The model's forward for [`E2ELoss::loss_with_forward`]: images to both branches' raw outputs
+/// (one-to-many, one-to-one).
+pub type ForwardBody<'a> = dyn Fn(&Tensor) -> Result<(BranchOutputs, BranchOutputs)> + 'a;
+
+/// Both branches' boxes, scores and keypoints, one-to-many first: the head of the dense body's inputs.
+fn dense_inputs(o2m: &BranchOutputs, o2o: &BranchOutputs) -> Vec<Tensor> {
+    vec![o2m.boxes.clone(), o2m.scores.clone(), o2m.kpts.clone(), o2o.boxes.clone(), o2o.scores.clone(), o2o.kpts.clone()]
+}
+
 /// Runs the dense criterion's device work: `route(inputs, body)` returns `body(inputs)`'s tensors
 /// (natively or by a replay of a recording of it).
 pub type LossRoute<'a> = dyn Fn(&[Tensor], &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>> + 'a;
@@ -214,47 +223,130 @@ impl E2ELoss {
         };
         self.one2one.check_inputs(o2o, targets, anchors)?;
         let weights = self.weights_on(o2m.boxes.device())?;
-        let bs = o2m.boxes.dims().first().copied().unwrap_or(0);
-        let slots = dt.slots;
-        let sigma = |o: &BranchOutputs| o.kpts_sigma.clone();
-        let mut inputs =
-            vec![o2m.boxes.clone(), o2m.scores.clone(), o2m.kpts.clone(), o2o.boxes.clone(), o2o.scores.clone(), o2o.kpts.clone()];
+        let mut inputs = dense_inputs(o2m, o2o);
         inputs.extend([dt.labels.clone(), dt.boxes.clone(), dt.mask.clone(), dt.kpts.clone(), weights]);
-        let with_sigma = sigma(o2m).is_some() && sigma(o2o).is_some();
-        if let (Some(a), Some(b)) = (sigma(o2m), sigma(o2o)) {
-            inputs.extend([a, b]);
+        let with_sigma = o2m.kpts_sigma.is_some() && o2o.kpts_sigma.is_some();
+        if let (Some(a), Some(b)) = (&o2m.kpts_sigma, &o2o.kpts_sigma) {
+            inputs.extend([a.clone(), b.clone()]);
         }
-        let body = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-            let branch = |i: usize, s: Option<usize>| BranchOutputs {
-                boxes: xs[i].clone(),
-                scores: xs[i + 1].clone(),
-                kpts: xs[i + 2].clone(),
-                kpts_sigma: s.map(|k| xs[k].clone()),
-            };
-            let (a_out, b_out) = if with_sigma { (branch(0, Some(11)), branch(3, Some(12))) } else { (branch(0, None), branch(3, None)) };
-            let dt = DeviceTargets { slots, labels: xs[6].clone(), boxes: xs[7].clone(), mask: xs[8].clone(), kpts: xs[9].clone() };
-            let pa = self.one2many.dense_parts_on(&a_out, &dt, anchors)?;
-            let pb = self.one2one.dense_parts_on(&b_out, &dt, anchors)?;
-            // One flow evaluation for both branches' RLE rows.
-            let rle = super::dense::rle_terms(&[&pa, &pb], flow)?;
-            let (va, vb) = (pa.finish(&self.one2many.cfg, &rle[0])?, pb.finish(&self.one2one.cfg, &rle[1])?);
-            // The batch as an immediate scale (fixed per shape), the epoch's weights from the device.
-            let (la, lb) = (va.mul_scalar(bs as f64)?, vb.mul_scalar(bs as f64)?);
-            let w = &xs[10];
-            let loss_vec = la.mul(&w.narrow(0, 0, 1)?)?.add(&lb.mul(&w.narrow(0, 1, 1)?)?)?;
-            let total = loss_vec.sum_all()?;
-            let values = Tensor::cat(&[&va.detach(), &vb.detach(), &total.detach().reshape(1)?], 0)?;
-            // x − x is 0 for a finite x and NaN otherwise: the flag without a host read.
-            let nonfinite = ptl_autograd::no_grad(|| -> Result<Tensor> {
-                let finite = values.sub(&values)?.eq_scalar(0.0)?.to_dtype(DType::F32)?;
-                Ok(finite.min_dim(0, true)?.0.affine(-1.0, 1.0)?)
-            })?;
-            Ok(vec![total, loss_vec, values, nonfinite, la, lb])
-        };
+        let slots = dt.slots;
+        let body = |xs: &[Tensor]| self.dense_device_work(xs, slots, with_sigma, anchors, flow);
         let outs = match route {
             Some(r) => r(&inputs, &body)?,
             None => body(&inputs)?,
         };
+        self.finish_dense(outs, clock).map(Some)
+    }
+
+    /// Whether a step of `bs` images with these targets takes the dense path (the criterion is
+    /// dense and every image's targets fit the largest bucket): then
+    /// [`E2ELoss::loss_with_forward`] runs it. Host work only.
+    pub fn takes_dense_path(&self, targets: &TargetBatch, bs: usize, anchors: &Anchors) -> Result<bool> {
+        if !(self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment) {
+            return Ok(false);
+        }
+        let padded = super::targets::pad_targets(targets, bs, anchors.image_hw())?;
+        Ok(super::assign_dense::target_bucket(padded.max_boxes).is_some())
+    }
+
+    /// The model's forward and the dense criterion as one body over tensors, which `route` may
+    /// record whole (a step's forward and loss in one graph). `route` gets the images `x`, the
+    /// padded targets and the branch weights; the body runs `forward(x)` (both branches' raw
+    /// outputs) and then what [`E2ELoss::loss_routed`]'s body runs, so the values are the same.
+    /// `None` — and nothing counted or run — when the criterion is not dense or the targets need
+    /// the host path: the caller then runs the forward and [`E2ELoss::loss`] as usual.
+    pub fn loss_with_forward(
+        &self,
+        x: &Tensor,
+        forward: &ForwardBody<'_>,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+        route: &LossRoute<'_>,
+    ) -> Result<Option<LossOutput>> {
+        if !(self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment) {
+            return Ok(None);
+        }
+        let clock = std::time::Instant::now();
+        let bs = x.dims().first().copied().unwrap_or(0);
+        let Some(dt) = super::branch::padded_targets_on(targets, bs, anchors, x.device())? else {
+            return Ok(None);
+        };
+        let weights = self.weights_on(x.device())?;
+        let inputs = [x.clone(), dt.labels.clone(), dt.boxes.clone(), dt.mask.clone(), dt.kpts.clone(), weights];
+        let slots = dt.slots;
+        let body = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let [x, labels, boxes, mask, kpts, weights] = xs else {
+                return Err(crate::error::TrainerError::InvalidArgument {
+                    what: "forward-and-loss route",
+                    reason: format!("handed {} tensors to a body that takes 6", xs.len()),
+                });
+            };
+            let (o2m, o2o) = forward(x)?;
+            self.one2many.check_inputs(&o2m, targets, anchors)?;
+            self.one2one.check_inputs(&o2o, targets, anchors)?;
+            let mut inner = dense_inputs(&o2m, &o2o);
+            inner.extend([labels.clone(), boxes.clone(), mask.clone(), kpts.clone(), weights.clone()]);
+            let with_sigma = o2m.kpts_sigma.is_some() && o2o.kpts_sigma.is_some();
+            if let (Some(a), Some(b)) = (o2m.kpts_sigma, o2o.kpts_sigma) {
+                inner.extend([a, b]);
+            }
+            self.dense_device_work(&inner, slots, with_sigma, anchors, flow)
+        };
+        let outs = route(&inputs, &body)?;
+        self.finish_dense(outs, clock).map(Some)
+    }
+
+    /// The dense criterion's device work over `xs` = both branches' boxes, scores and keypoints
+    /// (o2m then o2o), the padded targets (labels, boxes, mask, keypoints), the branch weights,
+    /// and with `with_sigma` both branches' sigma views: `[total, loss_vec, values, nonfinite,
+    /// la, lb]`. No host read, no data-dependent shape.
+    fn dense_device_work(
+        &self,
+        xs: &[Tensor],
+        slots: usize,
+        with_sigma: bool,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+    ) -> Result<Vec<Tensor>> {
+        let wanted = 11 + 2 * usize::from(with_sigma);
+        if xs.len() != wanted {
+            return Err(crate::error::TrainerError::InvalidArgument {
+                what: "loss route",
+                reason: format!("handed {} tensors to the dense loss body, which takes {wanted}", xs.len()),
+            });
+        }
+        let bs = xs[0].dims().first().copied().unwrap_or(0);
+        let branch = |i: usize, s: Option<usize>| BranchOutputs {
+            boxes: xs[i].clone(),
+            scores: xs[i + 1].clone(),
+            kpts: xs[i + 2].clone(),
+            kpts_sigma: s.map(|k| xs[k].clone()),
+        };
+        let (a_out, b_out) = if with_sigma { (branch(0, Some(11)), branch(3, Some(12))) } else { (branch(0, None), branch(3, None)) };
+        let dt = DeviceTargets { slots, labels: xs[6].clone(), boxes: xs[7].clone(), mask: xs[8].clone(), kpts: xs[9].clone() };
+        let pa = self.one2many.dense_parts_on(&a_out, &dt, anchors)?;
+        let pb = self.one2one.dense_parts_on(&b_out, &dt, anchors)?;
+        // One flow evaluation for both branches' RLE rows.
+        let rle = super::dense::rle_terms(&[&pa, &pb], flow)?;
+        let (va, vb) = (pa.finish(&self.one2many.cfg, &rle[0])?, pb.finish(&self.one2one.cfg, &rle[1])?);
+        // The batch as an immediate scale (fixed per shape), the epoch's weights from the device.
+        let (la, lb) = (va.mul_scalar(bs as f64)?, vb.mul_scalar(bs as f64)?);
+        let w = &xs[10];
+        let loss_vec = la.mul(&w.narrow(0, 0, 1)?)?.add(&lb.mul(&w.narrow(0, 1, 1)?)?)?;
+        let total = loss_vec.sum_all()?;
+        let values = Tensor::cat(&[&va.detach(), &vb.detach(), &total.detach().reshape(1)?], 0)?;
+        // x − x is 0 for a finite x and NaN otherwise: the flag without a host read.
+        let nonfinite = ptl_autograd::no_grad(|| -> Result<Tensor> {
+            let finite = values.sub(&values)?.eq_scalar(0.0)?.to_dtype(DType::F32)?;
+            Ok(finite.min_dim(0, true)?.0.affine(-1.0, 1.0)?)
+        })?;
+        Ok(vec![total, loss_vec, values, nonfinite, la, lb])
+    }
+
+    /// The dense criterion's result from its device work's tensors: left on the device with
+    /// [`E2ELoss::defer_items`], else read once (a non-finite total is an error).
+    fn finish_dense(&self, outs: Vec<Tensor>, clock: std::time::Instant) -> Result<LossOutput> {
         let [total, loss_vec, values, nonfinite, la, lb]: [Tensor; 6] =
             outs.try_into().map_err(|v: Vec<Tensor>| crate::error::TrainerError::InvalidArgument {
                 what: "loss route",
@@ -270,7 +362,7 @@ impl E2ELoss {
             };
             let (a, b) = (branch(la), branch(lb));
             let deferred = Some(DeferredItems { values, nonfinite });
-            return Ok(Some(LossOutput {
+            return Ok(LossOutput {
                 total,
                 loss_vec,
                 items: [f64::NAN; 6],
@@ -279,7 +371,7 @@ impl E2ELoss {
                 w_o2m: self.w_o2m,
                 w_o2o: self.w_o2o,
                 deferred,
-            }));
+            });
         }
         let read = values.to_vec::<f32>()?;
         let t = f64::from(read[DeferredItems::TOTAL]);
@@ -294,15 +386,6 @@ impl E2ELoss {
             phase_ms: [0.0, 0.0, enqueued, waited],
         };
         let (a, b) = (branch(la, items_of(&read[0..6])), branch(lb, items_of(&read[DeferredItems::ITEMS])));
-        Ok(Some(LossOutput {
-            total,
-            loss_vec,
-            items: b.items,
-            one2many: a,
-            one2one: b,
-            w_o2m: self.w_o2m,
-            w_o2o: self.w_o2o,
-            deferred: None,
-        }))
+        Ok(LossOutput { total, loss_vec, items: b.items, one2many: a, one2one: b, w_o2m: self.w_o2m, w_o2o: self.w_o2o, deferred: None })
     }
 }

@@ -5,7 +5,9 @@
 //!   last step of an epoch has none: validation follows). The first `warmup` steps of the process
 //!   are left out.
 //! - **Sync window**: the 16 steps after the warm-up, with the device synchronised at both ends
-//!   (total / 16) — the seed's figure; the backend's launch counters are read over the same steps.
+//!   (total / 16) — the seed's figure; the backend's launch counters are read over the same steps
+//!   (`launches`), and again over the GPU window (`launches_steady`): the sync window can hold
+//!   one-time work (the first optimizer update, the recordings it brings under replay).
 //! - **GPU window**: 16 steps near the end of the run traced with CUPTI (sum of kernel durations)
 //!   next to their device-event span. Tracing costs host time per launch, so these steps and the
 //!   step before them are left out of the start-to-start statistics.
@@ -38,7 +40,8 @@ enum SyncWindow {
 enum Gpu {
     /// Starts at (epoch, batch index).
     Planned(usize, usize),
-    Running(GpuWindow, usize),
+    /// The window, its first step, and the backend's counters at its start.
+    Running(GpuWindow, usize, CounterMark),
     Done(GpuWindowReport),
     Unavailable(String),
 }
@@ -57,6 +60,8 @@ pub(crate) struct StepClock {
     sync_window: SyncWindow,
     sync_ms: Option<f64>,
     launches: Option<LaunchesPerStep>,
+    /// The counters over the GPU window (steady state).
+    launches_steady: Option<LaunchesPerStep>,
     gpu: Gpu,
     first_step_s: Option<f64>,
     first_step_began: Option<Instant>,
@@ -82,6 +87,7 @@ impl StepClock {
             sync_window: SyncWindow::Pending,
             sync_ms: None,
             launches: None,
+            launches_steady: None,
             gpu: match gpu_plan {
                 Ok((e, b)) => Gpu::Planned(e, b),
                 Err(why) => Gpu::Unavailable(why),
@@ -144,7 +150,7 @@ impl StepClock {
         match std::mem::replace(&mut self.gpu, Gpu::Unavailable(String::new())) {
             Gpu::Planned(e, b) if (e, b) == (epoch, batch) => {
                 self.gpu = match GpuWindow::start(self.device, step) {
-                    Ok(w) => Gpu::Running(w, step),
+                    Ok(w) => Gpu::Running(w, step, CounterMark::now(self.device)),
                     Err(why) => Gpu::Unavailable(why),
                 };
                 in_gpu_window = true;
@@ -154,15 +160,16 @@ impl StepClock {
                 in_gpu_window = e == epoch && batch + 1 == b;
                 self.gpu = Gpu::Planned(e, b);
             }
-            Gpu::Running(w, first) if step == first + WINDOW => {
+            Gpu::Running(w, first, counters) if step == first + WINDOW => {
+                self.launches_steady = counters.per_step_until(&CounterMark::now(self.device), WINDOW);
                 self.gpu = match w.finish(self.device, WINDOW) {
                     Ok(r) => Gpu::Done(GpuWindowReport { optimizer_steps: self.gpu_updates, ..r }),
                     Err(why) => Gpu::Unavailable(why),
                 };
                 in_gpu_window = true;
             }
-            Gpu::Running(w, first) => {
-                self.gpu = Gpu::Running(w, first);
+            Gpu::Running(w, first, counters) => {
+                self.gpu = Gpu::Running(w, first, counters);
                 in_gpu_window = true;
             }
             other => self.gpu = other,
@@ -230,8 +237,9 @@ impl StepClock {
     /// Closes any open window and returns the figures.
     pub fn finish(&mut self, workers: usize, pageable_uploads: u64) -> TimingReport {
         if matches!(self.gpu, Gpu::Running(..)) {
-            if let Gpu::Running(w, first) = std::mem::replace(&mut self.gpu, Gpu::Unavailable(String::new())) {
+            if let Gpu::Running(w, first, counters) = std::mem::replace(&mut self.gpu, Gpu::Unavailable(String::new())) {
                 let steps = self.steps - first;
+                self.launches_steady = counters.per_step_until(&CounterMark::now(self.device), steps);
                 self.gpu = match w.finish(self.device, steps) {
                     Ok(r) => Gpu::Done(GpuWindowReport { optimizer_steps: self.gpu_updates, ..r }),
                     Err(why) => Gpu::Unavailable(why),
@@ -255,6 +263,7 @@ impl StepClock {
             workers,
             pageable_uploads,
             launches: self.launches.clone(),
+            launches_steady: self.launches_steady.clone(),
             gpu,
             gpu_unavailable,
             stages: None,

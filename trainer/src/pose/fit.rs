@@ -80,6 +80,9 @@ struct Run {
     anchors: Option<((usize, usize), Anchors)>,
     /// The RLE flow's parameters: what a recorded loss region reads besides its inputs.
     flow_surface: Vec<(String, Tensor, TensorKind)>,
+    /// Every parameter and buffer of the model (what a step's forward and loss read, the flow's
+    /// included): the surface of a forward-and-loss region.
+    model_surface: Vec<(String, Tensor, TensorKind)>,
     /// Loss values of earlier steps on their way to the host (the dense path's deferred items),
     /// oldest first, and how many of this epoch's have arrived.
     pending_losses: std::collections::VecDeque<PendingLoss>,
@@ -189,67 +192,38 @@ impl Run {
             nkpt: batch.nkpt,
         };
         let info = |stage| StageInfo { stage, epoch, batch_index: ni, training: true };
-        let autocast = self.cfg.precision.autocast();
         let (h, w) = (batch.shape[2], batch.shape[3]);
-
-        let mut out = None;
-        {
-            let model = &self.model;
-            let runner = self.plugins.runner(model);
-            // Natively, autocast's weight copies are made once up front in one batched cast; a
-            // replay plugin's regions cast inside their graphs instead (see compute_weights).
-            let weights: &[Tensor] = if self.plugins.is_empty() { &self.compute_weights } else { &[] };
-            self.plugins.run(info(Stage::Forward), &mut || {
-                out = Some(in_stage(stages::FORWARD, || {
-                    ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(&x, &runner))?
-                })?);
-                Ok(())
-            })?;
-        }
-        let out =
-            out.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the forward stage produced no output".into() })?;
-        stages[2] = self.stage_mark(&mut t)?;
-        let mut loss = None;
-        {
-            let (criterion, model) = (&self.criterion, &self.model);
-            let anchors = match &self.anchors {
-                Some((hw, a)) if *hw == (h, w) => a.clone(),
-                _ => {
-                    let a = Anchors::from_image_hw((h, w), &ptl_heads::model::STRIDES)?;
-                    self.anchors = Some(((h, w), a.clone()));
-                    a
-                }
-            };
-            let (plugins, flow_surface) = (&self.plugins, &self.flow_surface);
-            let ran = self.plugins.run(info(Stage::Loss), &mut || {
-                let flow = &model.head().flow_model;
-                // The dense criterion's device work goes to a plugin that claims it (recorded).
-                let route =
-                    |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| plugins.run_loss(inputs, flow_surface, body);
-                loss = Some(in_stage(stages::LOSS, || {
-                    ptl_autograd::autocast(autocast, || {
-                        let (o2m, o2o) = (branch(&out.one2many), branch(&out.one2one));
-                        match plugins.claims_loss() {
-                            true => criterion.loss_routed(&o2m, &o2o, &targets, &anchors, Some(flow), &route),
-                            false => criterion.loss(&o2m, &o2o, &targets, &anchors, Some(flow)),
-                        }
-                    })
-                })?);
-                Ok(())
-            });
-            // Non-finite predictions (diverged weights) stop the loss itself: the batch is
-            // skipped — no backward, no step — and the epoch ends in the recovery below.
-            if let Err(TrainerError::NonFinite { what, value, .. }) = &ran {
-                self.note_nonfinite(NonFiniteStep { epoch, batch: i, step: ni, term: what, value: *value });
-                self.state.step_losses.push(f64::NAN);
-                self.absorbed += 1;
-                return Ok(());
+        let anchors = match &self.anchors {
+            Some((hw, a)) if *hw == (h, w) => a.clone(),
+            _ => {
+                let a = Anchors::from_image_hw((h, w), &ptl_heads::model::STRIDES)?;
+                self.anchors = Some(((h, w), a.clone()));
+                a
             }
-            ran?;
+        };
+        // With a plugin that claims them, the forward and the dense criterion run as one body
+        // (one recorded region for both); `None`: this step goes through the pieces.
+        let mut loss = None;
+        let bs = x.dims().first().copied().unwrap_or(0);
+        let ran = match self.plugins.claims_forward_loss() && self.criterion.takes_dense_path(&targets, bs, &anchors)? {
+            true => self.forward_and_loss(&x, &targets, &anchors, epoch, ni).map(|l| loss = l),
+            false => Ok(()),
+        };
+        let ran = match (ran, &loss) {
+            (Ok(()), None) => self.forward_then_loss(&x, &targets, &anchors, epoch, ni, &mut t, &mut stages).map(|l| loss = Some(l)),
+            (ran, _) => ran,
+        };
+        // Non-finite predictions (diverged weights) stop the loss itself: the batch is
+        // skipped — no backward, no step — and the epoch ends in the recovery below.
+        if let Err(TrainerError::NonFinite { what, value, .. }) = &ran {
+            self.note_nonfinite(NonFiniteStep { epoch, batch: i, step: ni, term: what, value: *value });
+            self.state.step_losses.push(f64::NAN);
+            self.absorbed += 1;
+            return Ok(());
         }
+        ran?;
         let loss =
             loss.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the loss stage produced no output".into() })?;
-        drop(out);
         stages[3] = self.stage_mark(&mut t)?;
 
         if self.clock.wants_memory_snapshot() {
@@ -305,6 +279,97 @@ impl Run {
         }
         self.each_cb(|c, v| c.on_train_batch_end(v));
         Ok(())
+    }
+
+    /// The model's forward (`Stage::Forward`, the pieces through their claimants) and then the
+    /// criterion (`Stage::Loss`, the dense device work through its claimant).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_then_loss(
+        &mut self,
+        x: &Tensor,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        epoch: usize,
+        ni: usize,
+        t: &mut Instant,
+        stages: &mut [f64; 7],
+    ) -> Result<crate::loss::LossOutput> {
+        let info = |stage| StageInfo { stage, epoch, batch_index: ni, training: true };
+        let autocast = self.cfg.precision.autocast();
+        let mut out = None;
+        {
+            let model = &self.model;
+            let runner = self.plugins.runner(model);
+            // Natively, autocast's weight copies are made once up front in one batched cast; a
+            // replay plugin's regions cast inside their graphs instead (see compute_weights).
+            let weights: &[Tensor] = if self.plugins.is_empty() { &self.compute_weights } else { &[] };
+            self.plugins.run(info(Stage::Forward), &mut || {
+                out = Some(in_stage(stages::FORWARD, || {
+                    ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(x, &runner))?
+                })?);
+                Ok(())
+            })?;
+        }
+        let out =
+            out.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the forward stage produced no output".into() })?;
+        stages[2] = self.stage_mark(t)?;
+        let mut loss = None;
+        let (criterion, model, plugins, flow_surface) = (&self.criterion, &self.model, &self.plugins, &self.flow_surface);
+        self.plugins.run(info(Stage::Loss), &mut || {
+            let flow = &model.head().flow_model;
+            // The dense criterion's device work goes to a plugin that claims it (recorded).
+            let route = |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| plugins.run_loss(inputs, flow_surface, body);
+            loss = Some(in_stage(stages::LOSS, || {
+                ptl_autograd::autocast(autocast, || {
+                    let (o2m, o2o) = (branch(&out.one2many), branch(&out.one2one));
+                    match plugins.claims_loss() {
+                        true => criterion.loss_routed(&o2m, &o2o, targets, anchors, Some(flow), &route),
+                        false => criterion.loss(&o2m, &o2o, targets, anchors, Some(flow)),
+                    }
+                })
+            })?);
+            Ok(())
+        })?;
+        loss.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the loss stage produced no output".into() })
+    }
+
+    /// The model's forward and the dense criterion as one body handed to the plugin that claims
+    /// them (`E2ELoss::loss_with_forward`; recorded as one region). Inside it the pieces run
+    /// natively (no region inside a region) and autocast casts the weights where they are used.
+    /// Runs under both stages' wrappers, `Stage::Forward`'s around the work. `None` when this
+    /// step needs the pieces (the host criterion, targets beyond the largest bucket).
+    fn forward_and_loss(
+        &mut self,
+        x: &Tensor,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        epoch: usize,
+        ni: usize,
+    ) -> Result<Option<crate::loss::LossOutput>> {
+        let info = |stage| StageInfo { stage, epoch, batch_index: ni, training: true };
+        let autocast = self.cfg.precision.autocast();
+        let (criterion, model, plugins, surface) = (&self.criterion, &self.model, &self.plugins, &self.model_surface);
+        let forward = |x: &Tensor| -> Result<(BranchOutputs, BranchOutputs)> {
+            let out = in_stage(stages::FORWARD, || {
+                ptl_autograd::autocast_with_weights(autocast, &[], || model.forward_with(x, &ptl_heads::NativeRunner))?
+            })?;
+            Ok((branch(&out.one2many), branch(&out.one2one)))
+        };
+        let route = |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| plugins.run_forward_loss(inputs, surface, body);
+        let mut loss = None;
+        self.plugins.run(info(Stage::Forward), &mut || {
+            let flow = &model.head().flow_model;
+            // One graph holds both: its kernels count for the forward stage (and its backward's
+            // for the model's backward) in the GPU window's breakdown.
+            loss = in_stage(stages::FORWARD, || {
+                ptl_autograd::autocast(autocast, || criterion.loss_with_forward(x, &forward, targets, anchors, Some(flow), &route))
+            })?;
+            Ok(())
+        })?;
+        if loss.is_some() {
+            self.plugins.run(info(Stage::Loss), &mut || Ok(()))?;
+        }
+        Ok(loss)
     }
 
     /// Books one step's loss: the per-step total (hashed), the epoch's item sums, the running means
@@ -758,6 +823,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         compute_weights: Vec::new(),
         anchors: None,
         flow_surface: Vec::new(),
+        model_surface: Vec::new(),
         pending_losses: Default::default(),
         absorbed: 0,
         loss_flag: None,
@@ -770,6 +836,9 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         .filter(|(n, _)| n.starts_with("model.23.flow_model."))
         .map(|(n, t)| (n.clone(), t.clone(), TensorKind::Parameter))
         .collect();
+    let mut surface = Vec::new();
+    run.model.visit("", &mut |n, t, k| surface.push((n.to_string(), t.clone(), k)));
+    run.model_surface = surface;
     startup.model_build_s = t.elapsed().as_secs_f64();
     let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
     let result = fit_loop(&mut run, &train_args);
