@@ -28,8 +28,9 @@ options:
   --arms A,B         ptl arms (all but the dense ones on the host loss path): native (default), workers0 (batches built on the training thread),
                      feature (replay=feature), feature+stem (replay=feature,stem), all (replay=all:
                      every replay plugin of ptl-plugins), dense (loss_assigner=dense: the fixed-shape
-                     assigner and loss), all+dense (both), all+loss (all+dense with the dense loss
-                     recorded: replay=all,loss)
+                     assigner and loss), all+dense (both: with the dense loss `all` records a step's
+                     forward and loss as one region, `step`), all+loss (the same, named as before),
+                     pieces+loss (the trunk, each stem and the loss recorded apart, no step region)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --precisions P,Q   bf16-mixed,32-true,16-mixed (default bf16-mixed)
   --pairs N          rounds of every arm per precision (default 3)
@@ -142,7 +143,11 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         "dense" => Ok(vec!["loss_assigner=dense".into()]),
         "all+dense" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into()]),
         "all+loss" => Ok(vec!["replay=all,loss".into(), "loss_assigner=dense".into()]),
-        other => Err(format!("unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss)")),
+        // Every region but the step one: the trunk, each stem and the loss recorded apart.
+        "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
+        other => Err(format!(
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, pieces+loss)"
+        )),
     }
 }
 
@@ -1080,7 +1085,7 @@ fn startup_table(ok: &[&Value]) -> String {
         let v: Vec<Option<f64>> = ptl.iter().filter(|r| (r["cold"] == true) == cold).map(|r| sel(&r["result"]["startup"])).collect();
         mr(&v, 2)
     };
-    let rows: [(&str, Pick); 13] = [
+    let rows: [(&str, Pick); 16] = [
         ("process start → fit", |s| s["process_to_fit_s"].as_f64()),
         ("device open (context, kernels)", |s| s["device_open_s"].as_f64()),
         ("kernel compile (NVRTC)", |s| {
@@ -1094,7 +1099,10 @@ fn startup_table(ok: &[&Value]) -> String {
         ("cuDNN/cuBLAS set-ups (whole run)", |s| s["library_setup_s"].as_f64()),
         ("  of which cuDNN conv plans", |s| s["conv_plan_s"].as_f64()),
         ("  of which cuBLASLt plans", |s| s["gemm_plan_s"].as_f64()),
+        ("  conv plans: engine ranking", |s| s["conv_heuristics_s"].as_f64()),
+        ("  conv plans: execution-plan finalizes", |s| s["conv_finalize_s"].as_f64()),
         ("cuDNN conv plans built (count)", |s| s["conv_plans"].as_f64()),
+        ("  execution-plan finalizes (count)", |s| s["conv_finalizes"].as_f64()),
         ("cuBLASLt plans built (count)", |s| s["gemm_plans"].as_f64()),
     ];
     let mut md = String::from(

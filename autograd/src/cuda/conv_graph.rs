@@ -22,6 +22,7 @@ use ns::cudnnBackendAttributeName_t as A;
 use ns::cudnnBackendAttributeType_t as T;
 use ns::cudnnBackendDescriptorType_t as D;
 
+use super::counters::Setup;
 use crate::backend::Conv2dParams;
 use crate::{DType, Error, Result};
 
@@ -182,16 +183,19 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
     graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &[op.0])?;
     graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, T::CUDNN_TYPE_HANDLE, &[handle])?;
     graph.finalize("operation graph")?;
-    let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
-    heur.set_desc(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &graph)?;
-    heur.set(A::CUDNN_ATTR_ENGINEHEUR_MODE, T::CUDNN_TYPE_HEUR_MODE, &[heuristic_mode()])?;
-    heur.finalize("engine heuristics")?;
-    let results = (A::CUDNN_ATTR_ENGINEHEUR_RESULTS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR);
-    let count = heur.get::<ns::cudnnBackendDescriptor_t>(results.0, results.1, &mut [])?;
-    let cfgs: Vec<Desc> = (0..count.min(64)).map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)).collect::<Result<_>>()?;
-    // cuDNN fills the created engine-config descriptors.
-    let mut raw: Vec<ns::cudnnBackendDescriptor_t> = cfgs.iter().map(|c| c.0).collect();
-    let got = heur.get(results.0, results.1, &mut raw)?;
+    let (heur, cfgs, got) = super::counters::time_setup(Setup::ConvHeuristics, || -> Result<(Desc, Vec<Desc>, usize)> {
+        let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
+        heur.set_desc(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &graph)?;
+        heur.set(A::CUDNN_ATTR_ENGINEHEUR_MODE, T::CUDNN_TYPE_HEUR_MODE, &[heuristic_mode()])?;
+        heur.finalize("engine heuristics")?;
+        let results = (A::CUDNN_ATTR_ENGINEHEUR_RESULTS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR);
+        let count = heur.get::<ns::cudnnBackendDescriptor_t>(results.0, results.1, &mut [])?;
+        let cfgs: Vec<Desc> = (0..count.min(64)).map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)).collect::<Result<_>>()?;
+        // cuDNN fills the created engine-config descriptors.
+        let mut raw: Vec<ns::cudnnBackendDescriptor_t> = cfgs.iter().map(|c| c.0).collect();
+        let got = heur.get(results.0, results.1, &mut raw)?;
+        Ok((heur, cfgs, got))
+    })?;
     let mut why = Vec::new();
     let mut chosen = None;
     if let Some(k) = hint.filter(|&k| k < got) {
@@ -312,7 +316,7 @@ fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::
     let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR).map_err(|e| e.to_string())?;
     plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, T::CUDNN_TYPE_HANDLE, &[handle]).map_err(|e| e.to_string())?;
     plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg).map_err(|e| e.to_string())?;
-    plan.finalize("execution plan").map_err(|e| e.to_string())?;
+    super::counters::time_setup(Setup::ConvFinalize, || plan.finalize("execution plan")).map_err(|e| e.to_string())?;
     let mut ws = [0i64];
     plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, T::CUDNN_TYPE_INT64, &mut ws)
         .map_err(|e| format!("workspace size unreadable ({e})"))?;

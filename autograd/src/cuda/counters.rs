@@ -85,10 +85,14 @@ pub(crate) enum Setup {
     ConvPlan,
     /// A cuBLASLt matmul plan.
     GemmPlan,
+    /// Inside a graph-API conv plan: cuDNN's engine ranking for the shape.
+    ConvHeuristics,
+    /// Inside a graph-API conv plan: one engine's execution-plan finalize (kept or refused).
+    ConvFinalize,
 }
 
-static SETUPS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
-static SETUP_NS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+static SETUPS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
+static SETUP_NS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
 
 /// Runs `f`, a one-time library set-up, and adds its wall time to [`library_setup`].
 pub(crate) fn time_setup<R>(kind: Setup, f: impl FnOnce() -> R) -> R {
@@ -110,6 +114,11 @@ pub struct LibrarySetup {
     /// cuBLASLt plans, one per matmul shape and dtype.
     pub gemm_plans: u64,
     pub gemm_plan_s: f64,
+    /// Parts of the conv plans' time (graph API): ranking the engines, and finalizing execution
+    /// plans (one per engine tried).
+    pub conv_heuristics_s: f64,
+    pub conv_finalizes: u64,
+    pub conv_finalize_s: f64,
 }
 
 /// Library set-ups (handles and execution plans of cuDNN and cuBLAS/cuBLASLt) so far: a fixed
@@ -124,5 +133,8 @@ pub fn library_setup() -> LibrarySetup {
         conv_plan_s: s(Setup::ConvPlan),
         gemm_plans: n(Setup::GemmPlan),
         gemm_plan_s: s(Setup::GemmPlan),
+        conv_heuristics_s: s(Setup::ConvHeuristics),
+        conv_finalizes: n(Setup::ConvFinalize),
+        conv_finalize_s: s(Setup::ConvFinalize),
     }
 }

@@ -214,6 +214,14 @@ pub struct StartupReport {
     pub gemm_plans: u64,
     #[serde(default)]
     pub gemm_plan_s: f64,
+    /// Inside the conv plans (graph API): cuDNN's engine ranking, and the execution-plan
+    /// finalizes (one per engine tried; a remembered choice tries one).
+    #[serde(default)]
+    pub conv_heuristics_s: f64,
+    #[serde(default)]
+    pub conv_finalizes: u64,
+    #[serde(default)]
+    pub conv_finalize_s: f64,
     /// The first training step (first-use plans and allocations).
     pub first_step_s: f64,
     /// From process start to the start of the first step.
