@@ -147,10 +147,11 @@ pub fn run_train(a: TrainArgs) -> Result<(), String> {
     let s = fit(&cfg, Vec::new()).map_err(|e| e.to_string())?;
     let t = &s.timing;
     println!(
-        "finished in {:.1} s, {} optimizer steps; start-to-start step median {:.1} ms (p10 {:.1}, p90 {:.1}, {} steps), \
-         data wait {:.2} ms/step, {} loader workers",
+        "finished in {:.1} s, {} optimizer steps; start-to-start step {:.1} ms over 16-step stretches (median step {:.1}, \
+         p10 {:.1}, p90 {:.1}, {} steps), data wait {:.2} ms/step, {} loader workers",
         s.total_runtime_s,
         s.optimizer_steps,
+        t.start_to_start.window_ms,
         s.step_time.median_ms,
         s.step_time.p10_ms,
         s.step_time.p90_ms,

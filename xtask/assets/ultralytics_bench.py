@@ -306,8 +306,22 @@ except Exception as e:  # keep what was measured
     err = repr(e)
 T_END = time.perf_counter()
 
-s2s = [1e3 * (t1 - t0) for (g0, e0, t0), (g1, e1, t1) in zip(rec["starts"], rec["starts"][1:])
-       if e0 == e1 and g0 >= args.warmup and g0 not in state["prof_steps"]]
+s2s_g = [(g0, 1e3 * (t1 - t0)) for (g0, e0, t0), (g1, e1, t1) in zip(rec["starts"], rec["starts"][1:])
+         if e0 == e1 and g0 >= args.warmup and g0 not in state["prof_steps"]]
+s2s = [v for _, v in s2s_g]
+
+
+def window_ms(samples, w=16):
+    """ptl's StepTiming::window_ms: the median over non-overlapping w-step stretches of consecutive
+    timed steps of their mean start-to-start time (0 when there is no such stretch)."""
+    runs, last = [], None
+    for g, v in samples:
+        if last is None or g != last + 1:
+            runs.append([])
+        runs[-1].append(v)
+        last = g
+    means = [statistics.fmean(r[i:i + w]) for r in runs for i in range(0, len(r) - w + 1, w)]
+    return statistics.median(means) if means else 0.0
 waits = [1e3 * (t - rec["ends"][g - 1]) for g, e, t in rec["starts"]
          if g >= args.warmup and (g - 1) in rec["ends"] and g not in state["prof_steps"] and (g - 1) not in state["prof_steps"]]
 
@@ -326,7 +340,8 @@ res = {
                   ("bf16 autocast" if rec.get("amp") else "FP32")),
     "optimizer": rec.get("optimizer"), "workers": rec.get("workers"), "batches_per_epoch": rec.get("nb"),
     "total_runtime_s": T_END - T0, "process_to_first_step_s": rec["first_step"],
-    "start_to_start": stats(s2s), "sync_window_ms_per_step": rec["sync_window"],
+    "start_to_start": dict(stats(s2s) or {}, window_ms=window_ms(s2s_g)) if s2s else None,
+    "sync_window_ms_per_step": rec["sync_window"],
     "data_wait_ms_mean": statistics.fmean(waits) if waits else None,
     "epoch_s": rec["epoch_s"], "metrics_per_epoch": rec["metrics"],
     "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,

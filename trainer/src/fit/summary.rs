@@ -21,6 +21,13 @@ pub struct StepTiming {
     pub p90_ms: f64,
     #[serde(default)]
     pub mean_ms: f64,
+    /// The median over non-overlapping 16-step stretches of consecutive timed steps of their mean
+    /// start-to-start time (0 when there is no such stretch). When the host queues work ahead of
+    /// the GPU (no host read in a step), one step's start-to-start measures the host's queueing
+    /// and the GPU's pace shows only over several steps, as bursts of waiting; a stretch's mean
+    /// holds both, and the median over stretches leaves out one-time work (a new recording).
+    #[serde(default)]
+    pub window_ms: f64,
 }
 
 impl StepTiming {
@@ -35,7 +42,32 @@ impl StepTiming {
         let median = if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) };
         let q = |f: f64| s[(f * (n - 1) as f64) as usize];
         let mean_ms = s.iter().sum::<f64>() / n as f64;
-        StepTiming { timed_steps: n, median_ms: median, min_ms: s[0], max_ms: s[n - 1], p10_ms: q(0.1), p90_ms: q(0.9), mean_ms }
+        StepTiming {
+            timed_steps: n,
+            median_ms: median,
+            min_ms: s[0],
+            max_ms: s[n - 1],
+            p10_ms: q(0.1),
+            p90_ms: q(0.9),
+            mean_ms,
+            window_ms: 0.0,
+        }
+    }
+
+    /// Statistics of `runs` (ms), each a stretch of consecutive steps, with [`StepTiming::window_ms`]
+    /// over windows of `window` steps.
+    pub fn from_runs(runs: &[Vec<f64>], window: usize) -> Self {
+        let all: Vec<f64> = runs.iter().flatten().copied().collect();
+        let mut means: Vec<f64> =
+            runs.iter().flat_map(|r| r.chunks_exact(window.max(1)).map(|c| c.iter().sum::<f64>() / c.len() as f64)).collect();
+        means.sort_by(|a, b| a.total_cmp(b));
+        let n = means.len();
+        let window_ms = match n {
+            0 => 0.0,
+            _ if n % 2 == 1 => means[n / 2],
+            _ => 0.5 * (means[n / 2 - 1] + means[n / 2]),
+        };
+        StepTiming { window_ms, ..StepTiming::from_samples(&all) }
     }
 }
 

@@ -25,6 +25,8 @@ pub(crate) const WINDOW: usize = 16;
 
 struct Previous {
     epoch: usize,
+    /// The step's index in this process.
+    step: usize,
     start: Instant,
     timed: bool,
     /// Whether the step ran an optimizer update ([`StepClock::note_update`]).
@@ -54,6 +56,9 @@ pub(crate) struct StepClock {
     current_timed: bool,
     step_began: Option<Instant>,
     samples: Vec<f64>,
+    /// Per sample: its step's index in this process (stretches of consecutive steps make the
+    /// 16-step windows of `StepTiming::window_ms`).
+    sample_steps: Vec<usize>,
     /// Per sample: whether its step ran an optimizer update.
     sample_updated: Vec<bool>,
     waits: Vec<f64>,
@@ -82,6 +87,7 @@ impl StepClock {
             current_timed: false,
             step_began: None,
             samples: Vec::new(),
+            sample_steps: Vec::new(),
             sample_updated: Vec::new(),
             waits: Vec::new(),
             sync_window: SyncWindow::Pending,
@@ -129,6 +135,7 @@ impl StepClock {
         if let Some(p) = self.prev.take() {
             if p.epoch == epoch && p.timed {
                 self.samples.push(now.duration_since(p.start).as_secs_f64() * 1e3);
+                self.sample_steps.push(p.step);
                 self.sample_updated.push(p.updated);
             }
         }
@@ -180,7 +187,7 @@ impl StepClock {
             self.first_step_began = Some(start);
         }
         self.step_began = Some(start);
-        self.prev = Some(Previous { epoch, start, timed: self.current_timed, updated: false });
+        self.prev = Some(Previous { epoch, step, start, timed: self.current_timed, updated: false });
         Ok(())
     }
 
@@ -229,6 +236,20 @@ impl StepClock {
         (self.first_step_began, self.first_step_s.unwrap_or(0.0))
     }
 
+    /// The samples in stretches of consecutive steps.
+    fn sample_runs(&self) -> Vec<Vec<f64>> {
+        let mut runs: Vec<Vec<f64>> = Vec::new();
+        let mut last: Option<usize> = None;
+        for (&v, &step) in self.samples.iter().zip(&self.sample_steps) {
+            match runs.last_mut() {
+                Some(r) if last.is_some_and(|l| l + 1 == step) => r.push(v),
+                _ => runs.push(vec![v]),
+            }
+            last = Some(step);
+        }
+        runs
+    }
+
     /// The start-to-start samples of steps that did (or did not) run an optimizer update.
     fn split_samples(&self, updated: bool) -> Vec<f64> {
         self.samples.iter().zip(&self.sample_updated).filter(|(_, u)| **u == updated).map(|(s, _)| *s).collect()
@@ -255,7 +276,7 @@ impl StepClock {
         TimingReport {
             steps: self.steps,
             warmup_steps: self.warmup,
-            start_to_start: StepTiming::from_samples(&self.samples),
+            start_to_start: StepTiming::from_runs(&self.sample_runs(), WINDOW),
             start_to_start_update: StepTiming::from_samples(&self.split_samples(true)),
             start_to_start_no_update: StepTiming::from_samples(&self.split_samples(false)),
             sync_window_ms_per_step: self.sync_ms,
@@ -305,5 +326,22 @@ mod tests {
         assert_eq!((r.start_to_start_update.timed_steps, r.start_to_start_no_update.timed_steps), (3, 3));
         assert!(r.data_wait_ms_mean >= 1.0);
         assert!(r.sync_window_ms_per_step.is_none(), "no 16-step stretch in 5-step epochs");
+        assert_eq!(r.start_to_start.window_ms, 0.0, "no 16 consecutive timed steps");
+    }
+
+    /// Windows of consecutive steps: a run of 40 steps (after 2 warm-up steps, 39 with a
+    /// successor) holds two 16-step windows, and the median of their means is reported.
+    #[test]
+    fn window_figure_uses_stretches_of_consecutive_steps() {
+        let r = StepTiming::from_runs(&[vec![1.0; 16], [vec![3.0; 16], vec![100.0]].concat(), vec![5.0; 15]], WINDOW);
+        assert_eq!(r.timed_steps, 48);
+        assert_eq!(r.window_ms, 2.0, "median of the windows' means 1 and 3");
+        let mut c = StepClock::new(Device::Cpu, 2, Err("cpu".into()));
+        for b in 0..40 {
+            c.begin_step(0, b, 40).unwrap();
+            c.end_step();
+        }
+        let runs = c.sample_runs();
+        assert_eq!(runs.iter().map(Vec::len).collect::<Vec<_>>(), vec![37], "one stretch of steps 2..38");
     }
 }
