@@ -1037,7 +1037,7 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             run.plugins.on_validation_start()?;
             run.each_cb(|c, v| c.on_validation_start(v));
             run.each_cb(|c, v| c.on_validation_epoch_start(v));
-            let r = validate(&run.ema_eval_model()?, &ds, val_batch(&cfg), cfg.device, cfg.precision)?;
+            let r = validate(&run.ema_eval_model()?, &ds, cfg.batch * 2, cfg.device, cfg.precision)?;
             run.view.metrics = r.metrics.clone();
             run.each_cb(|c, v| c.on_validation_epoch_end(v));
             run.each_cb(|c, v| c.on_validation_end(v));
@@ -1158,18 +1158,6 @@ fn freeze_layers(model: &PoseModel, layers: &[usize]) -> Result<()> {
 /// The parameters the forward casts to the compute dtype: rank ≥ 2 ones, and a `<module>.bias`
 /// whose `<module>.weight` is a 4-d convolution weight (a convolution's bias is cast like its
 /// weight; a BatchNorm's weight is rank 1, so its bias stays out and is read in f32).
-/// Validation's batch size during a fit: Ultralytics' twice the training batch on the CPU; on a
-/// GPU the training batch itself, so that validation's convolutions have the training forward's
-/// shapes and reuse its cuDNN plans (a plan costs ≈ 35 ms to build on the H200: ≈ 1 s of a short
-/// run for the model's). Eval-mode outputs are per image: the metrics do not depend on it.
-fn val_batch(cfg: &PoseTrainConfig) -> usize {
-    if cfg.device.is_cuda() {
-        cfg.batch
-    } else {
-        cfg.batch * 2
-    }
-}
-
 fn compute_weights(params: &[(String, Tensor)]) -> Vec<Tensor> {
     let conv_modules: std::collections::HashSet<&str> =
         params.iter().filter(|(_, t)| t.rank() == 4).filter_map(|(n, _)| n.strip_suffix(".weight")).collect();
