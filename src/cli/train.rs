@@ -159,6 +159,9 @@ pub fn run_train(a: TrainArgs) -> Result<(), String> {
         t.data_wait_ms_mean,
         t.workers
     );
+    if let Some(ms) = t.steady_window_ms_per_step {
+        println!("steady pace {ms:.1} ms/step (16 steps before the GPU window, synchronised at both ends)");
+    }
     if let Some(g) = &t.gpu {
         println!(
             "GPU time {:.1} ms/step in {:.0} kernels (device-event span {:.1} ms/step, {} steps traced)",

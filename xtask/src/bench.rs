@@ -547,7 +547,8 @@ fn figures(r: &Value) -> Figures {
             .unwrap_or_default();
     } else {
         let t = &res["timing"];
-        x.step_ms = step_figure(&t["start_to_start"]);
+        // The steady synchronised window where the run has one (the host may queue ahead).
+        x.step_ms = f(&t["steady_window_ms_per_step"]).or_else(|| step_figure(&t["start_to_start"]));
         x.sync_ms = f(&t["sync_window_ms_per_step"]);
         x.wait_ms = f(&t["data_wait_ms_mean"]);
         x.gpu_ms = f(&t["gpu"]["kernel_ms_per_step"]);
@@ -648,7 +649,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     }
     let mut md = String::new();
     md.push_str(&format!(
-        "{} runs ({} failed). Medians over runs, (min–max) across runs; step = a run's median over 16-step stretches of their mean start-to-start time, after 10 warm-up steps.\n\n",
+        "{} runs ({} failed). Medians over runs, (min–max) across runs; step = ptl: 16 steps right before the GPU window, the device synchronised at both ends (total / 16; the host may queue steps ahead of the GPU); Ultralytics (a host sync every step): a run's median over 16-step stretches of their mean start-to-start time, after 10 warm-up steps.\n\n",
         recs.len(),
         failed
     ));

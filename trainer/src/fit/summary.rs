@@ -92,6 +92,10 @@ pub struct TimingReport {
     /// The seed's measure: 16 consecutive steps after the warm-up, device synchronised at both
     /// ends, total time / 16.
     pub sync_window_ms_per_step: Option<f64>,
+    /// The same over 16 steps right before the GPU window (the steady state; CUDA runs with a GPU
+    /// window only): the pace of a run whose host queues steps ahead of the GPU.
+    #[serde(default)]
+    pub steady_window_ms_per_step: Option<f64>,
     /// Mean time the training thread waited for a batch, over the timed steps.
     pub data_wait_ms_mean: f64,
     /// Loader worker threads (0: batches built on the training thread).

@@ -8,6 +8,9 @@
 //!   (total / 16) — the seed's figure; the backend's launch counters are read over the same steps
 //!   (`launches`), and again over the GPU window (`launches_steady`): the sync window can hold
 //!   one-time work (the first optimizer update, the recordings it brings under replay).
+//! - **Steady window**: 16 steps right before the GPU window, synchronised at both ends — with
+//!   no host read in a step the host queues ahead of the GPU, and only a window closed by
+//!   synchronisations measures the steady pace (`steady_window_ms_per_step`).
 //! - **GPU window**: 16 steps near the end of the run traced with CUPTI (sum of kernel durations)
 //!   next to their device-event span. Tracing costs host time per launch, so these steps and the
 //!   step before them are left out of the start-to-start statistics.
@@ -39,6 +42,21 @@ enum SyncWindow {
     Done,
 }
 
+/// A second synchronised 16-step window late in the run (right before the GPU window, clear of
+/// the warm-up, the first optimizer updates and the recordings they bring): with no host read in
+/// a step the host queues steps ahead of the GPU, so only a window closed by synchronisations
+/// measures the pace of the steady state.
+enum SteadyWindow {
+    /// Starts at (epoch, batch index).
+    Planned(usize, usize),
+    Running {
+        first: usize,
+        t0: Instant,
+    },
+    Done,
+    None,
+}
+
 enum Gpu {
     /// Starts at (epoch, batch index).
     Planned(usize, usize),
@@ -64,6 +82,8 @@ pub(crate) struct StepClock {
     waits: Vec<f64>,
     sync_window: SyncWindow,
     sync_ms: Option<f64>,
+    steady: SteadyWindow,
+    steady_ms: Option<f64>,
     launches: Option<LaunchesPerStep>,
     /// The counters over the GPU window (steady state).
     launches_steady: Option<LaunchesPerStep>,
@@ -92,6 +112,11 @@ impl StepClock {
             waits: Vec::new(),
             sync_window: SyncWindow::Pending,
             sync_ms: None,
+            steady: match &gpu_plan {
+                Ok((e, b)) if *b > WINDOW => SteadyWindow::Planned(*e, b - 1 - WINDOW),
+                _ => SteadyWindow::None,
+            },
+            steady_ms: None,
             launches: None,
             launches_steady: None,
             gpu: match gpu_plan {
@@ -150,6 +175,19 @@ impl StepClock {
                 self.sync_ms = Some(t0.elapsed().as_secs_f64() * 1e3 / WINDOW as f64);
                 self.launches = counters.per_step_until(&CounterMark::now(self.device), WINDOW);
                 self.sync_window = SyncWindow::Done;
+            }
+            _ => {}
+        }
+        match self.steady {
+            // Not inside the first sync window (it would close this one's synchronisation).
+            SteadyWindow::Planned(e, b) if (e, b) == (epoch, batch) && !matches!(self.sync_window, SyncWindow::Running { .. }) => {
+                sync(self.device)?;
+                self.steady = SteadyWindow::Running { first: step, t0: Instant::now() };
+            }
+            SteadyWindow::Running { first, t0 } if step == first + WINDOW => {
+                sync(self.device)?;
+                self.steady_ms = Some(t0.elapsed().as_secs_f64() * 1e3 / WINDOW as f64);
+                self.steady = SteadyWindow::Done;
             }
             _ => {}
         }
@@ -280,6 +318,7 @@ impl StepClock {
             start_to_start_update: StepTiming::from_samples(&self.split_samples(true)),
             start_to_start_no_update: StepTiming::from_samples(&self.split_samples(false)),
             sync_window_ms_per_step: self.sync_ms,
+            steady_window_ms_per_step: self.steady_ms,
             data_wait_ms_mean: if self.waits.is_empty() { 0.0 } else { self.waits.iter().sum::<f64>() / self.waits.len() as f64 },
             workers,
             pageable_uploads,
@@ -327,6 +366,25 @@ mod tests {
         assert!(r.data_wait_ms_mean >= 1.0);
         assert!(r.sync_window_ms_per_step.is_none(), "no 16-step stretch in 5-step epochs");
         assert_eq!(r.start_to_start.window_ms, 0.0, "no 16 consecutive timed steps");
+    }
+
+    /// The steady window: 16 steps ending at the step before the GPU window, timed on the CPU too
+    /// (synchronising a CPU device is a no-op).
+    #[test]
+    fn steady_window_precedes_the_gpu_window() {
+        let mut c = StepClock::new(Device::Cpu, 10, Ok((0, 111)));
+        for b in 0..128 {
+            c.begin_step(0, b, 128).unwrap();
+            if b == 94 {
+                assert!(matches!(c.steady, SteadyWindow::Running { first: 94, .. }));
+            }
+            c.end_step();
+        }
+        let r = c.finish(0, 0);
+        assert!(r.steady_window_ms_per_step.is_some(), "closed at the start of step 110");
+        let mut short = StepClock::new(Device::Cpu, 10, Err("no GPU window".into()));
+        short.begin_step(0, 0, 128).unwrap();
+        assert!(short.finish(0, 0).steady_window_ms_per_step.is_none());
     }
 
     /// Windows of consecutive steps: a run of 40 steps (after 2 warm-up steps, 39 with a
