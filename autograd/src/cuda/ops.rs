@@ -991,7 +991,13 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
     }
     let (pc, pu, po, pr) = (counts.ptr, cursor.ptr, offsets.ptr, rows.ptr);
     dev.launch1d(dev.func("ia_count", "")?, n, &mut args!(pi, nn, dd, pc))?;
-    dev.launch(dev.func("ia_scan", "")?, (1, 1, 1), (1024, 1, 1), &mut args!(pc, po, dd))?;
+    // The counts' exclusive scan, by blocks of 1024 (see kernels.cu).
+    let blocks = d.div_ceil(1024);
+    let (sums, block_offsets) = (super::alloc::DevBuf::alloc(dev, 4 * blocks)?, super::alloc::DevBuf::alloc(dev, 4 * (blocks + 1))?);
+    let (ps, pb, bb) = (sums.ptr, block_offsets.ptr, u32c("index_add", blocks)?);
+    dev.launch(dev.func("ia_block_sums", "")?, (bb, 1, 1), (1024, 1, 1), &mut args!(pc, dd, ps))?;
+    dev.launch(dev.func("ia_scan", "")?, (1, 1, 1), (1024, 1, 1), &mut args!(ps, pb, bb))?;
+    dev.launch(dev.func("ia_scan_apply", "")?, (bb, 1, 1), (1024, 1, 1), &mut args!(pc, pb, po, dd, bb))?;
     dev.launch1d(dev.func("ia_fill", "")?, n, &mut args!(pi, nn, dd, po, pu, pr))?;
     dev.launch1d(dev.func("ia_sort", "")?, d, &mut args!(po, dd, pr))?;
     dev.launch1d(dev.func("ia_sum", sfx(x.dtype))?, x.len, &mut args!(px, ps, po, pr, py, o, dd, nn, ii))?;
@@ -1000,8 +1006,8 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
 
 static INDEX_ADD_BY_BUCKETS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
-/// Whether a large `index_add` runs by buckets (the default: count, scan, fill, sort, sum — five
-/// launches, linear work) or as the one-launch scan of every index per output element. Both give
+/// Whether a large `index_add` runs by buckets (the default: count, scan — three launches —,
+/// fill, sort, sum: seven launches, linear work) or as the one-launch scan of every index per output element. Both give
 /// the same bytes; the switch exists to compare them (tests, benchmarks).
 pub fn set_index_add_by_buckets(on: bool) {
     INDEX_ADD_BY_BUCKETS.store(on, std::sync::atomic::Ordering::Relaxed);
