@@ -39,10 +39,8 @@ print(json.dumps(out))
 /// True when python3 can import pycocotools; false (after printing the skip line) when it
 /// cannot and `CI` is unset; a failure when it cannot under `CI`.
 fn pycocotools_available() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import pycocotools.coco, pycocotools.cocoeval"])
-        .output()
-        .is_ok_and(|o| o.status.success());
+    let ok =
+        Command::new("python3").args(["-c", "import pycocotools.coco, pycocotools.cocoeval"]).output().is_ok_and(|o| o.status.success());
     if !ok {
         assert!(
             std::env::var_os("CI").is_none(),

@@ -167,3 +167,61 @@ impl JsonWriter {
         Ok(files)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ptl_data::dataset::{DatasetMeta, Item};
+    use ptl_data::image::Image;
+    use ptl_data::labels::Labels;
+    use ptl_data::KptShape;
+
+    use super::*;
+
+    /// A dataset of `files` (640 × 480 originals) with 2 keypoints per person and no people.
+    fn dataset(files: &[&str]) -> PoseDataset {
+        let meta =
+            DatasetMeta { names: vec!["person".into()], nc: 1, kpt_shape: KptShape { k: 2, d: 3 }, flip_idx: None, kpt_oks_sigmas: vec![] };
+        let items = files
+            .iter()
+            .map(|f| Item {
+                im_file: PathBuf::from(f),
+                labels: Labels::default(),
+                ori_shape: (480, 640),
+                image: Arc::new(Image::from_rgb(1, 1, vec![0; 3])),
+            })
+            .collect();
+        PoseDataset { split: "val".into(), imgsz: 64, meta, items, report: Default::default() }
+    }
+
+    #[test]
+    fn ids_are_numeric_stems_else_positions() {
+        let ids = image_ids(&dataset(&["a/000000000139.jpg", "a/42.png"]));
+        assert_eq!((ids[Path::new("a/000000000139.jpg")], ids[Path::new("a/42.png")]), (139, 42));
+        let ids = image_ids(&dataset(&["a/7.jpg", "a/cat.jpg"]));
+        assert_eq!((ids[Path::new("a/7.jpg")], ids[Path::new("a/cat.jpg")]), (1, 2));
+        // The same number in two folders: not distinct, so positions.
+        let ids = image_ids(&dataset(&["a/5.jpg", "b/5.jpg"]));
+        assert_eq!((ids[Path::new("a/5.jpg")], ids[Path::new("b/5.jpg")]), (1, 2));
+    }
+
+    #[test]
+    fn ground_truth_in_original_pixels() {
+        let mut ds = dataset(&["v/3.jpg"]);
+        // Box centred at (320, 240), 160 × 240 px; keypoint 0 labelled at (0.5, 0.25), keypoint 1 unlabelled.
+        ds.items[0].labels = Labels { cls: vec![0.0], boxes: vec![[0.5, 0.5, 0.25, 0.5]], kpts: vec![0.5, 0.25, 2.0, 0.3, 0.3, 0.0] };
+        let gt = ground_truth(&ds, &image_ids(&ds)).unwrap();
+        assert_eq!((gt.images[0].id, gt.images[0].width, gt.images[0].height, gt.images[0].file_name.as_str()), (3, 640, 480, "3.jpg"));
+        let a = &gt.annotations[0];
+        assert_eq!((a.id, a.image_id, a.category_id, a.iscrowd), (1, 3, 1, false));
+        assert_eq!(a.bbox, [240.0, 120.0, 160.0, 240.0]);
+        assert!((a.area - 0.53 * 160.0 * 240.0).abs() < 1e-9);
+        assert_eq!(a.keypoints, vec![320.0, 120.0, 2.0, 0.0, 0.0, 0.0]);
+        assert_eq!(a.num_keypoints, Some(1));
+        assert_eq!((gt.categories[0].keypoints.len(), gt.categories[0].skeleton.len()), (2, 0), "no COCO skeleton for 2 keypoints");
+        // Written with iscrowd as 0, as COCO files are.
+        let text = serde_json::to_string(&gt).unwrap();
+        assert!(text.contains("\"iscrowd\":0"), "{text}");
+    }
+}
