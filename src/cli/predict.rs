@@ -14,9 +14,12 @@ use ptl_trainer::pose::draw;
 
 #[derive(Args, Debug)]
 pub struct ValArgs {
+    /// `key=value` settings, Ultralytics style (they override the flags): model= (alias weights=),
+    /// data=, imgsz=, batch=, conf=, device=, save_json=true|false, project= (alias save_dir=).
+    pub settings: Vec<String>,
     /// A ptl checkpoint (`weights/last.ckpt` or `best.ckpt`).
     #[arg(long)]
-    pub weights: PathBuf,
+    pub weights: Option<PathBuf>,
     /// Dataset yaml (defaults to the one the checkpoint was trained on).
     #[arg(long)]
     pub data: Option<PathBuf>,
@@ -26,7 +29,47 @@ pub struct ValArgs {
     pub batch: usize,
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// NMS confidence threshold.
+    #[arg(long, default_value_t = 0.001)]
+    pub conf: f32,
+    /// Write predictions.json (COCO results) and val_gt.json (COCO ground truth) into --project.
+    #[arg(long)]
+    pub save_json: bool,
+    /// Output folder of save_json.
+    #[arg(long, default_value = "runs/pose/val")]
+    pub project: PathBuf,
 }
+
+impl ValArgs {
+    /// Applies the `key=value` settings over the flags.
+    fn apply_settings(&mut self) -> Result<(), String> {
+        for s in self.settings.clone() {
+            let (k, v) = s.split_once('=').ok_or_else(|| format!("`{s}` is not key=value (ptl val takes {VAL_KEYS})"))?;
+            let num = |what: &str| format!("`{k}={v}`: expected {what}");
+            match k {
+                "model" | "weights" => self.weights = Some(PathBuf::from(v)),
+                "data" => self.data = Some(PathBuf::from(v)),
+                "imgsz" => self.imgsz = v.parse().map_err(|_| num("a positive integer"))?,
+                "batch" => self.batch = v.parse().map_err(|_| num("a positive integer"))?,
+                "conf" => self.conf = v.parse().map_err(|_| num("a number in [0, 1]"))?,
+                "device" => self.device = v.to_string(),
+                "project" | "save_dir" => self.project = PathBuf::from(v),
+                "save_json" => {
+                    self.save_json = match v.to_ascii_lowercase().as_str() {
+                        "true" | "1" | "yes" => true,
+                        "false" | "0" | "no" => false,
+                        _ => return Err(num("true or false")),
+                    }
+                }
+                _ => return Err(format!("unknown key `{k}` for ptl val (it takes {VAL_KEYS})")),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The keys `ptl val` accepts as `key=value`.
+const VAL_KEYS: &str = "model, data, imgsz, batch, conf, device, save_json, project";
 
 #[derive(Args, Debug)]
 pub struct PredictArgs {
@@ -68,9 +111,11 @@ pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, 
     Ok((model, args))
 }
 
-pub fn run_val(a: ValArgs) -> Result<(), String> {
+pub fn run_val(mut a: ValArgs) -> Result<(), String> {
+    a.apply_settings()?;
+    let weights = a.weights.clone().ok_or("no checkpoint to validate: pass model=W.ckpt (or --weights W.ckpt)")?;
     let device = super::train::resolve_device(&a.device, "validating")?;
-    let (model, args) = model_from_checkpoint(&a.weights, device)?;
+    let (model, args) = model_from_checkpoint(&weights, device)?;
     let data = match &a.data {
         Some(d) => d.clone(),
         None => PathBuf::from(args["data"].as_str().ok_or("the checkpoint names no dataset; pass --data")?),
@@ -81,15 +126,21 @@ pub fn run_val(a: ValArgs) -> Result<(), String> {
     if ds.nkpt() != model_k {
         return Err(format!(
             "{} predicts {model_k} keypoints per person but {} has {} (kpt_shape): validate on a dataset with the same keypoints",
-            a.weights.display(),
+            weights.display(),
             data.display(),
             ds.nkpt()
         ));
     }
-    let r = ptl_trainer::pose::validate(&model, &ds, a.batch, device, ptl_trainer::pose::Precision::F32).map_err(|e| e.to_string())?;
+    let opts = ptl_trainer::pose::ValOptions { conf: a.conf, save_json: a.save_json.then(|| a.project.clone()) };
+    let r = ptl_trainer::pose::validate_with(&model, &ds, a.batch, device, ptl_trainer::pose::Precision::F32, &opts)
+        .map_err(|e| e.to_string())?;
     println!("validated {} images of {}", r.images, data.display());
     for (k, v) in &r.metrics {
         println!("  {k:<24} {v:.4}");
+    }
+    if let Some(j) = &r.coco_json {
+        println!("COCO results: {} ({} detections)", j.predictions.display(), j.detections);
+        println!("COCO ground truth: {} ({} annotations)", j.ground_truth.display(), j.annotations);
     }
     Ok(())
 }

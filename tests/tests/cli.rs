@@ -152,3 +152,47 @@ fn a_coco_json_trains_as_data() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("annotations") && text(&o).contains("used"), "{}", text(&o));
 }
+
+#[test]
+fn save_json_writes_coco_files_in_train_and_val() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let project = dir.path().join("run");
+    let mut args = train_args(&data, &project);
+    args[1] = "epochs=1".into();
+    args.push("save_json=true".into());
+    let o = run_train(&args, dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    let (train_pred, train_gt) = (project.join("predictions.json"), project.join("val_gt.json"));
+    assert!(text(&o).contains(&train_pred.display().to_string()), "names the file: {}", text(&o));
+    // `ptl val` in Ultralytics' key=value form, on the run's last checkpoint.
+    let w = project.join("weights/last.ckpt");
+    let val_dir = dir.path().join("val");
+    let kv = |k: &str, v: &Path| format!("{k}={}", v.display());
+    let (model, data_kv, proj) = (kv("model", &w), kv("data", &data), kv("project", &val_dir));
+    let o = ptl(&["val", &model, &data_kv, "imgsz=64", "device=cpu", "save_json=true", &proj], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    let (val_pred, val_gt) = (val_dir.join("predictions.json"), val_dir.join("val_gt.json"));
+    assert!(text(&o).contains(&val_pred.display().to_string()) && text(&o).contains(&val_gt.display().to_string()), "{}", text(&o));
+    // Same split ⇒ the same ground truth file; predictions are COCO results of those images.
+    assert_eq!(std::fs::read(&train_gt).unwrap(), std::fs::read(&val_gt).unwrap());
+    let gt: serde_json::Value = serde_json::from_slice(&std::fs::read(&val_gt).unwrap()).unwrap();
+    let ids: Vec<i64> = gt["images"].as_array().unwrap().iter().map(|i| i["id"].as_i64().unwrap()).collect();
+    let res: serde_json::Value = serde_json::from_slice(&std::fs::read(&val_pred).unwrap()).unwrap();
+    let res = res.as_array().unwrap();
+    assert!(!res.is_empty());
+    for r in res {
+        assert!(ids.contains(&r["image_id"].as_i64().unwrap()), "{r}");
+        assert_eq!((r["bbox"].as_array().unwrap().len(), r["keypoints"].as_array().unwrap().len()), (4, 51), "{r}");
+    }
+    // An unknown key, and a folder that cannot be made (a file on the way): exit 1 naming them.
+    let o = ptl(&["val", &model, "save_jsn=true"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("unknown key `save_jsn`"), "{}", text(&o));
+    let blocked = dir.path().join("a_file");
+    std::fs::write(&blocked, b"x").unwrap();
+    let proj = kv("project", &blocked.join("val"));
+    let o = ptl(&["val", &model, &data_kv, "imgsz=64", "device=cpu", "save_json=true", &proj], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains(&blocked.join("val").display().to_string()), "{}", text(&o));
+}

@@ -143,6 +143,9 @@ pub struct PoseTrainConfig {
     pub stop_after_epochs: Option<usize>,
     /// Draw plots and prediction images at the end.
     pub plots: bool,
+    /// Write COCO JSON at each validation (`predictions.json`, `val_gt.json` in `save_dir`): the
+    /// final one holds the last epoch's predictions, for pycocotools or any COCO tool.
+    pub save_json: bool,
     /// Print a progress bar.
     pub progress: bool,
 }
@@ -205,6 +208,7 @@ impl Default for PoseTrainConfig {
             replay_config: serde_json::Map::new(),
             stop_after_epochs: None,
             plots: true,
+            save_json: false,
             progress: true,
         }
     }
@@ -282,6 +286,7 @@ impl PoseTrainConfig {
             "project" | "save_dir" => self.save_dir = PathBuf::from(value),
             "resume" => self.resume = Some(PathBuf::from(value)),
             "plots" => self.plots = boolean(value)?,
+            "save_json" => self.save_json = boolean(value)?,
             "gpu_time" => self.gpu_time = boolean(value)?,
             "profile" => self.profile = boolean(value)?,
             "replay" => self.replay = value.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect(),
@@ -413,6 +418,7 @@ impl PoseTrainConfig {
             ("freeze", "none".into(), "freeze layers: N = layers 0…N−1, or a list 0,3,5 (frozen parameters get no gradient)"),
             ("resume", "none".into(), "continue from a checkpoint (its settings are restored; only machine keys may change)"),
             ("plots", d.plots.to_string(), "draw results.png and validation predictions at the end"),
+            ("save_json", d.save_json.to_string(), "write predictions.json (COCO results) and val_gt.json (COCO ground truth) at each validation"),
             ("gpu_time", d.gpu_time.to_string(), "trace 16 steps with CUPTI for the GPU time per step (CUDA)"),
             ("profile", d.profile.to_string(), "time each stage with device synchronisation (diagnosis only)"),
             (
@@ -464,11 +470,12 @@ pub const MAX_IMGSZ: usize = 8192;
 pub const MAX_BATCH_PIXELS: u64 = 1 << 30;
 
 /// Settings a resumed run may change: where and how it runs, not what it computes.
-pub const MACHINE_KEYS: [&str; 12] = [
+pub const MACHINE_KEYS: [&str; 13] = [
     "device",
     "workers",
     "progress",
     "plots",
+    "save_json",
     "gpu_time",
     "profile",
     "timing_warmup_steps",

@@ -16,7 +16,7 @@ use super::config::{PoseTrainConfig, Precision};
 use super::pipeline::{device_images, TrainPipeline};
 use super::probe;
 use super::stages;
-use super::validate::{validate, ValResult};
+use super::validate::{validate_with, ValOptions, ValResult};
 use crate::fit::{
     save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PluginStack, ResultsCsv, RunHashes, RunHistory, RunSummary,
     Stage, StageInfo, StageProfile, StartupReport,
@@ -951,6 +951,9 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     let fit_time_before = run.history.fit_time_s;
     let last_ckpt = cfg.save_dir.join("weights").join("last.ckpt");
     let mut attempts = 0usize;
+    // save_json: every validation rewrites the COCO files, so the last one's stay (however the run ends).
+    let val_opts = ValOptions { save_json: cfg.save_json.then(|| cfg.save_dir.clone()), ..ValOptions::default() };
+    let mut coco_json = None;
     let last_epoch = cfg.stop_after_epochs.map_or(cfg.epochs, |n| (start_epoch + n).min(cfg.epochs)).max(start_epoch + 1) - 1;
     let device = cfg.device;
     let gpu_plan = StepClock::plan_gpu_window(cfg.gpu_time, device, cfg.timing_warmup_steps, start_epoch, last_epoch, run.nb);
@@ -1037,7 +1040,8 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             run.plugins.on_validation_start()?;
             run.each_cb(|c, v| c.on_validation_start(v));
             run.each_cb(|c, v| c.on_validation_epoch_start(v));
-            let r = validate(&run.ema_eval_model()?, &ds, cfg.batch * 2, cfg.device, cfg.precision)?;
+            let r = validate_with(&run.ema_eval_model()?, &ds, cfg.batch * 2, cfg.device, cfg.precision, &val_opts)?;
+            coco_json = r.coco_json.clone().or(coco_json);
             run.view.metrics = r.metrics.clone();
             run.each_cb(|c, v| c.on_validation_epoch_end(v));
             run.each_cb(|c, v| c.on_validation_end(v));
@@ -1088,6 +1092,15 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             return Ok(());
         }
         epoch += 1;
+    }
+    if let Some(j) = &coco_json {
+        eprintln!(
+            "ptl: COCO JSON of the final validation: {} ({} detections), ground truth {} ({} annotations)",
+            j.predictions.display(),
+            j.detections,
+            j.ground_truth.display(),
+            j.annotations
+        );
     }
     if cfg.plots {
         let csv = cfg.save_dir.join("results.csv");

@@ -1,6 +1,7 @@
 //! Pose training: configuration, the fit loop, validation.
 
 mod clock;
+pub mod coco_json;
 pub mod config;
 pub mod draw;
 pub mod fit;
@@ -11,9 +12,10 @@ mod progress;
 pub mod stages;
 pub mod validate;
 
+pub use coco_json::CocoJsonFiles;
 pub use config::{PoseTrainConfig, Precision};
 pub use fit::{fit, images_to_tensor, LOSS_NAMES};
-pub use validate::{validate, ValResult};
+pub use validate::{validate, validate_with, ValOptions, ValResult};
 
 /// Peak (allocated, reserved) device memory on `device` since the last reset; `None` on the
 /// CPU, where the process allocator keeps no such statistics.

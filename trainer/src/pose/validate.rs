@@ -1,12 +1,14 @@
 //! Validation of the (EMA) model: letterboxed val batches → eval forward → NMS on the o2m branch
 //! → box/pose metrics (metrics.md), in the network's input space.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use ptl_autograd::{no_grad, Device};
 use ptl_data::{PoseDataset, ValLoader};
 use ptl_heads::PoseModel;
 
+use super::coco_json::{CocoJsonFiles, JsonWriter};
 use super::config::Precision;
 use super::fit::images_to_tensor;
 use crate::metrics::nms::non_max_suppression_batch;
@@ -20,6 +22,23 @@ pub struct ValResult {
     pub metrics: Vec<(String, f64)>,
     pub fitness: f64,
     pub images: usize,
+    /// The COCO files written when [`ValOptions::save_json`] was set.
+    pub coco_json: Option<CocoJsonFiles>,
+}
+
+/// What a validation pass does beyond scoring the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValOptions {
+    /// NMS confidence threshold (Ultralytics' val default 0.001).
+    pub conf: f32,
+    /// Write `predictions.json` and `val_gt.json` (COCO, original pixels) into this folder.
+    pub save_json: Option<PathBuf>,
+}
+
+impl Default for ValOptions {
+    fn default() -> Self {
+        ValOptions { conf: NmsConfig::default().conf_thres, save_json: None }
+    }
 }
 
 impl ValResult {
@@ -46,10 +65,23 @@ impl ValResult {
 
 /// Runs the model (eval mode expected) over the validation set.
 pub fn validate(model: &PoseModel, ds: &Arc<PoseDataset>, batch: usize, device: Device, precision: Precision) -> Result<ValResult> {
+    validate_with(model, ds, batch, device, precision, &ValOptions::default())
+}
+
+/// [`validate`] with a confidence threshold and optional COCO JSON output.
+pub fn validate_with(
+    model: &PoseModel,
+    ds: &Arc<PoseDataset>,
+    batch: usize,
+    device: Device,
+    precision: Precision,
+    opts: &ValOptions,
+) -> Result<ValResult> {
     let loader = ValLoader::new(ds.clone(), batch.max(1), 0)?;
     let nk = ds.nkpt();
     let mut v = PoseValidator::new(nk)?;
-    let nms = NmsConfig::default();
+    let nms = NmsConfig { conf_thres: opts.conf, ..NmsConfig::default() };
+    let mut json = opts.save_json.as_deref().map(|dir| JsonWriter::new(dir, ds)).transpose()?;
     let mut images = 0;
     for b in loader.iter() {
         let b = b?;
@@ -64,14 +96,18 @@ pub fn validate(model: &PoseModel, ds: &Arc<PoseDataset>, batch: usize, device: 
         let outs = non_max_suppression_batch(&host[..real * per_image], real, dims[2], 1, nk, &nms)?;
         let (h, w) = (b.shape[2] as u32, b.shape[3] as u32);
         let gts = GroundTruth::from_batch(&b.batch_idx, &b.cls, &b.bboxes, &b.keypoints, b.len(), nk, w, h)?;
-        for (o, gt) in outs.iter().zip(&gts) {
+        for (i, (o, gt)) in outs.iter().zip(&gts).enumerate() {
             v.update(&o.detections, gt)?;
+            if let Some(w) = json.as_mut() {
+                w.add(&b, i, &o.detections)?;
+            }
         }
         images += b.len();
     }
     let m = v.compute();
     let metrics: Vec<(String, f64)> = m.results_dict().into_iter().map(|(k, x)| (k.to_string(), x)).collect();
-    Ok(ValResult { fitness: m.fitness, metrics, images })
+    let coco_json = json.map(|w| w.finish(ds)).transpose()?;
+    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json })
 }
 
 /// On a GPU, a last partial batch padded with blank images to `batch`: every validation batch

@@ -33,7 +33,7 @@ pub struct CocoAnnotation {
     /// Category id.
     pub category_id: i64,
     /// Crowd region (0/1 or bool in the file).
-    #[serde(default, deserialize_with = "int_or_bool")]
+    #[serde(default, deserialize_with = "int_or_bool", serialize_with = "bool_as_int")]
     pub iscrowd: bool,
     /// Box `[x, y, w, h]` in original pixels.
     pub bbox: [f64; 4],
@@ -43,7 +43,7 @@ pub struct CocoAnnotation {
     #[serde(default)]
     pub keypoints: Vec<f64>,
     /// Labelled keypoints; COCOeval ignores keypoint GTs with 0.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_keypoints: Option<i64>,
 }
 
@@ -55,11 +55,23 @@ pub struct CocoCategory {
     /// Name.
     #[serde(default)]
     pub name: String,
+    /// Supercategory (COCO tools print it; empty is left out).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub supercategory: String,
+    /// Keypoint names, in label order (keypoint datasets).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keypoints: Vec<String>,
+    /// Limbs as 1-based keypoint index pairs (COCO's convention).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skeleton: Vec<[i64; 2]>,
 }
 
-/// A COCO ground-truth file (unknown fields such as `info`, `licenses` are ignored).
+/// A COCO ground-truth file (unknown fields such as `licenses` are ignored).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CocoDataset {
+    /// Free-form description (pycocotools' `info()` prints it).
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub info: serde_json::Map<String, serde_json::Value>,
     /// Images.
     pub images: Vec<CocoImage>,
     /// Annotations.
@@ -99,6 +111,11 @@ fn int_or_bool<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<bool, D::
     })
 }
 
+/// COCO files write `iscrowd` as 0/1.
+fn bool_as_int<S: serde::Serializer>(v: &bool, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_u8(u8::from(*v))
+}
+
 fn json_err(path: &Path, e: serde_json::Error) -> TrainerError {
     TrainerError::Json { path: path.to_path_buf(), line: e.line(), column: e.column(), msg: e.to_string() }
 }
@@ -133,6 +150,13 @@ pub fn load_results(path: impl AsRef<Path>) -> Result<Vec<CocoResult>> {
 pub fn save_results(path: impl AsRef<Path>, results: &[CocoResult]) -> Result<()> {
     let p: PathBuf = path.as_ref().to_path_buf();
     let text = serde_json::to_string(results).map_err(|e| json_err(&p, e))?;
+    std::fs::write(&p, text).map_err(|source| TrainerError::Io { path: p, source })
+}
+
+/// Write a COCO ground-truth file.
+pub fn save_dataset(path: impl AsRef<Path>, dataset: &CocoDataset) -> Result<()> {
+    let p: PathBuf = path.as_ref().to_path_buf();
+    let text = serde_json::to_string(dataset).map_err(|e| json_err(&p, e))?;
     std::fs::write(&p, text).map_err(|source| TrainerError::Io { path: p, source })
 }
 

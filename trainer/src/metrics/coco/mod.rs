@@ -8,6 +8,6 @@ pub mod json;
 
 pub use eval::{evaluate, CocoEvalResult, EvalParams, IouType};
 pub use json::{
-    detections_to_results, load_dataset, load_results, parse_dataset, parse_results, py_round, save_results, CocoAnnotation, CocoCategory,
-    CocoDataset, CocoImage, CocoResult, Letterbox,
+    detections_to_results, load_dataset, load_results, parse_dataset, parse_results, py_round, save_dataset, save_results, CocoAnnotation,
+    CocoCategory, CocoDataset, CocoImage, CocoResult, Letterbox,
 };
