@@ -280,3 +280,42 @@ fn fraction_uses_part_of_the_training_split() {
         assert!(c.validate().is_err(), "fraction={bad}");
     }
 }
+
+/// Every augmentation gain is wired to the loader: changed alone, it changes the same (seed,
+/// epoch, batch) — and a fit trains on what the loader builds (`degrees=10` moves the weights).
+#[test]
+fn augmentation_gains_reach_the_loader_and_the_fit() {
+    use ptl_data::{OpenOptions, PoseDataset, TrainConfig, TrainLoader};
+    let open = OpenOptions { imgsz: 64, verbose: false, ..OpenOptions::default() };
+    let ds = std::sync::Arc::new(PoseDataset::open_yaml(&fit_support::dataset(), "train", &open).unwrap());
+    let batch = |cfg: &PoseTrainConfig| {
+        let t = TrainConfig { batch: 4, seed: 3, epochs: 2, close_mosaic: 0, aug: cfg.augment(), workers: 0, ..TrainConfig::default() };
+        TrainLoader::new(ds.clone(), t).unwrap().build_batch(0, 0).unwrap()
+    };
+    let base = batch(&PoseTrainConfig::default());
+    for (key, value) in [
+        ("hsv_h", "0.5"),
+        ("hsv_s", "0"),
+        ("hsv_v", "0.9"),
+        ("degrees", "30"),
+        ("translate", "0.3"),
+        ("scale", "0"),
+        ("shear", "20"),
+        ("perspective", "0.001"),
+        ("flipud", "1"),
+        ("fliplr", "0"),
+        ("fliplr", "1"),
+        ("mosaic", "0"),
+        ("bgr", "1"),
+    ] {
+        let mut cfg = PoseTrainConfig::default();
+        cfg.set(key, value).unwrap();
+        cfg.validate().unwrap();
+        let b = batch(&cfg);
+        assert!(b.img != base.img || b.keypoints != base.keypoints, "{key}={value} changed nothing");
+    }
+    let plain = fit(&PoseTrainConfig { epochs: 1, ..tiny("aug-plain") }, vec![]).unwrap();
+    let mut rotated = PoseTrainConfig { epochs: 1, ..tiny("aug-rotated") };
+    rotated.set("degrees", "10").unwrap();
+    assert_ne!(fit(&rotated, vec![]).unwrap().hashes.model, plain.hashes.model);
+}
