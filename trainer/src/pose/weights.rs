@@ -76,7 +76,7 @@ impl ModelSource {
         match self {
             ModelSource::Size(_) => Ok(None),
             ModelSource::Safetensors(p) => {
-                Ok(Some(module::load_safetensors(p, Device::Cpu).map_err(|e| checkpoint_err(p, e.to_string()))?.into_iter().collect()))
+                Ok(Some(module::load_safetensors(p, Device::Cpu).map_err(|e| checkpoint_err(p, e.to_string()))?))
             }
             ModelSource::Checkpoint(p) => Ok(Some(load_checkpoint(p, Device::Cpu)?.part("ema"))),
         }
