@@ -323,7 +323,10 @@ fn augmentation_gains_reach_the_loader_and_the_fit() {
 /// Every parameter's bytes as the first step's backward left them (before any optimizer step: the
 /// weights the fit started from).
 #[derive(Clone, Default)]
-struct StartWeights(std::sync::Arc<std::sync::Mutex<Vec<(String, Vec<u8>)>>>);
+struct StartWeights(std::sync::Arc<std::sync::Mutex<NamedBytes>>);
+
+/// (parameter name, its bytes).
+type NamedBytes = Vec<(String, Vec<u8>)>;
 
 impl Callback for StartWeights {
     fn on_after_backward_params(&mut self, v: &LoopView, params: &[(String, ptl_autograd::Tensor)]) {
