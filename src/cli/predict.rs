@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use ptl_autograd::{no_grad, Device, Module, Tensor};
 use ptl_data::augment::{letterbox, Instances};
-use ptl_heads::{ModelConfig, PoseModel, Scale};
+use ptl_heads::{ModelConfig, PoseModel};
 use ptl_trainer::fit::load_checkpoint;
 use ptl_trainer::metrics::nms::non_max_suppression_batch;
 use ptl_trainer::metrics::NmsConfig;
@@ -95,9 +95,12 @@ pub struct PredictArgs {
 pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, serde_json::Value), String> {
     let ck = load_checkpoint(path, device).map_err(|e| e.to_string())?;
     let args = ck.manifest.train_args.clone();
-    let scale = Scale::parse(args["scale"].as_str().unwrap_or("n")).map_err(|e| e.to_string())?;
     let ema = ck.part("ema");
     let weights_part = if ema.is_empty() { ck.part("model") } else { ema.clone() };
+    // The size is the weights' own (the settings may name a start-weights file instead of a size).
+    let shapes = weights_part.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect();
+    let scale = ptl_trainer::pose::weights::scale_of(&shapes)
+        .ok_or_else(|| format!("{}: not a YOLO26 pose model (no stem convolution of a known width)", path.display()))?;
     // The keypoint count is the model's own: the keypoint view `cv4_kpts.0` has K·3 outputs.
     let nkpt = weights_part
         .iter()

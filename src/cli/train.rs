@@ -11,7 +11,7 @@ use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
 #[derive(Args, Debug)]
 pub struct TrainArgs {
     /// A yaml file of `key: value` settings and/or `key=value` overrides (data=…, epochs=…, batch=…,
-    /// imgsz=…, optimizer=…, lr0=…, close_mosaic=…, scale=…, project=…, resume=…, …).
+    /// imgsz=…, model=…, optimizer=…, lr0=…, close_mosaic=…, scale=…, project=…, name=…, resume=…, …).
     /// With no `data`, the embedded default trains on a synthetic dataset generated on first use.
     pub settings: Vec<String>,
     /// auto (GPU when present), cpu or cuda:N.
@@ -135,7 +135,7 @@ pub fn run_train(a: TrainArgs) -> Result<(), String> {
     let cfg = build_config(&a)?;
     eprintln!(
         "ptl: training {} on {} ({} epochs, batch {}, imgsz {}, {}, {}) → {}",
-        cfg.scale,
+        cfg.model,
         cfg.data.display(),
         cfg.epochs,
         cfg.batch,

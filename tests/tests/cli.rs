@@ -8,7 +8,9 @@ use std::process::Output;
 
 use common::{ptl, synth, text};
 
-fn train_args(data: &Path, project: &Path) -> Vec<String> {
+/// Trains into `run` as Ultralytics' `project=<its folder> name=<its name>`.
+fn train_args(data: &Path, run: &Path) -> Vec<String> {
+    let (project, name) = (run.parent().expect("run folder"), run.file_name().expect("run name").to_string_lossy());
     [
         format!("data={}", data.display()),
         "epochs=2".into(),
@@ -18,6 +20,7 @@ fn train_args(data: &Path, project: &Path) -> Vec<String> {
         "optimizer=SGD".into(),
         "plots=false".into(),
         format!("project={}", project.display()),
+        format!("name={name}"),
         "--device".into(),
         "cpu".into(),
     ]

@@ -89,7 +89,7 @@ fn train_args(data: &Path, project: &Path) -> Vec<String> {
     let mut a: Vec<String> =
         ["train", &format!("data={}", data.display()), &format!("epochs={EPOCHS}")].iter().map(|s| s.to_string()).collect();
     a.extend(["batch=2", "imgsz=64", "seed=11", "optimizer=SGD", "nbs=6", "workers=0", "plots=false"].iter().map(|s| s.to_string()));
-    a.push(format!("project={}", project.display()));
+    a.push(format!("save_dir={}", project.display()));
     a.extend(["--device".to_string(), "cpu".to_string()]);
     a
 }

@@ -23,7 +23,7 @@ fn a_third_party_plugin_is_discovered_and_stacked() {
             "optimizer=SGD",
             "plots=false",
             "workers=0",
-            &format!("project={}", p.display()),
+            &format!("save_dir={}", p.display()),
             replay,
             "--device",
             "cpu",

@@ -42,6 +42,10 @@ pub enum TrainerError {
          checkpoint did not help); likely cause: {hint}"
     )]
     NonFiniteLoss { epoch: usize, batch: usize, step: usize, term: &'static str, value: f64, attempts: usize, hint: String },
+    /// Start weights (`model=…safetensors` / `.ckpt`) that do not fit the model: `tensor` names
+    /// the first entry that is missing, unexpected or of another shape.
+    #[error("start weights {path}: `{tensor}` {reason}")]
+    StartWeights { path: PathBuf, tensor: String, reason: String },
     /// A checkpoint that cannot be used (truncated, foreign, wrong format version).
     #[error("checkpoint {path}: {msg}")]
     Checkpoint { path: PathBuf, msg: String },

@@ -280,3 +280,141 @@ fn fraction_uses_part_of_the_training_split() {
         assert!(c.validate().is_err(), "fraction={bad}");
     }
 }
+
+/// Every augmentation gain is wired to the loader: changed alone, it changes the same (seed,
+/// epoch, batch) — and a fit trains on what the loader builds (`degrees=10` moves the weights).
+#[test]
+fn augmentation_gains_reach_the_loader_and_the_fit() {
+    use ptl_data::{OpenOptions, PoseDataset, TrainConfig, TrainLoader};
+    let open = OpenOptions { imgsz: 64, verbose: false, ..OpenOptions::default() };
+    let ds = std::sync::Arc::new(PoseDataset::open_yaml(&fit_support::dataset(), "train", &open).unwrap());
+    let batch = |cfg: &PoseTrainConfig| {
+        let t = TrainConfig { batch: 4, seed: 3, epochs: 2, close_mosaic: 0, aug: cfg.augment(), workers: 0, ..TrainConfig::default() };
+        TrainLoader::new(ds.clone(), t).unwrap().build_batch(0, 0).unwrap()
+    };
+    let base = batch(&PoseTrainConfig::default());
+    for (key, value) in [
+        ("hsv_h", "0.5"),
+        ("hsv_s", "0"),
+        ("hsv_v", "0.9"),
+        ("degrees", "30"),
+        ("translate", "0.3"),
+        ("scale", "0"),
+        ("shear", "20"),
+        ("perspective", "0.001"),
+        ("flipud", "1"),
+        ("fliplr", "0"),
+        ("fliplr", "1"),
+        ("mosaic", "0"),
+        ("bgr", "1"),
+    ] {
+        let mut cfg = PoseTrainConfig::default();
+        cfg.set(key, value).unwrap();
+        cfg.validate().unwrap();
+        let b = batch(&cfg);
+        assert!(b.img != base.img || b.keypoints != base.keypoints, "{key}={value} changed nothing");
+    }
+    let plain = fit(&PoseTrainConfig { epochs: 1, ..tiny("aug-plain") }, vec![]).unwrap();
+    let mut rotated = PoseTrainConfig { epochs: 1, ..tiny("aug-rotated") };
+    rotated.set("degrees", "10").unwrap();
+    assert_ne!(fit(&rotated, vec![]).unwrap().hashes.model, plain.hashes.model);
+}
+
+/// Every parameter's bytes as the first step's backward left them (before any optimizer step: the
+/// weights the fit started from).
+#[derive(Clone, Default)]
+struct StartWeights(std::sync::Arc<std::sync::Mutex<NamedBytes>>);
+
+/// (parameter name, its bytes).
+type NamedBytes = Vec<(String, Vec<u8>)>;
+
+impl Callback for StartWeights {
+    fn on_after_backward_params(&mut self, v: &LoopView, params: &[(String, ptl_autograd::Tensor)]) {
+        let mut seen = self.0.lock().unwrap();
+        if v.epoch == 0 && v.batch_in_epoch == 0 && seen.is_empty() {
+            seen.extend(params.iter().map(|(n, p)| (n.clone(), p.to_bytes().unwrap())));
+        }
+    }
+}
+
+/// `model=start.safetensors` (a state dict with Ultralytics' names, as the goldens and the
+/// conversion script write it) starts the fit from exactly those weights, not from the seed's
+/// initialisation, and the fit fine-tunes them; `model=last.ckpt` starts from a ptl checkpoint's
+/// EMA weights. Weights of another model are a typed error naming the tensor.
+#[test]
+fn a_fit_fine_tunes_from_saved_weights() {
+    use ptl_autograd::Device;
+    use ptl_heads::{ModelConfig, PoseModel};
+    let dir = fit_support::scratch("start-weights");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("start.safetensors");
+    PoseModel::new(ModelConfig::default(), Device::Cpu, 77).unwrap().save_safetensors(&file).unwrap();
+    let saved = ptl_autograd::module::load_safetensors(&file, Device::Cpu).unwrap();
+    let own_init = PoseModel::new(ModelConfig::default(), Device::Cpu, 11).unwrap();
+
+    let start = StartWeights::default();
+    let mut cfg = tiny("fine-tune");
+    cfg.set("model", file.to_str().unwrap()).unwrap();
+    let tuned = fit(&cfg, vec![Box::new(start.clone())]).unwrap();
+    let seen = start.0.lock().unwrap().clone();
+    assert!(seen.len() > 400, "every parameter seen ({})", seen.len());
+    for (name, bytes) in &seen {
+        assert_eq!(*bytes, saved[name].to_bytes().unwrap(), "{name} starts as in the file");
+    }
+    let first_conv = |sd: Vec<(String, ptl_autograd::Tensor, ptl_autograd::TensorKind)>| {
+        sd.into_iter().find(|(n, _, _)| n == "model.0.conv.weight").unwrap().1.to_bytes().unwrap()
+    };
+    let seen_first = &seen.iter().find(|(n, _)| n == "model.0.conv.weight").unwrap().1;
+    assert_ne!(*seen_first, first_conv(own_init.state_dict()), "not the seed's own initialisation");
+    let plain = fit(&tiny("fine-tune-plain"), vec![]).unwrap();
+    assert_ne!(tuned.hashes.model, plain.hashes.model);
+    assert!(tuned.optimizer_steps >= 1 && tuned.hashes.step_losses != plain.hashes.step_losses);
+
+    // A ptl checkpoint: its EMA weights.
+    let last = cfg.save_dir.join("weights/last.ckpt");
+    let ema = ptl_trainer::fit::load_checkpoint(&last, Device::Cpu).unwrap().part("ema");
+    let start = StartWeights::default();
+    let mut again = tiny("fine-tune-ckpt");
+    again.set("model", last.to_str().unwrap()).unwrap();
+    fit(&PoseTrainConfig { epochs: 1, ..again }, vec![Box::new(start.clone())]).unwrap();
+    for (name, bytes) in start.0.lock().unwrap().iter() {
+        assert_eq!(*bytes, ema[name].to_bytes().unwrap(), "{name} starts as the checkpoint's EMA");
+    }
+
+    // Another shape, a name the model lacks: typed errors naming the tensor, before any training.
+    for (edit, tensor, says) in
+        [("reshape", "model.1.conv.weight", "has shape [1, 1, 1, 1]"), ("extra", "model.99.weight", "is not in the model")]
+    {
+        let mut tensors: Vec<(String, ptl_autograd::Tensor)> = saved.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
+        let odd = ptl_autograd::Tensor::from_vec(vec![0.0f32], vec![1, 1, 1, 1], Device::Cpu).unwrap();
+        match edit {
+            "reshape" => tensors.iter_mut().find(|(n, _)| n == tensor).unwrap().1 = odd,
+            _ => tensors.push((tensor.into(), odd)),
+        }
+        let bad_file = dir.join(format!("{edit}.safetensors"));
+        std::fs::write(&bad_file, ptl_autograd::module::to_safetensors_bytes(&tensors).unwrap()).unwrap();
+        let mut bad = tiny(&format!("fine-tune-{edit}"));
+        bad.set("model", bad_file.to_str().unwrap()).unwrap();
+        let e = fit(&bad, vec![]).expect_err(edit);
+        assert!(matches!(&e, ptl_trainer::TrainerError::StartWeights { tensor: t, .. } if t == tensor), "{e}");
+        assert!(e.to_string().contains(says), "{e}");
+    }
+}
+
+/// The goldens' `weights.safetensors` (Ultralytics' own `state_dict()` of YOLO26n-pose, what the
+/// conversion script writes) is a valid `model=`: size n, every tensor in place.
+#[test]
+fn an_ultralytics_state_dict_is_a_start_model() {
+    let file = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens/model/weights.safetensors"));
+    if !file.is_file() {
+        eprintln!("skipping: {} not found", file.display());
+        return;
+    }
+    let source = ptl_trainer::pose::ModelSource::parse(file.to_str().unwrap()).unwrap();
+    assert_eq!(source.scale().unwrap(), ptl_heads::Scale::N);
+    let model = ptl_heads::PoseModel::new(ptl_heads::ModelConfig::default(), ptl_autograd::Device::Cpu, 0).unwrap();
+    let values = source.start_weights().unwrap().expect("a weights file");
+    ptl_trainer::pose::weights::load_start_weights(&model, &values, &file).unwrap();
+    let (name, t, _) = model.state_dict().into_iter().next().unwrap();
+    assert_eq!(t.to_bytes().unwrap(), values[&name].to_bytes().unwrap(), "{name} loaded");
+}

@@ -132,6 +132,41 @@ fn older_and_newer_checkpoint_formats() {
     assert!(e.to_string().contains("format 99") && e.to_string().contains("newer ptl"), "{e}");
 }
 
+/// Up to format 2 the settings' `scale` was the model size ("n"): such a checkpoint loads with
+/// `model=yolo26{size}-pose.yaml` and `scale` the augmentation gain it trained with (the default),
+/// and its run resumes to the same bytes as one never interrupted.
+#[test]
+fn a_format_2_checkpoint_with_the_size_in_scale_migrates_and_resumes() {
+    let dir = fit_support::scratch("format2");
+    fit(&PoseTrainConfig { stop_after_epochs: Some(1), ..tiny(&dir) }, vec![]).expect("first epoch");
+    let last = dir.join("weights/last.ckpt");
+    let ck = load_checkpoint(&last, Device::Cpu).expect("load");
+    let as_format_2 = |size: &str, path: &Path| {
+        let mut m = serde_json::to_value(&ck.manifest).unwrap();
+        m["format"] = 2.into();
+        let args = m["train_args"].as_object_mut().unwrap();
+        for new in ["model", "hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "shear", "perspective", "flipud", "fliplr", "bgr"] {
+            args.remove(new).expect("a setting of format 3");
+        }
+        for new in ["mixup", "cutmix", "copy_paste", "project", "name"] {
+            args.remove(new);
+        }
+        args.insert("scale".into(), size.into());
+        let manifest: ptl_trainer::fit::Manifest = serde_json::from_value(m).unwrap();
+        save_checkpoint(path, &ptl_trainer::fit::Checkpoint { manifest, tensors: ck.tensors.clone() }).unwrap();
+    };
+    let small = dir.join("small.ckpt");
+    as_format_2("s", &small);
+    let stored = PoseTrainConfig::from_checkpoint(&small).expect("format 2 migrates");
+    assert_eq!((stored.model.as_str(), stored.scale), ("yolo26s-pose.yaml", 0.5));
+    as_format_2("n", &last);
+    let resumed = PoseTrainConfig::for_resume(&last, &[]).expect("resume settings");
+    assert_eq!((resumed.model.as_str(), resumed.scale), ("yolo26n-pose.yaml", 0.5));
+    let finished = fit(&resumed, vec![]).expect("resumed");
+    let straight = fit(&tiny(&fit_support::scratch("format2-straight")), vec![]).expect("straight");
+    assert_eq!(finished.hashes, straight.hashes, "the migrated run continues exactly");
+}
+
 /// Puts NaN into the first convolution's weights at the start of epoch 1's first batch, the first
 /// `times` times that batch starts.
 #[derive(Clone)]
@@ -186,12 +221,21 @@ fn absurd_settings_are_typed_errors_up_front() {
         ("epochs", "0"),
     ] {
         let mut cfg = base.clone();
-        cfg.set(key, value).expect("parses");
-        let e = cfg.validate().expect_err(key);
-        assert!(matches!(e, TrainerError::InvalidArgument { what: "config", .. }), "{key}={value}: {e}");
+        // A value that is no number (NaN, ∞) is refused as it is read; one out of range by validate.
+        let e = match cfg.set(key, value) {
+            Err(e) => {
+                assert!(!value.parse::<f64>().is_ok_and(f64::is_finite), "{key}={value} is a finite number: {e}");
+                e
+            }
+            Ok(()) => {
+                let e = cfg.validate().expect_err(key);
+                assert!(matches!(e, TrainerError::InvalidArgument { what: "config", .. }), "{key}={value}: {e}");
+                // And fit refuses before touching any file.
+                assert!(fit(&cfg, vec![]).is_err());
+                e
+            }
+        };
         assert!(e.to_string().contains(key.trim_end_matches("_epochs")) || e.to_string().contains(value), "{key}={value}: {e}");
-        // And fit refuses before touching any file.
-        assert!(fit(&cfg, vec![]).is_err());
     }
     let mut cfg = base.clone();
     cfg.set("batch", "512").unwrap();

@@ -433,7 +433,7 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
             format!("optimizer={}", o.optimizer),
         ])
         .args(["close_mosaic=0", "seed=347", "plots=false", "exist_ok=true"])
-        .arg(format!("project={}", project.display()))
+        .arg(format!("save_dir={}", project.display()))
         .args(arm_overrides(arm)?)
         .args(["--device", &o.device, "--precision", precision])
         .env("PTL_KERNEL_CACHE", kcache)

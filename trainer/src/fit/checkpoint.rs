@@ -12,9 +12,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Result, TrainerError};
 
-/// Version of the manifest layout; bump when fields change meaning. Format 1 (no run history) is
-/// migrated on load.
-pub const CHECKPOINT_FORMAT: u32 = 2;
+/// Version of the manifest layout; bump when fields change meaning. Older formats are migrated on
+/// load: format 1 kept no run history; up to format 2 the settings' `scale` was the model size
+/// (now `model`, with `scale` the augmentation gain).
+pub const CHECKPOINT_FORMAT: u32 = 3;
 /// The oldest format this build migrates.
 pub const OLDEST_CHECKPOINT_FORMAT: u32 = 1;
 const MANIFEST_KEY: &str = "ptl.manifest";
@@ -133,15 +134,39 @@ pub fn read_manifest(path: &Path) -> Result<Manifest> {
     parse_manifest(path, &read_header_metadata(path)?)
 }
 
-/// The `__metadata__` of a safetensors file from its header alone: an 8-byte little-endian
-/// length, then that many bytes of JSON.
+/// The `__metadata__` of a safetensors file from its header alone.
 fn read_header_metadata(path: &Path) -> Result<HashMap<String, String>> {
+    let header = read_header(path, "not a ptl checkpoint")?;
+    let meta = header.get("__metadata__").cloned().unwrap_or_else(|| serde_json::Value::Object(Default::default()));
+    serde_json::from_value(meta).map_err(|e| TrainerError::Checkpoint {
+        path: path.to_path_buf(),
+        msg: format!("unreadable header: {e} (the file is truncated or not a ptl checkpoint)"),
+    })
+}
+
+/// The name and shape of every tensor of a safetensors file, from its header alone (no tensor
+/// data is read: enough to tell a model's size before building it).
+pub fn tensor_shapes(path: &Path) -> Result<HashMap<String, Vec<usize>>> {
+    let header = read_header(path, "not a safetensors file")?;
+    let mut shapes = HashMap::new();
+    for (name, entry) in header.into_iter().filter(|(n, _)| n != "__metadata__") {
+        let shape: Option<Vec<usize>> = entry["shape"].as_array().and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect());
+        let shape = shape.ok_or_else(|| TrainerError::Checkpoint {
+            path: path.to_path_buf(),
+            msg: format!("tensor `{name}` has no readable shape in the header (not a safetensors file)"),
+        })?;
+        shapes.insert(name, shape);
+    }
+    Ok(shapes)
+}
+
+/// A safetensors file's header JSON: an 8-byte little-endian length, then that many bytes.
+/// `foreign` completes the message for a file that is not one (`not a ptl checkpoint`).
+fn read_header(path: &Path, foreign: &str) -> Result<serde_json::Map<String, serde_json::Value>> {
     /// Larger headers are refused (the safetensors format's own limit).
     const MAX_HEADER: u64 = 100_000_000;
-    let corrupt = |msg: String| TrainerError::Checkpoint {
-        path: path.to_path_buf(),
-        msg: format!("{msg} (the file is truncated or not a ptl checkpoint)"),
-    };
+    let corrupt =
+        |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg: format!("{msg} (the file is truncated or {foreign})") };
     let mut file = std::fs::File::open(path).map_err(|e| io(path, e))?;
     let file_len = file.metadata().map_err(|e| io(path, e))?.len();
     let mut len = [0u8; 8];
@@ -152,12 +177,7 @@ fn read_header_metadata(path: &Path) -> Result<HashMap<String, String>> {
     }
     let mut header = vec![0u8; len as usize];
     file.read_exact(&mut header).map_err(|e| io(path, e))?;
-    #[derive(Deserialize)]
-    struct Header {
-        #[serde(rename = "__metadata__", default)]
-        metadata: HashMap<String, String>,
-    }
-    serde_json::from_slice::<Header>(&header).map(|h| h.metadata).map_err(|e| corrupt(format!("unreadable header: {e}")))
+    serde_json::from_slice(&header).map_err(|e| corrupt(format!("unreadable header: {e}")))
 }
 
 fn parse_manifest(path: &Path, meta: &HashMap<String, String>) -> Result<Manifest> {
@@ -181,7 +201,23 @@ fn parse_manifest(path: &Path, meta: &HashMap<String, String>) -> Result<Manifes
             path.display(),
             manifest.ptl_version
         );
-        manifest.format = CHECKPOINT_FORMAT;
     }
+    if manifest.format <= 2 {
+        migrate_model_size(&mut manifest.train_args);
+    }
+    manifest.format = CHECKPOINT_FORMAT;
     Ok(manifest)
+}
+
+/// Format 2 → 3: the settings' `scale` held the model size letter; it becomes `model` =
+/// `yolo26{letter}-pose.yaml`, and `scale` (now the augmentation gain) takes its default — the
+/// gain those runs trained with.
+fn migrate_model_size(train_args: &mut serde_json::Value) {
+    let Some(args) = train_args.as_object_mut() else {
+        return;
+    };
+    if let Some(serde_json::Value::String(size)) = args.get("scale").cloned() {
+        args.remove("scale");
+        args.insert("model".into(), format!("yolo26{}-pose.yaml", size.trim().to_ascii_lowercase()).into());
+    }
 }

@@ -6,10 +6,15 @@ use std::path::PathBuf;
 use ptl_autograd::{DType, Device};
 use serde::{Deserialize, Serialize};
 
+use ptl_data::AugmentConfig;
+
+pub use super::weights::ModelSource;
 use crate::{Result, TrainerError};
 
-/// Numeric precision of the training step (trainer.md §5).
+/// Numeric precision of the training step (trainer.md §5). Read with [`Precision::parse`]'s
+/// spellings (`bf16`, `fp16`, …), written as the canonical name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String")]
 pub enum Precision {
     /// Plain f32.
     #[serde(rename = "32-true")]
@@ -20,6 +25,13 @@ pub enum Precision {
     /// f16 autocast with a GradScaler.
     #[serde(rename = "16-mixed")]
     F16Mixed,
+}
+
+impl TryFrom<String> for Precision {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        Precision::parse(&s).map_err(|_| format!("`{s}`: use 32-true, bf16-mixed or 16-mixed"))
+    }
 }
 
 impl Precision {
@@ -64,8 +76,10 @@ pub struct PoseTrainConfig {
     pub device: Device,
     pub precision: Precision,
     pub seed: u64,
-    /// Model scale letter (n, s, m, l, x).
-    pub scale: String,
+    /// What to train (Ultralytics' `model`): a model yaml name for the size (`yolo26n-pose.yaml`
+    /// … `yolo26x-pose.yaml`, or the bare letter), or weights to start from (a `.safetensors`
+    /// state dict with Ultralytics' names, or a ptl `.ckpt`: its EMA weights). See [`ModelSource`].
+    pub model: String,
     pub optimizer: String,
     pub lr0: f64,
     pub lrf: f64,
@@ -77,7 +91,26 @@ pub struct PoseTrainConfig {
     pub cos_lr: bool,
     pub nbs: usize,
     pub close_mosaic: usize,
+    /// Augmentation gains with Ultralytics' names and meanings (data.md §6); checkpoints written
+    /// before they were settings hold none and trained with these defaults.
     pub mosaic: f64,
+    pub hsv_h: f64,
+    pub hsv_s: f64,
+    pub hsv_v: f64,
+    pub degrees: f64,
+    pub translate: f64,
+    /// The random affine's scale gain: zoom drawn from U(1 − scale, 1 + scale).
+    pub scale: f64,
+    pub shear: f64,
+    pub perspective: f64,
+    pub flipud: f64,
+    pub fliplr: f64,
+    pub bgr: f64,
+    /// MixUp, CutMix and CopyPaste are not implemented: only 0 (their default) is accepted, so that
+    /// a run asking for them fails up front instead of training without them.
+    pub mixup: f64,
+    pub cutmix: f64,
+    pub copy_paste: f64,
     /// Loader worker threads. `None` (the default): Ultralytics' rule on a GPU — min(8, CPU
     /// cores, batches per epoch), 0 for one batch — and on the CPU min(2, cores / 8), so
     /// that workers do not fight the CPU backend's own threads. 0 builds batches on the
@@ -123,18 +156,24 @@ pub struct PoseTrainConfig {
     #[doc(hidden)]
     #[serde(skip)]
     pub inject_loader_panic_at: Option<(usize, usize)>,
-    /// Output folder (checkpoints, results.csv, summary.json, plots). The CLI moves a new run
-    /// whose folder already holds one to a numbered sibling (`train2`, …) unless `exist_ok`.
+    /// Output folder (checkpoints, results.csv, summary.json, plots): `project/name` unless set
+    /// itself. A new run whose folder already holds one moves to a numbered sibling (`train2`, …)
+    /// unless `exist_ok`.
     pub save_dir: PathBuf,
+    /// Ultralytics' `project` and `name`: setting either makes `save_dir` = `project/name`.
+    pub project: PathBuf,
+    pub name: String,
     /// Train into an existing `save_dir` (the CLI's numbering is off).
     #[serde(default)]
     pub exist_ok: bool,
     /// Layers whose parameters are frozen (Ultralytics' `freeze`: `freeze=N` is layers 0…N−1,
     /// `freeze=0,3,5` a list); empty: nothing frozen.
+    #[serde(deserialize_with = "list_serde::freeze")]
     pub freeze: Vec<usize>,
     /// Resume from this checkpoint.
     pub resume: Option<PathBuf>,
     /// Replay plugins to enable, by registered name (empty: native, the default).
+    #[serde(deserialize_with = "list_serde::names")]
     pub replay: Vec<String>,
     /// Per-plugin configuration, by name (JSON; absent: the plugin's defaults).
     pub replay_config: serde_json::Map<String, serde_json::Value>,
@@ -162,8 +201,44 @@ mod device_serde {
     }
 }
 
+/// List fields that also read Ultralytics' scalar spellings: `freeze=3` (layers 0…2) and
+/// `replay=a,b`.
+mod list_serde {
+    use serde::{Deserialize, Deserializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Freeze {
+        Count(usize),
+        Layers(Vec<usize>),
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Names {
+        One(String),
+        Many(Vec<String>),
+    }
+
+    pub fn freeze<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<usize>, D::Error> {
+        match Freeze::deserialize(d).map_err(|_| serde::de::Error::custom("expected a layer count N or a list of layer indices"))? {
+            Freeze::Count(n) => Ok((0..n).collect()),
+            Freeze::Layers(v) => Ok(v),
+        }
+    }
+
+    pub fn names<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        let names = match Names::deserialize(d).map_err(|_| serde::de::Error::custom("expected comma-separated names"))? {
+            Names::One(s) => s.split(',').map(str::to_string).collect(),
+            Names::Many(v) => v,
+        };
+        Ok(names.into_iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect())
+    }
+}
+
 impl Default for PoseTrainConfig {
     fn default() -> Self {
+        let aug = AugmentConfig::default();
         PoseTrainConfig {
             data: PathBuf::from("data.yaml"),
             epochs: 100,
@@ -172,7 +247,7 @@ impl Default for PoseTrainConfig {
             device: Device::Cpu,
             precision: Precision::F32,
             seed: 0,
-            scale: "n".into(),
+            model: DEFAULT_MODEL.into(),
             optimizer: "auto".into(),
             lr0: 0.01,
             lrf: 0.01,
@@ -184,7 +259,21 @@ impl Default for PoseTrainConfig {
             cos_lr: false,
             nbs: 64,
             close_mosaic: 10,
-            mosaic: 1.0,
+            mosaic: aug.mosaic,
+            hsv_h: aug.hsv_h,
+            hsv_s: aug.hsv_s,
+            hsv_v: aug.hsv_v,
+            degrees: aug.degrees,
+            translate: aug.translate,
+            scale: aug.scale,
+            shear: aug.shear,
+            perspective: aug.perspective,
+            flipud: aug.flipud,
+            fliplr: aug.fliplr,
+            bgr: aug.bgr,
+            mixup: 0.0,
+            cutmix: 0.0,
+            copy_paste: 0.0,
             workers: None,
             clip_max_norm: 10.0,
             scaler_init_scale: 65536.0,
@@ -201,6 +290,8 @@ impl Default for PoseTrainConfig {
             profile: false,
             inject_loader_panic_at: None,
             save_dir: PathBuf::from("runs/pose/train"),
+            project: PathBuf::from("runs/pose"),
+            name: "train".into(),
             exist_ok: false,
             freeze: Vec::new(),
             resume: None,
@@ -230,87 +321,22 @@ impl PoseTrainConfig {
         }
     }
 
-    /// Applies one `key=value` override (Ultralytics spelling).
-    pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
-        let bad = |reason: String| TrainerError::InvalidArgument { what: "override", reason };
-        let num = |v: &str| v.parse::<f64>().map_err(|_| bad(format!("`{key}={v}`: expected a number")));
-        let int = |v: &str| v.parse::<usize>().map_err(|_| bad(format!("`{key}={v}`: expected a non-negative integer")));
-        let boolean = |v: &str| match v.to_ascii_lowercase().as_str() {
-            "true" | "1" | "yes" => Ok(true),
-            "false" | "0" | "no" => Ok(false),
-            _ => Err(bad(format!("`{key}={v}`: expected true or false"))),
-        };
-        match key {
-            "data" => self.data = PathBuf::from(value),
-            "epochs" => self.epochs = int(value)?,
-            "batch" => self.batch = int(value)?,
-            "imgsz" => self.imgsz = int(value)?,
-            "device" => self.device = Device::parse(value).map_err(|e| bad(e.to_string()))?,
-            "precision" | "amp" => self.precision = Precision::parse(value)?,
-            "seed" => self.seed = int(value)? as u64,
-            "scale" | "model" => self.scale = value.to_string(),
-            "optimizer" => self.optimizer = value.to_string(),
-            "lr0" => self.lr0 = num(value)?,
-            "lrf" => self.lrf = num(value)?,
-            "momentum" => self.momentum = num(value)?,
-            "weight_decay" => self.weight_decay = num(value)?,
-            "warmup_epochs" => self.warmup_epochs = num(value)?,
-            "warmup_momentum" => self.warmup_momentum = num(value)?,
-            "warmup_bias_lr" => self.warmup_bias_lr = num(value)?,
-            "cos_lr" => self.cos_lr = boolean(value)?,
-            "nbs" => self.nbs = int(value)?,
-            "close_mosaic" => self.close_mosaic = int(value)?,
-            "mosaic" => self.mosaic = num(value)?,
-            "workers" => self.workers = Some(int(value)?),
-            "val" => self.val = boolean(value)?,
-            "clip_max_norm" => self.clip_max_norm = num(value)?,
-            "scaler_init_scale" => self.scaler_init_scale = num(value)?,
-            "scaler_growth_interval" => self.scaler_growth_interval = int(value)?,
-            "loss_assigner" => match value {
-                "auto" | "host" | "dense" => self.loss_assigner = value.to_string(),
-                other => return Err(bad(format!("`loss_assigner={other}`: expected auto, host or dense"))),
-            },
-            "fraction" => self.fraction = num(value)?,
-            "patience" => self.patience = int(value)?,
-            "save_period" => {
-                self.save_period =
-                    value.parse::<i64>().map_err(|_| bad(format!("`save_period={value}`: expected an integer (≤ 0: off)")))?
-            }
-            "box" => self.loss_gains.box_gain = num(value)?,
-            "cls" => self.loss_gains.cls = num(value)?,
-            "dfl" => self.loss_gains.dfl = num(value)?,
-            "pose" => self.loss_gains.pose = num(value)?,
-            "kobj" => self.loss_gains.kobj = num(value)?,
-            "rle" => self.loss_gains.rle = num(value)?,
-            "max_batches" => self.max_batches = Some(int(value)?),
-            "project" | "save_dir" => self.save_dir = PathBuf::from(value),
-            "resume" => self.resume = Some(PathBuf::from(value)),
-            "plots" => self.plots = boolean(value)?,
-            "save_json" => self.save_json = boolean(value)?,
-            "gpu_time" => self.gpu_time = boolean(value)?,
-            "profile" => self.profile = boolean(value)?,
-            "replay" => self.replay = value.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect(),
-            "replay_config" => {
-                self.replay_config = serde_json::from_str(value)
-                    .map_err(|e| bad(format!("`replay_config={value}`: expected a JSON object of plugin name → settings ({e})")))?
-            }
-            "exist_ok" => self.exist_ok = boolean(value)?,
-            "freeze" => {
-                let v = value.trim().trim_start_matches('[').trim_end_matches(']');
-                self.freeze = if v.is_empty() || v.eq_ignore_ascii_case("none") {
-                    Vec::new()
-                } else if !v.contains(',') {
-                    (0..int(v)?).collect()
-                } else {
-                    v.split(',').map(|s| int(s.trim())).collect::<Result<Vec<_>>>()?
-                };
-            }
-            _ => {
-                let hint = closest_key(key).map(|k| format!("did you mean `{k}`? ")).unwrap_or_default();
-                return Err(bad(format!("unknown key `{key}` ({hint}`ptl cfg` lists every key with its default)")));
-            }
+    /// The loader's augmentation settings (data.md §6) from the gains above.
+    pub fn augment(&self) -> AugmentConfig {
+        AugmentConfig {
+            mosaic: self.mosaic,
+            degrees: self.degrees,
+            translate: self.translate,
+            scale: self.scale,
+            shear: self.shear,
+            perspective: self.perspective,
+            hsv_h: self.hsv_h,
+            hsv_s: self.hsv_s,
+            hsv_v: self.hsv_v,
+            flipud: self.flipud,
+            fliplr: self.fliplr,
+            bgr: self.bgr,
         }
-        Ok(())
     }
 
     /// Checks values that would otherwise fail deep inside the run (or, worse, train on
@@ -341,8 +367,19 @@ impl PoseTrainConfig {
         if self.scaler_growth_interval == 0 {
             return bad("scaler_growth_interval must be at least 1".into());
         }
+        ModelSource::parse(&self.model)?;
+        if !["auto", "host", "dense"].contains(&self.loss_assigner.as_str()) {
+            return bad(format!("loss_assigner `{}`: expected auto, host or dense", self.loss_assigner));
+        }
+        for (name, v, what) in
+            [("mixup", self.mixup, "MixUp"), ("cutmix", self.cutmix, "CutMix"), ("copy_paste", self.copy_paste, "CopyPaste")]
+        {
+            if v != 0.0 {
+                return bad(format!("{name} = {v}: ptl does not implement {what} (only {name}=0, the default, is accepted)"));
+            }
+        }
         let g = &self.loss_gains;
-        let ranges: [(&str, f64, f64, f64, bool); 18] = [
+        let ranges: [(&str, f64, f64, f64, bool); 29] = [
             ("fraction", self.fraction, 0.0, 1.0, true),
             ("box", g.box_gain, 0.0, 1000.0, false),
             ("cls", g.cls, 0.0, 1000.0, false),
@@ -358,6 +395,18 @@ impl PoseTrainConfig {
             ("warmup_momentum", self.warmup_momentum, 0.0, 1.0, false),
             ("warmup_bias_lr", self.warmup_bias_lr, 0.0, 10.0, false),
             ("mosaic", self.mosaic, 0.0, 1.0, false),
+            // Ultralytics' fraction keys lie in [0, 1]; rotation and shear in degrees.
+            ("hsv_h", self.hsv_h, 0.0, 1.0, false),
+            ("hsv_s", self.hsv_s, 0.0, 1.0, false),
+            ("hsv_v", self.hsv_v, 0.0, 1.0, false),
+            ("degrees", self.degrees, 0.0, 180.0, false),
+            ("translate", self.translate, 0.0, 1.0, false),
+            ("scale", self.scale, 0.0, 1.0, false),
+            ("shear", self.shear, 0.0, 80.0, false),
+            ("perspective", self.perspective, 0.0, 1.0, false),
+            ("flipud", self.flipud, 0.0, 1.0, false),
+            ("fliplr", self.fliplr, 0.0, 1.0, false),
+            ("bgr", self.bgr, 0.0, 1.0, false),
             ("clip_max_norm", self.clip_max_norm, 0.0, 1e6, true),
             ("lr0·lrf", self.lr0 * self.lrf, 0.0, 10.0, true),
             ("scaler_init_scale", self.scaler_init_scale, 0.0, f64::from(f32::MAX), true),
@@ -384,7 +433,7 @@ impl PoseTrainConfig {
             ("device", "auto".into(), "auto, cpu or cuda:N (also --device; auto picks a GPU when there is one)"),
             ("precision", d.precision.name().to_string(), "32-true, bf16-mixed or 16-mixed (also --precision; alias amp)"),
             ("seed", d.seed.to_string(), "random seed (also --seed)"),
-            ("scale", d.scale.clone(), "model scale: n, s, m, l or x (alias model)"),
+            ("model", d.model.clone(), "yolo26{n,s,m,l,x}-pose.yaml (the size; or the letter), or weights to start from: a .safetensors with Ultralytics names or a ptl .ckpt (its EMA weights)"),
             ("optimizer", d.optimizer.clone(), "auto, SGD, MuSGD or AdamW (auto is resolved once and stored in checkpoints)"),
             ("lr0", d.lr0.to_string(), "initial learning rate"),
             ("lrf", d.lrf.to_string(), "final learning rate as a fraction of lr0"),
@@ -397,6 +446,20 @@ impl PoseTrainConfig {
             ("nbs", d.nbs.to_string(), "nominal batch size (gradient accumulation up to it)"),
             ("close_mosaic", d.close_mosaic.to_string(), "turn mosaic off for the last N epochs (0 = never)"),
             ("mosaic", d.mosaic.to_string(), "mosaic probability"),
+            ("hsv_h", d.hsv_h.to_string(), "hue jitter gain (fraction)"),
+            ("hsv_s", d.hsv_s.to_string(), "saturation jitter gain (fraction)"),
+            ("hsv_v", d.hsv_v.to_string(), "value (brightness) jitter gain (fraction)"),
+            ("degrees", d.degrees.to_string(), "rotation range ± degrees"),
+            ("translate", d.translate.to_string(), "translation range ± fraction of the image size"),
+            ("scale", d.scale.to_string(), "zoom gain: scale drawn from U(1 − scale, 1 + scale)"),
+            ("shear", d.shear.to_string(), "shear range ± degrees"),
+            ("perspective", d.perspective.to_string(), "perspective gain (0 … 0.001 is sensible)"),
+            ("flipud", d.flipud.to_string(), "vertical flip probability"),
+            ("fliplr", d.fliplr.to_string(), "horizontal flip probability (keypoints swapped by flip_idx)"),
+            ("bgr", d.bgr.to_string(), "probability of feeding an image as BGR instead of RGB"),
+            ("mixup", d.mixup.to_string(), "MixUp probability: not implemented, only 0"),
+            ("cutmix", d.cutmix.to_string(), "CutMix probability: not implemented, only 0"),
+            ("copy_paste", d.copy_paste.to_string(), "CopyPaste probability: not implemented, only 0"),
             ("workers", opt(d.workers), "loader threads (auto: min(8, cores) on a GPU, min(2, cores/8) on the CPU)"),
             ("val", d.val.to_string(), "validate after every epoch"),
             ("clip_max_norm", d.clip_max_norm.to_string(), "gradient clipping: largest global L2 norm"),
@@ -413,7 +476,9 @@ impl PoseTrainConfig {
             ("kobj", d.loss_gains.kobj.to_string(), "keypoint visibility loss gain"),
             ("rle", d.loss_gains.rle.to_string(), "keypoint RLE loss gain"),
             ("max_batches", "all".into(), "stop each epoch after this many batches (quick runs)"),
-            ("project", d.save_dir.display().to_string(), "output folder (alias save_dir); an existing one gets a numbered sibling"),
+            ("project", d.project.display().to_string(), "runs folder: the run writes to project/name"),
+            ("name", d.name.clone(), "run folder name under project; an existing run there gets a numbered sibling (name2, …)"),
+            ("save_dir", d.save_dir.display().to_string(), "the run folder itself (instead of project/name)"),
             ("exist_ok", d.exist_ok.to_string(), "train into an existing project folder instead of a new numbered one"),
             ("freeze", "none".into(), "freeze layers: N = layers 0…N−1, or a list 0,3,5 (frozen parameters get no gradient)"),
             ("resume", "none".into(), "continue from a checkpoint (its settings are restored; only machine keys may change)"),
@@ -460,6 +525,9 @@ impl Default for LossGains {
     }
 }
 
+/// The model a run trains when `model` is not given.
+pub const DEFAULT_MODEL: &str = "yolo26n-pose.yaml";
+
 /// Largest `epochs`.
 pub const MAX_EPOCHS: usize = 100_000;
 /// Largest `batch`.
@@ -470,7 +538,7 @@ pub const MAX_IMGSZ: usize = 8192;
 pub const MAX_BATCH_PIXELS: u64 = 1 << 30;
 
 /// Settings a resumed run may change: where and how it runs, not what it computes.
-pub const MACHINE_KEYS: [&str; 13] = [
+pub const MACHINE_KEYS: [&str; 15] = [
     "device",
     "workers",
     "progress",
@@ -480,6 +548,8 @@ pub const MACHINE_KEYS: [&str; 13] = [
     "profile",
     "timing_warmup_steps",
     "save_dir",
+    "project",
+    "name",
     "exist_ok",
     "resume",
     "stop_after_epochs",
@@ -561,7 +631,7 @@ impl PoseTrainConfig {
 
 /// The accepted key nearest to `key` by edit distance (at most a third of its length, and 3), for
 /// "did you mean …" on a typo.
-fn closest_key(key: &str) -> Option<&'static str> {
+pub(super) fn closest_key(key: &str) -> Option<&'static str> {
     let limit = (key.chars().count() / 3).clamp(1, 3);
     PoseTrainConfig::keys()
         .into_iter()

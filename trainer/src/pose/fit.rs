@@ -9,7 +9,7 @@ use std::time::Instant;
 use ptl_autograd::stage::{in_stage, StageGuard};
 use ptl_autograd::{hash, module, no_grad, DType, Device, Module, Tensor, TensorKind};
 use ptl_data::{OpenOptions, PoseDataset, PrefetchPlan, TrainConfig, TrainLoader};
-use ptl_heads::{ModelConfig, PoseModel, Scale};
+use ptl_heads::{ModelConfig, PoseModel};
 
 use super::clock::StepClock;
 use super::config::{PoseTrainConfig, Precision};
@@ -17,6 +17,7 @@ use super::pipeline::{device_images, TrainPipeline};
 use super::probe;
 use super::stages;
 use super::validate::{validate_with, ValOptions, ValResult};
+use super::weights::ModelSource;
 use crate::fit::{
     save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PluginStack, ResultsCsv, RunHashes, RunHistory, RunSummary,
     Stage, StageInfo, StageProfile, StartupReport,
@@ -722,14 +723,27 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         hsv_on_device: matches!(cfg.device, Device::Cuda(_)) && cfg!(feature = "cuda"),
         ..TrainConfig::default()
     };
-    tcfg.aug.mosaic = cfg.mosaic;
+    tcfg.aug = cfg.augment();
+    // The device kernel reads every image as RGB: with BGR swaps on, colours are jittered on the CPU.
+    tcfg.hsv_on_device &= cfg.bgr == 0.0;
     let loader = Arc::new(TrainLoader::new(train_ds.clone(), tcfg)?);
     let nb_full = loader.batches_per_epoch();
     let nb = cfg.max_batches.map_or(nb_full, |m| m.min(nb_full)).max(1);
 
     let nkpt = train_ds.nkpt();
-    let mcfg = ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale: Scale::parse(&cfg.scale)? };
+    let source = ModelSource::parse(&cfg.model)?;
+    // A resumed run's size is its checkpoint's (the start weights file may be gone by now).
+    let scale = match &cfg.resume {
+        Some(path) => super::weights::scale_in_file(path, "model.")?,
+        None => source.scale()?,
+    };
+    let mcfg = ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale };
     let model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
+    if cfg.resume.is_none() {
+        if let (Some(values), Some(path)) = (source.start_weights()?, source.weights_path()) {
+            super::weights::load_start_weights(&model, &values, path)?;
+        }
+    }
     freeze_layers(&model, &cfg.freeze)?;
 
     // Optimiser per training.md §2–§3: nominal accumulation, wd scaling, `auto` rule.
@@ -1189,7 +1203,7 @@ mod tests {
     /// BatchNorm parameter (those are read in f32: a bf16 copy would round them).
     #[test]
     fn compute_weights_are_conv_weights_and_biases() {
-        let model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (17, 3), scale: Scale::N }, Device::Cpu, 0).unwrap();
+        let model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (17, 3), scale: ptl_heads::Scale::N }, Device::Cpu, 0).unwrap();
         let params = model_params(&model);
         let bn_modules: std::collections::HashSet<String> =
             float_state(&model).into_iter().filter_map(|(n, _)| n.strip_suffix(".running_mean").map(str::to_string)).collect();

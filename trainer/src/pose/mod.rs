@@ -9,13 +9,16 @@ mod pipeline;
 pub mod plots;
 mod probe;
 mod progress;
+mod settings;
 pub mod stages;
 pub mod validate;
+pub mod weights;
 
 pub use coco_json::CocoJsonFiles;
 pub use config::{PoseTrainConfig, Precision};
 pub use fit::{fit, images_to_tensor, LOSS_NAMES};
 pub use validate::{validate, validate_with, ValOptions, ValResult};
+pub use weights::ModelSource;
 
 /// Peak (allocated, reserved) device memory on `device` since the last reset; `None` on the
 /// CPU, where the process allocator keeps no such statistics.
