@@ -205,6 +205,7 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
         let unmap = |x: f32, y: f32| ((x - info.left as f32) / info.r, (y - info.top as f32) / info.r);
         let mut drawn = img.clone();
         let mut people = Vec::new();
+        let mut kps = Vec::new();
         for (i, b) in det.boxes.iter().enumerate() {
             let (x1, y1) = unmap(b[0], b[1]);
             let (x2, y2) = unmap(b[2], b[3]);
@@ -215,9 +216,11 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
                     [kx, ky, det.keypoints[o + 2]]
                 })
                 .collect();
-            draw::person(&mut drawn, [x1, y1, x2, y2], &kp, 0.5);
             people.push(serde_json::json!({ "box_xyxy": [x1, y1, x2, y2], "score": det.scores[i], "keypoints": kp }));
+            kps.push(([x1, y1, x2, y2], kp, det.scores[i]));
         }
+        let persons: Vec<draw::Person<'_>> = kps.iter().map(|(b, kp, s)| draw::Person { bbox: *b, kpts: kp, score: Some(*s) }).collect();
+        draw::people(&mut drawn, &persons, 0.5).map_err(|e| e.to_string())?;
         let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
         let png = a.out.join(format!("{stem}.png"));
         ptl_data::image::write_png(&drawn, &png).map_err(|e| e.to_string())?;

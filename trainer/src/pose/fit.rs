@@ -963,6 +963,8 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     run.metrics_per_epoch =
         run.history.metrics.iter().map(|m| m.iter().map(|(k, v)| (k.clone(), v.unwrap_or(f64::NAN))).collect()).collect();
     let fit_time_before = run.history.fit_time_s;
+    // The last validation's PR curves, drawn at the end when `plots` is on.
+    let mut last_pr_curves = Vec::new();
     let last_ckpt = cfg.save_dir.join("weights").join("last.ckpt");
     let mut attempts = 0usize;
     // save_json: every validation rewrites the COCO files, so the last one's stay (however the run ends).
@@ -1077,6 +1079,9 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         row.extend(sums.iter().map(|s| s / run.nb as f64));
         row.extend(val.as_ref().map(|v| v.metric_values()).unwrap_or_else(|| vec![f64::NAN; ValResult::metric_names().len()]));
         row.extend(lrs);
+        if let Some(v) = &val {
+            last_pr_curves.clone_from(&v.pr_curves);
+        }
         let metrics = val.map(|v| v.metrics).unwrap_or_default();
         run.history.rows.push(ResultsCsv::format_row(&row));
         run.history.metrics.push(metrics.iter().map(|(k, v)| (k.clone(), v.is_finite().then_some(*v))).collect());
@@ -1120,6 +1125,9 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         let csv = cfg.save_dir.join("results.csv");
         if csv.exists() {
             super::plots::plot_results(&csv, &cfg.save_dir.join("results.png"))?;
+        }
+        for c in &last_pr_curves {
+            super::plots::plot_pr_curve(c, &cfg.save_dir)?;
         }
         if let Some(ds) = run.val_ds.clone() {
             super::validate::draw_val_predictions(&run.ema_eval_model()?, &ds, 4, cfg.device, &cfg.save_dir)?;

@@ -11,6 +11,7 @@ use ptl_heads::PoseModel;
 use super::coco_json::{CocoJsonFiles, JsonWriter};
 use super::config::Precision;
 use super::fit::images_to_tensor;
+use super::plots::PrCurve;
 use crate::metrics::nms::non_max_suppression_batch;
 use crate::metrics::{GroundTruth, NmsConfig, PoseValidator};
 use crate::Result;
@@ -24,6 +25,8 @@ pub struct ValResult {
     pub images: usize,
     /// The COCO files written when [`ValOptions::save_json`] was set.
     pub coco_json: Option<CocoJsonFiles>,
+    /// Box and pose precision–recall curves at 0.5 (what `BoxPR_curve.png`/`PosePR_curve.png` draw).
+    pub pr_curves: Vec<PrCurve>,
 }
 
 /// What a validation pass does beyond scoring the model.
@@ -107,7 +110,10 @@ pub fn validate_with(
     let m = v.compute();
     let metrics: Vec<(String, f64)> = m.results_dict().into_iter().map(|(k, x)| (k.to_string(), x)).collect();
     let coco_json = json.map(|w| w.finish(ds)).transpose()?;
-    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json })
+    let names: Vec<&str> = ds.meta.names.iter().map(String::as_str).collect();
+    let pr_curves =
+        vec![PrCurve::from_ap("Box", &m.box_metrics.per_class, &names), PrCurve::from_ap("Pose", &m.pose_metrics.per_class, &names)];
+    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json, pr_curves })
 }
 
 /// On a GPU, a last partial batch padded with blank images to `batch`: every validation batch
@@ -159,15 +165,24 @@ pub fn draw_val_predictions(
         let rgb: Vec<u8> = (0..h * w).flat_map(|p| [plane[p], plane[h * w + p], plane[2 * h * w + p]]).collect();
         let mut img = ptl_data::image::Image::from_rgb(w as u32, h as u32, rgb);
         let det = &o.detections;
-        for (k, bx) in det.boxes.iter().enumerate() {
-            let kp: Vec<[f32; 3]> = (0..nk)
-                .map(|j| {
-                    let q = (k * nk + j) * 3;
-                    [det.keypoints[q], det.keypoints[q + 1], det.keypoints[q + 2]]
-                })
-                .collect();
-            super::draw::person(&mut img, *bx, &kp, 0.5);
-        }
+        let kps: Vec<Vec<[f32; 3]>> = (0..det.boxes.len())
+            .map(|k| {
+                (0..nk)
+                    .map(|j| {
+                        let q = (k * nk + j) * 3;
+                        [det.keypoints[q], det.keypoints[q + 1], det.keypoints[q + 2]]
+                    })
+                    .collect()
+            })
+            .collect();
+        let drawn: Vec<super::draw::Person<'_>> = det
+            .boxes
+            .iter()
+            .zip(&kps)
+            .enumerate()
+            .map(|(k, (bx, kp))| super::draw::Person { bbox: *bx, kpts: kp, score: det.scores.get(k).copied() })
+            .collect();
+        super::draw::people(&mut img, &drawn, 0.5)?;
         let path = dir.join(format!("val_pred_{i}.png"));
         ptl_data::image::write_png(&img, &path)?;
         written.push(path);
