@@ -134,7 +134,7 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
             ds.nkpt()
         ));
     }
-    let opts = ptl_trainer::pose::ValOptions { conf: a.conf, save_json: a.save_json.then(|| a.project.clone()) };
+    let opts = ptl_trainer::pose::ValOptions { conf: a.conf, save_json: a.save_json.then(|| a.project.clone()), ..Default::default() };
     let r = ptl_trainer::pose::validate_with(&model, &ds, a.batch, device, ptl_trainer::pose::Precision::F32, &opts)
         .map_err(|e| e.to_string())?;
     println!("validated {} images of {}", r.images, data.display());

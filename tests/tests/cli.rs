@@ -100,6 +100,10 @@ fn predict_and_val_refuse_what_they_cannot_use() {
     );
     assert!(o.status.success(), "{}", text(&o));
     assert!(!text(&o).contains("training on"), "{}", text(&o));
+    // The drawn prediction is a PNG of the source image's size.
+    let (src, _) = ptl_data::image::decode_file(&img).unwrap();
+    let (drawn, _) = ptl_data::image::decode_file(&dir.path().join("pred/good.png")).unwrap();
+    assert_eq!((drawn.w, drawn.h), (src.w, src.h));
     // `val` on the run's own dataset: works, and its device line speaks of validating.
     let o = ptl(&["val", "--weights", w, "--imgsz", "64", "--device", "auto"], dir.path());
     assert!(o.status.success(), "{}", text(&o));

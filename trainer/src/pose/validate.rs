@@ -12,6 +12,8 @@ use super::coco_json::{CocoJsonFiles, JsonWriter};
 use super::config::Precision;
 use super::fit::images_to_tensor;
 use super::plots::PrCurve;
+use super::val_loss::ValLoss;
+use crate::loss::LossConfig;
 use crate::metrics::nms::non_max_suppression_batch;
 use crate::metrics::{GroundTruth, NmsConfig, PoseValidator};
 use crate::Result;
@@ -27,6 +29,8 @@ pub struct ValResult {
     pub coco_json: Option<CocoJsonFiles>,
     /// Box and pose precision–recall curves at 0.5 (what `BoxPR_curve.png`/`PosePR_curve.png` draw).
     pub pr_curves: Vec<PrCurve>,
+    /// Mean `[box, pose, kobj, cls, l1, rle]` loss over the batches when [`ValOptions::loss`] was set.
+    pub losses: Option<[f64; 6]>,
 }
 
 /// What a validation pass does beyond scoring the model.
@@ -36,11 +40,13 @@ pub struct ValOptions {
     pub conf: f32,
     /// Write `predictions.json` and `val_gt.json` (COCO, original pixels) into this folder.
     pub save_json: Option<PathBuf>,
+    /// Also compute the criterion with these gains on every batch (results.csv's `val/` losses).
+    pub loss: Option<LossConfig>,
 }
 
 impl Default for ValOptions {
     fn default() -> Self {
-        ValOptions { conf: NmsConfig::default().conf_thres, save_json: None }
+        ValOptions { conf: NmsConfig::default().conf_thres, save_json: None, loss: None }
     }
 }
 
@@ -85,11 +91,15 @@ pub fn validate_with(
     let mut v = PoseValidator::new(nk)?;
     let nms = NmsConfig { conf_thres: opts.conf, ..NmsConfig::default() };
     let mut json = opts.save_json.as_deref().map(|dir| JsonWriter::new(dir, ds)).transpose()?;
+    let mut losses = opts.loss.clone().map(ValLoss::new);
     let mut images = 0;
     for b in loader.iter() {
         let b = b?;
         let x = pad_to_batch(images_to_tensor(&b.img, b.shape, device)?, batch, device)?;
         let pred = no_grad(|| ptl_autograd::autocast(precision.autocast(), || model.predict(&x)))?;
+        if let Some(l) = losses.as_mut() {
+            ptl_autograd::autocast(precision.autocast(), || l.add(&pred.raw, &b))?;
+        }
         let decoded = pred.decoded.to_dtype(ptl_autograd::DType::F32)?;
         let dims = decoded.dims().to_vec();
         let host = decoded.to_vec::<f32>()?;
@@ -113,7 +123,7 @@ pub fn validate_with(
     let names: Vec<&str> = ds.meta.names.iter().map(String::as_str).collect();
     let pr_curves =
         vec![PrCurve::from_ap("Box", &m.box_metrics.per_class, &names), PrCurve::from_ap("Pose", &m.pose_metrics.per_class, &names)];
-    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json, pr_curves })
+    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json, pr_curves, losses: losses.map(|l| l.means()) })
 }
 
 /// On a GPU, a last partial batch padded with blank images to `batch`: every validation batch
