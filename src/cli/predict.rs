@@ -15,7 +15,7 @@ use ptl_trainer::pose::draw;
 #[derive(Args, Debug)]
 pub struct ValArgs {
     /// `key=value` settings, Ultralytics style (they override the flags): model= (alias weights=),
-    /// data=, imgsz=, batch=, conf=, device=, save_json=true|false, project= (alias save_dir=).
+    /// data=, imgsz=, batch=, conf=, device=, save_json=true|false, plots=true|false, project= (alias save_dir=).
     pub settings: Vec<String>,
     /// A ptl checkpoint (`weights/last.ckpt` or `best.ckpt`).
     #[arg(long)]
@@ -35,9 +35,12 @@ pub struct ValArgs {
     /// Write predictions.json (COCO results) and val_gt.json (COCO ground truth) into --project.
     #[arg(long)]
     pub save_json: bool,
-    /// Output folder of save_json.
+    /// Output folder of save_json and plots.
     #[arg(long, default_value = "runs/pose/val")]
     pub project: PathBuf,
+    /// Draw BoxPR_curve.png and PosePR_curve.png into --project.
+    #[arg(long)]
+    pub plots: bool,
 }
 
 impl ValArgs {
@@ -54,6 +57,13 @@ impl ValArgs {
                 "conf" => self.conf = v.parse().map_err(|_| num("a number in [0, 1]"))?,
                 "device" => self.device = v.to_string(),
                 "project" | "save_dir" => self.project = PathBuf::from(v),
+                "plots" => {
+                    self.plots = match v.to_ascii_lowercase().as_str() {
+                        "true" | "1" | "yes" => true,
+                        "false" | "0" | "no" => false,
+                        _ => return Err(num("true or false")),
+                    }
+                }
                 "save_json" => {
                     self.save_json = match v.to_ascii_lowercase().as_str() {
                         "true" | "1" | "yes" => true,
@@ -69,7 +79,7 @@ impl ValArgs {
 }
 
 /// The keys `ptl val` accepts as `key=value`.
-const VAL_KEYS: &str = "model, data, imgsz, batch, conf, device, save_json, project";
+const VAL_KEYS: &str = "model, data, imgsz, batch, conf, device, save_json, plots, project";
 
 #[derive(Args, Debug)]
 pub struct PredictArgs {
@@ -140,6 +150,13 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     println!("validated {} images of {}", r.images, data.display());
     for (k, v) in &r.metrics {
         println!("  {k:<24} {v:.4}");
+    }
+    if a.plots {
+        std::fs::create_dir_all(&a.project).map_err(|e| format!("cannot create {}: {e}", a.project.display()))?;
+        for c in &r.pr_curves {
+            let png = ptl_trainer::pose::plots::plot_pr_curve(c, &a.project).map_err(|e| e.to_string())?;
+            println!("PR curve: {}", png.display());
+        }
     }
     if let Some(j) = &r.coco_json {
         println!("COCO results: {} ({} detections)", j.predictions.display(), j.detections);
