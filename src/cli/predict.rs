@@ -15,7 +15,7 @@ use ptl_trainer::pose::draw;
 #[derive(Args, Debug)]
 pub struct ValArgs {
     /// `key=value` settings, Ultralytics style (they override the flags): model= (alias weights=),
-    /// data=, imgsz=, batch=, conf=, device=, save_json=true|false, project= (alias save_dir=).
+    /// data=, imgsz=, batch=, conf=, device=, save_json=true|false, plots=true|false, project= (alias save_dir=).
     pub settings: Vec<String>,
     /// A ptl checkpoint (`weights/last.ckpt` or `best.ckpt`).
     #[arg(long)]
@@ -35,9 +35,12 @@ pub struct ValArgs {
     /// Write predictions.json (COCO results) and val_gt.json (COCO ground truth) into --project.
     #[arg(long)]
     pub save_json: bool,
-    /// Output folder of save_json.
+    /// Output folder of save_json and plots.
     #[arg(long, default_value = "runs/pose/val")]
     pub project: PathBuf,
+    /// Draw BoxPR_curve.png and PosePR_curve.png into --project.
+    #[arg(long)]
+    pub plots: bool,
 }
 
 impl ValArgs {
@@ -54,6 +57,13 @@ impl ValArgs {
                 "conf" => self.conf = v.parse().map_err(|_| num("a number in [0, 1]"))?,
                 "device" => self.device = v.to_string(),
                 "project" | "save_dir" => self.project = PathBuf::from(v),
+                "plots" => {
+                    self.plots = match v.to_ascii_lowercase().as_str() {
+                        "true" | "1" | "yes" => true,
+                        "false" | "0" | "no" => false,
+                        _ => return Err(num("true or false")),
+                    }
+                }
                 "save_json" => {
                     self.save_json = match v.to_ascii_lowercase().as_str() {
                         "true" | "1" | "yes" => true,
@@ -69,7 +79,7 @@ impl ValArgs {
 }
 
 /// The keys `ptl val` accepts as `key=value`.
-const VAL_KEYS: &str = "model, data, imgsz, batch, conf, device, save_json, project";
+const VAL_KEYS: &str = "model, data, imgsz, batch, conf, device, save_json, plots, project";
 
 #[derive(Args, Debug)]
 pub struct PredictArgs {
@@ -134,12 +144,19 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
             ds.nkpt()
         ));
     }
-    let opts = ptl_trainer::pose::ValOptions { conf: a.conf, save_json: a.save_json.then(|| a.project.clone()) };
+    let opts = ptl_trainer::pose::ValOptions { conf: a.conf, save_json: a.save_json.then(|| a.project.clone()), ..Default::default() };
     let r = ptl_trainer::pose::validate_with(&model, &ds, a.batch, device, ptl_trainer::pose::Precision::F32, &opts)
         .map_err(|e| e.to_string())?;
     println!("validated {} images of {}", r.images, data.display());
     for (k, v) in &r.metrics {
         println!("  {k:<24} {v:.4}");
+    }
+    if a.plots {
+        std::fs::create_dir_all(&a.project).map_err(|e| format!("cannot create {}: {e}", a.project.display()))?;
+        for c in &r.pr_curves {
+            let png = ptl_trainer::pose::plots::plot_pr_curve(c, &a.project).map_err(|e| e.to_string())?;
+            println!("PR curve: {}", png.display());
+        }
     }
     if let Some(j) = &r.coco_json {
         println!("COCO results: {} ({} detections)", j.predictions.display(), j.detections);
@@ -205,6 +222,7 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
         let unmap = |x: f32, y: f32| ((x - info.left as f32) / info.r, (y - info.top as f32) / info.r);
         let mut drawn = img.clone();
         let mut people = Vec::new();
+        let mut kps = Vec::new();
         for (i, b) in det.boxes.iter().enumerate() {
             let (x1, y1) = unmap(b[0], b[1]);
             let (x2, y2) = unmap(b[2], b[3]);
@@ -215,9 +233,11 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
                     [kx, ky, det.keypoints[o + 2]]
                 })
                 .collect();
-            draw::person(&mut drawn, [x1, y1, x2, y2], &kp, 0.5);
             people.push(serde_json::json!({ "box_xyxy": [x1, y1, x2, y2], "score": det.scores[i], "keypoints": kp }));
+            kps.push(([x1, y1, x2, y2], kp, det.scores[i]));
         }
+        let persons: Vec<draw::Person<'_>> = kps.iter().map(|(b, kp, s)| draw::Person { bbox: *b, kpts: kp, score: Some(*s) }).collect();
+        draw::people(&mut drawn, &persons, 0.5).map_err(|e| e.to_string())?;
         let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
         let png = a.out.join(format!("{stem}.png"));
         ptl_data::image::write_png(&drawn, &png).map_err(|e| e.to_string())?;

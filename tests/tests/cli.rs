@@ -100,10 +100,24 @@ fn predict_and_val_refuse_what_they_cannot_use() {
     );
     assert!(o.status.success(), "{}", text(&o));
     assert!(!text(&o).contains("training on"), "{}", text(&o));
+    // The drawn prediction is a PNG of the source image's size.
+    let (src, _) = ptl_data::image::decode_file(&img).unwrap();
+    let (drawn, _) = ptl_data::image::decode_file(&dir.path().join("pred/good.png")).unwrap();
+    assert_eq!((drawn.w, drawn.h), (src.w, src.h));
     // `val` on the run's own dataset: works, and its device line speaks of validating.
     let o = ptl(&["val", "--weights", w, "--imgsz", "64", "--device", "auto"], dir.path());
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("validating on") && !text(&o).contains("training on"), "{}", text(&o));
+    assert!(!dir.path().join("runs/pose/val/BoxPR_curve.png").exists(), "no plots unless asked");
+    // plots=true: the box and pose PR curves beside the metrics.
+    let vdir = dir.path().join("val-plots");
+    let o =
+        ptl(&["val", "--weights", w, "--imgsz", "64", "--device", "cpu", "plots=true", &format!("project={}", vdir.display())], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    for f in ["BoxPR_curve.png", "PosePR_curve.png"] {
+        let (pr, _) = ptl_data::image::decode_file(&vdir.join(f)).unwrap();
+        assert_eq!((pr.w, pr.h), (900, 600), "{f}");
+    }
     // A 5-keypoint dataset for a 17-keypoint model: a clear error.
     let ds5 = dir.path().join("ds5");
     for d in ["images/val", "labels/val"] {

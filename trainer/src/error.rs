@@ -58,6 +58,9 @@ pub enum TrainerError {
     /// An error from the model crate.
     #[error("model: {0}")]
     Model(#[from] ptl_heads::HeadsError),
+    /// A plot or prediction image could not be drawn (`what` names the file or the drawing).
+    #[error("plot {what}: {reason}")]
+    Plot { what: String, reason: String },
 }
 
 impl TrainerError {

@@ -27,7 +27,57 @@ fn tiny_fit_is_deterministic_and_hooks_are_ordered() {
     for artefact in ["results.csv", "results.png", "summary.json", "val_pred_0.png", "weights/last.ckpt"] {
         assert!(cfg_c.save_dir.join(artefact).exists(), "{artefact} written");
     }
+    plots_follow_ultralytics(&cfg_c.save_dir);
+    let plain = tiny("a").save_dir;
+    for artefact in ["results.png", "BoxPR_curve.png", "PosePR_curve.png", "val_pred_0.png"] {
+        assert!(!plain.join(artefact).exists(), "plots=false draws no {artefact}");
+    }
     insta::assert_snapshot!("hook_order_2_epochs_2_batches", trace.take().join("\n"));
+}
+
+/// results.csv has the spec's columns (training.md §11, `val/` losses included) with finite
+/// values; results.png has one chart with a drawn series per column; the PR curves are written.
+fn plots_follow_ultralytics(dir: &std::path::Path) {
+    let csv = std::fs::read_to_string(dir.join("results.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<String> = lines.next().unwrap().split(',').map(|s| s.trim().to_string()).collect();
+    let losses = ["box", "pose", "kobj", "cls", "l1", "rle"];
+    let mut want: Vec<String> = vec!["epoch".into(), "time".into()];
+    want.extend(losses.iter().map(|l| format!("train/{l}_loss")));
+    for s in ["B", "P"] {
+        want.extend(["precision", "recall", "mAP50", "mAP50-95"].iter().map(|m| format!("metrics/{m}({s})")));
+    }
+    want.extend(losses.iter().map(|l| format!("val/{l}_loss")));
+    let n_lr = header.len().saturating_sub(want.len());
+    want.extend((0..n_lr).map(|i| format!("lr/pg{i}")));
+    assert!(n_lr >= 1, "learning-rate columns in {header:?}");
+    assert_eq!(header, want);
+    let rows: Vec<Vec<f64>> = lines.map(|l| l.split(',').map(|v| v.trim().parse().unwrap()).collect()).collect();
+    assert_eq!(rows.len(), 2, "two epochs");
+    let col = |name: &str| header.iter().position(|h| h == name).unwrap();
+    for r in &rows {
+        assert!(r.iter().all(|v| v.is_finite()), "every value finite: {r:?}");
+        assert!(r[col("val/box_loss")] > 0.0 && r[col("val/cls_loss")] > 0.0, "val losses computed: {r:?}");
+        // Eval-mode outputs carry no keypoint sigmas (as in Ultralytics): no RLE term.
+        assert_eq!(r[col("val/rle_loss")], 0.0);
+    }
+    let (img, _) = ptl_data::image::decode_file(&dir.join("results.png")).unwrap();
+    let charts = header.len() - 2;
+    let (cw, ch, cols) = (320u32, 240u32, 5usize);
+    assert_eq!((img.w, img.h), (cw * cols as u32, ch * charts.div_ceil(cols) as u32));
+    for k in 0..charts {
+        let (x0, y0) = ((k % cols) as u32 * cw, (k / cols) as u32 * ch);
+        let series = (y0..y0 + ch)
+            .flat_map(|y| (x0..x0 + cw).map(move |x| (y * img.w + x) as usize * 3))
+            .filter(|&i| img.data[i] as i32 - img.data[i + 2] as i32 > 60 && img.data[i] > 120)
+            .count();
+        assert!(series > 20, "chart {k} ({}) has its series drawn ({series} px)", header[k + 2]);
+    }
+    for f in ["BoxPR_curve.png", "PosePR_curve.png"] {
+        let (pr, _) = ptl_data::image::decode_file(&dir.join(f)).unwrap();
+        assert_eq!((pr.w, pr.h), (900, 600), "{f}");
+        assert!(pr.data.iter().any(|&v| v < 100), "{f} has axes and text");
+    }
 }
 
 #[test]

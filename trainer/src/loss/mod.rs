@@ -89,7 +89,7 @@ impl FlowLogProb for ptl_heads::RealNvp {
 }
 
 /// Loss hyper-parameters (gains and keypoint constants).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LossConfig {
     pub box_gain: f64,
     pub pose_gain: f64,

@@ -105,6 +105,8 @@ pub struct ApPerClass {
     pub f1_curve: Vec<Vec<f64>>,
     /// Envelope precision sampled on the recall grid at IoU 0.5, per class with predictions.
     pub prec_values: Vec<Vec<f64>>,
+    /// Index into `classes` of each `prec_values` curve (the PR plot labels curves by it).
+    pub prec_classes: Vec<usize>,
     /// Index into `x` of the max smoothed mean F1.
     pub best_index: usize,
 }
@@ -171,6 +173,7 @@ pub fn ap_per_class(tp: &[[bool; NUM_THRESHOLDS]], conf: &[f32], pred_cls: &[usi
             if t == 0 {
                 let (l, r) = (mpre[0], mpre[mpre.len() - 1]);
                 out.prec_values.push(x.iter().map(|&v| interp(v, &mrec, &mpre, l, r)).collect());
+                out.prec_classes.push(ci);
             }
         }
     }

@@ -180,7 +180,7 @@ pub struct PoseTrainConfig {
     /// End this invocation after this many epochs (checkpoint written), as if the process was
     /// killed there; `resume` continues. Used for time-boxed runs and kill/resume tests.
     pub stop_after_epochs: Option<usize>,
-    /// Draw plots and prediction images at the end.
+    /// Draw results.png, the PR curves and prediction images at the end.
     pub plots: bool,
     /// Write COCO JSON at each validation (`predictions.json`, `val_gt.json` in `save_dir`): the
     /// final one holds the last epoch's predictions, for pycocotools or any COCO tool.
@@ -482,7 +482,7 @@ impl PoseTrainConfig {
             ("exist_ok", d.exist_ok.to_string(), "train into an existing project folder instead of a new numbered one"),
             ("freeze", "none".into(), "freeze layers: N = layers 0…N−1, or a list 0,3,5 (frozen parameters get no gradient)"),
             ("resume", "none".into(), "continue from a checkpoint (its settings are restored; only machine keys may change)"),
-            ("plots", d.plots.to_string(), "draw results.png and validation predictions at the end"),
+            ("plots", d.plots.to_string(), "draw results.png, BoxPR_curve.png, PosePR_curve.png and validation predictions at the end"),
             ("save_json", d.save_json.to_string(), "write predictions.json (COCO results) and val_gt.json (COCO ground truth) at each validation"),
             ("gpu_time", d.gpu_time.to_string(), "trace 16 steps with CUPTI for the GPU time per step (CUDA)"),
             ("profile", d.profile.to_string(), "time each stage with device synchronisation (diagnosis only)"),

@@ -949,10 +949,11 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         .map(|s| s.to_string())
         .chain(LOSS_NAMES.iter().map(|n| format!("train/{n}")))
         .chain(ValResult::metric_names().iter().map(|s| s.to_string()))
+        .chain(LOSS_NAMES.iter().map(|n| format!("val/{n}")))
         .chain((0..run.optimizer.param_groups().len()).map(|i| format!("lr/pg{i}")))
         .collect();
     if run.history.columns.is_empty() {
-        run.history.columns = columns;
+        run.history.columns = columns.clone();
     }
     // The CSV always matches the last checkpoint: a resume rewrites it from the checkpoint's rows
     // (a kill between the two writes can neither duplicate nor lose an epoch).
@@ -963,10 +964,17 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     run.metrics_per_epoch =
         run.history.metrics.iter().map(|m| m.iter().map(|(k, v)| (k.clone(), v.unwrap_or(f64::NAN))).collect()).collect();
     let fit_time_before = run.history.fit_time_s;
+    // The last validation's PR curves, drawn at the end when `plots` is on.
+    let mut last_pr_curves = Vec::new();
     let last_ckpt = cfg.save_dir.join("weights").join("last.ckpt");
     let mut attempts = 0usize;
     // save_json: every validation rewrites the COCO files, so the last one's stay (however the run ends).
-    let val_opts = ValOptions { save_json: cfg.save_json.then(|| cfg.save_dir.clone()), ..ValOptions::default() };
+    // The criterion on validation batches too: results.csv's `val/` losses.
+    let val_opts = ValOptions {
+        save_json: cfg.save_json.then(|| cfg.save_dir.clone()),
+        loss: Some(run.criterion.one2one.cfg.clone()),
+        ..ValOptions::default()
+    };
     let mut coco_json = None;
     let last_epoch = cfg.stop_after_epochs.map_or(cfg.epochs, |n| (start_epoch + n).min(cfg.epochs)).max(start_epoch + 1) - 1;
     let device = cfg.device;
@@ -1073,10 +1081,22 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             stop_early = run.state.stopper.update(epoch + 1, f, cfg.patience);
         }
         let fit_time = fit_time_before + fit_start.elapsed().as_secs_f64();
-        let mut row = vec![epoch as f64 + 1.0, fit_time];
-        row.extend(sums.iter().map(|s| s / run.nb as f64));
-        row.extend(val.as_ref().map(|v| v.metric_values()).unwrap_or_else(|| vec![f64::NAN; ValResult::metric_names().len()]));
-        row.extend(lrs);
+        let mut values = vec![epoch as f64 + 1.0, fit_time];
+        values.extend(sums.iter().map(|s| s / run.nb as f64));
+        values.extend(val.as_ref().map(|v| v.metric_values()).unwrap_or_else(|| vec![f64::NAN; ValResult::metric_names().len()]));
+        values.extend(val.as_ref().and_then(|v| v.losses).unwrap_or([f64::NAN; 6]));
+        values.extend(lrs);
+        // By name: a run resumed from a checkpoint written before a column existed keeps its
+        // own header (and rows) and only drops the new column's values.
+        let row: Vec<f64> = run
+            .history
+            .columns
+            .iter()
+            .map(|c| columns.iter().position(|n| n == c).map_or(f64::NAN, |i| values.get(i).copied().unwrap_or(f64::NAN)))
+            .collect();
+        if let Some(v) = &val {
+            last_pr_curves.clone_from(&v.pr_curves);
+        }
         let metrics = val.map(|v| v.metrics).unwrap_or_default();
         run.history.rows.push(ResultsCsv::format_row(&row));
         run.history.metrics.push(metrics.iter().map(|(k, v)| (k.clone(), v.is_finite().then_some(*v))).collect());
@@ -1120,6 +1140,9 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         let csv = cfg.save_dir.join("results.csv");
         if csv.exists() {
             super::plots::plot_results(&csv, &cfg.save_dir.join("results.png"))?;
+        }
+        for c in &last_pr_curves {
+            super::plots::plot_pr_curve(c, &cfg.save_dir)?;
         }
         if let Some(ds) = run.val_ds.clone() {
             super::validate::draw_val_predictions(&run.ema_eval_model()?, &ds, 4, cfg.device, &cfg.save_dir)?;

@@ -11,6 +11,7 @@ mod probe;
 mod progress;
 mod settings;
 pub mod stages;
+mod val_loss;
 pub mod validate;
 pub mod weights;
 

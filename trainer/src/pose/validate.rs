@@ -11,6 +11,9 @@ use ptl_heads::PoseModel;
 use super::coco_json::{CocoJsonFiles, JsonWriter};
 use super::config::Precision;
 use super::fit::images_to_tensor;
+use super::plots::PrCurve;
+use super::val_loss::ValLoss;
+use crate::loss::LossConfig;
 use crate::metrics::nms::non_max_suppression_batch;
 use crate::metrics::{GroundTruth, NmsConfig, PoseValidator};
 use crate::Result;
@@ -24,6 +27,10 @@ pub struct ValResult {
     pub images: usize,
     /// The COCO files written when [`ValOptions::save_json`] was set.
     pub coco_json: Option<CocoJsonFiles>,
+    /// Box and pose precision–recall curves at 0.5 (what `BoxPR_curve.png`/`PosePR_curve.png` draw).
+    pub pr_curves: Vec<PrCurve>,
+    /// Mean `[box, pose, kobj, cls, l1, rle]` loss over the batches when [`ValOptions::loss`] was set.
+    pub losses: Option<[f64; 6]>,
 }
 
 /// What a validation pass does beyond scoring the model.
@@ -33,11 +40,13 @@ pub struct ValOptions {
     pub conf: f32,
     /// Write `predictions.json` and `val_gt.json` (COCO, original pixels) into this folder.
     pub save_json: Option<PathBuf>,
+    /// Also compute the criterion with these gains on every batch (results.csv's `val/` losses).
+    pub loss: Option<LossConfig>,
 }
 
 impl Default for ValOptions {
     fn default() -> Self {
-        ValOptions { conf: NmsConfig::default().conf_thres, save_json: None }
+        ValOptions { conf: NmsConfig::default().conf_thres, save_json: None, loss: None }
     }
 }
 
@@ -82,11 +91,15 @@ pub fn validate_with(
     let mut v = PoseValidator::new(nk)?;
     let nms = NmsConfig { conf_thres: opts.conf, ..NmsConfig::default() };
     let mut json = opts.save_json.as_deref().map(|dir| JsonWriter::new(dir, ds)).transpose()?;
+    let mut losses = opts.loss.clone().map(ValLoss::new);
     let mut images = 0;
     for b in loader.iter() {
         let b = b?;
         let x = pad_to_batch(images_to_tensor(&b.img, b.shape, device)?, batch, device)?;
         let pred = no_grad(|| ptl_autograd::autocast(precision.autocast(), || model.predict(&x)))?;
+        if let Some(l) = losses.as_mut() {
+            ptl_autograd::autocast(precision.autocast(), || l.add(&pred.raw, &b))?;
+        }
         let decoded = pred.decoded.to_dtype(ptl_autograd::DType::F32)?;
         let dims = decoded.dims().to_vec();
         let host = decoded.to_vec::<f32>()?;
@@ -107,7 +120,10 @@ pub fn validate_with(
     let m = v.compute();
     let metrics: Vec<(String, f64)> = m.results_dict().into_iter().map(|(k, x)| (k.to_string(), x)).collect();
     let coco_json = json.map(|w| w.finish(ds)).transpose()?;
-    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json })
+    let names: Vec<&str> = ds.meta.names.iter().map(String::as_str).collect();
+    let pr_curves =
+        vec![PrCurve::from_ap("Box", &m.box_metrics.per_class, &names), PrCurve::from_ap("Pose", &m.pose_metrics.per_class, &names)];
+    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json, pr_curves, losses: losses.map(|l| l.means()) })
 }
 
 /// On a GPU, a last partial batch padded with blank images to `batch`: every validation batch
@@ -159,15 +175,24 @@ pub fn draw_val_predictions(
         let rgb: Vec<u8> = (0..h * w).flat_map(|p| [plane[p], plane[h * w + p], plane[2 * h * w + p]]).collect();
         let mut img = ptl_data::image::Image::from_rgb(w as u32, h as u32, rgb);
         let det = &o.detections;
-        for (k, bx) in det.boxes.iter().enumerate() {
-            let kp: Vec<[f32; 3]> = (0..nk)
-                .map(|j| {
-                    let q = (k * nk + j) * 3;
-                    [det.keypoints[q], det.keypoints[q + 1], det.keypoints[q + 2]]
-                })
-                .collect();
-            super::draw::person(&mut img, *bx, &kp, 0.5);
-        }
+        let kps: Vec<Vec<[f32; 3]>> = (0..det.boxes.len())
+            .map(|k| {
+                (0..nk)
+                    .map(|j| {
+                        let q = (k * nk + j) * 3;
+                        [det.keypoints[q], det.keypoints[q + 1], det.keypoints[q + 2]]
+                    })
+                    .collect()
+            })
+            .collect();
+        let drawn: Vec<super::draw::Person<'_>> = det
+            .boxes
+            .iter()
+            .zip(&kps)
+            .enumerate()
+            .map(|(k, (bx, kp))| super::draw::Person { bbox: *bx, kpts: kp, score: det.scores.get(k).copied() })
+            .collect();
+        super::draw::people(&mut img, &drawn, 0.5)?;
         let path = dir.join(format!("val_pred_{i}.png"));
         ptl_data::image::write_png(&img, &path)?;
         written.push(path);
