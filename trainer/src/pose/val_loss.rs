@@ -64,8 +64,14 @@ impl ValLoss {
         };
         let n = b.len();
         let (o2m, o2o) = (first(&raw.one2many, n)?, first(&raw.one2one, n)?);
-        let out = no_grad(|| self.criterion.loss(&o2m, &o2o, &targets, &anchors, None))?;
-        for (s, v) in self.sums.iter_mut().zip(out.items) {
+        // A non-finite loss (a diverging model) is a value of the columns, as in Ultralytics, not a
+        // reason to stop the fit: the training loop has its own recovery.
+        let items = match no_grad(|| self.criterion.loss(&o2m, &o2o, &targets, &anchors, None)) {
+            Ok(out) => out.items,
+            Err(crate::TrainerError::NonFinite { .. }) => [f64::NAN; 6],
+            Err(e) => return Err(e),
+        };
+        for (s, v) in self.sums.iter_mut().zip(items) {
             *s += v;
         }
         self.batches += 1;
