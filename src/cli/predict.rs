@@ -71,7 +71,11 @@ impl ValArgs {
                         _ => return Err(num("true or false")),
                     }
                 }
-                _ => return Err(format!("unknown key `{k}` for ptl val (it takes {VAL_KEYS})")),
+                _ => {
+                    let accepted = VAL_KEYS.split(", ").chain(["weights", "save_dir"]);
+                    let hint = ptl_trainer::pose::nearest_key(k, accepted).map(|c| format!("did you mean `{c}`? ")).unwrap_or_default();
+                    return Err(format!("unknown key `{k}` for ptl val ({hint}it takes {VAL_KEYS})"));
+                }
             }
         }
         Ok(())

@@ -206,6 +206,7 @@ fn save_json_writes_coco_files_in_train_and_val() {
     let o = ptl(&["val", &model, "save_jsn=true"], dir.path());
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("unknown key `save_jsn`"), "{}", text(&o));
+    assert!(text(&o).contains("did you mean `save_json`?"), "{}", text(&o));
     let blocked = dir.path().join("a_file");
     std::fs::write(&blocked, b"x").unwrap();
     let proj = kv("project", &blocked.join("val"));

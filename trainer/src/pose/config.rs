@@ -632,13 +632,14 @@ impl PoseTrainConfig {
 /// The accepted key nearest to `key` by edit distance (at most a third of its length, and 3), for
 /// "did you mean …" on a typo.
 pub(super) fn closest_key(key: &str) -> Option<&'static str> {
+    nearest_key(key, PoseTrainConfig::keys().into_iter().map(|(k, _, _)| k))
+}
+
+/// The candidate nearest to `key` by edit distance (at most a third of its length, and 3; ties to
+/// the alphabetically first), for "did you mean …" wherever keys are typed (`ptl val` too).
+pub fn nearest_key<'a>(key: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     let limit = (key.chars().count() / 3).clamp(1, 3);
-    PoseTrainConfig::keys()
-        .into_iter()
-        .map(|(k, _, _)| (edit_distance(key, k), k))
-        .filter(|(d, _)| *d <= limit)
-        .min_by_key(|(d, k)| (*d, *k))
-        .map(|(_, k)| k)
+    candidates.into_iter().map(|k| (edit_distance(key, k), k)).filter(|(d, _)| *d <= limit).min_by_key(|(d, k)| (*d, *k)).map(|(_, k)| k)
 }
 
 /// Levenshtein distance over characters.
