@@ -238,40 +238,40 @@ impl E2ELoss {
         self.finish_dense(outs, clock).map(Some)
     }
 
-    /// Whether a step of `bs` images with these targets takes the dense path (the criterion is
-    /// dense and every image's targets fit the largest bucket): then
-    /// [`E2ELoss::loss_with_forward`] runs it. Host work only.
-    pub fn takes_dense_path(&self, targets: &TargetBatch, bs: usize, anchors: &Anchors) -> Result<bool> {
+    /// A step's targets padded to their bucket and uploaded to `device`, when the step takes the
+    /// dense path (the criterion is dense and every image's targets fit the largest bucket); then
+    /// [`E2ELoss::loss_with_forward`] runs the step with them. `None`: nothing uploaded or counted
+    /// (the caller's host-path call counts the fallback).
+    pub fn dense_step_targets(
+        &self,
+        targets: &TargetBatch,
+        bs: usize,
+        anchors: &Anchors,
+        device: ptl_autograd::Device,
+    ) -> Result<Option<DeviceTargets>> {
         if !(self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment) {
-            return Ok(false);
+            return Ok(None);
         }
-        let padded = super::targets::pad_targets(targets, bs, anchors.image_hw())?;
-        Ok(super::assign_dense::target_bucket(padded.max_boxes).is_some())
+        super::branch::padded_targets_on(targets, bs, anchors, device)
     }
 
     /// The model's forward and the dense criterion as one body over tensors, which `route` may
     /// record whole (a step's forward and loss in one graph). `route` gets the images `x`, the
-    /// padded targets and the branch weights; the body runs `forward(x)` (both branches' raw
-    /// outputs) and then what [`E2ELoss::loss_routed`]'s body runs, so the values are the same.
-    /// `None` — and nothing counted or run — when the criterion is not dense or the targets need
-    /// the host path: the caller then runs the forward and [`E2ELoss::loss`] as usual.
+    /// padded targets `dt` ([`E2ELoss::dense_step_targets`]) and the branch weights; the body runs
+    /// `forward(x)` (both branches' raw outputs) and then what [`E2ELoss::loss_routed`]'s body
+    /// runs, so the values are the same.
+    #[allow(clippy::too_many_arguments)]
     pub fn loss_with_forward(
         &self,
         x: &Tensor,
+        dt: &DeviceTargets,
         forward: &ForwardBody<'_>,
         targets: &TargetBatch,
         anchors: &Anchors,
         flow: Option<&dyn FlowLogProb>,
         route: &LossRoute<'_>,
-    ) -> Result<Option<LossOutput>> {
-        if !(self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment) {
-            return Ok(None);
-        }
+    ) -> Result<LossOutput> {
         let clock = std::time::Instant::now();
-        let bs = x.dims().first().copied().unwrap_or(0);
-        let Some(dt) = super::branch::padded_targets_on(targets, bs, anchors, x.device())? else {
-            return Ok(None);
-        };
         let weights = self.weights_on(x.device())?;
         let inputs = [x.clone(), dt.labels.clone(), dt.boxes.clone(), dt.mask.clone(), dt.kpts.clone(), weights];
         let slots = dt.slots;
@@ -294,7 +294,7 @@ impl E2ELoss {
             self.dense_device_work(&inner, slots, with_sigma, anchors, flow)
         };
         let outs = route(&inputs, &body)?;
-        self.finish_dense(outs, clock).map(Some)
+        self.finish_dense(outs, clock)
     }
 
     /// The dense criterion's device work over `xs` = both branches' boxes, scores and keypoints

@@ -206,9 +206,13 @@ impl Run {
         // (one recorded region for both); `None`: this step goes through the pieces.
         let mut loss = None;
         let bs = x.dims().first().copied().unwrap_or(0);
-        let ran = match self.plugins.claims_forward_loss() && self.criterion.takes_dense_path(&targets, bs, &anchors)? {
-            true => self.forward_and_loss(&x, &targets, &anchors, epoch, ni).map(|l| loss = l),
-            false => Ok(()),
+        let step_targets = match self.plugins.claims_forward_loss() {
+            true => self.criterion.dense_step_targets(&targets, bs, &anchors, x.device())?,
+            false => None,
+        };
+        let ran = match step_targets {
+            Some(dt) => self.forward_and_loss(&x, &dt, &targets, &anchors, epoch, ni).map(|l| loss = Some(l)),
+            None => Ok(()),
         };
         let ran = match (ran, &loss) {
             (Ok(()), None) => self.forward_then_loss(&x, &targets, &anchors, epoch, ni, &mut t, &mut stages).map(|l| loss = Some(l)),
@@ -337,16 +341,18 @@ impl Run {
     /// The model's forward and the dense criterion as one body handed to the plugin that claims
     /// them (`E2ELoss::loss_with_forward`; recorded as one region). Inside it the pieces run
     /// natively (no region inside a region) and autocast casts the weights where they are used.
-    /// Runs under both stages' wrappers, `Stage::Forward`'s around the work. `None` when this
-    /// step needs the pieces (the host criterion, targets beyond the largest bucket).
+    /// Runs under both stages' wrappers, `Stage::Forward`'s around the work; `dt` are the step's
+    /// padded targets (`E2ELoss::dense_step_targets`: a step without them goes through the pieces).
+    #[allow(clippy::too_many_arguments)]
     fn forward_and_loss(
         &mut self,
         x: &Tensor,
+        dt: &crate::loss::assign_dense::DeviceTargets,
         targets: &TargetBatch,
         anchors: &Anchors,
         epoch: usize,
         ni: usize,
-    ) -> Result<Option<crate::loss::LossOutput>> {
+    ) -> Result<crate::loss::LossOutput> {
         let info = |stage| StageInfo { stage, epoch, batch_index: ni, training: true };
         let autocast = self.cfg.precision.autocast();
         let (criterion, model, plugins, surface) = (&self.criterion, &self.model, &self.plugins, &self.model_surface);
@@ -362,15 +368,13 @@ impl Run {
             let flow = &model.head().flow_model;
             // One graph holds both: its kernels count for the forward stage (and its backward's
             // for the model's backward) in the GPU window's breakdown.
-            loss = in_stage(stages::FORWARD, || {
-                ptl_autograd::autocast(autocast, || criterion.loss_with_forward(x, &forward, targets, anchors, Some(flow), &route))
-            })?;
+            loss = Some(in_stage(stages::FORWARD, || {
+                ptl_autograd::autocast(autocast, || criterion.loss_with_forward(x, dt, &forward, targets, anchors, Some(flow), &route))
+            })?);
             Ok(())
         })?;
-        if loss.is_some() {
-            self.plugins.run(info(Stage::Loss), &mut || Ok(()))?;
-        }
-        Ok(loss)
+        self.plugins.run(info(Stage::Loss), &mut || Ok(()))?;
+        loss.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the forward stage produced no output".into() })
     }
 
     /// Books one step's loss: the per-step total (hashed), the epoch's item sums, the running means
