@@ -3,9 +3,10 @@
 //! that a tiny training run with `save_json=true` writes. Without pycocotools the tests print
 //! `skipping: pycocotools not installed`, except under `CI`, where they fail (`.ci/run` installs it).
 
+mod common;
 mod fit_support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use ptl_trainer::metrics::coco::{evaluate, load_dataset, load_results, EvalParams, IouType};
@@ -51,19 +52,6 @@ fn pycocotools_available() -> bool {
     ok
 }
 
-/// `$PTL_GOLDENS` or `<repo>/../shared/goldens`, if present.
-fn goldens() -> Option<PathBuf> {
-    let p = std::env::var_os("PTL_GOLDENS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens")));
-    if p.is_dir() {
-        Some(p)
-    } else {
-        eprintln!("skipping: golden folder {} not found", p.display());
-        None
-    }
-}
-
 /// pycocotools' stats for both iou types on the two files.
 fn pycocotools(gt: &Path, results: &Path) -> serde_json::Value {
     let o = Command::new("python3").arg("-c").arg(SCRIPT).arg(gt).arg(results).output().expect("python3 runs");
@@ -104,7 +92,7 @@ fn compare(gt_path: &Path, results_path: &Path) -> Vec<(&'static str, Vec<f64>, 
 
 #[test]
 fn goldens_pycocotools_vs_ours() {
-    let Some(dir) = goldens() else { return };
+    let Some(dir) = common::goldens() else { return };
     if !pycocotools_available() {
         return;
     }

@@ -5,9 +5,12 @@ use std::path::PathBuf;
 
 use safetensors::{Dtype, SafeTensors};
 
-/// `shared/goldens`, or `None` (with a printed reason) when the checkout has no shared folder.
+/// `$PTL_GOLDENS`, else `shared/goldens`, or `None` (with a printed reason) when there is none.
 pub fn goldens() -> Option<PathBuf> {
-    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens"));
+    let p = std::env::var_os("PTL_GOLDENS")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens")));
     if p.is_dir() {
         Some(p)
     } else {
