@@ -341,3 +341,68 @@ fn criterion_kernel_time_at_the_benchmark_shape() {
     }
     assert!(rel_scalar(totals[1], totals[0]) <= 1e-4, "dense total {} vs host {}", totals[1], totals[0]);
 }
+
+/// A flow on `device` from seed 5 whose weights are scaled by `gain` (the reference init's
+/// Xavier gain 0.01 leaves the flow nearly the identity; a larger gain exercises every path).
+fn scaled_flow(device: Device, gain: f64) -> ptl_heads::RealNvp {
+    let mut rng = ptl_autograd::Rng::new(5);
+    let flow = ptl_heads::RealNvp::new(&mut ptl_heads::nn::Init { rng: &mut rng, device }).unwrap();
+    ptl_autograd::no_grad(|| {
+        for (name, p) in ptl_autograd::module::named_parameters(&flow) {
+            let k = if name.ends_with("weight") { gain } else { 1.0 };
+            p.copy_(&p.mul_scalar(k).unwrap()).unwrap();
+        }
+    });
+    flow
+}
+
+/// The fused CUDA flow (`loss::flow_fused`) against the composed `RealNvp::log_prob` on the same
+/// GPU, in f32 and under bf16 and f16 autocast: log p, ∂/∂e and every parameter's gradient, for a
+/// row count that is not a multiple of the kernels' tile and an upstream gradient that is zero on
+/// a tail of rows (the kernels skip tiles of zero-gradient rows).
+#[test]
+fn fused_flow_matches_composed() {
+    use ptl_autograd::{DType, Tensor};
+    let gpu = Device::auto();
+    if !gpu.is_cuda() {
+        eprintln!("skipping: no usable CUDA device");
+        return;
+    }
+    let n = 1_003;
+    let mut rng = ptl_autograd::Rng::new(11);
+    let e0 = Tensor::randn(vec![n, 2], 0.0, 3.0, DType::F32, gpu, &mut rng).unwrap();
+    let gv: Vec<f32> = (0..n).map(|i| if i < 700 { ((i * 37 % 101) as f32 - 50.0) / 40.0 } else { 0.0 }).collect();
+    let g = Tensor::from_vec(gv, vec![n], gpu).unwrap();
+    // (autocast, max deviation relative to each tensor's max |value|)
+    for (autocast, tol) in [(None, 1e-4), (Some(DType::BF16), 3e-2), (Some(DType::F16), 5e-3)] {
+        let mut runs = Vec::new();
+        for fused in [false, true] {
+            let flow = scaled_flow(gpu, 60.0);
+            let e = e0.deep_copy().unwrap().requires_grad_(true).unwrap();
+            let lp = ptl_autograd::autocast(autocast, || {
+                if fused {
+                    assert!(ptl_trainer::loss::flow_fused::supports(&flow, &e));
+                    ptl_trainer::loss::flow_fused::log_prob(&flow, &e).unwrap()
+                } else {
+                    flow.log_prob(&e).unwrap()
+                }
+            });
+            lp.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut vals = vec![("log p".to_string(), f64v(&lp)), ("d/de".to_string(), f64v(&e.grad().expect("d/de present")))];
+            for (name, p) in ptl_autograd::module::named_parameters(&flow) {
+                vals.push((name, f64v(&p.grad().expect("flow gradient present"))));
+            }
+            runs.push(vals);
+        }
+        let mut worst = (0f64, String::new());
+        for ((name, c), (_, f)) in runs[0].iter().zip(&runs[1]) {
+            let d = rel_dev(f, c, 1e-30);
+            assert!(d.is_finite(), "{autocast:?} {name}: non-finite deviation");
+            if d > worst.0 {
+                worst = (d, name.clone());
+            }
+        }
+        eprintln!("fused flow {autocast:?}: worst deviation {:.2e} ({})", worst.0, worst.1);
+        assert!(worst.0 <= tol, "{autocast:?}: {} deviates by {:.2e} (> {tol:.0e})", worst.1, worst.0);
+    }
+}

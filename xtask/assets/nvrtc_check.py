@@ -29,6 +29,9 @@ def check(path):
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src, path.encode(), 0, None, None) != 0:
         sys.exit(f"{path}: nvrtcCreateProgram failed")
     opts = [b"--gpu-architecture=sm_90", b"--std=c++17", f"--include-path={root}/include".encode()]
+    # NVRTC_VERBOSE=1: ptxas's per-kernel registers, spills and shared memory in the log.
+    if os.environ.get("NVRTC_VERBOSE") == "1":
+        opts.append(b"--ptxas-options=-v")
     status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))

@@ -21,6 +21,10 @@ use crate::{Device, Error, Result, Tensor};
 pub enum KernelArg<'a> {
     /// A CUDA tensor on the kernel's device, passed as its buffer's device address.
     Tensor(&'a Tensor),
+    /// CUDA tensors passed as one by-value struct of their device addresses, in order (the kernel
+    /// declares e.g. `struct { const float* p[72]; }`): for kernels that read or write many
+    /// tensors, such as every weight of a small network, without packing them into one buffer.
+    TensorArray(&'a [Tensor]),
     U32(u32),
     I32(i32),
     U64(u64),
@@ -78,6 +82,23 @@ impl UserKernel {
         Device::Cuda(self.dev.ordinal)
     }
 
+    /// The device address of `t`'s buffer, checked to be a CUDA tensor on this kernel's device
+    /// (`arg` names the argument in the error).
+    fn address_of(&self, t: &Tensor, arg: usize) -> Result<u64> {
+        if t.device() != self.device() {
+            return Err(Error::invalid(
+                "UserKernel::launch",
+                format!("{}: argument {arg} is on {}, the kernel runs on {}", self.name, t.device(), self.device()),
+            ));
+        }
+        let ptr = t.with_storage(|s| match s {
+            Storage::Cuda(c) => Some(c.device_ptr()),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        });
+        ptr.ok_or_else(|| Error::invalid("UserKernel::launch", format!("{}: argument {arg} is not a CUDA tensor", self.name)))
+    }
+
     /// Queues the kernel on the device's compute stream (asynchronous, no host sync).
     ///
     /// Tensor arguments must live on the kernel's device; the kernel sees their contiguous buffers.
@@ -90,6 +111,7 @@ impl UserKernel {
     pub unsafe fn launch(&self, grid: (u32, u32, u32), block: (u32, u32, u32), args: &[KernelArg<'_>]) -> Result<()> {
         enum Slot {
             Ptr(u64),
+            Words(Vec<u64>),
             U32(u32),
             I32(i32),
             U64(u64),
@@ -99,24 +121,8 @@ impl UserKernel {
         let mut slots = Vec::with_capacity(args.len());
         for (i, a) in args.iter().enumerate() {
             slots.push(match *a {
-                KernelArg::Tensor(t) => {
-                    if t.device() != self.device() {
-                        return Err(Error::invalid(
-                            "UserKernel::launch",
-                            format!("{}: argument {i} is on {}, the kernel runs on {}", self.name, t.device(), self.device()),
-                        ));
-                    }
-                    let ptr = t.with_storage(|s| match s {
-                        Storage::Cuda(c) => Some(c.device_ptr()),
-                        #[allow(unreachable_patterns)]
-                        _ => None,
-                    });
-                    Slot::Ptr(
-                        ptr.ok_or_else(|| {
-                            Error::invalid("UserKernel::launch", format!("{}: argument {i} is not a CUDA tensor", self.name))
-                        })?,
-                    )
-                }
+                KernelArg::Tensor(t) => Slot::Ptr(self.address_of(t, i)?),
+                KernelArg::TensorArray(ts) => Slot::Words(ts.iter().map(|t| self.address_of(t, i)).collect::<Result<_>>()?),
                 KernelArg::U32(v) => Slot::U32(v),
                 KernelArg::I32(v) => Slot::I32(v),
                 KernelArg::U64(v) => Slot::U64(v),
@@ -128,6 +134,7 @@ impl UserKernel {
             .iter_mut()
             .map(|s| match s {
                 Slot::Ptr(v) | Slot::U64(v) => v as *mut u64 as *mut c_void,
+                Slot::Words(w) => w.as_mut_ptr() as *mut c_void,
                 Slot::U32(v) => v as *mut u32 as *mut c_void,
                 Slot::I32(v) => v as *mut i32 as *mut c_void,
                 Slot::F32(v) => v as *mut f32 as *mut c_void,

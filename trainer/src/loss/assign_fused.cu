@@ -3,7 +3,8 @@
 // sum explicitly rounded, so the compiler cannot contract them into FMAs the composed kernels do
 // not use), over targets padded to M slots per image.
 //
-//   1. candidates_topk   one block per (image, slot): candidates, overlaps, alignment metric, top-k
+//   1. candidates        blocks per (image, slot) and slice of anchors: candidates, overlaps, metric
+//   1b. slot_topk        one block per (image, slot): the top-k of the metric
 //   2. resolve_claims    one thread per (image, anchor): an anchor claimed by several GTs goes to
 //                        the one of highest overlap
 //   3. second_topk       one block per (image, slot): the second top-k filter, the slot's largest
@@ -114,25 +115,26 @@ __device__ __forceinline__ bool level_ok(float side, float st, const Gate& p) {
     return (side >= MUL(st, p.lo) || st == p.min_stride) && (side <= MUL(st, p.hi) || st == p.max_stride);
 }
 
-extern "C" __global__ void candidates_topk(
+// Grid (B·M, slices): block (bm, slice) fills anchors [slice·span, (slice + 1)·span) of the
+// slot's rows; every block of a slot decides the level gate over all anchors (cheap compares), so
+// the slices need no communication. `slot_topk` then picks the slot's top-k.
+extern "C" __global__ void candidates(
     const float* gt_boxes, const float* gt_mask, const float* gt_labels, const float* gt_kpts,
     const float* scores, const float* boxes, const float* kpts,
     const float* anchors_px, const float* strides, const float* sigma_sq,
     float* overlaps, float* metric, float* pos,
-    u32 M, u32 A, u32 K, u32 nc, u32 topk,
+    u32 M, u32 A, u32 K, u32 nc, u32 span,
     float eps, float size_floor, float lo, float hi, float min_stride, float max_stride, float area_factor,
     float ciou_eps, float ciou_one_plus_eps, float four_over_pi2) {
-    __shared__ float sv[WARPS];
-    __shared__ u32 si[WARPS];
     __shared__ float gk[MAX_K * 3], denom[MAX_K];
-    __shared__ u32 picked[MAX_K];
     const u32 bm = blockIdx.x, b = bm / M;
+    const u32 a0 = blockIdx.y * span, a1 = min(A, a0 + span);
     const float* g = gt_boxes + 4ull * bm;
     float* ov_row = overlaps + (unsigned long long)bm * A;
     float* me_row = metric + (unsigned long long)bm * A;
     float* pos_row = pos + (unsigned long long)bm * A;
-    if (gt_mask[bm] == 0.0f) {  // a padding slot: no candidates, nothing to pick
-        for (u32 a = threadIdx.x; a < A; a += BLOCK) { ov_row[a] = 0.0f; me_row[a] = 0.0f; pos_row[a] = 0.0f; }
+    if (gt_mask[bm] == 0.0f) {  // a padding slot: no candidates
+        for (u32 a = a0 + threadIdx.x; a < a1; a += BLOCK) { ov_row[a] = 0.0f; me_row[a] = 0.0f; pos_row[a] = 0.0f; }
         return;
     }
     const Gate p = {eps, size_floor, lo, hi, min_stride, max_stride};
@@ -153,7 +155,7 @@ extern "C" __global__ void candidates_topk(
     const bool use_gate = __syncthreads_or(gated_here) != 0;  // also orders the shared writes above
     const long long label = (long long)gt_labels[bm];
     // Pass 2: candidates, overlaps (OKS over visible keypoints, else the clamped CIoU), metric.
-    for (u32 a = threadIdx.x; a < A; a += BLOCK) {
+    for (u32 a = a0 + threadIdx.x; a < a1; a += BLOCK) {
         const bool inside = in_box(g, anchors_px[2 * a], anchors_px[2 * a + 1], p);
         const float cand = (inside && (!use_gate || level_ok(side, strides[a], p))) ? 1.0f : 0.0f;
         const unsigned long long ba = (unsigned long long)b * A + a;
@@ -177,8 +179,17 @@ extern "C" __global__ void candidates_topk(
         me_row[a] = me;
         pos_row[a] = cand;
     }
-    __syncthreads();
-    // Top-k of the metric over all anchors, kept where a candidate.
+}
+
+// One block per (image, slot): the top-k of the metric over all anchors, kept where a candidate.
+extern "C" __global__ void slot_topk(const float* gt_mask, const float* metric, float* pos, u32 A, u32 topk) {
+    __shared__ float sv[WARPS];
+    __shared__ u32 si[WARPS];
+    __shared__ u32 picked[MAX_K];
+    const u32 bm = blockIdx.x;
+    if (gt_mask[bm] == 0.0f) return;  // a padding slot: nothing to pick
+    const float* me_row = metric + (unsigned long long)bm * A;
+    float* pos_row = pos + (unsigned long long)bm * A;
     const u32 k = topk < A ? topk : A;
     block_topk(me_row, 0, A, k, picked, sv, si);
     for (u32 a = threadIdx.x; a < A; a += BLOCK)

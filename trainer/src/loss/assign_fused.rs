@@ -1,4 +1,4 @@
-//! The dense assigner on CUDA in four kernel launches (`assign_fused.cu`) instead of ≈ 240
+//! The dense assigner on CUDA in five kernel launches (`assign_fused.cu`) instead of ≈ 240
 //! composed tensor ops per branch: the same operations in the same f32 order, so on a GPU it gives
 //! the composed assigner's bytes (tested), with the (image, slot, anchor, keypoint) intermediates
 //! never written to memory.
@@ -16,23 +16,26 @@ use crate::error::{Result, TrainerError};
 
 const SOURCE: &str = include_str!("assign_fused.cu");
 const MODULE: &str = "ptl_trainer_assign";
-const FUNCTIONS: [&str; 4] = ["candidates_topk", "resolve_claims", "second_topk", "targets"];
+const FUNCTIONS: [&str; 5] = ["candidates", "slot_topk", "resolve_claims", "second_topk", "targets"];
 /// Threads of the per-slot kernels (`BLOCK` in the source).
 const SLOT_BLOCK: u32 = 512;
+/// Anchors per block of the candidates kernel: a slot's overlaps spread over several blocks (one
+/// block per slot left most of the GPU idle while a few slots' blocks ran ≈ 120 µs).
+const CANDIDATE_SPAN: usize = 1024;
 /// Keypoints and top-k picks the per-slot kernels hold in shared memory (`MAX_K`).
 pub const MAX_PICKS: usize = 64;
 
-struct Kernels([UserKernel; 4]);
+struct Kernels([UserKernel; 5]);
 
 /// The four kernels of `device`, compiled once per process.
-fn kernels(device: Device) -> Result<[UserKernel; 4]> {
+fn kernels(device: Device) -> Result<[UserKernel; 5]> {
     static CACHE: OnceLock<Mutex<HashMap<Device, Kernels>>> = OnceLock::new();
     let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     if let Some(k) = cache.get(&device) {
         return Ok(k.0.clone());
     }
     let compile = |f: &str| UserKernel::compile(device, MODULE, SOURCE, f);
-    let k = [compile(FUNCTIONS[0])?, compile(FUNCTIONS[1])?, compile(FUNCTIONS[2])?, compile(FUNCTIONS[3])?];
+    let k = [compile(FUNCTIONS[0])?, compile(FUNCTIONS[1])?, compile(FUNCTIONS[2])?, compile(FUNCTIONS[3])?, compile(FUNCTIONS[4])?];
     cache.insert(device, Kernels(k.clone()));
     Ok(k)
 }
@@ -54,7 +57,7 @@ pub(crate) fn assign_fused(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<De
     let (bs, na, nc) = (inp.scores.dims()[0], inp.scores.dims()[1], inp.scores.dims()[2]);
     let (m, nk) = (t.slots, t.kpts.dims()[2]);
     let device = inp.scores.device();
-    let [k_cand, k_resolve, k_second, k_targets] = kernels(device)?;
+    let [k_cand, k_topk, k_resolve, k_second, k_targets] = kernels(device)?;
     let f32_in = |x: &Tensor| -> Result<Tensor> { Ok(x.to_dtype(DType::F32)?) };
     let (scores, boxes, kpts) = (f32_in(inp.scores)?, f32_in(inp.boxes)?, f32_in(inp.kpts)?);
     let (b32, m32, a32, k32, nc32) =
@@ -76,11 +79,12 @@ pub(crate) fn assign_fused(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<De
     let ciou_one_plus_eps = (1.0 + f64::from(CIOU_EPS)) as f32;
     // SAFETY: each argument list matches its kernel's parameters in order and type; every tensor
     // is a contiguous f32/i64 buffer of the shape named in the source (checked by the caller), and
-    // the grids (B·M blocks; grid-stride loops over B·A) keep each access inside them.
+    // the grids (B·M blocks, by anchor slices for the candidates; grid-stride loops over B·A)
+    // keep each access inside them.
     unsafe {
         use KernelArg::{Tensor as T, F32, U32};
         k_cand.launch(
-            (slots_grid, 1, 1),
+            (slots_grid, u32_of("anchor slices", na.div_ceil(CANDIDATE_SPAN).max(1))?, 1),
             (SLOT_BLOCK, 1, 1),
             &[
                 T(&t.boxes),
@@ -100,7 +104,7 @@ pub(crate) fn assign_fused(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<De
                 U32(a32),
                 U32(k32),
                 U32(nc32),
-                U32(u32_of("top-k", p.topk)?),
+                U32(CANDIDATE_SPAN as u32),
                 F32(p.eps),
                 F32(p.size_floor),
                 F32(p.level_range.0),
@@ -112,6 +116,11 @@ pub(crate) fn assign_fused(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<De
                 F32(ciou_one_plus_eps),
                 F32(four_over_pi2),
             ],
+        )?;
+        k_topk.launch(
+            (slots_grid, 1, 1),
+            (SLOT_BLOCK, 1, 1),
+            &[T(&t.mask), T(&metric), T(&pos), U32(a32), U32(u32_of("top-k", p.topk)?)],
         )?;
         k_resolve.launch((rows_grid, 1, 1), (256, 1, 1), &[T(&overlaps), T(&pos), U32(b32), U32(m32), U32(a32)])?;
         k_second.launch(

@@ -50,6 +50,8 @@ pub mod boxes;
 pub mod branch;
 pub mod dense;
 pub mod e2e;
+#[cfg(feature = "cuda")]
+pub mod flow_fused;
 pub mod targets;
 pub mod terms;
 
@@ -80,7 +82,12 @@ pub trait FlowLogProb {
 }
 
 impl FlowLogProb for ptl_heads::RealNvp {
+    /// On CUDA the fused kernels of [`flow_fused`]; elsewhere the composed ops.
     fn log_prob(&self, e: &Tensor) -> crate::error::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if flow_fused::supports(self, e) {
+            return flow_fused::log_prob(self, e);
+        }
         ptl_heads::RealNvp::log_prob(self, e).map_err(|err| match err {
             ptl_heads::HeadsError::Tensor(t) => crate::error::TrainerError::Tensor(t),
             other => crate::error::TrainerError::InvalidArgument { what: "flow.log_prob", reason: other.to_string() },

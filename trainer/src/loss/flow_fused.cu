@@ -1,0 +1,336 @@
+// The RLE loss's RealNVP flow (model.md §5.4) in four kernels instead of ≈ 600 composed tensor ops
+// per step. `flow_fused.rs` explains the interface; the arithmetic follows the composed
+// `RealNvp::log_prob` operation by operation, including, under autocast, the rounding of every
+// tensor the composed ops would store in the compute dtype (`rnd`).
+//
+//   1. flow_forward        tiles of ROWS rows: log p(e) and the per-layer inputs the backward needs
+//   2. flow_backward_rows  tiles of ROWS rows: ∂/∂e, and each net's output gradient and input per row
+//   3. flow_weight_grads   one block per (net, chunk of tiles): the chunk's weight-gradient sums
+//   4. flow_reduce         one thread per parameter: the chunks' sums in chunk order
+//
+// A block has HIDDEN threads, thread i owning hidden unit i of the net at hand. Every sum runs in a
+// fixed order (no atomics), so a result does not depend on scheduling. Rows whose incoming gradient
+// is exactly zero (the RLE's padding rows) contribute exactly zero to every weight gradient, so tiles
+// made only of them are skipped.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+typedef unsigned int u32;
+
+#define HIDDEN 64
+#define LAYERS 6
+#define NETS 12              // s.0 … s.5, then t.0 … t.5
+#define ROWS 16              // rows per tile
+#define WSTRIDE 65           // padded row stride of W2 in shared memory (conflict-free both ways)
+// One net's parameters, packed: W0 (64×2), b0 (64), W2 (64×64), b2 (64), W4 (2×64), b4 (2).
+#define OFF_W0 0
+#define OFF_B0 128
+#define OFF_W2 192
+#define OFF_B2 4288
+#define OFF_W4 4352
+#define OFF_B4 4480
+#define NET_PARAMS 4482
+
+// The 72 parameter tensors, net n's at [6n, 6n + 6) in the order above.
+struct Weights { const float* p[6 * NETS]; };
+struct Grads { float* p[6 * NETS]; };
+
+// Rounding to the compute dtype of the composed ops (0: f32, 1: bf16, 2: f16).
+__device__ __forceinline__ float rnd(float x, int mode) {
+    if (mode == 1) return __bfloat162float(__float2bfloat16_rn(x));
+    if (mode == 2) return __half2float(__float2half_rn(x));
+    return x;
+}
+__device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x * sigm(x); }
+__device__ __forceinline__ float silu_grad(float x) { const float s = sigm(x); return s * (1.0f + x * (1.0f - s)); }
+
+// Layer j keeps coordinate `kept(j)` (mask row j = [0,1] for even j) and updates the other.
+__device__ __forceinline__ u32 kept(u32 j) { return (j % 2 == 0) ? 1u : 0u; }
+
+// One net's weights in shared memory, rounded to the compute dtype as autocast would cast them.
+struct NetShared {
+    float w2[HIDDEN * WSTRIDE];  // W2[i][k] at i·WSTRIDE + k
+    float w0[HIDDEN];            // W0[i][c] (the kept coordinate's column)
+    float b0[HIDDEN];
+    float b2[HIDDEN];
+    float w4[HIDDEN];            // W4[o][i] (the updated coordinate's row)
+    float b4;
+};
+
+__device__ void stage_net(NetShared& s, const Weights& w, u32 net, u32 c, int mode) {
+    const u32 o = 1 - c, i = threadIdx.x;
+    const float* W0 = w.p[6 * net];
+    const float* W2 = w.p[6 * net + 2];
+    for (u32 q = i; q < HIDDEN * HIDDEN; q += HIDDEN) s.w2[(q / HIDDEN) * WSTRIDE + q % HIDDEN] = rnd(W2[q], mode);
+    s.w0[i] = rnd(W0[2 * i + c], mode);
+    s.b0[i] = rnd(w.p[6 * net + 1][i], mode);
+    s.b2[i] = rnd(w.p[6 * net + 3][i], mode);
+    s.w4[i] = rnd(w.p[6 * net + 4][o * HIDDEN + i], mode);
+    if (i == 0) s.b4 = rnd(w.p[6 * net + 5][o], mode);
+}
+
+// Sum over the block's HIDDEN threads of each row's value in red[r][·], in a fixed tree order;
+// the result lands in red[r][0]. Call with every thread; ends synchronised.
+__device__ void reduce_rows(float (*red)[HIDDEN]) {
+    __syncthreads();
+    for (u32 half = HIDDEN / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half)
+            for (u32 r = 0; r < ROWS; ++r) red[r][threadIdx.x] += red[r][threadIdx.x + half];
+        __syncthreads();
+    }
+}
+
+// A net's forward on the tile's inputs x[r] (the kept coordinate): keeps each row's pre-activations
+// p1[r], p2[r] of this thread's unit and h1 of every unit in h1s; returns the outputs in out[r]
+// (tanh'd for a scale net). `mm(x, W)` rounds its f32 sum; the bias add, SiLU and tanh round too.
+__device__ void net_forward(const NetShared& s, bool scale, const float* x, float (*h1s)[HIDDEN], float (*red)[HIDDEN],
+                            float* p1, float* p2, float* out, int mode) {
+    const u32 i = threadIdx.x;
+    for (u32 r = 0; r < ROWS; ++r) {
+        p1[r] = rnd(rnd(rnd(x[r], mode) * s.w0[i], mode) + s.b0[i], mode);
+        h1s[r][i] = rnd(silu(p1[r]), mode);
+    }
+    __syncthreads();
+    for (u32 r = 0; r < ROWS; ++r) {
+        float acc = 0.0f;
+        for (u32 k = 0; k < HIDDEN; ++k) acc = fmaf(s.w2[i * WSTRIDE + k], h1s[r][k], acc);
+        p2[r] = rnd(rnd(acc, mode) + s.b2[i], mode);
+        red[r][i] = rnd(silu(p2[r]), mode) * s.w4[i];
+    }
+    reduce_rows(red);
+    if (i < ROWS) {
+        const float y = rnd(rnd(red[i][0], mode) + s.b4, mode);
+        out[i] = scale ? rnd(tanhf(y), mode) : y;
+    }
+    __syncthreads();
+}
+
+// A net's backward for each row's output gradient dy[r] (after the tanh): returns each row's
+// gradient of the kept input coordinate in dx[r]; p1, p2 from `net_forward`. dp2s is scratch.
+__device__ void net_backward(const NetShared& s, const float* dy, const float* p1, const float* p2, float (*dp2s)[HIDDEN],
+                             float (*red)[HIDDEN], float* dx, int mode) {
+    const u32 k = threadIdx.x;
+    for (u32 r = 0; r < ROWS; ++r) dp2s[r][k] = rnd(rnd(dy[r] * s.w4[k], mode) * rnd(silu_grad(p2[r]), mode), mode);
+    __syncthreads();
+    for (u32 r = 0; r < ROWS; ++r) {
+        float acc = 0.0f;
+        for (u32 i = 0; i < HIDDEN; ++i) acc = fmaf(dp2s[r][i], s.w2[i * WSTRIDE + k], acc);
+        const float dp1 = rnd(rnd(acc, mode) * rnd(silu_grad(p1[r]), mode), mode);
+        red[r][k] = dp1 * s.w0[k];
+    }
+    reduce_rows(red);
+    if (k < ROWS) dx[k] = rnd(red[k][0], mode);
+    __syncthreads();
+}
+
+struct TileShared {
+    NetShared net[2];            // the layer's scale and translation nets
+    float h1s[ROWS][HIDDEN];
+    float red[ROWS][HIDDEN];
+    float x[ROWS];
+    float sv[ROWS], tv[ROWS];
+};
+
+// log p(e) for N rows of e (N×2): lp (N), and saved (N×8): the updated coordinate's input to each
+// layer j at [j], the latent z at [6], [7].
+extern "C" __global__ void flow_forward(const float* e, Weights w, float* lp, float* saved, u32 n, int mode, float neg_ln2pi) {
+    __shared__ TileShared sh;
+    __shared__ float z[ROWS][2], logdet[ROWS];
+    const u32 row0 = blockIdx.x * ROWS, i = threadIdx.x;
+    if (i < ROWS) {
+        const u32 row = row0 + i;
+        z[i][0] = row < n ? e[2 * row] : 0.0f;
+        z[i][1] = row < n ? e[2 * row + 1] : 0.0f;
+        logdet[i] = 0.0f;
+    }
+    float p1[ROWS], p2[ROWS];
+    for (int jj = LAYERS - 1; jj >= 0; --jj) {
+        const u32 j = (u32)jj, c = kept(j), o = 1 - c;
+        __syncthreads();
+        stage_net(sh.net[0], w, j, c, mode);
+        stage_net(sh.net[1], w, LAYERS + j, c, mode);
+        if (i < ROWS) sh.x[i] = z[i][c];
+        __syncthreads();
+        net_forward(sh.net[0], true, sh.x, sh.h1s, sh.red, p1, p2, sh.sv, mode);
+        net_forward(sh.net[1], false, sh.x, sh.h1s, sh.red, p1, p2, sh.tv, mode);
+        if (i < ROWS) {
+            const u32 row = row0 + i;
+            const float zo = z[i][o];
+            if (row < n) saved[8ull * row + j] = zo;
+            z[i][o] = (zo - sh.tv[i]) * expf(-sh.sv[i]);
+            logdet[i] = (jj == LAYERS - 1) ? -sh.sv[i] : logdet[i] - sh.sv[i];
+        }
+    }
+    if (i < ROWS) {
+        const u32 row = row0 + i;
+        if (row < n) {
+            const float z0 = z[i][0], z1 = z[i][1];
+            saved[8ull * row + 6] = z0;
+            saved[8ull * row + 7] = z1;
+            lp[row] = ((z0 * z0 + z1 * z1) * -0.5f + neg_ln2pi) + logdet[i];
+        }
+    }
+}
+
+// ∂L/∂e (N×2) for ∂L/∂lp = g (N), and per (row, layer): [x, dy_s, dy_t] in nets (N×6×3): the kept
+// coordinate's input and each net's output gradient (after its tanh), for `flow_weight_grads`.
+extern "C" __global__ void flow_backward_rows(const float* g, const float* saved, Weights w, float* de, float* nets, u32 n,
+                                              int mode) {
+    __shared__ TileShared sh;
+    __shared__ float z[ROWS][2], dz[ROWS][2], gr[ROWS], dys[ROWS], dyt[ROWS], dxs[ROWS], dxt[ROWS];
+    __shared__ int any;
+    const u32 row0 = blockIdx.x * ROWS, i = threadIdx.x;
+    if (i == 0) any = 0;
+    __syncthreads();
+    if (i < ROWS) {
+        const u32 row = row0 + i;
+        gr[i] = row < n ? g[row] : 0.0f;
+        if (gr[i] != 0.0f) any = 1;
+    }
+    __syncthreads();
+    if (!any) {  // every row's gradient is zero: so is everything downstream
+        if (i < ROWS && row0 + i < n) {
+            const u32 row = row0 + i;
+            de[2 * row] = 0.0f;
+            de[2 * row + 1] = 0.0f;
+            for (u32 q = 0; q < 3 * LAYERS; ++q) nets[18ull * row + q] = 0.0f;
+        }
+        return;
+    }
+    if (i < ROWS) {
+        const u32 row = row0 + i;
+        const float z0 = row < n ? saved[8ull * row + 6] : 0.0f, z1 = row < n ? saved[8ull * row + 7] : 0.0f;
+        z[i][0] = z0;
+        z[i][1] = z1;
+        // lp = −½(z0² + z1²) − ln 2π + logdet: square's backward of the affine's −½ g.
+        const float gh = gr[i] * -0.5f;
+        dz[i][0] = gh * (2.0f * z0);
+        dz[i][1] = gh * (2.0f * z1);
+    }
+    float p1s[ROWS], p2s[ROWS], p1t[ROWS], p2t[ROWS];
+    for (u32 j = 0; j < LAYERS; ++j) {
+        const u32 c = kept(j), o = 1 - c;
+        __syncthreads();
+        stage_net(sh.net[0], w, j, c, mode);
+        stage_net(sh.net[1], w, LAYERS + j, c, mode);
+        if (i < ROWS) sh.x[i] = z[i][c];
+        __syncthreads();
+        net_forward(sh.net[0], true, sh.x, sh.h1s, sh.red, p1s, p2s, sh.sv, mode);
+        net_forward(sh.net[1], false, sh.x, sh.h1s, sh.red, p1t, p2t, sh.tv, mode);
+        if (i < ROWS) {
+            const u32 row = row0 + i;
+            const float zin = row < n ? saved[8ull * row + j] : 0.0f;
+            const float s = sh.sv[i], t = sh.tv[i], ex = expf(-s), d = zin - t;
+            // zout = (zin − t)·exp(−s) for the updated coordinate; logdet −= s.
+            const float ga = dz[i][o] * ex;
+            const float ds = -((dz[i][o] * d) * ex) + -gr[i];
+            dys[i] = rnd(rnd(ds, mode) * rnd(1.0f - rnd(s * s, mode), mode), mode);  // through the tanh
+            dyt[i] = rnd(-ga, mode);
+            dz[i][o] = ga;
+            z[i][o] = zin;
+            if (row < n) {
+                nets[18ull * row + 3 * j] = sh.x[i];
+                nets[18ull * row + 3 * j + 1] = dys[i];
+                nets[18ull * row + 3 * j + 2] = dyt[i];
+            }
+        }
+        __syncthreads();
+        net_backward(sh.net[0], dys, p1s, p2s, sh.h1s, sh.red, dxs, mode);
+        net_backward(sh.net[1], dyt, p1t, p2t, sh.h1s, sh.red, dxt, mode);
+        if (i < ROWS) dz[i][c] = (dz[i][c] + dxs[i]) + dxt[i];
+    }
+    __syncthreads();
+    if (i < ROWS && row0 + i < n) {
+        const u32 row = row0 + i;
+        de[2 * row] = dz[i][0];
+        de[2 * row + 1] = dz[i][1];
+    }
+}
+
+// One block per (net = blockIdx.y, chunk = blockIdx.x): the sums over the chunk's tiles (tiles
+// chunk, chunk + chunks, …) of the net's weight gradients, written to partial[chunk][net] in the
+// packed layout (entries no row reaches — the masked column of W0, the kept row of W4 — are 0).
+extern "C" __global__ void flow_weight_grads(const float* nets, Weights w, float* partial, u32 n, int mode) {
+    __shared__ NetShared s;
+    __shared__ float h1s[ROWS][HIDDEN], dp2s[ROWS][HIDDEN], x[ROWS], dy[ROWS];
+    __shared__ int any;
+    const u32 net = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, i = threadIdx.x;
+    const u32 j = net % LAYERS, c = kept(j), o = 1 - c;
+    const bool scale = net < LAYERS;
+    stage_net(s, w, net, c, mode);
+    float gw2[HIDDEN];
+    for (u32 k = 0; k < HIDDEN; ++k) gw2[k] = 0.0f;
+    float gb2 = 0.0f, gw0 = 0.0f, gb0 = 0.0f, gw4 = 0.0f, gb4 = 0.0f;
+    const u32 tiles = (n + ROWS - 1) / ROWS;
+    for (u32 tile = chunk; tile < tiles; tile += chunks) {
+        __syncthreads();
+        if (i == 0) any = 0;
+        __syncthreads();
+        if (i < ROWS) {
+            const u32 row = tile * ROWS + i;
+            x[i] = row < n ? nets[18ull * row + 3 * j] : 0.0f;
+            dy[i] = row < n ? nets[18ull * row + 3 * j + (scale ? 1 : 2)] : 0.0f;
+            if (dy[i] != 0.0f) any = 1;
+        }
+        __syncthreads();
+        if (!any) continue;
+        float p1[ROWS], p2[ROWS], h2[ROWS];
+        for (u32 r = 0; r < ROWS; ++r) {
+            p1[r] = rnd(rnd(rnd(x[r], mode) * s.w0[i], mode) + s.b0[i], mode);
+            h1s[r][i] = rnd(silu(p1[r]), mode);
+        }
+        __syncthreads();
+        for (u32 r = 0; r < ROWS; ++r) {
+            float acc = 0.0f;
+            for (u32 k = 0; k < HIDDEN; ++k) acc = fmaf(s.w2[i * WSTRIDE + k], h1s[r][k], acc);
+            p2[r] = rnd(rnd(acc, mode) + s.b2[i], mode);
+            h2[r] = rnd(silu(p2[r]), mode);
+            const float dp2 = rnd(rnd(dy[r] * s.w4[i], mode) * rnd(silu_grad(p2[r]), mode), mode);
+            dp2s[r][i] = dp2;
+            for (u32 k = 0; k < HIDDEN; ++k) gw2[k] = fmaf(dp2, h1s[r][k], gw2[k]);
+            gb2 += dp2;
+            gw4 = fmaf(dy[r], h2[r], gw4);
+        }
+        __syncthreads();
+        for (u32 r = 0; r < ROWS; ++r) {
+            float acc = 0.0f;
+            for (u32 q = 0; q < HIDDEN; ++q) acc = fmaf(dp2s[r][q], s.w2[q * WSTRIDE + i], acc);
+            const float dp1 = rnd(rnd(acc, mode) * rnd(silu_grad(p1[r]), mode), mode);
+            gw0 = fmaf(dp1, rnd(x[r], mode), gw0);
+            gb0 += dp1;
+            if (i == 0) gb4 += dy[r];
+        }
+    }
+    float* out = partial + ((unsigned long long)chunk * NETS + net) * NET_PARAMS;
+    for (u32 k = 0; k < HIDDEN; ++k) out[OFF_W2 + i * HIDDEN + k] = gw2[k];
+    out[OFF_W0 + 2 * i + c] = gw0;
+    out[OFF_W0 + 2 * i + o] = 0.0f;
+    out[OFF_B0 + i] = gb0;
+    out[OFF_B2 + i] = gb2;
+    out[OFF_W4 + o * HIDDEN + i] = gw4;
+    out[OFF_W4 + c * HIDDEN + i] = 0.0f;
+    if (i == 0) {
+        out[OFF_B4 + o] = gb4;
+        out[OFF_B4 + c] = 0.0f;
+    }
+}
+
+// Each parameter's gradient: the chunks' partial sums added in chunk order, rounded as the composed
+// ops' compute-dtype GEMM or sum would round it, into the parameter's own gradient tensor.
+extern "C" __global__ void flow_reduce(const float* partial, Grads grads, u32 chunks, int mode) {
+    const u32 p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= NETS * NET_PARAMS) return;
+    float acc = 0.0f;
+    for (u32 ch = 0; ch < chunks; ++ch) acc += partial[(unsigned long long)ch * NETS * NET_PARAMS + p];
+    const u32 net = p / NET_PARAMS, q = p % NET_PARAMS;
+    u32 which, off;
+    if (q < OFF_B0) { which = 0; off = q - OFF_W0; }
+    else if (q < OFF_W2) { which = 1; off = q - OFF_B0; }
+    else if (q < OFF_B2) { which = 2; off = q - OFF_W2; }
+    else if (q < OFF_W4) { which = 3; off = q - OFF_B2; }
+    else if (q < OFF_B4) { which = 4; off = q - OFF_W4; }
+    else { which = 5; off = q - OFF_B4; }
+    grads.p[6 * net + which][off] = rnd(acc, mode);
+}
