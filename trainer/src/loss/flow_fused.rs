@@ -154,7 +154,7 @@ impl BackwardOp for FlowBackward {
     fn backward(&self, grad_outputs: &[Option<Tensor>]) -> ptl_autograd::Result<Vec<Option<Tensor>>> {
         self.run(grad_outputs).map_err(|e| match e {
             TrainerError::Tensor(t) => t,
-            other => ptl_autograd::Error::invalid("flow_log_prob_fused", other.to_string()),
+            other => ptl_autograd::Error::InvalidArgument { op: "flow_log_prob_fused", msg: other.to_string() },
         })
     }
 }
