@@ -994,9 +994,10 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
     // The counts' exclusive scan, by blocks of 1024 (see kernels.cu).
     let blocks = d.div_ceil(1024);
     let (sums, block_offsets) = (super::alloc::DevBuf::alloc(dev, 4 * blocks)?, super::alloc::DevBuf::alloc(dev, 4 * (blocks + 1))?);
-    let (ps, pb, bb) = (sums.ptr, block_offsets.ptr, u32c("index_add", blocks)?);
-    dev.launch(dev.func("ia_block_sums", "")?, (bb, 1, 1), (1024, 1, 1), &mut args!(pc, dd, ps))?;
-    dev.launch(dev.func("ia_scan", "")?, (1, 1, 1), (1024, 1, 1), &mut args!(ps, pb, bb))?;
+    // (`psums`, not `ps`: that name holds the source rows' pointer, which `ia_sum` reads below.)
+    let (psums, pb, bb) = (sums.ptr, block_offsets.ptr, u32c("index_add", blocks)?);
+    dev.launch(dev.func("ia_block_sums", "")?, (bb, 1, 1), (1024, 1, 1), &mut args!(pc, dd, psums))?;
+    dev.launch(dev.func("ia_scan", "")?, (1, 1, 1), (1024, 1, 1), &mut args!(psums, pb, bb))?;
     dev.launch(dev.func("ia_scan_apply", "")?, (bb, 1, 1), (1024, 1, 1), &mut args!(pc, pb, po, dd, bb))?;
     dev.launch1d(dev.func("ia_fill", "")?, n, &mut args!(pi, nn, dd, po, pu, pr))?;
     dev.launch1d(dev.func("ia_sort", "")?, d, &mut args!(po, dd, pr))?;
