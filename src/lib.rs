@@ -7,7 +7,7 @@
 //! ```
 //!
 //! Each subcommand group parses its own arguments and calls into the library crates; add new
-//! groups (`train`, `val`, `predict`) as variants of `Command` with a `run_*` function.
+//! groups (`train`, `val`, `predict`, `export`) as variants of `Command` with a `run_*` function.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -37,6 +37,8 @@ enum Command {
     Val(cli::predict::ValArgs),
     /// Draw predictions of a checkpoint on images (PNGs + predictions.json).
     Predict(cli::predict::PredictArgs),
+    /// Write the eval model as an ONNX file (`ptl export format=onnx model=W.ckpt imgsz=640`).
+    Export(cli::export::ExportArgs),
     /// List every `key=value` setting of `ptl train` with its default.
     Cfg,
 }
@@ -115,6 +117,7 @@ pub fn main() -> ExitCode {
         Command::Train(a) => cli::train::run_train(a),
         Command::Val(a) => cli::predict::run_val(a),
         Command::Predict(a) => cli::predict::run_predict(a),
+        Command::Export(a) => cli::export::run_export(a),
         Command::Cfg => {
             cli::train::print_keys();
             Ok(())

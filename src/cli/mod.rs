@@ -1,2 +1,3 @@
+pub mod export;
 pub mod predict;
 pub mod train;

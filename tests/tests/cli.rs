@@ -67,6 +67,16 @@ fn absurd_sizes_and_unknown_keys_exit_with_a_message_not_an_abort() {
     assert!(text(&o).contains("ptl cfg"), "points to the key list: {}", text(&o));
     let o = ptl(&["cfg"], dir.path());
     assert!(o.status.success() && text(&o).contains("imgsz") && text(&o).contains("exist_ok"), "{}", text(&o));
+    // export: an unknown format lists the known ones; a size the model cannot take names the rule.
+    let o = ptl(&["export", "format=tflite", "model=n"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("unknown export format `tflite`: ptl exports onnx"), "{}", text(&o));
+    let o = ptl(&["export", "format=onnx", "model=n", "imgsz=100"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("imgsz 100×100") && text(&o).contains("multiple of 32"), "{}", text(&o));
+    let o = ptl(&["export", "format=onnx", "model=n", "imgsz=64", "opset=12"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("unknown key `opset` for ptl export"), "{}", text(&o));
 }
 
 #[test]
@@ -104,6 +114,11 @@ fn predict_and_val_refuse_what_they_cannot_use() {
     let (src, _) = ptl_data::image::decode_file(&img).unwrap();
     let (drawn, _) = ptl_data::image::decode_file(&dir.path().join("pred/good.png")).unwrap();
     assert_eq!((drawn.w, drawn.h), (src.w, src.h));
+    // `export` of the checkpoint: its EMA weights, written next to it by default.
+    let o = ptl(&["export", "format=onnx", &format!("model={w}"), "imgsz=64"], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    let onnx = project.join("weights/last.onnx");
+    assert!(text(&o).contains(&onnx.display().to_string()) && onnx.is_file(), "{}", text(&o));
     // `val` on the run's own dataset: works, and its device line speaks of validating.
     let o = ptl(&["val", "--weights", w, "--imgsz", "64", "--device", "auto"], dir.path());
     assert!(o.status.success(), "{}", text(&o));

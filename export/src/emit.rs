@@ -1,0 +1,131 @@
+//! The ONNX ops the model is made of, one method each, tracking channels and spatial size so
+//! reshapes can name them (the batch stays dynamic: reshapes copy it with `0`).
+
+use ptl_heads::nn::{Conv, Conv2d};
+
+use crate::fold::{folded, plain, FoldedConv};
+use crate::graph::{AttrValue, Graph};
+use crate::{ExportError, Result};
+
+/// A `(B, c, h, w)` value of the graph.
+#[derive(Clone, Debug)]
+pub struct Value {
+    pub name: String,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+}
+
+/// Emits ops into a [`Graph`].
+pub struct Emitter {
+    pub g: Graph,
+}
+
+fn ints(v: &[usize]) -> AttrValue {
+    AttrValue::Ints(v.iter().map(|&x| x as i64).collect())
+}
+
+impl Emitter {
+    /// A Conv node from a prepared convolution; `name` is the module path (`model.2.cv1`).
+    fn conv_node(&mut self, f: FoldedConv, x: &Value, name: &str) -> Result<Value> {
+        let [o, i, kh, kw] = f.dims;
+        if i * f.groups != x.c {
+            return Err(ExportError::unsupported(name, format!("reads {} channels in {} groups but gets {}", i * f.groups, f.groups, x.c)));
+        }
+        let w = self.g.init_f32(&format!("{name}.weight"), &f.dims, f.weight);
+        let b = self.g.init_f32(&format!("{name}.bias"), &[o], f.bias);
+        let (s, p) = (f.stride, f.padding);
+        let out = self.g.op(
+            "Conv",
+            name,
+            &[&x.name, &w, &b],
+            vec![
+                ("kernel_shape", ints(&[kh, kw])),
+                ("strides", ints(&[s, s])),
+                ("pads", ints(&[p, p, p, p])),
+                ("group", AttrValue::Int(f.groups as i64)),
+            ],
+        );
+        Ok(Value { name: out, c: o, h: (x.h + 2 * p - kh) / s + 1, w: (x.w + 2 * p - kw) / s + 1 })
+    }
+
+    /// Ultralytics' `Conv`: the folded convolution, then SiLU when the module has it.
+    pub fn conv(&mut self, m: &Conv, x: &Value, name: &str) -> Result<Value> {
+        let y = self.conv_node(folded(m, name)?, x, name)?;
+        Ok(if m.act { self.silu(&y, name) } else { y })
+    }
+
+    /// A plain `Conv2d` (the head's 1×1 predictions, with their bias).
+    pub fn conv2d(&mut self, m: &Conv2d, x: &Value, name: &str) -> Result<Value> {
+        self.conv_node(plain(m, name)?, x, name)
+    }
+
+    /// `x · sigmoid(x)` (opset 17 has no SiLU op).
+    pub fn silu(&mut self, x: &Value, name: &str) -> Value {
+        let s = self.g.op("Sigmoid", &format!("{name}.sigmoid"), &[&x.name], vec![]);
+        let y = self.g.op("Mul", &format!("{name}.silu"), &[&x.name, &s], vec![]);
+        Value { name: y, ..x.clone() }
+    }
+
+    /// Elementwise `a + b` (same shape).
+    pub fn add(&mut self, a: &Value, b: &Value, name: &str) -> Value {
+        let y = self.g.op("Add", name, &[&a.name, &b.name], vec![]);
+        Value { name: y, ..a.clone() }
+    }
+
+    /// Channel concatenation.
+    pub fn concat(&mut self, xs: &[&Value], name: &str) -> Result<Value> {
+        let first = xs.first().ok_or_else(|| ExportError::unsupported(name, "concatenation of nothing"))?;
+        if xs.iter().any(|x| (x.h, x.w) != (first.h, first.w)) {
+            return Err(ExportError::unsupported(name, "concatenated maps of different sizes"));
+        }
+        let names: Vec<&str> = xs.iter().map(|x| x.name.as_str()).collect();
+        let y = self.g.op("Concat", name, &names, vec![("axis", AttrValue::Int(1))]);
+        Ok(Value { name: y, c: xs.iter().map(|x| x.c).sum(), h: first.h, w: first.w })
+    }
+
+    /// Splits the channels into pieces of `sizes`.
+    pub fn split_channels(&mut self, x: &Value, sizes: &[usize], name: &str) -> Result<Vec<Value>> {
+        if sizes.iter().sum::<usize>() != x.c {
+            return Err(ExportError::unsupported(name, format!("split {sizes:?} of {} channels", x.c)));
+        }
+        let split = self.g.const_i64(&sizes.iter().map(|&s| s as i64).collect::<Vec<_>>());
+        let outs = self.g.op_n("Split", name, &[&x.name, &split], sizes.len(), vec![("axis", AttrValue::Int(1))]);
+        Ok(outs.into_iter().zip(sizes).map(|(n, &c)| Value { name: n, c, h: x.h, w: x.w }).collect())
+    }
+
+    /// `MaxPool(k, stride 1, padding k/2)` (size-preserving, as in SPPF).
+    pub fn max_pool_same(&mut self, x: &Value, k: usize, name: &str) -> Value {
+        let p = k / 2;
+        let y = self.g.op(
+            "MaxPool",
+            name,
+            &[&x.name],
+            vec![("kernel_shape", ints(&[k, k])), ("strides", ints(&[1, 1])), ("pads", ints(&[p, p, p, p]))],
+        );
+        Value { name: y, ..x.clone() }
+    }
+
+    /// Nearest-neighbour upsampling by an integer factor (`Resize`, asymmetric + floor: each
+    /// output pixel copies input pixel `⌊i / factor⌋`, as `nn.Upsample(mode="nearest")`).
+    pub fn upsample_nearest(&mut self, x: &Value, factor: usize, name: &str) -> Value {
+        let scales = self.g.init_f32(&format!("{name}.scales"), &[4], vec![1.0, 1.0, factor as f32, factor as f32]);
+        let y = self.g.op(
+            "Resize",
+            name,
+            &[&x.name, "", &scales],
+            vec![
+                ("mode", AttrValue::Str("nearest".into())),
+                ("coordinate_transformation_mode", AttrValue::Str("asymmetric".into())),
+                ("nearest_mode", AttrValue::Str("floor".into())),
+            ],
+        );
+        Value { name: y, c: x.c, h: x.h * factor, w: x.w * factor }
+    }
+
+    /// `Reshape` to `shape` (0 copies the batch); returns the output name.
+    pub fn reshape(&mut self, x: &str, shape: &[i64], name: &str) -> String {
+        let s = self.g.const_i64(shape);
+        self.g.op("Reshape", name, &[x, &s], vec![])
+    }
+}

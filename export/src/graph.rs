@@ -1,0 +1,147 @@
+//! An ONNX graph while it is being built: owned names, attributes and initializers, so the
+//! emitters need no lifetimes; [`crate::encode`] turns it into protobuf bytes at the end.
+//!
+//! Every value name is unique (a repeated base name gets a `_N` suffix), and a node is only
+//! appended after the nodes producing its inputs, so the node list is in topological order.
+
+use std::collections::{HashMap, HashSet};
+
+/// A node attribute value (the few kinds the exporter needs).
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttrValue {
+    Int(i64),
+    Ints(Vec<i64>),
+    Str(String),
+}
+
+/// One graph node with a single op and its attributes.
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub op: &'static str,
+    pub name: String,
+    pub inputs: Vec<String>,
+    pub outputs: Vec<String>,
+    pub attrs: Vec<(&'static str, AttrValue)>,
+}
+
+/// Initializer payload: weights are f32, shapes and split sizes i64.
+#[derive(Clone, Debug)]
+pub enum InitData {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+/// A constant tensor stored in the file.
+#[derive(Clone, Debug)]
+pub struct Initializer {
+    pub name: String,
+    pub dims: Vec<i64>,
+    pub data: InitData,
+}
+
+/// Nodes and initializers in emission order.
+#[derive(Default, Debug)]
+pub struct Graph {
+    pub nodes: Vec<Node>,
+    pub initializers: Vec<Initializer>,
+    taken: HashSet<String>,
+    /// i64 constants by value, so a shape used by many reshapes is stored once.
+    i64_consts: HashMap<Vec<i64>, String>,
+    /// f32 scalars by bit pattern.
+    f32_scalars: HashMap<u32, String>,
+}
+
+impl Graph {
+    /// Reserves `name` for a graph input (nothing may reuse it).
+    pub fn reserve(&mut self, name: &str) -> String {
+        self.unique(name)
+    }
+
+    /// `base`, or `base_N` when taken.
+    fn unique(&mut self, base: &str) -> String {
+        let mut name = base.to_string();
+        let mut n = 1;
+        while self.taken.contains(&name) {
+            name = format!("{base}_{n}");
+            n += 1;
+        }
+        self.taken.insert(name.clone());
+        name
+    }
+
+    /// Stores an f32 initializer; returns its (unique) name.
+    pub fn init_f32(&mut self, base: &str, dims: &[usize], data: Vec<f32>) -> String {
+        let name = self.unique(base);
+        self.initializers.push(Initializer {
+            name: name.clone(),
+            dims: dims.iter().map(|&d| d as i64).collect(),
+            data: InitData::F32(data),
+        });
+        name
+    }
+
+    /// A 1-D i64 constant (shapes, split sizes), shared between nodes.
+    pub fn const_i64(&mut self, values: &[i64]) -> String {
+        if let Some(n) = self.i64_consts.get(values) {
+            return n.clone();
+        }
+        let base = format!("const_i64_{}", values.iter().map(|v| v.to_string()).collect::<Vec<_>>().join("_").replace('-', "m"));
+        let name = self.unique(&base);
+        self.initializers.push(Initializer { name: name.clone(), dims: vec![values.len() as i64], data: InitData::I64(values.to_vec()) });
+        self.i64_consts.insert(values.to_vec(), name.clone());
+        name
+    }
+
+    /// A scalar f32 constant (rank 0), shared between nodes.
+    pub fn const_f32(&mut self, value: f32) -> String {
+        if let Some(n) = self.f32_scalars.get(&value.to_bits()) {
+            return n.clone();
+        }
+        let name = self.unique(&format!("const_f32_{value}").replace('-', "m"));
+        self.initializers.push(Initializer { name: name.clone(), dims: vec![], data: InitData::F32(vec![value]) });
+        self.f32_scalars.insert(value.to_bits(), name.clone());
+        name
+    }
+
+    /// Appends a node with one output, named after the node; returns the output name.
+    pub fn op(&mut self, op: &'static str, base: &str, inputs: &[&str], attrs: Vec<(&'static str, AttrValue)>) -> String {
+        self.op_n(op, base, inputs, 1, attrs).remove(0)
+    }
+
+    /// Appends a node with `outputs` outputs (`<node>:0`, `<node>:1`, …); returns their names.
+    pub fn op_n(
+        &mut self,
+        op: &'static str,
+        base: &str,
+        inputs: &[&str],
+        outputs: usize,
+        attrs: Vec<(&'static str, AttrValue)>,
+    ) -> Vec<String> {
+        let name = self.unique(base);
+        let outs: Vec<String> =
+            if outputs == 1 { vec![name.clone()] } else { (0..outputs).map(|i| self.unique(&format!("{name}:{i}"))).collect() };
+        self.nodes.push(Node { op, name, inputs: inputs.iter().map(|s| s.to_string()).collect(), outputs: outs.clone(), attrs });
+        outs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_stay_unique_and_constants_are_shared() {
+        let mut g = Graph::default();
+        let x = g.reserve("x");
+        let a = g.op("Sigmoid", "x", &[&x], vec![]);
+        assert_eq!(a, "x_1");
+        let s1 = g.const_i64(&[0, 4, -1]);
+        let s2 = g.const_i64(&[0, 4, -1]);
+        assert_eq!(s1, s2);
+        assert_eq!(g.initializers.len(), 1);
+        let outs = g.op_n("Split", "split", &[&a, &s1], 3, vec![]);
+        assert_eq!(outs, vec!["split:0", "split:1", "split:2"]);
+        assert_ne!(g.const_f32(2.0), g.const_f32(0.5));
+        assert_eq!(g.const_f32(2.0), g.const_f32(2.0));
+    }
+}

@@ -1,0 +1,122 @@
+//! The `Pose26` head as `PoseModel::predict` runs it in eval: the one-to-many stems (box, class,
+//! point + keypoint view; no sigma views), flattened per level and concatenated P3, P4, P5, then
+//! decoded to pixels with the anchors and strides stored as initializers (`decode.rs`'s formulas,
+//! in its order of operations).
+
+use ptl_autograd::{DType, Device};
+use ptl_heads::{make_anchors, Branch, Pose26};
+
+use crate::emit::{Emitter, Value};
+use crate::graph::AttrValue;
+use crate::{ExportError, Result};
+
+/// Raw outputs of the branch, `(B, C, A)` each.
+struct RawBranch {
+    boxes: String,
+    scores: String,
+    kpts: String,
+}
+
+impl Emitter {
+    /// A `(B, c, h, w)` map as `(B, c, h·w)`.
+    fn flatten(&mut self, x: &Value, name: &str) -> String {
+        self.reshape(&x.name, &[0, x.c as i64, (x.h * x.w) as i64], name)
+    }
+
+    fn concat_anchors(&mut self, parts: &[String], name: &str) -> String {
+        let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
+        self.g.op("Concat", name, &refs, vec![("axis", AttrValue::Int(2))])
+    }
+
+    fn branch(&mut self, head: &Pose26, branch: Branch, feats: &[Value], prefix: &str) -> Result<RawBranch> {
+        let set = head.set(branch);
+        let p = branch.attr_prefix();
+        let (mut boxes, mut scores, mut kpts) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, x) in feats.iter().enumerate() {
+            let missing = || ExportError::unsupported(prefix, format!("no stems for level {i}"));
+            let b = set.box_stems.get(i).ok_or_else(missing)?;
+            let n = format!("{prefix}.{p}cv2.{i}");
+            let y = self.conv(&b.conv0, x, &format!("{n}.0"))?;
+            let y = self.conv(&b.conv1, &y, &format!("{n}.1"))?;
+            let y = self.conv2d(&b.pred, &y, &format!("{n}.2"))?;
+            boxes.push(self.flatten(&y, &format!("{n}.flat")));
+
+            let c = set.class_stems.get(i).ok_or_else(missing)?;
+            let n = format!("{prefix}.{p}cv3.{i}");
+            let y = self.conv(&c.dw0, x, &format!("{n}.0.0"))?;
+            let y = self.conv(&c.pw0, &y, &format!("{n}.0.1"))?;
+            let y = self.conv(&c.dw1, &y, &format!("{n}.1.0"))?;
+            let y = self.conv(&c.pw1, &y, &format!("{n}.1.1"))?;
+            let y = self.conv2d(&c.pred, &y, &format!("{n}.2"))?;
+            scores.push(self.flatten(&y, &format!("{n}.flat")));
+
+            let s = set.point_stems.get(i).ok_or_else(missing)?;
+            let view = set.kpt_views.get(i).ok_or_else(missing)?;
+            let n = format!("{prefix}.{p}cv4.{i}");
+            let y = self.conv(&s.conv0, x, &format!("{n}.0"))?;
+            let y = self.conv(&s.conv1, &y, &format!("{n}.1"))?;
+            let y = self.conv2d(view, &y, &format!("{prefix}.{p}cv4_kpts.{i}"))?;
+            kpts.push(self.flatten(&y, &format!("{prefix}.{p}cv4_kpts.{i}.flat")));
+        }
+        Ok(RawBranch {
+            boxes: self.concat_anchors(&boxes, &format!("{prefix}.{p}boxes")),
+            scores: self.concat_anchors(&scores, &format!("{prefix}.{p}scores")),
+            kpts: self.concat_anchors(&kpts, &format!("{prefix}.{p}kpts")),
+        })
+    }
+
+    /// The eval output `(B, 4 + nc + K·D, A)`: boxes (cx, cy, w, h) px, sigmoid scores,
+    /// keypoints (x px, y px[, sigmoid v]) — `PoseModel::predict(..).decoded`. Returns its name.
+    pub fn head(&mut self, head: &Pose26, feats: &[Value], prefix: &str, output: &str) -> Result<String> {
+        if feats.len() != head.num_levels() {
+            return Err(ExportError::unsupported(prefix, format!("{} feature maps for {} levels", feats.len(), head.num_levels())));
+        }
+        let raw = self.branch(head, Branch::OneToMany, feats, prefix)?;
+        let sizes: Vec<(usize, usize)> = feats.iter().map(|f| (f.h, f.w)).collect();
+        let a: usize = sizes.iter().map(|(h, w)| h * w).sum();
+        let (anchors, strides) = make_anchors(&sizes, &head.strides, 0.5, DType::F32, Device::Cpu)?;
+        let xy = anchors.to_vec::<f32>()?;
+        // (A, 2) row-major → (1, 2, A): the x row, then the y row; broadcasts over (B, K, 2, A) too.
+        let rows: Vec<f32> = (0..2).flat_map(|j| (0..a).map(move |i| (i, j))).map(|(i, j)| xy[2 * i + j]).collect();
+        let anc = self.g.init_f32("anchors", &[1, 2, a], rows);
+        let st = self.g.init_f32("anchor_strides", &[1, 1, a], strides.to_vec::<f32>()?);
+
+        // Boxes: a − lt, a + rb → centre = (x1y1 + x2y2) / 2, size = x2y2 − x1y1, then × stride.
+        let split2 = self.g.const_i64(&[2, 2]);
+        let ltrb = self.g.op_n("Split", "decode.ltrb", &[&raw.boxes, &split2], 2, vec![("axis", AttrValue::Int(1))]);
+        let x1y1 = self.g.op("Sub", "decode.x1y1", &[&anc, &ltrb[0]], vec![]);
+        let x2y2 = self.g.op("Add", "decode.x2y2", &[&anc, &ltrb[1]], vec![]);
+        let sum = self.g.op("Add", "decode.corner_sum", &[&x1y1, &x2y2], vec![]);
+        let two = self.g.const_f32(2.0);
+        let centre = self.g.op("Div", "decode.centre", &[&sum, &two], vec![]);
+        let size = self.g.op("Sub", "decode.size", &[&x2y2, &x1y1], vec![]);
+        let xywh = self.g.op("Concat", "decode.xywh", &[&centre, &size], vec![("axis", AttrValue::Int(1))]);
+        let boxes = self.g.op("Mul", "decode.boxes", &[&xywh, &st], vec![]);
+
+        let scores = self.g.op("Sigmoid", "decode.scores", &[&raw.scores], vec![]);
+
+        // Keypoints: (B, K·D, A) → (B, K, D, A); xy = (raw + a)·s, v = sigmoid(raw_v).
+        let (k, d) = head.kpt_shape;
+        if !(d == 2 || d == 3) {
+            return Err(ExportError::unsupported(prefix, format!("keypoints with {d} values (2 or 3 are exported)")));
+        }
+        let (k, d) = (k as i64, d as i64);
+        let per_kpt = self.reshape(&raw.kpts, &[0, k, d, a as i64], "decode.kpts_split");
+        let (xy_raw, visibility) = if d == 3 {
+            let split = self.g.const_i64(&[2, 1]);
+            let parts = self.g.op_n("Split", "decode.kpt_xy_v", &[&per_kpt, &split], 2, vec![("axis", AttrValue::Int(2))]);
+            let v = self.g.op("Sigmoid", "decode.kpt_v", &[&parts[1]], vec![]);
+            (parts[0].clone(), Some(v))
+        } else {
+            (per_kpt, None)
+        };
+        let shifted = self.g.op("Add", "decode.kpt_grid", &[&xy_raw, &anc], vec![]);
+        let kxy = self.g.op("Mul", "decode.kpt_px", &[&shifted, &st], vec![]);
+        let kpts4 = match &visibility {
+            Some(v) => self.g.op("Concat", "decode.kpt_xyv", &[&kxy, v], vec![("axis", AttrValue::Int(2))]),
+            None => kxy,
+        };
+        let kpts = self.reshape(&kpts4, &[0, k * d, a as i64], "decode.kpts");
+        Ok(self.g.op("Concat", output, &[&boxes, &scores, &kpts], vec![("axis", AttrValue::Int(1))]))
+    }
+}

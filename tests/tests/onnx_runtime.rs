@@ -1,0 +1,190 @@
+//! `ptl export format=onnx` checked by onnxruntime (a python3 subprocess): the exported file,
+//! run on the same image tensors ptl builds (two synthetic photos letterboxed as `ptl predict`
+//! does, one noise image), gives ptl's eval forward output (`PoseModel::predict(..).decoded`,
+//! before NMS) within a relative 1e-4, for the batch of three and for the first image alone
+//! (the batch is dynamic). The model's BatchNorm statistics and affine parameters are drawn at
+//! random first, so the folding of BatchNorm into the convolutions is exercised.
+//!
+//! Relative error, per output channel c: `max |onnx − ptl| / max |ptl|` over the images and
+//! anchors of that channel — so the pixel-sized box and keypoint channels do not hide an error
+//! in the [0, 1] score and visibility channels.
+//!
+//! Without python3 + onnxruntime + numpy the test prints `skipping: …`, except under `CI`, where
+//! it fails (`.ci/run` installs them).
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{ptl, synth, text};
+use ptl_autograd::{no_grad, DType, Device, Module, Rng, Tensor};
+use ptl_data::augment::{letterbox, Instances};
+use ptl_heads::{ModelConfig, PoseModel};
+
+const IMGSZ: usize = 64;
+
+/// Runs the model on the images (as a batch, then the first image alone) and writes both
+/// outputs as little-endian f32; prints the session's input/output names and shapes as JSON.
+const SCRIPT: &str = r#"
+import json, sys
+import numpy as np
+import onnxruntime as ort
+model, images, shape, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+x = np.fromfile(images, dtype="<f4").reshape(shape)
+sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+name = sess.get_inputs()[0].name
+y = sess.run(None, {name: x})[0]
+y1 = sess.run(None, {name: x[:1]})[0]
+np.ascontiguousarray(y, dtype="<f4").tofile(out)
+np.ascontiguousarray(y1, dtype="<f4").tofile(out + ".first")
+print(json.dumps({
+    "inputs": [[i.name, [d if isinstance(d, int) else str(d) for d in i.shape]] for i in sess.get_inputs()],
+    "outputs": [[o.name, [d if isinstance(d, int) else str(d) for d in o.shape]] for o in sess.get_outputs()],
+    "shape": list(y.shape),
+    "first_shape": list(y1.shape),
+}))
+"#;
+
+/// True when python3 imports onnxruntime and numpy; false (after printing the skip line) when it
+/// cannot and `CI` is unset; a failure when it cannot under `CI`.
+fn onnxruntime_available() -> bool {
+    let ok = Command::new("python3").args(["-c", "import numpy, onnxruntime"]).output().is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI is set but python3 cannot import onnxruntime and numpy: .ci/run must install them (python3 -m pip install onnxruntime numpy)"
+        );
+        eprintln!("skipping: onnxruntime (or numpy) not installed for python3");
+    }
+    ok
+}
+
+/// A YOLO26n-pose whose BatchNorms hold random statistics and affine parameters, in eval mode.
+fn model_with_random_batchnorms(seed: u64) -> PoseModel {
+    let mut model = PoseModel::new(ModelConfig::default(), Device::Cpu, seed).expect("model");
+    let mut rng = Rng::new(seed + 1);
+    for (name, t, _) in model.state_dict() {
+        let range = if name.ends_with("running_mean") || name.ends_with(".bn.bias") {
+            (-0.2, 0.2)
+        } else if name.ends_with("running_var") {
+            (0.3, 1.5)
+        } else if name.ends_with(".bn.weight") {
+            (0.6, 1.4)
+        } else {
+            continue;
+        };
+        let v = Tensor::rand(t.dims().to_vec(), range.0, range.1, DType::F32, Device::Cpu, &mut rng).expect("values");
+        no_grad(|| t.copy_(&v)).expect("set a BatchNorm tensor");
+    }
+    model.set_training(false);
+    model
+}
+
+/// `ptl predict`'s input for one image file: letterboxed to IMGSZ, RGB, channels first.
+fn letterboxed_chw(path: &Path) -> Vec<u8> {
+    let (img, _) = ptl_data::image::decode_file(path).expect("decode a synthetic image");
+    let (lb, _) = letterbox(&img, &mut Instances::empty(17), IMGSZ as u32, IMGSZ as u32, true);
+    let rgb = lb.to_rgb();
+    let hw = IMGSZ * IMGSZ;
+    let mut chw = vec![0u8; 3 * hw];
+    for (i, px) in rgb.chunks_exact(3).enumerate() {
+        for c in 0..3 {
+            chw[c * hw + i] = px[c];
+        }
+    }
+    chw
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// Per channel of `(B, C, A)` outputs: `max |got − want| / max |want|`; returns the worst
+/// channel's ratio and index.
+fn worst_channel(got: &[f32], want: &[f32], b: usize, c: usize, a: usize) -> (f64, usize) {
+    assert_eq!((got.len(), want.len()), (b * c * a, b * c * a));
+    let mut worst = (0.0f64, 0usize);
+    for ch in 0..c {
+        let (mut diff, mut scale) = (0.0f64, 0.0f64);
+        for img in 0..b {
+            for k in 0..a {
+                let i = (img * c + ch) * a + k;
+                let (g, w) = (f64::from(got[i]), f64::from(want[i]));
+                assert!(g.is_finite() && w.is_finite(), "channel {ch}: onnx {g}, ptl {w}");
+                diff = diff.max((g - w).abs());
+                scale = scale.max(w.abs());
+            }
+        }
+        let rel = diff / scale.max(1e-12);
+        if rel > worst.0 {
+            worst = (rel, ch);
+        }
+    }
+    worst
+}
+
+#[test]
+fn exported_onnx_matches_ptl_eval_forward_in_onnxruntime() {
+    if !onnxruntime_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = model_with_random_batchnorms(23);
+    let weights = dir.path().join("w.safetensors");
+    model.save_safetensors(&weights).expect("save weights");
+
+    // Export through the command line.
+    let file = dir.path().join("out/pose.onnx");
+    let o = ptl(
+        &["export", "format=onnx", &format!("model={}", weights.display()), &format!("imgsz={IMGSZ}"), &format!("out={}", file.display())],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains(&file.display().to_string()), "names the file: {}", text(&o));
+    assert!(file.is_file());
+
+    // Three images as ptl feeds them: two synthetic photos, letterboxed, and one of noise.
+    let data = synth(dir.path());
+    let mut val: Vec<_> =
+        std::fs::read_dir(data.parent().expect("ds").join("images/val")).expect("val images").flatten().map(|e| e.path()).collect();
+    val.sort();
+    assert!(val.len() >= 2, "the tiny dataset has two val images");
+    let mut pixels = letterboxed_chw(&val[0]);
+    pixels.extend(letterboxed_chw(&val[1]));
+    let mut rng = Rng::new(5);
+    let noise = Tensor::rand(vec![3 * IMGSZ * IMGSZ], 0.0, 256.0, DType::F32, Device::Cpu, &mut rng).expect("noise");
+    pixels.extend(noise.to_vec::<f32>().expect("noise values").iter().map(|v| v.floor().clamp(0.0, 255.0) as u8));
+    let x = ptl_trainer::pose::images_to_tensor(&pixels, [3, 3, IMGSZ, IMGSZ], Device::Cpu).expect("image tensor");
+    let input = dir.path().join("images.f32");
+    let xs = x.to_vec::<f32>().expect("input values");
+    std::fs::write(&input, xs.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).expect("write input");
+
+    // ptl's eval forward on the same tensor.
+    let want = no_grad(|| model.predict(&x)).expect("predict").decoded;
+    let (b, c, a) = (want.dims()[0], want.dims()[1], want.dims()[2]);
+    assert_eq!((b, c, a), (3, 56, 84));
+    let want = want.to_vec::<f32>().expect("ptl output");
+
+    // onnxruntime on the file.
+    let out = dir.path().join("onnx_out.f32");
+    let shape = format!("[3, 3, {IMGSZ}, {IMGSZ}]");
+    let o = Command::new("python3").arg("-c").arg(SCRIPT).arg(&file).arg(&input).arg(&shape).arg(&out).output().expect("python3 runs");
+    assert!(o.status.success(), "onnxruntime failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    let info: serde_json::Value = serde_json::from_slice(&o.stdout).expect("the script prints JSON");
+    println!("onnxruntime: {info}");
+    assert_eq!(info["inputs"], serde_json::json!([["images", ["batch", 3, IMGSZ, IMGSZ]]]));
+    assert_eq!(info["outputs"], serde_json::json!([["decoded", ["batch", c, a]]]));
+    assert_eq!(info["shape"], serde_json::json!([b, c, a]));
+    assert_eq!(info["first_shape"], serde_json::json!([1, c, a]));
+
+    let got = read_f32(&out);
+    let (rel, ch) = worst_channel(&got, &want, b, c, a);
+    println!("batch of {b}: worst channel {ch}, max |onnx − ptl| / max |ptl| = {rel:e}");
+    assert!(rel <= 1e-4, "channel {ch}: relative difference {rel:e} > 1e-4");
+    let first = read_f32(&out.with_extension("f32.first"));
+    let (rel, ch) = worst_channel(&first, &want[..c * a], 1, c, a);
+    println!("first image alone: worst channel {ch}, relative {rel:e}");
+    assert!(rel <= 1e-4, "first image, channel {ch}: relative difference {rel:e} > 1e-4");
+}
