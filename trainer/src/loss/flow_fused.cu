@@ -8,10 +8,13 @@
 //   3. flow_weight_grads   one block per (net, chunk of tiles): the chunk's weight-gradient sums
 //   4. flow_reduce         one thread per parameter: the chunks' sums in chunk order
 //
-// A block has HIDDEN threads, thread i owning hidden unit i of the net at hand. Every sum runs in a
-// fixed order (no atomics), so a result does not depend on scheduling. Rows whose incoming gradient
-// is exactly zero (the RLE's padding rows) contribute exactly zero to every weight gradient, so tiles
-// made only of them are skipped.
+// A block has HIDDEN threads, thread i owning hidden unit i of the net at hand, and works on a tile
+// of rows at once (a row per independent FMA chain: the products over hidden units read each row's
+// activations as broadcast float4s from shared memory). Every sum runs in a fixed order (no
+// atomics), so a result does not depend on scheduling. The RLE's padding rows cost almost nothing:
+// a forward tile of rows that are all exactly (+0, +0) computes one row, and rows whose incoming
+// gradient is exactly zero contribute exactly zero to every gradient, so the backward skips tiles
+// made only of them.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -50,7 +53,7 @@ __device__ __forceinline__ float silu_grad(float x) { const float s = sigm(x); r
 __device__ __forceinline__ u32 kept(u32 j) { return (j % 2 == 0) ? 1u : 0u; }
 
 // One net's weights in shared memory, rounded to the compute dtype as autocast would cast them.
-struct NetShared {
+struct __align__(16) NetShared {
     float w2[HIDDEN * WSTRIDE];  // W2[i][k] at i·WSTRIDE + k
     float w0[HIDDEN];            // W0[i][c] (the kept coordinate's column)
     float b0[HIDDEN];
@@ -71,105 +74,153 @@ __device__ void stage_net(NetShared& s, const Weights& w, u32 net, u32 c, int mo
     if (i == 0) s.b4 = rnd(w.p[6 * net + 5][o], mode);
 }
 
-// Sum over the block's HIDDEN threads of each row's value in red[r][·], in a fixed tree order;
-// the result lands in red[r][0]. Call with every thread; ends synchronised.
-__device__ void reduce_rows(float (*red)[HIDDEN]) {
+// Per-row sums over the block's HIDDEN threads of v[r], r < R: each warp's butterfly, then warp
+// 0's sum plus warp 1's, into sum[r]. Call with every thread; ends synchronised.
+template <int R>
+__device__ __forceinline__ void block_sum_rows(const float* v, float (*ws)[2], float* sum) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float x = v[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+        if (lane == 0) ws[r][warp] = x;
+    }
     __syncthreads();
-    for (u32 half = HIDDEN / 2; half > 0; half >>= 1) {
-        if (threadIdx.x < half)
-            for (u32 r = 0; r < ROWS; ++r) red[r][threadIdx.x] += red[r][threadIdx.x + half];
-        __syncthreads();
+    if (threadIdx.x < R) sum[threadIdx.x] = ws[threadIdx.x][0] + ws[threadIdx.x][1];
+    __syncthreads();
+}
+
+// acc[r] = Σ_k w[k·step] · a[r][k] over k ascending, for R rows of a (HIDDEN wide, 16-byte
+// aligned, read as broadcast float4s): R independent FMA chains.
+template <int R>
+__device__ __forceinline__ void dot_rows(const float* w, u32 step, const float (*a)[HIDDEN], float* acc) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    for (u32 k = 0; k < HIDDEN; k += 4) {
+        const float w0 = w[k * step], w1 = w[(k + 1) * step], w2 = w[(k + 2) * step], w3 = w[(k + 3) * step];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float4 h = *reinterpret_cast<const float4*>(&a[r][k]);
+            acc[r] = fmaf(w0, h.x, acc[r]);
+            acc[r] = fmaf(w1, h.y, acc[r]);
+            acc[r] = fmaf(w2, h.z, acc[r]);
+            acc[r] = fmaf(w3, h.w, acc[r]);
+        }
     }
 }
 
-// A net's forward on the tile's inputs x[r] (the kept coordinate): keeps each row's pre-activations
-// p1[r], p2[r] of this thread's unit and h1 of every unit in h1s; returns the outputs in out[r]
-// (tanh'd for a scale net). `mm(x, W)` rounds its f32 sum; the bias add, SiLU and tanh round too.
-__device__ void net_forward(const NetShared& s, bool scale, const float* x, float (*h1s)[HIDDEN], float (*red)[HIDDEN],
-                            float* p1, float* p2, float* out, int mode) {
+struct __align__(16) TileShared {
+    float h1s[ROWS][HIDDEN];     // h1 of every unit (forward), ∂/∂p2 of every unit (backward)
+    NetShared net[2];            // the layer's scale and translation nets
+    float ws[ROWS][2];
+    float sum[ROWS];
+    float x[ROWS];
+    float sv[ROWS], tv[ROWS];
+};
+
+// A net's forward on the tile's inputs x[r] (the kept coordinate), r < R: keeps each row's
+// pre-activations p1[r], p2[r] of this thread's unit; returns the outputs in out[r] (tanh'd for a
+// scale net). `mm(x, W)` rounds its f32 sum; the bias add, SiLU and tanh round too.
+template <int R>
+__device__ __forceinline__ void net_forward(const NetShared& s, bool scale, TileShared& sh, float* p1, float* p2, float* out, int mode) {
     const u32 i = threadIdx.x;
-    for (u32 r = 0; r < ROWS; ++r) {
-        p1[r] = rnd(rnd(rnd(x[r], mode) * s.w0[i], mode) + s.b0[i], mode);
-        h1s[r][i] = rnd(silu(p1[r]), mode);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        p1[r] = rnd(rnd(rnd(sh.x[r], mode) * s.w0[i], mode) + s.b0[i], mode);
+        sh.h1s[r][i] = rnd(silu(p1[r]), mode);
     }
     __syncthreads();
-    for (u32 r = 0; r < ROWS; ++r) {
-        float acc = 0.0f;
-        for (u32 k = 0; k < HIDDEN; ++k) acc = fmaf(s.w2[i * WSTRIDE + k], h1s[r][k], acc);
-        p2[r] = rnd(rnd(acc, mode) + s.b2[i], mode);
-        red[r][i] = rnd(silu(p2[r]), mode) * s.w4[i];
+    float acc[R], v[R];
+    dot_rows<R>(s.w2 + i * WSTRIDE, 1, sh.h1s, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        p2[r] = rnd(rnd(acc[r], mode) + s.b2[i], mode);
+        v[r] = rnd(silu(p2[r]), mode) * s.w4[i];
     }
-    reduce_rows(red);
-    if (i < ROWS) {
-        const float y = rnd(rnd(red[i][0], mode) + s.b4, mode);
+    block_sum_rows<R>(v, sh.ws, sh.sum);
+    if (i < R) {
+        const float y = rnd(rnd(sh.sum[i], mode) + s.b4, mode);
         out[i] = scale ? rnd(tanhf(y), mode) : y;
     }
     __syncthreads();
 }
 
 // A net's backward for each row's output gradient dy[r] (after the tanh): returns each row's
-// gradient of the kept input coordinate in dx[r]; p1, p2 from `net_forward`. dp2s is scratch.
-__device__ void net_backward(const NetShared& s, const float* dy, const float* p1, const float* p2, float (*dp2s)[HIDDEN],
-                             float (*red)[HIDDEN], float* dx, int mode) {
+// gradient of the kept input coordinate in dx[r]; p1, p2 from `net_forward`.
+template <int R>
+__device__ __forceinline__ void net_backward(const NetShared& s, const float* dy, const float* p1, const float* p2, TileShared& sh,
+                                             float* dx, int mode) {
     const u32 k = threadIdx.x;
-    for (u32 r = 0; r < ROWS; ++r) dp2s[r][k] = rnd(rnd(dy[r] * s.w4[k], mode) * rnd(silu_grad(p2[r]), mode), mode);
+#pragma unroll
+    for (int r = 0; r < R; ++r) sh.h1s[r][k] = rnd(rnd(dy[r] * s.w4[k], mode) * rnd(silu_grad(p2[r]), mode), mode);
     __syncthreads();
-    for (u32 r = 0; r < ROWS; ++r) {
-        float acc = 0.0f;
-        for (u32 i = 0; i < HIDDEN; ++i) acc = fmaf(dp2s[r][i], s.w2[i * WSTRIDE + k], acc);
-        const float dp1 = rnd(rnd(acc, mode) * rnd(silu_grad(p1[r]), mode), mode);
-        red[r][k] = dp1 * s.w0[k];
+    float acc[R], v[R];
+    dot_rows<R>(s.w2 + k, WSTRIDE, sh.h1s, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float dp1 = rnd(rnd(acc[r], mode) * rnd(silu_grad(p1[r]), mode), mode);
+        v[r] = dp1 * s.w0[k];
     }
-    reduce_rows(red);
-    if (k < ROWS) dx[k] = rnd(red[k][0], mode);
+    block_sum_rows<R>(v, sh.ws, sh.sum);
+    if (k < R) dx[k] = rnd(sh.sum[k], mode);
     __syncthreads();
 }
 
-struct TileShared {
-    NetShared net[2];            // the layer's scale and translation nets
-    float h1s[ROWS][HIDDEN];
-    float red[ROWS][HIDDEN];
-    float x[ROWS];
-    float sv[ROWS], tv[ROWS];
-};
-
-// log p(e) for N rows of e (N×2): lp (N), and saved (N×8): the updated coordinate's input to each
-// layer j at [j], the latent z at [6], [7].
-extern "C" __global__ void flow_forward(const float* e, Weights w, float* lp, float* saved, u32 n, int mode, float neg_ln2pi) {
-    __shared__ TileShared sh;
-    __shared__ float z[ROWS][2], logdet[ROWS];
-    const u32 row0 = blockIdx.x * ROWS, i = threadIdx.x;
-    if (i < ROWS) {
-        const u32 row = row0 + i;
-        z[i][0] = row < n ? e[2 * row] : 0.0f;
-        z[i][1] = row < n ? e[2 * row + 1] : 0.0f;
-        logdet[i] = 0.0f;
-    }
-    float p1[ROWS], p2[ROWS];
+// The layers of the forward on rows [row0, row0 + R) of z (the tile's state in shared memory);
+// the updated coordinate's input to layer j lands in zin[r][j].
+template <int R>
+__device__ __forceinline__ void forward_layers(const Weights& w, TileShared& sh, float (*z)[2], float* logdet, float (*zin)[LAYERS], int mode) {
+    const u32 i = threadIdx.x;
+    float p1[R], p2[R];
     for (int jj = LAYERS - 1; jj >= 0; --jj) {
         const u32 j = (u32)jj, c = kept(j), o = 1 - c;
         __syncthreads();
         stage_net(sh.net[0], w, j, c, mode);
         stage_net(sh.net[1], w, LAYERS + j, c, mode);
-        if (i < ROWS) sh.x[i] = z[i][c];
+        if (i < R) sh.x[i] = z[i][c];
         __syncthreads();
-        net_forward(sh.net[0], true, sh.x, sh.h1s, sh.red, p1, p2, sh.sv, mode);
-        net_forward(sh.net[1], false, sh.x, sh.h1s, sh.red, p1, p2, sh.tv, mode);
-        if (i < ROWS) {
-            const u32 row = row0 + i;
+        net_forward<R>(sh.net[0], true, sh, p1, p2, sh.sv, mode);
+        net_forward<R>(sh.net[1], false, sh, p1, p2, sh.tv, mode);
+        if (i < R) {
             const float zo = z[i][o];
-            if (row < n) saved[8ull * row + j] = zo;
+            zin[i][j] = zo;
             z[i][o] = (zo - sh.tv[i]) * expf(-sh.sv[i]);
             logdet[i] = (jj == LAYERS - 1) ? -sh.sv[i] : logdet[i] - sh.sv[i];
         }
     }
+    __syncthreads();
+}
+
+// log p(e) for N rows of e (N×2): lp (N), and saved (N×8): the updated coordinate's input to each
+// layer j at [j], the latent z at [6], [7]. A tile whose rows are all exactly (+0, +0) — the RLE's
+// padding rows — computes one row and copies it (every row's result is that row's).
+extern "C" __global__ void flow_forward(const float* e, Weights w, float* lp, float* saved, u32 n, int mode, float neg_ln2pi) {
+    __shared__ TileShared sh;
+    __shared__ float z[ROWS][2], logdet[ROWS], zin[ROWS][LAYERS];
+    __shared__ int nonzero;
+    const u32 row0 = blockIdx.x * ROWS, i = threadIdx.x;
+    if (i == 0) nonzero = 0;
+    __syncthreads();
     if (i < ROWS) {
         const u32 row = row0 + i;
+        z[i][0] = row < n ? e[2 * row] : 0.0f;
+        z[i][1] = row < n ? e[2 * row + 1] : 0.0f;
+        logdet[i] = 0.0f;
+        if (__float_as_uint(z[i][0]) != 0u || __float_as_uint(z[i][1]) != 0u) nonzero = 1;
+    }
+    __syncthreads();
+    const bool all_zero = nonzero == 0;
+    if (all_zero) forward_layers<1>(w, sh, z, logdet, zin, mode);
+    else forward_layers<ROWS>(w, sh, z, logdet, zin, mode);
+    if (i < ROWS) {
+        const u32 row = row0 + i, src = all_zero ? 0 : i;
         if (row < n) {
-            const float z0 = z[i][0], z1 = z[i][1];
+            for (u32 j = 0; j < LAYERS; ++j) saved[8ull * row + j] = zin[src][j];
+            const float z0 = z[src][0], z1 = z[src][1];
             saved[8ull * row + 6] = z0;
             saved[8ull * row + 7] = z1;
-            lp[row] = ((z0 * z0 + z1 * z1) * -0.5f + neg_ln2pi) + logdet[i];
+            lp[row] = ((z0 * z0 + z1 * z1) * -0.5f + neg_ln2pi) + logdet[src];
         }
     }
 }
@@ -217,8 +268,8 @@ extern "C" __global__ void flow_backward_rows(const float* g, const float* saved
         stage_net(sh.net[1], w, LAYERS + j, c, mode);
         if (i < ROWS) sh.x[i] = z[i][c];
         __syncthreads();
-        net_forward(sh.net[0], true, sh.x, sh.h1s, sh.red, p1s, p2s, sh.sv, mode);
-        net_forward(sh.net[1], false, sh.x, sh.h1s, sh.red, p1t, p2t, sh.tv, mode);
+        net_forward<ROWS>(sh.net[0], true, sh, p1s, p2s, sh.sv, mode);
+        net_forward<ROWS>(sh.net[1], false, sh, p1t, p2t, sh.tv, mode);
         if (i < ROWS) {
             const u32 row = row0 + i;
             const float zin = row < n ? saved[8ull * row + j] : 0.0f;
@@ -237,8 +288,8 @@ extern "C" __global__ void flow_backward_rows(const float* g, const float* saved
             }
         }
         __syncthreads();
-        net_backward(sh.net[0], dys, p1s, p2s, sh.h1s, sh.red, dxs, mode);
-        net_backward(sh.net[1], dyt, p1t, p2t, sh.h1s, sh.red, dxt, mode);
+        net_backward<ROWS>(sh.net[0], dys, p1s, p2s, sh, dxs, mode);
+        net_backward<ROWS>(sh.net[1], dyt, p1t, p2t, sh, dxt, mode);
         if (i < ROWS) dz[i][c] = (dz[i][c] + dxs[i]) + dxt[i];
     }
     __syncthreads();
@@ -254,13 +305,16 @@ extern "C" __global__ void flow_backward_rows(const float* g, const float* saved
 // packed layout (entries no row reaches — the masked column of W0, the kept row of W4 — are 0).
 extern "C" __global__ void flow_weight_grads(const float* nets, Weights w, float* partial, u32 n, int mode) {
     __shared__ NetShared s;
-    __shared__ float h1s[ROWS][HIDDEN], dp2s[ROWS][HIDDEN], x[ROWS], dy[ROWS];
+    __shared__ __align__(16) float h1s[ROWS][HIDDEN];
+    __shared__ __align__(16) float dp2s[ROWS][HIDDEN];
+    __shared__ float x[ROWS], dy[ROWS];
     __shared__ int any;
     const u32 net = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, i = threadIdx.x;
     const u32 j = net % LAYERS, c = kept(j), o = 1 - c;
     const bool scale = net < LAYERS;
     stage_net(s, w, net, c, mode);
     float gw2[HIDDEN];
+#pragma unroll
     for (u32 k = 0; k < HIDDEN; ++k) gw2[k] = 0.0f;
     float gb2 = 0.0f, gw0 = 0.0f, gb0 = 0.0f, gw4 = 0.0f, gb4 = 0.0f;
     const u32 tiles = (n + ROWS - 1) / ROWS;
@@ -276,28 +330,39 @@ extern "C" __global__ void flow_weight_grads(const float* nets, Weights w, float
         }
         __syncthreads();
         if (!any) continue;
-        float p1[ROWS], p2[ROWS], h2[ROWS];
+        float p1[ROWS], acc[ROWS], dp2[ROWS];
+#pragma unroll
         for (u32 r = 0; r < ROWS; ++r) {
             p1[r] = rnd(rnd(rnd(x[r], mode) * s.w0[i], mode) + s.b0[i], mode);
             h1s[r][i] = rnd(silu(p1[r]), mode);
         }
         __syncthreads();
+        dot_rows<ROWS>(s.w2 + i * WSTRIDE, 1, h1s, acc);
+#pragma unroll
         for (u32 r = 0; r < ROWS; ++r) {
-            float acc = 0.0f;
-            for (u32 k = 0; k < HIDDEN; ++k) acc = fmaf(s.w2[i * WSTRIDE + k], h1s[r][k], acc);
-            p2[r] = rnd(rnd(acc, mode) + s.b2[i], mode);
-            h2[r] = rnd(silu(p2[r]), mode);
-            const float dp2 = rnd(rnd(dy[r] * s.w4[i], mode) * rnd(silu_grad(p2[r]), mode), mode);
-            dp2s[r][i] = dp2;
-            for (u32 k = 0; k < HIDDEN; ++k) gw2[k] = fmaf(dp2, h1s[r][k], gw2[k]);
-            gb2 += dp2;
-            gw4 = fmaf(dy[r], h2[r], gw4);
+            const float p2 = rnd(rnd(acc[r], mode) + s.b2[i], mode);
+            const float h2 = rnd(silu(p2), mode);
+            dp2[r] = rnd(rnd(dy[r] * s.w4[i], mode) * rnd(silu_grad(p2), mode), mode);
+            dp2s[r][i] = dp2[r];
+            gb2 += dp2[r];
+            gw4 = fmaf(dy[r], h2, gw4);
         }
+        // dW2[i][k] += Σ_r ∂p2[r][i] · h1[r][k], rows ascending.
+#pragma unroll
+        for (u32 r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (u32 k = 0; k < HIDDEN; k += 4) {
+                const float4 h = *reinterpret_cast<const float4*>(&h1s[r][k]);
+                gw2[k] = fmaf(dp2[r], h.x, gw2[k]);
+                gw2[k + 1] = fmaf(dp2[r], h.y, gw2[k + 1]);
+                gw2[k + 2] = fmaf(dp2[r], h.z, gw2[k + 2]);
+                gw2[k + 3] = fmaf(dp2[r], h.w, gw2[k + 3]);
+            }
         __syncthreads();
+        dot_rows<ROWS>(s.w2 + i, WSTRIDE, dp2s, acc);
+#pragma unroll
         for (u32 r = 0; r < ROWS; ++r) {
-            float acc = 0.0f;
-            for (u32 q = 0; q < HIDDEN; ++q) acc = fmaf(dp2s[r][q], s.w2[q * WSTRIDE + i], acc);
-            const float dp1 = rnd(rnd(acc, mode) * rnd(silu_grad(p1[r]), mode), mode);
+            const float dp1 = rnd(rnd(acc[r], mode) * rnd(silu_grad(p1[r]), mode), mode);
             gw0 = fmaf(dp1, rnd(x[r], mode), gw0);
             gb0 += dp1;
             if (i == 0) gb4 += dy[r];
