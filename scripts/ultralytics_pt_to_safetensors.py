@@ -11,6 +11,9 @@ The file holds the model's ``state_dict()`` under Ultralytics' own names (``mode
 … — the layout of ptl's goldens) in float32; integer buffers (BatchNorm's ``num_batches_tracked``)
 stay int64. By default the EMA weights are taken when the checkpoint has them, else ``model`` —
 what Ultralytics itself loads from a ``.pt``; ``--take`` chooses.
+It refuses, naming the reason, what ptl cannot load: a model that is not a one-class (person)
+YOLO26 pose model — ``YOLO("yolo26n-pose.yaml")`` alone keeps the yaml's nc=80 — or one fused by
+``fuse()``. Checked against ultralytics 8.4.190 with torch 2.15.0.
 
 Only load ``.pt`` files you trust: unpickling runs code.
 """
@@ -44,10 +47,32 @@ def main() -> int:
     else:  # a bare nn.Module saved with torch.save(model)
         taken, module = "module", ckpt
     if module is None:
-        print(f"{args.pt}: no `{taken}` weights in the checkpoint (keys: {sorted(ckpt)})", file=sys.stderr)
+        keys = sorted(ckpt) if isinstance(ckpt, dict) else []
+        print(f"{args.pt}: no `{taken}` weights in the checkpoint (absent or None; keys: {keys})", file=sys.stderr)
         return 1
     if not hasattr(module, "state_dict"):
         print(f"{args.pt}: `{taken}` is a {type(module).__name__}, not a model", file=sys.stderr)
+        return 1
+    # ptl builds one-class (person) YOLO26 pose models with (x, y, visibility) keypoints; refuse anything
+    # else here, with the reason, rather than write a file ptl rejects with a tensor-shape error.
+    # (YOLO("yolo26n-pose.yaml") alone has the yaml's nc=80: its class stems are 80 wide, not 64.)
+    try:
+        head = module.model[-1]
+    except (AttributeError, IndexError, TypeError):
+        head = None
+    kpt_shape = getattr(head, "kpt_shape", None)
+    if head is None or kpt_shape is None:
+        print(f"{args.pt}: `{taken}` is not a pose model (no keypoint head)", file=sys.stderr)
+        return 1
+    problems = []
+    if type(head).__name__ != "Pose26":
+        problems.append(f"its head is {type(head).__name__}, ptl builds YOLO26's Pose26")
+    if getattr(head, "nc", None) != 1:
+        problems.append(f"it has nc={getattr(head, 'nc', None)} classes, ptl's pose models have 1 (person)")
+    if list(kpt_shape)[1:] != [3]:
+        problems.append(f"its keypoints are {list(kpt_shape)}, ptl's are [K, 3] (x, y, visibility)")
+    if problems:
+        print(f"{args.pt}: ptl cannot load `{taken}`: " + "; ".join(problems), file=sys.stderr)
         return 1
 
     # Own contiguous copies: safetensors refuses tensors that share storage.
@@ -57,6 +82,16 @@ def main() -> int:
     }
     if "model.0.conv.weight" not in tensors:
         print(f"{args.pt}: no `model.0.conv.weight`: not an Ultralytics YOLO model state dict", file=sys.stderr)
+        return 1
+    if "model.0.bn.weight" not in tensors:
+        # Model.fuse() folds BatchNorm into the convolutions and drops the one-to-many head, and
+        # YOLO.save keeps the model folded. ptl needs the training layout.
+        print(
+            f"{args.pt}: `{taken}` is fused (no `model.0.bn.weight`: BatchNorm folded, one-to-many head removed); "
+            "convert an unfused checkpoint: the trainer's weights/last.pt or best.pt, the released .pt, "
+            "or the model saved before fuse()",
+            file=sys.stderr,
+        )
         return 1
     save_file(tensors, args.out, metadata={"source": args.pt, "taken": taken})
     print(f"{args.out}: {len(tensors)} tensors from {args.pt} ({taken}); use it as ptl train model={args.out}")
