@@ -55,9 +55,7 @@ fn parameters(flow: &RealNvp) -> Vec<Tensor> {
     flow.s
         .iter()
         .chain(&flow.t)
-        .flat_map(|net| {
-            [&net.l0.weight, &net.l0.bias, &net.l2.weight, &net.l2.bias, &net.l4.weight, &net.l4.bias].map(|t| t.clone())
-        })
+        .flat_map(|net| [&net.l0.weight, &net.l0.bias, &net.l2.weight, &net.l2.bias, &net.l4.weight, &net.l4.bias].map(|t| t.clone()))
         .collect()
 }
 
@@ -190,7 +188,11 @@ impl FlowBackward {
                 (BLOCK, 1, 1),
                 &[T(&nets), TensorArray(&self.params), T(&partial), U32(n32), I32(self.mode)],
             )?;
-            k.0[3].launch((total.div_ceil(256), 1, 1), (256, 1, 1), &[T(&partial), TensorArray(&grads), U32(CHUNKS as u32), I32(self.mode)])?;
+            k.0[3].launch(
+                (total.div_ceil(256), 1, 1),
+                (256, 1, 1),
+                &[T(&partial), TensorArray(&grads), U32(CHUNKS as u32), I32(self.mode)],
+            )?;
         }
         let mut out = Vec::with_capacity(1 + grads.len());
         out.push(Some(de));
