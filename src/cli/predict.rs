@@ -17,7 +17,7 @@ pub struct ValArgs {
     /// `key=value` settings, Ultralytics style (they override the flags): model= (alias weights=),
     /// data=, imgsz=, batch=, conf=, device=, save_json=true|false, plots=true|false, project= (alias save_dir=).
     pub settings: Vec<String>,
-    /// A ptl checkpoint (`weights/last.ckpt` or `best.ckpt`).
+    /// A ptl checkpoint (`weights/last.ckpt` or `best.ckpt`) or a safetensors state dict.
     #[arg(long)]
     pub weights: Option<PathBuf>,
     /// Dataset yaml (defaults to the one the checkpoint was trained on).
@@ -87,7 +87,7 @@ const VAL_KEYS: &str = "model, data, imgsz, batch, conf, device, save_json, plot
 
 #[derive(Args, Debug)]
 pub struct PredictArgs {
-    /// A ptl checkpoint.
+    /// A ptl checkpoint or a safetensors state dict.
     #[arg(long)]
     pub weights: PathBuf,
     /// An image or a folder of images.
@@ -105,12 +105,19 @@ pub struct PredictArgs {
     pub device: String,
 }
 
-/// Builds the model described by the checkpoint and loads its EMA weights (in eval mode).
+/// Builds the model described by a ptl checkpoint (its EMA weights, and its training settings) or by
+/// a safetensors state dict with Ultralytics' names (what `model=` accepts for training, e.g. from
+/// `scripts/ultralytics_pt_to_safetensors.py`; no settings: `Value::Null`), in eval mode.
 pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, serde_json::Value), String> {
-    let ck = load_checkpoint(path, device).map_err(|e| e.to_string())?;
-    let args = ck.manifest.train_args.clone();
-    let ema = ck.part("ema");
-    let weights_part = if ema.is_empty() { ck.part("model") } else { ema.clone() };
+    let is_state_dict = path.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case("safetensors"));
+    let (weights_part, args) = if is_state_dict {
+        let w = ptl_autograd::module::load_safetensors(path, device).map_err(|e| format!("{}: {e}", path.display()))?;
+        (w, serde_json::Value::Null)
+    } else {
+        let ck = load_checkpoint(path, device).map_err(|e| e.to_string())?;
+        let ema = ck.part("ema");
+        (if ema.is_empty() { ck.part("model") } else { ema }, ck.manifest.train_args.clone())
+    };
     // The size is the weights' own (the settings may name a start-weights file instead of a size).
     let shapes = weights_part.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect();
     let scale = ptl_trainer::pose::weights::scale_of(&shapes)
@@ -130,12 +137,14 @@ pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, 
 
 pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     a.apply_settings()?;
-    let weights = a.weights.clone().ok_or("no checkpoint to validate: pass model=W.ckpt (or --weights W.ckpt)")?;
+    let weights = a.weights.clone().ok_or("no weights to validate: pass model=W.ckpt or model=W.safetensors (or --weights W)")?;
     let device = super::train::resolve_device(&a.device, "validating")?;
     let (model, args) = model_from_checkpoint(&weights, device)?;
     let data = match &a.data {
         Some(d) => d.clone(),
-        None => PathBuf::from(args["data"].as_str().ok_or("the checkpoint names no dataset; pass --data")?),
+        None => PathBuf::from(args["data"].as_str().ok_or_else(|| {
+            format!("{} names no dataset (a safetensors file holds no settings): pass data=… (or --data)", weights.display())
+        })?),
     };
     let open = ptl_data::OpenOptions { imgsz: a.imgsz as u32, ..Default::default() };
     let ds = std::sync::Arc::new(ptl_data::PoseDataset::open_yaml(&data, "val", &open).map_err(|e| e.to_string())?);

@@ -217,6 +217,22 @@ fn save_json_writes_coco_files_in_train_and_val() {
         assert!(ids.contains(&r["image_id"].as_i64().unwrap()), "{r}");
         assert_eq!((r["bbox"].as_array().unwrap().len(), r["keypoints"].as_array().unwrap().len()), (4, 51), "{r}");
     }
+    // The same weights as a safetensors state dict (what `model=` takes for fine-tuning): it
+    // validates too, with data= given (the file holds no settings) and the checkpoint's metrics.
+    let ck = ptl_trainer::fit::load_checkpoint(&w, ptl_autograd::Device::Cpu).unwrap();
+    let st = dir.path().join("ema.safetensors");
+    let named: Vec<(String, ptl_autograd::Tensor)> = ck.part("ema").into_iter().collect();
+    ptl_autograd::module::save_safetensors(&st, &named).unwrap();
+    let st_kv = kv("model", &st);
+    let o_st = ptl(&["val", &st_kv, &data_kv, "imgsz=64", "device=cpu"], dir.path());
+    assert!(o_st.status.success(), "{}", text(&o_st));
+    let o_ck = ptl(&["val", &model, &data_kv, "imgsz=64", "device=cpu"], dir.path());
+    let metrics = |o: &Output| text(o).lines().filter(|l| l.trim_start().starts_with("metrics/")).map(str::to_string).collect::<Vec<_>>();
+    assert!(!metrics(&o_ck).is_empty(), "{}", text(&o_ck));
+    assert_eq!(metrics(&o_st), metrics(&o_ck), "the same weights, the same metrics");
+    let o = ptl(&["val", &st_kv, "imgsz=64", "device=cpu"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("names no dataset") && text(&o).contains("data="), "{}", text(&o));
     // An unknown key, and a folder that cannot be made (a file on the way): exit 1 naming them.
     let o = ptl(&["val", &model, "save_jsn=true"], dir.path());
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
