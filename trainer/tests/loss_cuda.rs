@@ -406,3 +406,59 @@ fn fused_flow_matches_composed() {
         assert!(worst.0 <= tol, "{autocast:?}: {} deviates by {:.2e} (> {tol:.0e})", worst.1, worst.0);
     }
 }
+
+/// The fused CUDA CIoU (`loss::ciou_fused`) against the composed `boxes::ciou` on the same GPU:
+/// values and the predictions' gradient, on box pairs that overlap, nest, touch, share edges
+/// exactly (the minimum/maximum ties) and lie apart.
+#[test]
+fn fused_ciou_matches_composed() {
+    use ptl_autograd::Tensor;
+    let gpu = Device::auto();
+    if !gpu.is_cuda() {
+        eprintln!("skipping: no usable CUDA device");
+        return;
+    }
+    let n = 2_000;
+    let mut rng = ptl_autograd::Rng::new(3);
+    let mut p = Vec::with_capacity(4 * n);
+    let mut t = Vec::with_capacity(4 * n);
+    for i in 0..n {
+        let (tx, ty) = (rng.uniform_range(0.0, 40.0) as f32, rng.uniform_range(0.0, 40.0) as f32);
+        let (tw, th) = (rng.uniform_range(0.5, 20.0) as f32, rng.uniform_range(0.5, 20.0) as f32);
+        let tb = [tx, ty, tx + tw, ty + th];
+        let mut pb = [0f32; 4];
+        for (k, v) in pb.iter_mut().enumerate() {
+            *v = tb[k] + rng.uniform_range(-6.0, 6.0) as f32;
+        }
+        match i % 5 {
+            0 => pb = [pb[0].min(pb[2] - 0.1), pb[1].min(pb[3] - 0.1), pb[2], pb[3]],
+            1 => (pb[0], pb[2]) = (tb[0], tb[2].max(tb[0] + 0.2)), // equal x edges: ties
+            2 => pb = [tb[0] + 1.0, tb[1] + 1.0, tb[0] + 2.0, tb[1] + 2.0], // nested (or touching)
+            3 => pb = [tb[2] + 5.0, tb[3] + 5.0, tb[2] + 9.0, tb[3] + 7.0], // apart
+            _ => pb = [pb[0].min(pb[2] - 0.1), pb[1].min(pb[3] - 0.1), pb[2], pb[3]],
+        }
+        p.extend(pb);
+        t.extend(tb);
+    }
+    let gv: Vec<f32> = (0..n).map(|i| ((i * 29 % 53) as f32 - 26.0) / 13.0).collect();
+    let g = Tensor::from_vec(gv, vec![n, 1], gpu).unwrap();
+    let target = Tensor::from_vec(t, vec![n, 4], gpu).unwrap();
+    let mut runs = Vec::new();
+    for fused in [false, true] {
+        let pred = Tensor::from_vec(p.clone(), vec![n, 4], gpu).unwrap().requires_grad_(true).unwrap();
+        ptl_trainer::loss::ciou_fused::set_enabled(fused);
+        assert_eq!(ptl_trainer::loss::ciou_fused::supports(&pred, &target), fused);
+        let c = match fused {
+            true => ptl_trainer::loss::ciou_fused::ciou(&pred, &target).unwrap(),
+            false => ptl_trainer::loss::boxes::ciou(&pred, &target).unwrap(),
+        };
+        assert_eq!(c.dims(), [n, 1]);
+        c.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+        runs.push((f64v(&c), f64v(&pred.grad().expect("gradient present"))));
+    }
+    ptl_trainer::loss::ciou_fused::set_enabled(false);
+    let (dv, dg) = (rel_dev(&runs[1].0, &runs[0].0, 1e-30), rel_dev(&runs[1].1, &runs[0].1, 1e-30));
+    eprintln!("fused CIoU: values within {dv:.2e}, gradients within {dg:.2e} of the composed op's max");
+    assert!(dv <= 1e-5, "values deviate by {dv:.2e}");
+    assert!(dg <= 1e-4, "gradients deviate by {dg:.2e}");
+}

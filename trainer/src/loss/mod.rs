@@ -48,6 +48,8 @@ pub mod assign_fused;
 pub mod assigner;
 pub mod boxes;
 pub mod branch;
+#[cfg(feature = "cuda")]
+pub mod ciou_fused;
 pub mod dense;
 pub mod e2e;
 #[cfg(feature = "cuda")]

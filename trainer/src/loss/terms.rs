@@ -30,6 +30,12 @@ pub fn cls_loss(logits: &Tensor, targets: &Tensor, t: &Tensor) -> Result<Tensor>
 /// Box CIoU (slot 0): Σ (1 − CIoU(pred, target)) · w / T; boxes (N, 4) xyxy grid units,
 /// `weight` (N, 1).
 pub fn box_loss(pred_xyxy: &Tensor, target_xyxy: &Tensor, weight: &Tensor, t: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    let iou = match super::ciou_fused::supports(pred_xyxy, target_xyxy) {
+        true => super::ciou_fused::ciou(pred_xyxy, target_xyxy)?,
+        false => ciou(pred_xyxy, target_xyxy)?,
+    };
+    #[cfg(not(feature = "cuda"))]
     let iou = ciou(pred_xyxy, target_xyxy)?;
     Ok(iou.affine(-1.0, 1.0)?.mul(weight)?.sum_all()?.div(t)?)
 }
