@@ -441,7 +441,8 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
     let t = Instant::now();
     let out = cmd.output().map_err(|e| format!("starting ptl: {e}"))?;
     let wall = t.elapsed().as_secs_f64();
-    let logname = format!("ptl-{label}-{precision}-{pair}.log");
+    // No `+` in file names (`all+dense`): the device tool does not bring such files back.
+    let logname = format!("ptl-{}-{precision}-{pair}.log", label.replace('+', "_"));
     let _ = std::fs::write(o.out.join(&logname), [out.stdout.as_slice(), out.stderr.as_slice()].concat());
     let summary = std::fs::read_to_string(project.join("summary.json")).ok().and_then(|s| serde_json::from_str(&s).ok());
     let exit = out.status.code().unwrap_or(-1);
