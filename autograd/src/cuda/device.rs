@@ -100,6 +100,9 @@ pub(crate) struct Dev {
     funcs: Mutex<HashMap<(&'static str, &'static str), sys::CUfunction>>,
     /// Modules compiled from other crates' sources ([`super::UserKernel`]), keyed by module name.
     pub user_modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+    /// Functions looked up in those modules, keyed by (module, function): a repeated
+    /// [`super::UserKernel::compile`] is a map lookup.
+    pub user_functions: Mutex<HashMap<(String, String), sys::CUfunction>>,
     /// Free pinned host buffers of [`super::PendingCopy`] (addresses of `PINNED_READ_BYTES` each):
     /// a deferred read every step reuses them instead of allocating page-locked memory.
     pub pinned_reads: Mutex<Vec<usize>>,
@@ -199,6 +202,7 @@ impl Dev {
             module,
             funcs: Mutex::new(HashMap::new()),
             user_modules: Mutex::new(HashMap::new()),
+            user_functions: Mutex::new(HashMap::new()),
             pinned_reads: Mutex::new(Vec::new()),
             blas: Mutex::new(None),
             dnn: Mutex::new(None),

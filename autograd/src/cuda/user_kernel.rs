@@ -53,9 +53,15 @@ impl std::fmt::Debug for UserKernel {
 impl UserKernel {
     /// Compiles `source` as module `module` on `device` (once; later calls reuse the cached module,
     /// so a module name must always come with the same source) and looks up `function`
-    /// (declare it `extern "C"`).
+    /// (declare it `extern "C"`; also once: callers may call this at every launch).
     pub fn compile(device: Device, module: &str, source: &str, function: &str) -> Result<UserKernel> {
         let dev = dev_of(device)?;
+        let key = (module.to_string(), function.to_string());
+        let name = format!("{module}::{function}");
+        let cached = dev.user_functions.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
+        if let Some(func) = cached {
+            return Ok(UserKernel { dev, func, name });
+        }
         dev.bind()?;
         let m = {
             let mut cache = dev.user_modules.lock().unwrap_or_else(|e| e.into_inner());
@@ -74,7 +80,8 @@ impl UserKernel {
         let func = f.cu_function();
         // The cached module (kept by the device for the whole process) keeps the function valid.
         std::mem::forget(f);
-        Ok(UserKernel { dev, func, name: format!("{module}::{function}") })
+        dev.user_functions.lock().unwrap_or_else(|e| e.into_inner()).insert(key, func);
+        Ok(UserKernel { dev, func, name })
     }
 
     /// The device the kernel was compiled for.

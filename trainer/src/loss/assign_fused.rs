@@ -3,15 +3,13 @@
 //! the composed assigner's bytes (tested), with the (image, slot, anchor, keypoint) intermediates
 //! never written to memory.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
-
-use ptl_autograd::cuda::{KernelArg, UserKernel};
-use ptl_autograd::{DType, Device, Tensor};
+use ptl_autograd::cuda::KernelArg;
+use ptl_autograd::{DType, Tensor};
 
 use super::assign_dense::{DenseAssignment, DenseInputs};
 use super::assigner::AssignParams;
 use super::boxes::CIOU_EPS;
+use super::device_kernels::{kernels, uninit};
 use crate::error::{Result, TrainerError};
 
 const SOURCE: &str = include_str!("assign_fused.cu");
@@ -24,21 +22,6 @@ const SLOT_BLOCK: u32 = 512;
 const CANDIDATE_SPAN: usize = 1024;
 /// Keypoints and top-k picks the per-slot kernels hold in shared memory (`MAX_K`).
 pub const MAX_PICKS: usize = 64;
-
-struct Kernels([UserKernel; 5]);
-
-/// The four kernels of `device`, compiled once per process.
-fn kernels(device: Device) -> Result<[UserKernel; 5]> {
-    static CACHE: OnceLock<Mutex<HashMap<Device, Kernels>>> = OnceLock::new();
-    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(k) = cache.get(&device) {
-        return Ok(k.0.clone());
-    }
-    let compile = |f: &str| UserKernel::compile(device, MODULE, SOURCE, f);
-    let k = [compile(FUNCTIONS[0])?, compile(FUNCTIONS[1])?, compile(FUNCTIONS[2])?, compile(FUNCTIONS[3])?, compile(FUNCTIONS[4])?];
-    cache.insert(device, Kernels(k.clone()));
-    Ok(k)
-}
 
 fn u32_of(what: &'static str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| TrainerError::InvalidArgument { what, reason: format!("{v} does not fit the kernels' 32-bit sizes") })
@@ -57,7 +40,7 @@ pub(crate) fn assign_fused(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<De
     let (bs, na, nc) = (inp.scores.dims()[0], inp.scores.dims()[1], inp.scores.dims()[2]);
     let (m, nk) = (t.slots, t.kpts.dims()[2]);
     let device = inp.scores.device();
-    let [k_cand, k_topk, k_resolve, k_second, k_targets] = kernels(device)?;
+    let [k_cand, k_topk, k_resolve, k_second, k_targets] = kernels(device, MODULE, SOURCE, FUNCTIONS)?;
     let f32_in = |x: &Tensor| -> Result<Tensor> { Ok(x.to_dtype(DType::F32)?) };
     let (scores, boxes, kpts) = (f32_in(inp.scores)?, f32_in(inp.boxes)?, f32_in(inp.kpts)?);
     let (b32, m32, a32, k32, nc32) =
@@ -65,10 +48,7 @@ pub(crate) fn assign_fused(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<De
     let slots_grid = u32_of("batch × slots", bs * m)?;
     let rows_grid = u32_of("batch × anchors", (bs * na).div_ceil(256).clamp(1, 65_535))?;
     // Every element of these is written by the kernels: no fill launches.
-    let uninit = |dims: Vec<usize>, dtype: DType| -> Result<Tensor> {
-        let n = dims.iter().product();
-        Ok(Tensor::from_storage(ptl_autograd::storage::Storage::uninit(device, dtype, n)?, dims)?)
-    };
+    let uninit = |dims: Vec<usize>, dtype: DType| uninit(device, dtype, dims);
     let (overlaps, metric, pos) =
         (uninit(vec![bs, m, na], DType::F32)?, uninit(vec![bs, m, na], DType::F32)?, uninit(vec![bs, m, na], DType::F32)?);
     let (pos_align, pos_overlap) = (uninit(vec![bs, m], DType::F32)?, uninit(vec![bs, m], DType::F32)?);

@@ -8,18 +8,19 @@
 //! Off by default until that test has run on a GPU: [`set_enabled`] or `PTL_FUSED_CIOU=1` turns it
 //! on (the composed op is used otherwise, on every device).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
-use ptl_autograd::cuda::{KernelArg, UserKernel};
+use ptl_autograd::cuda::KernelArg;
 use ptl_autograd::{BackwardOp, DType, Device, Tensor};
 
 use super::boxes::CIOU_EPS;
+use super::device_kernels::{backward_error, kernels, uninit};
 use crate::error::{Result, TrainerError};
 
 const SOURCE: &str = include_str!("ciou_fused.cu");
 const MODULE: &str = "ptl_trainer_ciou";
+const FUNCTIONS: [&str; 2] = ["ciou_fwd", "ciou_bwd"];
 const BLOCK: u32 = 256;
 
 /// 0: not decided yet (read `PTL_FUSED_CIOU` at first use), 1: off, 2: on.
@@ -43,20 +44,6 @@ pub fn enabled() -> bool {
     }
 }
 
-#[derive(Clone)]
-struct Kernels([UserKernel; 2]);
-
-fn kernels(device: Device) -> Result<Kernels> {
-    static CACHE: OnceLock<Mutex<HashMap<Device, Kernels>>> = OnceLock::new();
-    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(k) = cache.get(&device) {
-        return Ok(k.clone());
-    }
-    let k = Kernels([UserKernel::compile(device, MODULE, SOURCE, "ciou_fwd")?, UserKernel::compile(device, MODULE, SOURCE, "ciou_bwd")?]);
-    cache.insert(device, k.clone());
-    Ok(k)
-}
-
 /// Whether the fused kernels take these boxes: enabled, CUDA, f32 (N, 4) pairs on one device, and
 /// a constant target (the box loss's case; a target needing a gradient goes the composed way).
 pub fn supports(pred: &Tensor, target: &Tensor) -> bool {
@@ -76,11 +63,6 @@ fn launch_grid(n: usize) -> u32 {
     n.div_ceil(BLOCK as usize).clamp(1, 65_535) as u32
 }
 
-fn uninit(device: Device, dims: Vec<usize>) -> Result<Tensor> {
-    let n = dims.iter().product();
-    Ok(Tensor::from_storage(ptl_autograd::storage::Storage::uninit(device, DType::F32, n)?, dims)?)
-}
-
 fn four_over_pi2() -> f32 {
     (4.0 / (std::f64::consts::PI * std::f64::consts::PI)) as f32
 }
@@ -91,14 +73,14 @@ pub fn ciou(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
     let device = pred.device();
     let n = pred.dims()[0];
     let n32 = u32::try_from(n).map_err(|_| TrainerError::InvalidArgument { what: "ciou", reason: format!("{n} boxes") })?;
-    let out = uninit(device, vec![n, 1])?;
+    let out = uninit(device, DType::F32, vec![n, 1])?;
     if n > 0 {
-        let k = kernels(device)?;
+        let k = kernels(device, MODULE, SOURCE, FUNCTIONS)?;
         // SAFETY: the arguments match `ciou_fwd`'s parameters; pred and target are (n, 4) f32, out
         // is (n, 1); the grid-stride loop stays below n.
         unsafe {
             use KernelArg::{Tensor as T, F32, U32};
-            k.0[0].launch(
+            k[0].launch(
                 (launch_grid(n), 1, 1),
                 (BLOCK, 1, 1),
                 &[T(pred), T(target), T(&out), U32(n32), F32(CIOU_EPS), F32(four_over_pi2())],
@@ -125,14 +107,14 @@ impl BackwardOp for CiouBackward {
         let Some(g) = grad_outputs.first().cloned().flatten() else { return Ok(vec![None]) };
         let run = || -> Result<Tensor> {
             let g = if g.dtype() == DType::F32 { g.clone() } else { g.to_dtype(DType::F32)? };
-            let d = uninit(self.device, vec![self.n as usize, 4])?;
+            let d = uninit(self.device, DType::F32, vec![self.n as usize, 4])?;
             if self.n > 0 {
-                let k = kernels(self.device)?;
+                let k = kernels(self.device, MODULE, SOURCE, FUNCTIONS)?;
                 // SAFETY: the arguments match `ciou_bwd`'s parameters; pred and target are (n, 4),
                 // g (n, 1) and d (n, 4) f32; the grid-stride loop stays below n.
                 unsafe {
                     use KernelArg::{Tensor as T, F32, U32};
-                    k.0[1].launch(
+                    k[1].launch(
                         (launch_grid(self.n as usize), 1, 1),
                         (BLOCK, 1, 1),
                         &[T(&self.pred), T(&self.target), T(&g), T(&d), U32(self.n), F32(CIOU_EPS), F32(four_over_pi2())],
@@ -141,9 +123,6 @@ impl BackwardOp for CiouBackward {
             }
             Ok(d)
         };
-        run().map(|d| vec![Some(d)]).map_err(|e| match e {
-            TrainerError::Tensor(t) => t,
-            other => ptl_autograd::Error::InvalidArgument { op: "ciou_fused", msg: other.to_string() },
-        })
+        run().map(|d| vec![Some(d)]).map_err(|e| backward_error("ciou_fused", e))
     }
 }

@@ -7,16 +7,16 @@
 //! deterministic and a recorded step replays them exactly.
 //!
 //! The coupling masks are the reference's fixed `[[0, 1], [1, 0]] × 3` (model.md §5.4): the
-//! kernels hard-code them, and [`supports`] accepts only a flow of the reference's shape.
+//! kernels hard-code them, and [`log_prob`] takes only a flow of the reference's shape.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
-use ptl_autograd::cuda::{KernelArg, UserKernel};
+use ptl_autograd::cuda::KernelArg;
 use ptl_autograd::{BackwardOp, DType, Device, Tensor};
 use ptl_heads::flow::{FLOW_HIDDEN, FLOW_LAYERS};
 use ptl_heads::RealNvp;
 
+use super::device_kernels::{backward_error, kernels, uninit};
 use crate::error::{Result, TrainerError};
 
 const SOURCE: &str = include_str!("flow_fused.cu");
@@ -34,21 +34,6 @@ const NET_PARAMS: usize = 4482;
 const SAVED_PER_ROW: usize = 8;
 const NETS_PER_ROW: usize = 3 * FLOW_LAYERS;
 
-#[derive(Clone)]
-struct Kernels([UserKernel; 4]);
-
-fn kernels(device: Device) -> Result<Kernels> {
-    static CACHE: OnceLock<Mutex<HashMap<Device, Kernels>>> = OnceLock::new();
-    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(k) = cache.get(&device) {
-        return Ok(k.clone());
-    }
-    let compile = |f: &str| UserKernel::compile(device, MODULE, SOURCE, f);
-    let k = Kernels([compile(FUNCTIONS[0])?, compile(FUNCTIONS[1])?, compile(FUNCTIONS[2])?, compile(FUNCTIONS[3])?]);
-    cache.insert(device, k.clone());
-    Ok(k)
-}
-
 /// The flow's 72 parameter tensors in the kernels' order: net `s.0 … s.5, t.0 … t.5`, each
 /// `W0 (64×2), b0, W2 (64×64), b2, W4 (2×64), b4`.
 fn parameters(flow: &RealNvp) -> Vec<Tensor> {
@@ -59,28 +44,21 @@ fn parameters(flow: &RealNvp) -> Vec<Tensor> {
         .collect()
 }
 
-/// The shapes [`parameters`] must have.
-fn expected_shapes() -> [Vec<usize>; 6] {
+/// The flow's parameters in the kernels' order ([`parameters`]) when the fused kernels can evaluate
+/// `flow` on `e`: CUDA, (N, 2) residuals, and a flow of the reference's shape with f32 parameters
+/// on the same device; `None` otherwise.
+fn supported_parameters(flow: &RealNvp, e: &Tensor) -> Option<Vec<Tensor>> {
     let h = FLOW_HIDDEN;
-    [vec![h, 2], vec![h], vec![h, h], vec![h], vec![2, h], vec![2]]
-}
-
-/// Whether the fused kernels can evaluate `flow` on `e`: CUDA, (N, 2) residuals, and a flow of the
-/// reference's shape with f32 parameters on the same device.
-pub fn supports(flow: &RealNvp, e: &Tensor) -> bool {
-    let shapes = expected_shapes();
-    e.device().is_cuda()
-        && e.rank() == 2
-        && e.dims()[1] == 2
-        && u32::try_from(e.dims()[0]).is_ok()
-        && flow.s.len() == FLOW_LAYERS
-        && flow.t.len() == FLOW_LAYERS
-        && flow.s.iter().all(|n| n.tanh)
-        && flow.t.iter().all(|n| !n.tanh)
-        && parameters(flow)
-            .iter()
-            .enumerate()
-            .all(|(i, p)| p.dtype() == DType::F32 && p.device() == e.device() && p.dims() == shapes[i % 6].as_slice())
+    let shapes: [&[usize]; 6] = [&[h, 2], &[h], &[h, h], &[h], &[2, h], &[2]];
+    let input_ok = e.device().is_cuda() && e.rank() == 2 && e.dims()[1] == 2 && u32::try_from(e.dims()[0]).is_ok();
+    let nets_ok =
+        flow.s.len() == FLOW_LAYERS && flow.t.len() == FLOW_LAYERS && flow.s.iter().all(|n| n.tanh) && flow.t.iter().all(|n| !n.tanh);
+    if !(input_ok && nets_ok) {
+        return None;
+    }
+    let params = parameters(flow);
+    let ok = params.iter().enumerate().all(|(i, p)| p.dtype() == DType::F32 && p.device() == e.device() && p.dims() == shapes[i % 6]);
+    ok.then_some(params)
 }
 
 /// The compute dtype the composed ops would round to: 0 f32, 1 bf16, 2 f16.
@@ -92,28 +70,23 @@ fn rounding_mode() -> i32 {
     }
 }
 
-/// An f32 CUDA tensor whose every element the kernels write (no fill launch).
-fn uninit(device: Device, dims: Vec<usize>) -> Result<Tensor> {
-    let n = dims.iter().product();
-    Ok(Tensor::from_storage(ptl_autograd::storage::Storage::uninit(device, DType::F32, n)?, dims)?)
-}
-
 fn grid_of(what: &'static str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| TrainerError::InvalidArgument { what, reason: format!("{v} does not fit the kernels' 32-bit grid") })
 }
 
 /// `log p(e)` (N) of the flow for residuals `e` (N, 2), differentiable in `e` and the flow's
-/// parameters; the caller checked [`supports`].
-pub fn log_prob(flow: &RealNvp, e: &Tensor) -> Result<Tensor> {
+/// parameters — `None` when the fused kernels cannot take this flow or input (not CUDA, another
+/// shape): the caller runs the composed flow then.
+pub fn log_prob(flow: &RealNvp, e: &Tensor) -> Result<Option<Tensor>> {
+    let Some(params) = supported_parameters(flow, e) else { return Ok(None) };
     let device = e.device();
     let n = e.dims()[0];
     let e = if e.dtype() == DType::F32 { e.clone() } else { e.to_dtype(DType::F32)? };
-    let params = parameters(flow);
     let mode = rounding_mode();
-    let lp = uninit(device, vec![n])?;
-    let saved = uninit(device, vec![n, SAVED_PER_ROW])?;
+    let lp = uninit(device, DType::F32, vec![n])?;
+    let saved = uninit(device, DType::F32, vec![n, SAVED_PER_ROW])?;
     if n > 0 {
-        let k = kernels(device)?;
+        let k = kernels(device, MODULE, SOURCE, FUNCTIONS)?;
         let neg_ln2pi = -(2.0 * std::f64::consts::PI).ln() as f32;
         let n32 = grid_of("flow rows", n)?;
         // SAFETY: the arguments match `flow_forward`'s parameters; `params` are the 72 f32 tensors
@@ -121,7 +94,7 @@ pub fn log_prob(flow: &RealNvp, e: &Tensor) -> Result<Tensor> {
         // `saved` (n, 8); the kernel guards every row index against n.
         unsafe {
             use KernelArg::{Tensor as T, TensorArray, F32, I32, U32};
-            k.0[0].launch(
+            k[0].launch(
                 (grid_of("flow tiles", n.div_ceil(ROWS))?, 1, 1),
                 (BLOCK, 1, 1),
                 &[T(&e), TensorArray(&params), T(&lp), T(&saved), U32(n32), I32(mode), F32(neg_ln2pi)],
@@ -131,7 +104,7 @@ pub fn log_prob(flow: &RealNvp, e: &Tensor) -> Result<Tensor> {
     let backward = FlowBackward { params: params.iter().map(Tensor::detach).collect(), saved, n, mode, device };
     let mut inputs: Vec<&Tensor> = vec![&e];
     inputs.extend(params.iter());
-    Ok(ptl_autograd::attach_custom_node(Arc::new(backward), &inputs, &[lp]).remove(0))
+    Ok(Some(ptl_autograd::attach_custom_node(Arc::new(backward), &inputs, &[lp]).remove(0)))
 }
 
 /// The backward of [`log_prob`]: ∂/∂e and the 72 parameter gradients (present even where the
@@ -150,10 +123,7 @@ impl BackwardOp for FlowBackward {
     }
 
     fn backward(&self, grad_outputs: &[Option<Tensor>]) -> ptl_autograd::Result<Vec<Option<Tensor>>> {
-        self.run(grad_outputs).map_err(|e| match e {
-            TrainerError::Tensor(t) => t,
-            other => ptl_autograd::Error::InvalidArgument { op: "flow_log_prob_fused", msg: other.to_string() },
-        })
+        self.run(grad_outputs).map_err(|e| backward_error("flow_log_prob_fused", e))
     }
 }
 
@@ -164,11 +134,11 @@ impl FlowBackward {
         };
         let g = if g.dtype() == DType::F32 { g } else { g.to_dtype(DType::F32)? };
         let (device, n) = (self.device, self.n);
-        let de = uninit(device, vec![n, 2])?;
-        let grads: Vec<Tensor> = self.params.iter().map(|p| uninit(device, p.dims().to_vec())).collect::<Result<_>>()?;
-        let nets = uninit(device, vec![n.max(1), NETS_PER_ROW])?;
-        let partial = uninit(device, vec![CHUNKS, 2 * FLOW_LAYERS, NET_PARAMS])?;
-        let k = kernels(device)?;
+        let de = uninit(device, DType::F32, vec![n, 2])?;
+        let grads: Vec<Tensor> = self.params.iter().map(|p| uninit(device, DType::F32, p.dims().to_vec())).collect::<Result<_>>()?;
+        let nets = uninit(device, DType::F32, vec![n.max(1), NETS_PER_ROW])?;
+        let partial = uninit(device, DType::F32, vec![CHUNKS, 2 * FLOW_LAYERS, NET_PARAMS])?;
+        let k = kernels(device, MODULE, SOURCE, FUNCTIONS)?;
         let n32 = grid_of("flow rows", n)?;
         let total = grid_of("flow parameters", 2 * FLOW_LAYERS * NET_PARAMS)?;
         // SAFETY: each argument list matches its kernel's parameters; `g` is (n), `saved` (n, 8),
@@ -177,22 +147,18 @@ impl FlowBackward {
         unsafe {
             use KernelArg::{Tensor as T, TensorArray, I32, U32};
             if n > 0 {
-                k.0[1].launch(
+                k[1].launch(
                     (grid_of("flow tiles", n.div_ceil(ROWS))?, 1, 1),
                     (BLOCK, 1, 1),
                     &[T(&g), T(&self.saved), TensorArray(&self.params), T(&de), T(&nets), U32(n32), I32(self.mode)],
                 )?;
             }
-            k.0[2].launch(
+            k[2].launch(
                 (CHUNKS as u32, 2 * FLOW_LAYERS as u32, 1),
                 (BLOCK, 1, 1),
                 &[T(&nets), TensorArray(&self.params), T(&partial), U32(n32), I32(self.mode)],
             )?;
-            k.0[3].launch(
-                (total.div_ceil(256), 1, 1),
-                (256, 1, 1),
-                &[T(&partial), TensorArray(&grads), U32(CHUNKS as u32), I32(self.mode)],
-            )?;
+            k[3].launch((total.div_ceil(256), 1, 1), (256, 1, 1), &[T(&partial), TensorArray(&grads), U32(CHUNKS as u32), I32(self.mode)])?;
         }
         let mut out = Vec::with_capacity(1 + grads.len());
         out.push(Some(de));

@@ -51,6 +51,8 @@ pub mod branch;
 #[cfg(feature = "cuda")]
 pub mod ciou_fused;
 pub mod dense;
+#[cfg(feature = "cuda")]
+mod device_kernels;
 pub mod e2e;
 #[cfg(feature = "cuda")]
 pub mod flow_fused;
@@ -87,8 +89,8 @@ impl FlowLogProb for ptl_heads::RealNvp {
     /// On CUDA the fused kernels of [`flow_fused`]; elsewhere the composed ops.
     fn log_prob(&self, e: &Tensor) -> crate::error::Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if flow_fused::supports(self, e) {
-            return flow_fused::log_prob(self, e);
+        if let Some(lp) = flow_fused::log_prob(self, e)? {
+            return Ok(lp);
         }
         ptl_heads::RealNvp::log_prob(self, e).map_err(|err| match err {
             ptl_heads::HeadsError::Tensor(t) => crate::error::TrainerError::Tensor(t),
