@@ -167,6 +167,22 @@ __device__ __forceinline__ void net_backward(const NetShared& s, const float* dy
     __syncthreads();
 }
 
+// Layer j's two nets on the tile's rows r < R of z: stages their weights, takes the kept
+// coordinate as input and leaves the scale net's outputs in sh.sv, the translation net's in sh.tv
+// (pre-activations in p1s/p2s and p1t/p2t for a backward).
+template <int R>
+__device__ __forceinline__ void layer_nets(const Weights& w, TileShared& sh, const float (*z)[2], u32 j, float* p1s, float* p2s,
+                                           float* p1t, float* p2t, int mode) {
+    const u32 c = kept(j);
+    __syncthreads();
+    stage_net(sh.net[0], w, j, c, mode);
+    stage_net(sh.net[1], w, LAYERS + j, c, mode);
+    if (threadIdx.x < R) sh.x[threadIdx.x] = z[threadIdx.x][c];
+    __syncthreads();
+    net_forward<R>(sh.net[0], true, sh, p1s, p2s, sh.sv, mode);
+    net_forward<R>(sh.net[1], false, sh, p1t, p2t, sh.tv, mode);
+}
+
 // The layers of the forward on rows [row0, row0 + R) of z (the tile's state in shared memory);
 // the updated coordinate's input to layer j lands in zin[r][j].
 template <int R>
@@ -174,14 +190,8 @@ __device__ __forceinline__ void forward_layers(const Weights& w, TileShared& sh,
     const u32 i = threadIdx.x;
     float p1[R], p2[R];
     for (int jj = LAYERS - 1; jj >= 0; --jj) {
-        const u32 j = (u32)jj, c = kept(j), o = 1 - c;
-        __syncthreads();
-        stage_net(sh.net[0], w, j, c, mode);
-        stage_net(sh.net[1], w, LAYERS + j, c, mode);
-        if (i < R) sh.x[i] = z[i][c];
-        __syncthreads();
-        net_forward<R>(sh.net[0], true, sh, p1, p2, sh.sv, mode);
-        net_forward<R>(sh.net[1], false, sh, p1, p2, sh.tv, mode);
+        const u32 j = (u32)jj, o = 1 - kept(j);
+        layer_nets<R>(w, sh, z, j, p1, p2, p1, p2, mode);
         if (i < R) {
             const float zo = z[i][o];
             zin[i][j] = zo;
@@ -263,13 +273,7 @@ extern "C" __global__ void flow_backward_rows(const float* g, const float* saved
     float p1s[ROWS], p2s[ROWS], p1t[ROWS], p2t[ROWS];
     for (u32 j = 0; j < LAYERS; ++j) {
         const u32 c = kept(j), o = 1 - c;
-        __syncthreads();
-        stage_net(sh.net[0], w, j, c, mode);
-        stage_net(sh.net[1], w, LAYERS + j, c, mode);
-        if (i < ROWS) sh.x[i] = z[i][c];
-        __syncthreads();
-        net_forward<ROWS>(sh.net[0], true, sh, p1s, p2s, sh.sv, mode);
-        net_forward<ROWS>(sh.net[1], false, sh, p1t, p2t, sh.tv, mode);
+        layer_nets<ROWS>(w, sh, z, j, p1s, p2s, p1t, p2t, mode);
         if (i < ROWS) {
             const u32 row = row0 + i;
             const float zin = row < n ? saved[8ull * row + j] : 0.0f;
