@@ -18,8 +18,9 @@ use cudarc::cudnn::{result as nr, sys as ns};
 
 use super::alloc::DevBuf;
 use super::conv_choice::{Choice, ChoiceCache};
-use super::conv_graph::Built;
 pub(crate) use super::conv_graph::Dir;
+use super::conv_graph::{Built, GraphPlan};
+use super::conv_prefetch::{PlanKey, PlanManifest};
 use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
 use super::CudaStorage;
@@ -121,10 +122,22 @@ pub(crate) struct Dnn {
     handle: ns::cudnnHandle_t,
     workspace: Workspace,
     plans: HashMap<(Conv2dParams, DType, Dir), Plan>,
-    /// Graph-API plans (`None`: no usable engine for the shape, legacy path).
-    graph_plans: HashMap<(Conv2dParams, DType, Dir), Option<super::conv_graph::GraphPlan>>,
+    /// Graph-API plans.
+    graph_plans: HashMap<PlanKey, GraphSlot>,
     /// Engine choices remembered across processes.
     choices: ChoiceCache,
+    /// The shapes recent processes used (`conv_prefetch`).
+    manifest: PlanManifest,
+    /// The handles the prefetch threads built plans with: a plan may refer to its handle, so they
+    /// live as long as the plans (they are not used again).
+    _prefetch_handles: Vec<ns::cudnnHandle_t>,
+}
+
+/// A graph-API plan (`None`: no usable engine for the shape, legacy path) and whether this process
+/// has used it yet (a prefetched plan may go unused).
+struct GraphSlot {
+    plan: Option<GraphPlan>,
+    used: bool,
 }
 unsafe impl Send for Dnn {}
 
@@ -159,13 +172,75 @@ impl Dnn {
         let version = unsafe { ns::cudnnGetVersion() };
         let context =
             format!("cudnn {version} sm_{major}{minor} heuristics {:?} workspace {}", super::conv_graph::heuristic_mode(), max_workspace());
-        Ok(Dnn {
+        let choices = ChoiceCache::new(context.clone());
+        let manifest = PlanManifest::load(choices.dir().map(|d| d.to_path_buf()), &context);
+        let mut dnn = Dnn {
             handle,
             workspace: Workspace::default(),
             plans: HashMap::new(),
             graph_plans: HashMap::new(),
-            choices: ChoiceCache::new(context),
-        })
+            choices,
+            manifest,
+            _prefetch_handles: Vec::new(),
+        };
+        if !legacy_forced() {
+            dnn.prefetch(dev);
+        }
+        Ok(dnn)
+    }
+
+    /// Builds the manifest's plans whose engine is remembered, on several threads with a handle
+    /// each, and waits for them (see `conv_prefetch`).
+    fn prefetch(&mut self, dev: &Arc<Dev>) {
+        let threads = super::conv_prefetch::max_threads();
+        let keys: Vec<PlanKey> = self
+            .manifest
+            .prefetch_keys()
+            .into_iter()
+            .filter(|(p, dt, dir)| matches!(self.choices.get(&choice_key(p, *dt, *dir)), Some(Choice::Engine(_))))
+            .collect();
+        if threads == 0 || keys.is_empty() {
+            return;
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let choices = &self.choices;
+        // As an integer: a raw pointer may not cross into the threads.
+        let stream = dev.cu_stream as usize;
+        let results = super::counters::time_setup(Setup::ConvPrefetch, || {
+            std::thread::scope(|s| {
+                let workers: Vec<_> = (0..threads.min(keys.len()))
+                    .map(|_| {
+                        s.spawn(|| -> Option<(SendHandle, Vec<(PlanKey, GraphPlan)>)> {
+                            dev.bind().ok()?;
+                            let h = nr::create_handle().ok()?;
+                            // SAFETY: a fresh handle and the device's compute stream.
+                            if unsafe { nr::set_stream(h, stream as ns::cudaStream_t) }.is_err() {
+                                return Some((SendHandle(h), Vec::new()));
+                            }
+                            let mut built = Vec::new();
+                            loop {
+                                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                let Some(&(p, dt, dir)) = keys.get(i) else { break };
+                                if let Some(plan) = graph_plan(choices, h, &p, dt, dir) {
+                                    built.push(((p, dt, dir), plan));
+                                }
+                            }
+                            Some((SendHandle(h), built))
+                        })
+                    })
+                    .collect();
+                workers.into_iter().filter_map(|w| w.join().ok().flatten()).collect::<Vec<_>>()
+            })
+        });
+        let mut n = 0;
+        for (SendHandle(h), built) in results {
+            self._prefetch_handles.push(h);
+            for (key, plan) in built {
+                n += 1;
+                self.graph_plans.insert(key, GraphSlot { plan: Some(plan), used: false });
+            }
+        }
+        super::counters::add_prefetched(n);
     }
 
     /// The cached legacy plan for (`p`, `dt`, `dir`), built on first use.
@@ -342,12 +417,20 @@ pub(crate) fn run_into(
     let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let h = dnn.handle;
     if dt != DType::F64 && !legacy_forced() {
-        let choices = &dnn.choices;
-        let entry = dnn
-            .graph_plans
-            .entry((*p, dt, dir))
-            .or_insert_with(|| super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir)));
-        if let Some(gp) = entry {
+        let key = (*p, dt, dir);
+        let (choices, manifest) = (&dnn.choices, &mut dnn.manifest);
+        let slot = dnn.graph_plans.entry(key).or_insert_with(|| {
+            let plan = super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir));
+            // Built on demand: the manifest lacked it, so later processes learn of it.
+            manifest.record_use(key);
+            manifest.save();
+            GraphSlot { plan, used: true }
+        });
+        if !slot.used {
+            slot.used = true;
+            manifest.record_use(key);
+        }
+        if let Some(gp) = &mut slot.plan {
             // Buffers by their forward-convolution names (x, w, y).
             let (a, b, o) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
             let (x, w, y) = match dir {
@@ -394,8 +477,8 @@ pub(crate) fn run_into(
 
 /// The graph-API plan for (`p`, `dt`, `dir`), or `None` when no engine qualifies (legacy path),
 /// taking the outcome of an earlier process's engine walk when one is remembered.
-fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Option<super::conv_graph::GraphPlan> {
-    let key = format!("{p:?} {dt:?} {dir:?}");
+fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Option<GraphPlan> {
+    let key = choice_key(p, dt, dir);
     let hint = match choices.get(&key) {
         Some(Choice::Legacy) => return None,
         Some(Choice::Engine(k)) => Some(k),
@@ -421,6 +504,16 @@ fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt:
         }
     }
 }
+
+/// The engine-choice cache's key of a plan.
+fn choice_key(p: &Conv2dParams, dt: DType, dir: Dir) -> String {
+    format!("{p:?} {dt:?} {dir:?}")
+}
+
+/// A cuDNN handle moved from the prefetch thread that made it to the device's `Dnn`.
+struct SendHandle(ns::cudnnHandle_t);
+// SAFETY: the handle is only stored after its thread ended; nothing uses it again.
+unsafe impl Send for SendHandle {}
 
 pub(crate) fn conv2d(x: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
     run(Dir::Fwd, x, w, p, "conv2d")

@@ -119,6 +119,11 @@ pub(crate) struct GraphPlan {
     _keep: Vec<Desc>,
 }
 
+// SAFETY: the descriptors are plain cuDNN heap objects; cuDNN only forbids using one handle from
+// two threads at once, and a plan moves between threads (prefetch) only while no other cuDNN call
+// of the process runs.
+unsafe impl Send for GraphPlan {}
+
 const UID_X: i64 = 1;
 const UID_W: i64 = 2;
 const UID_Y: i64 = 3;

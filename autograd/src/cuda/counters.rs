@@ -89,10 +89,19 @@ pub(crate) enum Setup {
     ConvHeuristics,
     /// Inside a graph-API conv plan: one engine's execution-plan finalize (kept or refused).
     ConvFinalize,
+    /// Building the plans recent processes used on several threads at once (`conv_prefetch`):
+    /// its wall time.
+    ConvPrefetch,
 }
 
-static SETUPS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
-static SETUP_NS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
+static SETUPS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+static SETUP_NS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+static PREFETCHED: AtomicU64 = AtomicU64::new(0);
+
+/// Counts `n` conv plans built by the prefetch.
+pub(crate) fn add_prefetched(n: u64) {
+    PREFETCHED.fetch_add(n, Ordering::Relaxed);
+}
 
 /// Runs `f`, a one-time library set-up, and adds its wall time to [`library_setup`].
 pub(crate) fn time_setup<R>(kind: Setup, f: impl FnOnce() -> R) -> R {
@@ -115,10 +124,14 @@ pub struct LibrarySetup {
     pub gemm_plans: u64,
     pub gemm_plan_s: f64,
     /// Parts of the conv plans' time (graph API): ranking the engines, and finalizing execution
-    /// plans (one per engine tried).
+    /// plans (one per engine tried). Summed over threads: the prefetch's plans count here too.
     pub conv_heuristics_s: f64,
     pub conv_finalizes: u64,
     pub conv_finalize_s: f64,
+    /// Conv plans built ahead on several threads (not in `conv_plans`), and the wall time that
+    /// took.
+    pub conv_prefetched: u64,
+    pub conv_prefetch_s: f64,
 }
 
 /// Library set-ups (handles and execution plans of cuDNN and cuBLAS/cuBLASLt) so far: a fixed
@@ -136,5 +149,7 @@ pub fn library_setup() -> LibrarySetup {
         conv_heuristics_s: s(Setup::ConvHeuristics),
         conv_finalizes: n(Setup::ConvFinalize),
         conv_finalize_s: s(Setup::ConvFinalize),
+        conv_prefetched: PREFETCHED.load(Ordering::Relaxed),
+        conv_prefetch_s: s(Setup::ConvPrefetch),
     }
 }

@@ -5,8 +5,8 @@
 //! gradient, α constant), checked against finite differences; a CUDA test compares both with the
 //! composed op.
 //!
-//! Off by default until that test has run on a GPU: [`set_enabled`] or `PTL_FUSED_CIOU=1` turns it
-//! on (the composed op is used otherwise, on every device).
+//! On by default on CUDA; [`set_enabled`] or `PTL_FUSED_CIOU=0` turns it off (the composed op is
+//! used then, and on every other device).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -26,8 +26,8 @@ const BLOCK: u32 = 256;
 /// 0: not decided yet (read `PTL_FUSED_CIOU` at first use), 1: off, 2: on.
 static ENABLED: AtomicU8 = AtomicU8::new(0);
 
-/// Turns the fused CIoU on or off for this process (default: `PTL_FUSED_CIOU=1` in the
-/// environment, else off).
+/// Turns the fused CIoU on or off for this process (default: on, unless `PTL_FUSED_CIOU=0` is in
+/// the environment).
 pub fn set_enabled(on: bool) {
     ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
@@ -36,7 +36,7 @@ pub fn set_enabled(on: bool) {
 pub fn enabled() -> bool {
     match ENABLED.load(Ordering::Relaxed) {
         0 => {
-            let on = std::env::var("PTL_FUSED_CIOU").is_ok_and(|v| v == "1");
+            let on = std::env::var("PTL_FUSED_CIOU").map_or(true, |v| v != "0");
             set_enabled(on);
             on
         }
