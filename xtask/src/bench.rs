@@ -1097,7 +1097,7 @@ fn startup_table(ok: &[&Value]) -> String {
         let v: Vec<Option<f64>> = ptl.iter().filter(|r| (r["cold"] == true) == cold).map(|r| sel(&r["result"]["startup"])).collect();
         mr(&v, 2)
     };
-    let rows: [(&str, Pick); 18] = [
+    let rows: [(&str, Pick); 20] = [
         ("process start → fit", |s| s["process_to_fit_s"].as_f64()),
         ("device open (context, kernels)", |s| s["device_open_s"].as_f64()),
         ("kernel compile (NVRTC)", |s| {
@@ -1111,12 +1111,14 @@ fn startup_table(ok: &[&Value]) -> String {
         ("cuDNN/cuBLAS set-ups (whole run)", |s| s["library_setup_s"].as_f64()),
         ("  of which cuDNN conv plans", |s| s["conv_plan_s"].as_f64()),
         ("  of which cuBLASLt plans", |s| s["gemm_plan_s"].as_f64()),
-        ("  conv plans built ahead on threads (wall)", |s| s["conv_prefetch_s"].as_f64()),
-        ("  conv plans: engine ranking (thread sum)", |s| s["conv_heuristics_s"].as_f64()),
-        ("  conv plans: execution-plan finalizes (thread sum)", |s| s["conv_finalize_s"].as_f64()),
-        ("cuDNN conv plans built on demand (count)", |s| s["conv_plans"].as_f64()),
-        ("cuDNN conv plans built ahead (count)", |s| s["conv_prefetched"].as_f64()),
+        ("  conv plans: engine ranking", |s| s["conv_heuristics_s"].as_f64()),
+        ("  conv plans: execution-plan finalizes", |s| s["conv_finalize_s"].as_f64()),
+        ("    of which engines compiled at run time", |s| s["conv_runtime_compiled_s"].as_f64()),
+        ("  conv plans restored from serialized form", |s| s["conv_plan_load_s"].as_f64()),
+        ("cuDNN conv plans built (count)", |s| s["conv_plans"].as_f64()),
         ("  execution-plan finalizes (count)", |s| s["conv_finalizes"].as_f64()),
+        ("    of which engines compiled at run time (count)", |s| s["conv_runtime_compiled"].as_f64()),
+        ("  plans restored from serialized form (count)", |s| s["conv_plans_loaded"].as_f64()),
         ("cuBLASLt plans built (count)", |s| s["gemm_plans"].as_f64()),
     ];
     let mut md = String::from(

@@ -18,9 +18,8 @@ use cudarc::cudnn::{result as nr, sys as ns};
 
 use super::alloc::DevBuf;
 use super::conv_choice::{Choice, ChoiceCache};
+use super::conv_graph::Built;
 pub(crate) use super::conv_graph::Dir;
-use super::conv_graph::{Built, GraphPlan};
-use super::conv_prefetch::{PlanKey, PlanManifest};
 use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
 use super::CudaStorage;
@@ -122,22 +121,10 @@ pub(crate) struct Dnn {
     handle: ns::cudnnHandle_t,
     workspace: Workspace,
     plans: HashMap<(Conv2dParams, DType, Dir), Plan>,
-    /// Graph-API plans.
-    graph_plans: HashMap<PlanKey, GraphSlot>,
+    /// Graph-API plans (`None`: no usable engine for the shape, legacy path).
+    graph_plans: HashMap<(Conv2dParams, DType, Dir), Option<super::conv_graph::GraphPlan>>,
     /// Engine choices remembered across processes.
     choices: ChoiceCache,
-    /// The shapes recent processes used (`conv_prefetch`).
-    manifest: PlanManifest,
-    /// The handles the prefetch threads built plans with: a plan may refer to its handle, so they
-    /// live as long as the plans (they are not used again).
-    _prefetch_handles: Vec<ns::cudnnHandle_t>,
-}
-
-/// A graph-API plan (`None`: no usable engine for the shape, legacy path) and whether this process
-/// has used it yet (a prefetched plan may go unused).
-struct GraphSlot {
-    plan: Option<GraphPlan>,
-    used: bool,
 }
 unsafe impl Send for Dnn {}
 
@@ -170,77 +157,18 @@ impl Dnn {
         let (major, minor) = dev.ctx.compute_capability().map_err(|err| cu_err("compute capability", err))?;
         // SAFETY: a plain query.
         let version = unsafe { ns::cudnnGetVersion() };
-        let context =
+        let mut context =
             format!("cudnn {version} sm_{major}{minor} heuristics {:?} workspace {}", super::conv_graph::heuristic_mode(), max_workspace());
-        let choices = ChoiceCache::new(context.clone());
-        let manifest = PlanManifest::load(choices.dir().map(|d| d.to_path_buf()), &context);
-        let mut dnn = Dnn {
+        if !super::conv_graph::runtime_compiled_allowed() {
+            context.push_str(" no-runtime-compiled");
+        }
+        Ok(Dnn {
             handle,
             workspace: Workspace::default(),
             plans: HashMap::new(),
             graph_plans: HashMap::new(),
-            choices,
-            manifest,
-            _prefetch_handles: Vec::new(),
-        };
-        if !legacy_forced() {
-            dnn.prefetch(dev);
-        }
-        Ok(dnn)
-    }
-
-    /// Builds the manifest's plans whose engine is remembered, on several threads with a handle
-    /// each, and waits for them (see `conv_prefetch`).
-    fn prefetch(&mut self, dev: &Arc<Dev>) {
-        let threads = super::conv_prefetch::max_threads();
-        let keys: Vec<PlanKey> = self
-            .manifest
-            .prefetch_keys()
-            .into_iter()
-            .filter(|(p, dt, dir)| matches!(self.choices.get(&choice_key(p, *dt, *dir)), Some(Choice::Engine(_))))
-            .collect();
-        if threads == 0 || keys.is_empty() {
-            return;
-        }
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let choices = &self.choices;
-        // As an integer: a raw pointer may not cross into the threads.
-        let stream = dev.cu_stream as usize;
-        let results = super::counters::time_setup(Setup::ConvPrefetch, || {
-            std::thread::scope(|s| {
-                let workers: Vec<_> = (0..threads.min(keys.len()))
-                    .map(|_| {
-                        s.spawn(|| -> Option<(SendHandle, Vec<(PlanKey, GraphPlan)>)> {
-                            dev.bind().ok()?;
-                            let h = nr::create_handle().ok()?;
-                            // SAFETY: a fresh handle and the device's compute stream.
-                            if unsafe { nr::set_stream(h, stream as ns::cudaStream_t) }.is_err() {
-                                return Some((SendHandle(h), Vec::new()));
-                            }
-                            let mut built = Vec::new();
-                            loop {
-                                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                let Some(&(p, dt, dir)) = keys.get(i) else { break };
-                                if let Some(plan) = graph_plan(choices, h, &p, dt, dir) {
-                                    built.push(((p, dt, dir), plan));
-                                }
-                            }
-                            Some((SendHandle(h), built))
-                        })
-                    })
-                    .collect();
-                workers.into_iter().filter_map(|w| w.join().ok().flatten()).collect::<Vec<_>>()
-            })
-        });
-        let mut n = 0;
-        for (SendHandle(h), built) in results {
-            self._prefetch_handles.push(h);
-            for (key, plan) in built {
-                n += 1;
-                self.graph_plans.insert(key, GraphSlot { plan: Some(plan), used: false });
-            }
-        }
-        super::counters::add_prefetched(n);
+            choices: ChoiceCache::new(context),
+        })
     }
 
     /// The cached legacy plan for (`p`, `dt`, `dir`), built on first use.
@@ -417,20 +345,12 @@ pub(crate) fn run_into(
     let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let h = dnn.handle;
     if dt != DType::F64 && !legacy_forced() {
-        let key = (*p, dt, dir);
-        let (choices, manifest) = (&dnn.choices, &mut dnn.manifest);
-        let slot = dnn.graph_plans.entry(key).or_insert_with(|| {
-            let plan = super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir));
-            // Built on demand: the manifest lacked it, so later processes learn of it.
-            manifest.record_use(key);
-            manifest.save();
-            GraphSlot { plan, used: true }
-        });
-        if !slot.used {
-            slot.used = true;
-            manifest.record_use(key);
-        }
-        if let Some(gp) = &mut slot.plan {
+        let choices = &dnn.choices;
+        let entry = dnn
+            .graph_plans
+            .entry((*p, dt, dir))
+            .or_insert_with(|| super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir)));
+        if let Some(gp) = entry {
             // Buffers by their forward-convolution names (x, w, y).
             let (a, b, o) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
             let (x, w, y) = match dir {
@@ -477,17 +397,30 @@ pub(crate) fn run_into(
 
 /// The graph-API plan for (`p`, `dt`, `dir`), or `None` when no engine qualifies (legacy path),
 /// taking the outcome of an earlier process's engine walk when one is remembered.
-fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Option<GraphPlan> {
-    let key = choice_key(p, dt, dir);
+fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Option<super::conv_graph::GraphPlan> {
+    let key = format!("{p:?} {dt:?} {dir:?}");
     let hint = match choices.get(&key) {
         Some(Choice::Legacy) => return None,
         Some(Choice::Engine(k)) => Some(k),
         None => None,
     };
+    // An engine that compiles its kernel does so in every process (≈ 150 ms each on the H200)
+    // unless an earlier process's serialized plan is restored.
+    if hint.is_some() {
+        if let Some(json) = choices.get_plan(&key) {
+            match super::conv_graph::load(h, &json) {
+                Ok(plan) => return Some(plan),
+                Err(err) => eprintln!("ptl: {err}; building the plan for {key} again"),
+            }
+        }
+    }
     match super::conv_graph::build(h, p, dt, dir, hint) {
         Ok(Built::Plan(plan, k)) => {
             if hint != Some(k) {
                 choices.put(&key, Choice::Engine(k));
+            }
+            if let Some(json) = plan.serialized() {
+                choices.put_plan(&key, &json);
             }
             Some(plan)
         }
@@ -504,16 +437,6 @@ fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt:
         }
     }
 }
-
-/// The engine-choice cache's key of a plan.
-fn choice_key(p: &Conv2dParams, dt: DType, dir: Dir) -> String {
-    format!("{p:?} {dt:?} {dir:?}")
-}
-
-/// A cuDNN handle moved from the prefetch thread that made it to the device's `Dnn`.
-struct SendHandle(ns::cudnnHandle_t);
-// SAFETY: the handle is only stored after its thread ended; nothing uses it again.
-unsafe impl Send for SendHandle {}
 
 pub(crate) fn conv2d(x: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
     run(Dir::Fwd, x, w, p, "conv2d")

@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 const MAGIC: &str = "PTLCONV1";
+const PLAN_MAGIC: &str = "PTLPLAN1";
 
 /// The outcome of the engine walk for one shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,6 +72,10 @@ impl ChoiceCache {
     }
 
     fn path(&self, key: &str) -> Option<PathBuf> {
+        self.path_with(key, "conv")
+    }
+
+    fn path_with(&self, key: &str, ext: &str) -> Option<PathBuf> {
         let dir = self.dir.as_ref()?;
         let mut h = Sha256::new();
         for part in [self.context.as_str(), key] {
@@ -78,7 +83,7 @@ impl ChoiceCache {
             h.update(part.as_bytes());
         }
         let hex: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
-        Some(dir.join(format!("{hex}.conv")))
+        Some(dir.join(format!("{hex}.{ext}")))
     }
 
     /// The remembered choice for `key`, if a valid entry for this context exists.
@@ -100,6 +105,26 @@ impl ChoiceCache {
         if let Err(e) = super::module_cache::write_atomically(&path, text.as_bytes()) {
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| eprintln!("ptl: cuDNN engine choices not remembered in {}: {e}", path.display()));
+        }
+    }
+
+    /// The serialized plan stored for `key` (cuDNN's JSON form of a plan whose engine compiles its
+    /// kernel at run time), if a valid one exists for this context.
+    pub(crate) fn get_plan(&self, key: &str) -> Option<Vec<u8>> {
+        let bytes = std::fs::read(self.path_with(key, "plan")?).ok()?;
+        let head = format!("{PLAN_MAGIC}\n{}\n{key}\n", self.context);
+        let body = bytes.strip_prefix(head.as_bytes())?;
+        (!body.is_empty()).then(|| body.to_vec())
+    }
+
+    /// Stores the serialized plan for `key` (best effort, like [`ChoiceCache::put`]).
+    pub(crate) fn put_plan(&self, key: &str, json: &[u8]) {
+        let Some(path) = self.path_with(key, "plan") else { return };
+        let mut bytes = format!("{PLAN_MAGIC}\n{}\n{key}\n", self.context).into_bytes();
+        bytes.extend_from_slice(json);
+        if let Err(e) = super::module_cache::write_atomically(&path, &bytes) {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| eprintln!("ptl: cuDNN plans not stored in {}: {e}", path.display()));
         }
     }
 
@@ -130,6 +155,24 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
         }
+    }
+
+    #[test]
+    fn serialized_plans_round_trip_per_context_and_key() {
+        let dir = Scratch::new("plans");
+        let a = ChoiceCache::in_dir(dir.path(), "cudnn 91400 sm90");
+        assert_eq!(a.get_plan("shape 1"), None);
+        a.put_plan("shape 1", b"{\"plan\": 1}");
+        assert_eq!(a.get_plan("shape 1").as_deref(), Some(&b"{\"plan\": 1}"[..]));
+        assert_eq!(a.get_plan("shape 2"), None, "another key");
+        let b = ChoiceCache::in_dir(dir.path(), "cudnn 91500 sm90");
+        assert_eq!(b.get_plan("shape 1"), None, "another cuDNN");
+        // An empty body is not a plan; the engine-choice entry of the same key is unaffected.
+        a.put_plan("shape 3", b"");
+        assert_eq!(a.get_plan("shape 3"), None);
+        a.put("shape 1", Choice::Engine(2));
+        assert_eq!(a.get("shape 1"), Some(Choice::Engine(2)));
+        assert!(a.get_plan("shape 1").is_some());
     }
 
     #[test]

@@ -117,12 +117,10 @@ pub(crate) struct GraphPlan {
     ws_bytes: usize,
     packs: Vec<([u64; 4], Desc)>,
     _keep: Vec<Desc>,
+    /// Whether its engine compiled the kernel when the plan was finalized (such plans can be
+    /// serialized, see [`GraphPlan::serialized`]).
+    runtime_compiled: bool,
 }
-
-// SAFETY: the descriptors are plain cuDNN heap objects; cuDNN only forbids using one handle from
-// two threads at once, and a plan moves between threads (prefetch) only while no other cuDNN call
-// of the process runs.
-unsafe impl Send for GraphPlan {}
 
 const UID_X: i64 = 1;
 const UID_W: i64 = 2;
@@ -204,22 +202,22 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
     let mut why = Vec::new();
     let mut chosen = None;
     if let Some(k) = hint.filter(|&k| k < got) {
-        if let Ok((plan, ws_bytes, engine)) = try_engine(handle, &cfgs[k], dt) {
-            chosen = Some((plan, ws_bytes, engine, k));
+        if let Ok((plan, ws_bytes, engine, compiled)) = try_engine(handle, &cfgs[k], dt) {
+            chosen = Some((plan, ws_bytes, engine, compiled, k));
         }
     }
     if chosen.is_none() {
         for (k, cfg) in cfgs.iter().take(got).enumerate() {
             match try_engine(handle, cfg, dt) {
-                Ok((plan, ws_bytes, engine)) => {
-                    chosen = Some((plan, ws_bytes, engine, k));
+                Ok((plan, ws_bytes, engine, compiled)) => {
+                    chosen = Some((plan, ws_bytes, engine, compiled, k));
                     break;
                 }
                 Err(reason) => why.push(format!("#{k}: {reason}")),
             }
         }
     }
-    let Some((plan, ws_bytes, engine, position)) = chosen else {
+    let Some((plan, ws_bytes, engine, runtime_compiled, position)) = chosen else {
         return Ok(Built::NoEngine(format!(
             "cuDNN graph API: no usable deterministic {dir:?} engine among {got} for {p:?} {dt} ({})",
             why.join("; ")
@@ -227,7 +225,7 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
     };
     let mut keep = vec![x, w, y, conv, op, graph, heur, engine];
     keep.extend(cfgs);
-    Ok(Built::Plan(GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: keep }, position))
+    Ok(Built::Plan(GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: keep, runtime_compiled }, position))
 }
 
 /// What walking cuDNN's ranking for one shape gave.
@@ -305,8 +303,9 @@ fn operation(dir: Dir, x: &Desc, w: &Desc, y: &Desc, conv: &Desc) -> Result<Desc
     Ok(op)
 }
 
-/// Checks one heuristic result: its engine's numerical notes, then whether a plan builds.
-fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::Result<(Desc, usize, Desc), String> {
+/// Checks one heuristic result: its engine's numerical notes, then whether a plan builds. Gives
+/// the plan, its workspace bytes, the engine and whether the engine compiled its kernel.
+fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::Result<(Desc, usize, Desc, bool), String> {
     let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR).map_err(|e| e.to_string())?;
     // cuDNN fills the created engine descriptor.
     cfg.get(A::CUDNN_ATTR_ENGINECFG_ENGINE, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &mut [engine.0])
@@ -318,10 +317,24 @@ fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::
     if let Some(bad) = notes[..nn.min(16)].iter().find(|n| excluded(**n, dt)) {
         return Err(format!("{bad:?}"));
     }
+    let compiles = compiles_at_run_time(&engine);
+    if compiles && !runtime_compiled_allowed() {
+        return Err("compiles at run time (PTL_CUDNN_RUNTIME_COMPILED=off)".into());
+    }
     let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR).map_err(|e| e.to_string())?;
     plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, T::CUDNN_TYPE_HANDLE, &[handle]).map_err(|e| e.to_string())?;
     plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg).map_err(|e| e.to_string())?;
+    let started = std::time::Instant::now();
     super::counters::time_setup(Setup::ConvFinalize, || plan.finalize("execution plan")).map_err(|e| e.to_string())?;
+    if compiles {
+        super::counters::add_setup(Setup::ConvRuntimeCompiled, started.elapsed());
+    }
+    let ws = workspace_within_limit(&plan)?;
+    Ok((plan, ws, engine, compiles))
+}
+
+/// The plan's workspace bytes, refused above [`super::conv::max_workspace`].
+fn workspace_within_limit(plan: &Desc) -> std::result::Result<usize, String> {
     let mut ws = [0i64];
     plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, T::CUDNN_TYPE_INT64, &mut ws)
         .map_err(|e| format!("workspace size unreadable ({e})"))?;
@@ -329,10 +342,55 @@ fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::
     if ws > super::conv::max_workspace() as i64 {
         return Err(format!("workspace {ws} bytes"));
     }
-    Ok((plan, ws.max(0) as usize, engine))
+    Ok(ws.max(0) as usize)
+}
+
+/// A plan restored from [`GraphPlan::serialized`] (same cuDNN, same GPU): no kernel compile.
+pub(crate) fn load(handle: ns::cudnnHandle_t, json: &[u8]) -> Result<GraphPlan> {
+    let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
+    plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION, T::CUDNN_TYPE_CHAR, json)?;
+    plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, T::CUDNN_TYPE_HANDLE, &[handle])?;
+    super::counters::time_setup(Setup::ConvPlanLoad, || plan.finalize("execution plan (serialized)"))?;
+    let ws_bytes = workspace_within_limit(&plan).map_err(|e| Error::Cuda(format!("cuDNN graph API: serialized plan: {e}")))?;
+    Ok(GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: Vec::new(), runtime_compiled: true })
+}
+
+/// Whether cuDNN compiles the engine's kernel when a plan is finalized (NVRTC) rather than taking
+/// a precompiled one; an unreadable note counts as precompiled.
+fn compiles_at_run_time(engine: &Desc) -> bool {
+    use ns::cudnnBackendBehaviorNote_t as B;
+    let mut notes = [B::CUDNN_BEHAVIOR_NOTE_TYPE_COUNT; 16];
+    match engine.get(A::CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, T::CUDNN_TYPE_BEHAVIOR_NOTE, &mut notes) {
+        Ok(n) => notes[..n.min(16)].contains(&B::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION),
+        Err(_) => false,
+    }
+}
+
+/// Whether engines that compile at run time may be chosen (`PTL_CUDNN_RUNTIME_COMPILED=off`
+/// refuses them: their finalize compiles a kernel in every process).
+pub(crate) fn runtime_compiled_allowed() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PTL_CUDNN_RUNTIME_COMPILED").map_or(true, |v| v != "off"))
 }
 
 impl GraphPlan {
+    /// The plan as cuDNN's serialized form (JSON text), for a plan whose engine compiled its kernel
+    /// (the only kind cuDNN serializes); `None` otherwise or when cuDNN declines.
+    pub(crate) fn serialized(&self) -> Option<Vec<u8>> {
+        if !self.runtime_compiled {
+            return None;
+        }
+        let name = A::CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION;
+        let n = self.plan.get::<u8>(name, T::CUDNN_TYPE_CHAR, &mut []).ok()?;
+        let mut text = vec![0u8; n];
+        let got = self.plan.get(name, T::CUDNN_TYPE_CHAR, &mut text).ok()?;
+        text.truncate(got);
+        while text.last() == Some(&0) {
+            text.pop();
+        }
+        (!text.is_empty()).then_some(text)
+    }
+
     /// Workspace bytes the plan needs (see [`super::conv::Workspace`]).
     pub(crate) fn workspace_bytes(&self) -> usize {
         self.ws_bytes

@@ -89,18 +89,19 @@ pub(crate) enum Setup {
     ConvHeuristics,
     /// Inside a graph-API conv plan: one engine's execution-plan finalize (kept or refused).
     ConvFinalize,
-    /// Building the plans recent processes used on several threads at once (`conv_prefetch`):
-    /// its wall time.
-    ConvPrefetch,
+    /// The finalizes of engines that compile their kernel at run time (part of `ConvFinalize`).
+    ConvRuntimeCompiled,
+    /// A conv plan restored from its serialized form (an earlier process compiled its kernel).
+    ConvPlanLoad,
 }
 
-static SETUPS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
-static SETUP_NS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
-static PREFETCHED: AtomicU64 = AtomicU64::new(0);
+static SETUPS: [AtomicU64; 7] = [const { AtomicU64::new(0) }; 7];
+static SETUP_NS: [AtomicU64; 7] = [const { AtomicU64::new(0) }; 7];
 
-/// Counts `n` conv plans built by the prefetch.
-pub(crate) fn add_prefetched(n: u64) {
-    PREFETCHED.fetch_add(n, Ordering::Relaxed);
+/// Counts one set-up of `kind` that took `took` (timed by the caller).
+pub(crate) fn add_setup(kind: Setup, took: std::time::Duration) {
+    SETUPS[kind as usize].fetch_add(1, Ordering::Relaxed);
+    SETUP_NS[kind as usize].fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
 }
 
 /// Runs `f`, a one-time library set-up, and adds its wall time to [`library_setup`].
@@ -124,14 +125,16 @@ pub struct LibrarySetup {
     pub gemm_plans: u64,
     pub gemm_plan_s: f64,
     /// Parts of the conv plans' time (graph API): ranking the engines, and finalizing execution
-    /// plans (one per engine tried). Summed over threads: the prefetch's plans count here too.
+    /// plans (one per engine tried).
     pub conv_heuristics_s: f64,
     pub conv_finalizes: u64,
     pub conv_finalize_s: f64,
-    /// Conv plans built ahead on several threads (not in `conv_plans`), and the wall time that
-    /// took.
-    pub conv_prefetched: u64,
-    pub conv_prefetch_s: f64,
+    /// Of those, the finalizes of engines that compile their kernel at run time.
+    pub conv_runtime_compiled: u64,
+    pub conv_runtime_compiled_s: f64,
+    /// Plans restored from the serialized form an earlier process stored (instead of compiling).
+    pub conv_plans_loaded: u64,
+    pub conv_plan_load_s: f64,
 }
 
 /// Library set-ups (handles and execution plans of cuDNN and cuBLAS/cuBLASLt) so far: a fixed
@@ -149,7 +152,9 @@ pub fn library_setup() -> LibrarySetup {
         conv_heuristics_s: s(Setup::ConvHeuristics),
         conv_finalizes: n(Setup::ConvFinalize),
         conv_finalize_s: s(Setup::ConvFinalize),
-        conv_prefetched: PREFETCHED.load(Ordering::Relaxed),
-        conv_prefetch_s: s(Setup::ConvPrefetch),
+        conv_runtime_compiled: n(Setup::ConvRuntimeCompiled),
+        conv_runtime_compiled_s: s(Setup::ConvRuntimeCompiled),
+        conv_plans_loaded: n(Setup::ConvPlanLoad),
+        conv_plan_load_s: s(Setup::ConvPlanLoad),
     }
 }

@@ -36,7 +36,6 @@ pub mod capture_support;
 mod conv;
 mod conv_choice;
 mod conv_graph;
-mod conv_prefetch;
 mod counters;
 mod device;
 mod graph;

@@ -258,12 +258,16 @@ pub struct StartupReport {
     pub conv_finalizes: u64,
     #[serde(default)]
     pub conv_finalize_s: f64,
-    /// Conv plans built ahead on several threads at the first convolution (the manifest of
-    /// recent processes), and the wall time that took (part of `library_setup_s`).
+    /// Of those, the finalizes of engines that compile their kernel at run time (NVRTC).
     #[serde(default)]
-    pub conv_prefetched: u64,
+    pub conv_runtime_compiled: u64,
     #[serde(default)]
-    pub conv_prefetch_s: f64,
+    pub conv_runtime_compiled_s: f64,
+    /// Conv plans restored from an earlier process's serialized plan (no kernel compile).
+    #[serde(default)]
+    pub conv_plans_loaded: u64,
+    #[serde(default)]
+    pub conv_plan_load_s: f64,
     /// The first training step (first-use plans and allocations).
     pub first_step_s: f64,
     /// From process start to the start of the first step.

@@ -150,11 +150,12 @@ pub(crate) fn library_setup(s: &mut StartupReport) {
     #[cfg(feature = "cuda")]
     {
         let l = ptl_autograd::cuda::library_setup();
-        s.library_setups = l.handles + l.conv_plans + l.conv_prefetched + l.gemm_plans;
-        s.library_setup_s = l.handle_s + l.conv_plan_s + l.conv_prefetch_s + l.gemm_plan_s;
+        s.library_setups = l.handles + l.conv_plans + l.gemm_plans;
+        s.library_setup_s = l.handle_s + l.conv_plan_s + l.gemm_plan_s;
         (s.conv_plans, s.conv_plan_s, s.gemm_plans, s.gemm_plan_s) = (l.conv_plans, l.conv_plan_s, l.gemm_plans, l.gemm_plan_s);
         (s.conv_heuristics_s, s.conv_finalizes, s.conv_finalize_s) = (l.conv_heuristics_s, l.conv_finalizes, l.conv_finalize_s);
-        (s.conv_prefetched, s.conv_prefetch_s) = (l.conv_prefetched, l.conv_prefetch_s);
+        (s.conv_runtime_compiled, s.conv_runtime_compiled_s) = (l.conv_runtime_compiled, l.conv_runtime_compiled_s);
+        (s.conv_plans_loaded, s.conv_plan_load_s) = (l.conv_plans_loaded, l.conv_plan_load_s);
     }
     let _ = s;
 }
