@@ -13,6 +13,10 @@
 //! so a hash collision or a damaged file is never trusted, only searched again. A remembered
 //! engine that no longer builds is searched again from the top and the entry rewritten.
 //!
+//! A plan whose engine compiles its kernel at run time (NVRTC inside cuDNN, ≈ 150 ms a plan on the
+//! H200, in every process) is also kept in cuDNN's serialized form (`<hash>.plan`, headed by the
+//! context and key like a choice), which a later process restores without compiling.
+//!
 //! Folder: `$PTL_CUDNN_CACHE`, else `$PTL_CACHE/cudnn`, else `$XDG_CACHE_HOME/ptl/cudnn`, else
 //! `~/.cache/ptl/cudnn`; `PTL_CUDNN_CACHE=off` disables it.
 
