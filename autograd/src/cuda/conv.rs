@@ -406,8 +406,8 @@ fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt:
     };
     // An engine that compiles its kernel does so in every process (≈ 150 ms each on the H200)
     // unless an earlier process's serialized plan is restored.
-    if hint.is_some() {
-        if let Some(json) = choices.get_plan(&key) {
+    if let Some(k) = hint {
+        if let Some(json) = choices.get_plan(&key, k) {
             match super::conv_graph::load(h, &json) {
                 Ok(plan) => return Some(plan),
                 Err(err) => eprintln!("ptl: {err}; building the plan for {key} again"),
@@ -420,7 +420,7 @@ fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt:
                 choices.put(&key, Choice::Engine(k));
             }
             if let Some(json) = plan.serialized() {
-                choices.put_plan(&key, &json);
+                choices.put_plan(&key, k, &json);
             }
             Some(plan)
         }

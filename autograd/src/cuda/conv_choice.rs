@@ -15,7 +15,8 @@
 //!
 //! A plan whose engine compiles its kernel at run time (NVRTC inside cuDNN, ≈ 150 ms a plan on the
 //! H200, in every process) is also kept in cuDNN's serialized form (`<hash>.plan`, headed by the
-//! context and key like a choice), which a later process restores without compiling.
+//! context, the key and the engine's position), which a later process whose remembered choice is
+//! that engine restores without compiling.
 //!
 //! Folder: `$PTL_CUDNN_CACHE`, else `$PTL_CACHE/cudnn`, else `$XDG_CACHE_HOME/ptl/cudnn`, else
 //! `~/.cache/ptl/cudnn`; `PTL_CUDNN_CACHE=off` disables it.
@@ -26,6 +27,11 @@ use sha2::{Digest, Sha256};
 
 const MAGIC: &str = "PTLCONV1";
 const PLAN_MAGIC: &str = "PTLPLAN1";
+
+/// The first lines of a stored plan: what it is for (context, key, engine position).
+fn plan_head(context: &str, key: &str, engine: usize) -> String {
+    format!("{PLAN_MAGIC}\n{context}\n{key}\nengine {engine}\n")
+}
 
 /// The outcome of the engine walk for one shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,19 +118,21 @@ impl ChoiceCache {
         }
     }
 
-    /// The serialized plan stored for `key` (cuDNN's JSON form of a plan whose engine compiles its
-    /// kernel at run time), if a valid one exists for this context.
-    pub(crate) fn get_plan(&self, key: &str) -> Option<Vec<u8>> {
+    /// The serialized plan stored for `key` with the engine at position `engine` of cuDNN's ranking
+    /// (cuDNN's JSON form of a plan whose engine compiles its kernel at run time), if a valid one
+    /// exists for this context. A plan of another engine (the choice changed since) is not taken.
+    pub(crate) fn get_plan(&self, key: &str, engine: usize) -> Option<Vec<u8>> {
         let bytes = std::fs::read(self.path_with(key, "plan")?).ok()?;
-        let head = format!("{PLAN_MAGIC}\n{}\n{key}\n", self.context);
+        let head = plan_head(&self.context, key, engine);
         let body = bytes.strip_prefix(head.as_bytes())?;
         (!body.is_empty()).then(|| body.to_vec())
     }
 
-    /// Stores the serialized plan for `key` (best effort, like [`ChoiceCache::put`]).
-    pub(crate) fn put_plan(&self, key: &str, json: &[u8]) {
+    /// Stores the serialized plan for `key` built with the engine at position `engine` (best effort,
+    /// like [`ChoiceCache::put`]).
+    pub(crate) fn put_plan(&self, key: &str, engine: usize, json: &[u8]) {
         let Some(path) = self.path_with(key, "plan") else { return };
-        let mut bytes = format!("{PLAN_MAGIC}\n{}\n{key}\n", self.context).into_bytes();
+        let mut bytes = plan_head(&self.context, key, engine).into_bytes();
         bytes.extend_from_slice(json);
         if let Err(e) = super::module_cache::write_atomically(&path, &bytes) {
             static SAID: std::sync::Once = std::sync::Once::new();
@@ -165,18 +173,19 @@ mod tests {
     fn serialized_plans_round_trip_per_context_and_key() {
         let dir = Scratch::new("plans");
         let a = ChoiceCache::in_dir(dir.path(), "cudnn 91400 sm90");
-        assert_eq!(a.get_plan("shape 1"), None);
-        a.put_plan("shape 1", b"{\"plan\": 1}");
-        assert_eq!(a.get_plan("shape 1").as_deref(), Some(&b"{\"plan\": 1}"[..]));
-        assert_eq!(a.get_plan("shape 2"), None, "another key");
+        assert_eq!(a.get_plan("shape 1", 2), None);
+        a.put_plan("shape 1", 2, b"{\"plan\": 1}");
+        assert_eq!(a.get_plan("shape 1", 2).as_deref(), Some(&b"{\"plan\": 1}"[..]));
+        assert_eq!(a.get_plan("shape 1", 3), None, "a plan of another engine");
+        assert_eq!(a.get_plan("shape 2", 2), None, "another key");
         let b = ChoiceCache::in_dir(dir.path(), "cudnn 91500 sm90");
-        assert_eq!(b.get_plan("shape 1"), None, "another cuDNN");
+        assert_eq!(b.get_plan("shape 1", 2), None, "another cuDNN");
         // An empty body is not a plan; the engine-choice entry of the same key is unaffected.
-        a.put_plan("shape 3", b"");
-        assert_eq!(a.get_plan("shape 3"), None);
+        a.put_plan("shape 3", 0, b"");
+        assert_eq!(a.get_plan("shape 3", 0), None);
         a.put("shape 1", Choice::Engine(2));
         assert_eq!(a.get("shape 1"), Some(Choice::Engine(2)));
-        assert!(a.get_plan("shape 1").is_some());
+        assert!(a.get_plan("shape 1", 2).is_some());
     }
 
     #[test]
