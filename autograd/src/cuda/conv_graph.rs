@@ -325,10 +325,13 @@ fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::
     plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, T::CUDNN_TYPE_HANDLE, &[handle]).map_err(|e| e.to_string())?;
     plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg).map_err(|e| e.to_string())?;
     let started = std::time::Instant::now();
-    super::counters::time_setup(Setup::ConvFinalize, || plan.finalize("execution plan")).map_err(|e| e.to_string())?;
+    let finalized = plan.finalize("execution plan");
+    let took = started.elapsed();
+    super::counters::add_setup(Setup::ConvFinalize, took);
     if compiles {
-        super::counters::add_setup(Setup::ConvRuntimeCompiled, started.elapsed());
+        super::counters::add_setup(Setup::ConvRuntimeCompiled, took);
     }
+    finalized.map_err(|e| e.to_string())?;
     let ws = workspace_within_limit(&plan)?;
     Ok((plan, ws, engine, compiles))
 }

@@ -108,8 +108,7 @@ pub(crate) fn add_setup(kind: Setup, took: std::time::Duration) {
 pub(crate) fn time_setup<R>(kind: Setup, f: impl FnOnce() -> R) -> R {
     let t = std::time::Instant::now();
     let r = f();
-    SETUPS[kind as usize].fetch_add(1, Ordering::Relaxed);
-    SETUP_NS[kind as usize].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    add_setup(kind, t.elapsed());
     r
 }
 
