@@ -107,15 +107,10 @@ impl ChoiceCache {
         lines.next().is_none().then_some(choice)
     }
 
-    /// Remembers `choice` for `key` (best effort: a cache that cannot be written only costs the
-    /// next process the search; the first failure is reported once).
+    /// Remembers `choice` for `key` (best effort, see [`ChoiceCache::store`]).
     pub(crate) fn put(&self, key: &str, choice: Choice) {
-        let Some(path) = self.path(key) else { return };
         let text = format!("{MAGIC}\n{}\n{key}\n{}\n", self.context, choice.encode());
-        if let Err(e) = super::module_cache::write_atomically(&path, text.as_bytes()) {
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| eprintln!("ptl: cuDNN engine choices not remembered in {}: {e}", path.display()));
-        }
+        self.store(self.path(key), text.as_bytes());
     }
 
     /// The serialized plan stored for `key` with the engine at position `engine` of cuDNN's ranking
@@ -128,15 +123,20 @@ impl ChoiceCache {
         (!body.is_empty()).then(|| body.to_vec())
     }
 
-    /// Stores the serialized plan for `key` built with the engine at position `engine` (best effort,
-    /// like [`ChoiceCache::put`]).
+    /// Stores the serialized plan for `key` built with the engine at position `engine` (best effort).
     pub(crate) fn put_plan(&self, key: &str, engine: usize, json: &[u8]) {
-        let Some(path) = self.path_with(key, "plan") else { return };
         let mut bytes = plan_head(&self.context, key, engine).into_bytes();
         bytes.extend_from_slice(json);
-        if let Err(e) = super::module_cache::write_atomically(&path, &bytes) {
+        self.store(self.path_with(key, "plan"), &bytes);
+    }
+
+    /// Writes one entry (best effort: a cache that cannot be written only costs later processes
+    /// the search or the compile; the first failure is reported once).
+    fn store(&self, path: Option<PathBuf>, bytes: &[u8]) {
+        let Some(path) = path else { return };
+        if let Err(e) = super::module_cache::write_atomically(&path, bytes) {
             static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| eprintln!("ptl: cuDNN plans not stored in {}: {e}", path.display()));
+            SAID.call_once(|| eprintln!("ptl: cuDNN engine choices and plans not stored in {}: {e}", path.display()));
         }
     }
 
