@@ -31,6 +31,29 @@ impl Device {
         }
     }
 
+    /// Why this device cannot be used in this process, or `Ok(())` when it can: a named device
+    /// that is not there is an error, never a silent fall-back to another one.
+    pub fn ensure_usable(self) -> crate::Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(n) => crate::cuda::check(n).map_err(|e| {
+                let count = crate::cuda::device_count();
+                let choices = match count {
+                    0 => "device=cpu".to_string(),
+                    1 => "device=cuda:0 or device=cpu".to_string(),
+                    c => format!("device=cuda:0 … cuda:{} or device=cpu", c - 1),
+                };
+                crate::Error::invalid("device", format!("cuda:{n} cannot be used: {e}; use {choices}"))
+            }),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(n) => Err(crate::Error::invalid(
+                "device",
+                format!("cuda:{n} cannot be used: this ptl was built without its CUDA backend (feature `cuda`); use device=cpu"),
+            )),
+        }
+    }
+
     /// The best available device: `Cuda(0)` when a usable GPU answers, else `Cpu`.
     pub fn auto() -> Device {
         if crate::storage::cuda_usable(0) {

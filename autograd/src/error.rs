@@ -27,6 +27,10 @@ pub enum Error {
     #[error("{op}: invalid arguments: {msg}")]
     InvalidArgument { op: &'static str, msg: String },
 
+    /// A file that could not be read safely (not a regular file, unreadable).
+    #[error(transparent)]
+    File(#[from] ptl_files::FileError),
+
     // ---- dtypes and devices -------------------------------------------------------------------
     #[error("{op}: dtype mismatch, lhs {lhs:?} vs rhs {rhs:?} (cast one side with `to_dtype`)")]
     DTypeMismatch { op: &'static str, lhs: DType, rhs: DType },

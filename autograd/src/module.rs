@@ -150,10 +150,7 @@ pub fn to_safetensors_bytes_with_metadata(tensors: &[(String, Tensor)], metadata
 /// Writes named tensors to `path` atomically (temporary file, then rename).
 pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let bytes = to_safetensors_bytes(tensors)?;
-    let tmp = path.with_extension("safetensors.tmp");
-    let io = |e: std::io::Error, p: &Path| Error::Io { path: p.display().to_string(), source: e };
-    std::fs::write(&tmp, &bytes).map_err(|e| io(e, &tmp))?;
-    std::fs::rename(&tmp, path).map_err(|e| io(e, path))
+    Ok(ptl_files::write_atomic(path, &bytes, 0o644)?)
 }
 
 /// Parses safetensors bytes into tensors on `device` (order of the file's header is not kept;
@@ -182,7 +179,7 @@ pub fn safetensors_metadata(bytes: &[u8], origin: &str) -> Result<HashMap<String
 
 /// Reads every tensor of a safetensors file.
 pub fn load_safetensors(path: &Path, device: Device) -> Result<HashMap<String, Tensor>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::Io { path: path.display().to_string(), source: e })?;
+    let bytes = ptl_files::read_regular(path)?;
     Ok(from_safetensors_bytes(&bytes, device, &path.display().to_string())?.into_iter().collect())
 }
 

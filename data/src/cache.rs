@@ -70,7 +70,7 @@ fn u64_at(b: &[u8], o: usize) -> u64 {
 /// Loads a valid entry: (resized image, original (h0, w0)). Any mismatch or damage gives `None`.
 pub fn load(dir: &Path, src: &Path, imgsz: u32) -> Option<(Image, (u32, u32))> {
     let stamp = source_stamp(src)?;
-    let bytes = std::fs::read(entry_path(dir, src, imgsz)).ok()?;
+    let bytes = ptl_files::read_regular(&entry_path(dir, src, imgsz)).ok()?;
     if bytes.len() < HEADER_LEN || &bytes[..8] != MAGIC {
         return None;
     }

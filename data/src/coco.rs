@@ -195,7 +195,7 @@ pub fn convert_coco_counted(json: &str, json_path: &Path, nkpt: usize) -> Result
 
 /// Writes the converted labels as `<labels_dir>/<file stem>.txt` (only for images with annotations).
 pub fn convert_coco_file(json_path: &Path, labels_dir: &Path) -> Result<usize> {
-    let text = std::fs::read_to_string(json_path).map_err(|e| DataError::io(json_path, e))?;
+    let text = ptl_files::read_to_string(json_path)?;
     let labels = convert_coco_text(&text, json_path)?;
     std::fs::create_dir_all(labels_dir).map_err(|e| DataError::io(labels_dir, e))?;
     let mut n = 0;
@@ -229,7 +229,7 @@ impl PoseDataset {
         if !image_dir.is_dir() {
             return Err(DataError::MissingPath { path: image_dir.to_path_buf(), what: "COCO image folder" });
         }
-        let text = std::fs::read_to_string(json_path).map_err(|e| DataError::io(json_path, e))?;
+        let text = ptl_files::read_to_string(json_path)?;
         let (labels, report) = convert_coco_counted(&text, json_path, meta.kpt_shape.k)?;
         if opts.verbose {
             eprintln!("ptl-data: {split}: COCO {}: {}", json_path.display(), report.summary());

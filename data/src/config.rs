@@ -39,6 +39,9 @@ pub const COCO_OKS_SIGMAS: [f32; 17] =
 /// with a warning when met.
 pub const IMG_FORMATS: [&str; 13] = ["bmp", "dng", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp", "pfm", "heic", "avif", "jp2"];
 
+/// Most keypoints per instance a dataset may declare (`kpt_shape: [K, D]`).
+pub const MAX_KEYPOINTS: usize = 1024;
+
 /// Parsed dataset configuration.
 #[derive(Clone, Debug)]
 pub struct DatasetConfig {
@@ -71,23 +74,29 @@ fn cfg_err(path: &Path, field: &'static str, message: impl Into<String>) -> Data
 fn as_usize_list(v: &Value, path: &Path, field: &'static str) -> Result<Vec<usize>> {
     let seq = v.as_sequence().ok_or_else(|| cfg_err(path, field, "expected a list of non-negative integers"))?;
     seq.iter()
-        .map(|x| x.as_u64().map(|u| u as usize).ok_or_else(|| cfg_err(path, field, format!("`{x:?}` is not a non-negative integer"))))
+        .map(|x| {
+            x.as_u64()
+                .and_then(|u| usize::try_from(u).ok())
+                .ok_or_else(|| cfg_err(path, field, format!("`{x:?}` is not a non-negative integer")))
+        })
         .collect()
 }
 
 impl DatasetConfig {
     /// Reads and validates a dataset yaml.
     pub fn load(yaml_path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(yaml_path).map_err(|e| DataError::io(yaml_path, e))?;
+        let text = ptl_files::read_to_string(yaml_path)?;
         Self::parse(&text, yaml_path)
     }
 
     /// A COCO keypoints JSON used directly as a dataset: the file is both the train and the val
     /// split (validation then runs on the training annotations), person class, COCO keypoints.
     pub fn coco_json(json: &Path) -> Result<Self> {
-        if !json.is_file() {
+        if !json.exists() {
             return Err(DataError::MissingPath { path: json.to_path_buf(), what: "COCO keypoints JSON" });
         }
+        // A folder, FIFO or device is refused here, without blocking on it.
+        drop(ptl_files::open_regular(json)?);
         let root = json.parent().map(Path::to_path_buf).unwrap_or_default();
         Ok(DatasetConfig {
             yaml_path: json.to_path_buf(),
@@ -203,12 +212,24 @@ impl DatasetConfig {
             Some(other) => return Err(cfg_err(yaml_path, "names", format!("expected a list or mapping, got {other:?}"))),
         };
         let nc = match get("nc") {
-            Some(v) => v.as_u64().map(|u| u as usize).ok_or_else(|| cfg_err(yaml_path, "nc", "expected an integer"))?,
-            None => names.len(),
+            Some(v) => v.as_u64().ok_or_else(|| cfg_err(yaml_path, "nc", "expected a non-negative integer"))?,
+            None => names.len() as u64,
         };
         if nc == 0 {
             return Err(cfg_err(yaml_path, "names", "no classes: add `names: {0: person}`"));
         }
+        // Checked before anything is sized by it (a class-name list, the model's class head).
+        if nc > 1 {
+            let listed = if names.is_empty() { String::new() } else { format!(" ({})", names.join(", ")) };
+            return Err(cfg_err(
+                yaml_path,
+                "nc",
+                format!(
+                    "{nc} classes{listed}: ptl trains single-class pose models (one class, e.g. person);                      give `names: {{0: person}}` (and nc: 1) with every label's class 0"
+                ),
+            ));
+        }
+        let nc = nc as usize;
         if !names.is_empty() && names.len() != nc {
             return Err(cfg_err(yaml_path, "nc", format!("nc = {nc} but {} names given", names.len())));
         }
@@ -218,6 +239,13 @@ impl DatasetConfig {
                 let ks = as_usize_list(v, yaml_path, "kpt_shape")?;
                 if ks.len() != 2 || ks[0] == 0 || !(ks[1] == 2 || ks[1] == 3) {
                     return Err(cfg_err(yaml_path, "kpt_shape", "expected [K, D] with K > 0 and D ∈ {2, 3}"));
+                }
+                if ks[0] > MAX_KEYPOINTS {
+                    return Err(cfg_err(
+                        yaml_path,
+                        "kpt_shape",
+                        format!("K = {} keypoints is more than {MAX_KEYPOINTS} (COCO-WholeBody has 133): is it the right number?", ks[0]),
+                    ));
                 }
                 KptShape { k: ks[0], d: ks[1] }
             }
@@ -335,6 +363,11 @@ impl Walk {
         let mut entries: Vec<_> = rd.collect::<std::io::Result<Vec<_>>>().map_err(|e| DataError::io(dir, e))?;
         entries.sort_by_key(|e| e.file_name());
         for entry in entries {
+            // Hidden files and folders (`.x.jpg`, `.cache/`) are not collected, as Ultralytics'
+            // `glob` does not collect them.
+            if entry.file_name().to_string_lossy().starts_with('.') {
+                continue;
+            }
             let p = entry.path();
             if !p.is_dir() {
                 if keep(&p) {
@@ -375,8 +408,8 @@ pub fn collect_images(entries: &[PathBuf]) -> Result<(Vec<PathBuf>, Vec<PathBuf>
         if e.is_dir() {
             walk.walk(e, &has_image_suffix)?;
             out.append(&mut walk.files);
-        } else if e.is_file() {
-            let text = std::fs::read_to_string(e).map_err(|err| DataError::io(e, err))?;
+        } else if e.exists() {
+            let text = ptl_files::read_to_string(e)?;
             let parent = e.parent().map(Path::to_path_buf).unwrap_or_default();
             for line in text.lines() {
                 let line = line.trim();

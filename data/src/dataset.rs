@@ -192,19 +192,22 @@ fn prepare_image(path: &Path, opts: &OpenOptions, warnings: &mut Vec<String>) ->
     Ok((img, ori))
 }
 
+/// The largest label file read (a label row is < 1 KiB at COCO's 17 keypoints).
+const MAX_LABEL_BYTES: u64 = 64 << 20;
+
 fn process(entry: &Entry, rules: &LabelRules, opts: &OpenOptions) -> Outcome {
     let mut warnings = Vec::new();
     let skip = |path: &Path, reason, message: String, warnings: Vec<String>| {
         Outcome::Skipped(Skipped { path: path.to_path_buf(), reason, message }, warnings)
     };
     let (text, label_path) = match &entry.labels {
-        LabelSource::File(p) => match std::fs::read(p) {
+        LabelSource::File(p) => match ptl_files::read_limited(p, MAX_LABEL_BYTES, "label file") {
             Ok(bytes) => match String::from_utf8(bytes) {
                 Ok(t) => (Some(t), p.clone()),
                 Err(_) => return skip(p, SkipReason::UnreadableLabel, format!("{}: label file is not UTF-8 text", p.display()), warnings),
             },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, p.clone()),
-            Err(e) => return skip(p, SkipReason::UnreadableLabel, DataError::io(p, e).to_string(), warnings),
+            Err(ptl_files::FileError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => (None, p.clone()),
+            Err(e) => return skip(p, SkipReason::UnreadableLabel, e.to_string(), warnings),
         },
         LabelSource::Text(t, p) => (t.clone(), p.clone()),
     };
@@ -332,6 +335,7 @@ impl PoseDataset {
         entries.truncate(keep);
         let rules = LabelRules { kpt_shape: meta.kpt_shape, nc: meta.nc, single_cls: opts.single_cls };
         let run = || -> Vec<Outcome> { entries.par_iter().map(|e| process(e, &rules, opts)).collect() };
+        crate::check_threads("threads", opts.threads)?;
         let outcomes = if opts.threads > 0 {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(opts.threads)

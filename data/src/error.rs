@@ -51,6 +51,10 @@ pub enum DataError {
     /// A device operation (upload, kernel compile or launch) failed.
     #[error("device: {0} (check the CUDA setup: `ptl train --device cpu` runs without a GPU)")]
     Device(String),
+    /// A file could not be read or written safely (not a regular file, too large, a shared cache
+    /// folder, …).
+    #[error(transparent)]
+    File(#[from] ptl_files::FileError),
     /// Building a training batch failed or panicked (the message names the batch and its
     /// images); the prefetching pool was shut down.
     #[error("training batch could not be built: {0}")]

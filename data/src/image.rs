@@ -114,9 +114,12 @@ pub fn decode_bytes(bytes: &[u8], path: &Path) -> Result<(Image, DecodeInfo)> {
     Ok((Image::from_rgb(w, h, rgb.into_raw()), info))
 }
 
+/// The largest image file read (an uncompressed 16-bit TIFF at the pixel limit is below this).
+pub const MAX_FILE_BYTES: u64 = 2 << 30;
+
 /// Reads and decodes an image file.
 pub fn decode_file(path: &Path) -> Result<(Image, DecodeInfo)> {
-    let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
+    let bytes = ptl_files::read_limited(path, MAX_FILE_BYTES, "image file")?;
     decode_bytes(&bytes, path)
 }
 

@@ -68,6 +68,31 @@ pub fn label_path_for(image: &Path) -> PathBuf {
     out
 }
 
+/// The lines of `text` as Python's `str.splitlines` (which Ultralytics reads label files with)
+/// cuts them: at `\n`, `\r\n`, a lone `\r` (old Mac files), and the other Unicode line breaks.
+pub fn python_lines(text: &str) -> impl Iterator<Item = &str> {
+    const BREAKS: [char; 10] = ['\n', '\r', '\u{b}', '\u{c}', '\u{1c}', '\u{1d}', '\u{1e}', '\u{85}', '\u{2028}', '\u{2029}'];
+    let mut rest = Some(text);
+    std::iter::from_fn(move || {
+        let t = rest?;
+        if t.is_empty() {
+            rest = None;
+            return None;
+        }
+        match t.find(BREAKS) {
+            Some(i) => {
+                let width = if t[i..].starts_with("\r\n") { 2 } else { t[i..].chars().next().map_or(1, char::len_utf8) };
+                rest = Some(&t[i + width..]);
+                Some(&t[..i])
+            }
+            None => {
+                rest = None;
+                Some(t)
+            }
+        }
+    })
+}
+
 fn lerr(path: &Path, line: Option<usize>, message: String) -> DataError {
     DataError::Label { path: path.to_path_buf(), line, message }
 }
@@ -79,7 +104,7 @@ pub fn parse_label_text(text: &str, path: &Path, rules: &LabelRules) -> Result<(
     let ncol = rules.kpt_shape.columns();
     let (k, d) = (rules.kpt_shape.k, rules.kpt_shape.d);
     let mut rows: Vec<(usize, Vec<f32>)> = Vec::new();
-    for (ln, line) in text.lines().enumerate() {
+    for (ln, line) in python_lines(text).enumerate() {
         let ln = ln + 1;
         if line.trim().is_empty() {
             continue;
@@ -261,6 +286,20 @@ mod tests {
     fn label_path_rule() {
         assert_eq!(label_path_for(Path::new("/d/images/train/a.b.jpg")), PathBuf::from("/d/labels/train/a.b.txt"));
         assert_eq!(label_path_for(Path::new("/images/x/images/train/a.png")), PathBuf::from("/images/x/labels/train/a.txt"));
+    }
+
+    #[test]
+    fn lines_are_cut_as_pythons_splitlines() {
+        let cut = |t: &str| python_lines(t).collect::<Vec<_>>();
+        assert_eq!(cut("a\nb\r\nc\rd"), ["a", "b", "c", "d"]);
+        assert_eq!(cut("a\n"), ["a"]);
+        assert_eq!(cut("a\r\rb"), ["a", "", "b"]);
+        assert_eq!(cut("x\u{2028}y\u{85}z"), ["x", "y", "z"]);
+        assert!(cut("").is_empty());
+        // A label file written with lone CRs reads as its rows.
+        let rules = LabelRules { kpt_shape: KptShape { k: 1, d: 2 }, nc: 1, single_cls: false };
+        let (l, _) = parse_label_text("0 0.5 0.5 0.2 0.2 0.5 0.5\r0 0.3 0.3 0.1 0.1 0.3 0.3\r", Path::new("a.txt"), &rules).unwrap();
+        assert_eq!(l.cls.len(), 2);
     }
 
     #[test]

@@ -35,3 +35,22 @@ pub use hsv::{apply_hsv_batch_rgb_nchw, apply_hsv_bgr_hwc, HsvGains, HsvLut};
 pub use labels::KptShape;
 pub use loader::{Batch, BatchStage, PrefetchPlan, Prefetcher, RatioPad, TrainConfig, TrainLoader, ValLoader};
 pub use synth::{ensure as synth_ensure, generate as synth_generate, SynthOptions, SynthStats};
+
+/// The most threads a thread-count setting may ask for: four per core, and at least 8 (so
+/// Ultralytics' default of 8 loader workers is accepted on any machine). More would only make the
+/// threads fight for cores — and a large number exhausts memory and process limits.
+pub fn thread_limit() -> usize {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    (4 * cores).max(8)
+}
+
+/// Refuses a thread count above [`thread_limit`], naming the setting.
+pub fn check_threads(setting: &str, n: usize) -> Result<()> {
+    let limit = thread_limit();
+    if n > limit {
+        return Err(DataError::Invalid(format!(
+            "{setting} {n} is more than the {limit} threads this machine can use (4 per core; 0 = all cores)"
+        )));
+    }
+    Ok(())
+}

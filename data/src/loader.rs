@@ -144,6 +144,7 @@ impl TrainLoader {
         if ds.is_empty() {
             return Err(DataError::Invalid("dataset is empty".into()));
         }
+        crate::check_threads("workers", cfg.workers)?;
         if cfg.hsv_on_device && cfg.aug.bgr != 0.0 {
             // The device kernel reads every image as RGB; a BGR-swapped sample would be jittered wrongly.
             return Err(DataError::Invalid(format!(

@@ -47,6 +47,11 @@ impl Default for SynthOptions {
     }
 }
 
+/// Largest `imgsz` of a synthetic dataset (a 4096 px image is 48 MiB of pixels per thread).
+pub const MAX_SYNTH_IMGSZ: u32 = 4096;
+/// Most images of one synthetic split.
+pub const MAX_SYNTH_IMAGES: usize = 1_000_000;
+
 /// What was written.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SynthStats {
@@ -476,7 +481,7 @@ fn header_line(o: &SynthOptions, bg: usize) -> String {
 /// otherwise generates it. Used for the embedded default dataset of `ptl train`.
 pub fn ensure(opts: &SynthOptions) -> Result<PathBuf> {
     let yp = opts.out.join("data.yaml");
-    if let Ok(text) = std::fs::read_to_string(&yp) {
+    if let Ok(text) = ptl_files::read_to_string(&yp) {
         if text.lines().next() == Some(header_line(opts, opts.background).as_str()) {
             return Ok(yp);
         }
@@ -492,9 +497,15 @@ pub fn generate(opts: &SynthOptions) -> Result<SynthStats> {
             opts.background, opts.train
         )));
     }
-    if opts.imgsz < 64 {
-        return Err(DataError::Invalid(format!("--imgsz {} is too small (use ≥ 64)", opts.imgsz)));
+    if opts.imgsz < 64 || opts.imgsz > MAX_SYNTH_IMGSZ {
+        return Err(DataError::Invalid(format!("--imgsz {} is outside 64..={MAX_SYNTH_IMGSZ}", opts.imgsz)));
     }
+    for (flag, n) in [("--train", opts.train), ("--val", opts.val)] {
+        if n > MAX_SYNTH_IMAGES {
+            return Err(DataError::Invalid(format!("{flag} {n} is more than the {MAX_SYNTH_IMAGES} images a synthetic split may have")));
+        }
+    }
+    crate::check_threads("--threads", opts.threads)?;
     if opts.train == 0 && opts.val == 0 {
         return Err(DataError::Invalid("nothing to generate (--train and --val are 0)".into()));
     }
@@ -535,9 +546,7 @@ pub fn generate(opts: &SynthOptions) -> Result<SynthStats> {
         header_line(opts, opts.background)
     );
     let yp = root.join("data.yaml");
-    let tmp = root.join(".data.yaml.tmp");
-    std::fs::write(&tmp, yaml).map_err(|e| DataError::io(&tmp, e))?;
-    std::fs::rename(&tmp, &yp).map_err(|e| DataError::io(&yp, e))?;
+    ptl_files::write_atomic(&yp, yaml.as_bytes(), 0o644)?;
     st.yaml = yp;
     Ok(st)
 }

@@ -27,8 +27,9 @@ pub struct ValArgs {
     pub imgsz: usize,
     #[arg(long, default_value_t = 16)]
     pub batch: usize,
-    #[arg(long, default_value = "auto")]
-    pub device: String,
+    /// auto (GPU when present), cpu or cuda:N (the same as `device=`).
+    #[arg(long)]
+    pub device: Option<String>,
     /// NMS confidence threshold.
     #[arg(long, default_value_t = 0.001)]
     pub conf: f32,
@@ -55,7 +56,12 @@ impl ValArgs {
                 "imgsz" => self.imgsz = v.parse().map_err(|_| num("a positive integer"))?,
                 "batch" => self.batch = v.parse().map_err(|_| num("a positive integer"))?,
                 "conf" => self.conf = v.parse().map_err(|_| num("a number in [0, 1]"))?,
-                "device" => self.device = v.to_string(),
+                "device" => match &self.device {
+                    Some(d) if !d.eq_ignore_ascii_case(v) => {
+                        return Err(format!("`--device {d}` and `device={v}` disagree: give the device once (either spelling)"))
+                    }
+                    _ => self.device = Some(v.to_string()),
+                },
                 "project" | "save_dir" => self.project = PathBuf::from(v),
                 "plots" => {
                     self.plots = match v.to_ascii_lowercase().as_str() {
@@ -138,7 +144,7 @@ pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, 
 pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     a.apply_settings()?;
     let weights = a.weights.clone().ok_or("no weights to validate: pass model=W.ckpt or model=W.safetensors (or --weights W)")?;
-    let device = super::train::resolve_device(&a.device, "validating")?;
+    let device = super::train::resolve_device(a.device.as_deref().unwrap_or("auto"), "validating")?;
     let (model, args) = model_from_checkpoint(&weights, device)?;
     let data = match &a.data {
         Some(d) => d.clone(),

@@ -14,9 +14,10 @@ pub struct TrainArgs {
     /// imgsz=…, model=…, optimizer=…, lr0=…, close_mosaic=…, scale=…, project=…, name=…, resume=…, …).
     /// With no `data`, the embedded default trains on a synthetic dataset generated on first use.
     pub settings: Vec<String>,
-    /// auto (GPU when present), cpu or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: String,
+    /// auto (GPU when present), cpu or cuda:N; the same as the `device=` key (giving both with
+    /// different values is an error).
+    #[arg(long)]
+    pub device: Option<String>,
     /// 32-true, bf16-mixed or 16-mixed.
     #[arg(long)]
     pub precision: Option<String>,
@@ -55,9 +56,11 @@ fn ensure_default_dataset() -> Result<PathBuf, String> {
     Ok(stats.yaml)
 }
 
-fn apply_yaml(cfg: &mut PoseTrainConfig, path: &Path) -> Result<(), String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
+/// A yaml config's `key: value` settings, in file order, as `key=value` text.
+fn yaml_settings(path: &Path) -> Result<Vec<(String, String)>, String> {
+    let text = ptl_files::read_to_string(path).map_err(|e| format!("cannot read config: {e}"))?;
     let map: serde_yaml::Mapping = serde_yaml::from_str(&text).map_err(|e| format!("config {}: {e}", path.display()))?;
+    let mut out = Vec::new();
     for (k, v) in map {
         let key = k.as_str().ok_or_else(|| format!("config {}: keys must be strings", path.display()))?;
         let value = match v {
@@ -66,9 +69,27 @@ fn apply_yaml(cfg: &mut PoseTrainConfig, path: &Path) -> Result<(), String> {
             serde_yaml::Value::Bool(b) => b.to_string(),
             other => return Err(format!("config {}: `{key}` has an unsupported value {other:?}", path.display())),
         };
-        cfg.set(key, &value).map_err(|e| format!("config {}: {e}", path.display()))?;
+        out.push((key.to_string(), value));
     }
-    Ok(())
+    Ok(out)
+}
+
+/// The device asked for, from `--device` and the `device=` key (command line or yaml); giving
+/// both with different values is an error naming both. `None`: not given (auto).
+fn device_setting(flag: Option<&str>, keys: &[(String, String)]) -> Result<Option<String>, String> {
+    let key = keys.iter().rev().find(|(k, _)| k == "device").map(|(_, v)| v.as_str());
+    // `cuda` and `cuda:0` (and `gpu`) are one device.
+    let canonical = |s: &str| match s.trim().to_ascii_lowercase().as_str() {
+        "cuda" | "gpu" => "cuda:0".to_string(),
+        other => other.to_string(),
+    };
+    match (flag, key) {
+        (Some(f), Some(k)) if canonical(f) != canonical(k) => {
+            Err(format!("`--device {f}` and `device={k}` disagree: give the device once (either spelling)"))
+        }
+        (Some(f), _) => Ok(Some(f.to_string())),
+        (None, k) => Ok(k.map(str::to_string)),
+    }
 }
 
 /// Training images of the embedded default's synthetic dataset.
@@ -93,15 +114,27 @@ fn embedded_default(cfg: &mut PoseTrainConfig) {
 pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     let mut cfg = PoseTrainConfig::default();
     let mut overrides = Vec::new();
+    let mut from_yaml = Vec::new();
     for s in &a.settings {
         if let Some((k, v)) = s.split_once('=') {
             overrides.push((k.to_string(), v.to_string()));
         } else if s.ends_with(".yaml") || s.ends_with(".yml") {
-            apply_yaml(&mut cfg, Path::new(s))?;
+            let path = Path::new(s);
+            for (k, v) in yaml_settings(path)? {
+                if k != "device" {
+                    cfg.set(&k, &v).map_err(|e| format!("config {}: {e}", path.display()))?;
+                }
+                from_yaml.push((k, v));
+            }
         } else {
             return Err(format!("`{s}` is neither key=value nor a .yaml config (`ptl cfg` lists the keys)"));
         }
     }
+    // The device is resolved once, after everything else: every spelling counts the same.
+    let device_keys: Vec<(String, String)> = from_yaml.iter().chain(&overrides).filter(|(k, _)| k == "device").cloned().collect();
+    let device = device_setting(a.device.as_deref(), &device_keys)?;
+    let device = device.as_deref().unwrap_or("auto");
+    overrides.retain(|(k, _)| k != "device");
     if let Some((_, path)) = overrides.iter().find(|(k, _)| k == "resume") {
         // A resume continues the checkpoint's run with its own settings; only machine settings
         // may be given (a training setting that differs is an error naming both values).
@@ -116,7 +149,8 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
             given.push(("seed".into(), s.to_string()));
         }
         let mut cfg = PoseTrainConfig::for_resume(Path::new(path), &given).map_err(|e| e.to_string())?;
-        cfg.device = resolve_device(&a.device, "training")?;
+        cfg.device = resolve_device(device, "training")?;
+        cfg.resolve_amp();
         return Ok(cfg);
     }
     let data_given = a.settings.iter().any(|s| s.starts_with("data=")) || cfg.data != PoseTrainConfig::default().data;
@@ -127,7 +161,8 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     for (k, v) in &overrides {
         cfg.set(k, v).map_err(|e| e.to_string())?;
     }
-    cfg.device = resolve_device(&a.device, "training")?;
+    cfg.device = resolve_device(device, "training")?;
+    cfg.resolve_amp();
     if let Some(p) = &a.precision {
         cfg.precision = Precision::parse(p).map_err(|e| e.to_string())?;
     }
@@ -138,15 +173,19 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     Ok(cfg)
 }
 
-/// Parses `--device` and says clearly which device will be used for `doing` (training, …).
+/// Parses a device setting and says clearly which device will be used for `doing` (training,
+/// …). `auto` takes the first GPU, or the CPU when none answers (and says so); a named device
+/// that cannot be used is an error naming why, never a fall-back.
 pub fn resolve_device(s: &str, doing: &str) -> Result<Device, String> {
     let d = Device::parse(s).map_err(|e| e.to_string())?;
-    if s.trim() == "auto" {
+    if s.trim().eq_ignore_ascii_case("auto") {
         match d {
             Device::Cpu => eprintln!("ptl: no usable CUDA GPU found; {doing} on the CPU"),
             Device::Cuda(n) => eprintln!("ptl: {doing} on GPU cuda:{n}"),
         }
+        return Ok(d);
     }
+    d.ensure_usable().map_err(|e| format!("device={s}: {e}"))?;
     Ok(d)
 }
 

@@ -49,6 +49,9 @@ pub enum TrainerError {
     /// A checkpoint that cannot be used (truncated, foreign, wrong format version).
     #[error("checkpoint {path}: {msg}")]
     Checkpoint { path: PathBuf, msg: String },
+    /// A file that could not be read or written safely (not a regular file, a run folder in use, …).
+    #[error(transparent)]
+    File(#[from] ptl_files::FileError),
     /// An error from the tensor library (shapes, dtypes, devices, backward).
     #[error("tensor error: {0}")]
     Tensor(#[from] ptl_autograd::Error),

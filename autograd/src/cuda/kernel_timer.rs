@@ -310,7 +310,7 @@ impl GpuKernelTimer {
 
     /// Waits for the device, stops tracing and returns the totals of the window.
     pub fn finish(self) -> Result<GpuKernelTotals> {
-        let r = (|| {
+        let r: Result<()> = (|| {
             super::synchronize(self.device)?;
             activity::flush_all(cs::CUpti_ActivityFlag::CUPTI_ACTIVITY_FLAG_FLUSH_FORCED as u32).map_err(|e| cupti_err("flush", e))?;
             Ok(())

@@ -3,8 +3,8 @@
 //! the header metadata. Written atomically: temporary file, fsync, rename.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::Read;
+use std::path::Path;
 
 use ptl_autograd::module::{from_safetensors_bytes, safetensors_metadata, to_safetensors_bytes_with_metadata};
 use ptl_autograd::{Device, Tensor};
@@ -101,24 +101,14 @@ pub fn save_checkpoint(path: &Path, ckpt: &Checkpoint) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     }
-    let tmp = PathBuf::from(format!("{}.tmp", path.display()));
-    let written = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
-        f.write_all(&bytes).map_err(|e| io(&tmp, e))?;
-        f.sync_all().map_err(|e| io(&tmp, e))?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(|e| io(path, e))
-    })();
-    if written.is_err() {
-        // Disk full or similar: leave no half-written file behind (the previous checkpoint stays).
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
+    // Disk full or similar leaves no half-written file behind: the previous checkpoint stays.
+    Ok(ptl_files::write_atomic(path, &bytes, 0o644)?)
 }
 
 /// Reads a checkpoint; a truncated or foreign file is a [`TrainerError::Checkpoint`].
 pub fn load_checkpoint(path: &Path, device: Device) -> Result<Checkpoint> {
-    let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+    let bytes = ptl_files::read_regular(path)?;
+    refuse_pickle(path, &bytes)?;
     let origin = path.display().to_string();
     let corrupt = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
     let meta =
@@ -167,10 +157,11 @@ fn read_header(path: &Path, foreign: &str) -> Result<serde_json::Map<String, ser
     const MAX_HEADER: u64 = 100_000_000;
     let corrupt =
         |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg: format!("{msg} (the file is truncated or {foreign})") };
-    let mut file = std::fs::File::open(path).map_err(|e| io(path, e))?;
+    let mut file = ptl_files::open_regular(path)?;
     let file_len = file.metadata().map_err(|e| io(path, e))?.len();
     let mut len = [0u8; 8];
     file.read_exact(&mut len).map_err(|_| corrupt(format!("{file_len} bytes: shorter than a safetensors header")))?;
+    refuse_pickle(path, &len)?;
     let len = u64::from_le_bytes(len);
     if len > MAX_HEADER || len.saturating_add(8) > file_len {
         return Err(corrupt(format!("header length {len} does not fit the file ({file_len} bytes)")));
@@ -180,13 +171,31 @@ fn read_header(path: &Path, foreign: &str) -> Result<serde_json::Map<String, ser
     serde_json::from_slice(&header).map_err(|e| corrupt(format!("unreadable header: {e}")))
 }
 
+/// A PyTorch file (a zip archive, or a bare pickle) where a safetensors file was expected gets a
+/// message saying so and how to convert it, instead of a header error.
+pub fn refuse_pickle(path: &Path, first_bytes: &[u8]) -> Result<()> {
+    let zip = first_bytes.starts_with(b"PK\x03\x04");
+    let pickle = first_bytes.first() == Some(&0x80) && first_bytes.get(1).is_some_and(|p| (2..=5).contains(p));
+    if zip || pickle {
+        return Err(TrainerError::Checkpoint {
+            path: path.to_path_buf(),
+            msg: "a pickled PyTorch file (.pt), not safetensors: ptl reads no pickled files; convert it once with \
+                  `python scripts/ultralytics_pt_to_safetensors.py FILE.pt weights.safetensors`"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
 fn parse_manifest(path: &Path, meta: &HashMap<String, String>) -> Result<Manifest> {
     let corrupt = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
     let raw = meta.get(MANIFEST_KEY).ok_or_else(|| corrupt("no ptl manifest in the header (not a ptl checkpoint?)".into()))?;
-    let format = serde_json::from_str::<serde_json::Value>(raw)
-        .ok()
-        .and_then(|v| v["format"].as_u64())
-        .ok_or_else(|| corrupt("unreadable manifest: no format number".into()))?;
+    let value = serde_json::from_str::<serde_json::Value>(raw).map_err(|e| {
+        corrupt(format!(
+            "the manifest is not valid JSON ({e}; NaN and infinities are not JSON): the file was not written by ptl or was edited"
+        ))
+    })?;
+    let format = value["format"].as_u64().ok_or_else(|| corrupt("the manifest has no format number: not a ptl checkpoint".into()))?;
     if !(OLDEST_CHECKPOINT_FORMAT as u64..=CHECKPOINT_FORMAT as u64).contains(&format) {
         return Err(corrupt(format!(
             "checkpoint format {format} is not supported: this build reads formats {OLDEST_CHECKPOINT_FORMAT} to {CHECKPOINT_FORMAT}{}",

@@ -75,6 +75,11 @@ pub struct PoseTrainConfig {
     #[serde(with = "device_serde")]
     pub device: Device,
     pub precision: Precision,
+    /// Ultralytics' `amp` switch, resolved once the device is known ([`Self::resolve_amp`]):
+    /// `true` is 16-mixed on a CUDA device and 32-true on the CPU, `false` is 32-true. Not
+    /// stored: checkpoints keep the precision it resolved to.
+    #[serde(skip)]
+    pub amp: Option<bool>,
     pub seed: u64,
     /// What to train (Ultralytics' `model`): a model yaml name for the size (`yolo26n-pose.yaml`
     /// … `yolo26x-pose.yaml`, or the bare letter), or weights to start from (a `.safetensors`
@@ -246,6 +251,7 @@ impl Default for PoseTrainConfig {
             imgsz: 640,
             device: Device::Cpu,
             precision: Precision::F32,
+            amp: None,
             seed: 0,
             model: DEFAULT_MODEL.into(),
             optimizer: "auto".into(),
@@ -306,6 +312,14 @@ impl Default for PoseTrainConfig {
 }
 
 impl PoseTrainConfig {
+    /// Turns a pending `amp=true|false` into the precision it means on this run's device (see
+    /// [`Self::amp`]); a no-op when `amp` was not given.
+    pub fn resolve_amp(&mut self) {
+        if let Some(on) = self.amp.take() {
+            self.precision = if on && self.device.is_cuda() { Precision::F16Mixed } else { Precision::F32 };
+        }
+    }
+
     /// Loader workers for a run of `batches_per_epoch` batches on `device` (see [`Self::workers`]).
     pub fn effective_workers(&self, batches_per_epoch: usize) -> usize {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
@@ -359,6 +373,17 @@ impl PoseTrainConfig {
                  (the mosaic canvas and activations would not fit): lower batch or imgsz",
                 self.batch, self.imgsz
             ));
+        }
+        if let Some(w) = self.workers {
+            let limit = ptl_data::thread_limit();
+            if w > limit {
+                return bad(format!(
+                    "workers {w} is more than the {limit} loader threads this machine can use (4 per core; auto picks for you)"
+                ));
+            }
+        }
+        if self.max_batches == Some(0) {
+            return bad("max_batches 0 would train nothing: give a positive number, or all".into());
         }
         if self.nbs == 0 {
             return bad("nbs must be at least 1".into());
@@ -431,7 +456,8 @@ impl PoseTrainConfig {
             ("batch", d.batch.to_string(), "images per batch"),
             ("imgsz", d.imgsz.to_string(), "training image size (multiple of 32)"),
             ("device", "auto".into(), "auto, cpu or cuda:N (also --device; auto picks a GPU when there is one)"),
-            ("precision", d.precision.name().to_string(), "32-true, bf16-mixed or 16-mixed (also --precision; alias amp)"),
+            ("precision", d.precision.name().to_string(), "32-true, bf16-mixed or 16-mixed (also --precision)"),
+            ("amp", "none".into(), "Ultralytics' switch: true = 16-mixed on a GPU (32-true on the CPU), false = 32-true; or a precision name"),
             ("seed", d.seed.to_string(), "random seed (also --seed)"),
             ("model", d.model.clone(), "yolo26{n,s,m,l,x}-pose.yaml (the size; or the letter), or weights to start from: a .safetensors with Ultralytics names or a ptl .ckpt (its EMA weights)"),
             ("optimizer", d.optimizer.clone(), "auto, SGD, MuSGD or AdamW (auto is resolved once and stored in checkpoints)"),

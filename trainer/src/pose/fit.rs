@@ -687,6 +687,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     cfg.validate()?;
     let started = Instant::now();
     let mut cfg = cfg.clone();
+    cfg.resolve_amp();
     if let Some(path) = &cfg.resume {
         cfg.check_resume(path)?;
     } else if !cfg.exist_ok {

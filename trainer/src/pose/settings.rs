@@ -42,6 +42,25 @@ impl PoseTrainConfig {
     /// nearest known one; a value that does not fit its key names the key and what it takes.
     /// Ranges are [`PoseTrainConfig::validate`]'s.
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        // Ultralytics' `amp` is a switch whose meaning depends on the device: kept until the
+        // device is known (`resolve_amp`). A precision name after `amp=` is that precision.
+        if key == "amp" {
+            match value.trim().to_ascii_lowercase().as_str() {
+                "true" | "yes" | "on" | "1" => {
+                    self.amp = Some(true);
+                    return Ok(());
+                }
+                "false" | "no" | "off" | "0" => {
+                    self.amp = Some(false);
+                    return Ok(());
+                }
+                "none" | "null" => {
+                    self.amp = None;
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
         let key = ALIASES.iter().find(|(a, _)| *a == key).map_or(key, |(_, k)| *k);
         if !Self::keys().iter().any(|(k, _, _)| *k == key) {
             let hint = closest_key(key).map(|k| format!("did you mean `{k}`? ")).unwrap_or_default();
@@ -76,8 +95,9 @@ impl PoseTrainConfig {
                 None => format!("`{key}={value}`: {e}"),
             })
         })?;
-        // Fields kept out of the settings' JSON.
+        // Fields kept out of the settings' JSON; a precision given later than `amp` wins.
         next.inject_loader_panic_at = self.inject_loader_panic_at;
+        next.amp = if key == "precision" { None } else { self.amp };
         if key == "project" || key == "name" {
             next.save_dir = next.project.join(&next.name);
         }
@@ -196,8 +216,8 @@ mod tests {
     fn every_listed_default_round_trips() {
         let d = PoseTrainConfig::default();
         for (key, default, _) in PoseTrainConfig::keys() {
-            if key == "device" {
-                continue; // `auto` resolves to the machine's device, not to a stored value.
+            if key == "device" || key == "amp" {
+                continue; // `auto` resolves to the machine's device, not to a stored value; amp waits for it.
             }
             let mut c = d.clone();
             c.set(key, &default).unwrap_or_else(|e| panic!("{key}={default}: {e}"));
