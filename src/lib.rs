@@ -112,12 +112,12 @@ fn run_data(cmd: DataCommand) -> Result<(), ptl_data::DataError> {
 /// Runs the `ptl` command line on the process arguments.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let res = match cli.command {
-        Command::Data(c) => run_data(c).map_err(|e| e.to_string()),
+    let res: Result<(), cli::Failure> = match cli.command {
+        Command::Data(c) => run_data(c).map_err(|e| e.to_string().into()),
         Command::Train(a) => cli::train::run_train(a),
-        Command::Val(a) => cli::predict::run_val(a),
-        Command::Predict(a) => cli::predict::run_predict(a),
-        Command::Export(a) => cli::export::run_export(a),
+        Command::Val(a) => cli::predict::run_val(a).map_err(Into::into),
+        Command::Predict(a) => cli::predict::run_predict(a).map_err(Into::into),
+        Command::Export(a) => cli::export::run_export(a).map_err(Into::into),
         Command::Cfg => {
             cli::train::print_keys();
             Ok(())
@@ -126,8 +126,8 @@ pub fn main() -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
+            eprintln!("error: {}", e.message);
+            ExitCode::from(e.code)
         }
     }
 }

@@ -273,7 +273,7 @@ impl TrainLoader {
 
     /// Starts worker threads that prepare batches from `start_epoch` to the last epoch, in order, ahead of use.
     pub fn prefetch(self: &Arc<Self>, start_epoch: usize) -> Prefetcher {
-        let plan = PrefetchPlan { start_epoch, batches_per_epoch: None };
+        let plan = PrefetchPlan { start_epoch, batches_per_epoch: None, start_batch: 0 };
         Prefetcher::new(self.clone(), plan, Arc::new(Ok))
     }
 }
@@ -463,6 +463,9 @@ pub struct PrefetchPlan {
     pub start_epoch: usize,
     /// Batches taken from each epoch (`None` = all; a fit's `max_batches` stops epochs early).
     pub batches_per_epoch: Option<usize>,
+    /// Batches of the first epoch already trained (a run resumed inside an epoch): building
+    /// starts at this batch.
+    pub start_batch: usize,
 }
 
 /// Work done on the worker thread after a batch is built (e.g. copying its pixels into pinned
@@ -528,10 +531,13 @@ impl<T: Send + 'static> Prefetcher<T> {
         let nb = plan.batches_per_epoch.map_or(full, |m| m.clamp(1, full)) as u64;
         let start_epoch = plan.start_epoch;
         let epochs = loader.cfg.epochs.saturating_sub(start_epoch) as u64;
+        // Sequence numbers count from batch 0 of the first epoch; the batches already trained are
+        // neither built nor handed out.
+        let skip = (plan.start_batch as u64).min(nb);
         let shared = Arc::new(Shared {
             m: Mutex::new(State {
-                next_job: 0,
-                consumed: 0,
+                next_job: skip,
+                consumed: skip,
                 total: nb * epochs,
                 capacity: loader.cfg.prefetch.max(1) as u64,
                 done: BTreeMap::new(),
@@ -573,7 +579,7 @@ impl<T: Send + 'static> Prefetcher<T> {
                 Err(_) => break, // fewer workers; the consumer builds inline if none started
             }
         }
-        Prefetcher { loader, stage, shared, handles, start_epoch, nb, next_seq: 0, failed: false }
+        Prefetcher { loader, stage, shared, handles, start_epoch, nb, next_seq: skip, failed: false }
     }
 
     /// Epoch of the next batch.

@@ -10,7 +10,7 @@ use ptl_trainer::fit::load_checkpoint;
 use ptl_trainer::metrics::nms::non_max_suppression_batch;
 use ptl_trainer::metrics::NmsConfig;
 
-use ptl_trainer::pose::draw;
+use ptl_trainer::pose::{draw, ModelSource, MAX_BATCH, MAX_IMGSZ};
 
 #[derive(Args, Debug)]
 pub struct ValArgs {
@@ -115,10 +115,19 @@ pub struct PredictArgs {
 /// a safetensors state dict with Ultralytics' names (what `model=` accepts for training, e.g. from
 /// `scripts/ultralytics_pt_to_safetensors.py`; no settings: `Value::Null`), in eval mode.
 pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, serde_json::Value), String> {
+    // `.pt` files get the conversion hint; anything else is read by its contents.
+    if let Err(e @ ptl_trainer::TrainerError::InvalidArgument { .. }) = ModelSource::parse(&path.to_string_lossy()) {
+        if path.extension().is_some_and(|x| x.eq_ignore_ascii_case("pt") || x.eq_ignore_ascii_case("pth")) {
+            return Err(e.to_string());
+        }
+    }
     let is_state_dict = path.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case("safetensors"));
     let (weights_part, args) = if is_state_dict {
-        let w = ptl_autograd::module::load_safetensors(path, device).map_err(|e| format!("{}: {e}", path.display()))?;
-        (w, serde_json::Value::Null)
+        let head = ptl_files::read_regular(path).map_err(|e| e.to_string())?;
+        ptl_trainer::fit::checkpoint::refuse_pickle(path, &head).map_err(|e| e.to_string())?;
+        let w = ptl_autograd::module::from_safetensors_bytes(&head, device, &path.display().to_string())
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        (w.into_iter().collect::<std::collections::HashMap<_, _>>(), serde_json::Value::Null)
     } else {
         let ck = load_checkpoint(path, device).map_err(|e| e.to_string())?;
         let ema = ck.part("ema");
@@ -135,14 +144,35 @@ pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, 
         .and_then(|(_, t)| t.dims().first().map(|k3| k3 / 3))
         .ok_or_else(|| format!("{}: no keypoint head (cv4_kpts) in the checkpoint: not a pose model", path.display()))?;
     let mut model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale }, device, 0).map_err(|e| e.to_string())?;
-    let weights = weights_part;
-    model.load_state_dict(&weights, false).map_err(|e| e.to_string())?;
+    // Every tensor must fit, and the file may hold nothing else (as for training and export).
+    ptl_trainer::pose::weights::load_start_weights(&model, &weights_part, path).map_err(|e| e.to_string())?;
     model.set_training(false);
     Ok((model, args))
 }
 
+/// Refuses an image size the model cannot take (before anything is loaded).
+fn check_imgsz(imgsz: usize) -> Result<(), String> {
+    if imgsz < 32 || imgsz % 32 != 0 || imgsz > MAX_IMGSZ {
+        return Err(format!("imgsz {imgsz} must be a multiple of 32 (the model's largest stride) in 32..={MAX_IMGSZ}, e.g. imgsz=640"));
+    }
+    Ok(())
+}
+
+/// Refuses a confidence threshold outside [0, 1].
+fn check_conf(conf: f32) -> Result<(), String> {
+    if !(0.0..=1.0).contains(&conf) {
+        return Err(format!("conf {conf} must be in [0, 1]"));
+    }
+    Ok(())
+}
+
 pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     a.apply_settings()?;
+    check_imgsz(a.imgsz)?;
+    check_conf(a.conf)?;
+    if a.batch == 0 || a.batch > MAX_BATCH {
+        return Err(format!("batch {} must be in 1..={MAX_BATCH}", a.batch));
+    }
     let weights = a.weights.clone().ok_or("no weights to validate: pass model=W.ckpt or model=W.safetensors (or --weights W)")?;
     let device = super::train::resolve_device(a.device.as_deref().unwrap_or("auto"), "validating")?;
     let (model, args) = model_from_checkpoint(&weights, device)?;
@@ -184,6 +214,26 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// File names of the drawings of one prediction run: the source's name with its extension kept
+/// (`a.jpg` → `a.jpg.png`, so `a.jpg` and `a.png` do not overwrite each other), and names that
+/// still meet (non-UTF-8 names shown alike) numbered `-2`, `-3`, ….
+#[derive(Default)]
+struct DrawingNames {
+    used: std::collections::HashSet<String>,
+}
+
+impl DrawingNames {
+    fn name_for(&mut self, source: &Path) -> String {
+        let base = source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "image".into());
+        let name = (1..)
+            .map(|n| if n == 1 { format!("{base}.png") } else { format!("{base}-{n}.png") })
+            .find(|c| !self.used.contains(c))
+            .unwrap_or_else(|| format!("{base}.png"));
+        self.used.insert(name.clone());
+        name
+    }
+}
+
 fn images_in(source: &Path) -> Result<Vec<PathBuf>, String> {
     if source.is_file() {
         return Ok(vec![source.to_path_buf()]);
@@ -203,6 +253,8 @@ fn images_in(source: &Path) -> Result<Vec<PathBuf>, String> {
 }
 
 pub fn run_predict(a: PredictArgs) -> Result<(), String> {
+    check_imgsz(a.imgsz)?;
+    check_conf(a.conf)?;
     let device = super::train::resolve_device(&a.device, "predicting")?;
     let (model, _) = model_from_checkpoint(&a.weights, device)?;
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
@@ -211,6 +263,7 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
     let mut unreadable = 0usize;
     let cfg = NmsConfig { conf_thres: a.conf, ..NmsConfig::default() };
     let mut all = Vec::new();
+    let mut drawings = DrawingNames::default();
     for path in &sources {
         let (img, _) = match ptl_data::image::decode_file(path) {
             Ok(x) => x,
@@ -257,11 +310,10 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
         }
         let persons: Vec<draw::Person<'_>> = kps.iter().map(|(b, kp, s)| draw::Person { bbox: *b, kpts: kp, score: Some(*s) }).collect();
         draw::people(&mut drawn, &persons, 0.5).map_err(|e| e.to_string())?;
-        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
-        let png = a.out.join(format!("{stem}.png"));
+        let png = a.out.join(drawings.name_for(path));
         ptl_data::image::write_png(&drawn, &png).map_err(|e| e.to_string())?;
         println!("{}: {} persons -> {}", path.display(), people.len(), png.display());
-        all.push(serde_json::json!({ "image": path.display().to_string(), "persons": people }));
+        all.push(serde_json::json!({ "image": path.display().to_string(), "drawing": png.display().to_string(), "persons": people }));
     }
     if unreadable == sources.len() {
         return Err(format!(

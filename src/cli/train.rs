@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use ptl_autograd::Device;
 use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
+use ptl_trainer::TrainerError;
 
 /// Arguments of `ptl train`.
 #[derive(Args, Debug)]
@@ -189,7 +190,9 @@ pub fn resolve_device(s: &str, doing: &str) -> Result<Device, String> {
     Ok(d)
 }
 
-pub fn run_train(a: TrainArgs) -> Result<(), String> {
+pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
+    // Ctrl-C and SIGTERM end the fit after its current step with a resumable checkpoint.
+    ptl_trainer::fit::interrupt::install_signal_handlers().map_err(|e| format!("cannot install the SIGINT/SIGTERM handlers: {e}"))?;
     let cfg = build_config(&a)?;
     eprintln!(
         "ptl: training {} on {} ({} epochs, batch {}, imgsz {}, {}, {}) → {}",
@@ -202,7 +205,11 @@ pub fn run_train(a: TrainArgs) -> Result<(), String> {
         cfg.precision.name(),
         cfg.save_dir.display()
     );
-    let s = fit(&cfg, Vec::new()).map_err(|e| e.to_string())?;
+    let s = fit(&cfg, Vec::new()).map_err(|e| match e {
+        // The shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM).
+        TrainerError::Interrupted { signal, .. } => super::Failure { message: e.to_string(), code: (128 + signal).clamp(0, 255) as u8 },
+        e => super::Failure::from(e.to_string()),
+    })?;
     let t = &s.timing;
     println!(
         "finished in {:.1} s, {} optimizer steps; start-to-start step median {:.1} ms{} (p10 {:.1}, p90 {:.1}, {} steps), \

@@ -49,6 +49,13 @@ pub enum TrainerError {
     /// A checkpoint that cannot be used (truncated, foreign, wrong format version).
     #[error("checkpoint {path}: {msg}")]
     Checkpoint { path: PathBuf, msg: String },
+    /// The fit stopped for a signal after writing a checkpoint at its place (`checkpoint`; `None`
+    /// when the interrupted epoch could not be kept and the last epoch's checkpoint stays).
+    #[error("{} received: training stopped{}", crate::fit::interrupt::signal_name(*signal), match checkpoint {
+        Some(p) => format!("; resume with `ptl train resume={}`", p.display()),
+        None => String::new(),
+    })]
+    Interrupted { signal: i32, checkpoint: Option<PathBuf> },
     /// A file that could not be read or written safely (not a regular file, a run folder in use, …).
     #[error(transparent)]
     File(#[from] ptl_files::FileError),

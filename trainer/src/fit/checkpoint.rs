@@ -35,6 +35,23 @@ pub struct LoopState {
     /// The early stopper's state (training.md §9): its best fitness and the 1-based epoch of it.
     #[serde(default)]
     pub stopper: crate::fit::EarlyStopping,
+    /// Where an interrupted epoch stopped (`None` at an epoch boundary): a resume continues it
+    /// from the next batch.
+    #[serde(default)]
+    pub partial_epoch: Option<PartialEpoch>,
+}
+
+/// The place inside an epoch that a signal stopped the fit at.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PartialEpoch {
+    /// The epoch (0-based) the fit was in.
+    pub epoch: usize,
+    /// The first batch not trained yet.
+    pub next_batch: usize,
+    /// The epoch's loss item sums so far (results.csv's train losses are their means).
+    pub loss_sums: [f64; 6],
+    /// Losses booked into the sums.
+    pub absorbed: usize,
 }
 
 /// What a run has produced so far, kept in every checkpoint so that a resumed run continues the

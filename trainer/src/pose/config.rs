@@ -385,6 +385,9 @@ impl PoseTrainConfig {
         if self.max_batches == Some(0) {
             return bad("max_batches 0 would train nothing: give a positive number, or all".into());
         }
+        if self.save_dir.as_os_str().is_empty() {
+            return bad("save_dir is empty: give the run folder (save_dir=runs/pose/exp) or project= and name=".into());
+        }
         if self.nbs == 0 {
             return bad("nbs must be at least 1".into());
         }
@@ -582,17 +585,6 @@ pub const MACHINE_KEYS: [&str; 15] = [
     "inject_loader_panic_at",
 ];
 
-/// `dir` if it holds no earlier run, else the first of `dir2`, `dir3`, … that does not exist
-/// (Ultralytics' `increment_path`).
-pub fn unused_save_dir(dir: &std::path::Path) -> PathBuf {
-    let holds_run = |d: &std::path::Path| ["weights/last.ckpt", "results.csv", "summary.json"].iter().any(|f| d.join(f).exists());
-    if !holds_run(dir) {
-        return dir.to_path_buf();
-    }
-    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "train".into());
-    (2..).map(|n| dir.with_file_name(format!("{name}{n}"))).find(|d| !d.exists()).unwrap_or_else(|| dir.to_path_buf())
-}
-
 impl PoseTrainConfig {
     /// The settings a checkpoint's run was trained with.
     pub fn from_checkpoint(path: &std::path::Path) -> Result<PoseTrainConfig> {
@@ -609,10 +601,12 @@ impl PoseTrainConfig {
     pub fn for_resume(path: &std::path::Path, overrides: &[(String, String)]) -> Result<PoseTrainConfig> {
         let stored = PoseTrainConfig::from_checkpoint(path)?;
         let mut cfg = stored.clone();
-        // The run lives where its checkpoint is (`<save_dir>/weights/last.ckpt`), even if moved.
-        if let Some(run_dir) = path.parent().filter(|p| p.file_name().is_some_and(|n| n == "weights")).and_then(|p| p.parent()) {
-            cfg.save_dir = run_dir.to_path_buf();
-        }
+        // ptl writes only where the user says, never where the file says: a checkpoint in a run's
+        // `weights/` folder resumes into that run folder (even if moved); one elsewhere into
+        // save_dir=/project=+name= as given, else a new numbered folder of the default project.
+        let defaults = PoseTrainConfig::default();
+        (cfg.project, cfg.name, cfg.exist_ok) = (defaults.project, defaults.name, false);
+        cfg.save_dir = Self::run_dir_of(path).unwrap_or(defaults.save_dir);
         cfg.resume = Some(path.to_path_buf());
         // How the earlier process was to end is not part of the run.
         cfg.stop_after_epochs = None;
@@ -623,6 +617,12 @@ impl PoseTrainConfig {
         cfg.resume = Some(path.to_path_buf());
         cfg.check_resume_against(&stored, path)?;
         Ok(cfg)
+    }
+
+    /// The run folder a checkpoint belongs to: `<run>/weights/<file>` → `<run>`.
+    pub fn run_dir_of(checkpoint: &std::path::Path) -> Option<PathBuf> {
+        let weights = checkpoint.parent().filter(|p| p.file_name().is_some_and(|n| n == "weights"))?;
+        Some(weights.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")).to_path_buf())
     }
 
     /// Checks that every setting that shapes the training equals the checkpoint's.

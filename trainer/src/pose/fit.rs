@@ -19,8 +19,8 @@ use super::stages;
 use super::validate::{validate_with, ValOptions, ValResult};
 use super::weights::ModelSource;
 use crate::fit::{
-    save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PluginStack, ResultsCsv, RunHashes, RunHistory, RunSummary,
-    Stage, StageInfo, StageProfile, StartupReport,
+    interrupt, save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PartialEpoch, PluginStack, ResultsCsv, RunDir,
+    RunHashes, RunHistory, RunSummary, Stage, StageInfo, StageProfile, StartupReport,
 };
 use crate::loss::{Anchors, BranchOutputs, E2ELoss, LossConfig, TargetBatch};
 use crate::optim::{
@@ -392,6 +392,41 @@ impl Run {
         self.view.mean_items = sums.iter().map(|s| s / self.absorbed as f64).collect();
     }
 
+    /// Ends the fit for `signal` after batch `at.1 - 1` of epoch `at.0`: the step's losses are
+    /// booked, and a checkpoint holding the place inside the epoch replaces `last_ckpt` — unless
+    /// the epoch saw a non-finite loss (a resume then repeats it from the last checkpoint, as the
+    /// recovery would).
+    fn stop_for_signal(
+        &mut self,
+        signal: i32,
+        at: (usize, usize),
+        sums: &mut [f64; 6],
+        train_args: &serde_json::Value,
+        last_ckpt: &Path,
+        fit_time_s: f64,
+    ) -> Result<()> {
+        let (epoch, next_batch) = at;
+        self.absorb_losses(sums, true)?;
+        interrupt::clear();
+        let name = interrupt::signal_name(signal);
+        if self.nonfinite.is_some() {
+            let kept = last_ckpt.exists().then(|| last_ckpt.to_path_buf());
+            eprintln!("ptl: {name} received: epoch {epoch} had a non-finite loss, so its place is not kept; a resume repeats it");
+            return Err(TrainerError::Interrupted { signal, checkpoint: kept });
+        }
+        self.state.partial_epoch = Some(PartialEpoch { epoch, next_batch, loss_sums: *sums, absorbed: self.absorbed });
+        self.history.fit_time_s = fit_time_s;
+        let ck = self.checkpoint(train_args);
+        self.state.partial_epoch = None;
+        save_checkpoint(last_ckpt, &ck?)?;
+        eprintln!(
+            "ptl: {name} received: stopped in epoch {epoch} after batch {next_batch}/{}; checkpoint {}",
+            self.nb,
+            last_ckpt.display()
+        );
+        Err(TrainerError::Interrupted { signal, checkpoint: Some(last_ckpt.to_path_buf()) })
+    }
+
     /// Books the deferred losses that have reached the host, oldest first (all of them, waiting
     /// where needed, when `drain`: at the end of an epoch).
     fn absorb_losses(&mut self, sums: &mut [f64; 6], drain: bool) -> Result<()> {
@@ -690,16 +725,21 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     cfg.resolve_amp();
     if let Some(path) = &cfg.resume {
         cfg.check_resume(path)?;
-    } else if !cfg.exist_ok {
-        let fresh = super::config::unused_save_dir(&cfg.save_dir);
-        if fresh != cfg.save_dir {
-            eprintln!(
-                "ptl: {} already holds a run; writing to {} (exist_ok=true trains into the existing folder)",
-                cfg.save_dir.display(),
-                fresh.display()
-            );
-            cfg.save_dir = fresh;
-        }
+    }
+    // The run folder is this process's until the fit returns (see `RunDir`). A resume continues
+    // in the checkpoint's own run folder, or starts a new one where the user said.
+    let own_folder = cfg.resume.as_deref().and_then(PoseTrainConfig::run_dir_of).is_some_and(|d| d == cfg.save_dir);
+    let run_dir = match own_folder || cfg.exist_ok {
+        true => RunDir::claim_existing(&cfg.save_dir)?,
+        false => RunDir::claim_new(&cfg.save_dir)?,
+    };
+    if run_dir.path() != cfg.save_dir {
+        eprintln!(
+            "ptl: {} already holds a run; writing to {} (exist_ok=true trains into the existing folder)",
+            cfg.save_dir.display(),
+            run_dir.path().display()
+        );
+        cfg.save_dir = run_dir.path().to_path_buf();
     }
     let cfg = &cfg;
     let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
@@ -707,7 +747,6 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     probe::open_device(cfg.device)?;
     startup.device_open_s = t.elapsed().as_secs_f64();
     crate::pose::reset_memory_peaks(cfg.device);
-    std::fs::create_dir_all(&cfg.save_dir).map_err(|e| TrainerError::Io { path: cfg.save_dir.clone(), source: e })?;
     let t = Instant::now();
     let open = OpenOptions { imgsz: cfg.imgsz as u32, verbose: true, ..OpenOptions::default() };
     let train_ds = Arc::new(PoseDataset::open_yaml(&cfg.data, "train", &OpenOptions { fraction: cfg.fraction, ..open.clone() })?);
@@ -986,7 +1025,8 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     let gpu_plan = StepClock::plan_gpu_window(cfg.gpu_time, device, cfg.timing_warmup_steps, start_epoch, last_epoch, run.nb);
     run.clock = StepClock::new(device, cfg.timing_warmup_steps, gpu_plan);
     let image_bytes = run.loader.batch_size() * 3 * cfg.imgsz * cfg.imgsz;
-    let plan = PrefetchPlan { start_epoch, batches_per_epoch: Some(run.nb) };
+    let start_batch = run.state.partial_epoch.as_ref().filter(|p| p.epoch == start_epoch).map_or(0, |p| p.next_batch);
+    let plan = PrefetchPlan { start_epoch, batches_per_epoch: Some(run.nb), start_batch };
     let mut pipeline = TrainPipeline::start(&run.loader, plan, device, image_bytes)?;
     let fit_start = Instant::now();
     let mut epoch = start_epoch;
@@ -1002,8 +1042,16 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         let mut sums = [0f64; 6];
         run.absorbed = 0;
         run.view.mean_items.clear(); // until this epoch's first loss arrives
+                                     // An epoch a signal interrupted continues from its place (the pipeline starts there too).
+        let first_batch = match run.state.partial_epoch.take().filter(|p| p.epoch == epoch) {
+            Some(p) => {
+                (sums, run.absorbed) = (p.loss_sums, p.absorbed);
+                p.next_batch
+            }
+            None => 0,
+        };
         let bar = super::progress::EpochBar::new(cfg.progress, epoch, cfg.epochs, run.nb);
-        for i in 0..run.nb {
+        for i in first_batch..run.nb {
             run.clock.begin_step(epoch, i, run.nb)?;
             let (batch, pixels, waited) = pipeline.next()?.ok_or_else(|| TrainerError::InvalidArgument {
                 what: "loader",
@@ -1019,6 +1067,12 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             run.train_batch(epoch, i, &batch, &pixels, waited.as_secs_f64() * 1e3, &mut sums)?;
             run.clock.end_step();
             bar.update(i, &run.view.mean_items, run.view.lr.first().copied().unwrap_or(0.0));
+            // A signal during the epoch's last batch lets the epoch end (checked below).
+            if let Some(signal) = interrupt::requested().filter(|_| i + 1 < run.nb) {
+                bar.finish();
+                let fit_time = fit_time_before + fit_start.elapsed().as_secs_f64();
+                return run.stop_for_signal(signal, (epoch, i + 1), &mut sums, train_args, &last_ckpt, fit_time);
+            }
         }
         run.absorb_losses(&mut sums, true)?;
         bar.finish();
@@ -1029,8 +1083,8 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             // optimizer-step counter and run the epoch again; after 3 attempts, stop. Without a
             // checkpoint to go back to (the first epoch) Ultralytics only warns and trains on with
             // broken weights; we stop at once with the same message.
-            // `last.ckpt` of this run exists once an epoch has completed.
-            let can_reload = run.state.epoch >= 0 && last_ckpt.exists();
+            // `last.ckpt` of this run exists once an epoch has completed (or a signal stopped one).
+            let can_reload = last_ckpt.exists();
             attempts += 1;
             if !can_reload || attempts > 3 {
                 return Err(TrainerError::NonFiniteLoss {
@@ -1055,7 +1109,8 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
                 flag.copy_(zero)?;
             }
             run.clock.break_sequence();
-            let plan = PrefetchPlan { start_epoch: epoch, batches_per_epoch: Some(run.nb) };
+            let start_batch = run.state.partial_epoch.as_ref().filter(|p| p.epoch == epoch).map_or(0, |p| p.next_batch);
+            let plan = PrefetchPlan { start_epoch: epoch, batches_per_epoch: Some(run.nb), start_batch };
             pipeline = TrainPipeline::start(&run.loader, plan, device, image_bytes)?;
             continue;
         } else {
@@ -1120,6 +1175,11 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         run.each_cb(|c, v| c.on_save_checkpoint(v));
         run.each_cb(|c, v| c.on_train_epoch_end(v));
         run.epoch_s.push(epoch_start.elapsed().as_secs_f64());
+        if let Some(signal) = interrupt::requested().filter(|_| epoch + 1 < cfg.epochs) {
+            interrupt::clear();
+            eprintln!("ptl: {} received: stopped after epoch {epoch}; checkpoint {}", interrupt::signal_name(signal), last_ckpt.display());
+            return Err(TrainerError::Interrupted { signal, checkpoint: Some(last_ckpt.clone()) });
+        }
         if stop_early && epoch + 1 < cfg.epochs {
             eprintln!(
                 "ptl: stopping early: no better fitness in the last {} epochs (best {:.5} at epoch {}); patience={} sets this (0 = never)",

@@ -16,7 +16,7 @@ pub mod validate;
 pub mod weights;
 
 pub use coco_json::CocoJsonFiles;
-pub use config::{nearest_key, PoseTrainConfig, Precision};
+pub use config::{nearest_key, PoseTrainConfig, Precision, MAX_BATCH, MAX_IMGSZ};
 pub use fit::{fit, images_to_tensor, LOSS_NAMES};
 pub use validate::{validate, validate_with, ValOptions, ValResult};
 pub use weights::ModelSource;
