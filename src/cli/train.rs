@@ -26,19 +26,16 @@ pub struct TrainArgs {
     pub seed: Option<u64>,
 }
 
-/// Where the embedded default dataset is generated (once).
-fn default_dataset_dir() -> PathBuf {
-    let base = std::env::var_os("PTL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("ptl")))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("ptl")))
-        .unwrap_or_else(|| std::env::temp_dir().join("ptl-cache"));
-    base.join("synth-pose-128-s347")
+/// Where the embedded default dataset is generated (once): a private folder of ptl's cache root
+/// (`ptl_files::cache_dir`), so that no other local user can prepare it.
+fn default_dataset_dir() -> Result<PathBuf, String> {
+    let dir = ptl_files::cache_dir(None, "synth-pose-128-s347").map_err(|e| format!("the embedded default dataset: {e}"))?;
+    dir.ok_or_else(|| "the embedded default dataset has no cache folder".to_string())
 }
 
 /// Generates the small synthetic dataset of the embedded default if it is not there yet.
 fn ensure_default_dataset() -> Result<PathBuf, String> {
-    let dir = default_dataset_dir();
+    let dir = default_dataset_dir()?;
     let yaml = dir.join("data.yaml");
     if yaml.exists() {
         return Ok(yaml);

@@ -112,7 +112,7 @@ fn predict_and_val_refuse_what_they_cannot_use() {
     assert!(!text(&o).contains("training on"), "{}", text(&o));
     // The drawn prediction is a PNG of the source image's size.
     let (src, _) = ptl_data::image::decode_file(&img).unwrap();
-    let (drawn, _) = ptl_data::image::decode_file(&dir.path().join("pred/good.png")).unwrap();
+    let (drawn, _) = ptl_data::image::decode_file(&dir.path().join("pred/good.jpg.png")).unwrap();
     assert_eq!((drawn.w, drawn.h), (src.w, src.h));
     // `export` of the checkpoint: its EMA weights, written next to it by default.
     let o = ptl(&["export", "format=onnx", &format!("model={w}"), "imgsz=64"], dir.path());

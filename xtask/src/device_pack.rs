@@ -23,6 +23,8 @@ status=0
 [ -d goldens ] && export PTL_GOLDENS=$PWD/goldens
 # The optimizer goldens run on the GPU here (on the CPU in CI).
 export PTL_OPTIM_DEVICE=cuda:0
+# The command line's CUDA tests run the packed ptl binary.
+[ -x ptl-ext ] && export PTL_BIN=$PWD/ptl-ext
 for t in test_*; do
   [ -x "$t" ] || continue
   echo "=== $t"
@@ -120,7 +122,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let args = &rest[..];
     let root = root();
     let pack = root.join("device-pack");
-    let artifacts = crate::artifacts::build(
+    let mut artifacts = crate::artifacts::build(
         "device-pack",
         &[
             "-p",
@@ -140,12 +142,22 @@ pub fn run(args: &[String]) -> Result<(), String> {
         ],
         args,
     )?;
+    // The command line's CUDA tests (`tests/tests/cuda_*.rs`) run the `ptl-ext` binary, packed
+    // beside them (run.sh points PTL_BIN at it).
+    let cli_wanted = only.is_empty() || only.iter().any(|o| o.contains("cli"));
+    if cli_wanted {
+        artifacts.extend(crate::artifacts::build("device-pack", &["-p", "ptl-tests", "--tests", "--bins"], args)?);
+    }
     let _ = std::fs::remove_dir_all(&pack);
     std::fs::create_dir_all(&pack).map_err(|e| format!("creating {}: {e}", pack.display()))?;
     let mut total = 0u64;
     let mut copied = Vec::new();
     for a in artifacts {
         let (name, kind) = (a.name.as_str(), a.kind.as_str());
+        if kind == "bin" && name == "ptl-ext" && cli_wanted {
+            total += crate::artifacts::copy_stripped(&a.exe, &pack.join("ptl-ext"))?;
+            continue;
+        }
         let wanted = name.starts_with("cuda_") || (kind == "test" && GOLDENS_OF.iter().any(|(n, _)| *n == name));
         let selected = only.is_empty() || only.iter().any(|o| name.contains(o.as_str()));
         if !wanted || !selected || !(kind == "test" || kind == "bench") {

@@ -18,8 +18,12 @@
 //! context, the key and the engine's position), which a later process whose remembered choice is
 //! that engine restores without compiling.
 //!
+//! Entries and plans are sealed with the user's key (HMAC-SHA-256, `ptl_files::Sealer`): cuDNN
+//! executes a restored plan as it reads it, so a plan body another local user wrote is rebuilt,
+//! never restored.
+//!
 //! Folder: `$PTL_CUDNN_CACHE`, else `$PTL_CACHE/cudnn`, else `$XDG_CACHE_HOME/ptl/cudnn`, else
-//! `~/.cache/ptl/cudnn`; `PTL_CUDNN_CACHE=off` disables it.
+//! `~/.cache/ptl/cudnn`; `PTL_CUDNN_CACHE=off` disables it. A folder ptl picks itself is private.
 
 use std::path::{Path, PathBuf};
 
@@ -62,23 +66,31 @@ impl Choice {
 /// The remembered choices of one device (`context`: everything besides the shape that the walk
 /// depends on — cuDNN version, compute capability, heuristic mode, workspace limit).
 pub(crate) struct ChoiceCache {
-    dir: Option<PathBuf>,
+    /// The folder and the key its files are sealed with (`None`: the cache is off).
+    store: Option<(PathBuf, ptl_files::Sealer)>,
     context: String,
 }
 
-/// The cache folder, or `None` when it is switched off or no home is known.
+/// The cache folder, or `None` when it is switched off or cannot be used safely.
 pub fn cudnn_cache_dir() -> Option<PathBuf> {
-    super::module_cache::cache_dir("PTL_CUDNN_CACHE", "cudnn")
+    super::module_cache::sealed_cache("PTL_CUDNN_CACHE", "cudnn").map(|(d, _)| d)
 }
 
 impl ChoiceCache {
     pub(crate) fn new(context: String) -> ChoiceCache {
-        ChoiceCache { dir: cudnn_cache_dir(), context }
+        ChoiceCache { store: super::module_cache::sealed_cache("PTL_CUDNN_CACHE", "cudnn"), context }
     }
 
     #[cfg(test)]
     fn in_dir(dir: &Path, context: &str) -> ChoiceCache {
-        ChoiceCache { dir: Some(dir.to_path_buf()), context: context.into() }
+        ChoiceCache { store: Some((dir.to_path_buf(), ptl_files::Sealer::in_dir(dir).expect("key"))), context: context.into() }
+    }
+
+    /// The payload of a stored file, if it is there and its seal holds.
+    fn read(&self, path: Option<PathBuf>) -> Option<Vec<u8>> {
+        let (_, sealer) = self.store.as_ref()?;
+        let bytes = ptl_files::read_regular(&path?).ok()?;
+        sealer.unseal(&bytes).ok().map(<[u8]>::to_vec)
     }
 
     fn path(&self, key: &str) -> Option<PathBuf> {
@@ -86,7 +98,7 @@ impl ChoiceCache {
     }
 
     fn path_with(&self, key: &str, ext: &str) -> Option<PathBuf> {
-        let dir = self.dir.as_ref()?;
+        let (dir, _) = self.store.as_ref()?;
         let mut h = Sha256::new();
         for part in [self.context.as_str(), key] {
             h.update((part.len() as u64).to_le_bytes());
@@ -98,7 +110,7 @@ impl ChoiceCache {
 
     /// The remembered choice for `key`, if a valid entry for this context exists.
     pub(crate) fn get(&self, key: &str) -> Option<Choice> {
-        let text = std::fs::read_to_string(self.path(key)?).ok()?;
+        let text = String::from_utf8(self.read(self.path(key))?).ok()?;
         let mut lines = text.lines();
         if lines.next()? != MAGIC || lines.next()? != self.context || lines.next()? != key {
             return None;
@@ -117,7 +129,7 @@ impl ChoiceCache {
     /// (cuDNN's JSON form of a plan whose engine compiles its kernel at run time), if a valid one
     /// exists for this context. A plan of another engine (the choice changed since) is not taken.
     pub(crate) fn get_plan(&self, key: &str, engine: usize) -> Option<Vec<u8>> {
-        let bytes = std::fs::read(self.path_with(key, "plan")?).ok()?;
+        let bytes = self.read(self.path_with(key, "plan"))?;
         let head = plan_head(&self.context, key, engine);
         let body = bytes.strip_prefix(head.as_bytes())?;
         (!body.is_empty()).then(|| body.to_vec())
@@ -133,8 +145,8 @@ impl ChoiceCache {
     /// Writes one entry (best effort: a cache that cannot be written only costs later processes
     /// the search or the compile; the first failure is reported once).
     fn store(&self, path: Option<PathBuf>, bytes: &[u8]) {
-        let Some(path) = path else { return };
-        if let Err(e) = super::module_cache::write_atomically(&path, bytes) {
+        let (Some(path), Some((_, sealer))) = (path, self.store.as_ref()) else { return };
+        if let Err(e) = ptl_files::write_atomic(&path, &sealer.seal(bytes), 0o600) {
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| eprintln!("ptl: cuDNN engine choices and plans not stored in {}: {e}", path.display()));
         }
@@ -142,7 +154,7 @@ impl ChoiceCache {
 
     /// Where entries go (for messages).
     pub(crate) fn dir(&self) -> Option<&Path> {
-        self.dir.as_deref()
+        self.store.as_ref().map(|(d, _)| d.as_path())
     }
 }
 
@@ -210,7 +222,9 @@ mod tests {
         let c = ChoiceCache::in_dir(dir.path(), "ctx");
         c.put("k", Choice::Engine(2));
         let path = c.path("k").expect("path");
-        let good = std::fs::read_to_string(&path).expect("entry");
+        let good = String::from_utf8(c.read(Some(path.clone())).expect("entry")).expect("text");
+        let sealer = &c.store.as_ref().expect("on").1;
+        // Well sealed but wrong inside: refused by the content checks.
         for bad in [
             good.replace("engine 2", "engine two"),
             good.replace("\nk\n", "\nother key\n"),
@@ -218,14 +232,36 @@ mod tests {
             format!("{good}extra\n"),
             good[..good.len() / 2].to_string(),
         ] {
-            std::fs::write(&path, bad).expect("write");
+            std::fs::write(&path, sealer.seal(bad.as_bytes())).expect("write");
             assert_eq!(c.get("k"), None);
         }
+        // Right inside but not sealed with this user's key: plain text, or another key's seal.
+        std::fs::write(&path, &good).expect("write");
+        assert_eq!(c.get("k"), None);
+        let other = Scratch::new("other-key");
+        std::fs::write(&path, ptl_files::Sealer::in_dir(other.path()).expect("key").seal(good.as_bytes())).expect("write");
+        assert_eq!(c.get("k"), None);
+        std::fs::write(&path, sealer.seal(good.as_bytes())).expect("write");
+        assert_eq!(c.get("k"), Some(Choice::Engine(2)));
+    }
+
+    /// A stored plan body changed by someone without the key is rebuilt, not restored.
+    #[test]
+    fn a_forged_plan_is_not_restored() {
+        let dir = Scratch::new("forged-plan");
+        let c = ChoiceCache::in_dir(dir.path(), "ctx");
+        c.put_plan("k", 1, b"{\"plan\": 1}");
+        let path = c.path_with("k", "plan").expect("path");
+        let mut bytes = std::fs::read(&path).expect("plan");
+        let last = bytes.len() - 2;
+        bytes[last] ^= 0x01;
+        std::fs::write(&path, bytes).expect("write");
+        assert_eq!(c.get_plan("k", 1), None);
     }
 
     #[test]
     fn a_switched_off_cache_remembers_nothing() {
-        let c = ChoiceCache { dir: None, context: "ctx".into() };
+        let c = ChoiceCache { store: None, context: "ctx".into() };
         c.put("k", Choice::Legacy);
         assert_eq!(c.get("k"), None);
     }

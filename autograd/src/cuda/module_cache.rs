@@ -4,15 +4,17 @@
 //!
 //! An entry's file name is the SHA-256 of everything that shapes the code — source, NVRTC
 //! options, architecture, NVRTC and driver versions — so a changed input never finds a stale
-//! entry. The file carries the SHA-256 of its payload: a truncated or corrupt entry is rebuilt,
-//! never trusted, and an entry the driver refuses to load is rebuilt too. Writes go through a
-//! temporary file and a rename, so a concurrent process never reads half a file.
+//! entry. The file is sealed with the user's key (HMAC-SHA-256, `ptl_files::Sealer`): a damaged
+//! entry, or one another local user put there, is rebuilt, never loaded; so is an entry the driver
+//! refuses. Writes go through a fresh temporary file and a rename, so a concurrent process never
+//! reads half a file.
 //!
 //! Folder: `$PTL_KERNEL_CACHE`, else `$PTL_CACHE/kernels`, else `$XDG_CACHE_HOME/ptl/kernels`,
-//! else `~/.cache/ptl/kernels`; `PTL_KERNEL_CACHE=off` disables it.
+//! else `~/.cache/ptl/kernels`; `PTL_KERNEL_CACHE=off` disables it. A folder ptl picks itself is
+//! private (0700) and refused, with a message, when another user owns it or can write it.
 
 use std::ffi::{c_char, c_int, CString};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -21,8 +23,6 @@ use cudarc::nvrtc::sys as nv;
 use sha2::{Digest, Sha256};
 
 use super::device::cuda_home;
-
-const MAGIC: &[u8; 10] = b"PTLCUBIN1\n";
 
 /// How a module's device code was obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,22 +58,37 @@ pub fn module_reports() -> Vec<ModuleReport> {
     reports().lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
-/// The cache folder, or `None` when it is switched off or no home is known.
+/// The kernel cache folder, or `None` when it is switched off or cannot be used safely.
 pub fn kernel_cache_dir() -> Option<PathBuf> {
-    cache_dir("PTL_KERNEL_CACHE", "kernels")
+    sealed_cache("PTL_KERNEL_CACHE", "kernels").map(|(d, _)| d)
 }
 
-/// One of ptl's cache folders: `$<own_var>` (`off`, `0` or `false` switch it off), else
-/// `$PTL_CACHE/<sub>`, else `$XDG_CACHE_HOME/ptl/<sub>`, else `~/.cache/ptl/<sub>`.
-pub(crate) fn cache_dir(own_var: &str, sub: &str) -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    if let Some(v) = var(own_var) {
-        return (!matches!(v.to_str(), Some("off" | "0" | "false"))).then_some(v);
+/// One of ptl's cache folders (its own variable `own_var` or `sub` of the cache root; see
+/// `ptl_files::cache_dir`) and the user's sealer, or `None` — saying why once per folder — when
+/// the cache is off, its folder is not private, or the key cannot be made.
+pub(crate) fn sealed_cache(own_var: &str, sub: &str) -> Option<(PathBuf, ptl_files::Sealer)> {
+    static SAID: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let say = |e: &dyn std::fmt::Display| {
+        let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+        if !said.iter().any(|s| s == sub) {
+            said.push(sub.to_string());
+            eprintln!("ptl: the {sub} cache is not used: {e}");
+        }
+    };
+    let dir = match ptl_files::cache_dir(Some(own_var), sub) {
+        Ok(d) => d?,
+        Err(e) => {
+            say(&e);
+            return None;
+        }
+    };
+    match ptl_files::user_sealer() {
+        Ok(s) => Some((dir, s)),
+        Err(e) => {
+            say(&e);
+            None
+        }
     }
-    var("PTL_CACHE")
-        .map(|d| d.join(sub))
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("ptl").join(sub)))
-        .or_else(|| var("HOME").map(|h| h.join(".cache").join("ptl").join(sub)))
 }
 
 /// NVRTC options for `sm_{major}{minor}` (machine code for this GPU, the CUDA include path).
@@ -89,45 +104,6 @@ pub(crate) fn cache_key(source: &str, flags: &[String], versions: &str) -> Strin
         h.update(part.as_bytes());
     }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The payload of a cache file, or why it is not usable.
-pub(crate) fn parse_entry(bytes: &[u8]) -> std::result::Result<&[u8], &'static str> {
-    let rest = bytes.strip_prefix(MAGIC.as_slice()).ok_or("not a ptl CUBIN cache file")?;
-    if rest.len() < 40 {
-        return Err("truncated header");
-    }
-    let (digest, rest) = rest.split_at(32);
-    let (len, payload) = rest.split_at(8);
-    let len = u64::from_le_bytes(len.try_into().map_err(|_| "bad length")?) as usize;
-    if payload.len() != len {
-        return Err("truncated payload");
-    }
-    if Sha256::digest(payload).as_slice() != digest {
-        return Err("checksum mismatch");
-    }
-    Ok(payload)
-}
-
-/// A cache file for `payload` (magic, SHA-256 of the payload, length, payload).
-pub(crate) fn encode_entry(payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(MAGIC.len() + 40 + payload.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&Sha256::digest(payload));
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(payload);
-    out
-}
-
-/// Writes `bytes` to `path` through a temporary file in the same folder and a rename.
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{}.{}.tmp", path.file_name().and_then(|n| n.to_str()).unwrap_or("entry"), std::process::id()));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
 }
 
 fn versions() -> String {
@@ -187,13 +163,13 @@ pub(crate) fn load_module(
     minor: i32,
 ) -> std::result::Result<Arc<CudaModule>, String> {
     let flags = nvrtc_flags(major, minor);
-    let dir = kernel_cache_dir();
-    let entry = dir.as_ref().map(|d| d.join(format!("{name}-{}.cubin", &cache_key(source, &flags, &versions())[..32])));
+    let cache = sealed_cache("PTL_KERNEL_CACHE", "kernels");
+    let entry = cache.as_ref().map(|(d, s)| (d.join(format!("{name}-{}.cubin", &cache_key(source, &flags, &versions())[..32])), s));
     let mut note = None;
     let mut stale = false;
-    if let Some(path) = &entry {
-        match std::fs::read(path) {
-            Ok(bytes) => match parse_entry(&bytes) {
+    if let Some((path, sealer)) = &entry {
+        match ptl_files::read_regular(path) {
+            Ok(bytes) => match sealer.unseal(&bytes) {
                 Ok(payload) => {
                     let t = Instant::now();
                     match load(ctx, payload.to_vec()) {
@@ -206,8 +182,8 @@ pub(crate) fn load_module(
                 }
                 Err(why) => (stale, note) = (true, Some(format!("cached entry {} unusable ({why}); rebuilt", path.display()))),
             },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => note = Some(format!("cannot read {}: {e}", path.display())),
+            Err(ptl_files::FileError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => (stale, note) = (true, Some(format!("cached entry unusable ({e}); rebuilt"))),
         }
     }
     let t = Instant::now();
@@ -215,8 +191,8 @@ pub(crate) fn load_module(
     let compile_s = t.elapsed().as_secs_f64();
     let mut how = if stale { ModuleSource::Rebuilt } else { ModuleSource::Compiled };
     match &entry {
-        Some(path) => {
-            if let Err(e) = write_atomically(path, &encode_entry(&cubin)) {
+        Some((path, sealer)) => {
+            if let Err(e) = ptl_files::write_atomic(path, &sealer.seal(&cubin), 0o600) {
                 how = ModuleSource::Uncached;
                 note = Some(format!("kernel cache not written to {}: {e}", path.display()));
             }
@@ -259,19 +235,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn entries_round_trip_and_damage_is_detected() {
-        let payload = b"\x7fELF fake cubin bytes".to_vec();
-        let file = encode_entry(&payload);
-        assert_eq!(parse_entry(&file), Ok(payload.as_slice()));
-        let mut flipped = file.clone();
-        *flipped.last_mut().unwrap() ^= 1;
-        assert_eq!(parse_entry(&flipped), Err("checksum mismatch"));
-        assert_eq!(parse_entry(&file[..file.len() - 1]), Err("truncated payload"));
-        assert_eq!(parse_entry(&file[..20]), Err("truncated header"));
-        assert_eq!(parse_entry(b"garbage"), Err("not a ptl CUBIN cache file"));
-    }
-
-    #[test]
     fn the_key_changes_with_every_input() {
         let f = vec!["--gpu-architecture=sm_90".to_string()];
         let base = cache_key("src", &f, "v1");
@@ -281,17 +244,5 @@ mod tests {
         assert_ne!(base, cache_key("src", &f, "v2"));
         // Length prefixes: moving a byte between parts changes the key.
         assert_ne!(cache_key("ab", &["c".to_string()], ""), cache_key("a", &["bc".to_string()], ""));
-    }
-
-    #[test]
-    fn atomic_write_replaces_the_file() {
-        let dir = std::env::temp_dir().join(format!("ptl-kcache-{}", std::process::id()));
-        let p = dir.join("m.cubin");
-        write_atomically(&p, b"one").unwrap();
-        write_atomically(&p, b"two").unwrap();
-        assert_eq!(std::fs::read(&p).unwrap(), b"two");
-        let leftovers = std::fs::read_dir(&dir).unwrap().count();
-        assert_eq!(leftovers, 1, "no temporary files left behind");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

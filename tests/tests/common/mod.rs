@@ -7,14 +7,15 @@ use std::process::{Command, Output};
 /// `ptl data synth` options of the tiny dataset: 8 + 2 background training images at 64 px.
 pub const SYNTH_OPTIONS: [&str; 10] = ["--train", "8", "--background", "2", "--val", "2", "--imgsz", "64", "--seed", "3"];
 
+/// The `ptl-ext` binary: `$PTL_BIN` when set (the GPU pack carries its own copy), else the one
+/// cargo built.
+pub fn ptl_bin() -> PathBuf {
+    std::env::var_os("PTL_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ptl-ext")))
+}
+
 /// Runs `ptl-ext ARGS` in `cwd` (kernel cache inside it) to completion.
 pub fn ptl(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ptl-ext"))
-        .args(args)
-        .current_dir(cwd)
-        .env("PTL_CACHE", cwd.join("cache"))
-        .output()
-        .expect("run ptl-ext")
+    Command::new(ptl_bin()).args(args).current_dir(cwd).env("PTL_CACHE", cwd.join("cache")).output().expect("run ptl-ext")
 }
 
 /// stdout then stderr.
