@@ -282,8 +282,12 @@ impl DatasetConfig {
             Some(Value::Sequence(seq)) => {
                 let s: Option<Vec<f32>> = seq.iter().map(|v| v.as_f64().map(|f| f as f32)).collect();
                 let s = s.ok_or_else(|| cfg_err(yaml_path, "kpt_oks_sigmas", "expected numbers"))?;
-                if s.len() != kpt_shape.k || s.iter().any(|&x| x <= 0.0) {
-                    return Err(cfg_err(yaml_path, "kpt_oks_sigmas", "expected K positive numbers"));
+                if s.len() != kpt_shape.k || s.iter().any(|&x| !(x.is_finite() && x > 0.0)) {
+                    return Err(cfg_err(
+                        yaml_path,
+                        "kpt_oks_sigmas",
+                        format!("expected K = {} positive finite numbers (the OKS sigma of each keypoint)", kpt_shape.k),
+                    ));
                 }
                 s
             }

@@ -143,6 +143,18 @@ pub struct DatasetMeta {
     pub kpt_oks_sigmas: Vec<f32>,
 }
 
+impl DatasetMeta {
+    /// The dataset's own OKS sigmas (`kpt_oks_sigmas` of its yaml) when they differ from the
+    /// defaults for its keypoints (COCO's for [17, 3], 1/K otherwise): the pose loss and the
+    /// keypoint metrics then use them, as Ultralytics does; `None` leaves both on their defaults.
+    pub fn custom_oks_sigmas(&self) -> Option<&[f32]> {
+        let k = self.kpt_shape.k;
+        let default: Vec<f32> =
+            if self.kpt_shape == KptShape::COCO { crate::config::COCO_OKS_SIGMAS.to_vec() } else { vec![1.0 / k as f32; k] };
+        (self.kpt_oks_sigmas.len() == k && self.kpt_oks_sigmas != default).then_some(self.kpt_oks_sigmas.as_slice())
+    }
+}
+
 /// A scanned split with every usable image prepared in RAM.
 #[derive(Clone, Debug)]
 pub struct PoseDataset {

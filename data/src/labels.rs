@@ -290,7 +290,9 @@ mod tests {
 
     #[test]
     fn lines_are_cut_as_pythons_splitlines() {
-        let cut = |t: &str| python_lines(t).collect::<Vec<_>>();
+        fn cut(t: &str) -> Vec<&str> {
+            python_lines(t).collect()
+        }
         assert_eq!(cut("a\nb\r\nc\rd"), ["a", "b", "c", "d"]);
         assert_eq!(cut("a\n"), ["a"]);
         assert_eq!(cut("a\r\rb"), ["a", "", "b"]);

@@ -64,6 +64,12 @@ pub(crate) fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::
     match (merged.as_object_mut(), cfg) {
         (_, serde_json::Value::Null) => {}
         (Some(m), serde_json::Value::Object(given)) => {
+            // A misspelt field would otherwise be dropped without a word.
+            if let Some(unknown) = given.keys().find(|k| !m.contains_key(k.as_str()) && !TEST_HOOKS.contains(&k.as_str())) {
+                let mut fields: Vec<&str> = m.keys().map(String::as_str).collect();
+                fields.sort_unstable();
+                return Err(bad(format!("unknown setting `{unknown}` (a replay plugin takes {})", fields.join(", "))));
+            }
             m.extend(given.iter().filter(|(k, _)| !TEST_HOOKS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())));
         }
         _ => return Err(bad(format!("expected a JSON object of recorder settings, got {cfg}"))),

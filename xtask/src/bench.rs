@@ -38,8 +38,11 @@ options:
   --optimizer O      MuSGD (default), auto, SGD, AdamW
   --budget-s S       start no run that would end after S seconds (estimated from earlier runs)
   --out DIR          results (default $OUT or bench-out)
-  --work DIR         dataset, kernel cache and run folders (default /tmp/ptl-bench)
-  --warm             keep the kernel cache (default: the first ptl run starts with an empty one: cold)
+  --work DIR         dataset, kernel cache and run folders, reused across calls; it must be yours and
+                     writable by nobody else (default: a fresh private folder under the temporary
+                     directory, removed by nobody: its path is printed)
+  --warm             keep the kernel cache (default: the first ptl run starts with an empty one: cold);
+                     needs --work, where an earlier call left the caches
   --device D         ptl's device (default cuda:0)
   --imgsz N          image size of the dataset and the runs (default 640)
   --images N         training images of the synthetic set (default 128 × batch: 512 at batch 4, 128 steps
@@ -56,7 +59,8 @@ struct Opts {
     optimizer: String,
     budget_s: Option<f64>,
     out: PathBuf,
-    work: PathBuf,
+    /// `None`: a fresh private folder is made at the start.
+    work: Option<PathBuf>,
     cold_first: bool,
     device: String,
     imgsz: usize,
@@ -82,7 +86,7 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
         optimizer: "MuSGD".into(),
         budget_s: None,
         out: std::env::var_os("OUT").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("bench-out")),
-        work: PathBuf::from("/tmp/ptl-bench"),
+        work: None,
         cold_first: true,
         device: "cuda:0".into(),
         imgsz: 640,
@@ -109,7 +113,7 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
             "--optimizer" => o.optimizer = val("--optimizer")?,
             "--budget-s" => o.budget_s = Some(val("--budget-s")?.parse().map_err(|_| "--budget-s wants seconds".to_string())?),
             "--out" => o.out = PathBuf::from(val("--out")?),
-            "--work" => o.work = PathBuf::from(val("--work")?),
+            "--work" => o.work = Some(PathBuf::from(val("--work")?)),
             "--warm" => o.cold_first = false,
             "--device" => o.device = val("--device")?,
             "--imgsz" => o.imgsz = val("--imgsz")?.parse().map_err(|_| "--imgsz wants a number".to_string())?,
@@ -125,10 +129,57 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
     for p in &o.precisions {
         ultra_amp(p)?;
     }
+    if !o.cold_first && o.work.is_none() {
+        return Err("--warm reuses the caches of an earlier call: give its --work DIR".into());
+    }
     if o.pairs == 0 || o.epochs == 0 || o.batch == 0 {
         return Err("--pairs, --epochs and --batch must be at least 1".into());
     }
     Ok((o, rest))
+}
+
+/// The work folder: the one `--work` names, which must be this user's and writable by nobody
+/// else (its Ultralytics install goes on PYTHONPATH), or a fresh private one (mode 0700, made
+/// here, so nothing in it was put there by someone else).
+fn work_folder(o: &Opts) -> Result<PathBuf, String> {
+    match &o.work {
+        Some(w) => {
+            std::fs::create_dir_all(w).map_err(|e| format!("{}: {e}", w.display()))?;
+            check_own_private(w)?;
+            Ok(w.clone())
+        }
+        None => {
+            let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+            let w = std::env::temp_dir().join(format!("ptl-bench-{}-{stamp}", std::process::id()));
+            let mut b = std::fs::DirBuilder::new();
+            #[cfg(unix)]
+            std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+            b.create(&w).map_err(|e| format!("making the work folder {}: {e}", w.display()))?;
+            eprintln!("bench: work folder {} (pass --work {} to reuse its caches)", w.display(), w.display());
+            Ok(w)
+        }
+    }
+}
+
+/// Refuses a folder of another user, or one others can write (a planted `ul_site` would run as
+/// this user through PYTHONPATH).
+fn check_own_private(dir: &Path) -> Result<(), String> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        // /proc/self belongs to this process's effective user.
+        let me = std::fs::metadata("/proc/self").map_err(|e| format!("/proc/self: {e}"))?.uid();
+        if m.file_type().is_symlink() || m.uid() != me || m.mode() & 0o022 != 0 {
+            return Err(format!(
+                "--work {}: not a folder of yours that only you can write (owner {}, mode {:o}); use another folder",
+                dir.display(),
+                m.uid(),
+                m.mode() & 0o777
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `key=value` overrides of a ptl arm.
@@ -194,7 +245,8 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     }
     if args.first().map(String::as_str) == Some("--here") {
         // On the GPU machine, from bench-pack/run.sh: ptl and the driver lie beside this binary.
-        let (o, _) = parse(&args[1..])?;
+        let (mut o, _) = parse(&args[1..])?;
+        o.work = Some(work_folder(&o)?);
         let dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
         return run_bench(&o, &dir.join("ptl"), &dir.join("ultralytics_bench.py"), Some(&dir.join("whl")));
     }
@@ -210,8 +262,9 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     if pack {
         return write_pack(&root, &ptl, &args, o.ultralytics);
     }
-    let script = o.work.join("ultralytics_bench.py");
-    std::fs::create_dir_all(&o.work).map_err(|e| format!("{}: {e}", o.work.display()))?;
+    let mut o = o;
+    o.work = Some(work_folder(&o)?);
+    let script = work_of(&o).join("ultralytics_bench.py");
     std::fs::write(&script, ULTRA_SCRIPT).map_err(|e| format!("{}: {e}", script.display()))?;
     let wheels = root.join(".whl");
     run_bench(&o, &ptl, &script, wheels.is_dir().then_some(wheels.as_path()))
@@ -227,7 +280,7 @@ fn write_pack(root: &Path, ptl: &Path, args: &[String], ultralytics: bool) -> Re
     if ultralytics {
         bytes += copy_wheels(&root.join(".whl"), &pack.join("whl"))?;
     }
-    let defaults = args.iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" ");
+    let defaults = args.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" ");
     let script = format!(
         "#!/usr/bin/env bash\n# cargo xtask bench on the GPU machine; arguments replace the packed defaults.\n\
          # Results: $OUT/runs.jsonl, $OUT/bench.md, $OUT/bench.json (OUT defaults to bench-pack/out).\n\
@@ -239,6 +292,16 @@ fn write_pack(root: &Path, ptl: &Path, args: &[String], ultralytics: bool) -> Re
     std::fs::write(pack.join("run.sh"), script).map_err(|e| format!("writing run.sh: {e}"))?;
     eprintln!("bench: packed {} ({:.1} MiB); on the GPU machine: bash bench-pack/run.sh", pack.display(), bytes as f64 / 1048576.0);
     Ok(())
+}
+
+/// `s` as one shell word: single-quoted, each `'` written as `'\''`.
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// The work folder once [`work_folder`] has set it.
+fn work_of(o: &Opts) -> &Path {
+    o.work.as_deref().unwrap_or(Path::new("."))
 }
 
 /// Copies the Ultralytics wheels (ultralytics, ultralytics-thop; polars when present, but the
@@ -282,10 +345,9 @@ fn record(id: RunId<'_>, wall_s: f64, exit: i32, result: Value, error: Option<St
 fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Result<(), String> {
     let started = Instant::now();
     std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
-    std::fs::create_dir_all(&o.work).map_err(|e| format!("{}: {e}", o.work.display()))?;
     let data = ensure_dataset(ptl, o)?;
-    let site = if o.ultralytics { Some(install_ultralytics(wheels, &o.work)?) } else { None };
-    let kcache = o.work.join("kernels");
+    let site = if o.ultralytics { Some(install_ultralytics(wheels, work_of(o))?) } else { None };
+    let kcache = work_of(o).join("kernels");
     if o.cold_first {
         let _ = std::fs::remove_dir_all(&kcache);
         let _ = std::fs::remove_dir_all(cudnn_cache(&kcache));
@@ -367,7 +429,7 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
 }
 
 fn ensure_dataset(ptl: &Path, o: &Opts) -> Result<PathBuf, String> {
-    let synth = o.work.join(format!("synth-{}-{}", o.images(), o.imgsz));
+    let synth = work_of(o).join(format!("synth-{}-{}", o.images(), o.imgsz));
     let yaml = synth.join("data.yaml");
     if yaml.exists() {
         return Ok(yaml);
@@ -421,7 +483,7 @@ fn cudnn_cache(kcache: &Path) -> PathBuf {
 #[allow(clippy::too_many_arguments)]
 fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precision: &str, pair: usize, cold: bool) -> Result<Value, String> {
     let label = if cold { format!("{arm}-cold") } else { arm.to_string() };
-    let project = o.work.join(format!("runs/{label}-{precision}-b{}-{pair}", o.batch));
+    let project = work_of(o).join(format!("runs/{label}-{precision}-b{}-{pair}", o.batch));
     let _ = std::fs::remove_dir_all(&project);
     let mut cmd = Command::new(ptl);
     cmd.arg("train")
@@ -456,7 +518,7 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
 }
 
 fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, precision: &str, pair: usize) -> Result<Value, String> {
-    let result = o.work.join(format!("ultra-{precision}-{pair}.json"));
+    let result = work_of(o).join(format!("ultra-{precision}-{pair}.json"));
     let _ = std::fs::remove_file(&result);
     let mut cmd = Command::new("python3");
     cmd.arg(script)
@@ -467,7 +529,7 @@ fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, pr
         .args(["--epochs", &o.epochs.to_string(), "--amp", ultra_amp(precision)?, "--optimizer", &o.optimizer])
         .args(["--imgsz", &o.imgsz.to_string(), "--batch", &o.batch.to_string()])
         .env("PYTHONUNBUFFERED", "1")
-        .env("ULTRA_WORK", o.work.join("ultra"));
+        .env("ULTRA_WORK", work_of(o).join("ultra"));
     if let Some(s) = site {
         cmd.env("PYTHONPATH", s);
     }
@@ -1151,6 +1213,26 @@ fn one_line(r: &Value) -> String {
         f.gpu_ms.map_or("–".into(), |v| format!("{v:.1}")),
         f.to_first_step_s.map_or("–".into(), |v| format!("{v:.1}"))
     )
+}
+
+#[cfg(test)]
+mod quoting_tests {
+    use super::*;
+
+    /// Packed arguments reach the shell as the words they were.
+    #[test]
+    fn packed_arguments_are_single_shell_words() {
+        for a in ["plain", "it's", "$(touch /tmp/x)", "a b", "'", ""] {
+            let out = Command::new("sh").arg("-c").arg(format!("printf %s {}", shell_quote(a))).output().expect("sh");
+            assert_eq!(String::from_utf8_lossy(&out.stdout), a);
+        }
+    }
+
+    #[test]
+    fn warm_needs_a_work_folder() {
+        let e = parse(&["--warm".to_string()]).unwrap_err();
+        assert!(e.contains("--work"), "{e}");
+    }
 }
 
 #[cfg(test)]

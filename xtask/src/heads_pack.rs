@@ -27,8 +27,10 @@ done
 echo "=== ptl forward+backward (b4, 640 px)"
 for mode in "" --bf16; do ./bench_forward_backward --device cuda:0 --iters 10 $mode 2>&1 | tail -n 2; done | tee "$OUT/bench_ptl.log"
 echo "=== PyTorch (Ultralytics YOLO26n-pose)"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/heads_site whl/*.whl || status=1
-PYTHONPATH=/tmp/heads_site YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/heads_cfg timeout 300 python3 torch_heads.py "$PTL_GOLDENS" "$OUT" \
+# A fresh private folder for the install (never one that was there before).
+site=$(mktemp -d "${TMPDIR:-/tmp}/heads_site.XXXXXX") && cfg=$(mktemp -d "${TMPDIR:-/tmp}/heads_cfg.XXXXXX") || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" whl/*.whl || status=1
+PYTHONPATH="$site" YOLO_OFFLINE=1 YOLO_CONFIG_DIR="$cfg" timeout 300 python3 torch_heads.py "$PTL_GOLDENS" "$OUT" \
     > "$OUT/torch_heads.log" 2>&1 || { status=1; tail -n 30 "$OUT/torch_heads.log"; }
 grep -E "^pytorch|^  " "$OUT/torch_heads.log"
 echo "heads-pack exit status $status"

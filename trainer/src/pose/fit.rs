@@ -839,7 +839,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         pose_gain: g.pose,
         kobj_gain: g.kobj,
         rle_gain: g.rle,
-        ..LossConfig::with_keypoints(nkpt, None)
+        ..LossConfig::with_keypoints(nkpt, train_ds.meta.custom_oks_sigmas().map(<[f32]>::to_vec))
     };
     let mut criterion = E2ELoss::new(loss_cfg, cfg.epochs);
     // The dense path leaves its values on the device; the loop reads them a step later.

@@ -88,7 +88,10 @@ pub fn validate_with(
 ) -> Result<ValResult> {
     let loader = ValLoader::new(ds.clone(), batch.max(1), 0)?;
     let nk = ds.nkpt();
-    let mut v = PoseValidator::new(nk)?;
+    let mut v = match ds.meta.custom_oks_sigmas() {
+        Some(s) => PoseValidator::with_sigmas(s.to_vec())?,
+        None => PoseValidator::new(nk)?,
+    };
     let nms = NmsConfig { conf_thres: opts.conf, ..NmsConfig::default() };
     let mut json = opts.save_json.as_deref().map(|dir| JsonWriter::new(dir, ds)).transpose()?;
     let mut losses = opts.loss.clone().map(ValLoss::new);

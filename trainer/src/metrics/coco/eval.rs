@@ -12,6 +12,9 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use super::json::{CocoAnnotation, CocoDataset, CocoResult};
 use crate::error::{Result, TrainerError};
 
+/// Most (category, area range, image) cells an evaluation builds (a few GiB of tables).
+const MAX_EVAL_CELLS: u64 = 1 << 27;
+
 /// Which similarity COCOeval uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IouType {
@@ -289,6 +292,13 @@ pub fn evaluate_with(gt: &CocoDataset, results: &[CocoResult], p: EvalParams) ->
     let img_pos: HashMap<i64, usize> = p.img_ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
     let cat_pos: HashMap<i64, usize> = p.cat_ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
     let (ni, nk) = (p.img_ids.len(), p.cat_ids.len());
+    // Tables below hold a cell per (category, area range, image): refuse sizes no machine holds.
+    let cells = (nk as u64).saturating_mul(ni as u64).saturating_mul(p.area_rng.len().max(1) as u64);
+    if cells > MAX_EVAL_CELLS {
+        return Err(TrainerError::Coco(format!(
+            "{nk} categories × {ni} images is more than the {MAX_EVAL_CELLS} (category, area, image) cells the evaluation can hold"
+        )));
+    }
     let max_det_last = *p.max_dets.last().unwrap_or(&0);
 
     // _prepare
