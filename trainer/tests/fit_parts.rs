@@ -136,7 +136,9 @@ fn checkpoint_round_trip_and_corruption_is_typed() {
     let m = Tensor::zeros(vec![2, 2], DType::F32, Device::Cpu).unwrap();
     let ckpt = Checkpoint { manifest: manifest(), tensors: vec![("model.w".into(), w.clone()), ("optim.0.momentum".into(), m)] };
     save_checkpoint(&path, &ckpt).unwrap();
-    assert!(!dir.join("last.ckpt.tmp").exists(), "temporary file renamed away");
+    let leftovers: Vec<_> =
+        std::fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".tmp")).collect();
+    assert!(leftovers.is_empty(), "temporary file renamed away: {leftovers:?}");
     let back = load_checkpoint(&path, Device::Cpu).unwrap();
     assert_eq!(back.manifest.loop_state, ckpt.manifest.loop_state);
     assert_eq!(back.part("model")["w"].to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);

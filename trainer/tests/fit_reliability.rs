@@ -106,7 +106,9 @@ fn a_failed_checkpoint_write_leaves_no_temporary_file() {
     let target = dir.join("blocked.ckpt");
     std::fs::create_dir_all(target.join("x")).unwrap();
     assert!(save_checkpoint(&target, &ckpt).is_err());
-    assert!(!dir.join("blocked.ckpt.tmp").exists(), "temporary file removed on failure");
+    let leftovers: Vec<_> =
+        std::fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".tmp")).collect();
+    assert!(leftovers.is_empty(), "temporary file removed on failure: {leftovers:?}");
 }
 
 #[test]

@@ -350,12 +350,7 @@ impl RunSummary {
     pub fn write(&self, path: &Path) -> Result<()> {
         let s = serde_json::to_string_pretty(self).map_err(|e| TrainerError::InvalidArgument { what: "summary", reason: e.to_string() })?;
         // Temporary file + rename: a kill mid-write never leaves a truncated summary.
-        let tmp = std::path::PathBuf::from(format!("{}.tmp", path.display()));
-        let written = std::fs::write(&tmp, s).and_then(|()| std::fs::rename(&tmp, path));
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        written.map_err(|e| TrainerError::Io { path: path.to_path_buf(), source: e })
+        Ok(ptl_files::write_atomic(path, s.as_bytes(), 0o644)?)
     }
 }
 
@@ -377,20 +372,12 @@ impl ResultsCsv {
 
     /// Writes `columns` and `rows` as the whole file.
     pub fn write(&self, columns: &[String], rows: &[String]) -> Result<()> {
-        let io = |e| TrainerError::Io { path: self.path.clone(), source: e };
-        let tmp = std::path::PathBuf::from(format!("{}.tmp", self.path.display()));
-        let written = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
+        Ok(ptl_files::write_atomic_with(&self.path, 0o644, |f| {
             writeln!(f, "{}", columns.join(","))?;
             for r in rows {
                 writeln!(f, "{r}")?;
             }
-            f.sync_all()?;
-            std::fs::rename(&tmp, &self.path)
-        })();
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        written.map_err(io)
+            Ok(())
+        })?)
     }
 }

@@ -121,7 +121,7 @@ fn json_err(path: &Path, e: serde_json::Error) -> TrainerError {
 }
 
 fn read(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| TrainerError::Io { path: path.to_path_buf(), source })
+    Ok(ptl_files::read_to_string(path)?)
 }
 
 /// Parse a COCO GT document; `origin` names it in errors.
@@ -150,14 +150,14 @@ pub fn load_results(path: impl AsRef<Path>) -> Result<Vec<CocoResult>> {
 pub fn save_results(path: impl AsRef<Path>, results: &[CocoResult]) -> Result<()> {
     let p: PathBuf = path.as_ref().to_path_buf();
     let text = serde_json::to_string(results).map_err(|e| json_err(&p, e))?;
-    std::fs::write(&p, text).map_err(|source| TrainerError::Io { path: p, source })
+    Ok(ptl_files::write_atomic(&p, text.as_bytes(), 0o644)?)
 }
 
 /// Write a COCO ground-truth file.
 pub fn save_dataset(path: impl AsRef<Path>, dataset: &CocoDataset) -> Result<()> {
     let p: PathBuf = path.as_ref().to_path_buf();
     let text = serde_json::to_string(dataset).map_err(|e| json_err(&p, e))?;
-    std::fs::write(&p, text).map_err(|source| TrainerError::Io { path: p, source })
+    Ok(ptl_files::write_atomic(&p, text.as_bytes(), 0o644)?)
 }
 
 /// Python's `round(x, n)`: correctly rounded to `n` decimals, ties to even (Rust's formatter does

@@ -16,7 +16,7 @@ pub(crate) const SERIES: RGBColor = RGBColor(31, 119, 180);
 
 /// Draws every column but `epoch`/`time` of `results.csv` into `out` (PNG, [`COLS`] charts a row).
 pub fn plot_results(csv: &Path, out: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(csv).map_err(|e| TrainerError::Io { path: csv.to_path_buf(), source: e })?;
+    let text = ptl_files::read_to_string(csv)?;
     let mut lines = text.lines();
     let header: Vec<&str> = lines.next().unwrap_or("").split(',').map(str::trim).collect();
     let rows: Vec<Vec<f64>> = lines.map(|l| l.split(',').map(|v| v.trim().parse::<f64>().unwrap_or(f64::NAN)).collect()).collect();
