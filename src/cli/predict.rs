@@ -152,7 +152,7 @@ pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, 
 
 /// Refuses an image size the model cannot take (before anything is loaded).
 fn check_imgsz(imgsz: usize) -> Result<(), String> {
-    if imgsz < 32 || imgsz % 32 != 0 || imgsz > MAX_IMGSZ {
+    if imgsz < 32 || !imgsz.is_multiple_of(32) || imgsz > MAX_IMGSZ {
         return Err(format!("imgsz {imgsz} must be a multiple of 32 (the model's largest stride) in 32..={MAX_IMGSZ}, e.g. imgsz=640"));
     }
     Ok(())

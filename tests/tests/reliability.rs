@@ -354,7 +354,7 @@ fn a_checkpoint_never_chooses_where_ptl_writes() {
         dir.path(),
     );
     assert!(o.status.success(), "{}", text(&o));
-    assert!(dir.path().join("mine/here/weights/last.ckpt").is_file(), "{}", text(&o));
+    assert!(dir.path().join("mine/here/summary.json").is_file(), "{}", text(&o));
     // An empty save_dir names the fix.
     let o = train(&run_args(&data, dir.path(), "e"), &["save_dir="], dir.path());
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));

@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::{plot_error, render_png};
-use crate::{Result, TrainerError};
+use crate::Result;
 
 /// Chart cell size in pixels and charts per row.
 pub(crate) const CELL: (u32, u32) = (320, 240);
