@@ -29,7 +29,7 @@ pub enum Error {
 
     /// A file that could not be read safely (not a regular file, unreadable).
     #[error(transparent)]
-    File(#[from] ptl_files::FileError),
+    File(ptl_files::FileError),
 
     // ---- dtypes and devices -------------------------------------------------------------------
     #[error("{op}: dtype mismatch, lhs {lhs:?} vs rhs {rhs:?} (cast one side with `to_dtype`)")]
@@ -109,5 +109,16 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     pub(crate) fn invalid(op: &'static str, msg: impl Into<String>) -> Self {
         Error::InvalidArgument { op, msg: msg.into() }
+    }
+}
+
+/// A plain read or write failure stays [`Error::Io`]; the rest of `ptl-files`' errors keep their
+/// own words.
+impl From<ptl_files::FileError> for Error {
+    fn from(e: ptl_files::FileError) -> Self {
+        match e {
+            ptl_files::FileError::Io { path, source } => Error::Io { path: path.display().to_string(), source },
+            other => Error::File(other),
+        }
     }
 }

@@ -54,11 +54,22 @@ pub enum DataError {
     /// A file could not be read or written safely (not a regular file, too large, a shared cache
     /// folder, …).
     #[error(transparent)]
-    File(#[from] ptl_files::FileError),
+    File(ptl_files::FileError),
     /// Building a training batch failed or panicked (the message names the batch and its
     /// images); the prefetching pool was shut down.
     #[error("training batch could not be built: {0}")]
     Worker(String),
+}
+
+/// A plain read or write failure stays [`DataError::Io`]; the rest of `ptl-files`' errors (not a
+/// regular file, too large, a shared cache folder) keep their own words.
+impl From<ptl_files::FileError> for DataError {
+    fn from(e: ptl_files::FileError) -> Self {
+        match e {
+            ptl_files::FileError::Io { path, source } => DataError::Io { path, source },
+            other => DataError::File(other),
+        }
+    }
 }
 
 impl DataError {

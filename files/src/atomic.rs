@@ -77,14 +77,12 @@ mod tests {
         let victim = d.path().join("victim");
         std::fs::write(&victim, b"keep").unwrap();
         let p = d.path().join("f");
-        let tmp = temporary_name(&p);
-        // The next name the writer will use (the counter has moved on by one).
-        let next = tmp.with_file_name(format!(".f.{}.{}.tmp", std::process::id(), {
-            let s = tmp.to_string_lossy();
-            let n: u64 = s.rsplit('.').nth(1).unwrap().parse().unwrap();
-            n + 1
-        }));
-        std::os::unix::fs::symlink(&victim, &next).unwrap();
+        // The names the writer will use next (other tests of this process draw from the same
+        // counter, so a run of them is planted).
+        let n: u64 = temporary_name(&p).to_string_lossy().rsplit('.').nth(1).unwrap().parse().unwrap();
+        for next in n + 1..=n + 64 {
+            std::os::unix::fs::symlink(&victim, d.path().join(format!(".f.{}.{next}.tmp", std::process::id()))).unwrap();
+        }
         assert!(write_atomic(&p, b"new", 0o600).is_err());
         assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
     }

@@ -58,7 +58,7 @@ pub enum TrainerError {
     Interrupted { signal: i32, checkpoint: Option<PathBuf> },
     /// A file that could not be read or written safely (not a regular file, a run folder in use, …).
     #[error(transparent)]
-    File(#[from] ptl_files::FileError),
+    File(ptl_files::FileError),
     /// An error from the tensor library (shapes, dtypes, devices, backward).
     #[error("tensor error: {0}")]
     Tensor(#[from] ptl_autograd::Error),
@@ -94,5 +94,16 @@ pub(crate) fn check_finite(what: &'static str, data: &[f32]) -> Result<()> {
     match data.iter().position(|v| !v.is_finite()) {
         Some(index) => Err(TrainerError::NonFinite { what, index, value: f64::from(data[index]) }),
         None => Ok(()),
+    }
+}
+
+/// A plain read or write failure stays [`TrainerError::Io`]; the rest of `ptl-files`' errors keep
+/// their own words.
+impl From<ptl_files::FileError> for TrainerError {
+    fn from(e: ptl_files::FileError) -> Self {
+        match e {
+            ptl_files::FileError::Io { path, source } => TrainerError::Io { path, source },
+            other => TrainerError::File(other),
+        }
     }
 }
