@@ -475,6 +475,24 @@ fn has_images(dir: &Path) -> bool {
 mod tests {
     use super::*;
 
+    /// Hidden files and folders are not collected from an image folder (Ultralytics' glob skips
+    /// them); a list file's entries are taken as listed.
+    #[test]
+    fn hidden_images_are_not_collected_from_folders() {
+        let d = tempfile::tempdir().unwrap();
+        let images = d.path().join("images");
+        for f in ["a.jpg", ".b.jpg", ".cache/c.jpg", "sub/d.png"] {
+            let p = images.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, b"x").unwrap();
+        }
+        let (found, _) = collect_images(&[images.clone()]).unwrap();
+        assert_eq!(found, vec![images.join("a.jpg"), images.join("sub/d.png")]);
+        let list = d.path().join("list.txt");
+        std::fs::write(&list, "./images/.b.jpg\n").unwrap();
+        assert_eq!(collect_images(&[list]).unwrap().0, vec![d.path().join("images/.b.jpg")]);
+    }
+
     #[test]
     fn parse_coco8_style() {
         let y = "path: ../datasets/coco8-pose\ntrain: images/train\nval: images/val\n\

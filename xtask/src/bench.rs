@@ -1228,6 +1228,21 @@ mod quoting_tests {
         }
     }
 
+    /// A --work folder others can write (whose ul_site would go on PYTHONPATH) is refused.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_shared_work_folder_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = std::env::temp_dir().join(format!("ptl-bench-test-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = check_own_private(&d).unwrap_err();
+        assert!(e.contains("mode 777"), "{e}");
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert!(check_own_private(&d).is_ok());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
     #[test]
     fn warm_needs_a_work_folder() {
         let e = parse(&["--warm".to_string()]).unwrap_err();
