@@ -13,6 +13,8 @@ pub(crate) struct Artifact {
     pub kind: String,
     /// Package name without the `ptl-` prefix (e.g. `capture`).
     pub krate: String,
+    /// Built as a test harness (`--tests` also builds each binary target as one).
+    pub test_harness: bool,
 }
 
 /// Runs `cargo build --release <args> <extra>` in the workspace root and returns the executables.
@@ -44,6 +46,7 @@ pub(crate) fn build(step: &str, args: &[&str], extra: &[String]) -> Result<Vec<A
             name: v["target"]["name"].as_str().unwrap_or("").to_string(),
             kind: v["target"]["kind"][0].as_str().unwrap_or("").to_string(),
             krate: pkg.strip_prefix("ptl-").unwrap_or(pkg).to_string(),
+            test_harness: v["profile"]["test"].as_bool().unwrap_or(false),
         });
     }
     Ok(found)

@@ -154,7 +154,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut copied = Vec::new();
     for a in artifacts {
         let (name, kind) = (a.name.as_str(), a.kind.as_str());
-        if kind == "bin" && name == "ptl-ext" && cli_wanted {
+        if kind == "bin" && name == "ptl-ext" && cli_wanted && !a.test_harness {
             total += crate::artifacts::copy_stripped(&a.exe, &pack.join("ptl-ext"))?;
             continue;
         }
