@@ -38,6 +38,14 @@ fn kernel_cache_hits_and_rebuilds_damaged_entries() {
     // Truncated file.
     std::fs::write(entry, &std::fs::read(entry).unwrap()[..100]).unwrap();
     assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Rebuilt);
+    // The same code sealed under another key — what a local user without ours can write: a
+    // checksum would pass, the seal does not, and the entry is rebuilt, never loaded.
+    let cubin = ptl_files::user_sealer().unwrap().unseal(&std::fs::read(entry).unwrap()).unwrap().to_vec();
+    let other = dir.with_extension("other-key");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(entry, ptl_files::Sealer::in_dir(&other).unwrap().seal(&cubin)).unwrap();
+    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Rebuilt, "a foreign seal");
+    let _ = std::fs::remove_dir_all(&other);
     // Another source under the same module name is another entry, never the stale one.
     let src2 = SRC.replace("*= a", "*= a * 2.0f");
     assert_eq!(cuda::probe_module_cache(dev, name, &src2, "scale_probe").unwrap(), ModuleSource::Compiled);
@@ -47,7 +55,9 @@ fn kernel_cache_hits_and_rebuilds_damaged_entries() {
     assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Uncached);
     std::env::remove_var("PTL_KERNEL_CACHE");
     let _ = std::fs::remove_dir_all(&dir);
-    println!("ok kernel cache: compiled → hit → corrupt rebuilt → hit → truncated rebuilt; new source = new entry; off = uncached");
+    println!(
+        "ok kernel cache: compiled → hit → corrupt rebuilt → hit → truncated rebuilt → foreign seal rebuilt; new source = new entry; off = uncached"
+    );
 }
 
 #[test]
