@@ -21,6 +21,7 @@
 //! bce_with_logits; to_dtype; attention-like matmul+softmax chains.
 //! Non-differentiable: comparisons, argmax/argmin, topk, sign/floor/ceil (zero gradient).
 
+pub mod arena_plan;
 pub mod autocast;
 pub mod autograd;
 pub mod backend;

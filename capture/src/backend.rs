@@ -3,6 +3,7 @@
 use std::any::Any;
 use std::sync::Arc;
 
+use ptl_autograd::arena_plan::{AllocTrace, ArenaPlan};
 use ptl_autograd::{Device, Tensor};
 
 use crate::Result;
@@ -18,6 +19,30 @@ pub type PoolHandle = Box<dyn Any + Send + Sync>;
 /// first of them is recorded (opaque to the recorder).
 pub type ArenaSlot = std::sync::Mutex<Option<Box<dyn Any + Send + Sync>>>;
 
+/// What a native run of a body allocated ([`Backend::measure`]).
+#[derive(Clone, Debug, Default)]
+pub struct Footprint {
+    /// The sum of its allocations.
+    pub bytes: usize,
+    /// Its allocations and frees in order, where the backend records them.
+    pub trace: Option<AllocTrace>,
+}
+
+/// The arena a graph records into: the planned part laid out by `plan` (empty: none), then `tail`
+/// bytes handed out in order for what the plan does not cover.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ArenaSpec {
+    pub plan: ArenaPlan,
+    pub tail: usize,
+}
+
+impl ArenaSpec {
+    /// Bytes the arena takes.
+    pub fn bytes(&self) -> usize {
+        self.plan.bytes + self.tail
+    }
+}
+
 /// One recorded graph.
 pub trait Graph: Send + Sync {
     /// Queues one replay.
@@ -26,6 +51,11 @@ pub trait Graph: Send + Sync {
     fn node_count(&self) -> usize;
     /// Bytes reserved for the graph's intermediates.
     fn arena_bytes(&self) -> usize;
+    /// Allocations of the capture that took their planned offset, and those that went to the
+    /// arena's unplanned tail.
+    fn placement(&self) -> (usize, usize) {
+        (0, 0)
+    }
 }
 
 /// A way to record and replay bodies. [`crate::CudaBackend`] captures CUDA graphs;
@@ -36,10 +66,10 @@ pub trait Backend: Send + Sync {
     fn new_pool(&self, device: Device) -> Result<Option<PoolHandle>>;
     /// Runs `f` with allocations routed to `pool`.
     fn in_pool(&self, pool: Option<&PoolHandle>, f: &mut dyn FnMut() -> Result<()>) -> Result<()>;
-    /// Runs `f` natively and returns the device bytes it allocated (arena sizing).
-    fn measure(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<usize>;
-    /// Records `body` into a graph whose intermediates live in an arena of `arena_bytes`.
-    fn record(&self, region: &str, device: Device, arena_bytes: usize, pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>>;
+    /// Runs `f` natively and returns what it allocated (arena sizing and planning).
+    fn measure(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Footprint>;
+    /// Records `body` into a graph whose intermediates live in an arena laid out as `arena` says.
+    fn record(&self, region: &str, device: Device, arena: &ArenaSpec, pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>>;
     /// [`Backend::record`] into the arena of `slot`, shared with the other graphs recorded through
     /// it (made on first use): for graphs that run one after another and keep nothing in the arena
     /// past their end — a recording's backward graphs, one per gradient mask and target. By
@@ -48,13 +78,13 @@ pub trait Backend: Send + Sync {
         &self,
         region: &str,
         device: Device,
-        arena_bytes: usize,
+        arena: &ArenaSpec,
         slot: &ArenaSlot,
         pool: Option<&PoolHandle>,
         body: Body,
     ) -> Result<Box<dyn Graph>> {
         let _ = slot;
-        self.record(region, device, arena_bytes, pool, body)
+        self.record(region, device, arena, pool, body)
     }
     /// The address of a tensor's memory as a graph would bake it.
     fn address(&self, t: &Tensor) -> u64;

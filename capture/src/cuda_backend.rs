@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use ptl_autograd::cuda::{self, capture_support as cs, CaptureArena, CaptureViolation, MemPool};
 use ptl_autograd::{Device, Tensor};
 
-use crate::backend::{ArenaSlot, Backend, Body, Graph, PoolHandle};
+use crate::backend::{ArenaSlot, ArenaSpec, Backend, Body, Footprint, Graph, PoolHandle};
 use crate::{CaptureError, Result};
 
 /// Captures CUDA graphs (stream capture of the compute stream, thread-local mode).
@@ -30,6 +30,8 @@ struct CudaRecorded {
     /// Whether this graph made its arena (a graph sharing another's counts no arena bytes).
     owns_arena: bool,
     nodes: usize,
+    /// Planned and tail allocations of this graph's capture.
+    placement: (usize, usize),
     device: Device,
 }
 
@@ -45,6 +47,9 @@ impl Graph for CudaRecorded {
     }
     fn node_count(&self) -> usize {
         self.nodes
+    }
+    fn placement(&self) -> (usize, usize) {
+        self.placement
     }
     fn arena_bytes(&self) -> usize {
         if self.owns_arena {
@@ -64,10 +69,10 @@ fn not_capturing(region: &str) -> Result<()> {
 }
 
 impl CudaBackend {
-    fn new_arena(&self, device: Device, arena_bytes: usize, pool: Option<&PoolHandle>) -> Result<std::sync::Arc<CaptureArena>> {
+    fn new_arena(&self, device: Device, spec: &ArenaSpec, pool: Option<&PoolHandle>) -> Result<std::sync::Arc<CaptureArena>> {
         let mut arena = None;
         self.in_pool(pool, &mut || {
-            arena = Some(CaptureArena::new(device, arena_bytes)?);
+            arena = Some(CaptureArena::planned(device, spec.plan.clone(), spec.tail)?);
             Ok(())
         })?;
         arena.ok_or_else(|| CaptureError::Backend("arena not created".into()))
@@ -101,7 +106,8 @@ impl CudaBackend {
         if nodes == 0 {
             return Err(CaptureError::EmptyGraph { region: region.to_string() });
         }
-        Ok(Box::new(CudaRecorded { graph: Mutex::new(g), arena, owns_arena, nodes, device }))
+        let placement = arena.placement_counts();
+        Ok(Box::new(CudaRecorded { graph: Mutex::new(g), arena, owns_arena, nodes, placement, device }))
     }
 }
 
@@ -124,22 +130,22 @@ impl Backend for CudaBackend {
             None => f(),
         }
     }
-    fn measure(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
+    fn measure(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Footprint> {
         cs::begin_alloc_measure();
         let r = f();
-        let n = cs::end_alloc_measure();
-        r.map(|_| n)
+        let m = cs::end_alloc_measure();
+        r.map(|_| Footprint { bytes: m.bytes, trace: Some(m.trace) })
     }
-    fn record(&self, region: &str, device: Device, arena_bytes: usize, pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>> {
+    fn record(&self, region: &str, device: Device, arena: &ArenaSpec, pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>> {
         not_capturing(region)?;
-        let arena = self.new_arena(device, arena_bytes, pool)?;
+        let arena = self.new_arena(device, arena, pool)?;
         self.capture_into(region, device, arena, true, body)
     }
     fn record_sharing(
         &self,
         region: &str,
         device: Device,
-        arena_bytes: usize,
+        spec: &ArenaSpec,
         slot: &ArenaSlot,
         pool: Option<&PoolHandle>,
         body: Body,
@@ -149,13 +155,13 @@ impl Backend for CudaBackend {
         let shared = held.as_ref().and_then(|a| a.downcast_ref::<std::sync::Arc<CaptureArena>>()).cloned();
         let (arena, owns) = match shared {
             // The graphs sharing it run one after another and keep nothing in it: the next one
-            // may use it from the start.
-            Some(a) if a.size() >= arena_bytes => {
-                a.rewind();
+            // may use it from the start, laid out by its own plan.
+            Some(a) if a.size() >= spec.bytes() => {
+                a.rewind(spec.plan.clone());
                 (a, false)
             }
             _ => {
-                let a = self.new_arena(device, arena_bytes, pool)?;
+                let a = self.new_arena(device, spec, pool)?;
                 *held = Some(Box::new(a.clone()));
                 (a, true)
             }

@@ -47,7 +47,7 @@ pub mod testing;
 #[cfg(feature = "cuda")]
 mod cuda_backend;
 
-pub use backend::{Backend, Body, Graph, PoolHandle};
+pub use backend::{ArenaSpec, Backend, Body, Footprint, Graph, PoolHandle};
 #[cfg(feature = "cuda")]
 pub use cuda_backend::CudaBackend;
 pub use error::{CaptureError, Result};

@@ -25,7 +25,14 @@ pub struct RecorderConfig {
     pub strict_pending: bool,
     /// Only the all-outputs gradient mask replays; another mask errors instead of being captured.
     pub strict_masks: bool,
-    /// Arena size = measured warmup bytes × `arena_slack` + `arena_extra_bytes`.
+    /// Lay each arena out from its warm-up's allocation trace (`ptl_autograd::arena_plan`): about
+    /// the peak of live bytes instead of the sum. Off (or on a backend that records no trace), or
+    /// for a graph without a warm-up of its own: arena = the warm-up's summed bytes ×
+    /// `arena_slack` + `arena_extra_bytes`.
+    pub plan_arenas: bool,
+    /// Bytes beyond a planned part, as a fraction of it (plus `arena_extra_bytes`), for
+    /// allocations the capture makes that its warm-up did not.
+    pub plan_headroom: f64,
     pub arena_slack: f64,
     pub arena_extra_bytes: usize,
 }
@@ -39,6 +46,8 @@ impl Default for RecorderConfig {
             max_recordings: 2,
             strict_pending: false,
             strict_masks: false,
+            plan_arenas: true,
+            plan_headroom: 1.0 / 16.0,
             arena_slack: 1.25,
             arena_extra_bytes: 1 << 20,
         }

@@ -9,7 +9,7 @@ use ptl_autograd::{
     attach_custom_node, autocast_dtype, is_grad_enabled, BackwardOp, DType, Device, GradModeGuard, GraphSafeRng, Rng, Tensor, TensorKind,
 };
 
-use crate::backend::{ArenaSlot, Backend, Graph, PoolHandle};
+use crate::backend::{ArenaSlot, ArenaSpec, Backend, Footprint, Graph, PoolHandle};
 use crate::recorder::RecorderInner;
 use crate::signature::Signature;
 use crate::stats::{FallbackReason, RegionStats, RetireReason};
@@ -475,8 +475,8 @@ impl GraphedNode {
                 let m = mask.clone();
                 let t = targets.clone();
                 let body = Arc::new(move || c.bwd_body(&m, t.as_ref()));
-                let graph =
-                    rec.backend.record_sharing(&core.region, rec.device, rec.bwd_arena, &rec.bwd_arena_slot, rec.pool.as_ref(), body)?;
+                let spec = ArenaSpec { plan: Default::default(), tail: rec.bwd_arena };
+                let graph = rec.backend.record_sharing(&core.region, rec.device, &spec, &rec.bwd_arena_slot, rec.pool.as_ref(), body)?;
                 lock(&core.stats).backward_captures += 1;
                 bwd.insert(key.clone(), graph);
             }
@@ -851,7 +851,8 @@ impl RegionHandle {
         let mut meta: Vec<(Vec<usize>, DType, bool)> = Vec::new();
         let mut gparam_dt: Vec<Option<DType>> = vec![None; params.len()];
         let mut gin_dt: Vec<Option<DType>> = vec![None; inputs.len()];
-        let (mut fwd_bytes, mut bwd_bytes) = (0usize, 0usize);
+        // What the last warm-up iteration allocated (the steady state: caches are warm by then).
+        let (mut fwd_fp, mut bwd_fp) = (Footprint::default(), Footprint::default());
         // Every storage the warmup writes that existed before it (parameters an optimizer body
         // updates, its moments, EMA shadows, BatchNorm statistics) is copied before its first
         // write and copied back below: the write-set of capture.md rule 2.1, found by watching.
@@ -859,20 +860,18 @@ impl RegionHandle {
             (|| -> Result<()> {
                 for _ in 0..cfg.warmup_iters.max(1) {
                     let mut outs: Vec<Tensor> = Vec::new();
-                    let n = backend.measure(&mut || {
+                    fwd_fp = backend.measure(&mut || {
                         let _g = GradModeGuard::new(needs_grad);
                         outs = body(&warm_leaves)?;
                         Ok(())
                     })?;
-                    fwd_bytes = fwd_bytes.max(n);
                     meta = outs.iter().map(|o| (o.dims().to_vec(), o.dtype(), needs_grad && o.requires_grad())).collect();
                     if meta.iter().any(|m| m.2) {
-                        let n = backend.measure(&mut || {
+                        bwd_fp = backend.measure(&mut || {
                             let present: Vec<&Tensor> = outs.iter().zip(&meta).filter(|(_, m)| m.2).map(|(o, _)| o).collect();
                             let seeds: Vec<Tensor> = present.iter().map(|o| o.ones_like()).collect::<ptl_autograd::Result<_>>()?;
                             seed_backward(&present, seeds)
                         })?;
-                        bwd_bytes = bwd_bytes.max(n);
                         for (p, dt) in params.iter().zip(gparam_dt.iter_mut()) {
                             if let Some(g) = p.grad() {
                                 *dt = Some(g.dtype());
@@ -985,6 +984,14 @@ impl RegionHandle {
 
         // ---- capture: forward, then the all-outputs backward --------------------------------------
         let slack = |n: usize| ((n as f64) * cfg.arena_slack.max(1.0)) as usize + cfg.arena_extra_bytes;
+        let arena_of = |fp: &Footprint| match fp.trace.as_ref().filter(|_| cfg.plan_arenas) {
+            Some(trace) => {
+                let plan = ptl_autograd::arena_plan::plan(trace);
+                let tail = ((plan.bytes as f64) * cfg.plan_headroom.max(0.0)) as usize + cfg.arena_extra_bytes;
+                ArenaSpec { plan, tail }
+            }
+            None => ArenaSpec { plan: Default::default(), tail: slack(fp.bytes) },
+        };
         let c = core.clone();
         let rngs = spec.graph_rngs.clone();
         let wholes = Arc::new(Mutex::new(vec![0u64; rngs.len()]));
@@ -1005,7 +1012,7 @@ impl RegionHandle {
         };
         let bwd_arena_slot = ArenaSlot::default();
         let captured = (|| -> Result<(Box<dyn Graph>, BwdGraphs)> {
-            let fwd = backend.record(&region, device, slack(fwd_bytes), pool.as_ref(), Arc::new(fwd_body))?;
+            let fwd = backend.record(&region, device, &arena_of(&fwd_fp), pool.as_ref(), Arc::new(fwd_body))?;
             let mut bwd = BTreeMap::new();
             if needs_grad && core.out_grad.iter().any(|g| *g) {
                 let mask = core.out_grad.clone();
@@ -1014,7 +1021,7 @@ impl RegionHandle {
                 let body = Arc::new(move || c.bwd_body(&m, None));
                 bwd.insert(
                     (mask, Vec::new()),
-                    backend.record_sharing(&region, device, slack(bwd_bytes), &bwd_arena_slot, pool.as_ref(), body)?,
+                    backend.record_sharing(&region, device, &arena_of(&bwd_fp), &bwd_arena_slot, pool.as_ref(), body)?,
                 );
             }
             Ok((fwd, bwd))
@@ -1032,6 +1039,10 @@ impl RegionHandle {
             let mut s = lock(&self.shared.stats);
             s.captures += 1;
             s.backward_captures += bwd.len() as u64;
+            for (planned, tail) in std::iter::once(fwd.placement()).chain(bwd.values().map(|g| g.placement())) {
+                s.arena_planned += planned as u64;
+                s.arena_tail += tail as u64;
+            }
         }
         let fingerprints = surface.iter().map(|(n, t, _)| (n.clone(), t.storage_ptr(), backend.address(t))).collect();
         let trainable = surface.iter().filter(|(_, _, k)| *k == TensorKind::Parameter).map(|(_, t, _)| t.requires_grad()).collect();
@@ -1043,7 +1054,9 @@ impl RegionHandle {
             fingerprints,
             trainable,
             pending: Mutex::new(None),
-            bwd_arena: slack(bwd_bytes),
+            // Backward graphs recorded later (another mask) have no warm-up of their own: sized
+            // by the summed bytes, as without a plan.
+            bwd_arena: slack(bwd_fp.bytes),
             bwd_arena_slot,
             device,
             strict_masks: cfg.strict_masks,

@@ -70,6 +70,13 @@ pub struct RegionStats {
     /// Bytes reserved by the live recordings' arenas (their private pools' intermediates).
     #[serde(default)]
     pub pool_bytes: u64,
+    /// Allocations of this region's captures that took their planned arena offset, and those
+    /// that went to an arena's unplanned tail (the warm-up did not make them, or their bytes
+    /// were still live).
+    #[serde(default)]
+    pub arena_planned: u64,
+    #[serde(default)]
+    pub arena_tail: u64,
     /// Last warnings (capture failures), newest last, at most 8.
     pub warnings: Vec<String>,
 }

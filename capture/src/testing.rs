@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use ptl_autograd::{Device, Tensor};
 
-use crate::backend::{Backend, Body, Graph, PoolHandle};
+use crate::backend::{ArenaSpec, Backend, Body, Footprint, Graph, PoolHandle};
 use crate::{CaptureError, Result};
 
 /// Records by keeping the body; replays by running it.
@@ -47,10 +47,11 @@ impl Backend for ReplayNatively {
     fn in_pool(&self, _pool: Option<&PoolHandle>, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         f()
     }
-    fn measure(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<usize> {
-        f().map(|_| 0)
+    fn measure(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Footprint> {
+        f().map(|_| Footprint::default())
     }
-    fn record(&self, _region: &str, _device: Device, arena_bytes: usize, _pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>> {
+    fn record(&self, _region: &str, _device: Device, arena: &ArenaSpec, _pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>> {
+        let arena_bytes = arena.bytes();
         let mut f = self.fail_next.lock().unwrap_or_else(|e| e.into_inner());
         if !f.is_empty() {
             return Err(f.remove(0));

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use common::*;
 use ptl_autograd::{cuda, no_grad, DType, Device, GraphSafeRng, Rng, Tensor};
-use ptl_capture::{Backend, CaptureError, CudaBackend, FallbackReason, Recorder, RecorderConfig, RegionSpec, RetireReason};
+use ptl_capture::{ArenaSpec, Backend, CaptureError, CudaBackend, FallbackReason, Recorder, RecorderConfig, RegionSpec, RetireReason};
 
 fn device() -> Option<Device> {
     match cuda::check(0) {
@@ -352,13 +352,15 @@ fn t9_capture_hygiene() {
     // A direct nested capture attempt is a typed error.
     let inner_kind = Arc::new(Mutex::new(None));
     let (ik, x2) = (inner_kind.clone(), x.clone());
+    let mib = ArenaSpec { plan: Default::default(), tail: 1 << 20 };
+    let inner_spec = mib.clone();
     let g = CudaBackend.record(
         "outer",
         dev,
-        1 << 20,
+        &mib,
         None,
         Arc::new(move || {
-            let r = CudaBackend.record("inner", Device::Cuda(0), 1 << 20, None, Arc::new(|| Ok(())));
+            let r = CudaBackend.record("inner", Device::Cuda(0), &inner_spec, None, Arc::new(|| Ok(())));
             *ik.lock().unwrap() = r.err().map(|e| e.kind());
             let _y = x2.mul_scalar(2.0)?;
             Ok(())

@@ -486,7 +486,7 @@ mod tests {
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();
             std::fs::write(&p, b"x").unwrap();
         }
-        let (found, _) = collect_images(&[images.clone()]).unwrap();
+        let (found, _) = collect_images(std::slice::from_ref(&images)).unwrap();
         assert_eq!(found, vec![images.join("a.jpg"), images.join("sub/d.png")]);
         let list = d.path().join("list.txt");
         std::fs::write(&list, "./images/.b.jpg\n").unwrap();

@@ -149,6 +149,68 @@ fn cuda_all_replay_equals_native_in_every_precision() {
     }
 }
 
+/// Planned arenas (buffers of one recording share bytes where the warm-up's lifetimes did not
+/// meet) with every fresh allocation poisoned — arena pieces on every replay too: `replay=all`
+/// still ends with native's bytes, every region replaying after its warm-up, and the replayed
+/// fit's peak is printed next to native's and to the summed (unplanned) arenas'.
+#[test]
+fn cuda_planned_arenas_poisoned_replay_equals_native() {
+    let Some(dev) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-plan-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    ptl_autograd::cuda::set_poison_allocations(true);
+    let run = |replay: &[&str], cfg_json: serde_json::Value, name: &str| {
+        let save = dir.join(name);
+        let mut cfg = PoseTrainConfig { nbs: 2, precision: Precision::Bf16Mixed, ..cuda_fit_cfg(&data, dev, 8, replay, save) };
+        cfg.replay_config = cfg_json.as_object().cloned().unwrap_or_default();
+        fit(&cfg, vec![]).expect("fit")
+    };
+    let native = run(&[], serde_json::json!({}), "native");
+    let planned = run(&["all"], serde_json::json!({}), "planned");
+    let off: serde_json::Value = ["step", "optimizer", "loss", "feature", "stem", "ns"]
+        .iter()
+        .map(|p| (p.to_string(), serde_json::json!({ "plan_arenas": false })))
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    let summed = run(&["all"], off, "summed");
+    ptl_autograd::cuda::set_poison_allocations(false);
+    assert_eq!(planned.hashes, native.hashes, "planned arenas, poisoned");
+    assert_eq!(summed.hashes, native.hashes, "summed arenas, poisoned");
+    for s in [&planned, &summed] {
+        for (plugin, calls) in [("optimizer", s.optimizer_steps), ("step", 12)] {
+            let short = replay_shortfalls(s, plugin, calls, &[]);
+            assert!(short.is_empty(), "{plugin}: {short:?}");
+        }
+    }
+    let mib = |b: Option<u64>| b.map_or(f64::NAN, |b| b as f64 / 1048576.0);
+    // The recordings' arenas and static buffers, summed over every region of every plugin.
+    let pool_bytes = |s: &ptl_trainer::fit::RunSummary| -> u64 {
+        let plugins = s.replay_counters.values();
+        plugins.flat_map(|p| p.as_object().into_iter().flat_map(|m| m.values())).filter_map(|r| r["pool_bytes"].as_u64()).sum()
+    };
+    let pools = |s: &ptl_trainer::fit::RunSummary| mib(Some(pool_bytes(s)));
+    let placed = |s: &ptl_trainer::fit::RunSummary, key: &str| -> u64 {
+        let plugins = s.replay_counters.values();
+        plugins.flat_map(|p| p.as_object().into_iter().flat_map(|m| m.values())).filter_map(|r| r[key].as_u64()).sum()
+    };
+    println!(
+        "arena placements: planned {} in place, {} in the tail; summed {} / {}",
+        placed(&planned, "arena_planned"),
+        placed(&planned, "arena_tail"),
+        placed(&summed, "arena_planned"),
+        placed(&summed, "arena_tail")
+    );
+    println!(
+        "ok cuda planned arenas (poisoned): peak allocated native {:.1} MiB, replay=all planned {:.1} MiB (pools {:.1}), summed {:.1} MiB (pools {:.1})",
+        mib(native.peak_allocated_bytes),
+        mib(planned.peak_allocated_bytes),
+        pools(&planned),
+        mib(summed.peak_allocated_bytes),
+        pools(&summed)
+    );
+    assert!(pool_bytes(&planned) > 0 && pool_bytes(&planned) < pool_bytes(&summed), "planning shrinks the arenas");
+}
+
 mod scaler_skip;
 
 /// capture.md T12 on real CUDA graphs, SGD, MuSGD and AdamW: see `scaler_skip`.

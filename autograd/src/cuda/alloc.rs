@@ -182,6 +182,12 @@ impl DevBuf {
         dev.bind()?;
         if let Some(r) = super::capture_support::arena_alloc(dev, bytes) {
             let (ptr, arena) = r?;
+            if POISON.load(Ordering::Relaxed) {
+                // Recorded into the graph: every replay poisons the piece again, so a kernel that
+                // reads bytes another buffer of the plan left there is caught too.
+                let n = bytes.max(1).next_multiple_of(super::capture_support::ARENA_ALIGN);
+                unsafe { dr::memset_d8_async(ptr, 0xFF, n, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
+            }
             return Ok(DevBuf { ptr, bytes, block: 0, dev: dev.clone(), _pool: None, _arena: Some(arena) });
         }
         let pool = POOL_STACK.with(|s| {
@@ -216,6 +222,7 @@ impl DevBuf {
             }
         };
         dev.note_alloc(bytes.max(1) as u64);
+        super::capture_support::note_alloc(ptr, bytes);
         if POISON.load(Ordering::Relaxed) {
             unsafe { dr::memset_d8_async(ptr, 0xFF, block, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
         }
@@ -229,9 +236,14 @@ fn oom(dev: &Dev, block: usize, e: impl std::fmt::Debug) -> Error {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        if self._arena.is_some() || self.dev.bind().is_err() {
+        if let Some(a) = &self._arena {
+            a.release(self.ptr);
             return;
         }
+        if self.dev.bind().is_err() {
+            return;
+        }
+        super::capture_support::note_free(self.ptr);
         self.dev.note_free(self.bytes.max(1) as u64);
         if self._pool.is_none()
             && !self.dev.capturing.load(Ordering::Relaxed)

@@ -4,14 +4,21 @@
 //! nested capture) into errors with a typed [`CaptureViolation`] the recorder can read back, plus
 //! a per-thread byte counter used to size arenas during warmup.
 //!
-//! Arena memory is never freed one buffer at a time: a buffer allocated from the arena keeps the
-//! arena alive (shared handle) and its drop is a no-op, so every address baked into a graph stays
-//! reserved for as long as the recording (or any tensor on arena memory) lives.
+//! Arena memory is never returned one buffer at a time: a buffer allocated from the arena keeps the
+//! arena alive (shared handle), so every address baked into a graph stays reserved for as long as
+//! the recording (or any tensor on arena memory) lives. Within one capture, though, bytes are
+//! reused: an arena made with an [`ArenaPlan`] (from the warm-up's [`AllocTrace`]) hands the k-th
+//! allocation the planned offset of the warm-up's k-th buffer, so buffers whose lifetimes did not
+//! meet share bytes, as in a caching allocator. A planned offset is taken only when the request
+//! has the planned size and the bytes are free now (the buffers there were dropped, in stream
+//! order before this point); anything else goes to the unplanned tail of the arena.
 
 use std::cell::{Cell, RefCell};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use super::device::Dev;
+use crate::arena_plan::{AllocTrace, ArenaPlan};
 use crate::{Device, Error, Result, Tensor};
 
 /// Alignment of arena sub-allocations (what cudaMalloc guarantees).
@@ -43,61 +50,115 @@ impl std::fmt::Display for CaptureViolation {
     }
 }
 
-/// A bump arena: one device allocation carved into aligned pieces, reset only by dropping it.
+/// One device allocation carved into aligned pieces: planned offsets first (see the module
+/// documentation), the rest bump-allocated after the planned part; memory returns only when the
+/// arena is dropped.
 pub struct CaptureArena {
     base: u64,
     size: usize,
-    used: Cell<usize>,
     dev: Arc<Dev>,
+    state: Mutex<Placement>,
     /// The backing tensor (holds the device memory, from whatever pool was entered at creation).
     _backing: Tensor,
 }
 
-// SAFETY: `used` is only touched by the thread that holds the arena in its capture scope.
-unsafe impl Send for CaptureArena {}
-unsafe impl Sync for CaptureArena {}
+/// Where the next allocations of the graph being recorded go.
+#[derive(Default)]
+struct Placement {
+    plan: ArenaPlan,
+    /// Allocations made so far in this recording (the next one is the plan's buffer `next`).
+    next: usize,
+    /// Start of the unplanned tail's free part.
+    bump: usize,
+    /// Live pieces by address: (offset, bytes).
+    live: HashMap<u64, (usize, usize)>,
+    /// Allocations that took their planned offset, and those that went to the tail.
+    planned_hits: usize,
+    tail_allocs: usize,
+    /// High-water mark of the used bytes (planned part included).
+    high: usize,
+}
 
 impl std::fmt::Debug for CaptureArena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CaptureArena(cuda:{}, {} of {} bytes used)", self.dev.ordinal, self.used.get(), self.size)
+        write!(f, "CaptureArena(cuda:{}, {} of {} bytes used)", self.dev.ordinal, self.used(), self.size)
     }
 }
 
 impl CaptureArena {
-    /// Reserves `bytes` of device memory (from the private pool entered on this thread, if any).
+    /// Reserves `bytes` of device memory (from the private pool entered on this thread, if any),
+    /// handed out by bumping a pointer.
     pub fn new(device: Device, bytes: usize) -> Result<Arc<CaptureArena>> {
+        Self::planned(device, ArenaPlan::default(), bytes)
+    }
+
+    /// Reserves `plan.bytes + tail` bytes: the planned part laid out as `plan` says, then `tail`
+    /// bytes for allocations the plan does not cover.
+    pub fn planned(device: Device, plan: ArenaPlan, tail: usize) -> Result<Arc<CaptureArena>> {
         let dev = super::dev_of(device)?;
-        let size = bytes.max(ARENA_ALIGN).next_multiple_of(ARENA_ALIGN);
+        let size = (plan.bytes + tail).max(ARENA_ALIGN).next_multiple_of(ARENA_ALIGN);
         let backing = Tensor::from_storage(crate::storage::Storage::Cuda(super::CudaStorage::alloc(&dev, crate::DType::U8, size)?), size)?;
         let base = backing.with_storage(|s| match s {
             crate::storage::Storage::Cuda(c) => Ok(c.device_ptr()),
             #[allow(unreachable_patterns)]
             _ => Err(Error::invalid("CaptureArena", "backing storage is not on a CUDA device")),
         })?;
-        Ok(Arc::new(CaptureArena { base, size, used: Cell::new(0), dev, _backing: backing }))
+        let state = Mutex::new(Placement { bump: plan.bytes, plan, ..Placement::default() });
+        Ok(Arc::new(CaptureArena { base, size, dev, state, _backing: backing }))
     }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, Placement> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Capacity in bytes.
     pub fn size(&self) -> usize {
         self.size
     }
-    /// Bytes handed out so far.
+    /// The most bytes in use at once so far (the planned part counts once it is reached).
     pub fn used(&self) -> usize {
-        self.used.get()
+        self.state().high
     }
-    /// Hands the whole arena out again from its start, for the next graph recorded into it. Only
-    /// for graphs that run one after another on one stream and keep nothing in the arena past
-    /// their own end (a recording's backward graphs: their results go to static buffers).
-    pub fn rewind(&self) {
-        self.used.set(0);
+    /// Allocations that took their planned offset, and those that went to the tail.
+    pub fn placement_counts(&self) -> (usize, usize) {
+        let s = self.state();
+        (s.planned_hits, s.tail_allocs)
+    }
+    /// Hands the whole arena out again from its start, laid out as `plan` says, for the next
+    /// graph recorded into it. Only for graphs that run one after another on one stream and keep
+    /// nothing in the arena past their own end (backward graphs: their results go to static
+    /// buffers). `plan` must fit: `plan.bytes` ≤ the arena's size.
+    pub fn rewind(&self, plan: ArenaPlan) {
+        let mut s = self.state();
+        *s = Placement { bump: plan.bytes.min(self.size), plan, ..Placement::default() };
     }
     fn take(&self, bytes: usize) -> std::result::Result<u64, CaptureViolation> {
         let n = bytes.max(1).next_multiple_of(ARENA_ALIGN);
-        let off = self.used.get();
-        if off + n > self.size {
-            return Err(CaptureViolation::AllocOutsidePool { requested: bytes, free: self.size - off });
+        let mut s = self.state();
+        let k = s.next;
+        s.next += 1;
+        // The planned place, if the request matches the warm-up's and nothing live is there.
+        if let Some((&off, &size)) = s.plan.offsets.get(k).zip(s.plan.sizes.get(k)) {
+            if size == n && !s.live.values().any(|&(o, l)| o < off + n && off < o + l) {
+                s.live.insert(self.base + off as u64, (off, n));
+                s.planned_hits += 1;
+                s.high = s.high.max(off + n).max(s.bump.min(s.plan.bytes));
+                return Ok(self.base + off as u64);
+            }
         }
-        self.used.set(off + n);
+        let off = s.bump;
+        if off + n > self.size {
+            return Err(CaptureViolation::AllocOutsidePool { requested: bytes, free: self.size.saturating_sub(off) });
+        }
+        s.bump = off + n;
+        s.live.insert(self.base + off as u64, (off, n));
+        s.tail_allocs += 1;
+        s.high = s.high.max(off + n);
         Ok(self.base + off as u64)
+    }
+    /// A piece was dropped: its bytes may take a later planned buffer of the same recording.
+    pub(crate) fn release(&self, ptr: u64) {
+        self.state().live.remove(&ptr);
     }
 }
 
@@ -105,10 +166,19 @@ struct Scope {
     arena: Arc<CaptureArena>,
 }
 
+/// What a warm-up allocated: the sum, and the trace of allocations and frees by address.
+#[derive(Default)]
+struct Measure {
+    bytes: usize,
+    trace: AllocTrace,
+    ids: HashMap<u64, usize>,
+}
+
 thread_local! {
     static SCOPE: RefCell<Option<Scope>> = const { RefCell::new(None) };
     static VIOLATION: RefCell<Option<CaptureViolation>> = const { RefCell::new(None) };
-    static MEASURE: Cell<Option<usize>> = const { Cell::new(None) };
+    static MEASURE: RefCell<Option<Measure>> = const { RefCell::new(None) };
+    static MEASURING: Cell<bool> = const { Cell::new(false) };
 }
 
 fn violate(v: CaptureViolation) -> Error {
@@ -154,28 +224,64 @@ pub fn take_capture_violation() -> Option<CaptureViolation> {
     VIOLATION.with(|s| s.borrow_mut().take())
 }
 
-/// Starts counting the bytes this thread allocates on the device (arena sizing during warmup).
+/// Starts recording the device allocations and frees of this thread (a recorder's warm-up: arena
+/// sizing and planning).
 pub fn begin_alloc_measure() {
-    MEASURE.with(|m| m.set(Some(0)));
+    MEASURE.with(|m| *m.borrow_mut() = Some(Measure::default()));
+    MEASURING.with(|m| m.set(true));
 }
 
-/// Whether this thread is counting its allocations ([`begin_alloc_measure`]): a recorder's warm-up.
+/// Whether this thread is recording its allocations ([`begin_alloc_measure`]): a recorder's warm-up.
 pub(crate) fn is_measuring() -> bool {
-    MEASURE.with(|m| m.get().is_some())
+    MEASURING.with(|m| m.get())
 }
 
-/// Stops counting; returns the bytes (each request rounded up to [`ARENA_ALIGN`]).
-pub fn end_alloc_measure() -> usize {
-    MEASURE.with(|m| m.take()).unwrap_or(0)
+/// What a warm-up allocated, from [`end_alloc_measure`].
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    /// The sum of its allocations (each rounded up to [`ARENA_ALIGN`]).
+    pub bytes: usize,
+    /// Its allocations and frees in order (sizes rounded up to [`ARENA_ALIGN`]).
+    pub trace: AllocTrace,
+}
+
+/// Stops recording; returns what was allocated since [`begin_alloc_measure`].
+pub fn end_alloc_measure() -> Measured {
+    MEASURING.with(|m| m.set(false));
+    MEASURE.with(|m| m.borrow_mut().take()).map(|m| Measured { bytes: m.bytes, trace: m.trace }).unwrap_or_default()
+}
+
+/// Called by the allocator after a device allocation outside an arena (recorded while measuring).
+pub(crate) fn note_alloc(ptr: u64, bytes: usize) {
+    if !is_measuring() {
+        return;
+    }
+    MEASURE.with(|m| {
+        if let Some(m) = m.borrow_mut().as_mut() {
+            let n = bytes.max(1).next_multiple_of(ARENA_ALIGN);
+            m.bytes += n;
+            let id = m.trace.alloc(n);
+            m.ids.insert(ptr, id);
+        }
+    });
+}
+
+/// Called by the allocator when a buffer outside an arena is freed (recorded while measuring).
+pub(crate) fn note_free(ptr: u64) {
+    if !is_measuring() {
+        return;
+    }
+    MEASURE.with(|m| {
+        if let Some(m) = m.borrow_mut().as_mut() {
+            if let Some(id) = m.ids.remove(&ptr) {
+                m.trace.free(id);
+            }
+        }
+    });
 }
 
 /// Called by the allocator: inside a scope, serves the request from the arena.
 pub(crate) fn arena_alloc(dev: &Arc<Dev>, bytes: usize) -> Option<Result<(u64, Arc<CaptureArena>)>> {
-    MEASURE.with(|m| {
-        if let Some(n) = m.get() {
-            m.set(Some(n + bytes.max(1).next_multiple_of(ARENA_ALIGN)));
-        }
-    });
     SCOPE.with(|s| {
         let s = s.borrow();
         let scope = s.as_ref()?;
