@@ -90,6 +90,12 @@ pub trait Backend: Send + Sync {
     fn address(&self, t: &Tensor) -> u64;
     /// Waits for the device.
     fn synchronize(&self, device: Device) -> Result<()>;
+    /// Gives the device's default pool back what it holds unused — after a capture, the
+    /// warm-up's native allocations (default: nothing to give back).
+    fn trim(&self, device: Device) -> Result<()> {
+        let _ = device;
+        Ok(())
+    }
     /// Whether a capture is running on this thread.
     fn is_capturing(&self) -> bool;
 }

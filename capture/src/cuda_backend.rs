@@ -180,4 +180,10 @@ impl Backend for CudaBackend {
     fn is_capturing(&self) -> bool {
         cs::is_capturing()
     }
+    fn trim(&self, device: Device) -> Result<()> {
+        match device {
+            Device::Cuda(_) => Ok(cuda::empty_cache(device)?),
+            Device::Cpu => Ok(()),
+        }
+    }
 }

@@ -1035,6 +1035,9 @@ impl RegionHandle {
         }
         let rngs: Vec<(Arc<GraphSafeRng>, u64)> = spec.graph_rngs.iter().cloned().zip(lock(&wholes).iter().copied()).collect();
         let (fwd, bwd) = captured?;
+        // The warm-up's allocations went back to the default pool: return them to the driver, so
+        // that they do not stay reserved beside the recording's own arenas.
+        backend.trim(device)?;
         {
             let mut s = lock(&self.shared.stats);
             s.captures += 1;
