@@ -16,6 +16,7 @@ times itself, written to one JSON file.
 
 usage: ultralytics_bench.py --data DS/data.yaml --out RESULT.json [--epochs 1] [--amp True|False|bf16]
                             [--optimizer MuSGD] [--batch 4] [--imgsz 640] [--workers 8] [--seed 347]
+                            [--compile False|True|reduce-overhead] [--deterministic True|False]
 """
 import time
 
@@ -39,6 +40,8 @@ ap.add_argument("--optimizer", default="MuSGD")
 ap.add_argument("--amp", default="True")
 ap.add_argument("--warmup", type=int, default=10)
 ap.add_argument("--gpu-window", type=int, default=1, help="0: no profiler window")
+ap.add_argument("--compile", default="False", help="Ultralytics' own `compile=` (torch.compile of the model)")
+ap.add_argument("--deterministic", default="True", help="Ultralytics' `deterministic=`")
 args = ap.parse_args()
 
 work = Path(os.environ.get("ULTRA_WORK", "/tmp/ptl-bench-ultra"))
@@ -296,7 +299,8 @@ if cuda:
 err = None
 try:
     model.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, batch=args.batch, workers=args.workers, cache="ram",
-                deterministic=True, seed=args.seed, plots=False, device=0 if cuda else "cpu", project=str(work / "runs"),
+                deterministic=args.deterministic.lower() == "true", seed=args.seed,
+                compile={"true": True, "false": False}.get(args.compile.lower(), args.compile), plots=False, device=0 if cuda else "cpu", project=str(work / "runs"),
                 name="bench", exist_ok=True, close_mosaic=0, optimizer=args.optimizer,
                 amp={"true": True, "false": False}.get(args.amp.lower(), args.amp), verbose=False)
 except Exception as e:  # keep what was measured

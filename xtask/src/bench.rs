@@ -32,6 +32,12 @@ options:
                      forward and loss as one region, `step`), all+loss (the same, named as before),
                      pieces+loss (the trunk, each stem and the loss recorded apart, no step region)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
+  --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
+                     the ratios), compile (its compile=True), reduce-overhead (compile=reduce-overhead:
+                     CUDA graphs of the model), nondeterministic (eager, deterministic=False); a crash
+                     is reported with its error and stops no other arm
+  --batches B,C      a sweep: the whole bench once per batch size (e.g. 4,16,32,64), each into
+                     <out>/b<batch>/, then one table of every batch in <out>
   --precisions P,Q   bf16-mixed,32-true,16-mixed (default bf16-mixed)
   --pairs N          rounds of every arm per precision (default 3)
   --epochs N         epochs per run (default 1)
@@ -67,6 +73,10 @@ struct Opts {
     /// `None`: 128 × batch (128 steps per epoch whatever the batch size).
     images: Option<usize>,
     batch: usize,
+    /// Batch sizes of a sweep (empty: `batch` alone).
+    batches: Vec<usize>,
+    /// Ultralytics arms (`--ultra-arms`), run when `ultralytics` is set.
+    ultra_arms: Vec<String>,
 }
 
 impl Opts {
@@ -92,6 +102,8 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
         imgsz: 640,
         images: None,
         batch: 4,
+        batches: Vec::new(),
+        ultra_arms: vec!["eager".into()],
     };
     let mut rest = Vec::new();
     let mut it = args.iter();
@@ -119,6 +131,13 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
             "--imgsz" => o.imgsz = val("--imgsz")?.parse().map_err(|_| "--imgsz wants a number".to_string())?,
             "--images" => o.images = Some(val("--images")?.parse().map_err(|_| "--images wants a number".to_string())?),
             "--batch" => o.batch = val("--batch")?.parse().map_err(|_| "--batch wants a number".to_string())?,
+            "--batches" => {
+                o.batches = list(&val("--batches")?)
+                    .iter()
+                    .map(|b| b.parse().map_err(|_| format!("--batches: `{b}` is not a batch size")))
+                    .collect::<Result<_, _>>()?
+            }
+            "--ultra-arms" => o.ultra_arms = list(&val("--ultra-arms")?),
             "-h" | "--help" => return Err(HELP.into()),
             other => rest.push(other.to_string()),
         }
@@ -128,6 +147,12 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
     }
     for p in &o.precisions {
         ultra_amp(p)?;
+    }
+    for a in &o.ultra_arms {
+        ultra_arm(a)?;
+    }
+    if o.batches.contains(&0) {
+        return Err("--batches: a batch size must be at least 1".into());
     }
     if !o.cold_first && o.work.is_none() {
         return Err("--warm reuses the caches of an earlier call: give its --work DIR".into());
@@ -202,6 +227,22 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
     }
 }
 
+/// An Ultralytics arm: (label in the tables, its `compile=`, its `deterministic=`).
+fn ultra_arm(name: &str) -> Result<(&'static str, &'static str, &'static str), String> {
+    match name {
+        "eager" => Ok((ULTRA, "False", "True")),
+        "compile" => Ok(("ultralytics-compile", "True", "True")),
+        "reduce-overhead" => Ok(("ultralytics-reduce-overhead", "reduce-overhead", "True")),
+        "nondeterministic" => Ok(("ultralytics-nondeterministic", "False", "False")),
+        other => Err(format!("unknown Ultralytics arm `{other}` (eager, compile, reduce-overhead, nondeterministic)")),
+    }
+}
+
+/// The Ultralytics arm a table label belongs to.
+fn ultra_arm_of_label(label: &str) -> Option<(&'static str, &'static str, &'static str)> {
+    ["eager", "compile", "reduce-overhead", "nondeterministic"].iter().filter_map(|a| ultra_arm(a).ok()).find(|a| a.0 == label)
+}
+
 /// Ultralytics' `amp` for a ptl precision.
 fn ultra_amp(precision: &str) -> Result<&'static str, String> {
     match precision {
@@ -248,7 +289,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         let (mut o, _) = parse(&args[1..])?;
         o.work = Some(work_folder(&o)?);
         let dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
-        return run_bench(&o, &dir.join("ptl"), &dir.join("ultralytics_bench.py"), Some(&dir.join("whl")));
+        return run_sweep(&o, &dir.join("ptl"), &dir.join("ultralytics_bench.py"), Some(&dir.join("whl")));
     }
     let pack = args.iter().any(|a| a == "--pack");
     let args: Vec<String> = args.iter().filter(|a| *a != "--pack").cloned().collect();
@@ -267,7 +308,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let script = work_of(&o).join("ultralytics_bench.py");
     std::fs::write(&script, ULTRA_SCRIPT).map_err(|e| format!("{}: {e}", script.display()))?;
     let wheels = root.join(".whl");
-    run_bench(&o, &ptl, &script, wheels.is_dir().then_some(wheels.as_path()))
+    run_sweep(&o, &ptl, &script, wheels.is_dir().then_some(wheels.as_path()))
 }
 
 fn write_pack(root: &Path, ptl: &Path, args: &[String], ultralytics: bool) -> Result<(), String> {
@@ -342,6 +383,27 @@ fn record(id: RunId<'_>, wall_s: f64, exit: i32, result: Value, error: Option<St
             "cold": id.cold, "result": result, "error": error })
 }
 
+/// The bench at `o.batch`, or once per batch of a `--batches` sweep (each into `<out>/b<batch>`,
+/// the caches of the first warming the rest) and then one report of all of them in `<out>`.
+fn run_sweep(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Result<(), String> {
+    if o.batches.is_empty() {
+        return run_bench(o, ptl, script, wheels);
+    }
+    let (mut all, mut errors) = (Vec::new(), Vec::new());
+    for (i, &b) in o.batches.iter().enumerate() {
+        let ob = Opts { batch: b, out: o.out.join(format!("b{b}")), batches: Vec::new(), cold_first: o.cold_first && i == 0, ..o.clone() };
+        if let Err(e) = run_bench(&ob, ptl, script, wheels) {
+            errors.push(format!("batch {b}: {e}"));
+        }
+        all.extend(read_runs(&ob.out.join("runs.jsonl")).unwrap_or_default());
+    }
+    write_report(&all, &o.out)?;
+    match errors.is_empty() {
+        true => Ok(()),
+        false => Err(errors.join("; ")),
+    }
+}
+
 fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Result<(), String> {
     let started = Instant::now();
     std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
@@ -363,7 +425,9 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
     }
     let mut arms: Vec<String> = o.arms.clone();
     if o.ultralytics {
-        arms.push(ULTRA.into());
+        for a in &o.ultra_arms {
+            arms.push(ultra_arm(a)?.0.to_string());
+        }
     }
     let mut durations: BTreeMap<String, f64> = BTreeMap::new();
     // A run that fails before any of its kind succeeded (no GPU, a broken install) would fail
@@ -407,8 +471,8 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
                     }
                 }
                 let t = Instant::now();
-                let rec = if arm == ULTRA {
-                    run_ultralytics(o, script, site.as_deref(), &data, precision, pair)?
+                let rec = if let Some(ua) = ultra_arm_of_label(arm) {
+                    run_ultralytics(o, script, site.as_deref(), &data, precision, pair, ua)?
                 } else {
                     run_ptl(o, ptl, &kcache, &data, arm, precision, pair, false)?
                 };
@@ -417,7 +481,10 @@ fn run_bench(o: &Opts, ptl: &Path, script: &Path, wheels: Option<&Path>) -> Resu
                 durations.insert(arm.clone(), took);
                 append(&rec)?;
                 eprintln!("bench: {arm} {precision} pair {pair}: {}", one_line(&rec));
-                stopped = first_failure(&rec, &mut kind_ok);
+                // Ultralytics' other arms may crash (reduce-overhead does): reported, not a stop.
+                if arm == ULTRA || ultra_arm_of_label(arm).is_none() {
+                    stopped = first_failure(&rec, &mut kind_ok);
+                }
             }
         }
     }
@@ -517,8 +584,17 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
     Ok(rec)
 }
 
-fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, precision: &str, pair: usize) -> Result<Value, String> {
-    let result = work_of(o).join(format!("ultra-{precision}-{pair}.json"));
+fn run_ultralytics(
+    o: &Opts,
+    script: &Path,
+    site: Option<&Path>,
+    data: &Path,
+    precision: &str,
+    pair: usize,
+    arm: (&'static str, &'static str, &'static str),
+) -> Result<Value, String> {
+    let (label, compile, deterministic) = arm;
+    let result = work_of(o).join(format!("{label}-{precision}-{pair}.json"));
     let _ = std::fs::remove_file(&result);
     let mut cmd = Command::new("python3");
     cmd.arg(script)
@@ -528,6 +604,7 @@ fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, pr
         .arg(&result)
         .args(["--epochs", &o.epochs.to_string(), "--amp", ultra_amp(precision)?, "--optimizer", &o.optimizer])
         .args(["--imgsz", &o.imgsz.to_string(), "--batch", &o.batch.to_string()])
+        .args(["--compile", compile, "--deterministic", deterministic])
         .env("PYTHONUNBUFFERED", "1")
         .env("ULTRA_WORK", work_of(o).join("ultra"));
     if let Some(s) = site {
@@ -536,15 +613,19 @@ fn run_ultralytics(o: &Opts, script: &Path, site: Option<&Path>, data: &Path, pr
     let t = Instant::now();
     let out = cmd.output().map_err(|e| format!("starting python3: {e}"))?;
     let wall = t.elapsed().as_secs_f64();
-    let logname = format!("ultra-{precision}-{pair}.log");
+    let logname = format!("{label}-{precision}-{pair}.log");
     let _ = std::fs::write(o.out.join(&logname), [out.stdout.as_slice(), out.stderr.as_slice()].concat());
     let res = std::fs::read_to_string(&result).ok().and_then(|s| serde_json::from_str(&s).ok());
     let exit = out.status.code().unwrap_or(-1);
     let error = (exit != 0).then(|| tail(&out.stderr, 6));
     if let Some(e) = &error {
-        eprintln!("bench: ultralytics {precision} failed ({}); log {logname}:\n{e}", out.status);
+        eprintln!("bench: {label} {precision} failed ({}); log {logname}:\n{e}", out.status);
     }
-    let mut rec = record(RunId { kind: ULTRA, arm: ULTRA, precision, pair, cold: false }, wall, exit, res.unwrap_or(Value::Null), error);
+    // The driver keeps what it measured when the fit raised: that is a crash, reported as one.
+    let crashed = res.as_ref().and_then(|r: &Value| r["error"].as_str().map(str::to_string));
+    let error = error.or(crashed.map(|e| format!("crashed: {e}")));
+    let exit = if error.is_some() && exit == 0 { 1 } else { exit };
+    let mut rec = record(RunId { kind: ULTRA, arm: label, precision, pair, cold: false }, wall, exit, res.unwrap_or(Value::Null), error);
     rec["batch"] = json!(o.batch);
     Ok(rec)
 }
@@ -577,6 +658,8 @@ fn step_figure(s2s: &Value) -> Option<f64> {
 struct Figures {
     wall_s: f64,
     step_ms: Option<f64>,
+    /// Images per second at that step (batch × 1000 / step ms).
+    images_s: Option<f64>,
     sync_ms: Option<f64>,
     wait_ms: Option<f64>,
     gpu_ms: Option<f64>,
@@ -639,6 +722,8 @@ fn figures(r: &Value) -> Figures {
     }
     x.alloc_mib = mib(&res["peak_allocated_bytes"]);
     x.reserved_mib = mib(&res["peak_reserved_bytes"]);
+    let batch = r["batch"].as_f64().unwrap_or(4.0);
+    x.images_s = x.step_ms.filter(|s| *s > 0.0).map(|s| batch * 1000.0 / s);
     x
 }
 
@@ -716,8 +801,8 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         recs.len(),
         failed
     ));
-    md.push_str("| precision | arm | runs | complete s | step ms | sync-window ms | data wait ms | GPU kernel ms/step | GPU kernels/step | event span ms/step | host launches/step | host copies/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
-    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    md.push_str("| precision | arm | runs | complete s | step ms | images/s | sync-window ms | data wait ms | GPU kernel ms/step | GPU kernels/step | event span ms/step | host launches/step | host copies/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
+    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     let mut json_groups = Vec::new();
     for p in &precisions {
         for arm in &arm_order {
@@ -726,17 +811,23 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             let col = |g: fn(&Figures) -> Option<f64>| fs.iter().map(g).collect::<Vec<_>>();
             let cold: Vec<Option<f64>> = runs.iter().zip(&fs).filter(|(r, _)| r["cold"] == true).map(|(_, f)| f.to_first_step_s).collect();
             let warm: Vec<Option<f64>> = runs.iter().zip(&fs).filter(|(r, _)| r["cold"] != true).map(|(_, f)| f.to_first_step_s).collect();
-            let label = if arm == ULTRA {
-                format!("Ultralytics amp={}", ultra_amp(base_precision(p)).unwrap_or("?"))
+            let label = if let Some((_, compile, deterministic)) = ultra_arm_of_label(arm) {
+                let extra = match (compile, deterministic) {
+                    ("False", "True") => String::new(),
+                    ("False", d) => format!(" deterministic={d}"),
+                    (c, _) => format!(" compile={c}"),
+                };
+                format!("Ultralytics amp={}{extra}", ultra_amp(base_precision(p)).unwrap_or("?"))
             } else {
                 format!("ptl {arm}")
             };
             let map = fs.first().map(|f| f.map50.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(" ")).unwrap_or_default();
             md.push_str(&format!(
-                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
+                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
                 fs.len(),
                 mr(&col(|f| Some(f.wall_s)), 1),
                 mr(&col(|f| f.step_ms), 1),
+                mr(&col(|f| f.images_s), 0),
                 mr(&col(|f| f.sync_ms), 1),
                 mr(&col(|f| f.wait_ms), 2),
                 mr(&col(|f| f.gpu_ms), 1),
@@ -754,7 +845,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             json_groups.push(json!({
                 "precision": p, "arm": arm, "runs": fs.len(),
                 "complete_s": fs.iter().map(|f| f.wall_s).collect::<Vec<_>>(),
-                "step_ms": col(|f| f.step_ms), "sync_window_ms": col(|f| f.sync_ms), "data_wait_ms": col(|f| f.wait_ms),
+                "step_ms": col(|f| f.step_ms), "images_per_s": col(|f| f.images_s), "sync_window_ms": col(|f| f.sync_ms), "data_wait_ms": col(|f| f.wait_ms),
                 "gpu_kernel_ms_per_step": col(|f| f.gpu_ms), "gpu_kernels_per_step": col(|f| f.gpu_kernels),
                 "event_span_ms_per_step": col(|f| f.span_ms), "host_launches_per_step": col(|f| f.launches), "host_copies_per_step": col(|f| f.copies),
                 "host_syncs_per_step": col(|f| f.syncs), "peak_allocated_mib": col(|f| f.alloc_mib), "peak_reserved_mib": col(|f| f.reserved_mib),
@@ -928,6 +1019,10 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         json!({ "groups": json_groups, "ratios": ratios, "hashes_identical": hash_ok, "replay_guard_ok": guard_ok, "failed_runs": failed });
     std::fs::write(out.join("bench.json"), serde_json::to_string_pretty(&j).unwrap_or_default())
         .map_err(|e| format!("writing bench.json: {e}"))?;
+    // Ultralytics' optional arms (compile, reduce-overhead, nondeterministic) are measured as
+    // they are: their crash is a result, listed, not a failure of the bench.
+    let optional = |r: &Value| r["arm"].as_str().is_some_and(|a| a != ULTRA && ultra_arm_of_label(a).is_some());
+    let failed = recs.iter().filter(|r| !(r["exit"] == 0 && !r["result"].is_null()) && !optional(r)).count();
     if failed > 0 {
         return Err(format!("{failed} of {} runs failed (listed at the end of {})", recs.len(), out.join("bench.md").display()));
     }
@@ -1279,6 +1374,41 @@ mod tests {
             }),
             None,
         )
+    }
+
+    /// Ultralytics' arms get their own rows and labels; a crashed one is listed with its error,
+    /// and images/s follow from the batch and the step.
+    #[test]
+    fn ultralytics_arms_and_crashes_are_reported() {
+        let ultra = |arm: &'static str, error: Option<&str>| {
+            let mut r = record(
+                RunId { kind: ULTRA, arm, precision: "bf16-mixed", pair: 0, cold: false },
+                30.0,
+                i32::from(error.is_some()),
+                json!({ "start_to_start": { "median_ms": 160.0 }, "metrics_per_epoch": [] }),
+                error.map(str::to_string),
+            );
+            r["batch"] = json!(16);
+            r
+        };
+        let recs = vec![
+            ultra(ULTRA, None),
+            ultra("ultralytics-compile", None),
+            ultra("ultralytics-nondeterministic", None),
+            ultra("ultralytics-reduce-overhead", Some("crashed: accessing tensor output of CUDAGraphs that has been overwritten")),
+        ];
+        let out = std::env::temp_dir().join(format!("ptl-bench-ultra-arms-{}", std::process::id()));
+        write_report(&recs, &out).expect("report");
+        let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
+        assert!(md.contains("| bf16-mixed · batch 16 | Ultralytics amp=bf16 | 1 | 30.0 | 160.0 | 100 |"), "{md}");
+        assert!(md.contains("| Ultralytics amp=bf16 compile=True | 1 |"), "{md}");
+        assert!(md.contains("| Ultralytics amp=bf16 deterministic=False | 1 |"), "{md}");
+        assert!(md.contains("ultralytics-reduce-overhead") && md.contains("CUDAGraphs that has been overwritten"), "{md}");
+        assert_eq!(ultra_arm("compile").unwrap().1, "True");
+        assert!(ultra_arm("max-autotune").is_err());
+        let (o, _) =
+            parse(&["--batches".to_string(), "4,16".to_string(), "--ultra-arms".to_string(), "eager,compile".to_string()]).unwrap();
+        assert_eq!((o.batches, o.ultra_arms.len()), (vec![4, 16], 2));
     }
 
     #[test]
