@@ -1022,7 +1022,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     // Ultralytics' optional arms (compile, reduce-overhead, nondeterministic) are measured as
     // they are: their crash is a result, listed, not a failure of the bench.
     let optional = |r: &Value| r["arm"].as_str().is_some_and(|a| a != ULTRA && ultra_arm_of_label(a).is_some());
-    let failed = recs.iter().filter(|r| !(r["exit"] == 0 && !r["result"].is_null()) && !optional(r)).count();
+    let failed = recs.iter().filter(|r| (r["exit"] != 0 || r["result"].is_null()) && !optional(r)).count();
     if failed > 0 {
         return Err(format!("{failed} of {} runs failed (listed at the end of {})", recs.len(), out.join("bench.md").display()));
     }
