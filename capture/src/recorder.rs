@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::Backend;
+use crate::backend::{ArenaSlot, Backend};
 use crate::region::{RegionHandle, RegionShared, RegionSpec};
 use crate::stats::RegionStats;
 
@@ -33,6 +33,10 @@ pub struct RecorderConfig {
     /// Bytes beyond a planned part, as a fraction of it (plus `arena_extra_bytes`), for
     /// allocations the capture makes that its warm-up did not.
     pub plan_headroom: f64,
+    /// The regions of this recorder take turns (one region's forward and backward end before
+    /// another's forward starts — one region per batch, as the `step` and `loss` plugins record
+    /// one per target bucket): their forward graphs share one arena, sized for the largest.
+    pub share_forward_arena: bool,
     pub arena_slack: f64,
     pub arena_extra_bytes: usize,
 }
@@ -48,6 +52,7 @@ impl Default for RecorderConfig {
             strict_masks: false,
             plan_arenas: true,
             plan_headroom: 1.0 / 16.0,
+            share_forward_arena: false,
             arena_slack: 1.25,
             arena_extra_bytes: 1 << 20,
         }
@@ -58,6 +63,11 @@ pub(crate) struct RecorderInner {
     pub(crate) config: RecorderConfig,
     pub(crate) backend: Arc<dyn Backend>,
     regions: Mutex<Vec<Arc<RegionShared>>>,
+    /// The arena every backward graph of every region of this recorder shares: backward graphs
+    /// run one at a time and keep nothing in it past their end.
+    pub(crate) bwd_arena: Arc<ArenaSlot>,
+    /// The forward graphs' shared arena when [`RecorderConfig::share_forward_arena`] is on.
+    pub(crate) fwd_arena: Arc<ArenaSlot>,
 }
 
 /// Holds regions (child holders) that share a configuration and a backend. `Clone` and
@@ -76,7 +86,8 @@ impl std::fmt::Debug for Recorder {
 impl Recorder {
     /// A recorder over any backend.
     pub fn with_backend(config: RecorderConfig, backend: Arc<dyn Backend>) -> Recorder {
-        Recorder { inner: Arc::new(RecorderInner { config, backend, regions: Mutex::new(Vec::new()) }) }
+        let (bwd_arena, fwd_arena) = (Arc::new(ArenaSlot::default()), Arc::new(ArenaSlot::default()));
+        Recorder { inner: Arc::new(RecorderInner { config, backend, regions: Mutex::new(Vec::new()), bwd_arena, fwd_arena }) }
     }
 
     /// A recorder that captures CUDA graphs.

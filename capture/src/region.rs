@@ -352,8 +352,8 @@ pub(crate) struct Recording {
     trainable: Vec<bool>,
     pending: Mutex<Option<Weak<Token>>>,
     bwd_arena: usize,
-    /// The arena every backward graph of this recording shares (they run one at a time).
-    bwd_arena_slot: ArenaSlot,
+    /// The arena every backward graph of the recorder shares (they run one at a time).
+    bwd_arena_slot: Arc<ArenaSlot>,
     device: Device,
     strict_masks: bool,
     backend: Arc<dyn Backend>,
@@ -1010,9 +1010,13 @@ impl RegionHandle {
             *lock(&w) = rngs.iter().map(|r| r.end_capture()).collect();
             res
         };
-        let bwd_arena_slot = ArenaSlot::default();
+        let bwd_arena_slot = self.recorder.bwd_arena.clone();
         let captured = (|| -> Result<(Box<dyn Graph>, BwdGraphs)> {
-            let fwd = backend.record(&region, device, &arena_of(&fwd_fp), pool.as_ref(), Arc::new(fwd_body))?;
+            let fwd_spec = arena_of(&fwd_fp);
+            let fwd = match cfg.share_forward_arena {
+                true => backend.record_sharing(&region, device, &fwd_spec, &self.recorder.fwd_arena, pool.as_ref(), Arc::new(fwd_body))?,
+                false => backend.record(&region, device, &fwd_spec, pool.as_ref(), Arc::new(fwd_body))?,
+            };
             let mut bwd = BTreeMap::new();
             if needs_grad && core.out_grad.iter().any(|g| *g) {
                 let mask = core.out_grad.clone();

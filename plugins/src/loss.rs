@@ -60,7 +60,13 @@ impl LossReplay {
 
     fn from_config(with_forward: bool, cfg: &serde_json::Value) -> ptl_trainer::Result<Box<dyn ReplayPlugin>> {
         let name = if with_forward { Self::STEP } else { Self::NAME };
-        Ok(Box::new(LossReplay { shell: PluginShell::from_config(name, cfg)?, with_forward }))
+        let mut shell = PluginShell::from_config(name, cfg)?;
+        // One region per target bucket, one bucket per batch: the buckets' forward graphs take
+        // turns and share one arena (unless the configuration says otherwise).
+        if cfg.get("share_forward_arena").is_none() {
+            shell.config.share_forward_arena = true;
+        }
+        Ok(Box::new(LossReplay { shell, with_forward }))
     }
 
     /// Records `body` as the region of its input signature (`loss.<n>` / `step.<n>`, numbered in
