@@ -351,7 +351,12 @@ pub(crate) struct Recording {
     /// `requires_grad` of each surface parameter at capture (what the graphs compute gradients for).
     trainable: Vec<bool>,
     pending: Mutex<Option<Weak<Token>>>,
-    bwd_arena: usize,
+    /// The layout of the backward graphs recorded later (other masks, write/add targets): the
+    /// all-outputs backward's plan, whose allocations theirs repeat (what does not fit the plan
+    /// goes to its tail), in the recorder's shared backward arena ...
+    bwd_arena: ArenaSpec,
+    /// ... or, should one not fit there, an arena of its own sized by the warm-up's summed bytes.
+    bwd_unplanned: ArenaSpec,
     /// The arena every backward graph of the recorder shares (they run one at a time).
     bwd_arena_slot: Arc<ArenaSlot>,
     device: Device,
@@ -474,9 +479,21 @@ impl GraphedNode {
                 let c = core.clone();
                 let m = mask.clone();
                 let t = targets.clone();
-                let body = Arc::new(move || c.bwd_body(&m, t.as_ref()));
-                let spec = ArenaSpec { plan: Default::default(), tail: rec.bwd_arena };
-                let graph = rec.backend.record_sharing(&core.region, rec.device, &spec, &rec.bwd_arena_slot, rec.pool.as_ref(), body)?;
+                let body: crate::backend::Body = Arc::new(move || c.bwd_body(&m, t.as_ref()));
+                let shared = rec.backend.record_sharing(
+                    &core.region,
+                    rec.device,
+                    &rec.bwd_arena,
+                    &rec.bwd_arena_slot,
+                    rec.pool.as_ref(),
+                    body.clone(),
+                );
+                let graph = match shared {
+                    Err(CaptureError::AllocOutsidePool { .. }) => {
+                        rec.backend.record(&core.region, rec.device, &rec.bwd_unplanned, rec.pool.as_ref(), body)?
+                    }
+                    other => other?,
+                };
                 lock(&core.stats).backward_captures += 1;
                 bwd.insert(key.clone(), graph);
             }
@@ -1011,32 +1028,50 @@ impl RegionHandle {
             res
         };
         let bwd_arena_slot = self.recorder.bwd_arena.clone();
+        let bwd_spec = arena_of(&bwd_fp);
+        let restore_host = || {
+            for (h, s) in spec.host_state.iter().zip(&host_snap) {
+                h.restore(s);
+            }
+            for (r, s) in spec.graph_rngs.iter().zip(&rng_snap) {
+                r.restore(*s);
+            }
+        };
         let captured = (|| -> Result<(Box<dyn Graph>, BwdGraphs)> {
+            // A capture that allocates past its planned arena's tail is made again in an arena
+            // sized by the warm-up's summed bytes, as without a plan.
+            let unplanned = |fp: &Footprint| ArenaSpec { plan: Default::default(), tail: slack(fp.bytes) };
             let fwd_spec = arena_of(&fwd_fp);
+            let fwd_body: crate::backend::Body = Arc::new(fwd_body);
             let fwd = match cfg.share_forward_arena {
-                true => backend.record_sharing(&region, device, &fwd_spec, &self.recorder.fwd_arena, pool.as_ref(), Arc::new(fwd_body))?,
-                false => backend.record(&region, device, &fwd_spec, pool.as_ref(), Arc::new(fwd_body))?,
+                true => backend.record_sharing(&region, device, &fwd_spec, &self.recorder.fwd_arena, pool.as_ref(), fwd_body.clone()),
+                false => backend.record(&region, device, &fwd_spec, pool.as_ref(), fwd_body.clone()),
+            };
+            let fwd = match fwd {
+                Err(CaptureError::AllocOutsidePool { .. }) if !fwd_spec.plan.offsets.is_empty() => {
+                    restore_host();
+                    backend.record(&region, device, &unplanned(&fwd_fp), pool.as_ref(), fwd_body)?
+                }
+                other => other?,
             };
             let mut bwd = BTreeMap::new();
             if needs_grad && core.out_grad.iter().any(|g| *g) {
                 let mask = core.out_grad.clone();
                 let c = core.clone();
                 let m = mask.clone();
-                let body = Arc::new(move || c.bwd_body(&m, None));
-                bwd.insert(
-                    (mask, Vec::new()),
-                    backend.record_sharing(&region, device, &arena_of(&bwd_fp), &bwd_arena_slot, pool.as_ref(), body)?,
-                );
+                let body: crate::backend::Body = Arc::new(move || c.bwd_body(&m, None));
+                let graph = match backend.record_sharing(&region, device, &bwd_spec, &bwd_arena_slot, pool.as_ref(), body.clone()) {
+                    Err(CaptureError::AllocOutsidePool { .. }) if !bwd_spec.plan.offsets.is_empty() => {
+                        backend.record(&region, device, &unplanned(&bwd_fp), pool.as_ref(), body)?
+                    }
+                    other => other?,
+                };
+                bwd.insert((mask, Vec::new()), graph);
             }
             Ok((fwd, bwd))
         })();
         // Host effects of running the body during capture are undone too.
-        for (h, s) in spec.host_state.iter().zip(&host_snap) {
-            h.restore(s);
-        }
-        for (r, s) in spec.graph_rngs.iter().zip(&rng_snap) {
-            r.restore(*s);
-        }
+        restore_host();
         let rngs: Vec<(Arc<GraphSafeRng>, u64)> = spec.graph_rngs.iter().cloned().zip(lock(&wholes).iter().copied()).collect();
         let (fwd, bwd) = captured?;
         // The warm-up's allocations went back to the default pool: return them to the driver, so
@@ -1061,9 +1096,11 @@ impl RegionHandle {
             fingerprints,
             trainable,
             pending: Mutex::new(None),
-            // Backward graphs recorded later (another mask) have no warm-up of their own: sized
-            // by the summed bytes, as without a plan.
-            bwd_arena: slack(bwd_fp.bytes),
+            // Backward graphs recorded later (another mask, other targets) have no warm-up of
+            // their own: the all-outputs backward's plan, and a tail as large as an unplanned
+            // arena would be, for what they allocate otherwise.
+            bwd_arena: bwd_spec.clone(),
+            bwd_unplanned: ArenaSpec { plan: Default::default(), tail: slack(bwd_fp.bytes) },
             bwd_arena_slot,
             device,
             strict_masks: cfg.strict_masks,

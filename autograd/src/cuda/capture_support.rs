@@ -24,6 +24,10 @@ use crate::{Device, Error, Result, Tensor};
 /// Alignment of arena sub-allocations (what cudaMalloc guarantees).
 pub const ARENA_ALIGN: usize = 256;
 
+/// How far ahead of its position in the plan a capture's allocation looks for a planned buffer of
+/// its size.
+const PLAN_LOOKAHEAD: usize = 32;
+
 /// What went wrong inside a capture scope.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CaptureViolation {
@@ -135,16 +139,21 @@ impl CaptureArena {
     fn take(&self, bytes: usize) -> std::result::Result<u64, CaptureViolation> {
         let n = bytes.max(1).next_multiple_of(ARENA_ALIGN);
         let mut s = self.state();
-        let k = s.next;
-        s.next += 1;
-        // The planned place, if the request matches the warm-up's and nothing live is there.
-        if let Some((&off, &size)) = s.plan.offsets.get(k).zip(s.plan.sizes.get(k)) {
-            if size == n && !s.live.values().any(|&(o, l)| o < off + n && off < o + l) {
-                s.live.insert(self.base + off as u64, (off, n));
-                s.planned_hits += 1;
-                s.high = s.high.max(off + n).max(s.bump.min(s.plan.bytes));
-                return Ok(self.base + off as u64);
-            }
+        // The planned place of the next buffer of this size (a few entries ahead at most, so that
+        // an allocation the warm-up made and the capture does not — or the other way round —
+        // does not throw the rest off), if nothing live is there.
+        let k0 = s.next;
+        let found = (k0..(k0 + PLAN_LOOKAHEAD).min(s.plan.sizes.len())).find(|&k| {
+            let off = s.plan.offsets[k];
+            s.plan.sizes[k] == n && !s.live.values().any(|&(o, l)| o < off + n && off < o + l)
+        });
+        if let Some(k) = found {
+            let off = s.plan.offsets[k];
+            s.next = k + 1;
+            s.live.insert(self.base + off as u64, (off, n));
+            s.planned_hits += 1;
+            s.high = s.high.max(off + n).max(s.bump.min(s.plan.bytes));
+            return Ok(self.base + off as u64);
         }
         let off = s.bump;
         if off + n > self.size {
