@@ -147,6 +147,79 @@ pub fn plan(trace: &AllocTrace) -> ArenaPlan {
     ArenaPlan { offsets, sizes: lives.iter().map(|l| l.bytes).collect(), bytes }
 }
 
+/// How far ahead of its position in the plan an allocation looks for a planned buffer of its size.
+pub const PLAN_LOOKAHEAD: usize = 32;
+
+/// Hands out the offsets of an arena of `capacity` bytes during one capture: the k-th request
+/// takes the planned offset of the next planned buffer of its size (looking at most
+/// [`PLAN_LOOKAHEAD`] entries ahead, so that one allocation more or less than the warm-up made
+/// does not throw the rest off) if no live piece is there now; otherwise — or without a plan — it
+/// goes to the tail after the planned part. The live check is what makes reuse safe: a piece is
+/// live until it is released (its buffer dropped on the host, so every kernel that reads it was
+/// issued before), whatever the plan assumed.
+#[derive(Clone, Debug, Default)]
+pub struct Placer {
+    plan: ArenaPlan,
+    capacity: usize,
+    next: usize,
+    bump: usize,
+    live: std::collections::BTreeMap<usize, usize>,
+    /// Requests that took their planned offset, and those that went to the tail.
+    pub planned_hits: usize,
+    pub tail_allocs: usize,
+    /// The most bytes in use at once so far (the planned part counts once one of its pieces is).
+    pub high: usize,
+}
+
+impl Placer {
+    /// A placer for one capture into an arena of `capacity` bytes laid out by `plan`.
+    pub fn new(plan: ArenaPlan, capacity: usize) -> Placer {
+        Placer { bump: plan.bytes.min(capacity), plan, capacity, ..Placer::default() }
+    }
+
+    /// The offset for `bytes` (already aligned), or `None` when the tail is full.
+    pub fn place(&mut self, bytes: usize) -> Option<usize> {
+        let end = (self.next + PLAN_LOOKAHEAD).min(self.plan.sizes.len());
+        let planned = (self.next..end).find(|&k| self.plan.sizes[k] == bytes && self.is_free(self.plan.offsets[k], bytes));
+        if let Some(k) = planned {
+            let off = self.plan.offsets[k];
+            self.next = k + 1;
+            self.live.insert(off, bytes);
+            self.planned_hits += 1;
+            self.high = self.high.max(self.bump.min(self.plan.bytes));
+            return Some(off);
+        }
+        let off = self.bump;
+        if off + bytes > self.capacity {
+            return None;
+        }
+        self.bump = off + bytes;
+        self.live.insert(off, bytes);
+        self.tail_allocs += 1;
+        self.high = self.high.max(off + bytes);
+        Some(off)
+    }
+
+    /// The piece at `offset` was dropped.
+    pub fn release(&mut self, offset: usize) {
+        self.live.remove(&offset);
+    }
+
+    /// Bytes free in the tail.
+    pub fn tail_free(&self) -> usize {
+        self.capacity.saturating_sub(self.bump)
+    }
+
+    /// Whether `[off, off + bytes)` meets no live piece.
+    fn is_free(&self, off: usize, bytes: usize) -> bool {
+        // The live piece starting at or before `off + bytes` with the largest start, and every one
+        // after `off`: pieces never overlap each other, so checking the neighbours suffices.
+        let before = self.live.range(..=off).next_back().is_some_and(|(&o, &l)| o + l > off);
+        let inside = self.live.range(off..off + bytes).next().is_some();
+        !before && !inside
+    }
+}
+
 fn overlaps_in_time(a: &Lifetime, b: &Lifetime) -> bool {
     a.start < b.end && b.start < a.end
 }
@@ -235,6 +308,73 @@ mod tests {
             assert!(p.bytes as f64 <= 1.10 * peak as f64, "seed {seed}: plan {} vs live peak {peak}", p.bytes);
             assert!(p.bytes * 2 < total, "seed {seed}: plan {} vs sum {total}", p.bytes);
             assert_eq!(plan(&t), p);
+        }
+    }
+
+    /// A capture that repeats its warm-up takes every planned offset; one allocation more or less
+    /// costs one piece of tail, not the rest of the plan; a planned place still live goes to the
+    /// tail; a full tail says so.
+    #[test]
+    fn the_placer_follows_the_plan_and_never_overlaps_live_pieces() {
+        let mut t = AllocTrace::default();
+        let a = t.alloc(512);
+        t.free(a);
+        let b = t.alloc(512);
+        let c = t.alloc(256);
+        assert_eq!(c, 2);
+        t.free(b);
+        let p = plan(&t);
+        assert_eq!((p.offsets[a], p.offsets[b], p.bytes), (0, 0, 768));
+        // The same sequence: a, free a, b (a's bytes), c.
+        let mut s = Placer::new(p.clone(), 768 + 1024);
+        assert_eq!(s.place(512), Some(0));
+        s.release(0);
+        assert_eq!(s.place(512), Some(0));
+        assert_eq!(s.place(256), Some(512));
+        assert_eq!((s.planned_hits, s.tail_allocs), (3, 0));
+        // a is not dropped before b: b's planned bytes are live, so b goes to the tail.
+        let mut s = Placer::new(p.clone(), 768 + 1024);
+        assert_eq!(s.place(512), Some(0));
+        assert_eq!(s.place(512), Some(768));
+        assert_eq!(s.place(256), Some(512));
+        assert_eq!((s.planned_hits, s.tail_allocs), (2, 1));
+        // An extra 1 KiB request first: the tail; the rest still follows the plan.
+        let mut s = Placer::new(p.clone(), 768 + 1024);
+        assert_eq!(s.place(1024), Some(768));
+        assert_eq!(s.place(512), Some(0));
+        assert_eq!(s.tail_free(), 0);
+        s.release(0);
+        assert_eq!(s.place(512), Some(0));
+        assert_eq!(s.place(256), Some(512));
+        assert_eq!(s.place(256), None, "the tail is full");
+    }
+
+    /// Over layered traces replayed with their own frees, no two live pieces ever overlap and
+    /// every request takes its planned place.
+    #[test]
+    fn replaying_a_trace_through_the_placer_matches_the_plan() {
+        for seed in 0..20 {
+            let t = layered(seed, 40);
+            let p = plan(&t);
+            let mut s = Placer::new(p.clone(), p.bytes);
+            let mut at: Vec<usize> = Vec::new();
+            let mut live: Vec<(usize, usize)> = Vec::new();
+            for e in &t.events {
+                match *e {
+                    TraceEvent::Alloc(n) => {
+                        let off = s.place(n).expect("fits");
+                        assert!(live.iter().all(|&(o, l)| o + l <= off || off + n <= o), "seed {seed}: overlap");
+                        live.push((off, n));
+                        at.push(off);
+                    }
+                    TraceEvent::Free(id) => {
+                        s.release(at[id]);
+                        live.retain(|&(o, _)| o != at[id]);
+                    }
+                }
+            }
+            assert_eq!(at, p.offsets, "seed {seed}");
+            assert_eq!(s.tail_allocs, 0);
         }
     }
 

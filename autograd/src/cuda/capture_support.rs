@@ -18,15 +18,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::device::Dev;
-use crate::arena_plan::{AllocTrace, ArenaPlan};
+use crate::arena_plan::{AllocTrace, ArenaPlan, Placer};
 use crate::{Device, Error, Result, Tensor};
 
 /// Alignment of arena sub-allocations (what cudaMalloc guarantees).
 pub const ARENA_ALIGN: usize = 256;
-
-/// How far ahead of its position in the plan a capture's allocation looks for a planned buffer of
-/// its size.
-const PLAN_LOOKAHEAD: usize = 32;
 
 /// What went wrong inside a capture scope.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,26 +57,9 @@ pub struct CaptureArena {
     base: u64,
     size: usize,
     dev: Arc<Dev>,
-    state: Mutex<Placement>,
+    state: Mutex<Placer>,
     /// The backing tensor (holds the device memory, from whatever pool was entered at creation).
     _backing: Tensor,
-}
-
-/// Where the next allocations of the graph being recorded go.
-#[derive(Default)]
-struct Placement {
-    plan: ArenaPlan,
-    /// Allocations made so far in this recording (the next one is the plan's buffer `next`).
-    next: usize,
-    /// Start of the unplanned tail's free part.
-    bump: usize,
-    /// Live pieces by address: (offset, bytes).
-    live: HashMap<u64, (usize, usize)>,
-    /// Allocations that took their planned offset, and those that went to the tail.
-    planned_hits: usize,
-    tail_allocs: usize,
-    /// High-water mark of the used bytes (planned part included).
-    high: usize,
 }
 
 impl std::fmt::Debug for CaptureArena {
@@ -107,11 +86,11 @@ impl CaptureArena {
             #[allow(unreachable_patterns)]
             _ => Err(Error::invalid("CaptureArena", "backing storage is not on a CUDA device")),
         })?;
-        let state = Mutex::new(Placement { bump: plan.bytes, plan, ..Placement::default() });
+        let state = Mutex::new(Placer::new(plan, size));
         Ok(Arc::new(CaptureArena { base, size, dev, state, _backing: backing }))
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, Placement> {
+    fn state(&self) -> std::sync::MutexGuard<'_, Placer> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -133,41 +112,21 @@ impl CaptureArena {
     /// nothing in the arena past their own end (backward graphs: their results go to static
     /// buffers). `plan` must fit: `plan.bytes` ≤ the arena's size.
     pub fn rewind(&self, plan: ArenaPlan) {
-        let mut s = self.state();
-        *s = Placement { bump: plan.bytes.min(self.size), plan, ..Placement::default() };
+        *self.state() = Placer::new(plan, self.size);
     }
     fn take(&self, bytes: usize) -> std::result::Result<u64, CaptureViolation> {
         let n = bytes.max(1).next_multiple_of(ARENA_ALIGN);
         let mut s = self.state();
-        // The planned place of the next buffer of this size (a few entries ahead at most, so that
-        // an allocation the warm-up made and the capture does not — or the other way round —
-        // does not throw the rest off), if nothing live is there.
-        let k0 = s.next;
-        let found = (k0..(k0 + PLAN_LOOKAHEAD).min(s.plan.sizes.len())).find(|&k| {
-            let off = s.plan.offsets[k];
-            s.plan.sizes[k] == n && !s.live.values().any(|&(o, l)| o < off + n && off < o + l)
-        });
-        if let Some(k) = found {
-            let off = s.plan.offsets[k];
-            s.next = k + 1;
-            s.live.insert(self.base + off as u64, (off, n));
-            s.planned_hits += 1;
-            s.high = s.high.max(off + n).max(s.bump.min(s.plan.bytes));
-            return Ok(self.base + off as u64);
+        match s.place(n) {
+            Some(off) => Ok(self.base + off as u64),
+            None => Err(CaptureViolation::AllocOutsidePool { requested: bytes, free: s.tail_free() }),
         }
-        let off = s.bump;
-        if off + n > self.size {
-            return Err(CaptureViolation::AllocOutsidePool { requested: bytes, free: self.size.saturating_sub(off) });
-        }
-        s.bump = off + n;
-        s.live.insert(self.base + off as u64, (off, n));
-        s.tail_allocs += 1;
-        s.high = s.high.max(off + n);
-        Ok(self.base + off as u64)
     }
     /// A piece was dropped: its bytes may take a later planned buffer of the same recording.
     pub(crate) fn release(&self, ptr: u64) {
-        self.state().live.remove(&ptr);
+        if let Some(off) = ptr.checked_sub(self.base) {
+            self.state().release(off as usize);
+        }
     }
 }
 
