@@ -48,6 +48,18 @@ pub(crate) fn note_created(s: &Arc<RwLock<Storage>>) {
     });
 }
 
+/// Runs `f` with the warm-up's allocation trace paused (CUDA builds).
+fn unmeasured<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::capture_support::unmeasured(f)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        f()
+    }
+}
+
 /// Called before a write lock on `s` is taken: copies `s` for every open journal that has not
 /// yet saved it and did not see it created.
 pub(crate) fn before_write(s: &Arc<RwLock<Storage>>) {
@@ -60,7 +72,9 @@ pub(crate) fn before_write(s: &Arc<RwLock<Storage>>) {
             if j.fresh.contains(&k) || !j.saved_at.insert(k) {
                 continue;
             }
-            match s.read().unwrap_or_else(|e| e.into_inner()).try_clone() {
+            // The copy is the recorder's bookkeeping, not the region's work: a warm-up's
+            // allocation trace (which lays out the arena) leaves it out.
+            match unmeasured(|| s.read().unwrap_or_else(|e| e.into_inner()).try_clone()) {
                 Ok(c) => j.saved.push((s.clone(), c)),
                 Err(e) => {
                     j.error.get_or_insert(Error::InPlace {

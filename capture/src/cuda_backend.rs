@@ -160,13 +160,15 @@ impl Backend for CudaBackend {
                 a.rewind(spec.plan.clone());
                 (a, false)
             }
-            _ => {
-                let a = self.new_arena(device, spec, pool)?;
-                *held = Some(Box::new(a.clone()));
-                (a, true)
-            }
+            _ => (self.new_arena(device, spec, pool)?, true),
         };
-        self.capture_into(region, device, arena, owns, body)
+        let graph = self.capture_into(region, device, arena.clone(), owns, body)?;
+        // A new arena is shared from now on only if a graph was recorded into it (a failed
+        // capture's arena is dropped, not kept in the slot).
+        if owns {
+            *held = Some(Box::new(arena));
+        }
+        Ok(graph)
     }
     fn address(&self, t: &Tensor) -> u64 {
         cs::device_ptr(t).unwrap_or(t.storage_ptr() as u64)

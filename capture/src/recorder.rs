@@ -26,7 +26,8 @@ pub struct RecorderConfig {
     /// Only the all-outputs gradient mask replays; another mask errors instead of being captured.
     pub strict_masks: bool,
     /// Lay each arena out from its warm-up's allocation trace (`ptl_autograd::arena_plan`): about
-    /// the peak of live bytes instead of the sum. Off (or on a backend that records no trace), or
+    /// the peak of live bytes instead of the sum (off by default until its memory figures are
+    /// measured on a GPU: docs/memory.md). Off (or on a backend that records no trace), or
     /// for a graph without a warm-up of its own: arena = the warm-up's summed bytes ×
     /// `arena_slack` + `arena_extra_bytes`.
     pub plan_arenas: bool,
@@ -50,7 +51,7 @@ impl Default for RecorderConfig {
             max_recordings: 2,
             strict_pending: false,
             strict_masks: false,
-            plan_arenas: true,
+            plan_arenas: false,
             plan_headroom: 1.0 / 16.0,
             share_forward_arena: false,
             arena_slack: 1.25,

@@ -166,13 +166,15 @@ fn cuda_planned_arenas_poisoned_replay_equals_native() {
         fit(&cfg, vec![]).expect("fit")
     };
     let native = run(&[], serde_json::json!({}), "native");
-    let planned = run(&["all"], serde_json::json!({}), "planned");
-    let off: serde_json::Value = ["step", "optimizer", "loss", "feature", "stem", "ns"]
-        .iter()
-        .map(|p| (p.to_string(), serde_json::json!({ "plan_arenas": false })))
-        .collect::<serde_json::Map<_, _>>()
-        .into();
-    let summed = run(&["all"], off, "summed");
+    let plans = |on: bool| -> serde_json::Value {
+        ["step", "optimizer", "loss", "feature", "stem", "ns"]
+            .iter()
+            .map(|p| (p.to_string(), serde_json::json!({ "plan_arenas": on })))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    };
+    let planned = run(&["all"], plans(true), "planned");
+    let summed = run(&["all"], plans(false), "summed");
     ptl_autograd::cuda::set_poison_allocations(false);
     assert_eq!(planned.hashes, native.hashes, "planned arenas, poisoned");
     assert_eq!(summed.hashes, native.hashes, "summed arenas, poisoned");

@@ -204,6 +204,15 @@ pub(crate) fn is_measuring() -> bool {
     MEASURING.with(|m| m.get())
 }
 
+/// Runs `f` with this thread's allocation trace paused: what it allocates is not part of the
+/// region being measured (the write journal's copies).
+pub(crate) fn unmeasured<R>(f: impl FnOnce() -> R) -> R {
+    let was = MEASURING.with(|m| m.replace(false));
+    let r = f();
+    MEASURING.with(|m| m.set(was));
+    r
+}
+
 /// What a warm-up allocated, from [`end_alloc_measure`].
 #[derive(Clone, Debug, Default)]
 pub struct Measured {
