@@ -436,6 +436,9 @@ impl ValLoader {
 }
 
 struct State<T> {
+    /// Batches built so far and the time their building took (worker or caller thread).
+    built: u64,
+    build_ns: u64,
     next_job: u64,
     consumed: u64,
     total: u64,
@@ -536,6 +539,8 @@ impl<T: Send + 'static> Prefetcher<T> {
         let skip = (plan.start_batch as u64).min(nb);
         let shared = Arc::new(Shared {
             m: Mutex::new(State {
+                built: 0,
+                build_ns: 0,
                 next_job: skip,
                 consumed: skip,
                 total: nb * epochs,
@@ -569,8 +574,11 @@ impl<T: Send + 'static> Prefetcher<T> {
                         g = sh.work.wait(g).unwrap_or_else(|p| p.into_inner());
                     }
                 };
+                let t = std::time::Instant::now();
                 let res = run_job(&ld, &st, start_epoch, nb, seq);
+                let took = t.elapsed().as_nanos() as u64;
                 let mut g = sh.lock();
+                (g.built, g.build_ns) = (g.built + 1, g.build_ns + took);
                 g.done.insert(seq, res);
                 sh.ready.notify_all();
             });
@@ -597,6 +605,14 @@ impl<T: Send + 'static> Prefetcher<T> {
         self.handles.len()
     }
 
+    /// Batches built so far and the mean seconds one took to build (on its thread, the
+    /// stage included): with `w` workers the loader can deliver about `w / mean` batches a
+    /// second, whatever the consumer takes.
+    pub fn build_stats(&self) -> (u64, f64) {
+        let g = self.shared.lock();
+        (g.built, if g.built == 0 { 0.0 } else { g.build_ns as f64 * 1e-9 / g.built as f64 })
+    }
+
     /// Next batch in (epoch, index) order; `None` after the last epoch or after an error.
     pub fn next_batch(&mut self) -> Option<Result<T>> {
         let total = self.shared.lock().total;
@@ -605,7 +621,11 @@ impl<T: Send + 'static> Prefetcher<T> {
         }
         let seq = self.next_seq;
         let res = if self.handles.is_empty() {
-            run_job(&self.loader, &self.stage, self.start_epoch, self.nb, seq)
+            let t = std::time::Instant::now();
+            let r = run_job(&self.loader, &self.stage, self.start_epoch, self.nb, seq);
+            let mut g = self.shared.lock();
+            (g.built, g.build_ns) = (g.built + 1, g.build_ns + t.elapsed().as_nanos() as u64);
+            r
         } else {
             let mut st = self.shared.lock();
             loop {

@@ -224,6 +224,9 @@ pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
         t.data_wait_ms_mean,
         t.workers
     );
+    if let (Some(can), Some(took)) = (t.loader_images_per_s, t.consumed_images_per_s) {
+        println!("loader: {can:.0} images/s from {} workers' build times; the steps took {took:.0} images/s", t.workers);
+    }
     if let Some(ms) = t.steady_window_ms_per_step {
         println!("steady pace {ms:.1} ms/step (16 steps before the GPU window, synchronised at both ends)");
     }

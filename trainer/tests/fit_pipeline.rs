@@ -116,6 +116,9 @@ fn prefetched_fits_reproduce_the_serial_loop() {
         let t = fit(&tiny("tiny", workers), vec![]).expect("tiny fit");
         let f = fit(&full_b3("full", workers), vec![]).expect("full fit");
         assert_eq!(t.timing.workers, workers.min(2), "the fit ran with the workers it was given");
+        // The loader's own pace is measured, whatever the steps took.
+        let (can, took) = (f.timing.loader_images_per_s, f.timing.consumed_images_per_s);
+        assert!(can.is_some_and(|v| v.is_finite() && v > 0.0) && took.is_some_and(|v| v > 0.0), "{workers} workers: {can:?} {took:?}");
         let cfg = full_b3("killed", workers);
         fit(&PoseTrainConfig { stop_after_epochs: Some(1), ..cfg.clone() }, vec![]).expect("first half");
         let resumed = fit(&PoseTrainConfig { resume: Some(cfg.save_dir.join("weights/last.ckpt")), ..cfg }, vec![]).expect("resumed half");

@@ -660,6 +660,8 @@ struct Figures {
     step_ms: Option<f64>,
     /// Images per second at that step (batch × 1000 / step ms).
     images_s: Option<f64>,
+    /// What ptl's loader could deliver (its workers' build times), images a second.
+    loader_img_s: Option<f64>,
     sync_ms: Option<f64>,
     wait_ms: Option<f64>,
     gpu_ms: Option<f64>,
@@ -723,6 +725,7 @@ fn figures(r: &Value) -> Figures {
     x.alloc_mib = mib(&res["peak_allocated_bytes"]);
     x.reserved_mib = mib(&res["peak_reserved_bytes"]);
     let batch = r["batch"].as_f64().unwrap_or(4.0);
+    x.loader_img_s = res["timing"]["loader_images_per_s"].as_f64();
     x.images_s = x.step_ms.filter(|s| *s > 0.0).map(|s| batch * 1000.0 / s);
     x
 }
@@ -801,8 +804,8 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
         recs.len(),
         failed
     ));
-    md.push_str("| precision | arm | runs | complete s | step ms | images/s | sync-window ms | data wait ms | GPU kernel ms/step | GPU kernels/step | event span ms/step | host launches/step | host copies/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
-    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    md.push_str("| precision | arm | runs | complete s | step ms | images/s | sync-window ms | data wait ms | loader images/s | GPU kernel ms/step | GPU kernels/step | event span ms/step | host launches/step | host copies/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
+    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     let mut json_groups = Vec::new();
     for p in &precisions {
         for arm in &arm_order {
@@ -823,13 +826,14 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             };
             let map = fs.first().map(|f| f.map50.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(" ")).unwrap_or_default();
             md.push_str(&format!(
-                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
+                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
                 fs.len(),
                 mr(&col(|f| Some(f.wall_s)), 1),
                 mr(&col(|f| f.step_ms), 1),
                 mr(&col(|f| f.images_s), 0),
                 mr(&col(|f| f.sync_ms), 1),
                 mr(&col(|f| f.wait_ms), 2),
+                mr(&col(|f| f.loader_img_s), 0),
                 mr(&col(|f| f.gpu_ms), 1),
                 mr(&col(|f| f.gpu_kernels), 0),
                 mr(&col(|f| f.span_ms), 1),
@@ -845,7 +849,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             json_groups.push(json!({
                 "precision": p, "arm": arm, "runs": fs.len(),
                 "complete_s": fs.iter().map(|f| f.wall_s).collect::<Vec<_>>(),
-                "step_ms": col(|f| f.step_ms), "images_per_s": col(|f| f.images_s), "sync_window_ms": col(|f| f.sync_ms), "data_wait_ms": col(|f| f.wait_ms),
+                "step_ms": col(|f| f.step_ms), "images_per_s": col(|f| f.images_s), "loader_images_per_s": col(|f| f.loader_img_s), "sync_window_ms": col(|f| f.sync_ms), "data_wait_ms": col(|f| f.wait_ms),
                 "gpu_kernel_ms_per_step": col(|f| f.gpu_ms), "gpu_kernels_per_step": col(|f| f.gpu_kernels),
                 "event_span_ms_per_step": col(|f| f.span_ms), "host_launches_per_step": col(|f| f.launches), "host_copies_per_step": col(|f| f.copies),
                 "host_syncs_per_step": col(|f| f.syncs), "peak_allocated_mib": col(|f| f.alloc_mib), "peak_reserved_mib": col(|f| f.reserved_mib),

@@ -102,6 +102,15 @@ pub struct TimingReport {
     pub workers: usize,
     /// Batches uploaded from pageable memory on a CUDA device (pinned ring ran dry; 0 normally).
     pub pageable_uploads: u64,
+    /// What the loader can deliver: images a second from its workers' mean time to build a batch
+    /// (workers × batch / seconds per batch; the calling thread when there are no workers),
+    /// whatever the steps consumed — next to `consumed_images_per_s`, it tells a loader that
+    /// cannot keep up from a host waiting for the GPU.
+    #[serde(default)]
+    pub loader_images_per_s: Option<f64>,
+    /// Images a second the steps took (batch × 1000 / the median start-to-start step).
+    #[serde(default)]
+    pub consumed_images_per_s: Option<f64>,
     /// Host-side counts per step over the sync window (CUDA only). It follows the warm-up, so it
     /// holds one-time work: with `nbs`/`batch` = 16 the first optimizer update and, under
     /// replay, the backward graphs that update makes necessary are recorded inside it.

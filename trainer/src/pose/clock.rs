@@ -322,6 +322,8 @@ impl StepClock {
             data_wait_ms_mean: if self.waits.is_empty() { 0.0 } else { self.waits.iter().sum::<f64>() / self.waits.len() as f64 },
             workers,
             pageable_uploads,
+            loader_images_per_s: None,
+            consumed_images_per_s: None,
             launches: self.launches.clone(),
             launches_steady: self.launches_steady.clone(),
             gpu,

@@ -63,6 +63,8 @@ struct Run {
     epoch_s: Vec<f64>,
     workers: usize,
     pageable_uploads: u64,
+    /// The loader's last figures: batches built and mean seconds per batch on its thread.
+    loader_build: (u64, f64),
     /// results.csv rows and metrics of every completed epoch (kept in checkpoints).
     history: RunHistory,
     /// The first non-finite loss of the current epoch attempt.
@@ -869,6 +871,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         epoch_s: Vec::new(),
         workers,
         pageable_uploads: 0,
+        loader_build: (0, 0.0),
         metrics_per_epoch: Vec::new(),
         optimizer_name: format!("{:?}", resolved.name),
         history: RunHistory::default(),
@@ -917,6 +920,11 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let hashes = run.hashes()?;
     let (peak_allocated_bytes, peak_reserved_bytes) = crate::pose::memory_peaks(cfg.device);
     let mut timing = run.clock.finish(run.workers, run.pageable_uploads);
+    let images_per_batch = run.loader.batch_size() as f64;
+    timing.loader_images_per_s =
+        (run.loader_build.0 > 0 && run.loader_build.1 > 0.0).then(|| run.workers.max(1) as f64 * images_per_batch / run.loader_build.1);
+    timing.consumed_images_per_s =
+        (timing.start_to_start.median_ms > 0.0).then(|| images_per_batch * 1000.0 / timing.start_to_start.median_ms);
     timing.stages = stage_profile(&run.stage_ms);
     let (first_began, first_step_s) = run.clock.first_step();
     startup.first_step_s = first_step_s;
@@ -1078,6 +1086,7 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
         bar.finish();
         let stats = pipeline.stats();
         (run.workers, run.pageable_uploads) = (stats.workers, stats.pageable_uploads);
+        run.loader_build = (stats.batches_built, stats.build_s_per_batch);
         if let Some(nf) = run.nonfinite.take() {
             // training.md §9: reload the last checkpoint (its EMA weights into the model), reset the
             // optimizer-step counter and run the epoch again; after 3 attempts, stop. Without a

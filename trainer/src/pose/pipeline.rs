@@ -71,6 +71,9 @@ pub(crate) struct PipelineStats {
     pub workers: usize,
     /// Batches uploaded from pageable memory on a CUDA device (pinned ring exhausted).
     pub pageable_uploads: u64,
+    /// Batches the loader built, and the mean seconds one took on its thread.
+    pub batches_built: u64,
+    pub build_s_per_batch: f64,
 }
 
 /// The fit's source of device-ready image batches.
@@ -163,7 +166,13 @@ impl TrainPipeline {
     }
 
     pub fn stats(&self) -> PipelineStats {
-        PipelineStats { workers: self.prefetcher.workers(), pageable_uploads: self.pageable.load(Ordering::Relaxed) }
+        let (batches_built, build_s_per_batch) = self.prefetcher.build_stats();
+        PipelineStats {
+            workers: self.prefetcher.workers(),
+            pageable_uploads: self.pageable.load(Ordering::Relaxed),
+            batches_built,
+            build_s_per_batch,
+        }
     }
 }
 
