@@ -26,6 +26,75 @@ pub trait Module {
     fn set_training(&mut self, training: bool);
 }
 
+/// Implements [`Module`] for a struct whose state is held by children, from one list of them in
+/// state-dict order: `visit` and `set_training` are generated from the same list, so a child
+/// cannot be visited (and trained) but left out of the train/eval switch, or the other way round.
+///
+/// Each entry is `"name" => one field` (a module), `"name" => seq field` (a slice or `Vec` of
+/// modules, named `name.0`, `name.1`, …) or `"name" => opt field` (an `Option` of a module). A
+/// name may hold dots (`"ffn.0"`).
+///
+/// ```
+/// use ptl_autograd::{impl_module, module, Device, Module, Tensor, TensorKind};
+///
+/// struct Leaf(Tensor);
+/// impl Module for Leaf {
+///     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
+///         f(&module::join_name(prefix, "weight"), &self.0, TensorKind::Parameter);
+///     }
+///     fn set_training(&mut self, _: bool) {}
+/// }
+/// struct Block {
+///     a: Leaf,
+///     m: Vec<Leaf>,
+/// }
+/// impl_module!(Block { "cv1" => one a, "m" => seq m });
+///
+/// let t = || Tensor::zeros(vec![1], ptl_autograd::DType::F32, Device::Cpu).unwrap();
+/// let b = Block { a: Leaf(t()), m: vec![Leaf(t()), Leaf(t())] };
+/// let names: Vec<String> = module::state_dict(&b).into_iter().map(|e| e.0).collect();
+/// assert_eq!(names, ["cv1.weight", "m.0.weight", "m.1.weight"]);
+/// ```
+#[macro_export]
+macro_rules! impl_module {
+    ($ty:ty { $($name:literal => $kind:ident $field:ident),* $(,)? }) => {
+        impl $crate::Module for $ty {
+            fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &$crate::Tensor, $crate::TensorKind)) {
+                $( $crate::impl_module!(@visit $kind, &self.$field, &$crate::module::join_name(prefix, $name), f); )*
+            }
+            fn set_training(&mut self, training: bool) {
+                $( $crate::impl_module!(@train $kind, &mut self.$field, training); )*
+            }
+        }
+    };
+    (@visit one, $m:expr, $prefix:expr, $f:expr) => {
+        $crate::Module::visit($m, $prefix, $f)
+    };
+    (@visit seq, $m:expr, $prefix:expr, $f:expr) => {
+        for (i, child) in $m.iter().enumerate() {
+            $crate::Module::visit(child, &$crate::module::join_name($prefix, &i.to_string()), $f);
+        }
+    };
+    (@visit opt, $m:expr, $prefix:expr, $f:expr) => {
+        if let Some(child) = $m {
+            $crate::Module::visit(child, $prefix, $f);
+        }
+    };
+    (@train one, $m:expr, $t:expr) => {
+        $crate::Module::set_training($m, $t)
+    };
+    (@train seq, $m:expr, $t:expr) => {
+        for child in $m.iter_mut() {
+            $crate::Module::set_training(child, $t);
+        }
+    };
+    (@train opt, $m:expr, $t:expr) => {
+        if let Some(child) = $m {
+            $crate::Module::set_training(child, $t);
+        }
+    };
+}
+
 /// `prefix.name`, or `name` when the prefix is empty.
 pub fn join_name(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {

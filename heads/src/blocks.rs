@@ -2,17 +2,12 @@
 //! Attention, PSABlock, C2PSA. Field names follow the reference attribute names so that
 //! `visit` produces the reference state-dict keys.
 
+use ptl_autograd::impl_module;
 use ptl_autograd::module::join_name;
 use ptl_autograd::{Module, Tensor, TensorKind};
 
 use crate::nn::{Conv, Init};
 use crate::Result;
-
-fn visit_seq<M: Module>(items: &[M], prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-    for (i, m) in items.iter().enumerate() {
-        m.visit(&join_name(prefix, &i.to_string()), f);
-    }
-}
 
 /// `Bottleneck(c1, c2, shortcut, k=(k1,k2), e)`: `x + cv2(cv1(x))` when shortcut and c1 = c2.
 pub struct Bottleneck {
@@ -36,16 +31,7 @@ impl Bottleneck {
     }
 }
 
-impl Module for Bottleneck {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.cv1.visit(&join_name(prefix, "cv1"), f);
-        self.cv2.visit(&join_name(prefix, "cv2"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.cv1.set_training(t);
-        self.cv2.set_training(t);
-    }
-}
+impl_module!(Bottleneck { "cv1" => one cv1, "cv2" => one cv2 });
 
 /// `C3k(c1, c2, n, shortcut, e=0.5, k=3)`: `cv3(cat[m(cv1(x)), cv2(x)])`.
 pub struct C3k {
@@ -74,20 +60,7 @@ impl C3k {
     }
 }
 
-impl Module for C3k {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.cv1.visit(&join_name(prefix, "cv1"), f);
-        self.cv2.visit(&join_name(prefix, "cv2"), f);
-        self.cv3.visit(&join_name(prefix, "cv3"), f);
-        visit_seq(&self.m, &join_name(prefix, "m"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.cv1.set_training(t);
-        self.cv2.set_training(t);
-        self.cv3.set_training(t);
-        self.m.iter_mut().for_each(|b| b.set_training(t));
-    }
-}
+impl_module!(C3k { "cv1" => one cv1, "cv2" => one cv2, "cv3" => one cv3, "m" => seq m });
 
 /// One inner block of a C3k2.
 pub enum C3k2Block {
@@ -172,18 +145,7 @@ impl C3k2 {
     }
 }
 
-impl Module for C3k2 {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.cv1.visit(&join_name(prefix, "cv1"), f);
-        self.cv2.visit(&join_name(prefix, "cv2"), f);
-        visit_seq(&self.m, &join_name(prefix, "m"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.cv1.set_training(t);
-        self.cv2.set_training(t);
-        self.m.iter_mut().for_each(|b| b.set_training(t));
-    }
-}
+impl_module!(C3k2 { "cv1" => one cv1, "cv2" => one cv2, "m" => seq m });
 
 /// `SPPF(c1, c2, k, n, shortcut)`. YOLO26 form: `cv1` without activation and a residual when
 /// `shortcut` and c1 = c2; YOLOv8/11 form: `cv1` with SiLU, no residual.
@@ -218,16 +180,7 @@ impl Sppf {
     }
 }
 
-impl Module for Sppf {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.cv1.visit(&join_name(prefix, "cv1"), f);
-        self.cv2.visit(&join_name(prefix, "cv2"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.cv1.set_training(t);
-        self.cv2.set_training(t);
-    }
-}
+impl_module!(Sppf { "cv1" => one cv1, "cv2" => one cv2 });
 
 /// Multi-head self-attention over the H·W positions with a depthwise positional term.
 pub struct Attention {
@@ -274,18 +227,7 @@ impl Attention {
     }
 }
 
-impl Module for Attention {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.qkv.visit(&join_name(prefix, "qkv"), f);
-        self.proj.visit(&join_name(prefix, "proj"), f);
-        self.pe.visit(&join_name(prefix, "pe"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.qkv.set_training(t);
-        self.proj.set_training(t);
-        self.pe.set_training(t);
-    }
-}
+impl_module!(Attention { "qkv" => one qkv, "proj" => one proj, "pe" => one pe });
 
 /// `PSABlock(c, attn_ratio, num_heads, shortcut)`: attention and a 2-layer FFN, each residual.
 pub struct PsaBlock {
@@ -316,19 +258,7 @@ impl PsaBlock {
     }
 }
 
-impl Module for PsaBlock {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.attn.visit(&join_name(prefix, "attn"), f);
-        let fp = join_name(prefix, "ffn");
-        self.ffn0.visit(&join_name(&fp, "0"), f);
-        self.ffn1.visit(&join_name(&fp, "1"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.attn.set_training(t);
-        self.ffn0.set_training(t);
-        self.ffn1.set_training(t);
-    }
-}
+impl_module!(PsaBlock { "attn" => one attn, "ffn.0" => one ffn0, "ffn.1" => one ffn1 });
 
 /// `C2PSA(c1, c2 = c1, n, e=0.5)`.
 pub struct C2Psa {
@@ -361,15 +291,4 @@ impl C2Psa {
     }
 }
 
-impl Module for C2Psa {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.cv1.visit(&join_name(prefix, "cv1"), f);
-        self.cv2.visit(&join_name(prefix, "cv2"), f);
-        visit_seq(&self.m, &join_name(prefix, "m"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.cv1.set_training(t);
-        self.cv2.set_training(t);
-        self.m.iter_mut().for_each(|b| b.set_training(t));
-    }
-}
+impl_module!(C2Psa { "cv1" => one cv1, "cv2" => one cv2, "m" => seq m });

@@ -3,6 +3,7 @@
 //! Six affine coupling layers on ℝ² with alternating masks. [`RealNvp::log_prob`] maps data to
 //! the latent (layers in reverse order) and returns `log N(z; 0, I) + log|det J|`.
 
+use ptl_autograd::impl_module;
 use ptl_autograd::module::join_name;
 use ptl_autograd::{DType, Device, Module, Tensor, TensorKind};
 
@@ -44,14 +45,7 @@ impl CouplingNet {
     }
 }
 
-impl Module for CouplingNet {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.l0.visit(&join_name(prefix, "0"), f);
-        self.l2.visit(&join_name(prefix, "2"), f);
-        self.l4.visit(&join_name(prefix, "4"), f);
-    }
-    fn set_training(&mut self, _training: bool) {}
-}
+impl_module!(CouplingNet { "0" => one l0, "2" => one l2, "4" => one l4 });
 
 /// RealNVP with buffers `loc` (2), `cov` (2×2), `mask` (6×2) and nets `s.{0..5}`, `t.{0..5}`.
 pub struct RealNvp {

@@ -5,6 +5,7 @@
 //! Every stem is its own module with its own parameters, addressable by
 //! `(Branch, level, StemKind)` through [`Pose26::stem`], and callable on its own.
 
+use ptl_autograd::impl_module;
 use ptl_autograd::module::join_name;
 use ptl_autograd::{DType, Module, Tensor, TensorKind};
 
@@ -81,17 +82,7 @@ impl BoxStem {
     }
 }
 
-impl Module for BoxStem {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.conv0.visit(&join_name(prefix, "0"), f);
-        self.conv1.visit(&join_name(prefix, "1"), f);
-        self.pred.visit(&join_name(prefix, "2"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.conv0.set_training(t);
-        self.conv1.set_training(t);
-    }
-}
+impl_module!(BoxStem { "0" => one conv0, "1" => one conv1, "2" => one pred });
 
 /// Class stem `cv3[i]`: `[DWConv(x→x, 3) → Conv(x→c3, 1)] → [DWConv(c3→c3, 3) → Conv(c3→c3, 1)]
 /// → Conv2d(c3→nc, 1, bias)`.
@@ -121,21 +112,7 @@ impl ClassStem {
     }
 }
 
-impl Module for ClassStem {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.dw0.visit(&join_name(prefix, "0.0"), f);
-        self.pw0.visit(&join_name(prefix, "0.1"), f);
-        self.dw1.visit(&join_name(prefix, "1.0"), f);
-        self.pw1.visit(&join_name(prefix, "1.1"), f);
-        self.pred.visit(&join_name(prefix, "2"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.dw0.set_training(t);
-        self.pw0.set_training(t);
-        self.dw1.set_training(t);
-        self.pw1.set_training(t);
-    }
-}
+impl_module!(ClassStem { "0.0" => one dw0, "0.1" => one pw0, "1.0" => one dw1, "1.1" => one pw1, "2" => one pred });
 
 /// Point stem `cv4[i]`: `Conv(x→c4, 3) → Conv(c4→c4, 3)`; its output feeds the keypoint view
 /// (`cv4_kpts[i]`) and the uncertainty view (`cv4_sigma[i]`).
@@ -154,16 +131,7 @@ impl PointStem {
     }
 }
 
-impl Module for PointStem {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.conv0.visit(&join_name(prefix, "0"), f);
-        self.conv1.visit(&join_name(prefix, "1"), f);
-    }
-    fn set_training(&mut self, t: bool) {
-        self.conv0.set_training(t);
-        self.conv1.set_training(t);
-    }
-}
+impl_module!(PointStem { "0" => one conv0, "1" => one conv1 });
 
 /// A borrowed stem of any kind, with a uniform `forward`.
 #[derive(Clone, Copy)]

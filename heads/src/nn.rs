@@ -4,6 +4,7 @@
 //! Parameters are created once and never replaced (loading copies into them), so their storage
 //! addresses are stable for the life of the model.
 
+use ptl_autograd::impl_module;
 use ptl_autograd::module::{join_name, parameter};
 use ptl_autograd::{BatchNormOptions, DType, Device, Module, Rng, Tensor, TensorKind};
 
@@ -192,15 +193,7 @@ impl Conv {
     }
 }
 
-impl Module for Conv {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
-        self.conv.visit(&join_name(prefix, "conv"), f);
-        self.bn.visit(&join_name(prefix, "bn"), f);
-    }
-    fn set_training(&mut self, training: bool) {
-        self.bn.set_training(training);
-    }
-}
+impl_module!(Conv { "conv" => one conv, "bn" => one bn });
 
 /// Greatest common divisor.
 pub fn gcd(a: usize, b: usize) -> usize {

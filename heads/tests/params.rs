@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use common::*;
 use ptl_autograd::module::{named_parameters, state_dict};
-use ptl_autograd::{DType, Device, Tensor, TensorKind};
+use ptl_autograd::{DType, Device, Module, Tensor, TensorKind};
 use ptl_heads::model::LayerKind;
 use ptl_heads::{Branch, ModelConfig, PoseModel, Scale, StemKind};
 
@@ -209,4 +209,36 @@ fn small_scale_forward_shapes() {
     assert_eq!(out.one2one.scores.dims(), &[2, 1, a]);
     assert_eq!(out.one2many.kpts.dims(), &[2, 51, a]);
     assert_eq!(out.one2one.kpts_sigma.as_ref().expect("sigma").dims(), &[2, 34, a]);
+}
+
+/// Every BatchNorm follows `set_training`: in eval mode a forward leaves every running statistic
+/// and counter as it was; in train mode every BatchNorm of the model counts the batch. A child
+/// left out of the traversal (visited but not switched, or the other way round) fails this.
+#[test]
+fn every_batchnorm_follows_set_training() {
+    let mut m = PoseModel::new(ModelConfig { scale: Scale::N, ..ModelConfig::default() }, Device::Cpu, 1).expect("build");
+    let x = Tensor::rand(vec![1, 3, 64, 64], 0.0, 1.0, DType::F32, Device::Cpu, &mut ptl_autograd::rng::Rng::new(7)).expect("input");
+    let counters = |m: &PoseModel| -> Vec<(String, i64)> {
+        state_dict(m)
+            .into_iter()
+            .filter(|(n, _, _)| n.ends_with("num_batches_tracked"))
+            .map(|(n, t, _)| (n, t.to_vec::<i64>().expect("counter")[0]))
+            .collect()
+    };
+    let stats = |m: &PoseModel| -> Vec<Vec<f32>> {
+        state_dict(m)
+            .into_iter()
+            .filter(|(n, _, _)| n.ends_with("running_mean"))
+            .map(|(_, t, _)| t.to_vec::<f32>().expect("mean"))
+            .collect()
+    };
+    let before = (counters(&m), stats(&m));
+    assert!(before.0.len() > 100, "{} BatchNorms", before.0.len());
+    m.set_training(false);
+    ptl_autograd::no_grad(|| m.forward(&x)).expect("eval forward");
+    assert_eq!((counters(&m), stats(&m)), before, "eval mode: no BatchNorm updated its statistics");
+    m.set_training(true);
+    ptl_autograd::no_grad(|| m.forward(&x)).expect("train forward");
+    let untouched: Vec<String> = counters(&m).into_iter().filter(|(_, c)| *c != 1).map(|(n, _)| n).collect();
+    assert!(untouched.is_empty(), "train mode: these BatchNorms did not count the batch: {untouched:?}");
 }
