@@ -3,14 +3,10 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use ptl_autograd::{no_grad, Device, Module, Tensor};
-use ptl_data::augment::{letterbox, Instances};
-use ptl_heads::{ModelConfig, PoseModel};
-use ptl_trainer::fit::load_checkpoint;
-use ptl_trainer::metrics::nms::non_max_suppression_batch;
-use ptl_trainer::metrics::NmsConfig;
-
-use ptl_trainer::pose::{draw, ModelSource, MAX_BATCH, MAX_IMGSZ};
+use ptl_autograd::Device;
+use ptl_heads::PoseModel;
+use ptl_trainer::pose::predict::predict_image;
+use ptl_trainer::pose::{draw, MAX_BATCH, MAX_IMGSZ};
 
 #[derive(Args, Debug)]
 pub struct ValArgs {
@@ -111,43 +107,10 @@ pub struct PredictArgs {
     pub device: String,
 }
 
-/// Builds the model described by a ptl checkpoint (its EMA weights, and its training settings) or by
-/// a safetensors state dict with Ultralytics' names (what `model=` accepts for training, e.g. from
-/// `scripts/ultralytics_pt_to_safetensors.py`; no settings: `Value::Null`), in eval mode.
+/// The eval model of a ptl checkpoint or a safetensors state dict, with the checkpoint's training
+/// settings (see `ptl_trainer::pose::predict::load_eval_model`).
 pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, serde_json::Value), String> {
-    // `.pt` files get the conversion hint; anything else is read by its contents.
-    if let Err(e @ ptl_trainer::TrainerError::InvalidArgument { .. }) = ModelSource::parse(&path.to_string_lossy()) {
-        if path.extension().is_some_and(|x| x.eq_ignore_ascii_case("pt") || x.eq_ignore_ascii_case("pth")) {
-            return Err(e.to_string());
-        }
-    }
-    let is_state_dict = path.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case("safetensors"));
-    let (weights_part, args) = if is_state_dict {
-        let head = ptl_files::read_regular(path).map_err(|e| e.to_string())?;
-        ptl_trainer::fit::checkpoint::refuse_pickle(path, &head).map_err(|e| e.to_string())?;
-        let w = ptl_autograd::module::from_safetensors_bytes(&head, device, &path.display().to_string())
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        (w.into_iter().collect::<std::collections::HashMap<_, _>>(), serde_json::Value::Null)
-    } else {
-        let ck = load_checkpoint(path, device).map_err(|e| e.to_string())?;
-        let ema = ck.part("ema");
-        (if ema.is_empty() { ck.part("model") } else { ema }, ck.manifest.train_args.clone())
-    };
-    // The size is the weights' own (the settings may name a start-weights file instead of a size).
-    let shapes = weights_part.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect();
-    let scale = ptl_trainer::pose::weights::scale_of(&shapes)
-        .ok_or_else(|| format!("{}: not a YOLO26 pose model (no stem convolution of a known width)", path.display()))?;
-    // The keypoint count is the model's own: the keypoint view `cv4_kpts.0` has K·3 outputs.
-    let nkpt = weights_part
-        .iter()
-        .find(|(n, _)| n.ends_with("cv4_kpts.0.weight"))
-        .and_then(|(_, t)| t.dims().first().map(|k3| k3 / 3))
-        .ok_or_else(|| format!("{}: no keypoint head (cv4_kpts) in the checkpoint: not a pose model", path.display()))?;
-    let mut model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale }, device, 0).map_err(|e| e.to_string())?;
-    // Every tensor must fit, and the file may hold nothing else (as for training and export).
-    ptl_trainer::pose::weights::load_start_weights(&model, &weights_part, path).map_err(|e| e.to_string())?;
-    model.set_training(false);
-    Ok((model, args))
+    ptl_trainer::pose::predict::load_eval_model(path, device).map_err(|e| e.to_string())
 }
 
 /// Refuses an image size the model cannot take (before anything is loaded).
@@ -174,7 +137,7 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
         return Err(format!("batch {} must be in 1..={MAX_BATCH}", a.batch));
     }
     let weights = a.weights.clone().ok_or("no weights to validate: pass model=W.ckpt or model=W.safetensors (or --weights W)")?;
-    let device = super::train::resolve_device(a.device.as_deref().unwrap_or("auto"), "validating")?;
+    let device = super::resolve_device(a.device.as_deref().unwrap_or("auto"), "validating")?;
     let (model, args) = model_from_checkpoint(&weights, device)?;
     let data = match &a.data {
         Some(d) => d.clone(),
@@ -255,13 +218,11 @@ fn images_in(source: &Path) -> Result<Vec<PathBuf>, String> {
 pub fn run_predict(a: PredictArgs) -> Result<(), String> {
     check_imgsz(a.imgsz)?;
     check_conf(a.conf)?;
-    let device = super::train::resolve_device(&a.device, "predicting")?;
+    let device = super::resolve_device(&a.device, "predicting")?;
     let (model, _) = model_from_checkpoint(&a.weights, device)?;
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
-    let nk = model.head().kpt_shape.0;
     let sources = images_in(&a.source)?;
     let mut unreadable = 0usize;
-    let cfg = NmsConfig { conf_thres: a.conf, ..NmsConfig::default() };
     let mut all = Vec::new();
     let mut drawings = DrawingNames::default();
     for path in &sources {
@@ -273,46 +234,16 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
                 continue;
             }
         };
-        let mut inst = Instances::empty(nk);
-        let s = a.imgsz as u32;
-        let (lb, info) = letterbox(&img, &mut inst, s, s, true);
-        let rgb = lb.to_rgb();
-        let (h, w) = (lb.h as usize, lb.w as usize);
-        let mut chw = vec![0u8; 3 * h * w];
-        for (i, px) in rgb.chunks_exact(3).enumerate() {
-            for c in 0..3 {
-                chw[c * h * w + i] = px[c];
-            }
-        }
-        let x = ptl_trainer::pose::images_to_tensor(&chw, [1, 3, h, w], device).map_err(|e| e.to_string())?;
-        let pred = no_grad(|| model.predict(&x)).map_err(|e| e.to_string())?;
-        let d: Tensor = pred.decoded;
-        let dims = d.dims().to_vec();
-        let host = d.to_vec::<f32>().map_err(|e| e.to_string())?;
-        let outs = non_max_suppression_batch(&host, 1, dims[2], 1, nk, &cfg).map_err(|e| e.to_string())?;
-        let det = &outs[0].detections;
-        let unmap = |x: f32, y: f32| ((x - info.left as f32) / info.r, (y - info.top as f32) / info.r);
+        let found = predict_image(&model, &img, a.imgsz as u32, a.conf, device).map_err(|e| e.to_string())?;
         let mut drawn = img.clone();
-        let mut people = Vec::new();
-        let mut kps = Vec::new();
-        for (i, b) in det.boxes.iter().enumerate() {
-            let (x1, y1) = unmap(b[0], b[1]);
-            let (x2, y2) = unmap(b[2], b[3]);
-            let kp: Vec<[f32; 3]> = (0..nk)
-                .map(|k| {
-                    let o = (i * nk + k) * 3;
-                    let (kx, ky) = unmap(det.keypoints[o], det.keypoints[o + 1]);
-                    [kx, ky, det.keypoints[o + 2]]
-                })
-                .collect();
-            people.push(serde_json::json!({ "box_xyxy": [x1, y1, x2, y2], "score": det.scores[i], "keypoints": kp }));
-            kps.push(([x1, y1, x2, y2], kp, det.scores[i]));
-        }
-        let persons: Vec<draw::Person<'_>> = kps.iter().map(|(b, kp, s)| draw::Person { bbox: *b, kpts: kp, score: Some(*s) }).collect();
+        let persons: Vec<draw::Person<'_>> =
+            found.iter().map(|p| draw::Person { bbox: p.bbox_xyxy, kpts: &p.keypoints, score: Some(p.score) }).collect();
         draw::people(&mut drawn, &persons, 0.5).map_err(|e| e.to_string())?;
         let png = a.out.join(drawings.name_for(path));
         ptl_data::image::write_png(&drawn, &png).map_err(|e| e.to_string())?;
-        println!("{}: {} persons -> {}", path.display(), people.len(), png.display());
+        println!("{}: {} persons -> {}", path.display(), found.len(), png.display());
+        let people: Vec<serde_json::Value> =
+            found.iter().map(|p| serde_json::json!({ "box_xyxy": p.bbox_xyxy, "score": p.score, "keypoints": p.keypoints })).collect();
         all.push(serde_json::json!({ "image": path.display().to_string(), "drawing": png.display().to_string(), "persons": people }));
     }
     if unreadable == sources.len() {

@@ -4,7 +4,6 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use ptl_autograd::Device;
 use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
 use ptl_trainer::TrainerError;
 
@@ -147,7 +146,7 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
             given.push(("seed".into(), s.to_string()));
         }
         let mut cfg = PoseTrainConfig::for_resume(Path::new(path), &given).map_err(|e| e.to_string())?;
-        cfg.device = resolve_device(device, "training")?;
+        cfg.device = super::resolve_device(device, "training")?;
         cfg.resolve_amp();
         return Ok(cfg);
     }
@@ -159,7 +158,7 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     for (k, v) in &overrides {
         cfg.set(k, v).map_err(|e| e.to_string())?;
     }
-    cfg.device = resolve_device(device, "training")?;
+    cfg.device = super::resolve_device(device, "training")?;
     cfg.resolve_amp();
     if let Some(p) = &a.precision {
         cfg.precision = Precision::parse(p).map_err(|e| e.to_string())?;
@@ -169,22 +168,6 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     }
     cfg.validate().map_err(|e| e.to_string())?;
     Ok(cfg)
-}
-
-/// Parses a device setting and says clearly which device will be used for `doing` (training,
-/// …). `auto` takes the first GPU, or the CPU when none answers (and says so); a named device
-/// that cannot be used is an error naming why, never a fall-back.
-pub fn resolve_device(s: &str, doing: &str) -> Result<Device, String> {
-    let d = Device::parse(s).map_err(|e| e.to_string())?;
-    if s.trim().eq_ignore_ascii_case("auto") {
-        match d {
-            Device::Cpu => eprintln!("ptl: no usable CUDA GPU found; {doing} on the CPU"),
-            Device::Cuda(n) => eprintln!("ptl: {doing} on GPU cuda:{n}"),
-        }
-        return Ok(d);
-    }
-    d.ensure_usable().map_err(|e| format!("device={s}: {e}"))?;
-    Ok(d)
 }
 
 pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {

@@ -13,7 +13,8 @@ use ptl_heads::{ModelConfig, PoseModel};
 
 use super::clock::StepClock;
 use super::config::{PoseTrainConfig, Precision};
-use super::pipeline::{device_images, TrainPipeline};
+use super::images::device_images;
+use super::pipeline::TrainPipeline;
 use super::probe;
 use super::stages;
 use super::validate::{validate_with, ValOptions, ValResult};
@@ -119,21 +120,6 @@ fn model_params(m: &PoseModel) -> Vec<(String, Tensor)> {
 
 fn float_state(m: &PoseModel) -> Vec<(String, Tensor)> {
     module::state_dict(m).into_iter().map(|(n, t, _)| (n, t)).collect()
-}
-
-/// Uploads a u8 NCHW batch (still u8 on the device).
-fn upload_u8(img: &[u8], shape: [usize; 4], device: Device) -> Result<Tensor> {
-    Ok(Tensor::from_vec(img.to_vec(), shape.to_vec(), Device::Cpu)?.to_device(device)?)
-}
-
-/// u8 pixels to f32 in [0, 1].
-fn to_unit_f32(u8_batch: &Tensor) -> Result<Tensor> {
-    Ok(u8_batch.to_dtype(DType::F32)?.affine(1.0 / 255.0, 0.0)?)
-}
-
-/// Uploads a u8 NCHW batch and scales it to [0, 1] in f32.
-pub fn images_to_tensor(img: &[u8], shape: [usize; 4], device: Device) -> Result<Tensor> {
-    to_unit_f32(&upload_u8(img, shape, device)?)
 }
 
 fn branch(b: &ptl_heads::BranchOutput) -> BranchOutputs {

@@ -5,8 +5,10 @@ pub mod coco_json;
 pub mod config;
 pub mod draw;
 pub mod fit;
+pub mod images;
 mod pipeline;
 pub mod plots;
+pub mod predict;
 mod probe;
 mod progress;
 mod settings;
@@ -17,7 +19,8 @@ pub mod weights;
 
 pub use coco_json::CocoJsonFiles;
 pub use config::{nearest_key, PoseTrainConfig, Precision, MAX_BATCH, MAX_IMGSZ};
-pub use fit::{fit, images_to_tensor, LOSS_NAMES};
+pub use fit::{fit, LOSS_NAMES};
+pub use images::images_to_tensor;
 pub use validate::{validate, validate_with, ValOptions, ValResult};
 pub use weights::ModelSource;
 

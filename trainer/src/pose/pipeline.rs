@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use ptl_autograd::{DType, Device, Tensor};
+use ptl_autograd::{Device, Tensor};
 use ptl_data::{Batch, BatchStage, PrefetchPlan, Prefetcher, TrainLoader};
 
 use crate::Result;
@@ -174,24 +174,4 @@ impl TrainPipeline {
             build_s_per_batch,
         }
     }
-}
-
-/// u8 pixels (on the device) to f32 in [0, 1], with the HSV jitter applied on the device when
-/// the loader left it there (one fused launch, byte-identical to the CPU path).
-pub(crate) fn device_images(batch: &Batch, u8_batch: &Tensor) -> Result<Tensor> {
-    let jittered = if batch.hsv_applied { u8_batch.clone() } else { hsv_on_device(batch, u8_batch)? };
-    Ok(jittered.to_dtype(DType::F32)?.affine(1.0 / 255.0, 0.0)?)
-}
-
-#[cfg(feature = "cuda")]
-fn hsv_on_device(batch: &Batch, u8_batch: &Tensor) -> Result<Tensor> {
-    Ok(ptl_data::device_hsv::apply_hsv_device(u8_batch, &batch.hsv_gains)?)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn hsv_on_device(batch: &Batch, u8_batch: &Tensor) -> Result<Tensor> {
-    let [_, _, h, w] = batch.shape;
-    let mut img: Vec<u8> = u8_batch.to_vec::<u8>()?;
-    ptl_data::apply_hsv_batch_rgb_nchw(&mut img, h, w, &batch.hsv_gains);
-    Ok(Tensor::from_vec(img, batch.shape.to_vec(), u8_batch.device())?)
 }

@@ -10,7 +10,7 @@ use ptl_heads::PoseModel;
 
 use super::coco_json::{CocoJsonFiles, JsonWriter};
 use super::config::Precision;
-use super::fit::images_to_tensor;
+use super::images::images_to_tensor;
 use super::plots::PrCurve;
 use super::val_loss::ValLoss;
 use crate::loss::LossConfig;

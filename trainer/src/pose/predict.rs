@@ -1,0 +1,109 @@
+//! Prediction as a library: a model from a weights file, and the persons it finds in an image —
+//! letterboxed as validation does, decoded, NMS'd and mapped back to the image's pixels. `ptl
+//! predict` is these two calls, drawing and file writing.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use ptl_autograd::{no_grad, Device, Module, Tensor};
+use ptl_data::augment::{letterbox, Instances};
+use ptl_data::image::Image;
+use ptl_heads::{ModelConfig, PoseModel};
+
+use crate::fit::checkpoint::{load_checkpoint, refuse_pickle};
+use crate::metrics::nms::non_max_suppression_batch;
+use crate::metrics::NmsConfig;
+use crate::{Result, TrainerError};
+
+use super::images::images_to_tensor;
+use super::weights::{load_start_weights, scale_of, ModelSource};
+
+/// One person found in an image, in the image's own pixels.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PersonPrediction {
+    /// Box corners (x1, y1, x2, y2).
+    pub bbox_xyxy: [f32; 4],
+    /// Confidence.
+    pub score: f32,
+    /// (x, y, visibility score) per keypoint.
+    pub keypoints: Vec<[f32; 3]>,
+}
+
+/// The model a ptl checkpoint (its EMA weights) or a safetensors state dict with Ultralytics'
+/// names holds, in eval mode on `device`, with the checkpoint's training settings (`Null` for a
+/// state dict, which holds none). Size and keypoint count are read from the weights; every tensor
+/// must fit and the file may hold nothing else. Pickled PyTorch files are refused with the way to
+/// convert them.
+pub fn load_eval_model(path: &Path, device: Device) -> Result<(PoseModel, serde_json::Value)> {
+    // `.pt` files get the conversion hint; anything else is read by its contents.
+    if path.extension().is_some_and(|x| x.eq_ignore_ascii_case("pt") || x.eq_ignore_ascii_case("pth")) {
+        ModelSource::parse(&path.to_string_lossy())?;
+    }
+    let bad = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
+    let is_state_dict = path.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case("safetensors"));
+    let (weights, args): (HashMap<String, Tensor>, serde_json::Value) = if is_state_dict {
+        let bytes = ptl_files::read_regular(path)?;
+        refuse_pickle(path, &bytes)?;
+        let w =
+            ptl_autograd::module::from_safetensors_bytes(&bytes, device, &path.display().to_string()).map_err(|e| bad(e.to_string()))?;
+        (w.into_iter().collect(), serde_json::Value::Null)
+    } else {
+        let ck = load_checkpoint(path, device)?;
+        let ema = ck.part("ema");
+        (if ema.is_empty() { ck.part("model") } else { ema }, ck.manifest.train_args.clone())
+    };
+    // The size is the weights' own (the settings may name a start-weights file instead of a size).
+    let shapes = weights.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect();
+    let scale = scale_of(&shapes).ok_or_else(|| bad("not a YOLO26 pose model (no stem convolution of a known width)".into()))?;
+    // The keypoint count is the model's own: the keypoint view `cv4_kpts.0` has K·3 outputs.
+    let nkpt = weights
+        .iter()
+        .find(|(n, _)| n.ends_with("cv4_kpts.0.weight"))
+        .and_then(|(_, t)| t.dims().first().map(|k3| k3 / 3))
+        .ok_or_else(|| bad("no keypoint head (cv4_kpts) in it: not a pose model".into()))?;
+    let mut model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale }, device, 0)?;
+    load_start_weights(&model, &weights, path)?;
+    model.set_training(false);
+    Ok((model, args))
+}
+
+/// The persons `model` finds in `img` (a BGR image) at input size `imgsz` (a multiple of 32),
+/// above confidence `conf`, in the image's pixels.
+pub fn predict_image(model: &PoseModel, img: &Image, imgsz: u32, conf: f32, device: Device) -> Result<Vec<PersonPrediction>> {
+    let nk = model.head().kpt_shape.0;
+    let mut inst = Instances::empty(nk);
+    let (lb, info) = letterbox(img, &mut inst, imgsz, imgsz, true);
+    let rgb = lb.to_rgb();
+    let (h, w) = (lb.h as usize, lb.w as usize);
+    let mut chw = vec![0u8; 3 * h * w];
+    for (i, px) in rgb.chunks_exact(3).enumerate() {
+        for (c, v) in px.iter().enumerate() {
+            chw[c * h * w + i] = *v;
+        }
+    }
+    let x = images_to_tensor(&chw, [1, 3, h, w], device)?;
+    let pred = no_grad(|| model.predict(&x))?;
+    let dims = pred.decoded.dims().to_vec();
+    let host = pred.decoded.to_vec::<f32>()?;
+    let cfg = NmsConfig { conf_thres: conf, ..NmsConfig::default() };
+    let outs = non_max_suppression_batch(&host, 1, dims[2], 1, nk, &cfg)?;
+    let det = &outs[0].detections;
+    let unmap = |x: f32, y: f32| ((x - info.left as f32) / info.r, (y - info.top as f32) / info.r);
+    Ok(det
+        .boxes
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let (x1, y1) = unmap(b[0], b[1]);
+            let (x2, y2) = unmap(b[2], b[3]);
+            let keypoints = (0..nk)
+                .map(|k| {
+                    let o = (i * nk + k) * 3;
+                    let (kx, ky) = unmap(det.keypoints[o], det.keypoints[o + 1]);
+                    [kx, ky, det.keypoints[o + 2]]
+                })
+                .collect();
+            PersonPrediction { bbox_xyxy: [x1, y1, x2, y2], score: det.scores[i], keypoints }
+        })
+        .collect())
+}
