@@ -8,6 +8,20 @@ use std::sync::{Arc, Mutex};
 use ptl_autograd::Device;
 use ptl_capture::{Recorder, RecorderConfig, RegionHandle, RegionSpec};
 
+/// A site's body as a recorded region calls it: every nested site native (nothing is recorded
+/// twice), the trainer's errors as tensor errors (`what` names the site in them). The body may be
+/// called several times (warm-up, capture).
+pub(crate) fn region_body<'a, 'b: 'a>(
+    body: &'a mut ptl_trainer::fit::SiteBody<'b>,
+    what: &'static str,
+) -> impl Fn(&[ptl_autograd::Tensor]) -> ptl_autograd::Result<Vec<ptl_autograd::Tensor>> + use<'a, 'b> {
+    let body = std::cell::RefCell::new(body);
+    move |xs| {
+        let mut b = body.borrow_mut();
+        (*b)(&ptl_trainer::fit::NativeSites, xs).map_err(|e| ptl_autograd::Error::InvalidArgument { op: what, msg: e.to_string() })
+    }
+}
+
 /// A recorder for a fit on `device`: CUDA graphs on a GPU, `double` (the CPU test double) elsewhere.
 pub(crate) fn recorder_for(config: &RecorderConfig, device: Device, double: ptl_capture::testing::ReplayNatively) -> Recorder {
     match device {

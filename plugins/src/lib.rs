@@ -9,7 +9,7 @@
 //! - `replay=stem` ([`Scope::Stems`]): each of the head's 18 stems as its own region and autograd node (a
 //!   point stem's region includes its keypoint and uncertainty views).
 //! - `replay=ns` ([`NsReplay`]): MuSGD's batched Newton–Schulz, one region per group of equal
-//!   matrix shapes, reached through the optimizer stage (`ptl_trainer::optim::with_ns_runner`).
+//!   matrix shapes: the update's nested `Site::NewtonSchulz`.
 //! - `replay=optimizer` ([`UpdateReplay`]): the device part of the optimizer step (clipping and
 //!   the SGD / MuSGD update) as one region per gradient-presence mask.
 //!

@@ -21,11 +21,11 @@
 //! Both are in `replay=all`; without the dense criterion (the CPU's default
 //! `loss_assigner=host`) they record nothing.
 
-use ptl_autograd::{Tensor, TensorKind};
+use ptl_autograd::Tensor;
 use ptl_capture::RecorderConfig;
-use ptl_trainer::fit::{LossBody, PluginRegistration, PluginSetup, ReplayPlugin};
+use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, Site, SiteBody, SiteCall, SiteRunner};
 
-use crate::keyed::{HoldsRegions, KeyedRegions, PluginShell};
+use crate::keyed::{region_body, HoldsRegions, KeyedRegions, PluginShell};
 
 /// A call's key: every input's shape and dtype, in order.
 type LossKey = Vec<(Vec<usize>, String)>;
@@ -69,25 +69,13 @@ impl LossReplay {
         Ok(Box::new(LossReplay { shell, with_forward }))
     }
 
-    /// Records `body` as the region of its input signature (`loss.<n>` / `step.<n>`, numbered in
-    /// order of first use).
-    fn run_body(
-        &self,
-        inputs: &[Tensor],
-        surface: &[(String, Tensor, TensorKind)],
-        body: &LossBody<'_>,
-    ) -> ptl_trainer::Result<Vec<Tensor>> {
-        let Some(r) = self.shell.active() else { return body(inputs) };
-        let key: LossKey = inputs.iter().map(|t| (t.dims().to_vec(), t.dtype().to_string())).collect();
-        let name = self.name();
-        let region = r.0.region(key, |made| format!("{name}.{}", made.len()));
-        let body = |xs: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> {
-            body(xs).map_err(|e| ptl_autograd::Error::InvalidArgument { op: "loss body", msg: e.to_string() })
-        };
-        region.call_with(inputs, surface, &body).map_err(|e| ptl_trainer::TrainerError::InvalidArgument {
-            what: if self.with_forward { "step replay" } else { "loss replay" },
-            reason: e.to_string(),
-        })
+    /// The site this plugin records: the criterion alone, or with the forward.
+    fn site(&self) -> Site {
+        if self.with_forward {
+            Site::ForwardLoss
+        } else {
+            Site::Loss
+        }
     }
 }
 
@@ -114,27 +102,21 @@ impl ReplayPlugin for LossReplay {
         self.shell.install(LossRegions(KeyedRegions::new(&self.shell.config, ctx.config.device)));
         Ok(())
     }
-    fn claims_loss(&self) -> bool {
-        !self.with_forward && self.shell.active().is_some()
+    fn claims(&self, site: Site) -> bool {
+        site == self.site() && self.shell.active().is_some()
     }
-    fn run_loss(
-        &self,
-        inputs: &[Tensor],
-        surface: &[(String, Tensor, TensorKind)],
-        body: &LossBody<'_>,
-    ) -> ptl_trainer::Result<Vec<Tensor>> {
-        self.run_body(inputs, surface, body)
-    }
-    fn claims_forward_loss(&self) -> bool {
-        self.with_forward && self.shell.active().is_some()
-    }
-    fn run_forward_loss(
-        &self,
-        inputs: &[Tensor],
-        surface: &[(String, Tensor, TensorKind)],
-        body: &LossBody<'_>,
-    ) -> ptl_trainer::Result<Vec<Tensor>> {
-        self.run_body(inputs, surface, body)
+    /// Records the body as the region of its input signature (`loss.<n>` / `step.<n>`, numbered
+    /// in order of first use).
+    fn run(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>, rest: &dyn SiteRunner) -> ptl_trainer::Result<Vec<Tensor>> {
+        let Some(r) = self.shell.active() else { return body(rest, call.inputs) };
+        let key: LossKey = call.inputs.iter().map(|t| (t.dims().to_vec(), t.dtype().to_string())).collect();
+        let name = self.name();
+        let region = r.0.region(key, |made| format!("{name}.{}", made.len()));
+        let body = region_body(body, "loss body");
+        region.call_with(call.inputs, call.surface, &body).map_err(|e| ptl_trainer::TrainerError::InvalidArgument {
+            what: if self.with_forward { "step replay" } else { "loss replay" },
+            reason: e.to_string(),
+        })
     }
     fn on_fit_end(&self) {
         self.shell.release();

@@ -3,17 +3,16 @@
 //! iterations of three GEMMs each per batch); each call's (shapes, dtype) becomes a region whose
 //! inputs are the group's matrices and whose outputs are their orthogonalised, scaled updates.
 //! Newton–Schulz has no state and no hyperparameters (its coefficients are constants), so a
-//! recording replays whatever the step's learning rate. The plugin reaches the optimizer through
-//! `ptl_trainer::optim::with_ns_runner` around the optimizer stage. A plugin that records the
-//! whole update (`replay=optimizer`) installs its own runner inside it, so these regions are not
-//! used then.
+//! recording replays whatever the step's learning rate. The call is the step's
+//! `Site::NewtonSchulz`, nested in the update (`Site::Update(Step)`): a plugin that records the
+//! whole update (`replay=optimizer`) runs its nested sites natively, so these regions are not used
+//! then.
 
 use ptl_autograd::Tensor;
 use ptl_capture::RecorderConfig;
-use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, Stage, StageInfo};
-use ptl_trainer::optim::{with_ns_runner, NsRunner};
+use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, Site, SiteBody, SiteCall, SiteRunner};
 
-use crate::keyed::{HoldsRegions, KeyedRegions, PluginShell};
+use crate::keyed::{region_body, HoldsRegions, KeyedRegions, PluginShell};
 
 /// A call's key: every matrix's shape, in order, and the dtype.
 type GroupKey = (Vec<Vec<usize>>, String);
@@ -21,20 +20,14 @@ type GroupKey = (Vec<Vec<usize>>, String);
 /// One region per Newton–Schulz call (per Muon group).
 struct NsRegions(KeyedRegions<GroupKey>);
 
-impl NsRunner for NsRegions {
-    fn run_ns(
-        &self,
-        matrices: &[Tensor],
-        body: &dyn Fn(&[Tensor]) -> ptl_trainer::Result<Vec<Tensor>>,
-    ) -> ptl_trainer::Result<Vec<Tensor>> {
-        let Some(first) = matrices.first() else { return body(matrices) };
+impl NsRegions {
+    fn run(&self, matrices: &[Tensor], body: &mut SiteBody<'_>, rest: &dyn SiteRunner) -> ptl_trainer::Result<Vec<Tensor>> {
+        let Some(first) = matrices.first() else { return body(rest, matrices) };
         let key: GroupKey = (matrices.iter().map(|m| m.dims().to_vec()).collect(), first.dtype().to_string());
         let count = matrices.len();
         // Named in order of first use: `ns.<region index>.<matrices>`, unique within the fit.
         let region = self.0.region(key, |made| format!("ns.{}.{count}", made.len()));
-        let body = |xs: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> {
-            body(xs).map_err(|e| ptl_autograd::Error::InvalidArgument { op: "Newton–Schulz body", msg: e.to_string() })
-        };
+        let body = region_body(body, "Newton–Schulz body");
         ptl_autograd::no_grad(|| region.call_with(matrices, &[], &body))
             .map_err(|e| ptl_trainer::TrainerError::InvalidArgument { what: "ns replay", reason: e.to_string() })
     }
@@ -78,10 +71,13 @@ impl ReplayPlugin for NsReplay {
         self.shell.install(regions);
         Ok(())
     }
-    fn around(&self, info: StageInfo, next: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
-        match (self.shell.active(), info.stage) {
-            (Some(r), Stage::OptimizerStep) => with_ns_runner(r.clone(), next),
-            _ => next(),
+    fn claims(&self, site: Site) -> bool {
+        site == Site::NewtonSchulz && self.shell.active().is_some()
+    }
+    fn run(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>, rest: &dyn SiteRunner) -> ptl_trainer::Result<Vec<Tensor>> {
+        match self.shell.active() {
+            Some(r) => r.run(call.inputs, body, rest),
+            None => body(rest, call.inputs),
         }
     }
     fn on_fit_end(&self) {

@@ -5,8 +5,8 @@
 
 use ptl_autograd::{Tensor, TensorKind};
 use ptl_capture::RecorderConfig;
-use ptl_heads::{Piece, PieceBody, PoseModel};
-use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin};
+use ptl_heads::Piece;
+use ptl_trainer::fit::{NativeSites, PluginRegistration, PluginSetup, ReplayPlugin, Site, SiteBody, SiteCall, SiteRunner};
 
 use crate::PieceRegions;
 
@@ -134,18 +134,17 @@ impl ReplayPlugin for PieceReplay {
         }
         Ok(())
     }
-    fn claims(&self, piece: Piece) -> bool {
-        self.dispatch && self.scope.covers(piece) && !self.native_for_fit
+    fn claims(&self, site: Site) -> bool {
+        matches!(site, Site::Piece(piece) if self.dispatch && self.scope.covers(piece) && !self.native_for_fit)
     }
-    fn run_piece(
-        &self,
-        model: &PoseModel,
-        piece: Piece,
-        inputs: &[Tensor],
-        surface: &[(String, Tensor, TensorKind)],
-        body: &PieceBody<'_>,
-    ) -> ptl_heads::Result<Vec<Tensor>> {
-        self.regions.run(model, piece, inputs, surface, body)
+    fn run(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>, rest: &dyn SiteRunner) -> ptl_trainer::Result<Vec<Tensor>> {
+        let (Site::Piece(piece), Some(model)) = (call.site, call.model) else { return body(rest, call.inputs) };
+        let body = std::cell::RefCell::new(body);
+        let piece_body = |xs: &[Tensor]| -> ptl_heads::Result<Vec<Tensor>> {
+            let mut b = body.borrow_mut();
+            (*b)(&NativeSites, xs).map_err(|e| ptl_heads::HeadsError::Runner { piece: piece.name(), msg: e.to_string() })
+        };
+        Ok(self.regions.run(model, piece, call.inputs, call.surface, &piece_body)?)
     }
     fn on_fit_end(&self) {
         self.regions.release();

@@ -8,27 +8,11 @@
 //! update writes (parameters, moments, step counts, scaler state: the write journal). SGD, MuSGD
 //! and AdamW qualify; the trainer hands over only a step that does (`Optimizer::is_capturable`).
 
-use std::sync::Arc;
-
 use ptl_autograd::{Tensor, TensorKind};
 use ptl_capture::RecorderConfig;
-use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, UpdatePart};
-use ptl_trainer::optim::{with_ns_runner, NsRunner};
+use ptl_trainer::fit::{PluginRegistration, PluginSetup, ReplayPlugin, Site, SiteBody, SiteCall, SiteRunner, UpdatePart};
 
-use crate::keyed::{HoldsRegions, KeyedRegions, PluginShell};
-
-/// Newton–Schulz run where the optimizer calls it: inside the update's region.
-struct InPlaceNs;
-
-impl NsRunner for InPlaceNs {
-    fn run_ns(
-        &self,
-        matrices: &[Tensor],
-        body: &dyn Fn(&[Tensor]) -> ptl_trainer::Result<Vec<Tensor>>,
-    ) -> ptl_trainer::Result<Vec<Tensor>> {
-        body(matrices)
-    }
-}
+use crate::keyed::{region_body, HoldsRegions, KeyedRegions, PluginShell};
 
 /// A region's key: the part, and for the step which parameters have a gradient.
 type PartKey = (UpdatePart, Vec<bool>);
@@ -71,7 +55,7 @@ impl UpdateReplay {
 }
 
 impl UpdateRegions {
-    fn run(&self, part: UpdatePart, body: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
+    fn run(&self, part: UpdatePart, body: &mut SiteBody<'_>) -> ptl_trainer::Result<()> {
         // What the part reads and writes in place — the step: the parameters and their
         // (persistent) gradients; the EMA: the parameters and the EMA's tensors. Their addresses
         // key the recording (a moved buffer retires it).
@@ -95,15 +79,11 @@ impl UpdateRegions {
             UpdatePart::Step => format!("update.{}", made.keys().filter(|k| k.0 == UpdatePart::Step).count()),
             UpdatePart::Ema => "ema".to_string(),
         });
-        let body = std::cell::RefCell::new(body);
-        let run = |_: &[Tensor]| -> ptl_autograd::Result<Vec<Tensor>> {
-            let mut b = body.borrow_mut();
-            (*b)().map_err(|e| ptl_autograd::Error::InvalidArgument { op: "optimizer update part", msg: e.to_string() })?;
-            Ok(Vec::new())
-        };
-        // The step's Newton–Schulz runs inside this region (warm-up, recording and replay alike),
-        // not through `replay=ns`'s own regions: they would only ever see the warm-up.
-        with_ns_runner(Arc::new(InPlaceNs), || ptl_autograd::no_grad(|| region.call_with(&[], &surface, &run)))
+        // The step's Newton–Schulz (a nested site) runs inside this region — warm-up, recording
+        // and replay alike — not through `replay=ns`'s own regions: they would only ever see the
+        // warm-up.
+        let run = region_body(body, "optimizer update part");
+        ptl_autograd::no_grad(|| region.call_with(&[], &surface, &run))
             .map(|_| ())
             .map_err(|e| ptl_trainer::TrainerError::InvalidArgument { what: "optimizer replay", reason: e.to_string() })
     }
@@ -132,13 +112,13 @@ impl ReplayPlugin for UpdateReplay {
     fn persistent_gradients(&self) -> bool {
         true
     }
-    fn claims_update(&self) -> bool {
-        self.shell.active().is_some()
+    fn claims(&self, site: Site) -> bool {
+        matches!(site, Site::Update(_)) && self.shell.active().is_some()
     }
-    fn run_update(&self, part: UpdatePart, body: &mut dyn FnMut() -> ptl_trainer::Result<()>) -> ptl_trainer::Result<()> {
-        match self.shell.active() {
-            Some(r) => r.run(part, body),
-            None => body(),
+    fn run(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>, rest: &dyn SiteRunner) -> ptl_trainer::Result<Vec<Tensor>> {
+        match (self.shell.active(), call.site) {
+            (Some(r), Site::Update(part)) => r.run(part, body).map(|()| Vec::new()),
+            _ => body(rest, call.inputs),
         }
     }
     fn on_fit_end(&self) {

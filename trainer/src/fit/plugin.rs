@@ -1,18 +1,21 @@
-//! Replay plugins: the extension point through which CUDA-graph strategies run pieces of the
-//! model and wrap stages of a training step. Plugins register with `inventory` from any crate (no
+//! Replay plugins: the extension point through which CUDA-graph strategies run sites of a
+//! training step ([`Site`]: a model piece, the loss, forward and loss together, a part of the
+//! optimizer update, a Newton–Schulz group). Plugins register with `inventory` from any crate (no
 //! fork needed); a fit enables the ones its `replay=` list names, in priority order. With none,
-//! every piece and stage runs natively.
+//! every site runs natively.
 //!
 //! A plugin sees the run at [`ReplayPlugin::setup`] (model, named parameters, optimizer, EMA,
-//! configuration), may claim pieces of the model ([`ReplayPlugin::claims`]; the first claimant
-//! in priority order runs a piece) and wraps stages ([`ReplayPlugin::around`]). Its state goes into
+//! configuration), claims sites ([`ReplayPlugin::claims`]; the first claimant in priority order
+//! runs a site through [`ReplayPlugin::run`], which returns the site's outputs) and may observe
+//! whole stages ([`ReplayPlugin::around`]). Everything else has a default. Its state goes into
 //! checkpoints as JSON and comes back on resume; recordings never do — a clone or a restored plugin
-//! starts with none.
+//! starts with none. docs/plugins.md is the author's guide.
 
 use dyn_clone::DynClone;
-use ptl_autograd::{Tensor, TensorKind};
+use ptl_autograd::Tensor;
 use ptl_heads::{Piece, PieceBody, PieceRunner, PoseModel};
 
+pub use super::sites::{NativeSites, NsSite, Site, SiteBody, SiteRunner, Surface, UpdatePart};
 use crate::optim::{ModelEma, Optimizer};
 use crate::pose::PoseTrainConfig;
 use crate::{Result, TrainerError};
@@ -40,20 +43,6 @@ pub enum ReplayCadence {
     /// Each batch calls one of the plugin's regions, the one of its shapes (the loss region per
     /// target bucket): the guard counts the regions together.
     OnePerBatch,
-}
-
-/// The device parts of an optimizer step a plugin may run ([`ReplayPlugin::run_update`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum UpdatePart {
-    /// 16-mixed only: every present gradient × 1/scale and the found-inf flag
-    /// (`GradScaler::unscale_grads`), before the `on_before_optimizer_step` callbacks.
-    Unscale,
-    /// Gradient clipping and the optimizer's update (`Optimizer::step_prepared`); under 16-mixed
-    /// the update skipped on the device by the found-inf flag (`Optimizer::step_prepared_unless`)
-    /// and the scaler's growth/backoff (`GradScaler::update_scale`).
-    Step,
-    /// The EMA update (`ModelEma::update_prepared`), after zero-grad.
-    Ema,
 }
 
 /// What a plugin sees about the step it wraps.
@@ -92,69 +81,23 @@ pub trait ReplayPlugin: DynClone + Send {
         let _ = ctx;
         Ok(())
     }
-    /// Whether this plugin runs `piece` (see [`ReplayPlugin::run_piece`]).
-    fn claims(&self, piece: Piece) -> bool {
-        let _ = piece;
+    /// Whether this plugin runs `site` (the first claimant in priority order does).
+    fn claims(&self, site: Site) -> bool {
+        let _ = site;
         false
     }
-    /// Runs a claimed piece of `model`: must return what `body(inputs)` returns (natively or by
-    /// replay). `surface` is what the body reads (the model's parameters and buffers of the piece).
-    fn run_piece(
-        &self,
-        model: &PoseModel,
-        piece: Piece,
-        inputs: &[Tensor],
-        surface: &[(String, Tensor, TensorKind)],
-        body: &PieceBody<'_>,
-    ) -> ptl_heads::Result<Vec<Tensor>> {
-        let _ = (model, piece, surface);
-        body(inputs)
+    /// Runs a claimed site: must return what `body(rest, inputs)` returns (the same values and
+    /// autograd behaviour), natively or by replaying a recording of it. `rest` runs the sites
+    /// nested in the body; a plugin that records the body passes [`NativeSites`] instead, so a
+    /// nested site is not recorded twice.
+    fn run(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>, rest: &dyn SiteRunner) -> Result<Vec<Tensor>> {
+        body(rest, call.inputs)
     }
-    /// Runs a stage. `next` performs the stage (natively or through the next plugin) and must be
-    /// called exactly once unless the plugin replaces the work with an equivalent replay.
+    /// Observes (or wraps) a whole stage. `next` performs the stage and must be called exactly
+    /// once. For measuring and logging; work a plugin replaces goes through sites.
     fn around(&self, info: StageInfo, next: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         let _ = info;
         next()
-    }
-    /// Whether this plugin runs the device parts of optimizer steps ([`ReplayPlugin::run_update`]).
-    fn claims_update(&self) -> bool {
-        false
-    }
-    /// Runs a device part of an optimizer step ([`UpdatePart`]), after its host part wrote the
-    /// step's scalars to the device, natively (`body()`) or by a replay of it; it must do what
-    /// `body` does. The trainer hands over the unscale and the step only for an optimizer that
-    /// `Optimizer::is_capturable` (SGD, MuSGD, AdamW).
-    fn run_update(&self, part: UpdatePart, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        let _ = part;
-        body()
-    }
-    /// Whether this plugin runs the dense criterion's device work ([`ReplayPlugin::run_loss`]).
-    fn claims_loss(&self) -> bool {
-        false
-    }
-    /// Runs the dense criterion's device work (both branches' fixed-shape assignment and terms,
-    /// the RLE flow, the mix; `crate::loss::E2ELoss::loss_routed`): must return what
-    /// `body(inputs)` returns, natively or by replay. `inputs` are the two branches' raw outputs,
-    /// the padded device targets and the branch weights (`loss_routed` lists them); `surface` is
-    /// what the body reads besides them: the RLE flow's parameters.
-    fn run_loss(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &LossBody<'_>) -> Result<Vec<Tensor>> {
-        let _ = surface;
-        body(inputs)
-    }
-    /// Whether this plugin runs the model's forward and the dense criterion together
-    /// ([`ReplayPlugin::run_forward_loss`]): the whole forward-and-loss of a step as one body.
-    fn claims_forward_loss(&self) -> bool {
-        false
-    }
-    /// Runs a step's model forward and dense criterion as one body: must return what
-    /// `body(inputs)` returns, natively or by replay. `inputs` are the batch's images, the padded
-    /// device targets and the branch weights (`E2ELoss::loss_with_forward` lists them); `surface`
-    /// is everything the body reads besides them: the model's parameters and buffers, the RLE
-    /// flow's among them. Offered only when the fit is on the dense criterion and the batch's
-    /// targets fit a bucket; otherwise the step runs through the pieces and `run_loss`.
-    fn run_forward_loss(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &LossBody<'_>) -> Result<Vec<Tensor>> {
-        let _ = surface;
-        body(inputs)
     }
     /// Whether the fit should keep every parameter's gradient buffer across steps (persistent
     /// gradients, `Tensor::set_keep_grad_buffer`): a plugin that records graphs reading or writing
@@ -196,8 +139,17 @@ pub trait ReplayPlugin: DynClone + Send {
 
 dyn_clone::clone_trait_object!(ReplayPlugin);
 
-/// The dense criterion's device work as a function of its input tensors ([`ReplayPlugin::run_loss`]).
-pub type LossBody<'a> = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'a;
+/// A site as a plugin receives it.
+#[derive(Clone, Copy)]
+pub struct SiteCall<'a> {
+    pub site: Site,
+    /// The body's inputs.
+    pub inputs: &'a [Tensor],
+    /// What the body reads besides them (the tensors a recording watches).
+    pub surface: &'a Surface,
+    /// The model whose piece runs ([`Site::Piece`] only).
+    pub model: Option<&'a PoseModel>,
+}
 
 /// A plugin's entry in the global registry:
 /// `inventory::submit! { PluginRegistration { name: "…", in_all: false, create: |cfg| … } }`.
@@ -323,9 +275,38 @@ impl PluginStack {
         nest(&self.plugins, info, native)
     }
 
-    /// The plugin that runs `piece`: the first claimant in priority order.
-    pub fn claimant(&self, piece: Piece) -> Option<&dyn ReplayPlugin> {
-        self.plugins.iter().find(|p| p.claims(piece)).map(|p| p.as_ref())
+    /// Runs `f` as stage `info` under every plugin's [`ReplayPlugin::around`] (outermost first)
+    /// and returns its result; a plugin that did not let the stage run is an error naming it.
+    pub fn run_stage<T>(&self, info: StageInfo, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let mut f = Some(f);
+        let mut out = None;
+        self.run(info, &mut || {
+            let f = f.take().ok_or_else(|| TrainerError::InvalidArgument {
+                what: "plugin",
+                reason: format!("the {:?} stage was run twice by a plugin's `around`", info.stage),
+            })?;
+            out = Some(f()?);
+            Ok(())
+        })?;
+        out.ok_or_else(|| TrainerError::InvalidArgument {
+            what: "plugin",
+            reason: format!("a plugin's `around` did not run the {:?} stage (it must call `next` once)", info.stage),
+        })
+    }
+
+    /// Whether a plugin claims `site`.
+    pub fn claims(&self, site: Site) -> bool {
+        self.plugins.iter().any(|p| p.claims(site))
+    }
+
+    /// Runs `call`'s site through its first claimant in priority order, natively when none claims
+    /// it (the sites nested in its body go through this stack either way, unless the claimant
+    /// records the body).
+    pub fn run_call(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>) -> Result<Vec<Tensor>> {
+        match self.plugins.iter().find(|p| p.claims(call.site)) {
+            Some(p) => p.run(call, body, self),
+            None => body(self, call.inputs),
+        }
     }
 
     /// A [`PieceRunner`] over `model` that hands each piece to its claimant (native otherwise).
@@ -336,48 +317,6 @@ impl PluginStack {
     /// Gives every plugin the run (after restore, before the first batch).
     pub fn setup(&mut self, ctx: &PluginSetup<'_>) -> Result<()> {
         self.plugins.iter_mut().try_for_each(|p| p.setup(ctx))
-    }
-
-    /// The device part of an optimizer step through its claimant ([`ReplayPlugin::run_update`]),
-    /// natively when no plugin claims it.
-    pub fn run_update(&self, part: UpdatePart, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        match self.plugins.iter().find(|p| p.claims_update()) {
-            Some(p) => p.run_update(part, body),
-            None => body(),
-        }
-    }
-
-    /// The dense criterion's device work through its claimant ([`ReplayPlugin::run_loss`]),
-    /// natively when no plugin claims it.
-    pub fn run_loss(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &LossBody<'_>) -> Result<Vec<Tensor>> {
-        match self.plugins.iter().find(|p| p.claims_loss()) {
-            Some(p) => p.run_loss(inputs, surface, body),
-            None => body(inputs),
-        }
-    }
-
-    /// Whether any plugin claims the dense criterion.
-    pub fn claims_loss(&self) -> bool {
-        self.plugins.iter().any(|p| p.claims_loss())
-    }
-
-    /// A step's forward and dense criterion through their claimant
-    /// ([`ReplayPlugin::run_forward_loss`]), natively when no plugin claims them.
-    pub fn run_forward_loss(
-        &self,
-        inputs: &[Tensor],
-        surface: &[(String, Tensor, TensorKind)],
-        body: &LossBody<'_>,
-    ) -> Result<Vec<Tensor>> {
-        match self.plugins.iter().find(|p| p.claims_forward_loss()) {
-            Some(p) => p.run_forward_loss(inputs, surface, body),
-            None => body(inputs),
-        }
-    }
-
-    /// Whether any plugin claims a step's forward and criterion together.
-    pub fn claims_forward_loss(&self) -> bool {
-        self.plugins.iter().any(|p| p.claims_forward_loss())
     }
 
     /// Whether any plugin asks for persistent gradients ([`ReplayPlugin::persistent_gradients`]).
@@ -434,9 +373,18 @@ pub struct StackRunner<'a> {
 
 impl PieceRunner for StackRunner<'_> {
     fn run(&self, piece: Piece, inputs: &[Tensor], body: &PieceBody<'_>) -> ptl_heads::Result<Vec<Tensor>> {
-        match self.stack.claimant(piece) {
-            Some(p) => p.run_piece(self.model, piece, inputs, &self.model.piece_surface(piece), body),
-            None => body(inputs),
-        }
+        let surface = self.model.piece_surface(piece);
+        let call = SiteCall { site: Site::Piece(piece), inputs, surface: &surface, model: Some(self.model) };
+        let mut site_body = |_: &dyn SiteRunner, xs: &[Tensor]| body(xs).map_err(TrainerError::from);
+        self.stack.run_call(call, &mut site_body).map_err(|e| match e {
+            TrainerError::Model(h) => h,
+            other => ptl_heads::HeadsError::Runner { piece: piece.name(), msg: other.to_string() },
+        })
+    }
+}
+
+impl SiteRunner for PluginStack {
+    fn run_site(&self, site: Site, inputs: &[Tensor], surface: &Surface, body: &mut SiteBody<'_>) -> Result<Vec<Tensor>> {
+        self.run_call(SiteCall { site, inputs, surface, model: None }, body)
     }
 }

@@ -8,6 +8,7 @@ use ptl_autograd::{adamw_composed, AdamWItem, DeviceScalars, Tensor, ADAMW_SCALA
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, OptimizerName, ParamGroup};
 use super::state::ParamStates;
+use super::NsRunner;
 use crate::error::Result;
 
 pub const EXP_AVG: &str = "exp_avg";
@@ -50,6 +51,7 @@ impl TensorUpdate for AdamWUpdate {
         params: &[(&NamedParam, Tensor)],
         state: &mut ParamStates,
         s: DeviceScalars<'_>,
+        _ns: &dyn NsRunner,
     ) -> Result<()> {
         let mut held = Vec::with_capacity(params.len());
         for (p, _) in params {

@@ -8,7 +8,7 @@ use ptl_autograd::{DType, DeviceScalars, Tensor};
 
 use super::groups::{NamedParam, OptimizerName, ParamGroup};
 use super::state::{apply_groups_meta, groups_meta, OptimizerMeta, ParamStates};
-use super::{present_grad, Optimizer};
+use super::{present_grad, NativeNs, NsRunner, Optimizer};
 use crate::error::Result;
 
 /// One optimizer's update of one parameter, given its group, its present gradient and the
@@ -46,13 +46,16 @@ pub trait TensorUpdate: Send {
     /// set `s.skip` flag (16-mixed's found-inf) means no write at all: a rule overriding this
     /// passes it to its device ops, so the decision stays on the device. This default decides by
     /// a host read.
+    /// `ns` runs the group's Newton–Schulz (MuSGD's Muon groups), natively or as a plugin's site.
     fn update_group_dev(
         &self,
         group: &ParamGroup,
         params: &[(&NamedParam, Tensor)],
         state: &mut ParamStates,
         s: DeviceScalars<'_>,
+        ns: &dyn NsRunner,
     ) -> Result<()> {
+        let _ = ns;
         if s.skipped_on_host()? {
             return Ok(());
         }
@@ -106,7 +109,7 @@ impl<U: TensorUpdate> Grouped<U> {
 
     /// Every group's update over its present gradients, skipped on the device when `skip` (an f32
     /// flag) is set — only for rules with device scalars; the others never get a flag here.
-    fn run_updates(&mut self, skip: Option<&Tensor>) -> Result<()> {
+    fn run_updates(&mut self, skip: Option<&Tensor>, ns: &dyn NsRunner) -> Result<()> {
         let n = self.update.device_scalars();
         let Grouped { groups, state, update, scalars } = self;
         for (gi, g) in groups.iter().enumerate() {
@@ -117,7 +120,7 @@ impl<U: TensorUpdate> Grouped<U> {
                 }
             }
             match scalars.as_ref().filter(|_| n > 0) {
-                Some(values) => update.update_group_dev(g, &present, state, DeviceScalars::new(values, gi * n).skipping_if(skip))?,
+                Some(values) => update.update_group_dev(g, &present, state, DeviceScalars::new(values, gi * n).skipping_if(skip), ns)?,
                 None => update.update_group(g, &present, state)?,
             }
         }
@@ -141,7 +144,7 @@ impl<U: TensorUpdate> Optimizer for Grouped<U> {
     }
     fn step(&mut self) -> Result<()> {
         self.prepare_step()?;
-        self.step_prepared()
+        self.step_prepared(&NativeNs)
     }
     fn prepare_step(&mut self) -> Result<()> {
         let device = self.groups.iter().flat_map(|g| &g.params).map(|p| p.tensor.device()).next();
@@ -150,17 +153,17 @@ impl<U: TensorUpdate> Optimizer for Grouped<U> {
         }
         Ok(())
     }
-    fn step_prepared(&mut self) -> Result<()> {
-        self.run_updates(None)
+    fn step_prepared(&mut self, ns: &dyn NsRunner) -> Result<()> {
+        self.run_updates(None, ns)
     }
     fn is_capturable(&self) -> bool {
         self.update.device_scalars() > 0
     }
-    fn step_prepared_unless(&mut self, found_inf: &Tensor) -> Result<()> {
+    fn step_prepared_unless(&mut self, found_inf: &Tensor, ns: &dyn NsRunner) -> Result<()> {
         match self.is_capturable() {
-            true => self.run_updates(Some(found_inf)),
+            true => self.run_updates(Some(found_inf), ns),
             false if found_inf.item()? != 0.0 => Ok(()),
-            false => self.run_updates(None),
+            false => self.run_updates(None, ns),
         }
     }
     fn state_tensors(&self) -> Vec<(String, Tensor)> {

@@ -65,7 +65,7 @@ pub use groups::{
     ResolvedOptimizer,
 };
 pub use musgd::MuSgd;
-pub use newton_schulz::{newton_schulz5, orthogonalized_update, with_ns_runner, NsRunner};
+pub use newton_schulz::{newton_schulz5, orthogonalized_update, NativeNs, NsRunner};
 pub use scaler::{GradScaler, GradScalerConfig};
 pub use schedule::{warmup_iterations, LrLambda, LrScheduler, Warmup};
 pub use sgd::Sgd;
@@ -89,9 +89,11 @@ pub trait Optimizer: Send {
         Ok(())
     }
     /// The device part of a step after [`Optimizer::prepare_step`]: every update, reading the scalars
-    /// it wrote; no host→device copy and no host read of device data. By default `step` (a rule
-    /// without device scalars does everything here).
-    fn step_prepared(&mut self) -> Result<()> {
+    /// it wrote; no host→device copy and no host read of device data. `ns` runs the step's
+    /// Newton–Schulz (MuSGD; [`NativeNs`] where it is not a plugin's site). By default `step` (a
+    /// rule without device scalars does everything here).
+    fn step_prepared(&mut self, ns: &dyn NsRunner) -> Result<()> {
+        let _ = ns;
         self.step()
     }
     /// Whether the device part of a step can be recorded and replayed: it reads every scalar that
@@ -104,10 +106,10 @@ pub trait Optimizer: Send {
     /// [`Optimizer::step_prepared`] unless the f32 flag `found_inf` (the grad scaler's) is non-zero,
     /// in which case no parameter and no state changes: decided on the device where
     /// [`Optimizer::is_capturable`], else by this default's host read.
-    fn step_prepared_unless(&mut self, found_inf: &Tensor) -> Result<()> {
+    fn step_prepared_unless(&mut self, found_inf: &Tensor, ns: &dyn NsRunner) -> Result<()> {
         match found_inf.item()? != 0.0 {
             true => Ok(()),
-            false => self.step_prepared(),
+            false => self.step_prepared(ns),
         }
     }
     /// Clears every gradient to `None` (`zero_grad(set_to_none=True)`).

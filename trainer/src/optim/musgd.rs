@@ -6,7 +6,7 @@ use ptl_autograd::{DeviceScalars, Tensor};
 
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, NsPrecision, OptimizerName, ParamGroup};
-use super::newton_schulz::{orthogonalized_update, orthogonalized_updates};
+use super::newton_schulz::{orthogonalized_update, orthogonalized_updates, NsRunner};
 use super::sgd::{sgd_step, sgd_update, MOMENTUM_BUFFER};
 use super::state::{OptimizerMeta, ParamStates};
 use crate::error::Result;
@@ -107,6 +107,7 @@ impl TensorUpdate for MuSgdUpdate {
         params: &[(&NamedParam, Tensor)],
         state: &mut ParamStates,
         s: DeviceScalars<'_>,
+        ns: &dyn NsRunner,
     ) -> Result<()> {
         let at = |k: usize| s.offset(k);
         let decay = g.weight_decay != 0.0;
@@ -124,7 +125,7 @@ impl TensorUpdate for MuSgdUpdate {
         }
         let pairs: Vec<(&Tensor, &Tensor)> = params.iter().zip(&momenta).map(|((_, grad), m)| (grad, m)).collect();
         let blends = Tensor::momentum_blend_many_dev(&pairs, at(3), g.nesterov)?;
-        let directions = orthogonalized_updates(&blends, self.ns_precision)?;
+        let directions = orthogonalized_updates(&blends, self.ns_precision, ns)?;
         let muon: Vec<(&Tensor, &Tensor, Option<&Tensor>)> =
             params.iter().zip(&directions).map(|((p, _), o)| (&p.tensor, o, None)).collect();
         Tensor::sgd_step_many_dev(&muon, at(4), false, false)?;
@@ -194,7 +195,7 @@ mod tests {
                     let mut host = [0.0; 7];
                     rule.write_scalars(&group, &mut host);
                     scalars.write_f64(0, &host).unwrap();
-                    rule.update_group_dev(&group, &present, &mut state, DeviceScalars::new(&scalars, 0)).unwrap();
+                    rule.update_group_dev(&group, &present, &mut state, DeviceScalars::new(&scalars, 0), &crate::optim::NativeNs).unwrap();
                 } else {
                     for (p, g) in &present {
                         rule.update(&group, p, g, &mut state).unwrap();

@@ -217,37 +217,24 @@ fn iterate(mut x: Tensor) -> Result<Tensor> {
 
 /// Runs the Newton–Schulz of one optimizer group's blends for a step: `body(matrices)` natively,
 /// or a replay of it (a plugin's recorded graph). It must return what `body` returns.
-pub trait NsRunner: Send + Sync {
+pub trait NsRunner {
     fn run_ns(&self, matrices: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>>;
 }
 
-thread_local! {
-    static NS_RUNNER: std::cell::RefCell<Option<std::sync::Arc<dyn NsRunner>>> = const { std::cell::RefCell::new(None) };
-}
+/// Runs Newton–Schulz where the optimizer calls it (no plugin).
+pub struct NativeNs;
 
-fn current_ns_runner() -> Option<std::sync::Arc<dyn NsRunner>> {
-    NS_RUNNER.with(|r| r.borrow().clone())
-}
-
-/// Runs `f` (an optimizer step) with `runner` doing its Newton–Schulz work on this thread: how
-/// a replay plugin reaches the optimizer without the trainer knowing it. The previous runner comes
-/// back when `f` returns or unwinds.
-pub fn with_ns_runner<R>(runner: std::sync::Arc<dyn NsRunner>, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<std::sync::Arc<dyn NsRunner>>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            let previous = self.0.take();
-            NS_RUNNER.with(|r| *r.borrow_mut() = previous);
-        }
+impl NsRunner for NativeNs {
+    fn run_ns(&self, matrices: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>> {
+        body(matrices)
     }
-    let _restore = Restore(NS_RUNNER.with(|r| r.borrow_mut().replace(runner)));
-    f()
 }
 
 /// [`orthogonalized_update`] of many blends (one optimizer group's), batched across shapes as
 /// [`plan_batches`] plans for their device; the scale and the reshape back are part of the
-/// unpacking. One [`NsRunner`] call for all of them. Results in the input order.
-pub fn orthogonalized_updates(us: &[Tensor], precision: NsPrecision) -> Result<Vec<Tensor>> {
+/// unpacking. One call of `runner` for all of them (the step's Newton–Schulz site). Results in
+/// the input order.
+pub fn orthogonalized_updates(us: &[Tensor], precision: NsPrecision, runner: &dyn NsRunner) -> Result<Vec<Tensor>> {
     let Some(first) = us.first() else { return Ok(Vec::new()) };
     let mats = us.iter().map(as_matrix).collect::<Result<Vec<Tensor>>>()?;
     let padding = Padding::for_device(first.device());
@@ -262,10 +249,7 @@ pub fn orthogonalized_updates(us: &[Tensor], precision: NsPrecision) -> Result<V
             ms.iter().zip(us).map(|(m, u)| NsJob { matrix: m.clone(), dims: u.dims().to_vec(), scale: muon_scale(u.dims()) }).collect();
         orthogonalize(&jobs, precision, padding)
     };
-    let orthogonal = match current_ns_runner() {
-        Some(runner) => runner.run_ns(&mats, &body)?,
-        None => body(&mats)?,
-    };
+    let orthogonal = runner.run_ns(&mats, &body)?;
     if orthogonal.len() != us.len() {
         return Err(TrainerError::InvalidArgument {
             what: "Newton–Schulz runner",
@@ -331,7 +315,7 @@ mod batched_tests {
             .into_iter()
             .map(|d| Tensor::rand(d, -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap())
             .collect();
-        let batched = orthogonalized_updates(&us, NsPrecision::Bf16).unwrap();
+        let batched = orthogonalized_updates(&us, NsPrecision::Bf16, &NativeNs).unwrap();
         for (u, b) in us.iter().zip(&batched) {
             assert_eq!(b.to_bytes().unwrap(), orthogonalized_update(u, NsPrecision::Bf16).unwrap().to_bytes().unwrap(), "{:?}", u.dims());
         }

@@ -5,6 +5,7 @@ use ptl_autograd::{DeviceScalars, SgdStep, Tensor};
 use super::grouped::{Grouped, TensorUpdate};
 use super::groups::{NamedParam, OptimizerName, ParamGroup};
 use super::state::ParamStates;
+use super::NsRunner;
 use crate::error::Result;
 
 /// Momentum-buffer key (PyTorch's name).
@@ -74,6 +75,7 @@ impl TensorUpdate for SgdUpdate {
         params: &[(&NamedParam, Tensor)],
         state: &mut ParamStates,
         s: DeviceScalars<'_>,
+        _ns: &dyn NsRunner,
     ) -> Result<()> {
         let mu = g.momentum.unwrap_or(0.0);
         let bufs = if mu == 0.0 {

@@ -20,8 +20,8 @@ use super::stages;
 use super::validate::{validate_with, ValOptions, ValResult};
 use super::weights::ModelSource;
 use crate::fit::{
-    interrupt, save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, PartialEpoch, PluginStack, ResultsCsv, RunDir,
-    RunHashes, RunHistory, RunSummary, Stage, StageInfo, StageProfile, StartupReport,
+    interrupt, save_checkpoint, Callback, Checkpoint, LoopState, LoopView, Manifest, NsSite, PartialEpoch, PluginStack, ResultsCsv, RunDir,
+    RunHashes, RunHistory, RunSummary, Site, SiteRunner, Stage, StageInfo, StageProfile, StartupReport, UpdatePart,
 };
 use crate::loss::{Anchors, BranchOutputs, E2ELoss, LossConfig, TargetBatch};
 use crate::optim::{
@@ -194,7 +194,7 @@ impl Run {
         // (one recorded region for both); `None`: this step goes through the pieces.
         let mut loss = None;
         let bs = x.dims().first().copied().unwrap_or(0);
-        let step_targets = match self.plugins.claims_forward_loss() {
+        let step_targets = match self.plugins.claims(Site::ForwardLoss) {
             true => self.criterion.dense_step_targets(&targets, bs, &anchors, x.device())?,
             false => None,
         };
@@ -289,41 +289,36 @@ impl Run {
     ) -> Result<crate::loss::LossOutput> {
         let info = |stage| StageInfo { stage, epoch, batch_index: ni, training: true };
         let autocast = self.cfg.precision.autocast();
-        let mut out = None;
-        {
+        let out = {
             let model = &self.model;
             let runner = self.plugins.runner(model);
             // Natively, autocast's weight copies are made once up front in one batched cast; a
             // replay plugin's regions cast inside their graphs instead (see compute_weights).
             let weights: &[Tensor] = if self.plugins.is_empty() { &self.compute_weights } else { &[] };
-            self.plugins.run(info(Stage::Forward), &mut || {
-                out = Some(in_stage(stages::FORWARD, || {
+            self.plugins.run_stage(info(Stage::Forward), || {
+                Ok(in_stage(stages::FORWARD, || {
                     ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(x, &runner))?
-                })?);
-                Ok(())
-            })?;
-        }
-        let out =
-            out.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the forward stage produced no output".into() })?;
+                })?)
+            })?
+        };
         stages[2] = self.stage_mark(t)?;
-        let mut loss = None;
         let (criterion, model, plugins, flow_surface) = (&self.criterion, &self.model, &self.plugins, &self.flow_surface);
-        self.plugins.run(info(Stage::Loss), &mut || {
+        self.plugins.run_stage(info(Stage::Loss), || {
             let flow = &model.head().flow_model;
-            // The dense criterion's device work goes to a plugin that claims it (recorded).
-            let route = |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| plugins.run_loss(inputs, flow_surface, body);
-            loss = Some(in_stage(stages::LOSS, || {
+            // The dense criterion's device work is a site: a plugin that claims it records it.
+            let route = |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| {
+                plugins.run_site(Site::Loss, inputs, flow_surface, &mut |_, xs| body(xs))
+            };
+            in_stage(stages::LOSS, || {
                 ptl_autograd::autocast(autocast, || {
                     let (o2m, o2o) = (branch(&out.one2many), branch(&out.one2one));
-                    match plugins.claims_loss() {
+                    match plugins.claims(Site::Loss) {
                         true => criterion.loss_routed(&o2m, &o2o, targets, anchors, Some(flow), &route),
                         false => criterion.loss(&o2m, &o2o, targets, anchors, Some(flow)),
                     }
                 })
-            })?);
-            Ok(())
-        })?;
-        loss.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the loss stage produced no output".into() })
+            })
+        })
     }
 
     /// The model's forward and the dense criterion as one body handed to the plugin that claims
@@ -350,19 +345,19 @@ impl Run {
             })?;
             Ok((branch(&out.one2many), branch(&out.one2one)))
         };
-        let route = |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| plugins.run_forward_loss(inputs, surface, body);
-        let mut loss = None;
-        self.plugins.run(info(Stage::Forward), &mut || {
+        let route = |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| {
+            plugins.run_site(Site::ForwardLoss, inputs, surface, &mut |_, xs| body(xs))
+        };
+        let loss = self.plugins.run_stage(info(Stage::Forward), || {
             let flow = &model.head().flow_model;
             // One graph holds both: its kernels count for the forward stage (and its backward's
             // for the model's backward) in the GPU window's breakdown.
-            loss = Some(in_stage(stages::FORWARD, || {
+            in_stage(stages::FORWARD, || {
                 ptl_autograd::autocast(autocast, || criterion.loss_with_forward(x, dt, &forward, targets, anchors, Some(flow), &route))
-            })?);
-            Ok(())
+            })
         })?;
-        self.plugins.run(info(Stage::Loss), &mut || Ok(()))?;
-        loss.ok_or_else(|| TrainerError::InvalidArgument { what: "plugin", reason: "the forward stage produced no output".into() })
+        self.plugins.run_stage(info(Stage::Loss), || Ok(()))?;
+        Ok(loss)
     }
 
     /// Books one step's loss: the per-step total (hashed), the epoch's item sums, the running means
@@ -476,9 +471,13 @@ impl Run {
             // A step is handed to a replay plugin only when its device part reads every changing
             // scalar from the device and decides a 16-mixed skip there (SGD, MuSGD; not AdamW).
             let capturable = optimizer.is_capturable();
-            let run_update = |part: crate::fit::UpdatePart, body: &mut dyn FnMut() -> Result<()>| match capturable {
-                true => plugins.run_update(part, body),
-                false => body(),
+            // A device part is a site (`Site::Update`); its body gets the runner of the sites
+            // nested in it (the Newton–Schulz of MuSGD's step).
+            let run_update = |part: UpdatePart, body: &mut dyn FnMut(&dyn SiteRunner) -> Result<()>| -> Result<()> {
+                match capturable {
+                    true => plugins.run_site(Site::Update(part), &[], &[], &mut |inner, _| body(inner).map(|()| Vec::new())).map(|_| ()),
+                    false => body(plugins),
+                }
             };
             // 16-mixed: the host part of the unscale (order of calls), then its device part —
             // every present gradient × 1/scale and the found-inf flag.
@@ -487,7 +486,7 @@ impl Run {
                     let grads: Vec<Tensor> =
                         optimizer.param_groups().iter().flat_map(|g| &g.params).filter_map(|p| p.tensor.grad()).collect();
                     let s: &GradScaler = s;
-                    run_update(crate::fit::UpdatePart::Unscale, &mut || s.unscale_grads(&grads))?;
+                    run_update(UpdatePart::Unscale, &mut |_| s.unscale_grads(&grads))?;
                 }
             }
             for cb in callbacks.iter_mut() {
@@ -503,16 +502,17 @@ impl Run {
             };
             {
                 let s: Option<&GradScaler> = scaler.as_ref().filter(|s| s.is_enabled());
-                run_update(crate::fit::UpdatePart::Step, &mut || {
+                run_update(UpdatePart::Step, &mut |inner| {
+                    let ns = NsSite(inner);
                     clip_grad_norm(params.iter().map(|(_, t)| t), max_norm)?;
                     match (&found_inf, s) {
                         (Some(found), Some(s)) => {
-                            optimizer.step_prepared_unless(found)?;
+                            optimizer.step_prepared_unless(found, &ns)?;
                             s.update_scale()
                         }
                         _ => match &loss_flag {
-                            Some(flag) => optimizer.step_prepared_unless(flag),
-                            None => optimizer.step_prepared(),
+                            Some(flag) => optimizer.step_prepared_unless(flag, &ns),
+                            None => optimizer.step_prepared(&ns),
                         },
                     }
                 })?;
@@ -532,7 +532,9 @@ impl Run {
                 // Host part (count, weight to the device), then the device part through a plugin.
                 let sd: Vec<(String, Tensor)> = module::state_dict(model).into_iter().map(|e| (e.0, e.1)).collect();
                 ema.prepare_update()?;
-                plugins.run_update(crate::fit::UpdatePart::Ema, &mut || ema.update_prepared(&sd))
+                plugins
+                    .run_site(Site::Update(UpdatePart::Ema), &[], &[], &mut |_, _| ema.update_prepared(&sd).map(|()| Vec::new()))
+                    .map(|_| ())
             })?;
             if profile {
                 probe::sync(device)?;
