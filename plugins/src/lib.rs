@@ -25,6 +25,9 @@
 //! failure, …) and says so in its counters: check them ([`replay_shortfalls`]) before believing
 //! "replay equals native".
 
+#[doc = include_str!("../../docs/plugins.md")]
+pub mod guide {}
+
 mod guard;
 mod keyed;
 mod loss;
