@@ -99,7 +99,7 @@ impl ReplayPlugin for LossReplay {
         self.with_forward
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
-        self.shell.install(LossRegions(KeyedRegions::new(&self.shell.config, ctx.config.device)));
+        self.shell.install(LossRegions(KeyedRegions::new(&self.shell.config, ctx.device)));
         Ok(())
     }
     fn claims(&self, site: Site) -> bool {

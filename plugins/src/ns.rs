@@ -67,7 +67,7 @@ impl ReplayPlugin for NsReplay {
         10
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
-        let regions = NsRegions(KeyedRegions::new(&self.shell.config, ctx.config.device));
+        let regions = NsRegions(KeyedRegions::new(&self.shell.config, ctx.device));
         self.shell.install(regions);
         Ok(())
     }

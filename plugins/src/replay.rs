@@ -120,7 +120,7 @@ impl ReplayPlugin for PieceReplay {
         }
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
-        self.regions.start(ctx.config.device);
+        self.regions.start(ctx.device);
         self.native_for_fit = false;
         if self.scope == Scope::Trunk {
             let surface = ctx.model.piece_surface(Piece::Trunk);

@@ -100,7 +100,7 @@ impl ReplayPlugin for UpdateReplay {
         let names = |prefix: &str, suffix: &str, ts: &[(String, Tensor)]| ts.iter().map(|(n, _)| format!("{prefix}{n}{suffix}")).collect();
         let ema = ctx.ema.ema_tensors();
         let regions = UpdateRegions {
-            regions: KeyedRegions::new(&self.shell.config, ctx.config.device),
+            regions: KeyedRegions::new(&self.shell.config, ctx.device),
             grad_names: names("", ".grad", ctx.params),
             ema_names: names("ema.", "", ema),
             params: ctx.params.to_vec(),

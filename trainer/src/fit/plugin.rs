@@ -17,7 +17,6 @@ use ptl_heads::{Piece, PieceBody, PieceRunner, PoseModel};
 
 pub use super::sites::{NativeSites, NsSite, Site, SiteBody, SiteRunner, Surface, UpdatePart};
 use crate::optim::{ModelEma, Optimizer};
-use crate::pose::PoseTrainConfig;
 use crate::{Result, TrainerError};
 
 /// The stages of one training step a plugin may wrap.
@@ -63,7 +62,10 @@ pub struct PluginSetup<'a> {
     pub params: &'a [(String, Tensor)],
     pub optimizer: &'a dyn Optimizer,
     pub ema: &'a ModelEma,
-    pub config: &'a PoseTrainConfig,
+    /// The device the fit trains on.
+    pub device: ptl_autograd::Device,
+    /// The run's settings as JSON (`PoseTrainConfig` as checkpoints store it).
+    pub settings: &'a serde_json::Value,
 }
 
 /// A replay strategy. Every method has a native default, so a plugin overrides only what it

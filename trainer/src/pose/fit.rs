@@ -970,7 +970,8 @@ fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
             params: &run.params,
             optimizer: run.optimizer.as_ref(),
             ema: &run.ema,
-            config: &run.cfg,
+            device: run.cfg.device,
+            settings: train_args,
         };
         run.plugins.setup(&ctx)?;
         if !run.plugins.is_empty() {
