@@ -1,0 +1,378 @@
+//! The pose fit loop: Ultralytics' optimisation recipe (training.md §2–§7) inside Lightning's hook
+//! order (trainer.md §3–§4), with replay plugins wrapping the step's stages.
+//!
+//! Read top down: [`fit`] assembles a run (this module), `epochs` runs its epochs, `step` one
+//! training step, `persist` checkpoints and hashes; `run` holds the state they share.
+
+mod epochs;
+mod persist;
+mod run;
+mod step;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ptl_autograd::{module, Device, Module, Tensor, TensorKind};
+use ptl_data::{OpenOptions, PoseDataset, TrainConfig, TrainLoader};
+use ptl_heads::{ModelConfig, PoseModel};
+
+use super::clock::StepClock;
+use super::config::{PoseTrainConfig, Precision};
+use super::probe;
+use super::weights::ModelSource;
+use crate::fit::{Callback, LoopState, LoopView, PluginStack, RunDir, RunHistory, RunSummary, StageProfile, StartupReport};
+use crate::loss::{E2ELoss, LossConfig};
+use crate::optim::{
+    auto_iterations, build_optimizer_for_module, nominal_accumulate, resolve, GradScaler, GradScalerConfig, LrLambda, LrScheduler,
+    ModelEma, OptimizerConfig, OptimizerName, Warmup,
+};
+use crate::{Result, TrainerError};
+
+use epochs::fit_loop;
+use run::*;
+
+/// Loss item names in the order of the 6-vector (loss.md §5).
+pub const LOSS_NAMES: [&str; 6] = ["box_loss", "pose_loss", "kobj_loss", "cls_loss", "l1_loss", "rle_loss"];
+
+/// Trains a pose model as `cfg` says, calling `callbacks` at the hook points; returns the summary
+/// (also written to `save_dir/summary.json`).
+pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<RunSummary> {
+    cfg.validate()?;
+    let started = Instant::now();
+    let mut cfg = cfg.clone();
+    cfg.resolve_amp();
+    if let Some(path) = &cfg.resume {
+        cfg.check_resume(path)?;
+    }
+    // The run folder is this process's until the fit returns (see `RunDir`). A resume continues
+    // in the checkpoint's own run folder, or starts a new one where the user said.
+    let own_folder = cfg.resume.as_deref().and_then(PoseTrainConfig::run_dir_of).is_some_and(|d| d == cfg.save_dir);
+    let run_dir = match own_folder || cfg.exist_ok {
+        true => RunDir::claim_existing(&cfg.save_dir)?,
+        false => RunDir::claim_new(&cfg.save_dir)?,
+    };
+    if run_dir.path() != cfg.save_dir {
+        eprintln!(
+            "ptl: {} already holds a run; writing to {} (exist_ok=true trains into the existing folder)",
+            cfg.save_dir.display(),
+            run_dir.path().display()
+        );
+        cfg.save_dir = run_dir.path().to_path_buf();
+    }
+    let cfg = &cfg;
+    let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
+    let t = Instant::now();
+    probe::open_device(cfg.device)?;
+    startup.device_open_s = t.elapsed().as_secs_f64();
+    crate::pose::reset_memory_peaks(cfg.device);
+    let t = Instant::now();
+    let open = OpenOptions { imgsz: cfg.imgsz as u32, verbose: true, ..OpenOptions::default() };
+    let train_ds = Arc::new(PoseDataset::open_yaml(&cfg.data, "train", &OpenOptions { fraction: cfg.fraction, ..open.clone() })?);
+    let val_ds = if cfg.val { Some(Arc::new(PoseDataset::open_yaml(&cfg.data, "val", &open)?)) } else { None };
+    startup.dataset_open_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let batches = train_ds.len().div_ceil(cfg.batch.min(train_ds.len()).max(1));
+    let batches = cfg.max_batches.map_or(batches, |m| m.min(batches));
+    let workers = cfg.effective_workers(batches);
+    let mut tcfg = TrainConfig {
+        batch: cfg.batch,
+        seed: cfg.seed,
+        epochs: cfg.epochs,
+        close_mosaic: cfg.close_mosaic,
+        workers,
+        inject_panic_at: cfg.inject_loader_panic_at,
+        // CUDA runs jitter colours on the device after the upload (one fused launch per batch).
+        hsv_on_device: matches!(cfg.device, Device::Cuda(_)) && cfg!(feature = "cuda"),
+        ..TrainConfig::default()
+    };
+    tcfg.aug = cfg.augment();
+    // The device kernel reads every image as RGB: with BGR swaps on, colours are jittered on the CPU.
+    tcfg.hsv_on_device &= cfg.bgr == 0.0;
+    let loader = Arc::new(TrainLoader::new(train_ds.clone(), tcfg)?);
+    let nb_full = loader.batches_per_epoch();
+    let nb = cfg.max_batches.map_or(nb_full, |m| m.min(nb_full)).max(1);
+
+    let nkpt = train_ds.nkpt();
+    let source = ModelSource::parse(&cfg.model)?;
+    // A resumed run's size is its checkpoint's (the start weights file may be gone by now).
+    let scale = match &cfg.resume {
+        Some(path) => super::weights::scale_in_file(path, "model.")?,
+        None => source.scale()?,
+    };
+    let mcfg = ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale };
+    let model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
+    if cfg.resume.is_none() {
+        if let (Some(values), Some(path)) = (source.start_weights()?, source.weights_path()) {
+            super::weights::load_start_weights(&model, &values, path)?;
+        }
+    }
+    freeze_layers(&model, &cfg.freeze)?;
+
+    // Optimiser per training.md §2–§3: nominal accumulation, wd scaling, `auto` rule.
+    let accumulate_nominal = nominal_accumulate(cfg.nbs, cfg.batch)?.min(nb * cfg.epochs).max(1);
+    let ocfg = OptimizerConfig {
+        name: OptimizerName::parse(&cfg.optimizer)?,
+        lr0: cfg.lr0,
+        momentum: cfg.momentum,
+        weight_decay: cfg.weight_decay,
+        nbs: cfg.nbs,
+        batch: cfg.batch,
+        iterations: auto_iterations(train_ds.len(), cfg.batch, cfg.nbs, cfg.epochs),
+        nc: Some(1),
+        warmup_bias_lr: cfg.warmup_bias_lr,
+        ..OptimizerConfig::default()
+    };
+    let resolved = resolve(&ocfg)?;
+    let optimizer = build_optimizer_for_module(&model, &ocfg)?;
+    let lambda = LrLambda::new(cfg.cos_lr, cfg.lrf, cfg.epochs);
+    let warmup = Warmup {
+        nw: crate::optim::warmup_iterations(cfg.warmup_epochs, cfg.epochs, nb),
+        warmup_bias_lr: resolved.warmup_bias_lr,
+        warmup_momentum: cfg.warmup_momentum,
+        momentum: cfg.momentum,
+        accumulate: accumulate_nominal,
+    };
+    let ema = ModelEma::from_module(&model)?;
+    let scaler = match cfg.precision {
+        Precision::F16Mixed => Some(GradScaler::new(GradScalerConfig {
+            init_scale: cfg.scaler_init_scale,
+            growth_interval: cfg.scaler_growth_interval as u64,
+            ..GradScalerConfig::default()
+        })?),
+        _ => None,
+    };
+    // `auto`: the fixed-shape path on a GPU (fewer host syncs and launches: faster there), the
+    // host path on the CPU (cheaper there, and the reference's own algorithm).
+    let dense = match cfg.loss_assigner.as_str() {
+        "dense" => true,
+        "auto" => cfg.device.is_cuda(),
+        _ => false,
+    };
+    let g = cfg.loss_gains;
+    let loss_cfg = LossConfig {
+        dense_assignment: dense,
+        box_gain: g.box_gain,
+        cls_gain: g.cls,
+        l1_gain: g.dfl,
+        pose_gain: g.pose,
+        kobj_gain: g.kobj,
+        rle_gain: g.rle,
+        ..LossConfig::with_keypoints(nkpt, train_ds.meta.custom_oks_sigmas().map(<[f32]>::to_vec))
+    };
+    let mut criterion = E2ELoss::new(loss_cfg, cfg.epochs);
+    // The dense path leaves its values on the device; the loop reads them a step later.
+    criterion.defer_items = dense;
+    let plugins = PluginStack::from_registry(&cfg.replay, &cfg.replay_config)?;
+    let mut run = Run {
+        cfg: cfg.clone(),
+        model,
+        model_cfg: mcfg,
+        criterion,
+        optimizer,
+        scheduler: LrScheduler::new(lambda, 0),
+        lambda,
+        warmup,
+        accumulate: accumulate_nominal,
+        ema,
+        scaler,
+        plugins,
+        callbacks,
+        loader,
+        val_ds,
+        nb,
+        state: LoopState { epoch: -1, last_opt_step: -1, ..LoopState::default() },
+        view: LoopView { epochs: cfg.epochs, batches_per_epoch: nb, ..LoopView::default() },
+        clock: StepClock::new(cfg.device, cfg.timing_warmup_steps, Err("not started".into())),
+        stage_ms: Vec::new(),
+        epoch_s: Vec::new(),
+        workers,
+        pageable_uploads: 0,
+        loader_build: (0, 0.0),
+        metrics_per_epoch: Vec::new(),
+        optimizer_name: format!("{:?}", resolved.name),
+        history: RunHistory::default(),
+        nonfinite: None,
+        resolved: serde_json::json!({
+            "name": format!("{:?}", resolved.name), "lr0": resolved.lr0, "momentum": resolved.momentum,
+            "warmup_bias_lr": resolved.warmup_bias_lr, "weight_decay": resolved.weight_decay,
+        }),
+        params: Vec::new(),
+        compute_weights: Vec::new(),
+        anchors: None,
+        flow_surface: Vec::new(),
+        model_surface: Vec::new(),
+        pending_losses: Default::default(),
+        absorbed: 0,
+        loss_flag: None,
+    };
+    run.params = model_params(&run.model);
+    run.compute_weights = compute_weights(&run.params);
+    run.flow_surface = run
+        .params
+        .iter()
+        .filter(|(n, _)| n.starts_with("model.23.flow_model."))
+        .map(|(n, t)| (n.clone(), t.clone(), TensorKind::Parameter))
+        .collect();
+    let mut surface = Vec::new();
+    run.model.visit("", &mut |n, t, k| surface.push((n.to_string(), t.clone(), k)));
+    run.model_surface = surface;
+    startup.model_build_s = t.elapsed().as_secs_f64();
+    let train_args = serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null);
+    let result = fit_loop(&mut run, &train_args);
+    let (plugin_lines, replay_counters, replay_cadence) = (run.plugins.summaries(), run.plugins.counters(), run.plugins.cadences());
+    // Per-fit holds of the plugins go whatever happened (a later fit starts clean).
+    run.plugins.on_fit_end();
+    for (_, p) in &run.params {
+        p.set_keep_grad_buffer(false);
+    }
+    if let Err(e) = &result {
+        let msg = e.to_string();
+        let v = run.view.clone();
+        for cb in run.callbacks.iter_mut() {
+            cb.on_exception(&v, &msg);
+        }
+        return Err(result.err().unwrap_or(TrainerError::InvalidArgument { what: "fit", reason: msg }));
+    }
+    let hashes = run.hashes()?;
+    let (peak_allocated_bytes, peak_reserved_bytes) = crate::pose::memory_peaks(cfg.device);
+    let mut timing = run.clock.finish(run.workers, run.pageable_uploads);
+    let images_per_batch = run.loader.batch_size() as f64;
+    timing.loader_images_per_s =
+        (run.loader_build.0 > 0 && run.loader_build.1 > 0.0).then(|| run.workers.max(1) as f64 * images_per_batch / run.loader_build.1);
+    timing.consumed_images_per_s =
+        (timing.start_to_start.median_ms > 0.0).then(|| images_per_batch * 1000.0 / timing.start_to_start.median_ms);
+    timing.stages = stage_profile(&run.stage_ms);
+    let (first_began, first_step_s) = run.clock.first_step();
+    startup.first_step_s = first_step_s;
+    if let Some(t) = first_began {
+        startup.fit_to_first_step_s = t.duration_since(started).as_secs_f64();
+        startup.process_to_first_step_s = startup.process_to_fit_s.map(|p| p + startup.fit_to_first_step_s);
+    }
+    startup.kernel_modules = probe::kernel_modules();
+    probe::library_setup(&mut startup);
+    startup.epoch_s = run.epoch_s.clone();
+    let summary = RunSummary {
+        device: cfg.device.to_string(),
+        precision: cfg.precision.name().into(),
+        epochs: cfg.epochs,
+        batch: cfg.batch,
+        imgsz: cfg.imgsz,
+        optimizer: run.optimizer_name.clone(),
+        total_runtime_s: started.elapsed().as_secs_f64(),
+        step_time: timing.start_to_start.clone(),
+        timing,
+        startup,
+        peak_allocated_bytes,
+        peak_reserved_bytes,
+        library_workspace_bytes: crate::pose::library_workspace_bytes(cfg.device),
+        optimizer_steps: run.state.global_step,
+        save_dir: cfg.save_dir.clone(),
+        fit_time_s: run.history.fit_time_s,
+        final_metrics: run.metrics_per_epoch.last().cloned().unwrap_or_default(),
+        metrics_per_epoch: run.metrics_per_epoch.clone(),
+        hashes,
+        plugins: plugin_lines,
+        replay_counters,
+        replay_cadence,
+        // Both branches fall back together; each counts the call once.
+        dense_loss_fallbacks: run.criterion.one2many.dense_fallbacks() as u64,
+    };
+    summary.write(&cfg.save_dir.join("summary.json"))?;
+    Ok(summary)
+}
+
+/// Medians of the `profile=true` stage times (NaN entries — stages that did not run — skipped).
+fn stage_profile(samples: &[[f64; 7]]) -> Option<StageProfile> {
+    if samples.is_empty() {
+        return None;
+    }
+    let median = |k: usize| {
+        let mut v: Vec<f64> = samples.iter().map(|s| s[k]).filter(|x| x.is_finite()).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        match v.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => v[n / 2],
+            n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+        }
+    };
+    Some(StageProfile {
+        steps: samples.len(),
+        data_ms: median(0),
+        upload_ms: median(1),
+        forward_ms: median(2),
+        loss_ms: median(3),
+        backward_ms: median(4),
+        optimizer_ms: median(5),
+        ema_ms: median(6),
+    })
+}
+
+/// Freezes the parameters of `layers` (Ultralytics' `freeze`): they keep `requires_grad = false`
+/// for the whole run, receive no gradient and are skipped by the optimizer.
+fn freeze_layers(model: &PoseModel, layers: &[usize]) -> Result<()> {
+    if layers.is_empty() {
+        return Ok(());
+    }
+    let n_layers = model.layers().len();
+    if let Some(bad) = layers.iter().find(|&&i| i >= n_layers) {
+        return Err(TrainerError::InvalidArgument {
+            what: "freeze",
+            reason: format!("layer {bad} does not exist (the model has layers 0…{})", n_layers - 1),
+        });
+    }
+    let prefixes: Vec<String> = layers.iter().map(|i| format!("model.{i}.")).collect();
+    let mut frozen = 0;
+    for (name, p) in module::named_parameters(model) {
+        if prefixes.iter().any(|pre| name.starts_with(pre)) {
+            p.set_requires_grad(false)?;
+            frozen += 1;
+        }
+    }
+    eprintln!("ptl: freeze: {frozen} parameters of layers {layers:?} are frozen");
+    Ok(())
+}
+
+/// The parameters the forward casts to the compute dtype: rank ≥ 2 ones, and a `<module>.bias`
+/// whose `<module>.weight` is a 4-d convolution weight (a convolution's bias is cast like its
+/// weight; a BatchNorm's weight is rank 1, so its bias stays out and is read in f32).
+fn compute_weights(params: &[(String, Tensor)]) -> Vec<Tensor> {
+    let conv_modules: std::collections::HashSet<&str> =
+        params.iter().filter(|(_, t)| t.rank() == 4).filter_map(|(n, _)| n.strip_suffix(".weight")).collect();
+    params
+        .iter()
+        .filter(|(n, t)| t.rank() >= 2 || (t.rank() == 1 && n.strip_suffix(".bias").is_some_and(|m| conv_modules.contains(m))))
+        .map(|(_, t)| t.clone())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The batched autocast copies cover every convolution weight and bias of YOLO26n-pose and no
+    /// BatchNorm parameter (those are read in f32: a bf16 copy would round them).
+    #[test]
+    fn compute_weights_are_conv_weights_and_biases() {
+        let model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (17, 3), scale: ptl_heads::Scale::N }, Device::Cpu, 0).unwrap();
+        let params = model_params(&model);
+        let bn_modules: std::collections::HashSet<String> =
+            float_state(&model).into_iter().filter_map(|(n, _)| n.strip_suffix(".running_mean").map(str::to_string)).collect();
+        let chosen: std::collections::HashSet<usize> = compute_weights(&params).iter().map(|t| t.storage_ptr()).collect();
+        let (mut biases, mut bn) = (0, 0);
+        for (name, t) in &params {
+            let in_bn = name.rsplit_once('.').is_some_and(|(m, _)| bn_modules.contains(m));
+            if in_bn {
+                assert!(!chosen.contains(&t.storage_ptr()), "{name} is a BatchNorm parameter, read in f32");
+                bn += 1;
+            } else if t.rank() >= 2 {
+                assert!(chosen.contains(&t.storage_ptr()), "{name} (rank {}) is cast up front", t.rank());
+            } else {
+                let conv =
+                    name.strip_suffix(".bias").is_some_and(|m| params.iter().any(|(n, w)| *n == format!("{m}.weight") && w.rank() == 4));
+                assert_eq!(chosen.contains(&t.storage_ptr()), conv, "{name}: cast up front exactly when it is a convolution's bias");
+                biases += usize::from(conv);
+            }
+        }
+        assert!(biases > 0 && bn > 0, "{biases} convolution biases, {bn} BatchNorm parameters");
+    }
+}
