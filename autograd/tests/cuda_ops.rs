@@ -658,13 +658,18 @@ fn index_add_cases(dev: Device, outer: usize, d: usize, inner: usize, n: usize) 
         let x0 = Tensor::rand(vec![outer, d, inner], -1.0, 1.0, dt, dev, &mut rng).unwrap();
         let r = Tensor::rand(vec![outer, n, inner], -1.0, 1.0, dt, dev, &mut rng).unwrap();
         let grad = |buckets: bool| -> Vec<u8> {
-            ptl_autograd::cuda::set_index_add_by_buckets(buckets);
+            ptl_autograd::cuda::set_device_options(
+                dev,
+                ptl_autograd::cuda::DeviceOptions { index_add_by_buckets: buckets, ..Default::default() },
+            )
+            .unwrap();
             let x = x0.detach().requires_grad_(true).unwrap();
             x.index_select(1, &idx).unwrap().mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
             x.grad().expect("gradient").to_bytes().unwrap()
         };
         let (a, b) = (grad(true), grad(false));
-        ptl_autograd::cuda::set_index_add_by_buckets(true);
+        ptl_autograd::cuda::set_device_options(dev, ptl_autograd::cuda::DeviceOptions { index_add_by_buckets: true, ..Default::default() })
+            .unwrap();
         assert!(a == b, "{dt}: index_add by buckets differs from the full scan (d = {d})");
     }
 }
@@ -677,7 +682,8 @@ fn index_add_cases(dev: Device, outer: usize, d: usize, inner: usize, n: usize) 
 fn bn_one_launch_matches_two_launches() {
     let Some(dev) = gpu() else { return };
     let run = |one: bool, dt: DType, shape: [usize; 4], training: bool, silu: bool| -> Vec<Vec<u8>> {
-        ptl_autograd::cuda::set_bn_one_launch(one);
+        ptl_autograd::cuda::set_device_options(dev, ptl_autograd::cuda::DeviceOptions { bn_one_launch: one, ..Default::default() })
+            .unwrap();
         let mut rng = Rng::new(21);
         let c = shape[1];
         let x = Tensor::rand(shape.to_vec(), -2.0, 2.0, dt, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
@@ -705,7 +711,7 @@ fn bn_one_launch_matches_two_launches() {
             }
         }
     }
-    ptl_autograd::cuda::set_bn_one_launch(true);
+    ptl_autograd::cuda::set_device_options(dev, ptl_autograd::cuda::DeviceOptions { bn_one_launch: true, ..Default::default() }).unwrap();
     println!("ok bn one launch: {cases} cases byte-identical to two launches");
 }
 
@@ -1118,7 +1124,7 @@ fn fused_clipping_matches_the_composed_norm() {
     let cpu = Tensor::rand(vec![5], -1.0, 1.0, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
     assert!(Tensor::clip_norm_many_(&[&cpu], 1.0).unwrap().is_none(), "the CPU runs the composed ops");
     let Some(dev) = gpu() else { return };
-    ptl_autograd::cuda::set_fused_clip(true);
+    ptl_autograd::cuda::set_device_options(dev, ptl_autograd::cuda::DeviceOptions { fused_clip: true, ..Default::default() }).unwrap();
     let sizes: Vec<usize> = (0..93).map(|k| [1usize, 9, 2048, 2049, 70_000][k % 5] + 3 * k).collect();
     let make = || -> Vec<Tensor> {
         let mut rng = Rng::new(77);

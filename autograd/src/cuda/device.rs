@@ -88,6 +88,29 @@ pub(crate) const BN_TICKETS: usize = 65535;
 /// Kernel source compiled with NVRTC at first use.
 const KERNELS: &str = include_str!("kernels.cu");
 
+/// Kernel choices of one CUDA device, set per device ([`super::set_device_options`]). Each pair
+/// of choices gives the same bytes; the options exist to compare them (tests, benchmarks). The
+/// defaults are the faster ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceOptions {
+    /// Gradient clipping through the multi-tensor kernels (`Tensor::clip_norm_many_`). Off, it
+    /// runs the composed per-tensor ops (about ten launches per gradient), whose total norm differs
+    /// in its last bits (another summation order) — the one choice here that changes bytes.
+    pub fused_clip: bool,
+    /// A large `index_add` by buckets (count, scan, fill, sort, sum: linear work) instead of the
+    /// one-launch scan of every index per output element.
+    pub index_add_by_buckets: bool,
+    /// A batch-norm layer whose channels fit one block runs its forward (statistics + apply) and
+    /// its backward (reduction + dx) as one launch each instead of two.
+    pub bn_one_launch: bool,
+}
+
+impl Default for DeviceOptions {
+    fn default() -> Self {
+        DeviceOptions { fused_clip: true, index_add_by_buckets: true, bn_one_launch: true }
+    }
+}
+
 pub(crate) struct Dev {
     pub ordinal: usize,
     pub ctx: Arc<CudaContext>,
@@ -125,6 +148,8 @@ pub(crate) struct Dev {
     /// Set while the compute stream is being captured ([`super::begin_capture`]): the block cache
     /// is bypassed then, so a graph never holds a block the eager side could hand out again.
     pub capturing: AtomicBool,
+    /// Kernel choices of this device ([`DeviceOptions`]).
+    pub options: Mutex<DeviceOptions>,
 }
 
 // SAFETY: the raw handles are process-global driver objects; all mutation goes through mutexes or
@@ -214,7 +239,13 @@ impl Dev {
             block_cache: Mutex::new(BlockCache::with_limits(cache_limit, cache_max_block)),
             capturing: AtomicBool::new(false),
             bn_tickets,
+            options: Mutex::new(DeviceOptions::default()),
         })
+    }
+
+    /// This device's kernel choices (read where a kernel is picked).
+    pub fn options(&self) -> DeviceOptions {
+        *self.options.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Makes this device's context current on the calling thread (cheap when it already is).

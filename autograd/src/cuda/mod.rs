@@ -61,12 +61,24 @@ pub use conv::conv_paths;
 pub use conv_choice::cudnn_cache_dir;
 pub use counters::{counters, library_setup, CudaCounters, LibrarySetup};
 pub use device::CudaSetupError;
+pub use device::DeviceOptions;
 pub use graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph, StreamMark};
 pub(crate) use kernel_timer::stage_changed;
 pub use kernel_timer::{GpuKernelTimer, GpuKernelTotals, KernelDetail};
 pub use module_cache::{kernel_cache_dir, module_reports, probe_module_cache, ModuleReport, ModuleSource};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
-pub use ops::{set_bn_one_launch, set_fused_clip, set_index_add_by_buckets};
+
+/// The kernel choices of `device` ([`DeviceOptions`]).
+pub fn device_options(device: Device) -> Result<DeviceOptions> {
+    Ok(dev_of(device)?.options())
+}
+
+/// Sets the kernel choices of `device` (per device: another device, or another test on another
+/// device, keeps its own).
+pub fn set_device_options(device: Device, options: DeviceOptions) -> Result<()> {
+    *dev_of(device)?.options.lock().unwrap_or_else(|e| e.into_inner()) = options;
+    Ok(())
+}
 pub use pending_copy::PendingCopy;
 pub use user_kernel::{KernelArg, UserKernel};
 

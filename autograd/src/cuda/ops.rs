@@ -480,17 +480,10 @@ pub(crate) fn unpack_padded(any: &CudaStorage, items: &[PackRow], rows: usize, c
     Ok(())
 }
 
-static FUSED_CLIP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Whether gradient clipping takes the multi-tensor kernels (`Tensor::clip_norm_many_`; on by
-/// default). Off, it runs the composed per-tensor ops (about ten launches per gradient), whose
-/// total norm differs in its last bits (another summation order).
-pub fn set_fused_clip(on: bool) {
-    FUSED_CLIP.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-pub(crate) fn fused_clip_enabled() -> bool {
-    FUSED_CLIP.load(std::sync::atomic::Ordering::Relaxed)
+/// Whether gradient clipping on `device` takes the multi-tensor kernels
+/// ([`super::DeviceOptions::fused_clip`]).
+pub(crate) fn fused_clip_enabled(device: crate::Device) -> bool {
+    super::dev_of(device).map(|d| d.options().fused_clip).unwrap_or(true)
 }
 
 /// One parameter's AdamW step (`Tensor::adamw_step_many_dev`): `ptrs` = [param, grad, exp_avg,
@@ -974,7 +967,7 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
     }
     let (px, pi, ps, py) = (ptr(x), ptr(idx), ptr(src), ptr(&out));
     let (o, dd, nn, ii) = (u32c("index_add", outer)?, u32c("index_add", d)?, u32c("index_add", n)?, u32c("index_add", inner)?);
-    if n == 0 || !INDEX_ADD_BY_BUCKETS.load(std::sync::atomic::Ordering::Relaxed) || (x.len as u64) * (n as u64) < 1 << 20 {
+    if n == 0 || !x.buf.dev.options().index_add_by_buckets || (x.len as u64) * (n as u64) < 1 << 20 {
         // Small: one launch scanning every index per output element.
         let f = dev.func("index_add", sfx(x.dtype))?;
         dev.launch1d(f, x.len, &mut args!(px, pi, ps, py, o, dd, nn, ii))?;
@@ -1003,15 +996,6 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
     dev.launch1d(dev.func("ia_sort", "")?, d, &mut args!(po, dd, pr))?;
     dev.launch1d(dev.func("ia_sum", sfx(x.dtype))?, x.len, &mut args!(px, ps, po, pr, py, o, dd, nn, ii))?;
     Ok(out)
-}
-
-static INDEX_ADD_BY_BUCKETS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Whether a large `index_add` runs by buckets (the default: count, scan — three launches —,
-/// fill, sort, sum: seven launches, linear work) or as the one-launch scan of every index per output element. Both give
-/// the same bytes; the switch exists to compare them (tests, benchmarks).
-pub fn set_index_add_by_buckets(on: bool) {
-    INDEX_ADD_BY_BUCKETS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 #[repr(C)]
@@ -1243,17 +1227,10 @@ fn bn_one_block_max() -> usize {
     })
 }
 
-static BN_ONE_LAUNCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Whether a batch-norm layer whose channels fit one block runs its forward (statistics + apply)
-/// and its backward (reduction + dx) as one launch each (the default) or as two, as larger layers
-/// do. Both give the same bytes; the switch exists to compare them (tests, benchmarks).
-pub fn set_bn_one_launch(on: bool) {
-    BN_ONE_LAUNCH.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn bn_one_launch(parts: usize) -> bool {
-    parts == 1 && BN_ONE_LAUNCH.load(std::sync::atomic::Ordering::Relaxed)
+/// Whether a batch-norm layer of `parts` channel blocks runs as one launch on `dev`
+/// ([`super::DeviceOptions::bn_one_launch`]).
+fn bn_one_launch(dev: &super::device::Dev, parts: usize) -> bool {
+    parts == 1 && dev.options().bn_one_launch
 }
 
 fn bn_channels(op: &'static str, c: usize) -> Result<u32> {
@@ -1357,7 +1334,7 @@ fn bn_train(
     u32c(OP, x.len)?;
     let count = total as f64;
     let (pw, pb, prm, prv, pa, pq) = (ptr(w), ptr(b), ptr(rm), ptr(rv), ptr(&aff), ptr(&nrm));
-    if let (Some(silu), true) = (apply, bn_one_launch(parts)) {
+    if let (Some(silu), true) = (apply, bn_one_launch(dev, parts)) {
         let y = CudaStorage::alloc(dev, x.dtype, x.len)?;
         if bn_vector(x.dtype, hw, &[x, &y]).0 == vsfx {
             let f = dev.func(if vsfx.is_empty() { "bn_fwd1" } else { "bn_fwd1_v" }, sfx(x.dtype))?;
@@ -1431,7 +1408,7 @@ pub(crate) fn batch_norm_act_backward(
     u32c(OP, x.len)?;
     let (act, train, count) = (silu as i32, training as i32, total as f64);
     let (pgw, pgb, pc, tickets) = (ptr(&gw), ptr(&gb), ptr(&coef), dev.bn_tickets);
-    if bn_one_launch(parts) {
+    if bn_one_launch(dev, parts) {
         // One block per channel: the reduction and dx in one launch (the two kernels' arithmetic).
         let f = dev.func(if vsfx.is_empty() { "bnb_fused1" } else { "bnb_fused1_v" }, sfx(x.dtype))?;
         let pdx = ptr(&dx);

@@ -238,7 +238,7 @@ impl Tensor {
     /// each tensor's norm, the total norm of those, and every gradient times
     /// `min(1, max_norm / (total + 1e-6))` — always multiplied in, no host read. Returns the total
     /// as an f32 0-d tensor, or `None` (nothing done) unless every gradient is a whole f32 CUDA
-    /// tensor of its own storage and the kernels are on (`cuda::set_fused_clip`, on by default):
+    /// tensor of its own storage and the kernels are on (`cuda::DeviceOptions::fused_clip`, on by default):
     /// the caller then runs the composed ops. Three launches per 40
     /// tensors and one more instead of about ten per tensor; the sums of squares go by 2048-element
     /// chunks, each tree-summed in a fixed order, then chunk by chunk and tensor by tensor, so the
@@ -306,7 +306,7 @@ fn fused_unscale(_grads: &[&Tensor], _inv_scale: &Tensor, _found: &Tensor) -> Re
 #[cfg(feature = "cuda")]
 fn fused_clip(grads: &[&Tensor], max_norm: f64) -> Result<Option<Tensor>> {
     use crate::storage::Storage;
-    if !crate::cuda::ops::fused_clip_enabled() {
+    if !crate::cuda::ops::fused_clip_enabled(grads[0].device()) {
         return Ok(None);
     }
     let device = grads[0].device();
