@@ -35,6 +35,9 @@ pub fn resolve_device(s: &str, doing: &str) -> Result<Device, String> {
         }
         return Ok(d);
     }
-    d.ensure_usable().map_err(|e| format!("device={s}: {e}"))?;
+    d.ensure_usable().map_err(|e| match e {
+        ptl_autograd::Error::InvalidArgument { msg, .. } => format!("device={s}: {msg}"),
+        other => format!("device={s}: {other}"),
+    })?;
     Ok(d)
 }

@@ -130,7 +130,8 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     // The device is resolved once, after everything else: every spelling counts the same.
     let device_keys: Vec<(String, String)> = from_yaml.iter().chain(&overrides).filter(|(k, _)| k == "device").cloned().collect();
     let device = device_setting(a.device.as_deref(), &device_keys)?;
-    let device = device.as_deref().unwrap_or("auto");
+    // Checked before anything is generated or read: a device that is not there fails at once.
+    let device = super::resolve_device(device.as_deref().unwrap_or("auto"), "training")?;
     overrides.retain(|(k, _)| k != "device");
     if let Some((_, path)) = overrides.iter().find(|(k, _)| k == "resume") {
         // A resume continues the checkpoint's run with its own settings; only machine settings
@@ -146,7 +147,7 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
             given.push(("seed".into(), s.to_string()));
         }
         let mut cfg = PoseTrainConfig::for_resume(Path::new(path), &given).map_err(|e| e.to_string())?;
-        cfg.device = super::resolve_device(device, "training")?;
+        cfg.device = device;
         cfg.resolve_amp();
         return Ok(cfg);
     }
@@ -158,7 +159,7 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     for (k, v) in &overrides {
         cfg.set(k, v).map_err(|e| e.to_string())?;
     }
-    cfg.device = super::resolve_device(device, "training")?;
+    cfg.device = device;
     cfg.resolve_amp();
     if let Some(p) = &a.precision {
         cfg.precision = Precision::parse(p).map_err(|e| e.to_string())?;
