@@ -20,6 +20,36 @@
 //! and eval); max_pool2d; matmul/bmm (incl. broadcast batch), linear; softmax, log_softmax;
 //! bce_with_logits; to_dtype; attention-like matmul+softmax chains.
 //! Non-differentiable: comparisons, argmax/argmin, topk, sign/floor/ceil (zero gradient).
+//!
+//! ## A first fit
+//! A linear regression trained by gradient descent on the CPU: tensors, a loss, `backward`, and
+//! an in-place update under `no_grad` (parameters keep their storage).
+//!
+//! ```
+//! use ptl_autograd::{module::parameter, no_grad, DType, Device, Rng, Tensor};
+//!
+//! let mut rng = Rng::new(0);
+//! // y = 3·x − 1, 64 samples.
+//! let x = Tensor::rand(vec![64, 1], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng)?;
+//! let y = x.affine(3.0, -1.0)?;
+//! let w = parameter(Tensor::zeros(vec![1, 1], DType::F32, Device::Cpu)?)?;
+//! let b = parameter(Tensor::zeros(vec![1], DType::F32, Device::Cpu)?)?;
+//! for _ in 0..200 {
+//!     let loss = x.linear(&w, Some(&b))?.sub(&y)?.square()?.mean_all()?;
+//!     loss.backward()?;
+//!     no_grad(|| -> ptl_autograd::Result<()> {
+//!         for p in [&w, &b] {
+//!             let g = p.grad().expect("every parameter is on the loss's path");
+//!             p.copy_(&p.sub(&g.mul_scalar(0.5)?)?)?;
+//!             p.set_grad(None);
+//!         }
+//!         Ok(())
+//!     })?;
+//! }
+//! let (w, b) = (w.to_vec::<f32>()?[0], b.to_vec::<f32>()?[0]);
+//! assert!((w - 3.0).abs() < 1e-3 && (b + 1.0).abs() < 1e-3, "w = {w}, b = {b}");
+//! # Ok::<(), ptl_autograd::Error>(())
+//! ```
 
 pub mod arena_plan;
 pub mod autocast;
