@@ -1,0 +1,315 @@
+//! Batch normalisation (training statistics and apply, backward, eval parameters) and the
+//! per-channel affine.
+
+use std::ffi::c_void;
+
+use super::super::device::sfx;
+use super::super::CudaStorage;
+use crate::{DType, Error, Result};
+
+use super::*;
+
+pub(super) fn nchw(op: &'static str, shape: &[usize], len: usize) -> Result<(usize, usize, usize)> {
+    if shape.len() != 4 || shape.iter().product::<usize>() != len {
+        return Err(Error::invalid(op, format!("expected a contiguous NCHW tensor, got shape {shape:?} for {len} elements")));
+    }
+    Ok((shape[0], shape[1], shape[2] * shape[3]))
+}
+
+pub(super) fn stats_arg(op: &'static str, s: &CudaStorage, want: DType, c: usize) -> Result<()> {
+    if s.dtype != want || s.len != c {
+        return Err(Error::invalid(op, format!("expected {c} values of {want}, got {} of {}", s.len, s.dtype)));
+    }
+    Ok(())
+}
+
+/// Vector width of the batch-norm kernels (see kernels.cu): 16-byte loads when every run of HW
+/// elements is a whole number of vectors and the buffers are 16-byte aligned, else 1.
+pub(super) fn bn_vector(dtype: DType, hw: usize, bufs: &[&CudaStorage]) -> (&'static str, usize) {
+    let v = 16 / dtype.size_in_bytes();
+    if hw.is_multiple_of(v) && bufs.iter().all(|b| ptr(b).is_multiple_of(16)) {
+        ("_v", v)
+    } else {
+        ("", 1)
+    }
+}
+
+/// Blocks per channel of the batch-norm reductions: ≤ 8192 elements each and about two blocks per
+/// SM in all (264), but one block for a channel of ≤ 4096 elements, which then needs no second
+/// phase (the combine of partials is a serial tail of a few µs per launch, measured as most of a
+/// small layer's time). The forward and backward use the same split.
+pub(super) fn bn_parts(total: usize, c: usize) -> usize {
+    let one = bn_one_block_max();
+    if total <= one {
+        return 1;
+    }
+    total.div_ceil(8192).max(264usize.div_ceil(c)).min(total.div_ceil(4096)).clamp(1, 1024)
+}
+
+/// The largest channel (values) one block reduces alone: 4096, or `PTL_BN_ONE_BLOCK_MAX` (for
+/// measuring; a different value changes the summation order of the layers it moves, so the
+/// bytes of a run, which stay fixed for any one setting).
+pub(super) fn bn_one_block_max() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("PTL_BN_ONE_BLOCK_MAX") {
+        Err(_) => 4096,
+        Ok(v) => v.trim().parse::<usize>().ok().filter(|&m| (1..=1 << 20).contains(&m)).unwrap_or_else(|| {
+            eprintln!("ptl: PTL_BN_ONE_BLOCK_MAX={v:?} is not a count of values from 1 to 1048576; using 4096");
+            4096
+        }),
+    })
+}
+
+/// Whether a batch-norm layer of `parts` channel blocks runs as one launch on `dev`
+/// ([`super::super::DeviceOptions::bn_one_launch`]).
+pub(super) fn bn_one_launch(dev: &super::super::device::Dev, parts: usize) -> bool {
+    parts == 1 && dev.options().bn_one_launch
+}
+
+pub(super) fn bn_channels(op: &'static str, c: usize) -> Result<u32> {
+    if c > super::super::device::BN_TICKETS {
+        return Err(Error::invalid(op, format!("{c} channels; the CUDA batch norm handles at most {}", super::super::device::BN_TICKETS)));
+    }
+    u32c(op, c)
+}
+
+/// Deterministic one-launch batch statistics: per-(channel, block) f64 partial sums, the last
+/// block of each channel finishing its parameters, running statistics and (optionally) the
+/// `num_batches_tracked` counter (see kernels.cu).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batch_norm_train_stats(
+    x: &CudaStorage,
+    shape: &[usize],
+    w: &CudaStorage,
+    b: &CudaStorage,
+    rm: &mut CudaStorage,
+    rv: &mut CudaStorage,
+    batches: Option<&mut CudaStorage>,
+    eps: f64,
+    momentum: f64,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let (_, aff, nrm) = bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, None)?;
+    Ok((aff, nrm))
+}
+
+/// The statistics and `y = act(x·scale + shift)`: for a channel small enough for one block
+/// (`bn_parts` = 1) in one launch (`bn_fwd1`, the two kernels' arithmetic), else the statistics
+/// launch and [`channel_affine`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batch_norm_train_apply(
+    x: &CudaStorage,
+    shape: &[usize],
+    w: &CudaStorage,
+    b: &CudaStorage,
+    rm: &mut CudaStorage,
+    rv: &mut CudaStorage,
+    batches: Option<&mut CudaStorage>,
+    eps: f64,
+    momentum: f64,
+    silu: bool,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    match bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, Some(silu))? {
+        (Some(y), aff, nrm) => Ok((y, aff, nrm)),
+        (None, aff, nrm) => {
+            let y = channel_affine(x, shape, &aff, silu)?;
+            Ok((y, aff, nrm))
+        }
+    }
+}
+
+/// The statistics launch; with `apply` = `Some(silu)` and one block per channel, the fused
+/// statistics-and-apply launch, whose output it returns.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn bn_train(
+    x: &CudaStorage,
+    shape: &[usize],
+    w: &CudaStorage,
+    b: &CudaStorage,
+    rm: &mut CudaStorage,
+    rv: &mut CudaStorage,
+    batches: Option<&mut CudaStorage>,
+    eps: f64,
+    momentum: f64,
+    apply: Option<bool>,
+) -> Result<(Option<CudaStorage>, CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_train_stats";
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
+    }
+    let (n, c, hw) = nchw(OP, shape, x.len)?;
+    let sd = crate::backend::stats_dtype(x.dtype);
+    for s in [w, b, &*rm, &*rv] {
+        stats_arg(OP, s, sd, c)?;
+        x.same_device(OP, s)?;
+    }
+    let nbt = match batches {
+        Some(s) => {
+            if s.dtype != DType::I64 || s.len != 1 {
+                return Err(Error::invalid(OP, format!("the batch counter must be one i64, got {} of {}", s.len, s.dtype)));
+            }
+            x.same_device(OP, s)?;
+            ptr(s)
+        }
+        None => 0u64,
+    };
+    let dev = &x.buf.dev;
+    let total = n * hw;
+    if c == 0 || total == 0 {
+        return Err(Error::invalid(OP, format!("empty batch for shape {shape:?}")));
+    }
+    let aff = CudaStorage::alloc(dev, sd, 2 * c)?;
+    let nrm = CudaStorage::alloc(dev, sd, 2 * c)?;
+    let parts = bn_parts(total, c);
+    // The statistics' summation order follows x's vector width alone; the fused launch also
+    // stores y with it, so y must allow it too.
+    let (vsfx, _) = bn_vector(x.dtype, hw, &[x]);
+    let (px, nn, cc, hh) = (ptr(x), u32c(OP, n)?, bn_channels(OP, c)?, u32c(OP, hw)?);
+    u32c(OP, x.len)?;
+    let count = total as f64;
+    let (pw, pb, prm, prv, pa, pq) = (ptr(w), ptr(b), ptr(rm), ptr(rv), ptr(&aff), ptr(&nrm));
+    if let (Some(silu), true) = (apply, bn_one_launch(dev, parts)) {
+        let y = CudaStorage::alloc(dev, x.dtype, x.len)?;
+        if bn_vector(x.dtype, hw, &[x, &y]).0 == vsfx {
+            let f = dev.func(if vsfx.is_empty() { "bn_fwd1" } else { "bn_fwd1_v" }, sfx(x.dtype))?;
+            let (py, act) = (ptr(&y), silu as i32);
+            dev.launch(
+                f,
+                (1, cc, 1),
+                (256, 1, 1),
+                &mut args!(px, py, nn, cc, hh, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt, act),
+            )?;
+            return Ok((Some(y), aff, nrm));
+        }
+    }
+    let part = super::super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
+    let (pp, pn) = (part.ptr, parts as u32);
+    let f = dev.func(if vsfx.is_empty() { "bn_stats" } else { "bn_stats_v" }, sfx(x.dtype))?;
+    let tickets = dev.bn_tickets;
+    dev.launch(
+        f,
+        (pn, cc, 1),
+        (256, 1, 1),
+        &mut args!(px, pp, nn, cc, hh, pn, tickets, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt),
+    )?;
+    drop(part);
+    Ok((None, aff, nrm))
+}
+
+/// See `BackendStorage::batch_norm_act_backward`: two launches — per-(channel, block) f64 partial
+/// sums of `gz` and `gz·x̂` whose last block per channel writes the weight and bias gradients and
+/// dx's coefficients (fixed order), then one elementwise pass for dx; one launch doing both when
+/// a channel fits one block.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batch_norm_act_backward(
+    x: &CudaStorage,
+    g: &CudaStorage,
+    shape: &[usize],
+    aff: &CudaStorage,
+    nrm: &CudaStorage,
+    w: &CudaStorage,
+    silu: bool,
+    training: bool,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_act_backward";
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
+    }
+    if g.dtype != x.dtype || g.len != x.len {
+        return Err(Error::invalid(OP, format!("g ({} × {}) must match x ({} × {})", g.len, g.dtype, x.len, x.dtype)));
+    }
+    let (n, c, hw) = nchw(OP, shape, x.len)?;
+    let sd = crate::backend::stats_dtype(x.dtype);
+    stats_arg(OP, aff, sd, 2 * c)?;
+    stats_arg(OP, nrm, sd, 2 * c)?;
+    stats_arg(OP, w, sd, c)?;
+    for s in [g, aff, nrm, w] {
+        x.same_device(OP, s)?;
+    }
+    let dev = &x.buf.dev;
+    let total = n * hw;
+    if c == 0 || total == 0 {
+        return Err(Error::invalid(OP, format!("empty batch for shape {shape:?}")));
+    }
+    let dx = CudaStorage::alloc(dev, x.dtype, x.len)?;
+    let gw = CudaStorage::alloc(dev, sd, c)?;
+    let gb = CudaStorage::alloc(dev, sd, c)?;
+    let coef = CudaStorage::alloc(dev, sd, 3 * c)?;
+    let parts = bn_parts(total, c);
+    let (vsfx, v) = bn_vector(x.dtype, hw, &[x, g, &dx]);
+    let (px, pg, pa, pn, pw) = (ptr(x), ptr(g), ptr(aff), ptr(nrm), ptr(w));
+    let (nn, cc, hh, pnum) = (u32c(OP, n)?, bn_channels(OP, c)?, u32c(OP, hw)?, parts as u32);
+    u32c(OP, x.len)?;
+    let (act, train, count) = (silu as i32, training as i32, total as f64);
+    let (pgw, pgb, pc, tickets) = (ptr(&gw), ptr(&gb), ptr(&coef), dev.bn_tickets);
+    if bn_one_launch(dev, parts) {
+        // One block per channel: the reduction and dx in one launch (the two kernels' arithmetic).
+        let f = dev.func(if vsfx.is_empty() { "bnb_fused1" } else { "bnb_fused1_v" }, sfx(x.dtype))?;
+        let pdx = ptr(&dx);
+        dev.launch(f, (1, cc, 1), (256, 1, 1), &mut args!(px, pg, pa, pn, nn, cc, hh, act, count, pw, train, pgw, pgb, pc, pdx))?;
+        return Ok((dx, gw, gb));
+    }
+    let part = super::super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
+    let pp = part.ptr;
+    let f = dev.func(if vsfx.is_empty() { "bnb_reduce" } else { "bnb_reduce_v" }, sfx(x.dtype))?;
+    dev.launch(
+        f,
+        (pnum, cc, 1),
+        (256, 1, 1),
+        &mut args!(px, pg, pa, pn, pp, nn, cc, hh, pnum, act, tickets, count, pw, train, pgw, pgb, pc),
+    )?;
+    let f = dev.func(if vsfx.is_empty() { "bnb_dx" } else { "bnb_dx_v" }, sfx(x.dtype))?;
+    let (pdx, nvec, hv) = (ptr(&dx), (x.len / v) as u32, (hw / v) as u32);
+    dev.launch1d(f, x.len / v, &mut args!(px, pg, pa, pn, pc, pdx, nvec, hv, cc, act))?;
+    drop(part);
+    Ok((dx, gw, gb))
+}
+
+pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, silu: bool) -> Result<CudaStorage> {
+    const OP: &str = "channel_affine";
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
+    }
+    let (_, c, hw) = nchw(OP, shape, x.len)?;
+    stats_arg(OP, p, crate::backend::stats_dtype(x.dtype), 2 * c)?;
+    x.same_device(OP, p)?;
+    let dev = &x.buf.dev;
+    let out = CudaStorage::alloc(dev, x.dtype, x.len)?;
+    if x.len == 0 {
+        return Ok(out);
+    }
+    let (vsfx, v) = bn_vector(x.dtype, hw, &[x, &out]);
+    let f = dev.func(if vsfx.is_empty() { "chaffine" } else { "chaffine_v" }, sfx(x.dtype))?;
+    let (px, pp, py) = (ptr(x), ptr(p), ptr(&out));
+    u32c(OP, x.len)?;
+    let (nvec, hv, cc, act) = ((x.len / v) as u32, (hw / v) as u32, u32c(OP, c)?, silu as i32);
+    dev.launch1d(f, x.len / v, &mut args!(px, pp, py, nvec, hv, cc, act))?;
+    Ok(out)
+}
+
+pub(crate) fn batch_norm_eval_params(
+    w: &CudaStorage,
+    b: &CudaStorage,
+    rm: &CudaStorage,
+    rv: &CudaStorage,
+    eps: f64,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "batch_norm_eval_params";
+    let (sd, c) = (w.dtype, w.len);
+    if !matches!(sd, DType::F32 | DType::F64) {
+        return Err(Error::UnsupportedDType { op: OP, dtype: sd, expected: "F32 or F64 statistics" });
+    }
+    for s in [b, rm, rv] {
+        stats_arg(OP, s, sd, c)?;
+        w.same_device(OP, s)?;
+    }
+    let dev = &w.buf.dev;
+    let aff = CudaStorage::alloc(dev, sd, 2 * c)?;
+    let nrm = CudaStorage::alloc(dev, sd, 2 * c)?;
+    if c == 0 {
+        return Ok((aff, nrm));
+    }
+    let f = dev.func("bn_eval", sfx(sd))?;
+    let (pw, pb, pm, pv, pa, pn, cc) = (ptr(w), ptr(b), ptr(rm), ptr(rv), ptr(&aff), ptr(&nrm), u32c(OP, c)?);
+    dev.launch1d(f, c, &mut args!(pw, pb, pm, pv, eps, pa, pn, cc))?;
+    Ok((aff, nrm))
+}

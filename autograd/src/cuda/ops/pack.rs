@@ -1,0 +1,96 @@
+//! Packing many matrices into zero-padded batches and back (Newton–Schulz).
+
+use std::ffi::c_void;
+
+use super::super::CudaStorage;
+use crate::{DType, Error, Result};
+
+use super::*;
+
+/// Matrices per padded-batch launch (`PACK_MAX` in kernels.cu).
+pub(super) const PACK_MAX: usize = 40;
+
+/// The kernel-parameter table of `pack_pad_*` / `unpack_pad_*` (layout of `PackTable` in kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct PackTable {
+    src: [u64; PACK_MAX],
+    dst: [u64; PACK_MAX],
+    rows: [u32; PACK_MAX],
+    cols: [u32; PACK_MAX],
+    transposed: [u32; PACK_MAX],
+    scale: [f32; PACK_MAX],
+    count: u32,
+    slot_rows: u32,
+    slot_cols: u32,
+}
+
+/// One matrix of a padded-batch launch: source and destination addresses, its shape and its scale.
+pub(crate) type PackRow = (u64, u64, crate::ops::pack::PackedMatrix, f32);
+
+/// The tables of `items` in chunks of [`PACK_MAX`].
+pub(super) fn pack_tables(op: &'static str, items: &[PackRow], rows: usize, cols: usize) -> Result<Vec<PackTable>> {
+    let (slot_rows, slot_cols) = (u32c(op, rows)?, u32c(op, cols)?);
+    u32c(op, rows * cols)?;
+    items
+        .chunks(PACK_MAX)
+        .map(|chunk| {
+            let mut t = PackTable {
+                src: [0; PACK_MAX],
+                dst: [0; PACK_MAX],
+                rows: [0; PACK_MAX],
+                cols: [0; PACK_MAX],
+                transposed: [0; PACK_MAX],
+                scale: [1.0; PACK_MAX],
+                count: chunk.len() as u32,
+                slot_rows,
+                slot_cols,
+            };
+            for (k, &(src, dst, m, scale)) in chunk.iter().enumerate() {
+                (t.src[k], t.dst[k], t.scale[k]) = (src, dst, scale);
+                (t.rows[k], t.cols[k], t.transposed[k]) = (u32c(op, m.rows)?, u32c(op, m.cols)?, m.transposed as u32);
+            }
+            Ok(t)
+        })
+        .collect()
+}
+
+/// Packs f32 matrices into zero-padded `rows × cols` slots of `dtype` (`Tensor::pack_padded`).
+pub(crate) fn pack_padded(any: &CudaStorage, items: &[PackRow], rows: usize, cols: usize, dtype: DType) -> Result<()> {
+    let dev = &any.buf.dev;
+    let name = match dtype {
+        DType::BF16 => "pack_pad_f32_bf16",
+        DType::F32 => "pack_pad_f32_f32",
+        DType::F64 => "pack_pad_f32_f64",
+        other => return Err(Error::UnsupportedDType { op: "pack_padded", dtype: other, expected: "bf16, f32 or f64 slots" }),
+    };
+    let f = dev.func(name, "")?;
+    let chunks = u32c("pack_padded", (rows * cols).div_ceil(MT_CHUNK))?;
+    for t in pack_tables("pack_padded", items, rows, cols)? {
+        if chunks > 0 {
+            dev.launch(f, (chunks, t.count, 1), (256, 1, 1), &mut args!(t))?;
+        }
+    }
+    Ok(())
+}
+
+/// Unpacks slots of `src` dtype into f32 matrices, scaled (`Tensor::unpack_padded`).
+pub(crate) fn unpack_padded(any: &CudaStorage, items: &[PackRow], rows: usize, cols: usize, src: DType) -> Result<()> {
+    let dev = &any.buf.dev;
+    let name = match src {
+        DType::BF16 => "unpack_pad_bf16_f32",
+        DType::F32 => "unpack_pad_f32_f32",
+        DType::F64 => "unpack_pad_f64_f32",
+        other => return Err(Error::UnsupportedDType { op: "unpack_padded", dtype: other, expected: "bf16, f32 or f64 slots" }),
+    };
+    let f = dev.func(name, "")?;
+    let zero = 0f32;
+    for (chunk, t) in items.chunks(PACK_MAX).zip(pack_tables("unpack_padded", items, rows, cols)?) {
+        let largest = chunk.iter().map(|(_, _, m, _)| m.rows * m.cols).max().unwrap_or(0);
+        let blocks = u32c("unpack_padded", largest.div_ceil(MT_CHUNK))?;
+        if blocks > 0 {
+            dev.launch(f, (blocks, t.count, 1), (256, 1, 1), &mut args!(t, zero))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,114 @@
+//! Max pooling and nearest upsampling.
+
+use std::ffi::c_void;
+
+use super::super::device::sfx;
+use super::super::CudaStorage;
+use crate::backend::Pool2dParams;
+use crate::{DType, Error, Result};
+
+use super::*;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct PoolGeo {
+    planes: u32,
+    h: u32,
+    w: u32,
+    oh: u32,
+    ow: u32,
+    k: u32,
+    s: u32,
+    p: u32,
+}
+
+pub(super) fn pool_geo(p: &Pool2dParams) -> Result<PoolGeo> {
+    let c = |v| u32c("max_pool2d", v);
+    Ok(PoolGeo {
+        planes: c(p.batch * p.channels)?,
+        h: c(p.h_in)?,
+        w: c(p.w_in)?,
+        oh: c(p.h_out())?,
+        ow: c(p.w_out())?,
+        k: c(p.kernel)?,
+        s: c(p.stride)?,
+        p: c(p.padding)?,
+    })
+}
+
+pub(crate) fn max_pool2d(x: &CudaStorage, p: &Pool2dParams) -> Result<(CudaStorage, CudaStorage)> {
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: "max_pool2d", dtype: x.dtype, expected: "a float dtype" });
+    }
+    let dev = &x.buf.dev;
+    let n = p.batch * p.channels * p.h_out() * p.w_out();
+    let vals = CudaStorage::alloc(dev, x.dtype, n)?;
+    let idx = CudaStorage::alloc(dev, DType::I64, n)?;
+    if n == 0 {
+        return Ok((vals, idx));
+    }
+    let g = pool_geo(p)?;
+    let f = dev.func("maxpool_fwd", sfx(x.dtype))?;
+    let (px, pv, pi) = (ptr(x), ptr(&vals), ptr(&idx));
+    dev.launch1d(f, n, &mut args!(px, pv, pi, g))?;
+    Ok((vals, idx))
+}
+
+pub(crate) fn max_pool2d_backward(dy: &CudaStorage, idx: &CudaStorage, p: &Pool2dParams) -> Result<CudaStorage> {
+    need_i64("max_pool2d_backward", idx)?;
+    if !dy.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: "max_pool2d_backward", dtype: dy.dtype, expected: "a float dtype" });
+    }
+    dy.same_device("max_pool2d_backward", idx)?;
+    let dev = &dy.buf.dev;
+    let n = p.batch * p.channels * p.h_in * p.w_in;
+    let dx = CudaStorage::alloc(dev, dy.dtype, n)?;
+    if n == 0 {
+        return Ok(dx);
+    }
+    let g = pool_geo(p)?;
+    let f = dev.func("maxpool_bwd", sfx(dy.dtype))?;
+    let (pd, pi, px) = (ptr(dy), ptr(idx), ptr(&dx));
+    dev.launch1d(f, n, &mut args!(pd, pi, px, g))?;
+    Ok(dx)
+}
+
+/// `x` (`shape` = [n, c, h, w]) upsampled by `f` (forward) or, with `backward`, the f×f block sums
+/// of an output gradient `x` ([n, c, h·f, w·f]) back to `shape`.
+pub(crate) fn upsample_nearest2d(x: &CudaStorage, shape: [usize; 4], f: usize, backward: bool) -> Result<CudaStorage> {
+    let op = if backward { "upsample_nearest2d_backward" } else { "upsample_nearest2d" };
+    if !x.dtype.is_float() {
+        return Err(Error::UnsupportedDType { op, dtype: x.dtype, expected: "a float dtype" });
+    }
+    let dev = &x.buf.dev;
+    let n_in: usize = shape.iter().product();
+    let out = CudaStorage::alloc(dev, x.dtype, if backward { n_in } else { n_in * f * f })?;
+    if n_in == 0 {
+        return Ok(out);
+    }
+    let k = dev.func(if backward { "upsample_bwd" } else { "upsample_fwd" }, sfx(x.dtype))?;
+    let (px, py) = (ptr(x), ptr(&out));
+    let (nn, h, w, ff) = (u32c(op, n_in)?, u32c(op, shape[2])?, u32c(op, shape[3])?, u32c(op, f)?);
+    u32c(op, n_in * f * f)?;
+    dev.launch1d(k, n_in, &mut args!(px, py, nn, h, w, ff))?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::access_width;
+
+    #[test]
+    fn access_width_is_the_widest_common_divisor() {
+        assert_eq!(access_width(0), 16);
+        assert_eq!(access_width(4096 | 1600), 16);
+        assert_eq!(access_width(24), 8);
+        assert_eq!(access_width(12), 4);
+        assert_eq!(access_width(6), 2);
+        assert_eq!(access_width(0x1000 | 3), 1);
+        // Kernel-name tables are indexed by log2 of the width.
+        for (v, k) in [(1usize, 0u32), (2, 1), (4, 2), (8, 3), (16, 4)] {
+            assert_eq!(v.trailing_zeros(), k);
+        }
+    }
+}
