@@ -213,7 +213,7 @@ impl GraphSafeRng {
     }
 }
 
-/// The host form of the keep mask (kernels.cu `philox_keep_mask`): element i is word i%4 of the
+/// The host form of the keep mask (`philox_keep_mask` in cuda/ops/rng.cu): element i is word i%4 of the
 /// Philox block for counter `offset + i/4`, kept when `(word >> 8)·2^-24 < keep`.
 fn keep_mask_host(n: usize, keep: f32, seed: u64, offset: u64) -> Vec<u8> {
     let key = [seed as u32, (seed >> 32) as u32];

@@ -10,7 +10,10 @@ NVRTC and the CUDA headers come from PyPI (no GPU or driver needed), once:
 then, from the repository root:
 
     LD_LIBRARY_PATH=/tmp/cuda13/nvidia/cu13/lib python3 xtask/assets/nvrtc_check.py \
-        autograd/src/cuda/kernels.cu trainer/src/loss/assign_fused.cu
+        autograd/src/cuda/ops/*.cu trainer/src/loss/assign_fused.cu
+
+A `.cu` file whose folder holds a `prelude.cuh` is compiled with the prelude in front, as the
+backend compiles its kernel units (`cuda/kernel_units.rs`).
 
 `CUDA_WHEELS` names another unpack folder. The options are the ones the backend passes
 (`module_cache::nvrtc_flags`): `--gpu-architecture=sm_90 --std=c++17 --include-path=…/include`.
@@ -25,6 +28,9 @@ lib = ctypes.CDLL(root + "/lib/libnvrtc.so.13")
 
 def check(path):
     src = open(path, "rb").read()
+    prelude = os.path.join(os.path.dirname(path), "prelude.cuh")
+    if path.endswith(".cu") and os.path.exists(prelude):
+        src = open(prelude, "rb").read() + src
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src, path.encode(), 0, None, None) != 0:
         sys.exit(f"{path}: nvrtcCreateProgram failed")

@@ -1,4 +1,4 @@
-//! Per-device state: context, the one compute stream, the NVRTC module, library handles.
+//! Per-device state: context, the one compute stream, the kernel units' modules, library handles.
 //!
 //! A device is opened on first use (`Dev::get`) after checking that the driver and every library
 //! we load are present (cudarc panics on a missing library, so we never let it try).
@@ -85,9 +85,6 @@ pub(crate) fn path_counts() -> [u64; 4] {
 /// Channels the one-launch batch-norm statistics kernel handles (more: two launches).
 pub(crate) const BN_TICKETS: usize = 65535;
 
-/// Kernel source compiled with NVRTC at first use.
-const KERNELS: &str = include_str!("kernels.cu");
-
 /// Kernel choices of one CUDA device, set per device ([`super::set_device_options`]). Each pair
 /// of choices gives the same bytes; the options exist to compare them (tests, benchmarks). The
 /// defaults are the faster ones.
@@ -119,7 +116,8 @@ pub(crate) struct Dev {
     pub stream: Arc<CudaStream>,
     pub cu_stream: sys::CUstream,
     pub default_pool: sys::CUmemoryPool,
-    module: Arc<CudaModule>,
+    /// The kernel units' modules ([`super::kernel_units::UNITS`], same order).
+    modules: Vec<Arc<CudaModule>>,
     funcs: Mutex<HashMap<(&'static str, &'static str), sys::CUfunction>>,
     /// Modules compiled from other crates' sources ([`super::UserKernel`]), keyed by module name.
     pub user_modules: Mutex<HashMap<String, Arc<CudaModule>>>,
@@ -209,8 +207,8 @@ impl Dev {
         }
         .map_err(|e| init("pool release threshold", &e))?;
         let (major, minor) = ctx.compute_capability().map_err(|e| init("compute capability", &e))?;
-        let module = super::module_cache::load_module(&ctx, "ptl-kernels", KERNELS, major, minor).map_err(|e| CudaSetupError::Init {
-            detail: format!("kernels (CUDA headers from {}/include; set CUDA_HOME): {e}", cuda_home()),
+        let modules = super::module_cache::load_modules(&ctx, &super::kernel_units::UNITS, major, minor).map_err(|e| {
+            CudaSetupError::Init { detail: format!("kernels (CUDA headers from {}/include; set CUDA_HOME): {e}", cuda_home()) }
         })?;
         let (cache_limit, cache_max_block) = super::alloc::cache_limits_from_env().map_err(|detail| CudaSetupError::Init { detail })?;
         let bn_tickets = unsafe {
@@ -224,7 +222,7 @@ impl Dev {
             stream,
             cu_stream,
             default_pool: pool,
-            module,
+            modules,
             funcs: Mutex::new(HashMap::new()),
             user_modules: Mutex::new(HashMap::new()),
             user_functions: Mutex::new(HashMap::new()),
@@ -259,14 +257,20 @@ impl Dev {
         Ok(())
     }
 
-    /// A kernel of the module: `base` plus a dtype suffix (`""` for none).
+    /// A kernel of the units: `base` plus a dtype suffix (`""` for none). The first lookup of a
+    /// name asks each unit's module in turn (names are unique across units); later ones are a map
+    /// lookup.
     pub fn func(&self, base: &'static str, suffix: &'static str) -> Result<sys::CUfunction> {
         let mut m = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = m.get(&(base, suffix)) {
             return Ok(*f);
         }
         let name = if suffix.is_empty() { base.to_string() } else { format!("{base}_{suffix}") };
-        let f = self.module.load_function(&name).map_err(|e| cu_err(&format!("kernel {name}"), e))?;
+        let f = self
+            .modules
+            .iter()
+            .find_map(|module| module.load_function(&name).ok())
+            .ok_or_else(|| Error::Cuda(format!("kernel {name}: in none of the kernel units")))?;
         let raw = f.cu_function();
         // The module (held by self) keeps the function alive.
         std::mem::forget(f);

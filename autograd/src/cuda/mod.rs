@@ -3,9 +3,11 @@
 //! - **Device and stream**: each GPU gets one context and one compute stream, opened on first use
 //!   ([`Device::Cuda`]); all work is queued on that stream, in program order. cudarc's event
 //!   tracking is off (it breaks stream capture).
-//! - **Kernels**: `kernels.cu`, compiled with NVRTC to machine code (CUBIN) for the device's
-//!   `sm_XY` (headers from `$CUDA_HOME/include`, default `/usr/local/cuda/include`) and kept in an
-//!   on-disk cache across processes ([`kernel_cache_dir`], [`module_reports`]). Reductions and
+//! - **Kernels**: one source per op family (`ops/<family>.cu` next to the launcher `ops/<family>.rs`,
+//!   behind a shared `ops/prelude.cuh`), each compiled with NVRTC to machine code (CUBIN) for the
+//!   device's `sm_XY` (headers from `$CUDA_HOME/include`, default `/usr/local/cuda/include`), in
+//!   parallel, and kept as its own entry of an on-disk cache across processes
+//!   ([`kernel_cache_dir`], [`module_reports`]). Reductions and
 //!   scatter/index adds use fixed-order loops and trees, never float atomics, so results are
 //!   bit-identical run to run. f16/bf16 are computed in f32.
 //! - **Libraries**: matmul through cuBLASLt with plans cached per shape (true FP32, f16/bf16 with
@@ -42,6 +44,7 @@ mod graph;
 #[doc(hidden)]
 pub mod host_probe;
 mod kernel_timer;
+mod kernel_units;
 mod module_cache;
 pub(crate) mod ops;
 mod pending_copy;

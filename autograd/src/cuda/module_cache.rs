@@ -162,47 +162,110 @@ pub(crate) fn load_module(
     major: i32,
     minor: i32,
 ) -> std::result::Result<Arc<CudaModule>, String> {
+    let mut loaded = load_modules(ctx, &[(name, source)], major, minor)?;
+    loaded.pop().ok_or_else(|| format!("{name}: no module loaded"))
+}
+
+/// Loads several `(name, source)` modules like [`load_module`], obtaining their code in parallel:
+/// NVRTC compiles independent programs concurrently, so a cold start costs the largest unit,
+/// not the sum. The driver loads them one by one, in order.
+pub(crate) fn load_modules(
+    ctx: &Arc<CudaContext>,
+    units: &[(&str, &str)],
+    major: i32,
+    minor: i32,
+) -> std::result::Result<Vec<Arc<CudaModule>>, String> {
     let flags = nvrtc_flags(major, minor);
     let cache = sealed_cache("PTL_KERNEL_CACHE", "kernels");
-    let entry = cache.as_ref().map(|(d, s)| (d.join(format!("{name}-{}.cubin", &cache_key(source, &flags, &versions())[..32])), s));
-    let mut note = None;
-    let mut stale = false;
-    if let Some((path, sealer)) = &entry {
-        match ptl_files::read_regular(path) {
-            Ok(bytes) => match sealer.unseal(&bytes) {
-                Ok(payload) => {
-                    let t = Instant::now();
-                    match load(ctx, payload.to_vec()) {
-                        Ok(m) => {
-                            record(name, ModuleSource::CacheHit, 0.0, t.elapsed().as_secs_f64(), None);
-                            return Ok(m);
-                        }
-                        Err(e) => (stale, note) = (true, Some(format!("cached entry {} refused ({e}); rebuilt", path.display()))),
-                    }
-                }
-                Err(why) => (stale, note) = (true, Some(format!("cached entry {} unusable ({why}); rebuilt", path.display()))),
-            },
-            Err(ptl_files::FileError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => (stale, note) = (true, Some(format!("cached entry unusable ({e}); rebuilt"))),
+    let versions = versions();
+    let inputs = Inputs { flags: &flags, cache: cache.as_ref(), versions: &versions };
+    let obtained: Vec<_> = std::thread::scope(|s| {
+        let threads: Vec<_> = units.iter().map(|&(name, source)| s.spawn(move || inputs.obtain(name, source, false))).collect();
+        threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err("a kernel compilation thread panicked".to_string()))).collect()
+    });
+    let mut modules = Vec::with_capacity(units.len());
+    for (&(name, source), code) in units.iter().zip(obtained) {
+        let code = code?;
+        let t = Instant::now();
+        match load(ctx, code.cubin) {
+            Ok(m) => {
+                record(name, code.how, code.compile_s, t.elapsed().as_secs_f64(), code.note);
+                modules.push(m);
+            }
+            Err(e) if code.how == ModuleSource::CacheHit => {
+                let mut fresh = inputs.obtain(name, source, true)?;
+                let why =
+                    format!("cached entry {} refused ({e}); rebuilt", code.entry.map(|p| p.display().to_string()).unwrap_or_default());
+                fresh.note = Some(fresh.note.map_or(why.clone(), |n| format!("{why}; {n}")));
+                let t = Instant::now();
+                let m = load(ctx, fresh.cubin).map_err(|e| format!("{name}: {e}"))?;
+                record(name, fresh.how, fresh.compile_s, t.elapsed().as_secs_f64(), fresh.note);
+                modules.push(m);
+            }
+            Err(e) => return Err(format!("{name}: {e}")),
         }
     }
-    let t = Instant::now();
-    let cubin = compile_cubin(name, source, &flags)?;
-    let compile_s = t.elapsed().as_secs_f64();
-    let mut how = if stale { ModuleSource::Rebuilt } else { ModuleSource::Compiled };
-    match &entry {
-        Some((path, sealer)) => {
-            if let Err(e) = ptl_files::write_atomic(path, &sealer.seal(&cubin), 0o600) {
-                how = ModuleSource::Uncached;
-                note = Some(format!("kernel cache not written to {}: {e}", path.display()));
+    Ok(modules)
+}
+
+/// What shapes a compilation besides the source, and where its results are kept.
+#[derive(Clone, Copy)]
+struct Inputs<'a> {
+    flags: &'a [String],
+    cache: Option<&'a (PathBuf, ptl_files::Sealer)>,
+    versions: &'a str,
+}
+
+/// One unit's CUBIN before the driver loads it, and how it was obtained.
+struct Code {
+    cubin: Vec<u8>,
+    how: ModuleSource,
+    compile_s: f64,
+    note: Option<String>,
+    /// The cache entry it was read from or written to.
+    entry: Option<PathBuf>,
+}
+
+impl Inputs<'_> {
+    /// The cached CUBIN of `source` when a sealed entry exists (unless `rebuild`), else compiled
+    /// now and stored.
+    fn obtain(&self, name: &str, source: &str, rebuild: bool) -> std::result::Result<Code, String> {
+        let entry = self.cache.map(|(d, s)| (d.join(format!("{name}-{}.cubin", &cache_key(source, self.flags, self.versions)[..32])), s));
+        let mut note = None;
+        let mut stale = rebuild;
+        if let (Some((path, sealer)), false) = (&entry, rebuild) {
+            match ptl_files::read_regular(path) {
+                Ok(bytes) => match sealer.unseal(&bytes) {
+                    Ok(payload) => {
+                        return Ok(Code {
+                            cubin: payload.to_vec(),
+                            how: ModuleSource::CacheHit,
+                            compile_s: 0.0,
+                            note: None,
+                            entry: Some(path.clone()),
+                        })
+                    }
+                    Err(why) => (stale, note) = (true, Some(format!("cached entry {} unusable ({why}); rebuilt", path.display()))),
+                },
+                Err(ptl_files::FileError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => (stale, note) = (true, Some(format!("cached entry unusable ({e}); rebuilt"))),
             }
         }
-        None => how = ModuleSource::Uncached,
+        let t = Instant::now();
+        let cubin = compile_cubin(name, source, self.flags)?;
+        let compile_s = t.elapsed().as_secs_f64();
+        let mut how = if stale { ModuleSource::Rebuilt } else { ModuleSource::Compiled };
+        match &entry {
+            Some((path, sealer)) => {
+                if let Err(e) = ptl_files::write_atomic(path, &sealer.seal(&cubin), 0o600) {
+                    how = ModuleSource::Uncached;
+                    note = Some(format!("kernel cache not written to {}: {e}", path.display()));
+                }
+            }
+            None => how = ModuleSource::Uncached,
+        }
+        Ok(Code { cubin, how, compile_s, note, entry: entry.map(|(p, _)| p) })
     }
-    let t = Instant::now();
-    let m = load(ctx, cubin).map_err(|e| format!("{name}: {e}"))?;
-    record(name, how, compile_s, t.elapsed().as_secs_f64(), note);
-    Ok(m)
 }
 
 /// Loads `source` as module `name` through the on-disk cache, bypassing the process's own module

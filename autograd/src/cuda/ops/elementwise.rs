@@ -343,7 +343,7 @@ pub(super) fn copy_rows(dev: &Arc<Dev>, sb: u64, db: u64, h: usize, w: usize, sp
     dev.launch1d(f, total, &mut args!(sb, db, rows, cols, spv, dpv))
 }
 
-/// Kernel argument of `cat_rows_*` (see kernels.cu).
+/// Kernel argument of `cat_rows_*` (see elementwise.cu).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub(super) struct CatArgs {

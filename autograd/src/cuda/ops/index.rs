@@ -70,7 +70,7 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
         dev.launch1d(f, x.len, &mut args!(px, pi, ps, py, o, dd, nn, ii))?;
         return Ok(out);
     }
-    // By buckets (see kernels.cu): the same sums in the same order, O(n + d + outputs).
+    // By buckets (see index.cu): the same sums in the same order, O(n + d + outputs).
     u32c("index_add", d + 1)?;
     let (counts, cursor) = (super::super::alloc::DevBuf::alloc(dev, 4 * d)?, super::super::alloc::DevBuf::alloc(dev, 4 * d)?);
     let (offsets, rows) = (super::super::alloc::DevBuf::alloc(dev, 4 * (d + 1))?, super::super::alloc::DevBuf::alloc(dev, 4 * n)?);
@@ -81,7 +81,7 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
     }
     let (pc, pu, po, pr) = (counts.ptr, cursor.ptr, offsets.ptr, rows.ptr);
     dev.launch1d(dev.func("ia_count", "")?, n, &mut args!(pi, nn, dd, pc))?;
-    // The counts' exclusive scan, by blocks of 1024 (see kernels.cu).
+    // The counts' exclusive scan, by blocks of 1024 (see index.cu).
     let blocks = d.div_ceil(1024);
     let (sums, block_offsets) =
         (super::super::alloc::DevBuf::alloc(dev, 4 * blocks)?, super::super::alloc::DevBuf::alloc(dev, 4 * (blocks + 1))?);

@@ -2,7 +2,7 @@
 //! top-k and max pooling. Every launcher allocates its output stream-ordered and queues the kernel
 //! on the device's compute stream; nothing here synchronises or reads device memory on the host.
 //!
-//! One module per op family, each next to the kernels it launches (`kernels.cu`).
+//! One module per op family, each next to the kernels it launches (`<family>.cu`, compiled behind `prelude.cuh`; see `kernel_units.rs`).
 
 use super::CudaStorage;
 use crate::shape::Layout;
@@ -10,7 +10,7 @@ use crate::{Error, Result};
 
 const MAXD: usize = 8;
 
-/// Kernel geometry for up to three strided operands over one logical shape (see kernels.cu).
+/// Kernel geometry for up to three strided operands over one logical shape (see prelude.cuh).
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
 pub(crate) struct Strided {

@@ -11,12 +11,12 @@ use crate::{DType, Error, Result};
 
 use super::*;
 
-/// Tensors per multi-tensor launch and elements per block (`MT_ADD`, `MT_CHUNK` in kernels.cu).
+/// Tensors per multi-tensor launch and elements per block (`MT_ADD`, `MT_CHUNK` in multi_tensor.cu and prelude.cuh).
 pub(super) const MT_ADD: usize = 40;
 
 pub(crate) const MT_CHUNK: usize = 2048;
 
-/// The kernel-parameter table of the multi-tensor kernels (layout of `MtTable` in kernels.cu):
+/// The kernel-parameter table of the multi-tensor kernels (layout of `MtTable` in multi_tensor.cu):
 /// up to three operand addresses per tensor, its length and first block.
 #[repr(C)]
 #[derive(Clone, Copy)]

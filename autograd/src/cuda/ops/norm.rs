@@ -23,7 +23,7 @@ pub(super) fn stats_arg(op: &'static str, s: &CudaStorage, want: DType, c: usize
     Ok(())
 }
 
-/// Vector width of the batch-norm kernels (see kernels.cu): 16-byte loads when every run of HW
+/// Vector width of the batch-norm kernels (see norm.cu): 16-byte loads when every run of HW
 /// elements is a whole number of vectors and the buffers are 16-byte aligned, else 1.
 pub(super) fn bn_vector(dtype: DType, hw: usize, bufs: &[&CudaStorage]) -> (&'static str, usize) {
     let v = 16 / dtype.size_in_bytes();
@@ -75,7 +75,7 @@ pub(super) fn bn_channels(op: &'static str, c: usize) -> Result<u32> {
 
 /// Deterministic one-launch batch statistics: per-(channel, block) f64 partial sums, the last
 /// block of each channel finishing its parameters, running statistics and (optionally) the
-/// `num_batches_tracked` counter (see kernels.cu).
+/// `num_batches_tracked` counter (see norm.cu).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn batch_norm_train_stats(
     x: &CudaStorage,

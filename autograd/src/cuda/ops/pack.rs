@@ -7,10 +7,10 @@ use crate::{DType, Error, Result};
 
 use super::*;
 
-/// Matrices per padded-batch launch (`PACK_MAX` in kernels.cu).
+/// Matrices per padded-batch launch (`PACK_MAX` in pack.cu).
 pub(super) const PACK_MAX: usize = 40;
 
-/// The kernel-parameter table of `pack_pad_*` / `unpack_pad_*` (layout of `PackTable` in kernels.cu).
+/// The kernel-parameter table of `pack_pad_*` / `unpack_pad_*` (layout of `PackTable` in pack.cu).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(super) struct PackTable {

@@ -7,7 +7,7 @@ use crate::{DType, Result};
 
 use super::*;
 
-/// A u8 keep mask of `n` elements (1 with probability `keep`), see kernels.cu `philox_keep_mask`.
+/// A u8 keep mask of `n` elements (1 with probability `keep`), see `philox_keep_mask` in rng.cu.
 /// `state` = the generator's device `[seed, base offset]` when recording into a graph.
 pub(crate) fn philox_keep_mask(
     device: crate::Device,

@@ -1,0 +1,350 @@
+// Batch norm: fused statistics + apply (+SiLU), its backward, the channel affine, eval-mode parameters.
+// Launched by norm.rs; compiled as one NVRTC unit behind prelude.cuh (see mod.rs).
+
+// ---- fused batch norm -----------------------------------------------------------------------------
+// NCHW: a channel's N·HW elements are N runs of HW. Every kernel here takes a vector width V: with
+// HW % V == 0 and 16-byte aligned buffers the host picks V = 16 / sizeof(T) (one 16-byte load per
+// V elements, which keeps enough bytes in flight to run near bandwidth; a run never splits a
+// vector), else V = 1. Elementwise math runs in the accumulator type (f32, f64 for f64 tensors);
+// the per-channel sums accumulate in f64 and combine in a fixed order (no float atomics).
+
+// Element index of vector v of channel ch (hv = HW / V vectors per run).
+__device__ __forceinline__ size_t bn_vec_index(u32 v, u32 hv, u32 ch, u32 c, u32 hw, int V) {
+    u32 ni = v / hv, j = v - ni * hv;
+    return ((size_t)ni * c + ch) * hw + (size_t)j * V;
+}
+// Block p's share [start, end) of a channel's nv vectors split P ways.
+__device__ __forceinline__ void bn_chunk(u32 nv, u32 P, u32 p, u32& start, u32& end) {
+    u32 chunk = (nv + P - 1) / P;
+    start = min(p * chunk, nv);
+    end = min(start + chunk, nv);
+}
+// Fixed-order sum of (a, b) over a 256-thread block: warp shuffles, then the 8 warp sums in order.
+// The result is valid in thread 0; every thread must call it.
+__device__ __forceinline__ void bn_block_sum2(double& a, double& b) {
+    __shared__ double sa[8], sb[8];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_down_sync(0xffffffffu, a, o);
+        b += __shfl_down_sync(0xffffffffu, b, o);
+    }
+    const u32 w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) { sa[w] = a; sb[w] = b; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        a = sa[0];
+        b = sb[0];
+        for (int k = 1; k < 8; ++k) { a += sa[k]; b += sb[k]; }
+    }
+    __syncthreads();  // sa/sb may be reused by the next call
+}
+// The channel's totals in thread 0 of one block, or false in every thread of the other blocks.
+// P = 1: the block's own sums. Else each block writes its partial pair and takes a ticket; the
+// last block to finish (which one does not change the result) sums the P partials in a fixed
+// order in its first warp (lane-strided, then the fixed shuffle tree) and resets the ticket for
+// the next launch.
+__device__ __forceinline__ bool bn_last_block_totals(double& a, double& b, double* part, u32 ch, u32 p, u32 P, unsigned int* tickets) {
+    __shared__ bool last;
+    bn_block_sum2(a, b);
+    if (P == 1) return true;
+    if (threadIdx.x == 0) {
+        part[((size_t)ch * P + p) * 2] = a;
+        part[((size_t)ch * P + p) * 2 + 1] = b;
+        __threadfence();
+        last = atomicAdd(&tickets[ch], 1u) == P - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x >= 32) return false;
+    __threadfence();
+    a = 0.0;
+    b = 0.0;
+    for (u32 k = threadIdx.x; k < P; k += 32) {  // L1-bypassing: written by other blocks
+        a += __ldcg(&part[((size_t)ch * P + k) * 2]);
+        b += __ldcg(&part[((size_t)ch * P + k) * 2 + 1]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_down_sync(0xffffffffu, a, o);
+        b += __shfl_down_sync(0xffffffffu, b, o);
+    }
+    if (threadIdx.x == 0) tickets[ch] = 0u;
+    return true;
+}
+
+// The channel's parameters from its shifted sums (s = Σ(x − K), q = Σ(x − K)²): writes aff, nrm,
+// the running statistics and (channel 0) the batch counter; returns aff's pair in (sc, sh).
+template <typename S>
+__device__ __forceinline__ void bn_stats_finish(double s, double q, double K, u32 ch, u32 c, double count, const S* w, const S* b,
+                                                S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, S& sc, S& sh) {
+    const double ms = s / count;
+    double var = q / count - ms * ms;
+    if (var < 0.0) var = 0.0;
+    const double mean = K + ms;
+    const double invstd = 1.0 / sqrt(var + eps);
+    const double scale = (double)w[ch] * invstd;
+    sc = (S)scale;
+    sh = (S)((double)b[ch] - mean * scale);
+    aff[ch] = sc;
+    aff[c + ch] = sh;
+    nrm[ch] = (S)invstd;
+    nrm[c + ch] = (S)(-mean * invstd);
+    const double unb = count > 1.0 ? var * count / (count - 1.0) : var;
+    rm[ch] = (S)((1.0 - mom) * (double)rm[ch] + mom * mean);
+    rv[ch] = (S)((1.0 - mom) * (double)rv[ch] + mom * unb);
+    if (nbt != nullptr && ch == 0) *nbt += 1;
+}
+
+// This thread's shifted sums s += Σ(x − K), q += Σ(x − K)² over vectors [start, end) of channel ch
+// (thread t takes vectors start + t, start + t + 256, …).
+template <typename T, int V>
+__device__ __forceinline__ void bn_shifted_sums(const T* x, u32 ch, u32 c, u32 hw, typename Acc<T>::type K, u32 start, u32 end,
+                                                double& s, double& q) {
+    typedef typename Acc<T>::type A;
+    const u32 hv = hw / V;
+    for (u32 v = start + threadIdx.x; v < end; v += 256) {
+        A e[V];
+        ld_vec<T, V>(x, bn_vec_index(v, hv, ch, c, hw, V), e);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const double d = (double)(e[k] - K);
+            s += d;
+            q += d * d;
+        }
+    }
+}
+// y = act(x·sc + sh) for V values (act = SiLU when silu != 0).
+template <typename A, int V>
+__device__ __forceinline__ void bn_apply_vec(A* e, A sc, A sh, int silu) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        A z = e[k] * sc + sh;
+        e[k] = silu ? z / ((A)1 + m_exp(-z)) : z;
+    }
+}
+
+// Training statistics, grid (P, C), block 256: shifted sums of x − K and (x − K)² (K = the
+// channel's first element, which keeps E[x²] − E[x]² well conditioned); the channel's last block
+// writes the affine parameters aff = [w·invstd; b − mean·w·invstd], the normalisation parameters
+// nrm = [invstd; −mean·invstd] and the running statistics, and (channel 0) counts the batch in
+// `nbt` when given. `tickets`: a device-lifetime array of zeros, one per channel.
+template <typename T, typename S, int V>
+__device__ void bn_stats_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P, unsigned int* tickets, double count, const S* w,
+                           const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) {
+    typedef typename Acc<T>::type A;
+    const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
+    u32 start, end;
+    bn_chunk(n * hv, P, p, start, end);
+    const A K = to_acc(x[(size_t)ch * hw]);
+    double s = 0.0, q = 0.0;
+    bn_shifted_sums<T, V>(x, ch, c, hw, K, start, end, s, q);
+    if (!bn_last_block_totals(s, q, part, ch, p, P, tickets) || threadIdx.x != 0) return;
+    S sc, sh;
+    bn_stats_finish<S>(s, q, (double)K, ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
+}
+// y = act(x·p[c] + p[C + c]) over NCHW (act = SiLU when silu != 0), V elements per thread step;
+// nvec = len / V, hv = HW / V.
+template <typename T, typename S, int V>
+__device__ void chaffine_k(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c, int silu) {
+    typedef typename Acc<T>::type A;
+    for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += blockDim.x * gridDim.x) {
+        const u32 ch = (v / hv) % c;
+        const A sc = (A)p[ch], sh = (A)p[c + ch];
+        A e[V];
+        ld_vec<T, V>(x, (size_t)v * V, e);
+        bn_apply_vec<A, V>(e, sc, sh, silu);
+        st_vec<T, V>(y, (size_t)v * V, e);
+    }
+}
+
+// One block per channel (P = 1), grid (1, C): bn_stats_k's sums and parameters, then chaffine_k's
+// y = act(x·sc + sh) over the same channel in the same launch — the same arithmetic, so the same
+// bytes as the two launches, one launch fewer for each small layer.
+template <typename T, typename S, int V>
+__device__ void bn_fwd1_k(const T* x, T* y, u32 n, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv, double eps,
+                          double mom, S* aff, S* nrm, i64* nbt, int silu) {
+    typedef typename Acc<T>::type A;
+    __shared__ S ssc, ssh;
+    const u32 ch = blockIdx.y, hv = hw / V, nv = n * hv;
+    const A K = to_acc(x[(size_t)ch * hw]);
+    double s = 0.0, q = 0.0;
+    bn_shifted_sums<T, V>(x, ch, c, hw, K, 0, nv, s, q);
+    bn_block_sum2(s, q);
+    if (threadIdx.x == 0) {
+        S sc, sh;
+        bn_stats_finish<S>(s, q, (double)K, ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
+        ssc = sc;
+        ssh = sh;
+    }
+    __syncthreads();
+    const A sc = (A)ssc, sh = (A)ssh;
+    for (u32 v = threadIdx.x; v < nv; v += 256) {
+        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
+        A e[V];
+        ld_vec<T, V>(x, i, e);
+        bn_apply_vec<A, V>(e, sc, sh, silu);
+        st_vec<T, V>(y, i, e);
+    }
+}
+
+// ---- batch-norm (+SiLU) backward --------------------------------------------------------------------
+// gz = g·act'(z) with z = x·aff[ch] + aff[C+ch]; x̂ = x·nrm[ch] + nrm[C+ch].
+template <typename A>
+__device__ __forceinline__ void bnb_terms(A x, A g, A a0, A a1, A n0, A n1, int silu, A& gz, A& xh) {
+    const A z = x * a0 + a1;
+    if (silu) {
+        const A s = (A)1 / ((A)1 + m_exp(-z));
+        gz = g * (s * ((A)1 + z * ((A)1 - s)));
+    } else {
+        gz = g;
+    }
+    xh = x * n0 + n1;
+}
+// This thread's sums sa += Σgz, sq += Σgz·x̂ over vectors [start, end) of channel ch.
+template <typename T, int V>
+__device__ __forceinline__ void bnb_sums(const T* x, const T* g, u32 ch, u32 c, u32 hw, typename Acc<T>::type a0, typename Acc<T>::type a1,
+                                         typename Acc<T>::type n0, typename Acc<T>::type n1, int silu, u32 start, u32 end, double& sa,
+                                         double& sq) {
+    typedef typename Acc<T>::type A;
+    const u32 hv = hw / V;
+    for (u32 v = start + threadIdx.x; v < end; v += 256) {
+        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, i, xe);
+        ld_vec<T, V>(g, i, ge);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            A gz, xh;
+            bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
+            sa += (double)gz;
+            sq += (double)gz * (double)xh;
+        }
+    }
+}
+// The channel's totals to gw = Σgz·x̂, gb = Σgz and dx's coefficients
+// coef = [k; −k·Σgz/N; −k·Σgz·x̂/N] with k = w·invstd (eval: no batch terms), also returned in k3.
+template <typename S>
+__device__ __forceinline__ void bnb_finish(double sa, double sq, u32 ch, u32 c, double count, const S* w, const S* nrm, int training, S* gw,
+                                           S* gb, S* coef, S* k3) {
+    gb[ch] = (S)sa;
+    gw[ch] = (S)sq;
+    const double k = (double)w[ch] * (double)nrm[ch];
+    k3[0] = (S)k;
+    k3[1] = (S)(training ? -k * sa / count : 0.0);
+    k3[2] = (S)(training ? -k * sq / count : 0.0);
+    coef[ch] = k3[0];
+    coef[c + ch] = k3[1];
+    coef[2 * c + ch] = k3[2];
+}
+// dx = k0·gz + k1 + k2·x̂ for V values (x in xe, g in ge; dx written over xe).
+template <typename A, int V>
+__device__ __forceinline__ void bnb_dx_vec(A* xe, const A* ge, A a0, A a1, A n0, A n1, A k0, A k1, A k2, int silu) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        A gz, xh;
+        bnb_terms<A>(xe[k], ge[k], a0, a1, n0, n1, silu, gz, xh);
+        xe[k] = k0 * gz + k1 + k2 * xh;
+    }
+}
+// Reduction, grid (P, C), block 256: per-channel sums Σgz and Σgz·x̂; the channel's last block
+// writes gw = Σgz·x̂, gb = Σgz and dx's coefficients coef = [k; −k·Σgz/N; −k·Σgz·x̂/N] with
+// k = w·invstd (eval: no batch terms).
+template <typename T, typename S, int V>
+__device__ void bnb_reduce_k(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu,
+                             unsigned int* tickets, double count, const S* w, int training, S* gw, S* gb, S* coef) {
+    typedef typename Acc<T>::type A;
+    const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
+    const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
+    u32 start, end;
+    bn_chunk(n * hv, P, p, start, end);
+    double sa = 0.0, sq = 0.0;
+    bnb_sums<T, V>(x, g, ch, c, hw, a0, a1, n0, n1, silu, start, end, sa, sq);
+    if (!bn_last_block_totals(sa, sq, part, ch, p, P, tickets) || threadIdx.x != 0) return;
+    S k3[3];
+    bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, k3);
+}
+// dx = coef[0]·gz + coef[1] + coef[2]·x̂, V elements per thread step.
+template <typename T, typename S, int V>
+__device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx, u32 nvec, u32 hv, u32 c, int silu) {
+    typedef typename Acc<T>::type A;
+    for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += blockDim.x * gridDim.x) {
+        const u32 ch = (v / hv) % c;
+        const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
+        const A k0 = (A)coef[ch], k1 = (A)coef[c + ch], k2 = (A)coef[2 * c + ch];
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, (size_t)v * V, xe);
+        ld_vec<T, V>(g, (size_t)v * V, ge);
+        bnb_dx_vec<A, V>(xe, ge, a0, a1, n0, n1, k0, k1, k2, silu);
+        st_vec<T, V>(dx, (size_t)v * V, xe);
+    }
+}
+// One block per channel (P = 1), grid (1, C): bnb_reduce_k's sums and coefficients, then bnb_dx_k's
+// dx over the same channel in the same launch (same arithmetic, same bytes, one launch fewer).
+template <typename T, typename S, int V>
+__device__ void bnb_fused1_k(const T* x, const T* g, const S* aff, const S* nrm, u32 n, u32 c, u32 hw, int silu, double count,
+                             const S* w, int training, S* gw, S* gb, S* coef, T* dx) {
+    typedef typename Acc<T>::type A;
+    __shared__ S sk[3];
+    const u32 ch = blockIdx.y, hv = hw / V, nv = n * hv;
+    const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
+    double sa = 0.0, sq = 0.0;
+    bnb_sums<T, V>(x, g, ch, c, hw, a0, a1, n0, n1, silu, 0, nv, sa, sq);
+    bn_block_sum2(sa, sq);
+    if (threadIdx.x == 0) bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, sk);
+    __syncthreads();
+    const A k0 = (A)sk[0], k1 = (A)sk[1], k2 = (A)sk[2];
+    for (u32 v = threadIdx.x; v < nv; v += 256) {
+        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, i, xe);
+        ld_vec<T, V>(g, i, ge);
+        bnb_dx_vec<A, V>(xe, ge, a0, a1, n0, n1, k0, k1, k2, silu);
+        st_vec<T, V>(dx, i, xe);
+    }
+}
+#define INST_BN_V(name, T, S, V, sfx)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bn_stats##sfx##_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P,    \
+        unsigned int* tickets, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) { \
+        bn_stats_k<T, S, V>(x, part, n, c, hw, P, tickets, count, w, b, rm, rv, eps, mom, aff, nrm, nbt);                              \
+    }                                                                                                                                  \
+    extern "C" __global__ void chaffine##sfx##_##name(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c, int silu) {              \
+        chaffine_k<T, S, V>(x, p, y, nvec, hv, c, silu);                                                                               \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bnb_reduce##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,    \
+        double* part, u32 n, u32 c, u32 hw, u32 P, int silu, unsigned int* tickets, double count, const S* w, int training, S* gw,     \
+        S* gb, S* coef) {                                                                                                              \
+        bnb_reduce_k<T, S, V>(x, g, aff, nrm, part, n, c, hw, P, silu, tickets, count, w, training, gw, gb, coef);                    \
+    }                                                                                                                                  \
+    extern "C" __global__ void bnb_dx##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx,         \
+        u32 nvec, u32 hv, u32 c, int silu) {                                                                                           \
+        bnb_dx_k<T, S, V>(x, g, aff, nrm, coef, dx, nvec, hv, c, silu);                                                                \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bn_fwd1##sfx##_##name(const T* x, T* y, u32 n, u32 c, u32 hw, double count,     \
+        const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {                            \
+        bn_fwd1_k<T, S, V>(x, y, n, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                        \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bnb_fused1##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,    \
+        u32 n, u32 c, u32 hw, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                        \
+        bnb_fused1_k<T, S, V>(x, g, aff, nrm, n, c, hw, silu, count, w, training, gw, gb, coef, dx);                                   \
+    }
+#define INST_BN(name, T, S)            \
+    INST_BN_V(name, T, S, 1, )         \
+    INST_BN_V(name, T, S, 16 / sizeof(T), _v)
+INST_BN(f32, float, float)
+INST_BN(f64, double, double)
+INST_BN(f16, __half, float)
+INST_BN(bf16, __nv_bfloat16, float)
+
+// Eval-mode batch-norm parameters (one thread per channel).
+template <typename S>
+__device__ void bn_eval_k(const S* w, const S* b, const S* rm, const S* rv, double eps, S* aff, S* nrm, u32 c) {
+    for (u32 ch = blockIdx.x * blockDim.x + threadIdx.x; ch < c; ch += blockDim.x * gridDim.x) {
+        double invstd = 1.0 / sqrt((double)rv[ch] + eps);
+        double scale = (double)w[ch] * invstd;
+        aff[ch] = (S)scale;
+        aff[c + ch] = (S)((double)b[ch] - (double)rm[ch] * scale);
+        nrm[ch] = (S)invstd;
+        nrm[c + ch] = (S)(-(double)rm[ch] * invstd);
+    }
+}
+extern "C" __global__ void bn_eval_f32(const float* w, const float* b, const float* rm, const float* rv, double eps, float* aff, float* nrm, u32 c) { bn_eval_k<float>(w, b, rm, rv, eps, aff, nrm, c); }
+extern "C" __global__ void bn_eval_f64(const double* w, const double* b, const double* rm, const double* rv, double eps, double* aff, double* nrm, u32 c) { bn_eval_k<double>(w, b, rm, rv, eps, aff, nrm, c); }
