@@ -46,8 +46,8 @@ mod bench {
             f();
         }
         cuda::synchronize(DEV).unwrap();
-        cuda::gpu_spin(DEV, 40_000_000).unwrap();
-        let (_, ms) = cuda::time_on_stream(DEV, || {
+        ptl_autograd::internal::cuda::gpu_spin(DEV, 40_000_000).unwrap();
+        let (_, ms) = ptl_autograd::internal::cuda::time_on_stream(DEV, || {
             for _ in 0..reps {
                 f();
             }
@@ -202,7 +202,7 @@ mod bench {
             }),
         );
         // Where an op's host time goes (pieces timed alone; no PyTorch counterpart).
-        for (what, us) in cuda::host_probe::host_cost_breakdown(DEV, 300).unwrap() {
+        for (what, us) in ptl_autograd::internal::cuda::host_probe::host_cost_breakdown(DEV, 300).unwrap() {
             out.row(&format!("breakdown: {what}"), DType::F32, us);
         }
         cuda::synchronize(DEV).unwrap();

@@ -5,9 +5,11 @@
 //! gradient **absent** (`None`), never zero.
 //!
 //! Layout: [`shape`] (shapes, layouts), [`backend`] (the primitive kernel contract every device
-//! implements), `cpu` (the host backend), [`storage`] (device dispatch), [`tensor`] (the handle),
+//! implements), `cpu` (the host backend), `storage` (device dispatch), [`tensor`] (the handle),
 //! [`autograd`] (nodes and the engine), `ops/` (each op's forward and backward side by side),
-//! [`module`] (parameters, state dicts, safetensors), [`rng`] (Philox), [`hash`].
+//! [`module`] (parameters, state dicts, safetensors), [`rng`] (Philox), [`hash`], [`cuda`] (the
+//! GPU backend: devices, memory statistics, kernel options). [`internal`] gathers what the
+//! sibling crates need beyond that (capture support, pools, stage tags, storage).
 //!
 //! ## Ops and their gradient checks
 //! Every differentiable op is checked against central finite differences in f64 in
@@ -51,7 +53,7 @@
 //! # Ok::<(), ptl_autograd::Error>(())
 //! ```
 
-pub mod arena_plan;
+mod arena_plan;
 pub mod autocast;
 pub mod autograd;
 pub mod backend;
@@ -61,17 +63,18 @@ pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
-pub mod graph_rng;
+mod graph_rng;
 pub mod hash;
+pub mod internal;
 pub mod module;
 mod ops;
-pub mod pending;
+mod pending;
 pub mod rng;
 pub mod shape;
-pub mod stage;
-pub mod storage;
+mod stage;
+mod storage;
 pub mod tensor;
-pub mod write_journal;
+mod write_journal;
 
 pub use autocast::{autocast, autocast_dtype, autocast_with_weights, cast_weight, AutocastGuard};
 pub use autograd::{attach_custom_node, is_grad_enabled, no_grad, BackwardOp, GradModeGuard};
@@ -88,4 +91,3 @@ pub use pending::{host_reads, host_reads_on_this_thread, HostReads, PendingRead}
 pub use rng::Rng;
 pub use shape::Shape;
 pub use tensor::{Element, GradState, Tensor, TensorId};
-pub use write_journal::{journal_writes, WriteJournal};

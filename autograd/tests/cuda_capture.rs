@@ -89,7 +89,7 @@ fn capture_replay_matches_eager() {
             p.set_grad(None);
         }
         cuda::synchronize(dev).unwrap();
-        cuda::begin_capture(dev).unwrap();
+        ptl_autograd::internal::cuda::begin_capture(dev).unwrap();
         let body = || -> Result<()> {
             let loss = net.step()?;
             holders[0].copy_(&loss.reshape(Vec::<usize>::new())?)?;
@@ -100,7 +100,7 @@ fn capture_replay_matches_eager() {
             Ok(())
         };
         let r = body();
-        let graph = cuda::end_capture(dev);
+        let graph = ptl_autograd::internal::cuda::end_capture(dev);
         r.unwrap();
         let graph = graph.unwrap();
         println!("{dt}: captured {} nodes", graph.node_count().unwrap());
@@ -113,7 +113,7 @@ fn capture_replay_matches_eager() {
             cuda::synchronize(dev).unwrap();
             let got: Vec<Vec<u8>> = holders.iter().map(bytes).collect();
             assert_eq!(got, eager[0], "{dt}: replay {i} differs from eager");
-            let mem = (cuda::memory_stats(dev).unwrap().reserved, cuda::graph_mem_reserved(dev).unwrap());
+            let mem = (cuda::memory_stats(dev).unwrap().reserved, ptl_autograd::internal::cuda::graph_mem_reserved(dev).unwrap());
             match after_first {
                 None => after_first = Some(mem),
                 Some(m) => assert_eq!(m, mem, "{dt}: replay {i} allocated new memory"),

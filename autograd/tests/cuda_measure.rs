@@ -23,36 +23,52 @@ fn kernel_cache_hits_and_rebuilds_damaged_entries() {
     // The cache folder is read per load; this test owns the variable while it runs.
     std::env::set_var("PTL_KERNEL_CACHE", &dir);
     let name = "ptl_cache_probe";
-    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Compiled, "empty cache: compiled");
+    assert_eq!(
+        ptl_autograd::internal::cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(),
+        ModuleSource::Compiled,
+        "empty cache: compiled"
+    );
     let entries: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).collect();
     assert_eq!(entries.len(), 1, "one entry written: {entries:?}");
     let entry = &entries[0];
-    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::CacheHit, "second load: from disk");
+    assert_eq!(
+        ptl_autograd::internal::cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(),
+        ModuleSource::CacheHit,
+        "second load: from disk"
+    );
     // A flipped byte in the payload: the checksum catches it, the entry is rebuilt.
     let mut bytes = std::fs::read(entry).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0x5a;
     std::fs::write(entry, &bytes).unwrap();
-    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Rebuilt);
-    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::CacheHit, "the rebuilt entry is good");
+    assert_eq!(ptl_autograd::internal::cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Rebuilt);
+    assert_eq!(
+        ptl_autograd::internal::cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(),
+        ModuleSource::CacheHit,
+        "the rebuilt entry is good"
+    );
     // Truncated file.
     std::fs::write(entry, &std::fs::read(entry).unwrap()[..100]).unwrap();
-    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Rebuilt);
+    assert_eq!(ptl_autograd::internal::cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Rebuilt);
     // The same code sealed under another key — what a local user without ours can write: a
     // checksum would pass, the seal does not, and the entry is rebuilt, never loaded.
     let cubin = ptl_files::user_sealer().unwrap().unseal(&std::fs::read(entry).unwrap()).unwrap().to_vec();
     let other = dir.with_extension("other-key");
     std::fs::create_dir_all(&other).unwrap();
     std::fs::write(entry, ptl_files::Sealer::in_dir(&other).unwrap().seal(&cubin)).unwrap();
-    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Rebuilt, "a foreign seal");
+    assert_eq!(
+        ptl_autograd::internal::cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(),
+        ModuleSource::Rebuilt,
+        "a foreign seal"
+    );
     let _ = std::fs::remove_dir_all(&other);
     // Another source under the same module name is another entry, never the stale one.
     let src2 = SRC.replace("*= a", "*= a * 2.0f");
-    assert_eq!(cuda::probe_module_cache(dev, name, &src2, "scale_probe").unwrap(), ModuleSource::Compiled);
+    assert_eq!(ptl_autograd::internal::cuda::probe_module_cache(dev, name, &src2, "scale_probe").unwrap(), ModuleSource::Compiled);
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
     // Cache switched off: compiled, nothing written.
     std::env::set_var("PTL_KERNEL_CACHE", "off");
-    assert_eq!(cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Uncached);
+    assert_eq!(ptl_autograd::internal::cuda::probe_module_cache(dev, name, SRC, "scale_probe").unwrap(), ModuleSource::Uncached);
     std::env::remove_var("PTL_KERNEL_CACHE");
     let _ = std::fs::remove_dir_all(&dir);
     println!(
@@ -66,21 +82,21 @@ fn counters_and_kernel_timer_agree_with_what_ran() {
     let x = Tensor::ones(vec![1 << 20], DType::F32, dev).unwrap();
     let _ = x.affine(2.0, 1.0).unwrap();
     cuda::synchronize(dev).unwrap();
-    let timer = match cuda::GpuKernelTimer::start(dev) {
+    let timer = match ptl_autograd::internal::cuda::GpuKernelTimer::start(dev) {
         Ok(t) => t,
         Err(e) => panic!("CUPTI must be usable on the GPU machine (run.sh sets LD_LIBRARY_PATH): {e}"),
     };
-    let before = cuda::counters();
-    let mark = cuda::StreamMark::record(dev).unwrap();
+    let before = ptl_autograd::internal::cuda::counters();
+    let mark = ptl_autograd::internal::cuda::StreamMark::record(dev).unwrap();
     let n = 50;
     let mut y = x.clone();
     for _ in 0..n {
         y = y.affine(1.0001, 0.0).unwrap();
     }
-    cuda::gpu_spin(dev, 2_000_000).unwrap(); // ~1 ms of one kernel
-    let end = cuda::StreamMark::record(dev).unwrap();
+    ptl_autograd::internal::cuda::gpu_spin(dev, 2_000_000).unwrap(); // ~1 ms of one kernel
+    let end = ptl_autograd::internal::cuda::StreamMark::record(dev).unwrap();
     let span = mark.elapsed_ms_until(&end).unwrap();
-    let counted = cuda::counters().since(&before);
+    let counted = ptl_autograd::internal::cuda::counters().since(&before);
     let t = timer.finish().unwrap();
     assert_eq!(counted.kernel_launches, n + 1, "the host counted every launch: {counted:?}");
     assert_eq!(t.kernels, n + 1, "CUPTI saw every kernel: {t:?}");
@@ -89,7 +105,7 @@ fn counters_and_kernel_timer_agree_with_what_ran() {
     assert!(kernel_ms > 0.3, "the spin kernel alone runs ~1 ms: {kernel_ms} ms");
     assert!(kernel_ms <= span * 1.01 + 0.01, "kernels of one stream do not overlap: sum {kernel_ms} ms ≤ span {span} ms");
     // A second window starts from zero.
-    let timer = cuda::GpuKernelTimer::start(dev).unwrap();
+    let timer = ptl_autograd::internal::cuda::GpuKernelTimer::start(dev).unwrap();
     let _ = x.affine(3.0, 0.0).unwrap();
     let t2 = timer.finish().unwrap();
     assert_eq!(t2.kernels, 1);
@@ -103,18 +119,18 @@ fn counters_and_kernel_timer_agree_with_what_ran() {
 /// the backward of a node created under tag 2 runs under `2 | BACKWARD_OF`.
 #[test]
 fn a_detailed_window_labels_kernels_by_stage() {
-    use ptl_autograd::stage::{in_stage, BACKWARD_OF};
+    use ptl_autograd::internal::stage::{in_stage, BACKWARD_OF};
     let Some(dev) = gpu() else { return };
     let x = Tensor::ones(vec![4096], DType::F32, dev).unwrap().requires_grad_(true).unwrap();
     let warm = x.mul(&x).unwrap().sum_all().unwrap();
     warm.backward().unwrap();
     x.set_grad(None);
     cuda::synchronize(dev).unwrap();
-    let timer = cuda::GpuKernelTimer::start_detailed(dev).expect("CUPTI detailed window");
+    let timer = ptl_autograd::internal::cuda::GpuKernelTimer::start_detailed(dev).expect("CUPTI detailed window");
     let y = in_stage(2, || x.mul(&x).unwrap());
     let s = in_stage(3, || y.sum_all().unwrap());
     in_stage(4, || s.backward().unwrap());
-    in_stage(5, || cuda::gpu_spin(dev, 200_000).unwrap());
+    in_stage(5, || ptl_autograd::internal::cuda::gpu_spin(dev, 200_000).unwrap());
     let (totals, detail) = timer.finish_detailed().unwrap();
     let stages: std::collections::BTreeSet<u8> = detail.iter().map(|d| d.stage).collect();
     for want in [2, 3, 5, 2 | BACKWARD_OF, 3 | BACKWARD_OF] {

@@ -12,7 +12,7 @@ use ptl_autograd::{BatchNormOptions, DType, Device, Result, Rng, Tensor};
 
 fn gpu() -> Option<Device> {
     let dev = ptl_autograd::cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}"))?;
-    ptl_autograd::cuda::set_poison_allocations(true);
+    ptl_autograd::internal::cuda::set_poison_allocations(true);
     Some(dev)
 }
 
@@ -433,7 +433,7 @@ fn batch_norm_pool_matmul() {
 #[test]
 fn gemms_use_cublaslt() {
     let Some(dev) = gpu() else { return };
-    let (lt0, classic0) = ptl_autograd::cuda::gemm_paths();
+    let (lt0, classic0) = ptl_autograd::internal::cuda::gemm_paths();
     let mut rng = Rng::new(11);
     for dt in [DType::F32, DType::BF16, DType::F16] {
         let a = Tensor::rand(vec![2, 7, 5], -1.0, 1.0, dt, dev, &mut rng).unwrap();
@@ -446,7 +446,7 @@ fn gemms_use_cublaslt() {
         x.conv2d(&w, None, (1, 1), (0, 0), 1).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(x.grad().is_some() && w.grad().is_some());
     }
-    let (lt1, classic1) = ptl_autograd::cuda::gemm_paths();
+    let (lt1, classic1) = ptl_autograd::internal::cuda::gemm_paths();
     println!("ok gemms: {} through cuBLASLt, {} through classic cuBLAS", lt1 - lt0, classic1 - classic0);
     assert_eq!(classic1 - classic0, 0, "a GEMM fell back to the classic cuBLAS call");
     assert!(lt1 - lt0 >= 3 * (2 + 1 + 1 + 1), "expected every GEMM through cuBLASLt ({} lt)", lt1 - lt0);
@@ -473,7 +473,7 @@ fn transfers_and_memory_api() {
     assert_eq!(back.to_vec::<f32>().unwrap()[999], 999.0);
     assert_eq!(x.sum_all().unwrap().item().unwrap(), 499500.0);
     // Pinned u8 upload.
-    let mut pb = cuda::PinnedBuffer::new(dev, 2 * 3 * 4).unwrap();
+    let mut pb = ptl_autograd::internal::cuda::PinnedBuffer::new(dev, 2 * 3 * 4).unwrap();
     pb.as_mut_slice().unwrap().iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 * 7);
     let img = pb.upload(vec![2, 3, 4]).unwrap();
     assert_eq!(img.dtype(), DType::U8);
@@ -494,7 +494,7 @@ fn transfers_and_memory_api() {
     let s3 = cuda::memory_stats(dev).unwrap();
     assert_eq!(s3.peak_allocated, s3.allocated);
     // A private pool owns what is allocated while it is entered and releases it as a whole.
-    let pool = cuda::MemPool::new(dev).unwrap();
+    let pool = ptl_autograd::internal::cuda::MemPool::new(dev).unwrap();
     let t = pool.scope(|| Tensor::ones(vec![1 << 20], DType::F32, dev).unwrap());
     let ps = pool.stats().unwrap();
     assert!(ps.allocated >= 4 << 20 && ps.reserved >= 4 << 20, "{ps:?}");
@@ -506,7 +506,7 @@ fn transfers_and_memory_api() {
     // reads its peaks after the recordings, and their pools, are gone).
     cuda::reset_peak_memory_stats(dev).unwrap();
     let before = cuda::memory_stats(dev).unwrap();
-    let pool = cuda::MemPool::new(dev).unwrap();
+    let pool = ptl_autograd::internal::cuda::MemPool::new(dev).unwrap();
     drop(pool.scope(|| Tensor::ones(vec![16 << 20], DType::F32, dev).unwrap()));
     drop(pool);
     cuda::synchronize(dev).unwrap();
@@ -526,7 +526,7 @@ fn transfers_and_memory_api() {
 #[test]
 fn block_cache_reuse_capture_and_empty() {
     let Some(dev) = gpu() else { return };
-    use ptl_autograd::cuda::{self, capture_support::device_ptr};
+    use ptl_autograd::{cuda, internal::cuda::capture_support::device_ptr};
     // The cache is off by default; this test turns it on and restores the limits at the end.
     let before = cuda::set_block_cache_limits(dev, 512 << 20, 64 << 20).unwrap();
     cuda::synchronize(dev).unwrap();
@@ -542,7 +542,7 @@ fn block_cache_reuse_capture_and_empty() {
     assert_eq!(b.sum_all().unwrap().item().unwrap(), 9000.0, "the new owner's values, not the old ones");
     // A private pool never takes a cached block.
     drop(b);
-    let pool = cuda::MemPool::new(dev).unwrap();
+    let pool = ptl_autograd::internal::cuda::MemPool::new(dev).unwrap();
     let c = pool.scope(|| Tensor::full(vec![3000], 1.0, DType::F32, dev).unwrap());
     assert_ne!(device_ptr(&c).unwrap(), pa, "private-pool allocation came from the block cache");
     drop(c);
@@ -554,14 +554,14 @@ fn block_cache_reuse_capture_and_empty() {
     let ps = device_ptr(&spare).unwrap();
     drop(spare); // now cached
     cuda::synchronize(dev).unwrap();
-    cuda::begin_capture(dev).unwrap();
+    ptl_autograd::internal::cuda::begin_capture(dev).unwrap();
     let t = x.mul_scalar(2.0).unwrap();
     assert_ne!(device_ptr(&t).unwrap(), ps, "an allocation inside a capture came from the block cache");
     let y = t.add_scalar(1.0).unwrap();
     drop(t);
     out.copy_(&y).unwrap();
     drop(y);
-    let graph = cuda::end_capture(dev).unwrap();
+    let graph = ptl_autograd::internal::cuda::end_capture(dev).unwrap();
     for k in 0..5 {
         let noise = Tensor::full(vec![3000], k as f64, DType::F32, dev).unwrap();
         assert_eq!(device_ptr(&noise).unwrap(), ps, "eager allocations still use the cache after the capture");
@@ -744,7 +744,7 @@ fn philox_dropout_matches_cpu() {
 #[test]
 fn convs_use_the_graph_api() {
     let Some(dev) = gpu() else { return };
-    let (g0, l0) = ptl_autograd::cuda::conv_paths();
+    let (g0, l0) = ptl_autograd::internal::cuda::conv_paths();
     let mut rng = Rng::new(5);
     let cases: [(&[usize], &[usize], usize, usize); 3] =
         [(&[2, 64, 40, 40], &[64, 64, 3, 3], 1, 1), (&[2, 32, 40, 40], &[64, 32, 3, 3], 2, 1), (&[2, 64, 20, 20], &[64, 1, 3, 3], 1, 64)];
@@ -773,7 +773,7 @@ fn convs_use_the_graph_api() {
             }
         }
     }
-    let (g1, l1) = ptl_autograd::cuda::conv_paths();
+    let (g1, l1) = ptl_autograd::internal::cuda::conv_paths();
     println!("ok convs: {} through the cuDNN graph API, {} through the legacy fallback", g1 - g0, l1 - l0);
     assert_eq!(l1 - l0, 0, "a convolution fell back to the legacy API ({} graph)", g1 - g0);
     assert_eq!(g1 - g0, 3 * 3 * 3 * 2, "expected every convolution through the graph API");
@@ -1296,9 +1296,9 @@ fn nonzero_static_matches_the_cpu() {
             for m in [mask.clone(), mask.to_dtype(DType::U8).unwrap()] {
                 let want = m.nonzero_static(size, -1).unwrap().to_vec::<i64>().unwrap();
                 let on_dev = m.to_device(dev).unwrap();
-                let before = ptl_autograd::cuda::counters();
+                let before = ptl_autograd::internal::cuda::counters();
                 let got = on_dev.nonzero_static(size, -1).unwrap();
-                let c = ptl_autograd::cuda::counters().since(&before);
+                let c = ptl_autograd::internal::cuda::counters().since(&before);
                 assert_eq!((c.host_syncs, c.device_to_host_copies), (0, 0), "no host read");
                 assert_eq!(got.to_vec::<i64>().unwrap(), want, "n {n}, {count} set, size {size}, {:?}", m.dtype());
             }
@@ -1318,9 +1318,9 @@ fn deferred_reads_arrive_without_a_sync() {
         let want: Vec<f32> = x.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
         let on_dev = x.to_device(dev).unwrap();
         for round in 0..3 {
-            let before = ptl_autograd::cuda::counters();
+            let before = ptl_autograd::internal::cuda::counters();
             let mut pending = on_dev.read_later().unwrap();
-            let queued = ptl_autograd::cuda::counters().since(&before);
+            let queued = ptl_autograd::internal::cuda::counters().since(&before);
             assert_eq!(queued.host_syncs, 0, "queueing waits for nothing");
             // Later work, then the values.
             let _busy = on_dev.to_dtype(DType::F32).unwrap().exp().unwrap();

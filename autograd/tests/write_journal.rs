@@ -2,7 +2,8 @@
 //! preceded by a copy, and `restore` puts the bytes back in place; storages created inside are
 //! not copied; journals nest; an unwinding body closes its journal.
 
-use ptl_autograd::{journal_writes, Device, Tensor};
+use ptl_autograd::internal::write_journal::journal_writes;
+use ptl_autograd::{Device, Tensor};
 
 fn t(v: &[f32]) -> Tensor {
     Tensor::from_vec(v.to_vec(), v.len(), Device::Cpu).unwrap()

@@ -3,7 +3,7 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use ptl_autograd::arena_plan::{AllocTrace, ArenaPlan};
+use ptl_autograd::internal::arena_plan::{AllocTrace, ArenaPlan};
 use ptl_autograd::{Device, Tensor};
 
 use crate::Result;

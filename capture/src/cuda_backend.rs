@@ -2,7 +2,8 @@
 
 use std::sync::Mutex;
 
-use ptl_autograd::cuda::{self, capture_support as cs, CaptureArena, CaptureViolation, MemPool};
+use ptl_autograd::cuda;
+use ptl_autograd::internal::cuda::{capture_support as cs, CaptureArena, CaptureViolation, MemPool};
 use ptl_autograd::{Device, Tensor};
 
 use crate::backend::{ArenaSlot, ArenaSpec, Backend, Body, Footprint, Graph, PoolHandle};
@@ -25,7 +26,7 @@ fn violation(region: &str, v: CaptureViolation) -> CaptureError {
 /// A captured graph. Field order is drop order: graph, then arena; `Drop` first waits for the
 /// stream so no memory is released under a replay in flight.
 struct CudaRecorded {
-    graph: Mutex<cuda::CudaGraph>,
+    graph: Mutex<ptl_autograd::internal::cuda::CudaGraph>,
     arena: std::sync::Arc<CaptureArena>,
     /// Whether this graph made its arena (a graph sharing another's counts no arena bytes).
     owns_arena: bool,
@@ -90,12 +91,12 @@ impl CudaBackend {
         not_capturing(region)?;
         cuda::synchronize(device)?;
         let scope = cs::enter_capture_scope(arena.clone()).map_err(|v| violation(region, v))?;
-        if let Err(e) = cuda::begin_capture(device) {
+        if let Err(e) = ptl_autograd::internal::cuda::begin_capture(device) {
             drop(scope);
             return Err(e.into());
         }
         let r = body();
-        let g = cuda::end_capture(device);
+        let g = ptl_autograd::internal::cuda::end_capture(device);
         drop(scope);
         if let Some(v) = cs::take_capture_violation() {
             return Err(violation(region, v));

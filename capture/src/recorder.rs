@@ -25,7 +25,7 @@ pub struct RecorderConfig {
     pub strict_pending: bool,
     /// Only the all-outputs gradient mask replays; another mask errors instead of being captured.
     pub strict_masks: bool,
-    /// Lay each arena out from its warm-up's allocation trace (`ptl_autograd::arena_plan`): about
+    /// Lay each arena out from its warm-up's allocation trace (`ptl_autograd::internal::arena_plan`): about
     /// the peak of live bytes instead of the sum (off by default until its memory figures are
     /// measured on a GPU: docs/memory.md). Off (or on a backend that records no trace), or
     /// for a graph without a warm-up of its own: arena = the warm-up's summed bytes ×

@@ -873,7 +873,7 @@ impl RegionHandle {
         // Every storage the warmup writes that existed before it (parameters an optimizer body
         // updates, its moments, EMA shadows, BatchNorm statistics) is copied before its first
         // write and copied back below: the write-set of capture.md rule 2.1, found by watching.
-        let journaled = ptl_autograd::journal_writes(|| {
+        let journaled = ptl_autograd::internal::write_journal::journal_writes(|| {
             (|| -> Result<()> {
                 for _ in 0..cfg.warmup_iters.max(1) {
                     let mut outs: Vec<Tensor> = Vec::new();
@@ -1003,7 +1003,7 @@ impl RegionHandle {
         let slack = |n: usize| ((n as f64) * cfg.arena_slack.max(1.0)) as usize + cfg.arena_extra_bytes;
         let arena_of = |fp: &Footprint| match fp.trace.as_ref().filter(|_| cfg.plan_arenas) {
             Some(trace) => {
-                let plan = ptl_autograd::arena_plan::plan(trace);
+                let plan = ptl_autograd::internal::arena_plan::plan(trace);
                 let tail = ((plan.bytes as f64) * cfg.plan_headroom.max(0.0)) as usize + cfg.arena_extra_bytes;
                 ArenaSpec { plan, tail }
             }

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use ptl_autograd::cuda::{KernelArg, UserKernel};
+use ptl_autograd::internal::cuda::{KernelArg, UserKernel};
 use ptl_autograd::{DType, Device, Tensor};
 
 use crate::error::{DataError, Result};

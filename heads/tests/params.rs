@@ -217,7 +217,7 @@ fn small_scale_forward_shapes() {
 #[test]
 fn every_batchnorm_follows_set_training() {
     let mut m = PoseModel::new(ModelConfig { scale: Scale::N, ..ModelConfig::default() }, Device::Cpu, 1).expect("build");
-    let x = Tensor::rand(vec![1, 3, 64, 64], 0.0, 1.0, DType::F32, Device::Cpu, &mut ptl_autograd::rng::Rng::new(7)).expect("input");
+    let x = Tensor::rand(vec![1, 3, 64, 64], 0.0, 1.0, DType::F32, Device::Cpu, &mut ptl_autograd::Rng::new(7)).expect("input");
     let counters = |m: &PoseModel| -> Vec<(String, i64)> {
         state_dict(m)
             .into_iter()

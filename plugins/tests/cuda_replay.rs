@@ -158,7 +158,7 @@ fn cuda_planned_arenas_poisoned_replay_equals_native() {
     let Some(dev) = gpu() else { return };
     let dir = std::env::temp_dir().join(format!("ptl-cuda-plan-{}", std::process::id()));
     let data = ptl_test_support::pose_dataset(&dir, 24, 6);
-    ptl_autograd::cuda::set_poison_allocations(true);
+    ptl_autograd::internal::cuda::set_poison_allocations(true);
     let run = |replay: &[&str], cfg_json: serde_json::Value, name: &str| {
         let save = dir.join(name);
         let mut cfg = PoseTrainConfig { nbs: 2, precision: Precision::Bf16Mixed, ..cuda_fit_cfg(&data, dev, 8, replay, save) };
@@ -175,7 +175,7 @@ fn cuda_planned_arenas_poisoned_replay_equals_native() {
     };
     let planned = run(&["all"], plans(true), "planned");
     let summed = run(&["all"], plans(false), "summed");
-    ptl_autograd::cuda::set_poison_allocations(false);
+    ptl_autograd::internal::cuda::set_poison_allocations(false);
     assert_eq!(planned.hashes, native.hashes, "planned arenas, poisoned");
     assert_eq!(summed.hashes, native.hashes, "summed arenas, poisoned");
     for s in [&planned, &summed] {

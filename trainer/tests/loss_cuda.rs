@@ -115,10 +115,10 @@ fn dense_assignment_on_cuda_matches_the_host() {
                 &DenseGeometry::new(&anchors, &LossConfig::default().sigmas, 1, outs.boxes.device()).unwrap(),
             )
             .unwrap();
-            let before = ptl_autograd::cuda::counters();
+            let before = ptl_autograd::internal::cuda::counters();
             let d = assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, params)
                 .unwrap();
-            let during = ptl_autograd::cuda::counters().since(&before);
+            let during = ptl_autograd::internal::cuda::counters().since(&before);
             assert_eq!(
                 (during.host_syncs, during.device_to_host_copies, during.host_to_device_copies),
                 (0, 0, 0),
@@ -177,13 +177,13 @@ fn dense_assignment_on_cuda_matches_the_host() {
     let ways: [(&str, AssignFn); 2] = [("fused", assign_dense), ("composed", ptl_trainer::loss::assign_dense::assign_composed)];
     for (way, assign) in ways {
         assign(&inputs, &crit.one2many.assign).unwrap();
-        let timer = ptl_autograd::cuda::GpuKernelTimer::start_detailed(gpu).unwrap();
-        let before = ptl_autograd::cuda::counters();
+        let timer = ptl_autograd::internal::cuda::GpuKernelTimer::start_detailed(gpu).unwrap();
+        let before = ptl_autograd::internal::cuda::counters();
         let mut results = Vec::new();
         for params in [&crit.one2many.assign, &crit.one2one.assign] {
             results.push(assign(&inputs, params).unwrap());
         }
-        let c = ptl_autograd::cuda::counters().since(&before);
+        let c = ptl_autograd::internal::cuda::counters().since(&before);
         let (k, detail) = timer.finish_detailed().unwrap();
         eprintln!(
             "dense assignment ({way}) of both branches at batch 4, 640 px, 16 slots: {} launches, {} kernels, {:.3} ms of kernels; largest:",
@@ -322,10 +322,10 @@ fn criterion_kernel_time_at_the_benchmark_shape() {
             out.total.detach().item().unwrap()
         };
         run();
-        let timer = ptl_autograd::cuda::GpuKernelTimer::start_detailed(gpu).unwrap();
-        let before = ptl_autograd::cuda::counters();
+        let timer = ptl_autograd::internal::cuda::GpuKernelTimer::start_detailed(gpu).unwrap();
+        let before = ptl_autograd::internal::cuda::counters();
         let total = run();
-        let c = ptl_autograd::cuda::counters().since(&before);
+        let c = ptl_autograd::internal::cuda::counters().since(&before);
         let (k, detail) = timer.finish_detailed().unwrap();
         let path = if dense { "dense" } else { "host" };
         eprintln!(

@@ -327,3 +327,12 @@ pub(crate) fn sfx(dt: DType) -> &'static str {
         DType::U8 | DType::Bool => "u8",
     }
 }
+
+/// Whether the stream has passed `event` (a non-blocking query; the device must be bound).
+pub(crate) fn event_reached(event: sys::CUevent) -> Result<bool> {
+    match unsafe { dr::event::query(event) } {
+        Ok(()) => Ok(true),
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        Err(e) => Err(cu_err("cuEventQuery", e)),
+    }
+}

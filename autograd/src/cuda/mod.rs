@@ -32,44 +32,38 @@
 //! - Indices are not bounds-checked on the device (that would need a host read): an out-of-range
 //!   index reads as zero and adds nothing. Integer division by zero gives 0.
 
-mod alloc;
-mod blas;
-pub mod capture_support;
-mod conv;
+pub(crate) mod alloc;
+pub(crate) mod blas;
+pub(crate) mod capture_support;
+pub(crate) mod conv;
 mod conv_choice;
 mod conv_graph;
-mod counters;
+pub(crate) mod counters;
 mod device;
-mod graph;
-#[doc(hidden)]
-pub mod host_probe;
-mod kernel_timer;
+pub(crate) mod graph;
+pub(crate) mod host_probe;
+pub(crate) mod kernel_timer;
 mod kernel_units;
-mod module_cache;
+pub(crate) mod module_cache;
 pub(crate) mod ops;
-mod pending_copy;
-mod user_kernel;
+pub(crate) mod pending_copy;
+pub(crate) mod pinned;
+pub(crate) mod user_kernel;
 
 use std::sync::Arc;
 
-use cudarc::driver::{result as dr, sys};
+use cudarc::driver::result as dr;
 
 pub use alloc::{
-    empty_cache, library_workspace_bytes, memory_stats, private_pool_allocated_bytes, reset_peak_memory_stats, set_block_cache_limits,
-    set_poison_allocations, synchronize, MemPool, MemPoolGuard, MemoryStats,
+    empty_cache, library_workspace_bytes, memory_stats, reset_peak_memory_stats, set_block_cache_limits, synchronize, MemoryStats,
 };
-pub use blas::gemm_paths;
-pub use capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
-pub use conv::conv_paths;
 pub use conv_choice::cudnn_cache_dir;
-pub use counters::{counters, library_setup, CudaCounters, LibrarySetup};
 pub use device::CudaSetupError;
 pub use device::DeviceOptions;
-pub use graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph, StreamMark};
 pub(crate) use kernel_timer::stage_changed;
-pub use kernel_timer::{GpuKernelTimer, GpuKernelTotals, KernelDetail};
-pub use module_cache::{kernel_cache_dir, module_reports, probe_module_cache, ModuleReport, ModuleSource};
+pub use module_cache::{kernel_cache_dir, module_reports, ModuleReport, ModuleSource};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
+pub(crate) use pending_copy::PendingCopy;
 
 /// The kernel choices of `device` ([`DeviceOptions`]).
 pub fn device_options(device: Device) -> Result<DeviceOptions> {
@@ -82,8 +76,6 @@ pub fn set_device_options(device: Device, options: DeviceOptions) -> Result<()> 
     *dev_of(device)?.options.lock().unwrap_or_else(|e| e.into_inner()) = options;
     Ok(())
 }
-pub use pending_copy::PendingCopy;
-pub use user_kernel::{KernelArg, UserKernel};
 
 use alloc::DevBuf;
 use device::{cu_err, Dev};
@@ -91,7 +83,7 @@ use device::{cu_err, Dev};
 use crate::backend::{BackendStorage, BinaryOp, CmpOp, Conv2dParams, MatmulParams, Pool2dParams, ReduceOp, UnaryOp};
 use crate::cpu::CpuStorage;
 use crate::shape::Layout;
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result};
 
 /// A device buffer with its element type. Contiguous; `len` elements.
 pub struct CudaStorage {
@@ -146,16 +138,6 @@ pub(crate) fn dev_of(device: Device) -> Result<Arc<Dev>> {
         Device::Cuda(n) => Dev::get(n).map_err(Error::CudaUnavailable),
         Device::Cpu => Err(Error::invalid("cuda", "expected a CUDA device")),
     }
-}
-
-/// The raw `CUstream` of the device's compute stream (for graph capture by the recorder).
-pub fn raw_stream(device: Device) -> Result<sys::CUstream> {
-    Ok(dev_of(device)?.cu_stream)
-}
-
-/// Makes the device's context current on this thread (needed before raw driver calls).
-pub fn bind_context(device: Device) -> Result<()> {
-    dev_of(device)?.bind()
 }
 
 impl CudaStorage {
@@ -375,142 +357,5 @@ impl BackendStorage for CudaStorage {
     }
     fn batch_norm_eval_params(&self, bias: &Self, running_mean: &Self, running_var: &Self, eps: f64) -> Result<(Self, Self)> {
         ops::batch_norm_eval_params(self, bias, running_mean, running_var, eps)
-    }
-}
-
-/// Whether the stream has passed `event` (a non-blocking query; the device must be bound).
-pub(crate) fn event_reached(event: sys::CUevent) -> Result<bool> {
-    match unsafe { dr::event::query(event) } {
-        Ok(()) => Ok(true),
-        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        Err(e) => Err(cu_err("cuEventQuery", e)),
-    }
-}
-
-/// Page-locked host memory for fast, asynchronous uploads of u8 image batches.
-///
-/// Fill it through [`PinnedBuffer::host_mut`] (no CUDA call: loader worker threads may fill a
-/// buffer while the training thread records a CUDA graph) or [`PinnedBuffer::as_mut_slice`]
-/// (waits for the last upload), then call [`PinnedBuffer::upload`] or
-/// [`PinnedBuffer::upload_prefix`]: the copy is queued on the device's compute stream and the
-/// call returns at once. Until [`PinnedBuffer::poll_idle`] has seen that copy finish, the buffer
-/// counts as in flight and `host_mut` refuses it, so host writes never race the DMA.
-pub struct PinnedBuffer {
-    ptr: *mut u8,
-    len: usize,
-    dev: Arc<Dev>,
-    event: sys::CUevent,
-    in_flight: bool,
-}
-
-unsafe impl Send for PinnedBuffer {}
-
-impl std::fmt::Debug for PinnedBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PinnedBuffer({} bytes, {:?}, in flight: {})", self.len, self.dev, self.in_flight)
-    }
-}
-
-impl PinnedBuffer {
-    /// Allocates `len` bytes of pinned host memory usable with `device`.
-    pub fn new(device: Device, len: usize) -> Result<PinnedBuffer> {
-        let dev = dev_of(device)?;
-        dev.bind()?;
-        let ptr = unsafe { dr::malloc_host(len.max(1), 0) }.map_err(|e| cu_err("cuMemHostAlloc", e))? as *mut u8;
-        let event = dr::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| cu_err("cuEventCreate", e))?;
-        Ok(PinnedBuffer { ptr, len, dev, event, in_flight: false })
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The device the buffer uploads to.
-    pub fn device(&self) -> Device {
-        Device::Cuda(self.dev.ordinal)
-    }
-
-    /// Host access; blocks until the last upload from this buffer has been read by the GPU.
-    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
-        if self.in_flight {
-            capture_support::check_host_sync("PinnedBuffer::as_mut_slice")?;
-            self.dev.bind()?;
-            counters::count(counters::Count::HostSync);
-            unsafe { dr::event::synchronize(self.event) }.map_err(|e| cu_err("cuEventSynchronize", e))?;
-            self.in_flight = false;
-        }
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
-    }
-
-    /// Host access without any CUDA call: `None` while an upload from the buffer may still be
-    /// reading it (until [`PinnedBuffer::poll_idle`] has returned true).
-    pub fn host_mut(&mut self) -> Option<&mut [u8]> {
-        (!self.in_flight).then(|| unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
-    }
-
-    /// Whether the last upload has finished (a non-blocking event query); afterwards
-    /// [`PinnedBuffer::host_mut`] hands the memory out again.
-    pub fn poll_idle(&mut self) -> Result<bool> {
-        if !self.in_flight {
-            return Ok(true);
-        }
-        capture_support::check_host_sync("PinnedBuffer::poll_idle")?;
-        self.dev.bind()?;
-        self.in_flight = !event_reached(self.event)?;
-        Ok(!self.in_flight)
-    }
-
-    /// Queues a host→device copy of the whole buffer into a new U8 tensor of `shape` (asynchronous).
-    pub fn upload(&mut self, shape: impl Into<crate::Shape>) -> Result<Tensor> {
-        let shape = shape.into();
-        if shape.numel() != self.len {
-            return Err(Error::invalid(
-                "PinnedBuffer::upload",
-                format!("shape {shape:?} has {} elements, buffer holds {}", shape.numel(), self.len),
-            ));
-        }
-        self.upload_prefix(shape)
-    }
-
-    /// Queues a host→device copy of the first `shape.numel()` bytes into a new U8 tensor of
-    /// `shape` (asynchronous; a buffer sized for a full batch also carries a partial one).
-    pub fn upload_prefix(&mut self, shape: impl Into<crate::Shape>) -> Result<Tensor> {
-        let shape = shape.into();
-        let n = shape.numel();
-        if n > self.len {
-            return Err(Error::invalid(
-                "PinnedBuffer::upload_prefix",
-                format!("shape {shape:?} has {n} elements, buffer holds only {}", self.len),
-            ));
-        }
-        capture_support::check_host_upload("PinnedBuffer::upload")?;
-        self.dev.bind()?;
-        let out = CudaStorage::alloc(&self.dev, DType::U8, n)?;
-        if n > 0 {
-            counters::count(counters::Count::HostToDevice);
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(out.buf.ptr, self.ptr as *const std::ffi::c_void, n, self.dev.cu_stream)
-                    .result()
-                    .map_err(|e| cu_err("cuMemcpyHtoDAsync (pinned)", e))?;
-                dr::event::record(self.event, self.dev.cu_stream).map_err(|e| cu_err("cuEventRecord", e))?;
-            }
-            self.in_flight = true;
-        }
-        Tensor::from_storage(crate::storage::Storage::Cuda(out), shape)
-    }
-}
-
-impl Drop for PinnedBuffer {
-    fn drop(&mut self) {
-        if self.dev.bind().is_ok() {
-            unsafe {
-                let _ = dr::event::synchronize(self.event);
-                let _ = dr::event::destroy(self.event);
-                let _ = dr::free_host(self.ptr as *mut std::ffi::c_void);
-            }
-        }
     }
 }

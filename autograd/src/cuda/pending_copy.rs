@@ -72,7 +72,7 @@ impl PendingCopy {
             return Ok(true);
         }
         self.dev.bind()?;
-        self.done = super::event_reached(self.event)?;
+        self.done = super::device::event_reached(self.event)?;
         Ok(self.done)
     }
 

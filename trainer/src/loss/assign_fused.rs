@@ -3,7 +3,7 @@
 //! the composed assigner's bytes (tested), with the (image, slot, anchor, keypoint) intermediates
 //! never written to memory.
 
-use ptl_autograd::cuda::KernelArg;
+use ptl_autograd::internal::cuda::KernelArg;
 use ptl_autograd::{DType, Tensor};
 
 use super::assign_dense::{DenseAssignment, DenseInputs};

@@ -11,7 +11,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use ptl_autograd::cuda::KernelArg;
+use ptl_autograd::internal::cuda::KernelArg;
 use ptl_autograd::{BackwardOp, DType, Device, Tensor};
 
 use super::boxes::CIOU_EPS;

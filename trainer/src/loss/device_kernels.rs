@@ -3,7 +3,7 @@
 //! a lookup after the first call), output buffers the kernels fill completely, and the error a
 //! custom autograd node hands the engine.
 
-use ptl_autograd::cuda::UserKernel;
+use ptl_autograd::internal::cuda::UserKernel;
 use ptl_autograd::{DType, Device, Tensor};
 
 use crate::error::{Result, TrainerError};
@@ -24,7 +24,7 @@ pub(crate) fn kernels<const N: usize>(device: Device, module: &str, source: &str
 /// launch).
 pub(crate) fn uninit(device: Device, dtype: DType, dims: Vec<usize>) -> Result<Tensor> {
     let n = dims.iter().product();
-    Ok(Tensor::from_storage(ptl_autograd::storage::Storage::uninit(device, dtype, n)?, dims)?)
+    Ok(Tensor::from_storage(ptl_autograd::internal::storage::Storage::uninit(device, dtype, n)?, dims)?)
 }
 
 /// A trainer error as the autograd engine's error type, for a custom node's backward (`op` names

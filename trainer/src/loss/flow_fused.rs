@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use ptl_autograd::cuda::KernelArg;
+use ptl_autograd::internal::cuda::KernelArg;
 use ptl_autograd::{BackwardOp, DType, Device, Tensor};
 use ptl_heads::flow::{FLOW_HIDDEN, FLOW_LAYERS};
 use ptl_heads::RealNvp;

@@ -32,21 +32,22 @@ enum Pixels {
     Host(Vec<u8>),
     /// Page-locked memory ready for an asynchronous upload.
     #[cfg(feature = "cuda")]
-    Pinned(ptl_autograd::cuda::PinnedBuffer),
+    Pinned(ptl_autograd::internal::cuda::PinnedBuffer),
 }
 
 /// Page-locked buffers: the free list shared with the workers, and the buffers whose upload may
 /// still be running (owned by the training thread).
 #[cfg(feature = "cuda")]
 struct PinnedRing {
-    free: Arc<Mutex<Vec<ptl_autograd::cuda::PinnedBuffer>>>,
-    in_flight: Vec<ptl_autograd::cuda::PinnedBuffer>,
+    free: Arc<Mutex<Vec<ptl_autograd::internal::cuda::PinnedBuffer>>>,
+    in_flight: Vec<ptl_autograd::internal::cuda::PinnedBuffer>,
 }
 
 #[cfg(feature = "cuda")]
 impl PinnedRing {
     fn new(device: Device, count: usize, bytes: usize) -> Result<PinnedRing> {
-        let bufs = (0..count).map(|_| ptl_autograd::cuda::PinnedBuffer::new(device, bytes)).collect::<ptl_autograd::Result<Vec<_>>>()?;
+        let bufs =
+            (0..count).map(|_| ptl_autograd::internal::cuda::PinnedBuffer::new(device, bytes)).collect::<ptl_autograd::Result<Vec<_>>>()?;
         Ok(PinnedRing { free: Arc::new(Mutex::new(bufs)), in_flight: Vec::new() })
     }
 

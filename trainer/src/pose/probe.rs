@@ -31,7 +31,7 @@ pub(crate) fn open_device(device: Device) -> Result<()> {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CounterMark {
     #[cfg(feature = "cuda")]
-    counts: Option<ptl_autograd::cuda::CudaCounters>,
+    counts: Option<ptl_autograd::internal::cuda::CudaCounters>,
 }
 
 impl CounterMark {
@@ -39,7 +39,7 @@ impl CounterMark {
         let _ = device;
         CounterMark {
             #[cfg(feature = "cuda")]
-            counts: device.is_cuda().then(ptl_autograd::cuda::counters),
+            counts: device.is_cuda().then(ptl_autograd::internal::cuda::counters),
         }
     }
 
@@ -70,9 +70,9 @@ impl CounterMark {
 pub(crate) struct GpuWindow {
     first_step: usize,
     #[cfg(feature = "cuda")]
-    timer: ptl_autograd::cuda::GpuKernelTimer,
+    timer: ptl_autograd::internal::cuda::GpuKernelTimer,
     #[cfg(feature = "cuda")]
-    mark: ptl_autograd::cuda::StreamMark,
+    mark: ptl_autograd::internal::cuda::StreamMark,
 }
 
 impl GpuWindow {
@@ -80,8 +80,8 @@ impl GpuWindow {
     pub fn start(device: Device, first_step: usize) -> std::result::Result<GpuWindow, String> {
         #[cfg(feature = "cuda")]
         if device.is_cuda() {
-            let timer = ptl_autograd::cuda::GpuKernelTimer::start_detailed(device).map_err(|e| e.to_string())?;
-            let mark = ptl_autograd::cuda::StreamMark::record(device).map_err(|e| e.to_string())?;
+            let timer = ptl_autograd::internal::cuda::GpuKernelTimer::start_detailed(device).map_err(|e| e.to_string())?;
+            let mark = ptl_autograd::internal::cuda::StreamMark::record(device).map_err(|e| e.to_string())?;
             return Ok(GpuWindow { first_step, timer, mark });
         }
         let _ = (device, first_step);
@@ -92,7 +92,7 @@ impl GpuWindow {
     pub fn finish(self, device: Device, steps: usize) -> std::result::Result<GpuWindowReport, String> {
         #[cfg(feature = "cuda")]
         {
-            let end = ptl_autograd::cuda::StreamMark::record(device).map_err(|e| e.to_string())?;
+            let end = ptl_autograd::internal::cuda::StreamMark::record(device).map_err(|e| e.to_string())?;
             let span = self.mark.elapsed_ms_until(&end).map_err(|e| e.to_string())?;
             let (t, detail) = self.timer.finish_detailed().map_err(|e| e.to_string())?;
             let rows: Vec<(u8, String, u64, u64)> = detail.into_iter().map(|d| (d.stage, d.name, d.count, d.ns)).collect();
@@ -149,7 +149,7 @@ pub(crate) fn kernel_modules() -> Vec<KernelModuleTime> {
 pub(crate) fn library_setup(s: &mut StartupReport) {
     #[cfg(feature = "cuda")]
     {
-        let l = ptl_autograd::cuda::library_setup();
+        let l = ptl_autograd::internal::cuda::library_setup();
         s.library_setups = l.handles + l.conv_plans + l.gemm_plans;
         s.library_setup_s = l.handle_s + l.conv_plan_s + l.gemm_plan_s;
         (s.conv_plans, s.conv_plan_s, s.gemm_plans, s.gemm_plan_s) = (l.conv_plans, l.conv_plan_s, l.gemm_plans, l.gemm_plan_s);
@@ -185,7 +185,7 @@ pub(crate) fn memory_at_backward(device: Device, parts: Vec<(String, u64)>) -> O
     if device.is_cuda() {
         let m = ptl_autograd::cuda::memory_stats(device).ok()?;
         let workspace = ptl_autograd::cuda::library_workspace_bytes(device).unwrap_or(0);
-        let pools = ptl_autograd::cuda::private_pool_allocated_bytes(device).unwrap_or(0);
+        let pools = ptl_autograd::internal::cuda::private_pool_allocated_bytes(device).unwrap_or(0);
         let named: u64 = parts.iter().map(|p| p.1).sum::<u64>() + workspace + pools;
         return Some(crate::fit::MemoryAtBackward {
             allocated_bytes: m.allocated,

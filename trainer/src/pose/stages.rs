@@ -1,10 +1,10 @@
-//! The stage tags of a training step ([`ptl_autograd::stage`]): the fit runs each part of a step
+//! The stage tags of a training step ([`ptl_autograd::internal::stage`]): the fit runs each part of a step
 //! under its tag so that a traced window's kernel time splits by stage, and the tape carries the
 //! tag into backward (model backward vs loss backward).
 
 use std::collections::BTreeMap;
 
-use ptl_autograd::stage::BACKWARD_OF;
+use ptl_autograd::internal::stage::BACKWARD_OF;
 
 use crate::fit::{KernelBreakdown, KernelRow, KernelShare};
 

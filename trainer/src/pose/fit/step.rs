@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use ptl_autograd::stage::{in_stage, StageGuard};
+use ptl_autograd::internal::stage::{in_stage, StageGuard};
 use ptl_autograd::{module, no_grad, DType, Tensor};
 
 use super::super::images::device_images;
