@@ -58,6 +58,16 @@ fn prefetched_cuda_fit_is_worker_independent_and_reports_gpu_time() {
         "{:?}",
         pre.startup.kernel_modules
     );
+    // Where each kernel unit came from: compiled by NVRTC, or a hit of the kernel cache (a second
+    // process with the same cache folder hits every unit).
+    let units: Vec<String> = pre
+        .startup
+        .kernel_modules
+        .iter()
+        .filter(|m| m.name.starts_with("ptl-kernels-"))
+        .map(|m| format!("{} {} {:.2}s", m.name, m.source, m.compile_s + m.load_s))
+        .collect();
+    println!("kernel units: {}", units.join(", "));
     println!(
         "ok cuda fit: {} steps timed, start-to-start {:.1} ms, data wait {:.2} ms, GPU {:.2} ms/step in {:.0} kernels (span {:.2}), \
          {:.0} launches + {:.0} library calls/step",
