@@ -86,6 +86,14 @@ pub trait Backend: Send + Sync {
         let _ = slot;
         self.record(region, device, arena, pool, body)
     }
+    /// Captures `body` once, into `bytes` of addresses that need no memory (the graph is
+    /// dropped, never launched), and returns the allocations and frees the capture made, in
+    /// order: the trace a plan for the real capture of the same body follows exactly. `None`:
+    /// this backend cannot, and plans come from the warm-up's trace (the default).
+    fn trace_capture(&self, region: &str, device: Device, bytes: usize, body: Body) -> Result<Option<AllocTrace>> {
+        let _ = (region, device, bytes, body);
+        Ok(None)
+    }
     /// The address of a tensor's memory as a graph would bake it.
     fn address(&self, t: &Tensor) -> u64;
     /// Waits for the device.

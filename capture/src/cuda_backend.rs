@@ -3,6 +3,7 @@
 use std::sync::Mutex;
 
 use ptl_autograd::cuda;
+use ptl_autograd::internal::arena_plan::AllocTrace;
 use ptl_autograd::internal::cuda::{capture_support as cs, CaptureArena, CaptureViolation, MemPool};
 use ptl_autograd::{Device, Tensor};
 
@@ -170,6 +171,14 @@ impl Backend for CudaBackend {
             *held = Some(Box::new(arena));
         }
         Ok(graph)
+    }
+    fn trace_capture(&self, region: &str, device: Device, bytes: usize, body: Body) -> Result<Option<AllocTrace>> {
+        not_capturing(region)?;
+        let arena = CaptureArena::aliased(device, bytes)?;
+        let graph = self.capture_into(region, device, arena.clone(), true, body)?;
+        let trace = arena.trace();
+        drop(graph);
+        Ok(Some(trace))
     }
     fn address(&self, t: &Tensor) -> u64 {
         cs::device_ptr(t).unwrap_or(t.storage_ptr() as u64)

@@ -235,6 +235,11 @@ impl Core {
         Some(out)
     }
 
+    /// Drops the activations the last forward kept for its backward.
+    fn clear_tape(&self) {
+        *lock(&self.tape) = None;
+    }
+
     fn bwd_body(&self, mask: &[bool], into: Option<&GradTargets>) -> Result<()> {
         self.note_body_run();
         let outs = lock(&self.tape).clone().ok_or_else(|| self.err("backward recorded before any forward"))?;
@@ -342,6 +347,43 @@ struct Token {
 }
 
 /// One recording: graphs first (dropped first), pool last.
+/// How a graph's arena is laid out from a traced capture of its body ([`Backend::trace_capture`]).
+#[derive(Clone, Copy, Debug)]
+struct Planning {
+    /// The unplanned tail, as a fraction of the planned bytes ([`RecorderConfig::plan_headroom`]) ...
+    headroom: f64,
+    /// ... plus these bytes ([`RecorderConfig::arena_extra_bytes`]).
+    extra: usize,
+    /// Addresses the traced capture may use (no memory behind them).
+    addresses: usize,
+}
+
+impl Planning {
+    /// The layout of `body`'s next capture, from a traced capture of it; `None` (a warning in
+    /// `stats`) when the backend cannot trace or the traced capture failed.
+    fn spec_for(
+        &self,
+        backend: &dyn Backend,
+        region: &str,
+        device: Device,
+        body: &crate::backend::Body,
+        stats: &Mutex<RegionStats>,
+    ) -> Option<ArenaSpec> {
+        match backend.trace_capture(region, device, self.addresses, body.clone()) {
+            Ok(Some(trace)) => {
+                let plan = ptl_autograd::internal::arena_plan::plan(&trace);
+                let tail = ((plan.bytes as f64) * self.headroom.max(0.0)) as usize + self.extra;
+                Some(ArenaSpec { plan, tail })
+            }
+            Ok(None) => None,
+            Err(e) => {
+                lock(stats).warn(format!("region `{region}`: traced capture failed ({e}); the warm-up's trace lays out the arena"));
+                None
+            }
+        }
+    }
+}
+
 pub(crate) struct Recording {
     fwd: Box<dyn Graph>,
     bwd: Mutex<BwdGraphs>,
@@ -357,6 +399,8 @@ pub(crate) struct Recording {
     bwd_arena: ArenaSpec,
     /// ... or, should one not fit there, an arena of its own sized by the warm-up's summed bytes.
     bwd_unplanned: ArenaSpec,
+    /// With planned arenas: how a later backward graph's own traced capture becomes its layout.
+    bwd_planning: Option<Planning>,
     /// The arena every backward graph of the recorder shares (they run one at a time).
     bwd_arena_slot: Arc<ArenaSlot>,
     device: Device,
@@ -480,16 +524,19 @@ impl GraphedNode {
                 let m = mask.clone();
                 let t = targets.clone();
                 let body: crate::backend::Body = Arc::new(move || c.bwd_body(&m, t.as_ref()));
-                let shared = rec.backend.record_sharing(
-                    &core.region,
-                    rec.device,
-                    &rec.bwd_arena,
-                    &rec.bwd_arena_slot,
-                    rec.pool.as_ref(),
-                    body.clone(),
-                );
+                let spec = match &rec.bwd_planning {
+                    Some(p) => p
+                        .spec_for(rec.backend.as_ref(), &core.region, rec.device, &body, &core.stats)
+                        .unwrap_or_else(|| rec.bwd_arena.clone()),
+                    None => rec.bwd_arena.clone(),
+                };
+                let shared =
+                    rec.backend.record_sharing(&core.region, rec.device, &spec, &rec.bwd_arena_slot, rec.pool.as_ref(), body.clone());
                 let graph = match shared {
                     Err(CaptureError::AllocOutsidePool { .. }) => {
+                        if !spec.plan.offsets.is_empty() {
+                            lock(&core.stats).arena_replans += 1;
+                        }
                         rec.backend.record(&core.region, rec.device, &rec.bwd_unplanned, rec.pool.as_ref(), body)?
                     }
                     other => other?,
@@ -1028,7 +1075,6 @@ impl RegionHandle {
             res
         };
         let bwd_arena_slot = self.recorder.bwd_arena.clone();
-        let bwd_spec = arena_of(&bwd_fp);
         let restore_host = || {
             for (h, s) in spec.host_state.iter().zip(&host_snap) {
                 h.restore(s);
@@ -1037,12 +1083,36 @@ impl RegionHandle {
                 r.restore(*s);
             }
         };
-        let captured = (|| -> Result<(Box<dyn Graph>, BwdGraphs)> {
+        let planning = |fp: &Footprint| {
+            cfg.plan_arenas.then(|| Planning { headroom: cfg.plan_headroom, extra: cfg.arena_extra_bytes, addresses: 2 * slack(fp.bytes) })
+        };
+        // With planned arenas, each graph is first captured once on addresses alone and laid out
+        // from that capture's own trace (which the real capture repeats); the warm-up's trace is
+        // the fallback.
+        let spec_of = |fp: &Footprint, body: &crate::backend::Body| -> ArenaSpec {
+            let Some(p) = planning(fp) else { return arena_of(fp) };
+            // The traced capture's host effects are undone: the real one starts where it did.
+            let hosts: Vec<Vec<u64>> = spec.host_state.iter().map(|h| h.snapshot()).collect();
+            let rngs: Vec<(u64, u64)> = spec.graph_rngs.iter().map(|r| r.snapshot()).collect();
+            let traced = p.spec_for(backend.as_ref(), &region, device, body, &self.shared.stats);
+            for (h, s) in spec.host_state.iter().zip(&hosts) {
+                h.restore(s);
+            }
+            for (r, s) in spec.graph_rngs.iter().zip(&rngs) {
+                r.restore(*s);
+            }
+            traced.unwrap_or_else(|| arena_of(fp))
+        };
+        let captured = (|| -> Result<(Box<dyn Graph>, BwdGraphs, ArenaSpec)> {
             // A capture that allocates past its planned arena's tail is made again in an arena
             // sized by the warm-up's summed bytes, as without a plan.
             let unplanned = |fp: &Footprint| ArenaSpec { plan: Default::default(), tail: slack(fp.bytes) };
-            let fwd_spec = arena_of(&fwd_fp);
             let fwd_body: crate::backend::Body = Arc::new(fwd_body);
+            let fwd_spec = spec_of(&fwd_fp, &fwd_body);
+            // The traced capture's activations are on addresses without memory of their own.
+            if cfg.plan_arenas {
+                core.clear_tape();
+            }
             let fwd = match cfg.share_forward_arena {
                 true => backend.record_sharing(&region, device, &fwd_spec, &self.recorder.fwd_arena, pool.as_ref(), fwd_body.clone()),
                 false => backend.record(&region, device, &fwd_spec, pool.as_ref(), fwd_body.clone()),
@@ -1050,30 +1120,34 @@ impl RegionHandle {
             let fwd = match fwd {
                 Err(CaptureError::AllocOutsidePool { .. }) if !fwd_spec.plan.offsets.is_empty() => {
                     restore_host();
+                    lock(&self.shared.stats).arena_replans += 1;
                     backend.record(&region, device, &unplanned(&fwd_fp), pool.as_ref(), fwd_body)?
                 }
                 other => other?,
             };
             let mut bwd = BTreeMap::new();
+            let mut bwd_spec = arena_of(&bwd_fp);
             if needs_grad && core.out_grad.iter().any(|g| *g) {
                 let mask = core.out_grad.clone();
                 let c = core.clone();
                 let m = mask.clone();
                 let body: crate::backend::Body = Arc::new(move || c.bwd_body(&m, None));
+                bwd_spec = spec_of(&bwd_fp, &body);
                 let graph = match backend.record_sharing(&region, device, &bwd_spec, &bwd_arena_slot, pool.as_ref(), body.clone()) {
                     Err(CaptureError::AllocOutsidePool { .. }) if !bwd_spec.plan.offsets.is_empty() => {
+                        lock(&self.shared.stats).arena_replans += 1;
                         backend.record(&region, device, &unplanned(&bwd_fp), pool.as_ref(), body)?
                     }
                     other => other?,
                 };
                 bwd.insert((mask, Vec::new()), graph);
             }
-            Ok((fwd, bwd))
+            Ok((fwd, bwd, bwd_spec))
         })();
         // Host effects of running the body during capture are undone too.
         restore_host();
         let rngs: Vec<(Arc<GraphSafeRng>, u64)> = spec.graph_rngs.iter().cloned().zip(lock(&wholes).iter().copied()).collect();
-        let (fwd, bwd) = captured?;
+        let (fwd, bwd, bwd_spec) = captured?;
         // The warm-up's allocations went back to the default pool: return them to the driver, so
         // that they do not stay reserved beside the recording's own arenas.
         backend.trim(device)?;
@@ -1101,6 +1175,7 @@ impl RegionHandle {
             // arena would be, for what they allocate otherwise.
             bwd_arena: bwd_spec.clone(),
             bwd_unplanned: ArenaSpec { plan: Default::default(), tail: slack(bwd_fp.bytes) },
+            bwd_planning: planning(&bwd_fp),
             bwd_arena_slot,
             device,
             strict_masks: cfg.strict_masks,

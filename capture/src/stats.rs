@@ -77,6 +77,10 @@ pub struct RegionStats {
     pub arena_planned: u64,
     #[serde(default)]
     pub arena_tail: u64,
+    /// Captures made again in an unplanned arena after overflowing their planned arena's tail
+    /// (the plan did not fit what the capture allocated).
+    #[serde(default)]
+    pub arena_replans: u64,
     /// Last warnings (capture failures), newest last, at most 8.
     pub warnings: Vec<String>,
 }
@@ -137,6 +141,15 @@ impl RegionStats {
         if !self.capture_failures.is_empty() {
             let f: Vec<String> = self.capture_failures.iter().map(|(k, v)| format!("{k} {v}")).collect();
             s += &format!(", capture failures {}", f.join(", "));
+        }
+        if self.pool_bytes > 0 || self.arena_planned + self.arena_tail > 0 {
+            s += &format!(
+                ", arenas {:.1} MiB ({} in place, {} in the tail, {} replanned)",
+                self.pool_bytes as f64 / 1048576.0,
+                self.arena_planned,
+                self.arena_tail,
+                self.arena_replans
+            );
         }
         s
     }

@@ -58,8 +58,17 @@ pub struct CaptureArena {
     size: usize,
     dev: Arc<Dev>,
     state: Mutex<Placer>,
-    /// The backing tensor (holds the device memory, from whatever pool was entered at creation).
-    _backing: Tensor,
+    /// The capture's own allocations and frees, in order (by offset while live).
+    traced: Mutex<(AllocTrace, HashMap<usize, usize>)>,
+    _backing: Backing,
+}
+
+/// What holds an arena's addresses.
+enum Backing {
+    /// Device memory, from whatever pool was entered at the arena's creation.
+    Memory(#[allow(dead_code)] Tensor),
+    /// Addresses only ([`CaptureArena::aliased`]).
+    Aliased(#[allow(dead_code)] super::aliased_range::AliasedRange),
 }
 
 impl std::fmt::Debug for CaptureArena {
@@ -87,7 +96,24 @@ impl CaptureArena {
             _ => Err(Error::invalid("CaptureArena", "backing storage is not on a CUDA device")),
         })?;
         let state = Mutex::new(Placer::new(plan, size));
-        Ok(Arc::new(CaptureArena { base, size, dev, state, _backing: backing }))
+        Ok(Arc::new(CaptureArena { base, size, dev, state, traced: Mutex::default(), _backing: Backing::Memory(backing) }))
+    }
+
+    /// An arena of at least `bytes` addresses that holds one granule of memory: every piece
+    /// aliases the same bytes. For a capture that is only traced ([`CaptureArena::trace`]) and
+    /// whose graph is never launched: a plan made from that trace fits the real capture exactly.
+    pub fn aliased(device: Device, bytes: usize) -> Result<Arc<CaptureArena>> {
+        let dev = super::dev_of(device)?;
+        let range = super::aliased_range::AliasedRange::new(&dev, bytes.max(ARENA_ALIGN))?;
+        let (base, size) = (range.base(), range.size());
+        let state = Mutex::new(Placer::new(ArenaPlan::default(), size));
+        Ok(Arc::new(CaptureArena { base, size, dev, state, traced: Mutex::default(), _backing: Backing::Aliased(range) }))
+    }
+
+    /// The allocations and frees made in this arena so far, in order (pieces still live have no
+    /// free): the trace of the capture made into it.
+    pub fn trace(&self) -> AllocTrace {
+        self.traced.lock().unwrap_or_else(|e| e.into_inner()).0.clone()
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, Placer> {
@@ -118,7 +144,12 @@ impl CaptureArena {
         let n = bytes.max(1).next_multiple_of(ARENA_ALIGN);
         let mut s = self.state();
         match s.place(n) {
-            Some(off) => Ok(self.base + off as u64),
+            Some(off) => {
+                let mut t = self.traced.lock().unwrap_or_else(|e| e.into_inner());
+                let id = t.0.alloc(n);
+                t.1.insert(off, id);
+                Ok(self.base + off as u64)
+            }
             None => Err(CaptureViolation::AllocOutsidePool { requested: bytes, free: s.tail_free() }),
         }
     }
@@ -126,6 +157,10 @@ impl CaptureArena {
     pub(crate) fn release(&self, ptr: u64) {
         if let Some(off) = ptr.checked_sub(self.base) {
             self.state().release(off as usize);
+            let mut t = self.traced.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(id) = t.1.remove(&(off as usize)) {
+                t.0.free(id);
+            }
         }
     }
 }

@@ -32,6 +32,7 @@
 //! - Indices are not bounds-checked on the device (that would need a host read): an out-of-range
 //!   index reads as zero and adds nothing. Integer division by zero gives 0.
 
+mod aliased_range;
 pub(crate) mod alloc;
 pub(crate) mod blas;
 pub(crate) mod capture_support;
