@@ -62,6 +62,17 @@ impl Graph for CudaRecorded {
     }
 }
 
+/// The bytes a shared arena must have to take a graph laid out by `spec`. A plan made from a
+/// traced capture is followed exactly, so its tail (room for allocations it did not foresee) may
+/// be what the arena has left, down to 1 MiB: a later bucket's slightly larger plan then still
+/// fits the arena an earlier one made. Without a plan the whole tail is needed.
+fn shared_bytes_needed(spec: &ArenaSpec) -> usize {
+    match spec.plan.offsets.is_empty() {
+        true => spec.bytes(),
+        false => spec.plan.bytes + spec.tail.min(1 << 20),
+    }
+}
+
 /// A recording cannot start inside another (nor allocate its arena there).
 fn not_capturing(region: &str) -> Result<()> {
     match cs::is_capturing() {
@@ -158,7 +169,7 @@ impl Backend for CudaBackend {
         let (arena, owns) = match shared {
             // The graphs sharing it run one after another and keep nothing in it: the next one
             // may use it from the start, laid out by its own plan.
-            Some(a) if a.size() >= spec.bytes() => {
+            Some(a) if a.size() >= shared_bytes_needed(spec) => {
                 a.rewind(spec.plan.clone());
                 (a, false)
             }

@@ -25,11 +25,11 @@ pub struct RecorderConfig {
     pub strict_pending: bool,
     /// Only the all-outputs gradient mask replays; another mask errors instead of being captured.
     pub strict_masks: bool,
-    /// Lay each arena out from its warm-up's allocation trace (`ptl_autograd::internal::arena_plan`): about
-    /// the peak of live bytes instead of the sum (off by default until its memory figures are
-    /// measured on a GPU: docs/memory.md). Off (or on a backend that records no trace), or
-    /// for a graph without a warm-up of its own: arena = the warm-up's summed bytes ×
-    /// `arena_slack` + `arena_extra_bytes`.
+    /// Lay each arena out from an allocation trace (`ptl_autograd::internal::arena_plan`): that
+    /// of a traced capture of the same body where the backend can make one, else the warm-up's —
+    /// about the peak of live bytes instead of their sum (docs/memory.md). Off (or on a backend
+    /// that records no trace): arena = the warm-up's summed bytes × `arena_slack` +
+    /// `arena_extra_bytes`.
     pub plan_arenas: bool,
     /// Bytes beyond a planned part, as a fraction of it (plus `arena_extra_bytes`), for
     /// allocations the capture makes that its warm-up did not.
@@ -51,7 +51,7 @@ impl Default for RecorderConfig {
             max_recordings: 2,
             strict_pending: false,
             strict_masks: false,
-            plan_arenas: false,
+            plan_arenas: true,
             plan_headroom: 1.0 / 16.0,
             share_forward_arena: false,
             arena_slack: 1.25,

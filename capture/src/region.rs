@@ -1117,11 +1117,20 @@ impl RegionHandle {
                 true => backend.record_sharing(&region, device, &fwd_spec, &self.recorder.fwd_arena, pool.as_ref(), fwd_body.clone()),
                 false => backend.record(&region, device, &fwd_spec, pool.as_ref(), fwd_body.clone()),
             };
+            // A planned capture that overflowed a shared arena is tried once more in an arena of
+            // its own with the plan's whole tail, then unplanned.
             let fwd = match fwd {
                 Err(CaptureError::AllocOutsidePool { .. }) if !fwd_spec.plan.offsets.is_empty() => {
                     restore_host();
                     lock(&self.shared.stats).arena_replans += 1;
-                    backend.record(&region, device, &unplanned(&fwd_fp), pool.as_ref(), fwd_body)?
+                    let own = cfg.share_forward_arena.then(|| backend.record(&region, device, &fwd_spec, pool.as_ref(), fwd_body.clone()));
+                    match own {
+                        None | Some(Err(CaptureError::AllocOutsidePool { .. })) => {
+                            restore_host();
+                            backend.record(&region, device, &unplanned(&fwd_fp), pool.as_ref(), fwd_body)?
+                        }
+                        Some(other) => other?,
+                    }
                 }
                 other => other?,
             };
@@ -1136,7 +1145,12 @@ impl RegionHandle {
                 let graph = match backend.record_sharing(&region, device, &bwd_spec, &bwd_arena_slot, pool.as_ref(), body.clone()) {
                     Err(CaptureError::AllocOutsidePool { .. }) if !bwd_spec.plan.offsets.is_empty() => {
                         lock(&self.shared.stats).arena_replans += 1;
-                        backend.record(&region, device, &unplanned(&bwd_fp), pool.as_ref(), body)?
+                        match backend.record(&region, device, &bwd_spec, pool.as_ref(), body.clone()) {
+                            Err(CaptureError::AllocOutsidePool { .. }) => {
+                                backend.record(&region, device, &unplanned(&bwd_fp), pool.as_ref(), body)?
+                            }
+                            other => other?,
+                        }
                     }
                     other => other?,
                 };

@@ -30,7 +30,7 @@ options:
                      every replay plugin of ptl-plugins), dense (loss_assigner=dense: the fixed-shape
                      assigner and loss), all+dense (both: with the dense loss `all` records a step's
                      forward and loss as one region, `step`), all+loss (the same, named as before),
-                     all+plan (all+dense with arenas planned from the warm-up's buffer lifetimes),
+                     all+plan, all+summed (all+dense with arena planning named on — the default — or off),
                      pieces+loss (the trunk, each stem and the loss recorded apart, no step region)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
@@ -220,20 +220,22 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         "dense" => Ok(vec!["loss_assigner=dense".into()]),
         "all+dense" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into()]),
         "all+loss" => Ok(vec!["replay=all,loss".into(), "loss_assigner=dense".into()]),
-        // `all+dense` with every recording's arenas planned from its warm-up's lifetimes.
-        "all+plan" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into(), format!("replay_config={}", planned_arenas_json())]),
+        // `all+dense` with arena planning named on (all+plan) or off (all+summed: each arena the
+        // sum of its capture's allocations).
+        "all+plan" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into(), format!("replay_config={}", planned_arenas_json(true))]),
+        "all+summed" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into(), format!("replay_config={}", planned_arenas_json(false))]),
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, pieces+loss)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss)"
         )),
     }
 }
 
-/// `replay_config` turning arena planning on in every replay plugin of ptl-plugins.
-fn planned_arenas_json() -> Value {
-    let on = |_| json!({ "plan_arenas": true });
-    Value::Object(["step", "optimizer", "loss", "feature", "stem", "ns"].into_iter().map(|p| (p.to_string(), on(p))).collect())
+/// `replay_config` turning arena planning on or off in every replay plugin of ptl-plugins.
+fn planned_arenas_json(on: bool) -> Value {
+    let setting = json!({ "plan_arenas": on });
+    Value::Object(["step", "optimizer", "loss", "feature", "stem", "ns"].into_iter().map(|p| (p.to_string(), setting.clone())).collect())
 }
 
 /// An Ultralytics arm: (label in the tables, its `compile=`, its `deterministic=`).
