@@ -4,7 +4,8 @@
 //!
 //! Generates a synthetic dataset into a temporary folder, opens it (RAM cache), then reports:
 //! * per-stage cost of one sample (mosaic, affine warp, HSV, collate) on one thread;
-//! * images/s with one thread (batches built in the calling thread) and with all threads (prefetch workers);
+//! * images/s with one thread (batches built in the calling thread) and with all threads (prefetch workers),
+//!   also with HSV left to the device (the loader of a CUDA fit);
 //! * a simulated 10 ms training step at batch 4: how long the consumer waited for data per step.
 
 use std::sync::Arc;
@@ -122,6 +123,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ipsn,
         ipsn / ips1
     );
+    drop(p);
+
+    // All threads, HSV left to the device (what the loader of a CUDA fit does).
+    let ld = Arc::new(TrainLoader::new(ds.clone(), TrainConfig { hsv_on_device: true, ..cfg(threads) })?);
+    let mut p = ld.prefetch(0);
+    for _ in 0..threads.min(nb) {
+        p.next_batch().ok_or("loader ended")??;
+    }
+    let t = Instant::now();
+    for _ in 0..batches {
+        p.next_batch().ok_or("loader ended")??;
+    }
+    let sd = t.elapsed().as_secs_f64();
+    println!("{threads} threads, HSV on the device: {:.0} images/s", (batches * batch) as f64 / sd);
     drop(p);
 
     // Simulated training step of 10 ms at batch 4.

@@ -408,6 +408,14 @@ fn round_u8(v: f32) -> u8 {
     ((v + 8_388_608.0) - 8_388_608.0) as u8
 }
 
+/// [`round_u8`] for a value known to lie in [0, 255] (a lerp of bytes never leaves the range of
+/// its ends): the sum with 2²³ holds the rounded integer in its low mantissa bits, read with bit
+/// operations only, so a loop of these vectorises (a float-to-int conversion does not).
+#[inline(always)]
+fn round_u8_in_range(v: f32) -> u8 {
+    ((v + 8_388_608.0).to_bits() - 0x4B00_0000) as u8
+}
+
 #[inline(always)]
 fn tap(src: &Image, x: i32, y: i32, c: usize) -> f32 {
     if x < 0 || y < 0 || x >= src.w as i32 || y >= src.h as i32 {
@@ -486,17 +494,41 @@ fn warp_separable(src: &Image, f: &[[f32; 3]; 2], out: &mut Image) {
         })
         .collect();
     let border = PAD_VALUE as f32;
+    // Columns whose two taps are both inside the source form one run (the scale is positive, so
+    // taps grow with x): those are read straight from the row; the few outside it read 114.
+    let inside = |t: &(Option<usize>, Option<usize>, f32)| t.0.is_some() && t.1.is_some();
+    let first = cols.iter().position(inside).unwrap_or(ow);
+    let last = cols.iter().rposition(inside).map_or(first, |x| x + 1).max(first);
     // horizontal lerp of source row `iy` (or of a border row) into `buf`
     let hpass = |iy: i32, buf: &mut [f32]| {
         let row = (iy >= 0 && iy < sh).then(|| &src.data[iy as usize * src.stride()..(iy as usize + 1) * src.stride()]);
-        for (x, &(t0, t1, a)) in cols.iter().enumerate() {
+        let Some(r) = row else {
+            // p0 = p1 = 114: the lerp is 114 exactly
+            buf.fill(border);
+            return;
+        };
+        let edge = |x: usize, buf: &mut [f32]| {
+            let (t0, t1, a) = cols[x];
             for c in 0..3 {
-                let p = |t: Option<usize>| match (row, t) {
-                    (Some(r), Some(o)) => r[o + c] as f32,
-                    _ => border,
-                };
+                let p = |t: Option<usize>| t.map_or(border, |o| r[o + c] as f32);
                 let (p0, p1) = (p(t0), p(t1));
                 buf[x * 3 + c] = p0 + a * (p1 - p0);
+            }
+        };
+        for x in (0..first).chain(last..ow) {
+            edge(x, buf);
+        }
+        for (x, &(t0, t1, a)) in cols.iter().enumerate().take(last).skip(first) {
+            let (Some(o0), Some(o1)) = (t0, t1) else {
+                edge(x, buf);
+                continue;
+            };
+            let (Some(q0), Some(q1), Some(out)) = (r.get(o0..o0 + 3), r.get(o1..o1 + 3), buf.get_mut(x * 3..x * 3 + 3)) else {
+                continue;
+            };
+            for c in 0..3 {
+                let (p0, p1) = (q0[c] as f32, q1[c] as f32);
+                out[c] = p0 + a * (p1 - p0);
             }
         }
     };
@@ -526,7 +558,7 @@ fn warp_separable(src: &Image, f: &[[f32; 3]; 2], out: &mut Image) {
         }
         let (v0, v1) = (&rows[0].1, &rows[1].1);
         for ((o, &a), &c) in orow.iter_mut().zip(v0).zip(v1) {
-            *o = round_u8(a + b * (c - a));
+            *o = round_u8_in_range(a + b * (c - a));
         }
     }
 }
@@ -679,14 +711,10 @@ pub fn letterbox(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, scal
 
 /// Mirrors an image left–right in place.
 pub fn fliplr_image(img: &mut Image) {
-    let w = img.w as usize;
     let stride = img.stride();
     for row in img.data.chunks_exact_mut(stride) {
-        for x in 0..w / 2 {
-            for c in 0..3 {
-                row.swap(x * 3 + c, (w - 1 - x) * 3 + c);
-            }
-        }
+        // whole pixels, reversed
+        row.as_chunks_mut::<3>().0.reverse();
     }
 }
 
@@ -717,6 +745,17 @@ mod tests {
             l.kpts.extend_from_slice(&[0.3 + 0.02 * j as f32, 0.4, 2.0]);
         }
         l
+    }
+
+    #[test]
+    fn the_vectorisable_rounding_equals_the_saturating_one_on_byte_lerps() {
+        // Every multiple of 2⁻¹² in [0, 255] (halves included), and the float just below each half.
+        for i in 0..=255u32 << 12 {
+            let v = i as f32 / 4096.0;
+            assert_eq!(round_u8_in_range(v), round_u8(v), "{v}");
+            let below = f32::from_bits(v.to_bits().saturating_sub(1));
+            assert_eq!(round_u8_in_range(below), round_u8(below), "{below}");
+        }
     }
 
     #[test]

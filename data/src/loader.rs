@@ -309,12 +309,12 @@ pub fn collate(samples: Vec<Sample>, k: usize, epoch: usize, index: usize) -> Re
     let (wf, hf) = (w as f32, h as f32);
     for (i, s) in samples.into_iter().enumerate() {
         let dst = &mut b.img[i * 3 * plane..(i + 1) * 3 * plane];
-        let order: [usize; 3] = if s.rgb { [2, 1, 0] } else { [0, 1, 2] };
-        for (c, &src_c) in order.iter().enumerate() {
-            let d = &mut dst[c * plane..(c + 1) * plane];
-            for (p, px) in d.iter_mut().zip(s.img.data.chunks_exact(3)) {
-                *p = px[src_c];
-            }
+        let [o0, o1, o2]: [usize; 3] = if s.rgb { [2, 1, 0] } else { [0, 1, 2] };
+        // HWC → CHW in one pass over the pixels
+        let (d0, rest) = dst.split_at_mut(plane);
+        let (d1, d2) = rest.split_at_mut(plane);
+        for (((px, p0), p1), p2) in s.img.data.as_chunks::<3>().0.iter().zip(d0).zip(d1).zip(d2) {
+            (*p0, *p1, *p2) = (px[o0], px[o1], px[o2]);
         }
         for (j, bx) in s.inst.boxes.iter().enumerate() {
             b.batch_idx.push(i as f32);
