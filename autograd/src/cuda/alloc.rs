@@ -326,16 +326,6 @@ pub fn private_pool_allocated_bytes(device: Device) -> Result<u64> {
     live_pools(&dev).iter().map(|p| pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)).sum()
 }
 
-/// Bytes of device memory held by the math libraries' workspaces on `device` (the cuBLAS/cuBLASLt
-/// workspace and every cached cuDNN plan's), part of [`MemoryStats::allocated`]. They stay for
-/// the process lifetime, since recorded graphs keep their addresses.
-pub fn library_workspace_bytes(device: Device) -> Result<u64> {
-    let dev = cuda_dev(device)?;
-    let blas = if dev.blas.lock().unwrap_or_else(|e| e.into_inner()).is_some() { super::blas::WORKSPACE as u64 } else { 0 };
-    let dnn = dev.dnn.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map_or(0, |d| d.workspace_bytes());
-    Ok(blas + dnn)
-}
-
 /// Resets the peaks to the current values (`torch.cuda.reset_peak_memory_stats`).
 pub fn reset_peak_memory_stats(device: Device) -> Result<()> {
     let dev = cuda_dev(device)?;

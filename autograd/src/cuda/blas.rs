@@ -165,12 +165,7 @@ fn build_lt_plan(lt: ls::cublasLtHandle_t, (p, dt, c_f32): LtKey) -> std::result
 /// Runs `f` on the device's cuBLAS state (created on first use) under its lock.
 fn with_blas<R>(dev: &Arc<Dev>, f: impl FnOnce(&mut Blas) -> Result<R>) -> Result<R> {
     dev.bind()?;
-    let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
-    let blas = match guard.as_mut() {
-        Some(b) => b,
-        None => guard.insert(super::counters::time_setup(Setup::Handle, || Blas::new(dev))?),
-    };
-    f(blas)
+    dev.blas.with(|| super::counters::time_setup(Setup::Handle, || Blas::new(dev)), f)
 }
 
 /// The device's cuBLAS handle (for the host-cost probe's bare calls; callers serialise on the

@@ -18,8 +18,8 @@ use cudarc::cudnn::{result as nr, sys as ns};
 
 use super::alloc::DevBuf;
 use super::conv_choice::{Choice, ChoiceCache};
-use super::conv_graph::Built;
 pub(crate) use super::conv_graph::Dir;
+use super::conv_graph::{max_workspace, Built};
 use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
 use super::CudaStorage;
@@ -92,30 +92,6 @@ impl Workspace {
         self.bufs.iter().map(|(b, _)| b.bytes as u64).sum()
     }
 }
-
-/// The largest workspace a convolution plan may need (default 32 MiB; `PTL_CUDNN_WORKSPACE_MIB`
-/// sets it): engines needing more are passed over for the next one in cuDNN's ranking. The
-/// workspace is held for the whole run, so it adds to the peak memory one for one.
-pub(crate) fn max_workspace() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| match std::env::var("PTL_CUDNN_WORKSPACE_MIB") {
-        Err(_) => DEFAULT_MAX_WS,
-        Ok(v) => parse_workspace_mib(&v).unwrap_or_else(|e| {
-            eprintln!("ptl: {e}; using {} MiB", DEFAULT_MAX_WS >> 20);
-            DEFAULT_MAX_WS
-        }),
-    })
-}
-
-/// `PTL_CUDNN_WORKSPACE_MIB`'s value in bytes (at most 16 GiB).
-fn parse_workspace_mib(v: &str) -> std::result::Result<usize, String> {
-    match v.trim().parse::<usize>() {
-        Ok(m) if m <= 16 << 10 => Ok(m << 20),
-        _ => Err(format!("PTL_CUDNN_WORKSPACE_MIB={v:?} is not a number of MiB up to 16384")),
-    }
-}
-
-const DEFAULT_MAX_WS: usize = 32 << 20;
 
 pub(crate) struct Dnn {
     handle: ns::cudnnHandle_t,
@@ -338,61 +314,85 @@ pub(crate) fn run_into(
     if p.kh == 1 && p.kw == 1 && p.stride == (1, 1) && p.padding == (0, 0) && p.groups == 1 {
         return pointwise(dir, a, b, p, out);
     }
-    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
-    if guard.is_none() {
-        *guard = Some(super::counters::time_setup(Setup::Handle, || Dnn::new(dev))?);
-    }
-    let dnn = guard.as_mut().ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
-    let h = dnn.handle;
-    if dt != DType::F64 && !legacy_forced() {
-        let choices = &dnn.choices;
-        let entry = dnn
-            .graph_plans
-            .entry((*p, dt, dir))
-            .or_insert_with(|| super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir)));
-        if let Some(gp) = entry {
-            // Buffers by their forward-convolution names (x, w, y).
-            let (a, b, o) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
-            let (x, w, y) = match dir {
-                Dir::Fwd => (a, b, o),
-                Dir::BwdData => (o, b, a),
-                Dir::BwdFilter => (b, o, a),
+    dev.dnn.with(
+        || super::counters::time_setup(Setup::Handle, || Dnn::new(dev)),
+        |dnn: &mut Dnn| {
+            let h = dnn.handle;
+            if dt != DType::F64 && !legacy_forced() {
+                let choices = &dnn.choices;
+                let entry = dnn
+                    .graph_plans
+                    .entry((*p, dt, dir))
+                    .or_insert_with(|| super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir)));
+                if let Some(gp) = entry {
+                    // Buffers by their forward-convolution names (x, w, y).
+                    let (a, b, o) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
+                    let (x, w, y) = match dir {
+                        Dir::Fwd => (a, b, o),
+                        Dir::BwdData => (o, b, a),
+                        Dir::BwdFilter => (b, o, a),
+                    };
+                    let ws = dnn.workspace.get(dev, gp.workspace_bytes())?;
+                    gp.execute(h, x, w, y, ws)?;
+                    count_path(LibPath::ConvGraph);
+                    return Ok(out);
+                }
+            }
+            count_path(LibPath::ConvLegacy);
+            let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
+            let plan = dnn.plan(p, dt, dir)?;
+            let ws = dnn.workspace.get(dev, plan.ws_bytes)? as *mut c_void;
+            let (af, bf) = (1f32, 0f32);
+            let (ad, bd) = (1f64, 0f64);
+            let (alpha, beta) = if dt == DType::F64 {
+                (&ad as *const f64 as *const c_void, &bd as *const f64 as *const c_void)
+            } else {
+                (&af as *const f32 as *const c_void, &bf as *const f32 as *const c_void)
             };
-            let ws = dnn.workspace.get(dev, gp.workspace_bytes())?;
-            gp.execute(h, x, w, y, ws)?;
-            count_path(LibPath::ConvGraph);
-            return Ok(out);
-        }
-    }
-    count_path(LibPath::ConvLegacy);
-    let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
-    let plan = dnn.plan(p, dt, dir)?;
-    let ws = dnn.workspace.get(dev, plan.ws_bytes)? as *mut c_void;
-    let (af, bf) = (1f32, 0f32);
-    let (ad, bd) = (1f64, 0f64);
-    let (alpha, beta) = if dt == DType::F64 {
-        (&ad as *const f64 as *const c_void, &bd as *const f64 as *const c_void)
-    } else {
-        (&af as *const f32 as *const c_void, &bf as *const f32 as *const c_void)
-    };
-    unsafe {
-        match plan.algo {
-            // a = x, b = w
-            Algo::F(algo) => {
-                nr::convolution_forward(h, alpha, plan.x, pa, plan.w, pb, plan.conv, algo, ws, plan.ws_bytes, beta, plan.y, po)
+            unsafe {
+                match plan.algo {
+                    // a = x, b = w
+                    Algo::F(algo) => {
+                        nr::convolution_forward(h, alpha, plan.x, pa, plan.w, pb, plan.conv, algo, ws, plan.ws_bytes, beta, plan.y, po)
+                    }
+                    // a = dy, b = w
+                    Algo::D(algo) => nr::convolution_backward_data(
+                        h,
+                        alpha,
+                        plan.w,
+                        pb,
+                        plan.y,
+                        pa,
+                        plan.conv,
+                        algo,
+                        ws,
+                        plan.ws_bytes,
+                        beta,
+                        plan.x,
+                        po,
+                    ),
+                    // a = dy, b = x
+                    Algo::W(algo) => nr::convolution_backward_filter(
+                        h,
+                        alpha,
+                        plan.x,
+                        pb,
+                        plan.y,
+                        pa,
+                        plan.conv,
+                        algo,
+                        ws,
+                        plan.ws_bytes,
+                        beta,
+                        plan.w,
+                        po,
+                    ),
+                }
             }
-            // a = dy, b = w
-            Algo::D(algo) => {
-                nr::convolution_backward_data(h, alpha, plan.w, pb, plan.y, pa, plan.conv, algo, ws, plan.ws_bytes, beta, plan.x, po)
-            }
-            // a = dy, b = x
-            Algo::W(algo) => {
-                nr::convolution_backward_filter(h, alpha, plan.x, pb, plan.y, pa, plan.conv, algo, ws, plan.ws_bytes, beta, plan.w, po)
-            }
-        }
-    }
-    .map_err(|err| cu_err(op, err))?;
-    Ok(out)
+            .map_err(|err| cu_err(op, err))?;
+            Ok(out)
+        },
+    )
 }
 
 /// The graph-API plan for (`p`, `dt`, `dir`), or `None` when no engine qualifies (legacy path),
@@ -500,18 +500,6 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
             super::blas::gemm(dev, dt, &mp, a.buf.ptr, b.buf.ptr, partials.buf.ptr, 0.0, half)?;
             super::ops::sum_partials(&partials, n, &out)?;
             Ok(out)
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn workspace_limit_parses_or_names_the_variable() {
-        assert_eq!(super::parse_workspace_mib("32"), Ok(32 << 20));
-        assert_eq!(super::parse_workspace_mib(" 0 "), Ok(0));
-        for bad in ["", "x", "-4", "16385", "1e3"] {
-            assert!(super::parse_workspace_mib(bad).unwrap_err().contains("PTL_CUDNN_WORKSPACE_MIB"), "{bad}");
         }
     }
 }

@@ -336,13 +336,13 @@ fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::
     Ok((plan, ws, engine, compiles))
 }
 
-/// The plan's workspace bytes, refused above [`super::conv::max_workspace`].
+/// The plan's workspace bytes, refused above [`max_workspace`].
 fn workspace_within_limit(plan: &Desc) -> std::result::Result<usize, String> {
     let mut ws = [0i64];
     plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, T::CUDNN_TYPE_INT64, &mut ws)
         .map_err(|e| format!("workspace size unreadable ({e})"))?;
     let ws = ws[0];
-    if ws > super::conv::max_workspace() as i64 {
+    if ws > max_workspace() as i64 {
         return Err(format!("workspace {ws} bytes"));
     }
     Ok(ws.max(0) as usize)
@@ -433,5 +433,41 @@ impl GraphPlan {
         vp.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, T::CUDNN_TYPE_VOID_PTR, &[ws])?;
         vp.finalize("variant pack")?;
         Ok(vp)
+    }
+}
+
+/// The largest workspace a convolution plan may need (default 32 MiB; `PTL_CUDNN_WORKSPACE_MIB`
+/// sets it): engines needing more are passed over for the next one in cuDNN's ranking. The
+/// workspace is held for the whole run, so it adds to the peak memory one for one.
+pub(crate) fn max_workspace() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("PTL_CUDNN_WORKSPACE_MIB") {
+        Err(_) => DEFAULT_MAX_WS,
+        Ok(v) => parse_workspace_mib(&v).unwrap_or_else(|e| {
+            eprintln!("ptl: {e}; using {} MiB", DEFAULT_MAX_WS >> 20);
+            DEFAULT_MAX_WS
+        }),
+    })
+}
+
+/// `PTL_CUDNN_WORKSPACE_MIB`'s value in bytes (at most 16 GiB).
+fn parse_workspace_mib(v: &str) -> std::result::Result<usize, String> {
+    match v.trim().parse::<usize>() {
+        Ok(m) if m <= 16 << 10 => Ok(m << 20),
+        _ => Err(format!("PTL_CUDNN_WORKSPACE_MIB={v:?} is not a number of MiB up to 16384")),
+    }
+}
+
+const DEFAULT_MAX_WS: usize = 32 << 20;
+
+#[cfg(test)]
+mod workspace_tests {
+    #[test]
+    fn workspace_limit_parses_or_names_the_variable() {
+        assert_eq!(super::parse_workspace_mib("32"), Ok(32 << 20));
+        assert_eq!(super::parse_workspace_mib(" 0 "), Ok(0));
+        for bad in ["", "x", "-4", "16385", "1e3"] {
+            assert!(super::parse_workspace_mib(bad).unwrap_err().contains("PTL_CUDNN_WORKSPACE_MIB"), "{bad}");
+        }
     }
 }

@@ -11,8 +11,6 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use cudarc::driver::{result as dr, sys, CudaContext, CudaModule, CudaStream};
 
 use super::alloc::{BlockCache, PoolInner};
-use super::blas::Blas;
-use super::conv::Dnn;
 pub use crate::error::CudaSetupError;
 use crate::{DType, Error, Result};
 
@@ -108,6 +106,30 @@ impl Default for DeviceOptions {
     }
 }
 
+/// A library's per-device state, filled on first use by the module that owns the library: the
+/// device knows no library type (those modules sit above it).
+#[derive(Default)]
+pub(crate) struct LibrarySlot(Mutex<Option<Box<dyn std::any::Any + Send>>>);
+
+impl LibrarySlot {
+    /// Runs `f` on the state of type `T` under the slot's lock, made by `init` if there is none.
+    pub fn with<T: Send + 'static, R>(&self, init: impl FnOnce() -> Result<T>, f: impl FnOnce(&mut T) -> Result<R>) -> Result<R> {
+        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            *guard = Some(Box::new(init()?));
+        }
+        let state =
+            guard.as_mut().and_then(|b| b.downcast_mut::<T>()).ok_or_else(|| Error::Cuda("library slot holds another type".into()))?;
+        f(state)
+    }
+
+    /// `f` of the state of type `T`, if it was made.
+    pub fn peek<T: 'static, R>(&self, f: impl FnOnce(&T) -> R) -> Option<R> {
+        let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        guard.as_ref().and_then(|b| b.downcast_ref::<T>()).map(f)
+    }
+}
+
 pub(crate) struct Dev {
     pub ordinal: usize,
     pub ctx: Arc<CudaContext>,
@@ -127,8 +149,10 @@ pub(crate) struct Dev {
     /// Free pinned host buffers of [`super::PendingCopy`] (addresses of `PINNED_READ_BYTES` each):
     /// a deferred read every step reuses them instead of allocating page-locked memory.
     pub pinned_reads: Mutex<Vec<usize>>,
-    pub blas: Mutex<Option<Blas>>,
-    pub dnn: Mutex<Option<Dnn>>,
+    /// cuBLAS/cuBLASLt state (`blas::Blas`), made on first use by the module that owns it.
+    pub blas: LibrarySlot,
+    /// cuDNN state (`conv::Dnn`), the same way.
+    pub dnn: LibrarySlot,
     /// Bytes currently handed out by this allocator (all pools) and the peak since the last reset.
     pub allocated: AtomicU64,
     pub peak_allocated: AtomicU64,
@@ -227,8 +251,8 @@ impl Dev {
             user_modules: Mutex::new(HashMap::new()),
             user_functions: Mutex::new(HashMap::new()),
             pinned_reads: Mutex::new(Vec::new()),
-            blas: Mutex::new(None),
-            dnn: Mutex::new(None),
+            blas: LibrarySlot::default(),
+            dnn: LibrarySlot::default(),
             allocated: AtomicU64::new(0),
             peak_allocated: AtomicU64::new(0),
             private_pools: Mutex::new(Vec::new()),

@@ -45,6 +45,7 @@ pub(crate) mod graph;
 pub(crate) mod host_probe;
 pub(crate) mod kernel_timer;
 mod kernel_units;
+mod library_memory;
 pub(crate) mod module_cache;
 pub(crate) mod ops;
 pub(crate) mod pending_copy;
@@ -55,13 +56,12 @@ use std::sync::Arc;
 
 use cudarc::driver::result as dr;
 
-pub use alloc::{
-    empty_cache, library_workspace_bytes, memory_stats, reset_peak_memory_stats, set_block_cache_limits, synchronize, MemoryStats,
-};
+pub use alloc::{empty_cache, memory_stats, reset_peak_memory_stats, set_block_cache_limits, synchronize, MemoryStats};
 pub use conv_choice::cudnn_cache_dir;
 pub use device::CudaSetupError;
 pub use device::DeviceOptions;
 pub(crate) use kernel_timer::stage_changed;
+pub use library_memory::library_workspace_bytes;
 pub use module_cache::{kernel_cache_dir, module_reports, ModuleReport, ModuleSource};
 pub(crate) use ops::{philox_keep_mask, rng_state_set};
 pub(crate) use pending_copy::PendingCopy;
