@@ -13,7 +13,7 @@
 //!
 //! Executing needs a "variant pack" (the call's device pointers); building one is most of the host
 //! cost of a call, so each plan keeps the last few packs keyed by their pointers (the allocator
-//! hands the same addresses back step after step). Plans share one workspace (`conv::Workspace`).
+//! hands the same addresses back step after step). Plans share one workspace (the convolution module's).
 
 use std::ffi::c_void;
 
@@ -394,7 +394,7 @@ impl GraphPlan {
         (!text.is_empty()).then_some(text)
     }
 
-    /// Workspace bytes the plan needs (see [`super::conv::Workspace`]).
+    /// Workspace bytes the plan needs (the convolution module's shared workspace hands them out).
     pub(crate) fn workspace_bytes(&self) -> usize {
         self.ws_bytes
     }

@@ -6,11 +6,11 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{result as dr, sys, CudaContext, CudaModule, CudaStream};
 
-use super::alloc::{BlockCache, PoolInner};
+use super::block_cache::BlockCache;
 pub use crate::error::CudaSetupError;
 use crate::{DType, Error, Result};
 
@@ -156,13 +156,12 @@ pub(crate) struct Dev {
     /// Bytes currently handed out by this allocator (all pools) and the peak since the last reset.
     pub allocated: AtomicU64,
     pub peak_allocated: AtomicU64,
-    pub private_pools: Mutex<Vec<Weak<PoolInner>>>,
     /// Reserved high-water marks of private pools destroyed since the last peak reset, so that
     /// a peak read after the recordings are gone still counts their memory.
     pub released_pool_peaks: AtomicU64,
     /// Errors from `Drop` paths (frees), which cannot return them.
     pub deferred_error: Mutex<Option<String>>,
-    /// Freed default-pool blocks kept for reuse without a driver call ([`super::alloc`]).
+    /// Freed default-pool blocks kept for reuse without a driver call ([`super::block_cache`]).
     pub block_cache: Mutex<BlockCache>,
     /// `BN_TICKETS` zeroed u32 counters for the one-launch batch-norm statistics kernel, allocated
     /// at open (so never inside a capture) and kept for the device's lifetime.
@@ -234,7 +233,8 @@ impl Dev {
         let modules = super::module_cache::load_modules(&ctx, &super::kernel_units::UNITS, major, minor).map_err(|e| {
             CudaSetupError::Init { detail: format!("kernels (CUDA headers from {}/include; set CUDA_HOME): {e}", cuda_home()) }
         })?;
-        let (cache_limit, cache_max_block) = super::alloc::cache_limits_from_env().map_err(|detail| CudaSetupError::Init { detail })?;
+        let (cache_limit, cache_max_block) =
+            super::block_cache::cache_limits_from_env().map_err(|detail| CudaSetupError::Init { detail })?;
         let bn_tickets = unsafe {
             let p = dr::malloc_sync(BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
             dr::memset_d8_sync(p, 0, BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
@@ -255,7 +255,6 @@ impl Dev {
             dnn: LibrarySlot::default(),
             allocated: AtomicU64::new(0),
             peak_allocated: AtomicU64::new(0),
-            private_pools: Mutex::new(Vec::new()),
             released_pool_peaks: AtomicU64::new(0),
             deferred_error: Mutex::new(None),
             block_cache: Mutex::new(BlockCache::with_limits(cache_limit, cache_max_block)),

@@ -35,6 +35,7 @@
 mod aliased_range;
 pub(crate) mod alloc;
 pub(crate) mod blas;
+mod block_cache;
 pub(crate) mod capture_support;
 pub(crate) mod conv;
 mod conv_choice;
