@@ -26,7 +26,7 @@ use crate::{Device, Error, Result};
 /// Sets the block cache's limits on `device` (bytes in all, largest cached block), returning the
 /// previous ones; cached blocks go back to the pool first. Like `CACHE_ENV`, at run time.
 pub fn set_block_cache_limits(device: Device, limit: u64, max_block: usize) -> Result<(u64, usize)> {
-    let dev = super::dev_of(device)?;
+    let dev = super::device::dev_of(device)?;
     flush_block_cache(&dev);
     let before = dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).set_limits(limit, max_block);
     Ok(before)
@@ -67,7 +67,7 @@ pub(crate) struct DevBuf {
     /// Keeps a private pool alive while memory from it is live.
     _pool: Option<Arc<PoolInner>>,
     /// Set for memory carved from a recorder's capture arena (never freed on its own).
-    _arena: Option<Arc<super::capture_support::CaptureArena>>,
+    _arena: Option<Arc<super::capture_scope::CaptureArena>>,
 }
 
 // SAFETY: a device pointer is a plain address; access is ordered on the device's stream.
@@ -91,12 +91,12 @@ impl DevBuf {
     /// Uninitialised memory for `bytes` bytes (callers write every byte before reading).
     pub fn alloc(dev: &Arc<Dev>, bytes: usize) -> Result<DevBuf> {
         dev.bind()?;
-        if let Some(r) = super::capture_support::arena_alloc(dev, bytes) {
+        if let Some(r) = super::capture_scope::arena_alloc(dev, bytes) {
             let (ptr, arena) = r?;
             if POISON.load(Ordering::Relaxed) {
                 // Recorded into the graph: every replay poisons the piece again, so a kernel that
                 // reads bytes another buffer of the plan left there is caught too.
-                let n = bytes.max(1).next_multiple_of(super::capture_support::ARENA_ALIGN);
+                let n = bytes.max(1).next_multiple_of(super::capture_scope::ARENA_ALIGN);
                 unsafe { dr::memset_d8_async(ptr, 0xFF, n, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
             }
             return Ok(DevBuf { ptr, bytes, block: 0, dev: dev.clone(), _pool: None, _arena: Some(arena) });
@@ -133,7 +133,7 @@ impl DevBuf {
             }
         };
         dev.note_alloc(bytes.max(1) as u64);
-        super::capture_support::note_alloc(ptr, bytes);
+        super::capture_scope::note_alloc(ptr, bytes);
         if POISON.load(Ordering::Relaxed) {
             unsafe { dr::memset_d8_async(ptr, 0xFF, block, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
         }
@@ -154,7 +154,7 @@ impl Drop for DevBuf {
         if self.dev.bind().is_err() {
             return;
         }
-        super::capture_support::note_free(self.ptr);
+        super::capture_scope::note_free(self.ptr);
         self.dev.note_free(self.bytes.max(1) as u64);
         if self._pool.is_none()
             && !self.dev.capturing.load(Ordering::Relaxed)
@@ -270,7 +270,7 @@ pub fn empty_cache(device: Device) -> Result<()> {
 /// Waits until every queued operation on `device`'s compute stream has finished, then reports any
 /// error recorded by a stream-ordered free.
 pub fn synchronize(device: Device) -> Result<()> {
-    super::capture_support::check_host_sync("synchronize")?;
+    super::capture_scope::check_host_sync("synchronize")?;
     let dev = cuda_dev(device)?;
     dev.synchronize()?;
     if let Some(e) = dev.deferred_error.lock().unwrap_or_else(|e| e.into_inner()).take() {

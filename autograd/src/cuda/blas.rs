@@ -19,7 +19,7 @@ use cudarc::cublaslt::{result as lr, sys as ls};
 use super::alloc::DevBuf;
 use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
-use super::CudaStorage;
+use super::storage::CudaStorage;
 use crate::backend::MatmulParams;
 use crate::{DType, Error, Result};
 

@@ -22,7 +22,7 @@ pub(crate) use super::conv_graph::Dir;
 use super::conv_graph::{max_workspace, Built};
 use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
-use super::CudaStorage;
+use super::storage::CudaStorage;
 use crate::backend::Conv2dParams;
 use crate::{DType, Error, Result};
 

@@ -11,8 +11,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{result as dr, sys, CudaContext, CudaModule, CudaStream};
 
 use super::block_cache::BlockCache;
+use super::module_cache::cuda_home;
 pub use crate::error::CudaSetupError;
-use crate::{DType, Error, Result};
+use crate::{DType, Device, Error, Result};
 
 pub(crate) fn cu_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("{what}: {e:?}"))
@@ -46,11 +47,6 @@ pub(crate) fn probe() -> std::result::Result<usize, CudaSetupError> {
             Ok(n as usize)
         })
         .clone()
-}
-
-/// Where the CUDA headers live (`CUDA_HOME`, `CUDA_PATH`, else `/usr/local/cuda`).
-pub(crate) fn cuda_home() -> String {
-    std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")).unwrap_or_else(|_| "/usr/local/cuda".into())
 }
 
 /// Library calls that took the fast path or the fallback, counted per thread (diagnostics: tests
@@ -357,5 +353,13 @@ pub(crate) fn event_reached(event: sys::CUevent) -> Result<bool> {
         Ok(()) => Ok(true),
         Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
         Err(e) => Err(cu_err("cuEventQuery", e)),
+    }
+}
+
+/// The device state of a CUDA [`Device`] (an error for the CPU or a device that cannot open).
+pub(crate) fn dev_of(device: Device) -> Result<Arc<Dev>> {
+    match device {
+        Device::Cuda(n) => Dev::get(n).map_err(Error::CudaUnavailable),
+        Device::Cpu => Err(Error::invalid("cuda", "expected a CUDA device")),
     }
 }

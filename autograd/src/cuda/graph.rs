@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result as dr, sys};
 
-use super::dev_of;
+use super::device::dev_of;
 use super::device::{cu_err, Dev};
 use crate::{Device, Result};
 
@@ -152,7 +152,7 @@ impl StreamMark {
 
     /// Milliseconds of device time from this mark to `later` (waits until `later` is reached).
     pub fn elapsed_ms_until(&self, later: &StreamMark) -> Result<f64> {
-        super::capture_support::check_host_sync("StreamMark::elapsed_ms_until")?;
+        super::capture_scope::check_host_sync("StreamMark::elapsed_ms_until")?;
         self.dev.bind()?;
         super::counters::count(super::counters::Count::HostSync);
         unsafe {

@@ -11,7 +11,9 @@ use cudarc::cublaslt::{result as lr, sys as ls};
 use super::alloc::DevBuf;
 use super::conv::{run_into, Dir};
 use super::device::cu_err;
-use super::{dev_of, ops, CudaStorage};
+use super::device::dev_of;
+use super::ops;
+use super::storage::CudaStorage;
 use crate::backend::{Conv2dParams, MatmulParams};
 use crate::{DType, Device, Error, Result};
 
@@ -23,14 +25,14 @@ fn host_us(device: Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Re
     }
     let mut batches = Vec::with_capacity(5);
     for _ in 0..5 {
-        super::synchronize(device)?;
+        super::alloc::synchronize(device)?;
         let t = Instant::now();
         for _ in 0..reps {
             f()?;
         }
         batches.push(t.elapsed().as_secs_f64() * 1e6 / reps as f64);
     }
-    super::synchronize(device)?;
+    super::alloc::synchronize(device)?;
     batches.sort_by(f64::total_cmp);
     Ok(batches[2])
 }
@@ -151,7 +153,7 @@ fn lt_probe(device: Device, reps: usize, pa: u64, pc: u64) -> Result<f64> {
         let _ = lr::destroy_matmul_pref(pref);
         let _ = lr::destroy_matrix_layout(lay);
         let _ = lr::destroy_matmul_desc(desc);
-        super::synchronize(device)?;
+        super::alloc::synchronize(device)?;
         let _ = lr::destroy_handle(lt);
         r?
     };

@@ -16,7 +16,7 @@ use std::sync::{Mutex, OnceLock};
 use cudarc::cupti::result::activity;
 use cudarc::cupti::sys::{self as cs, CUpti_ActivityKind as Kind};
 
-use super::device::cuda_home;
+use super::module_cache::cuda_home;
 use crate::{Device, Error, Result};
 
 /// Kernel, copy and memset activity measured by a [`GpuKernelTimer`].
@@ -259,7 +259,7 @@ impl GpuKernelTimer {
             return Err(Error::invalid("GpuKernelTimer::start", "another GPU kernel timer is running in this process"));
         }
         let started = (|| {
-            super::synchronize(device)?;
+            super::alloc::synchronize(device)?;
             activity::flush_all(0).map_err(|e| cupti_err("flush", e))?;
             *TOTALS.lock().unwrap_or_else(|e| e.into_inner()) = GpuKernelTotals::default();
             for k in KINDS {
@@ -311,7 +311,7 @@ impl GpuKernelTimer {
     /// Waits for the device, stops tracing and returns the totals of the window.
     pub fn finish(self) -> Result<GpuKernelTotals> {
         let r: Result<()> = (|| {
-            super::synchronize(self.device)?;
+            super::alloc::synchronize(self.device)?;
             activity::flush_all(cs::CUpti_ActivityFlag::CUPTI_ACTIVITY_FLAG_FLUSH_FORCED as u32).map_err(|e| cupti_err("flush", e))?;
             Ok(())
         })();

@@ -9,7 +9,7 @@ use crate::{Device, Result};
 /// workspace and every cached cuDNN plan's), part of [`MemoryStats::allocated`]. They stay for
 /// the process lifetime, since recorded graphs keep their addresses.
 pub fn library_workspace_bytes(device: Device) -> Result<u64> {
-    let dev = super::dev_of(device)?;
+    let dev = super::device::dev_of(device)?;
     let blas = dev.blas.peek(|_: &Blas| WORKSPACE as u64).unwrap_or(0);
     let dnn = dev.dnn.peek(|d: &Dnn| d.workspace_bytes()).unwrap_or(0);
     Ok(blas + dnn)

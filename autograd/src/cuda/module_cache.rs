@@ -22,8 +22,6 @@ use cudarc::driver::{CudaContext, CudaModule};
 use cudarc::nvrtc::sys as nv;
 use sha2::{Digest, Sha256};
 
-use super::device::cuda_home;
-
 /// How a module's device code was obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ModuleSource {
@@ -268,29 +266,16 @@ impl Inputs<'_> {
     }
 }
 
-/// Loads `source` as module `name` through the on-disk cache, bypassing the process's own module
-/// table, checks that `function` is in it, and says how its code was obtained (so a test can play
-/// several processes in one).
-#[doc(hidden)]
-pub fn probe_module_cache(device: crate::Device, name: &str, source: &str, function: &str) -> crate::Result<ModuleSource> {
-    let dev = super::dev_of(device)?;
-    dev.bind()?;
-    let (major, minor) = dev.ctx.compute_capability().map_err(|e| super::device::cu_err("compute capability", e))?;
-    let m = load_module(&dev.ctx, name, source, major, minor).map_err(crate::Error::Cuda)?;
-    m.load_function(function).map_err(|e| super::device::cu_err(&format!("kernel {function} in module {name}"), e))?;
-    module_reports()
-        .iter()
-        .rev()
-        .find(|r| r.name == name)
-        .map(|r| r.source)
-        .ok_or_else(|| crate::Error::Cuda(format!("module {name}: no load report")))
-}
-
 fn record(name: &str, source: ModuleSource, compile_s: f64, load_s: f64, note: Option<String>) {
     if let Some(n) = &note {
         eprintln!("ptl: {n}");
     }
     reports().lock().unwrap_or_else(|e| e.into_inner()).push(ModuleReport { name: name.into(), source, compile_s, load_s, note });
+}
+
+/// Where the CUDA headers live (`CUDA_HOME`, `CUDA_PATH`, else `/usr/local/cuda`).
+pub(crate) fn cuda_home() -> String {
+    std::env::var("CUDA_HOME").or_else(|_| std::env::var("CUDA_PATH")).unwrap_or_else(|_| "/usr/local/cuda".into())
 }
 
 #[cfg(test)]

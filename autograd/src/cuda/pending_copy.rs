@@ -6,7 +6,8 @@ use std::sync::Arc;
 use cudarc::driver::{result as dr, sys};
 
 use super::device::{cu_err, Dev};
-use super::{capture_support, counters, CudaStorage};
+use super::storage::CudaStorage;
+use super::{capture_scope, counters};
 use crate::{DType, Error, Result};
 
 /// Size of the pooled pinned buffers: reads up to this many bytes reuse one.
@@ -37,7 +38,7 @@ impl PendingCopy {
         if src.dtype != DType::F32 {
             return Err(Error::UnsupportedDType { op: "read_later", dtype: src.dtype, expected: "F32" });
         }
-        capture_support::check_host_sync("read_later")?;
+        capture_scope::check_host_sync("read_later")?;
         let dev = src.buf.dev.clone();
         dev.bind()?;
         let bytes = src.len * 4;
@@ -81,7 +82,7 @@ impl PendingCopy {
         if self.poll()? {
             return Ok(());
         }
-        capture_support::check_host_sync("PendingRead::wait")?;
+        capture_scope::check_host_sync("PendingRead::wait")?;
         counters::count(counters::Count::HostSync);
         unsafe { dr::event::synchronize(self.event) }.map_err(|e| cu_err("cuEventSynchronize", e))?;
         self.done = true;

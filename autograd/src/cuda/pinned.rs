@@ -5,8 +5,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{result as dr, sys};
 
+use super::device::dev_of;
 use super::device::{cu_err, event_reached, Dev};
-use super::{capture_support, counters, dev_of, CudaStorage};
+use super::storage::CudaStorage;
+use super::{capture_scope, counters};
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// Page-locked host memory for fast, asynchronous uploads of u8 image batches.
@@ -58,7 +60,7 @@ impl PinnedBuffer {
     /// Host access; blocks until the last upload from this buffer has been read by the GPU.
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         if self.in_flight {
-            capture_support::check_host_sync("PinnedBuffer::as_mut_slice")?;
+            capture_scope::check_host_sync("PinnedBuffer::as_mut_slice")?;
             self.dev.bind()?;
             counters::count(counters::Count::HostSync);
             unsafe { dr::event::synchronize(self.event) }.map_err(|e| cu_err("cuEventSynchronize", e))?;
@@ -79,7 +81,7 @@ impl PinnedBuffer {
         if !self.in_flight {
             return Ok(true);
         }
-        capture_support::check_host_sync("PinnedBuffer::poll_idle")?;
+        capture_scope::check_host_sync("PinnedBuffer::poll_idle")?;
         self.dev.bind()?;
         self.in_flight = !event_reached(self.event)?;
         Ok(!self.in_flight)
@@ -108,7 +110,7 @@ impl PinnedBuffer {
                 format!("shape {shape:?} has {n} elements, buffer holds only {}", self.len),
             ));
         }
-        capture_support::check_host_upload("PinnedBuffer::upload")?;
+        capture_scope::check_host_upload("PinnedBuffer::upload")?;
         self.dev.bind()?;
         let out = CudaStorage::alloc(&self.dev, DType::U8, n)?;
         if n > 0 {

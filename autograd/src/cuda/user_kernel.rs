@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result as dr, sys};
 
-use super::dev_of;
+use super::device::dev_of;
 use super::device::{cu_err, Dev};
 use crate::storage::Storage;
 use crate::{Device, Error, Result, Tensor};

@@ -6,13 +6,14 @@ use std::ffi::c_void;
 use cudarc::driver::result as dr;
 
 use super::super::device::{cu_err, sfx, Dev};
-use super::super::CudaStorage;
+use super::super::storage::CudaStorage;
 use crate::backend::{BinaryOp, CmpOp, UnaryOp};
 use crate::shape::Layout;
-use crate::{DType, Error, Result};
+use crate::{DType, Device, Error, Result};
 use std::sync::Arc;
 
-use super::*;
+use super::geometry::*;
+use super::multi_tensor::launch_multi_tensor;
 
 pub(super) fn unary_code(op: UnaryOp) -> (i32, f64, f64) {
     match op {
@@ -416,4 +417,33 @@ pub(super) fn launch_row_pieces(
     let (pw, rr, wp) = (ptr(whole), u32c(op, rows)?, u32c(op, pitch / v)?);
     let blocks = most.div_ceil(256).clamp(1, 65536) as u32;
     dev.launch(f, (blocks, pieces.len() as u32, 1), (256, 1, 1), &mut args!(a, pw, rr, wp))
+}
+
+impl CudaStorage {
+    /// A constant-filled buffer (`cuMemsetD8Async` for zero, a fill kernel otherwise).
+    pub(crate) fn full(device: Device, dtype: DType, len: usize, value: f64) -> Result<CudaStorage> {
+        let dev = super::super::device::dev_of(device)?;
+        let s = CudaStorage::alloc(&dev, dtype, len)?;
+        fill(&s, value)?;
+        Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod access_width_tests {
+    use super::access_width;
+
+    #[test]
+    fn access_width_is_the_widest_common_divisor() {
+        assert_eq!(access_width(0), 16);
+        assert_eq!(access_width(4096 | 1600), 16);
+        assert_eq!(access_width(24), 8);
+        assert_eq!(access_width(12), 4);
+        assert_eq!(access_width(6), 2);
+        assert_eq!(access_width(0x1000 | 3), 1);
+        // Kernel-name tables are indexed by log2 of the width.
+        for (v, k) in [(1usize, 0u32), (2, 1), (4, 2), (8, 3), (16, 4)] {
+            assert_eq!(v.trailing_zeros(), k);
+        }
+    }
 }

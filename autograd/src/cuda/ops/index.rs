@@ -5,10 +5,11 @@ use std::ffi::c_void;
 use cudarc::driver::result as dr;
 
 use super::super::device::{cu_err, sfx};
-use super::super::CudaStorage;
+use super::super::storage::CudaStorage;
 use crate::{DType, Error, Result};
 
-use super::*;
+use super::geometry::*;
+use super::reduce::split3;
 
 pub(super) fn need_i64(op: &'static str, s: &CudaStorage) -> Result<()> {
     if s.dtype != DType::I64 {

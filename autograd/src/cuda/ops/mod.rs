@@ -4,77 +4,8 @@
 //!
 //! One module per op family, each next to the kernels it launches (`<family>.cu`, compiled behind `prelude.cuh`; see `kernel_units.rs`).
 
-use super::CudaStorage;
-use crate::shape::Layout;
-use crate::{Error, Result};
-
-const MAXD: usize = 8;
-
-/// Kernel geometry for up to three strided operands over one logical shape (see prelude.cuh).
-#[repr(C)]
-#[derive(Clone, Copy, Default, Debug)]
-pub(crate) struct Strided {
-    rank: u32,
-    shape: [u32; MAXD],
-    st: [[u32; MAXD]; 3],
-    off: [u32; 3],
-}
-
-fn u32c(op: &'static str, v: usize) -> Result<u32> {
-    u32::try_from(v).map_err(|_| Error::invalid(op, format!("size {v} exceeds the CUDA backend's 32-bit indexing")))
-}
-
-/// Builds a coalesced geometry: size-1 dims dropped, adjacent dims merged where every operand is
-/// contiguous across them.
-pub(crate) fn strided(op: &'static str, shape: &[usize], ops: &[(&[usize], usize)]) -> Result<Strided> {
-    let mut dims: Vec<(usize, [usize; 3])> = Vec::with_capacity(shape.len());
-    for (d, &s) in shape.iter().enumerate() {
-        if s == 1 {
-            continue;
-        }
-        let mut st = [0usize; 3];
-        for (k, (strides, _)) in ops.iter().enumerate() {
-            st[k] = strides[d];
-        }
-        if let Some(last) = dims.last_mut() {
-            if (0..ops.len()).all(|k| last.1[k] == st[k] * s) {
-                last.0 *= s;
-                last.1 = st;
-                continue;
-            }
-        }
-        dims.push((s, st));
-    }
-    if dims.len() > MAXD {
-        return Err(Error::invalid(op, format!("rank {} after coalescing exceeds {MAXD} on CUDA", dims.len())));
-    }
-    let mut g = Strided { rank: dims.len() as u32, ..Default::default() };
-    for (d, (s, st)) in dims.iter().enumerate() {
-        g.shape[d] = u32c(op, *s)?;
-        for (k, &v) in st.iter().enumerate().take(ops.len()) {
-            g.st[k][d] = u32c(op, v)?;
-        }
-    }
-    for (k, (_, off)) in ops.iter().enumerate() {
-        g.off[k] = u32c(op, *off)?;
-    }
-    Ok(g)
-}
-
-macro_rules! args {
-    ($($a:ident),* $(,)?) => {
-        [$( &$a as *const _ as *mut c_void ),*]
-    };
-}
-
-fn ptr(s: &CudaStorage) -> u64 {
-    s.buf.ptr
-}
-
-fn plain(l: &Layout) -> bool {
-    l.offset == 0 && l.is_contiguous()
-}
-
+#[macro_use]
+mod geometry;
 mod elementwise;
 mod index;
 mod multi_tensor;

@@ -6,10 +6,10 @@ use std::ffi::c_void;
 use cudarc::driver::result as dr;
 
 use super::super::device::{cu_err, sfx};
-use super::super::CudaStorage;
+use super::super::storage::CudaStorage;
 use crate::{DType, Error, Result};
 
-use super::*;
+use super::geometry::*;
 
 /// Tensors per multi-tensor launch and elements per block (`MT_ADD`, `MT_CHUNK` in multi_tensor.cu and prelude.cuh).
 pub(super) const MT_ADD: usize = 40;
@@ -204,7 +204,7 @@ pub(crate) fn unscale_many(any: &CudaStorage, rows: &[([u64; 3], usize)], inv: u
 /// Whether gradient clipping on `device` takes the multi-tensor kernels
 /// ([`super::super::DeviceOptions::fused_clip`]).
 pub(crate) fn fused_clip_enabled(device: crate::Device) -> bool {
-    super::super::dev_of(device).map(|d| d.options().fused_clip).unwrap_or(true)
+    super::super::device::dev_of(device).map(|d| d.options().fused_clip).unwrap_or(true)
 }
 
 /// One parameter's AdamW step (`Tensor::adamw_step_many_dev`): `ptrs` = [param, grad, exp_avg,

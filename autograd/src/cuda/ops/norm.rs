@@ -4,10 +4,10 @@
 use std::ffi::c_void;
 
 use super::super::device::sfx;
-use super::super::CudaStorage;
+use super::super::storage::CudaStorage;
 use crate::{DType, Error, Result};
 
-use super::*;
+use super::geometry::*;
 
 pub(super) fn nchw(op: &'static str, shape: &[usize], len: usize) -> Result<(usize, usize, usize)> {
     if shape.len() != 4 || shape.iter().product::<usize>() != len {

@@ -2,10 +2,11 @@
 
 use std::ffi::c_void;
 
-use super::super::CudaStorage;
+use super::super::storage::CudaStorage;
 use crate::{DType, Error, Result};
 
-use super::*;
+use super::geometry::*;
+use super::multi_tensor::MT_CHUNK;
 
 /// Matrices per padded-batch launch (`PACK_MAX` in pack.cu).
 pub(super) const PACK_MAX: usize = 40;

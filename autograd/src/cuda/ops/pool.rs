@@ -3,11 +3,12 @@
 use std::ffi::c_void;
 
 use super::super::device::sfx;
-use super::super::CudaStorage;
+use super::super::storage::CudaStorage;
 use crate::backend::Pool2dParams;
 use crate::{DType, Error, Result};
 
-use super::*;
+use super::geometry::*;
+use super::index::need_i64;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -92,23 +93,4 @@ pub(crate) fn upsample_nearest2d(x: &CudaStorage, shape: [usize; 4], f: usize, b
     u32c(op, n_in * f * f)?;
     dev.launch1d(k, n_in, &mut args!(px, py, nn, h, w, ff))?;
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::access_width;
-
-    #[test]
-    fn access_width_is_the_widest_common_divisor() {
-        assert_eq!(access_width(0), 16);
-        assert_eq!(access_width(4096 | 1600), 16);
-        assert_eq!(access_width(24), 8);
-        assert_eq!(access_width(12), 4);
-        assert_eq!(access_width(6), 2);
-        assert_eq!(access_width(0x1000 | 3), 1);
-        // Kernel-name tables are indexed by log2 of the width.
-        for (v, k) in [(1usize, 0u32), (2, 1), (4, 2), (8, 3), (16, 4)] {
-            assert_eq!(v.trailing_zeros(), k);
-        }
-    }
 }

@@ -3,11 +3,12 @@
 use std::ffi::c_void;
 
 use super::super::device::sfx;
-use super::super::CudaStorage;
+use super::super::storage::CudaStorage;
 use crate::backend::ReduceOp;
 use crate::{DType, Error, Result};
 
-use super::*;
+use super::elementwise::to_dtype;
+use super::geometry::*;
 
 pub(super) fn split3(shape: &[usize], dim: usize) -> (usize, usize, usize) {
     (shape[..dim].iter().product(), shape[dim], shape[dim + 1..].iter().product())

@@ -2,10 +2,10 @@
 
 use std::ffi::c_void;
 
-use super::super::CudaStorage;
+use super::super::storage::CudaStorage;
 use crate::{DType, Result};
 
-use super::*;
+use super::geometry::*;
 
 /// A u8 keep mask of `n` elements (1 with probability `keep`), see `philox_keep_mask` in rng.cu.
 /// `state` = the generator's device `[seed, base offset]` when recording into a graph.
@@ -18,7 +18,7 @@ pub(crate) fn philox_keep_mask(
     state: Option<&CudaStorage>,
     intra: u64,
 ) -> Result<CudaStorage> {
-    let dev = super::super::dev_of(device)?;
+    let dev = super::super::device::dev_of(device)?;
     let out = CudaStorage::alloc(&dev, DType::U8, n)?;
     if n == 0 {
         return Ok(out);

@@ -3,10 +3,11 @@
 use std::ffi::c_void;
 
 use super::super::device::sfx;
-use super::super::CudaStorage;
+use super::super::storage::CudaStorage;
 use crate::{Error, Result};
 
-use super::*;
+use super::geometry::*;
+use super::reduce::split3;
 
 pub(crate) fn softmax(x: &CudaStorage, shape: &[usize], dim: usize, log: bool) -> Result<CudaStorage> {
     if !x.dtype.is_float() {
