@@ -281,3 +281,23 @@ pub fn stats_dtype(dt: DType) -> DType {
         DType::F32
     }
 }
+
+/// Where a keep mask's Philox counters start.
+pub enum PhiloxStart<'a, S> {
+    /// The host's `(seed, offset)`, baked into the launch.
+    Value { seed: u64, offset: u64 },
+    /// A generator state buffer (`[seed, base offset]`, two i64) plus `intra` blocks: what a
+    /// recorded graph reads again at each replay.
+    State { state: &'a S, intra: u64 },
+}
+
+/// Counter-based random draws on a backend's own memory (the graph-safe generator of
+/// `graph_rng`): every backend gives the same bytes for the same counters, the CPU's being the
+/// reference.
+pub trait RandomStorage: BackendStorage {
+    /// A u8 mask of `n` elements on `device`: element i is word i % 4 of the Philox-4x32 block for
+    /// counter `offset + i / 4` under key `seed`, 1 when `(word >> 8)·2⁻²⁴ < keep`.
+    fn keep_mask(device: Device, n: usize, keep: f32, start: PhiloxStart<'_, Self>) -> Result<Self>;
+    /// Writes `(seed, offset)` into this generator state buffer (two i64).
+    fn set_rng_state(&mut self, seed: u64, offset: u64) -> Result<()>;
+}

@@ -10,7 +10,8 @@
 
 use std::sync::Mutex;
 
-use crate::rng::philox4x32;
+use crate::backend::PhiloxStart;
+use crate::storage::Storage;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
 /// What the generator is doing.
@@ -168,16 +169,8 @@ impl GraphSafeRng {
             return Err(Error::invalid("GraphSafeRng::begin_replay", "the generator is already being recorded or replayed"));
         }
         let mut i = self.lock();
-        if let Some(_state) = &self.state {
-            #[cfg(feature = "cuda")]
-            {
-                let (seed, offset) = (i.seed, i.offset);
-                _state.with_storage(|s| match s {
-                    crate::storage::Storage::Cuda(c) => crate::cuda::rng_state_set(c, seed, offset),
-                    #[allow(unreachable_patterns)]
-                    _ => Ok(()),
-                })?;
-            }
+        if let Some(state) = &self.state {
+            state.write_storage().set_rng_state(i.seed, i.offset)?;
         }
         let base = i.offset;
         i.mode = Mode::Replaying { base, intra: 0, whole };
@@ -213,21 +206,6 @@ impl GraphSafeRng {
     }
 }
 
-/// The host form of the keep mask (`philox_keep_mask` in cuda/ops/rng.cu): element i is word i%4 of the
-/// Philox block for counter `offset + i/4`, kept when `(word >> 8)·2^-24 < keep`.
-fn keep_mask_host(n: usize, keep: f32, seed: u64, offset: u64) -> Vec<u8> {
-    let key = [seed as u32, (seed >> 32) as u32];
-    let mut out = vec![0u8; n];
-    for (b, chunk) in out.chunks_mut(4).enumerate() {
-        let c = offset + b as u64;
-        let w = philox4x32([c as u32, (c >> 32) as u32, 0, 0], key);
-        for (j, y) in chunk.iter_mut().enumerate() {
-            *y = (((w[j] >> 8) as f32) * (1.0 / 16_777_216.0) < keep) as u8;
-        }
-    }
-    out
-}
-
 impl Tensor {
     /// A u8 mask of `shape` whose elements are 1 with probability `keep`, drawn from `rng` on its
     /// device (identical bytes on CPU and CUDA for the same generator state).
@@ -238,25 +216,14 @@ impl Tensor {
         }
         let n = shape.numel();
         let draw = rng.draw("keep_mask", n.div_ceil(4) as u64)?;
-        match (rng.device(), draw) {
-            (Device::Cpu, Draw::Value { seed, offset }) => {
-                Tensor::from_vec(keep_mask_host(n, keep as f32, seed, offset), shape, Device::Cpu)
+        let mask = match draw {
+            Draw::Value { seed, offset } => Storage::keep_mask(rng.device(), n, keep as f32, PhiloxStart::Value { seed, offset })?,
+            Draw::Device { state, intra } => {
+                let state = state.read_storage();
+                Storage::keep_mask(rng.device(), n, keep as f32, PhiloxStart::State { state: &state, intra })?
             }
-            #[cfg(feature = "cuda")]
-            (d @ Device::Cuda(_), draw) => {
-                let s = match draw {
-                    Draw::Value { seed, offset } => crate::cuda::philox_keep_mask(d, n, keep as f32, seed, offset, None, 0)?,
-                    Draw::Device { state, intra } => state.with_storage(|st| match st {
-                        crate::storage::Storage::Cuda(c) => crate::cuda::philox_keep_mask(d, n, keep as f32, 0, 0, Some(c), intra),
-                        #[allow(unreachable_patterns)]
-                        _ => Err(Error::invalid("keep_mask", "generator state is not on the GPU")),
-                    })?,
-                };
-                Tensor::from_storage(crate::storage::Storage::Cuda(s), shape)
-            }
-            #[allow(unreachable_patterns)]
-            (d, _) => Err(Error::DeviceUnavailable { op: "keep_mask", device: d, reason: "this build has no CUDA backend".into() }),
-        }
+        };
+        Tensor::from_storage(mask, shape)
     }
 
     /// Inverted dropout (training mode): zeroes each element with probability `p` and scales the

@@ -1,7 +1,9 @@
 //! Device dispatch: a [`Storage`] is one backend's buffer; every primitive forwards to the
 //! backend after checking that all operands live on the same device.
 
-use crate::backend::{BackendStorage, BinaryOp, CmpOp, Conv2dParams, MatmulParams, Pool2dParams, ReduceOp, UnaryOp};
+use crate::backend::{
+    BackendStorage, BinaryOp, CmpOp, Conv2dParams, MatmulParams, PhiloxStart, Pool2dParams, RandomStorage, ReduceOp, UnaryOp,
+};
 use crate::cpu::CpuStorage;
 use crate::shape::Layout;
 use crate::{DType, Device, Error, Result};
@@ -85,6 +87,43 @@ impl Storage {
     /// Zero-filled storage on `device`.
     pub fn zeros(device: Device, dtype: DType, n: usize) -> Result<Storage> {
         Storage::full(device, dtype, n, 0.0)
+    }
+
+    /// A keep mask of `n` elements drawn on `device` ([`RandomStorage::keep_mask`]); a state buffer
+    /// must live on `device` too.
+    pub(crate) fn keep_mask(device: Device, n: usize, keep: f32, start: PhiloxStart<'_, Storage>) -> Result<Storage> {
+        let mismatch = |s: &Storage| Error::DeviceMismatch { op: "keep_mask", lhs: device, rhs: s.device() };
+        match device {
+            Device::Cpu => {
+                let start = match start {
+                    PhiloxStart::Value { seed, offset } => PhiloxStart::Value { seed, offset },
+                    PhiloxStart::State { state: Storage::Cpu(s), intra } => PhiloxStart::State { state: s, intra },
+                    #[allow(unreachable_patterns)]
+                    PhiloxStart::State { state, .. } => return Err(mismatch(state)),
+                };
+                Ok(Storage::Cpu(CpuStorage::keep_mask(device, n, keep, start)?))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                let start = match start {
+                    PhiloxStart::Value { seed, offset } => PhiloxStart::Value { seed, offset },
+                    PhiloxStart::State { state: Storage::Cuda(s), intra } => PhiloxStart::State { state: s, intra },
+                    PhiloxStart::State { state, .. } => return Err(mismatch(state)),
+                };
+                Ok(Storage::Cuda(crate::cuda::CudaStorage::keep_mask(device, n, keep, start)?))
+            }
+            #[allow(unreachable_patterns)]
+            d => Err(Error::DeviceUnavailable { op: "keep_mask", device: d, reason: "this build has no CUDA backend".into() }),
+        }
+    }
+
+    /// Writes `(seed, offset)` into this generator state buffer ([`RandomStorage::set_rng_state`]).
+    pub(crate) fn set_rng_state(&mut self, seed: u64, offset: u64) -> Result<()> {
+        match self {
+            Storage::Cpu(c) => c.set_rng_state(seed, offset),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.set_rng_state(seed, offset),
+        }
     }
 
     /// Storage whose every element the caller overwrites before reading: no fill on GPUs (zeros on

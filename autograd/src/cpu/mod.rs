@@ -6,6 +6,7 @@ mod elementwise;
 mod fused;
 mod index;
 mod matmul;
+mod random;
 mod reduce;
 
 use half::{bf16, f16};

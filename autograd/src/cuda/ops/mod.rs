@@ -23,5 +23,4 @@ pub(crate) use norm::*;
 pub(crate) use pack::*;
 pub(crate) use pool::*;
 pub(crate) use reduce::*;
-pub(crate) use rng::*;
 pub(crate) use softmax::*;

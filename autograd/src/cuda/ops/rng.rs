@@ -3,13 +3,14 @@
 use std::ffi::c_void;
 
 use super::super::storage::CudaStorage;
+use crate::backend::{PhiloxStart, RandomStorage};
 use crate::{DType, Result};
 
 use super::geometry::*;
 
 /// A u8 keep mask of `n` elements (1 with probability `keep`), see `philox_keep_mask` in rng.cu.
 /// `state` = the generator's device `[seed, base offset]` when recording into a graph.
-pub(crate) fn philox_keep_mask(
+fn philox_keep_mask(
     device: crate::Device,
     n: usize,
     keep: f32,
@@ -31,9 +32,22 @@ pub(crate) fn philox_keep_mask(
 }
 
 /// Writes `(seed, offset)` into a generator's device state `[u64; 2]` (on the stream).
-pub(crate) fn rng_state_set(state: &CudaStorage, seed: u64, offset: u64) -> Result<()> {
+fn rng_state_set(state: &CudaStorage, seed: u64, offset: u64) -> Result<()> {
     let dev = &state.buf.dev;
     let f = dev.func("rng_state_set", "")?;
     let sp = ptr(state);
     dev.launch(f, (1, 1, 1), (1, 1, 1), &mut args!(sp, seed, offset))
+}
+
+impl RandomStorage for CudaStorage {
+    fn keep_mask(device: crate::Device, n: usize, keep: f32, start: PhiloxStart<'_, Self>) -> Result<Self> {
+        match start {
+            PhiloxStart::Value { seed, offset } => philox_keep_mask(device, n, keep, seed, offset, None, 0),
+            PhiloxStart::State { state, intra } => philox_keep_mask(device, n, keep, 0, 0, Some(state), intra),
+        }
+    }
+
+    fn set_rng_state(&mut self, seed: u64, offset: u64) -> Result<()> {
+        rng_state_set(self, seed, offset)
+    }
 }
