@@ -301,3 +301,36 @@ pub trait RandomStorage: BackendStorage {
     /// Writes `(seed, offset)` into this generator state buffer (two i64).
     fn set_rng_state(&mut self, seed: u64, offset: u64) -> Result<()>;
 }
+
+/// One matrix of a padded batch: its shape as stored (`rows × cols`, row-major) and whether its
+/// slot holds the transpose (then it fills `cols × rows` of the slot).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PackedMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub transposed: bool,
+}
+
+impl PackedMatrix {
+    /// The corner of the slot it fills.
+    pub fn extent(&self) -> (usize, usize) {
+        if self.transposed {
+            (self.cols, self.rows)
+        } else {
+            (self.rows, self.cols)
+        }
+    }
+}
+
+/// Matrices of different shapes packed into one zero-padded batch and back (MuSGD's
+/// Newton–Schulz runs many shapes through one batched GEMM): kernels a backend may offer for some
+/// dtypes (`None`: the caller composes the same result from primitives). The CPU's are the
+/// reference: the bytes of the composed ops.
+pub trait PackStorage: BackendStorage {
+    /// A `[items.len(), rows, cols]` batch of `dtype` whose slot i holds f32 matrix i in its
+    /// top-left corner (transposed when flagged), cast as `to_dtype` casts, and zeros elsewhere.
+    fn pack_padded(items: &[(&Self, PackedMatrix)], rows: usize, cols: usize, dtype: DType) -> Result<Option<Self>>;
+    /// Slot i of this `[n, rows, cols]` batch as an f32 matrix of its own: the corner (transposed
+    /// back), times its scale as `mul_scalar` rounds (a scale of 1 multiplies nothing).
+    fn unpack_padded(&self, items: &[(PackedMatrix, f64)], rows: usize, cols: usize) -> Result<Option<Vec<Self>>>;
+}

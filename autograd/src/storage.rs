@@ -2,7 +2,8 @@
 //! backend after checking that all operands live on the same device.
 
 use crate::backend::{
-    BackendStorage, BinaryOp, CmpOp, Conv2dParams, MatmulParams, PhiloxStart, Pool2dParams, RandomStorage, ReduceOp, UnaryOp,
+    BackendStorage, BinaryOp, CmpOp, Conv2dParams, MatmulParams, PackStorage, PackedMatrix, PhiloxStart, Pool2dParams, RandomStorage,
+    ReduceOp, UnaryOp,
 };
 use crate::cpu::CpuStorage;
 use crate::shape::Layout;
@@ -124,6 +125,41 @@ impl Storage {
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.set_rng_state(seed, offset),
         }
+    }
+
+    /// [`PackStorage::pack_padded`] on the items' device (`None`: no kernel for these dtypes).
+    pub(crate) fn pack_padded(items: &[(&Storage, PackedMatrix)], rows: usize, cols: usize, dtype: DType) -> Result<Option<Storage>> {
+        let Some(&(first, _)) = items.first() else { return Ok(None) };
+        let mismatch = |s: &Storage| Error::DeviceMismatch { op: "pack_padded", lhs: first.device(), rhs: s.device() };
+        match first {
+            Storage::Cpu(_) => {
+                let cpu = items.iter().map(|&(s, m)| match s {
+                    Storage::Cpu(c) => Ok((c, m)),
+                    #[allow(unreachable_patterns)]
+                    other => Err(mismatch(other)),
+                });
+                let cpu: Vec<(&CpuStorage, PackedMatrix)> = cpu.collect::<Result<_>>()?;
+                Ok(CpuStorage::pack_padded(&cpu, rows, cols, dtype)?.map(Storage::Cpu))
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => {
+                let cuda = items.iter().map(|&(s, m)| match s {
+                    Storage::Cuda(c) => Ok((c, m)),
+                    other => Err(mismatch(other)),
+                });
+                let cuda: Vec<(&crate::cuda::CudaStorage, PackedMatrix)> = cuda.collect::<Result<_>>()?;
+                Ok(crate::cuda::CudaStorage::pack_padded(&cuda, rows, cols, dtype)?.map(Storage::Cuda))
+            }
+        }
+    }
+
+    /// [`PackStorage::unpack_padded`] on this batch's device (`None`: no kernel for its dtype).
+    pub(crate) fn unpack_padded(&self, items: &[(PackedMatrix, f64)], rows: usize, cols: usize) -> Result<Option<Vec<Storage>>> {
+        Ok(match self {
+            Storage::Cpu(c) => c.unpack_padded(items, rows, cols)?.map(|v| v.into_iter().map(Storage::Cpu).collect()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.unpack_padded(items, rows, cols)?.map(|v| v.into_iter().map(Storage::Cuda).collect()),
+        })
     }
 
     /// Storage whose every element the caller overwrites before reading: no fill on GPUs (zeros on

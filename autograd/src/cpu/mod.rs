@@ -6,6 +6,7 @@ mod elementwise;
 mod fused;
 mod index;
 mod matmul;
+mod pack;
 mod random;
 mod reduce;
 

@@ -3,27 +3,9 @@
 //! one per shape (zero rows and columns add exact zeros to every product, so each slot's result is
 //! its own matrix's). No gradient: optimizer-side data movement.
 
+pub use crate::backend::PackedMatrix;
+use crate::storage::Storage;
 use crate::{DType, Error, Result, Tensor};
-
-/// One matrix of a padded batch: its shape as stored (`rows × cols`, row-major) and whether its
-/// slot holds the transpose (then it fills `cols × rows` of the slot).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct PackedMatrix {
-    pub rows: usize,
-    pub cols: usize,
-    pub transposed: bool,
-}
-
-impl PackedMatrix {
-    /// The corner of the slot it fills.
-    pub fn extent(&self) -> (usize, usize) {
-        if self.transposed {
-            (self.cols, self.rows)
-        } else {
-            (self.rows, self.cols)
-        }
-    }
-}
 
 /// What [`Tensor::unpack_padded`] makes of one slot: the matrix, the shape it is given back
 /// (`rows·cols` elements) and a factor it is multiplied by (as `mul_scalar`; 1 multiplies nothing).
@@ -37,8 +19,9 @@ pub struct Unpacked {
 impl Tensor {
     /// A `[mats.len(), rows, cols]` tensor of `dtype` whose slot `i` holds matrix `i` (its
     /// elements viewed as `rows × cols` of its [`PackedMatrix`], transposed when flagged) in the
-    /// top-left corner and zeros elsewhere; values cast as [`Tensor::to_dtype`] casts them. On CUDA
-    /// one launch for up to 40 f32 matrices of their own storages; otherwise composed ops.
+    /// top-left corner and zeros elsewhere; values cast as [`Tensor::to_dtype`] casts them. f32
+    /// matrices of their own storages go through the backend's [`crate::backend::PackStorage`]
+    /// (on CUDA one launch for up to 40); anything else through composed ops.
     pub fn pack_padded(mats: &[(&Tensor, PackedMatrix)], rows: usize, cols: usize, dtype: DType) -> Result<Tensor> {
         let Some(&(first, _)) = mats.first() else {
             return Err(Error::invalid("pack_padded", "no matrices to pack"));
@@ -58,15 +41,20 @@ impl Tensor {
                 return Err(Error::DTypeMismatch { op: "pack_padded", lhs: first.dtype(), rhs: t.dtype() });
             }
         }
-        if fused_pack_ok(mats, dtype) {
-            return fused_pack(mats, rows, cols, dtype);
+        if mats.iter().all(|(t, _)| whole(t)) {
+            let held: Vec<_> = mats.iter().map(|(t, _)| t.read_storage()).collect();
+            let items: Vec<(&Storage, PackedMatrix)> = held.iter().zip(mats).map(|(s, (_, m))| (&**s, *m)).collect();
+            if let Some(s) = Storage::pack_padded(&items, rows, cols, dtype)? {
+                return Tensor::from_storage(s, vec![mats.len(), rows, cols]);
+            }
         }
         crate::no_grad(|| composed_pack(mats, rows, cols, dtype))
     }
 
     /// The slots of a packed batch (`[n, rows, cols]`, see [`Tensor::pack_padded`]) as separate
     /// tensors of `dtype`: slot `i`'s corner (transposed back when flagged), cast, times its scale,
-    /// in its dims. On CUDA one launch for up to 40 slots into f32; otherwise composed ops.
+    /// in its dims. Into f32, through the backend's [`crate::backend::PackStorage`] (on CUDA one launch for up to
+    /// 40 slots); anything else through composed ops.
     pub fn unpack_padded(&self, items: &[Unpacked], dtype: DType) -> Result<Vec<Tensor>> {
         let d = self.dims();
         if d.len() != 3 || d[0] != items.len() {
@@ -79,8 +67,12 @@ impl Tensor {
                 return Err(Error::invalid("unpack_padded", format!("{:?} as {:?} does not fit a {rows}×{cols} slot", it.matrix, it.dims)));
             }
         }
-        if fused_unpack_ok(self, dtype) {
-            return fused_unpack(self, items, dtype);
+        if dtype == DType::F32 && whole(self) {
+            let slots: Vec<(PackedMatrix, f64)> = items.iter().map(|it| (it.matrix, it.scale)).collect();
+            let unpacked = Storage::unpack_padded(&self.read_storage(), &slots, rows, cols)?;
+            if let Some(storages) = unpacked {
+                return storages.into_iter().zip(items).map(|(s, it)| Tensor::from_storage(s, it.dims.clone())).collect();
+            }
         }
         crate::no_grad(|| composed_unpack(self, items, dtype))
     }
@@ -132,93 +124,9 @@ fn composed_unpack(batch: &Tensor, items: &[Unpacked], dtype: DType) -> Result<V
     Ok(out)
 }
 
-fn whole_on_cuda(t: &Tensor) -> bool {
-    matches!(t.device(), crate::Device::Cuda(_)) && t.numel() > 0 && t.read_storage().len() == t.numel()
-}
-
-fn fused_pack_ok(mats: &[(&Tensor, PackedMatrix)], dtype: DType) -> bool {
-    cfg!(feature = "cuda")
-        && matches!(dtype, DType::BF16 | DType::F32 | DType::F64)
-        && mats.iter().all(|(t, _)| t.dtype() == DType::F32 && whole_on_cuda(t))
-}
-
-fn fused_unpack_ok(batch: &Tensor, dtype: DType) -> bool {
-    cfg!(feature = "cuda") && dtype == DType::F32 && matches!(batch.dtype(), DType::BF16 | DType::F32 | DType::F64) && whole_on_cuda(batch)
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_ptr(op: &'static str, t: &Tensor) -> Result<u64> {
-    match &*t.read_storage() {
-        crate::storage::Storage::Cuda(c) => Ok(c.device_ptr()),
-        #[allow(unreachable_patterns)]
-        _ => Err(Error::invalid(op, "an operand is not on CUDA")),
-    }
-}
-
-/// Runs `launch` with the CUDA storage of `out` (held for writing).
-#[cfg(feature = "cuda")]
-fn on_cuda_out(op: &'static str, out: &Tensor, launch: impl FnOnce(&crate::cuda::CudaStorage) -> Result<()>) -> Result<()> {
-    match &*out.write_storage() {
-        crate::storage::Storage::Cuda(c) => launch(c),
-        #[allow(unreachable_patterns)]
-        _ => Err(Error::invalid(op, "the output is not on CUDA")),
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn fused_pack(mats: &[(&Tensor, PackedMatrix)], rows: usize, cols: usize, dtype: DType) -> Result<Tensor> {
-    use crate::storage::Storage;
-    let device = mats[0].0.device();
-    let n = mats.len() * rows * cols;
-    let out = Tensor::from_storage(Storage::uninit(device, dtype, n)?, vec![mats.len(), rows, cols])?;
-    let base = cuda_ptr("pack_padded", &out)?;
-    let slot = (rows * cols * dtype.size_in_bytes()) as u64;
-    let mut items = Vec::with_capacity(mats.len());
-    for (i, (t, m)) in mats.iter().enumerate() {
-        items.push((cuda_ptr("pack_padded", t)?, base + i as u64 * slot, *m, 1.0f32));
-    }
-    on_cuda_out("pack_padded", &out, |c| crate::cuda::ops::pack_padded(c, &items, rows, cols, dtype))?;
-    Ok(out)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused_pack(_mats: &[(&Tensor, PackedMatrix)], _rows: usize, _cols: usize, _dtype: DType) -> Result<Tensor> {
-    Err(Error::invalid("pack_padded", "CUDA matrices without the CUDA backend"))
-}
-
-#[cfg(feature = "cuda")]
-fn fused_unpack(batch: &Tensor, items: &[Unpacked], dtype: DType) -> Result<Vec<Tensor>> {
-    use crate::storage::Storage;
-    let device = batch.device();
-    let (rows, cols) = (batch.dims()[1], batch.dims()[2]);
-    let slot = (rows * cols * batch.dtype().size_in_bytes()) as u64;
-    let base = cuda_ptr("unpack_padded", batch)?;
-    // Each result in a storage of its own (what the fused optimizer steps that read them need).
-    let mut out = Vec::with_capacity(items.len());
-    let mut launch_rows = Vec::with_capacity(items.len());
-    for (i, it) in items.iter().enumerate() {
-        let n = it.matrix.rows * it.matrix.cols;
-        let t = Tensor::from_storage(Storage::uninit(device, dtype, n)?, it.dims.clone())?;
-        if n > 0 {
-            launch_rows.push((base + i as u64 * slot, cuda_ptr("unpack_padded", &t)?, it.matrix, it.scale as f32));
-        }
-        out.push(t);
-    }
-    if launch_rows.is_empty() {
-        return Ok(out);
-    }
-    // The batch is only read; the launch names its device.
-    match &*batch.read_storage() {
-        Storage::Cuda(c) => crate::cuda::ops::unpack_padded(c, &launch_rows, rows, cols, batch.dtype())?,
-        #[allow(unreachable_patterns)]
-        _ => return Err(Error::invalid("unpack_padded", "the batch is not on CUDA")),
-    }
-    Ok(out)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused_unpack(_batch: &Tensor, _items: &[Unpacked], _dtype: DType) -> Result<Vec<Tensor>> {
-    Err(Error::invalid("unpack_padded", "a CUDA batch without the CUDA backend"))
+/// Whether `t` covers its whole storage (a batch kernel reads and writes storages).
+fn whole(t: &Tensor) -> bool {
+    t.numel() > 0 && t.read_storage().len() == t.numel()
 }
 
 #[cfg(test)]
@@ -251,5 +159,40 @@ mod tests {
             }
         }
         assert!(Tensor::pack_padded(&mats, 4, 4, DType::F32).is_err(), "a 3×5 matrix does not fit 4×4");
+    }
+
+    /// The CPU backend's pack and unpack kernels give the composed ops' bytes — every slot dtype,
+    /// transposed and not, scales of 1, 2 and 0.3, with signed zeros, a NaN and values bf16 rounds.
+    #[test]
+    fn the_cpu_kernels_give_the_composed_bytes() {
+        let mut rng = Rng::new(9);
+        let shapes = [(3usize, 5usize, false), (6, 2, true), (4, 4, false), (1, 7, true)];
+        let ts: Vec<Tensor> = shapes
+            .iter()
+            .map(|&(r, c, _)| {
+                let mut v = Tensor::rand(vec![r * c], -3.0, 3.0, DType::F32, Device::Cpu, &mut rng).unwrap().to_vec::<f32>().unwrap();
+                v[0] = -0.0;
+                if v.len() > 2 {
+                    v[1] = f32::NAN;
+                    v[2] = 1.0 + f32::EPSILON;
+                }
+                Tensor::from_vec(v, vec![r, c], Device::Cpu).unwrap()
+            })
+            .collect();
+        let mats: Vec<(&Tensor, PackedMatrix)> =
+            ts.iter().zip(&shapes).map(|(t, &(rows, cols, transposed))| (t, PackedMatrix { rows, cols, transposed })).collect();
+        for dt in [DType::BF16, DType::F32, DType::F64] {
+            let kernel = Tensor::pack_padded(&mats, 7, 8, dt).unwrap();
+            let composed = composed_pack(&mats, 7, 8, dt).unwrap();
+            assert_eq!(kernel.to_bytes().unwrap(), composed.to_bytes().unwrap(), "pack into {dt}");
+            for scale in [1.0, 2.0, 0.3] {
+                let items: Vec<Unpacked> = mats.iter().map(|(t, m)| Unpacked { matrix: *m, dims: t.dims().to_vec(), scale }).collect();
+                let kernel = kernel.unpack_padded(&items, DType::F32).unwrap();
+                let composed = composed_unpack(&composed, &items, DType::F32).unwrap();
+                for (k, c) in kernel.iter().zip(&composed) {
+                    assert_eq!(k.to_bytes().unwrap(), c.to_bytes().unwrap(), "unpack from {dt}, scale {scale}");
+                }
+            }
+        }
     }
 }

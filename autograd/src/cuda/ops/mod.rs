@@ -20,7 +20,6 @@ pub(crate) use elementwise::*;
 pub(crate) use index::*;
 pub(crate) use multi_tensor::*;
 pub(crate) use norm::*;
-pub(crate) use pack::*;
 pub(crate) use pool::*;
 pub(crate) use reduce::*;
 pub(crate) use softmax::*;

@@ -3,6 +3,7 @@
 use std::ffi::c_void;
 
 use super::super::storage::CudaStorage;
+use crate::backend::{BackendStorage, PackStorage, PackedMatrix};
 use crate::{DType, Error, Result};
 
 use super::geometry::*;
@@ -27,7 +28,7 @@ pub(super) struct PackTable {
 }
 
 /// One matrix of a padded-batch launch: source and destination addresses, its shape and its scale.
-pub(crate) type PackRow = (u64, u64, crate::ops::pack::PackedMatrix, f32);
+pub(crate) type PackRow = (u64, u64, PackedMatrix, f32);
 
 /// The tables of `items` in chunks of [`PACK_MAX`].
 pub(super) fn pack_tables(op: &'static str, items: &[PackRow], rows: usize, cols: usize) -> Result<Vec<PackTable>> {
@@ -57,7 +58,7 @@ pub(super) fn pack_tables(op: &'static str, items: &[PackRow], rows: usize, cols
 }
 
 /// Packs f32 matrices into zero-padded `rows × cols` slots of `dtype` (`Tensor::pack_padded`).
-pub(crate) fn pack_padded(any: &CudaStorage, items: &[PackRow], rows: usize, cols: usize, dtype: DType) -> Result<()> {
+fn pack_padded(any: &CudaStorage, items: &[PackRow], rows: usize, cols: usize, dtype: DType) -> Result<()> {
     let dev = &any.buf.dev;
     let name = match dtype {
         DType::BF16 => "pack_pad_f32_bf16",
@@ -76,7 +77,7 @@ pub(crate) fn pack_padded(any: &CudaStorage, items: &[PackRow], rows: usize, col
 }
 
 /// Unpacks slots of `src` dtype into f32 matrices, scaled (`Tensor::unpack_padded`).
-pub(crate) fn unpack_padded(any: &CudaStorage, items: &[PackRow], rows: usize, cols: usize, src: DType) -> Result<()> {
+fn unpack_padded(any: &CudaStorage, items: &[PackRow], rows: usize, cols: usize, src: DType) -> Result<()> {
     let dev = &any.buf.dev;
     let name = match src {
         DType::BF16 => "unpack_pad_bf16_f32",
@@ -94,4 +95,44 @@ pub(crate) fn unpack_padded(any: &CudaStorage, items: &[PackRow], rows: usize, c
         }
     }
     Ok(())
+}
+
+impl PackStorage for CudaStorage {
+    fn pack_padded(items: &[(&Self, PackedMatrix)], rows: usize, cols: usize, dtype: DType) -> Result<Option<Self>> {
+        let Some(&(first, _)) = items.first() else { return Ok(None) };
+        if !matches!(dtype, DType::BF16 | DType::F32 | DType::F64)
+            || items.iter().any(|(s, m)| s.dtype != DType::F32 || s.len != m.rows * m.cols)
+        {
+            return Ok(None);
+        }
+        for (s, _) in items {
+            first.same_device("pack_padded", s)?;
+        }
+        let out = CudaStorage::alloc(&first.buf.dev, dtype, items.len() * rows * cols)?;
+        let slot = (rows * cols * dtype.size_in_bytes()) as u64;
+        let launch: Vec<PackRow> = items.iter().enumerate().map(|(i, (s, m))| (ptr(s), ptr(&out) + i as u64 * slot, *m, 1.0f32)).collect();
+        pack_padded(&out, &launch, rows, cols, dtype)?;
+        Ok(Some(out))
+    }
+
+    fn unpack_padded(&self, items: &[(PackedMatrix, f64)], rows: usize, cols: usize) -> Result<Option<Vec<Self>>> {
+        if !matches!(self.dtype, DType::BF16 | DType::F32 | DType::F64) || self.len != items.len() * rows * cols {
+            return Ok(None);
+        }
+        let slot = (rows * cols * self.dtype.size_in_bytes()) as u64;
+        // Each result in a storage of its own (what the fused optimizer steps that read them need).
+        let mut out = Vec::with_capacity(items.len());
+        let mut launch = Vec::with_capacity(items.len());
+        for (i, (m, scale)) in items.iter().enumerate() {
+            let t = CudaStorage::alloc(&self.buf.dev, DType::F32, m.rows * m.cols)?;
+            if m.rows * m.cols > 0 {
+                launch.push((ptr(self) + i as u64 * slot, ptr(&t), *m, *scale as f32));
+            }
+            out.push(t);
+        }
+        if !launch.is_empty() {
+            unpack_padded(self, &launch, rows, cols, self.dtype())?;
+        }
+        Ok(Some(out))
+    }
 }
