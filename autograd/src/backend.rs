@@ -334,3 +334,20 @@ pub trait PackStorage: BackendStorage {
     /// back), times its scale as `mul_scalar` rounds (a scale of 1 multiplies nothing).
     fn unpack_padded(&self, items: &[(PackedMatrix, f64)], rows: usize, cols: usize) -> Result<Option<Vec<Self>>>;
 }
+
+/// A copy of a few f32 values on its way to the host ([`DeferredReadStorage::read_later`]).
+pub trait HostRead: std::fmt::Debug + Send {
+    /// Whether the copy has finished (a non-blocking query).
+    fn poll(&mut self) -> Result<bool>;
+    /// Waits for the copy.
+    fn wait(&mut self) -> Result<()>;
+    /// The values (once finished).
+    fn values(&self) -> Vec<f32>;
+}
+
+/// Reads without a synchronisation: a backend queues the copy of an f32 storage to the host and
+/// returns at once (the CPU's is ready at once).
+pub trait DeferredReadStorage: BackendStorage {
+    /// Queues the copy of this f32 storage's values.
+    fn read_later(&self) -> Result<Box<dyn HostRead>>;
+}

@@ -11,7 +11,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::storage::Storage;
+use crate::backend::HostRead;
 use crate::{DType, Result, Tensor};
 
 static READS: AtomicU64 = AtomicU64::new(0);
@@ -61,14 +61,7 @@ fn count_deferred_read() {
 /// The f32 values of a tensor on their way to the host (see the module doc).
 #[derive(Debug)]
 pub struct PendingRead {
-    inner: Inner,
-}
-
-#[derive(Debug)]
-enum Inner {
-    Ready(Vec<f32>),
-    #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::PendingCopy),
+    inner: Box<dyn HostRead>,
 }
 
 impl Tensor {
@@ -77,13 +70,7 @@ impl Tensor {
     pub fn read_later(&self) -> Result<PendingRead> {
         let t = if self.dtype() == DType::F32 { self.clone() } else { crate::no_grad(|| self.to_dtype(DType::F32))? };
         count_deferred_read();
-        let inner = t.with_storage(|s| -> Result<Inner> {
-            match s {
-                Storage::Cpu(c) => Ok(Inner::Ready(c.to_f64_vec().into_iter().map(|v| v as f32).collect())),
-                #[cfg(feature = "cuda")]
-                Storage::Cuda(c) => Ok(Inner::Cuda(crate::cuda::PendingCopy::start(c)?)),
-            }
-        })?;
+        let inner = t.with_storage(|s| s.read_later())?;
         Ok(PendingRead { inner })
     }
 }
@@ -91,22 +78,12 @@ impl Tensor {
 impl PendingRead {
     /// The values if the copy has finished (a non-blocking query), else `None`.
     pub fn poll(&mut self) -> Result<Option<Vec<f32>>> {
-        match &mut self.inner {
-            Inner::Ready(v) => Ok(Some(v.clone())),
-            #[cfg(feature = "cuda")]
-            Inner::Cuda(c) => Ok(if c.poll()? { Some(c.values()) } else { None }),
-        }
+        Ok(if self.inner.poll()? { Some(self.inner.values()) } else { None })
     }
 
     /// The values, waiting for the copy if it has not finished (counted as a host sync then).
     pub fn wait(mut self) -> Result<Vec<f32>> {
-        match &mut self.inner {
-            Inner::Ready(v) => Ok(std::mem::take(v)),
-            #[cfg(feature = "cuda")]
-            Inner::Cuda(c) => {
-                c.wait()?;
-                Ok(c.values())
-            }
-        }
+        self.inner.wait()?;
+        Ok(self.inner.values())
     }
 }

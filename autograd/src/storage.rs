@@ -2,8 +2,8 @@
 //! backend after checking that all operands live on the same device.
 
 use crate::backend::{
-    BackendStorage, BinaryOp, CmpOp, Conv2dParams, MatmulParams, PackStorage, PackedMatrix, PhiloxStart, Pool2dParams, RandomStorage,
-    ReduceOp, UnaryOp,
+    BackendStorage, BinaryOp, CmpOp, Conv2dParams, DeferredReadStorage, HostRead, MatmulParams, PackStorage, PackedMatrix, PhiloxStart,
+    Pool2dParams, RandomStorage, ReduceOp, UnaryOp,
 };
 use crate::cpu::CpuStorage;
 use crate::shape::Layout;
@@ -160,6 +160,15 @@ impl Storage {
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.unpack_padded(items, rows, cols)?.map(|v| v.into_iter().map(Storage::Cuda).collect()),
         })
+    }
+
+    /// Queues the copy of this f32 storage to the host ([`DeferredReadStorage::read_later`]).
+    pub(crate) fn read_later(&self) -> Result<Box<dyn HostRead>> {
+        match self {
+            Storage::Cpu(c) => c.read_later(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.read_later(),
+        }
     }
 
     /// Storage whose every element the caller overwrites before reading: no fill on GPUs (zeros on

@@ -263,16 +263,11 @@ impl Tensor {
     pub fn storage_ptr(&self) -> usize {
         Arc::as_ptr(&self.0.storage) as *const () as usize
     }
-    /// Runs `f` on the storage (read lock held for the call).
     /// Device address of this tensor's buffer (`None` on the CPU), for fused multi-input kernels.
     pub(crate) fn device_address(&self) -> Option<u64> {
-        self.with_storage(|s| match s {
-            #[cfg(feature = "cuda")]
-            Storage::Cuda(c) => Some(c.device_ptr()),
-            #[allow(unreachable_patterns)]
-            _ => None,
-        })
+        self.with_storage(|s| s.device_address())
     }
+    /// Runs `f` on the storage (read lock held for the call).
     pub fn with_storage<R>(&self, f: impl FnOnce(&Storage) -> R) -> R {
         f(&self.read_storage())
     }

@@ -2,6 +2,7 @@
 //! Half types (f16/bf16) are widened to f32 for arithmetic and narrowed on output.
 
 mod conv;
+mod deferred;
 mod elementwise;
 mod fused;
 mod index;

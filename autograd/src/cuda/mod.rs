@@ -63,7 +63,6 @@ pub use device::DeviceOptions;
 pub(crate) use kernel_timer::stage_changed;
 pub use library_memory::library_workspace_bytes;
 pub use module_cache::{kernel_cache_dir, module_reports, ModuleReport, ModuleSource};
-pub(crate) use pending_copy::PendingCopy;
 
 /// The kernel choices of `device` ([`DeviceOptions`]).
 pub fn device_options(device: Device) -> Result<DeviceOptions> {

@@ -118,3 +118,21 @@ impl Drop for PendingCopy {
         }
     }
 }
+
+impl crate::backend::HostRead for PendingCopy {
+    fn poll(&mut self) -> Result<bool> {
+        PendingCopy::poll(self)
+    }
+    fn wait(&mut self) -> Result<()> {
+        PendingCopy::wait(self)
+    }
+    fn values(&self) -> Vec<f32> {
+        PendingCopy::values(self)
+    }
+}
+
+impl crate::backend::DeferredReadStorage for CudaStorage {
+    fn read_later(&self) -> Result<Box<dyn crate::backend::HostRead>> {
+        Ok(Box::new(PendingCopy::start(self)?))
+    }
+}
