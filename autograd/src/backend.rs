@@ -4,6 +4,11 @@
 //! reach the kernels as [`Layout`]s (strides, with 0 for broadcast dimensions). Autograd never
 //! lives here: each differentiable op in `ops/` is built from these primitives in forward *and*
 //! backward, so a backend that implements this trait gets gradients for free.
+//!
+//! Beside it, optional sub-traits for work that is not a primitive of the math but must run on
+//! the device that holds the data: counter-based random draws ([`RandomStorage`]), padded-batch
+//! packing ([`PackStorage`]) and deferred host reads ([`DeferredReadStorage`]). The CPU backend
+//! implements each as the reference of the others; `storage.rs` alone picks the backend.
 
 use crate::shape::Layout;
 use crate::{DType, Device, Result};
