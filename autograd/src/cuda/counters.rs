@@ -31,7 +31,7 @@ pub(crate) fn count(c: Count) {
 /// A snapshot of the counters (all threads of the process, all devices).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaCounters {
-    /// Kernels launched one by one from the host (ours and [`super::UserKernel`]s).
+    /// Kernels launched one by one from the host (ours and [`super::user_kernel::UserKernel`]s).
     pub kernel_launches: u64,
     /// cuDNN and cuBLAS/cuBLASLt calls (each may run one or more kernels on the device).
     pub library_calls: u64,

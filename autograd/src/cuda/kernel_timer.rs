@@ -39,7 +39,7 @@ static RUNNING: AtomicBool = AtomicBool::new(false);
 /// A detailed window runs: kernels are kept by name and stage tag ([`GpuKernelTimer::start_detailed`]).
 static DETAILED: AtomicBool = AtomicBool::new(false);
 
-/// GPU time of one kernel name under one [`crate::stage`] tag in a detailed window.
+/// GPU time of one kernel name under one [`crate::internal::stage`] tag in a detailed window.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelDetail {
     /// The stage tag of the host call that launched it (a graph launch for replayed kernels).
@@ -274,7 +274,7 @@ impl GpuKernelTimer {
         Ok(GpuKernelTimer { device })
     }
 
-    /// [`GpuKernelTimer::start`], also keeping every kernel's name and the [`crate::stage`] tag it
+    /// [`GpuKernelTimer::start`], also keeping every kernel's name and the [`crate::internal::stage`] tag it
     /// was launched under (CUPTI external correlation; more host cost per launch than `start`).
     /// Tags are followed on the calling thread, the one that launches the work.
     pub fn start_detailed(device: Device) -> Result<GpuKernelTimer> {

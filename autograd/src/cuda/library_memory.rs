@@ -6,7 +6,7 @@ use super::conv::Dnn;
 use crate::{Device, Result};
 
 /// Bytes of device memory held by the math libraries' workspaces on `device` (the cuBLAS/cuBLASLt
-/// workspace and every cached cuDNN plan's), part of [`MemoryStats::allocated`]. They stay for
+/// workspace and every cached cuDNN plan's), part of [`super::MemoryStats::allocated`]. They stay for
 /// the process lifetime, since recorded graphs keep their addresses.
 pub fn library_workspace_bytes(device: Device) -> Result<u64> {
     let dev = super::device::dev_of(device)?;

@@ -22,11 +22,11 @@
 //!   concatenation of up to 8 inputs in one launch.
 //! - **Memory**: stream-ordered allocation from the device pool (release threshold `u64::MAX`)
 //!   behind a host-side block cache (freed blocks reused by size without a driver call), or from a
-//!   private [`MemPool`] while it is entered; [`memory_stats`] / [`reset_peak_memory_stats`] /
+//!   private [`crate::internal::cuda::MemPool`] while it is entered; [`memory_stats`] / [`reset_peak_memory_stats`] /
 //!   [`library_workspace_bytes`].
 //! - **Host transfers** happen only in `Tensor::to_vec` / `item` / `to_f64_vec` / `to_bytes` /
 //!   `to_device(Cpu)` (synchronising reads) and uploads (`from_vec`, `to_device(Cuda)`,
-//!   [`PinnedBuffer::upload`]). Every other op is asynchronous.
+//!   [`crate::internal::cuda::PinnedBuffer::upload`]). Every other op is asynchronous.
 //! - **Startup checks**: driver, NVRTC, cuBLAS and cuDNN are probed before use; a missing piece
 //!   gives [`crate::Error::CudaUnavailable`] naming it.
 //! - Indices are not bounds-checked on the device (that would need a host read): an out-of-range
