@@ -1,5 +1,6 @@
 //! The `ptl` command line on bad input (reliability issue): typed errors and non-zero exits,
-//! never an abort; resume with the checkpoint's own settings; COCO JSON as `data=`.
+//! never an abort; resume with the checkpoint's own settings; COCO JSON as `data=`; a line per
+//! epoch when the output is not a terminal.
 
 mod common;
 
@@ -40,6 +41,12 @@ fn resume_alone_continues_the_checkpoints_run_and_refuses_changed_settings() {
     let project = dir.path().join("run");
     let o = run_train(&train_args(&data, &project), dir.path());
     assert!(o.status.success(), "{}", text(&o));
+    // Output that is not a terminal still gets a line per epoch, with losses and both metric sets.
+    for e in ["epoch 1/2 ", "epoch 2/2 "] {
+        let line = text(&o).lines().find(|l| l.starts_with(e)).map(str::to_string);
+        let line = line.unwrap_or_else(|| panic!("no `{e}` line: {}", text(&o)));
+        assert!(line.contains(" box ") && line.contains("| Box P ") && line.contains("| Pose P ") && line.contains("| lr "), "{line}");
+    }
     let ckpt = project.join("weights/last.ckpt");
     // A changed training setting: exit 1, both values named, nothing trained.
     let o = ptl(&["train", &format!("resume={}", ckpt.display()), "batch=4", "--device", "cpu"], dir.path());

@@ -203,6 +203,12 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             stop_early = run.state.stopper.update(epoch + 1, f, cfg.patience);
         }
         let fit_time = fit_time_before + fit_start.elapsed().as_secs_f64();
+        if cfg.progress {
+            let losses: Vec<f64> = sums.iter().map(|s| s / run.nb as f64).collect();
+            let metrics = val.as_ref().map(|v| v.metric_values());
+            let secs = epoch_start.elapsed().as_secs_f64();
+            eprintln!("{}", super::epoch_line::epoch_line(epoch, cfg.epochs, secs, &losses, metrics.as_deref(), lrs.first().copied()));
+        }
         let mut values = vec![epoch as f64 + 1.0, fit_time];
         values.extend(sums.iter().map(|s| s / run.nb as f64));
         values.extend(val.as_ref().map(|v| v.metric_values()).unwrap_or_else(|| vec![f64::NAN; ValResult::metric_names().len()]));
