@@ -20,12 +20,22 @@ impl Device {
             "cuda" | "gpu" => Ok(Device::Cuda(0)),
             "auto" => Ok(Device::auto()),
             _ => {
-                if let Some(n) = t.strip_prefix("cuda:") {
-                    n.parse::<usize>()
-                        .map(Device::Cuda)
-                        .map_err(|_| crate::Error::invalid("Device::parse", format!("bad device `{s}`: use cpu, cuda, cuda:N or auto")))
-                } else {
-                    Err(crate::Error::invalid("Device::parse", format!("unknown device `{s}`: use cpu, cuda, cuda:N or auto")))
+                // Ultralytics' and PyTorch's spellings: a bare ordinal is that GPU ("0" = cuda:0).
+                let ordinals = t.strip_prefix("cuda:").unwrap_or(&t);
+                if ordinals.contains(',') {
+                    return Err(crate::Error::invalid(
+                        "Device::parse",
+                        format!("`{s}` names several GPUs: training on more than one is not available yet; name one (e.g. device=0)"),
+                    ));
+                }
+                match ordinals.parse::<usize>() {
+                    Ok(n) => Ok(Device::Cuda(n)),
+                    Err(_) if t.starts_with("cuda:") => {
+                        Err(crate::Error::invalid("Device::parse", format!("bad device `{s}`: use cpu, cuda, cuda:N, N or auto")))
+                    }
+                    Err(_) => {
+                        Err(crate::Error::invalid("Device::parse", format!("unknown device `{s}`: use cpu, cuda, cuda:N, N or auto")))
+                    }
                 }
             }
         }
@@ -70,5 +80,27 @@ impl std::fmt::Display for Device {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Device;
+
+    /// Ultralytics' spellings parse as PyTorch reads them; several GPUs are a clear error for now.
+    #[test]
+    fn devices_parse_as_ultralytics_spells_them() {
+        assert_eq!(Device::parse("cpu").unwrap(), Device::Cpu);
+        assert_eq!(Device::parse("0").unwrap(), Device::Cuda(0));
+        assert_eq!(Device::parse(" 1 ").unwrap(), Device::Cuda(1));
+        assert_eq!(Device::parse("cuda:2").unwrap(), Device::Cuda(2));
+        assert_eq!(Device::parse("CUDA").unwrap(), Device::Cuda(0));
+        for several in ["0,1", "cuda:0,1"] {
+            let e = Device::parse(several).unwrap_err().to_string();
+            assert!(e.contains("several GPUs") && e.contains("device=0"), "{e}");
+        }
+        let e = Device::parse("mps").unwrap_err().to_string();
+        assert!(e.contains("unknown device `mps`") && e.contains("cuda:N, N"), "{e}");
+        assert!(Device::parse("cuda:x").unwrap_err().to_string().contains("bad device"));
     }
 }

@@ -133,6 +133,21 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     // Checked before anything is generated or read: a device that is not there fails at once.
     let device = super::resolve_device(device.as_deref().unwrap_or("auto"), "training")?;
     overrides.retain(|(k, _)| k != "device");
+    // Ultralytics' resume=True continues the newest run (its last.ckpt under the project folder);
+    // resume=False is no resume.
+    match overrides.iter().position(|(k, _)| k == "resume").map(|i| (i, overrides[i].1.trim().to_ascii_lowercase())) {
+        Some((i, v)) if v == "false" => {
+            overrides.remove(i);
+        }
+        Some((i, v)) if v == "true" => {
+            let project =
+                overrides.iter().rev().find(|(k, _)| k == "project").map_or_else(|| PoseTrainConfig::default().project, |(_, p)| p.into());
+            let last = latest_run(&project)?;
+            eprintln!("ptl: resume=True: the newest run under {} is {}", project.display(), last.display());
+            overrides[i].1 = last.display().to_string();
+        }
+        _ => {}
+    }
     if let Some((_, path)) = overrides.iter().find(|(k, _)| k == "resume") {
         // A resume continues the checkpoint's run with its own settings; only machine settings
         // may be given (a training setting that differs is an error naming both values).
@@ -167,8 +182,33 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     if let Some(s) = a.seed {
         cfg.seed = s;
     }
+    if let Some(up) = imgsz_rounded_up(cfg.imgsz) {
+        eprintln!("ptl: imgsz={} must be a multiple of the max stride 32, updating to {up}", cfg.imgsz);
+        cfg.imgsz = up;
+    }
     cfg.validate().map_err(|e| e.to_string())?;
     Ok(cfg)
+}
+
+/// Ultralytics' `check_imgsz`: a size that is not a multiple of the model's largest stride (32)
+/// is rounded up to one (at least 32); `None` when it is one already or out of range (an error
+/// for `validate` to name).
+fn imgsz_rounded_up(imgsz: usize) -> Option<usize> {
+    (!imgsz.is_multiple_of(32) && imgsz <= ptl_trainer::pose::MAX_IMGSZ).then(|| imgsz.next_multiple_of(32).max(32))
+}
+
+/// The newest `<run>/weights/last.ckpt` under `project` (Ultralytics' `get_latest_run`).
+fn latest_run(project: &Path) -> Result<std::path::PathBuf, String> {
+    let runs = std::fs::read_dir(project)
+        .map_err(|e| format!("resume=True: no runs under {} ({e}): give resume=path/to/last.ckpt", project.display()))?;
+    let newest = runs
+        .flatten()
+        .map(|run| run.path().join("weights").join("last.ckpt"))
+        .filter_map(|ckpt| Some((std::fs::metadata(&ckpt).ok()?.modified().ok()?, ckpt)))
+        .max_by_key(|(t, _)| *t);
+    newest
+        .map(|(_, ckpt)| ckpt)
+        .ok_or_else(|| format!("resume=True: no run under {} has weights/last.ckpt: give resume=path/to/last.ckpt", project.display()))
 }
 
 pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {

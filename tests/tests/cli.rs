@@ -252,3 +252,29 @@ fn save_json_writes_coco_files_in_train_and_val() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains(&blocked.join("val").display().to_string()), "{}", text(&o));
 }
+
+/// Ultralytics' spellings: `device=0,1` is a clear error until training on several GPUs exists,
+/// `imgsz=100` is rounded up to a multiple of the stride with a warning, `verbose=false` quiets the
+/// per-epoch lines, `resume=True` continues the newest run of the project.
+#[test]
+fn ultralytics_spellings_of_device_imgsz_verbose_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let o = run_train(&[format!("data={}", data.display()), "device=0,1".into()], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("several GPUs"), "{}", text(&o));
+    let project = dir.path().join("runs");
+    let o = run_train(&[train_args(&data, &project.join("a")), vec!["imgsz=100".into(), "verbose=false".into()]].concat(), dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("imgsz=100 must be a multiple of the max stride 32, updating to 128"), "{}", text(&o));
+    assert!(text(&o).contains("imgsz 128"), "trains at 128: {}", text(&o));
+    assert!(!text(&o).lines().any(|l| l.starts_with("epoch 1/")), "verbose=false prints no epoch line: {}", text(&o));
+    let o = ptl(&["train", "resume=True", &format!("project={}", project.display()), "--device", "cpu"], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains(&project.join("a").join("weights").join("last.ckpt").display().to_string()), "{}", text(&o));
+    assert!(text(&o).contains("nothing to resume"), "the newest run had finished: {}", text(&o));
+    let empty = dir.path().join("none");
+    let o = ptl(&["train", "resume=True", &format!("project={}", empty.display()), "--device", "cpu"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("resume=path/to/last.ckpt"), "{}", text(&o));
+}

@@ -8,7 +8,7 @@ use super::config::{closest_key, PoseTrainConfig};
 use crate::{Result, TrainerError};
 
 /// Ultralytics' other spellings of a key.
-const ALIASES: [(&str, &str); 1] = [("amp", "precision")];
+const ALIASES: [(&str, &str); 2] = [("amp", "precision"), ("verbose", "progress")];
 
 /// Groups of the configuration whose members are keys of their own (`box=7.5`).
 const GROUPS: [&str; 1] = ["loss_gains"];
