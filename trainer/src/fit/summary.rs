@@ -374,9 +374,14 @@ impl ResultsCsv {
         ResultsCsv { path: path.to_path_buf() }
     }
 
-    /// One row as written to the file.
+    /// One row as written to the file: the epoch (first column) as an integer, as Ultralytics
+    /// writes it, every other value with six decimals.
     pub fn format_row(values: &[f64]) -> String {
-        values.iter().map(|v| format!("{v:.6}")).collect::<Vec<_>>().join(",")
+        let cell = |(i, v): (usize, &f64)| match i == 0 && v.is_finite() && v.fract() == 0.0 {
+            true => format!("{}", *v as i64),
+            false => format!("{v:.6}"),
+        };
+        values.iter().enumerate().map(cell).collect::<Vec<_>>().join(",")
     }
 
     /// Writes `columns` and `rows` as the whole file.
