@@ -216,15 +216,14 @@ pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
     ptl_trainer::fit::interrupt::install_signal_handlers().map_err(|e| format!("cannot install the SIGINT/SIGTERM handlers: {e}"))?;
     let cfg = build_config(&a)?;
     eprintln!(
-        "ptl: training {} on {} ({} epochs, batch {}, imgsz {}, {}, {}) → {}",
+        "ptl: training {} on {} ({} epochs, batch {}, imgsz {}, {}, {})",
         cfg.model,
         cfg.data.display(),
         cfg.epochs,
         cfg.batch,
         cfg.imgsz,
         cfg.device,
-        cfg.precision.name(),
-        cfg.save_dir.display()
+        cfg.precision.name()
     );
     let s = fit(&cfg, Vec::new()).map_err(|e| match e {
         // The shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM).

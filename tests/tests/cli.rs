@@ -278,3 +278,22 @@ fn ultralytics_spellings_of_device_imgsz_verbose_and_resume() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("resume=path/to/last.ckpt"), "{}", text(&o));
 }
+
+/// The folder a run names is the one it writes to (a second run of one name says where it went),
+/// and a start that fails on its settings or data creates no run folder.
+#[test]
+fn the_printed_run_folder_is_the_one_used_and_a_failed_start_leaves_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let project = dir.path().join("runs");
+    for (n, folder) in [(1, "ft"), (2, "ft2")] {
+        let o = run_train(&train_args(&data, &project.join("ft")), dir.path());
+        assert!(o.status.success(), "run {n}: {}", text(&o));
+        let used = project.join(folder);
+        assert!(text(&o).contains(&format!("writing to {}", used.display())), "run {n}: {}", text(&o));
+        assert!(used.join("weights/last.ckpt").is_file(), "run {n} wrote {}", used.display());
+    }
+    let o = run_train(&train_args(&dir.path().join("missing.yaml"), &project.join("x")), dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(!project.join("x").exists(), "a failed start created its run folder: {}", text(&o));
+}

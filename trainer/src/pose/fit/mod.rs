@@ -45,6 +45,17 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     if let Some(path) = &cfg.resume {
         cfg.check_resume(path)?;
     }
+    let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
+    let t = Instant::now();
+    probe::open_device(cfg.device)?;
+    startup.device_open_s = t.elapsed().as_secs_f64();
+    crate::pose::reset_memory_peaks(cfg.device);
+    let t = Instant::now();
+    let open = OpenOptions { imgsz: cfg.imgsz as u32, verbose: true, ..OpenOptions::default() };
+    let train_ds = Arc::new(PoseDataset::open_yaml(&cfg.data, "train", &OpenOptions { fraction: cfg.fraction, ..open.clone() })?);
+    let val_ds = if cfg.val { Some(Arc::new(PoseDataset::open_yaml(&cfg.data, "val", &open)?)) } else { None };
+    startup.dataset_open_s = t.elapsed().as_secs_f64();
+    // Only now, with the settings, the device and the data known good, is anything written.
     // The run folder is this process's until the fit returns (see `RunDir`). A resume continues
     // in the checkpoint's own run folder, or starts a new one where the user said.
     let own_folder = cfg.resume.as_deref().and_then(PoseTrainConfig::run_dir_of).is_some_and(|d| d == cfg.save_dir);
@@ -59,18 +70,10 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
             run_dir.path().display()
         );
         cfg.save_dir = run_dir.path().to_path_buf();
+    } else if cfg.progress {
+        eprintln!("ptl: writing to {}", run_dir.path().display());
     }
     let cfg = &cfg;
-    let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
-    let t = Instant::now();
-    probe::open_device(cfg.device)?;
-    startup.device_open_s = t.elapsed().as_secs_f64();
-    crate::pose::reset_memory_peaks(cfg.device);
-    let t = Instant::now();
-    let open = OpenOptions { imgsz: cfg.imgsz as u32, verbose: true, ..OpenOptions::default() };
-    let train_ds = Arc::new(PoseDataset::open_yaml(&cfg.data, "train", &OpenOptions { fraction: cfg.fraction, ..open.clone() })?);
-    let val_ds = if cfg.val { Some(Arc::new(PoseDataset::open_yaml(&cfg.data, "val", &open)?)) } else { None };
-    startup.dataset_open_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let batches = train_ds.len().div_ceil(cfg.batch.min(train_ds.len()).max(1));
     let batches = cfg.max_batches.map_or(batches, |m| m.min(batches));
