@@ -19,8 +19,9 @@ pub struct ValArgs {
     /// Dataset yaml (defaults to the one the checkpoint was trained on).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    #[arg(long, default_value_t = 640)]
-    pub imgsz: usize,
+    /// Image size (defaults to the one the checkpoint was trained at, else 640).
+    #[arg(long)]
+    pub imgsz: Option<usize>,
     #[arg(long, default_value_t = 16)]
     pub batch: usize,
     /// auto (GPU when present), cpu or cuda:N (the same as `device=`).
@@ -49,7 +50,7 @@ impl ValArgs {
             match k {
                 "model" | "weights" => self.weights = Some(PathBuf::from(v)),
                 "data" => self.data = Some(PathBuf::from(v)),
-                "imgsz" => self.imgsz = v.parse().map_err(|_| num("a positive integer"))?,
+                "imgsz" => self.imgsz = Some(v.parse().map_err(|_| num("a positive integer"))?),
                 "batch" => self.batch = v.parse().map_err(|_| num("a positive integer"))?,
                 "conf" => self.conf = v.parse().map_err(|_| num("a number in [0, 1]"))?,
                 "device" => match &self.device {
@@ -98,8 +99,9 @@ pub struct PredictArgs {
     /// Output folder for drawn PNGs and predictions.json.
     #[arg(long, default_value = "runs/pose/predict")]
     pub out: PathBuf,
-    #[arg(long, default_value_t = 640)]
-    pub imgsz: usize,
+    /// Image size (defaults to the one the checkpoint was trained at, else 640).
+    #[arg(long)]
+    pub imgsz: Option<usize>,
     /// Confidence threshold.
     #[arg(long, default_value_t = 0.25)]
     pub conf: f32,
@@ -111,6 +113,15 @@ pub struct PredictArgs {
 /// settings (see `ptl_trainer::pose::predict::load_eval_model`).
 pub fn model_from_checkpoint(path: &Path, device: Device) -> Result<(PoseModel, serde_json::Value), String> {
     ptl_trainer::pose::predict::load_eval_model(path, device).map_err(|e| e.to_string())
+}
+
+/// The image size to run at: the one given, else the checkpoint's training size (a model
+/// evaluated at another size than it learned gives silently worse figures), else 640; refused
+/// when the model cannot take it.
+fn imgsz_for(given: Option<usize>, train_args: &serde_json::Value) -> Result<usize, String> {
+    let imgsz = given.or_else(|| train_args["imgsz"].as_u64().map(|v| v as usize)).unwrap_or(640);
+    check_imgsz(imgsz)?;
+    Ok(imgsz)
 }
 
 /// Refuses an image size the model cannot take (before anything is loaded).
@@ -131,7 +142,9 @@ fn check_conf(conf: f32) -> Result<(), String> {
 
 pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     a.apply_settings()?;
-    check_imgsz(a.imgsz)?;
+    if let Some(imgsz) = a.imgsz {
+        check_imgsz(imgsz)?;
+    }
     check_conf(a.conf)?;
     if a.batch == 0 || a.batch > MAX_BATCH {
         return Err(format!("batch {} must be in 1..={MAX_BATCH}", a.batch));
@@ -139,13 +152,14 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     let weights = a.weights.clone().ok_or("no weights to validate: pass model=W.ckpt or model=W.safetensors (or --weights W)")?;
     let device = super::resolve_device(a.device.as_deref().unwrap_or("auto"), "validating")?;
     let (model, args) = model_from_checkpoint(&weights, device)?;
+    let imgsz = imgsz_for(a.imgsz, &args)?;
     let data = match &a.data {
         Some(d) => d.clone(),
         None => PathBuf::from(args["data"].as_str().ok_or_else(|| {
             format!("{} names no dataset (a safetensors file holds no settings): pass data=… (or --data)", weights.display())
         })?),
     };
-    let open = ptl_data::OpenOptions { imgsz: a.imgsz as u32, ..Default::default() };
+    let open = ptl_data::OpenOptions { imgsz: imgsz as u32, ..Default::default() };
     let ds = std::sync::Arc::new(ptl_data::PoseDataset::open_yaml(&data, "val", &open).map_err(|e| e.to_string())?);
     let model_k = model.head().kpt_shape.0;
     if ds.nkpt() != model_k {
@@ -159,7 +173,7 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     let opts = ptl_trainer::pose::ValOptions { conf: a.conf, save_json: a.save_json.then(|| a.project.clone()), ..Default::default() };
     let r = ptl_trainer::pose::validate_with(&model, &ds, a.batch, device, ptl_trainer::pose::Precision::F32, &opts)
         .map_err(|e| e.to_string())?;
-    println!("validated {} images of {}", r.images, data.display());
+    println!("validated {} images of {} at imgsz {imgsz}", r.images, data.display());
     for (k, v) in &r.metrics {
         println!("  {k:<24} {v:.4}");
     }
@@ -216,10 +230,14 @@ fn images_in(source: &Path) -> Result<Vec<PathBuf>, String> {
 }
 
 pub fn run_predict(a: PredictArgs) -> Result<(), String> {
-    check_imgsz(a.imgsz)?;
+    if let Some(imgsz) = a.imgsz {
+        check_imgsz(imgsz)?;
+    }
     check_conf(a.conf)?;
     let device = super::resolve_device(&a.device, "predicting")?;
-    let (model, _) = model_from_checkpoint(&a.weights, device)?;
+    let (model, args) = model_from_checkpoint(&a.weights, device)?;
+    let imgsz = imgsz_for(a.imgsz, &args)?;
+    println!("predicting at imgsz {imgsz}, conf {}", a.conf);
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
     let sources = images_in(&a.source)?;
     let mut unreadable = 0usize;
@@ -234,7 +252,7 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
                 continue;
             }
         };
-        let found = predict_image(&model, &img, a.imgsz as u32, a.conf, device).map_err(|e| e.to_string())?;
+        let found = predict_image(&model, &img, imgsz as u32, a.conf, device).map_err(|e| e.to_string())?;
         let mut drawn = img.clone();
         let persons: Vec<draw::Person<'_>> =
             found.iter().map(|p| draw::Person { bbox: p.bbox_xyxy, kpts: &p.keypoints, score: Some(p.score) }).collect();

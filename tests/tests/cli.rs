@@ -297,3 +297,24 @@ fn the_printed_run_folder_is_the_one_used_and_a_failed_start_leaves_none() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(!project.join("x").exists(), "a failed start created its run folder: {}", text(&o));
 }
+
+/// `ptl val` and `ptl predict` run at the size the checkpoint was trained at unless told otherwise
+/// (a 64 px model validated at 640 gives silently worse figures).
+#[test]
+fn val_and_predict_take_the_image_size_from_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let run = dir.path().join("runs").join("s64");
+    let o = run_train(&train_args(&data, &run), dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    let ckpt = run.join("weights/last.ckpt").display().to_string();
+    let o = ptl(&["val", &format!("model={ckpt}"), "device=cpu"], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("at imgsz 64"), "{}", text(&o));
+    let o = ptl(&["val", &format!("model={ckpt}"), "device=cpu", "imgsz=96"], dir.path());
+    assert!(o.status.success() && text(&o).contains("at imgsz 96"), "{}", text(&o));
+    let images = data.parent().unwrap().join("images").join("val");
+    let out = dir.path().join("pred").display().to_string();
+    let o = ptl(&["predict", "--weights", &ckpt, "--source", &images.display().to_string(), "--out", &out, "--device", "cpu"], dir.path());
+    assert!(o.status.success() && text(&o).contains("predicting at imgsz 64"), "{}", text(&o));
+}
