@@ -318,3 +318,25 @@ fn val_and_predict_take_the_image_size_from_the_checkpoint() {
     let o = ptl(&["predict", "--weights", &ckpt, "--source", &images.display().to_string(), "--out", &out, "--device", "cpu"], dir.path());
     assert!(o.status.success() && text(&o).contains("predicting at imgsz 64"), "{}", text(&o));
 }
+
+/// A run writes `args.yaml` with every resolved setting, and `ptl train args.yaml` trains with
+/// them again (its own args.yaml then differs only where the command line said).
+#[test]
+fn args_yaml_holds_every_setting_and_trains_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let run = dir.path().join("runs").join("a");
+    let o = run_train(&[train_args(&data, &run), vec!["lr0=0.0123".into(), "freeze=[3]".into()]].concat(), dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    let first = std::fs::read_to_string(run.join("args.yaml")).expect("args.yaml");
+    for line in ["epochs: 2", "batch: 2", "imgsz: 64", "lr0: 0.0123", "freeze: \"[3]\"", "optimizer: SGD", "device: cpu"] {
+        assert!(first.lines().any(|l| l == line), "no `{line}` in\n{first}");
+    }
+    let args_path = run.join("args.yaml").display().to_string();
+    let o = ptl(&["train", &args_path, "epochs=1", "exist_ok=false"], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    let second = std::fs::read_to_string(dir.path().join("runs").join("a2").join("args.yaml")).expect("the second run's args.yaml");
+    let differ: Vec<(&str, &str)> = first.lines().zip(second.lines()).filter(|(a, b)| a != b).collect();
+    let keys: Vec<&str> = differ.iter().map(|(a, _)| a.split(':').next().unwrap_or("")).collect();
+    assert_eq!(keys, ["epochs", "save_dir"], "{differ:?}");
+}

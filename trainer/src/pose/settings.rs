@@ -106,6 +106,51 @@ impl PoseTrainConfig {
     }
 }
 
+impl PoseTrainConfig {
+    /// Every setting as the `key=value` text [`PoseTrainConfig::set`] reads back: what the run
+    /// resolved, in `ptl cfg` order.
+    pub fn settings(&self) -> Vec<(String, String)> {
+        let mut doc = match serde_json::to_value(self) {
+            Ok(Value::Object(m)) => m,
+            _ => return Vec::new(),
+        };
+        Self::keys()
+            .iter()
+            .filter_map(|(key, _, _)| {
+                let text = match field_mut(&mut doc, key)? {
+                    Value::String(s) => s.clone(),
+                    Value::Null => NULLABLE.iter().find(|(k, _, _)| k == key).map_or("none", |(_, word, _)| *word).to_string(),
+                    Value::Array(items) if items.is_empty() => "none".into(),
+                    Value::Array(items) => {
+                        let cells: Vec<String> = items.iter().map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string)).collect();
+                        format!("[{}]", cells.join(","))
+                    }
+                    other => other.to_string(),
+                };
+                Some((key.to_string(), text))
+            })
+            .collect()
+    }
+
+    /// Ultralytics' `args.yaml`: one `key: value` line per setting (plain where YAML reads the text
+    /// back unchanged, else a double-quoted scalar), readable again as `ptl train args.yaml`.
+    pub fn args_yaml(&self) -> String {
+        let plain = |v: &str| {
+            !v.is_empty()
+                && v.chars().all(|c| c.is_ascii_alphanumeric() || "_./+-".contains(c))
+                && !v.starts_with(['-', '.'])
+                && !["y", "n", "null", "~", "on", "off"].contains(&v.to_ascii_lowercase().as_str())
+        };
+        self.settings()
+            .into_iter()
+            .map(|(k, v)| match plain(&v) {
+                true => format!("{k}: {v}\n"),
+                false => format!("{k}: {}\n", Value::String(v)),
+            })
+            .collect()
+    }
+}
+
 fn deserialize(doc: &Map<String, Value>) -> serde_json::Result<PoseTrainConfig> {
     serde_json::from_value(Value::Object(doc.clone()))
 }
@@ -199,6 +244,39 @@ mod tests {
 
     fn json(c: &PoseTrainConfig) -> Value {
         serde_json::to_value(c).unwrap()
+    }
+
+    /// Every setting written as text (args.yaml's values) and set again gives the same
+    /// configuration, with lists of one and several items, unset optional keys, a JSON object and
+    /// paths with spaces.
+    #[test]
+    fn settings_round_trip_through_their_text() {
+        let mut c = PoseTrainConfig::default();
+        for (k, v) in [
+            ("data", "/tmp/my data/set: a.yaml"),
+            ("epochs", "7"),
+            ("lr0", "0.0123"),
+            ("freeze", "[5]"),
+            ("replay", "feature,stem"),
+            ("replay_config", r#"{"stem": {"warmup_calls": 2}}"#),
+            ("workers", "3"),
+            ("cos_lr", "true"),
+        ] {
+            c.set(k, v).unwrap();
+        }
+        for start in [PoseTrainConfig::default(), c] {
+            let mut back = PoseTrainConfig::default();
+            for (k, v) in start.settings() {
+                back.set(&k, &v).unwrap_or_else(|e| panic!("{k}={v}: {e}"));
+            }
+            assert_eq!(json(&back), json(&start));
+            let yaml = start.args_yaml();
+            // `amp` is resolved into `precision`, which is written.
+            let keys = PoseTrainConfig::keys();
+            let missing: Vec<&str> =
+                keys.iter().map(|k| k.0).filter(|k| *k != "amp" && !yaml.lines().any(|l| l.starts_with(&format!("{k}: ")))).collect();
+            assert!(missing.is_empty(), "missing {missing:?}");
+        }
     }
 
     #[test]

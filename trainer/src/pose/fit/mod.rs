@@ -73,6 +73,10 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     } else if cfg.progress {
         eprintln!("ptl: writing to {}", run_dir.path().display());
     }
+    // Every resolved setting, as Ultralytics' args.yaml (`ptl train args.yaml` reads it back).
+    let args = run_dir.path().join("args.yaml");
+    let yaml = cfg.args_yaml();
+    ptl_files::write_atomic_with(&args, 0o644, |f| std::io::Write::write_all(f, yaml.as_bytes()))?;
     let cfg = &cfg;
     let t = Instant::now();
     let batches = train_ds.len().div_ceil(cfg.batch.min(train_ds.len()).max(1));
