@@ -340,3 +340,19 @@ fn args_yaml_holds_every_setting_and_trains_again() {
     let keys: Vec<&str> = differ.iter().map(|(a, _)| a.split(':').next().unwrap_or("")).collect();
     assert_eq!(keys, ["epochs", "save_dir"], "{differ:?}");
 }
+
+/// The `replay_config` example `ptl cfg` prints is a setting the replay plugins take (an unknown
+/// plugin setting is refused, so an example that drifted would fail here).
+#[test]
+fn the_replay_config_example_of_ptl_cfg_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = ptl(&["cfg"], dir.path());
+    let line =
+        text(&o).lines().find(|l| l.trim_start().starts_with("replay_config")).map(str::to_string).expect("replay_config in ptl cfg");
+    let example = line.split("e.g. ").nth(1).expect("an example").trim().to_string();
+    let data = synth(dir.path());
+    let args =
+        [train_args(&data, &dir.path().join("runs").join("r")), vec!["replay=stem".into(), format!("replay_config={example}")]].concat();
+    let o = run_train(&args, dir.path());
+    assert!(o.status.success(), "replay_config={example}: {}", text(&o));
+}

@@ -521,7 +521,7 @@ impl PoseTrainConfig {
                 "none".into(),
                 "replay plugins to enable, comma-separated (e.g. feature,stem; all = every ptl replay plugin); none = native",
             ),
-            ("replay_config", "{}".into(), "JSON settings per replay plugin, e.g. {\"stem\": {\"warmup\": 1}}"),
+            ("replay_config", "{}".into(), "JSON settings per replay plugin, e.g. {\"stem\": {\"warmup_calls\": 2}}"),
         ]
     }
 }

@@ -202,7 +202,7 @@ fn typed_value(key: &str, value: &str, current: &Value, nullable: Option<&(&str,
             let parsed = serde_json::from_str::<Value>(v)
                 .ok()
                 .filter(Value::is_object)
-                .ok_or_else(|| bad(format!("`{key}={value}`: expected a JSON object, e.g. {{\"stem\": {{\"warmup\": 1}}}}")))?;
+                .ok_or_else(|| bad(format!("`{key}={value}`: expected a JSON object, e.g. {{\"stem\": {{\"warmup_calls\": 2}}}}")))?;
             (parsed, None)
         }
         Value::String(_) | Value::Null => (Value::String(value.to_string()), None),
