@@ -27,6 +27,11 @@ impl OptimizerName {
             "sgd" => Ok(OptimizerName::Sgd),
             "musgd" => Ok(OptimizerName::MuSgd),
             "adamw" => Ok(OptimizerName::AdamW),
+            // Ultralytics' other optimizers, refused by name rather than trained as another one.
+            "adam" | "adamax" | "nadam" | "radam" | "rmsprop" => Err(TrainerError::InvalidArgument {
+                what: "optimizer",
+                reason: format!("`{}` is one of Ultralytics' optimizers ptl does not implement: use auto, SGD, MuSGD or AdamW", s.trim()),
+            }),
             other => Err(TrainerError::InvalidArgument {
                 what: "optimizer",
                 reason: format!("unknown optimizer `{other}`: use auto, SGD, MuSGD or AdamW"),
@@ -347,4 +352,23 @@ pub fn build_groups(
         groups[gi].params.push(NamedParam { name: name.clone(), tensor: t.clone() });
     }
     Ok(groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OptimizerName;
+
+    /// Ultralytics' spellings in any case; its optimizers ptl lacks are refused by name with the
+    /// list of what exists.
+    #[test]
+    fn optimizer_names_parse_or_are_refused_naming_the_choices() {
+        assert_eq!(OptimizerName::parse("SGD").unwrap(), OptimizerName::Sgd);
+        assert_eq!(OptimizerName::parse("musgd").unwrap(), OptimizerName::MuSgd);
+        assert_eq!(OptimizerName::parse(" AdamW ").unwrap(), OptimizerName::AdamW);
+        for name in ["Adam", "NAdam", "RAdam", "RMSProp", "Adamax"] {
+            let e = OptimizerName::parse(name).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{name}` is one of Ultralytics' optimizers")) && e.contains("auto, SGD, MuSGD or AdamW"), "{e}");
+        }
+        assert!(OptimizerName::parse("lion").unwrap_err().to_string().contains("unknown optimizer `lion`"));
+    }
 }
