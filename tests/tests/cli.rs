@@ -1,6 +1,6 @@
 //! The `ptl` command line on bad input (reliability issue): typed errors and non-zero exits,
-//! never an abort; resume with the checkpoint's own settings; COCO JSON as `data=`; a line per
-//! epoch when the output is not a terminal.
+//! never an abort; resume with the checkpoint's own settings; COCO JSON as `data=`; the per-epoch
+//! table when the output is not a terminal.
 
 mod common;
 
@@ -41,11 +41,18 @@ fn resume_alone_continues_the_checkpoints_run_and_refuses_changed_settings() {
     let project = dir.path().join("run");
     let o = run_train(&train_args(&data, &project), dir.path());
     assert!(o.status.success(), "{}", text(&o));
-    // Output that is not a terminal still gets a line per epoch, with losses and both metric sets.
-    for e in ["epoch 1/2 ", "epoch 2/2 "] {
-        let line = text(&o).lines().find(|l| l.starts_with(e)).map(str::to_string);
-        let line = line.unwrap_or_else(|| panic!("no `{e}` line: {}", text(&o)));
-        assert!(line.contains(" box ") && line.contains("| Box P ") && line.contains("| Pose P ") && line.contains("| lr "), "{line}");
+    // Output that is not a terminal still gets Ultralytics' per-epoch table: a training row under
+    // its header and the validation row under its own, every epoch.
+    let out = text(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    for e in ["1/2", "2/2"] {
+        let at =
+            lines.iter().position(|l| l.trim_start().starts_with(&format!("{e} "))).unwrap_or_else(|| panic!("no `{e}` row: {}", text(&o)));
+        assert!(lines[at - 1].trim_start().starts_with("Epoch") && lines[at - 1].contains("box_loss"), "{}", lines[at - 1]);
+        assert!(lines[at + 1].trim_start().starts_with("Class") && lines[at + 1].contains("Pose(P"), "{}", lines[at + 1]);
+        assert!(lines[at + 2].trim_start().starts_with("all "), "{}", lines[at + 2]);
+        assert_eq!(lines[at].split_whitespace().count(), 10, "epoch, 6 losses, instances, size, time: {}", lines[at]);
+        assert_eq!(lines[at + 2].split_whitespace().count(), 11, "all, images, instances, 8 metrics: {}", lines[at + 2]);
     }
     let ckpt = project.join("weights/last.ckpt");
     // A changed training setting: exit 1, both values named, nothing trained.
@@ -268,7 +275,7 @@ fn ultralytics_spellings_of_device_imgsz_verbose_and_resume() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("imgsz=100 must be a multiple of the max stride 32, updating to 128"), "{}", text(&o));
     assert!(text(&o).contains("imgsz 128"), "trains at 128: {}", text(&o));
-    assert!(!text(&o).lines().any(|l| l.starts_with("epoch 1/")), "verbose=false prints no epoch line: {}", text(&o));
+    assert!(!text(&o).lines().any(|l| l.trim_start().starts_with("1/2 ")), "verbose=false prints no epoch row: {}", text(&o));
     let o = ptl(&["train", "resume=True", &format!("project={}", project.display()), "--device", "cpu"], dir.path());
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains(&project.join("a").join("weights").join("last.ckpt").display().to_string()), "{}", text(&o));

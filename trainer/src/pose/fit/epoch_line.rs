@@ -1,30 +1,60 @@
-//! The line each finished epoch prints, whether or not the output is a terminal (logs of CI jobs,
-//! `nohup` and cluster runs): its place and time, the mean training losses, the validation
-//! metrics for boxes and keypoints and the learning rate — what Ultralytics' per-epoch rows tell.
+//! The rows each finished epoch prints, whether or not the output is a terminal (logs of CI jobs,
+//! `nohup` and cluster runs), laid out as Ultralytics' per-epoch table: a header once, then per
+//! epoch a training row (mean losses, the last batch's instances, the image size, the epoch's time)
+//! and the validation header and row (P, R, mAP50, mAP50-95 for boxes and keypoints).
 
-/// Short names of the training losses, in `LOSS_NAMES` order.
-const LOSSES: [&str; 6] = ["box", "pose", "kobj", "cls", "l1", "rle"];
+/// The training columns after `Epoch` (the losses in `LOSS_NAMES` order).
+const TRAIN_COLUMNS: [&str; 9] = ["box_loss", "pose_loss", "kobj_loss", "cls_loss", "l1_loss", "rle_loss", "Instances", "Size", "Time"];
 
-/// `epoch 3/100 12.4 s  box 1.234 pose … rle 0.321 | Box P 0.001 R 0.036 mAP50 0.000 mAP50-95 0.000
-/// | Pose P … | lr 0.00123`. `losses` in `LOSS_NAMES` order; `metrics` in `ValResult::metric_names`
-/// order (boxes, then keypoints), `None` without validation.
-pub(crate) fn epoch_line(epoch: usize, epochs: usize, secs: f64, losses: &[f64], metrics: Option<&[f64]>, lr: Option<f64>) -> String {
-    let mut line = format!("epoch {}/{epochs} {secs:.1} s ", epoch + 1);
-    for (name, v) in LOSSES.iter().zip(losses) {
-        line += &format!(" {name} {v:.4}");
+/// `%.{sig}g` as C formats it (the way Ultralytics' tables print numbers).
+pub(crate) fn fmt_g(v: f64, sig: usize) -> String {
+    if !v.is_finite() {
+        return format!("{v}");
     }
-    if let Some(m) = metrics {
-        for (label, part) in ["Box", "Pose"].iter().zip(m.chunks(4)) {
-            line += &format!(" | {label}");
-            for (name, v) in ["P", "R", "mAP50", "mAP50-95"].iter().zip(part) {
-                line += &format!(" {name} {v:.4}");
-            }
-        }
+    if v == 0.0 {
+        return "0".into();
     }
-    if let Some(lr) = lr {
-        line += &format!(" | lr {lr:.6}");
+    let sig = sig.max(1);
+    let exp = v.abs().log10().floor() as i32;
+    // Rounding may carry into the next power of ten (9.9996 → 10.00): take the exponent after it.
+    let rounded: f64 = format!("{v:.*e}", sig - 1).parse().unwrap_or(v);
+    let exp = if rounded != 0.0 { rounded.abs().log10().floor() as i32 } else { exp };
+    let trim = |s: String| if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s };
+    if exp < -4 || exp >= sig as i32 {
+        let s = format!("{v:.*e}", sig - 1);
+        let (mantissa, e) = s.split_once('e').unwrap_or((&s, "0"));
+        let e: i32 = e.parse().unwrap_or(0);
+        format!("{}e{}{:02}", trim(mantissa.to_string()), if e < 0 { '-' } else { '+' }, e.abs())
+    } else {
+        trim(format!("{v:.*}", (sig as i32 - 1 - exp).max(0) as usize))
     }
-    line
+}
+
+/// The header of the training rows.
+pub(crate) fn train_header() -> String {
+    std::iter::once("Epoch").chain(TRAIN_COLUMNS).map(|c| format!("{c:>11}")).collect()
+}
+
+/// One epoch's training row: `epoch/epochs`, the mean losses, the last batch's instances, the
+/// image size and the epoch's seconds.
+pub(crate) fn train_row(epoch: usize, epochs: usize, losses: &[f64], instances: usize, imgsz: usize, secs: f64) -> String {
+    let mut row = format!("{:>11}", format!("{}/{epochs}", epoch + 1));
+    for v in losses {
+        row += &format!("{:>11}", fmt_g(*v, 4));
+    }
+    row + &format!("{instances:>11}{imgsz:>11}{:>11}", format!("{secs:.1}s"))
+}
+
+/// The validation header and row: images and instances of the split, then P, R, mAP50 and
+/// mAP50-95 for boxes and for keypoints (`metrics` in `ValResult::metric_names` order).
+pub(crate) fn val_rows(images: usize, instances: usize, metrics: &[f64]) -> [String; 2] {
+    let names = ["Images", "Instances", "Box(P", "R", "mAP50", "mAP50-95)", "Pose(P", "R", "mAP50", "mAP50-95)"];
+    let header = format!("{:>22}", "Class") + &names.iter().map(|c| format!("{c:>11}")).collect::<String>();
+    let mut row = format!("{:>22}{images:>11}{instances:>11}", "all");
+    for v in metrics {
+        row += &format!("{:>11}", fmt_g(*v, 3));
+    }
+    [header, row]
 }
 
 #[cfg(test)]
@@ -32,14 +62,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_line_names_every_loss_and_both_metric_sets() {
-        let losses = [1.23456, 2.0, 0.5, 1.0, 0.25, 0.125];
-        let metrics = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8];
-        assert_eq!(
-            epoch_line(2, 100, 12.44, &losses, Some(&metrics), Some(0.00123)),
-            "epoch 3/100 12.4 s  box 1.2346 pose 2.0000 kobj 0.5000 cls 1.0000 l1 0.2500 rle 0.1250 \
-             | Box P 0.1000 R 0.2000 mAP50 0.3000 mAP50-95 0.4000 | Pose P 0.5000 R 0.6000 mAP50 0.7000 mAP50-95 0.8000 | lr 0.001230"
-        );
-        assert_eq!(epoch_line(0, 1, 0.0, &losses[..1], None, None), "epoch 1/1 0.0 s  box 1.2346");
+    fn numbers_print_as_c_formats_them_with_g() {
+        for (v, sig, want) in [
+            (6.085905, 4, "6.086"),
+            (104.147272, 4, "104.1"),
+            (0.234479, 4, "0.2345"),
+            (0.0003091, 3, "0.000309"),
+            (0.3, 3, "0.3"),
+            (0.0, 3, "0"),
+            (12345.0, 4, "1.234e+04"),
+            (0.00001234, 3, "1.23e-05"),
+            (9.99996, 4, "10"),
+            (-2.5, 3, "-2.5"),
+        ] {
+            assert_eq!(fmt_g(v, sig), want, "{v} with {sig} digits");
+        }
+    }
+
+    #[test]
+    fn rows_line_up_under_their_headers() {
+        let h = train_header();
+        let r = train_row(0, 2, &[6.085905, 9.388644, 0.69759, 4.323826, 0.234479, 104.147272], 12, 64, 5.13);
+        assert_eq!(h.len(), r.len(), "{h}\n{r}");
+        assert_eq!(r, "        1/2      6.086      9.389     0.6976      4.324     0.2345      104.1         12         64       5.1s");
+        assert!(h.starts_with("      Epoch   box_loss"), "{h}");
+        let [vh, vr] = val_rows(4, 10, &[0.006, 0.3, 0.002143, 0.000309, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(vh.len(), vr.len(), "{vh}\n{vr}");
+        assert_eq!(vr, "                   all          4         10      0.006        0.3    0.00214   0.000309          0          0          0          0");
     }
 }

@@ -15,7 +15,7 @@ use crate::optim::LrScheduler;
 use crate::{Result, TrainerError};
 
 use super::run::*;
-use super::LOSS_NAMES;
+use super::{epoch_line, LOSS_NAMES};
 
 pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     let cfg = run.cfg.clone();
@@ -111,6 +111,10 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             }
             None => 0,
         };
+        if cfg.progress {
+            eprintln!("{}", epoch_line::train_header());
+        }
+        let mut last_instances = 0;
         let bar = super::super::progress::EpochBar::new(cfg.progress, epoch, cfg.epochs, run.nb);
         for i in first_batch..run.nb {
             run.clock.begin_step(epoch, i, run.nb)?;
@@ -125,6 +129,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
                 });
             }
             run.clock.data_wait(waited);
+            last_instances = batch.batch_idx.len();
             run.train_batch(epoch, i, &batch, &pixels, waited.as_secs_f64() * 1e3, &mut sums)?;
             run.clock.end_step();
             bar.update(i, &run.view.mean_items, run.view.lr.first().copied().unwrap_or(0.0));
@@ -205,9 +210,13 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         let fit_time = fit_time_before + fit_start.elapsed().as_secs_f64();
         if cfg.progress {
             let losses: Vec<f64> = sums.iter().map(|s| s / run.nb as f64).collect();
-            let metrics = val.as_ref().map(|v| v.metric_values());
             let secs = epoch_start.elapsed().as_secs_f64();
-            eprintln!("{}", super::epoch_line::epoch_line(epoch, cfg.epochs, secs, &losses, metrics.as_deref(), lrs.first().copied()));
+            eprintln!("{}", epoch_line::train_row(epoch, cfg.epochs, &losses, last_instances, cfg.imgsz, secs));
+            if let (Some(v), Some(ds)) = (&val, &run.val_ds) {
+                for row in epoch_line::val_rows(v.images, ds.report.instances, &v.metric_values()) {
+                    eprintln!("{row}");
+                }
+            }
         }
         let mut values = vec![epoch as f64 + 1.0, fit_time];
         values.extend(sums.iter().map(|s| s / run.nb as f64));
