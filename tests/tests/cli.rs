@@ -51,7 +51,7 @@ fn resume_alone_continues_the_checkpoints_run_and_refuses_changed_settings() {
         assert!(lines[at - 1].trim_start().starts_with("Epoch") && lines[at - 1].contains("box_loss"), "{}", lines[at - 1]);
         assert!(lines[at + 1].trim_start().starts_with("Class") && lines[at + 1].contains("Pose(P"), "{}", lines[at + 1]);
         assert!(lines[at + 2].trim_start().starts_with("all "), "{}", lines[at + 2]);
-        assert_eq!(lines[at].split_whitespace().count(), 10, "epoch, 6 losses, instances, size, time: {}", lines[at]);
+        assert_eq!(lines[at].split_whitespace().count(), 11, "epoch, GPU_mem, 6 losses, instances, size, time: {}", lines[at]);
         assert_eq!(lines[at + 2].split_whitespace().count(), 11, "all, images, instances, 8 metrics: {}", lines[at + 2]);
     }
     let ckpt = project.join("weights/last.ckpt");

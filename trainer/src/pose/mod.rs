@@ -37,6 +37,17 @@ pub fn memory_peaks(device: ptl_autograd::Device) -> (Option<u64>, Option<u64>) 
     (None, None)
 }
 
+/// Device memory the pools hold from the driver right now (`torch.cuda.memory_reserved`); 0 on
+/// the CPU, as Ultralytics reports it there.
+pub fn memory_reserved(device: ptl_autograd::Device) -> u64 {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return ptl_autograd::cuda::memory_stats(device).map_or(0, |s| s.reserved);
+    }
+    let _ = device;
+    0
+}
+
 /// Bytes held by the math libraries' workspaces on `device` (`None` on the CPU).
 pub fn library_workspace_bytes(device: ptl_autograd::Device) -> Option<u64> {
     #[cfg(feature = "cuda")]

@@ -1,10 +1,12 @@
 //! The rows each finished epoch prints, whether or not the output is a terminal (logs of CI jobs,
 //! `nohup` and cluster runs), laid out as Ultralytics' per-epoch table: a header once, then per
-//! epoch a training row (mean losses, the last batch's instances, the image size, the epoch's time)
+//! epoch a training row (device memory, mean losses, the last batch's instances, the image size,
+//! the epoch's time)
 //! and the validation header and row (P, R, mAP50, mAP50-95 for boxes and keypoints).
 
 /// The training columns after `Epoch` (the losses in `LOSS_NAMES` order).
-const TRAIN_COLUMNS: [&str; 9] = ["box_loss", "pose_loss", "kobj_loss", "cls_loss", "l1_loss", "rle_loss", "Instances", "Size", "Time"];
+const TRAIN_COLUMNS: [&str; 10] =
+    ["GPU_mem", "box_loss", "pose_loss", "kobj_loss", "cls_loss", "l1_loss", "rle_loss", "Instances", "Size", "Time"];
 
 /// `%.{sig}g` as C formats it (the way Ultralytics' tables print numbers).
 pub(crate) fn fmt_g(v: f64, sig: usize) -> String {
@@ -35,10 +37,12 @@ pub(crate) fn train_header() -> String {
     std::iter::once("Epoch").chain(TRAIN_COLUMNS).map(|c| format!("{c:>11}")).collect()
 }
 
-/// One epoch's training row: `epoch/epochs`, the mean losses, the last batch's instances, the
-/// image size and the epoch's seconds.
-pub(crate) fn train_row(epoch: usize, epochs: usize, losses: &[f64], instances: usize, imgsz: usize, secs: f64) -> String {
+/// One epoch's training row: `epoch/epochs`, the device memory reserved (bytes, shown in GB as
+/// Ultralytics does), the mean losses, the last batch's instances, the image size and the epoch's
+/// seconds.
+pub(crate) fn train_row(epoch: usize, epochs: usize, reserved: u64, losses: &[f64], instances: usize, imgsz: usize, secs: f64) -> String {
     let mut row = format!("{:>11}", format!("{}/{epochs}", epoch + 1));
+    row += &format!("{:>11}", format!("{}G", fmt_g(reserved as f64 / 1e9, 3)));
     for v in losses {
         row += &format!("{:>11}", fmt_g(*v, 4));
     }
@@ -82,10 +86,14 @@ mod tests {
     #[test]
     fn rows_line_up_under_their_headers() {
         let h = train_header();
-        let r = train_row(0, 2, &[6.085905, 9.388644, 0.69759, 4.323826, 0.234479, 104.147272], 12, 64, 5.13);
+        let r = train_row(0, 2, 2_740_000_000, &[6.085905, 9.388644, 0.69759, 4.323826, 0.234479, 104.147272], 12, 64, 5.13);
         assert_eq!(h.len(), r.len(), "{h}\n{r}");
-        assert_eq!(r, "        1/2      6.086      9.389     0.6976      4.324     0.2345      104.1         12         64       5.1s");
-        assert!(h.starts_with("      Epoch   box_loss"), "{h}");
+        assert_eq!(
+            r,
+            "        1/2      2.74G      6.086      9.389     0.6976      4.324     0.2345      104.1         12         64       5.1s"
+        );
+        assert!(h.starts_with("      Epoch    GPU_mem   box_loss"), "{h}");
+        assert!(train_row(0, 1, 0, &[1.0], 1, 64, 0.0).contains("         0G"), "the CPU shows 0G");
         let [vh, vr] = val_rows(4, 10, &[0.006, 0.3, 0.002143, 0.000309, 0.0, 0.0, 0.0, 0.0]);
         assert_eq!(vh.len(), vr.len(), "{vh}\n{vr}");
         assert_eq!(vr, "                   all          4         10      0.006        0.3    0.00214   0.000309          0          0          0          0");

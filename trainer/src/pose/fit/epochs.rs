@@ -211,7 +211,8 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         if cfg.progress {
             let losses: Vec<f64> = sums.iter().map(|s| s / run.nb as f64).collect();
             let secs = epoch_start.elapsed().as_secs_f64();
-            eprintln!("{}", epoch_line::train_row(epoch, cfg.epochs, &losses, last_instances, cfg.imgsz, secs));
+            let reserved = crate::pose::memory_reserved(cfg.device);
+            eprintln!("{}", epoch_line::train_row(epoch, cfg.epochs, reserved, &losses, last_instances, cfg.imgsz, secs));
             if let (Some(v), Some(ds)) = (&val, &run.val_ds) {
                 for row in epoch_line::val_rows(v.images, ds.report.instances, &v.metric_values()) {
                     eprintln!("{row}");
