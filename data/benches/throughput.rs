@@ -104,18 +104,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("1 thread: {n1} batches of {batch} at {imgsz}px (mosaic, RAM cache): {:.1} batches/s = {:.0} images/s", n1 as f64 / s1, ips1);
     drop(p);
 
-    // All threads as prefetch workers.
-    let ld = Arc::new(TrainLoader::new(ds.clone(), cfg(threads))?);
-    let mut p = ld.prefetch(0);
-    // warm-up: let the pool fill its queue once
-    for _ in 0..threads.min(nb) {
-        p.next_batch().ok_or("loader ended")??;
-    }
-    let t = Instant::now();
-    for _ in 0..batches {
-        p.next_batch().ok_or("loader ended")??;
-    }
-    let sn = t.elapsed().as_secs_f64();
+    // All threads as prefetch workers, with HSV on the CPU and left to the device (what the loader
+    // of a CUDA fit does).
+    let secs_for = |tcfg: TrainConfig| -> Result<f64, Box<dyn std::error::Error>> {
+        let ld = Arc::new(TrainLoader::new(ds.clone(), tcfg)?);
+        let mut p = ld.prefetch(0);
+        // warm-up: let the pool fill its queue once
+        for _ in 0..threads.min(nb) {
+            p.next_batch().ok_or("loader ended")??;
+        }
+        let t = Instant::now();
+        for _ in 0..batches {
+            p.next_batch().ok_or("loader ended")??;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let sn = secs_for(cfg(threads))?;
     let ipsn = (batches * batch) as f64 / sn;
     println!(
         "{threads} threads: {batches} batches of {batch}: {:.1} batches/s = {:.0} images/s ({:.1}x of 1 thread)",
@@ -123,21 +127,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ipsn,
         ipsn / ips1
     );
-    drop(p);
-
-    // All threads, HSV left to the device (what the loader of a CUDA fit does).
-    let ld = Arc::new(TrainLoader::new(ds.clone(), TrainConfig { hsv_on_device: true, ..cfg(threads) })?);
-    let mut p = ld.prefetch(0);
-    for _ in 0..threads.min(nb) {
-        p.next_batch().ok_or("loader ended")??;
-    }
-    let t = Instant::now();
-    for _ in 0..batches {
-        p.next_batch().ok_or("loader ended")??;
-    }
-    let sd = t.elapsed().as_secs_f64();
+    let sd = secs_for(TrainConfig { hsv_on_device: true, ..cfg(threads) })?;
     println!("{threads} threads, HSV on the device: {:.0} images/s", (batches * batch) as f64 / sd);
-    drop(p);
 
     // Simulated training step of 10 ms at batch 4.
     let ld = Arc::new(TrainLoader::new(ds, cfg(threads))?);
