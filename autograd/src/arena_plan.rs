@@ -26,7 +26,9 @@ pub enum TraceEvent {
 /// The allocations and frees of one run of a region.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AllocTrace {
-    pub events: Vec<TraceEvent>,
+    events: Vec<TraceEvent>,
+    /// Allocations among `events` (the next buffer's number), kept as they are appended.
+    allocs: usize,
 }
 
 /// A buffer's bytes and the half-open range of event positions it is live in.
@@ -40,9 +42,15 @@ struct Lifetime {
 impl AllocTrace {
     /// Appends an allocation; returns the buffer's number.
     pub fn alloc(&mut self, bytes: usize) -> usize {
-        let id = self.buffers();
+        let id = self.allocs;
         self.events.push(TraceEvent::Alloc(bytes));
+        self.allocs += 1;
         id
+    }
+
+    /// The allocations and frees, in order.
+    pub fn events(&self) -> &[TraceEvent] {
+        &self.events
     }
 
     /// Appends the free of buffer `id`.
@@ -52,7 +60,7 @@ impl AllocTrace {
 
     /// Buffers allocated.
     pub fn buffers(&self) -> usize {
-        self.events.iter().filter(|e| matches!(e, TraceEvent::Alloc(_))).count()
+        self.allocs
     }
 
     /// The sum of every allocation (what a bump arena needs).
