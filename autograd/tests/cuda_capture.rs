@@ -122,3 +122,49 @@ fn capture_replay_matches_eager() {
         println!("ok capture {dt}: 10 replays bit-identical to eager, reserved (pool, graph) = {:?}", after_first.unwrap());
     }
 }
+
+/// A growable arena (reserved addresses, memory mapped under them): a graph captured into it
+/// replays the eager bytes after the arena grew in place and after its memory was given back and
+/// mapped again; the device's allocated bytes drop by the arena's size while it is evicted.
+#[test]
+fn growable_arena_grows_evicts_and_restores_under_its_graph() {
+    use ptl_autograd::internal::arena_plan::ArenaPlan;
+    use ptl_autograd::internal::cuda::capture_support as cs;
+    let Some(dev) = cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}")) else { return };
+    let x = Tensor::rand(vec![64, 1024], -1.0, 1.0, DType::F32, dev, &mut Rng::new(3)).unwrap();
+    let eager = bytes(&x.mul_scalar(3.0).unwrap().exp().unwrap());
+    let holder = x.zeros_like().unwrap();
+    cuda::synchronize(dev).unwrap();
+    let before = cuda::memory_stats(dev).unwrap().allocated;
+    let arena = cs::CaptureArena::growable(dev, ArenaPlan::default(), 1 << 20).unwrap();
+    let size = arena.size() as u64;
+    assert!(size >= 1 << 20, "{size}");
+    assert_eq!(cuda::memory_stats(dev).unwrap().allocated, before + size, "a mapped arena counts as allocated");
+    let scope = cs::enter_capture_scope(arena.clone()).unwrap();
+    ptl_autograd::internal::cuda::begin_capture(dev).unwrap();
+    let r = (|| -> Result<()> { holder.copy_(&x.mul_scalar(3.0)?.exp()?) })();
+    let graph = ptl_autograd::internal::cuda::end_capture(dev);
+    drop(scope);
+    r.unwrap();
+    let graph = graph.unwrap();
+    let replay = || {
+        holder.copy_(&holder.zeros_like().unwrap()).unwrap();
+        graph.launch().unwrap();
+        cuda::synchronize(dev).unwrap();
+        bytes(&holder)
+    };
+    assert_eq!(replay(), eager, "first replay");
+    assert!(arena.grow(8 << 20).unwrap());
+    assert!(arena.size() >= 8 << 20);
+    assert_eq!(replay(), eager, "after growing in place");
+    let grown = arena.size() as u64;
+    assert!(arena.evict().unwrap());
+    assert!(!arena.resident());
+    assert_eq!(cuda::memory_stats(dev).unwrap().allocated, before, "an evicted arena holds no memory");
+    // Native work may now use the memory the arena gave back.
+    let _busy = Tensor::zeros(vec![grown as usize / 4], DType::F32, dev).unwrap();
+    arena.restore().unwrap();
+    assert!(arena.resident());
+    assert_eq!(replay(), eager, "after eviction and restore");
+    println!("ok growable arena: {size} → {grown} bytes, evicted and restored under one graph");
+}

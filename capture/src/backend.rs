@@ -86,6 +86,14 @@ pub trait Backend: Send + Sync {
         let _ = slot;
         self.record(region, device, arena, pool, body)
     }
+    /// Gives the memory of `slot`'s shared arena back (`resident` false) or maps it again
+    /// (true): its graphs hold nothing between replays, so a native run beside them (a new
+    /// signature's warm-up) may have that memory; none of them runs until it is mapped again.
+    /// Returns whether the slot holds an arena that did so (default: none does).
+    fn set_shared_resident(&self, slot: &ArenaSlot, resident: bool) -> Result<bool> {
+        let _ = (slot, resident);
+        Ok(false)
+    }
     /// Captures `body` once, into `bytes` of addresses that need no memory (the graph is
     /// dropped, never launched), and returns the allocations and frees the capture made, in
     /// order: the trace a plan for the real capture of the same body follows exactly. `None`:

@@ -45,6 +45,9 @@ impl Drop for CudaRecorded {
 
 impl Graph for CudaRecorded {
     fn launch(&self) -> Result<()> {
+        if !self.arena.resident() {
+            return Err(CaptureError::Backend("a recorded graph's arena has no memory mapped (it was set aside and not restored)".into()));
+        }
         Ok(self.graph.lock().unwrap_or_else(|e| e.into_inner()).launch()?)
     }
     fn node_count(&self) -> usize {
@@ -164,16 +167,20 @@ impl Backend for CudaBackend {
         body: Body,
     ) -> Result<Box<dyn Graph>> {
         not_capturing(region)?;
+        // A shared arena is mapped at reserved addresses of its own, not taken from `pool`.
+        let _ = pool;
         let mut held = slot.lock().unwrap_or_else(|e| e.into_inner());
         let shared = held.as_ref().and_then(|a| a.downcast_ref::<std::sync::Arc<CaptureArena>>()).cloned();
+        let need = shared_bytes_needed(spec);
         let (arena, owns) = match shared {
             // The graphs sharing it run one after another and keep nothing in it: the next one
-            // may use it from the start, laid out by its own plan.
-            Some(a) if a.size() >= shared_bytes_needed(spec) => {
+            // may use it from the start, laid out by its own plan — after growing in place, if it
+            // is too small (the graphs recorded into it keep their addresses).
+            Some(a) if a.size() >= need || (a.resident() && a.grow(spec.bytes())?) => {
                 a.rewind(spec.plan.clone());
                 (a, false)
             }
-            _ => (self.new_arena(device, spec, pool)?, true),
+            _ => (CaptureArena::growable(device, spec.plan.clone(), spec.tail)?, true),
         };
         let graph = self.capture_into(region, device, arena.clone(), owns, body)?;
         // A new arena is shared from now on only if a graph was recorded into it (a failed
@@ -182,6 +189,15 @@ impl Backend for CudaBackend {
             *held = Some(Box::new(arena));
         }
         Ok(graph)
+    }
+    fn set_shared_resident(&self, slot: &ArenaSlot, resident: bool) -> Result<bool> {
+        let held = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(arena) = held.as_ref().and_then(|a| a.downcast_ref::<std::sync::Arc<CaptureArena>>()) else { return Ok(false) };
+        match resident {
+            true => arena.restore().map(|_| true),
+            false => arena.evict(),
+        }
+        .map_err(CaptureError::from)
     }
     fn trace_capture(&self, region: &str, device: Device, bytes: usize, body: Body) -> Result<Option<AllocTrace>> {
         not_capturing(region)?;

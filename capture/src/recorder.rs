@@ -71,6 +71,21 @@ pub(crate) struct RecorderInner {
     pub(crate) fwd_arena: Arc<ArenaSlot>,
 }
 
+impl RecorderInner {
+    /// Whether no region of this recorder but `me` has a recording waiting for its backward —
+    /// then the shared arenas hold nothing and may be set aside (a region busy in another call
+    /// counts as waiting).
+    pub(crate) fn others_idle(&self, me: &RegionShared) -> bool {
+        let regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        regions.iter().filter(|r| !std::ptr::eq(r.as_ref(), me)).all(|r| r.idle())
+    }
+
+    /// Whether a forward graph has been recorded into the shared forward arena.
+    pub(crate) fn holds_shared_forward(&self) -> bool {
+        self.fwd_arena.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+}
+
 /// Holds regions (child holders) that share a configuration and a backend. `Clone` and
 /// deserialisation give a recorder with the same configuration and no region or recording;
 /// serialisation writes the configuration only.

@@ -144,6 +144,54 @@ impl BodySlot {
     }
 }
 
+/// The shared arenas of a recorder, evicted ([`Backend::set_shared_resident`]) while native work
+/// runs beside their graphs, and mapped again by [`ArenasAside::put_back`] (or on drop, should an
+/// error end the work first: their graphs must find memory under their addresses).
+struct ArenasAside<'a> {
+    backend: &'a dyn Backend,
+    device: Device,
+    evicted: Vec<&'a ArenaSlot>,
+}
+
+impl<'a> ArenasAside<'a> {
+    fn none(backend: &'a dyn Backend, device: Device) -> ArenasAside<'a> {
+        ArenasAside { backend, device, evicted: Vec::new() }
+    }
+
+    fn take<const N: usize>(backend: &'a dyn Backend, device: Device, slots: [&'a ArenaSlot; N]) -> Result<ArenasAside<'a>> {
+        let mut aside = ArenasAside::none(backend, device);
+        for slot in slots {
+            if backend.set_shared_resident(slot, false)? {
+                aside.evicted.push(slot);
+            }
+        }
+        Ok(aside)
+    }
+
+    /// Returns the native work's cached memory to the driver, then maps the arenas again.
+    fn put_back(mut self) -> Result<()> {
+        self.restore()
+    }
+
+    fn restore(&mut self) -> Result<()> {
+        if self.evicted.is_empty() {
+            return Ok(());
+        }
+        self.backend.trim(self.device)?;
+        while let Some(slot) = self.evicted.pop() {
+            self.backend.set_shared_resident(slot, true)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ArenasAside<'_> {
+    fn drop(&mut self) {
+        // An arena left unmapped is caught at its graphs' next launch, which then fails.
+        let _ = self.restore();
+    }
+}
+
 fn launch_replay(g: &dyn Graph) -> Result<()> {
     IN_REPLAY.with(|r| r.set(true));
     let r = g.launch();
@@ -640,6 +688,14 @@ impl RegionShared {
     pub(crate) fn name(&self) -> &str {
         &self.name
     }
+    /// Whether none of this region's recordings waits for its backward (a region in the middle
+    /// of a call counts as busy).
+    pub(crate) fn idle(&self) -> bool {
+        match self.state.try_lock() {
+            Ok(st) => st.recordings.iter().all(|r| !r.pending_alive()),
+            Err(_) => false,
+        }
+    }
     pub(crate) fn spec(&self) -> RegionSpec {
         lock(&self.state).spec.clone()
     }
@@ -799,9 +855,18 @@ impl RegionHandle {
         if st.failed.contains(&key) {
             return self.native_with(inputs, body, FallbackReason::CaptureFailed);
         }
+        // Regions that take turns over a shared forward arena: once one has been recorded, a
+        // new signature is captured at its first call. The native calls would hold a native
+        // step's memory beside the arenas (their results live on until the caller's backward),
+        // and the one-time state they exist for was made by the first signature's; the capture's
+        // own warm-up, rolled back, runs with the arenas set aside.
+        let warmup_calls = match cfg.share_forward_arena && self.recorder.holds_shared_forward() {
+            true => 0,
+            false => cfg.warmup_calls,
+        };
         let seen = st.seen.entry(key.clone()).or_insert(0);
         *seen += 1;
-        if *seen <= cfg.warmup_calls {
+        if *seen <= warmup_calls {
             return self.native_with(inputs, body, FallbackReason::Warmup);
         }
         if st.recordings.len() >= cfg.max_recordings.max(1) {
@@ -904,6 +969,14 @@ impl RegionHandle {
         let pool = backend.new_pool(device)?;
 
         // ---- warmup on the capture stream, observationally free --------------------------------
+        // The recorder's shared arenas hold nothing between replays: their memory goes back to
+        // the driver while the warm-up runs natively, so a signature captured after another does
+        // not hold a native step's working set beside them (docs/memory.md).
+        let idle = st.recordings.iter().all(|r| !r.pending_alive()) && self.recorder.others_idle(&self.shared);
+        let aside = match idle {
+            true => ArenasAside::take(backend.as_ref(), device, [&*self.recorder.fwd_arena, &*self.recorder.bwd_arena])?,
+            false => ArenasAside::none(backend.as_ref(), device),
+        };
         let buf_snap: Vec<Tensor> = buffers.iter().map(|b| b.deep_copy()).collect::<ptl_autograd::Result<_>>()?;
         let host_snap: Vec<Vec<u64>> = spec.host_state.iter().map(|h| h.snapshot()).collect();
         let rng_snap: Vec<(u64, u64)> = spec.graph_rngs.iter().map(|r| r.snapshot()).collect();
@@ -979,8 +1052,10 @@ impl RegionHandle {
         for (p, g) in params.iter().zip(grad_stash) {
             p.restore_grad_state(g);
         }
+        let back = aside.put_back();
         warm?;
         rb?;
+        back?;
         backend.synchronize(device)?;
 
         // ---- static buffers in the recording's pool ---------------------------------------------

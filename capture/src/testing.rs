@@ -2,12 +2,12 @@
 //! recorder's state machine (signatures, masks, counters, retire/fallback, static-buffer copies,
 //! gradient accumulation) runs for real without a GPU. Not for production use: it is eager.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ptl_autograd::{Device, Tensor};
 
-use crate::backend::{ArenaSpec, Backend, Body, Footprint, Graph, PoolHandle};
+use crate::backend::{ArenaSlot, ArenaSpec, Backend, Body, Footprint, Graph, PoolHandle};
 use crate::{CaptureError, Result};
 
 /// Records by keeping the body; replays by running it.
@@ -17,16 +17,25 @@ pub struct ReplayNatively {
     pub records: AtomicU64,
     /// Errors the next recordings fail with (front first), to test fallbacks.
     pub fail_next: Mutex<Vec<CaptureError>>,
+    /// Shared arenas set aside ([`Backend::set_shared_resident`] with `false`) and put back.
+    pub evictions: AtomicU64,
+    pub restores: AtomicU64,
 }
 
 struct Stored {
     body: Body,
     /// The arena the recorder asked for (nothing is reserved: the double runs eagerly).
     arena: usize,
+    /// For a graph recorded into a shared arena: whether that arena is "mapped" (a launch while
+    /// it is set aside fails, as on the device).
+    resident: Option<Arc<AtomicBool>>,
 }
 
 impl Graph for Stored {
     fn launch(&self) -> Result<()> {
+        if self.resident.as_ref().is_some_and(|r| !r.load(Ordering::Relaxed)) {
+            return Err(CaptureError::Backend("launch while the shared arena is set aside".into()));
+        }
         (self.body)()
     }
     fn node_count(&self) -> usize {
@@ -34,6 +43,17 @@ impl Graph for Stored {
     }
     fn arena_bytes(&self) -> usize {
         self.arena
+    }
+}
+
+impl ReplayNatively {
+    fn store(&self, arena: &ArenaSpec, body: Body, resident: Option<Arc<AtomicBool>>) -> Result<Stored> {
+        let mut f = self.fail_next.lock().unwrap_or_else(|e| e.into_inner());
+        if !f.is_empty() {
+            return Err(f.remove(0));
+        }
+        self.records.fetch_add(1, Ordering::Relaxed);
+        Ok(Stored { body, arena: arena.bytes(), resident })
     }
 }
 
@@ -51,13 +71,42 @@ impl Backend for ReplayNatively {
         f().map(|_| Footprint::default())
     }
     fn record(&self, _region: &str, _device: Device, arena: &ArenaSpec, _pool: Option<&PoolHandle>, body: Body) -> Result<Box<dyn Graph>> {
-        let arena_bytes = arena.bytes();
-        let mut f = self.fail_next.lock().unwrap_or_else(|e| e.into_inner());
-        if !f.is_empty() {
-            return Err(f.remove(0));
+        Ok(Box::new(self.store(arena, body, None)?))
+    }
+    /// A shared arena is a residency flag in the slot, made by the first graph recorded into it.
+    fn record_sharing(
+        &self,
+        _region: &str,
+        _device: Device,
+        arena: &ArenaSpec,
+        slot: &ArenaSlot,
+        _pool: Option<&PoolHandle>,
+        body: Body,
+    ) -> Result<Box<dyn Graph>> {
+        let mut held = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let flag = held.as_ref().and_then(|a| a.downcast_ref::<Arc<AtomicBool>>()).cloned();
+        let owns = flag.is_none();
+        let flag = flag.unwrap_or_else(|| Arc::new(AtomicBool::new(true)));
+        if !flag.load(Ordering::Relaxed) {
+            return Err(CaptureError::Backend("capture into a shared arena that is set aside".into()));
         }
-        self.records.fetch_add(1, Ordering::Relaxed);
-        Ok(Box::new(Stored { body, arena: arena_bytes }))
+        let stored = self.store(arena, body, Some(flag.clone()))?;
+        if owns {
+            *held = Some(Box::new(flag));
+        }
+        Ok(Box::new(stored))
+    }
+    fn set_shared_resident(&self, slot: &ArenaSlot, resident: bool) -> Result<bool> {
+        let held = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(flag) = held.as_ref().and_then(|a| a.downcast_ref::<Arc<AtomicBool>>()) else { return Ok(false) };
+        if flag.swap(resident, Ordering::Relaxed) == resident {
+            return Ok(false);
+        }
+        match resident {
+            true => self.restores.fetch_add(1, Ordering::Relaxed),
+            false => self.evictions.fetch_add(1, Ordering::Relaxed),
+        };
+        Ok(true)
     }
     fn address(&self, t: &Tensor) -> u64 {
         t.storage_ptr() as u64

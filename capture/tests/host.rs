@@ -274,3 +274,51 @@ fn t2_warmup_rolls_back_undeclared_writes() {
     let s = region.stats();
     assert_eq!((s.captures, s.replays), (1, 4), "{s:?}");
 }
+
+/// Regions that take turns over a shared forward arena (the `step` plugin's target buckets): a
+/// signature seen after the first recording is captured at its first call, with the shared
+/// arenas set aside during its warm-up and put back before its capture; while another region's
+/// backward is pending they stay where they are. Replays of every signature still match the
+/// native results.
+#[test]
+fn a_later_signature_warms_up_with_the_shared_arenas_set_aside() {
+    let (rec, backend) = recorder(RecorderConfig { share_forward_arena: true, ..Default::default() });
+    let net = Net::new(Device::Cpu, DType::F32, 5);
+    let region = |name: &str| {
+        let (p, s) = (net.p.clone(), net.p.clone());
+        rec.region(RegionSpec::new(name, move || s.with_prefix("trunk."), move |xs| Ok(vec![Net::trunk(&p, &xs[0])?])))
+    };
+    let (r1, r2) = (region("bucket.0"), region("bucket.1"));
+    let (a, b) = (Data::new(Device::Cpu, DType::F32, 2, 8, 1).x, Data::new(Device::Cpu, DType::F32, 1, 8, 2).x);
+    let step = |r: &ptl_capture::RegionHandle, x: &Tensor| -> Vec<u8> {
+        let y = r.call(std::slice::from_ref(x)).unwrap().remove(0);
+        let bytes = y.to_bytes().unwrap();
+        y.mean_all().unwrap().backward().unwrap();
+        bytes
+    };
+    let native = |x: &Tensor| no_grad(|| Net::trunk(&net.p, x).unwrap().to_bytes().unwrap());
+    // The first signature: one native warm-up call, then its capture (nothing to set aside yet).
+    for _ in 0..3 {
+        step(&r1, &a);
+    }
+    let s1 = r1.stats();
+    assert_eq!((s1.native_for(FallbackReason::Warmup), s1.captures, s1.replays), (1, 1, 2), "{s1:?}");
+    assert_eq!(backend.evictions.load(std::sync::atomic::Ordering::Relaxed), 0);
+    // A new signature: captured at its first call; both shared arenas (forward and backward)
+    // were set aside for its warm-up and put back.
+    let first = step(&r1, &b);
+    let s1 = r1.stats();
+    assert_eq!((s1.native_for(FallbackReason::Warmup), s1.captures, s1.replays), (1, 2, 3), "{s1:?}");
+    let (ev, re) =
+        (backend.evictions.load(std::sync::atomic::Ordering::Relaxed), backend.restores.load(std::sync::atomic::Ordering::Relaxed));
+    assert_eq!((ev, re), (2, 2));
+    assert_eq!(first, native(&b), "the new signature's first (replayed) call equals native");
+    assert_eq!(step(&r1, &a), native(&a), "the first signature replays after the arenas came back");
+    // Another region's forward waits for its backward: a capture now leaves the arenas alone.
+    let pending = r1.call(std::slice::from_ref(&a)).unwrap().remove(0);
+    let c = Data::new(Device::Cpu, DType::F32, 3, 8, 3).x;
+    let y = r2.call(std::slice::from_ref(&c)).unwrap().remove(0);
+    assert_eq!(r2.stats().captures, 1, "{:?}", r2.stats());
+    assert_eq!(backend.evictions.load(std::sync::atomic::Ordering::Relaxed), 2, "no eviction under a pending backward");
+    pending.mean_all().unwrap().add(&y.mean_all().unwrap()).unwrap().backward().unwrap();
+}

@@ -6,7 +6,8 @@
 
 use cudarc::driver::sys;
 
-use super::device::{cu_err, Dev};
+use super::device::Dev;
+use super::mapped_range::{check, device_memory};
 use crate::Result;
 
 /// Reserved addresses, each granule mapped to the same physical chunk; unmapped and released on
@@ -20,13 +21,6 @@ pub(crate) struct AliasedRange {
     chunk: sys::CUmemGenericAllocationHandle,
 }
 
-fn check(what: &str, r: sys::CUresult) -> Result<()> {
-    match r {
-        sys::CUresult::CUDA_SUCCESS => Ok(()),
-        e => Err(cu_err(what, e)),
-    }
-}
-
 impl AliasedRange {
     /// At least `bytes` addresses on `dev`.
     pub(crate) fn new(dev: &std::sync::Arc<Dev>, bytes: usize) -> Result<AliasedRange> {
@@ -34,20 +28,7 @@ impl AliasedRange {
         // SAFETY: plain driver calls on the device's bound context; every handle made here is
         // released by `Drop` (or below, on failure).
         unsafe {
-            let mut prop: sys::CUmemAllocationProp = std::mem::zeroed();
-            prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-            prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-            prop.location.id = dev.ordinal as i32;
-            let mut granule = 0usize;
-            check(
-                "cuMemGetAllocationGranularity",
-                sys::cuMemGetAllocationGranularity(
-                    &mut granule,
-                    &prop,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-                ),
-            )?;
-            let granule = granule.max(1);
+            let (prop, granule) = device_memory(dev)?;
             let size = bytes.max(1).next_multiple_of(granule);
             let mut chunk = 0;
             check("cuMemCreate", sys::cuMemCreate(&mut chunk, granule, &prop, 0))?;

@@ -178,8 +178,8 @@ pub struct MemoryStats {
     /// Peak of `allocated` since the last [`reset_peak_memory_stats`].
     pub peak_allocated: u64,
     /// Peak of `reserved` since the last reset (sum of the pools' high-water marks, destroyed
-    /// private pools included: exact while only one pool is in use, an upper bound with private
-    /// pools).
+    /// private pools and mapped arenas included: exact while only one pool is in use, an upper
+    /// bound with private pools or mapped arenas).
     pub peak_reserved: u64,
 }
 
@@ -220,12 +220,15 @@ fn live_pools(dev: &Dev) -> Vec<Arc<PoolInner>> {
     v.iter().filter_map(|w| w.upgrade()).collect()
 }
 
-/// Current and peak allocated/reserved bytes of `device` (default pool plus live private pools).
+/// Current and peak allocated/reserved bytes of `device` (default pool, live private pools and
+/// arenas mapped at reserved addresses).
 pub fn memory_stats(device: Device) -> Result<MemoryStats> {
     let dev = cuda_dev(device)?;
     let mut reserved = pool_attr(dev.default_pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
     let mut peak_reserved = pool_attr(dev.default_pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?
-        + dev.released_pool_peaks.load(Ordering::Relaxed);
+        + dev.released_pool_peaks.load(Ordering::Relaxed)
+        + dev.peak_mapped.load(Ordering::Relaxed);
+    reserved += dev.mapped.load(Ordering::Relaxed);
     for p in live_pools(&dev) {
         reserved += pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
         peak_reserved += pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?;
@@ -238,11 +241,15 @@ pub fn memory_stats(device: Device) -> Result<MemoryStats> {
     })
 }
 
-/// Bytes allocated from the live private pools of `device` (recorded graphs' arenas and static
-/// buffers), part of [`MemoryStats::allocated`].
+/// Bytes allocated from the live private pools of `device` and mapped for arenas (recorded
+/// graphs' arenas and static buffers), part of [`MemoryStats::allocated`].
 pub fn private_pool_allocated_bytes(device: Device) -> Result<u64> {
     let dev = cuda_dev(device)?;
-    live_pools(&dev).iter().map(|p| pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)).sum()
+    let pools: u64 = live_pools(&dev)
+        .iter()
+        .map(|p| pool_attr(p.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT))
+        .sum::<Result<u64>>()?;
+    Ok(pools + dev.mapped.load(Ordering::Relaxed))
 }
 
 /// Resets the peaks to the current values (`torch.cuda.reset_peak_memory_stats`).
@@ -250,6 +257,7 @@ pub fn reset_peak_memory_stats(device: Device) -> Result<()> {
     let dev = cuda_dev(device)?;
     dev.peak_allocated.store(dev.allocated.load(Ordering::Relaxed), Ordering::Relaxed);
     dev.released_pool_peaks.store(0, Ordering::Relaxed);
+    dev.peak_mapped.store(dev.mapped.load(Ordering::Relaxed), Ordering::Relaxed);
     reset_pool_peaks(dev.default_pool)?;
     for p in live_pools(&dev) {
         reset_pool_peaks(p.pool)?;

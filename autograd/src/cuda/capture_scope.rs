@@ -4,9 +4,11 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::device::Dev;
+use super::mapped_range::MappedRange;
 use crate::arena_plan::{AllocTrace, ArenaPlan, Placer};
 use crate::{Error, Result};
 
@@ -44,18 +46,22 @@ impl std::fmt::Display for CaptureViolation {
 /// arena is dropped.
 pub struct CaptureArena {
     base: u64,
-    size: usize,
+    size: AtomicUsize,
     dev: Arc<Dev>,
     state: Mutex<Placer>,
     /// The capture's own allocations and frees, in order (by offset while live).
     traced: Mutex<(AllocTrace, HashMap<usize, usize>)>,
-    /// What holds the addresses (device memory, or an aliased range), kept until the arena drops.
+    /// Memory at reserved addresses that can grow, be given back and be mapped again
+    /// ([`CaptureArena::growable`]).
+    mapped: Option<MappedRange>,
+    /// What else holds the addresses (device memory, or an aliased range), kept until the arena
+    /// drops.
     _backing: Box<dyn std::any::Any + Send + Sync>,
 }
 
 impl std::fmt::Debug for CaptureArena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CaptureArena(cuda:{}, {} of {} bytes used)", self.dev.ordinal, self.used(), self.size)
+        write!(f, "CaptureArena(cuda:{}, {} of {} bytes used)", self.dev.ordinal, self.used(), self.size())
     }
 }
 
@@ -70,7 +76,57 @@ impl CaptureArena {
         backing: Box<dyn std::any::Any + Send + Sync>,
     ) -> Arc<CaptureArena> {
         let state = Mutex::new(Placer::new(plan, size));
-        Arc::new(CaptureArena { base, size, dev, state, traced: Mutex::default(), _backing: backing })
+        Arc::new(CaptureArena { base, size: AtomicUsize::new(size), dev, state, traced: Mutex::default(), mapped: None, _backing: backing })
+    }
+
+    /// An arena over `range`, laid out by `plan`: it can grow in place ([`CaptureArena::grow`])
+    /// and give its memory back between replays ([`CaptureArena::evict`]).
+    pub(crate) fn over_range(dev: Arc<Dev>, range: MappedRange, plan: ArenaPlan) -> Arc<CaptureArena> {
+        let (base, size) = (range.base(), range.bytes());
+        let state = Mutex::new(Placer::new(plan, size));
+        Arc::new(CaptureArena {
+            base,
+            size: AtomicUsize::new(size),
+            dev,
+            state,
+            traced: Mutex::default(),
+            mapped: Some(range),
+            _backing: Box::new(()),
+        })
+    }
+
+    /// Grows a growable arena to at least `bytes` in place (the addresses recorded graphs baked
+    /// keep their meaning). `false`: this arena cannot grow.
+    pub fn grow(&self, bytes: usize) -> Result<bool> {
+        let Some(range) = &self.mapped else { return Ok(false) };
+        let size = range.grow(bytes)?;
+        self.size.store(size, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Gives a growable arena's memory back to the driver (after waiting for the device): its
+    /// graphs must not run until [`CaptureArena::restore`], and whatever it held is lost. For an
+    /// arena that holds nothing between its graphs' replays, while native work runs beside them.
+    /// `false`: not growable, or already evicted.
+    pub fn evict(&self) -> Result<bool> {
+        match &self.mapped {
+            Some(range) => range.evict(),
+            None => Ok(false),
+        }
+    }
+
+    /// Maps memory under an evicted arena again (its bytes are undefined: its graphs write every
+    /// piece before reading it).
+    pub fn restore(&self) -> Result<()> {
+        match &self.mapped {
+            Some(range) => range.restore(),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the arena's memory is mapped (always, unless evicted).
+    pub fn resident(&self) -> bool {
+        self.mapped.as_ref().is_none_or(MappedRange::resident)
     }
 
     /// The allocations and frees made in this arena so far, in order (pieces still live have no
@@ -85,7 +141,7 @@ impl CaptureArena {
 
     /// Capacity in bytes.
     pub fn size(&self) -> usize {
-        self.size
+        self.size.load(Ordering::Relaxed)
     }
     /// The most bytes in use at once so far (the planned part counts once it is reached).
     pub fn used(&self) -> usize {
@@ -101,7 +157,7 @@ impl CaptureArena {
     /// nothing in the arena past their own end (backward graphs: their results go to static
     /// buffers). `plan` must fit: `plan.bytes` ≤ the arena's size.
     pub fn rewind(&self, plan: ArenaPlan) {
-        *self.state() = Placer::new(plan, self.size);
+        *self.state() = Placer::new(plan, self.size());
     }
     fn take(&self, bytes: usize) -> std::result::Result<u64, CaptureViolation> {
         let n = bytes.max(1).next_multiple_of(ARENA_ALIGN);

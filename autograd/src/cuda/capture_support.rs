@@ -41,6 +41,16 @@ impl CaptureArena {
         Ok(CaptureArena::over(dev, base, size, plan, Box::new(backing)))
     }
 
+    /// [`CaptureArena::planned`] at reserved addresses: the arena can grow in place
+    /// ([`CaptureArena::grow`]) and give its memory back while its graphs are idle
+    /// ([`CaptureArena::evict`]). Not from a private pool; counted in the device's statistics
+    /// while mapped. Rounded up to the driver's granularity (2 MiB on current GPUs).
+    pub fn growable(device: Device, plan: ArenaPlan, tail: usize) -> Result<Arc<CaptureArena>> {
+        let dev = super::device::dev_of(device)?;
+        let range = super::mapped_range::MappedRange::new(&dev, (plan.bytes + tail).max(ARENA_ALIGN))?;
+        Ok(CaptureArena::over_range(dev, range, plan))
+    }
+
     /// An arena of at least `bytes` addresses that holds one granule of memory: every piece
     /// aliases the same bytes. For a capture that is only traced ([`CaptureArena::trace`]) and
     /// whose graph is never launched: a plan made from that trace fits the real capture exactly.

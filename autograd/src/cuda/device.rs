@@ -155,6 +155,10 @@ pub(crate) struct Dev {
     /// Reserved high-water marks of private pools destroyed since the last peak reset, so that
     /// a peak read after the recordings are gone still counts their memory.
     pub released_pool_peaks: AtomicU64,
+    /// Bytes of arenas mapped at reserved addresses (`mapped_range`), outside every pool: part
+    /// of `allocated` and of the reserved figures, with their own high-water mark.
+    pub mapped: AtomicU64,
+    pub peak_mapped: AtomicU64,
     /// Errors from `Drop` paths (frees), which cannot return them.
     pub deferred_error: Mutex<Option<String>>,
     /// Freed default-pool blocks kept for reuse without a driver call ([`super::block_cache`]).
@@ -252,6 +256,8 @@ impl Dev {
             allocated: AtomicU64::new(0),
             peak_allocated: AtomicU64::new(0),
             released_pool_peaks: AtomicU64::new(0),
+            mapped: AtomicU64::new(0),
+            peak_mapped: AtomicU64::new(0),
             deferred_error: Mutex::new(None),
             block_cache: Mutex::new(BlockCache::with_limits(cache_limit, cache_max_block)),
             capturing: AtomicBool::new(false),

@@ -48,6 +48,7 @@ pub(crate) mod host_probe;
 pub(crate) mod kernel_timer;
 mod kernel_units;
 mod library_memory;
+mod mapped_range;
 pub(crate) mod module_cache;
 pub(crate) mod module_probe;
 pub(crate) mod ops;
