@@ -45,8 +45,11 @@ impl Drop for CudaRecorded {
 
 impl Graph for CudaRecorded {
     fn launch(&self) -> Result<()> {
+        // A shared arena set aside between replays gets its memory back first (what native work
+        // cached meanwhile goes back to the driver before).
         if !self.arena.resident() {
-            return Err(CaptureError::Backend("a recorded graph's arena has no memory mapped (it was set aside and not restored)".into()));
+            cuda::empty_cache(self.device)?;
+            self.arena.restore()?;
         }
         Ok(self.graph.lock().unwrap_or_else(|e| e.into_inner()).launch()?)
     }
@@ -171,12 +174,16 @@ impl Backend for CudaBackend {
         let _ = pool;
         let mut held = slot.lock().unwrap_or_else(|e| e.into_inner());
         let shared = held.as_ref().and_then(|a| a.downcast_ref::<std::sync::Arc<CaptureArena>>()).cloned();
+        if let Some(a) = shared.as_ref().filter(|a| !a.resident()) {
+            cuda::empty_cache(device)?;
+            a.restore()?;
+        }
         let need = shared_bytes_needed(spec);
         let (arena, owns) = match shared {
             // The graphs sharing it run one after another and keep nothing in it: the next one
             // may use it from the start, laid out by its own plan — after growing in place, if it
             // is too small (the graphs recorded into it keep their addresses).
-            Some(a) if a.size() >= need || (a.resident() && a.grow(spec.bytes())?) => {
+            Some(a) if a.size() >= need || a.grow(spec.bytes())? => {
                 a.rewind(spec.plan.clone());
                 (a, false)
             }

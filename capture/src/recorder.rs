@@ -148,6 +148,23 @@ impl Recorder {
         }
     }
 
+    /// Gives the memory of this recorder's shared arenas back to the driver while none of its
+    /// regions waits for a backward — for native work between replays, such as validation, which
+    /// then does not hold its working set beside them. The next replay of a graph recorded into
+    /// them (or a capture into them) maps them again, after returning the default pool's unused
+    /// memory to the driver. Returns whether an arena was set aside (`false` also when a backward
+    /// is pending, or on a backend without shared arenas).
+    pub fn set_shared_arenas_aside(&self) -> crate::Result<bool> {
+        let idle = self.regions().iter().all(|r| r.idle());
+        if !idle {
+            return Ok(false);
+        }
+        let b = &self.inner.backend;
+        let fwd = b.set_shared_resident(&self.inner.fwd_arena, false)?;
+        let bwd = b.set_shared_resident(&self.inner.bwd_arena, false)?;
+        Ok(fwd || bwd)
+    }
+
     /// Counters of every region, in creation order.
     pub fn stats(&self) -> Vec<(String, RegionStats)> {
         self.regions().iter().map(|r| (r.name().to_string(), r.stats())).collect()

@@ -17,9 +17,10 @@ pub struct ReplayNatively {
     pub records: AtomicU64,
     /// Errors the next recordings fail with (front first), to test fallbacks.
     pub fail_next: Mutex<Vec<CaptureError>>,
-    /// Shared arenas set aside ([`Backend::set_shared_resident`] with `false`) and put back.
+    /// Shared arenas set aside ([`Backend::set_shared_resident`] with `false`) and put back
+    /// (explicitly, or by the next launch or capture into them).
     pub evictions: AtomicU64,
-    pub restores: AtomicU64,
+    pub restores: Arc<AtomicU64>,
 }
 
 struct Stored {
@@ -27,14 +28,18 @@ struct Stored {
     /// The arena the recorder asked for (nothing is reserved: the double runs eagerly).
     arena: usize,
     /// For a graph recorded into a shared arena: whether that arena is "mapped" (a launch while
-    /// it is set aside fails, as on the device).
+    /// it is set aside maps it again, as on the device).
     resident: Option<Arc<AtomicBool>>,
+    /// The backend's restore counter.
+    restores: Arc<AtomicU64>,
 }
 
 impl Graph for Stored {
     fn launch(&self) -> Result<()> {
-        if self.resident.as_ref().is_some_and(|r| !r.load(Ordering::Relaxed)) {
-            return Err(CaptureError::Backend("launch while the shared arena is set aside".into()));
+        if let Some(r) = &self.resident {
+            if !r.swap(true, Ordering::Relaxed) {
+                self.restores.fetch_add(1, Ordering::Relaxed);
+            }
         }
         (self.body)()
     }
@@ -53,7 +58,7 @@ impl ReplayNatively {
             return Err(f.remove(0));
         }
         self.records.fetch_add(1, Ordering::Relaxed);
-        Ok(Stored { body, arena: arena.bytes(), resident })
+        Ok(Stored { body, arena: arena.bytes(), resident, restores: self.restores.clone() })
     }
 }
 
@@ -87,8 +92,8 @@ impl Backend for ReplayNatively {
         let flag = held.as_ref().and_then(|a| a.downcast_ref::<Arc<AtomicBool>>()).cloned();
         let owns = flag.is_none();
         let flag = flag.unwrap_or_else(|| Arc::new(AtomicBool::new(true)));
-        if !flag.load(Ordering::Relaxed) {
-            return Err(CaptureError::Backend("capture into a shared arena that is set aside".into()));
+        if !flag.swap(true, Ordering::Relaxed) {
+            self.restores.fetch_add(1, Ordering::Relaxed);
         }
         let stored = self.store(arena, body, Some(flag.clone()))?;
         if owns {

@@ -320,5 +320,14 @@ fn a_later_signature_warms_up_with_the_shared_arenas_set_aside() {
     let y = r2.call(std::slice::from_ref(&c)).unwrap().remove(0);
     assert_eq!(r2.stats().captures, 1, "{:?}", r2.stats());
     assert_eq!(backend.evictions.load(std::sync::atomic::Ordering::Relaxed), 2, "no eviction under a pending backward");
+    assert!(!rec.set_shared_arenas_aside().unwrap(), "set aside under a pending backward");
     pending.mean_all().unwrap().add(&y.mean_all().unwrap()).unwrap().backward().unwrap();
+    // Between steps (validation): set aside on request; the next replay maps them again.
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(rec.set_shared_arenas_aside().unwrap());
+    assert_eq!((load(&backend.evictions), load(&backend.restores)), (4, 2));
+    assert_eq!(step(&r1, &b), native(&b), "a replay after the arenas were set aside");
+    assert_eq!(load(&backend.restores), 4, "both came back at their graphs' launches");
+    assert_eq!(step(&r1, &a), native(&a));
+    assert_eq!(load(&backend.restores), 4, "once");
 }

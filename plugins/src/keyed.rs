@@ -68,6 +68,12 @@ impl<K: Ord> KeyedRegions<K> {
         self.recorder.summary_line()
     }
 
+    /// Sets the recorder's shared arenas aside while nothing waits for a backward
+    /// ([`Recorder::set_shared_arenas_aside`]).
+    pub(crate) fn set_shared_arenas_aside(&self) -> ptl_trainer::Result<()> {
+        self.recorder.set_shared_arenas_aside().map(|_| ()).map_err(|e| ptl_autograd::Error::from(e).into())
+    }
+
     /// Drops every recording (and its pool).
     pub(crate) fn release(&self) {
         let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());

@@ -118,6 +118,15 @@ impl ReplayPlugin for LossReplay {
             reason: e.to_string(),
         })
     }
+    /// Validation runs natively between two steps: the step's shared arenas give their memory
+    /// back meanwhile (the next step's replay maps them again), so validation's working set does
+    /// not add to theirs.
+    fn on_validation_start(&self) -> ptl_trainer::Result<()> {
+        match self.shell.active() {
+            Some(r) => r.0.set_shared_arenas_aside(),
+            None => Ok(()),
+        }
+    }
     fn on_fit_end(&self) {
         self.shell.release();
     }

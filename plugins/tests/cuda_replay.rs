@@ -203,10 +203,11 @@ fn cuda_planned_arenas_poisoned_replay_equals_native() {
         placed(&summed, "arena_tail")
     );
     println!(
-        "ok cuda planned arenas (poisoned): peak allocated native {:.1} MiB, replay=all planned {:.1} MiB (pools {:.1}), summed {:.1} MiB (pools {:.1})",
+        "ok cuda planned arenas (poisoned): peak allocated native {:.1} MiB, replay=all planned {:.1} MiB (pools {:.1}; peak during {}), summed {:.1} MiB (pools {:.1})",
         mib(native.peak_allocated_bytes),
         mib(planned.peak_allocated_bytes),
         pools(&planned),
+        planned.peak_allocated_during.as_deref().unwrap_or("?"),
         mib(summed.peak_allocated_bytes),
         pools(&summed)
     );

@@ -283,6 +283,10 @@ pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
         st.library_setups,
         st.library_setup_s
     );
+    if let (Some(a), Some(r)) = (s.peak_allocated_bytes, s.peak_reserved_bytes) {
+        let during = s.peak_allocated_during.as_deref().map(|d| format!(", allocated peak during {d}")).unwrap_or_default();
+        println!("memory: peak {:.0} MiB allocated, {:.0} MiB reserved{during}", a as f64 / 1048576.0, r as f64 / 1048576.0);
+    }
     for line in &s.plugins {
         println!("replay {line}");
     }

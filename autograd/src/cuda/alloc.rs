@@ -168,6 +168,33 @@ impl Drop for DevBuf {
     }
 }
 
+/// What the work that set a device's allocated peak was part of: the stage tag it ran under
+/// ([`crate::internal::stage`]), whether a graph capture was being recorded, and whether a
+/// recorder's warm-up was being measured — where to look when a peak is larger than expected.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeakContext {
+    pub stage: u8,
+    pub capturing: bool,
+    pub measuring: bool,
+}
+
+impl PeakContext {
+    /// This thread's context now.
+    pub(crate) fn now() -> PeakContext {
+        PeakContext {
+            stage: crate::stage::current(),
+            capturing: super::capture_scope::is_capturing(),
+            measuring: super::capture_scope::is_measuring(),
+        }
+    }
+    pub(crate) fn pack(self) -> u32 {
+        self.stage as u32 | (self.capturing as u32) << 8 | (self.measuring as u32) << 9
+    }
+    fn unpack(v: u32) -> PeakContext {
+        PeakContext { stage: v as u8, capturing: v & 1 << 8 != 0, measuring: v & 1 << 9 != 0 }
+    }
+}
+
 /// Allocator statistics of one device, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryStats {
@@ -181,6 +208,8 @@ pub struct MemoryStats {
     /// private pools and mapped arenas included: exact while only one pool is in use, an upper
     /// bound with private pools or mapped arenas).
     pub peak_reserved: u64,
+    /// What set `peak_allocated`.
+    pub peak_context: PeakContext,
 }
 
 fn pool_attr(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<u64> {
@@ -238,6 +267,7 @@ pub fn memory_stats(device: Device) -> Result<MemoryStats> {
         reserved,
         peak_allocated: dev.peak_allocated.load(Ordering::Relaxed),
         peak_reserved: peak_reserved.max(reserved),
+        peak_context: PeakContext::unpack(dev.peak_context.load(Ordering::Relaxed)),
     })
 }
 
@@ -258,6 +288,7 @@ pub fn reset_peak_memory_stats(device: Device) -> Result<()> {
     dev.peak_allocated.store(dev.allocated.load(Ordering::Relaxed), Ordering::Relaxed);
     dev.released_pool_peaks.store(0, Ordering::Relaxed);
     dev.peak_mapped.store(dev.mapped.load(Ordering::Relaxed), Ordering::Relaxed);
+    dev.peak_context.store(PeakContext::now().pack(), Ordering::Relaxed);
     reset_pool_peaks(dev.default_pool)?;
     for p in live_pools(&dev) {
         reset_pool_peaks(p.pool)?;
@@ -393,6 +424,7 @@ impl MemPool {
             reserved: pool_attr(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
             peak_allocated: pool_attr(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
             peak_reserved: pool_attr(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+            peak_context: PeakContext::default(),
         })
     }
 

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{result as dr, sys, CudaContext, CudaModule, CudaStream};
@@ -159,6 +159,8 @@ pub(crate) struct Dev {
     /// of `allocated` and of the reserved figures, with their own high-water mark.
     pub mapped: AtomicU64,
     pub peak_mapped: AtomicU64,
+    /// What the thread that set the allocated peak was doing ([`super::alloc::PeakContext`]).
+    pub peak_context: AtomicU32,
     /// Errors from `Drop` paths (frees), which cannot return them.
     pub deferred_error: Mutex<Option<String>>,
     /// Freed default-pool blocks kept for reuse without a driver call ([`super::block_cache`]).
@@ -258,6 +260,7 @@ impl Dev {
             released_pool_peaks: AtomicU64::new(0),
             mapped: AtomicU64::new(0),
             peak_mapped: AtomicU64::new(0),
+            peak_context: AtomicU32::new(0),
             deferred_error: Mutex::new(None),
             block_cache: Mutex::new(BlockCache::with_limits(cache_limit, cache_max_block)),
             capturing: AtomicBool::new(false),
@@ -334,7 +337,9 @@ impl Dev {
 
     pub fn note_alloc(&self, bytes: u64) {
         let now = self.allocated.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak_allocated.fetch_max(now, Ordering::Relaxed);
+        if self.peak_allocated.fetch_max(now, Ordering::Relaxed) < now {
+            self.peak_context.store(super::alloc::PeakContext::now().pack(), Ordering::Relaxed);
+        }
     }
     pub fn note_free(&self, bytes: u64) {
         self.allocated.fetch_sub(bytes, Ordering::Relaxed);

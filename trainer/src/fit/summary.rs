@@ -325,6 +325,10 @@ pub struct RunSummary {
     pub startup: StartupReport,
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
+    /// What the work that set the allocated peak was part of (a stage, and whether a graph was
+    /// being recorded or a recorder's warm-up measured); `None` on the CPU.
+    #[serde(default)]
+    pub peak_allocated_during: Option<String>,
     /// Part of the allocated memory held by the math libraries' workspaces (cuBLAS and cached
     /// cuDNN plans) at the end of the run; `None` on the CPU.
     #[serde(default)]

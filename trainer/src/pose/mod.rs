@@ -37,6 +37,24 @@ pub fn memory_peaks(device: ptl_autograd::Device) -> (Option<u64>, Option<u64>) 
     (None, None)
 }
 
+/// What the work that set the allocated peak on `device` was part of: its stage
+/// ([`stages::name`]), and whether a graph was being recorded or a recorder's warm-up measured
+/// (`None` on the CPU).
+pub fn memory_peak_during(device: ptl_autograd::Device) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let c = ptl_autograd::cuda::memory_stats(device).ok()?.peak_context;
+        let how = match (c.capturing, c.measuring) {
+            (true, _) => " (graph capture)",
+            (false, true) => " (capture warm-up)",
+            (false, false) => "",
+        };
+        return Some(format!("{}{how}", stages::name(c.stage)));
+    }
+    let _ = device;
+    None
+}
+
 /// Device memory the pools hold from the driver right now (`torch.cuda.memory_reserved`); 0 on
 /// the CPU, as Ultralytics reports it there.
 pub fn memory_reserved(device: ptl_autograd::Device) -> u64 {

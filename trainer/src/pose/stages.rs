@@ -15,6 +15,8 @@ pub const LOSS: u8 = 3;
 pub const BACKWARD: u8 = 4;
 pub const OPTIMIZER: u8 = 5;
 pub const EMA: u8 = 6;
+/// Validation after an epoch (the EMA model's forward over the validation set, metrics).
+pub const VALIDATION: u8 = 7;
 
 /// The stage name of a tag.
 pub fn name(tag: u8) -> String {
@@ -25,6 +27,7 @@ pub fn name(tag: u8) -> String {
         BACKWARD => "backward (engine)".into(),
         OPTIMIZER => "optimizer".into(),
         EMA => "EMA".into(),
+        VALIDATION => "validation".into(),
         0 => "other".into(),
         t if t == FORWARD | BACKWARD_OF => "model backward".into(),
         t if t == LOSS | BACKWARD_OF => "loss backward".into(),

@@ -189,7 +189,9 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             run.plugins.on_validation_start()?;
             run.each_cb(|c, v| c.on_validation_start(v));
             run.each_cb(|c, v| c.on_validation_epoch_start(v));
-            let r = validate_with(&run.ema_eval_model()?, &ds, cfg.batch * 2, cfg.device, cfg.precision, &val_opts)?;
+            let r = ptl_autograd::internal::stage::in_stage(crate::pose::stages::VALIDATION, || {
+                validate_with(&run.ema_eval_model()?, &ds, cfg.batch * 2, cfg.device, cfg.precision, &val_opts)
+            })?;
             coco_json = r.coco_json.clone().or(coco_json);
             run.view.metrics = r.metrics.clone();
             run.each_cb(|c, v| c.on_validation_epoch_end(v));

@@ -243,6 +243,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     }
     let hashes = run.hashes()?;
     let (peak_allocated_bytes, peak_reserved_bytes) = crate::pose::memory_peaks(cfg.device);
+    let peak_allocated_during = crate::pose::memory_peak_during(cfg.device);
     let mut timing = run.clock.finish(run.workers, run.pageable_uploads);
     let images_per_batch = run.loader.batch_size() as f64;
     timing.loader_images_per_s =
@@ -272,6 +273,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         startup,
         peak_allocated_bytes,
         peak_reserved_bytes,
+        peak_allocated_during,
         library_workspace_bytes: crate::pose::library_workspace_bytes(cfg.device),
         optimizer_steps: run.state.global_step,
         save_dir: cfg.save_dir.clone(),
