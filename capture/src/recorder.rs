@@ -1,6 +1,9 @@
 //! The recorder: configuration, the backend, and the regions it holds.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+
+use ptl_autograd::{DType, Tensor};
 
 use serde::{Deserialize, Serialize};
 
@@ -60,6 +63,9 @@ impl Default for RecorderConfig {
     }
 }
 
+/// An input's position, shape and dtype.
+type InputKey = (usize, Vec<usize>, DType);
+
 pub(crate) struct RecorderInner {
     pub(crate) config: RecorderConfig,
     pub(crate) backend: Arc<dyn Backend>,
@@ -69,9 +75,31 @@ pub(crate) struct RecorderInner {
     pub(crate) bwd_arena: Arc<ArenaSlot>,
     /// The forward graphs' shared arena when [`RecorderConfig::share_forward_arena`] is on.
     pub(crate) fwd_arena: Arc<ArenaSlot>,
+    /// With [`RecorderConfig::share_forward_arena`], the regions take turns: their recordings
+    /// share one static buffer per input position, shape and dtype (a step's images are copied
+    /// into one buffer whichever target bucket records the step).
+    shared_inputs: Mutex<HashMap<InputKey, Tensor>>,
 }
 
 impl RecorderInner {
+    /// The static buffer shared by the recordings for input `index` shaped and typed as `x`,
+    /// made by `make` on first use.
+    pub(crate) fn shared_input(
+        &self,
+        index: usize,
+        x: &Tensor,
+        make: impl FnOnce() -> ptl_autograd::Result<Tensor>,
+    ) -> ptl_autograd::Result<Tensor> {
+        let mut held = self.shared_inputs.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (index, x.dims().to_vec(), x.dtype());
+        if let Some(t) = held.get(&key) {
+            return Ok(t.clone());
+        }
+        let t = make()?;
+        held.insert(key, t.clone());
+        Ok(t)
+    }
+
     /// Whether no region of this recorder but `me` has a recording waiting for its backward —
     /// then the shared arenas hold nothing and may be set aside (a region busy in another call
     /// counts as waiting).
@@ -103,7 +131,10 @@ impl Recorder {
     /// A recorder over any backend.
     pub fn with_backend(config: RecorderConfig, backend: Arc<dyn Backend>) -> Recorder {
         let (bwd_arena, fwd_arena) = (Arc::new(ArenaSlot::default()), Arc::new(ArenaSlot::default()));
-        Recorder { inner: Arc::new(RecorderInner { config, backend, regions: Mutex::new(Vec::new()), bwd_arena, fwd_arena }) }
+        let shared_inputs = Mutex::default();
+        Recorder {
+            inner: Arc::new(RecorderInner { config, backend, regions: Mutex::new(Vec::new()), bwd_arena, fwd_arena, shared_inputs }),
+        }
     }
 
     /// A recorder that captures CUDA graphs.
@@ -141,11 +172,20 @@ impl Recorder {
         self.inner.regions.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Releases every recording of every region (graphs and pools).
+    /// Releases every recording of every region (graphs and pools), and what they shared.
     pub fn release_all(&self) {
         for r in self.regions() {
             r.release();
         }
+        self.release_shared();
+    }
+
+    /// Lets go of the shared arenas and static inputs (their memory returns once no recording
+    /// holds them): after the regions' recordings were released.
+    pub fn release_shared(&self) {
+        *self.inner.fwd_arena.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.inner.bwd_arena.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.inner.shared_inputs.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     /// Gives the memory of this recorder's shared arenas back to the driver while none of its

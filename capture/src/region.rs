@@ -1065,7 +1065,14 @@ impl RegionHandle {
         let mut static_gparam = Vec::new();
         let mut static_gin = Vec::new();
         backend.in_pool(pool.as_ref(), &mut || {
-            static_in = inputs.iter().map(|x| x.zeros_like()).collect::<ptl_autograd::Result<_>>()?;
+            static_in = inputs
+                .iter()
+                .enumerate()
+                .map(|(i, x)| match cfg.share_forward_arena {
+                    true => self.recorder.shared_input(i, x, || x.zeros_like()),
+                    false => x.zeros_like(),
+                })
+                .collect::<ptl_autograd::Result<_>>()?;
             static_out = meta.iter().map(|(d, dt, _)| Tensor::zeros(d.clone(), *dt, device)).collect::<ptl_autograd::Result<_>>()?;
             static_gout = meta
                 .iter()

@@ -81,6 +81,7 @@ impl<K: Ord> KeyedRegions<K> {
             r.release();
         }
         regions.clear();
+        self.recorder.release_shared();
     }
 }
 

@@ -60,17 +60,32 @@ pub(crate) struct Workspace {
     bufs: Vec<(DevBuf, bool)>,
 }
 
+/// A workspace address for one call, and the buffer behind it when it was made for that call
+/// alone (freed, stream-ordered, when the lease drops after the call is queued).
+pub(crate) struct WorkspaceLease {
+    pub(crate) ptr: u64,
+    _transient: Option<DevBuf>,
+}
+
 impl Workspace {
-    /// Address of a workspace of at least `bytes` bytes (0 when none is needed).
-    fn get(&mut self, dev: &Arc<Dev>, bytes: usize) -> Result<u64> {
+    /// A workspace of at least `bytes` bytes (address 0 when none is needed).
+    fn get(&mut self, dev: &Arc<Dev>, bytes: usize) -> Result<WorkspaceLease> {
+        let kept = |ptr| WorkspaceLease { ptr, _transient: None };
         if bytes == 0 {
-            return Ok(0);
+            return Ok(kept(0));
         }
         let capturing = dev.capturing.load(std::sync::atomic::Ordering::Relaxed);
         if let Some((b, pinned)) = self.bufs.last_mut() {
             if b.bytes >= bytes {
                 *pinned |= capturing;
-                return Ok(b.ptr);
+                return Ok(kept(b.ptr));
+            }
+            // Recorded graphs hold the current buffer and a native call needs more (validation
+            // at twice the training batch): a buffer for this call alone, so that no second
+            // workspace stays beside the graphs' for the rest of the process.
+            if *pinned && !capturing {
+                let t = DevBuf::alloc(dev, bytes.next_multiple_of(1 << 20))?;
+                return Ok(WorkspaceLease { ptr: t.ptr, _transient: Some(t) });
             }
         }
         let size = match self.bufs.last() {
@@ -85,7 +100,7 @@ impl Workspace {
         let b = DevBuf::alloc(dev, size)?;
         let ptr = b.ptr;
         self.bufs.push((b, capturing));
-        Ok(ptr)
+        Ok(kept(ptr))
     }
 
     fn bytes(&self) -> u64 {
@@ -333,7 +348,7 @@ pub(crate) fn run_into(
                         Dir::BwdFilter => (b, o, a),
                     };
                     let ws = dnn.workspace.get(dev, gp.workspace_bytes())?;
-                    gp.execute(h, x, w, y, ws)?;
+                    gp.execute(h, x, w, y, ws.ptr)?;
                     count_path(LibPath::ConvGraph);
                     return Ok(out);
                 }
@@ -341,7 +356,8 @@ pub(crate) fn run_into(
             count_path(LibPath::ConvLegacy);
             let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
             let plan = dnn.plan(p, dt, dir)?;
-            let ws = dnn.workspace.get(dev, plan.ws_bytes)? as *mut c_void;
+            let lease = dnn.workspace.get(dev, plan.ws_bytes)?;
+            let ws = lease.ptr as *mut c_void;
             let (af, bf) = (1f32, 0f32);
             let (ad, bd) = (1f64, 0f64);
             let (alpha, beta) = if dt == DType::F64 {
