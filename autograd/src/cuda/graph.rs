@@ -150,6 +150,14 @@ impl StreamMark {
         Ok(mark)
     }
 
+    /// Waits until the device has reached this mark. Not counted as a host synchronisation: the
+    /// work queued after the mark keeps the device busy (what bounds how far a host runs ahead).
+    pub fn wait(&self) -> Result<()> {
+        super::capture_scope::check_host_sync("StreamMark::wait")?;
+        self.dev.bind()?;
+        unsafe { dr::event::synchronize(self.event) }.map_err(|e| cu_err("cuEventSynchronize", e))
+    }
+
     /// Milliseconds of device time from this mark to `later` (waits until `later` is reached).
     pub fn elapsed_ms_until(&self, later: &StreamMark) -> Result<f64> {
         super::capture_scope::check_host_sync("StreamMark::elapsed_ms_until")?;

@@ -10,6 +10,7 @@ use ptl_data::PrefetchPlan;
 use super::super::clock::StepClock;
 use super::super::pipeline::TrainPipeline;
 use super::super::validate::{validate_with, ValOptions, ValResult};
+use super::run_ahead::RunAhead;
 use crate::fit::{interrupt, save_checkpoint, PartialEpoch, ResultsCsv};
 use crate::optim::LrScheduler;
 use crate::{Result, TrainerError};
@@ -116,7 +117,9 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         }
         let mut last_instances = 0;
         let bar = super::super::progress::EpochBar::new(cfg.progress, epoch, cfg.epochs, run.nb);
+        let mut ahead = RunAhead::new(cfg.device);
         for i in first_batch..run.nb {
+            ahead.wait_turn()?;
             run.clock.begin_step(epoch, i, run.nb)?;
             let (batch, pixels, waited) = pipeline.next()?.ok_or_else(|| TrainerError::InvalidArgument {
                 what: "loader",
@@ -132,6 +135,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             last_instances = batch.batch_idx.len();
             run.train_batch(epoch, i, &batch, &pixels, waited.as_secs_f64() * 1e3, &mut sums)?;
             run.clock.end_step();
+            ahead.step_queued()?;
             bar.update(i, &run.view.mean_items, run.view.lr.first().copied().unwrap_or(0.0));
             // A signal during the epoch's last batch lets the epoch end (checked below).
             if let Some(signal) = interrupt::requested().filter(|_| i + 1 < run.nb) {

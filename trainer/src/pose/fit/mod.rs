@@ -8,6 +8,7 @@ mod epoch_line;
 mod epochs;
 mod persist;
 mod run;
+mod run_ahead;
 mod step;
 
 use std::sync::Arc;
