@@ -132,7 +132,9 @@ impl DevBuf {
                 }
             }
         };
-        dev.note_alloc(bytes.max(1) as u64);
+        if dev.note_alloc(bytes.max(1) as u64) {
+            dev.peak_context.store(PeakContext::now().pack(), Ordering::Relaxed);
+        }
         super::capture_scope::note_alloc(ptr, bytes);
         if POISON.load(Ordering::Relaxed) {
             unsafe { dr::memset_d8_async(ptr, 0xFF, block, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;

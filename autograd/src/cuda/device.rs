@@ -159,7 +159,7 @@ pub(crate) struct Dev {
     /// of `allocated` and of the reserved figures, with their own high-water mark.
     pub mapped: AtomicU64,
     pub peak_mapped: AtomicU64,
-    /// What the thread that set the allocated peak was doing ([`super::alloc::PeakContext`]).
+    /// What the thread that set the allocated peak was doing (packed by the allocator).
     pub peak_context: AtomicU32,
     /// Errors from `Drop` paths (frees), which cannot return them.
     pub deferred_error: Mutex<Option<String>>,
@@ -335,11 +335,10 @@ impl Dev {
         }
     }
 
-    pub fn note_alloc(&self, bytes: u64) {
+    /// Counts `bytes` as allocated; `true` when that set a new peak.
+    pub fn note_alloc(&self, bytes: u64) -> bool {
         let now = self.allocated.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        if self.peak_allocated.fetch_max(now, Ordering::Relaxed) < now {
-            self.peak_context.store(super::alloc::PeakContext::now().pack(), Ordering::Relaxed);
-        }
+        self.peak_allocated.fetch_max(now, Ordering::Relaxed) < now
     }
     pub fn note_free(&self, bytes: u64) {
         self.allocated.fetch_sub(bytes, Ordering::Relaxed);

@@ -116,6 +116,8 @@ impl MappedRange {
             }
         }
         m.chunks.push((from, size, handle));
+        // A peak set here keeps the context recorded before it (contexts are named by the
+        // allocator, above this module).
         self.dev.note_alloc(size as u64);
         let now = self.dev.mapped.fetch_add(size as u64, Ordering::Relaxed) + size as u64;
         self.dev.peak_mapped.fetch_max(now, Ordering::Relaxed);
