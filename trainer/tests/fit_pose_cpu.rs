@@ -468,3 +468,42 @@ fn an_ultralytics_state_dict_is_a_start_model() {
     let (name, t, _) = model.state_dict().into_iter().next().unwrap();
     assert_eq!(t.to_bytes().unwrap(), values[&name].to_bytes().unwrap(), "{name} loaded");
 }
+
+/// `best.ckpt` holds what Ultralytics ships as `best.pt`: the EMA model in half precision and the
+/// run's settings, nothing else — under 8 MB for yolo26n-pose, a fraction of the full `last.ckpt`;
+/// it loads for prediction (and as start weights) with the EMA's values, and a resume from it is
+/// refused with a message naming the full checkpoint beside it.
+#[test]
+fn best_weights_are_lean_and_load() {
+    use ptl_autograd::{DType, Device};
+    let cfg = tiny("lean-best");
+    fit(&cfg, vec![]).unwrap();
+    let (best, last) = (cfg.save_dir.join("weights/best.ckpt"), cfg.save_dir.join("weights/last.ckpt"));
+    let size = |p: &std::path::Path| std::fs::metadata(p).unwrap().len();
+    assert!(size(&best) < 8 << 20, "best.ckpt is {} bytes", size(&best));
+    assert!(size(&best) * 4 < size(&last), "best {} vs last {} bytes", size(&best), size(&last));
+    let lean = ptl_trainer::fit::load_checkpoint(&best, Device::Cpu).unwrap();
+    assert!(!lean.tensors.is_empty());
+    for (n, t) in &lean.tensors {
+        assert!(n.starts_with("ema."), "{n} in best.ckpt");
+        if !t.dtype().is_float() {
+            continue;
+        }
+        assert_eq!(t.dtype(), DType::F16, "{n}");
+    }
+    assert_eq!(lean.manifest.train_args, ptl_trainer::fit::load_checkpoint(&last, Device::Cpu).unwrap().manifest.train_args);
+    // The EMA of the best epoch, rounded to half precision: with two epochs and a tiny set the
+    // best epoch may be either; each value is the f16 of an f32 the model could load.
+    let (model, args) = ptl_trainer::pose::predict::load_eval_model(&best, Device::Cpu).unwrap();
+    assert_eq!(args["imgsz"], lean.manifest.train_args["imgsz"]);
+    let state: std::collections::HashMap<String, ptl_autograd::Tensor> = model.state_dict().into_iter().map(|(n, t, _)| (n, t)).collect();
+    for (n, t) in lean.part("ema") {
+        if t.dtype().is_float() {
+            let loaded = state[&n].to_dtype(DType::F16).unwrap().to_bytes().unwrap();
+            assert_eq!(loaded, t.to_bytes().unwrap(), "{n} loads as stored");
+        }
+    }
+    let resumed = PoseTrainConfig::for_resume(&best, &[]).and_then(|c| fit(&c, vec![]).map(|_| ()));
+    let err = resumed.expect_err("resume from weights only").to_string();
+    assert!(err.contains("weights only") && err.contains("last.ckpt"), "{err}");
+}

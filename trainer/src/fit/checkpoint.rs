@@ -109,6 +109,31 @@ fn io(path: &Path, source: std::io::Error) -> TrainerError {
     TrainerError::Io { path: path.to_path_buf(), source }
 }
 
+/// The key of a weights-only checkpoint's optimizer entry (the EMA model in half precision and
+/// the run's settings: what `best.ckpt` holds).
+pub const WEIGHTS_ONLY: &str = "weights_only";
+
+/// Whether a manifest is that of a weights-only checkpoint.
+pub fn is_weights_only(manifest: &Manifest) -> bool {
+    manifest.optimizer[WEIGHTS_ONLY].as_bool() == Some(true)
+}
+
+/// Refuses to resume from `path` when it holds weights only, naming the full checkpoint beside it.
+pub fn refuse_resume_from_weights(path: &Path, manifest: &Manifest) -> Result<()> {
+    if !is_weights_only(manifest) {
+        return Ok(());
+    }
+    Err(TrainerError::Checkpoint {
+        path: path.to_path_buf(),
+        msg: format!(
+            "it holds weights only (the EMA model in half precision, as best.ckpt does): a run resumes from the full \
+             checkpoint beside it, {}; to train on from these weights, pass model={} instead",
+            path.with_file_name("last.ckpt").display(),
+            path.display()
+        ),
+    })
+}
+
 /// Writes `ckpt` to `path` atomically.
 pub fn save_checkpoint(path: &Path, ckpt: &Checkpoint) -> Result<()> {
     let manifest = serde_json::to_string(&ckpt.manifest)

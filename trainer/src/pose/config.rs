@@ -600,6 +600,7 @@ impl PoseTrainConfig {
     /// (`key=value`, as on the command line). A machine setting may change; a setting that
     /// changes the training is a [`TrainerError::ResumeMismatch`] naming both values.
     pub fn for_resume(path: &std::path::Path, overrides: &[(String, String)]) -> Result<PoseTrainConfig> {
+        crate::fit::checkpoint::refuse_resume_from_weights(path, &crate::fit::checkpoint::read_manifest(path)?)?;
         let stored = PoseTrainConfig::from_checkpoint(path)?;
         let mut cfg = stored.clone();
         // ptl writes only where the user says, never where the file says: a checkpoint in a run's

@@ -250,7 +250,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         let ck = run.checkpoint(train_args)?;
         save_checkpoint(&last_ckpt, &ck)?;
         if fitness.is_some() && fitness == run.state.best_fitness {
-            save_checkpoint(&cfg.save_dir.join("weights").join("best.ckpt"), &ck)?;
+            save_checkpoint(&cfg.save_dir.join("weights").join("best.ckpt"), &run.weights_only(train_args)?)?;
         }
         if cfg.save_period > 0 && epoch as i64 % cfg.save_period == 0 {
             save_checkpoint(&cfg.save_dir.join("weights").join(format!("epoch{epoch}.ckpt")), &ck)?;

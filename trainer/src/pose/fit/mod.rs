@@ -105,7 +105,10 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let source = ModelSource::parse(&cfg.model)?;
     // A resumed run's size is its checkpoint's (the start weights file may be gone by now).
     let scale = match &cfg.resume {
-        Some(path) => super::weights::scale_in_file(path, "model.")?,
+        Some(path) => {
+            crate::fit::checkpoint::refuse_resume_from_weights(path, &crate::fit::checkpoint::read_manifest(path)?)?;
+            super::weights::scale_in_file(path, "model.")?
+        }
         None => source.scale()?,
     };
     let mcfg = ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale };

@@ -2,12 +2,14 @@
 
 use std::path::Path;
 
-use ptl_autograd::{hash, Tensor};
+use ptl_autograd::{hash, DType, Tensor};
 
 use crate::fit::{Checkpoint, Manifest, RunHashes};
 use crate::{Result, TrainerError};
 
 use super::run::*;
+
+use crate::fit::checkpoint::WEIGHTS_ONLY;
 
 impl Run {
     pub(super) fn checkpoint(&self, train_args: &serde_json::Value) -> Result<Checkpoint> {
@@ -50,11 +52,45 @@ impl Run {
         })
     }
 
+    /// The weights Ultralytics ships as `best.pt`: the EMA model in half precision, with the
+    /// run's settings, counters and history, and nothing else (no live model, optimizer state,
+    /// scaler or pending gradients) — what validation, prediction, export and fine-tuning read,
+    /// at a tenth of a full checkpoint's size. Not resumable (`refuse_resume_from_weights`).
+    pub(super) fn weights_only(&self, train_args: &serde_json::Value) -> Result<Checkpoint> {
+        let tensors = self
+            .ema
+            .ema_tensors()
+            .iter()
+            .map(|(n, t)| {
+                let half = if t.dtype().is_float() { t.to_dtype(DType::F16)? } else { t.clone() };
+                Ok((format!("ema.{n}"), half))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Checkpoint {
+            manifest: Manifest {
+                format: crate::fit::checkpoint::CHECKPOINT_FORMAT,
+                ptl_version: env!("CARGO_PKG_VERSION").into(),
+                loop_state: self.state.clone(),
+                train_args: train_args.clone(),
+                optimizer: serde_json::json!({ WEIGHTS_ONLY: true, "resolved": self.resolved }),
+                scaler: serde_json::Value::Null,
+                ema: serde_json::to_value(self.ema.meta()).unwrap_or(serde_json::Value::Null),
+                criterion: serde_json::Value::Null,
+                callbacks: Default::default(),
+                plugins: Default::default(),
+                recordings: "none".into(),
+                history: self.history.clone(),
+            },
+            tensors,
+        })
+    }
+
     /// Restores the run from a checkpoint. `ema_into_model`: the live model takes the EMA weights
     /// (training.md §9's recovery from a non-finite loss) instead of its own.
     pub(super) fn restore(&mut self, path: &Path, ema_into_model: bool) -> Result<()> {
         let ck = crate::fit::load_checkpoint(path, self.cfg.device)?;
         let bad = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
+        crate::fit::checkpoint::refuse_resume_from_weights(path, &ck.manifest)?;
         let stored = &ck.manifest.optimizer["resolved"];
         if !stored.is_null() && *stored != self.resolved {
             return Err(bad(format!("the optimizer resolves to {} now but the run used {stored}", self.resolved)));
