@@ -306,6 +306,12 @@ pub fn print_keys() {
     for (k, d, help) in keys {
         println!("  {k:<wk$}  {d:<wd$}  {help}");
     }
+    let foreign: Vec<&str> = ptl_trainer::pose::foreign_keys::keys().collect();
+    println!(
+        "Ultralytics keys with no ptl key of their own take the values that change nothing here (their \
+         default) and refuse others with the reason: {}",
+        foreign.join(", ")
+    );
 }
 
 #[cfg(test)]

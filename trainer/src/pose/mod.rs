@@ -5,6 +5,7 @@ pub mod coco_json;
 pub mod config;
 pub mod draw;
 pub mod fit;
+pub mod foreign_keys;
 pub mod images;
 mod pipeline;
 pub mod plots;

@@ -63,6 +63,9 @@ impl PoseTrainConfig {
         }
         let key = ALIASES.iter().find(|(a, _)| *a == key).map_or(key, |(_, k)| *k);
         if !Self::keys().iter().any(|(k, _, _)| *k == key) {
+            if let Some(said) = super::foreign_keys::check(key, value) {
+                return said.map_err(bad);
+            }
             let hint = closest_key(key).map(|k| format!("did you mean `{k}`? ")).unwrap_or_default();
             return Err(bad(format!("unknown key `{key}` ({hint}`ptl cfg` lists every key with its default)")));
         }
