@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use ptl_autograd::Device;
 use ptl_heads::PoseModel;
-use ptl_trainer::pose::predict::predict_image;
+use ptl_trainer::pose::predict::{predict_image_with, yolo_label_line};
 use ptl_trainer::pose::{draw, MAX_BATCH, MAX_IMGSZ};
 
 #[derive(Args, Debug)]
@@ -90,13 +90,17 @@ const VAL_KEYS: &str = "model, data, imgsz, batch, conf, device, save_json, plot
 
 #[derive(Args, Debug)]
 pub struct PredictArgs {
+    /// `key=value` settings, Ultralytics style (they override the flags): model= (alias
+    /// weights=), source=, conf=, iou=, imgsz=, max_det=, device=, save_txt=, save_conf=,
+    /// classes=, project= (alias save_dir=, out=).
+    pub settings: Vec<String>,
     /// A ptl checkpoint or a safetensors state dict.
     #[arg(long)]
-    pub weights: PathBuf,
-    /// An image or a folder of images.
+    pub weights: Option<PathBuf>,
+    /// An image, a folder of images, or a glob of image files (`images/*.jpg`).
     #[arg(long)]
-    pub source: PathBuf,
-    /// Output folder for drawn PNGs and predictions.json.
+    pub source: Option<String>,
+    /// Output folder for drawn PNGs, predictions.json and (save_txt) labels/.
     #[arg(long, default_value = "runs/pose/predict")]
     pub out: PathBuf,
     /// Image size (defaults to the one the checkpoint was trained at, else 640).
@@ -105,8 +109,65 @@ pub struct PredictArgs {
     /// Confidence threshold.
     #[arg(long, default_value_t = 0.25)]
     pub conf: f32,
+    /// NMS IoU threshold.
+    #[arg(long, default_value_t = 0.7)]
+    pub iou: f64,
+    /// Most persons kept per image.
+    #[arg(long, default_value_t = 300)]
+    pub max_det: usize,
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Also write a YOLO pose label file per image into labels/ (Ultralytics' save_txt).
+    #[arg(long)]
+    pub save_txt: bool,
+    /// With save_txt, each line ends with the person's confidence.
+    #[arg(long)]
+    pub save_conf: bool,
+}
+
+/// The keys `ptl predict` accepts as `key=value`.
+const PREDICT_KEYS: &str = "model, source, conf, iou, imgsz, max_det, device, save_txt, save_conf, classes, project";
+
+/// `true`/`false` as Ultralytics spells them.
+fn switch(k: &str, v: &str) -> Result<bool, String> {
+    match v.to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        _ => Err(format!("`{k}={v}`: expected true or false")),
+    }
+}
+
+impl PredictArgs {
+    /// Applies the `key=value` settings over the flags.
+    fn apply_settings(&mut self) -> Result<(), String> {
+        for s in self.settings.clone() {
+            let (k, v) = s.split_once('=').ok_or_else(|| format!("`{s}` is not key=value (ptl predict takes {PREDICT_KEYS})"))?;
+            let num = |what: &str| format!("`{k}={v}`: expected {what}");
+            match k {
+                "model" | "weights" => self.weights = Some(PathBuf::from(v)),
+                "source" => self.source = Some(v.to_string()),
+                "conf" => self.conf = v.parse().map_err(|_| num("a number in [0, 1]"))?,
+                "iou" => self.iou = v.parse().map_err(|_| num("a number in [0, 1]"))?,
+                "imgsz" => self.imgsz = Some(v.parse().map_err(|_| num("a positive integer"))?),
+                "max_det" => self.max_det = v.parse().map_err(|_| num("a positive integer"))?,
+                "device" => self.device = v.to_string(),
+                "save_txt" => self.save_txt = switch(k, v)?,
+                "save_conf" => self.save_conf = switch(k, v)?,
+                // One class: class 0 (a person) or all of them.
+                "classes" => match v.trim().trim_matches(['[', ']']).trim() {
+                    "" | "0" | "none" | "None" => {}
+                    other => return Err(format!("`classes={other}`: a ptl pose model has one class, 0 (person); classes=0 or none")),
+                },
+                "project" | "save_dir" | "out" => self.out = PathBuf::from(v),
+                _ => {
+                    let accepted = PREDICT_KEYS.split(", ").chain(["weights", "save_dir", "out"]);
+                    let hint = ptl_trainer::pose::nearest_key(k, accepted).map(|c| format!("did you mean `{c}`? ")).unwrap_or_default();
+                    return Err(format!("unknown key `{k}` for ptl predict ({hint}it takes {PREDICT_KEYS})"));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The eval model of a ptl checkpoint or a safetensors state dict, with the checkpoint's training
@@ -191,58 +252,117 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// File names of the drawings of one prediction run: the source's name with its extension kept
-/// (`a.jpg` → `a.jpg.png`, so `a.jpg` and `a.png` do not overwrite each other), and names that
-/// still meet (non-UTF-8 names shown alike) numbered `-2`, `-3`, ….
+/// File names of one prediction run's outputs, each unique in its folder: the drawing keeps the
+/// source's name with its extension (`a.jpg` → `a.jpg.png`, so `a.jpg` and `a.png` do not
+/// overwrite each other), the label file takes the stem as Ultralytics' (`a.txt`); names that
+/// still meet (non-UTF-8 names shown alike, `a.jpg` and `a.png`'s labels) are numbered `-2`, `-3`, ….
 #[derive(Default)]
-struct DrawingNames {
+struct UniqueNames {
     used: std::collections::HashSet<String>,
 }
 
-impl DrawingNames {
-    fn name_for(&mut self, source: &Path) -> String {
-        let base = source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "image".into());
+impl UniqueNames {
+    fn name(&mut self, base: &str, ext: &str) -> String {
         let name = (1..)
-            .map(|n| if n == 1 { format!("{base}.png") } else { format!("{base}-{n}.png") })
+            .map(|n| if n == 1 { format!("{base}.{ext}") } else { format!("{base}-{n}.{ext}") })
             .find(|c| !self.used.contains(c))
-            .unwrap_or_else(|| format!("{base}.png"));
+            .unwrap_or_else(|| format!("{base}.{ext}"));
         self.used.insert(name.clone());
         name
     }
+
+    /// The drawing of `source`.
+    fn drawing_for(&mut self, source: &Path) -> String {
+        let base = source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "image".into());
+        self.name(&base, "png")
+    }
+
+    /// The label file of `source`.
+    fn label_for(&mut self, source: &Path) -> String {
+        let base = source.file_stem().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "image".into());
+        self.name(&base, "txt")
+    }
 }
 
-fn images_in(source: &Path) -> Result<Vec<PathBuf>, String> {
-    if source.is_file() {
-        return Ok(vec![source.to_path_buf()]);
+/// Image files Ultralytics' predict reads and ptl decodes.
+const IMAGE_EXTENSIONS: [&str; 4] = ["jpg", "jpeg", "png", "bmp"];
+/// Video files Ultralytics' predict reads; ptl refuses them by name.
+const VIDEO_EXTENSIONS: [&str; 8] = ["mp4", "avi", "mov", "mkv", "webm", "mpeg", "mpg", "m4v"];
+
+fn extension_of(p: &Path) -> String {
+    p.extension().and_then(|x| x.to_str()).unwrap_or("").to_ascii_lowercase()
+}
+
+/// Whether `name` matches `pattern` (`*`: any run of characters, `?`: one character).
+fn glob_match(pattern: &[char], name: &[char]) -> bool {
+    match (pattern.first(), name.first()) {
+        (None, None) => true,
+        (Some('*'), _) => glob_match(&pattern[1..], name) || (!name.is_empty() && glob_match(pattern, &name[1..])),
+        (Some('?'), Some(_)) => glob_match(&pattern[1..], &name[1..]),
+        (Some(p), Some(n)) if p == n => glob_match(&pattern[1..], &name[1..]),
+        _ => false,
     }
-    let rd = std::fs::read_dir(source).map_err(|e| format!("cannot read {}: {e}", source.display()))?;
+}
+
+/// The image files `source` names: one image, the images of a folder, or those a glob matches
+/// (`*` and `?` in the file-name part), sorted. A video or a URL is refused by name.
+fn images_in(source: &str) -> Result<Vec<PathBuf>, String> {
+    if source.contains("://") {
+        return Err(format!("source={source}: ptl reads local image files, not URLs or streams"));
+    }
+    let path = Path::new(source);
+    if VIDEO_EXTENSIONS.contains(&extension_of(path).as_str()) {
+        return Err(format!("source={source}: videos are not supported: ptl predicts on images (jpg, png, bmp); extract the frames first"));
+    }
+    let (dir, pattern) = match path.file_name().and_then(|n| n.to_str()).filter(|n| n.contains(['*', '?'])) {
+        Some(p) => (path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")), Some(p.chars().collect::<Vec<_>>())),
+        None if path.is_file() => return Ok(vec![path.to_path_buf()]),
+        None => (path, None),
+    };
+    let rd = std::fs::read_dir(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
     let mut v: Vec<PathBuf> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| IMAGE_EXTENSIONS.contains(&extension_of(p).as_str()))
         .filter(|p| {
-            p.extension().and_then(|x| x.to_str()).is_some_and(|x| ["jpg", "jpeg", "png", "bmp"].contains(&x.to_ascii_lowercase().as_str()))
+            let name: Vec<char> = p.file_name().map(|n| n.to_string_lossy().chars().collect()).unwrap_or_default();
+            pattern.as_ref().is_none_or(|pat| glob_match(pat, &name))
         })
         .collect();
     v.sort();
     if v.is_empty() {
-        return Err(format!("no images (jpg/png) in {}", source.display()));
+        return Err(format!("no images (jpg, png, bmp) in {source}"));
     }
     Ok(v)
 }
 
-pub fn run_predict(a: PredictArgs) -> Result<(), String> {
+pub fn run_predict(mut a: PredictArgs) -> Result<(), String> {
+    a.apply_settings()?;
     if let Some(imgsz) = a.imgsz {
         check_imgsz(imgsz)?;
     }
     check_conf(a.conf)?;
+    if !(0.0..=1.0).contains(&a.iou) {
+        return Err(format!("iou {} must be in [0, 1]", a.iou));
+    }
+    if a.max_det == 0 || a.max_det > 30_000 {
+        return Err(format!("max_det {} must be in 1..=30000", a.max_det));
+    }
+    let weights = a.weights.clone().ok_or("no weights to predict with: pass model=W.ckpt or model=W.safetensors (or --weights W)")?;
+    let source = a.source.clone().ok_or("nothing to predict on: pass source=IMAGE, a folder or a glob (or --source)")?;
+    let sources = images_in(&source)?;
     let device = super::resolve_device(&a.device, "predicting")?;
-    let (model, args) = model_from_checkpoint(&a.weights, device)?;
+    let (model, args) = model_from_checkpoint(&weights, device)?;
     let imgsz = imgsz_for(a.imgsz, &args)?;
+    let opts = ptl_trainer::pose::predict::PredictOptions { conf: a.conf, iou: a.iou, max_det: a.max_det };
     println!("predicting at imgsz {imgsz}, conf {}", a.conf);
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
-    let sources = images_in(&a.source)?;
+    let labels = a.out.join("labels");
+    if a.save_txt {
+        std::fs::create_dir_all(&labels).map_err(|e| format!("cannot create {}: {e}", labels.display()))?;
+    }
     let mut unreadable = 0usize;
     let mut all = Vec::new();
-    let mut drawings = DrawingNames::default();
+    let (mut drawings, mut label_names) = (UniqueNames::default(), UniqueNames::default());
     for path in &sources {
         let (img, _) = match ptl_data::image::decode_file(path) {
             Ok(x) => x,
@@ -252,12 +372,20 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
                 continue;
             }
         };
-        let found = predict_image(&model, &img, imgsz as u32, a.conf, device).map_err(|e| e.to_string())?;
+        let found = predict_image_with(&model, &img, imgsz as u32, &opts, device).map_err(|e| e.to_string())?;
+        if a.save_txt {
+            // Ultralytics' labels/<stem>.txt; an image without persons gets no file, as there.
+            let txt = labels.join(label_names.label_for(path));
+            let lines: Vec<String> = found.iter().map(|p| yolo_label_line(p, img.w, img.h, a.save_conf)).collect();
+            if !lines.is_empty() {
+                std::fs::write(&txt, lines.join("\n") + "\n").map_err(|e| format!("cannot write {}: {e}", txt.display()))?;
+            }
+        }
         let mut drawn = img.clone();
         let persons: Vec<draw::Person<'_>> =
             found.iter().map(|p| draw::Person { bbox: p.bbox_xyxy, kpts: &p.keypoints, score: Some(p.score) }).collect();
         draw::people(&mut drawn, &persons, 0.5).map_err(|e| e.to_string())?;
-        let png = a.out.join(drawings.name_for(path));
+        let png = a.out.join(drawings.drawing_for(path));
         ptl_data::image::write_png(&drawn, &png).map_err(|e| e.to_string())?;
         println!("{}: {} persons -> {}", path.display(), found.len(), png.display());
         let people: Vec<serde_json::Value> =
@@ -268,7 +396,7 @@ pub fn run_predict(a: PredictArgs) -> Result<(), String> {
         return Err(format!(
             "none of the {} image files in {} could be read (see the messages above); nothing was predicted",
             sources.len(),
-            a.source.display()
+            source
         ));
     }
     let json = a.out.join("predictions.json");

@@ -324,6 +324,45 @@ fn val_and_predict_take_the_image_size_from_the_checkpoint() {
     let out = dir.path().join("pred").display().to_string();
     let o = ptl(&["predict", "--weights", &ckpt, "--source", &images.display().to_string(), "--out", &out, "--device", "cpu"], dir.path());
     assert!(o.status.success() && text(&o).contains("predicting at imgsz 64"), "{}", text(&o));
+    predict_takes_ultralytics_keys(dir.path(), &run.join("weights/best.ckpt"), &images);
+}
+
+/// `ptl predict key=value` as Ultralytics' (with the lean best.ckpt): a glob source, thresholds,
+/// and save_txt/save_conf label files — one per image with persons, one line per person of
+/// class, normalised box and 17 keypoints (and the confidence); videos, URLs, another class and
+/// unknown keys are refused by name.
+fn predict_takes_ultralytics_keys(cwd: &std::path::Path, best: &std::path::Path, images: &std::path::Path) {
+    let out = cwd.join("pred-keys");
+    let glob = images.join("*.jpg").display().to_string();
+    let model = format!("model={}", best.display());
+    let args = [model.as_str(), &format!("source={glob}"), "conf=0.0", "max_det=2", "save_txt=True", "save_conf=True", "device=cpu"];
+    let o = ptl(&[&["predict"][..], &args[..], &[&format!("project={}", out.display())]].concat(), cwd);
+    assert!(o.status.success(), "{}", text(&o));
+    let sources: Vec<_> =
+        std::fs::read_dir(images).unwrap().filter_map(|e| e.ok()).filter(|e| e.path().extension().is_some_and(|x| x == "jpg")).collect();
+    assert!(!sources.is_empty());
+    let labels: Vec<_> = std::fs::read_dir(out.join("labels")).expect("labels/").filter_map(|e| e.ok().map(|e| e.path())).collect();
+    assert_eq!(labels.len(), sources.len(), "conf=0 finds persons in every image: one label file each");
+    for l in &labels {
+        let lines = std::fs::read_to_string(l).unwrap();
+        assert!((1..=2).contains(&lines.lines().count()), "max_det=2: {l:?}");
+        for line in lines.lines() {
+            let v: Vec<f64> = line.split(' ').map(|x| x.parse().unwrap_or_else(|_| panic!("{line}"))).collect();
+            assert_eq!(v.len(), 1 + 4 + 17 * 3 + 1, "{line}");
+            assert_eq!(v[0], 0.0, "class 0");
+            assert!(v[1..5].iter().all(|x| x.is_finite()) && v[3] >= 0.0 && v[4] >= 0.0, "{line}");
+        }
+    }
+    for (bad, says) in [
+        ("source=clip.mp4", "videos are not supported"),
+        ("source=http://example.invalid/a.jpg", "not URLs"),
+        ("classes=1", "one class"),
+        ("max_dets=3", "did you mean `max_det`"),
+    ] {
+        let o = ptl(&["predict", model.as_str(), bad, "device=cpu"], cwd);
+        assert_eq!(o.status.code(), Some(1), "{bad}: {}", text(&o));
+        assert!(text(&o).contains(says), "{bad}: {}", text(&o));
+    }
 }
 
 /// A run writes `args.yaml` with every resolved setting, and `ptl train args.yaml` trains with

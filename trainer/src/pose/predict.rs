@@ -67,9 +67,37 @@ pub fn load_eval_model(path: &Path, device: Device) -> Result<(PoseModel, serde_
     Ok((model, args))
 }
 
+/// Prediction thresholds, with Ultralytics' predict defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PredictOptions {
+    /// Confidence threshold (`conf`).
+    pub conf: f32,
+    /// NMS IoU threshold (`iou`).
+    pub iou: f64,
+    /// Most persons kept per image (`max_det`).
+    pub max_det: usize,
+}
+
+impl Default for PredictOptions {
+    fn default() -> Self {
+        PredictOptions { conf: 0.25, iou: 0.7, max_det: 300 }
+    }
+}
+
 /// The persons `model` finds in `img` (a BGR image) at input size `imgsz` (a multiple of 32),
 /// above confidence `conf`, in the image's pixels.
 pub fn predict_image(model: &PoseModel, img: &Image, imgsz: u32, conf: f32, device: Device) -> Result<Vec<PersonPrediction>> {
+    predict_image_with(model, img, imgsz, &PredictOptions { conf, ..PredictOptions::default() }, device)
+}
+
+/// [`predict_image`] with every threshold given.
+pub fn predict_image_with(
+    model: &PoseModel,
+    img: &Image,
+    imgsz: u32,
+    opts: &PredictOptions,
+    device: Device,
+) -> Result<Vec<PersonPrediction>> {
     let nk = model.head().kpt_shape.0;
     let mut inst = Instances::empty(nk);
     let (lb, info) = letterbox(img, &mut inst, imgsz, imgsz, true);
@@ -85,7 +113,7 @@ pub fn predict_image(model: &PoseModel, img: &Image, imgsz: u32, conf: f32, devi
     let pred = no_grad(|| model.predict(&x))?;
     let dims = pred.decoded.dims().to_vec();
     let host = pred.decoded.to_vec::<f32>()?;
-    let cfg = NmsConfig { conf_thres: conf, ..NmsConfig::default() };
+    let cfg = NmsConfig { conf_thres: opts.conf, iou_thres: opts.iou, max_det: opts.max_det, ..NmsConfig::default() };
     let outs = non_max_suppression_batch(&host, 1, dims[2], 1, nk, &cfg)?;
     let det = &outs[0].detections;
     let unmap = |x: f32, y: f32| ((x - info.left as f32) / info.r, (y - info.top as f32) / info.r);
@@ -106,4 +134,34 @@ pub fn predict_image(model: &PoseModel, img: &Image, imgsz: u32, conf: f32, devi
             PersonPrediction { bbox_xyxy: [x1, y1, x2, y2], score: det.scores[i], keypoints }
         })
         .collect())
+}
+
+/// One line of a YOLO pose label file for `p` in an image of `width` × `height` pixels, as
+/// Ultralytics' `save_txt` writes it: class, box centre and size, then x, y and visibility score of
+/// each keypoint — positions as fractions of the image — and with `save_conf` the confidence last,
+/// each number as C's `%g` prints it.
+pub fn yolo_label_line(p: &PersonPrediction, width: u32, height: u32, save_conf: bool) -> String {
+    let (w, h) = (width.max(1) as f64, height.max(1) as f64);
+    let [x1, y1, x2, y2] = p.bbox_xyxy.map(f64::from);
+    let mut v = vec![0.0, (x1 + x2) / 2.0 / w, (y1 + y2) / 2.0 / h, (x2 - x1) / w, (y2 - y1) / h];
+    for [kx, ky, kv] in &p.keypoints {
+        v.extend([f64::from(*kx) / w, f64::from(*ky) / h, f64::from(*kv)]);
+    }
+    if save_conf {
+        v.push(f64::from(p.score));
+    }
+    v.iter().map(|x| super::fit::epoch_line::fmt_g(*x, 6)).collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Normalised centre, size and keypoints in Ultralytics' order, `%g` numbers, confidence last.
+    #[test]
+    fn label_lines_follow_ultralytics_save_txt() {
+        let p = PersonPrediction { bbox_xyxy: [10.0, 20.0, 30.0, 60.0], score: 0.875, keypoints: vec![[20.0, 40.0, 0.5], [0.0, 0.0, 0.0]] };
+        assert_eq!(yolo_label_line(&p, 100, 200, false), "0 0.2 0.2 0.2 0.2 0.2 0.2 0.5 0 0 0");
+        assert_eq!(yolo_label_line(&p, 100, 200, true), "0 0.2 0.2 0.2 0.2 0.2 0.2 0.5 0 0 0 0.875");
+    }
 }

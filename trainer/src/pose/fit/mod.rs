@@ -4,7 +4,7 @@
 //! Read top down: [`fit`] assembles a run (this module), `epochs` runs its epochs, `step` one
 //! training step, `persist` checkpoints and hashes; `run` holds the state they share.
 
-mod epoch_line;
+pub(crate) mod epoch_line;
 mod epochs;
 mod persist;
 mod run;
