@@ -11,7 +11,8 @@ use ptl_trainer::pose::{draw, MAX_BATCH, MAX_IMGSZ};
 #[derive(Args, Debug)]
 pub struct ValArgs {
     /// `key=value` settings, Ultralytics style (they override the flags): model= (alias weights=),
-    /// data=, imgsz=, batch=, conf=, device=, save_json=true|false, plots=true|false, project= (alias save_dir=).
+    /// data=, imgsz=, batch=, conf=, iou=, max_det=, split=val|test|train, device=,
+    /// save_json=true|false, plots=true|false, project= (alias save_dir=).
     pub settings: Vec<String>,
     /// A ptl checkpoint (`weights/last.ckpt` or `best.ckpt`) or a safetensors state dict.
     #[arg(long)]
@@ -39,6 +40,15 @@ pub struct ValArgs {
     /// Draw BoxPR_curve.png and PosePR_curve.png into --project.
     #[arg(long)]
     pub plots: bool,
+    /// NMS IoU threshold.
+    #[arg(long, default_value_t = 0.7)]
+    pub iou: f64,
+    /// Detections kept per image.
+    #[arg(long, default_value_t = 300)]
+    pub max_det: usize,
+    /// The dataset split to validate: val, test or train.
+    #[arg(long, default_value = "val")]
+    pub split: String,
 }
 
 impl ValArgs {
@@ -53,6 +63,9 @@ impl ValArgs {
                 "imgsz" => self.imgsz = Some(v.parse().map_err(|_| num("a positive integer"))?),
                 "batch" => self.batch = v.parse().map_err(|_| num("a positive integer"))?,
                 "conf" => self.conf = v.parse().map_err(|_| num("a number in [0, 1]"))?,
+                "iou" => self.iou = v.parse().map_err(|_| num("a number in [0, 1]"))?,
+                "max_det" => self.max_det = v.parse().map_err(|_| num("a positive integer"))?,
+                "split" => self.split = v.to_string(),
                 "device" => match &self.device {
                     Some(d) if !d.eq_ignore_ascii_case(v) => {
                         return Err(format!("`--device {d}` and `device={v}` disagree: give the device once (either spelling)"))
@@ -86,7 +99,7 @@ impl ValArgs {
 }
 
 /// The keys `ptl val` accepts as `key=value`.
-const VAL_KEYS: &str = "model, data, imgsz, batch, conf, device, save_json, plots, project";
+const VAL_KEYS: &str = "model, data, imgsz, batch, conf, iou, max_det, split, device, save_json, plots, project";
 
 #[derive(Args, Debug)]
 pub struct PredictArgs {
@@ -207,6 +220,15 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
         check_imgsz(imgsz)?;
     }
     check_conf(a.conf)?;
+    if !(0.0..=1.0).contains(&a.iou) {
+        return Err(format!("iou {} must be in [0, 1]", a.iou));
+    }
+    if a.max_det == 0 || a.max_det > 30_000 {
+        return Err(format!("max_det {} must be in 1..=30000", a.max_det));
+    }
+    if !["val", "test", "train"].contains(&a.split.as_str()) {
+        return Err(format!("split={}: a data yaml's splits are val, test and train", a.split));
+    }
     if a.batch == 0 || a.batch > MAX_BATCH {
         return Err(format!("batch {} must be in 1..={MAX_BATCH}", a.batch));
     }
@@ -221,7 +243,7 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
         })?),
     };
     let open = ptl_data::OpenOptions { imgsz: imgsz as u32, ..Default::default() };
-    let ds = std::sync::Arc::new(ptl_data::PoseDataset::open_yaml(&data, "val", &open).map_err(|e| e.to_string())?);
+    let ds = std::sync::Arc::new(ptl_data::PoseDataset::open_yaml(&data, &a.split, &open).map_err(|e| e.to_string())?);
     let model_k = model.head().kpt_shape.0;
     if ds.nkpt() != model_k {
         return Err(format!(
@@ -231,7 +253,13 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
             ds.nkpt()
         ));
     }
-    let opts = ptl_trainer::pose::ValOptions { conf: a.conf, save_json: a.save_json.then(|| a.project.clone()), ..Default::default() };
+    let opts = ptl_trainer::pose::ValOptions {
+        conf: a.conf,
+        iou: a.iou,
+        max_det: a.max_det,
+        save_json: a.save_json.then(|| a.project.clone()),
+        ..Default::default()
+    };
     let r = ptl_trainer::pose::validate_with(&model, &ds, a.batch, device, ptl_trainer::pose::Precision::F32, &opts)
         .map_err(|e| e.to_string())?;
     println!("validated {} images of {} at imgsz {imgsz}", r.images, data.display());

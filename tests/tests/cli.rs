@@ -320,6 +320,11 @@ fn val_and_predict_take_the_image_size_from_the_checkpoint() {
     assert!(text(&o).contains("at imgsz 64"), "{}", text(&o));
     let o = ptl(&["val", &format!("model={ckpt}"), "device=cpu", "imgsz=96"], dir.path());
     assert!(o.status.success() && text(&o).contains("at imgsz 96"), "{}", text(&o));
+    // Ultralytics' val keys: thresholds and the split.
+    let o = ptl(&["val", &format!("model={ckpt}"), "device=cpu", "iou=0.5", "max_det=100", "split=val"], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    let o = ptl(&["val", &format!("model={ckpt}"), "device=cpu", "split=holdout"], dir.path());
+    assert!(o.status.code() == Some(1) && text(&o).contains("split=holdout"), "{}", text(&o));
     let images = data.parent().unwrap().join("images").join("val");
     let out = dir.path().join("pred").display().to_string();
     let o = ptl(&["predict", "--weights", &ckpt, "--source", &images.display().to_string(), "--out", &out, "--device", "cpu"], dir.path());

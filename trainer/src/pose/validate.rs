@@ -38,6 +38,10 @@ pub struct ValResult {
 pub struct ValOptions {
     /// NMS confidence threshold (Ultralytics' val default 0.001).
     pub conf: f32,
+    /// NMS IoU threshold (Ultralytics' 0.7).
+    pub iou: f64,
+    /// Detections kept per image (Ultralytics' 300, raised to the most objects of one image).
+    pub max_det: usize,
     /// Write `predictions.json` and `val_gt.json` (COCO, original pixels) into this folder.
     pub save_json: Option<PathBuf>,
     /// Also compute the criterion with these gains on every batch (results.csv's `val/` losses).
@@ -46,7 +50,8 @@ pub struct ValOptions {
 
 impl Default for ValOptions {
     fn default() -> Self {
-        ValOptions { conf: NmsConfig::default().conf_thres, save_json: None, loss: None }
+        let nms = NmsConfig::default();
+        ValOptions { conf: nms.conf_thres, iou: nms.iou_thres, max_det: nms.max_det, save_json: None, loss: None }
     }
 }
 
@@ -92,7 +97,7 @@ pub fn validate_with(
         Some(s) => PoseValidator::with_sigmas(s.to_vec())?,
         None => PoseValidator::new(nk)?,
     };
-    let nms = NmsConfig { conf_thres: opts.conf, ..NmsConfig::default() };
+    let nms = NmsConfig { conf_thres: opts.conf, iou_thres: opts.iou, max_det: opts.max_det, ..NmsConfig::default() };
     let mut json = opts.save_json.as_deref().map(|dir| JsonWriter::new(dir, ds)).transpose()?;
     let mut losses = opts.loss.clone().map(ValLoss::new);
     let mut images = 0;
