@@ -7,8 +7,9 @@
 //!
 //! Beside it, optional sub-traits for work that is not a primitive of the math but must run on
 //! the device that holds the data: counter-based random draws ([`RandomStorage`]), padded-batch
-//! packing ([`PackStorage`]) and deferred host reads ([`DeferredReadStorage`]). The CPU backend
-//! implements each as the reference of the others; `storage.rs` alone picks the backend.
+//! packing ([`PackStorage`]), optimizer updates over many tensors ([`MultiTensorStorage`]) and
+//! deferred host reads ([`DeferredReadStorage`]). The CPU backend implements each as the
+//! reference of the others; `storage.rs` alone picks the backend.
 
 use crate::shape::Layout;
 use crate::{DType, Device, Result};
@@ -355,4 +356,68 @@ pub trait HostRead: std::fmt::Debug + Send {
 pub trait DeferredReadStorage: BackendStorage {
     /// Queues the copy of this f32 storage's values.
     fn read_later(&self) -> Result<Box<dyn HostRead>>;
+}
+
+/// One operand of a multi-tensor row: read, or read and written in place.
+pub enum Operand<'a, S> {
+    Read(&'a S),
+    Write(&'a mut S),
+}
+
+impl<S> Operand<'_, S> {
+    /// The operand, for reading.
+    pub fn get(&self) -> &S {
+        match self {
+            Operand::Read(s) => s,
+            Operand::Write(s) => s,
+        }
+    }
+}
+
+/// Scalars of a `*_dev` optimizer update in the backend's own memory: `values[at..]` of an f64
+/// storage, and an optional f32 flag that, when non-zero, makes the update leave everything as it
+/// is (the grad scaler's found-inf: a skipped step decided without a host read).
+pub struct ScalarsAt<'a, S> {
+    pub values: &'a S,
+    pub at: usize,
+    pub skip: Option<&'a S>,
+}
+
+/// What a multi-tensor launch does to each row ([`MultiTensorStorage`]). Every operand is a whole
+/// f32 storage of one length per row, except the f64 step counts and the found-inf flag.
+pub enum MultiTensorOp<'a, S> {
+    /// Rows `[param (w), grad, momentum buffer (w) when with_buf]`: `Tensor::sgd_step_composed`.
+    Sgd { h: crate::ops::optim::SgdStep, with_buf: bool },
+    /// The same with `[weight_decay, momentum, neg_lr]` read from `scalars` (the decay applied
+    /// when `weight_decay`).
+    SgdDev { scalars: ScalarsAt<'a, S>, weight_decay: bool, nesterov: bool, with_buf: bool },
+    /// Rows `[momentum (w), grad, blend (w)]`: `Tensor::momentum_blend_composed` into the blend.
+    Blend { beta: f64, nesterov: bool },
+    /// The same with β read from `scalars`; when skipped the momentum stays and the blend is
+    /// still written.
+    BlendDev { scalars: ScalarsAt<'a, S>, nesterov: bool },
+    /// Rows `[dst (w), src]`: `dst ← lerp(dst, src, w)`.
+    Lerp { w: f64 },
+    /// The same with `w` read from `scalars`.
+    LerpDev { scalars: ScalarsAt<'a, S> },
+    /// Rows `[param (w), grad, exp_avg (w), exp_avg_sq (w), step count (w, f64)]`:
+    /// `ops::optim::adamw_composed` with the `ADAMW_SCALARS` read from `scalars` at the count plus
+    /// one, which is then stored.
+    AdamWDev { scalars: ScalarsAt<'a, S>, weight_decay: bool },
+    /// Rows `[grad (w)]`, the last row `[found (w)]` alone: every gradient times the f32
+    /// `inv_scale`, `found` set to 1 when one held a non-finite value before, else 0.
+    Unscale { inv_scale: &'a S },
+    /// Rows `[grad (w)]`: global L2-norm clipping to `max_norm`; the output is the total norm (an
+    /// f32 value).
+    ClipNorm { max_norm: f32 },
+}
+
+/// Optimizer updates over many tensors at once (PyTorch's fused / `_foreach` kernels): a backend
+/// may offer them (`None`: no kernel for this op here, and the caller composes the same result
+/// from primitives). Where a backend offers one it gives the bytes of the composed ops
+/// (`ops::optim`), which are the reference — except `ClipNorm`, whose total norm is summed in
+/// another order (deterministic, its last bits differ from the composed reduction's).
+pub trait MultiTensorStorage: BackendStorage {
+    /// Applies `op` to every row (operands in the order the op names), returning its outputs.
+    fn multi_tensor(op: MultiTensorOp<'_, Self>, rows: Vec<Vec<Operand<'_, Self>>>) -> Result<Option<Vec<Self>>>;
 }

@@ -2,8 +2,8 @@
 //! backend after checking that all operands live on the same device.
 
 use crate::backend::{
-    BackendStorage, BinaryOp, CmpOp, Conv2dParams, DeferredReadStorage, HostRead, MatmulParams, PackStorage, PackedMatrix, PhiloxStart,
-    Pool2dParams, RandomStorage, ReduceOp, UnaryOp,
+    BackendStorage, BinaryOp, CmpOp, Conv2dParams, DeferredReadStorage, HostRead, MatmulParams, MultiTensorOp, MultiTensorStorage, Operand,
+    PackStorage, PackedMatrix, PhiloxStart, Pool2dParams, RandomStorage, ReduceOp, ScalarsAt, UnaryOp,
 };
 use crate::cpu::CpuStorage;
 use crate::shape::Layout;
@@ -150,6 +150,66 @@ impl Storage {
                 let cuda: Vec<(&crate::cuda::CudaStorage, PackedMatrix)> = cuda.collect::<Result<_>>()?;
                 Ok(crate::cuda::CudaStorage::pack_padded(&cuda, rows, cols, dtype)?.map(Storage::Cuda))
             }
+        }
+    }
+
+    /// [`MultiTensorStorage::multi_tensor`] on the operands' device (`None`: no kernel for this
+    /// op there). Every operand and scalar must be on the first operand's device.
+    pub(crate) fn multi_tensor<'a>(op: MultiTensorOp<'a, Storage>, rows: Vec<Vec<Operand<'a, Storage>>>) -> Result<Option<Vec<Storage>>> {
+        let Some(device) = rows.iter().flatten().next().map(|o| o.get().device()) else { return Ok(Some(Vec::new())) };
+        let mismatch = |other: Device| Error::DeviceMismatch { op: "multi-tensor update", lhs: device, rhs: other };
+        match device {
+            Device::Cpu => {
+                #[allow(unreachable_patterns)]
+                let (op, rows) = narrow_multi(
+                    op,
+                    rows,
+                    |s| match s {
+                        Storage::Cpu(c) => Ok(c),
+                        other => Err(mismatch(other.device())),
+                    },
+                    |s| match s {
+                        Storage::Cpu(c) => Ok(c),
+                        other => Err(mismatch(other.device())),
+                    },
+                )?;
+                Ok(CpuStorage::multi_tensor(op, rows)?.map(|v| v.into_iter().map(Storage::Cpu).collect()))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                let (op, rows) = narrow_multi(
+                    op,
+                    rows,
+                    |s| match s {
+                        Storage::Cuda(c) => Ok(c),
+                        other => Err(mismatch(other.device())),
+                    },
+                    |s| match s {
+                        Storage::Cuda(c) => Ok(c),
+                        other => Err(mismatch(other.device())),
+                    },
+                )?;
+                Ok(crate::cuda::CudaStorage::multi_tensor(op, rows)?.map(|v| v.into_iter().map(Storage::Cuda).collect()))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(mismatch(device)),
+        }
+    }
+
+    /// Writes `values` into this f64 storage from element `at` on (on CUDA a host→device copy
+    /// queued on the compute stream; refused while a graph is being recorded).
+    pub(crate) fn write_f64(&mut self, at: usize, values: &[f64]) -> Result<()> {
+        match self {
+            Storage::Cpu(CpuStorage::F64(v)) => {
+                v[at..at + values.len()].copy_from_slice(values);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) if c.dtype() == DType::F64 => {
+                let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                c.write_from_host(8 * at, &bytes)
+            }
+            _ => Err(Error::invalid("write_f64", "not an f64 storage")),
         }
     }
 
@@ -569,4 +629,45 @@ impl Storage {
             }
         }
     }
+}
+
+/// Multi-tensor rows: each item's operands.
+type Rows<'a, B> = Vec<Vec<Operand<'a, B>>>;
+
+/// A multi-tensor op and its rows with every storage taken out of [`Storage`] by `pick` (read) and
+/// `pick_mut` (written): one backend's operands, or the error of the first foreign one.
+fn narrow_multi<'a, B>(
+    op: MultiTensorOp<'a, Storage>,
+    rows: Vec<Vec<Operand<'a, Storage>>>,
+    pick: impl Fn(&'a Storage) -> Result<&'a B>,
+    pick_mut: impl Fn(&'a mut Storage) -> Result<&'a mut B>,
+) -> Result<(MultiTensorOp<'a, B>, Rows<'a, B>)> {
+    let scalars = |s: ScalarsAt<'a, Storage>| -> Result<ScalarsAt<'a, B>> {
+        Ok(ScalarsAt { values: pick(s.values)?, at: s.at, skip: s.skip.map(&pick).transpose()? })
+    };
+    let op = match op {
+        MultiTensorOp::Sgd { h, with_buf } => MultiTensorOp::Sgd { h, with_buf },
+        MultiTensorOp::SgdDev { scalars: s, weight_decay, nesterov, with_buf } => {
+            MultiTensorOp::SgdDev { scalars: scalars(s)?, weight_decay, nesterov, with_buf }
+        }
+        MultiTensorOp::Blend { beta, nesterov } => MultiTensorOp::Blend { beta, nesterov },
+        MultiTensorOp::BlendDev { scalars: s, nesterov } => MultiTensorOp::BlendDev { scalars: scalars(s)?, nesterov },
+        MultiTensorOp::Lerp { w } => MultiTensorOp::Lerp { w },
+        MultiTensorOp::LerpDev { scalars: s } => MultiTensorOp::LerpDev { scalars: scalars(s)? },
+        MultiTensorOp::AdamWDev { scalars: s, weight_decay } => MultiTensorOp::AdamWDev { scalars: scalars(s)?, weight_decay },
+        MultiTensorOp::Unscale { inv_scale } => MultiTensorOp::Unscale { inv_scale: pick(inv_scale)? },
+        MultiTensorOp::ClipNorm { max_norm } => MultiTensorOp::ClipNorm { max_norm },
+    };
+    let rows = rows
+        .into_iter()
+        .map(|r| {
+            r.into_iter()
+                .map(|o| match o {
+                    Operand::Read(s) => pick(s).map(Operand::Read),
+                    Operand::Write(s) => pick_mut(s).map(Operand::Write),
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((op, rows))
 }

@@ -7,6 +7,7 @@ mod elementwise;
 mod fused;
 mod index;
 mod matmul;
+mod multi_tensor;
 mod pack;
 mod random;
 mod reduce;

@@ -1,9 +1,16 @@
 //! Fused optimizer steps over many tensors (PyTorch's fused / `_foreach` SGD): the bytes of the
-//! composed tensor ops they stand for, with one launch per 40 parameters on CUDA instead of about
-//! ten per parameter. Each takes its scalars from the host (baked into the launch) or, in the
-//! `*_dev` forms, from device memory ([`DeviceScalars`]): what a recorded update needs to take each
-//! step's learning rate, momentum and decay (capture.md §16).
+//! composed tensor ops they stand for, through the backend's multi-tensor kernels
+//! ([`crate::backend::MultiTensorStorage`]: one launch per 40 parameters on CUDA instead of about
+//! ten per parameter; on the CPU loops that round as the composed ops do). Items a kernel cannot
+//! take (another dtype, views, shared storages), and ops a backend does not offer, run composed.
+//! Each takes its scalars from the host (baked into the launch) or, in the `*_dev` forms, from
+//! device memory ([`DeviceScalars`]): what a recorded update needs to take each step's learning
+//! rate, momentum and decay.
 
+use std::sync::{RwLockReadGuard, RwLockWriteGuard};
+
+use crate::backend::{MultiTensorOp, Operand, ScalarsAt};
+use crate::storage::Storage;
 use crate::{DType, Result, Tensor};
 
 /// One SGD step's hyperparameters (PyTorch semantics, no dampening).
@@ -101,24 +108,6 @@ impl DeviceScalars<'_> {
             None => Ok(false),
         }
     }
-    /// The skip flag's device address (0: none).
-    #[cfg(feature = "cuda")]
-    fn skip_ptr(&self) -> Result<u64> {
-        let Some(f) = self.skip else { return Ok(0) };
-        match &*f.read_storage() {
-            crate::storage::Storage::Cuda(c) => Ok(c.device_ptr()),
-            #[allow(unreachable_patterns)]
-            _ => Err(crate::Error::invalid("device scalars", "the skip flag is not on a CUDA device")),
-        }
-    }
-    #[cfg(feature = "cuda")]
-    fn device_ptr(&self) -> Result<u64> {
-        match &*self.values.read_storage() {
-            crate::storage::Storage::Cuda(c) => Ok(c.device_ptr() + 8 * self.at as u64),
-            #[allow(unreachable_patterns)]
-            _ => Err(crate::Error::invalid("device scalars", "not on a CUDA device")),
-        }
-    }
 }
 
 impl Tensor {
@@ -131,20 +120,7 @@ impl Tensor {
                 format!("{} values at {at} into a {} tensor of {} elements", values.len(), self.dtype(), self.numel()),
             ));
         }
-        let mut st = self.write_storage();
-        match &mut *st {
-            crate::storage::Storage::Cpu(crate::CpuStorage::F64(v)) => {
-                v[at..at + values.len()].copy_from_slice(values);
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            crate::storage::Storage::Cuda(c) => {
-                let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-                c.write_from_host(8 * at, &bytes)
-            }
-            #[allow(unreachable_patterns)]
-            _ => Err(crate::Error::invalid("write_f64", "not an f64 storage")),
-        }
+        self.write_storage().write_f64(at, values)
     }
 
     /// [`Tensor::sgd_step_many`] with `[weight_decay, momentum, neg_lr]` read from `s`; `nesterov`
@@ -167,14 +143,19 @@ impl Tensor {
                 composed.push((p, g, b));
             }
         }
-        if !composed.is_empty() && !s.skipped_on_host()? {
+        let run_composed = |items: &[(&Tensor, &Tensor, Option<&Tensor>)]| -> Result<()> {
+            if items.is_empty() || s.skipped_on_host()? {
+                return Ok(());
+            }
             let v = s.host(3)?;
             let h = SgdStep { weight_decay: if weight_decay { v[0] } else { 0.0 }, momentum: v[1], neg_lr: v[2], nesterov };
-            for (p, g, b) in composed {
-                Tensor::sgd_step_composed(p, g, b, h)?;
-            }
+            items.iter().try_for_each(|&(p, g, b)| Tensor::sgd_step_composed(p, g, b, h))
+        };
+        run_composed(&composed)?;
+        match fused_sgd_dev(&fused, s, weight_decay, nesterov)? {
+            true => Ok(()),
+            false => run_composed(&fused),
         }
-        fused_sgd_dev(&fused, s, weight_decay, nesterov)
     }
 
     /// [`Tensor::momentum_blend_many`] with β read from `s`. Under a set skip flag the momenta stay
@@ -186,24 +167,29 @@ impl Tensor {
         let mut fused: Vec<usize> = Vec::new();
         let mut seen = Storages::default();
         let mut host = None;
+        let mut composed = |i: usize, out: &mut Vec<Option<Tensor>>| -> Result<()> {
+            let (g, m) = pairs[i];
+            let (b, skipped) = match host {
+                Some(h) => h,
+                None => *host.insert((s.host(1)?[0], s.skipped_on_host()?)),
+            };
+            out[i] = Some(match skipped {
+                true => Tensor::momentum_blend_composed(g, &m.deep_copy()?, b, nesterov)?,
+                false => Tensor::momentum_blend_composed(g, m, b, nesterov)?,
+            });
+            Ok(())
+        };
         for (i, &(g, m)) in pairs.iter().enumerate() {
             if fusable(m, g, None) && seen.all_new(&[Some(m), Some(g)]) {
                 fused.push(i);
             } else {
-                let (b, skipped) = match host {
-                    Some(h) => h,
-                    None => *host.insert((s.host(1)?[0], s.skipped_on_host()?)),
-                };
-                let u = match skipped {
-                    true => Tensor::momentum_blend_composed(g, &m.deep_copy()?, b, nesterov)?,
-                    false => Tensor::momentum_blend_composed(g, m, b, nesterov)?,
-                };
-                out[i] = Some(u);
+                composed(i, &mut out)?;
             }
         }
         if !fused.is_empty() {
-            for (i, u) in fused_blend_dev(pairs, &fused, s, nesterov)? {
-                out[i] = Some(u);
+            match fused_blend_dev(pairs, &fused, s, nesterov)? {
+                Some(done) => done.into_iter().for_each(|(i, u)| out[i] = Some(u)),
+                None => fused.iter().try_for_each(|&i| composed(i, &mut out))?,
             }
         }
         out.into_iter().map(|u| u.ok_or_else(|| crate::Error::invalid("momentum_blend_many_dev", "an item got no result"))).collect()
@@ -223,13 +209,18 @@ impl Tensor {
                 composed.push((d, src));
             }
         }
-        if !composed.is_empty() {
-            let w = s.host(1)?[0];
-            for (d, src) in composed {
-                crate::no_grad(|| d.copy_(&lerp(d, src, w)?))?;
+        let run_composed = |pairs: &[(&Tensor, &Tensor)]| -> Result<()> {
+            if pairs.is_empty() {
+                return Ok(());
             }
+            let w = s.host(1)?[0];
+            pairs.iter().try_for_each(|&(d, src)| crate::no_grad(|| d.copy_(&lerp(d, src, w)?)))
+        };
+        run_composed(&composed)?;
+        match fused_lerp_dev(&fused, s)? {
+            true => Ok(()),
+            false => run_composed(&fused),
         }
-        fused_lerp_dev(&fused, s)
     }
 }
 
@@ -249,7 +240,7 @@ impl Tensor {
         let mut seen = Storages::default();
         let whole_f32 =
             |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() > 0 && t.read_storage().len() == t.numel();
-        if !matches!(device, crate::Device::Cuda(_)) || !grads.iter().all(|g| whole_f32(g) && seen.all_new(&[Some(*g)])) {
+        if !grads.iter().all(|g| whole_f32(g) && seen.all_new(&[Some(*g)])) {
             return Ok(None);
         }
         fused_clip(grads, max_norm)
@@ -270,69 +261,31 @@ impl Tensor {
         let whole_f32 =
             |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() > 0 && t.read_storage().len() == t.numel();
         let scalar = |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() == 1 && t.read_storage().len() == 1;
-        if !matches!(device, crate::Device::Cuda(_))
-            || !scalar(inv_scale)
+        if !scalar(inv_scale)
             || !scalar(found)
             || !seen.all_new(&[Some(found)])
             || !grads.iter().all(|g| whole_f32(g) && seen.all_new(&[Some(*g)]))
         {
             return Ok(false);
         }
-        fused_unscale(grads, inv_scale, found)?;
-        Ok(true)
+        fused_unscale(grads, inv_scale, found)
     }
 }
 
-#[cfg(feature = "cuda")]
-fn fused_unscale(grads: &[&Tensor], inv_scale: &Tensor, found: &Tensor) -> Result<()> {
-    use crate::storage::Storage;
-    let inv = match &*inv_scale.read_storage() {
-        Storage::Cuda(c) => c.device_ptr(),
-        #[allow(unreachable_patterns)]
-        _ => return Err(crate::Error::invalid("unscale_many_", "the inverse scale is not on CUDA")),
-    };
-    let flag = found.write_storage();
-    let Storage::Cuda(f) = &*flag else { return Err(crate::Error::invalid("unscale_many_", "the found-inf flag is not on CUDA")) };
-    let fp = f.device_ptr();
-    let items: Vec<[Option<&Tensor>; 3]> = grads.iter().map(|g| [Some(*g), None, None]).collect();
-    on_device_rows("unscale_many_", &items, [true, false, false], |dev, rows| crate::cuda::ops::unscale_many(dev, rows, inv, fp))
+fn fused_unscale(grads: &[&Tensor], inv_scale: &Tensor, found: &Tensor) -> Result<bool> {
+    let inv = inv_scale.read_storage();
+    let mut rows: Vec<Vec<&Tensor>> = grads.iter().map(|g| vec![*g]).collect();
+    rows.push(vec![found]);
+    run_rows(MultiTensorOp::Unscale { inv_scale: &inv }, &rows, &[true]).map(|r| r.is_some())
 }
 
-#[cfg(not(feature = "cuda"))]
-fn fused_unscale(_grads: &[&Tensor], _inv_scale: &Tensor, _found: &Tensor) -> Result<()> {
-    Err(crate::Error::invalid("unscale_many_", "CUDA gradients without the CUDA backend"))
-}
-
-#[cfg(feature = "cuda")]
 fn fused_clip(grads: &[&Tensor], max_norm: f64) -> Result<Option<Tensor>> {
-    use crate::storage::Storage;
-    if !crate::cuda::ops::fused_clip_enabled(grads[0].device()) {
-        return Ok(None);
+    let rows: Vec<Vec<&Tensor>> = grads.iter().map(|g| vec![*g]).collect();
+    match run_rows(MultiTensorOp::ClipNorm { max_norm: max_norm as f32 }, &rows, &[true])? {
+        Some(mut outs) if outs.len() == 1 => Ok(Some(Tensor::from_storage(outs.remove(0), ())?)),
+        Some(_) => Err(crate::Error::invalid("clip_norm_many_", "the backend returned no total norm")),
+        None => Ok(None),
     }
-    let device = grads[0].device();
-    let items: Vec<[Option<&Tensor>; 3]> = grads.iter().map(|g| [Some(*g), None, None]).collect();
-    let blocks: usize = grads.iter().map(|g| g.numel().div_ceil(crate::cuda::ops::MT_CHUNK)).sum();
-    let partials = Tensor::from_storage(Storage::uninit(device, DType::F32, blocks.max(1))?, blocks.max(1))?;
-    let norms = Tensor::from_storage(Storage::uninit(device, DType::F32, grads.len())?, grads.len())?;
-    let total = Tensor::from_storage(Storage::uninit(device, DType::F32, 1)?, ())?;
-    let coef = Tensor::from_storage(Storage::uninit(device, DType::F32, 1)?, 1)?;
-    let ptr = |t: &Tensor| -> Result<u64> {
-        match &*t.read_storage() {
-            Storage::Cuda(c) => Ok(c.device_ptr()),
-            #[allow(unreachable_patterns)]
-            _ => Err(crate::Error::invalid("clip_norm_many_", "scratch not on CUDA")),
-        }
-    };
-    let (pp, np, tp, cp) = (ptr(&partials)?, ptr(&norms)?, ptr(&total)?, ptr(&coef)?);
-    on_device_rows("clip_norm_many_", &items, [true, false, false], |dev, rows| {
-        crate::cuda::ops::clip_norm_many(dev, rows, [pp, np, tp, cp], max_norm as f32)
-    })?;
-    Ok(Some(total))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused_clip(_grads: &[&Tensor], _max_norm: f64) -> Result<Option<Tensor>> {
-    Err(crate::Error::invalid("clip_norm_many_", "CUDA gradients without the CUDA backend"))
 }
 
 /// One parameter of [`Tensor::adamw_step_many_dev`]: the parameter, its gradient, its two moments
@@ -373,16 +326,24 @@ impl Tensor {
                 composed.push(*it);
             }
         }
-        if !composed.is_empty() && !s.skipped_on_host()? {
+        let run_composed = |items: &[AdamWItem<'_>]| -> Result<()> {
+            if items.is_empty() || s.skipped_on_host()? {
+                return Ok(());
+            }
             let v = s.host(ADAMW_SCALARS)?;
             let h: [f64; ADAMW_SCALARS] = std::array::from_fn(|i| v[i]);
-            for it in &composed {
+            for it in items {
                 let t = it.step.to_vec::<f64>()?.first().copied().unwrap_or(0.0) + 1.0;
                 adamw_composed(it.param, it.grad, it.exp_avg, it.exp_avg_sq, &h, t, weight_decay)?;
                 it.step.write_f64(0, &[t])?;
             }
+            Ok(())
+        };
+        run_composed(&composed)?;
+        match fused_adamw_dev(&fused, s, weight_decay)? {
+            true => Ok(()),
+            false => run_composed(&fused),
         }
-        fused_adamw_dev(&fused, s, weight_decay)
     }
 }
 
@@ -406,98 +367,69 @@ pub fn adamw_composed(x: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &[f64; 
     })
 }
 
-#[cfg(feature = "cuda")]
-fn fused_adamw_dev(items: &[AdamWItem<'_>], s: DeviceScalars<'_>, weight_decay: bool) -> Result<()> {
-    use crate::storage::Storage;
-    if items.is_empty() {
-        return Ok(());
-    }
-    let (hp, skip) = (s.device_ptr()?, s.skip_ptr()?);
-    let mut counts: Vec<[Option<&Tensor>; 3]> = Vec::with_capacity(items.len());
-    for it in items {
-        let (p, m, v, st) = (it.param.write_storage(), it.exp_avg.write_storage(), it.exp_avg_sq.write_storage(), it.step.read_storage());
-        let g = it.grad.read_storage();
-        let (Storage::Cuda(pc), Storage::Cuda(gc), Storage::Cuda(mc), Storage::Cuda(vc), Storage::Cuda(sc)) = (&*p, &*g, &*m, &*v, &*st)
-        else {
-            return Err(crate::Error::invalid("adamw_step_many_dev", "a fused item is not on CUDA"));
-        };
-        let ptrs = [pc.device_ptr(), gc.device_ptr(), mc.device_ptr(), vc.device_ptr(), sc.device_ptr()];
-        crate::cuda::ops::adamw_dev(pc, ptrs, p.len(), hp, skip, weight_decay)?;
-        counts.push([Some(it.step), None, None]);
-    }
-    // Every update above read its count before any count moves (stream order).
-    on_device_rows("adamw_step_many_dev", &counts, [true, false, false], |dev, rows| crate::cuda::ops::count_many_dev(dev, rows, skip))
+/// The storages of a `*_dev` update's scalars, locked for reading while its launch runs.
+struct HeldScalars<'t> {
+    values: RwLockReadGuard<'t, Storage>,
+    skip: Option<RwLockReadGuard<'t, Storage>>,
+    at: usize,
 }
 
-#[cfg(not(feature = "cuda"))]
-fn fused_adamw_dev(items: &[AdamWItem<'_>], _s: DeviceScalars<'_>, _weight_decay: bool) -> Result<()> {
-    match items.is_empty() {
-        true => Ok(()),
-        false => Err(crate::Error::invalid("adamw_step_many_dev", "fused items without the CUDA backend")),
+impl<'t> HeldScalars<'t> {
+    fn new(s: &DeviceScalars<'t>) -> HeldScalars<'t> {
+        HeldScalars { values: s.values.read_storage(), skip: s.skip.map(|f| f.read_storage()), at: s.at }
+    }
+    fn at(&self) -> ScalarsAt<'_, Storage> {
+        ScalarsAt { values: &self.values, at: self.at, skip: self.skip.as_deref() }
     }
 }
 
-#[cfg(feature = "cuda")]
-fn fused_sgd_dev(items: &[(&Tensor, &Tensor, Option<&Tensor>)], s: DeviceScalars<'_>, weight_decay: bool, nesterov: bool) -> Result<()> {
+fn fused_adamw_dev(items: &[AdamWItem<'_>], s: DeviceScalars<'_>, weight_decay: bool) -> Result<bool> {
     if items.is_empty() {
-        return Ok(());
+        return Ok(true);
     }
-    let (hp, skip) = (s.device_ptr()?, s.skip_ptr()?);
+    let held = HeldScalars::new(&s);
+    let rows: Vec<Vec<&Tensor>> = items.iter().map(|it| vec![it.param, it.grad, it.exp_avg, it.exp_avg_sq, it.step]).collect();
+    let op = MultiTensorOp::AdamWDev { scalars: held.at(), weight_decay };
+    run_rows(op, &rows, &[true, false, true, true, true]).map(|r| r.is_some())
+}
+
+fn fused_sgd_dev(items: &[(&Tensor, &Tensor, Option<&Tensor>)], s: DeviceScalars<'_>, weight_decay: bool, nesterov: bool) -> Result<bool> {
+    let held = HeldScalars::new(&s);
     for with_buf in [true, false] {
-        let part: Vec<[Option<&Tensor>; 3]> =
-            items.iter().filter(|(_, _, b)| b.is_some() == with_buf).map(|&(p, g, b)| [Some(p), Some(g), b]).collect();
-        if !part.is_empty() {
-            on_device_rows("sgd_step_many_dev", &part, [true, false, true], |dev, rows| {
-                crate::cuda::ops::sgd_many_dev(dev, rows, hp, skip, weight_decay, with_buf, nesterov)
-            })?;
+        let rows = sgd_rows(items, with_buf);
+        if !rows.is_empty() {
+            let op = MultiTensorOp::SgdDev { scalars: held.at(), weight_decay, nesterov, with_buf };
+            if run_rows(op, &rows, &[true, false, true])?.is_none() {
+                // Only the first launch can be refused (a backend offers an op or not).
+                return Ok(false);
+            }
         }
     }
-    Ok(())
+    Ok(true)
 }
 
-#[cfg(not(feature = "cuda"))]
-fn fused_sgd_dev(items: &[(&Tensor, &Tensor, Option<&Tensor>)], _s: DeviceScalars<'_>, _weight_decay: bool, _nesterov: bool) -> Result<()> {
-    match items.is_empty() {
-        true => Ok(()),
-        false => Err(crate::Error::invalid("sgd_step_many_dev", "fused items without the CUDA backend")),
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn fused_blend_dev(pairs: &[(&Tensor, &Tensor)], idx: &[usize], s: DeviceScalars<'_>, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
-    let (hp, skip) = (s.device_ptr()?, s.skip_ptr()?);
+fn fused_blend_dev(
+    pairs: &[(&Tensor, &Tensor)],
+    idx: &[usize],
+    s: DeviceScalars<'_>,
+    nesterov: bool,
+) -> Result<Option<Vec<(usize, Tensor)>>> {
+    let held = HeldScalars::new(&s);
     let outs = blend_outputs(pairs, idx)?;
-    let items = blend_items(pairs, idx, &outs);
-    on_device_rows("momentum_blend_many_dev", &items, [true, false, true], |dev, rows| {
-        crate::cuda::ops::blend_many_dev(dev, rows, hp, skip, nesterov)
-    })?;
-    Ok(idx.iter().copied().zip(outs).collect())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused_blend_dev(_pairs: &[(&Tensor, &Tensor)], idx: &[usize], _s: DeviceScalars<'_>, _nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
-    match idx.is_empty() {
-        true => Ok(Vec::new()),
-        false => Err(crate::Error::invalid("momentum_blend_many_dev", "fused items without the CUDA backend")),
+    let rows = blend_rows(pairs, idx, &outs);
+    match run_rows(MultiTensorOp::BlendDev { scalars: held.at(), nesterov }, &rows, &[true, false, true])? {
+        Some(_) => Ok(Some(idx.iter().copied().zip(outs).collect())),
+        None => Ok(None),
     }
 }
 
-#[cfg(feature = "cuda")]
-fn fused_lerp_dev(pairs: &[(&Tensor, &Tensor)], s: DeviceScalars<'_>) -> Result<()> {
+fn fused_lerp_dev(pairs: &[(&Tensor, &Tensor)], s: DeviceScalars<'_>) -> Result<bool> {
     if pairs.is_empty() {
-        return Ok(());
+        return Ok(true);
     }
-    let hp = s.device_ptr()?;
-    let items: Vec<[Option<&Tensor>; 3]> = pairs.iter().map(|&(d, src)| [Some(d), Some(src), None]).collect();
-    on_device_rows("lerp_many_dev_", &items, [true, false, false], |dev, rows| crate::cuda::ops::lerp_many_dev(dev, rows, hp))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused_lerp_dev(pairs: &[(&Tensor, &Tensor)], _s: DeviceScalars<'_>) -> Result<()> {
-    match pairs.is_empty() {
-        true => Ok(()),
-        false => Err(crate::Error::invalid("lerp_many_dev_", "fused items without the CUDA backend")),
-    }
+    let held = HeldScalars::new(&s);
+    let rows: Vec<Vec<&Tensor>> = pairs.iter().map(|&(d, src)| vec![d, src]).collect();
+    run_rows(MultiTensorOp::LerpDev { scalars: held.at() }, &rows, &[true, false]).map(|r| r.is_some())
 }
 
 impl Tensor {
@@ -515,7 +447,10 @@ impl Tensor {
                 Tensor::sgd_step_composed(p, g, b, h)?;
             }
         }
-        fused_sgd(&fused, h)
+        match fused_sgd(&fused, h)? {
+            true => Ok(()),
+            false => fused.iter().try_for_each(|&(p, g, b)| Tensor::sgd_step_composed(p, g, b, h)),
+        }
     }
 
     /// The SGD step of one parameter as tensor ops (the reference of [`Tensor::sgd_step_many`]).
@@ -556,73 +491,72 @@ impl Storages {
     }
 }
 
-/// Whether an item can go through the fused kernel: CUDA, f32, one shape, whole storages, and no
-/// storage shared between its tensors.
+/// Whether an item can go to the backend's multi-tensor kernel: f32, one shape and device, whole
+/// storages, and no storage shared between its tensors (a backend without the kernel then
+/// composes it all the same).
 fn fusable(p: &Tensor, g: &Tensor, b: Option<&Tensor>) -> bool {
-    let cuda = matches!(p.device(), crate::Device::Cuda(_));
     let f32_same =
         |t: &Tensor| t.dtype() == DType::F32 && t.dims() == p.dims() && t.device() == p.device() && t.read_storage().len() == t.numel();
     let distinct =
         g.storage_ptr() != p.storage_ptr() && b.is_none_or(|b| b.storage_ptr() != p.storage_ptr() && b.storage_ptr() != g.storage_ptr());
-    cuda && f32_same(p) && f32_same(g) && b.is_none_or(f32_same) && distinct
+    f32_same(p) && f32_same(g) && b.is_none_or(f32_same) && distinct
 }
 
-#[cfg(feature = "cuda")]
-fn fused_sgd(items: &[(&Tensor, &Tensor, Option<&Tensor>)], h: SgdStep) -> Result<()> {
+/// The rows `[param, grad, buffer]` (or `[param, grad]`) of the items with (without) a buffer.
+fn sgd_rows<'a>(items: &[(&'a Tensor, &'a Tensor, Option<&'a Tensor>)], with_buf: bool) -> Vec<Vec<&'a Tensor>> {
+    items
+        .iter()
+        .filter(|(_, _, b)| b.is_some() == with_buf)
+        .map(|&(p, g, b)| std::iter::once(p).chain(std::iter::once(g)).chain(b).collect())
+        .collect()
+}
+
+fn fused_sgd(items: &[(&Tensor, &Tensor, Option<&Tensor>)], h: SgdStep) -> Result<bool> {
     // Items with and without a buffer take different kernel flags.
     for with_buf in [true, false] {
-        let part: Vec<[Option<&Tensor>; 3]> =
-            items.iter().filter(|(_, _, b)| b.is_some() == with_buf).map(|&(p, g, b)| [Some(p), Some(g), b]).collect();
-        if !part.is_empty() {
-            on_device_rows("sgd_step_many", &part, [true, false, true], |dev, rows| crate::cuda::ops::sgd_many(dev, rows, h, with_buf))?;
+        let rows = sgd_rows(items, with_buf);
+        if !rows.is_empty() && run_rows(MultiTensorOp::Sgd { h, with_buf }, &rows, &[true, false, true])?.is_none() {
+            return Ok(false);
         }
     }
-    Ok(())
+    Ok(true)
 }
 
-/// Runs `launch` with the device addresses of `items` (up to three operands each; `written` says
-/// which operand slots the kernel writes, locked for writing) and the first operand's length,
-/// holding every storage's lock until it returns. `items` are fusable CUDA tensors.
-#[cfg(feature = "cuda")]
-fn on_device_rows(
-    op: &'static str,
-    items: &[[Option<&Tensor>; 3]],
-    written: [bool; 3],
-    launch: impl FnOnce(&crate::cuda::CudaStorage, &[([u64; 3], usize)]) -> Result<()>,
-) -> Result<()> {
-    use crate::storage::Storage;
-    use std::ops::Deref;
-    let mut held: Vec<Box<dyn Deref<Target = Storage> + '_>> = Vec::new();
-    let mut rows = Vec::with_capacity(items.len());
-    for item in items {
-        let mut ptrs = [0u64; 3];
-        let mut len = 0;
-        for (slot, t) in item.iter().enumerate() {
-            let Some(t) = t else { continue };
-            let guard: Box<dyn Deref<Target = Storage>> =
-                if written[slot] { Box::new(t.write_storage()) } else { Box::new(t.read_storage()) };
-            let Storage::Cuda(c) = &**guard else { return Err(crate::Error::invalid(op, "a fused item is not on CUDA")) };
-            ptrs[slot] = c.device_ptr();
-            if slot == 0 {
-                len = guard.len();
-            }
-            held.push(guard);
-        }
-        rows.push((ptrs, len));
-    }
-    match held.first().map(|g| &***g) {
-        Some(Storage::Cuda(first)) => launch(first, &rows),
-        Some(_) => Err(crate::Error::invalid(op, "a fused item is not on CUDA")),
-        None => Ok(()),
-    }
+/// A storage locked for one multi-tensor launch.
+enum Held<'t> {
+    Read(RwLockReadGuard<'t, Storage>),
+    Write(RwLockWriteGuard<'t, Storage>),
 }
 
-#[cfg(not(feature = "cuda"))]
-fn fused_sgd(items: &[(&Tensor, &Tensor, Option<&Tensor>)], h: SgdStep) -> Result<()> {
-    for &(p, g, b) in items {
-        Tensor::sgd_step_composed(p, g, b, h)?;
-    }
-    Ok(())
+/// Runs `op` over `rows` (each an item's operands in the op's order; `written[k]` says whether
+/// operand k is written, and so locked for writing) through the backend's
+/// [`crate::backend::MultiTensorStorage`], holding every storage's lock until it returns.
+/// `None`: the backend has no kernel for it, nothing was done.
+fn run_rows(op: MultiTensorOp<'_, Storage>, rows: &[Vec<&Tensor>], written: &[bool]) -> Result<Option<Vec<Storage>>> {
+    let mut held: Vec<Vec<Held<'_>>> = rows
+        .iter()
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .map(|(k, t)| match written.get(k).copied().unwrap_or(false) {
+                    true => Held::Write(t.write_storage()),
+                    false => Held::Read(t.read_storage()),
+                })
+                .collect()
+        })
+        .collect();
+    let operands: Vec<Vec<Operand<'_, Storage>>> = held
+        .iter_mut()
+        .map(|r| {
+            r.iter_mut()
+                .map(|h| match h {
+                    Held::Read(g) => Operand::Read(&**g),
+                    Held::Write(g) => Operand::Write(&mut **g),
+                })
+                .collect()
+        })
+        .collect();
+    Storage::multi_tensor(op, operands)
 }
 
 /// `lerp(start, end, w)` as PyTorch computes it for f32 (`w` rounded to f32 first; the branch on
@@ -638,7 +572,7 @@ pub fn lerp(start: &Tensor, end: &Tensor, w: f64) -> Result<Tensor> {
 }
 
 /// The factor [`lerp`] multiplies by, and whether it takes the `start +` branch.
-#[cfg(feature = "cuda")]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn lerp_factor(w: f64) -> (f32, bool) {
     let w32 = w as f32;
     if w32.abs() < 0.5 {
@@ -677,8 +611,13 @@ impl Tensor {
             }
         }
         if !fused.is_empty() {
-            for (i, u) in fused_blend(pairs, &fused, beta, nesterov)? {
-                out[i] = Some(u);
+            match fused_blend(pairs, &fused, beta, nesterov)? {
+                Some(done) => done.into_iter().for_each(|(i, u)| out[i] = Some(u)),
+                None => {
+                    for &i in &fused {
+                        out[i] = Some(Tensor::momentum_blend_composed(pairs[i].0, pairs[i].1, beta, nesterov)?);
+                    }
+                }
             }
         }
         out.into_iter().map(|u| u.ok_or_else(|| crate::Error::invalid("momentum_blend_many", "an item got no result"))).collect()
@@ -687,9 +626,7 @@ impl Tensor {
 
 /// The blends' output buffers of the fused momentum blend (uninitialised: the kernel writes every
 /// element), one per selected pair, shaped like its momentum.
-#[cfg(feature = "cuda")]
 fn blend_outputs(pairs: &[(&Tensor, &Tensor)], idx: &[usize]) -> Result<Vec<Tensor>> {
-    use crate::storage::Storage;
     idx.iter()
         .map(|&i| {
             let m = pairs[i].1;
@@ -698,26 +635,18 @@ fn blend_outputs(pairs: &[(&Tensor, &Tensor)], idx: &[usize]) -> Result<Vec<Tens
         .collect()
 }
 
-/// The kernel rows `[momentum, gradient, blend]` of the selected pairs.
-#[cfg(feature = "cuda")]
-fn blend_items<'a>(pairs: &[(&'a Tensor, &'a Tensor)], idx: &[usize], outs: &'a [Tensor]) -> Vec<[Option<&'a Tensor>; 3]> {
-    idx.iter().zip(outs).map(|(&i, u)| [Some(pairs[i].1), Some(pairs[i].0), Some(u)]).collect()
+/// The rows `[momentum, gradient, blend]` of the selected pairs.
+fn blend_rows<'a>(pairs: &[(&'a Tensor, &'a Tensor)], idx: &[usize], outs: &'a [Tensor]) -> Vec<Vec<&'a Tensor>> {
+    idx.iter().zip(outs).map(|(&i, u)| vec![pairs[i].1, pairs[i].0, u]).collect()
 }
 
-#[cfg(feature = "cuda")]
-fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
+fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov: bool) -> Result<Option<Vec<(usize, Tensor)>>> {
     let outs = blend_outputs(pairs, idx)?;
-    let items = blend_items(pairs, idx, &outs);
-    let factors = [lerp_factor(1.0 - beta), lerp_factor(beta)];
-    on_device_rows("momentum_blend_many", &items, [true, false, true], |dev, rows| {
-        crate::cuda::ops::blend_many(dev, rows, factors, nesterov)
-    })?;
-    Ok(idx.iter().copied().zip(outs).collect())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused_blend(pairs: &[(&Tensor, &Tensor)], idx: &[usize], beta: f64, nesterov: bool) -> Result<Vec<(usize, Tensor)>> {
-    idx.iter().map(|&i| Ok((i, Tensor::momentum_blend_composed(pairs[i].0, pairs[i].1, beta, nesterov)?))).collect()
+    let rows = blend_rows(pairs, idx, &outs);
+    match run_rows(MultiTensorOp::Blend { beta, nesterov }, &rows, &[true, false, true])? {
+        Some(_) => Ok(Some(idx.iter().copied().zip(outs).collect())),
+        None => Ok(None),
+    }
 }
 
 impl Tensor {
@@ -733,21 +662,17 @@ impl Tensor {
                 crate::no_grad(|| d.copy_(&lerp(d, s, w)?))?;
             }
         }
-        fused_lerp(&fused, w)
+        match fused_lerp(&fused, w)? {
+            true => Ok(()),
+            false => fused.iter().try_for_each(|&(d, s)| crate::no_grad(|| d.copy_(&lerp(d, s, w)?))),
+        }
     }
 }
 
-#[cfg(feature = "cuda")]
-fn fused_lerp(pairs: &[(&Tensor, &Tensor)], w: f64) -> Result<()> {
-    let items: Vec<[Option<&Tensor>; 3]> = pairs.iter().map(|&(d, s)| [Some(d), Some(s), None]).collect();
-    let (f, small) = lerp_factor(w);
-    on_device_rows("lerp_many_", &items, [true, false, false], |dev, rows| crate::cuda::ops::lerp_many(dev, rows, f, small))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused_lerp(pairs: &[(&Tensor, &Tensor)], w: f64) -> Result<()> {
-    for &(d, s) in pairs {
-        crate::no_grad(|| d.copy_(&lerp(d, s, w)?))?;
+fn fused_lerp(pairs: &[(&Tensor, &Tensor)], w: f64) -> Result<bool> {
+    if pairs.is_empty() {
+        return Ok(true);
     }
-    Ok(())
+    let rows: Vec<Vec<&Tensor>> = pairs.iter().map(|&(d, s)| vec![d, s]).collect();
+    run_rows(MultiTensorOp::Lerp { w }, &rows, &[true, false]).map(|r| r.is_some())
 }

@@ -7,6 +7,7 @@ use cudarc::driver::result as dr;
 
 use super::super::device::{cu_err, sfx};
 use super::super::storage::CudaStorage;
+use crate::backend::{BackendStorage, MultiTensorOp, MultiTensorStorage, Operand, ScalarsAt};
 use crate::{DType, Error, Result};
 
 use super::geometry::*;
@@ -239,4 +240,85 @@ pub(crate) fn lerp_many_dev(any: &CudaStorage, rows: &[([u64; 3], usize)], hp: u
         dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, hp, zero))?;
     }
     Ok(())
+}
+
+/// A multi-tensor row's operand addresses (up to three) and its first operand's length.
+fn row_table(rows: &[Vec<Operand<'_, CudaStorage>>]) -> Vec<([u64; 3], usize)> {
+    rows.iter()
+        .map(|r| {
+            let mut ptrs = [0u64; 3];
+            for (k, o) in r.iter().take(3).enumerate() {
+                ptrs[k] = o.get().device_ptr();
+            }
+            (ptrs, r.first().map_or(0, |o| BackendStorage::len(o.get())))
+        })
+        .collect()
+}
+
+/// The address of a `*_dev` update's scalars and of its skip flag (0: none).
+fn scalar_ptrs(s: &ScalarsAt<'_, CudaStorage>) -> (u64, u64) {
+    (s.values.device_ptr() + 8 * s.at as u64, s.skip.map_or(0, CudaStorage::device_ptr))
+}
+
+impl MultiTensorStorage for CudaStorage {
+    fn multi_tensor(op: MultiTensorOp<'_, Self>, rows: Vec<Vec<Operand<'_, Self>>>) -> Result<Option<Vec<Self>>> {
+        let Some(any) = rows.iter().flatten().next().map(|o| o.get()) else { return Ok(Some(Vec::new())) };
+        for o in rows.iter().flatten() {
+            any.same_device("multi_tensor", o.get())?;
+        }
+        let table = row_table(&rows);
+        match op {
+            MultiTensorOp::Sgd { h, with_buf } => sgd_many(any, &table, h, with_buf)?,
+            MultiTensorOp::SgdDev { scalars, weight_decay, nesterov, with_buf } => {
+                let (hp, skip) = scalar_ptrs(&scalars);
+                sgd_many_dev(any, &table, hp, skip, weight_decay, with_buf, nesterov)?;
+            }
+            MultiTensorOp::Blend { beta, nesterov } => {
+                let factors = [crate::ops::optim::lerp_factor(1.0 - beta), crate::ops::optim::lerp_factor(beta)];
+                blend_many(any, &table, factors, nesterov)?;
+            }
+            MultiTensorOp::BlendDev { scalars, nesterov } => {
+                let (hp, skip) = scalar_ptrs(&scalars);
+                blend_many_dev(any, &table, hp, skip, nesterov)?;
+            }
+            MultiTensorOp::Lerp { w } => {
+                let (f, small) = crate::ops::optim::lerp_factor(w);
+                lerp_many(any, &table, f, small)?;
+            }
+            MultiTensorOp::LerpDev { scalars } => lerp_many_dev(any, &table, scalar_ptrs(&scalars).0)?,
+            MultiTensorOp::AdamWDev { scalars, weight_decay } => {
+                let (hp, skip) = scalar_ptrs(&scalars);
+                let mut counts = Vec::with_capacity(rows.len());
+                for r in &rows {
+                    let [x, g, m, v, c] = &r[..] else {
+                        return Err(Error::invalid("adamw_step_many_dev", "a row needs x, g, m, v and its count"));
+                    };
+                    let ptrs = [x, g, m, v, c].map(|o| o.get().device_ptr());
+                    adamw_dev(any, ptrs, BackendStorage::len(x.get()), hp, skip, weight_decay)?;
+                    counts.push(([ptrs[4], 0, 0], 1));
+                }
+                // Every update above read its count before any count moves (stream order).
+                count_many_dev(any, &counts, skip)?;
+            }
+            MultiTensorOp::Unscale { inv_scale } => {
+                let Some((found, grads)) = table.split_last() else { return Ok(Some(Vec::new())) };
+                unscale_many(any, grads, inv_scale.device_ptr(), found.0[0])?;
+            }
+            MultiTensorOp::ClipNorm { max_norm } => {
+                if !fused_clip_enabled(crate::Device::Cuda(any.buf.dev.ordinal)) {
+                    return Ok(None);
+                }
+                let blocks: usize = table.iter().map(|(_, n)| n.div_ceil(MT_CHUNK)).sum();
+                let dev = &any.buf.dev;
+                let partials = CudaStorage::alloc(dev, DType::F32, blocks.max(1))?;
+                let norms = CudaStorage::alloc(dev, DType::F32, table.len().max(1))?;
+                let total = CudaStorage::alloc(dev, DType::F32, 1)?;
+                let coef = CudaStorage::alloc(dev, DType::F32, 1)?;
+                let scratch = [partials.device_ptr(), norms.device_ptr(), total.device_ptr(), coef.device_ptr()];
+                clip_norm_many(any, &table, scratch, max_norm)?;
+                return Ok(Some(vec![total]));
+            }
+        }
+        Ok(Some(Vec::new()))
+    }
 }
