@@ -24,12 +24,14 @@ fn tiny_fit_is_deterministic_and_hooks_are_ordered() {
     let cfg_c = PoseTrainConfig { seed: 12, plots: true, ..tiny("c") };
     let c = fit(&cfg_c, vec![]).unwrap();
     assert_ne!(a.hashes.model, c.hashes.model, "a different seed gives different weights");
-    for artefact in ["results.csv", "results.png", "summary.json", "val_pred_0.png", "weights/last.ckpt"] {
+    for artefact in
+        ["results.csv", "results.png", "summary.json", "val_pred_0.png", "weights/last.ckpt", "train_batch0.jpg", "train_batch1.jpg"]
+    {
         assert!(cfg_c.save_dir.join(artefact).exists(), "{artefact} written");
     }
     plots_follow_ultralytics(&cfg_c.save_dir);
     let plain = tiny("a").save_dir;
-    for artefact in ["results.png", "BoxPR_curve.png", "PosePR_curve.png", "val_pred_0.png"] {
+    for artefact in ["results.png", "BoxPR_curve.png", "PosePR_curve.png", "val_pred_0.png", "train_batch0.jpg"] {
         assert!(!plain.join(artefact).exists(), "plots=false draws no {artefact}");
     }
     insta::assert_snapshot!("hook_order_2_epochs_2_batches", trace.take().join("\n"));

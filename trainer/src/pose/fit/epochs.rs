@@ -132,6 +132,20 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
                 });
             }
             run.clock.data_wait(waited);
+            // Ultralytics' train_batch0..2.jpg: the first batches as the model receives them (on
+            // a GPU before the device's HSV jitter), with their labels.
+            if cfg.plots && epoch == 0 && i < 3 {
+                let host = pixels.to_vec::<u8>()?;
+                let labelled = crate::pose::plots::LabelledBatch {
+                    pixels: &host,
+                    shape: batch.shape,
+                    batch_idx: &batch.batch_idx,
+                    bboxes: &batch.bboxes,
+                    keypoints: &batch.keypoints,
+                    nkpt: batch.nkpt,
+                };
+                crate::pose::plots::plot_train_batch(&labelled, &cfg.save_dir, i)?;
+            }
             last_instances = batch.batch_idx.len();
             run.train_batch(epoch, i, &batch, &pixels, waited.as_secs_f64() * 1e3, &mut sums)?;
             run.clock.end_step();

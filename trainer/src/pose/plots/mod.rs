@@ -1,9 +1,11 @@
 //! Run plots drawn with `plotters` (axes, ticks, legends and anti-aliased text from a well-kept
-//! crate rather than our own rasterisers): `results.png` and the precision–recall curves.
+//! crate rather than our own rasterisers): `results.png`, the precision–recall curves and the
+//! first training batches with their labels.
 //!
 //! Text uses DejaVu Sans embedded in the binary (`assets/fonts`, Bitstream Vera licence next to
 //! it) through plotters' pure-Rust `ab_glyph` backend, so no fontconfig/freetype is needed.
 
+mod batches;
 mod pr;
 mod results;
 
@@ -15,6 +17,7 @@ use ptl_data::image::{write_png, Image};
 
 use crate::{Result, TrainerError};
 
+pub use batches::{batch_grid, plot_train_batch, LabelledBatch};
 pub use pr::{plot_pr_curve, PrCurve};
 pub use results::plot_results;
 
