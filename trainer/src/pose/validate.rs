@@ -151,6 +151,58 @@ fn pad_to_batch(x: ptl_autograd::Tensor, batch: usize, device: Device) -> Result
     }
 }
 
+/// Ultralytics' `val_batch0_labels.jpg` and `val_batch0_pred.jpg`: the first validation batch (up
+/// to 16 images, letterboxed as validated) as a grid with its labels, and the same grid with the
+/// model's predictions (NMS, confidence ≥ 0.25, each with its score). Returns the two files.
+pub fn draw_val_batch(model: &PoseModel, ds: &Arc<PoseDataset>, device: Device, dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+    let loader = ValLoader::new(ds.clone(), 16, 0)?;
+    let Some(b) = loader.iter().next() else { return Ok(Vec::new()) };
+    let b = b?;
+    let nk = ds.nkpt();
+    let labels = super::plots::LabelledBatch {
+        pixels: &b.img,
+        shape: b.shape,
+        batch_idx: &b.batch_idx,
+        bboxes: &b.bboxes,
+        keypoints: &b.keypoints,
+        nkpt: nk,
+        scores: None,
+    };
+    let mut written = vec![super::plots::plot_batch(&labels, &dir.join("val_batch0_labels.jpg"))?];
+    let x = images_to_tensor(&b.img, b.shape, device)?;
+    let pred = no_grad(|| model.predict(&x))?;
+    let decoded = pred.decoded.to_dtype(ptl_autograd::DType::F32)?;
+    let dims = decoded.dims().to_vec();
+    let cfg = NmsConfig { conf_thres: 0.25, ..NmsConfig::default() };
+    let outs = non_max_suppression_batch(&decoded.to_vec::<f32>()?, dims[0], dims[2], 1, nk, &cfg)?;
+    // Predictions in the labels' form: normalised centre and size, normalised keypoints.
+    let (h, w) = (b.shape[2] as f32, b.shape[3] as f32);
+    let (mut idx, mut boxes, mut kpts, mut scores) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (i, o) in outs.iter().enumerate() {
+        let det = &o.detections;
+        for (k, bx) in det.boxes.iter().enumerate() {
+            idx.push(i as f32);
+            boxes.extend([(bx[0] + bx[2]) / 2.0 / w, (bx[1] + bx[3]) / 2.0 / h, (bx[2] - bx[0]) / w, (bx[3] - bx[1]) / h]);
+            for j in 0..nk {
+                let q = (k * nk + j) * 3;
+                kpts.extend([det.keypoints[q] / w, det.keypoints[q + 1] / h, det.keypoints[q + 2]]);
+            }
+            scores.push(det.scores.get(k).copied().unwrap_or(0.0));
+        }
+    }
+    let preds = super::plots::LabelledBatch {
+        pixels: &b.img,
+        shape: b.shape,
+        batch_idx: &idx,
+        bboxes: &boxes,
+        keypoints: &kpts,
+        nkpt: nk,
+        scores: Some(&scores),
+    };
+    written.push(super::plots::plot_batch(&preds, &dir.join("val_batch0_pred.jpg"))?);
+    Ok(written)
+}
+
 /// Draws the model's predictions (NMS on the o2m branch, confidence ≥ 0.25) on the first
 /// validation images and writes `val_pred_<i>.png` into `dir`; returns the files written.
 pub fn draw_val_predictions(

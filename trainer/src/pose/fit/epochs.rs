@@ -143,6 +143,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
                     bboxes: &batch.bboxes,
                     keypoints: &batch.keypoints,
                     nkpt: batch.nkpt,
+                    scores: None,
                 };
                 crate::pose::plots::plot_train_batch(&labelled, &cfg.save_dir, i)?;
             }
@@ -308,7 +309,9 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             super::super::plots::plot_pr_curve(c, &cfg.save_dir)?;
         }
         if let Some(ds) = run.val_ds.clone() {
-            super::super::validate::draw_val_predictions(&run.ema_eval_model()?, &ds, 4, cfg.device, &cfg.save_dir)?;
+            let model = run.ema_eval_model()?;
+            super::super::validate::draw_val_predictions(&model, &ds, 4, cfg.device, &cfg.save_dir)?;
+            super::super::validate::draw_val_batch(&model, &ds, cfg.device, &cfg.save_dir)?;
         }
     }
     run.each_cb(|c, v| c.on_train_end(v));

@@ -1,6 +1,7 @@
-//! Ultralytics' `train_batch0.jpg` … : the first training batches as a grid of their images (up to
-//! 16, as the model receives them after mosaic and geometric augmentation), each with its labels
-//! drawn — boxes and the keypoint skeleton — so that a user sees what the model is taught.
+//! Ultralytics' `train_batch0.jpg` … and `val_batch0_labels.jpg` / `val_batch0_pred.jpg`: a batch
+//! as a grid of its images (up to 16; training ones as the model receives them after mosaic and
+//! geometric augmentation), each with its labels or predictions drawn — boxes and the keypoint
+//! skeleton — so that a user sees what the model is taught and what it finds.
 
 use std::path::{Path, PathBuf};
 
@@ -27,6 +28,8 @@ pub struct LabelledBatch<'a> {
     /// Normalised (x, y, visibility) per keypoint of each object, `nkpt` per object.
     pub keypoints: &'a [f32],
     pub nkpt: usize,
+    /// Each object's confidence (predictions), drawn beside its label.
+    pub scores: Option<&'a [f32]>,
 }
 
 /// The grid: images in rows of ⌈√n⌉, scaled down together so the grid fits 1920 pixels, labels
@@ -62,7 +65,8 @@ pub fn batch_grid(b: &LabelledBatch<'_>) -> Result<Image> {
             .map(|(&j, kp)| {
                 let [cx, cy, bw, bh] = [0, 1, 2, 3].map(|c| b.bboxes[4 * j + c]);
                 let (x1, y1) = ((cx - bw / 2.0) * tw as f32, (cy - bh / 2.0) * th as f32);
-                Person { bbox: [x1, y1, x1 + bw * tw as f32, y1 + bh * th as f32], kpts: kp, score: None }
+                let score = b.scores.and_then(|s| s.get(j).copied());
+                Person { bbox: [x1, y1, x1 + bw * tw as f32, y1 + bh * th as f32], kpts: kp, score }
             })
             .collect();
         people(&mut tile, &persons, 0.5)?;
@@ -78,9 +82,13 @@ pub fn batch_grid(b: &LabelledBatch<'_>) -> Result<Image> {
 
 /// Writes `train_batch{index}.jpg` into `dir` and returns its path.
 pub fn plot_train_batch(b: &LabelledBatch<'_>, dir: &Path, index: usize) -> Result<PathBuf> {
-    let out = dir.join(format!("train_batch{index}.jpg"));
-    write_jpeg(&batch_grid(b)?, &out, 90)?;
-    Ok(out)
+    plot_batch(b, &dir.join(format!("train_batch{index}.jpg")))
+}
+
+/// Writes the grid of `b` as a JPEG at `out` and returns the path.
+pub fn plot_batch(b: &LabelledBatch<'_>, out: &Path) -> Result<PathBuf> {
+    write_jpeg(&batch_grid(b)?, out, 90)?;
+    Ok(out.to_path_buf())
 }
 
 #[cfg(test)]
@@ -101,6 +109,7 @@ mod tests {
             bboxes: &[0.5, 0.5, 0.5, 0.5],
             keypoints: &kpts,
             nkpt: 17,
+            scores: None,
         };
         let g = batch_grid(&b).unwrap();
         assert_eq!((g.w, g.h), (128, 64));
