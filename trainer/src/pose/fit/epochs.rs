@@ -307,6 +307,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         }
         for c in &last_pr_curves {
             super::super::plots::plot_pr_curve(c, &cfg.save_dir)?;
+            super::super::plots::plot_conf_curves(c, &cfg.save_dir)?;
         }
         if let Some(ds) = run.val_ds.clone() {
             let model = run.ema_eval_model()?;

@@ -18,7 +18,7 @@ use ptl_data::image::{write_png, Image};
 use crate::{Result, TrainerError};
 
 pub use batches::{batch_grid, plot_batch, plot_train_batch, LabelledBatch};
-pub use pr::{plot_pr_curve, PrCurve};
+pub use pr::{plot_conf_curves, plot_pr_curve, PrCurve};
 pub use results::plot_results;
 
 /// DejaVu Sans (Bitstream Vera licence: `assets/fonts/LICENSE-DejaVu.txt`).
