@@ -176,6 +176,7 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     }
     cfg.device = device;
     cfg.resolve_amp();
+    cfg.resolve_autobatch().map_err(|e| e.to_string())?;
     if let Some(p) = &a.precision {
         cfg.precision = Precision::parse(p).map_err(|e| e.to_string())?;
     }

@@ -50,3 +50,25 @@ fn every_ultralytics_key_is_taken_or_refused_by_name() {
     }
     println!("{taken} of {} Ultralytics defaults taken as they are; the rest name their key", keys.len());
 }
+
+/// Ultralytics' AutoBatch spellings: `batch=-1` and a fraction in (0, 1) are taken and resolved
+/// with the device — on the CPU Ultralytics' default 16, on a CUDA device a refusal that names
+/// the setting (sizing from device memory is not implemented) — and a later `batch=N` wins.
+#[test]
+fn autobatch_spellings_resolve_with_the_device() {
+    use ptl_autograd::Device;
+    let mut cpu = PoseTrainConfig { device: Device::Cpu, batch: 4, ..PoseTrainConfig::default() };
+    cpu.set("batch", "-1").unwrap();
+    cpu.resolve_autobatch().unwrap();
+    assert_eq!(cpu.batch, 16);
+    let mut gpu = PoseTrainConfig { device: Device::Cuda(0), ..PoseTrainConfig::default() };
+    gpu.set("batch", "0.7").unwrap();
+    let e = gpu.resolve_autobatch().expect_err("AutoBatch on CUDA").to_string();
+    assert!(e.contains("AutoBatch") && e.contains("batch=16"), "{e}");
+    let mut later = PoseTrainConfig { device: Device::Cuda(0), ..PoseTrainConfig::default() };
+    later.set("batch", "-1").unwrap();
+    later.set("batch", "8").unwrap();
+    later.resolve_autobatch().unwrap();
+    assert_eq!(later.batch, 8, "a batch size given after batch=-1 wins");
+    assert!(PoseTrainConfig::default().set("batch", "-2").is_err());
+}

@@ -80,6 +80,11 @@ pub struct PoseTrainConfig {
     /// stored: checkpoints keep the precision it resolved to.
     #[serde(skip)]
     pub amp: Option<bool>,
+    /// Ultralytics' AutoBatch (`batch=-1`, or `batch=0.7` for a fraction of device memory; −1
+    /// is 0.60), resolved once the device is known ([`Self::resolve_autobatch`]). Not stored:
+    /// checkpoints keep the batch it resolved to.
+    #[serde(skip)]
+    pub autobatch: Option<f64>,
     pub seed: u64,
     /// What to train (Ultralytics' `model`): a model yaml name for the size (`yolo26n-pose.yaml`
     /// … `yolo26x-pose.yaml`, or the bare letter), or weights to start from (a `.safetensors`
@@ -252,6 +257,7 @@ impl Default for PoseTrainConfig {
             device: Device::Cpu,
             precision: Precision::F32,
             amp: None,
+            autobatch: None,
             seed: 0,
             model: DEFAULT_MODEL.into(),
             optimizer: "auto".into(),
@@ -318,6 +324,26 @@ impl PoseTrainConfig {
         if let Some(on) = self.amp.take() {
             self.precision = if on && self.device.is_cuda() { Precision::F16Mixed } else { Precision::F32 };
         }
+    }
+
+    /// Turns a pending AutoBatch request into a batch size on this run's device: on the CPU
+    /// Ultralytics' default 16 (as Ultralytics does there), said on stderr; on a CUDA device a
+    /// refusal naming the setting — sizing a batch from the device's memory is not implemented,
+    /// and a silent default would train with another batch than asked for.
+    pub fn resolve_autobatch(&mut self) -> Result<()> {
+        let Some(fraction) = self.autobatch.take() else { return Ok(()) };
+        if self.device.is_cuda() {
+            return Err(TrainerError::InvalidArgument {
+                what: "batch",
+                reason: format!(
+                    "AutoBatch (batch=-1, or a fraction such as {fraction}) is not implemented on CUDA devices: give a batch size \
+                     (Ultralytics' default is batch=16)"
+                ),
+            });
+        }
+        self.batch = 16;
+        eprintln!("AutoBatch: intended for CUDA devices; using the default CPU batch size 16");
+        Ok(())
     }
 
     /// Loader workers for a run of `batches_per_epoch` batches on `device` (see [`Self::workers`]).

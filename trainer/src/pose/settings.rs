@@ -61,6 +61,16 @@ impl PoseTrainConfig {
                 _ => {}
             }
         }
+        // AutoBatch: `batch=-1` (60 % of device memory) or a fraction in (0, 1), resolved with
+        // the device (`resolve_autobatch`).
+        if key == "batch" {
+            if let Ok(v) = value.trim().parse::<f64>() {
+                if v == -1.0 || (v > 0.0 && v < 1.0) {
+                    self.autobatch = Some(if v == -1.0 { 0.60 } else { v });
+                    return Ok(());
+                }
+            }
+        }
         let key = ALIASES.iter().find(|(a, _)| *a == key).map_or(key, |(_, k)| *k);
         if !Self::keys().iter().any(|(k, _, _)| *k == key) {
             if let Some(said) = super::foreign_keys::check(key, value) {
@@ -101,6 +111,7 @@ impl PoseTrainConfig {
         // Fields kept out of the settings' JSON; a precision given later than `amp` wins.
         next.inject_loader_panic_at = self.inject_loader_panic_at;
         next.amp = if key == "precision" { None } else { self.amp };
+        next.autobatch = if key == "batch" { None } else { self.autobatch };
         if key == "project" || key == "name" {
             next.save_dir = next.project.join(&next.name);
         }

@@ -43,6 +43,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let started = Instant::now();
     let mut cfg = cfg.clone();
     cfg.resolve_amp();
+    cfg.resolve_autobatch()?;
     if let Some(path) = &cfg.resume {
         cfg.check_resume(path)?;
     }
