@@ -10,6 +10,7 @@
 
 pub mod ap;
 pub mod coco;
+pub mod confusion;
 pub mod e2e;
 pub mod iou;
 pub mod matching;

@@ -14,6 +14,7 @@ use super::images::images_to_tensor;
 use super::plots::PrCurve;
 use super::val_loss::ValLoss;
 use crate::loss::LossConfig;
+use crate::metrics::confusion::ConfusionMatrix;
 use crate::metrics::nms::non_max_suppression_batch;
 use crate::metrics::{GroundTruth, NmsConfig, PoseValidator};
 use crate::Result;
@@ -31,6 +32,8 @@ pub struct ValResult {
     pub pr_curves: Vec<PrCurve>,
     /// Mean `[box, pose, kobj, cls, l1, rle]` loss over the batches when [`ValOptions::loss`] was set.
     pub losses: Option<[f64; 6]>,
+    /// The detection confusion matrix (Ultralytics' thresholds: confidence 0.25, IoU 0.45).
+    pub confusion: ConfusionMatrix,
 }
 
 /// What a validation pass does beyond scoring the model.
@@ -101,6 +104,7 @@ pub fn validate_with(
     let mut json = opts.save_json.as_deref().map(|dir| JsonWriter::new(dir, ds)).transpose()?;
     let mut losses = opts.loss.clone().map(ValLoss::new);
     let mut images = 0;
+    let mut confusion = ConfusionMatrix::new(ds.meta.names.len().max(1));
     for b in loader.iter() {
         let b = b?;
         let x = pad_to_batch(images_to_tensor(&b.img, b.shape, device)?, batch, device)?;
@@ -119,6 +123,7 @@ pub fn validate_with(
         let gts = GroundTruth::from_batch(&b.batch_idx, &b.cls, &b.bboxes, &b.keypoints, b.len(), nk, w, h)?;
         for (i, (o, gt)) in outs.iter().zip(&gts).enumerate() {
             v.update(&o.detections, gt)?;
+            confusion.update(&o.detections, gt);
             if let Some(w) = json.as_mut() {
                 w.add(&b, i, &o.detections)?;
             }
@@ -131,7 +136,7 @@ pub fn validate_with(
     let names: Vec<&str> = ds.meta.names.iter().map(String::as_str).collect();
     let pr_curves =
         vec![PrCurve::from_ap("Box", &m.box_metrics.per_class, &names), PrCurve::from_ap("Pose", &m.pose_metrics.per_class, &names)];
-    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json, pr_curves, losses: losses.map(|l| l.means()) })
+    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json, pr_curves, losses: losses.map(|l| l.means()), confusion })
 }
 
 /// On a GPU, a last partial batch padded with blank images to `batch`: every validation batch

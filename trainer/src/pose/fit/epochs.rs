@@ -72,6 +72,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
     let fit_time_before = run.history.fit_time_s;
     // The last validation's PR curves, drawn at the end when `plots` is on.
     let mut last_pr_curves = Vec::new();
+    let mut last_confusion = None;
     let last_ckpt = cfg.save_dir.join("weights").join("last.ckpt");
     let mut attempts = 0usize;
     // save_json: every validation rewrites the COCO files, so the last one's stay (however the run ends).
@@ -255,6 +256,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             .collect();
         if let Some(v) = &val {
             last_pr_curves.clone_from(&v.pr_curves);
+            last_confusion = Some(v.confusion.clone());
         }
         let metrics = val.map(|v| v.metrics).unwrap_or_default();
         run.history.rows.push(ResultsCsv::format_row(&row));
@@ -308,6 +310,9 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         for c in &last_pr_curves {
             super::super::plots::plot_pr_curve(c, &cfg.save_dir)?;
             super::super::plots::plot_conf_curves(c, &cfg.save_dir)?;
+        }
+        if let (Some(cm), Some(ds)) = (&last_confusion, &run.val_ds) {
+            super::super::plots::plot_confusion_matrix(cm, &ds.meta.names, &cfg.save_dir)?;
         }
         if let Some(ds) = run.val_ds.clone() {
             let model = run.ema_eval_model()?;

@@ -6,6 +6,7 @@
 //! it) through plotters' pure-Rust `ab_glyph` backend, so no fontconfig/freetype is needed.
 
 mod batches;
+mod confusion;
 mod pr;
 mod results;
 
@@ -18,6 +19,7 @@ use ptl_data::image::{write_png, Image};
 use crate::{Result, TrainerError};
 
 pub use batches::{batch_grid, plot_batch, plot_train_batch, LabelledBatch};
+pub use confusion::plot_confusion_matrix;
 pub use pr::{plot_conf_curves, plot_pr_curve, PrCurve};
 pub use results::plot_results;
 
