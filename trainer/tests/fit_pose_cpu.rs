@@ -31,7 +31,9 @@ fn tiny_fit_is_deterministic_and_hooks_are_ordered() {
     }
     plots_follow_ultralytics(&cfg_c.save_dir);
     let plain = tiny("a").save_dir;
-    for artefact in ["results.png", "BoxPR_curve.png", "PosePR_curve.png", "val_pred_0.png", "train_batch0.jpg", "val_batch0_labels.jpg"] {
+    for artefact in
+        ["results.png", "BoxPR_curve.png", "PosePR_curve.png", "val_pred_0.png", "train_batch0.jpg", "val_batch0_labels.jpg", "labels.jpg"]
+    {
         assert!(!plain.join(artefact).exists(), "plots=false draws no {artefact}");
     }
     insta::assert_snapshot!("hook_order_2_epochs_2_batches", trace.take().join("\n"));

@@ -79,6 +79,12 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let args = run_dir.path().join("args.yaml");
     let yaml = cfg.args_yaml();
     ptl_files::write_atomic_with(&args, 0o644, |f| std::io::Write::write_all(f, yaml.as_bytes()))?;
+    // Ultralytics' labels.jpg: the training labels before the first epoch (not again on a resume).
+    if cfg.plots && cfg.resume.is_none() {
+        let objects = train_ds.items.iter().flat_map(|it| it.labels.cls.iter().zip(&it.labels.boxes));
+        let (cls, boxes): (Vec<usize>, Vec<[f32; 4]>) = objects.map(|(c, b)| (*c as usize, *b)).unzip();
+        super::plots::plot_labels(&cls, &boxes, &train_ds.meta.names, run_dir.path())?;
+    }
     let cfg = &cfg;
     let t = Instant::now();
     let batches = train_ds.len().div_ceil(cfg.batch.min(train_ds.len()).max(1));

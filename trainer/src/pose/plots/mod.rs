@@ -7,6 +7,7 @@
 
 mod batches;
 mod confusion;
+mod labels;
 mod pr;
 mod results;
 
@@ -20,6 +21,7 @@ use crate::{Result, TrainerError};
 
 pub use batches::{batch_grid, plot_batch, plot_train_batch, LabelledBatch};
 pub use confusion::plot_confusion_matrix;
+pub use labels::plot_labels;
 pub use pr::{plot_conf_curves, plot_pr_curve, PrCurve};
 pub use results::plot_results;
 
