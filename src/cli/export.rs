@@ -30,6 +30,12 @@ struct ExportSettings {
     out: Option<PathBuf>,
 }
 
+/// Reads the settings and nothing else (the key walk's view: whether each key is taken).
+#[cfg(test)]
+pub(crate) fn parse_keys(settings: &[String]) -> Result<(), String> {
+    parse_settings(settings).map(|_| ()).or_else(|e| if e.starts_with("no format") || e.starts_with("no model") { Ok(()) } else { Err(e) })
+}
+
 fn parse_settings(settings: &[String]) -> Result<ExportSettings, String> {
     let (mut format, mut model, mut imgsz, mut out) = (None, None, 640usize, None);
     for s in settings {
@@ -40,6 +46,10 @@ fn parse_settings(settings: &[String]) -> Result<ExportSettings, String> {
             "imgsz" => imgsz = v.parse().map_err(|_| format!("`{k}={v}`: expected a positive multiple of 32, e.g. imgsz=640"))?,
             "out" | "file" => out = Some(PathBuf::from(v)),
             _ => {
+                if let Some(answered) = super::ultralytics_keys::answer("export", k, v) {
+                    answered?;
+                    continue;
+                }
                 let accepted = EXPORT_KEYS.split(", ").chain(["weights", "file"]);
                 let hint = ptl_trainer::pose::nearest_key(k, accepted).map(|c| format!("did you mean `{c}`? ")).unwrap_or_default();
                 return Err(format!("unknown key `{k}` for ptl export ({hint}it takes {EXPORT_KEYS})"));

@@ -1,6 +1,7 @@
 pub mod export;
 pub mod predict;
 pub mod train;
+pub mod ultralytics_keys;
 
 use ptl_autograd::Device;
 

@@ -53,7 +53,7 @@ pub struct ValArgs {
 
 impl ValArgs {
     /// Applies the `key=value` settings over the flags.
-    fn apply_settings(&mut self) -> Result<(), String> {
+    pub(crate) fn apply_settings(&mut self) -> Result<(), String> {
         for s in self.settings.clone() {
             let (k, v) = s.split_once('=').ok_or_else(|| format!("`{s}` is not key=value (ptl val takes {VAL_KEYS})"))?;
             let num = |what: &str| format!("`{k}={v}`: expected {what}");
@@ -88,6 +88,10 @@ impl ValArgs {
                     }
                 }
                 _ => {
+                    if let Some(answered) = super::ultralytics_keys::answer("val", k, v) {
+                        answered?;
+                        continue;
+                    }
                     let accepted = VAL_KEYS.split(", ").chain(["weights", "save_dir"]);
                     let hint = ptl_trainer::pose::nearest_key(k, accepted).map(|c| format!("did you mean `{c}`? ")).unwrap_or_default();
                     return Err(format!("unknown key `{k}` for ptl val ({hint}it takes {VAL_KEYS})"));
@@ -152,7 +156,7 @@ fn switch(k: &str, v: &str) -> Result<bool, String> {
 
 impl PredictArgs {
     /// Applies the `key=value` settings over the flags.
-    fn apply_settings(&mut self) -> Result<(), String> {
+    pub(crate) fn apply_settings(&mut self) -> Result<(), String> {
         for s in self.settings.clone() {
             let (k, v) = s.split_once('=').ok_or_else(|| format!("`{s}` is not key=value (ptl predict takes {PREDICT_KEYS})"))?;
             let num = |what: &str| format!("`{k}={v}`: expected {what}");
@@ -173,6 +177,10 @@ impl PredictArgs {
                 },
                 "project" | "save_dir" | "out" => self.out = PathBuf::from(v),
                 _ => {
+                    if let Some(answered) = super::ultralytics_keys::answer("predict", k, v) {
+                        answered?;
+                        continue;
+                    }
                     let accepted = PREDICT_KEYS.split(", ").chain(["weights", "save_dir", "out"]);
                     let hint = ptl_trainer::pose::nearest_key(k, accepted).map(|c| format!("did you mean `{c}`? ")).unwrap_or_default();
                     return Err(format!("unknown key `{k}` for ptl predict ({hint}it takes {PREDICT_KEYS})"));

@@ -8,7 +8,7 @@
 type Foreign = (&'static str, &'static [&'static str], &'static str);
 
 const PREDICT: &str = "a prediction setting: `ptl predict` takes it";
-const EXPORT: &str = "an export setting: `ptl export` takes what ptl exports (format=onnx, imgsz, half)";
+const EXPORT: &str = "an export setting ptl's ONNX export does not have (`ptl export` takes format=onnx, model, imgsz and out)";
 const TRACK: &str = "a tracking or streaming setting: ptl predicts on images, with no tracker or video";
 const SEGMENT: &str = "a segmentation setting: ptl trains pose models";
 const CLASSIFY: &str = "a classification setting: ptl trains pose models";
@@ -85,7 +85,7 @@ const TRACKER: Foreign = ("tracker", &["tracktrack.yaml", "botsort.yaml", "bytet
 
 /// `Some(Ok(()))`: `key` is one of Ultralytics' keys ptl has none of and `value` changes nothing
 /// here; `Some(Err(reason))`: it would, and cannot (the reason names the key); `None`: not such a key.
-pub(crate) fn check(key: &str, value: &str) -> Option<std::result::Result<(), String>> {
+pub fn check(key: &str, value: &str) -> Option<std::result::Result<(), String>> {
     let (_, no_ops, why) = FOREIGN.iter().chain(std::iter::once(&TRACKER)).find(|(k, _, _)| *k == key)?;
     let v = normalised(value);
     let same = |n: &str| n == v || matches!((n.parse::<f64>(), v.parse::<f64>()), (Ok(a), Ok(b)) if a == b);
