@@ -3,6 +3,7 @@
 pub mod callback;
 pub mod checkpoint;
 pub mod interrupt;
+pub(crate) mod numbers;
 pub mod plugin;
 pub mod run_dir;
 pub mod sites;

@@ -378,14 +378,10 @@ impl ResultsCsv {
         ResultsCsv { path: path.to_path_buf() }
     }
 
-    /// One row as written to the file: the epoch (first column) as an integer, as Ultralytics
-    /// writes it, every other value with six decimals.
+    /// One row as written to the file: every value as `%.6g`, as Ultralytics writes it (the
+    /// epoch as an integer, 0.000315 as `0.000315`, zero as `0`).
     pub fn format_row(values: &[f64]) -> String {
-        let cell = |(i, v): (usize, &f64)| match i == 0 && v.is_finite() && v.fract() == 0.0 {
-            true => format!("{}", *v as i64),
-            false => format!("{v:.6}"),
-        };
-        values.iter().enumerate().map(cell).collect::<Vec<_>>().join(",")
+        values.iter().map(|v| super::numbers::fmt_g(*v, 6)).collect::<Vec<_>>().join(",")
     }
 
     /// Writes `columns` and `rows` as the whole file.
