@@ -201,15 +201,17 @@ fn read_header(path: &Path, foreign: &str) -> Result<serde_json::Map<String, ser
         |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg: format!("{msg} (the file is truncated or {foreign})") };
     let mut file = ptl_files::open_regular(path)?;
     let file_len = file.metadata().map_err(|e| io(path, e))?.len();
-    let mut len = [0u8; 8];
-    file.read_exact(&mut len).map_err(|_| corrupt(format!("{file_len} bytes: shorter than a safetensors header")))?;
-    refuse_pickle(path, &len)?;
-    let len = u64::from_le_bytes(len);
-    if len > MAX_HEADER || len.saturating_add(8) > file_len {
+    // The length and the header's first byte (`{` in a safetensors file).
+    let mut start = [0u8; 9];
+    file.read_exact(&mut start).map_err(|_| corrupt(format!("{file_len} bytes: shorter than a safetensors header")))?;
+    refuse_pickle(path, &start)?;
+    let len = u64::from_le_bytes([start[0], start[1], start[2], start[3], start[4], start[5], start[6], start[7]]);
+    if len == 0 || len > MAX_HEADER || len.saturating_add(8) > file_len {
         return Err(corrupt(format!("header length {len} does not fit the file ({file_len} bytes)")));
     }
     let mut header = vec![0u8; len as usize];
-    file.read_exact(&mut header).map_err(|e| io(path, e))?;
+    header[0] = start[8];
+    file.read_exact(&mut header[1..]).map_err(|e| io(path, e))?;
     serde_json::from_slice(&header).map_err(|e| corrupt(format!("unreadable header: {e}")))
 }
 
@@ -217,7 +219,10 @@ fn read_header(path: &Path, foreign: &str) -> Result<serde_json::Map<String, ser
 /// message saying so and how to convert it, instead of a header error.
 pub fn refuse_pickle(path: &Path, first_bytes: &[u8]) -> Result<()> {
     let zip = first_bytes.starts_with(b"PK\x03\x04");
-    let pickle = first_bytes.first() == Some(&0x80) && first_bytes.get(1).is_some_and(|p| (2..=5).contains(p));
+    // A pickle starts with PROTO (0x80) and its protocol; a safetensors header length can start
+    // with the same two bytes, but then its JSON header opens at byte 8.
+    let json_header = first_bytes.get(8) == Some(&b'{');
+    let pickle = !json_header && first_bytes.first() == Some(&0x80) && first_bytes.get(1).is_some_and(|p| (2..=5).contains(p));
     if zip || pickle {
         return Err(TrainerError::Checkpoint {
             path: path.to_path_buf(),
@@ -270,5 +275,23 @@ fn migrate_model_size(train_args: &mut serde_json::Value) {
     if let Some(serde_json::Value::String(size)) = args.get("scale").cloned() {
         args.remove("scale");
         args.insert("model".into(), format!("yolo26{}-pose.yaml", size.trim().to_ascii_lowercase()).into());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file whose header length begins with a pickle's first two bytes (0x80, 2) is
+    /// not mistaken for one; a real pickle's start and a zip archive are refused.
+    #[test]
+    fn pickles_are_told_from_safetensors_by_the_header() {
+        let path = Path::new("x.ckpt");
+        let mut st = 0x0280u64.to_le_bytes().to_vec();
+        st.push(b'{');
+        assert!(refuse_pickle(path, &st).is_ok());
+        let pickle = [0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20];
+        assert!(refuse_pickle(path, &pickle).is_err());
+        assert!(refuse_pickle(path, b"PK\x03\x04rest").is_err());
     }
 }
