@@ -3,7 +3,7 @@
 //!
 //! f32/f16/bf16 GEMMs go through cuBLASLt with the descriptors and the heuristic's algorithm built
 //! once per (shape, dtype) and reused: a cuBLAS `gemm*` call repeats that selection on every call
-//! (measured ~1.2–2 µs of host time per call on the H200, `cuda_ops_h200.md`). The heuristic's
+//! (measured ~1.2–2 µs of host time per call on the H200, `docs/cuda-ops-h200.md`). The heuristic's
 //! first pick for a given shape and workspace is the same in every process, so results stay
 //! bit-identical run to run. Without libcublasLt, or when it offers no algorithm, the classic
 //! cuBLAS call is used.

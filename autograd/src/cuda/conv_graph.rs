@@ -2,7 +2,7 @@
 //! (backend) API.
 //!
 //! Why: for NCHW half-precision 3×3 convolutions the legacy API's algorithms measured 1.5–4× slower
-//! on the H200 than what PyTorch reaches through the graph API (`cuda_ops_h200.md`), and in cuDNN 9
+//! on the H200 than what PyTorch reaches through the graph API (`docs/cuda-ops-h200.md`), and in cuDNN 9
 //! a legacy call costs ~35 µs of host time against a few µs for executing a built plan. Engines
 //! are taken in cuDNN's heuristic order (mode INSTANT: the same ranking in every process, so a
 //! fixed seed still gives the same bytes run to run), skipping engines cuDNN marks
