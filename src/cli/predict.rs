@@ -73,20 +73,8 @@ impl ValArgs {
                     _ => self.device = Some(v.to_string()),
                 },
                 "project" | "save_dir" => self.project = PathBuf::from(v),
-                "plots" => {
-                    self.plots = match v.to_ascii_lowercase().as_str() {
-                        "true" | "1" | "yes" => true,
-                        "false" | "0" | "no" => false,
-                        _ => return Err(num("true or false")),
-                    }
-                }
-                "save_json" => {
-                    self.save_json = match v.to_ascii_lowercase().as_str() {
-                        "true" | "1" | "yes" => true,
-                        "false" | "0" | "no" => false,
-                        _ => return Err(num("true or false")),
-                    }
-                }
+                "plots" => self.plots = switch(k, v)?,
+                "save_json" => self.save_json = switch(k, v)?,
                 _ => {
                     if let Some(answered) = super::ultralytics_keys::answer("val", k, v) {
                         answered?;

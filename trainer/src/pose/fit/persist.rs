@@ -57,7 +57,8 @@ impl Run {
     /// scaler or pending gradients) — what validation, prediction, export and fine-tuning read,
     /// at a tenth of a full checkpoint's size. Not resumable (`refuse_resume_from_weights`).
     pub(super) fn weights_only(&self, train_args: &serde_json::Value) -> Result<Checkpoint> {
-        let tensors = self
+        let mut ck = self.checkpoint(train_args)?;
+        ck.tensors = self
             .ema
             .ema_tensors()
             .iter()
@@ -66,23 +67,12 @@ impl Run {
                 Ok((format!("ema.{n}"), half))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Checkpoint {
-            manifest: Manifest {
-                format: crate::fit::checkpoint::CHECKPOINT_FORMAT,
-                ptl_version: env!("CARGO_PKG_VERSION").into(),
-                loop_state: self.state.clone(),
-                train_args: train_args.clone(),
-                optimizer: serde_json::json!({ WEIGHTS_ONLY: true, "resolved": self.resolved }),
-                scaler: serde_json::Value::Null,
-                ema: serde_json::to_value(self.ema.meta()).unwrap_or(serde_json::Value::Null),
-                criterion: serde_json::Value::Null,
-                callbacks: Default::default(),
-                plugins: Default::default(),
-                recordings: "none".into(),
-                history: self.history.clone(),
-            },
-            tensors,
-        })
+        let m = &mut ck.manifest;
+        m.optimizer = serde_json::json!({ WEIGHTS_ONLY: true, "resolved": self.resolved });
+        (m.scaler, m.criterion) = (serde_json::Value::Null, serde_json::Value::Null);
+        m.callbacks.clear();
+        m.plugins.clear();
+        Ok(ck)
     }
 
     /// Restores the run from a checkpoint. `ema_into_model`: the live model takes the EMA weights
