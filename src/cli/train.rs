@@ -110,6 +110,9 @@ fn embedded_default(cfg: &mut PoseTrainConfig) {
 /// → yaml file(s) → `key=value` overrides → flags.
 pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
     let mut cfg = PoseTrainConfig::default();
+    // Ultralytics' default precision: amp=True (16-mixed on a GPU, 32-true on the CPU) unless
+    // amp= or precision= (key, yaml or --precision) says otherwise.
+    cfg.amp = Some(true);
     let mut overrides = Vec::new();
     let mut from_yaml = Vec::new();
     for s in &a.settings {
@@ -328,5 +331,29 @@ mod tests {
         let steps = cfg.epochs * DEFAULT_TRAIN_IMAGES.div_ceil(cfg.batch);
         assert!(steps >= 200, "{steps} optimizer steps");
         assert!(cfg.validate().is_ok());
+    }
+
+    /// Ultralytics' default `amp=True` is 32-true on the CPU (16-mixed on a GPU: the CUDA CLI
+    /// test), and a precision given by key, yaml or flag is that precision.
+    #[test]
+    fn amp_is_on_by_default_and_an_explicit_precision_wins() {
+        let args = |settings: &[&str], precision: Option<&str>| TrainArgs {
+            settings: [&["data=unused.yaml", "device=cpu"], settings].concat().into_iter().map(str::to_string).collect(),
+            device: None,
+            precision: precision.map(str::to_string),
+            seed: None,
+        };
+        let precision = |a: TrainArgs| build_config(&a).expect("config").precision;
+        assert_eq!(precision(args(&[], None)), Precision::F32);
+        assert_eq!(precision(args(&["precision=bf16-mixed"], None)), Precision::Bf16Mixed);
+        assert_eq!(precision(args(&["amp=bf16-mixed"], None)), Precision::Bf16Mixed);
+        assert_eq!(precision(args(&["precision=bf16-mixed", "amp=true"], None)), Precision::F32, "the later setting wins");
+        assert_eq!(precision(args(&[], Some("16-mixed"))), Precision::F16Mixed);
+        let dir = std::env::temp_dir().join(format!("ptl-amp-default-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let yaml = dir.join("cfg.yaml");
+        std::fs::write(&yaml, "precision: bf16-mixed\n").unwrap();
+        assert_eq!(precision(args(&[yaml.to_str().unwrap()], None)), Precision::Bf16Mixed);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -60,6 +60,10 @@ fn cuda_named_devices_are_used_or_refused() {
     let o = train(&run_args(&data, dir.path(), "amp_cpu"), &["device=cpu", "amp=true"], dir.path());
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(precision_of("amp_cpu").as_deref(), Some("32-true"));
+    // Neither amp nor precision given: Ultralytics' default amp=True, 16-mixed on the GPU.
+    let o = train(&run_args(&data, dir.path(), "default_gpu"), &["device=cuda:0"], dir.path());
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(precision_of("default_gpu").as_deref(), Some("16-mixed"));
 
     // A GPU that is not there: an error naming it, nothing trained, no fall-back.
     let missing = format!("cuda:{count}");

@@ -76,9 +76,12 @@ pub struct PoseTrainConfig {
     pub device: Device,
     pub precision: Precision,
     /// Ultralytics' `amp` switch, resolved once the device is known ([`Self::resolve_amp`]):
-    /// `true` is 16-mixed on a CUDA device and 32-true on the CPU, `false` is 32-true. Not
-    /// stored: checkpoints keep the precision it resolved to.
-    #[serde(skip)]
+    /// `true` is 16-mixed on a CUDA device and 32-true on the CPU, `false` is 32-true; `None`
+    /// keeps `precision` as set (a `precision` given after `amp` clears it). `ptl train` starts
+    /// from `amp=true`, Ultralytics' default; this struct's `Default` leaves it `None` so that a
+    /// program setting `precision` directly gets that precision. Not stored: checkpoints keep
+    /// the precision it resolved to.
+    #[serde(skip, default)]
     pub amp: Option<bool>,
     /// Ultralytics' AutoBatch (`batch=-1`, or `batch=0.7` for a fraction of device memory; −1
     /// is 0.60), resolved once the device is known ([`Self::resolve_autobatch`]). Not stored:
@@ -319,7 +322,7 @@ impl Default for PoseTrainConfig {
 
 impl PoseTrainConfig {
     /// Turns a pending `amp=true|false` into the precision it means on this run's device (see
-    /// [`Self::amp`]); a no-op when `amp` was not given.
+    /// [`Self::amp`]); a no-op when a precision was set after it.
     pub fn resolve_amp(&mut self) {
         if let Some(on) = self.amp.take() {
             self.precision = if on && self.device.is_cuda() { Precision::F16Mixed } else { Precision::F32 };
@@ -486,7 +489,7 @@ impl PoseTrainConfig {
             ("imgsz", d.imgsz.to_string(), "training image size (multiple of 32)"),
             ("device", "auto".into(), "auto, cpu, cuda:N or N (also --device; auto picks a GPU when there is one)"),
             ("precision", d.precision.name().to_string(), "32-true, bf16-mixed or 16-mixed (also --precision)"),
-            ("amp", "none".into(), "Ultralytics' switch: true = 16-mixed on a GPU (32-true on the CPU), false = 32-true; or a precision name"),
+            ("amp", "true".into(), "Ultralytics' switch: true = 16-mixed on a GPU (32-true on the CPU), false = 32-true; or a precision name"),
             ("seed", d.seed.to_string(), "random seed (also --seed)"),
             ("model", d.model.clone(), "yolo26{n,s,m,l,x}-pose.yaml (the size; or the letter), or weights to start from: a .safetensors with Ultralytics names or a ptl .ckpt (its EMA weights)"),
             ("optimizer", d.optimizer.clone(), "auto, SGD, MuSGD or AdamW (auto is resolved once and stored in checkpoints)"),
