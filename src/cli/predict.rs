@@ -14,7 +14,7 @@ pub struct ValArgs {
     /// data=, imgsz=, batch=, conf=, iou=, max_det=, split=val|test|train, device=,
     /// save_json=true|false, plots=true|false, project= (alias save_dir=).
     pub settings: Vec<String>,
-    /// A ptl checkpoint (`weights/last.ckpt` or `best.ckpt`) or a safetensors state dict.
+    /// A ptl checkpoint (`weights/best.ckpt`, `last_weights.ckpt` or `last.ckpt`) or a safetensors state dict.
     #[arg(long)]
     pub weights: Option<PathBuf>,
     /// Dataset yaml (defaults to the one the checkpoint was trained on).

@@ -473,10 +473,11 @@ fn an_ultralytics_state_dict_is_a_start_model() {
     assert_eq!(t.to_bytes().unwrap(), values[&name].to_bytes().unwrap(), "{name} loaded");
 }
 
-/// `best.ckpt` holds what Ultralytics ships as `best.pt`: the EMA model in half precision and the
-/// run's settings, nothing else — under 8 MB for yolo26n-pose, a fraction of the full `last.ckpt`;
-/// it loads for prediction (and as start weights) with the EMA's values, and a resume from it is
-/// refused with a message naming the full checkpoint beside it.
+/// `best.ckpt` and `last_weights.ckpt` hold what Ultralytics ships as `best.pt` and `last.pt`:
+/// the EMA model in half precision and the run's settings, nothing else — under 8 MB for
+/// yolo26n-pose, a fraction of the full `last.ckpt`; they load for prediction (and as start
+/// weights) with the EMA's values, and a resume from them is refused with a message naming the
+/// full checkpoint beside them.
 #[test]
 fn best_weights_are_lean_and_load() {
     use ptl_autograd::{DType, Device};
@@ -509,5 +510,19 @@ fn best_weights_are_lean_and_load() {
     }
     let resumed = PoseTrainConfig::for_resume(&best, &[]).and_then(|c| fit(&c, vec![]).map(|_| ()));
     let err = resumed.expect_err("resume from weights only").to_string();
+    assert!(err.contains("weights only") && err.contains("last.ckpt"), "{err}");
+    // The last epoch's lean weights: the full checkpoint's EMA in half precision, tensor by tensor.
+    let last_weights = cfg.save_dir.join("weights").join(ptl_trainer::fit::checkpoint::LAST_WEIGHTS);
+    assert!(size(&last_weights) < 8 << 20, "{} is {} bytes", last_weights.display(), size(&last_weights));
+    let lean_last = ptl_trainer::fit::load_checkpoint(&last_weights, Device::Cpu).unwrap();
+    let full = ptl_trainer::fit::load_checkpoint(&last, Device::Cpu).unwrap();
+    let full_ema = full.part("ema");
+    assert_eq!(lean_last.part("ema").len(), full_ema.len());
+    for (n, t) in lean_last.part("ema") {
+        let want = if t.dtype().is_float() { full_ema[&n].to_dtype(DType::F16).unwrap() } else { full_ema[&n].clone() };
+        assert_eq!(t.to_bytes().unwrap(), want.to_bytes().unwrap(), "{n}: the last epoch's EMA");
+    }
+    assert!(ptl_trainer::pose::predict::load_eval_model(&last_weights, Device::Cpu).is_ok());
+    let err = PoseTrainConfig::for_resume(&last_weights, &[]).expect_err("resume from lean last").to_string();
     assert!(err.contains("weights only") && err.contains("last.ckpt"), "{err}");
 }

@@ -113,6 +113,10 @@ fn io(path: &Path, source: std::io::Error) -> TrainerError {
 /// the run's settings: what `best.ckpt` holds).
 pub const WEIGHTS_ONLY: &str = "weights_only";
 
+/// The run's weights-only copy of its latest epoch in `weights/` (Ultralytics' lean `last.pt`),
+/// beside the full, resumable `last.ckpt` and the best epoch's `best.ckpt`.
+pub const LAST_WEIGHTS: &str = "last_weights.ckpt";
+
 /// Whether a manifest is that of a weights-only checkpoint.
 pub fn is_weights_only(manifest: &Manifest) -> bool {
     manifest.optimizer[WEIGHTS_ONLY].as_bool() == Some(true)
@@ -126,7 +130,7 @@ pub fn refuse_resume_from_weights(path: &Path, manifest: &Manifest) -> Result<()
     Err(TrainerError::Checkpoint {
         path: path.to_path_buf(),
         msg: format!(
-            "it holds weights only (the EMA model in half precision, as best.ckpt does): a run resumes from the full \
+            "it holds weights only (the EMA model in half precision, as best.ckpt and last_weights.ckpt do): a run resumes from the full \
              checkpoint beside it, {}; to train on from these weights, pass model={} instead",
             path.with_file_name("last.ckpt").display(),
             path.display()

@@ -19,7 +19,7 @@ const FOREIGN: [Foreign; 58] = [
     ("task", &["pose"], "ptl trains pose models only (task=pose)"),
     ("mode", &["train"], "`ptl train` is the train mode; the others are `ptl val`, `ptl predict` and `ptl export`"),
     ("time", &[""], "a time budget is not implemented: set epochs"),
-    ("save", &["true"], "ptl always writes weights/last.ckpt (the resumable checkpoint) and best.ckpt"),
+    ("save", &["true"], "ptl always writes weights/last.ckpt (the resumable checkpoint), last_weights.ckpt and best.ckpt"),
     ("cache", &["false"], "image caching is not implemented: the loader's workers decode the images every epoch"),
     ("pretrained", &["true"], "start weights come from model= (a ptl .ckpt or a .safetensors state dict)"),
     ("cls_remap", &["true"], "class remapping is not implemented: ptl trains one-class pose datasets"),

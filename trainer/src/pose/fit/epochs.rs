@@ -11,6 +11,7 @@ use super::super::clock::StepClock;
 use super::super::pipeline::TrainPipeline;
 use super::super::validate::{validate_with, ValOptions, ValResult};
 use super::run_ahead::RunAhead;
+use crate::fit::checkpoint::LAST_WEIGHTS;
 use crate::fit::{interrupt, save_checkpoint, PartialEpoch, ResultsCsv};
 use crate::optim::LrScheduler;
 use crate::{Result, TrainerError};
@@ -266,8 +267,12 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         // Checkpoint first, then the CSV derived from it.
         let ck = run.checkpoint(train_args)?;
         save_checkpoint(&last_ckpt, &ck)?;
+        // What Ultralytics ships as last.pt and best.pt: the EMA model in half precision and the
+        // settings (last.ckpt stays the full, resumable checkpoint).
+        let lean = Run::weights_only(&ck)?;
+        save_checkpoint(&cfg.save_dir.join("weights").join(LAST_WEIGHTS), &lean)?;
         if fitness.is_some() && fitness == run.state.best_fitness {
-            save_checkpoint(&cfg.save_dir.join("weights").join("best.ckpt"), &run.weights_only(train_args)?)?;
+            save_checkpoint(&cfg.save_dir.join("weights").join("best.ckpt"), &lean)?;
         }
         if cfg.save_period > 0 && epoch as i64 % cfg.save_period == 0 {
             save_checkpoint(&cfg.save_dir.join("weights").join(format!("epoch{epoch}.ckpt")), &ck)?;

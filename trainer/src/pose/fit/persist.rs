@@ -52,27 +52,24 @@ impl Run {
         })
     }
 
-    /// The weights Ultralytics ships as `best.pt`: the EMA model in half precision, with the
-    /// run's settings, counters and history, and nothing else (no live model, optimizer state,
-    /// scaler or pending gradients) — what validation, prediction, export and fine-tuning read,
-    /// at a tenth of a full checkpoint's size. Not resumable (`refuse_resume_from_weights`).
-    pub(super) fn weights_only(&self, train_args: &serde_json::Value) -> Result<Checkpoint> {
-        let mut ck = self.checkpoint(train_args)?;
-        ck.tensors = self
-            .ema
-            .ema_tensors()
+    /// The weights Ultralytics ships as `best.pt` and `last.pt`, taken from the run's full
+    /// checkpoint `full`: the EMA model in half precision, with the run's settings, counters and
+    /// history, and nothing else (no live model, optimizer state, scaler or pending gradients) —
+    /// what validation, prediction, export and fine-tuning read, at a tenth of a full
+    /// checkpoint's size. Not resumable (`refuse_resume_from_weights`).
+    pub(super) fn weights_only(full: &Checkpoint) -> Result<Checkpoint> {
+        let tensors = full
+            .tensors
             .iter()
-            .map(|(n, t)| {
-                let half = if t.dtype().is_float() { t.to_dtype(DType::F16)? } else { t.clone() };
-                Ok((format!("ema.{n}"), half))
-            })
+            .filter(|(n, _)| n.starts_with("ema."))
+            .map(|(n, t)| Ok((n.clone(), if t.dtype().is_float() { t.to_dtype(DType::F16)? } else { t.clone() })))
             .collect::<Result<Vec<_>>>()?;
-        let m = &mut ck.manifest;
-        m.optimizer = serde_json::json!({ WEIGHTS_ONLY: true, "resolved": self.resolved });
-        (m.scaler, m.criterion) = (serde_json::Value::Null, serde_json::Value::Null);
-        m.callbacks.clear();
-        m.plugins.clear();
-        Ok(ck)
+        let mut manifest = full.manifest.clone();
+        manifest.optimizer = serde_json::json!({ WEIGHTS_ONLY: true, "resolved": full.manifest.optimizer["resolved"] });
+        (manifest.scaler, manifest.criterion) = (serde_json::Value::Null, serde_json::Value::Null);
+        manifest.callbacks.clear();
+        manifest.plugins.clear();
+        Ok(Checkpoint { manifest, tensors })
     }
 
     /// Restores the run from a checkpoint. `ema_into_model`: the live model takes the EMA weights
