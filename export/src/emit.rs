@@ -16,9 +16,18 @@ pub struct Value {
     pub w: usize,
 }
 
+/// ONNX's element type numbers for `Cast`.
+pub const ONNX_FLOAT: i64 = 1;
+/// See [`ONNX_FLOAT`].
+pub const ONNX_FLOAT16: i64 = 10;
+
 /// Emits ops into a [`Graph`].
 pub struct Emitter {
     pub g: Graph,
+    /// The opset the file declares (a few ops take their axes as an input from opset 18 on).
+    pub opset: i64,
+    /// The model computes in half precision (weights, activations, input and output).
+    pub half: bool,
 }
 
 fn ints(v: &[usize]) -> AttrValue {
@@ -109,7 +118,7 @@ impl Emitter {
     /// Nearest-neighbour upsampling by an integer factor (`Resize`, asymmetric + floor: each
     /// output pixel copies input pixel `⌊i / factor⌋`, as `nn.Upsample(mode="nearest")`).
     pub fn upsample_nearest(&mut self, x: &Value, factor: usize, name: &str) -> Value {
-        let scales = self.g.init_f32(&format!("{name}.scales"), &[4], vec![1.0, 1.0, factor as f32, factor as f32]);
+        let scales = self.g.init_f32_param(&format!("{name}.scales"), &[4], vec![1.0, 1.0, factor as f32, factor as f32]);
         let y = self.g.op(
             "Resize",
             name,
@@ -121,6 +130,41 @@ impl Emitter {
             ],
         );
         Value { name: y, c: x.c, h: x.h * factor, w: x.w * factor }
+    }
+
+    /// `ReduceMax` over `axis` without keeping it, in the form of the file's opset (the axes an
+    /// attribute before 18, an input from 18 on).
+    pub fn reduce_max(&mut self, x: &str, axis: i64, name: &str) -> String {
+        if self.opset >= 18 {
+            let axes = self.g.const_i64(&[axis]);
+            self.g.op("ReduceMax", name, &[x, &axes], vec![("keepdims", AttrValue::Int(0))])
+        } else {
+            self.g.op("ReduceMax", name, &[x], vec![("axes", AttrValue::Ints(vec![axis])), ("keepdims", AttrValue::Int(0))])
+        }
+    }
+
+    /// `Unsqueeze` at `axis` (axes as an input: opset 13 on).
+    pub fn unsqueeze(&mut self, x: &str, axis: i64, name: &str) -> String {
+        let axes = self.g.const_i64(&[axis]);
+        self.g.op("Unsqueeze", name, &[x, &axes], vec![])
+    }
+
+    /// `x` as f32 for the selection steps (a no-op in an f32 file).
+    pub fn in_f32(&mut self, x: &str, name: &str) -> String {
+        match self.half {
+            true => self.g.op("Cast", name, &[x], vec![("to", AttrValue::Int(ONNX_FLOAT))]),
+            false => x.to_string(),
+        }
+    }
+
+    /// The graph output `output` made by `last` (an op computing in f32, given the name to
+    /// use): named `output` in an f32 file, cast to half under that name in a half one.
+    pub fn in_output_precision(&mut self, output: &str, last: impl FnOnce(&mut Emitter, &str) -> String) -> String {
+        if !self.half {
+            return last(self, output);
+        }
+        let y = last(self, &format!("{output}_f32"));
+        self.g.op("Cast", output, &[&y], vec![("to", AttrValue::Int(ONNX_FLOAT16))])
     }
 
     /// `Reshape` to `shape` (0 copies the batch); returns the output name.

@@ -9,9 +9,6 @@ use onnx_rs::ast::{
 use crate::graph::{AttrValue, InitData};
 use crate::{Dim, OnnxModel};
 
-/// ONNX IR version that goes with opset 17.
-pub const IR_VERSION: i64 = 8;
-
 fn attribute<'a>(name: &'a str, v: &'a AttrValue) -> Attribute<'a> {
     match v {
         AttrValue::Int(i) => Attribute { name, r#type: AttributeType::Int, i: *i, ..Default::default() },
@@ -20,7 +17,7 @@ fn attribute<'a>(name: &'a str, v: &'a AttrValue) -> Attribute<'a> {
     }
 }
 
-fn value_info<'a>(name: &'a str, dims: &'a [Dim]) -> ValueInfo<'a> {
+fn value_info<'a>(name: &'a str, dims: &'a [Dim], elem_type: DataType) -> ValueInfo<'a> {
     let dim = dims
         .iter()
         .map(|d| TensorShapeDimension {
@@ -31,12 +28,23 @@ fn value_info<'a>(name: &'a str, dims: &'a [Dim]) -> ValueInfo<'a> {
             ..Default::default()
         })
         .collect();
-    let tensor = TensorTypeProto { elem_type: DataType::Float, shape: Some(TensorShape { dim }) };
+    let tensor = TensorTypeProto { elem_type, shape: Some(TensorShape { dim }) };
     ValueInfo { name, r#type: Some(TypeProto { value: Some(TypeValue::Tensor(tensor)), ..Default::default() }), ..Default::default() }
 }
 
-/// Serialises `m` (opset `m.opset`, IR version [`IR_VERSION`]).
+/// Serialises `m` (opset `m.opset`, its IR version [`crate::ir_version`]); in a half-precision
+/// model every float initializer but the f32 op parameters is stored as f16.
 pub fn to_bytes(m: &OnnxModel) -> Vec<u8> {
+    let as_half = |t: &crate::graph::Initializer| m.half && !t.always_f32 && matches!(t.data, InitData::F32(_));
+    let half_bytes: Vec<Vec<u8>> = m
+        .graph
+        .initializers
+        .iter()
+        .map(|t| match &t.data {
+            InitData::F32(v) if as_half(t) => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+            _ => Vec::new(),
+        })
+        .collect();
     let nodes = m
         .graph
         .nodes
@@ -54,22 +62,25 @@ pub fn to_bytes(m: &OnnxModel) -> Vec<u8> {
         .graph
         .initializers
         .iter()
-        .map(|t| match &t.data {
+        .zip(&half_bytes)
+        .map(|(t, h)| match &t.data {
+            InitData::F32(_) if as_half(t) => TensorProto::from_raw(&t.name, t.dims.clone(), DataType::Float16, h),
             InitData::F32(v) => TensorProto::from_f32(&t.name, t.dims.clone(), v.clone()),
             InitData::I64(v) => TensorProto::from_i64(&t.name, t.dims.clone(), v.clone()),
         })
         .collect();
+    let io_type = if m.half { DataType::Float16 } else { DataType::Float };
     let graph = PbGraph {
         node: nodes,
         name: "ptl_yolo26_pose",
         initializer,
         doc_string: &m.doc,
-        input: vec![value_info(&m.input.0, &m.input.1)],
-        output: vec![value_info(&m.output.0, &m.output.1)],
+        input: vec![value_info(&m.input.0, &m.input.1, io_type)],
+        output: vec![value_info(&m.output.0, &m.output.1, io_type)],
         ..Default::default()
     };
     let model = Model {
-        ir_version: IR_VERSION,
+        ir_version: crate::ir_version(m.opset),
         opset_import: vec![OperatorSetId { domain: "", version: m.opset }],
         producer_name: "ptl",
         producer_version: env!("CARGO_PKG_VERSION"),

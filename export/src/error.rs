@@ -13,6 +13,10 @@ pub enum ExportError {
     #[error("imgsz {h}×{w}: {reason}")]
     ImageSize { h: usize, w: usize, reason: String },
 
+    /// An export setting is out of range (names the key and what it takes).
+    #[error("{key}={reason}")]
+    Option { key: &'static str, reason: String },
+
     /// A module of the model has a shape the exporter does not handle (names the module).
     #[error("cannot export {module}: {reason}")]
     Unsupported { module: String, reason: String },

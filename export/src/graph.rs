@@ -37,6 +37,9 @@ pub struct Initializer {
     pub name: String,
     pub dims: Vec<i64>,
     pub data: InitData,
+    /// An op parameter that ONNX types as f32 whatever the model computes in (`Resize`'s
+    /// scales, `NonMaxSuppression`'s thresholds): kept f32 in a half-precision file.
+    pub always_f32: bool,
 }
 
 /// Nodes and initializers in emission order.
@@ -49,6 +52,10 @@ pub struct Graph {
     i64_consts: HashMap<Vec<i64>, String>,
     /// f32 scalars by bit pattern.
     f32_scalars: HashMap<u32, String>,
+    /// i64 constants of other shapes (scalars, tables) by shape and value.
+    shaped_i64_consts: HashMap<(Vec<i64>, Vec<i64>), String>,
+    /// f32 scalars that stay f32 in a half-precision file, by bit pattern.
+    f32_params: HashMap<u32, String>,
 }
 
 impl Graph {
@@ -69,13 +76,24 @@ impl Graph {
         name
     }
 
-    /// Stores an f32 initializer; returns its (unique) name.
+    /// Stores a float initializer (f16 in a half-precision file); returns its (unique) name.
     pub fn init_f32(&mut self, base: &str, dims: &[usize], data: Vec<f32>) -> String {
+        self.init_float(base, dims, data, false)
+    }
+
+    /// Stores an f32 op parameter that stays f32 in a half-precision file (see
+    /// [`Initializer::always_f32`]); returns its (unique) name.
+    pub fn init_f32_param(&mut self, base: &str, dims: &[usize], data: Vec<f32>) -> String {
+        self.init_float(base, dims, data, true)
+    }
+
+    fn init_float(&mut self, base: &str, dims: &[usize], data: Vec<f32>, always_f32: bool) -> String {
         let name = self.unique(base);
         self.initializers.push(Initializer {
             name: name.clone(),
             dims: dims.iter().map(|&d| d as i64).collect(),
             data: InitData::F32(data),
+            always_f32,
         });
         name
     }
@@ -87,8 +105,45 @@ impl Graph {
         }
         let base = format!("const_i64_{}", values.iter().map(|v| v.to_string()).collect::<Vec<_>>().join("_").replace('-', "m"));
         let name = self.unique(&base);
-        self.initializers.push(Initializer { name: name.clone(), dims: vec![values.len() as i64], data: InitData::I64(values.to_vec()) });
+        let data = InitData::I64(values.to_vec());
+        self.initializers.push(Initializer { name: name.clone(), dims: vec![values.len() as i64], data, always_f32: false });
         self.i64_consts.insert(values.to_vec(), name.clone());
+        name
+    }
+
+    /// A rank-0 i64 constant (an index or a count), shared between nodes.
+    pub fn const_i64_scalar(&mut self, value: i64) -> String {
+        self.const_i64_shaped(&[], vec![value])
+    }
+
+    /// An i64 constant of shape `dims`, shared between nodes of the same shape and values.
+    pub fn const_i64_shaped(&mut self, dims: &[i64], values: Vec<i64>) -> String {
+        if dims.len() == 1 && dims[0] == values.len() as i64 {
+            return self.const_i64(&values);
+        }
+        let key = (dims.to_vec(), values.clone());
+        if let Some(n) = self.shaped_i64_consts.get(&key) {
+            return n.clone();
+        }
+        let name = self.unique(&format!(
+            "const_i64_r{}_{}",
+            dims.len(),
+            values.iter().map(|v| v.to_string()).collect::<Vec<_>>().join("_").replace('-', "m")
+        ));
+        self.initializers.push(Initializer { name: name.clone(), dims: dims.to_vec(), data: InitData::I64(values), always_f32: false });
+        self.shaped_i64_consts.insert(key, name.clone());
+        name
+    }
+
+    /// A scalar f32 constant that stays f32 in a half-precision file (for the f32 selection
+    /// steps after the model), shared between nodes.
+    pub fn const_f32_param(&mut self, value: f32) -> String {
+        if let Some(n) = self.f32_params.get(&value.to_bits()) {
+            return n.clone();
+        }
+        let name = self.unique(&format!("const_f32_param_{value}").replace('-', "m"));
+        self.initializers.push(Initializer { name: name.clone(), dims: vec![], data: InitData::F32(vec![value]), always_f32: true });
+        self.f32_params.insert(value.to_bits(), name.clone());
         name
     }
 
@@ -98,7 +153,7 @@ impl Graph {
             return n.clone();
         }
         let name = self.unique(&format!("const_f32_{value}").replace('-', "m"));
-        self.initializers.push(Initializer { name: name.clone(), dims: vec![], data: InitData::F32(vec![value]) });
+        self.initializers.push(Initializer { name: name.clone(), dims: vec![], data: InitData::F32(vec![value]), always_f32: false });
         self.f32_scalars.insert(value.to_bits(), name.clone());
         name
     }

@@ -6,9 +6,16 @@
 use ptl_autograd::{DType, Device};
 use ptl_heads::{make_anchors, Branch, Pose26};
 
-use crate::emit::{Emitter, Value};
+use crate::emit::{Emitter, Value, ONNX_FLOAT};
 use crate::graph::AttrValue;
 use crate::{ExportError, Result};
+
+/// The anchor tables of the exported size: centres `(1, 2, A)`, strides `(1, 1, A)`, and A.
+struct Anchors {
+    centres: String,
+    strides: String,
+    count: usize,
+}
 
 /// Raw outputs of the branch, `(B, C, A)` each.
 struct RawBranch {
@@ -65,33 +72,40 @@ impl Emitter {
         })
     }
 
-    /// The eval output `(B, 4 + nc + K·D, A)`: boxes (cx, cy, w, h) px, sigmoid scores,
-    /// keypoints (x px, y px[, sigmoid v]) — `PoseModel::predict(..).decoded`. Returns its name.
-    pub fn head(&mut self, head: &Pose26, feats: &[Value], prefix: &str, output: &str) -> Result<String> {
-        if feats.len() != head.num_levels() {
-            return Err(ExportError::unsupported(prefix, format!("{} feature maps for {} levels", feats.len(), head.num_levels())));
-        }
-        let raw = self.branch(head, Branch::OneToMany, feats, prefix)?;
+    /// The anchor centres `(1, 2, A)` (grid units: the x row, then the y row) and strides
+    /// `(1, 1, A)` of these feature maps, as initializers.
+    fn anchor_tables(&mut self, head: &Pose26, feats: &[Value]) -> Result<Anchors> {
         let sizes: Vec<(usize, usize)> = feats.iter().map(|f| (f.h, f.w)).collect();
         let a: usize = sizes.iter().map(|(h, w)| h * w).sum();
         let (anchors, strides) = make_anchors(&sizes, &head.strides, 0.5, DType::F32, Device::Cpu)?;
         let xy = anchors.to_vec::<f32>()?;
-        // (A, 2) row-major → (1, 2, A): the x row, then the y row; broadcasts over (B, K, 2, A) too.
+        // (A, 2) row-major → (1, 2, A): broadcasts over (B, K, 2, A) too.
         let rows: Vec<f32> = (0..2).flat_map(|j| (0..a).map(move |i| (i, j))).map(|(i, j)| xy[2 * i + j]).collect();
         let anc = self.g.init_f32("anchors", &[1, 2, a], rows);
         let st = self.g.init_f32("anchor_strides", &[1, 1, a], strides.to_vec::<f32>()?);
+        Ok(Anchors { centres: anc, strides: st, count: a })
+    }
 
-        // Boxes: a − lt, a + rb → centre = (x1y1 + x2y2) / 2, size = x2y2 − x1y1, then × stride.
+    /// Decodes a branch's raw outputs to `(B, 4 + nc + K·D, A)`: boxes in pixels — `(cx, cy, w,
+    /// h)` as `PoseModel::predict` (`xywh`), else `(x1, y1, x2, y2)` as the end-to-end decode —
+    /// sigmoid scores, keypoints (x px, y px[, sigmoid v]); in the model's order of operations.
+    fn decode(&mut self, raw: &RawBranch, head: &Pose26, anchors: &Anchors, xywh: bool, prefix: &str, output: &str) -> Result<String> {
+        let (anc, st, a) = (anchors.centres.as_str(), anchors.strides.as_str(), anchors.count);
         let split2 = self.g.const_i64(&[2, 2]);
         let ltrb = self.g.op_n("Split", "decode.ltrb", &[&raw.boxes, &split2], 2, vec![("axis", AttrValue::Int(1))]);
-        let x1y1 = self.g.op("Sub", "decode.x1y1", &[&anc, &ltrb[0]], vec![]);
-        let x2y2 = self.g.op("Add", "decode.x2y2", &[&anc, &ltrb[1]], vec![]);
-        let sum = self.g.op("Add", "decode.corner_sum", &[&x1y1, &x2y2], vec![]);
-        let two = self.g.const_f32(2.0);
-        let centre = self.g.op("Div", "decode.centre", &[&sum, &two], vec![]);
-        let size = self.g.op("Sub", "decode.size", &[&x2y2, &x1y1], vec![]);
-        let xywh = self.g.op("Concat", "decode.xywh", &[&centre, &size], vec![("axis", AttrValue::Int(1))]);
-        let boxes = self.g.op("Mul", "decode.boxes", &[&xywh, &st], vec![]);
+        let x1y1 = self.g.op("Sub", "decode.x1y1", &[anc, &ltrb[0]], vec![]);
+        let x2y2 = self.g.op("Add", "decode.x2y2", &[anc, &ltrb[1]], vec![]);
+        let grid_boxes = if xywh {
+            // Centre = (x1y1 + x2y2) / 2, size = x2y2 − x1y1.
+            let sum = self.g.op("Add", "decode.corner_sum", &[&x1y1, &x2y2], vec![]);
+            let two = self.g.const_f32(2.0);
+            let centre = self.g.op("Div", "decode.centre", &[&sum, &two], vec![]);
+            let size = self.g.op("Sub", "decode.size", &[&x2y2, &x1y1], vec![]);
+            self.g.op("Concat", "decode.xywh", &[&centre, &size], vec![("axis", AttrValue::Int(1))])
+        } else {
+            self.g.op("Concat", "decode.xyxy", &[&x1y1, &x2y2], vec![("axis", AttrValue::Int(1))])
+        };
+        let boxes = self.g.op("Mul", "decode.boxes", &[&grid_boxes, st], vec![]);
 
         let scores = self.g.op("Sigmoid", "decode.scores", &[&raw.scores], vec![]);
 
@@ -110,13 +124,86 @@ impl Emitter {
         } else {
             (per_kpt, None)
         };
-        let shifted = self.g.op("Add", "decode.kpt_grid", &[&xy_raw, &anc], vec![]);
-        let kxy = self.g.op("Mul", "decode.kpt_px", &[&shifted, &st], vec![]);
+        let shifted = self.g.op("Add", "decode.kpt_grid", &[&xy_raw, anc], vec![]);
+        let kxy = self.g.op("Mul", "decode.kpt_px", &[&shifted, st], vec![]);
         let kpts4 = match &visibility {
             Some(v) => self.g.op("Concat", "decode.kpt_xyv", &[&kxy, v], vec![("axis", AttrValue::Int(2))]),
             None => kxy,
         };
         let kpts = self.reshape(&kpts4, &[0, k * d, a as i64], "decode.kpts");
         Ok(self.g.op("Concat", output, &[&boxes, &scores, &kpts], vec![("axis", AttrValue::Int(1))]))
+    }
+
+    fn check_levels(head: &Pose26, feats: &[Value], prefix: &str) -> Result<()> {
+        if feats.len() != head.num_levels() {
+            return Err(ExportError::unsupported(prefix, format!("{} feature maps for {} levels", feats.len(), head.num_levels())));
+        }
+        Ok(())
+    }
+
+    /// The eval output `(B, 4 + nc + K·D, A)`: boxes (cx, cy, w, h) px, sigmoid scores,
+    /// keypoints (x px, y px[, sigmoid v]) — `PoseModel::predict(..).decoded`. Returns its name.
+    pub fn head(&mut self, head: &Pose26, feats: &[Value], prefix: &str, output: &str) -> Result<String> {
+        Self::check_levels(head, feats, prefix)?;
+        let raw = self.branch(head, Branch::OneToMany, feats, prefix)?;
+        let anchors = self.anchor_tables(head, feats)?;
+        self.decode(&raw, head, &anchors, true, prefix, output)
+    }
+
+    /// The end-to-end output of the one-to-one branch, `(B, k, 6 + K·D)` with k = min(max_det,
+    /// A): rows `[x1, y1, x2, y2, score, class, keypoints…]` in descending score — the top k
+    /// anchors by their best class score, then the top k of their (anchor, class) scores, as
+    /// `metrics::e2e::topk` (Ultralytics' `get_topk_index`); no confidence filter, no NMS.
+    pub fn end_to_end(&mut self, head: &Pose26, feats: &[Value], prefix: &str, max_det: usize, output: &str) -> Result<(String, usize)> {
+        Self::check_levels(head, feats, prefix)?;
+        let raw = self.branch(head, Branch::OneToOne, feats, prefix)?;
+        let anchors = self.anchor_tables(head, feats)?;
+        let a = anchors.count;
+        let decoded = self.decode(&raw, head, &anchors, false, prefix, "e2e.decoded")?;
+        // Selection in f32 (a half-precision file casts here; the rows go back to half at the end).
+        let decoded = self.in_f32(&decoded, "e2e.decoded_f32");
+        let (nc, (nk, d)) = (head.nc as i64, head.kpt_shape);
+        let k = max_det.min(a) as i64;
+        let width = 4 + nc + (nk * d) as i64;
+        let kk = self.g.const_i64(&[k]);
+        let topk = |e: &mut Emitter, x: &str, name: &str| {
+            e.g.op_n(
+                "TopK",
+                name,
+                &[x, &kk],
+                2,
+                vec![("axis", AttrValue::Int(1)), ("largest", AttrValue::Int(1)), ("sorted", AttrValue::Int(1))],
+            )
+        };
+        // Scores (B, nc, A): the best class per anchor, its top k anchors.
+        let split = self.g.const_i64(&[4, nc, width - 4 - nc]);
+        let parts = self.g.op_n("Split", "e2e.parts", &[&decoded, &split], 3, vec![("axis", AttrValue::Int(1))]);
+        let best = self.reduce_max(&parts[1], 1, "e2e.best_class");
+        let ori = topk(self, &best, "e2e.top_anchors");
+        // Their class scores (B, nc, k) → (B, k·nc) anchor-major, then the top k pairs.
+        let ori3 = self.unsqueeze(&ori[1], 1, "e2e.top_anchors_3d");
+        let nck = self.g.const_i64(&[1, nc, 1]);
+        let ori_nc = self.g.op("Tile", "e2e.top_anchors_per_class", &[&ori3, &nck], vec![]);
+        let cand = self.g.op("GatherElements", "e2e.candidate_scores", &[&parts[1], &ori_nc], vec![("axis", AttrValue::Int(2))]);
+        let cand_t = self.g.op("Transpose", "e2e.candidates_by_anchor", &[&cand], vec![("perm", AttrValue::Ints(vec![0, 2, 1]))]);
+        let flat = self.reshape(&cand_t, &[0, k * nc], "e2e.candidates_flat");
+        let pairs = topk(self, &flat, "e2e.top_pairs");
+        let nc_c = self.g.const_i64(&[nc]);
+        let class = self.g.op("Mod", "e2e.class_index", &[&pairs[1], &nc_c], vec![]);
+        let slot = self.g.op("Div", "e2e.anchor_slot", &[&pairs[1], &nc_c], vec![]);
+        let anchor = self.g.op("GatherElements", "e2e.anchor_index", &[&ori[1], &slot], vec![("axis", AttrValue::Int(1))]);
+        // Rows: the anchors' columns (B, W, k) → (B, k, W); boxes, score, class, keypoints.
+        let anchor3 = self.unsqueeze(&anchor, 1, "e2e.anchor_index_3d");
+        let wk = self.g.const_i64(&[1, width, 1]);
+        let anchor_w = self.g.op("Tile", "e2e.anchor_index_per_channel", &[&anchor3, &wk], vec![]);
+        let cols = self.g.op("GatherElements", "e2e.columns", &[&decoded, &anchor_w], vec![("axis", AttrValue::Int(2))]);
+        let rows = self.g.op("Transpose", "e2e.rows", &[&cols], vec![("perm", AttrValue::Ints(vec![0, 2, 1]))]);
+        let row_parts = self.g.op_n("Split", "e2e.row_parts", &[&rows, &split], 3, vec![("axis", AttrValue::Int(2))]);
+        let score = self.unsqueeze(&pairs[0], 2, "e2e.score");
+        let class_f = self.g.op("Cast", "e2e.class_float", &[&class], vec![("to", AttrValue::Int(ONNX_FLOAT))]);
+        let class3 = self.unsqueeze(&class_f, 2, "e2e.class");
+        let parts = [row_parts[0].as_str(), &score, &class3, &row_parts[2]];
+        let out = self.in_output_precision(output, |e, name| e.g.op("Concat", name, &parts, vec![("axis", AttrValue::Int(2))]));
+        Ok((out, k as usize))
     }
 }

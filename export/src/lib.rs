@@ -13,13 +13,19 @@
 //! * the head's one-to-many stems (what `PoseModel::predict` decodes; no sigma views, no
 //!   one-to-one set, no flow) and the decode, anchors and strides stored as initializers.
 //!
-//! The file has one input and one output, named and laid out as ptl's eval forward:
+//! By default ([`export_onnx`]) the file has one input and one output, named and laid out as
+//! ptl's eval forward:
 //!
 //! * `images`: `(batch, 3, H, W)` f32 RGB in [0, 1], the batch dynamic, H and W fixed at export;
 //! * `decoded`: `(batch, 4 + nc + K·D, A)` = `PoseModel::predict(images).decoded` before NMS —
 //!   channels (cx, cy, w, h) in pixels, nc sigmoid class scores, then per keypoint
 //!   (x px, y px, sigmoid visibility); anchors `A = Σ (H/s)·(W/s)` over strides 8, 16, 32,
 //!   levels P3, P4, P5 in order, row-major inside a level.
+//!
+//! [`export_onnx_with`] takes Ultralytics' export settings ([`ExportOptions`]): f16 weights,
+//! input and output (`half`), the opset (13 to 21), and two detection outputs instead of
+//! `decoded` ([`ExportOutput`]): NMS in the graph (`nms.rs`) or the one-to-one branch's top k
+//! (YOLO26's end-to-end form, `head.rs`), both `(batch, rows, 6 + K·D)`.
 //!
 //! ```
 //! use ptl_autograd::Device;
@@ -43,25 +49,103 @@ mod emit;
 mod encode;
 mod fold;
 mod head;
+mod nms;
 mod trunk;
 
 use std::path::Path;
 
 use ptl_heads::PoseModel;
 
-pub use encode::IR_VERSION;
 pub use error::{ExportError, Result};
 
 /// Name of the graph input.
 pub const INPUT_NAME: &str = "images";
-/// Name of the graph output.
+/// Name of the graph output of the decoded (before NMS) form.
 pub const OUTPUT_NAME: &str = "decoded";
-/// The ONNX operator set the graph uses.
+/// Name of the graph output of the detection forms (NMS in the graph, end-to-end).
+pub const DETECTIONS_NAME: &str = "detections";
+/// The ONNX operator set written by default.
 pub const OPSET: i64 = 17;
+/// The opsets the exporter writes: from 13 (`Split`, `Unsqueeze`, `ReduceSum` take their sizes
+/// and axes as inputs) to 21 (the newest checked against onnxruntime).
+pub const OPSETS: std::ops::RangeInclusive<i64> = 13..=21;
 /// Largest exported side (as for training: the anchor tables grow with its square).
 pub const MAX_IMGSZ: usize = 8192;
 /// The largest stride of the model: H and W must be multiples of it.
 const MAX_STRIDE: usize = 32;
+/// Most detections per image the detection forms may hold.
+pub const MAX_DET: usize = 10_000;
+
+pub use nms::NmsSettings;
+
+/// What the graph's output holds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExportOutput {
+    /// `decoded` `(B, 4 + nc + K·D, A)`: the one-to-many decode before NMS, as
+    /// `PoseModel::predict` (Ultralytics' default ONNX output; `nms` not given).
+    Decoded,
+    /// `detections` `(B, max_det, 6 + K·D)` after NMS in the graph (`nms=True`).
+    Nms(NmsSettings),
+    /// `detections` `(B, k, 6 + K·D)`, k = min(max_det, A): the one-to-one branch's top k, no
+    /// NMS (`nms=False`: YOLO26's end-to-end output).
+    EndToEnd { max_det: usize },
+}
+
+/// How to export: input size, precision, opset and output form.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExportOptions {
+    /// `(H, W)`, each a multiple of 32.
+    pub imgsz: (usize, usize),
+    /// Weights, input, activations and output in f16 (`half=True`); NMS and top-k run in f32.
+    pub half: bool,
+    /// The ONNX opset declared (see [`OPSETS`]).
+    pub opset: i64,
+    /// What the output holds.
+    pub output: ExportOutput,
+}
+
+impl ExportOptions {
+    /// The defaults for `(H, W)` inputs: f32, opset [`OPSET`], the decoded output.
+    pub fn new(imgsz: (usize, usize)) -> ExportOptions {
+        ExportOptions { imgsz, half: false, opset: OPSET, output: ExportOutput::Decoded }
+    }
+
+    fn check(&self) -> Result<()> {
+        check_imgsz(self.imgsz.0, self.imgsz.1)?;
+        if !OPSETS.contains(&self.opset) {
+            return Err(ExportError::Option {
+                key: "opset",
+                reason: format!("{}: ptl writes opsets {} to {} (e.g. opset=17)", self.opset, OPSETS.start(), OPSETS.end()),
+            });
+        }
+        let max_det = match self.output {
+            ExportOutput::Decoded => None,
+            ExportOutput::Nms(s) => {
+                for (key, v) in [("conf", s.conf), ("iou", s.iou)] {
+                    if !(0.0..=1.0).contains(&v) {
+                        return Err(ExportError::Option { key, reason: format!("{v}: a threshold in [0, 1]") });
+                    }
+                }
+                Some(s.max_det)
+            }
+            ExportOutput::EndToEnd { max_det } => Some(max_det),
+        };
+        if let Some(m) = max_det.filter(|m| !(1..=MAX_DET).contains(m)) {
+            return Err(ExportError::Option { key: "max_det", reason: format!("{m}: between 1 and {MAX_DET} detections per image") });
+        }
+        Ok(())
+    }
+}
+
+/// The ONNX IR version that goes with `opset` (the oldest IR that defines it).
+pub fn ir_version(opset: i64) -> i64 {
+    match opset {
+        ..=14 => 7,
+        15..=18 => 8,
+        19..=20 => 9,
+        _ => 10,
+    }
+}
 
 /// The formats `ptl export` writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +188,8 @@ pub struct OnnxModel {
     pub input: (String, Vec<Dim>),
     pub output: (String, Vec<Dim>),
     pub opset: i64,
+    /// f16 weights, input and output (f32 op parameters stay f32).
+    pub half: bool,
     /// What the file computes, for readers of the file (stored as the graph's doc string).
     pub doc: String,
     /// Key/value facts stored in the file (stride, image size, keypoint shape, …).
@@ -163,29 +249,74 @@ fn check_imgsz(h: usize, w: usize) -> Result<()> {
 /// its decode, BatchNorm folded with its running statistics (so the result is the eval model's
 /// whatever the model's training flag). See the crate docs for the input and output layout.
 pub fn export_onnx(model: &PoseModel, imgsz: (usize, usize)) -> Result<OnnxModel> {
-    let (h, w) = imgsz;
-    check_imgsz(h, w)?;
-    let mut e = emit::Emitter { g: graph::Graph::default() };
+    export_onnx_with(model, &ExportOptions::new(imgsz))
+}
+
+/// Exports `model` as `options` say (see [`ExportOptions`], [`ExportOutput`]).
+pub fn export_onnx_with(model: &PoseModel, options: &ExportOptions) -> Result<OnnxModel> {
+    options.check()?;
+    let (h, w) = options.imgsz;
+    let mut e = emit::Emitter { g: graph::Graph::default(), opset: options.opset, half: options.half };
     let input = emit::Value { name: e.g.reserve(INPUT_NAME), c: 3, h, w };
     let feats = e.trunk(model, &input)?;
     let head_index = model.layers().len().saturating_sub(1);
-    let out = e.head(model.head(), &feats, &format!("model.{head_index}"), OUTPUT_NAME)?;
-    if out != OUTPUT_NAME {
-        return Err(ExportError::unsupported("model", format!("the output came out as `{out}`, not `{OUTPUT_NAME}`")));
-    }
+    let prefix = format!("model.{head_index}");
     let head = model.head();
     let (k, d) = head.kpt_shape;
     let anchors: usize = feats.iter().map(|f| f.h * f.w).sum();
     let channels = 4 + head.nc + k * d;
     let batch = || Dim::Named("batch".into());
+    let precision = if options.half { "f16" } else { "f32" };
+    let (out, out_dims, layout) = match options.output {
+        ExportOutput::Decoded => {
+            let out = e.head(head, &feats, &prefix, OUTPUT_NAME)?;
+            let layout = format!(
+                "Output `{OUTPUT_NAME}` (batch, {channels}, {anchors}): cx, cy, w, h (px), {} sigmoid class score(s), then for each of \
+                 {k} keypoints x, y (px){}; anchors over strides 8, 16, 32, levels P3, P4, P5, row-major; before NMS.",
+                head.nc,
+                if d == 3 { ", sigmoid visibility" } else { "" }
+            );
+            (out, vec![batch(), Dim::Fixed(channels), Dim::Fixed(anchors)], layout)
+        }
+        ExportOutput::Nms(s) => {
+            let decoded = e.head(head, &feats, &prefix, "decoded")?;
+            let out = e.nms(&decoded, head.nc, k * d, &s, DETECTIONS_NAME);
+            let layout = format!(
+                "Output `{DETECTIONS_NAME}` (batch, {}, {}): per image the detections after NMS (best class score > {}, IoU > {} \
+                 suppressed within a class), score descending, rows x1, y1, x2, y2 (px), score, class, then {k} keypoints' x, y (px){}; \
+                 zero rows after the last.",
+                s.max_det,
+                6 + k * d,
+                s.conf,
+                s.iou,
+                if d == 3 { ", visibility" } else { "" }
+            );
+            (out, vec![batch(), Dim::Fixed(s.max_det), Dim::Fixed(6 + k * d)], layout)
+        }
+        ExportOutput::EndToEnd { max_det } => {
+            let (out, rows) = e.end_to_end(head, &feats, &prefix, max_det, DETECTIONS_NAME)?;
+            let layout = format!(
+                "Output `{DETECTIONS_NAME}` (batch, {rows}, {}): the one-to-one (end-to-end) branch's top {rows} (anchor, class) \
+                 scores, no NMS, score descending, rows x1, y1, x2, y2 (px), score, class, then {k} keypoints' x, y (px){}; filter by \
+                 score.",
+                6 + k * d,
+                if d == 3 { ", visibility" } else { "" }
+            );
+            (out, vec![batch(), Dim::Fixed(rows), Dim::Fixed(6 + k * d)], layout)
+        }
+    };
+    if out != out_name(options) {
+        return Err(ExportError::unsupported("model", format!("the output came out as `{out}`, not `{}`", out_name(options))));
+    }
     let doc = format!(
-        "YOLO26{}-pose eval forward (ptl), before NMS. Input `{INPUT_NAME}` (batch, 3, {h}, {w}): RGB in [0, 1]. \
-         Output `{OUTPUT_NAME}` (batch, {channels}, {anchors}): cx, cy, w, h (px), {} sigmoid class score(s), then for each of \
-         {k} keypoints x, y (px){}; anchors over strides 8, 16, 32, levels P3, P4, P5, row-major.",
+        "YOLO26{}-pose eval forward (ptl), {precision}. Input `{INPUT_NAME}` (batch, 3, {h}, {w}): RGB in [0, 1]. {layout}",
         model.config.scale.letter(),
-        head.nc,
-        if d == 3 { ", sigmoid visibility" } else { "" }
     );
+    let form = match options.output {
+        ExportOutput::Decoded => "decoded",
+        ExportOutput::Nms(_) => "nms",
+        ExportOutput::EndToEnd { .. } => "end2end",
+    };
     let metadata = vec![
         ("producer".to_string(), "ptl".to_string()),
         ("task".to_string(), "pose".to_string()),
@@ -194,16 +325,25 @@ pub fn export_onnx(model: &PoseModel, imgsz: (usize, usize)) -> Result<OnnxModel
         ("kpt_shape".to_string(), format!("[{k}, {d}]")),
         ("nc".to_string(), head.nc.to_string()),
         ("names".to_string(), "{0: 'person'}".to_string()),
-        ("output_layout".to_string(), "xywh, scores, keypoints (x, y, v); before NMS".to_string()),
+        ("half".to_string(), if options.half { "True" } else { "False" }.to_string()),
+        ("output".to_string(), form.to_string()),
     ];
     Ok(OnnxModel {
         graph: e.g,
         input: (INPUT_NAME.to_string(), vec![batch(), Dim::Fixed(3), Dim::Fixed(h), Dim::Fixed(w)]),
-        output: (OUTPUT_NAME.to_string(), vec![batch(), Dim::Fixed(channels), Dim::Fixed(anchors)]),
-        opset: OPSET,
+        output: (out, out_dims),
+        opset: options.opset,
+        half: options.half,
         doc,
         metadata,
     })
+}
+
+fn out_name(options: &ExportOptions) -> &'static str {
+    match options.output {
+        ExportOutput::Decoded => OUTPUT_NAME,
+        _ => DETECTIONS_NAME,
+    }
 }
 
 #[cfg(test)]

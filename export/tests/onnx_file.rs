@@ -37,7 +37,7 @@ fn the_file_decodes_with_the_documented_interface_and_a_well_formed_graph() {
     let onnx = ptl_export::export_onnx(&model, (64, 96)).expect("export");
     let bytes = onnx.to_bytes();
     let parsed = onnx_rs::parse(&bytes).expect("the bytes parse as an ONNX model");
-    assert_eq!(parsed.ir_version, ptl_export::IR_VERSION);
+    assert_eq!(parsed.ir_version, ptl_export::ir_version(17));
     assert_eq!(parsed.opset_import.len(), 1);
     assert_eq!((parsed.opset_import[0].domain, parsed.opset_import[0].version), ("", 17));
     let g = parsed.graph.as_ref().expect("graph");
@@ -142,4 +142,55 @@ fn bad_sizes_are_refused_with_the_rule() {
     let model = eval_model(Scale::N, (17, 3));
     let e = ptl_export::export_onnx(&model, (100, 64)).unwrap_err();
     assert!(e.to_string().contains("multiple of 32"), "{e}");
+}
+
+/// The variants' files as parsed back: the declared opset and its IR version, f16 weights and
+/// I/O in a half file with the op parameters ONNX types as f32 (`Resize` scales, NMS thresholds)
+/// kept f32, the detection outputs' shapes; settings out of range are typed errors naming the key.
+#[test]
+fn variants_declare_their_opset_precision_and_output() {
+    use ptl_export::{export_onnx_with, ExportError, ExportOptions, ExportOutput, NmsSettings};
+    let model = eval_model(Scale::N, (17, 3));
+    let base = ExportOptions::new((64, 64));
+    for opset in [13, 21] {
+        let bytes = export_onnx_with(&model, &ExportOptions { opset, ..base }).expect("export").to_bytes();
+        let parsed = onnx_rs::parse(&bytes).expect("parses");
+        assert_eq!((parsed.opset_import[0].version, parsed.ir_version), (opset, ptl_export::ir_version(opset)));
+    }
+    let nms = ExportOutput::Nms(NmsSettings { conf: 0.25, iou: 0.7, max_det: 100 });
+    let half = export_onnx_with(&model, &ExportOptions { half: true, output: nms, ..base }).expect("export");
+    assert_eq!(half.output_dims(), vec![None, Some(100), Some(6 + 51)]);
+    let bytes = half.to_bytes();
+    let parsed = onnx_rs::parse(&bytes).expect("parses");
+    let g = parsed.graph.as_ref().expect("graph");
+    for v in [&g.input[0], &g.output[0]] {
+        let Some(TypeValue::Tensor(t)) = v.r#type.as_ref().and_then(|t| t.value.as_ref()) else { panic!("{} is not a tensor", v.name) };
+        assert_eq!(t.elem_type, DataType::Float16, "{}", v.name);
+    }
+    let (mut halves, mut kept_f32) = (0, Vec::new());
+    for t in &g.initializer {
+        match t.data_type() {
+            DataType::Float16 => halves += 1,
+            DataType::Float => kept_f32.push(t.name().to_string()),
+            _ => {}
+        }
+    }
+    assert!(halves > 100, "{halves} f16 tensors");
+    assert!(
+        !kept_f32.is_empty()
+            && kept_f32.iter().all(|n| n.ends_with(".scales") || n.starts_with("nms.") || n.starts_with("const_f32_param")),
+        "{kept_f32:?}"
+    );
+    let e2e = export_onnx_with(&model, &ExportOptions { output: ExportOutput::EndToEnd { max_det: 300 }, ..base }).expect("export");
+    assert_eq!(e2e.output_dims(), vec![None, Some(64 + 16 + 4), Some(57)], "k = min(max_det, anchors)");
+    for (bad, key) in [
+        (ExportOptions { opset: 12, ..base }, "opset"),
+        (ExportOptions { opset: 22, ..base }, "opset"),
+        (ExportOptions { output: ExportOutput::EndToEnd { max_det: 0 }, ..base }, "max_det"),
+        (ExportOptions { output: ExportOutput::Nms(NmsSettings { conf: 1.5, iou: 0.7, max_det: 1 }), ..base }, "conf"),
+    ] {
+        let e = export_onnx_with(&model, &bad).unwrap_err();
+        assert!(matches!(&e, ExportError::Option { key: k, .. } if *k == key), "{e}");
+        assert!(e.to_string().starts_with(&format!("{key}=")), "{e}");
+    }
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use ptl_autograd::{Device, Module};
-use ptl_export::ExportFormat;
+use ptl_export::{ExportFormat, ExportOptions, ExportOutput, NmsSettings};
 use ptl_heads::{ModelConfig, PoseModel};
 use ptl_trainer::pose::weights::load_start_weights;
 use ptl_trainer::pose::ModelSource;
@@ -14,12 +14,14 @@ use ptl_trainer::pose::ModelSource;
 pub struct ExportArgs {
     /// `key=value` settings, Ultralytics style: format=onnx, model= (alias weights=; a ptl
     /// checkpoint, a safetensors state dict, or a size such as yolo26n-pose.yaml), imgsz=,
-    /// out= (alias file=; default: next to the weights, with the format's extension).
+    /// half=, opset=, nms= (True: NMS in the graph with conf=, iou=, max_det=; False: the
+    /// end-to-end one-to-one output with max_det=), out= (alias file=; default: next to the
+    /// weights, with the format's extension).
     pub settings: Vec<String>,
 }
 
 /// The keys `ptl export` accepts as `key=value`.
-const EXPORT_KEYS: &str = "format, model, imgsz, out";
+const EXPORT_KEYS: &str = "format, model, imgsz, half, opset, nms, conf, iou, max_det, dynamic, simplify, out";
 
 /// What to export, read from the settings.
 #[derive(Debug)]
@@ -28,6 +30,7 @@ struct ExportSettings {
     model: String,
     imgsz: usize,
     out: Option<PathBuf>,
+    options: ExportOptions,
 }
 
 /// Reads the settings and nothing else (the key walk's view: whether each key is taken).
@@ -36,15 +39,51 @@ pub(crate) fn parse_keys(settings: &[String]) -> Result<(), String> {
     parse_settings(settings).map(|_| ()).or_else(|e| if e.starts_with("no format") || e.starts_with("no model") { Ok(()) } else { Err(e) })
 }
 
+/// A Python-style switch (`True`, `false`, `1`, …).
+fn switch(k: &str, v: &str) -> Result<bool, String> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(format!("`{k}={v}`: expected True or False")),
+    }
+}
+
+fn number<T: std::str::FromStr>(k: &str, v: &str, what: &str) -> Result<T, String> {
+    v.trim().parse().map_err(|_| format!("`{k}={v}`: expected {what}"))
+}
+
 fn parse_settings(settings: &[String]) -> Result<ExportSettings, String> {
     let (mut format, mut model, mut imgsz, mut out) = (None, None, 640usize, None);
+    let (mut half, mut opset, mut nms, mut conf, mut iou, mut max_det) = (false, ptl_export::OPSET, None, None, None, None);
     for s in settings {
         let (k, v) = s.split_once('=').ok_or_else(|| format!("`{s}` is not key=value (ptl export takes {EXPORT_KEYS})"))?;
+        let empty = v.trim().is_empty() || v.trim().eq_ignore_ascii_case("none");
         match k {
             "format" => format = Some(ExportFormat::parse(v).map_err(|e| e.to_string())?),
             "model" | "weights" => model = Some(v.to_string()),
-            "imgsz" => imgsz = v.parse().map_err(|_| format!("`{k}={v}`: expected a positive multiple of 32, e.g. imgsz=640"))?,
+            "imgsz" => imgsz = number(k, v, "a positive multiple of 32, e.g. imgsz=640")?,
             "out" | "file" => out = Some(PathBuf::from(v)),
+            "half" => half = switch(k, v)?,
+            "opset" if empty => opset = ptl_export::OPSET,
+            "opset" => opset = number(k, v, "an ONNX opset number, e.g. opset=17")?,
+            "nms" if empty => nms = None,
+            "nms" => nms = Some(switch(k, v)?),
+            "conf" if empty => conf = None,
+            "conf" => conf = Some(number::<f32>(k, v, "a score threshold in [0, 1], e.g. conf=0.25")?),
+            "iou" => iou = Some(number::<f32>(k, v, "an IoU threshold in [0, 1], e.g. iou=0.7")?),
+            "max_det" => max_det = Some(number::<usize>(k, v, "a number of detections per image, e.g. max_det=300")?),
+            // The batch is always dynamic; height and width are fixed at export.
+            "dynamic" if !switch(k, v)? => {}
+            "dynamic" => {
+                return Err(format!(
+                    "`{k}={v}`: height and width are fixed at export (imgsz=); the batch is dynamic in every file ptl writes"
+                ))
+            }
+            // The graph is written simplified (BatchNorm folded, no constant subgraphs): the
+            // same file either way.
+            "simplify" => {
+                switch(k, v)?;
+            }
             _ => {
                 if let Some(answered) = super::ultralytics_keys::answer("export", k, v) {
                     answered?;
@@ -56,11 +95,36 @@ fn parse_settings(settings: &[String]) -> Result<ExportSettings, String> {
             }
         }
     }
+    let output = match nms {
+        None => {
+            if let Some((k, _)) =
+                [("conf", conf.is_some()), ("iou", iou.is_some()), ("max_det", max_det.is_some())].iter().find(|(_, given)| *given)
+            {
+                return Err(format!(
+                    "`{k}=` shapes the detections of nms=True (NMS in the graph) or nms=False (the end-to-end output); without nms= \
+                     the file outputs the decoded predictions before NMS"
+                ));
+            }
+            ExportOutput::Decoded
+        }
+        Some(true) => {
+            ExportOutput::Nms(NmsSettings { conf: conf.unwrap_or(0.25), iou: iou.unwrap_or(0.7), max_det: max_det.unwrap_or(300) })
+        }
+        Some(false) => {
+            if let Some(k) = [("conf", conf.is_some()), ("iou", iou.is_some())].iter().find(|(_, g)| *g).map(|(k, _)| k) {
+                return Err(format!(
+                    "`{k}=` is a setting of NMS (nms=True); the end-to-end output (nms=False) has no NMS: filter its rows by score"
+                ));
+            }
+            ExportOutput::EndToEnd { max_det: max_det.unwrap_or(300) }
+        }
+    };
     Ok(ExportSettings {
         format: format.ok_or_else(|| format!("no format: pass format=onnx (ptl exports {})", ExportFormat::KNOWN))?,
         model: model.ok_or("no model to export: pass model=weights/best.ckpt (a ptl checkpoint or a .safetensors state dict)")?,
         imgsz,
         out,
+        options: ExportOptions { imgsz: (imgsz, imgsz), half, opset, output },
     })
 }
 
@@ -110,14 +174,15 @@ pub fn run_export(a: ExportArgs) -> Result<(), String> {
     let path = out_path(&s, &source, &model);
     match s.format {
         ExportFormat::Onnx => {
-            let onnx = ptl_export::export_onnx(&model, (s.imgsz, s.imgsz)).map_err(|e| e.to_string())?;
+            let onnx = ptl_export::export_onnx_with(&model, &s.options).map_err(|e| e.to_string())?;
             onnx.write(&path).map_err(|e| e.to_string())?;
             let dims: Vec<String> = onnx.output_dims().iter().map(|d| d.map_or("batch".to_string(), |n| n.to_string())).collect();
             println!(
-                "exported {} ({} parameters, opset {}) for {}×{} input `{}` (batch, 3, {}, {}) -> output `{}` ({}) to {}",
+                "exported {} ({} parameters, opset {}, {}) for {}×{} input `{}` (batch, 3, {}, {}) -> output `{}` ({}) to {}",
                 s.model,
                 onnx.num_parameters(),
                 onnx.opset,
+                if onnx.half { "f16" } else { "f32" },
                 s.imgsz,
                 s.imgsz,
                 onnx.input.0,
@@ -154,5 +219,30 @@ mod tests {
         assert!(e.contains("model="), "{e}");
         let e = parse_settings(&strings(&["format=onnx", "model=a.ckpt", "imgsz=big"])).unwrap_err();
         assert!(e.contains("imgsz=big"), "{e}");
+    }
+
+    /// Ultralytics' export keys: nms= picks the output form, its thresholds only go with it.
+    #[test]
+    fn export_variants_are_read_as_ultralytics_spells_them() {
+        let opts = |v: &[&str]| parse_settings(&strings(&[&["format=onnx", "model=a.ckpt"], v].concat())).map(|s| s.options);
+        let o = opts(&["half=True", "opset=", "nms=", "simplify=True", "dynamic=False"]).unwrap();
+        assert_eq!((o.half, o.opset, o.output), (true, ptl_export::OPSET, ExportOutput::Decoded));
+        assert_eq!(opts(&["opset=13"]).unwrap().opset, 13);
+        assert_eq!(opts(&["nms=True"]).unwrap().output, ExportOutput::Nms(NmsSettings { conf: 0.25, iou: 0.7, max_det: 300 }));
+        assert_eq!(
+            opts(&["nms=true", "conf=0.5", "iou=0.6", "max_det=10"]).unwrap().output,
+            ExportOutput::Nms(NmsSettings { conf: 0.5, iou: 0.6, max_det: 10 })
+        );
+        assert_eq!(opts(&["nms=False", "max_det=20"]).unwrap().output, ExportOutput::EndToEnd { max_det: 20 });
+        for (bad, said) in [
+            (vec!["conf=0.3"], "nms=True"),
+            (vec!["nms=False", "iou=0.5"], "no NMS"),
+            (vec!["dynamic=True"], "fixed at export"),
+            (vec!["half=maybe"], "True or False"),
+            (vec!["opset=x"], "opset=x"),
+        ] {
+            let e = opts(&bad).unwrap_err();
+            assert!(e.contains(said), "{bad:?}: {e}");
+        }
     }
 }

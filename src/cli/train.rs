@@ -109,10 +109,9 @@ fn embedded_default(cfg: &mut PoseTrainConfig) {
 /// Builds the run configuration: defaults → embedded-default settings (when no data is given)
 /// → yaml file(s) → `key=value` overrides → flags.
 pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
-    let mut cfg = PoseTrainConfig::default();
     // Ultralytics' default precision: amp=True (16-mixed on a GPU, 32-true on the CPU) unless
     // amp= or precision= (key, yaml or --precision) says otherwise.
-    cfg.amp = Some(true);
+    let mut cfg = PoseTrainConfig { amp: Some(true), ..PoseTrainConfig::default() };
     let mut overrides = Vec::new();
     let mut from_yaml = Vec::new();
     for s in &a.settings {

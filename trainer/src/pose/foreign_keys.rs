@@ -8,7 +8,8 @@
 type Foreign = (&'static str, &'static [&'static str], &'static str);
 
 const PREDICT: &str = "a prediction setting: `ptl predict` takes it";
-const EXPORT: &str = "an export setting ptl's ONNX export does not have (`ptl export` takes format=onnx, model, imgsz and out)";
+const EXPORT: &str =
+    "an export setting: `ptl export` takes it (format=onnx, model, imgsz, half, opset, nms, conf, iou, max_det, dynamic, simplify, out)";
 const TRACK: &str = "a tracking or streaming setting: ptl predicts on images, with no tracker or video";
 const SEGMENT: &str = "a segmentation setting: ptl trains pose models";
 const CLASSIFY: &str = "a classification setting: ptl trains pose models";
