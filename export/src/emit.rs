@@ -28,6 +28,9 @@ pub struct Emitter {
     pub opset: i64,
     /// The model computes in half precision (weights, activations, input and output).
     pub half: bool,
+    /// Height and width are dynamic: sizes come from the tensors' shapes at run time, and the
+    /// static sizes tracked in [`Value`] are those of the nominal export size only.
+    pub dynamic: bool,
 }
 
 fn ints(v: &[usize]) -> AttrValue {
@@ -165,6 +168,24 @@ impl Emitter {
         }
         let y = last(self, &format!("{output}_f32"));
         self.g.op("Cast", output, &[&y], vec![("to", AttrValue::Int(ONNX_FLOAT16))])
+    }
+
+    /// `x` reshaped to the shape of `like` (a map of the same size), static or read at run time.
+    pub fn reshape_like(&mut self, x: &str, like: &Value, name: &str) -> String {
+        if self.dynamic {
+            let shape = self.g.op("Shape", &format!("{name}.shape"), &[&like.name], vec![]);
+            return self.g.op("Reshape", name, &[x, &shape], vec![]);
+        }
+        self.reshape(x, &[0, like.c as i64, like.h as i64, like.w as i64], name)
+    }
+
+    /// The position count `h·w` of a map for a reshape: −1 (inferred) when sizes are dynamic.
+    pub fn positions(&self, x: &Value) -> i64 {
+        if self.dynamic {
+            -1
+        } else {
+            (x.h * x.w) as i64
+        }
     }
 
     /// `Reshape` to `shape` (0 copies the batch); returns the output name.

@@ -6,7 +6,7 @@
 use ptl_autograd::{DType, Device};
 use ptl_heads::{make_anchors, Branch, Pose26};
 
-use crate::emit::{Emitter, Value, ONNX_FLOAT};
+use crate::emit::{Emitter, Value, ONNX_FLOAT, ONNX_FLOAT16};
 use crate::graph::AttrValue;
 use crate::{ExportError, Result};
 
@@ -27,7 +27,8 @@ struct RawBranch {
 impl Emitter {
     /// A `(B, c, h, w)` map as `(B, c, h·w)`.
     fn flatten(&mut self, x: &Value, name: &str) -> String {
-        self.reshape(&x.name, &[0, x.c as i64, (x.h * x.w) as i64], name)
+        let n = self.positions(x);
+        self.reshape(&x.name, &[0, x.c as i64, n], name)
     }
 
     fn concat_anchors(&mut self, parts: &[String], name: &str) -> String {
@@ -75,6 +76,9 @@ impl Emitter {
     /// The anchor centres `(1, 2, A)` (grid units: the x row, then the y row) and strides
     /// `(1, 1, A)` of these feature maps, as initializers.
     fn anchor_tables(&mut self, head: &Pose26, feats: &[Value]) -> Result<Anchors> {
+        if self.dynamic {
+            return self.anchor_tables_at_run_time(head, feats);
+        }
         let sizes: Vec<(usize, usize)> = feats.iter().map(|f| (f.h, f.w)).collect();
         let a: usize = sizes.iter().map(|(h, w)| h * w).sum();
         let (anchors, strides) = make_anchors(&sizes, &head.strides, 0.5, DType::F32, Device::Cpu)?;
@@ -84,6 +88,55 @@ impl Emitter {
         let anc = self.g.init_f32("anchors", &[1, 2, a], rows);
         let st = self.g.init_f32("anchor_strides", &[1, 1, a], strides.to_vec::<f32>()?);
         Ok(Anchors { centres: anc, strides: st, count: a })
+    }
+
+    /// [`Self::anchor_tables`] computed from the feature maps' shapes when the file runs (any
+    /// height and width): per level `(x + 0.5, y + 0.5)` over its `h × w` grid, row-major, and
+    /// its stride — `make_anchors` with offset 0.5, the same values.
+    fn anchor_tables_at_run_time(&mut self, head: &Pose26, feats: &[Value]) -> Result<Anchors> {
+        let axis = |a: i64| vec![("axis", AttrValue::Int(a))];
+        let (zero, one) = (self.g.const_i64_scalar(0), self.g.const_i64_scalar(1));
+        let half = self.g.const_f32_param(0.5);
+        let (mut centres, mut strides) = (Vec::new(), Vec::new());
+        for (i, f) in feats.iter().enumerate() {
+            let n = format!("anchors.{i}");
+            let stride = *head.strides.get(i).ok_or_else(|| ExportError::unsupported("anchors", format!("no stride for level {i}")))?;
+            let shape = self.g.op("Shape", &format!("{n}.shape"), &[&f.name], vec![]);
+            let (hi, wi) = (self.g.const_i64_scalar(2), self.g.const_i64_scalar(3));
+            let h = self.g.op("Gather", &format!("{n}.h"), &[&shape, &hi], axis(0));
+            let w = self.g.op("Gather", &format!("{n}.w"), &[&shape, &wi], axis(0));
+            let cell = |e: &mut Emitter, len: &str, what: &str| {
+                let r = e.g.op("Range", &format!("{n}.{what}_index"), &[&zero, len, &one], vec![]);
+                let r = e.g.op("Cast", &format!("{n}.{what}_float"), &[&r], vec![("to", AttrValue::Int(ONNX_FLOAT))]);
+                e.g.op("Add", &format!("{n}.{what}"), &[&r, &half], vec![])
+            };
+            let (xs, ys) = (cell(self, &w, "x"), cell(self, &h, "y"));
+            let h1 = self.unsqueeze(&h, 0, &format!("{n}.h_1d"));
+            let w1 = self.unsqueeze(&w, 0, &format!("{n}.w_1d"));
+            let hw = self.g.op("Concat", &format!("{n}.hw"), &[&h1, &w1], axis(0));
+            let xs2 = self.unsqueeze(&xs, 0, &format!("{n}.x_row"));
+            let ys2 = self.unsqueeze(&ys, 1, &format!("{n}.y_column"));
+            let gx = self.g.op("Expand", &format!("{n}.grid_x"), &[&xs2, &hw], vec![]);
+            let gy = self.g.op("Expand", &format!("{n}.grid_y"), &[&ys2, &hw], vec![]);
+            let gx = self.reshape(&gx, &[1, -1], &format!("{n}.grid_x_flat"));
+            let gy = self.reshape(&gy, &[1, -1], &format!("{n}.grid_y_flat"));
+            centres.push(self.g.op("Concat", &format!("{n}.centres"), &[&gx, &gy], axis(0)));
+            let s = self.g.init_f32_param(&format!("{n}.stride"), &[1, 1], vec![stride as f32]);
+            let positions = self.g.op("Shape", &format!("{n}.positions"), &[&gx], vec![]);
+            strides.push(self.g.op("Expand", &format!("{n}.strides"), &[&s, &positions], vec![]));
+        }
+        let (centre_refs, stride_refs): (Vec<&str>, Vec<&str>) =
+            (centres.iter().map(String::as_str).collect(), strides.iter().map(String::as_str).collect());
+        let centres = self.g.op("Concat", "anchors.centres", &centre_refs, axis(1));
+        let strides = self.g.op("Concat", "anchors.all_strides", &stride_refs, axis(1));
+        let centres = self.unsqueeze(&centres, 0, "anchors_f32");
+        let strides = self.unsqueeze(&strides, 0, "anchor_strides_f32");
+        // In the model's precision.
+        let to = if self.half { ONNX_FLOAT16 } else { ONNX_FLOAT };
+        let centres = self.g.op("Cast", "anchors", &[&centres], vec![("to", AttrValue::Int(to))]);
+        let strides = self.g.op("Cast", "anchor_strides", &[&strides], vec![("to", AttrValue::Int(to))]);
+        let count = feats.iter().map(|f| f.h * f.w).sum();
+        Ok(Anchors { centres, strides, count })
     }
 
     /// Decodes a branch's raw outputs to `(B, 4 + nc + K·D, A)`: boxes in pixels — `(cx, cy, w,
@@ -115,7 +168,8 @@ impl Emitter {
             return Err(ExportError::unsupported(prefix, format!("keypoints with {d} values (2 or 3 are exported)")));
         }
         let (k, d) = (k as i64, d as i64);
-        let per_kpt = self.reshape(&raw.kpts, &[0, k, d, a as i64], "decode.kpts_split");
+        let n = if self.dynamic { -1 } else { a as i64 };
+        let per_kpt = self.reshape(&raw.kpts, &[0, k, d, n], "decode.kpts_split");
         let (xy_raw, visibility) = if d == 3 {
             let split = self.g.const_i64(&[2, 1]);
             let parts = self.g.op_n("Split", "decode.kpt_xy_v", &[&per_kpt, &split], 2, vec![("axis", AttrValue::Int(2))]);
@@ -130,7 +184,7 @@ impl Emitter {
             Some(v) => self.g.op("Concat", "decode.kpt_xyv", &[&kxy, v], vec![("axis", AttrValue::Int(2))]),
             None => kxy,
         };
-        let kpts = self.reshape(&kpts4, &[0, k * d, a as i64], "decode.kpts");
+        let kpts = self.reshape(&kpts4, &[0, k * d, n], "decode.kpts");
         Ok(self.g.op("Concat", output, &[&boxes, &scores, &kpts], vec![("axis", AttrValue::Int(1))]))
     }
 
@@ -165,7 +219,16 @@ impl Emitter {
         let (nc, (nk, d)) = (head.nc as i64, head.kpt_shape);
         let k = max_det.min(a) as i64;
         let width = 4 + nc + (nk * d) as i64;
-        let kk = self.g.const_i64(&[k]);
+        // k = min(max_det, A): A read from the decoded output when the size is dynamic.
+        let kk = if self.dynamic {
+            let shape = self.g.op("Shape", "e2e.decoded_shape", &[&decoded], vec![]);
+            let two = self.g.const_i64(&[2]);
+            let anchors_now = self.g.op("Gather", "e2e.anchor_count", &[&shape, &two], vec![("axis", AttrValue::Int(0))]);
+            let most = self.g.const_i64(&[max_det as i64]);
+            self.g.op("Min", "e2e.k", &[&anchors_now, &most], vec![])
+        } else {
+            self.g.const_i64(&[k])
+        };
         let topk = |e: &mut Emitter, x: &str, name: &str| {
             e.g.op_n(
                 "TopK",
@@ -186,7 +249,7 @@ impl Emitter {
         let ori_nc = self.g.op("Tile", "e2e.top_anchors_per_class", &[&ori3, &nck], vec![]);
         let cand = self.g.op("GatherElements", "e2e.candidate_scores", &[&parts[1], &ori_nc], vec![("axis", AttrValue::Int(2))]);
         let cand_t = self.g.op("Transpose", "e2e.candidates_by_anchor", &[&cand], vec![("perm", AttrValue::Ints(vec![0, 2, 1]))]);
-        let flat = self.reshape(&cand_t, &[0, k * nc], "e2e.candidates_flat");
+        let flat = self.reshape(&cand_t, &[0, if self.dynamic { -1 } else { k * nc }], "e2e.candidates_flat");
         let pairs = topk(self, &flat, "e2e.top_pairs");
         let nc_c = self.g.const_i64(&[nc]);
         let class = self.g.op("Mod", "e2e.class_index", &[&pairs[1], &nc_c], vec![]);

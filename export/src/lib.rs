@@ -23,7 +23,8 @@
 //!   levels P3, P4, P5 in order, row-major inside a level.
 //!
 //! [`export_onnx_with`] takes Ultralytics' export settings ([`ExportOptions`]): f16 weights,
-//! input and output (`half`), the opset (13 to 21), and two detection outputs instead of
+//! input and output (`half`), the opset (13 to 21), dynamic height and width (`dynamic`: the
+//! anchors computed from the feature maps' shapes at run time), and two detection outputs instead of
 //! `decoded` ([`ExportOutput`]): NMS in the graph (`nms.rs`) or the one-to-one branch's top k
 //! (YOLO26's end-to-end form, `head.rs`), both `(batch, rows, 6 + K·D)`.
 //!
@@ -100,6 +101,10 @@ pub struct ExportOptions {
     pub half: bool,
     /// The ONNX opset declared (see [`OPSETS`]).
     pub opset: i64,
+    /// Height and width dynamic (`dynamic=True`): any multiple of 32 at run time, the anchors
+    /// computed from the feature maps' shapes; `imgsz` is then the nominal size. The batch is
+    /// dynamic in every file.
+    pub dynamic: bool,
     /// What the output holds.
     pub output: ExportOutput,
 }
@@ -107,7 +112,7 @@ pub struct ExportOptions {
 impl ExportOptions {
     /// The defaults for `(H, W)` inputs: f32, opset [`OPSET`], the decoded output.
     pub fn new(imgsz: (usize, usize)) -> ExportOptions {
-        ExportOptions { imgsz, half: false, opset: OPSET, output: ExportOutput::Decoded }
+        ExportOptions { imgsz, half: false, opset: OPSET, dynamic: false, output: ExportOutput::Decoded }
     }
 
     fn check(&self) -> Result<()> {
@@ -256,7 +261,7 @@ pub fn export_onnx(model: &PoseModel, imgsz: (usize, usize)) -> Result<OnnxModel
 pub fn export_onnx_with(model: &PoseModel, options: &ExportOptions) -> Result<OnnxModel> {
     options.check()?;
     let (h, w) = options.imgsz;
-    let mut e = emit::Emitter { g: graph::Graph::default(), opset: options.opset, half: options.half };
+    let mut e = emit::Emitter { g: graph::Graph::default(), opset: options.opset, half: options.half, dynamic: options.dynamic };
     let input = emit::Value { name: e.g.reserve(INPUT_NAME), c: 3, h, w };
     let feats = e.trunk(model, &input)?;
     let head_index = model.layers().len().saturating_sub(1);
@@ -266,6 +271,7 @@ pub fn export_onnx_with(model: &PoseModel, options: &ExportOptions) -> Result<On
     let anchors: usize = feats.iter().map(|f| f.h * f.w).sum();
     let channels = 4 + head.nc + k * d;
     let batch = || Dim::Named("batch".into());
+    let sized = |n: usize, name: &str| if options.dynamic { Dim::Named(name.into()) } else { Dim::Fixed(n) };
     let precision = if options.half { "f16" } else { "f32" };
     let (out, out_dims, layout) = match options.output {
         ExportOutput::Decoded => {
@@ -276,7 +282,7 @@ pub fn export_onnx_with(model: &PoseModel, options: &ExportOptions) -> Result<On
                 head.nc,
                 if d == 3 { ", sigmoid visibility" } else { "" }
             );
-            (out, vec![batch(), Dim::Fixed(channels), Dim::Fixed(anchors)], layout)
+            (out, vec![batch(), Dim::Fixed(channels), sized(anchors, "anchors")], layout)
         }
         ExportOutput::Nms(s) => {
             let decoded = e.head(head, &feats, &prefix, "decoded")?;
@@ -302,15 +308,21 @@ pub fn export_onnx_with(model: &PoseModel, options: &ExportOptions) -> Result<On
                 6 + k * d,
                 if d == 3 { ", visibility" } else { "" }
             );
-            (out, vec![batch(), Dim::Fixed(rows), Dim::Fixed(6 + k * d)], layout)
+            (out, vec![batch(), sized(rows, "rows"), Dim::Fixed(6 + k * d)], layout)
         }
     };
     if out != out_name(options) {
         return Err(ExportError::unsupported("model", format!("the output came out as `{out}`, not `{}`", out_name(options))));
     }
     let doc = format!(
-        "YOLO26{}-pose eval forward (ptl), {precision}. Input `{INPUT_NAME}` (batch, 3, {h}, {w}): RGB in [0, 1]. {layout}",
+        "YOLO26{}-pose eval forward (ptl), {precision}. Input `{INPUT_NAME}` (batch, 3, {}): RGB in [0, 1]. {layout}{}",
         model.config.scale.letter(),
+        if options.dynamic { "height, width".to_string() } else { format!("{h}, {w}") },
+        if options.dynamic {
+            format!(" Height and width: any multiples of 32 (exported at {h}×{w}; the anchor count follows the size).")
+        } else {
+            String::new()
+        },
     );
     let form = match options.output {
         ExportOutput::Decoded => "decoded",
@@ -326,11 +338,12 @@ pub fn export_onnx_with(model: &PoseModel, options: &ExportOptions) -> Result<On
         ("nc".to_string(), head.nc.to_string()),
         ("names".to_string(), "{0: 'person'}".to_string()),
         ("half".to_string(), if options.half { "True" } else { "False" }.to_string()),
+        ("dynamic".to_string(), if options.dynamic { "True" } else { "False" }.to_string()),
         ("output".to_string(), form.to_string()),
     ];
     Ok(OnnxModel {
         graph: e.g,
-        input: (INPUT_NAME.to_string(), vec![batch(), Dim::Fixed(3), Dim::Fixed(h), Dim::Fixed(w)]),
+        input: (INPUT_NAME.to_string(), vec![batch(), Dim::Fixed(3), sized(h, "height"), sized(w, "width")]),
         output: (out, out_dims),
         opset: options.opset,
         half: options.half,

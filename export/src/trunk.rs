@@ -63,7 +63,7 @@ impl Emitter {
     /// term on v, then the output projection.
     fn attention(&mut self, m: &Attention, x: &Value, name: &str) -> Result<Value> {
         let (heads, kd, hd) = (m.num_heads as i64, m.key_dim, m.head_dim);
-        let n = (x.h * x.w) as i64;
+        let n = self.positions(x);
         let qkv = self.conv(&m.qkv, x, &format!("{name}.qkv"))?;
         let per_head = (2 * kd + hd) as i64;
         if heads * per_head != qkv.c as i64 || m.num_heads * hd != x.c {
@@ -82,9 +82,8 @@ impl Emitter {
         let attn = self.g.op("Softmax", &format!("{name}.softmax"), &[&scaled], vec![("axis", crate::graph::AttrValue::Int(-1))]);
         let attn_t = self.g.op("Transpose", &format!("{name}.attn_t"), &[&attn], vec![("perm", perm)]);
         let o = self.g.op("MatMul", &format!("{name}.v_attn"), &[v, &attn_t], vec![]);
-        let (c, h, w) = (x.c as i64, x.h as i64, x.w as i64);
-        let o = Value { name: self.reshape(&o, &[0, c, h, w], &format!("{name}.o")), ..x.clone() };
-        let v_map = Value { name: self.reshape(v, &[0, c, h, w], &format!("{name}.v")), ..x.clone() };
+        let o = Value { name: self.reshape_like(&o, x, &format!("{name}.o")), ..x.clone() };
+        let v_map = Value { name: self.reshape_like(v, x, &format!("{name}.v")), ..x.clone() };
         let pe = self.conv(&m.pe, &v_map, &format!("{name}.pe"))?;
         let sum = self.add(&o, &pe, &format!("{name}.o_pe"));
         self.conv(&m.proj, &sum, &format!("{name}.proj"))

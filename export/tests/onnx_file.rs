@@ -149,7 +149,7 @@ fn bad_sizes_are_refused_with_the_rule() {
 /// kept f32, the detection outputs' shapes; settings out of range are typed errors naming the key.
 #[test]
 fn variants_declare_their_opset_precision_and_output() {
-    use ptl_export::{export_onnx_with, ExportError, ExportOptions, ExportOutput, NmsSettings};
+    use ptl_export::{export_onnx_with, Dim, ExportError, ExportOptions, ExportOutput, NmsSettings};
     let model = eval_model(Scale::N, (17, 3));
     let base = ExportOptions::new((64, 64));
     for opset in [13, 21] {
@@ -183,6 +183,10 @@ fn variants_declare_their_opset_precision_and_output() {
     );
     let e2e = export_onnx_with(&model, &ExportOptions { output: ExportOutput::EndToEnd { max_det: 300 }, ..base }).expect("export");
     assert_eq!(e2e.output_dims(), vec![None, Some(64 + 16 + 4), Some(57)], "k = min(max_det, anchors)");
+    let dynamic = ExportOptions { dynamic: true, output: ExportOutput::EndToEnd { max_det: 300 }, ..base };
+    let d = export_onnx_with(&model, &dynamic).expect("export");
+    assert_eq!(d.input.1[2..], [Dim::Named("height".into()), Dim::Named("width".into())]);
+    assert_eq!(d.output_dims(), vec![None, None, Some(57)], "rows follow the size");
     for (bad, key) in [
         (ExportOptions { opset: 12, ..base }, "opset"),
         (ExportOptions { opset: 22, ..base }, "opset"),

@@ -14,7 +14,7 @@ use ptl_trainer::pose::ModelSource;
 pub struct ExportArgs {
     /// `key=value` settings, Ultralytics style: format=onnx, model= (alias weights=; a ptl
     /// checkpoint, a safetensors state dict, or a size such as yolo26n-pose.yaml), imgsz=,
-    /// half=, opset=, nms= (True: NMS in the graph with conf=, iou=, max_det=; False: the
+    /// half=, opset=, dynamic=, nms= (True: NMS in the graph with conf=, iou=, max_det=; False: the
     /// end-to-end one-to-one output with max_det=), out= (alias file=; default: next to the
     /// weights, with the format's extension).
     pub settings: Vec<String>,
@@ -55,6 +55,7 @@ fn number<T: std::str::FromStr>(k: &str, v: &str, what: &str) -> Result<T, Strin
 fn parse_settings(settings: &[String]) -> Result<ExportSettings, String> {
     let (mut format, mut model, mut imgsz, mut out) = (None, None, 640usize, None);
     let (mut half, mut opset, mut nms, mut conf, mut iou, mut max_det) = (false, ptl_export::OPSET, None, None, None, None);
+    let mut dynamic = false;
     for s in settings {
         let (k, v) = s.split_once('=').ok_or_else(|| format!("`{s}` is not key=value (ptl export takes {EXPORT_KEYS})"))?;
         let empty = v.trim().is_empty() || v.trim().eq_ignore_ascii_case("none");
@@ -72,13 +73,8 @@ fn parse_settings(settings: &[String]) -> Result<ExportSettings, String> {
             "conf" => conf = Some(number::<f32>(k, v, "a score threshold in [0, 1], e.g. conf=0.25")?),
             "iou" => iou = Some(number::<f32>(k, v, "an IoU threshold in [0, 1], e.g. iou=0.7")?),
             "max_det" => max_det = Some(number::<usize>(k, v, "a number of detections per image, e.g. max_det=300")?),
-            // The batch is always dynamic; height and width are fixed at export.
-            "dynamic" if !switch(k, v)? => {}
-            "dynamic" => {
-                return Err(format!(
-                    "`{k}={v}`: height and width are fixed at export (imgsz=); the batch is dynamic in every file ptl writes"
-                ))
-            }
+            // Height and width; the batch is dynamic in every file.
+            "dynamic" => dynamic = switch(k, v)?,
             // The graph is written simplified (BatchNorm folded, no constant subgraphs): the
             // same file either way.
             "simplify" => {
@@ -124,7 +120,7 @@ fn parse_settings(settings: &[String]) -> Result<ExportSettings, String> {
         model: model.ok_or("no model to export: pass model=weights/best.ckpt (a ptl checkpoint or a .safetensors state dict)")?,
         imgsz,
         out,
-        options: ExportOptions { imgsz: (imgsz, imgsz), half, opset, output },
+        options: ExportOptions { imgsz: (imgsz, imgsz), half, opset, dynamic, output },
     })
 }
 
@@ -176,9 +172,18 @@ pub fn run_export(a: ExportArgs) -> Result<(), String> {
         ExportFormat::Onnx => {
             let onnx = ptl_export::export_onnx_with(&model, &s.options).map_err(|e| e.to_string())?;
             onnx.write(&path).map_err(|e| e.to_string())?;
-            let dims: Vec<String> = onnx.output_dims().iter().map(|d| d.map_or("batch".to_string(), |n| n.to_string())).collect();
+            let shown = |dims: &[ptl_export::Dim]| {
+                let names: Vec<String> = dims
+                    .iter()
+                    .map(|d| match d {
+                        ptl_export::Dim::Fixed(n) => n.to_string(),
+                        ptl_export::Dim::Named(name) => name.clone(),
+                    })
+                    .collect();
+                names.join(", ")
+            };
             println!(
-                "exported {} ({} parameters, opset {}, {}) for {}×{} input `{}` (batch, 3, {}, {}) -> output `{}` ({}) to {}",
+                "exported {} ({} parameters, opset {}, {}) at {}×{}: input `{}` ({}) -> output `{}` ({}) to {}",
                 s.model,
                 onnx.num_parameters(),
                 onnx.opset,
@@ -186,10 +191,9 @@ pub fn run_export(a: ExportArgs) -> Result<(), String> {
                 s.imgsz,
                 s.imgsz,
                 onnx.input.0,
-                s.imgsz,
-                s.imgsz,
+                shown(&onnx.input.1),
                 onnx.output.0,
-                dims.join(", "),
+                shown(&onnx.output.1),
                 path.display()
             );
         }
@@ -226,7 +230,8 @@ mod tests {
     fn export_variants_are_read_as_ultralytics_spells_them() {
         let opts = |v: &[&str]| parse_settings(&strings(&[&["format=onnx", "model=a.ckpt"], v].concat())).map(|s| s.options);
         let o = opts(&["half=True", "opset=", "nms=", "simplify=True", "dynamic=False"]).unwrap();
-        assert_eq!((o.half, o.opset, o.output), (true, ptl_export::OPSET, ExportOutput::Decoded));
+        assert_eq!((o.half, o.opset, o.dynamic, o.output), (true, ptl_export::OPSET, false, ExportOutput::Decoded));
+        assert!(opts(&["dynamic=True"]).unwrap().dynamic);
         assert_eq!(opts(&["opset=13"]).unwrap().opset, 13);
         assert_eq!(opts(&["nms=True"]).unwrap().output, ExportOutput::Nms(NmsSettings { conf: 0.25, iou: 0.7, max_det: 300 }));
         assert_eq!(
@@ -237,7 +242,6 @@ mod tests {
         for (bad, said) in [
             (vec!["conf=0.3"], "nms=True"),
             (vec!["nms=False", "iou=0.5"], "no NMS"),
-            (vec!["dynamic=True"], "fixed at export"),
             (vec!["half=maybe"], "True or False"),
             (vec!["opset=x"], "opset=x"),
         ] {

@@ -90,9 +90,13 @@ fn absurd_sizes_and_unknown_keys_exit_with_a_message_not_an_abort() {
     assert!(text(&o).contains("imgsz 100×100") && text(&o).contains("multiple of 32"), "{}", text(&o));
     // An Ultralytics export key ptl's export does not have is refused by name and reason; a typo
     // of one of its own is answered with the closest key.
+    let o = ptl(&["export", "format=onnx", "model=n", "imgsz=64", "optimize=True"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("`optimize=True` is an Ultralytics setting ptl does not take"), "{}", text(&o));
+    // An opset outside what ptl writes names the range.
     let o = ptl(&["export", "format=onnx", "model=n", "imgsz=64", "opset=12"], dir.path());
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("`opset=12` is an Ultralytics setting ptl does not take"), "{}", text(&o));
+    assert!(text(&o).contains("opset=12: ptl writes opsets 13 to 21"), "{}", text(&o));
     let o = ptl(&["export", "format=onnx", "model=n", "imgsx=64"], dir.path());
     assert!(o.status.code() == Some(1) && text(&o).contains("unknown key `imgsx` for ptl export (did you mean `imgsz`?"), "{}", text(&o));
 }

@@ -208,6 +208,18 @@ print(json.dumps({"input_type": i.type, "output_type": o.type, "output": o.name,
 /// `ptl export … <settings>` of `weights` into `dir/<name>.onnx`, run by onnxruntime on `input`
 /// `(b, 3, IMGSZ, IMGSZ)`: the output (f32) and the script's JSON.
 fn export_and_run(dir: &Path, weights: &Path, name: &str, settings: &[&str], input: &Path, b: usize) -> (Vec<f32>, serde_json::Value) {
+    export_and_run_at(dir, weights, name, settings, input, [b, 3, IMGSZ, IMGSZ])
+}
+
+/// [`export_and_run`] with an input of `shape` (for a file with dynamic height and width).
+fn export_and_run_at(
+    dir: &Path,
+    weights: &Path,
+    name: &str,
+    settings: &[&str],
+    input: &Path,
+    shape: [usize; 4],
+) -> (Vec<f32>, serde_json::Value) {
     let file = dir.join(format!("{name}.onnx"));
     let mut args = vec!["export".to_string(), "format=onnx".into(), format!("model={}", weights.display()), format!("imgsz={IMGSZ}")];
     args.extend(settings.iter().map(|s| s.to_string()));
@@ -216,7 +228,7 @@ fn export_and_run(dir: &Path, weights: &Path, name: &str, settings: &[&str], inp
     let o = ptl(&refs, dir);
     assert!(o.status.success(), "{settings:?}: {}", text(&o));
     let out = dir.join(format!("{name}.out.f32"));
-    let shape = format!("[{b}, 3, {IMGSZ}, {IMGSZ}]");
+    let shape = format!("{shape:?}");
     let o =
         Command::new("python3").arg("-c").arg(VARIANT_SCRIPT).arg(&file).arg(input).arg(&shape).arg(&out).output().expect("python3 runs");
     assert!(o.status.success(), "onnxruntime on {name} failed:\n{}", String::from_utf8_lossy(&o.stderr));
@@ -258,6 +270,8 @@ fn image_rows(out: &[f32], b: usize, width: usize) -> Vec<Vec<Vec<f32>>> {
 /// on the same input (the images of the decoded-output test):
 ///
 /// * opset 13 and 21: the decoded output within a relative 1e-4 per channel, as opset 17;
+/// * `dynamic=True`: one file at 64 × 64 and at 96 × 128 (other anchor counts), each within a
+///   relative 1e-4 of ptl's eval forward at that size;
 /// * `half=True`: f16 input and output, within a relative 5e-3 per channel of ptl's f32 (f16
 ///   weights and activations through ~100 layers; measured 1.4e-3 here, printed);
 /// * `nms=False`: the end-to-end output — ptl's one-to-one decode and top-k
@@ -306,6 +320,26 @@ fn export_variants_match_ptl_in_onnxruntime() {
     let (rel, ch) = worst_channel(&got, &want, b, c, a);
     println!("half: worst channel {ch}, relative {rel:e} (f16 against ptl's f32)");
     assert!(rel <= 5e-3, "half, channel {ch}: relative difference {rel:e} > 5e-3");
+
+    // dynamic=True: one file (exported at 64 px) run at 64 × 64 and at 96 × 128, against ptl's
+    // eval forward at each size.
+    let noise = |n: usize, seed: u64| {
+        let t = Tensor::rand(vec![n], 0.0, 1.0, DType::F32, Device::Cpu, &mut Rng::new(seed)).expect("noise");
+        t.to_vec::<f32>().expect("values")
+    };
+    for (hh, ww) in [(IMGSZ, IMGSZ), (96, 128)] {
+        let values = if (hh, ww) == (IMGSZ, IMGSZ) { x.to_vec::<f32>().expect("input") } else { noise(b * 3 * hh * ww, 9) };
+        let path = dir.path().join(format!("images_{hh}x{ww}.f32"));
+        std::fs::write(&path, values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).expect("write input");
+        let xs = Tensor::from_vec(values, vec![b, 3, hh, ww], Device::Cpu).expect("tensor");
+        let want = no_grad(|| model.predict(&xs)).expect("predict").decoded;
+        let a = want.dims()[2];
+        let (got, info) = export_and_run_at(dir.path(), &weights, &format!("dynamic_{hh}x{ww}"), &["dynamic=True"], &path, [b, 3, hh, ww]);
+        assert_eq!(info["shape"], serde_json::json!([b, c, a]), "{hh}×{ww}");
+        let (rel, ch) = worst_channel(&got, &want.to_vec::<f32>().expect("ptl output"), b, c, a);
+        println!("dynamic at {hh}×{ww}: {a} anchors, worst channel {ch}, relative {rel:e}");
+        assert!(rel <= 1e-4, "dynamic at {hh}×{ww}, channel {ch}: relative difference {rel:e} > 1e-4");
+    }
 
     // End to end: ptl's o2o decode and top-k.
     let max_det = 30;

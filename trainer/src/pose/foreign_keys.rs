@@ -10,6 +10,7 @@ type Foreign = (&'static str, &'static [&'static str], &'static str);
 const PREDICT: &str = "a prediction setting: `ptl predict` takes it";
 const EXPORT: &str =
     "an export setting: `ptl export` takes it (format=onnx, model, imgsz, half, opset, nms, conf, iou, max_det, dynamic, simplify, out)";
+const EXPORT_OTHER: &str = "a setting of Ultralytics' TorchScript/TensorRT exports: ptl exports ONNX";
 const TRACK: &str = "a tracking or streaming setting: ptl predicts on images, with no tracker or video";
 const SEGMENT: &str = "a segmentation setting: ptl trains pose models";
 const CLASSIFY: &str = "a classification setting: ptl trains pose models";
@@ -66,11 +67,11 @@ const FOREIGN: [Foreign; 58] = [
     ("show_boxes", &["true"], PREDICT),
     ("line_width", &[""], PREDICT),
     ("format", &["torchscript", "onnx"], EXPORT),
-    ("optimize", &["false"], EXPORT),
+    ("optimize", &["false"], EXPORT_OTHER),
     ("dynamic", &["false"], EXPORT),
     ("simplify", &["true"], EXPORT),
     ("opset", &[""], EXPORT),
-    ("workspace", &[""], EXPORT),
+    ("workspace", &[""], EXPORT_OTHER),
     ("distill_model", &[""], DISTILL),
     ("dis", &["6"], DISTILL),
     ("dlog", &["1"], DISTILL),
