@@ -10,6 +10,9 @@ use crate::labels::KptShape;
 /// COCO keypoint flip permutation.
 pub const COCO_FLIP_IDX: [usize; 17] = [0, 2, 1, 4, 3, 6, 5, 8, 7, 10, 9, 12, 11, 14, 13, 16, 15];
 
+/// Most classes a dataset may declare.
+pub const MAX_CLASSES: usize = 1000;
+
 /// COCO keypoint names in order.
 pub const COCO_KPT_NAMES: [&str; 17] = [
     "nose",
@@ -219,14 +222,11 @@ impl DatasetConfig {
             return Err(cfg_err(yaml_path, "names", "no classes: add `names: {0: person}`"));
         }
         // Checked before anything is sized by it (a class-name list, the model's class head).
-        if nc > 1 {
-            let listed = if names.is_empty() { String::new() } else { format!(" ({})", names.join(", ")) };
+        if nc > MAX_CLASSES as u64 {
             return Err(cfg_err(
                 yaml_path,
                 "nc",
-                format!(
-                    "{nc} classes{listed}: ptl trains single-class pose models (one class, e.g. person);                      give `names: {{0: person}}` (and nc: 1) with every label's class 0"
-                ),
+                format!("{nc} classes is more than {MAX_CLASSES} (the class head and metrics are sized by it): is it the right number?"),
             ));
         }
         let nc = nc as usize;

@@ -224,6 +224,16 @@ impl OnnxModel {
             .sum()
     }
 
+    /// Stores the class names (Ultralytics' `names` metadata, `{0: 'person', 1: 'dog'}`).
+    pub fn set_class_names(&mut self, names: &[String]) {
+        let listed: Vec<String> = names.iter().enumerate().map(|(i, n)| format!("{i}: '{}'", n.replace('\'', "\\'"))).collect();
+        let value = format!("{{{}}}", listed.join(", "));
+        match self.metadata.iter_mut().find(|(k, _)| k == "names") {
+            Some(entry) => entry.1 = value,
+            None => self.metadata.push(("names".into(), value)),
+        }
+    }
+
     /// The ONNX protobuf bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
         encode::to_bytes(self)
@@ -336,7 +346,7 @@ pub fn export_onnx_with(model: &PoseModel, options: &ExportOptions) -> Result<On
         ("stride".to_string(), "32".to_string()),
         ("kpt_shape".to_string(), format!("[{k}, {d}]")),
         ("nc".to_string(), head.nc.to_string()),
-        ("names".to_string(), "{0: 'person'}".to_string()),
+        ("names".to_string(), default_names(head.nc)),
         ("half".to_string(), if options.half { "True" } else { "False" }.to_string()),
         ("dynamic".to_string(), if options.dynamic { "True" } else { "False" }.to_string()),
         ("output".to_string(), form.to_string()),
@@ -350,6 +360,14 @@ pub fn export_onnx_with(model: &PoseModel, options: &ExportOptions) -> Result<On
         doc,
         metadata,
     })
+}
+
+/// `names` metadata before [`OnnxModel::set_class_names`]: `person` for one class, `class<i>` else.
+fn default_names(nc: usize) -> String {
+    match nc {
+        1 => "{0: 'person'}".to_string(),
+        _ => format!("{{{}}}", (0..nc).map(|i| format!("{i}: 'class{i}'")).collect::<Vec<_>>().join(", ")),
+    }
 }
 
 fn out_name(options: &ExportOptions) -> &'static str {

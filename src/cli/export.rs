@@ -124,9 +124,10 @@ fn parse_settings(settings: &[String]) -> Result<ExportSettings, String> {
     })
 }
 
-/// Builds the model `model=` names (its size and keypoint count read from the weights) in eval
-/// mode on the CPU, with its weights loaded (a checkpoint's EMA, as `ptl val`).
-fn eval_model(source: &ModelSource) -> Result<PoseModel, String> {
+/// Builds the model `model=` names (its size, class and keypoint count read from the weights) in
+/// eval mode on the CPU, with its weights loaded (a checkpoint's EMA, as `ptl val`), and its
+/// class names.
+fn eval_model(source: &ModelSource) -> Result<(PoseModel, Vec<String>), String> {
     let scale = source.scale().map_err(|e| e.to_string())?;
     let weights = source.start_weights().map_err(|e| e.to_string())?;
     let nkpt = match &weights {
@@ -144,12 +145,24 @@ fn eval_model(source: &ModelSource) -> Result<PoseModel, String> {
             k3 / 3
         }
     };
-    let mut model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale }, Device::Cpu, 0).map_err(|e| e.to_string())?;
+    // One output per class in the class stems' final convolution.
+    let nc = weights
+        .as_ref()
+        .and_then(|w| w.iter().find(|(n, _)| n.ends_with("23.cv3.0.2.weight")).and_then(|(_, t)| t.dims().first().copied()))
+        .unwrap_or(1);
+    let mut model = PoseModel::new(ModelConfig { nc, kpt_shape: (nkpt, 3), scale }, Device::Cpu, 0).map_err(|e| e.to_string())?;
     if let (Some(w), Some(path)) = (&weights, source.weights_path()) {
         load_start_weights(&model, w, path).map_err(|e| e.to_string())?;
     }
     model.set_training(false);
-    Ok(model)
+    // A ptl checkpoint names its classes; a state dict or a bare size does not.
+    let stored = match source.weights_path() {
+        Some(p) if !p.extension().is_some_and(|e| e.eq_ignore_ascii_case("safetensors")) => {
+            ptl_trainer::fit::read_manifest(p).map(|m| m.names).unwrap_or_default()
+        }
+        _ => Vec::new(),
+    };
+    Ok((model, ptl_trainer::pose::predict::class_names(&stored, nc)))
 }
 
 /// Where the file goes: `out=`, else next to the weights, else `yolo26<size>-pose.<ext>` here.
@@ -166,11 +179,12 @@ fn out_path(s: &ExportSettings, source: &ModelSource, model: &PoseModel) -> Path
 pub fn run_export(a: ExportArgs) -> Result<(), String> {
     let s = parse_settings(&a.settings)?;
     let source = ModelSource::parse(&s.model).map_err(|e| e.to_string())?;
-    let model = eval_model(&source)?;
+    let (model, names) = eval_model(&source)?;
     let path = out_path(&s, &source, &model);
     match s.format {
         ExportFormat::Onnx => {
-            let onnx = ptl_export::export_onnx_with(&model, &s.options).map_err(|e| e.to_string())?;
+            let mut onnx = ptl_export::export_onnx_with(&model, &s.options).map_err(|e| e.to_string())?;
+            onnx.set_class_names(&names);
             onnx.write(&path).map_err(|e| e.to_string())?;
             let shown = |dims: &[ptl_export::Dim]| {
                 let names: Vec<String> = dims

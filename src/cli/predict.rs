@@ -128,6 +128,21 @@ pub struct PredictArgs {
     /// With save_txt, each line ends with the person's confidence.
     #[arg(long)]
     pub save_conf: bool,
+    /// Only these class ids (Ultralytics' `classes=0,2` or `classes=[0, 2]`; none: every class).
+    #[arg(skip)]
+    pub classes: Vec<usize>,
+}
+
+/// Ultralytics' `classes=`: one id, a comma list or a bracketed list; empty or none for all.
+fn class_list(v: &str) -> Result<Vec<usize>, String> {
+    let inner = v.trim().trim_matches(['[', ']']).trim();
+    if inner.is_empty() || inner.eq_ignore_ascii_case("none") {
+        return Ok(Vec::new());
+    }
+    inner
+        .split(',')
+        .map(|c| c.trim().parse::<usize>().map_err(|_| format!("`classes={v}`: expected class ids such as classes=0 or classes=0,2")))
+        .collect()
 }
 
 /// The keys `ptl predict` accepts as `key=value`.
@@ -158,11 +173,8 @@ impl PredictArgs {
                 "device" => self.device = v.to_string(),
                 "save_txt" => self.save_txt = switch(k, v)?,
                 "save_conf" => self.save_conf = switch(k, v)?,
-                // One class: class 0 (a person) or all of them.
-                "classes" => match v.trim().trim_matches(['[', ']']).trim() {
-                    "" | "0" | "none" | "None" => {}
-                    other => return Err(format!("`classes={other}`: a ptl pose model has one class, 0 (person); classes=0 or none")),
-                },
+                // Checked against the model's classes once it is loaded.
+                "classes" => self.classes = class_list(v)?,
                 "project" | "save_dir" | "out" => self.out = PathBuf::from(v),
                 _ => {
                     if let Some(answered) = super::ultralytics_keys::answer("predict", k, v) {
@@ -328,6 +340,11 @@ fn glob_match(pattern: &[char], name: &[char]) -> bool {
     }
 }
 
+/// The class names a checkpoint's settings carry (`load_eval_model` puts them there), if any.
+pub(crate) fn names_in(args: &serde_json::Value) -> Vec<String> {
+    args["names"].as_array().map(|a| a.iter().filter_map(|n| n.as_str().map(str::to_string)).collect()).unwrap_or_default()
+}
+
 /// The image files `source` names: one image, the images of a folder, or those a glob matches
 /// (`*` and `?` in the file-name part), sorted. A video or a URL is refused by name.
 fn images_in(source: &str) -> Result<Vec<PathBuf>, String> {
@@ -377,7 +394,12 @@ pub fn run_predict(mut a: PredictArgs) -> Result<(), String> {
     let device = super::resolve_device(&a.device, "predicting")?;
     let (model, args) = model_from_checkpoint(&weights, device)?;
     let imgsz = imgsz_for(a.imgsz, &args)?;
-    let opts = ptl_trainer::pose::predict::PredictOptions { conf: a.conf, iou: a.iou, max_det: a.max_det };
+    let nc = model.head().nc;
+    let names = ptl_trainer::pose::predict::class_names(&names_in(&args), nc);
+    if let Some(c) = a.classes.iter().find(|c| **c >= nc) {
+        return Err(format!("`classes=`: class {c} is not one of the model's {nc} ({})", names.join(", ")));
+    }
+    let opts = ptl_trainer::pose::predict::PredictOptions { conf: a.conf, iou: a.iou, max_det: a.max_det, classes: a.classes.clone() };
     println!("predicting at imgsz {imgsz}, conf {}", a.conf);
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
     let labels = a.out.join("labels");
@@ -411,9 +433,15 @@ pub fn run_predict(mut a: PredictArgs) -> Result<(), String> {
         draw::people(&mut drawn, &persons, 0.5).map_err(|e| e.to_string())?;
         let png = a.out.join(drawings.drawing_for(path));
         ptl_data::image::write_png(&drawn, &png).map_err(|e| e.to_string())?;
-        println!("{}: {} persons -> {}", path.display(), found.len(), png.display());
-        let people: Vec<serde_json::Value> =
-            found.iter().map(|p| serde_json::json!({ "box_xyxy": p.bbox_xyxy, "score": p.score, "keypoints": p.keypoints })).collect();
+        let what = if nc == 1 { "persons" } else { "detections" };
+        println!("{}: {} {what} -> {}", path.display(), found.len(), png.display());
+        let people: Vec<serde_json::Value> = found
+            .iter()
+            .map(|p| {
+                let name = names.get(p.class).cloned().unwrap_or_default();
+                serde_json::json!({ "box_xyxy": p.bbox_xyxy, "score": p.score, "class": p.class, "name": name, "keypoints": p.keypoints })
+            })
+            .collect();
         all.push(serde_json::json!({ "image": path.display().to_string(), "drawing": png.display().to_string(), "persons": people }));
     }
     if unreadable == sources.len() {

@@ -156,7 +156,7 @@ fn sizes_from_files_and_arguments_are_bounded_before_allocation() {
     for (case, extra, want) in [
         ("kpt_shape u64::MAX", format!("kpt_shape: [18446744073709551615, 3]\n{names}"), "kpt_shape"),
         ("kpt_shape 1e9", format!("kpt_shape: [1000000000, 3]\n{names}"), "more than 1024"),
-        ("nc 4e9 without names", "kpt_shape: [17, 3]\nnc: 4000000000\n".to_string(), "ptl trains single-class pose models"),
+        ("nc 4e9 without names", "kpt_shape: [17, 3]\nnc: 4000000000\n".to_string(), "4000000000 classes is more than 1000"),
     ] {
         let y = dataset_yaml(&data, "big.yaml", &extra);
         let mut args = run_args(&data, dir.path(), "big");

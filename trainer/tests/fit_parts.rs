@@ -116,6 +116,7 @@ fn manifest() -> Manifest {
             best_fitness: Some(0.25),
             ..LoopState::default()
         },
+        names: vec!["person".into(), "dog".into()],
         train_args: serde_json::json!({"epochs": 3}),
         optimizer: serde_json::json!({"lr": [0.01]}),
         scaler: serde_json::Value::Null,

@@ -88,6 +88,10 @@ pub struct Manifest {
     /// Results so far (format 2; empty after migrating a format-1 checkpoint).
     #[serde(default)]
     pub history: RunHistory,
+    /// The model's class names by id (the training data's `names`); empty in checkpoints written
+    /// before multi-class training, whose one class is `person`.
+    #[serde(default)]
+    pub names: Vec<String>,
 }
 
 /// A loaded or to-be-saved checkpoint.

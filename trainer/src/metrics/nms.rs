@@ -25,11 +25,22 @@ pub struct NmsConfig {
     pub agnostic: bool,
     /// One row per (box, class) above threshold when nc > 1 (the validator's setting).
     pub multi_label: bool,
+    /// Only these classes are kept (Ultralytics' `classes=`; empty: every class).
+    pub classes: Vec<usize>,
 }
 
 impl Default for NmsConfig {
     fn default() -> Self {
-        NmsConfig { conf_thres: 0.001, iou_thres: 0.7, max_det: 300, max_nms: 30_000, max_wh: 7680.0, agnostic: false, multi_label: true }
+        NmsConfig {
+            conf_thres: 0.001,
+            iou_thres: 0.7,
+            max_det: 300,
+            max_nms: 30_000,
+            max_wh: 7680.0,
+            agnostic: false,
+            multi_label: true,
+            classes: Vec::new(),
+        }
     }
 }
 
@@ -103,6 +114,10 @@ pub fn non_max_suppression(pred: &[f32], n: usize, nc: usize, nk: usize, cfg: &N
         } else {
             rows.push((b, best.0, best.1, i));
         }
+    }
+    // Ultralytics filters the candidates by class before NMS.
+    if !cfg.classes.is_empty() {
+        rows.retain(|r| cfg.classes.contains(&r.2));
     }
     if rows.len() > cfg.max_nms {
         rows.sort_by(|a, b| b.1.total_cmp(&a.1));

@@ -25,14 +25,17 @@ pub struct PersonPrediction {
     pub bbox_xyxy: [f32; 4],
     /// Confidence.
     pub score: f32,
+    /// Class index (into the checkpoint's `names`).
+    pub class: usize,
     /// (x, y, visibility score) per keypoint.
     pub keypoints: Vec<[f32; 3]>,
 }
 
 /// The model a ptl checkpoint (its EMA weights) or a safetensors state dict with Ultralytics'
 /// names holds, in eval mode on `device`, with the checkpoint's training settings (`Null` for a
-/// state dict, which holds none). Size and keypoint count are read from the weights; every tensor
-/// must fit and the file may hold nothing else. Pickled PyTorch files are refused with the way to
+/// state dict, which holds none) plus `names`, the model's class names ([`class_names`]). Size,
+/// class count and keypoint count are read from the weights; every tensor must fit and the file
+/// may hold nothing else. Pickled PyTorch files are refused with the way to
 /// convert them.
 pub fn load_eval_model(path: &Path, device: Device) -> Result<(PoseModel, serde_json::Value)> {
     // `.pt` files get the conversion hint; anything else is read by its contents.
@@ -40,6 +43,7 @@ pub fn load_eval_model(path: &Path, device: Device) -> Result<(PoseModel, serde_
         ModelSource::parse(&path.to_string_lossy())?;
     }
     let bad = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
+    let mut names: Vec<String> = Vec::new();
     let is_state_dict = path.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case("safetensors"));
     let (weights, args): (HashMap<String, Tensor>, serde_json::Value) = if is_state_dict {
         let bytes = ptl_files::read_regular(path)?;
@@ -50,6 +54,7 @@ pub fn load_eval_model(path: &Path, device: Device) -> Result<(PoseModel, serde_
     } else {
         let ck = load_checkpoint(path, device)?;
         let ema = ck.part("ema");
+        names.clone_from(&ck.manifest.names);
         (if ema.is_empty() { ck.part("model") } else { ema }, ck.manifest.train_args.clone())
     };
     // The size is the weights' own (the settings may name a start-weights file instead of a size).
@@ -61,14 +66,31 @@ pub fn load_eval_model(path: &Path, device: Device) -> Result<(PoseModel, serde_
         .find(|(n, _)| n.ends_with("cv4_kpts.0.weight"))
         .and_then(|(_, t)| t.dims().first().map(|k3| k3 / 3))
         .ok_or_else(|| bad("no keypoint head (cv4_kpts) in it: not a pose model".into()))?;
-    let mut model = PoseModel::new(ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale }, device, 0)?;
+    // The class count too: the class stems' final convolution has one output per class.
+    let nc = weights.iter().find(|(n, _)| n.ends_with("23.cv3.0.2.weight")).and_then(|(_, t)| t.dims().first().copied()).unwrap_or(1);
+    let mut model = PoseModel::new(ModelConfig { nc, kpt_shape: (nkpt, 3), scale }, device, 0)?;
     load_start_weights(&model, &weights, path)?;
     model.set_training(false);
+    let mut args = args;
+    if let Some(map) = args.as_object_mut() {
+        map.insert("names".into(), serde_json::json!(class_names(&names, nc)));
+    }
     Ok((model, args))
 }
 
+/// The class names of a model with `nc` classes: `stored` (a checkpoint's) when it has them all,
+/// else `person` for a one-class model (what checkpoints before multi-class training hold) and
+/// `class<i>` otherwise.
+pub fn class_names(stored: &[String], nc: usize) -> Vec<String> {
+    match stored.len() == nc {
+        true => stored.to_vec(),
+        false if nc == 1 => vec!["person".into()],
+        false => (0..nc).map(|i| format!("class{i}")).collect(),
+    }
+}
+
 /// Prediction thresholds, with Ultralytics' predict defaults.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PredictOptions {
     /// Confidence threshold (`conf`).
     pub conf: f32,
@@ -76,11 +98,13 @@ pub struct PredictOptions {
     pub iou: f64,
     /// Most persons kept per image (`max_det`).
     pub max_det: usize,
+    /// Only these classes (`classes`; empty: every class).
+    pub classes: Vec<usize>,
 }
 
 impl Default for PredictOptions {
     fn default() -> Self {
-        PredictOptions { conf: 0.25, iou: 0.7, max_det: 300 }
+        PredictOptions { conf: 0.25, iou: 0.7, max_det: 300, classes: Vec::new() }
     }
 }
 
@@ -113,8 +137,15 @@ pub fn predict_image_with(
     let pred = no_grad(|| model.predict(&x))?;
     let dims = pred.decoded.dims().to_vec();
     let host = pred.decoded.to_vec::<f32>()?;
-    let cfg = NmsConfig { conf_thres: opts.conf, iou_thres: opts.iou, max_det: opts.max_det, ..NmsConfig::default() };
-    let outs = non_max_suppression_batch(&host, 1, dims[2], 1, nk, &cfg)?;
+    let cfg = NmsConfig {
+        conf_thres: opts.conf,
+        iou_thres: opts.iou,
+        max_det: opts.max_det,
+        classes: opts.classes.clone(),
+        multi_label: false,
+        ..NmsConfig::default()
+    };
+    let outs = non_max_suppression_batch(&host, 1, dims[2], model.head().nc, nk, &cfg)?;
     let det = &outs[0].detections;
     let unmap = |x: f32, y: f32| ((x - info.left as f32) / info.r, (y - info.top as f32) / info.r);
     Ok(det
@@ -131,7 +162,7 @@ pub fn predict_image_with(
                     [kx, ky, det.keypoints[o + 2]]
                 })
                 .collect();
-            PersonPrediction { bbox_xyxy: [x1, y1, x2, y2], score: det.scores[i], keypoints }
+            PersonPrediction { bbox_xyxy: [x1, y1, x2, y2], score: det.scores[i], class: det.classes[i], keypoints }
         })
         .collect())
 }
@@ -143,7 +174,7 @@ pub fn predict_image_with(
 pub fn yolo_label_line(p: &PersonPrediction, width: u32, height: u32, save_conf: bool) -> String {
     let (w, h) = (width.max(1) as f64, height.max(1) as f64);
     let [x1, y1, x2, y2] = p.bbox_xyxy.map(f64::from);
-    let mut v = vec![0.0, (x1 + x2) / 2.0 / w, (y1 + y2) / 2.0 / h, (x2 - x1) / w, (y2 - y1) / h];
+    let mut v = vec![p.class as f64, (x1 + x2) / 2.0 / w, (y1 + y2) / 2.0 / h, (x2 - x1) / w, (y2 - y1) / h];
     for [kx, ky, kv] in &p.keypoints {
         v.extend([f64::from(*kx) / w, f64::from(*ky) / h, f64::from(*kv)]);
     }
@@ -160,8 +191,15 @@ mod tests {
     /// Normalised centre, size and keypoints in Ultralytics' order, `%g` numbers, confidence last.
     #[test]
     fn label_lines_follow_ultralytics_save_txt() {
-        let p = PersonPrediction { bbox_xyxy: [10.0, 20.0, 30.0, 60.0], score: 0.875, keypoints: vec![[20.0, 40.0, 0.5], [0.0, 0.0, 0.0]] };
+        let mut p = PersonPrediction {
+            bbox_xyxy: [10.0, 20.0, 30.0, 60.0],
+            score: 0.875,
+            class: 0,
+            keypoints: vec![[20.0, 40.0, 0.5], [0.0, 0.0, 0.0]],
+        };
         assert_eq!(yolo_label_line(&p, 100, 200, false), "0 0.2 0.2 0.2 0.2 0.2 0.2 0.5 0 0 0");
         assert_eq!(yolo_label_line(&p, 100, 200, true), "0 0.2 0.2 0.2 0.2 0.2 0.2 0.5 0 0 0 0.875");
+        p.class = 3;
+        assert!(yolo_label_line(&p, 100, 200, false).starts_with("3 0.2 "));
     }
 }

@@ -34,6 +34,49 @@ pub struct ValResult {
     pub losses: Option<[f64; 6]>,
     /// The detection confusion matrix (Ultralytics' thresholds: confidence 0.25, IoU 0.45).
     pub confusion: ConfusionMatrix,
+    /// One row per class with targets, as Ultralytics' per-class table (nc > 1).
+    pub per_class: Vec<ClassRow>,
+}
+
+/// A class's validation row: its name, the images that hold it, its instances, then P, R,
+/// mAP50 and mAP50-95 for boxes and for keypoints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClassRow {
+    pub name: String,
+    pub images: usize,
+    pub instances: usize,
+    /// In [`ValResult::metric_names`] order.
+    pub metrics: [f64; 8],
+}
+
+/// The per-class rows of `m` (classes with targets; `images[c]`: images that hold class c).
+fn class_rows(m: &crate::metrics::PoseMetrics, names: &[String], images: &[usize]) -> Vec<ClassRow> {
+    let (b, p) = (&m.box_metrics.per_class, &m.pose_metrics.per_class);
+    let mean = |ap: &[f64]| ap.iter().sum::<f64>() / ap.len().max(1) as f64;
+    b.classes
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| {
+            let j = p.classes.iter().position(|&pc| pc == c);
+            let pose = |v: &[f64]| j.and_then(|j| v.get(j).copied()).unwrap_or(0.0);
+            let pose_ap = j.and_then(|j| p.ap.get(j));
+            ClassRow {
+                name: names.get(c).cloned().unwrap_or_else(|| format!("class{c}")),
+                images: images.get(c).copied().unwrap_or(0),
+                instances: b.n_targets.get(i).copied().unwrap_or(0),
+                metrics: [
+                    b.p[i],
+                    b.r[i],
+                    b.ap[i][0],
+                    mean(&b.ap[i]),
+                    pose(&p.p),
+                    pose(&p.r),
+                    pose_ap.map_or(0.0, |a| a[0]),
+                    pose_ap.map_or(0.0, |a| mean(a)),
+                ],
+            }
+        })
+        .collect()
 }
 
 /// What a validation pass does beyond scoring the model.
@@ -104,7 +147,10 @@ pub fn validate_with(
     let mut json = opts.save_json.as_deref().map(|dir| JsonWriter::new(dir, ds)).transpose()?;
     let mut losses = opts.loss.clone().map(ValLoss::new);
     let mut images = 0;
-    let mut confusion = ConfusionMatrix::new(ds.meta.names.len().max(1));
+    // The model's classes (a model trained on other data may have another count than the set).
+    let nc = model.head().nc;
+    let mut confusion = ConfusionMatrix::new(nc.max(ds.meta.nc));
+    let mut class_images: Vec<usize> = Vec::new();
     for b in loader.iter() {
         let b = b?;
         let x = pad_to_batch(images_to_tensor(&b.img, b.shape, device)?, batch, device)?;
@@ -118,10 +164,19 @@ pub fn validate_with(
         // A padded batch's blank images come last: their outputs are not read.
         let real = b.len().min(dims[0]);
         let per_image = host.len() / dims[0].max(1);
-        let outs = non_max_suppression_batch(&host[..real * per_image], real, dims[2], 1, nk, &nms)?;
+        let outs = non_max_suppression_batch(&host[..real * per_image], real, dims[2], nc, nk, &nms)?;
         let (h, w) = (b.shape[2] as u32, b.shape[3] as u32);
         let gts = GroundTruth::from_batch(&b.batch_idx, &b.cls, &b.bboxes, &b.keypoints, b.len(), nk, w, h)?;
         for (i, (o, gt)) in outs.iter().zip(&gts).enumerate() {
+            let mut held: Vec<usize> = gt.classes.clone();
+            held.sort_unstable();
+            held.dedup();
+            for c in held {
+                if class_images.len() <= c {
+                    class_images.resize(c + 1, 0);
+                }
+                class_images[c] += 1;
+            }
             v.update(&o.detections, gt)?;
             confusion.update(&o.detections, gt);
             if let Some(w) = json.as_mut() {
@@ -136,7 +191,8 @@ pub fn validate_with(
     let names: Vec<&str> = ds.meta.names.iter().map(String::as_str).collect();
     let pr_curves =
         vec![PrCurve::from_ap("Box", &m.box_metrics.per_class, &names), PrCurve::from_ap("Pose", &m.pose_metrics.per_class, &names)];
-    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json, pr_curves, losses: losses.map(|l| l.means()), confusion })
+    let per_class = class_rows(&m, &ds.meta.names, &class_images);
+    Ok(ValResult { fitness: m.fitness, metrics, images, coco_json, pr_curves, losses: losses.map(|l| l.means()), confusion, per_class })
 }
 
 /// On a GPU, a last partial batch padded with blank images to `batch`: every validation batch
@@ -179,7 +235,7 @@ pub fn draw_val_batch(model: &PoseModel, ds: &Arc<PoseDataset>, device: Device, 
     let decoded = pred.decoded.to_dtype(ptl_autograd::DType::F32)?;
     let dims = decoded.dims().to_vec();
     let cfg = NmsConfig { conf_thres: 0.25, ..NmsConfig::default() };
-    let outs = non_max_suppression_batch(&decoded.to_vec::<f32>()?, dims[0], dims[2], 1, nk, &cfg)?;
+    let outs = non_max_suppression_batch(&decoded.to_vec::<f32>()?, dims[0], dims[2], model.head().nc, nk, &cfg)?;
     // Predictions in the labels' form: normalised centre and size, normalised keypoints.
     let (h, w) = (b.shape[2] as f32, b.shape[3] as f32);
     let (mut idx, mut boxes, mut kpts, mut scores) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -229,7 +285,7 @@ pub fn draw_val_predictions(
         &decoded.to_vec::<f32>()?,
         dims[0],
         dims[2],
-        1,
+        model.head().nc,
         nk,
         &NmsConfig { conf_thres: 0.25, ..NmsConfig::default() },
     )?;

@@ -116,6 +116,36 @@ pub fn scale_of(shapes: &HashMap<String, Vec<usize>>) -> Option<Scale> {
     }
 }
 
+/// Whether `name` is a class stem's final convolution (`cv3.i.2`, `one2one_cv3.i.2`): the only
+/// tensors whose shape follows the class count.
+fn is_class_prediction(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("model.23.").map(|r| r.strip_prefix("one2one_").unwrap_or(r)) else { return false };
+    let parts: Vec<&str> = rest.split('.').collect();
+    matches!(parts.as_slice(), ["cv3", level, "2", "weight" | "bias"] if level.parse::<usize>().is_ok())
+}
+
+/// Start weights for a model whose class count may differ from the file's (Ultralytics
+/// transfers every tensor of matching shape): as [`load_start_weights`], except that the class
+/// stems' final convolutions, where their shapes differ, keep the model's initial values.
+/// Returns how many tensors were kept so.
+pub fn load_start_weights_for_classes(model: &PoseModel, values: &HashMap<String, Tensor>, path: &Path) -> Result<usize> {
+    let shapes: HashMap<String, Vec<usize>> = model.state_dict().into_iter().map(|(n, t, _)| (n, t.dims().to_vec())).collect();
+    let differs = |n: &String, t: &Tensor| is_class_prediction(n) && shapes.get(n).is_some_and(|s| s.as_slice() != t.dims());
+    let kept: Vec<&String> = values.iter().filter(|(n, t)| differs(n, t)).map(|(n, _)| n).collect();
+    if kept.is_empty() {
+        load_start_weights(model, values, path)?;
+        return Ok(0);
+    }
+    let mut merged = values.clone();
+    for (name, t, _) in model.state_dict() {
+        if kept.contains(&&name) {
+            merged.insert(name, t);
+        }
+    }
+    load_start_weights(model, &merged, path)?;
+    Ok(kept.len())
+}
+
 /// Copies `values` into `model`. Every entry of the model must be there with its shape, except
 /// integer buffers (BN's `num_batches_tracked`, which a ptl checkpoint's EMA does not keep and
 /// nothing reads); an entry the model lacks is refused too. Errors name the tensor.
@@ -142,4 +172,17 @@ pub fn load_start_weights(model: &PoseModel, values: &HashMap<String, Tensor>, p
     }
     model.load_state_dict(values, false)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn class_predictions_are_named_by_their_stem() {
+        for n in ["model.23.cv3.0.2.weight", "model.23.one2one_cv3.2.2.bias"] {
+            assert!(super::is_class_prediction(n), "{n}");
+        }
+        for n in ["model.23.cv3.0.1.1.conv.weight", "model.23.cv2.0.2.weight", "model.22.cv3.0.2.weight", "model.23.cv3.x.2.weight"] {
+            assert!(!super::is_class_prediction(n), "{n}");
+        }
+    }
 }

@@ -39,6 +39,16 @@ pub(crate) fn val_rows(images: usize, instances: usize, metrics: &[f64]) -> [Str
     [header, row]
 }
 
+/// A class's row under the validation row (Ultralytics prints them after the last epoch when
+/// the data has more than one class).
+pub(crate) fn class_row(name: &str, images: usize, instances: usize, metrics: &[f64]) -> String {
+    let mut row = format!("{name:>22}{images:>11}{instances:>11}");
+    for v in metrics {
+        row += &format!("{:>11}", fmt_g(*v, 3));
+    }
+    row
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,5 +85,8 @@ mod tests {
         let [vh, vr] = val_rows(4, 10, &[0.006, 0.3, 0.002143, 0.000309, 0.0, 0.0, 0.0, 0.0]);
         assert_eq!(vh.len(), vr.len(), "{vh}\n{vr}");
         assert_eq!(vr, "                   all          4         10      0.006        0.3    0.00214   0.000309          0          0          0          0");
+        let cr = class_row("dog", 3, 5, &[0.5, 0.25, 0.125, 0.0625, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(cr.len(), vr.len(), "{cr}");
+        assert!(cr.starts_with("                   dog          3          5        0.5       0.25      0.125     0.0625"), "{cr}");
     }
 }

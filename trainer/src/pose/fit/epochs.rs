@@ -240,6 +240,12 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
                 for row in epoch_line::val_rows(v.images, ds.report.instances, &v.metric_values()) {
                     eprintln!("{row}");
                 }
+                // Per class after the last epoch, as Ultralytics' final validation.
+                if v.per_class.len() > 1 && (epoch + 1 == cfg.epochs || stop_early) {
+                    for c in &v.per_class {
+                        eprintln!("{}", epoch_line::class_row(&c.name, c.images, c.instances, &c.metrics));
+                    }
+                }
             }
         }
         let mut values = vec![epoch as f64 + 1.0, fit_time];

@@ -118,11 +118,19 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         }
         None => source.scale()?,
     };
-    let mcfg = ModelConfig { nc: 1, kpt_shape: (nkpt, 3), scale };
+    let nc = train_ds.meta.nc;
+    let mcfg = ModelConfig { nc, kpt_shape: (nkpt, 3), scale };
     let model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
     if cfg.resume.is_none() {
         if let (Some(values), Some(path)) = (source.start_weights()?, source.weights_path()) {
-            super::weights::load_start_weights(&model, &values, path)?;
+            let kept = super::weights::load_start_weights_for_classes(&model, &values, path)?;
+            if kept > 0 {
+                eprintln!(
+                    "ptl: start weights {}: the class head has another class count; its {kept} prediction tensors start from \
+                     their initial values for the data's {nc} class(es)",
+                    path.display()
+                );
+            }
         }
     }
     freeze_layers(&model, &cfg.freeze)?;
@@ -137,7 +145,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         nbs: cfg.nbs,
         batch: cfg.batch,
         iterations: auto_iterations(train_ds.len(), cfg.batch, cfg.nbs, cfg.epochs),
-        nc: Some(1),
+        nc: Some(nc),
         warmup_bias_lr: cfg.warmup_bias_lr,
         ..OptimizerConfig::default()
     };
@@ -176,6 +184,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         pose_gain: g.pose,
         kobj_gain: g.kobj,
         rle_gain: g.rle,
+        nc,
         ..LossConfig::with_keypoints(nkpt, train_ds.meta.custom_oks_sigmas().map(<[f32]>::to_vec))
     };
     let mut criterion = E2ELoss::new(loss_cfg, cfg.epochs);
@@ -198,6 +207,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         callbacks,
         loader,
         val_ds,
+        names: train_ds.meta.names.clone(),
         nb,
         state: LoopState { epoch: -1, last_opt_step: -1, ..LoopState::default() },
         view: LoopView { epochs: cfg.epochs, batches_per_epoch: nb, ..LoopView::default() },

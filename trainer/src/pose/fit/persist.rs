@@ -47,6 +47,7 @@ impl Run {
                 plugins: self.plugins.states(),
                 recordings: "none".into(),
                 history: self.history.clone(),
+                names: self.names.clone(),
             },
             tensors,
         })

@@ -55,6 +55,8 @@ pub(super) struct Run {
     // ---- where the batches come from ----
     pub(super) loader: Arc<TrainLoader>,
     pub(super) val_ds: Option<Arc<PoseDataset>>,
+    /// Class names by id (the training data's), stored in checkpoints.
+    pub(super) names: Vec<String>,
     pub(super) nb: usize,
     pub(super) workers: usize,
     pub(super) pageable_uploads: u64,
