@@ -274,6 +274,20 @@ pub fn run_val(mut a: ValArgs) -> Result<(), String> {
     for (k, v) in &r.metrics {
         println!("  {k:<24} {v:.4}");
     }
+    // Per class, as Ultralytics' validation table, when there is more than one.
+    if r.per_class.len() > 1 {
+        for c in &r.per_class {
+            let m: Vec<String> = c.metrics.iter().map(|v| format!("{v:.4}")).collect();
+            println!(
+                "  {:<16} images {:>5}  instances {:>6}  B(P R mAP50 mAP50-95) {}  P(…) {}",
+                c.name,
+                c.images,
+                c.instances,
+                m[..4].join(" "),
+                m[4..].join(" ")
+            );
+        }
+    }
     if a.plots {
         std::fs::create_dir_all(&a.project).map_err(|e| format!("cannot create {}: {e}", a.project.display()))?;
         for c in &r.pr_curves {

@@ -397,19 +397,6 @@ fn the_default_cache_is_private_and_a_shared_one_is_refused() {
 }
 
 #[test]
-fn a_multi_class_dataset_is_refused_at_the_scan() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = synth(dir.path());
-    let y = dataset_yaml(&data, "two.yaml", "kpt_shape: [17, 3]\nnc: 2\nnames: {0: person, 1: dog}\n");
-    let mut args = run_args(&data, dir.path(), "two");
-    args[0] = format!("data={}", y.display());
-    let o = train(&args, &[], dir.path());
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("2 classes (person, dog): ptl trains single-class pose models"), "{}", text(&o));
-    assert!(!text(&o).contains("targets.cls"), "refused before training: {}", text(&o));
-}
-
-#[test]
 fn unclear_inputs_get_messages_that_name_the_file_or_key_and_the_fix() {
     let dir = tempfile::tempdir().unwrap();
     let data = synth(dir.path());

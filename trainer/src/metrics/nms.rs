@@ -189,6 +189,28 @@ mod tests {
         v
     }
 
+    /// `classes`: candidates of other classes are dropped before NMS, so a box of a kept class
+    /// that a higher-scoring box of a dropped class would not suppress anyway stays as it was.
+    #[test]
+    fn a_class_filter_keeps_only_those_classes() {
+        // Two classes: rows (cx, cy, w, h, score0, score1), nk = 0.
+        let rows = [[50.0, 50.0, 20.0, 20.0, 0.9, 0.1], [51.0, 50.0, 20.0, 20.0, 0.2, 0.8], [200.0, 200.0, 10.0, 10.0, 0.6, 0.3]];
+        let n = rows.len();
+        let mut p = vec![0f32; 6 * n];
+        for (i, r) in rows.iter().enumerate() {
+            for c in 0..6 {
+                p[c * n + i] = r[c];
+            }
+        }
+        let cfg = NmsConfig { multi_label: false, ..NmsConfig::default() };
+        let all = non_max_suppression(&p, n, 2, 0, &cfg).unwrap();
+        assert_eq!(all.keep, [0, 1, 2], "class-aware: the overlapping boxes differ in class");
+        let only1 = non_max_suppression(&p, n, 2, 0, &NmsConfig { classes: vec![1], ..cfg.clone() }).unwrap();
+        assert_eq!((only1.keep.as_slice(), only1.detections.classes.as_slice()), ([1].as_slice(), [1].as_slice()));
+        let only0 = non_max_suppression(&p, n, 2, 0, &NmsConfig { classes: vec![0], ..cfg }).unwrap();
+        assert_eq!(only0.keep, [0, 2]);
+    }
+
     #[test]
     fn suppresses_overlap_keeps_order_and_ties() {
         let p = cand(&[
