@@ -442,8 +442,10 @@ pub fn run_predict(mut a: PredictArgs) -> Result<(), String> {
             }
         }
         let mut drawn = img.clone();
-        let persons: Vec<draw::Person<'_>> =
-            found.iter().map(|p| draw::Person { bbox: p.bbox_xyxy, kpts: &p.keypoints, score: Some(p.score) }).collect();
+        let persons: Vec<draw::Person<'_>> = found
+            .iter()
+            .map(|p| draw::Person { bbox: p.bbox_xyxy, kpts: &p.keypoints, score: Some(p.score), name: &names[p.class] })
+            .collect();
         draw::people(&mut drawn, &persons, 0.5).map_err(|e| e.to_string())?;
         let png = a.out.join(drawings.drawing_for(path));
         ptl_data::image::write_png(&drawn, &png).map_err(|e| e.to_string())?;

@@ -68,9 +68,11 @@ pub struct Person<'a> {
     pub bbox: [f32; 4],
     pub kpts: &'a [[f32; 3]],
     pub score: Option<f32>,
+    /// The class name written before the score (`person` for a one-class model).
+    pub name: &'a str,
 }
 
-/// Draws every detection on `img`: box with a `person <score>` label, skeleton between keypoints
+/// Draws every detection on `img`: box with a `<class name> <score>` label, skeleton between keypoints
 /// of confidence ≥ `kpt_conf`, keypoint dots.
 pub fn people(img: &mut Image, people: &[Person<'_>], kpt_conf: f32) -> Result<()> {
     ensure_font()?;
@@ -87,7 +89,7 @@ pub fn people(img: &mut Image, people: &[Person<'_>], kpt_conf: f32) -> Result<(
             area.draw(&Rectangle::new([at(b[0], b[1]), at(b[2], b[3])], BOX.stroke_width(t))).map_err(err)?;
             if let Some(s) = p.score {
                 let style = ("sans-serif", font).into_font().color(&WHITE);
-                let label = format!("person {s:.2}");
+                let label = format!("{} {s:.2}", p.name);
                 let (tw, th) = area.estimate_text_size(&label, &style).map_err(err)?;
                 let (x, y) = at(b[0], b[1]);
                 let top = if y >= th as i32 + 2 { y - th as i32 - 2 } else { y };
@@ -116,7 +118,7 @@ pub fn people(img: &mut Image, people: &[Person<'_>], kpt_conf: f32) -> Result<(
 
 /// Draws one detection without a score label (see [`people`]).
 pub fn person(img: &mut Image, bbox: [f32; 4], kpts: &[[f32; 3]], kpt_conf: f32) -> Result<()> {
-    people(img, &[Person { bbox, kpts, score: None }], kpt_conf)
+    people(img, &[Person { bbox, kpts, score: None, name: "" }], kpt_conf)
 }
 
 #[cfg(test)]
@@ -127,7 +129,7 @@ mod tests {
     fn draws_box_skeleton_and_label() {
         let mut img = Image::filled(96, 96, [0, 0, 0]);
         let kpts: Vec<[f32; 3]> = (0..17).map(|k| [30.0 + k as f32 * 2.0, 30.0 + k as f32 * 3.0, if k == 3 { 0.1 } else { 0.9 }]).collect();
-        people(&mut img, &[Person { bbox: [10.0, 20.0, 80.0, 90.0], kpts: &kpts, score: Some(0.87) }], 0.5).unwrap();
+        people(&mut img, &[Person { bbox: [10.0, 20.0, 80.0, 90.0], kpts: &kpts, score: Some(0.87), name: "person" }], 0.5).unwrap();
         // The box's left edge (BGR of #042AFF) and the label band above it.
         let px = |x: u32, y: u32| &img.data[((y * img.w + x) * 3) as usize..((y * img.w + x) * 3 + 3) as usize];
         assert_eq!(px(10, 60), &[255, 42, 4]);

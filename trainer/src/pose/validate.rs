@@ -228,6 +228,7 @@ pub fn draw_val_batch(model: &PoseModel, ds: &Arc<PoseDataset>, device: Device, 
         keypoints: &b.keypoints,
         nkpt: nk,
         scores: None,
+        classes: None,
     };
     let mut written = vec![super::plots::plot_batch(&labels, &dir.join("val_batch0_labels.jpg"))?];
     let x = images_to_tensor(&b.img, b.shape, device)?;
@@ -238,7 +239,7 @@ pub fn draw_val_batch(model: &PoseModel, ds: &Arc<PoseDataset>, device: Device, 
     let outs = non_max_suppression_batch(&decoded.to_vec::<f32>()?, dims[0], dims[2], model.head().nc, nk, &cfg)?;
     // Predictions in the labels' form: normalised centre and size, normalised keypoints.
     let (h, w) = (b.shape[2] as f32, b.shape[3] as f32);
-    let (mut idx, mut boxes, mut kpts, mut scores) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut idx, mut boxes, mut kpts, mut scores, mut classes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (i, o) in outs.iter().enumerate() {
         let det = &o.detections;
         for (k, bx) in det.boxes.iter().enumerate() {
@@ -249,6 +250,7 @@ pub fn draw_val_batch(model: &PoseModel, ds: &Arc<PoseDataset>, device: Device, 
                 kpts.extend([det.keypoints[q] / w, det.keypoints[q + 1] / h, det.keypoints[q + 2]]);
             }
             scores.push(det.scores.get(k).copied().unwrap_or(0.0));
+            classes.push(det.classes.get(k).copied().unwrap_or(0));
         }
     }
     let preds = super::plots::LabelledBatch {
@@ -259,6 +261,7 @@ pub fn draw_val_batch(model: &PoseModel, ds: &Arc<PoseDataset>, device: Device, 
         keypoints: &kpts,
         nkpt: nk,
         scores: Some(&scores),
+        classes: Some((&classes, &ds.meta.names)),
     };
     written.push(super::plots::plot_batch(&preds, &dir.join("val_batch0_pred.jpg"))?);
     Ok(written)
@@ -311,7 +314,10 @@ pub fn draw_val_predictions(
             .iter()
             .zip(&kps)
             .enumerate()
-            .map(|(k, (bx, kp))| super::draw::Person { bbox: *bx, kpts: kp, score: det.scores.get(k).copied() })
+            .map(|(k, (bx, kp))| {
+                let name = det.classes.get(k).and_then(|&c| ds.meta.names.get(c)).map_or("person", String::as_str);
+                super::draw::Person { bbox: *bx, kpts: kp, score: det.scores.get(k).copied(), name }
+            })
             .collect();
         super::draw::people(&mut img, &drawn, 0.5)?;
         let path = dir.join(format!("val_pred_{i}.png"));

@@ -146,6 +146,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
                     keypoints: &batch.keypoints,
                     nkpt: batch.nkpt,
                     scores: None,
+                    classes: None,
                 };
                 crate::pose::plots::plot_train_batch(&labelled, &cfg.save_dir, i)?;
             }

@@ -30,6 +30,8 @@ pub struct LabelledBatch<'a> {
     pub nkpt: usize,
     /// Each object's confidence (predictions), drawn beside its label.
     pub scores: Option<&'a [f32]>,
+    /// Each object's class, and the class names, for the label (`None`: `person`).
+    pub classes: Option<(&'a [usize], &'a [String])>,
 }
 
 /// The grid: images in rows of ⌈√n⌉, scaled down together so the grid fits 1920 pixels, labels
@@ -66,7 +68,8 @@ pub fn batch_grid(b: &LabelledBatch<'_>) -> Result<Image> {
                 let [cx, cy, bw, bh] = [0, 1, 2, 3].map(|c| b.bboxes[4 * j + c]);
                 let (x1, y1) = ((cx - bw / 2.0) * tw as f32, (cy - bh / 2.0) * th as f32);
                 let score = b.scores.and_then(|s| s.get(j).copied());
-                Person { bbox: [x1, y1, x1 + bw * tw as f32, y1 + bh * th as f32], kpts: kp, score }
+                let name = b.classes.and_then(|(c, names)| c.get(j).and_then(|&c| names.get(c))).map_or("person", String::as_str);
+                Person { bbox: [x1, y1, x1 + bw * tw as f32, y1 + bh * th as f32], kpts: kp, score, name }
             })
             .collect();
         people(&mut tile, &persons, 0.5)?;
@@ -110,6 +113,7 @@ mod tests {
             keypoints: &kpts,
             nkpt: 17,
             scores: None,
+            classes: None,
         };
         let g = batch_grid(&b).unwrap();
         assert_eq!((g.w, g.h), (128, 64));
