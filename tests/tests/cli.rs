@@ -369,7 +369,7 @@ fn predict_takes_ultralytics_keys(cwd: &std::path::Path, best: &std::path::Path,
     for (bad, says) in [
         ("source=clip.mp4", "videos are not supported"),
         ("source=http://example.invalid/a.jpg", "not URLs"),
-        ("classes=1", "one class"),
+        ("classes=x", "expected class ids"),
         ("max_dets=3", "did you mean `max_det`"),
     ] {
         let o = ptl(&["predict", model.as_str(), bad, "device=cpu"], cwd);

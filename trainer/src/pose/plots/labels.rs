@@ -75,11 +75,19 @@ pub fn plot_labels(cls: &[usize], boxes: &[[f32; 4]], names: &[String], dir: &Pa
             .y_label_area_size(52)
             .build_cartesian_2d(0.0..nc as f64, 0.0..top)
             .map_err(err)?;
+        // Each bar named under its centre (up to 20 classes; more would not be readable).
+        let label_of = |v: &f64| {
+            let c = v.floor() as usize;
+            match (v.fract() - 0.5).abs() < 1e-9 && nc <= 20 {
+                true => names.get(c).cloned().unwrap_or_else(|| c.to_string()),
+                false => String::new(),
+            }
+        };
         bars.configure_mesh()
             .disable_x_mesh()
-            .x_labels(nc.min(20) + 1)
-            .x_label_formatter(&|v| if v.fract() == 0.0 { String::new() } else { format!("{}", v.floor()) })
-            .x_desc(if nc == 1 { names.first().map_or("class 0", String::as_str) } else { "class" })
+            .x_labels(2 * nc + 1)
+            .x_label_formatter(&label_of)
+            .x_desc("class")
             .y_desc("instances")
             .label_style(("sans-serif", 12))
             .draw()
