@@ -1334,3 +1334,58 @@ fn deferred_reads_arrive_without_a_sync() {
         }
     }
 }
+
+/// `DeviceOptions::tf32_convolutions` (PyTorch's `cudnn.allow_tf32`): f32 convolutions — a 3×3
+/// through cuDNN and a 1×1 through the GEMM path; output, input and weight gradients — with the
+/// option on stay within TF32's bound of the CPU's f32, |Δ| ≤ 2⁻⁸·Σ|a||b| + 1e-6 per element
+/// (inputs rounded to 10 mantissa bits: ≤ 2⁻¹⁰ per product, ×4 for the transform algorithms
+/// cuDNN may pick), where Σ|a||b| is the same convolution of the absolute values; with it off
+/// they are strict FP32 (≤ 2⁻¹⁶·Σ|a||b|), and the strict bytes are the same before and after a
+/// TF32 run (plans and remembered engine choices are kept apart). TF32 must be in use: at least
+/// one result differs from the strict bytes with the option on.
+#[test]
+fn tf32_convolutions_are_a_device_option() {
+    use ptl_autograd::cuda::{set_device_options, DeviceOptions};
+    let Some(dev) = gpu() else { return };
+    let set = |tf32: bool| set_device_options(dev, DeviceOptions { tf32_convolutions: tf32, ..Default::default() }).unwrap();
+    // y = conv(x, w); Σ g·y backwards: [y, dx, dw] on `device`.
+    let run = |x: &Tensor, w: &Tensor, g: &Tensor, pad: usize, device: Device| -> Vec<Tensor> {
+        let x = x.to_device(device).unwrap().requires_grad_(true).unwrap();
+        let w = w.to_device(device).unwrap().requires_grad_(true).unwrap();
+        let y = x.conv2d(&w, None, (1, 1), (pad, pad), 1).unwrap();
+        y.mul(&g.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        vec![y.detach(), x.grad().expect("dx"), w.grad().expect("dw")]
+    };
+    let mut rng = Rng::new(41);
+    let mut differs = 0;
+    for (name, cin, cout, k, pad, hw) in [("3x3", 64usize, 64usize, 3usize, 1usize, 40usize), ("1x1", 128, 128, 1, 0, 40)] {
+        let x = Tensor::rand(vec![2, cin, hw, hw], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap();
+        let w = Tensor::rand(vec![cout, cin, k, k], -0.5, 0.5, DType::F32, Device::Cpu, &mut rng).unwrap();
+        let g = Tensor::rand(vec![2, cout, hw, hw], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap();
+        let cpu = run(&x, &w, &g, pad, Device::Cpu);
+        let bound = run(&x.abs().unwrap(), &w.abs().unwrap(), &g.abs().unwrap(), pad, Device::Cpu);
+        let bytes = |ts: &[Tensor]| ts.iter().map(|t| t.to_bytes().unwrap()).collect::<Vec<_>>();
+        set(false);
+        let strict = run(&x, &w, &g, pad, dev);
+        set(true);
+        let tf32 = run(&x, &w, &g, pad, dev);
+        set(false);
+        let strict_again = run(&x, &w, &g, pad, dev);
+        assert!(bytes(&strict) == bytes(&strict_again), "{name}: strict FP32 bytes changed after a TF32 run");
+        for (i, part) in ["y", "dx", "dw"].iter().enumerate() {
+            let (c, b) = (cpu[i].to_f64_vec().unwrap(), bound[i].to_f64_vec().unwrap());
+            for (label, got, scale) in [("strict", &strict[i], 2f64.powi(-16)), ("tf32", &tf32[i], 2f64.powi(-8))] {
+                let got = got.to_f64_vec().unwrap();
+                let worst = got.iter().zip(&c).zip(&b).map(|((g, c), b)| (g - c).abs() / (scale * b + 1e-6)).fold(0f64, f64::max);
+                assert!(worst <= 1.0, "{name} {part} {label}: {worst:.3} of the bound");
+                println!("{name} {part} {label}: worst |Δ| at {worst:.3} of its bound");
+            }
+            if tf32[i].to_bytes().unwrap() != strict[i].to_bytes().unwrap() {
+                differs += 1;
+            }
+        }
+    }
+    set(false);
+    assert!(differs > 0, "with tf32_convolutions on, no convolution result differs from strict FP32: TF32 is not in use");
+    println!("ok tf32 convolutions: {differs} of 6 results differ from strict FP32, all within TF32's bound; strict bytes unchanged");
+}

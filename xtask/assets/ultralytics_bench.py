@@ -42,6 +42,7 @@ ap.add_argument("--warmup", type=int, default=10)
 ap.add_argument("--gpu-window", type=int, default=1, help="0: no profiler window")
 ap.add_argument("--compile", default="False", help="Ultralytics' own `compile=` (torch.compile of the model)")
 ap.add_argument("--deterministic", default="True", help="Ultralytics' `deterministic=`")
+ap.add_argument("--tf32", default="True", help="torch.backends.cudnn.allow_tf32 (PyTorch's default True; False: strict FP32 convolutions)")
 args = ap.parse_args()
 
 work = Path(os.environ.get("ULTRA_WORK", "/tmp/ptl-bench-ultra"))
@@ -52,6 +53,8 @@ for d in ("weights", "runs", "datasets"):
     (work / d).mkdir(parents=True, exist_ok=True)
 
 import torch  # noqa: E402
+
+torch.backends.cudnn.allow_tf32 = args.tf32 == "True"
 import ultralytics  # noqa: E402
 from ultralytics import YOLO, settings  # noqa: E402
 

@@ -210,6 +210,12 @@ fn check_own_private(dir: &Path) -> Result<(), String> {
 
 /// `key=value` overrides of a ptl arm.
 fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
+    // `<arm>+strict`: the arm with strict FP32 convolutions (32-true's TF32 off).
+    if let Some(base) = arm.strip_suffix("+strict") {
+        let mut o = arm_overrides(base)?;
+        o.push("tf32=false".into());
+        return Ok(o);
+    }
     match arm {
         // The loss path is named on every arm, so arms compare as labelled whatever the default.
         "native" => Ok(vec!["loss_assigner=host".into()]),
@@ -227,7 +233,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions)"
         )),
     }
 }
@@ -238,20 +244,28 @@ fn planned_arenas_json(on: bool) -> Value {
     Value::Object(["step", "optimizer", "loss", "feature", "stem", "ns"].into_iter().map(|p| (p.to_string(), setting.clone())).collect())
 }
 
-/// An Ultralytics arm: (label in the tables, its `compile=`, its `deterministic=`).
-fn ultra_arm(name: &str) -> Result<(&'static str, &'static str, &'static str), String> {
+/// An Ultralytics arm: (label in the tables, its `compile=`, its `deterministic=`, PyTorch's
+/// `cudnn.allow_tf32`).
+type UltraArm = (&'static str, &'static str, &'static str, &'static str);
+
+/// The Ultralytics arms by name.
+const ULTRA_ARMS: [&str; 5] = ["eager", "compile", "reduce-overhead", "nondeterministic", "strict"];
+
+fn ultra_arm(name: &str) -> Result<UltraArm, String> {
     match name {
-        "eager" => Ok((ULTRA, "False", "True")),
-        "compile" => Ok(("ultralytics-compile", "True", "True")),
-        "reduce-overhead" => Ok(("ultralytics-reduce-overhead", "reduce-overhead", "True")),
-        "nondeterministic" => Ok(("ultralytics-nondeterministic", "False", "False")),
-        other => Err(format!("unknown Ultralytics arm `{other}` (eager, compile, reduce-overhead, nondeterministic)")),
+        "eager" => Ok((ULTRA, "False", "True", "True")),
+        "compile" => Ok(("ultralytics-compile", "True", "True", "True")),
+        "reduce-overhead" => Ok(("ultralytics-reduce-overhead", "reduce-overhead", "True", "True")),
+        "nondeterministic" => Ok(("ultralytics-nondeterministic", "False", "False", "True")),
+        // Strict FP32 convolutions (PyTorch's TF32 off): 32-true's like for like with `+strict`.
+        "strict" => Ok(("ultralytics-strict", "False", "True", "False")),
+        other => Err(format!("unknown Ultralytics arm `{other}` ({})", ULTRA_ARMS.join(", "))),
     }
 }
 
 /// The Ultralytics arm a table label belongs to.
-fn ultra_arm_of_label(label: &str) -> Option<(&'static str, &'static str, &'static str)> {
-    ["eager", "compile", "reduce-overhead", "nondeterministic"].iter().filter_map(|a| ultra_arm(a).ok()).find(|a| a.0 == label)
+fn ultra_arm_of_label(label: &str) -> Option<UltraArm> {
+    ULTRA_ARMS.iter().filter_map(|a| ultra_arm(a).ok()).find(|a| a.0 == label)
 }
 
 /// Ultralytics' `amp` for a ptl precision.
@@ -602,9 +616,9 @@ fn run_ultralytics(
     data: &Path,
     precision: &str,
     pair: usize,
-    arm: (&'static str, &'static str, &'static str),
+    arm: UltraArm,
 ) -> Result<Value, String> {
-    let (label, compile, deterministic) = arm;
+    let (label, compile, deterministic, tf32) = arm;
     let result = work_of(o).join(format!("{label}-{precision}-{pair}.json"));
     let _ = std::fs::remove_file(&result);
     let mut cmd = Command::new("python3");
@@ -615,7 +629,7 @@ fn run_ultralytics(
         .arg(&result)
         .args(["--epochs", &o.epochs.to_string(), "--amp", ultra_amp(precision)?, "--optimizer", &o.optimizer])
         .args(["--imgsz", &o.imgsz.to_string(), "--batch", &o.batch.to_string()])
-        .args(["--compile", compile, "--deterministic", deterministic])
+        .args(["--compile", compile, "--deterministic", deterministic, "--tf32", tf32])
         .env("PYTHONUNBUFFERED", "1")
         .env("ULTRA_WORK", work_of(o).join("ultra"));
     if let Some(s) = site {
@@ -825,11 +839,12 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             let col = |g: fn(&Figures) -> Option<f64>| fs.iter().map(g).collect::<Vec<_>>();
             let cold: Vec<Option<f64>> = runs.iter().zip(&fs).filter(|(r, _)| r["cold"] == true).map(|(_, f)| f.to_first_step_s).collect();
             let warm: Vec<Option<f64>> = runs.iter().zip(&fs).filter(|(r, _)| r["cold"] != true).map(|(_, f)| f.to_first_step_s).collect();
-            let label = if let Some((_, compile, deterministic)) = ultra_arm_of_label(arm) {
-                let extra = match (compile, deterministic) {
-                    ("False", "True") => String::new(),
-                    ("False", d) => format!(" deterministic={d}"),
-                    (c, _) => format!(" compile={c}"),
+            let label = if let Some((_, compile, deterministic, tf32)) = ultra_arm_of_label(arm) {
+                let extra = match (compile, deterministic, tf32) {
+                    ("False", "True", "True") => String::new(),
+                    ("False", "True", _) => " strict FP32 (allow_tf32=False)".to_string(),
+                    ("False", d, _) => format!(" deterministic={d}"),
+                    (c, _, _) => format!(" compile={c}"),
                 };
                 format!("Ultralytics amp={}{extra}", ultra_amp(base_precision(p)).unwrap_or("?"))
             } else {
@@ -1421,6 +1436,10 @@ mod tests {
         assert!(md.contains("ultralytics-reduce-overhead") && md.contains("CUDAGraphs that has been overwritten"), "{md}");
         assert_eq!(ultra_arm("compile").unwrap().1, "True");
         assert!(ultra_arm("max-autotune").is_err());
+        // 32-true like for like: strict FP32 convolutions on both sides.
+        assert_eq!(ultra_arm("strict").unwrap().3, "False");
+        assert_eq!(arm_overrides("all+dense+strict").unwrap(), ["replay=all", "loss_assigner=dense", "tf32=false"]);
+        assert!(arm_overrides("nope+strict").is_err());
         let (o, _) =
             parse(&["--batches".to_string(), "4,16".to_string(), "--ultra-arms".to_string(), "eager,compile".to_string()]).unwrap();
         assert_eq!((o.batches, o.ultra_arms.len()), (vec![4, 16], 2));

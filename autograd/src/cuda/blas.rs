@@ -1,5 +1,6 @@
-//! Matmul / bmm through cuBLAS: true FP32 for f32 (no TF32), DGEMM for f64, and f16/bf16 inputs
-//! and outputs accumulating in f32.
+//! Matmul / bmm through cuBLAS: true FP32 for f32 (no TF32; a 1×1 convolution run as a GEMM may
+//! take TF32 under the device's `tf32_convolutions`, as cuDNN's convolutions do), DGEMM for f64,
+//! and f16/bf16 inputs and outputs accumulating in f32.
 //!
 //! f32/f16/bf16 GEMMs go through cuBLASLt with the descriptors and the heuristic's algorithm built
 //! once per (shape, dtype) and reused: a cuBLAS `gemm*` call repeats that selection on every call
@@ -35,8 +36,9 @@ unsafe impl Send for Blas {}
 
 pub(crate) const WORKSPACE: usize = 32 << 20;
 
-/// What a cuBLASLt plan depends on: the GEMM's shape and layout, the dtype, and whether `C` is f32.
-type LtKey = (MatmulParams, DType, bool);
+/// What a cuBLASLt plan depends on: the GEMM's shape and layout, the dtype, whether `C` is f32,
+/// and whether f32 inputs may be rounded to TF32 on tensor cores (convolutions as GEMMs only).
+type LtKey = (MatmulParams, DType, bool, bool);
 
 /// Descriptors and algorithm of one GEMM shape (column-major view, see [`gemm`]).
 struct LtPlan {
@@ -95,9 +97,14 @@ fn lt_type(dt: DType) -> Option<ls::cudaDataType> {
 }
 
 /// Column-major `Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ` for the row-major `C = op(A)·op(B)` of `p`, batched
-/// with the strides of [`gemm`]; f32 compute (no TF32, no reduced-precision reduction).
-fn build_lt_plan(lt: ls::cublasLtHandle_t, (p, dt, c_f32): LtKey) -> std::result::Result<LtPlan, lr::CublasError> {
+/// with the strides of [`gemm`]; f32 compute, no reduced-precision reduction, and no TF32 unless
+/// the key allows it for f32 inputs.
+fn build_lt_plan(lt: ls::cublasLtHandle_t, (p, dt, c_f32, tf32): LtKey) -> std::result::Result<LtPlan, lr::CublasError> {
     let t = lt_type(dt).ok_or(lr::CublasError(ls::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED))?;
+    let compute = match tf32 && dt == DType::F32 {
+        true => ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        false => ls::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
     let ct = if c_f32 { ls::cudaDataType::CUDA_R_32F } else { t };
     let (m, n, k) = (p.m as u64, p.n as u64, p.k as u64);
     let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
@@ -106,7 +113,7 @@ fn build_lt_plan(lt: ls::cublasLtHandle_t, (p, dt, c_f32): LtKey) -> std::result
     let (b_rows, b_cols) = if p.lhs_t { (m, k) } else { (k, m) };
     // Built up in place: on an error, dropping the partial plan releases what exists.
     let mut plan = LtPlan {
-        desc: lr::create_matmul_desc(ls::cublasComputeType_t::CUBLAS_COMPUTE_32F, ls::cudaDataType::CUDA_R_32F)?,
+        desc: lr::create_matmul_desc(compute, ls::cudaDataType::CUDA_R_32F)?,
         a: std::ptr::null_mut(),
         b: std::ptr::null_mut(),
         c: std::ptr::null_mut(),
@@ -250,8 +257,25 @@ fn gemm_split_k(dev: &Arc<Dev>, dt: DType, p: &MatmulParams, pa: u64, pb: u64, o
 /// `c_f32`, half inputs write an f32 `C` (for accumulation across calls).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(dev: &Arc<Dev>, dtype: DType, p: &MatmulParams, pa: u64, pb: u64, pc: u64, beta: f32, c_f32: bool) -> Result<()> {
+    gemm_math(dev, dtype, p, pa, pb, pc, beta, c_f32, false)
+}
+
+/// [`gemm`] whose f32 inputs may be rounded to TF32 on tensor cores (`tf32`): a convolution run
+/// as a GEMM under the device's `tf32_convolutions` option. Other dtypes ignore it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_math(
+    dev: &Arc<Dev>,
+    dtype: DType,
+    p: &MatmulParams,
+    pa: u64,
+    pb: u64,
+    pc: u64,
+    beta: f32,
+    c_f32: bool,
+    tf32: bool,
+) -> Result<()> {
     let scale = Scale { alpha: 1.0, beta: f64::from(beta), out: pc };
-    with_blas(dev, |blas| gemm_on(blas, dev, dtype, p, pa, pb, pc, scale, c_f32))
+    with_blas(dev, |blas| gemm_on(blas, dev, dtype, p, pa, pb, pc, scale, c_f32, tf32 && dtype == DType::F32))
 }
 
 /// `D = alpha·op(A)·op(B) + beta·C` with `D` at `out` (which may be `C`'s address); the scales
@@ -292,7 +316,7 @@ pub(crate) fn matmul_add(
         // `Tensor::baddbmm` computes beta·C itself when there is no product.
         return Err(Error::invalid("matmul_add", "an empty inner dimension (k = 0)"));
     }
-    with_blas(dev, |blas| gemm_on(blas, dev, a.dtype, p, a.buf.ptr, b.buf.ptr, c.buf.ptr, scale, false))?;
+    with_blas(dev, |blas| gemm_on(blas, dev, a.dtype, p, a.buf.ptr, b.buf.ptr, c.buf.ptr, scale, false, false))?;
     Ok(out)
 }
 
@@ -307,12 +331,13 @@ fn gemm_on(
     pc: u64,
     scale: Scale,
     c_f32: bool,
+    tf32: bool,
 ) -> Result<()> {
     let Scale { alpha, beta, out: pd } = scale;
     let batch = p.batch();
     if lt_type(dtype).is_some() {
         let (lt, stream, ws) = (blas.lt, dev.cu_stream as ls::cudaStream_t, blas.workspace.ptr);
-        if let (Some(lt), Some(plan)) = (lt, blas.lt_plan((*p, dtype, c_f32))) {
+        if let (Some(lt), Some(plan)) = (lt, blas.lt_plan((*p, dtype, c_f32, tf32))) {
             let (al, be) = (alpha as f32, beta as f32);
             // SAFETY: the plan's layouts describe exactly these buffers (sizes checked by callers);
             // the workspace is the handle's own, used in stream order.
@@ -359,6 +384,35 @@ fn gemm_on(
     let bc = batch as i32;
     unsafe {
         match dtype {
+            DType::F32 if tf32 => {
+                let (al, be) = (alpha as f32, beta as f32);
+                let t = bs::cudaDataType::CUDA_R_32F;
+                br::gemm_strided_batched_ex(
+                    h,
+                    opb,
+                    opa,
+                    n,
+                    m,
+                    k,
+                    &al as *const f32 as *const c_void,
+                    pb as *const c_void,
+                    t,
+                    ldb,
+                    sb,
+                    pa as *const c_void,
+                    t,
+                    lda,
+                    sa,
+                    &be as *const f32 as *const c_void,
+                    pc as *mut c_void,
+                    t,
+                    n,
+                    sc,
+                    bc,
+                    bs::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+                    bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
             DType::F32 => {
                 let (al, be) = (alpha as f32, beta as f32);
                 br::sgemm_strided_batched(

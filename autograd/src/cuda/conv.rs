@@ -5,7 +5,9 @@
 //!
 //! Legacy path: only deterministic algorithms, in cuDNN's heuristic ranking (identical in every
 //! process, so a fixed seed gives the same bytes run to run). f32 uses `CUDNN_FMA_MATH` (true FP32,
-//! no TF32), f16/bf16 tensor cores with an f32 compute type, f64 the double path. (A timed choice,
+//! no TF32) unless the device's `tf32_convolutions` option allows TF32 tensor cores (PyTorch's
+//! `cudnn.allow_tf32`; then the plans and remembered choices are kept apart from the strict ones),
+//! f16/bf16 tensor cores with an f32 compute type, f64 the double path. (A timed choice,
 //! `PTL_CUDNN_BENCHMARK`, existed while every convolution went this way; it was dropped when the
 //! graph API took over, since it had come to time only f64 and fallback shapes.) All plans share one
 //! workspace ([`Workspace`]), so a captured step never allocates inside cuDNN.
@@ -111,9 +113,10 @@ impl Workspace {
 pub(crate) struct Dnn {
     handle: ns::cudnnHandle_t,
     workspace: Workspace,
-    plans: HashMap<(Conv2dParams, DType, Dir), Plan>,
-    /// Graph-API plans (`None`: no usable engine for the shape, legacy path).
-    graph_plans: HashMap<(Conv2dParams, DType, Dir), Option<super::conv_graph::GraphPlan>>,
+    /// Keyed by shape, dtype, direction and whether f32 may run in TF32.
+    plans: HashMap<(Conv2dParams, DType, Dir, bool), Plan>,
+    /// Graph-API plans (`None`: no usable engine for the shape, legacy path), keyed as `plans`.
+    graph_plans: HashMap<(Conv2dParams, DType, Dir, bool), Option<super::conv_graph::GraphPlan>>,
     /// Engine choices remembered across processes.
     choices: ChoiceCache,
 }
@@ -162,18 +165,18 @@ impl Dnn {
         })
     }
 
-    /// The cached legacy plan for (`p`, `dt`, `dir`), built on first use.
-    fn plan(&mut self, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<Plan> {
-        let key = (*p, dt, dir);
+    /// The cached legacy plan for (`p`, `dt`, `dir`, `tf32`), built on first use.
+    fn plan(&mut self, p: &Conv2dParams, dt: DType, dir: Dir, tf32: bool) -> Result<Plan> {
+        let key = (*p, dt, dir, tf32);
         if let Some(plan) = self.plans.get(&key) {
             return Ok(*plan);
         }
-        let plan = super::counters::time_setup(Setup::ConvPlan, || self.make_plan(p, dt, dir))?;
+        let plan = super::counters::time_setup(Setup::ConvPlan, || self.make_plan(p, dt, dir, tf32))?;
         self.plans.insert(key, plan);
         Ok(plan)
     }
 
-    fn make_plan(&self, p: &Conv2dParams, dt: DType, dir: Dir) -> Result<Plan> {
+    fn make_plan(&self, p: &Conv2dParams, dt: DType, dir: Dir, tf32: bool) -> Result<Plan> {
         let t = ndt(dt)?;
         let nchw = ns::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
         let i = |v: usize| v as i32;
@@ -202,18 +205,20 @@ impl Dnn {
             )
             .map_err(e("cudnnSetConvolution2dDescriptor"))?;
             nr::set_convolution_group_count(conv, i(p.groups)).map_err(e("cudnnSetConvolutionGroupCount"))?;
+            let strict_f32 = dt == DType::F32 && !tf32;
             let want_math = match dt {
-                DType::F32 => ns::cudnnMathType_t::CUDNN_FMA_MATH,
+                DType::F32 if strict_f32 => ns::cudnnMathType_t::CUDNN_FMA_MATH,
                 DType::F64 => ns::cudnnMathType_t::CUDNN_DEFAULT_MATH,
                 _ => ns::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
             };
             nr::set_convolution_math_type(conv, want_math).map_err(e("cudnnSetConvolutionMathType"))?;
-            // True FP32 must never run on tensor cores (TF32); halves may use any math.
+            // Strict FP32 must never run on tensor cores (TF32); halves, and f32 with TF32
+            // allowed, may use any math.
             let math_ok = |m: ns::cudnnMathType_t| {
-                dt != DType::F32 || matches!(m, ns::cudnnMathType_t::CUDNN_FMA_MATH | ns::cudnnMathType_t::CUDNN_DEFAULT_MATH)
+                !strict_f32 || matches!(m, ns::cudnnMathType_t::CUDNN_FMA_MATH | ns::cudnnMathType_t::CUDNN_DEFAULT_MATH)
             };
-            // f32 keeps FMA math whatever the heuristic reports (DEFAULT could mean TF32 on Ampere+).
-            let final_math = |m: ns::cudnnMathType_t| if dt == DType::F32 { ns::cudnnMathType_t::CUDNN_FMA_MATH } else { m };
+            // Strict f32 keeps FMA math whatever the heuristic reports (DEFAULT could mean TF32 on Ampere+).
+            let final_math = |m: ns::cudnnMathType_t| if strict_f32 { ns::cudnnMathType_t::CUDNN_FMA_MATH } else { m };
             let det = ns::cudnnDeterminism_t::CUDNN_DETERMINISTIC;
             let okst = ns::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
             let h = self.handle;
@@ -326,8 +331,10 @@ pub(crate) fn run_into(
         super::ops::fill(&out, 0.0)?;
         return Ok(out);
     }
+    // f32 on tensor cores in TF32 where the device allows it (PyTorch's cudnn.allow_tf32).
+    let tf32 = dt == DType::F32 && dev.options().tf32_convolutions;
     if p.kh == 1 && p.kw == 1 && p.stride == (1, 1) && p.padding == (0, 0) && p.groups == 1 {
-        return pointwise(dir, a, b, p, out);
+        return pointwise(dir, a, b, p, out, tf32);
     }
     dev.dnn.with(
         || super::counters::time_setup(Setup::Handle, || Dnn::new(dev)),
@@ -337,8 +344,8 @@ pub(crate) fn run_into(
                 let choices = &dnn.choices;
                 let entry = dnn
                     .graph_plans
-                    .entry((*p, dt, dir))
-                    .or_insert_with(|| super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir)));
+                    .entry((*p, dt, dir, tf32))
+                    .or_insert_with(|| super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir, tf32)));
                 if let Some(gp) = entry {
                     // Buffers by their forward-convolution names (x, w, y).
                     let (a, b, o) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
@@ -355,7 +362,7 @@ pub(crate) fn run_into(
             }
             count_path(LibPath::ConvLegacy);
             let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
-            let plan = dnn.plan(p, dt, dir)?;
+            let plan = dnn.plan(p, dt, dir, tf32)?;
             let lease = dnn.workspace.get(dev, plan.ws_bytes)?;
             let ws = lease.ptr as *mut c_void;
             let (af, bf) = (1f32, 0f32);
@@ -411,10 +418,18 @@ pub(crate) fn run_into(
     )
 }
 
-/// The graph-API plan for (`p`, `dt`, `dir`), or `None` when no engine qualifies (legacy path),
-/// taking the outcome of an earlier process's engine walk when one is remembered.
-fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir) -> Option<super::conv_graph::GraphPlan> {
-    let key = format!("{p:?} {dt:?} {dir:?}");
+/// The graph-API plan for (`p`, `dt`, `dir`, `tf32`), or `None` when no engine qualifies (legacy
+/// path), taking the outcome of an earlier process's engine walk when one is remembered (TF32
+/// choices under their own key: the engines differ).
+fn graph_plan(
+    choices: &ChoiceCache,
+    h: ns::cudnnHandle_t,
+    p: &Conv2dParams,
+    dt: DType,
+    dir: Dir,
+    tf32: bool,
+) -> Option<super::conv_graph::GraphPlan> {
+    let key = format!("{p:?} {dt:?} {dir:?}{}", if tf32 { " tf32" } else { "" });
     let hint = match choices.get(&key) {
         Some(Choice::Legacy) => return None,
         Some(Choice::Engine(k)) => Some(k),
@@ -430,7 +445,7 @@ fn graph_plan(choices: &ChoiceCache, h: ns::cudnnHandle_t, p: &Conv2dParams, dt:
             }
         }
     }
-    match super::conv_graph::build(h, p, dt, dir, hint) {
+    match super::conv_graph::build(h, p, dt, dir, hint, tf32) {
         Ok(Built::Plan(plan, k)) => {
             if hint != Some(k) {
                 choices.put(&key, Choice::Engine(k));
@@ -470,7 +485,7 @@ pub(crate) fn conv2d_backward_weight(dy: &CudaStorage, x: &CudaStorage, p: &Conv
 /// whatever the batch (a GEMM per item accumulating with β = 1, plus a cast for halves, took
 /// `batch` + 1 launches, and cuBLAS split most of those GEMMs in two: 519 kernels, 1.9 ms of a
 /// batch-4 bf16 backward on the H200). Shapes without 16-byte rows and f64 keep the GEMM per item.
-fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: CudaStorage) -> Result<CudaStorage> {
+fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: CudaStorage, tf32: bool) -> Result<CudaStorage> {
     use crate::backend::MatmulParams;
     let dev = &a.buf.dev;
     let dt = a.dtype;
@@ -479,12 +494,12 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
     match dir {
         Dir::Fwd => {
             let mp = MatmulParams { lhs_batch: 1, rhs_batch: n, m: co, n: hw, k: ci, lhs_t: false, rhs_t: false };
-            super::blas::gemm(dev, dt, &mp, b.buf.ptr, a.buf.ptr, out.buf.ptr, 0.0, false)?;
+            super::blas::gemm_math(dev, dt, &mp, b.buf.ptr, a.buf.ptr, out.buf.ptr, 0.0, false, tf32)?;
             Ok(out)
         }
         Dir::BwdData => {
             let mp = MatmulParams { lhs_batch: 1, rhs_batch: n, m: ci, n: hw, k: co, lhs_t: true, rhs_t: false };
-            super::blas::gemm(dev, dt, &mp, b.buf.ptr, a.buf.ptr, out.buf.ptr, 0.0, false)?;
+            super::blas::gemm_math(dev, dt, &mp, b.buf.ptr, a.buf.ptr, out.buf.ptr, 0.0, false, tf32)?;
             Ok(out)
         }
         Dir::BwdFilter => {
@@ -500,7 +515,7 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
                 let mp = MatmulParams { lhs_batch: 1, rhs_batch: 1, m: co, n: ci, k: hw, lhs_t: false, rhs_t: true };
                 for i in 0..n as u64 {
                     let (pa, pb) = (a.buf.ptr + i * (co * hw) as u64 * es, b.buf.ptr + i * (ci * hw) as u64 * es);
-                    super::blas::gemm(dev, dt, &mp, pa, pb, pc, if i == 0 { 0.0 } else { 1.0 }, half)?;
+                    super::blas::gemm_math(dev, dt, &mp, pa, pb, pc, if i == 0 { 0.0 } else { 1.0 }, half, tf32)?;
                 }
                 if let Some(acc) = &acc {
                     super::ops::sum_partials(acc, 1, &out)?;
@@ -509,11 +524,11 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
             }
             let mp = MatmulParams { lhs_batch: n, rhs_batch: n, m: co, n: ci, k: hw, lhs_t: false, rhs_t: true };
             if n == 1 && !half {
-                super::blas::gemm(dev, dt, &mp, a.buf.ptr, b.buf.ptr, out.buf.ptr, 0.0, false)?;
+                super::blas::gemm_math(dev, dt, &mp, a.buf.ptr, b.buf.ptr, out.buf.ptr, 0.0, false, tf32)?;
                 return Ok(out);
             }
             let partials = CudaStorage::alloc(dev, DType::F32, n * co * ci)?;
-            super::blas::gemm(dev, dt, &mp, a.buf.ptr, b.buf.ptr, partials.buf.ptr, 0.0, half)?;
+            super::blas::gemm_math(dev, dt, &mp, a.buf.ptr, b.buf.ptr, partials.buf.ptr, 0.0, half, tf32)?;
             super::ops::sum_partials(&partials, n, &out)?;
             Ok(out)
         }

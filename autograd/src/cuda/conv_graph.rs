@@ -7,7 +7,8 @@
 //! are taken in cuDNN's heuristic order (mode INSTANT: the same ranking in every process, so a
 //! fixed seed still gives the same bytes run to run), skipping engines cuDNN marks
 //! nondeterministic or as reducing in reduced precision (products must accumulate in f32), and for
-//! f32 engines on tensor cores (TF32): f32 stays true FP32. The first engine that builds an
+//! f32 engines on tensor cores (TF32) unless the device's `tf32_convolutions` allows them: by
+//! default f32 stays true FP32. The first engine that builds an
 //! execution plan within the workspace limit is kept for the shape. If none does, the caller falls
 //! back to the legacy API. `PTL_CUDNN_LEGACY=1` forces the legacy path (for comparison).
 //!
@@ -151,22 +152,23 @@ fn tensor(uid: i64, dims: [usize; 4], dt: ns::cudnnDataType_t) -> Result<Desc> {
 }
 
 /// Numerical notes that rule an engine out for data of type `dt`: nondeterminism, reductions in
-/// reduced precision, down-converted inputs, and for f32 tensor cores (they would run TF32).
-fn excluded(note: ns::cudnnBackendNumericalNote_t, dt: DType) -> bool {
+/// reduced precision, down-converted inputs, and for f32 tensor cores (they run TF32) unless
+/// `tf32` allows them.
+fn excluded(note: ns::cudnnBackendNumericalNote_t, dt: DType, tf32: bool) -> bool {
     use ns::cudnnBackendNumericalNote_t as N;
     matches!(
         note,
         N::CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC
             | N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION
             | N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS
-    ) || (dt == DType::F32 && note == N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE)
+    ) || (dt == DType::F32 && !tf32 && note == N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE)
 }
 
 /// Builds the plan for direction `dir` of `p` in `dt` and says which position of cuDNN's ranking
 /// it took, or explains why none is usable. `hint`: the position a previous process ended with
 /// for the same shape, cuDNN and GPU (`conv_choice`), tried first; if it no longer builds, the
 /// whole ranking is walked as without one.
-pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir, hint: Option<usize>) -> Result<Built> {
+pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir, hint: Option<usize>, tf32: bool) -> Result<Built> {
     let t = data_type(dt)?;
     let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t)?;
     let w = tensor(UID_W, p.weight_shape(), t)?;
@@ -202,13 +204,13 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
     let mut why = Vec::new();
     let mut chosen = None;
     if let Some(k) = hint.filter(|&k| k < got) {
-        if let Ok((plan, ws_bytes, engine, compiled)) = try_engine(handle, &cfgs[k], dt) {
+        if let Ok((plan, ws_bytes, engine, compiled)) = try_engine(handle, &cfgs[k], dt, tf32) {
             chosen = Some((plan, ws_bytes, engine, compiled, k));
         }
     }
     if chosen.is_none() {
         for (k, cfg) in cfgs.iter().take(got).enumerate() {
-            match try_engine(handle, cfg, dt) {
+            match try_engine(handle, cfg, dt, tf32) {
                 Ok((plan, ws_bytes, engine, compiled)) => {
                     chosen = Some((plan, ws_bytes, engine, compiled, k));
                     break;
@@ -305,7 +307,7 @@ fn operation(dir: Dir, x: &Desc, w: &Desc, y: &Desc, conv: &Desc) -> Result<Desc
 
 /// Checks one heuristic result: its engine's numerical notes, then whether a plan builds. Gives
 /// the plan, its workspace bytes, the engine and whether the engine compiled its kernel.
-fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::Result<(Desc, usize, Desc, bool), String> {
+fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType, tf32: bool) -> std::result::Result<(Desc, usize, Desc, bool), String> {
     let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR).map_err(|e| e.to_string())?;
     // cuDNN fills the created engine descriptor.
     cfg.get(A::CUDNN_ATTR_ENGINECFG_ENGINE, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &mut [engine.0])
@@ -314,7 +316,7 @@ fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType) -> std::result::
     let nn = engine
         .get(A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, T::CUDNN_TYPE_NUMERICAL_NOTE, &mut notes)
         .map_err(|e| format!("notes unreadable ({e})"))?;
-    if let Some(bad) = notes[..nn.min(16)].iter().find(|n| excluded(**n, dt)) {
+    if let Some(bad) = notes[..nn.min(16)].iter().find(|n| excluded(**n, dt, tf32)) {
         return Err(format!("{bad:?}"));
     }
     let compiles = compiles_at_run_time(&engine);

@@ -94,11 +94,16 @@ pub struct DeviceOptions {
     /// A batch-norm layer whose channels fit one block runs its forward (statistics + apply) and
     /// its backward (reduction + dx) as one launch each instead of two.
     pub bn_one_launch: bool,
+    /// f32 convolutions (cuDNN's, and 1×1 ones run as GEMMs) may round their inputs to TF32 on
+    /// tensor cores, as PyTorch's default `torch.backends.cudnn.allow_tf32 = True` lets them; f32
+    /// matmuls stay full FP32 either way (PyTorch's matmul default). Off by default here (strict
+    /// FP32, the CPU's bytes within f32 rounding); the trainer's `tf32` key turns it on.
+    pub tf32_convolutions: bool,
 }
 
 impl Default for DeviceOptions {
     fn default() -> Self {
-        DeviceOptions { fused_clip: true, index_add_by_buckets: true, bn_one_launch: true }
+        DeviceOptions { fused_clip: true, index_add_by_buckets: true, bn_one_launch: true, tf32_convolutions: false }
     }
 }
 

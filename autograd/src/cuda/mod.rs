@@ -14,7 +14,8 @@
 //!   f32 accumulation; classic cuBLAS as the fallback); convolutions (forward, backward-data,
 //!   backward-filter) through cuDNN's graph API with execution plans and variant packs cached per
 //!   shape, restricted to deterministic engines (heuristic order, the same in every process; no
-//!   TF32 for f32) and with the legacy API as the fallback; 1×1 convolutions as GEMMs. Each plan
+//!   TF32 for f32 unless [`DeviceOptions::tf32_convolutions`]) and with the legacy API as the
+//!   fallback; 1×1 convolutions as GEMMs. Each plan
 //!   owns its workspace, so captured steps never allocate inside a library.
 //! - **Fused kernels**: BatchNorm+SiLU forward (`Tensor::batch_norm2d_silu`: deterministic batch
 //!   statistics and running-stat update in one launch, affine+SiLU in a second), (log-)softmax in

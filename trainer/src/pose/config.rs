@@ -200,6 +200,10 @@ pub struct PoseTrainConfig {
     pub save_json: bool,
     /// Print a progress bar.
     pub progress: bool,
+    /// 32-true's convolutions on a GPU may run on tensor cores in TF32, as PyTorch's default
+    /// (`torch.backends.cudnn.allow_tf32 = True`, so Ultralytics' `amp=False`); matmuls stay full
+    /// FP32. `false`: strict FP32 everywhere. The half precisions and the CPU are unaffected.
+    pub tf32: bool,
 }
 
 mod device_serde {
@@ -316,6 +320,7 @@ impl Default for PoseTrainConfig {
             plots: true,
             save_json: false,
             progress: true,
+            tf32: true,
         }
     }
 }
@@ -490,6 +495,7 @@ impl PoseTrainConfig {
             ("device", "auto".into(), "auto, cpu, cuda:N or N (also --device; auto picks a GPU when there is one)"),
             ("precision", d.precision.name().to_string(), "32-true, bf16-mixed or 16-mixed (also --precision)"),
             ("amp", "true".into(), "Ultralytics' switch: true = 16-mixed on a GPU (32-true on the CPU), false = 32-true; or a precision name"),
+            ("tf32", d.tf32.to_string(), "32-true on a GPU: convolutions in TF32 on tensor cores as PyTorch's default (false: strict FP32)"),
             ("seed", d.seed.to_string(), "random seed (also --seed)"),
             ("model", d.model.clone(), "yolo26{n,s,m,l,x}-pose.yaml (the size; or the letter), or weights to start from: a .safetensors with Ultralytics names or a ptl .ckpt (its EMA weights)"),
             ("optimizer", d.optimizer.clone(), "auto, SGD, MuSGD or AdamW (auto is resolved once and stored in checkpoints)"),

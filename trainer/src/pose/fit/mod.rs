@@ -36,6 +36,17 @@ use run::*;
 /// Loss item names in the order of the 6-vector (loss.md §5).
 pub const LOSS_NAMES: [&str; 6] = ["box_loss", "pose_loss", "kobj_loss", "cls_loss", "l1_loss", "rle_loss"];
 
+/// The device's TF32 switch for f32 convolutions from the run's `tf32` (a no-op on the CPU).
+fn set_tf32(device: Device, tf32: bool) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let options = ptl_autograd::cuda::device_options(device)?;
+        ptl_autograd::cuda::set_device_options(device, ptl_autograd::cuda::DeviceOptions { tf32_convolutions: tf32, ..options })?;
+    }
+    let _ = (device, tf32);
+    Ok(())
+}
+
 /// Trains a pose model as `cfg` says, calling `callbacks` at the hook points; returns the summary
 /// (also written to `save_dir/summary.json`).
 pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<RunSummary> {
@@ -50,6 +61,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
     let t = Instant::now();
     probe::open_device(cfg.device)?;
+    set_tf32(cfg.device, cfg.tf32)?;
     startup.device_open_s = t.elapsed().as_secs_f64();
     crate::pose::reset_memory_peaks(cfg.device);
     let t = Instant::now();
