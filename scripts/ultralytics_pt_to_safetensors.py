@@ -11,9 +11,9 @@ The file holds the model's ``state_dict()`` under Ultralytics' own names (``mode
 … — the layout of ptl's goldens) in float32; integer buffers (BatchNorm's ``num_batches_tracked``)
 stay int64. By default the EMA weights are taken when the checkpoint has them, else ``model`` —
 what Ultralytics itself loads from a ``.pt``; ``--take`` chooses.
-It refuses, naming the reason, what ptl cannot load: a model that is not a one-class (person)
-YOLO26 pose model — ``YOLO("yolo26n-pose.yaml")`` alone keeps the yaml's nc=80 — or one fused by
-``fuse()``. Checked against ultralytics 8.4.190 with torch 2.15.0.
+It refuses, naming the reason, what ptl cannot load: a model that is not a YOLO26 pose model with
+(x, y, visibility) keypoints, or one fused by ``fuse()``. Any class count converts (ptl reads it
+from the class stems); note that ``YOLO("yolo26n-pose.yaml")`` alone keeps the yaml's nc=80. Checked against ultralytics 8.4.190 with torch 2.15.0.
 
 Only load ``.pt`` files you trust: unpickling runs code.
 """
@@ -53,9 +53,8 @@ def main() -> int:
     if not hasattr(module, "state_dict"):
         print(f"{args.pt}: `{taken}` is a {type(module).__name__}, not a model", file=sys.stderr)
         return 1
-    # ptl builds one-class (person) YOLO26 pose models with (x, y, visibility) keypoints; refuse anything
-    # else here, with the reason, rather than write a file ptl rejects with a tensor-shape error.
-    # (YOLO("yolo26n-pose.yaml") alone has the yaml's nc=80: its class stems are 80 wide, not 64.)
+    # ptl builds YOLO26 pose models with (x, y, visibility) keypoints; refuse anything else here,
+    # with the reason, rather than write a file ptl rejects with a tensor-shape error.
     try:
         head = module.model[-1]
     except (AttributeError, IndexError, TypeError):
@@ -67,8 +66,8 @@ def main() -> int:
     problems = []
     if type(head).__name__ != "Pose26":
         problems.append(f"its head is {type(head).__name__}, ptl builds YOLO26's Pose26")
-    if getattr(head, "nc", None) != 1:
-        problems.append(f"it has nc={getattr(head, 'nc', None)} classes, ptl's pose models have 1 (person)")
+    if not isinstance(getattr(head, "nc", None), int) or not 1 <= head.nc <= 1000:
+        problems.append(f"it has nc={getattr(head, 'nc', None)} classes, ptl's pose models have 1 to 1000")
     if list(kpt_shape)[1:] != [3]:
         problems.append(f"its keypoints are {list(kpt_shape)}, ptl's are [K, 3] (x, y, visibility)")
     if problems:
