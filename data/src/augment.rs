@@ -681,6 +681,17 @@ fn pyround(v: f64) -> f64 {
 /// LetterBox (centre, pad 114): scale by `min(H/h, W/w)` (capped at 1 unless `scaleup`), resize bilinear, pad
 /// `top = round(dh/2 − 0.1)`, `bottom = round(dh/2 + 0.1)` and the same for left/right. Instances move with it.
 pub fn letterbox(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, scaleup: bool) -> (Image, LetterboxInfo) {
+    letterbox_with(img, inst, new_h, new_w, scaleup, None)
+}
+
+/// [`letterbox`] with Ultralytics' `auto=True` (what its predictor uses, `rect=True`): the image
+/// scaled as to fit `new_h × new_w`, then padded only up to the next multiple of `stride` on each
+/// side instead of to the full size (a 128 × 72 image at 128 becomes 128 × 96, not 128 × 128).
+pub fn letterbox_min(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, scaleup: bool, stride: u32) -> (Image, LetterboxInfo) {
+    letterbox_with(img, inst, new_h, new_w, scaleup, Some(stride.max(1)))
+}
+
+fn letterbox_with(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, scaleup: bool, auto: Option<u32>) -> (Image, LetterboxInfo) {
     let (h, w) = (img.h as f64, img.w as f64);
     let mut r = (new_h as f64 / h).min(new_w as f64 / w);
     if !scaleup {
@@ -688,8 +699,13 @@ pub fn letterbox(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, scal
     }
     let uw = (pyround(w * r) as u32).max(1);
     let uh = (pyround(h * r) as u32).max(1);
-    let dw = (new_w as f64 - uw as f64) / 2.0;
-    let dh = (new_h as f64 - uh as f64) / 2.0;
+    let (mut pad_w, mut pad_h) = (new_w as f64 - uw as f64, new_h as f64 - uh as f64);
+    if let Some(stride) = auto {
+        // numpy's mod: a non-negative remainder.
+        (pad_w, pad_h) = (pad_w.rem_euclid(stride as f64), pad_h.rem_euclid(stride as f64));
+    }
+    let dw = pad_w / 2.0;
+    let dh = pad_h / 2.0;
     let resized = if uw != img.w || uh != img.h { resize_bilinear(img, uw, uh) } else { img.clone() };
     let top = pyround(dh - 0.1).max(0.0) as u32;
     let bottom = pyround(dh + 0.1).max(0.0) as u32;
@@ -735,6 +751,19 @@ pub fn hsv(img: &mut Image, gains: &HsvGains) {
 
 #[cfg(test)]
 mod tests {
+
+    /// Ultralytics' `auto=True` letterbox: 128 × 72 at 128 pads to 128 × 96 (12 rows above and
+    /// below), a 100 × 60 image scaled ×1.28 to 128 × 77 pads to 128 × 96 (top 9, bottom 10).
+    #[test]
+    fn letterbox_min_pads_to_the_stride_only() {
+        let mut inst = Instances::empty(17);
+        let (out, info) = letterbox_min(&Image::filled(128, 72, [0; 3]), &mut inst, 128, 128, true, 32);
+        assert_eq!((out.w, out.h, info.left, info.top), (128, 96, 0, 12));
+        let (out, info) = letterbox_min(&Image::filled(100, 60, [0; 3]), &mut inst, 128, 128, true, 32);
+        assert_eq!((out.w, out.h, info.left, info.top), (128, 96, 0, 9));
+        let (square, _) = letterbox(&Image::filled(128, 72, [0; 3]), &mut inst, 128, 128, true);
+        assert_eq!((square.w, square.h), (128, 128));
+    }
     use super::*;
 
     fn one_obj(k: usize) -> Labels {

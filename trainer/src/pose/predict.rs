@@ -1,12 +1,12 @@
 //! Prediction as a library: a model from a weights file, and the persons it finds in an image —
-//! letterboxed as validation does, decoded, NMS'd and mapped back to the image's pixels. `ptl
+//! letterboxed as Ultralytics' predictor does (padded to the next multiple of 32 only), decoded, NMS'd and mapped back to the image's pixels. `ptl
 //! predict` is these two calls, drawing and file writing.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use ptl_autograd::{no_grad, Device, Module, Tensor};
-use ptl_data::augment::{letterbox, Instances};
+use ptl_data::augment::{letterbox_min, Instances};
 use ptl_data::image::Image;
 use ptl_heads::{ModelConfig, PoseModel};
 
@@ -124,7 +124,8 @@ pub fn predict_image_with(
 ) -> Result<Vec<PersonPrediction>> {
     let nk = model.head().kpt_shape.0;
     let mut inst = Instances::empty(nk);
-    let (lb, info) = letterbox(img, &mut inst, imgsz, imgsz, true);
+    // As Ultralytics' predictor (rect=True): padded only to the next multiple of the stride.
+    let (lb, info) = letterbox_min(img, &mut inst, imgsz, imgsz, true, 32);
     let rgb = lb.to_rgb();
     let (h, w) = (lb.h as usize, lb.w as usize);
     let mut chw = vec![0u8; 3 * h * w];
@@ -147,7 +148,9 @@ pub fn predict_image_with(
     };
     let outs = non_max_suppression_batch(&host, 1, dims[2], model.head().nc, nk, &cfg)?;
     let det = &outs[0].detections;
-    let unmap = |x: f32, y: f32| ((x - info.left as f32) / info.r, (y - info.top as f32) / info.r);
+    // Back to the image's pixels, clipped to the image as Ultralytics' scale_boxes/scale_coords do.
+    let (iw, ih) = (img.w as f32, img.h as f32);
+    let unmap = |x: f32, y: f32| (((x - info.left as f32) / info.r).clamp(0.0, iw), ((y - info.top as f32) / info.r).clamp(0.0, ih));
     Ok(det
         .boxes
         .iter()
