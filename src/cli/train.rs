@@ -92,12 +92,30 @@ fn device_setting(flag: Option<&str>, keys: &[(String, String)]) -> Result<Optio
 /// Training images of the embedded default's synthetic dataset.
 const DEFAULT_TRAIN_IMAGES: usize = 64;
 
-/// The embedded default's settings: about five minutes on a 2-core CPU in which the losses fall
-/// and the box mAP50 climbs from ≈ 0.01 to ≈ 0.4 (README "Set-up"). An optimizer step every batch
-/// (`nbs` = batch: with Ultralytics' nominal 64 the 40 batches of five epochs made 9 optimizer
-/// steps and nothing visibly learned) over 30 epochs of 8 batches: 240 steps.
+/// The embedded default's start weights: a YOLO26n-pose that ptl trained on a larger synthetic
+/// set (`assets/README.md` says how), lean (EMA, f16), so that the default job fine-tunes a model
+/// that already finds the synthetic people instead of starting from nothing.
+const DEFAULT_START: &[u8] = include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/assets/yolo26n-pose-synth.ckpt"));
+
+/// The default start weights as a file in ptl's cache (written once; rewritten when the file
+/// there is not these bytes).
+fn ensure_default_start_weights() -> Result<PathBuf, String> {
+    let dir = ptl_files::cache_dir(None, "default-model").map_err(|e| format!("the default start weights: {e}"))?;
+    let dir = dir.ok_or_else(|| "the default start weights have no cache folder".to_string())?;
+    let path = dir.join("yolo26n-pose-synth.ckpt");
+    if std::fs::read(&path).is_ok_and(|b| b == DEFAULT_START) {
+        return Ok(path);
+    }
+    ptl_files::write_atomic(&path, DEFAULT_START, 0o600).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(path)
+}
+
+/// The embedded default's settings: a fine-tune of the shipped start weights
+/// ([`DEFAULT_START`]) on the small synthetic set, a few minutes on a 2-core CPU (README
+/// "Set-up"), with an optimizer step every batch (`nbs` = batch: with Ultralytics' nominal 64 the
+/// 40 batches of five epochs made 9 optimizer steps) over 10 epochs of 8 batches: 80 steps.
 fn embedded_default(cfg: &mut PoseTrainConfig) {
-    cfg.epochs = 30;
+    cfg.epochs = 10;
     cfg.batch = 8;
     cfg.nbs = 8;
     cfg.imgsz = 128;
@@ -108,7 +126,8 @@ fn embedded_default(cfg: &mut PoseTrainConfig) {
 
 /// Builds the run configuration: defaults → embedded-default settings (when no data is given)
 /// → yaml file(s) → `key=value` overrides → flags.
-pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
+/// Also says whether the run is the embedded default (no data given).
+fn build_run(a: &TrainArgs) -> Result<(PoseTrainConfig, bool), String> {
     // Ultralytics' default precision: amp=True (16-mixed on a GPU, 32-true on the CPU) unless
     // amp= or precision= (key, yaml or --precision) says otherwise.
     let mut cfg = PoseTrainConfig { amp: Some(true), ..PoseTrainConfig::default() };
@@ -166,12 +185,13 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
         let mut cfg = PoseTrainConfig::for_resume(Path::new(path), &given).map_err(|e| e.to_string())?;
         cfg.device = device;
         cfg.resolve_amp();
-        return Ok(cfg);
+        return Ok((cfg, false));
     }
     let data_given = a.settings.iter().any(|s| s.starts_with("data=")) || cfg.data != PoseTrainConfig::default().data;
     if !data_given {
         cfg.data = ensure_default_dataset()?;
         embedded_default(&mut cfg);
+        cfg.model = ensure_default_start_weights()?.display().to_string();
     }
     for (k, v) in &overrides {
         cfg.set(k, v).map_err(|e| e.to_string())?;
@@ -190,7 +210,7 @@ pub fn build_config(a: &TrainArgs) -> Result<PoseTrainConfig, String> {
         cfg.imgsz = up;
     }
     cfg.validate().map_err(|e| e.to_string())?;
-    Ok(cfg)
+    Ok((cfg, !data_given))
 }
 
 /// Ultralytics' `check_imgsz`: a size that is not a multiple of the model's largest stride (32)
@@ -217,7 +237,7 @@ fn latest_run(project: &Path) -> Result<std::path::PathBuf, String> {
 pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
     // Ctrl-C and SIGTERM end the fit after its current step with a resumable checkpoint.
     ptl_trainer::fit::interrupt::install_signal_handlers().map_err(|e| format!("cannot install the SIGINT/SIGTERM handlers: {e}"))?;
-    let cfg = build_config(&a)?;
+    let (cfg, embedded) = build_run(&a)?;
     eprintln!(
         "ptl: training {} on {} ({} epochs, batch {}, imgsz {}, {}, {})",
         cfg.model,
@@ -297,7 +317,42 @@ pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
         println!("  {k:<24} {v:.4}");
     }
     println!("artefacts: {}", s.save_dir.display());
+    if embedded {
+        predict_first_val_image(&cfg, &s.save_dir)?;
+    }
     Ok(())
+}
+
+/// The embedded default ends by predicting with its best weights (the last epoch's without
+/// validation) on the first validation image and saying where the drawing is (`<run>/predict/`).
+fn predict_first_val_image(cfg: &PoseTrainConfig, run: &Path) -> Result<(), String> {
+    let images = cfg.data.parent().map(|d| d.join("images/val")).ok_or("the default dataset has no folder")?;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&images)
+        .map_err(|e| format!("{}: {e}", images.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "jpg"))
+        .collect();
+    files.sort();
+    let first = files.first().ok_or_else(|| format!("no validation image in {}", images.display()))?;
+    // The command line's own defaults for everything else.
+    #[derive(clap::Parser)]
+    struct Predict {
+        #[command(flatten)]
+        a: super::predict::PredictArgs,
+    }
+    // The best epoch's weights; without validation (val=false) there is no best, the last then.
+    let best = run.join("weights/best.ckpt");
+    let weights = if best.is_file() { best } else { run.join("weights").join(ptl_trainer::fit::checkpoint::LAST_WEIGHTS) };
+    let settings = [
+        format!("model={}", weights.display()),
+        format!("source={}", first.display()),
+        format!("project={}", run.join("predict").display()),
+        format!("device={}", cfg.device),
+    ];
+    let parsed =
+        <Predict as clap::Parser>::try_parse_from(std::iter::once("predict".to_string()).chain(settings)).map_err(|e| e.to_string())?;
+    super::predict::run_predict(parsed.a)
 }
 
 /// `ptl cfg`: every training key with its default and meaning.
@@ -328,7 +383,7 @@ mod tests {
         embedded_default(&mut cfg);
         assert_eq!(cfg.nbs, cfg.batch, "one optimizer step per batch");
         let steps = cfg.epochs * DEFAULT_TRAIN_IMAGES.div_ceil(cfg.batch);
-        assert!(steps >= 200, "{steps} optimizer steps");
+        assert!(steps >= 80, "{steps} optimizer steps");
         assert!(cfg.validate().is_ok());
     }
 
@@ -342,7 +397,7 @@ mod tests {
             precision: precision.map(str::to_string),
             seed: None,
         };
-        let precision = |a: TrainArgs| build_config(&a).expect("config").precision;
+        let precision = |a: TrainArgs| build_run(&a).expect("config").0.precision;
         assert_eq!(precision(args(&[], None)), Precision::F32);
         assert_eq!(precision(args(&["precision=bf16-mixed"], None)), Precision::Bf16Mixed);
         assert_eq!(precision(args(&["amp=bf16-mixed"], None)), Precision::Bf16Mixed);
