@@ -36,15 +36,37 @@ use run::*;
 /// Loss item names in the order of the 6-vector (loss.md §5).
 pub const LOSS_NAMES: [&str; 6] = ["box_loss", "pose_loss", "kobj_loss", "cls_loss", "l1_loss", "rle_loss"];
 
-/// The device's TF32 switch for f32 convolutions from the run's `tf32` (a no-op on the CPU).
-fn set_tf32(device: Device, tf32: bool) -> Result<()> {
+/// The device's TF32 switch for f32 convolutions set from the run's `tf32` for as long as the
+/// fit runs; dropping it puts the device's earlier setting back (a later fit or plain tensor code
+/// in the process sees what it set itself). A no-op on the CPU.
+struct Tf32ForRun {
+    #[cfg(feature = "cuda")]
+    restore: Option<(Device, ptl_autograd::cuda::DeviceOptions)>,
+}
+
+fn set_tf32(device: Device, tf32: bool) -> Result<Tf32ForRun> {
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        let options = ptl_autograd::cuda::device_options(device)?;
-        ptl_autograd::cuda::set_device_options(device, ptl_autograd::cuda::DeviceOptions { tf32_convolutions: tf32, ..options })?;
+        let before = ptl_autograd::cuda::device_options(device)?;
+        ptl_autograd::cuda::set_device_options(device, ptl_autograd::cuda::DeviceOptions { tf32_convolutions: tf32, ..before })?;
+        return Ok(Tf32ForRun { restore: Some((device, before)) });
     }
     let _ = (device, tf32);
-    Ok(())
+    Ok(Tf32ForRun {
+        #[cfg(feature = "cuda")]
+        restore: None,
+    })
+}
+
+impl Drop for Tf32ForRun {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some((device, before)) = self.restore.take() {
+            // Setting a device's options only fails for a device that is not there, and this
+            // one was set a moment ago.
+            let _ = ptl_autograd::cuda::set_device_options(device, before);
+        }
+    }
 }
 
 /// Trains a pose model as `cfg` says, calling `callbacks` at the hook points; returns the summary
@@ -61,7 +83,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
     let t = Instant::now();
     probe::open_device(cfg.device)?;
-    set_tf32(cfg.device, cfg.tf32)?;
+    let _tf32 = set_tf32(cfg.device, cfg.tf32)?;
     startup.device_open_s = t.elapsed().as_secs_f64();
     crate::pose::reset_memory_peaks(cfg.device);
     let t = Instant::now();
