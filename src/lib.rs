@@ -75,6 +75,10 @@ struct SynthArgs {
     /// Threads (0 = all cores; the output does not depend on it).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Classes of the labels (1: person). More give the people of each image classes in turn,
+    /// named person, person1, …: labels only (they look alike), to try multi-class training.
+    #[arg(long, default_value_t = 1)]
+    classes: usize,
 }
 
 fn run_data(cmd: DataCommand) -> Result<(), ptl_data::DataError> {
@@ -90,6 +94,7 @@ fn run_data(cmd: DataCommand) -> Result<(), ptl_data::DataError> {
                 seed: a.seed,
                 jpeg_quality: a.quality,
                 threads: a.threads,
+                classes: a.classes,
             })?;
             println!(
                 "train {} images ({} background, {} persons), val {} images ({} persons), keypoint visibility 0/1/2: {}/{}/{} in {:.1}s -> {}",

@@ -30,6 +30,10 @@ pub struct SynthOptions {
     pub jpeg_quality: u8,
     /// 0 = all cores.
     pub threads: usize,
+    /// Classes of the labels (1: everyone is `person`). With more, the people of image i get
+    /// classes (i + j) mod classes in label order, named `person`, `person1`, …: labels only —
+    /// the classes look alike — for trying multi-class training and its tools.
+    pub classes: usize,
 }
 
 impl Default for SynthOptions {
@@ -43,6 +47,7 @@ impl Default for SynthOptions {
             seed: 347,
             jpeg_quality: 90,
             threads: 0,
+            classes: 1,
         }
     }
 }
@@ -415,7 +420,7 @@ fn make_image(rng: &mut Rng, with_people: bool, imgsz: u32) -> (Image, Vec<Vec<f
 fn label_text(rows: &[Vec<f64>]) -> String {
     let mut s = String::new();
     for r in rows {
-        s.push('0');
+        s.push_str(&(r[0] as i64).to_string());
         for v in &r[1..5] {
             s.push_str(&format!(" {v:.6}"));
         }
@@ -458,6 +463,9 @@ fn write_split(root: &Path, split: &str, split_id: u64, n: usize, n_bg: usize, o
                 labels = r.1;
                 tries += 1;
             }
+            for (j, r) in labels.iter_mut().enumerate() {
+                r[0] = ((i + j) % o.classes.max(1)) as f64;
+            }
             let name = format!("{split}_{i:06}");
             write_jpeg(&img, &idir.join(format!("{name}.jpg")), o.jpeg_quality)?;
             let lp = ldir.join(format!("{name}.txt"));
@@ -474,7 +482,11 @@ fn write_split(root: &Path, split: &str, split_id: u64, n: usize, n_bg: usize, o
 }
 
 fn header_line(o: &SynthOptions, bg: usize) -> String {
-    format!("# ptl synthetic pose dataset (seed {}, imgsz {}): {} train ({} background), {} val", o.seed, o.imgsz, o.train, bg, o.val)
+    let classes = if o.classes > 1 { format!(", {} classes", o.classes) } else { String::new() };
+    format!(
+        "# ptl synthetic pose dataset (seed {}, imgsz {}): {} train ({} background), {} val{classes}",
+        o.seed, o.imgsz, o.train, bg, o.val
+    )
 }
 
 /// Returns `out/data.yaml` if a dataset generated with the same options is already there (its header line matches),
@@ -506,6 +518,9 @@ pub fn generate(opts: &SynthOptions) -> Result<SynthStats> {
         }
     }
     crate::check_threads("--threads", opts.threads)?;
+    if !(1..=crate::config::MAX_CLASSES).contains(&opts.classes) {
+        return Err(DataError::Invalid(format!("--classes {} is outside 1..={}", opts.classes, crate::config::MAX_CLASSES)));
+    }
     if opts.train == 0 && opts.val == 0 {
         return Err(DataError::Invalid("nothing to generate (--train and --val are 0)".into()));
     }
@@ -540,9 +555,11 @@ pub fn generate(opts: &SynthOptions) -> Result<SynthStats> {
     }
     let flip = COCO_FLIP_IDX.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(", ");
     let root_s = root.to_string_lossy().replace('\'', "''");
+    let names: String =
+        (0..opts.classes.max(1)).map(|c| if c == 0 { "  0: person\n".to_string() } else { format!("  {c}: person{c}\n") }).collect();
     let yaml = format!(
         "{}\npath: '{root_s}'\ntrain: images/train\nval: images/val\n\
-         kpt_shape: [17, 3]\nflip_idx: [{flip}]\nnames:\n  0: person\n",
+         kpt_shape: [17, 3]\nflip_idx: [{flip}]\nnames:\n{names}",
         header_line(opts, opts.background)
     );
     let yp = root.join("data.yaml");

@@ -82,6 +82,7 @@ fn synth_is_deterministic_and_thread_independent() {
         seed: 11,
         jpeg_quality: 90,
         threads: 1,
+        classes: 1,
     })
     .unwrap();
     small_synth(c.path(), 6, 2, 2, 128, 12);
@@ -245,6 +246,7 @@ fn synth_ensure_reuses_a_matching_dataset() {
         seed: 1,
         jpeg_quality: 90,
         threads: 1,
+        classes: 1,
     };
     let y = ptl_data::synth_ensure(&o).unwrap();
     let marker = dir.path().join("images/train/train_000000.jpg");
@@ -254,4 +256,38 @@ fn synth_ensure_reuses_a_matching_dataset() {
     let o2 = ptl_data::SynthOptions { seed: 2, ..o };
     ptl_data::synth_ensure(&o2).unwrap();
     assert_ne!(std::fs::read(&marker).unwrap(), b"changed");
+}
+
+/// `classes`: labels cycle through the classes per image, the yaml names them, the dataset opens
+/// with that many classes; the one-class set is unchanged by the option's existence (its labels
+/// are class 0, its yaml names `person` alone).
+#[test]
+fn synth_labels_several_classes_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = ptl_data::SynthOptions {
+        out: dir.path().to_path_buf(),
+        train: 6,
+        background: 0,
+        val: 2,
+        imgsz: 96,
+        seed: 3,
+        classes: 3,
+        ..Default::default()
+    };
+    let st = ptl_data::synth_generate(&o).unwrap();
+    let yaml = std::fs::read_to_string(&st.yaml).unwrap();
+    assert!(yaml.contains("names:\n  0: person\n  1: person1\n  2: person2\n"), "{yaml}");
+    let mut seen = [0usize; 3];
+    for e in std::fs::read_dir(dir.path().join("labels/train")).unwrap().flatten() {
+        for line in std::fs::read_to_string(e.path()).unwrap().lines() {
+            seen[line.split(' ').next().unwrap().parse::<usize>().unwrap()] += 1;
+        }
+    }
+    assert!(seen.iter().all(|&n| n > 0), "every class labelled: {seen:?}");
+    let ds =
+        ptl_data::PoseDataset::open_yaml(&st.yaml, "train", &ptl_data::OpenOptions { imgsz: 96, verbose: false, ..Default::default() })
+            .unwrap();
+    assert_eq!(ds.meta.nc, 3);
+    let bad = ptl_data::SynthOptions { classes: 0, ..o };
+    assert!(ptl_data::synth_generate(&bad).unwrap_err().to_string().contains("--classes 0"));
 }

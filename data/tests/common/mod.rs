@@ -9,8 +9,18 @@ pub fn quiet(imgsz: u32) -> OpenOptions {
 }
 
 pub fn small_synth(dir: &Path, train: usize, bg: usize, val: usize, imgsz: u32, seed: u64) -> SynthStats {
-    synth_generate(&SynthOptions { out: dir.to_path_buf(), train, background: bg, val, imgsz, seed, jpeg_quality: 90, threads: 2 })
-        .expect("synth")
+    synth_generate(&SynthOptions {
+        out: dir.to_path_buf(),
+        train,
+        background: bg,
+        val,
+        imgsz,
+        seed,
+        jpeg_quality: 90,
+        threads: 2,
+        classes: 1,
+    })
+    .expect("synth")
 }
 
 /// A valid label row with 17 keypoints.
