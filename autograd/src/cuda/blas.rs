@@ -384,36 +384,7 @@ fn gemm_on(
     let bc = batch as i32;
     unsafe {
         match dtype {
-            DType::F32 if tf32 => {
-                let (al, be) = (alpha as f32, beta as f32);
-                let t = bs::cudaDataType::CUDA_R_32F;
-                br::gemm_strided_batched_ex(
-                    h,
-                    opb,
-                    opa,
-                    n,
-                    m,
-                    k,
-                    &al as *const f32 as *const c_void,
-                    pb as *const c_void,
-                    t,
-                    ldb,
-                    sb,
-                    pa as *const c_void,
-                    t,
-                    lda,
-                    sa,
-                    &be as *const f32 as *const c_void,
-                    pc as *mut c_void,
-                    t,
-                    n,
-                    sc,
-                    bc,
-                    bs::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-                    bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            DType::F32 => {
+            DType::F32 if !tf32 => {
                 let (al, be) = (alpha as f32, beta as f32);
                 br::sgemm_strided_batched(
                     h,
@@ -459,8 +430,15 @@ fn gemm_on(
                     bc,
                 )
             }
-            DType::F16 | DType::BF16 => {
-                let t = if dtype == DType::F16 { bs::cudaDataType::CUDA_R_16F } else { bs::cudaDataType::CUDA_R_16BF };
+            // Halves accumulating in f32, and f32 allowed TF32 (a convolution as a GEMM).
+            DType::F16 | DType::BF16 | DType::F32 => {
+                let t = match dtype {
+                    DType::F16 => bs::cudaDataType::CUDA_R_16F,
+                    DType::BF16 => bs::cudaDataType::CUDA_R_16BF,
+                    _ => bs::cudaDataType::CUDA_R_32F,
+                };
+                let compute =
+                    if tf32 { bs::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32 } else { bs::cublasComputeType_t::CUBLAS_COMPUTE_32F };
                 let (al, be) = (alpha as f32, beta as f32);
                 br::gemm_strided_batched_ex(
                     h,
@@ -484,7 +462,7 @@ fn gemm_on(
                     n,
                     sc,
                     bc,
-                    bs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    compute,
                     bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             }
