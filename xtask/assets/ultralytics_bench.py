@@ -17,6 +17,7 @@ times itself, written to one JSON file.
 usage: ultralytics_bench.py --data DS/data.yaml --out RESULT.json [--epochs 1] [--amp True|False|bf16]
                             [--optimizer MuSGD] [--batch 4] [--imgsz 640] [--workers 8] [--seed 347]
                             [--compile False|True|reduce-overhead] [--deterministic True|False]
+                            [--close-mosaic 0] [--gpu-window 1]
 """
 import time
 
@@ -42,6 +43,7 @@ ap.add_argument("--warmup", type=int, default=10)
 ap.add_argument("--gpu-window", type=int, default=1, help="0: no profiler window")
 ap.add_argument("--compile", default="False", help="Ultralytics' own `compile=` (torch.compile of the model)")
 ap.add_argument("--deterministic", default="True", help="Ultralytics' `deterministic=`")
+ap.add_argument("--close-mosaic", type=int, default=0, help="Ultralytics' close_mosaic (0: mosaic every epoch, as the bench trains)")
 ap.add_argument("--tf32", default="True", help="torch.backends.cudnn.allow_tf32 (PyTorch's default True; False: strict FP32 convolutions)")
 args = ap.parse_args()
 
@@ -304,7 +306,7 @@ try:
     model.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, batch=args.batch, workers=args.workers, cache="ram",
                 deterministic=args.deterministic.lower() == "true", seed=args.seed,
                 compile={"true": True, "false": False}.get(args.compile.lower(), args.compile), plots=False, device=0 if cuda else "cpu", project=str(work / "runs"),
-                name="bench", exist_ok=True, close_mosaic=0, optimizer=args.optimizer,
+                name="bench", exist_ok=True, close_mosaic=args.close_mosaic, optimizer=args.optimizer,
                 amp={"true": True, "false": False}.get(args.amp.lower(), args.amp), verbose=False)
 except Exception as e:  # keep what was measured
     import traceback

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-const ULTRA_SCRIPT: &str = include_str!("../assets/ultralytics_bench.py");
+pub(crate) const ULTRA_SCRIPT: &str = include_str!("../assets/ultralytics_bench.py");
 const ULTRA: &str = "ultralytics";
 
 const HELP: &str = "usage: cargo xtask bench [options]            run the benchmark here (builds ptl in release)
@@ -189,7 +189,7 @@ fn work_folder(o: &Opts) -> Result<PathBuf, String> {
 
 /// Refuses a folder of another user, or one others can write (a planted `ul_site` would run as
 /// this user through PYTHONPATH).
-fn check_own_private(dir: &Path) -> Result<(), String> {
+pub(crate) fn check_own_private(dir: &Path) -> Result<(), String> {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::fs::MetadataExt;
@@ -542,7 +542,7 @@ fn ensure_dataset(ptl: &Path, o: &Opts) -> Result<PathBuf, String> {
     Ok(yaml)
 }
 
-fn install_ultralytics(wheels: Option<&Path>, work: &Path) -> Result<PathBuf, String> {
+pub(crate) fn install_ultralytics(wheels: Option<&Path>, work: &Path) -> Result<PathBuf, String> {
     let site = work.join("ul_site");
     if site.join("ultralytics").is_dir() {
         return Ok(site);
@@ -655,13 +655,13 @@ fn run_ultralytics(
     Ok(rec)
 }
 
-fn tail(bytes: &[u8], lines: usize) -> String {
+pub(crate) fn tail(bytes: &[u8], lines: usize) -> String {
     let s = String::from_utf8_lossy(bytes);
     let v: Vec<&str> = s.lines().collect();
     v[v.len().saturating_sub(lines)..].join("\n")
 }
 
-fn read_runs(path: &Path) -> Result<Vec<Value>, String> {
+pub(crate) fn read_runs(path: &Path) -> Result<Vec<Value>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     text.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).map_err(|e| format!("{}: {e}", path.display()))).collect()
 }

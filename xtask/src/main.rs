@@ -8,6 +8,7 @@ mod device_pack;
 mod fuzz;
 mod gate;
 mod heads_pack;
+mod outcome;
 
 fn usage() -> &'static str {
     "usage: cargo xtask <command>\n\
@@ -16,6 +17,7 @@ fn usage() -> &'static str {
        device-pack     build the CUDA test/bench binaries + run.sh into device-pack/ (for the GPU machine)\n  \
        bench           training benchmark: arms in alternating fresh processes next to Ultralytics (--help)\n  \
        heads-pack      the model's CUDA golden tests + forward/backward bench next to PyTorch into heads-pack/\n  \
+       outcome         long ptl and Ultralytics fits on one learnable set: final/best metrics, curves (--help)\n  \
        fuzz            fuzz the label/yaml/COCO/image parsers (libFuzzer via cargo +nightly fuzz; --stable, --runs N)\n"
 }
 
@@ -27,6 +29,7 @@ fn main() -> ExitCode {
         Some("bench") => bench::run(&args[1..]),
         Some("heads-pack") => heads_pack::run(&args[1..]),
         Some("fuzz") => fuzz::run(&args[1..]),
+        Some("outcome") => outcome::run(&args[1..]),
         Some("-h") | Some("--help") | None => {
             print!("{}", usage());
             return ExitCode::SUCCESS;

@@ -1,12 +1,13 @@
 //! Run plots drawn with `plotters` (axes, ticks, legends and anti-aliased text from a well-kept
 //! crate rather than our own rasterisers): `results.png`, the precision–recall curves and the
-//! first training batches with their labels.
+//! first training batches with their labels, and several runs' curves on one chart.
 //!
 //! Text uses DejaVu Sans embedded in the binary (`assets/fonts`, Bitstream Vera licence next to
 //! it) through plotters' pure-Rust `ab_glyph` backend, so no fontconfig/freetype is needed.
 
 mod batches;
 mod confusion;
+mod curves;
 mod labels;
 mod pr;
 mod results;
@@ -21,6 +22,7 @@ use crate::{Result, TrainerError};
 
 pub use batches::{batch_grid, plot_batch, plot_train_batch, LabelledBatch};
 pub use confusion::plot_confusion_matrix;
+pub use curves::{plot_curves, Curve, CurveChart};
 pub use labels::plot_labels;
 pub use pr::{plot_conf_curves, plot_pr_curve, PrCurve};
 pub use results::plot_results;
