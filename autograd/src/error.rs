@@ -68,6 +68,11 @@ pub enum Error {
     #[error("CUDA backend: {0}")]
     Cuda(String),
 
+    /// The device had no room for an allocation: smaller work (a smaller batch or image size)
+    /// may fit.
+    #[error("cuda:{device}: out of device memory allocating {bytes} bytes ({free} bytes free on the device)")]
+    OutOfMemory { device: usize, bytes: u64, free: u64 },
+
     #[error("CUDA is not usable: {0}")]
     CudaUnavailable(CudaSetupError),
 }

@@ -1,6 +1,7 @@
 //! The command line on a GPU machine: a named device is the device that trains (`device=cpu`
 //! trains on the CPU although a GPU is there), a device that is not there is an error, and
-//! `amp=true` means 16-mixed on a GPU. Skips, saying so, where no GPU answers.
+//! `amp=true` means 16-mixed on a GPU, and AutoBatch sizes the batch to the memory. Skips, saying
+//! so, where no GPU answers.
 
 mod common;
 
@@ -80,4 +81,61 @@ fn cuda_named_devices_are_used_or_refused() {
     let o = ptl(&["val", &format!("model={}", w.display()), "imgsz=64", &format!("device={missing}")], dir.path());
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains(&format!("{missing} cannot be used")), "{}", text(&o));
+}
+
+/// AutoBatch on a GPU of which this process holds all but 2.5 GiB: `batch=16` at 640 px does not
+/// fit, and the error (exit 1, no CUDA abort) names a batch that does — a run with it trains;
+/// `batch=-1` chooses a batch by itself, and the run with it trains.
+#[test]
+fn cuda_autobatch_fits_the_batch_to_the_memory() {
+    use ptl_autograd::{DType, Tensor};
+    let Some(dev) = ptl_autograd::cuda::device_for_tests(0).expect("a GPU that is present must be usable") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ds");
+    let o = ptl(
+        &["data", "synth", "--out", out.to_str().unwrap(), "--train", "32", "--background", "0", "--val", "2", "--imgsz", "320"],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let data = out.join("data.yaml");
+    let (free, _) = ptl_autograd::cuda::device_memory(dev).unwrap();
+    let keep = 5u64 << 29;
+    assert!(free > keep, "the GPU has {free} bytes free: too few for this test");
+    let ballast = Tensor::zeros(vec![(free - keep) as usize], DType::U8, dev).unwrap();
+    ptl_autograd::cuda::synchronize(dev).unwrap();
+    let args = |name: &str, batch: &str| -> Vec<String> {
+        [
+            format!("data={}", data.display()),
+            "epochs=1".into(),
+            format!("batch={batch}"),
+            "imgsz=640".into(),
+            "max_batches=2".into(),
+            "plots=false".into(),
+            "val=false".into(),
+            "device=cuda:0".into(),
+            format!("project={}", dir.path().display()),
+            format!("name={name}"),
+        ]
+        .to_vec()
+    };
+    let o = train(&args("b16", "16"), &[], dir.path());
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "batch=16 at 640 px in 2.5 GiB: {t}");
+    let said = "batch=16 does not fit in the memory of cuda:0; batch=";
+    let at = t.find(said).unwrap_or_else(|| panic!("the error names a batch that fits: {t}")) + said.len();
+    let fits: usize = t[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap();
+    assert!((1..16).contains(&fits), "{t}");
+    let o = train(&args("fits", &fits.to_string()), &[], dir.path());
+    assert!(o.status.success(), "batch={fits}, named by the error: {}", text(&o));
+    assert_eq!(summary(&dir.path().join("fits"))["batch"].as_u64(), Some(fits as u64));
+
+    let o = train(&args("auto", "-1"), &[], dir.path());
+    let t = text(&o);
+    assert!(o.status.success(), "batch=-1: {t}");
+    let said = "AutoBatch: Using batch-size ";
+    let at = t.find(said).unwrap_or_else(|| panic!("AutoBatch reports its choice: {t}")) + said.len();
+    let chosen: u64 = t[at..].split(' ').next().unwrap().parse().unwrap();
+    assert_eq!(summary(&dir.path().join("auto"))["batch"].as_u64(), Some(chosen), "{t}");
+    println!("ok autobatch: batch=16 refused naming batch={fits} (which trained); batch=-1 chose {chosen}");
+    drop(ballast);
 }

@@ -59,6 +59,13 @@ pub enum TrainerError {
     /// A file that could not be read or written safely (not a regular file, a run folder in use, …).
     #[error(transparent)]
     File(ptl_files::FileError),
+    /// The run's batch ran the device out of memory; `fits` is the batch AutoBatch chooses for
+    /// 60 % of it.
+    #[error(
+        "batch={batch} does not fit in the memory of cuda:{device}; batch={fits} would (AutoBatch's choice for 60 % of the \
+         memory; batch=-1 picks it itself). The failure: {detail}"
+    )]
+    BatchDoesNotFit { batch: usize, device: usize, fits: usize, detail: String },
     /// An error from the tensor library (shapes, dtypes, devices, backward).
     #[error("tensor error: {0}")]
     Tensor(#[from] ptl_autograd::Error),

@@ -143,8 +143,23 @@ impl DevBuf {
     }
 }
 
-fn oom(dev: &Dev, block: usize, e: impl std::fmt::Debug) -> Error {
-    Error::Cuda(format!("out of device memory? cuMemAllocFromPoolAsync of {block} bytes on cuda:{} failed: {e:?}", dev.ordinal))
+/// A failed pool allocation: [`Error::OutOfMemory`] when the driver says so (a caller can shrink
+/// the work and try again), any other failure as it came.
+fn oom(dev: &Dev, block: usize, e: cudarc::driver::DriverError) -> Error {
+    if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+        let free = dr::mem_get_info().map_or(0, |(free, _)| free as u64);
+        return Error::OutOfMemory { device: dev.ordinal, bytes: block as u64, free };
+    }
+    Error::Cuda(format!("cuMemAllocFromPoolAsync of {block} bytes on cuda:{} failed: {e:?}", dev.ordinal))
+}
+
+/// The driver's (free, total) bytes of `device` (`cuMemGetInfo`; what `torch.cuda.mem_get_info`
+/// reports): memory the pools have reserved counts as used.
+pub fn device_memory(device: Device) -> Result<(u64, u64)> {
+    let dev = cuda_dev(device)?;
+    dev.bind()?;
+    let (free, total) = dr::mem_get_info().map_err(|e| cu_err("cuMemGetInfo", e))?;
+    Ok((free as u64, total as u64))
 }
 
 impl Drop for DevBuf {

@@ -58,7 +58,9 @@ pub(crate) mod pinned;
 mod storage;
 pub(crate) mod user_kernel;
 
-pub use alloc::{empty_cache, memory_stats, reset_peak_memory_stats, set_block_cache_limits, synchronize, MemoryStats, PeakContext};
+pub use alloc::{
+    device_memory, empty_cache, memory_stats, reset_peak_memory_stats, set_block_cache_limits, synchronize, MemoryStats, PeakContext,
+};
 pub use conv_choice::cudnn_cache_dir;
 pub use device::CudaSetupError;
 pub use device::DeviceOptions;

@@ -334,21 +334,14 @@ impl PoseTrainConfig {
         }
     }
 
-    /// Turns a pending AutoBatch request into a batch size on this run's device: on the CPU
-    /// Ultralytics' default 16 (as Ultralytics does there), said on stderr; on a CUDA device a
-    /// refusal naming the setting — sizing a batch from the device's memory is not implemented,
-    /// and a silent default would train with another batch than asked for.
+    /// Settles a pending AutoBatch request where no device needs probing: on the CPU Ultralytics'
+    /// default 16 (as Ultralytics does there), said on stderr. On a CUDA device the request stays
+    /// pending: the fit probes the device with the run's model and data (`pose::autobatch`).
     pub fn resolve_autobatch(&mut self) -> Result<()> {
-        let Some(fraction) = self.autobatch.take() else { return Ok(()) };
-        if self.device.is_cuda() {
-            return Err(TrainerError::InvalidArgument {
-                what: "batch",
-                reason: format!(
-                    "AutoBatch (batch=-1, or a fraction such as {fraction}) is not implemented on CUDA devices: give a batch size \
-                     (Ultralytics' default is batch=16)"
-                ),
-            });
+        if self.autobatch.is_none() || self.device.is_cuda() {
+            return Ok(());
         }
+        self.autobatch = None;
         self.batch = 16;
         eprintln!("AutoBatch: intended for CUDA devices; using the default CPU batch size 16");
         Ok(())

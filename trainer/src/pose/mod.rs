@@ -1,5 +1,6 @@
 //! Pose training: configuration, the fit loop, validation.
 
+pub mod autobatch;
 mod clock;
 pub mod coco_json;
 pub mod config;

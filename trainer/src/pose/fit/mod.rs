@@ -4,6 +4,7 @@
 //! Read top down: [`fit`] assembles a run (this module), `epochs` runs its epochs, `step` one
 //! training step, `persist` checkpoints and hashes; `run` holds the state they share.
 
+mod autobatch_probe;
 pub(crate) mod epoch_line;
 mod epochs;
 mod persist;
@@ -91,6 +92,18 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let train_ds = Arc::new(PoseDataset::open_yaml(&cfg.data, "train", &OpenOptions { fraction: cfg.fraction, ..open.clone() })?);
     let val_ds = if cfg.val { Some(Arc::new(PoseDataset::open_yaml(&cfg.data, "val", &open)?)) } else { None };
     startup.dataset_open_s = t.elapsed().as_secs_f64();
+    let source = ModelSource::parse(&cfg.model)?;
+    let mcfg = model_config(&cfg, &source, &train_ds)?;
+    let probe_setup = autobatch_probe::ProbeSetup {
+        model: mcfg,
+        loss: loss_config(&cfg, &train_ds),
+        dataset_size: train_ds.len(),
+        max_objects: 4 * train_ds.items.iter().map(|it| it.labels.cls.len()).max().unwrap_or(0),
+    };
+    // AutoBatch on a CUDA device (`resolve_autobatch` settled the CPU): the run's own step probed.
+    if let Some(fraction) = cfg.autobatch.take() {
+        cfg.batch = autobatch_probe::autobatch(&cfg, fraction, &probe_setup)?.batch;
+    }
     // Only now, with the settings, the device and the data known good, is anything written.
     // The run folder is this process's until the fit returns (see `RunDir`). A resume continues
     // in the checkpoint's own run folder, or starts a new one where the user said.
@@ -142,18 +155,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let nb_full = loader.batches_per_epoch();
     let nb = cfg.max_batches.map_or(nb_full, |m| m.min(nb_full)).max(1);
 
-    let nkpt = train_ds.nkpt();
-    let source = ModelSource::parse(&cfg.model)?;
-    // A resumed run's size is its checkpoint's (the start weights file may be gone by now).
-    let scale = match &cfg.resume {
-        Some(path) => {
-            crate::fit::checkpoint::refuse_resume_from_weights(path, &crate::fit::checkpoint::read_manifest(path)?)?;
-            super::weights::scale_in_file(path, "model.")?
-        }
-        None => source.scale()?,
-    };
     let nc = train_ds.meta.nc;
-    let mcfg = ModelConfig { nc, kpt_shape: (nkpt, 3), scale };
     let model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
     if cfg.resume.is_none() {
         if let (Some(values), Some(path)) = (source.start_weights()?, source.weights_path()) {
@@ -202,25 +204,8 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         })?),
         _ => None,
     };
-    // `auto`: the fixed-shape path on a GPU (fewer host syncs and launches: faster there), the
-    // host path on the CPU (cheaper there, and the reference's own algorithm).
-    let dense = match cfg.loss_assigner.as_str() {
-        "dense" => true,
-        "auto" => cfg.device.is_cuda(),
-        _ => false,
-    };
-    let g = cfg.loss_gains;
-    let loss_cfg = LossConfig {
-        dense_assignment: dense,
-        box_gain: g.box_gain,
-        cls_gain: g.cls,
-        l1_gain: g.dfl,
-        pose_gain: g.pose,
-        kobj_gain: g.kobj,
-        rle_gain: g.rle,
-        nc,
-        ..LossConfig::with_keypoints(nkpt, train_ds.meta.custom_oks_sigmas().map(<[f32]>::to_vec))
-    };
+    let loss_cfg = probe_setup.loss.clone();
+    let dense = loss_cfg.dense_assignment;
     let mut criterion = E2ELoss::new(loss_cfg, cfg.epochs);
     // The dense path leaves its values on the device; the loop reads them a step later.
     criterion.defer_items = dense;
@@ -288,13 +273,18 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     for (_, p) in &run.params {
         p.set_keep_grad_buffer(false);
     }
-    if let Err(e) = &result {
+    if let Err(e) = result {
         let msg = e.to_string();
         let v = run.view.clone();
         for cb in run.callbacks.iter_mut() {
             cb.on_exception(&v, &msg);
         }
-        return Err(result.err().unwrap_or(TrainerError::InvalidArgument { what: "fit", reason: msg }));
+        // Out of device memory: the run's memory goes back, and AutoBatch names a batch that fits.
+        if autobatch_probe::is_out_of_memory(&e) {
+            drop(run);
+            return Err(autobatch_probe::batch_does_not_fit(cfg, &probe_setup, e));
+        }
+        return Err(e);
     }
     let hashes = run.hashes()?;
     let (peak_allocated_bytes, peak_reserved_bytes) = crate::pose::memory_peaks(cfg.device);
@@ -344,6 +334,43 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     };
     summary.write(&cfg.save_dir.join("summary.json"))?;
     Ok(summary)
+}
+
+/// The model's configuration: the data's classes and keypoints, the size of the start weights
+/// (of the checkpoint when resuming: the start weights file may be gone by now).
+fn model_config(cfg: &PoseTrainConfig, source: &ModelSource, train_ds: &PoseDataset) -> Result<ModelConfig> {
+    let scale = match &cfg.resume {
+        Some(path) => {
+            crate::fit::checkpoint::refuse_resume_from_weights(path, &crate::fit::checkpoint::read_manifest(path)?)?;
+            super::weights::scale_in_file(path, "model.")?
+        }
+        None => source.scale()?,
+    };
+    Ok(ModelConfig { nc: train_ds.meta.nc, kpt_shape: (train_ds.nkpt(), 3), scale })
+}
+
+/// The criterion's configuration: the run's gains and assigner, the data's classes, keypoints and
+/// OKS sigmas. `loss_assigner=auto` takes the fixed-shape path on a GPU (fewer host syncs and
+/// launches: faster there), the host path on the CPU (cheaper there, and the reference's own
+/// algorithm).
+fn loss_config(cfg: &PoseTrainConfig, train_ds: &PoseDataset) -> LossConfig {
+    let dense = match cfg.loss_assigner.as_str() {
+        "dense" => true,
+        "auto" => cfg.device.is_cuda(),
+        _ => false,
+    };
+    let g = cfg.loss_gains;
+    LossConfig {
+        dense_assignment: dense,
+        box_gain: g.box_gain,
+        cls_gain: g.cls,
+        l1_gain: g.dfl,
+        pose_gain: g.pose,
+        kobj_gain: g.kobj,
+        rle_gain: g.rle,
+        nc: train_ds.meta.nc,
+        ..LossConfig::with_keypoints(train_ds.nkpt(), train_ds.meta.custom_oks_sigmas().map(<[f32]>::to_vec))
+    }
 }
 
 /// Medians of the `profile=true` stage times (NaN entries — stages that did not run — skipped).
