@@ -11,9 +11,27 @@ use crate::{DType, Result, Tensor};
 
 thread_local! {
     static AUTOCAST: Cell<Option<DType>> = const { Cell::new(None) };
-    /// Weight copies made up front by [`autocast_with_weights`]: dtype, and the copy of each f32
-    /// tensor by handle identity.
-    static WEIGHT_COPIES: RefCell<Option<(DType, HashMap<usize, Tensor>)>> = const { RefCell::new(None) };
+    /// Weight copies made up front by [`autocast_with_weights`]: dtype, the copy of each f32
+    /// tensor by handle identity, and the recording state they were made in.
+    static WEIGHT_COPIES: RefCell<Option<WeightCopies>> = const { RefCell::new(None) };
+}
+
+/// [`autocast_with_weights`]' copies: their dtype, each f32 tensor's copy by handle identity, and
+/// [`recording_state`] when they were made.
+type WeightCopies = (DType, HashMap<usize, Tensor>, (bool, bool));
+
+/// (capturing a CUDA graph, measuring a region's warm-up) on this thread: a weight copy is handed
+/// out only in the state it was made in — copies made before a recording began are not part of
+/// it (their bytes would be stale on replay), copies made inside the recording are.
+fn recording_state() -> (bool, bool) {
+    #[cfg(feature = "cuda")]
+    {
+        (crate::cuda::capture_support::is_capturing(), crate::cuda::capture_support::is_measuring())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        (false, false)
+    }
 }
 
 /// The active autocast dtype on this thread, if any.
@@ -46,16 +64,17 @@ impl Drop for AutocastGuard {
 /// cast ([`Tensor::to_dtype_many`]: one launch per 40 tensors and one autograd node, whose backward
 /// casts their gradients back in one go too); inside `f` the autocast ops take these copies
 /// instead of casting the weight at their first use. The same bytes as [`autocast`] — a copy is the
-/// cast the op would make. Later uses of a weight, and tensors not listed, are still cast at use. While a CUDA stream is
-/// captured or a recorder measures a region, the copies are not handed out (a recorded region
-/// must make its own casts, inside the graph).
+/// cast the op would make. Later uses of a weight, and tensors not listed, are still cast at use.
+/// Copies are handed out only in the recording state they were made in: a region recorded inside
+/// `f` makes its own casts, while a region whose body calls this makes the batched cast inside
+/// its graph (one kernel instead of one per weight, and one for their gradients).
 pub fn autocast_with_weights<R>(dtype: Option<DType>, weights: &[Tensor], f: impl FnOnce() -> R) -> Result<R> {
     let Some(dt) = dtype.filter(|d| *d != DType::F32) else { return Ok(autocast(dtype, f)) };
     let f32s: Vec<Tensor> = weights.iter().filter(|w| w.dtype() == DType::F32).cloned().collect();
     let copies = Tensor::to_dtype_many(&f32s, dt)?;
     let map: HashMap<usize, Tensor> = f32s.iter().zip(copies).map(|(w, c)| (Arc::as_ptr(&w.0) as usize, c)).collect();
-    let previous = WEIGHT_COPIES.with(|w| w.replace(Some((dt, map))));
-    struct Restore(Option<(DType, HashMap<usize, Tensor>)>);
+    let previous = WEIGHT_COPIES.with(|w| w.replace(Some((dt, map, recording_state()))));
+    struct Restore(Option<WeightCopies>);
     impl Drop for Restore {
         fn drop(&mut self) {
             WEIGHT_COPIES.with(|w| *w.borrow_mut() = self.0.take());
@@ -67,15 +86,11 @@ pub fn autocast_with_weights<R>(dtype: Option<DType>, weights: &[Tensor], f: imp
 
 /// The up-front copy of `t` in `dt`, if [`autocast_with_weights`] made one and it may be used now.
 fn weight_copy(t: &Tensor, dt: DType) -> Option<Tensor> {
-    #[cfg(feature = "cuda")]
-    if crate::cuda::capture_support::is_capturing() || crate::cuda::capture_support::is_measuring() {
-        return None;
-    }
     // Taken on first use: a second use casts again, so that each use's gradient is cast back to
     // f32 on its own and summed there, as with a cast per use (summing them in the half type
     // first would round).
     WEIGHT_COPIES.with(|w| match &mut *w.borrow_mut() {
-        Some((d, map)) if *d == dt => map.remove(&(Arc::as_ptr(&t.0) as usize)),
+        Some((d, map, made_in)) if *d == dt && *made_in == recording_state() => map.remove(&(Arc::as_ptr(&t.0) as usize)),
         _ => None,
     })
 }

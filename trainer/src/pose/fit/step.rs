@@ -191,7 +191,7 @@ impl Run {
 
     /// The model's forward and the dense criterion as one body handed to the plugin that claims
     /// them (`E2ELoss::loss_with_forward`; recorded as one region). Inside it the pieces run
-    /// natively (no region inside a region) and autocast casts the weights where they are used.
+    /// natively (no region inside a region) and the weights are cast in one batch inside it.
     /// Runs under both stages' wrappers, `Stage::Forward`'s around the work; `dt` are the step's
     /// padded targets (`E2ELoss::dense_step_targets`: a step without them goes through the pieces).
     #[allow(clippy::too_many_arguments)]
@@ -207,9 +207,12 @@ impl Run {
         let info = |stage| StageInfo { stage, epoch, batch_index: ni, training: true };
         let autocast = self.cfg.precision.autocast();
         let (criterion, model, plugins, surface) = (&self.criterion, &self.model, &self.plugins, &self.model_surface);
+        // The weights' batched cast runs inside the body, so a recording holds it as one kernel
+        // (and one for the gradients) instead of a cast per weight.
+        let weights = &self.compute_weights;
         let forward = |x: &Tensor| -> Result<(BranchOutputs, BranchOutputs)> {
             let out = in_stage(stages::FORWARD, || {
-                ptl_autograd::autocast_with_weights(autocast, &[], || model.forward_with(x, &ptl_heads::NativeRunner))?
+                ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(x, &ptl_heads::NativeRunner))?
             })?;
             Ok((branch(&out.one2many), branch(&out.one2one)))
         };
