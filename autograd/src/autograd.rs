@@ -139,7 +139,7 @@ fn new_node(inputs: &[&Tensor], op: Box<dyn BackwardOp>, num_outputs: usize) -> 
 
 /// A new handle on `t`'s storage that is output `index` of `node`.
 fn with_history(t: &Tensor, node: &Arc<Node>, index: usize) -> Tensor {
-    Tensor::build(t.0.storage.clone(), t.shape().clone(), false, Some(GradFn { node: node.clone(), index }))
+    Tensor::build_in(t.0.storage.clone(), t.shape().clone(), t.memory_format(), false, Some(GradFn { node: node.clone(), index }))
 }
 
 /// Connects already computed `outputs` to `inputs` through a custom backward (e.g. a replayed

@@ -219,7 +219,7 @@ impl Tensor {
         let mask = match draw {
             Draw::Value { seed, offset } => Storage::keep_mask(rng.device(), n, keep as f32, PhiloxStart::Value { seed, offset })?,
             Draw::Device { state, intra } => {
-                let state = state.read_storage();
+                let state = state.raw_storage();
                 Storage::keep_mask(rng.device(), n, keep as f32, PhiloxStart::State { state: &state, intra })?
             }
         };

@@ -7,6 +7,7 @@ use half::{bf16, f16};
 
 use crate::autograd::GradFn;
 use crate::cpu::CpuStorage;
+use crate::memory_format::{MemoryFormat, StorageRead};
 use crate::shape::{Layout, Shape};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result};
@@ -26,6 +27,8 @@ pub(crate) struct TensorImpl {
     pub(crate) id: TensorId,
     pub(crate) storage: Arc<RwLock<Storage>>,
     pub(crate) shape: Shape,
+    /// The order of the elements in `storage` (every handle on one storage has the same).
+    pub(crate) format: MemoryFormat,
     pub(crate) dtype: DType,
     pub(crate) device: Device,
     /// Whether gradients are recorded for this tensor; a leaf's flag may be switched in place
@@ -47,7 +50,9 @@ pub struct GradState {
     kept: Option<Tensor>,
 }
 
-/// A contiguous, row-major n-dimensional array. Cloning is cheap (shared storage and identity).
+/// An n-dimensional array: its storage row-major in the logical shape's order, or channels-last
+/// for a 4-D tensor converted with [`Tensor::to_memory_format`]. Cloning is cheap (shared storage
+/// and identity).
 #[derive(Clone)]
 pub struct Tensor(pub(crate) Arc<TensorImpl>);
 
@@ -121,12 +126,35 @@ impl Tensor {
                 format!("storage has {} elements but shape {:?} needs {}", storage.len(), shape, shape.numel()),
             ));
         }
-        let storage = Arc::new(RwLock::new(storage));
-        crate::write_journal::note_created(&storage);
-        Ok(Tensor::build(storage, shape, false, None))
+        Tensor::from_storage_in(storage, shape, MemoryFormat::Contiguous)
     }
 
+    /// [`Tensor::from_storage`] for a storage whose elements lie in `format`.
+    pub(crate) fn from_storage_in(storage: Storage, shape: Shape, format: MemoryFormat) -> Result<Tensor> {
+        if storage.len() != shape.numel() {
+            return Err(Error::invalid(
+                "from_storage",
+                format!("storage has {} elements but shape {:?} needs {}", storage.len(), shape, shape.numel()),
+            ));
+        }
+        let storage = Arc::new(RwLock::new(storage));
+        crate::write_journal::note_created(&storage);
+        Ok(Tensor::build_in(storage, shape, format, false, None))
+    }
+
+    /// A contiguous tensor on `storage` (see [`Tensor::build_in`]).
     pub(crate) fn build(storage: Arc<RwLock<Storage>>, shape: Shape, requires_grad: bool, grad_fn: Option<GradFn>) -> Tensor {
+        Tensor::build_in(storage, shape, MemoryFormat::Contiguous, requires_grad, grad_fn)
+    }
+
+    /// A new handle on `storage`, whose elements lie in `format`.
+    pub(crate) fn build_in(
+        storage: Arc<RwLock<Storage>>,
+        shape: Shape,
+        format: MemoryFormat,
+        requires_grad: bool,
+        grad_fn: Option<GradFn>,
+    ) -> Tensor {
         let (dtype, device) = {
             let s = storage.read().unwrap_or_else(|e| e.into_inner());
             (s.dtype(), s.device())
@@ -135,6 +163,7 @@ impl Tensor {
             id: TensorId::next(),
             storage,
             shape,
+            format,
             dtype,
             device,
             requires_grad: std::sync::atomic::AtomicBool::new(requires_grad || grad_fn.is_some()),
@@ -251,8 +280,37 @@ impl Tensor {
         self.0.grad_fn.as_ref().map(|g| g.node.name().to_string())
     }
 
-    pub(crate) fn read_storage(&self) -> RwLockReadGuard<'_, Storage> {
+    /// The storage in the contiguous order, as ops read their operands: the tensor's own under
+    /// its read lock, or a contiguous copy of a channels-last tensor (see [`MemoryFormat`]).
+    pub(crate) fn read_storage(&self) -> Result<StorageRead<'_>> {
+        match self.memory_format() {
+            MemoryFormat::Contiguous => Ok(StorageRead::Shared(self.raw_storage())),
+            format => Ok(StorageRead::Converted(crate::memory_format::rearranged(
+                &self.raw_storage(),
+                self.dims(),
+                format,
+                MemoryFormat::Contiguous,
+            )?)),
+        }
+    }
+    /// The storage as it lies, in the tensor's [`MemoryFormat`] (lengths, addresses, raw copies).
+    pub(crate) fn raw_storage(&self) -> RwLockReadGuard<'_, Storage> {
         self.0.storage.read().unwrap_or_else(|e| e.into_inner())
+    }
+    /// The storage for an in-place write by `op`: refused for a channels-last tensor, whose
+    /// elements are not where the op's contiguous arithmetic would put them.
+    pub(crate) fn write_storage_for(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, Storage>> {
+        if self.memory_format() != MemoryFormat::Contiguous {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "an in-place write into a {:?} tensor of shape {:?}: convert it with to_memory_format(Contiguous) first",
+                    self.memory_format(),
+                    self.dims()
+                ),
+            ));
+        }
+        Ok(self.write_storage())
     }
     pub(crate) fn write_storage(&self) -> RwLockWriteGuard<'_, Storage> {
         crate::write_journal::before_write(&self.0.storage);
@@ -267,9 +325,10 @@ impl Tensor {
     pub(crate) fn device_address(&self) -> Option<u64> {
         self.with_storage(|s| s.device_address())
     }
-    /// Runs `f` on the storage (read lock held for the call).
+    /// Runs `f` on the storage as it lies (read lock held for the call): in the tensor's
+    /// [`MemoryFormat`], so a channels-last tensor's elements in (N, H, W, C) order.
     pub fn with_storage<R>(&self, f: impl FnOnce(&Storage) -> R) -> R {
-        f(&self.read_storage())
+        f(&self.raw_storage())
     }
     /// Runs `f` on the storage with write access; the storage identity is preserved.
     pub fn with_storage_mut<R>(&self, f: impl FnOnce(&mut Storage) -> R) -> R {
@@ -284,13 +343,13 @@ impl Tensor {
     /// Copies the data to the host as `T` (must be the tensor's dtype).
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         crate::pending::count_immediate_read();
-        let host = self.read_storage().to_cpu()?;
+        let host = self.read_storage()?.to_cpu()?;
         T::from_storage(&host).ok_or(Error::DTypeMismatch { op: "to_vec", lhs: self.dtype(), rhs: T::DTYPE })
     }
     /// All values as f64, whatever the dtype (a host copy).
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         crate::pending::count_immediate_read();
-        Ok(self.read_storage().to_cpu()?.to_f64_vec())
+        Ok(self.read_storage()?.to_cpu()?.to_f64_vec())
     }
     /// The value of a one-element tensor as f64 (a host copy).
     pub fn item(&self) -> Result<f64> {
@@ -302,14 +361,14 @@ impl Tensor {
     /// Raw little-endian bytes of the data (host copy).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         crate::pending::count_immediate_read();
-        Ok(self.read_storage().to_cpu()?.as_bytes().to_vec())
+        Ok(self.read_storage()?.to_cpu()?.as_bytes().to_vec())
     }
 
     // ---- autograd-facing handles ---------------------------------------------------------------
 
     /// A new handle on the same storage with no history and no gradient requirement.
     pub fn detach(&self) -> Tensor {
-        Tensor::build(self.0.storage.clone(), self.shape().clone(), false, None)
+        Tensor::build_in(self.0.storage.clone(), self.shape().clone(), self.memory_format(), false, None)
     }
 
     /// A leaf handle on the same storage that records gradients (like `requires_grad_()`).
@@ -317,7 +376,7 @@ impl Tensor {
         if on && !self.dtype().is_float() {
             return Err(Error::UnsupportedDType { op: "requires_grad_", dtype: self.dtype(), expected: "a float dtype" });
         }
-        Ok(Tensor::build(self.0.storage.clone(), self.shape().clone(), on, None))
+        Ok(Tensor::build_in(self.0.storage.clone(), self.shape().clone(), self.memory_format(), on, None))
     }
 
     /// The accumulated gradient: `None` when no gradient reached this leaf.
@@ -412,8 +471,8 @@ impl Tensor {
         let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
         match slot.as_ref() {
             Some(existing) => {
-                let src = g.read_storage();
-                existing.write_storage().add_assign(&src)?;
+                let src = g.read_storage()?;
+                existing.write_storage_for("accumulate_grad")?.add_assign(&src)?;
             }
             None => {
                 let kept = self.0.kept_grad.lock().unwrap_or_else(|e| e.into_inner()).take();
@@ -425,7 +484,14 @@ impl Tensor {
                         k.copy_(&g.detach())?;
                         k
                     }
-                    _ if may_take && Arc::strong_count(&g.0.storage) == 1 && Arc::strong_count(&g.0) == 1 => g.detach(),
+                    // A gradient is kept in the contiguous order (later ones are added in place).
+                    _ if may_take
+                        && Arc::strong_count(&g.0.storage) == 1
+                        && Arc::strong_count(&g.0) == 1
+                        && g.memory_format() == MemoryFormat::Contiguous =>
+                    {
+                        g.detach()
+                    }
                     _ => g.deep_copy()?,
                 };
                 *slot = Some(own);
@@ -434,9 +500,12 @@ impl Tensor {
         Ok(())
     }
 
-    /// A copy with its own storage and no history.
+    /// A contiguous copy with its own storage and no history.
     pub fn deep_copy(&self) -> Result<Tensor> {
-        let s = self.read_storage().try_clone()?;
+        let s = match self.read_storage()? {
+            StorageRead::Shared(g) => g.try_clone()?,
+            StorageRead::Converted(s) => s,
+        };
         Tensor::from_storage(s, self.shape().clone())
     }
 
@@ -455,8 +524,8 @@ impl Tensor {
             return Ok(());
         }
         let l = self.layout();
-        let s = src.read_storage();
-        let mut d = self.write_storage();
+        let s = src.read_storage()?;
+        let mut d = self.write_storage_for("copy_")?;
         s.copy_strided(&l, &mut d, &l)
     }
 
@@ -469,8 +538,8 @@ impl Tensor {
             let doubled = src.deep_copy()?;
             return self.add_(&doubled);
         }
-        let s = src.read_storage();
-        self.write_storage().add_assign(&s)
+        let s = src.read_storage()?;
+        self.write_storage_for("add_")?.add_assign(&s)
     }
 
     /// `dst.add_(src)` for every pair, the same bytes, batched: on CUDA one launch per dtype and 40
@@ -483,8 +552,10 @@ impl Tensor {
         for &(d, s) in pairs {
             let plain = d.dims() == s.dims()
                 && d.dtype() == s.dtype()
-                && d.numel() == d.read_storage().len()
-                && s.numel() == s.read_storage().len();
+                && d.memory_format() == MemoryFormat::Contiguous
+                && s.memory_format() == MemoryFormat::Contiguous
+                && d.numel() == d.raw_storage().len()
+                && s.numel() == s.raw_storage().len();
             if plain && used.insert(d.storage_ptr()) && used.insert(s.storage_ptr()) {
                 batch.push((d, s));
             } else {
@@ -493,7 +564,7 @@ impl Tensor {
         }
         {
             let mut dsts: Vec<_> = batch.iter().map(|(d, _)| d.write_storage()).collect();
-            let srcs: Vec<_> = batch.iter().map(|(_, s)| s.read_storage()).collect();
+            let srcs: Vec<_> = batch.iter().map(|(_, s)| s.raw_storage()).collect();
             let mut refs: Vec<(&mut Storage, &Storage)> = dsts.iter_mut().map(|d| &mut **d).zip(srcs.iter().map(|s| &**s)).collect();
             Storage::add_assign_many(&mut refs)?;
         }

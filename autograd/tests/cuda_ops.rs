@@ -1389,3 +1389,54 @@ fn tf32_convolutions_are_a_device_option() {
     assert!(differs > 0, "with tf32_convolutions on, no convolution result differs from strict FP32: TF32 is not in use");
     println!("ok tf32 convolutions: {differs} of 6 results differ from strict FP32, all within TF32's bound; strict bytes unchanged");
 }
+
+/// Channels-last on the GPU (step 1 of docs/channels-last.md): the conversion stores (N, H, W, C)
+/// and back, and the model's op families read a channels-last operand in the logical order —
+/// the contiguous input's output and input-gradient bytes.
+#[test]
+fn channels_last_tensors_compute_as_contiguous_ones() {
+    use ptl_autograd::{BatchNormOptions, MemoryFormat};
+    let Some(dev) = gpu() else { return };
+    let rand = |dims: &[usize], seed: u64| Tensor::rand(dims.to_vec(), -1.0, 1.0, DType::F32, dev, &mut Rng::new(seed)).unwrap();
+    let x = rand(&[2, 3, 6, 6], 1);
+    let cl = x.to_memory_format(MemoryFormat::ChannelsLast).unwrap();
+    let raw = cl.with_storage(|s| s.to_cpu().unwrap().as_bytes().to_vec());
+    assert_eq!(raw, x.permute(&[0, 2, 3, 1]).unwrap().to_bytes().unwrap(), "stored as (N, H, W, C)");
+    assert_eq!(cl.to_memory_format(MemoryFormat::Contiguous).unwrap().to_bytes().unwrap(), x.to_bytes().unwrap());
+    let (w, other) = (rand(&[4, 3, 3, 3], 2), rand(&[2, 3, 6, 6], 3));
+    let (bn_w, bn_b) = (rand(&[3], 4), rand(&[3], 5));
+    type Op<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
+    let ops: Vec<(&str, Op)> = vec![
+        ("conv", Box::new(|x: &Tensor| x.conv2d(&w, None, (1, 1), (1, 1), 1).unwrap())),
+        (
+            "conv bf16",
+            Box::new(|x: &Tensor| {
+                ptl_autograd::autocast(Some(DType::BF16), || x.conv2d(&w, None, (1, 1), (1, 1), 1).unwrap()).to_dtype(DType::F32).unwrap()
+            }),
+        ),
+        (
+            "batch norm + SiLU",
+            Box::new(|x: &Tensor| {
+                let (rm, rv) = (Tensor::zeros(vec![3], DType::F32, dev).unwrap(), Tensor::ones(vec![3], DType::F32, dev).unwrap());
+                x.batch_norm2d_silu(&bn_w, &bn_b, &rm, &rv, BatchNormOptions { training: true, momentum: 0.03, eps: 1e-3 }).unwrap()
+            }),
+        ),
+        ("cat along C", Box::new(|x: &Tensor| Tensor::cat(&[x, &other], 1).unwrap())),
+        ("upsample", Box::new(|x: &Tensor| x.upsample_nearest(2).unwrap())),
+        ("max pool", Box::new(|x: &Tensor| x.max_pool2d(5, 1, 2).unwrap())),
+        ("add", Box::new(|x: &Tensor| x.add(&other).unwrap().silu().unwrap())),
+    ];
+    for (name, op) in &ops {
+        let run = |channels_last: bool| -> (Vec<u8>, Vec<u8>) {
+            let leaf = x.detach().requires_grad_(true).unwrap();
+            let input = if channels_last { leaf.to_memory_format(MemoryFormat::ChannelsLast).unwrap() } else { leaf.clone() };
+            let y = op(&input);
+            y.sum_all().unwrap().backward().unwrap();
+            (y.to_bytes().unwrap(), leaf.grad().expect("input gradient").to_bytes().unwrap())
+        };
+        let (plain, cl) = (run(false), run(true));
+        assert_eq!(cl.0, plain.0, "{name}: output");
+        assert_eq!(cl.1, plain.1, "{name}: input gradient");
+    }
+    println!("ok channels-last on {dev}: {} op families", ops.len());
+}

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use ptl_autograd::{
-    attach_custom_node, autocast_dtype, is_grad_enabled, BackwardOp, DType, Device, GradModeGuard, GraphSafeRng, Rng, Tensor, TensorKind,
+    attach_custom_node, autocast_dtype, is_grad_enabled, BackwardOp, DType, Device, GradModeGuard, GraphSafeRng, MemoryFormat, Rng, Tensor,
+    TensorKind,
 };
 
 use crate::backend::{ArenaSlot, ArenaSpec, Backend, Footprint, Graph, PoolHandle};
@@ -790,6 +791,16 @@ impl RegionHandle {
     /// `body`, borrowed for the call only — natively, or by capturing and replaying. `inputs` may
     /// be empty (a region that only reads its surface, e.g. an optimizer update).
     pub fn call_with(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &BodyFn<'_>) -> Result<Vec<Tensor>> {
+        // Recordings take their inputs in the contiguous order: a channels-last input is
+        // converted at entry (one strided copy, the rule every op follows: docs/channels-last.md).
+        let converted: Vec<Tensor>;
+        let inputs = match inputs.iter().all(|t| t.memory_format() == MemoryFormat::Contiguous) {
+            true => inputs,
+            false => {
+                converted = inputs.iter().map(|t| t.to_memory_format(MemoryFormat::Contiguous)).collect::<ptl_autograd::Result<_>>()?;
+                &converted[..]
+            }
+        };
         let _one_call = lock(&self.shared.calls);
         let _lent = self.shared.body.lend(body);
         self.call_inner(inputs, surface, body)

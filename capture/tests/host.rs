@@ -331,3 +331,34 @@ fn a_later_signature_warms_up_with_the_shared_arenas_set_aside() {
     assert_eq!(step(&r1, &a), native(&a));
     assert_eq!(load(&backend.restores), 4, "once");
 }
+
+/// A channels-last input reaches a region's body in the logical order (converted at entry): the
+/// region's outputs and the input's gradient equal those of the contiguous input, call after
+/// call through warm-up, capture and replays.
+#[test]
+fn channels_last_inputs_are_taken_in_the_logical_order() {
+    use ptl_autograd::MemoryFormat;
+    let (rec, _) = recorder(RecorderConfig::default());
+    let mut rng = Rng::new(21);
+    let w = Tensor::rand(vec![4, 3, 3, 3], -0.5, 0.5, DType::F32, Device::Cpu, &mut rng).unwrap().requires_grad_(true).unwrap();
+    let (ws, wb) = (w.clone(), w.clone());
+    let region = rec.region(RegionSpec::new(
+        "conv",
+        move || vec![("w".to_string(), ws.clone(), TensorKind::Parameter)],
+        move |xs| Ok(vec![xs[0].conv2d(&wb, None, (1, 1), (1, 1), 1)?.silu()?]),
+    ));
+    for i in 0..4u64 {
+        let x = Tensor::rand(vec![2, 3, 5, 5], -1.0, 1.0, DType::F32, Device::Cpu, &mut Rng::new(i)).unwrap();
+        let plain = x.detach().requires_grad_(true).unwrap();
+        let expected = plain.conv2d(&w.detach(), None, (1, 1), (1, 1), 1).unwrap().silu().unwrap();
+        expected.sum_all().unwrap().backward().unwrap();
+        let leaf = x.detach().requires_grad_(true).unwrap();
+        let cl = leaf.to_memory_format(MemoryFormat::ChannelsLast).unwrap();
+        let y = region.call(std::slice::from_ref(&cl)).unwrap().remove(0);
+        y.sum_all().unwrap().backward().unwrap();
+        assert_eq!(y.to_bytes().unwrap(), expected.to_bytes().unwrap(), "call {i}: output");
+        assert_eq!(leaf.grad().unwrap().to_bytes().unwrap(), plain.grad().unwrap().to_bytes().unwrap(), "call {i}: input gradient");
+    }
+    let s = region.stats();
+    assert!(s.replays >= 2, "the calls replayed: {s:?}");
+}

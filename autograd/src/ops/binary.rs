@@ -9,7 +9,7 @@ use crate::{Error, Result, Tensor};
 fn forward(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str) -> Result<Tensor> {
     same_dtype(name, a, b)?;
     let (out, la, lb) = broadcast_layouts(name, a, b)?;
-    let s = a.read_storage().binary(&la, &b.read_storage(), &lb, op)?;
+    let s = a.read_storage()?.binary(&la, &*b.read_storage()?, &lb, op)?;
     Tensor::from_storage(s, out)
 }
 
@@ -133,7 +133,7 @@ impl Tensor {
         let (lhs, rhs) = (&lhs, &rhs);
         same_dtype("cmp", lhs, rhs)?;
         let (out, la, lb) = broadcast_layouts("cmp", lhs, rhs)?;
-        let s = lhs.read_storage().cmp(&la, &rhs.read_storage(), &lb, op)?;
+        let s = lhs.read_storage()?.cmp(&la, &*rhs.read_storage()?, &lb, op)?;
         Tensor::from_storage(s, out)
     }
     pub fn eq(&self, rhs: &Tensor) -> Result<Tensor> {
@@ -190,7 +190,7 @@ impl Tensor {
         if self.device() != a.device() {
             return Err(Error::DeviceMismatch { op: "where_cond", lhs: self.device(), rhs: a.device() });
         }
-        let s = self.read_storage().where_cond(&lay(self), &a.read_storage(), &lay(a), &b.read_storage(), &lay(b))?;
+        let s = self.read_storage()?.where_cond(&lay(self), &*a.read_storage()?, &lay(a), &*b.read_storage()?, &lay(b))?;
         let y = Tensor::from_storage(s, out)?;
         if !(a.requires_grad() || b.requires_grad()) || !crate::is_grad_enabled() {
             return Ok(y);

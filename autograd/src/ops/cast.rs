@@ -10,7 +10,7 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        let s = self.read_storage().to_dtype(dtype)?;
+        let s = self.read_storage()?.to_dtype(dtype)?;
         let y = Tensor::from_storage(s, self.shape().clone())?;
         if !self.requires_grad() || !dtype.is_float() || !crate::is_grad_enabled() {
             return Ok(y);
@@ -40,7 +40,7 @@ impl Tensor {
             return xs.iter().map(|x| x.to_dtype(dtype)).collect();
         }
         let cast: Vec<Tensor> = {
-            let guards: Vec<_> = idx.iter().map(|&i| xs[i].read_storage()).collect();
+            let guards = idx.iter().map(|&i| xs[i].read_storage()).collect::<Result<Vec<_>>>()?;
             let refs: Vec<&Storage> = guards.iter().map(|g| &**g).collect();
             Storage::to_dtype_many(&refs, dtype)?
                 .into_iter()
@@ -76,7 +76,7 @@ pub(crate) fn to_device(x: &Tensor, device: Device) -> Result<Tensor> {
     if device == x.device() {
         return Ok(x.clone());
     }
-    let host = x.read_storage().to_cpu()?;
+    let host = x.read_storage()?.to_cpu()?;
     let y = Tensor::from_storage(Storage::from_cpu(host, device)?, x.shape().clone())?;
     if !x.requires_grad() || !crate::is_grad_enabled() {
         return Ok(y);

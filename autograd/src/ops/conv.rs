@@ -48,7 +48,7 @@ impl Tensor {
             padding,
             groups,
         };
-        let s = self.read_storage().conv2d(&w.read_storage(), &p)?;
+        let s = self.read_storage()?.conv2d(&*w.read_storage()?, &p)?;
         let y = Tensor::from_storage(s, p.out_shape().to_vec())?;
         let y = if (self.requires_grad() || w.requires_grad()) && crate::is_grad_enabled() {
             let (x, wt) = (self.detach(), w.detach());
@@ -60,14 +60,14 @@ impl Tensor {
                     name: "conv2d",
                     f: move |g: &[Option<Tensor>]| {
                         let Some(g) = &g[0] else { return Ok(vec![None, None]) };
-                        let gs = g.read_storage();
+                        let gs = g.read_storage()?;
                         let gx = if need_x {
-                            Some(Tensor::from_storage(gs.conv2d_backward_input(&wt.read_storage(), &p)?, x.shape().clone())?)
+                            Some(Tensor::from_storage(gs.conv2d_backward_input(&*wt.read_storage()?, &p)?, x.shape().clone())?)
                         } else {
                             None
                         };
                         let gw = if need_w {
-                            Some(Tensor::from_storage(gs.conv2d_backward_weight(&x.read_storage(), &p)?, wt.shape().clone())?)
+                            Some(Tensor::from_storage(gs.conv2d_backward_weight(&*x.read_storage()?, &p)?, wt.shape().clone())?)
                         } else {
                             None
                         };
@@ -98,7 +98,7 @@ impl Tensor {
             return Err(Error::invalid("max_pool2d", format!("input {d:?} with kernel {kernel}, stride {stride}, padding {padding}")));
         }
         let p = Pool2dParams { batch: d[0], channels: d[1], h_in: d[2], w_in: d[3], kernel, stride, padding };
-        let (v, idx) = self.read_storage().max_pool2d(&p)?;
+        let (v, idx) = self.read_storage()?.max_pool2d(&p)?;
         let y = Tensor::from_storage(v, vec![d[0], d[1], p.h_out(), p.w_out()])?;
         if !self.requires_grad() || !crate::is_grad_enabled() {
             return Ok(y);
@@ -111,7 +111,7 @@ impl Tensor {
                 name: "max_pool2d",
                 f: move |g: &[Option<Tensor>]| {
                     let Some(g) = &g[0] else { return Ok(vec![None]) };
-                    let s = g.read_storage().max_pool2d_backward(&idx.read_storage(), &p)?;
+                    let s = g.read_storage()?.max_pool2d_backward(&*idx.read_storage()?, &p)?;
                     Ok(vec![Some(Tensor::from_storage(s, in_dims.clone())?)])
                 },
             },

@@ -51,7 +51,7 @@ impl Tensor {
         silu: bool,
     ) -> Result<Tensor> {
         if let Some(t) = num_batches_tracked {
-            if t.dtype() != crate::DType::I64 || t.numel() != 1 || t.read_storage().len() != 1 {
+            if t.dtype() != crate::DType::I64 || t.numel() != 1 || t.raw_storage().len() != 1 {
                 return Err(Error::invalid(
                     "batch_norm2d_silu",
                     format!(
@@ -93,8 +93,8 @@ impl Tensor {
                 let (rm, rv) = (running_mean.to_dtype(sd)?, running_var.to_dtype(sd)?);
                 // Private copies when a cast was needed, so the update below writes through.
                 let (y, a, q) = {
-                    let x = self.read_storage();
-                    let (ws, bs) = (w.read_storage(), b.read_storage());
+                    let x = self.read_storage()?;
+                    let (ws, bs) = (w.read_storage()?, b.read_storage()?);
                     let mut rms = rm.write_storage();
                     let mut rvs = rv.write_storage();
                     let mut counter = num_batches_tracked.map(|t| t.write_storage());
@@ -110,8 +110,8 @@ impl Tensor {
             } else {
                 let (rm, rv) = (running_mean.to_dtype(sd)?, running_var.to_dtype(sd)?);
                 let (a, q) =
-                    w.read_storage().batch_norm_eval_params(&b.read_storage(), &rm.read_storage(), &rv.read_storage(), opts.eps)?;
-                let y = self.read_storage().channel_affine(&d, &a, silu)?;
+                    w.read_storage()?.batch_norm_eval_params(&*b.read_storage()?, &*rm.read_storage()?, &*rv.read_storage()?, opts.eps)?;
+                let y = self.read_storage()?.channel_affine(&d, &a, silu)?;
                 Ok((y, Tensor::from_storage(a, vec![2 * c])?, Tensor::from_storage(q, vec![2 * c])?))
             }
         })?;
@@ -131,8 +131,16 @@ impl Tensor {
                     let Some(g) = &g[0] else { return Ok(vec![None, None, None]) };
                     let g = if g.dtype() == x.dtype() { g.clone() } else { g.to_dtype(x.dtype())? };
                     let (dx, gw, gb) = {
-                        let (xs, gs) = (x.read_storage(), g.read_storage());
-                        xs.batch_norm_act_backward(&gs, &d, &aff.read_storage(), &nrm.read_storage(), &w_sd.read_storage(), silu, training)?
+                        let (xs, gs) = (x.read_storage()?, g.read_storage()?);
+                        xs.batch_norm_act_backward(
+                            &gs,
+                            &d,
+                            &*aff.read_storage()?,
+                            &*nrm.read_storage()?,
+                            &*w_sd.read_storage()?,
+                            silu,
+                            training,
+                        )?
                     };
                     let gx = if needs[0] { Some(Tensor::from_storage(dx, d.clone())?) } else { None };
                     let gw = if needs[1] { Some(Tensor::from_storage(gw, vec![c])?.to_dtype(wd.dtype())?) } else { None };

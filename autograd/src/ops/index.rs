@@ -20,7 +20,7 @@ impl Tensor {
             return Err(Error::invalid("index_select", format!("index must be 1-d, got {:?}", idx.dims())));
         }
         let d = normalize_dim("index_select", dim, self.rank())?;
-        let s = self.read_storage().index_select(self.dims(), d, &idx.read_storage())?;
+        let s = self.read_storage()?.index_select(self.dims(), d, &*idx.read_storage()?)?;
         let mut shape = self.dims().to_vec();
         shape[d] = idx.numel();
         let y = Tensor::from_storage(s, shape)?;
@@ -36,7 +36,7 @@ impl Tensor {
                 f: move |g: &[Option<Tensor>]| {
                     let Some(g) = &g[0] else { return Ok(vec![None]) };
                     let z = Storage::zeros(g.device(), g.dtype(), in_dims.iter().product())?;
-                    let s = z.index_add(&in_dims, d, &idx.read_storage(), &g.read_storage())?;
+                    let s = z.index_add(&in_dims, d, &*idx.read_storage()?, &*g.read_storage()?)?;
                     Ok(vec![Some(Tensor::from_storage(s, in_dims.clone())?)])
                 },
             },
@@ -47,7 +47,7 @@ impl Tensor {
     pub fn gather(&self, dim: isize, idx: &Tensor) -> Result<Tensor> {
         check_index("gather", idx)?;
         let d = normalize_dim("gather", dim, self.rank())?;
-        let s = self.read_storage().gather(self.dims(), d, &idx.read_storage(), idx.dims())?;
+        let s = self.read_storage()?.gather(self.dims(), d, &*idx.read_storage()?, idx.dims())?;
         let y = Tensor::from_storage(s, idx.dims().to_vec())?;
         if !self.requires_grad() || !crate::is_grad_enabled() {
             return Ok(y);
@@ -61,7 +61,7 @@ impl Tensor {
                 f: move |g: &[Option<Tensor>]| {
                     let Some(g) = &g[0] else { return Ok(vec![None]) };
                     let z = Storage::zeros(g.device(), g.dtype(), in_dims.iter().product())?;
-                    let s = z.scatter_add(&in_dims, d, &idx.read_storage(), idx.dims(), &g.read_storage())?;
+                    let s = z.scatter_add(&in_dims, d, &*idx.read_storage()?, idx.dims(), &*g.read_storage()?)?;
                     Ok(vec![Some(Tensor::from_storage(s, in_dims.clone())?)])
                 },
             },
@@ -76,7 +76,7 @@ impl Tensor {
             return Err(Error::ShapeMismatch { op: "scatter_add", lhs: idx.dims().to_vec(), rhs: src.dims().to_vec() });
         }
         let d = normalize_dim("scatter_add", dim, self.rank())?;
-        let s = self.read_storage().scatter_add(self.dims(), d, &idx.read_storage(), idx.dims(), &src.read_storage())?;
+        let s = self.read_storage()?.scatter_add(self.dims(), d, &*idx.read_storage()?, idx.dims(), &*src.read_storage()?)?;
         let y = Tensor::from_storage(s, self.dims().to_vec())?;
         if !(self.requires_grad() || src.requires_grad()) || !crate::is_grad_enabled() {
             return Ok(y);
@@ -103,7 +103,7 @@ impl Tensor {
     /// padded with `fill` (PyTorch `nonzero_static`): a fixed shape and no host read, so a
     /// recorded region can compact a mask. Elements beyond the first `size` are left out. No gradient.
     pub fn nonzero_static(&self, size: usize, fill: i64) -> Result<Tensor> {
-        let s = self.read_storage().nonzero_static(size, fill)?;
+        let s = self.read_storage()?.nonzero_static(size, fill)?;
         Tensor::from_storage(s, vec![size])
     }
 

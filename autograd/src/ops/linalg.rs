@@ -6,7 +6,7 @@ use crate::{Error, Result, Tensor};
 
 /// `op(a) · op(b)` on the storage, without history.
 fn mm_raw(a: &Tensor, b: &Tensor, p: MatmulParams) -> Result<Tensor> {
-    let s = a.read_storage().matmul(&b.read_storage(), &p)?;
+    let s = a.read_storage()?.matmul(&*b.read_storage()?, &p)?;
     Tensor::from_storage(s, vec![p.batch(), p.m, p.n])
 }
 
@@ -166,7 +166,7 @@ impl Tensor {
         }
         let batch: usize = ad[..r - 2].iter().product();
         let p = MatmulParams { lhs_batch: batch, rhs_batch: batch, m, n, k, lhs_t: false, rhs_t: false };
-        let st = a.read_storage().matmul_add(&b.read_storage(), &self.read_storage(), &p, alpha, beta)?;
+        let st = a.read_storage()?.matmul_add(&*b.read_storage()?, &*self.read_storage()?, &p, alpha, beta)?;
         let y = Tensor::from_storage(st, cd.to_vec())?;
         let needs = [self.requires_grad(), a.requires_grad(), b.requires_grad()];
         if !needs.iter().any(|&x| x) || !crate::is_grad_enabled() {

@@ -11,7 +11,7 @@ impl Tensor {
         // One fused element-wise pass (see BinaryOp::BceWithLogits).
         let y = crate::no_grad(|| -> Result<Tensor> {
             let (out, la, lb) = super::broadcast_layouts("bce_with_logits", self, target)?;
-            let s = self.read_storage().binary(&la, &target.read_storage(), &lb, crate::backend::BinaryOp::BceWithLogits)?;
+            let s = self.read_storage()?.binary(&la, &*target.read_storage()?, &lb, crate::backend::BinaryOp::BceWithLogits)?;
             Tensor::from_storage(s, out)
         })?;
         if !(self.requires_grad() || target.requires_grad()) || !crate::is_grad_enabled() {

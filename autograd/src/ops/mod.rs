@@ -89,7 +89,7 @@ impl Tensor {
         if inner < 2 || mid > 4096 || outer * inner < 256 {
             return Ok(None);
         }
-        match self.read_storage().sum_mid(outer, mid, inner)? {
+        match self.read_storage()?.sum_mid(outer, mid, inner)? {
             Some(s) => Ok(Some(Tensor::from_storage(s, shape.to_vec())?)),
             None => Ok(None),
         }

@@ -238,8 +238,7 @@ impl Tensor {
         let Some(first) = grads.first() else { return Ok(None) };
         let device = first.device();
         let mut seen = Storages::default();
-        let whole_f32 =
-            |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() > 0 && t.read_storage().len() == t.numel();
+        let whole_f32 = |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() > 0 && t.raw_storage().len() == t.numel();
         if !grads.iter().all(|g| whole_f32(g) && seen.all_new(&[Some(*g)])) {
             return Ok(None);
         }
@@ -258,9 +257,8 @@ impl Tensor {
         let Some(first) = grads.first() else { return Ok(false) };
         let device = first.device();
         let mut seen = Storages::default();
-        let whole_f32 =
-            |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() > 0 && t.read_storage().len() == t.numel();
-        let scalar = |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() == 1 && t.read_storage().len() == 1;
+        let whole_f32 = |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() > 0 && t.raw_storage().len() == t.numel();
+        let scalar = |t: &Tensor| t.dtype() == DType::F32 && t.device() == device && t.numel() == 1 && t.raw_storage().len() == 1;
         if !scalar(inv_scale)
             || !scalar(found)
             || !seen.all_new(&[Some(found)])
@@ -273,7 +271,7 @@ impl Tensor {
 }
 
 fn fused_unscale(grads: &[&Tensor], inv_scale: &Tensor, found: &Tensor) -> Result<bool> {
-    let inv = inv_scale.read_storage();
+    let inv = inv_scale.raw_storage();
     let mut rows: Vec<Vec<&Tensor>> = grads.iter().map(|g| vec![*g]).collect();
     rows.push(vec![found]);
     run_rows(MultiTensorOp::Unscale { inv_scale: &inv }, &rows, &[true]).map(|r| r.is_some())
@@ -376,7 +374,7 @@ struct HeldScalars<'t> {
 
 impl<'t> HeldScalars<'t> {
     fn new(s: &DeviceScalars<'t>) -> HeldScalars<'t> {
-        HeldScalars { values: s.values.read_storage(), skip: s.skip.map(|f| f.read_storage()), at: s.at }
+        HeldScalars { values: s.values.raw_storage(), skip: s.skip.map(|f| f.raw_storage()), at: s.at }
     }
     fn at(&self) -> ScalarsAt<'_, Storage> {
         ScalarsAt { values: &self.values, at: self.at, skip: self.skip.as_deref() }
@@ -496,7 +494,7 @@ impl Storages {
 /// composes it all the same).
 fn fusable(p: &Tensor, g: &Tensor, b: Option<&Tensor>) -> bool {
     let f32_same =
-        |t: &Tensor| t.dtype() == DType::F32 && t.dims() == p.dims() && t.device() == p.device() && t.read_storage().len() == t.numel();
+        |t: &Tensor| t.dtype() == DType::F32 && t.dims() == p.dims() && t.device() == p.device() && t.raw_storage().len() == t.numel();
     let distinct =
         g.storage_ptr() != p.storage_ptr() && b.is_none_or(|b| b.storage_ptr() != p.storage_ptr() && b.storage_ptr() != g.storage_ptr());
     f32_same(p) && f32_same(g) && b.is_none_or(f32_same) && distinct
@@ -540,7 +538,7 @@ fn run_rows(op: MultiTensorOp<'_, Storage>, rows: &[Vec<&Tensor>], written: &[bo
                 .enumerate()
                 .map(|(k, t)| match written.get(k).copied().unwrap_or(false) {
                     true => Held::Write(t.write_storage()),
-                    false => Held::Read(t.read_storage()),
+                    false => Held::Read(t.raw_storage()),
                 })
                 .collect()
         })

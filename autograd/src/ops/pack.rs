@@ -42,7 +42,7 @@ impl Tensor {
             }
         }
         if mats.iter().all(|(t, _)| whole(t)) {
-            let held: Vec<_> = mats.iter().map(|(t, _)| t.read_storage()).collect();
+            let held = mats.iter().map(|(t, _)| t.read_storage()).collect::<Result<Vec<_>>>()?;
             let items: Vec<(&Storage, PackedMatrix)> = held.iter().zip(mats).map(|(s, (_, m))| (&**s, *m)).collect();
             if let Some(s) = Storage::pack_padded(&items, rows, cols, dtype)? {
                 return Tensor::from_storage(s, vec![mats.len(), rows, cols]);
@@ -69,7 +69,7 @@ impl Tensor {
         }
         if dtype == DType::F32 && whole(self) {
             let slots: Vec<(PackedMatrix, f64)> = items.iter().map(|it| (it.matrix, it.scale)).collect();
-            let unpacked = Storage::unpack_padded(&self.read_storage(), &slots, rows, cols)?;
+            let unpacked = Storage::unpack_padded(&*self.read_storage()?, &slots, rows, cols)?;
             if let Some(storages) = unpacked {
                 return storages.into_iter().zip(items).map(|(s, it)| Tensor::from_storage(s, it.dims.clone())).collect();
             }
@@ -126,7 +126,7 @@ fn composed_unpack(batch: &Tensor, items: &[Unpacked], dtype: DType) -> Result<V
 
 /// Whether `t` covers its whole storage (a batch kernel reads and writes storages).
 fn whole(t: &Tensor) -> bool {
-    t.numel() > 0 && t.read_storage().len() == t.numel()
+    t.numel() > 0 && t.raw_storage().len() == t.numel()
 }
 
 #[cfg(test)]

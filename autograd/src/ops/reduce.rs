@@ -18,7 +18,7 @@ fn drop_dim(dims: &[usize], d: usize) -> Vec<usize> {
 }
 
 fn raw_reduce(x: &Tensor, d: usize, op: ReduceOp) -> Result<Tensor> {
-    let s = x.read_storage().reduce(x.dims(), d, op)?;
+    let s = x.read_storage()?.reduce(x.dims(), d, op)?;
     Tensor::from_storage(s, keep_shape(x.dims(), d))
 }
 
@@ -137,7 +137,7 @@ impl Tensor {
     /// Top-k values and indices along `dim`, sorted; ties keep the lower index first. No gradient.
     pub fn topk(&self, k: usize, dim: isize, largest: bool) -> Result<(Tensor, Tensor)> {
         let d = normalize_dim("topk", dim, self.rank())?;
-        let (v, i) = self.read_storage().topk(self.dims(), d, k, largest)?;
+        let (v, i) = self.read_storage()?.topk(self.dims(), d, k, largest)?;
         let mut s = self.dims().to_vec();
         s[d] = k;
         Ok((Tensor::from_storage(v, s.clone())?, Tensor::from_storage(i, s)?))

@@ -11,14 +11,14 @@ use crate::{Error, Result, Tensor};
 /// Copies the strided view `src` of `x` into a new contiguous tensor.
 fn gather_view(x: &Tensor, src: &Layout) -> Result<Tensor> {
     let mut out = Storage::uninit(x.device(), x.dtype(), src.numel())?;
-    x.read_storage().copy_strided(src, &mut out, &Layout::contiguous(&src.shape))?;
+    x.read_storage()?.copy_strided(src, &mut out, &Layout::contiguous(&src.shape))?;
     Tensor::from_storage(out, src.shape.clone())
 }
 
 /// A zero tensor of `shape` with `g` written into the region `dst` (the inverse of a view).
 fn scatter_view(g: &Tensor, shape: &[usize], dst: &Layout) -> Result<Tensor> {
     let mut out = Storage::zeros(g.device(), g.dtype(), shape.iter().product())?;
-    g.read_storage().copy_strided(&Layout::contiguous(g.dims()), &mut out, dst)?;
+    g.read_storage()?.copy_strided(&Layout::contiguous(g.dims()), &mut out, dst)?;
     Tensor::from_storage(out, shape.to_vec())
 }
 
@@ -38,13 +38,13 @@ fn split_pieces(x: &Tensor, d: usize, sizes: &[usize]) -> Result<Vec<Tensor>> {
     let row_bytes = inner * x.dtype().size_in_bytes();
     let mut outs = sizes.iter().map(|&l| Storage::uninit(x.device(), x.dtype(), rows * l * inner)).collect::<Result<Vec<_>>>()?;
     let dsts: Vec<(Option<u64>, usize)> = outs.iter().zip(sizes).map(|(o, &l)| (o.device_address(), l * row_bytes)).collect();
-    let fused = x.read_storage().split_rows(rows, &dsts)?;
+    let fused = x.read_storage()?.split_rows(rows, &dsts)?;
     let mut start = 0;
     let mut pieces = Vec::with_capacity(sizes.len());
     for (out, &l) in outs.iter_mut().zip(sizes) {
         let lay = narrow_layout(dims, d, start, l);
         if !fused {
-            x.read_storage().copy_strided(&lay, out, &Layout::contiguous(&lay.shape))?;
+            x.read_storage()?.copy_strided(&lay, out, &Layout::contiguous(&lay.shape))?;
         }
         start += l;
         pieces.push(lay.shape);
@@ -67,6 +67,11 @@ impl Tensor {
         }
         if shape == *self.shape() {
             return Ok(self.clone());
+        }
+        // A view reads the storage in the logical order: a channels-last tensor is made
+        // contiguous first (its gradient flows back through the conversion).
+        if self.memory_format() != crate::MemoryFormat::Contiguous {
+            return self.to_memory_format(crate::MemoryFormat::Contiguous)?.reshape(shape);
         }
         let y = Tensor::build(Arc::clone(&self.0.storage), shape, false, None);
         if !self.requires_grad() || !crate::is_grad_enabled() {
@@ -218,7 +223,7 @@ impl Tensor {
         for t in tensors {
             if !fused {
                 let lay = narrow_layout(&shape, d, start, t.dims()[d]);
-                t.read_storage().copy_strided(&Layout::contiguous(t.dims()), &mut out, &lay)?;
+                t.read_storage()?.copy_strided(&Layout::contiguous(t.dims()), &mut out, &lay)?;
             }
             regions.push((start, t.dims()[d]));
             start += t.dims()[d];
@@ -344,7 +349,7 @@ impl Tensor {
         }
         // Float tensors: a dedicated kernel each way (one pass over memory, no reduction kernel).
         let shape = [n, c, h, w];
-        let y = Tensor::from_storage(self.read_storage().upsample_nearest2d(shape, factor)?, vec![n, c, h * factor, w * factor])?;
+        let y = Tensor::from_storage(self.read_storage()?.upsample_nearest2d(shape, factor)?, vec![n, c, h * factor, w * factor])?;
         if !self.requires_grad() || !crate::is_grad_enabled() {
             return Ok(y);
         }
@@ -355,7 +360,7 @@ impl Tensor {
                 name: "upsample_nearest",
                 f: move |g: &[Option<Tensor>]| {
                     let Some(g) = &g[0] else { return Ok(vec![None]) };
-                    let s = g.read_storage().upsample_nearest2d_backward(shape, factor)?;
+                    let s = g.read_storage()?.upsample_nearest2d_backward(shape, factor)?;
                     Ok(vec![Some(Tensor::from_storage(s, shape.to_vec())?)])
                 },
             },

@@ -7,7 +7,7 @@ impl Tensor {
     /// One fused (log-)softmax primitive over `dim` (no autograd).
     fn raw_softmax(&self, dim: isize, log: bool) -> Result<Tensor> {
         let d = crate::shape::normalize_dim("softmax", dim, self.rank())?;
-        let s = self.read_storage().softmax(self.dims(), d, log)?;
+        let s = self.read_storage()?.softmax(self.dims(), d, log)?;
         Tensor::from_storage(s, self.dims().to_vec())
     }
 

@@ -5,7 +5,7 @@ use crate::backend::UnaryOp;
 use crate::{Result, Tensor};
 
 fn forward(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
-    let s = x.read_storage().unary(op)?;
+    let s = x.read_storage()?.unary(op)?;
     Tensor::from_storage_shape(s, x.shape().clone())
 }
 
