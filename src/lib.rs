@@ -24,6 +24,12 @@ use ptl_plugins as _;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Warnings and errors only (no per-epoch lines or notes).
+    #[arg(short, long, global = true)]
+    quiet: bool,
+    /// More messages: -v debug, -vv trace.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
 }
 
 #[derive(Subcommand, Debug)]
@@ -117,6 +123,7 @@ fn run_data(cmd: DataCommand) -> Result<(), ptl_data::DataError> {
 /// Runs the `ptl` command line on the process arguments.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    cli::logger::install(cli::logger::level(cli.quiet, cli.verbose));
     let res: Result<(), cli::Failure> = match cli.command {
         Command::Data(c) => run_data(c).map_err(|e| e.to_string().into()),
         Command::Train(a) => cli::train::run_train(a),

@@ -902,7 +902,7 @@ impl RegionHandle {
         let mut s = lock(&self.shared.stats);
         *s.capture_failures.entry(e.kind().to_string()).or_default() += 1;
         let w = format!("ptl-capture: region `{}` runs natively: {e}", self.name());
-        eprintln!("warning: {w}");
+        log::warn!("warning: {w}");
         s.warn(w);
     }
 

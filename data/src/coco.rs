@@ -232,7 +232,7 @@ impl PoseDataset {
         let text = ptl_files::read_to_string(json_path)?;
         let (labels, report) = convert_coco_counted(&text, json_path, meta.kpt_shape.k)?;
         if opts.verbose {
-            eprintln!("ptl-data: {split}: COCO {}: {}", json_path.display(), report.summary());
+            log::info!("ptl-data: {split}: COCO {}: {}", json_path.display(), report.summary());
         }
         if report.used == 0 {
             return Err(DataError::NoUsableAnnotations { path: json_path.to_path_buf(), summary: report.summary() });

@@ -393,9 +393,9 @@ impl PoseDataset {
         report.usable = items.len();
         if opts.verbose {
             for w in &report.warnings {
-                eprintln!("ptl-data warning: {w}");
+                log::warn!("ptl-data warning: {w}");
             }
-            eprintln!("ptl-data: {split}: {}", report.summary());
+            log::info!("ptl-data: {split}: {}", report.summary());
         }
         if items.is_empty() {
             return Err(DataError::EmptyDataset {

@@ -127,7 +127,7 @@ impl ReplayPlugin for PieceReplay {
             let frozen = surface.iter().filter(|(_, t, k)| *k == TensorKind::Parameter && !t.requires_grad()).count();
             if frozen > 0 {
                 self.native_for_fit = true;
-                eprintln!(
+                log::info!(
                     "ptl: feature replay: {frozen} trunk parameters are frozen (freeze=…): the trunk runs natively for this whole fit"
                 );
             }

@@ -1,4 +1,5 @@
 pub mod export;
+pub mod logger;
 pub mod predict;
 pub mod train;
 pub mod ultralytics_keys;
@@ -31,8 +32,8 @@ pub fn resolve_device(s: &str, doing: &str) -> Result<Device, String> {
     let d = Device::parse(s).map_err(|e| e.to_string())?;
     if s.trim().eq_ignore_ascii_case("auto") {
         match d {
-            Device::Cpu => eprintln!("ptl: no usable CUDA GPU found; {doing} on the CPU"),
-            Device::Cuda(n) => eprintln!("ptl: {doing} on GPU cuda:{n}"),
+            Device::Cpu => log::info!("ptl: no usable CUDA GPU found; {doing} on the CPU"),
+            Device::Cuda(n) => log::info!("ptl: {doing} on GPU cuda:{n}"),
         }
         return Ok(d);
     }

@@ -427,7 +427,7 @@ pub fn run_predict(mut a: PredictArgs) -> Result<(), String> {
         let (img, _) = match ptl_data::image::decode_file(path) {
             Ok(x) => x,
             Err(e) => {
-                eprintln!("ptl: skipping {}: {e}", path.display());
+                log::warn!("ptl: skipping {}: {e}", path.display());
                 unreadable += 1;
                 continue;
             }

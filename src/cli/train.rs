@@ -39,7 +39,7 @@ fn ensure_default_dataset() -> Result<PathBuf, String> {
     if yaml.exists() {
         return Ok(yaml);
     }
-    eprintln!("ptl: generating the embedded default dataset (synthetic, 128 px) in {} …", dir.display());
+    log::info!("ptl: generating the embedded default dataset (synthetic, 128 px) in {} …", dir.display());
     let opts = ptl_data::SynthOptions {
         out: dir.clone(),
         train: DEFAULT_TRAIN_IMAGES,
@@ -164,7 +164,7 @@ fn build_run(a: &TrainArgs) -> Result<(PoseTrainConfig, bool), String> {
             let project =
                 overrides.iter().rev().find(|(k, _)| k == "project").map_or_else(|| PoseTrainConfig::default().project, |(_, p)| p.into());
             let last = latest_run(&project)?;
-            eprintln!("ptl: resume=True: the newest run under {} is {}", project.display(), last.display());
+            log::info!("ptl: resume=True: the newest run under {} is {}", project.display(), last.display());
             overrides[i].1 = last.display().to_string();
         }
         _ => {}
@@ -206,7 +206,7 @@ fn build_run(a: &TrainArgs) -> Result<(PoseTrainConfig, bool), String> {
         cfg.seed = s;
     }
     if let Some(up) = imgsz_rounded_up(cfg.imgsz) {
-        eprintln!("ptl: imgsz={} must be a multiple of the max stride 32, updating to {up}", cfg.imgsz);
+        log::warn!("ptl: imgsz={} must be a multiple of the max stride 32, updating to {up}", cfg.imgsz);
         cfg.imgsz = up;
     }
     cfg.validate().map_err(|e| e.to_string())?;
@@ -238,12 +238,16 @@ pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
     // Ctrl-C and SIGTERM end the fit after its current step with a resumable checkpoint.
     ptl_trainer::fit::interrupt::install_signal_handlers().map_err(|e| format!("cannot install the SIGINT/SIGTERM handlers: {e}"))?;
     let (cfg, embedded) = build_run(&a)?;
-    eprintln!(
+    let batch = match cfg.autobatch {
+        Some(f) => format!("AutoBatch at {:.0} % of the GPU's memory", 100.0 * f),
+        None => cfg.batch.to_string(),
+    };
+    log::info!(
         "ptl: training {} on {} ({} epochs, batch {}, imgsz {}, {}, {})",
         cfg.model,
         cfg.data.display(),
         cfg.epochs,
-        cfg.batch,
+        batch,
         cfg.imgsz,
         cfg.device,
         cfg.precision.name()

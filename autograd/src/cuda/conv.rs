@@ -441,7 +441,7 @@ fn graph_plan(
         if let Some(json) = choices.get_plan(&key, k) {
             match super::conv_graph::load(h, &json) {
                 Ok(plan) => return Some(plan),
-                Err(err) => eprintln!("ptl: {err}; building the plan for {key} again"),
+                Err(err) => log::warn!("ptl: {err}; building the plan for {key} again"),
             }
         }
     }
@@ -457,13 +457,13 @@ fn graph_plan(
         }
         Ok(Built::NoEngine(why)) => {
             let remembered = choices.dir().map(|d| format!(" (remembered in {})", d.display())).unwrap_or_default();
-            eprintln!("ptl: {why}; this shape uses the legacy cuDNN API{remembered}");
+            log::warn!("ptl: {why}; this shape uses the legacy cuDNN API{remembered}");
             choices.put(&key, Choice::Legacy);
             None
         }
         // A failure of cuDNN itself is not a property of the shape: not remembered.
         Err(err) => {
-            eprintln!("ptl: {err}; this shape uses the legacy cuDNN API");
+            log::warn!("ptl: {err}; this shape uses the legacy cuDNN API");
             None
         }
     }

@@ -148,7 +148,7 @@ impl ChoiceCache {
         let (Some(path), Some((_, sealer))) = (path, self.store.as_ref()) else { return };
         if let Err(e) = ptl_files::write_atomic(&path, &sealer.seal(bytes), 0o600) {
             static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| eprintln!("ptl: cuDNN engine choices and plans not stored in {}: {e}", path.display()));
+            SAID.call_once(|| log::warn!("ptl: cuDNN engine choices and plans not stored in {}: {e}", path.display()));
         }
     }
 

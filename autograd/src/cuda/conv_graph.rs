@@ -248,7 +248,7 @@ pub(crate) fn heuristic_mode() -> ns::cudnnBackendHeurMode_t {
         Ok("b") => ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_B,
         Ok("instant") | Err(_) => ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_INSTANT,
         Ok(other) => {
-            eprintln!("ptl: PTL_CUDNN_HEUR={other:?} is not `instant`, `a` or `b`; using `instant`");
+            log::warn!("ptl: PTL_CUDNN_HEUR={other:?} is not `instant`, `a` or `b`; using `instant`");
             ns::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_INSTANT
         }
     })
@@ -446,7 +446,7 @@ pub(crate) fn max_workspace() -> usize {
     *MAX.get_or_init(|| match std::env::var("PTL_CUDNN_WORKSPACE_MIB") {
         Err(_) => DEFAULT_MAX_WS,
         Ok(v) => parse_workspace_mib(&v).unwrap_or_else(|e| {
-            eprintln!("ptl: {e}; using {} MiB", DEFAULT_MAX_WS >> 20);
+            log::warn!("ptl: {e}; using {} MiB", DEFAULT_MAX_WS >> 20);
             DEFAULT_MAX_WS
         }),
     })

@@ -70,7 +70,7 @@ pub(crate) fn sealed_cache(own_var: &str, sub: &str) -> Option<(PathBuf, ptl_fil
         let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
         if !said.iter().any(|s| s == sub) {
             said.push(sub.to_string());
-            eprintln!("ptl: the {sub} cache is not used: {e}");
+            log::warn!("ptl: the {sub} cache is not used: {e}");
         }
     };
     let dir = match ptl_files::cache_dir(Some(own_var), sub) {
@@ -268,7 +268,7 @@ impl Inputs<'_> {
 
 fn record(name: &str, source: ModuleSource, compile_s: f64, load_s: f64, note: Option<String>) {
     if let Some(n) = &note {
-        eprintln!("ptl: {n}");
+        log::warn!("ptl: {n}");
     }
     reports().lock().unwrap_or_else(|e| e.into_inner()).push(ModuleReport { name: name.into(), source, compile_s, load_s, note });
 }

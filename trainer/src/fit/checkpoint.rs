@@ -260,7 +260,7 @@ fn parse_manifest(path: &Path, meta: &HashMap<String, String>) -> Result<Manifes
     let mut manifest: Manifest = serde_json::from_str(raw).map_err(|e| corrupt(format!("unreadable manifest: {e}")))?;
     if manifest.format == 1 {
         // Format 1 kept no run history: a resumed run's results.csv and summary start at the resume.
-        eprintln!(
+        log::warn!(
             "ptl: {}: checkpoint format 1 (ptl {}) migrated: it has no epoch history, so results.csv and the summary list only the epochs after the resume",
             path.display(),
             manifest.ptl_version

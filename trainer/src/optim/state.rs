@@ -124,7 +124,7 @@ impl ParamStates {
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    eprintln!("ptl: warning: the step count of `{k}` could not be read from the device ({e}); its host value is saved")
+                    log::warn!("ptl: warning: the step count of `{k}` could not be read from the device ({e}); its host value is saved")
                 }
             }
         }

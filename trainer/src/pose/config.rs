@@ -343,7 +343,7 @@ impl PoseTrainConfig {
         }
         self.autobatch = None;
         self.batch = 16;
-        eprintln!("AutoBatch: intended for CUDA devices; using the default CPU batch size 16");
+        log::warn!("AutoBatch: intended for CUDA devices; using the default CPU batch size 16");
         Ok(())
     }
 

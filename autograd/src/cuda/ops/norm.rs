@@ -54,7 +54,7 @@ pub(super) fn bn_one_block_max() -> usize {
     *MAX.get_or_init(|| match std::env::var("PTL_BN_ONE_BLOCK_MAX") {
         Err(_) => 4096,
         Ok(v) => v.trim().parse::<usize>().ok().filter(|&m| (1..=1 << 20).contains(&m)).unwrap_or_else(|| {
-            eprintln!("ptl: PTL_BN_ONE_BLOCK_MAX={v:?} is not a count of values from 1 to 1048576; using 4096");
+            log::warn!("ptl: PTL_BN_ONE_BLOCK_MAX={v:?} is not a count of values from 1 to 1048576; using 4096");
             4096
         }),
     })

@@ -27,10 +27,10 @@ pub(super) fn autobatch(cfg: &PoseTrainConfig, fraction: f64, setup: &ProbeSetup
     let Device::Cuda(ordinal) = cfg.device else {
         return Err(TrainerError::InvalidArgument { what: "batch", reason: "AutoBatch probes a CUDA device".into() });
     };
-    eprintln!("AutoBatch: Computing optimal batch size for imgsz={} at {:.1}% CUDA memory utilization.", cfg.imgsz, fraction * 100.0);
+    log::info!("AutoBatch: Computing optimal batch size for imgsz={} at {:.1}% CUDA memory utilization.", cfg.imgsz, fraction * 100.0);
     let mem = device_memory(cfg.device)?;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    eprintln!(
+    log::info!(
         "AutoBatch: CUDA:{ordinal} ({}) {:.2}G total, {:.2}G reserved, {:.2}G available",
         device_name(ordinal),
         gib(mem.total),
@@ -39,7 +39,7 @@ pub(super) fn autobatch(cfg: &PoseTrainConfig, fraction: f64, setup: &ProbeSetup
     );
     let probes = probe(cfg, setup, &probe_sizes(mem.total, setup.dataset_size))?;
     let choice = choose_batch(&probes, mem, fraction, setup.dataset_size)?;
-    eprintln!("{}", report_line(&choice, ordinal, &mem));
+    log::info!("{}", report_line(&choice, ordinal, &mem));
     Ok(choice)
 }
 

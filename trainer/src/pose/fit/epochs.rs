@@ -26,7 +26,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
     }
     let start_epoch = (run.state.epoch + 1) as usize;
     if cfg.resume.is_some() && start_epoch >= cfg.epochs {
-        eprintln!("ptl: the run in {} already finished its {} epochs: nothing to resume", cfg.save_dir.display(), cfg.epochs);
+        log::info!("ptl: the run in {} already finished its {} epochs: nothing to resume", cfg.save_dir.display(), cfg.epochs);
     }
     run.view.epoch = start_epoch;
     run.each_cb(|c, v| c.setup(v));
@@ -41,7 +41,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         };
         run.plugins.setup(&ctx)?;
         if !run.plugins.is_empty() {
-            eprintln!("ptl: replay plugins: {}", run.plugins.names().join(", "));
+            log::info!("ptl: replay plugins: {}", run.plugins.names().join(", "));
         }
     }
     // Persistent gradients when a plugin needs them at fixed addresses (dropped at the fit's end).
@@ -115,7 +115,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             None => 0,
         };
         if cfg.progress {
-            eprintln!("{}", epoch_line::train_header());
+            log::info!("{}", epoch_line::train_header());
         }
         let mut last_instances = 0;
         let bar = super::super::progress::EpochBar::new(cfg.progress, epoch, cfg.epochs, run.nb);
@@ -186,7 +186,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
                     hint: run.nonfinite_hint(),
                 });
             }
-            eprintln!(
+            log::warn!(
                 "ptl: non-finite loss in epoch {epoch}: reloading {} and running the epoch again ({attempts}/3)",
                 last_ckpt.display()
             );
@@ -236,15 +236,15 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             let losses: Vec<f64> = sums.iter().map(|s| s / run.nb as f64).collect();
             let secs = epoch_start.elapsed().as_secs_f64();
             let reserved = crate::pose::memory_reserved(cfg.device);
-            eprintln!("{}", epoch_line::train_row(epoch, cfg.epochs, reserved, &losses, last_instances, cfg.imgsz, secs));
+            log::info!("{}", epoch_line::train_row(epoch, cfg.epochs, reserved, &losses, last_instances, cfg.imgsz, secs));
             if let (Some(v), Some(ds)) = (&val, &run.val_ds) {
                 for row in epoch_line::val_rows(v.images, ds.report.instances, &v.metric_values()) {
-                    eprintln!("{row}");
+                    log::info!("{row}");
                 }
                 // Per class after the last epoch, as Ultralytics' final validation.
                 if v.per_class.len() > 1 && (epoch + 1 == cfg.epochs || stop_early) {
                     for c in &v.per_class {
-                        eprintln!("{}", epoch_line::class_row(&c.name, c.images, c.instances, &c.metrics));
+                        log::info!("{}", epoch_line::class_row(&c.name, c.images, c.instances, &c.metrics));
                     }
                 }
             }
@@ -290,13 +290,16 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         run.epoch_s.push(epoch_start.elapsed().as_secs_f64());
         if let Some(signal) = interrupt::requested().filter(|_| epoch + 1 < cfg.epochs) {
             interrupt::clear();
-            eprintln!("ptl: {} received: stopped after epoch {epoch}; checkpoint {}", interrupt::signal_name(signal), last_ckpt.display());
+            log::warn!("ptl: {} received: stopped after epoch {epoch}; checkpoint {}", interrupt::signal_name(signal), last_ckpt.display());
             return Err(TrainerError::Interrupted { signal, checkpoint: Some(last_ckpt.clone()) });
         }
         if stop_early && epoch + 1 < cfg.epochs {
-            eprintln!(
+            log::info!(
                 "ptl: stopping early: no better fitness in the last {} epochs (best {:.5} at epoch {}); patience={} sets this (0 = never)",
-                cfg.patience, run.state.stopper.best_fitness, run.state.stopper.best_epoch, cfg.patience
+                cfg.patience,
+                run.state.stopper.best_fitness,
+                run.state.stopper.best_epoch,
+                cfg.patience
             );
             break;
         }
@@ -306,7 +309,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         epoch += 1;
     }
     if let Some(j) = &coco_json {
-        eprintln!(
+        log::info!(
             "ptl: COCO JSON of the final validation: {} ({} detections), ground truth {} ({} annotations)",
             j.predictions.display(),
             j.detections,
@@ -358,7 +361,7 @@ impl Run {
         let name = interrupt::signal_name(signal);
         if self.nonfinite.is_some() {
             let kept = last_ckpt.exists().then(|| last_ckpt.to_path_buf());
-            eprintln!("ptl: {name} received: epoch {epoch} had a non-finite loss, so its place is not kept; a resume repeats it");
+            log::warn!("ptl: {name} received: epoch {epoch} had a non-finite loss, so its place is not kept; a resume repeats it");
             return Err(TrainerError::Interrupted { signal, checkpoint: kept });
         }
         self.state.partial_epoch = Some(PartialEpoch { epoch, next_batch, loss_sums: *sums, absorbed: self.absorbed });
@@ -366,7 +369,7 @@ impl Run {
         let ck = self.checkpoint(train_args);
         self.state.partial_epoch = None;
         save_checkpoint(last_ckpt, &ck?)?;
-        eprintln!(
+        log::warn!(
             "ptl: {name} received: stopped in epoch {epoch} after batch {next_batch}/{}; checkpoint {}",
             self.nb,
             last_ckpt.display()

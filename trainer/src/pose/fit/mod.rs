@@ -113,14 +113,14 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         false => RunDir::claim_new(&cfg.save_dir)?,
     };
     if run_dir.path() != cfg.save_dir {
-        eprintln!(
+        log::warn!(
             "ptl: {} already holds a run; writing to {} (exist_ok=true trains into the existing folder)",
             cfg.save_dir.display(),
             run_dir.path().display()
         );
         cfg.save_dir = run_dir.path().to_path_buf();
     } else if cfg.progress {
-        eprintln!("ptl: writing to {}", run_dir.path().display());
+        log::info!("ptl: writing to {}", run_dir.path().display());
     }
     // Every resolved setting, as Ultralytics' args.yaml (`ptl train args.yaml` reads it back).
     let args = run_dir.path().join("args.yaml");
@@ -161,7 +161,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         if let (Some(values), Some(path)) = (source.start_weights()?, source.weights_path()) {
             let kept = super::weights::load_start_weights_for_classes(&model, &values, path)?;
             if kept > 0 {
-                eprintln!(
+                log::warn!(
                     "ptl: start weights {}: the class head has another class count; its {kept} prediction tensors start from \
                      their initial values for the data's {nc} class(es)",
                     path.display()
@@ -420,7 +420,7 @@ fn freeze_layers(model: &PoseModel, layers: &[usize]) -> Result<()> {
             frozen += 1;
         }
     }
-    eprintln!("ptl: freeze: {frozen} parameters of layers {layers:?} are frozen");
+    log::info!("ptl: freeze: {frozen} parameters of layers {layers:?} are frozen");
     Ok(())
 }
 

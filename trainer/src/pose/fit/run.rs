@@ -143,7 +143,7 @@ impl Run {
     /// Keeps the first non-finite step of an epoch attempt and says so once.
     pub(super) fn note_nonfinite(&mut self, nf: NonFiniteStep) {
         if self.nonfinite.is_none() {
-            eprintln!(
+            log::warn!(
                 "ptl: warning: {} is {} at epoch {}, batch {} (step {}); likely cause: {}",
                 nf.term,
                 nf.value,
