@@ -392,7 +392,7 @@ impl Callback for StartWeights {
 }
 
 /// `model=start.safetensors` (a state dict with Ultralytics' names, as the goldens and the
-/// conversion script write it) starts the fit from exactly those weights, not from the seed's
+/// conversion script write it) starts the fit from exactly those weights, not from the random seed's
 /// initialisation, and the fit fine-tunes them; `model=last.ckpt` starts from a ptl checkpoint's
 /// EMA weights. Weights of another model are a typed error naming the tensor.
 #[test]
@@ -419,7 +419,7 @@ fn a_fit_fine_tunes_from_saved_weights() {
         sd.into_iter().find(|(n, _, _)| n == "model.0.conv.weight").unwrap().1.to_bytes().unwrap()
     };
     let seen_first = &seen.iter().find(|(n, _)| n == "model.0.conv.weight").unwrap().1;
-    assert_ne!(*seen_first, first_conv(own_init.state_dict()), "not the seed's own initialisation");
+    assert_ne!(*seen_first, first_conv(own_init.state_dict()), "not the random seed's own initialisation");
     let plain = fit(&tiny("fine-tune-plain"), vec![]).unwrap();
     assert_ne!(tuned.hashes.model, plain.hashes.model);
     assert!(tuned.optimizer_steps >= 1 && tuned.hashes.step_losses != plain.hashes.step_losses);

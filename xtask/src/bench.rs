@@ -1,6 +1,6 @@
 //! `cargo xtask bench`: the training benchmark in alternating fresh processes, next to Ultralytics.
 //!
-//! Workload (the seed's): YOLO26n-pose, batch 4, 640 px, mosaic every epoch, seed 347, on the
+//! Workload (the reference system's benchmark): YOLO26n-pose, batch 4, 640 px, mosaic every epoch, seed 347, on the
 //! synthetic set `ptl data synth` writes (512 training images of which 226 backgrounds, 15
 //! validation images); both frameworks train on the same folder. Arms run as A B C A B C … per
 //! precision, each in a fresh process; every finished run is appended to `runs.jsonl` at once, so a

@@ -89,7 +89,7 @@ pub struct TimingReport {
     pub start_to_start_update: StepTiming,
     #[serde(default)]
     pub start_to_start_no_update: StepTiming,
-    /// The seed's measure: 16 consecutive steps after the warm-up, device synchronised at both
+    /// The reference system's measure: 16 consecutive steps after the warm-up, device synchronised at both
     /// ends, total time / 16.
     pub sync_window_ms_per_step: Option<f64>,
     /// The same over 16 steps right before the GPU window (the steady state; CUDA runs with a GPU

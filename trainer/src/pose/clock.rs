@@ -5,7 +5,7 @@
 //!   last step of an epoch has none: validation follows). The first `warmup` steps of the process
 //!   are left out.
 //! - **Sync window**: the 16 steps after the warm-up, with the device synchronised at both ends
-//!   (total / 16) — the seed's figure; the backend's launch counters are read over the same steps
+//!   (total / 16) — the reference system's figure; the backend's launch counters are read over the same steps
 //!   (`launches`), and again over the GPU window (`launches_steady`): the sync window can hold
 //!   one-time work (the first optimizer update, the recordings it brings under replay).
 //! - **Steady window**: 16 steps right before the GPU window, synchronised at both ends — with
