@@ -334,8 +334,8 @@ impl Tensor {
     pub fn with_storage_mut<R>(&self, f: impl FnOnce(&mut Storage) -> R) -> R {
         f(&mut self.write_storage())
     }
-    /// The contiguous strided view of the logical shape: how the data ops read lies
-    /// lies (for a channels-last tensor, not its raw storage).
+    /// The contiguous strided view of the logical shape: how the data ops read lies (for a
+    /// channels-last tensor, not its raw storage).
     pub fn layout(&self) -> Layout {
         Layout::contiguous(self.dims())
     }
