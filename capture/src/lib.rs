@@ -4,14 +4,35 @@
 //! as two CUDA graphs (its forward, and its backward per *gradient mask*) and replays them inside
 //! the `ptl-autograd` tape as one custom node, byte-identical to running the region natively.
 //!
-//! ```text
-//! let rec = Recorder::cuda(RecorderConfig::default());
-//! let trunk = rec.region(RegionSpec::new("trunk", surface_fn, |xs| net.trunk(&xs[0]).map(|f| vec![f])));
-//! let f = trunk.call(&[x])?;            // native (warmup), then capture + replay, then replay
+//! ```
+//! use std::sync::Arc;
+//! use ptl_autograd::{Device, Tensor, TensorKind};
+//! use ptl_capture::{testing::ReplayNatively, Recorder, RecorderConfig, RegionSpec};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // `Recorder::cuda(RecorderConfig::default())` on a GPU; the test double replays by re-running.
+//! let rec = Recorder::with_backend(RecorderConfig::default(), Arc::new(ReplayNatively::default()));
+//! let w = Tensor::from_vec(vec![0.5f32, -1.0, 2.0], 3, Device::Cpu)?.requires_grad_(true)?;
+//! let (surface_w, body_w) = (w.clone(), w.clone());
+//! let scale = rec.region(RegionSpec::new(
+//!     "scale",
+//!     move || vec![("w".to_string(), surface_w.clone(), TensorKind::Parameter)], // what the body reads
+//!     move |xs| Ok(vec![xs[0].mul(&body_w)?]),
+//! ));
+//! for _ in 0..3 {
+//!     let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], 3, Device::Cpu)?;
+//!     let y = scale.call(&[x])?.remove(0); // native warm-up, then capture and replay, then replays
+//!     y.sum_all()?.backward()?; // the region is one autograd node: w's gradient accumulates
+//! }
+//! assert_eq!(w.grad().unwrap().to_vec::<f32>()?, vec![3.0, 6.0, 9.0]);
+//! let stats = scale.stats();
+//! assert_eq!((stats.captures, stats.replays), (1, 2));
 //! println!("{}", rec.summary_line());
+//! # Ok(())
+//! # }
 //! ```
 //!
-//! How a call is served (see `shared/spec/capture.md` for the reasons):
+//! How a call is served:
 //! - **Signature** ([`Signature`]): shapes, dtypes, devices and `requires_grad` of the inputs,
 //!   grad mode, train/eval and the autocast precision. Each region keeps at most
 //!   [`RecorderConfig::max_recordings`] recordings; a miss beyond the bound runs natively and is

@@ -9,6 +9,26 @@
 //!   (rect batches, letterbox).
 //! * HSV: [`hsv`] holds the CPU reference, a pure per-pixel function; with the `cuda` feature (default)
 //!   `device_hsv::apply_hsv_device` applies a whole uploaded batch in one kernel launch, byte-identical.
+//!
+//! Write a small synthetic set, open it and build the first training batch:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use ptl_data::{synth_generate, OpenOptions, PoseDataset, SynthOptions, TrainConfig, TrainLoader};
+//!
+//! # fn main() -> ptl_data::Result<()> {
+//! let dir = std::env::temp_dir().join(format!("ptl-data-doc-{}", std::process::id()));
+//! let set = synth_generate(&SynthOptions { out: dir.clone(), train: 4, background: 1, val: 1, imgsz: 64, ..Default::default() })?;
+//! let train = PoseDataset::open_yaml(&set.yaml, "train", &OpenOptions { imgsz: 64, ..Default::default() })?;
+//! assert_eq!(train.len(), 4);
+//! let loader = TrainLoader::new(Arc::new(train), TrainConfig { batch: 2, seed: 0, epochs: 1, ..Default::default() })?;
+//! let batch = loader.build_batch(0, 0)?; // epoch 0, batch 0: mosaic, affine, HSV, flips
+//! assert_eq!(batch.shape, [2, 3, 64, 64]); // u8 RGB, with its objects' boxes and keypoints
+//! assert_eq!(batch.bboxes.len(), 4 * batch.batch_idx.len());
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod augment;
 pub mod cache;
