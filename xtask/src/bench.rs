@@ -375,7 +375,10 @@ fn work_of(o: &Opts) -> &Path {
 fn copy_wheels(from: &Path, to: &Path) -> Result<u64, String> {
     std::fs::create_dir_all(to).map_err(|e| format!("{}: {e}", to.display()))?;
     let entries = std::fs::read_dir(from).map_err(|e| {
-        format!("{}: {e} (download ultralytics==8.4.190 and ultralytics-thop==2.2.3 wheels there: see README)", from.display())
+        format!(
+            "{}: {e} (download the wheels there: python3 -m pip download --no-deps --only-binary=:all: -d .whl ultralytics==8.4.190 ultralytics-thop==2.2.3)",
+            from.display()
+        )
     })?;
     let mut n = 0;
     let mut bytes = 0;
