@@ -68,7 +68,12 @@ impl Tensor {
     /// Queues a copy of this tensor's values (as f32) to the host and returns at once: no
     /// synchronisation. Meant for a few values per step (loss items).
     pub fn read_later(&self) -> Result<PendingRead> {
-        let t = if self.dtype() == DType::F32 { self.clone() } else { crate::no_grad(|| self.to_dtype(DType::F32))? };
+        // to_dtype reads through the entry rule, so the copy is in the logical order.
+        let t = match (self.dtype(), self.memory_format()) {
+            (DType::F32, crate::MemoryFormat::Contiguous) => self.clone(),
+            (DType::F32, _) => crate::no_grad(|| self.to_memory_format(crate::MemoryFormat::Contiguous))?,
+            _ => crate::no_grad(|| self.to_dtype(DType::F32))?,
+        };
         count_deferred_read();
         let inner = t.with_storage(|s| s.read_later())?;
         Ok(PendingRead { inner })

@@ -199,6 +199,12 @@ impl Tensor {
 
     /// Concatenates along `dim`.
     pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
+        // The one-pass kernel copies storage as it lies: channels-last inputs enter in the
+        // contiguous order (the entry rule, docs/channels-last.md).
+        if tensors.iter().any(|t| t.memory_format() != crate::MemoryFormat::Contiguous) {
+            let owned = tensors.iter().map(|t| t.to_memory_format(crate::MemoryFormat::Contiguous)).collect::<Result<Vec<_>>>()?;
+            return Tensor::cat(&owned.iter().collect::<Vec<_>>(), dim);
+        }
         let first = tensors.first().ok_or_else(|| Error::invalid("cat", "no tensors given"))?;
         let d = normalize_dim("cat", dim, first.rank())?;
         let mut total = 0;
