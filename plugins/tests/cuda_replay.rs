@@ -123,6 +123,32 @@ fn cuda_optimizer_replay_follows_the_lr_schedule() {
     }
 }
 
+/// A bf16 fit's bytes do not depend on what ran before it in the process: native gives the same
+/// hashes first and after a 32-true fit (native and `replay=all`, TF32 convolutions), and
+/// `replay=optimizer` after them gives those hashes too. (Named to run first: the tests of this
+/// file run in one process, in name order, and the later ones each start with a 32-true fit.)
+#[test]
+fn cuda_a_bf16_fit_keeps_its_bytes_after_a_32_true_fit() {
+    let Some(dev) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-order-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    let run = |precision: Precision, replay: &[&str], tag: &str| {
+        let save = dir.join(format!("order-{tag}"));
+        let cfg = PoseTrainConfig { nbs: 2, precision, optimizer: "SGD".into(), ..cuda_fit_cfg(&data, dev, 6, replay, save) };
+        fit(&cfg, vec![]).expect("fit")
+    };
+    let first = run(Precision::Bf16Mixed, &[], "bf16-first");
+    run(Precision::F32, &[], "f32-native");
+    run(Precision::F32, &["all"], "f32-all");
+    let again = run(Precision::Bf16Mixed, &[], "bf16-again");
+    let upd = run(Precision::Bf16Mixed, &["optimizer"], "bf16-optimizer");
+    assert_eq!(again.hashes, first.hashes, "bf16 native after 32-true fits differs from bf16 native first in the process");
+    assert_eq!(upd.hashes, first.hashes, "bf16 replay=optimizer after 32-true fits");
+    let short = replay_shortfalls(&upd, "optimizer", upd.optimizer_steps, &[]);
+    assert!(short.is_empty(), "{short:?}");
+    println!("ok cuda bf16 after 32-true: {}", &first.hashes.model[..16]);
+}
+
 /// `replay=all` against native in 32-true, bf16-mixed and 16-mixed, MuSGD stepping every batch:
 /// identical hashes, and every region of every plugin replayed after its warm-up (the update's
 /// unscale and in-graph skip decision under 16-mixed included).
