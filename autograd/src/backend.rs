@@ -83,9 +83,12 @@ pub enum ReduceOp {
     ArgMin,
 }
 
-/// 2-D convolution geometry (NCHW input, OIHW weight, dilation 1).
+/// 2-D convolution geometry (logical NCHW input, OIHW weight, dilation 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Conv2dParams {
+    /// Input, output and their gradients stored N, H, W, C (the weight stays OIHW): asked only of
+    /// a backend whose [`BackendStorage::computes_channels_last_convolutions`] says so.
+    pub channels_last: bool,
     pub batch: usize,
     pub c_in: usize,
     pub h_in: usize,
@@ -193,6 +196,11 @@ pub trait BackendStorage: Sized {
     /// products accumulated as [`BackendStorage::matmul`] does, one rounding to the dtype.
     fn matmul_add(&self, rhs: &Self, c: &Self, p: &MatmulParams, alpha: f64, beta: f64) -> Result<Self>;
     fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
+    /// Whether the convolutions take [`Conv2dParams::channels_last`] data (cuDNN computes in
+    /// NHWC; a backend without it gets channels-last inputs converted at the op's entry).
+    fn computes_channels_last_convolutions(&self) -> bool {
+        false
+    }
     /// Gradient of the conv input given the output gradient (`self`).
     fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
     /// Gradient of the conv weight given the output gradient (`self`) and the input.

@@ -68,12 +68,8 @@ impl Tensor {
     /// Queues a copy of this tensor's values (as f32) to the host and returns at once: no
     /// synchronisation. Meant for a few values per step (loss items).
     pub fn read_later(&self) -> Result<PendingRead> {
-        // to_dtype reads through the entry rule, so the copy is in the logical order.
-        let t = match (self.dtype(), self.memory_format()) {
-            (DType::F32, crate::MemoryFormat::Contiguous) => self.clone(),
-            (DType::F32, _) => crate::no_grad(|| self.to_memory_format(crate::MemoryFormat::Contiguous))?,
-            _ => crate::no_grad(|| self.to_dtype(DType::F32))?,
-        };
+        // The copy is read as it lies: f32 in the logical order.
+        let t = crate::no_grad(|| self.to_dtype(DType::F32)?.to_memory_format(crate::MemoryFormat::Contiguous))?;
         count_deferred_read();
         let inner = t.with_storage(|s| s.read_later())?;
         Ok(PendingRead { inner })

@@ -447,6 +447,14 @@ impl Storage {
             (a, b, c) => Err(mismatch3("matmul_add", a, b, c)),
         }
     }
+    /// Whether this storage's backend computes convolutions on channels-last data.
+    pub fn computes_channels_last_convolutions(&self) -> bool {
+        match self {
+            Storage::Cpu(s) => s.computes_channels_last_convolutions(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.computes_channels_last_convolutions(),
+        }
+    }
     pub fn conv2d(&self, w: &Storage, p: &Conv2dParams) -> Result<Storage> {
         pair!("conv2d", self, w, |a, b| a.conv2d(b, p))
     }

@@ -176,6 +176,9 @@ fn check(op: &'static str, x: &CpuStorage, w: &CpuStorage) -> Result<()> {
 macro_rules! conv_dispatch {
     ($op:literal, $a:expr, $b:expr, $f:ident, $p:expr) => {{
         check($op, $a, $b)?;
+        if $p.channels_last {
+            return Err(Error::invalid($op, "channels-last data: the CPU computes contiguous NCHW (convert at the op's entry)"));
+        }
         use CpuStorage as S;
         Ok(match ($a, $b) {
             (S::F32(x), S::F32(y)) => S::F32($f(x, y, $p)),

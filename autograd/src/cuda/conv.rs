@@ -183,11 +183,13 @@ impl Dnn {
         let [n, co, oh, ow] = p.out_shape();
         let [_, cg, kh, kw] = p.weight_shape();
         unsafe {
+            // Activations in the data's format (cuDNN takes logical NCHW sizes either way).
+            let data = if p.channels_last { ns::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC } else { nchw };
             let x = nr::create_tensor_descriptor().map_err(e("cudnnCreateTensorDescriptor"))?;
-            nr::set_tensor4d_descriptor(x, nchw, t, [i(p.batch), i(p.c_in), i(p.h_in), i(p.w_in)])
+            nr::set_tensor4d_descriptor(x, data, t, [i(p.batch), i(p.c_in), i(p.h_in), i(p.w_in)])
                 .map_err(e("cudnnSetTensor4dDescriptor(x)"))?;
             let y = nr::create_tensor_descriptor().map_err(e("cudnnCreateTensorDescriptor"))?;
-            nr::set_tensor4d_descriptor(y, nchw, t, [i(n), i(co), i(oh), i(ow)]).map_err(e("cudnnSetTensor4dDescriptor(y)"))?;
+            nr::set_tensor4d_descriptor(y, data, t, [i(n), i(co), i(oh), i(ow)]).map_err(e("cudnnSetTensor4dDescriptor(y)"))?;
             let w = nr::create_filter_descriptor().map_err(e("cudnnCreateFilterDescriptor"))?;
             nr::set_filter4d_descriptor(w, t, nchw, [i(co), i(cg), i(kh), i(kw)]).map_err(e("cudnnSetFilter4dDescriptor"))?;
             let conv = nr::create_convolution_descriptor().map_err(e("cudnnCreateConvolutionDescriptor"))?;
@@ -491,6 +493,9 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
     let dt = a.dtype;
     let hw = p.h_in * p.w_in;
     let (ci, co, n) = (p.c_in, p.c_out, p.batch);
+    if p.channels_last {
+        return pointwise_channels_last(dir, a, b, p, out, tf32);
+    }
     match dir {
         Dir::Fwd => {
             let mp = MatmulParams { lhs_batch: 1, rhs_batch: n, m: co, n: hw, k: ci, lhs_t: false, rhs_t: false };
@@ -533,4 +538,42 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
             Ok(out)
         }
     }
+}
+
+/// [`pointwise`] on channels-last data: the activations are (N·H·W) × C row-major matrices, so
+/// each direction is one GEMM over the whole batch — the weight gradient too (its contraction runs
+/// over N·H·W), with no partial per batch item.
+fn pointwise_channels_last(
+    dir: Dir,
+    a: &CudaStorage,
+    b: &CudaStorage,
+    p: &Conv2dParams,
+    out: CudaStorage,
+    tf32: bool,
+) -> Result<CudaStorage> {
+    use crate::backend::MatmulParams;
+    let dev = &a.buf.dev;
+    let dt = a.dtype;
+    let (ci, co, rows) = (p.c_in, p.c_out, p.batch * p.h_in * p.w_in);
+    let one = |m, n, k, lhs_t, rhs_t| MatmulParams { lhs_batch: 1, rhs_batch: 1, m, n, k, lhs_t, rhs_t };
+    match dir {
+        // y (rows × co) = x (rows × ci) · wᵀ, w stored (co × ci).
+        Dir::Fwd => super::blas::gemm_math(dev, dt, &one(rows, co, ci, false, true), a.buf.ptr, b.buf.ptr, out.buf.ptr, 0.0, false, tf32)?,
+        // dx (rows × ci) = dy (rows × co) · w (co × ci).
+        Dir::BwdData => {
+            super::blas::gemm_math(dev, dt, &one(rows, ci, co, false, false), a.buf.ptr, b.buf.ptr, out.buf.ptr, 0.0, false, tf32)?
+        }
+        // dw (co × ci) = dyᵀ (co × rows) · x (rows × ci); halves accumulate into f32, then one cast.
+        Dir::BwdFilter => {
+            let mp = one(co, ci, rows, true, false);
+            if dt.is_half() {
+                let acc = CudaStorage::alloc(dev, DType::F32, co * ci)?;
+                super::blas::gemm_math(dev, dt, &mp, a.buf.ptr, b.buf.ptr, acc.buf.ptr, 0.0, true, tf32)?;
+                super::ops::sum_partials(&acc, 1, &out)?;
+            } else {
+                super::blas::gemm_math(dev, dt, &mp, a.buf.ptr, b.buf.ptr, out.buf.ptr, 0.0, false, tf32)?;
+            }
+        }
+    }
+    Ok(out)
 }

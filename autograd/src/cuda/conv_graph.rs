@@ -138,10 +138,14 @@ fn data_type(dt: DType) -> Result<ns::cudnnDataType_t> {
     }
 }
 
-fn tensor(uid: i64, dims: [usize; 4], dt: ns::cudnnDataType_t) -> Result<Desc> {
+/// A tensor of logical NCHW `dims`, stored N, C, H, W or (`channels_last`) N, H, W, C.
+fn tensor(uid: i64, dims: [usize; 4], dt: ns::cudnnDataType_t, channels_last: bool) -> Result<Desc> {
     let d = Desc::new(D::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
     let dims = dims.map(|v| v as i64);
-    let strides = [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1];
+    let strides = match channels_last {
+        false => [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1],
+        true => [dims[1] * dims[2] * dims[3], 1, dims[3] * dims[1], dims[1]],
+    };
     d.set(A::CUDNN_ATTR_TENSOR_DATA_TYPE, T::CUDNN_TYPE_DATA_TYPE, &[dt])?;
     d.set(A::CUDNN_ATTR_TENSOR_DIMENSIONS, T::CUDNN_TYPE_INT64, &dims)?;
     d.set(A::CUDNN_ATTR_TENSOR_STRIDES, T::CUDNN_TYPE_INT64, &strides)?;
@@ -170,9 +174,10 @@ fn excluded(note: ns::cudnnBackendNumericalNote_t, dt: DType, tf32: bool) -> boo
 /// whole ranking is walked as without one.
 pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir, hint: Option<usize>, tf32: bool) -> Result<Built> {
     let t = data_type(dt)?;
-    let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t)?;
-    let w = tensor(UID_W, p.weight_shape(), t)?;
-    let y = tensor(UID_Y, p.out_shape(), t)?;
+    // Activations in the data's format; the weight stays OIHW.
+    let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t, p.channels_last)?;
+    let w = tensor(UID_W, p.weight_shape(), t, false)?;
+    let y = tensor(UID_Y, p.out_shape(), t, p.channels_last)?;
     let conv = Desc::new(D::CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR)?;
     conv.set(A::CUDNN_ATTR_CONVOLUTION_COMP_TYPE, T::CUDNN_TYPE_DATA_TYPE, &[ns::cudnnDataType_t::CUDNN_DATA_FLOAT])?;
     conv.set(A::CUDNN_ATTR_CONVOLUTION_CONV_MODE, T::CUDNN_TYPE_CONVOLUTION_MODE, &[ns::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION])?;

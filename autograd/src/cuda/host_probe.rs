@@ -70,7 +70,19 @@ pub fn host_cost_breakdown(device: Device, reps: usize) -> Result<Vec<(&'static 
 
     // 3×3 conv 8→8 channels on 8×8, f32, preallocated output: cached variant pack (same pointers
     // every call) and a pack built per call (16 rotating outputs, more than a plan keeps).
-    let p = Conv2dParams { batch: 1, c_in: 8, h_in: 8, w_in: 8, c_out: 8, kh: 3, kw: 3, stride: (1, 1), padding: (1, 1), groups: 1 };
+    let p = Conv2dParams {
+        channels_last: false,
+        batch: 1,
+        c_in: 8,
+        h_in: 8,
+        w_in: 8,
+        c_out: 8,
+        kh: 3,
+        kw: 3,
+        stride: (1, 1),
+        padding: (1, 1),
+        groups: 1,
+    };
     let x = CudaStorage::alloc(&dev, DType::F32, 512)?;
     let w = CudaStorage::alloc(&dev, DType::F32, 576)?;
     ops::fill(&x, 0.25)?;

@@ -183,6 +183,9 @@ impl BackendStorage for CudaStorage {
         self.same_device("conv2d_backward_input", weight)?;
         conv::conv2d_backward_input(self, weight, p)
     }
+    fn computes_channels_last_convolutions(&self) -> bool {
+        true
+    }
     fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self> {
         self.same_device("conv2d_backward_weight", input)?;
         conv::conv2d_backward_weight(self, input, p)

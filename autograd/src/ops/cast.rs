@@ -5,13 +5,15 @@ use crate::storage::Storage;
 use crate::{DType, Device, Result, Tensor};
 
 impl Tensor {
-    /// Converts to `dtype`; for float→float casts the gradient is cast back.
+    /// Converts to `dtype`; for float→float casts the gradient is cast back. Element by element, so
+    /// the result keeps this tensor's memory format (autocast's casts keep a channels-last
+    /// activation channels-last).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        let s = self.read_storage()?.to_dtype(dtype)?;
-        let y = Tensor::from_storage(s, self.shape().clone())?;
+        let s = self.raw_storage().to_dtype(dtype)?;
+        let y = Tensor::from_storage_in(s, self.shape().clone(), self.memory_format())?;
         if !self.requires_grad() || !dtype.is_float() || !crate::is_grad_enabled() {
             return Ok(y);
         }

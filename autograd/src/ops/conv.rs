@@ -2,10 +2,12 @@
 
 use crate::autograd::{record, record1, FnBackward};
 use crate::backend::{Conv2dParams, Pool2dParams};
-use crate::{Error, Result, Tensor};
+use crate::{Error, MemoryFormat, Result, Tensor};
 
 impl Tensor {
-    /// NCHW convolution with an OIHW weight, optional bias, dilation 1.
+    /// NCHW convolution with an OIHW weight, optional bias, dilation 1. A channels-last input on a
+    /// backend that computes so (CUDA) is convolved as it lies and gives a channels-last output
+    /// (and input gradient); elsewhere it is converted at entry (docs/channels-last.md).
     pub fn conv2d(
         &self,
         w: &Tensor,
@@ -36,7 +38,11 @@ impl Tensor {
         if stride.0 == 0 || stride.1 == 0 || xd[2] + 2 * padding.0 < wd[2] || xd[3] + 2 * padding.1 < wd[3] {
             return Err(bad("kernel larger than the padded input or zero stride".into()));
         }
+        let channels_last =
+            self.memory_format() == MemoryFormat::ChannelsLast && self.with_storage(|s| s.computes_channels_last_convolutions());
+        let format = if channels_last { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
         let p = Conv2dParams {
+            channels_last,
             batch: xd[0],
             c_in: xd[1],
             h_in: xd[2],
@@ -48,8 +54,11 @@ impl Tensor {
             padding,
             groups,
         };
-        let s = self.read_storage()?.conv2d(&*w.read_storage()?, &p)?;
-        let y = Tensor::from_storage(s, p.out_shape().to_vec())?;
+        let s = match channels_last {
+            true => self.raw_storage().conv2d(&*w.read_storage()?, &p)?,
+            false => self.read_storage()?.conv2d(&*w.read_storage()?, &p)?,
+        };
+        let y = Tensor::from_storage_in(s, p.out_shape().to_vec().into(), format)?;
         let y = if (self.requires_grad() || w.requires_grad()) && crate::is_grad_enabled() {
             let (x, wt) = (self.detach(), w.detach());
             let (need_x, need_w) = (self.requires_grad(), w.requires_grad());
@@ -60,14 +69,19 @@ impl Tensor {
                     name: "conv2d",
                     f: move |g: &[Option<Tensor>]| {
                         let Some(g) = &g[0] else { return Ok(vec![None, None]) };
-                        let gs = g.read_storage()?;
+                        // The output gradient in the output's format: as it lies for a
+                        // channels-last convolution (converted first if it arrived otherwise).
+                        let g = g.to_memory_format(format)?;
+                        let gs = if channels_last { crate::memory_format::StorageRead::Shared(g.raw_storage()) } else { g.read_storage()? };
                         let gx = if need_x {
-                            Some(Tensor::from_storage(gs.conv2d_backward_input(&*wt.read_storage()?, &p)?, x.shape().clone())?)
+                            Some(Tensor::from_storage_in(gs.conv2d_backward_input(&*wt.read_storage()?, &p)?, x.shape().clone(), format)?)
                         } else {
                             None
                         };
                         let gw = if need_w {
-                            Some(Tensor::from_storage(gs.conv2d_backward_weight(&*x.read_storage()?, &p)?, wt.shape().clone())?)
+                            let xs =
+                                if channels_last { crate::memory_format::StorageRead::Shared(x.raw_storage()) } else { x.read_storage()? };
+                            Some(Tensor::from_storage(gs.conv2d_backward_weight(&xs, &p)?, wt.shape().clone())?)
                         } else {
                             None
                         };
