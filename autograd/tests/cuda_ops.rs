@@ -1390,6 +1390,34 @@ fn tf32_convolutions_are_a_device_option() {
     println!("ok tf32 convolutions: {differs} of 6 results differ from strict FP32, all within TF32's bound; strict bytes unchanged");
 }
 
+/// Channels-last cat and split along C on the GPU (step 2 of docs/channels-last.md): inputs that
+/// are all channels-last are joined as rows of channels in one pass and stay channels-last, and
+/// split gives channels-last pieces; the values and the gradients are those of the contiguous ops.
+#[test]
+fn channels_last_cat_and_split_along_c_stay_channels_last() {
+    use ptl_autograd::MemoryFormat;
+    let Some(dev) = gpu() else { return };
+    let rand = |dims: &[usize], seed: u64| Tensor::rand(dims.to_vec(), -1.0, 1.0, DType::F32, dev, &mut Rng::new(seed)).unwrap();
+    let (a, b) = (rand(&[2, 8, 5, 7], 1), rand(&[2, 24, 5, 7], 2));
+    let run = |channels_last: bool| -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+        let (la, lb) = (a.detach().requires_grad_(true).unwrap(), b.detach().requires_grad_(true).unwrap());
+        let f = if channels_last { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
+        let (ia, ib) = (la.to_memory_format(f).unwrap(), lb.to_memory_format(f).unwrap());
+        let y = Tensor::cat(&[&ia, &ib], 1).unwrap();
+        assert_eq!(y.memory_format(), f, "cat's output format");
+        let parts = y.split(&[16, 16], 1).unwrap();
+        assert!(parts.iter().all(|p| p.memory_format() == f), "split's pieces' format");
+        let mix = rand(&[2, 16, 5, 7], 3);
+        parts[1].mul(&mix).unwrap().add(&parts[0]).unwrap().sum_all().unwrap().backward().unwrap();
+        (y.to_bytes().unwrap(), la.grad().expect("a's gradient").to_bytes().unwrap(), lb.grad().expect("b's gradient").to_bytes().unwrap())
+    };
+    let (plain, cl) = (run(false), run(true));
+    assert_eq!(cl.0, plain.0, "cat output");
+    assert_eq!(cl.1, plain.1, "first input's gradient");
+    assert_eq!(cl.2, plain.2, "second input's gradient");
+    println!("ok channels-last cat and split along C");
+}
+
 /// Channels-last convolutions on the GPU (step 2 of docs/channels-last.md): a channels-last input
 /// is convolved as it lies (cuDNN NHWC descriptors; 1×1 as one GEMM over N·H·W) and gives a
 /// channels-last output; output, input gradient and weight gradient match the contiguous

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::autograd::{record, record1, FnBackward};
 use crate::shape::{broadcast_strides, contiguous_strides, normalize_dim, Layout, Shape};
 use crate::storage::Storage;
-use crate::{Error, Result, Tensor};
+use crate::{Error, MemoryFormat, Result, Tensor};
 
 /// Copies the strided view `src` of `x` into a new contiguous tensor.
 fn gather_view(x: &Tensor, src: &Layout) -> Result<Tensor> {
@@ -29,9 +29,31 @@ fn narrow_layout(dims: &[usize], d: usize, start: usize, len: usize) -> Layout {
     Layout { shape, strides: st.clone(), offset: start * st[d] }
 }
 
-/// `x` cut along `d` into contiguous pieces of `sizes` (no autograd): one device pass where the
+/// `Some(N·H·W)` when `t` is a channels-last 4-D tensor and `d` is its channel dimension: along C
+/// its storage is N·H·W rows of channels, so cat and split along C are row copies.
+fn channels_last_rows(t: &Tensor, d: usize) -> Option<usize> {
+    let dims = t.dims();
+    (t.memory_format() == MemoryFormat::ChannelsLast && d == 1 && dims.len() == 4).then(|| dims[0] * dims[2] * dims[3])
+}
+
+/// `x` cut along `d` into pieces of `sizes` (no autograd; channels-last pieces of a channels-last
+/// `x` cut along C where the backend copies rows in one pass, else contiguous ones): one device pass where the
 /// backend has it (CUDA, up to 8 pieces), else a strided copy per piece.
 fn split_pieces(x: &Tensor, d: usize, sizes: &[usize]) -> Result<Vec<Tensor>> {
+    if let Some(rows) = channels_last_rows(x, d) {
+        // Channels-last along C: each row of N·H·W positions hands each piece its channels.
+        let es = x.dtype().size_in_bytes();
+        let dims = x.dims();
+        let outs = sizes.iter().map(|&l| Storage::uninit(x.device(), x.dtype(), rows * l)).collect::<Result<Vec<_>>>()?;
+        let dsts: Vec<(Option<u64>, usize)> = outs.iter().zip(sizes).map(|(o, &l)| (o.device_address(), l * es)).collect();
+        if x.raw_storage().split_rows(rows, &dsts)? {
+            return outs
+                .into_iter()
+                .zip(sizes)
+                .map(|(o, &l)| Tensor::from_storage_in(o, vec![dims[0], l, dims[2], dims[3]].into(), MemoryFormat::ChannelsLast))
+                .collect();
+        }
+    }
     let dims = x.dims();
     let rows: usize = dims[..d].iter().product();
     let inner: usize = dims[d + 1..].iter().product();
@@ -70,8 +92,8 @@ impl Tensor {
         }
         // A view reads the storage in the logical order: a channels-last tensor is made
         // contiguous first (its gradient flows back through the conversion).
-        if self.memory_format() != crate::MemoryFormat::Contiguous {
-            return self.to_memory_format(crate::MemoryFormat::Contiguous)?.reshape(shape);
+        if self.memory_format() != MemoryFormat::Contiguous {
+            return self.to_memory_format(MemoryFormat::Contiguous)?.reshape(shape);
         }
         let y = Tensor::build(Arc::clone(&self.0.storage), shape, false, None);
         if !self.requires_grad() || !crate::is_grad_enabled() {
@@ -199,14 +221,16 @@ impl Tensor {
 
     /// Concatenates along `dim`.
     pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
-        // The one-pass kernel copies storage as it lies: channels-last inputs enter in the
-        // contiguous order (the entry rule, docs/channels-last.md).
-        if tensors.iter().any(|t| t.memory_format() != crate::MemoryFormat::Contiguous) {
-            let owned = tensors.iter().map(|t| t.to_memory_format(crate::MemoryFormat::Contiguous)).collect::<Result<Vec<_>>>()?;
-            return Tensor::cat(&owned.iter().collect::<Vec<_>>(), dim);
-        }
         let first = tensors.first().ok_or_else(|| Error::invalid("cat", "no tensors given"))?;
         let d = normalize_dim("cat", dim, first.rank())?;
+        let channels_last = tensors.iter().all(|t| channels_last_rows(t, d).is_some());
+        // The one-pass kernel copies storage as it lies: channels-last inputs joined along C are
+        // rows of channels joined side by side (below); any other mix enters in the contiguous
+        // order (the entry rule, docs/channels-last.md).
+        if !channels_last && tensors.iter().any(|t| t.memory_format() != MemoryFormat::Contiguous) {
+            let owned = tensors.iter().map(|t| t.to_memory_format(MemoryFormat::Contiguous)).collect::<Result<Vec<_>>>()?;
+            return Tensor::cat(&owned.iter().collect::<Vec<_>>(), dim);
+        }
         let mut total = 0;
         for t in tensors {
             let ok = t.rank() == first.rank() && t.dims().iter().zip(first.dims()).enumerate().all(|(i, (a, b))| i == d || a == b);
@@ -220,10 +244,18 @@ impl Tensor {
         shape[d] = total;
         let mut out = Storage::uninit(first.device(), first.dtype(), shape.iter().product())?;
         // One pass for all inputs where the backend has it (CUDA), else a strided copy per input.
-        let rows: usize = shape[..d].iter().product();
-        let row_bytes = shape[d + 1..].iter().product::<usize>() * first.dtype().size_in_bytes();
+        // Channels-last along C: rows of N·H·W positions, each input's channels side by side.
+        let (rows, row_bytes) = match channels_last {
+            true => (shape[0] * shape[2] * shape[3], first.dtype().size_in_bytes()),
+            false => (shape[..d].iter().product(), shape[d + 1..].iter().product::<usize>() * first.dtype().size_in_bytes()),
+        };
         let srcs: Vec<(Option<u64>, usize)> = tensors.iter().map(|t| (t.device_address(), t.dims()[d] * row_bytes)).collect();
         let fused = out.cat_rows(rows, &srcs)?;
+        if channels_last && !fused {
+            // A backend without the one-pass copy: the contiguous way.
+            let owned = tensors.iter().map(|t| t.to_memory_format(MemoryFormat::Contiguous)).collect::<Result<Vec<_>>>()?;
+            return Tensor::cat(&owned.iter().collect::<Vec<_>>(), dim);
+        }
         let mut regions = Vec::with_capacity(tensors.len());
         let mut start = 0;
         for t in tensors {
@@ -234,7 +266,8 @@ impl Tensor {
             regions.push((start, t.dims()[d]));
             start += t.dims()[d];
         }
-        let y = Tensor::from_storage(out, shape)?;
+        let format = if channels_last { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
+        let y = Tensor::from_storage_in(out, shape.into(), format)?;
         if !tensors.iter().any(|t| t.requires_grad()) || !crate::is_grad_enabled() {
             return Ok(y);
         }
