@@ -136,3 +136,39 @@ fn gradients_flow_back_in_the_source_format() {
     assert_eq!(g.memory_format(), MemoryFormat::Contiguous);
     assert_eq!(g.to_bytes().unwrap(), scale.mul_scalar(2.0).unwrap().to_bytes().unwrap());
 }
+
+/// Step 2's element-by-element ops: unary ops, casts and binary ops between two channels-last
+/// operands of one shape compute on the storage as it lies and stay channels-last; a binary op
+/// with a contiguous or broadcast operand reads in the logical order and gives a contiguous
+/// result. Values and input gradients are the contiguous ops' bytes either way.
+#[test]
+fn elementwise_ops_keep_channels_last() {
+    let (x, other) = (rand(&[2, 3, 4, 5], 7), rand(&[2, 3, 4, 5], 8));
+    let bias = rand(&[1, 3, 1, 1], 9);
+    let cl = |t: &Tensor| t.to_memory_format(MemoryFormat::ChannelsLast).unwrap();
+    type Case<'a> = (&'a str, MemoryFormat, Box<dyn Fn(&Tensor, &Tensor) -> Tensor + 'a>);
+    let cases: Vec<Case> = vec![
+        ("silu", MemoryFormat::ChannelsLast, Box::new(|a: &Tensor, _: &Tensor| a.silu().unwrap())),
+        ("affine", MemoryFormat::ChannelsLast, Box::new(|a: &Tensor, _: &Tensor| a.affine(2.0, -0.5).unwrap())),
+        ("cast", MemoryFormat::ChannelsLast, Box::new(|a: &Tensor, _: &Tensor| a.to_dtype(DType::F64).unwrap())),
+        ("add of two", MemoryFormat::ChannelsLast, Box::new(|a: &Tensor, b: &Tensor| a.add(&cl(b)).unwrap())),
+        ("mul of two", MemoryFormat::ChannelsLast, Box::new(|a: &Tensor, b: &Tensor| a.mul(&cl(b)).unwrap())),
+        ("add of a contiguous one", MemoryFormat::Contiguous, Box::new(|a: &Tensor, b: &Tensor| a.add(b).unwrap())),
+        ("add of a broadcast bias", MemoryFormat::Contiguous, Box::new(|a: &Tensor, _: &Tensor| a.add(&bias).unwrap())),
+    ];
+    for (name, format, op) in &cases {
+        let run = |channels_last: bool| -> (MemoryFormat, Vec<u8>, Vec<u8>) {
+            let leaf = x.detach().requires_grad_(true).unwrap();
+            let input = if channels_last { cl(&leaf) } else { leaf.clone() };
+            let y = op(&input, &other);
+            let f = y.memory_format();
+            y.to_dtype(DType::F32).unwrap().mul(&other).unwrap().sum_all().unwrap().backward().unwrap();
+            (f, y.to_bytes().unwrap(), leaf.grad().expect("input gradient").to_bytes().unwrap())
+        };
+        let (plain, nhwc) = (run(false), run(true));
+        assert_eq!(nhwc.0, *format, "{name}: the result's format");
+        assert_eq!(plain.0, MemoryFormat::Contiguous, "{name}: contiguous in, contiguous out");
+        assert_eq!(nhwc.1, plain.1, "{name}: values");
+        assert_eq!(nhwc.2, plain.2, "{name}: input gradient");
+    }
+}

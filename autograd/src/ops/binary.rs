@@ -4,10 +4,17 @@ use super::{broadcast_layouts, same_dtype};
 use crate::autograd::{record, record1, FnBackward};
 use crate::backend::{BinaryOp, CmpOp};
 use crate::shape::Layout;
-use crate::{Error, Result, Tensor};
+use crate::{Error, MemoryFormat, Result, Tensor};
 
 fn forward(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str) -> Result<Tensor> {
     same_dtype(name, a, b)?;
+    // Two channels-last operands of one shape (a residual add): element by element as they lie,
+    // the result channels-last. Any other mix reads in the logical order (the entry rule).
+    if a.memory_format() == MemoryFormat::ChannelsLast && b.memory_format() == MemoryFormat::ChannelsLast && a.dims() == b.dims() {
+        let lay = Layout::contiguous(a.dims());
+        let s = a.raw_storage().binary(&lay, &b.raw_storage(), &lay, op)?;
+        return Tensor::from_storage_in(s, a.shape().clone(), MemoryFormat::ChannelsLast);
+    }
     let (out, la, lb) = broadcast_layouts(name, a, b)?;
     let s = a.read_storage()?.binary(&la, &*b.read_storage()?, &lb, op)?;
     Tensor::from_storage(s, out)

@@ -4,9 +4,10 @@ use crate::autograd::{record1, FnBackward};
 use crate::backend::UnaryOp;
 use crate::{Result, Tensor};
 
+/// Element by element, so a channels-last tensor is computed as it lies and stays channels-last.
 fn forward(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
-    let s = x.read_storage()?.unary(op)?;
-    Tensor::from_storage_shape(s, x.shape().clone())
+    let s = x.raw_storage().unary(op)?;
+    Tensor::from_storage_in(s, x.shape().clone(), x.memory_format())
 }
 
 /// Applies `op` and records `dx = g · dfdx(x, y)` where `dfdx` builds the local derivative.
