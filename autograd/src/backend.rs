@@ -209,11 +209,12 @@ pub trait BackendStorage: Sized {
     fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)>;
     /// Gradient of the pool input from the output gradient (`self`) and the argmax indices.
     fn max_pool2d_backward(&self, indices: &Self, p: &Pool2dParams) -> Result<Self>;
-    /// Nearest upsampling of an NCHW tensor (`shape` = [n, c, h, w]) by an integer factor.
-    fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize) -> Result<Self>;
+    /// Nearest upsampling of a tensor of logical shape `shape` = [n, c, h, w] by an integer factor,
+    /// stored N, C, H, W or (`channels_last`) N, H, W, C; the output is stored the same way.
+    fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Self>;
     /// Its gradient: each input position receives the sum of its factor×factor block of the
-    /// output gradient (`self`, shape [n, c, h·f, w·f]), summed in row-major order.
-    fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize) -> Result<Self>;
+    /// output gradient (`self`, logical shape [n, c, h·f, w·f]), summed in row-major order.
+    fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Self>;
     /// Positions (I64) of the first `size` non-zero elements in ascending order, padded with
     /// `fill`: a fixed-shape `nonzero` (PyTorch `nonzero_static`) that needs no host read.
     fn nonzero_static(&self, size: usize, fill: i64) -> Result<Self>;

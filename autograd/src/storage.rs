@@ -477,18 +477,18 @@ impl Storage {
             }
         }
     }
-    pub fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize) -> Result<Storage> {
+    pub fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Storage> {
         match self {
-            Storage::Cpu(s) => Ok(Storage::Cpu(s.upsample_nearest2d(shape, factor)?)),
+            Storage::Cpu(s) => Ok(Storage::Cpu(s.upsample_nearest2d(shape, factor, channels_last)?)),
             #[cfg(feature = "cuda")]
-            Storage::Cuda(s) => Ok(Storage::Cuda(s.upsample_nearest2d(shape, factor)?)),
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.upsample_nearest2d(shape, factor, channels_last)?)),
         }
     }
-    pub fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize) -> Result<Storage> {
+    pub fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Storage> {
         match self {
-            Storage::Cpu(s) => Ok(Storage::Cpu(s.upsample_nearest2d_backward(shape, factor)?)),
+            Storage::Cpu(s) => Ok(Storage::Cpu(s.upsample_nearest2d_backward(shape, factor, channels_last)?)),
             #[cfg(feature = "cuda")]
-            Storage::Cuda(s) => Ok(Storage::Cuda(s.upsample_nearest2d_backward(shape, factor)?)),
+            Storage::Cuda(s) => Ok(Storage::Cuda(s.upsample_nearest2d_backward(shape, factor, channels_last)?)),
         }
     }
     pub fn max_pool2d_backward(&self, idx: &Storage, p: &Pool2dParams) -> Result<Storage> {

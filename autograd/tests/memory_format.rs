@@ -172,3 +172,24 @@ fn elementwise_ops_keep_channels_last() {
         assert_eq!(nhwc.2, plain.2, "{name}: input gradient");
     }
 }
+
+/// Nearest upsampling of a channels-last tensor runs on the N, H, W, C storage (the CPU and CUDA
+/// kernels both have the layout) and stays channels-last: values and input gradients are the
+/// contiguous op's bytes.
+#[test]
+fn upsampling_keeps_channels_last() {
+    let x = rand(&[2, 3, 4, 5], 11);
+    let mix = rand(&[2, 3, 8, 10], 12);
+    let run = |channels_last: bool| -> (MemoryFormat, Vec<u8>, Vec<u8>) {
+        let leaf = x.detach().requires_grad_(true).unwrap();
+        let input = if channels_last { leaf.to_memory_format(MemoryFormat::ChannelsLast).unwrap() } else { leaf.clone() };
+        let y = input.upsample_nearest(2).unwrap();
+        let f = y.memory_format();
+        y.mul(&mix).unwrap().sum_all().unwrap().backward().unwrap();
+        (f, y.to_bytes().unwrap(), leaf.grad().expect("input gradient").to_bytes().unwrap())
+    };
+    let (plain, nhwc) = (run(false), run(true));
+    assert_eq!((plain.0, nhwc.0), (MemoryFormat::Contiguous, MemoryFormat::ChannelsLast));
+    assert_eq!(nhwc.1, plain.1, "values");
+    assert_eq!(nhwc.2, plain.2, "input gradient");
+}

@@ -304,6 +304,47 @@ pub(crate) fn upsample_fwd<T: Float + Send + Sync>(x: &[T], shape: [usize; 4], f
     y
 }
 
+/// [`upsample_fwd`] on N, H, W, C storage: each output position copies its source position's
+/// channels.
+pub(crate) fn upsample_fwd_nhwc<T: Float + Send + Sync>(x: &[T], shape: [usize; 4], f: usize) -> Vec<T> {
+    let (c, h, w) = (shape[1], shape[2], shape[3]);
+    let (oh, ow) = (h * f, w * f);
+    let mut y = vec![T::zero(); x.len() * f * f];
+    y.par_chunks_mut((oh * ow * c).max(1)).zip(x.par_chunks((h * w * c).max(1))).for_each(|(o, i)| {
+        for r in 0..oh {
+            for col in 0..ow {
+                let (dst, src) = ((r * ow + col) * c, ((r / f) * w + col / f) * c);
+                o[dst..dst + c].copy_from_slice(&i[src..src + c]);
+            }
+        }
+    });
+    y
+}
+
+/// [`upsample_bwd`] on N, H, W, C storage: each input position sums its f×f block of `dy`,
+/// row-major, channel by channel.
+pub(crate) fn upsample_bwd_nhwc<T: Float + Send + Sync>(dy: &[T], shape: [usize; 4], f: usize) -> Vec<T> {
+    let (c, h, w) = (shape[1], shape[2], shape[3]);
+    let ow = w * f;
+    let mut dx = vec![T::zero(); shape.iter().product()];
+    dx.par_chunks_mut((h * w * c).max(1)).zip(dy.par_chunks((h * w * f * f * c).max(1))).for_each(|(d, g)| {
+        for r in 0..h {
+            for col in 0..w {
+                for ch in 0..c {
+                    let mut s = T::zero();
+                    for a in 0..f {
+                        for b in 0..f {
+                            s = s + g[((r * f + a) * ow + col * f + b) * c + ch];
+                        }
+                    }
+                    d[(r * w + col) * c + ch] = s;
+                }
+            }
+        }
+    });
+    dx
+}
+
 /// Gradient of [`upsample_fwd`]: each input position sums its f×f block of `dy`, row-major.
 pub(crate) fn upsample_bwd<T: Float + Send + Sync>(dy: &[T], shape: [usize; 4], f: usize) -> Vec<T> {
     let (h, w) = (shape[2], shape[3]);

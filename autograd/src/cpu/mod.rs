@@ -261,11 +261,17 @@ impl BackendStorage for CpuStorage {
     fn max_pool2d_backward(&self, indices: &Self, p: &Pool2dParams) -> Result<Self> {
         conv::max_pool2d_backward(self, indices, p)
     }
-    fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize) -> Result<Self> {
-        float_map!(self, "upsample_nearest2d", |v| conv::upsample_fwd(v, shape, factor))
+    fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Self> {
+        match channels_last {
+            false => float_map!(self, "upsample_nearest2d", |v| conv::upsample_fwd(v, shape, factor)),
+            true => float_map!(self, "upsample_nearest2d", |v| conv::upsample_fwd_nhwc(v, shape, factor)),
+        }
     }
-    fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize) -> Result<Self> {
-        float_map!(self, "upsample_nearest2d_backward", |v| conv::upsample_bwd(v, shape, factor))
+    fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Self> {
+        match channels_last {
+            false => float_map!(self, "upsample_nearest2d_backward", |v| conv::upsample_bwd(v, shape, factor)),
+            true => float_map!(self, "upsample_nearest2d_backward", |v| conv::upsample_bwd_nhwc(v, shape, factor)),
+        }
     }
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)> {
         reduce::topk(self, shape, dim, k, largest)

@@ -196,11 +196,11 @@ impl BackendStorage for CudaStorage {
     fn max_pool2d_backward(&self, indices: &Self, p: &Pool2dParams) -> Result<Self> {
         ops::max_pool2d_backward(self, indices, p)
     }
-    fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize) -> Result<Self> {
-        ops::upsample_nearest2d(self, shape, factor, false)
+    fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Self> {
+        ops::upsample_nearest2d(self, shape, factor, false, channels_last)
     }
-    fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize) -> Result<Self> {
-        ops::upsample_nearest2d(self, shape, factor, true)
+    fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Self> {
+        ops::upsample_nearest2d(self, shape, factor, true, channels_last)
     }
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)> {
         ops::topk(self, shape, dim, k, largest)

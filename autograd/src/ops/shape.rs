@@ -370,7 +370,8 @@ impl Tensor {
         ))
     }
 
-    /// Nearest-neighbour upsampling of an NCHW tensor by an integer factor.
+    /// Nearest-neighbour upsampling of an NCHW tensor by an integer factor (a channels-last one
+    /// stays channels-last).
     pub fn upsample_nearest(&self, factor: usize) -> Result<Tensor> {
         let d = self.dims();
         if d.len() != 4 || factor == 0 {
@@ -386,9 +387,13 @@ impl Tensor {
                 w * factor,
             ]);
         }
-        // Float tensors: a dedicated kernel each way (one pass over memory, no reduction kernel).
+        // Float tensors: a dedicated kernel each way (one pass over memory, no reduction kernel);
+        // a channels-last tensor is upsampled as it lies and the result is channels-last.
         let shape = [n, c, h, w];
-        let y = Tensor::from_storage(self.read_storage()?.upsample_nearest2d(shape, factor)?, vec![n, c, h * factor, w * factor])?;
+        let format = self.memory_format();
+        let cl = format == MemoryFormat::ChannelsLast;
+        let s = self.raw_storage().upsample_nearest2d(shape, factor, cl)?;
+        let y = Tensor::from_storage_in(s, vec![n, c, h * factor, w * factor].into(), format)?;
         if !self.requires_grad() || !crate::is_grad_enabled() {
             return Ok(y);
         }
@@ -399,8 +404,10 @@ impl Tensor {
                 name: "upsample_nearest",
                 f: move |g: &[Option<Tensor>]| {
                     let Some(g) = &g[0] else { return Ok(vec![None]) };
-                    let s = g.read_storage()?.upsample_nearest2d_backward(shape, factor)?;
-                    Ok(vec![Some(Tensor::from_storage(s, shape.to_vec())?)])
+                    // The output gradient in the output's format (converted if it arrived otherwise).
+                    let g = g.to_memory_format(format)?;
+                    let s = g.raw_storage().upsample_nearest2d_backward(shape, factor, cl)?;
+                    Ok(vec![Some(Tensor::from_storage_in(s, shape.to_vec().into(), format)?)])
                 },
             },
         ))

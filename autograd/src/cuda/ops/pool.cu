@@ -106,6 +106,36 @@ __device__ void upsample_bwd_k(const T* dy, T* dx, u32 n, u32 h, u32 w, u32 f) {
         dx[i] = store<T, A>(s);
     }
 }
+// N, H, W, C storage: thread i takes input element i (channel i % c of position i / c) and
+// writes (forward) or sums in row-major order (backward) the same channel of its f×f block.
+template <typename T>
+__device__ void upsample_fwd_nhwc_k(const T* x, T* y, u32 n, u32 c, u32 h, u32 w, u32 f) {
+    const u32 W = w * f;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        const u32 ch = i % c, p = i / c, col = p % w, t = p / w, r = t % h, img = t / h;
+        const T v = x[i];
+        T* o = y + (((size_t)img * h * f + (size_t)r * f) * W + (size_t)col * f) * c + ch;
+        for (u32 a = 0; a < f; ++a)
+            for (u32 b = 0; b < f; ++b) o[((size_t)a * W + b) * c] = v;
+    }
+}
+template <typename T>
+__device__ void upsample_bwd_nhwc_k(const T* dy, T* dx, u32 n, u32 c, u32 h, u32 w, u32 f) {
+    typedef typename Acc<T>::type A;
+    const u32 W = w * f;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        const u32 ch = i % c, p = i / c, col = p % w, t = p / w, r = t % h, img = t / h;
+        const T* g = dy + (((size_t)img * h * f + (size_t)r * f) * W + (size_t)col * f) * c + ch;
+        A s = (A)0;
+        for (u32 a = 0; a < f; ++a)
+            for (u32 b = 0; b < f; ++b) s += to_acc(g[((size_t)a * W + b) * c]);
+        dx[i] = store<T, A>(s);
+    }
+}
+#define INST_UPSAMPLE_NHWC(name, T) \
+    extern "C" __global__ void upsample_fwd_nhwc_##name(const T* x, T* y, u32 n, u32 c, u32 h, u32 w, u32 f) { upsample_fwd_nhwc_k<T>(x, y, n, c, h, w, f); } \
+    extern "C" __global__ void upsample_bwd_nhwc_##name(const T* dy, T* dx, u32 n, u32 c, u32 h, u32 w, u32 f) { upsample_bwd_nhwc_k<T>(dy, dx, n, c, h, w, f); }
+FLOAT_TYPES(INST_UPSAMPLE_NHWC)
 #define INST_UPSAMPLE(name, T) \
     extern "C" __global__ void upsample_fwd_##name(const T* x, T* y, u32 n, u32 h, u32 w, u32 f) { upsample_fwd_k<T>(x, y, n, h, w, f); } \
     extern "C" __global__ void upsample_bwd_##name(const T* dy, T* dx, u32 n, u32 h, u32 w, u32 f) { upsample_bwd_k<T>(dy, dx, n, h, w, f); }

@@ -75,8 +75,9 @@ pub(crate) fn max_pool2d_backward(dy: &CudaStorage, idx: &CudaStorage, p: &Pool2
 }
 
 /// `x` (`shape` = [n, c, h, w]) upsampled by `f` (forward) or, with `backward`, the f×f block sums
-/// of an output gradient `x` ([n, c, h·f, w·f]) back to `shape`.
-pub(crate) fn upsample_nearest2d(x: &CudaStorage, shape: [usize; 4], f: usize, backward: bool) -> Result<CudaStorage> {
+/// of an output gradient `x` ([n, c, h·f, w·f]) back to `shape`; stored N, H, W, C both ways when
+/// `channels_last`.
+pub(crate) fn upsample_nearest2d(x: &CudaStorage, shape: [usize; 4], f: usize, backward: bool, channels_last: bool) -> Result<CudaStorage> {
     let op = if backward { "upsample_nearest2d_backward" } else { "upsample_nearest2d" };
     if !x.dtype.is_float() {
         return Err(Error::UnsupportedDType { op, dtype: x.dtype, expected: "a float dtype" });
@@ -87,10 +88,17 @@ pub(crate) fn upsample_nearest2d(x: &CudaStorage, shape: [usize; 4], f: usize, b
     if n_in == 0 {
         return Ok(out);
     }
-    let k = dev.func(if backward { "upsample_bwd" } else { "upsample_fwd" }, sfx(x.dtype))?;
     let (px, py) = (ptr(x), ptr(&out));
     let (nn, h, w, ff) = (u32c(op, n_in)?, u32c(op, shape[2])?, u32c(op, shape[3])?, u32c(op, f)?);
     u32c(op, n_in * f * f)?;
+    if channels_last {
+        let name = if backward { "upsample_bwd_nhwc" } else { "upsample_fwd_nhwc" };
+        let k = dev.func(name, sfx(x.dtype))?;
+        let c = u32c(op, shape[1])?;
+        dev.launch1d(k, n_in, &mut args!(px, py, nn, c, h, w, ff))?;
+        return Ok(out);
+    }
+    let k = dev.func(if backward { "upsample_bwd" } else { "upsample_fwd" }, sfx(x.dtype))?;
     dev.launch1d(k, n_in, &mut args!(px, py, nn, h, w, ff))?;
     Ok(out)
 }
