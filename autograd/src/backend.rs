@@ -116,9 +116,12 @@ impl Conv2dParams {
     }
 }
 
-/// 2-D max-pool geometry (NCHW, padding with −∞).
+/// 2-D max-pool geometry (logical NCHW, padding with −∞).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Pool2dParams {
+    /// Input, output, indices and gradients stored N, H, W, C (indices still count positions
+    /// within a channel's H×W plane).
+    pub channels_last: bool,
     pub batch: usize,
     pub channels: usize,
     pub h_in: usize,

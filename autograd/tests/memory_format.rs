@@ -193,3 +193,26 @@ fn upsampling_keeps_channels_last() {
     assert_eq!(nhwc.1, plain.1, "values");
     assert_eq!(nhwc.2, plain.2, "input gradient");
 }
+
+/// Max pooling of a channels-last tensor (SPPF's 5×5, stride 1, and a strided 3×3) runs on the
+/// N, H, W, C storage and stays channels-last: values and input gradients are the contiguous
+/// op's bytes (ties included: the input has repeated values).
+#[test]
+fn max_pooling_keeps_channels_last() {
+    let x = rand(&[2, 3, 6, 7], 13).mul_scalar(4.0).unwrap().floor().unwrap();
+    for (k, s, p) in [(5, 1, 2), (3, 2, 1)] {
+        let run = |channels_last: bool| -> (MemoryFormat, Vec<u8>, Vec<u8>) {
+            let leaf = x.detach().requires_grad_(true).unwrap();
+            let input = if channels_last { leaf.to_memory_format(MemoryFormat::ChannelsLast).unwrap() } else { leaf.clone() };
+            let y = input.max_pool2d(k, s, p).unwrap();
+            let f = y.memory_format();
+            let mix = rand(y.dims(), 14);
+            y.mul(&mix).unwrap().sum_all().unwrap().backward().unwrap();
+            (f, y.to_bytes().unwrap(), leaf.grad().expect("input gradient").to_bytes().unwrap())
+        };
+        let (plain, nhwc) = (run(false), run(true));
+        assert_eq!((plain.0, nhwc.0), (MemoryFormat::Contiguous, MemoryFormat::ChannelsLast), "kernel {k}");
+        assert_eq!(nhwc.1, plain.1, "kernel {k}: values");
+        assert_eq!(nhwc.2, plain.2, "kernel {k}: input gradient");
+    }
+}

@@ -248,7 +248,48 @@ fn pool_fwd<T: Float + Send + Sync>(x: &[T], p: &Pool2dParams) -> (Vec<T>, Vec<i
     (vals, idx)
 }
 
+/// `v` (one value per element of logical `[n, c, h, w]`) moved from N, H, W, C order to N, C, H, W
+/// (`to_planes`) or back.
+fn relayout<T: Copy>(v: &[T], [n, c, h, w]: [usize; 4], to_planes: bool) -> Vec<T> {
+    let mut out = Vec::with_capacity(v.len());
+    match to_planes {
+        true => {
+            for i in 0..n * c * h * w {
+                let (x, y, ch, img) = (i % w, (i / w) % h, (i / (w * h)) % c, i / (w * h * c));
+                out.push(v[((img * h + y) * w + x) * c + ch]);
+            }
+        }
+        false => {
+            for i in 0..n * h * w * c {
+                let (ch, x, y, img) = (i % c, (i / c) % w, (i / (c * w)) % h, i / (c * w * h));
+                out.push(v[((img * c + ch) * h + y) * w + x]);
+            }
+        }
+    }
+    out
+}
+
+/// A storage of logical `dims` moved between N, H, W, C and N, C, H, W order (see [`relayout`]).
+fn relayout_storage(s: &CpuStorage, dims: [usize; 4], to_planes: bool) -> Result<CpuStorage> {
+    use CpuStorage as S;
+    Ok(match s {
+        S::F32(v) => S::F32(relayout(v, dims, to_planes)),
+        S::F64(v) => S::F64(relayout(v, dims, to_planes)),
+        S::F16(v) => S::F16(relayout(v, dims, to_planes)),
+        S::BF16(v) => S::BF16(relayout(v, dims, to_planes)),
+        S::I64(v) => S::I64(relayout(v, dims, to_planes)),
+        other => return Err(Error::UnsupportedDType { op: "max_pool2d", dtype: other.dtype(), expected: "a float dtype or i64 indices" }),
+    })
+}
+
 pub(crate) fn max_pool2d(x: &CpuStorage, p: &Pool2dParams) -> Result<(CpuStorage, CpuStorage)> {
+    if p.channels_last {
+        // The NCHW loops on rearranged copies: the same values and indices, stored N, H, W, C.
+        let planar = Pool2dParams { channels_last: false, ..*p };
+        let (v, i) = max_pool2d(&relayout_storage(x, [p.batch, p.channels, p.h_in, p.w_in], true)?, &planar)?;
+        let out = [p.batch, p.channels, p.h_out(), p.w_out()];
+        return Ok((relayout_storage(&v, out, false)?, relayout_storage(&i, out, false)?));
+    }
     use CpuStorage as S;
     let (v, i) = match x {
         S::F32(v) => {
@@ -285,6 +326,13 @@ fn pool_bwd<T: Float + Send + Sync>(dy: &[T], idx: &[i64], p: &Pool2dParams) -> 
 }
 
 pub(crate) fn max_pool2d_backward(dy: &CpuStorage, idx: &CpuStorage, p: &Pool2dParams) -> Result<CpuStorage> {
+    if p.channels_last {
+        let planar = Pool2dParams { channels_last: false, ..*p };
+        let out = [p.batch, p.channels, p.h_out(), p.w_out()];
+        let (dy, idx) = (relayout_storage(dy, out, true)?, relayout_storage(idx, out, true)?);
+        let dx = max_pool2d_backward(&dy, &idx, &planar)?;
+        return relayout_storage(&dx, [p.batch, p.channels, p.h_in, p.w_in], false);
+    }
     let idx = idx.as_i64("max_pool2d_backward")?;
     super::float_map!(dy, "max_pool2d_backward", |v| pool_bwd(v, idx, p))
 }

@@ -104,20 +104,25 @@ impl Tensor {
         }
     }
 
-    /// Max-pooling over square windows (padding with −∞, as PyTorch).
+    /// Max-pooling over square windows (padding with −∞, as PyTorch); a channels-last input gives
+    /// a channels-last output.
     pub fn max_pool2d(&self, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
         let d = self.dims();
         if d.len() != 4 || kernel == 0 || stride == 0 || padding * 2 > kernel || d[2] + 2 * padding < kernel || d[3] + 2 * padding < kernel
         {
             return Err(Error::invalid("max_pool2d", format!("input {d:?} with kernel {kernel}, stride {stride}, padding {padding}")));
         }
-        let p = Pool2dParams { batch: d[0], channels: d[1], h_in: d[2], w_in: d[3], kernel, stride, padding };
-        let (v, idx) = self.read_storage()?.max_pool2d(&p)?;
-        let y = Tensor::from_storage(v, vec![d[0], d[1], p.h_out(), p.w_out()])?;
+        // A channels-last input is pooled as it lies (both backends have the layout); the values,
+        // indices and input gradient are channels-last too.
+        let format = self.memory_format();
+        let channels_last = format == MemoryFormat::ChannelsLast;
+        let p = Pool2dParams { channels_last, batch: d[0], channels: d[1], h_in: d[2], w_in: d[3], kernel, stride, padding };
+        let (v, idx) = self.raw_storage().max_pool2d(&p)?;
+        let y = Tensor::from_storage_in(v, vec![d[0], d[1], p.h_out(), p.w_out()].into(), format)?;
         if !self.requires_grad() || !crate::is_grad_enabled() {
             return Ok(y);
         }
-        let (idx, in_dims) = (Tensor::from_storage(idx, y.dims().to_vec())?, d.to_vec());
+        let (idx, in_dims) = (Tensor::from_storage_in(idx, y.dims().to_vec().into(), format)?, d.to_vec());
         Ok(record1(
             &[self],
             y,
@@ -125,8 +130,10 @@ impl Tensor {
                 name: "max_pool2d",
                 f: move |g: &[Option<Tensor>]| {
                     let Some(g) = &g[0] else { return Ok(vec![None]) };
-                    let s = g.read_storage()?.max_pool2d_backward(&*idx.read_storage()?, &p)?;
-                    Ok(vec![Some(Tensor::from_storage(s, in_dims.clone())?)])
+                    // The output gradient in the output's format (converted if it arrived otherwise).
+                    let g = g.to_memory_format(format)?;
+                    let s = g.raw_storage().max_pool2d_backward(&idx.raw_storage(), &p)?;
+                    Ok(vec![Some(Tensor::from_storage_in(s, in_dims.clone().into(), format)?)])
                 },
             },
         ))

@@ -1,14 +1,20 @@
-// Max pooling and nearest upsampling (NCHW), forward and backward.
+// Max pooling and nearest upsampling (NCHW, or NHWC for channels-last data), forward and backward.
 // Launched by pool.rs; compiled as one NVRTC unit behind prelude.cuh (see mod.rs).
 
 // ---- max pooling ------------------------------------------------------------------------------------
-struct PoolGeo { u32 planes, h, w, oh, ow, k, s, p; };
+struct PoolGeo { u32 planes, h, w, oh, ow, k, s, p, c, cl; };
+// Element (y, x) of plane pl (= image · c + channel) in an H×W map: N, C, H, W storage, or
+// N, H, W, C when g.cl (threads still walk planes; indices count positions within a plane).
+__device__ __forceinline__ size_t pool_at(const PoolGeo& g, u32 pl, u32 y, u32 x, u32 H, u32 W) {
+    if (!g.cl) return ((size_t)pl * H + y) * W + x;
+    const u32 img = pl / g.c, ch = pl % g.c;
+    return (((size_t)img * H + y) * W + x) * g.c + ch;
+}
 template <typename T>
 __device__ void maxpool_fwd_k(const T* x, T* y, i64* yi, PoolGeo g) {
     u32 total = g.planes * g.oh * g.ow;
     for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += blockDim.x * gridDim.x) {
         u32 ox = t % g.ow, oy = (t / g.ow) % g.oh, pl = t / (g.ow * g.oh);
-        const T* xp = x + (size_t)pl * g.h * g.w;
         float best = -F_INF;
         T bv = from_f<T>(-F_INF);
         int bi = -1;
@@ -19,13 +25,14 @@ __device__ void maxpool_fwd_k(const T* x, T* y, i64* yi, PoolGeo g) {
                 int ix = (int)(ox * g.s + kx) - (int)g.p;
                 if (ix < 0 || ix >= (int)g.w) continue;
                 int kk = iy * (int)g.w + ix;
-                T raw = xp[kk];
+                T raw = x[pool_at(g, pl, (u32)iy, (u32)ix, g.h, g.w)];
                 float v = (float)to_acc(raw);
                 if (bi < 0 || v > best || (is_nan(v) && !is_nan(best))) { best = v; bv = raw; bi = kk; }
             }
         }
-        y[t] = bv;
-        yi[t] = bi < 0 ? 0 : bi;
+        const size_t at = pool_at(g, pl, oy, ox, g.oh, g.ow);
+        y[at] = bv;
+        yi[at] = bi < 0 ? 0 : bi;
     }
 }
 template <>
@@ -33,7 +40,6 @@ __device__ void maxpool_fwd_k<double>(const double* x, double* y, i64* yi, PoolG
     u32 total = g.planes * g.oh * g.ow;
     for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += blockDim.x * gridDim.x) {
         u32 ox = t % g.ow, oy = (t / g.ow) % g.oh, pl = t / (g.ow * g.oh);
-        const double* xp = x + (size_t)pl * g.h * g.w;
         double best = -D_INF;
         int bi = -1;
         for (u32 ky = 0; ky < g.k; ++ky) {
@@ -43,12 +49,13 @@ __device__ void maxpool_fwd_k<double>(const double* x, double* y, i64* yi, PoolG
                 int ix = (int)(ox * g.s + kx) - (int)g.p;
                 if (ix < 0 || ix >= (int)g.w) continue;
                 int kk = iy * (int)g.w + ix;
-                double v = xp[kk];
+                double v = x[pool_at(g, pl, (u32)iy, (u32)ix, g.h, g.w)];
                 if (bi < 0 || v > best || (is_nan(v) && !is_nan(best))) { best = v; bi = kk; }
             }
         }
-        y[t] = best;
-        yi[t] = bi < 0 ? 0 : bi;
+        const size_t at = pool_at(g, pl, oy, ox, g.oh, g.ow);
+        y[at] = best;
+        yi[at] = bi < 0 ? 0 : bi;
     }
 }
 // dx[pl, k] = sum over outputs (ascending) whose argmax is k.
@@ -68,13 +75,12 @@ __device__ void maxpool_bwd_k(const T* dy, const i64* idx, T* dx, PoolGeo g) {
         if (oy1 >= (int)g.oh) oy1 = (int)g.oh - 1;
         if (ox1 >= (int)g.ow) ox1 = (int)g.ow - 1;
         T acc = from_d<T>(0.0);
-        size_t base = (size_t)pl * g.oh * g.ow;
         for (int oy = oy0; oy <= oy1; ++oy)
             for (int ox = ox0; ox <= ox1; ++ox) {
-                size_t q = base + (size_t)oy * g.ow + ox;
+                const size_t q = pool_at(g, pl, (u32)oy, (u32)ox, g.oh, g.ow);
                 if (idx[q] == me) acc = store<T, A>(to_acc(acc) + to_acc(dy[q]));
             }
-        dx[t] = acc;
+        dx[pool_at(g, pl, iy, ix, g.h, g.w)] = acc;
     }
 }
 

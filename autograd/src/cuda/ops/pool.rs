@@ -21,6 +21,9 @@ pub(super) struct PoolGeo {
     k: u32,
     s: u32,
     p: u32,
+    /// Channels (planes per image) and whether the data lie N, H, W, C (1) or N, C, H, W (0).
+    c: u32,
+    cl: u32,
 }
 
 pub(super) fn pool_geo(p: &Pool2dParams) -> Result<PoolGeo> {
@@ -34,6 +37,8 @@ pub(super) fn pool_geo(p: &Pool2dParams) -> Result<PoolGeo> {
         k: c(p.kernel)?,
         s: c(p.stride)?,
         p: c(p.padding)?,
+        c: c(p.channels.max(1))?,
+        cl: p.channels_last as u32,
     })
 }
 
