@@ -21,6 +21,7 @@ fn violation(region: &str, v: CaptureViolation) -> CaptureError {
         CaptureViolation::HostUpload { op } => CaptureError::HostUpload { region, op: op.to_string() },
         CaptureViolation::AllocOutsidePool { requested, free } => CaptureError::AllocOutsidePool { region, requested, free },
         CaptureViolation::NestedCapture => CaptureError::NestedCapture { region },
+        CaptureViolation::WorkspaceGrowth { library, requested } => CaptureError::WorkspaceGrowth { region, library, requested },
     }
 }
 

@@ -15,6 +15,11 @@ pub enum CaptureError {
     /// An allocation that the recording's pool could not serve during capture.
     #[error("region `{region}`: allocation of {requested} bytes outside the recording's pool during capture ({free} bytes free)")]
     AllocOutsidePool { region: String, requested: usize, free: usize },
+    /// A library's workspace (cuDNN, cuBLAS) would have had to grow during capture: device state
+    /// that must not come from the recording's arena. The region's warm-up grows it; this means
+    /// the capture ran work its warm-up did not.
+    #[error("region `{region}`: {library}'s workspace would have to grow to {requested} bytes during capture (its warm-up did not run the same work)")]
+    WorkspaceGrowth { region: String, library: &'static str, requested: usize },
     /// A capture started while another capture is running on this thread.
     #[error("region `{region}`: nested capture")]
     NestedCapture { region: String },
@@ -49,6 +54,7 @@ impl CaptureError {
             CaptureError::HostSync { .. } => "host_sync",
             CaptureError::HostUpload { .. } => "host_upload",
             CaptureError::AllocOutsidePool { .. } => "alloc_outside_pool",
+            CaptureError::WorkspaceGrowth { .. } => "workspace_growth",
             CaptureError::NestedCapture { .. } => "nested_capture",
             CaptureError::EmptyGraph { .. } => "empty_graph",
             CaptureError::PendingBackward { .. } => "pending_backward",

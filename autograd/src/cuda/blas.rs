@@ -68,7 +68,15 @@ impl Blas {
     fn new(dev: &Arc<Dev>) -> Result<Blas> {
         dev.bind()?;
         let handle = br::create_handle().map_err(|e| cu_err("cublasCreate", e))?;
-        let ws = DevBuf::alloc(dev, WORKSPACE)?;
+        // Device state for the rest of the process: never from a capture's arena (whose bytes
+        // are reused later), and not part of a warm-up's measured region.
+        if dev.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(super::capture_scope::violation(super::capture_scope::CaptureViolation::WorkspaceGrowth {
+                library: "cuBLAS",
+                requested: WORKSPACE,
+            }));
+        }
+        let ws = super::capture_scope::unmeasured(|| DevBuf::alloc(dev, WORKSPACE))?;
         unsafe {
             br::set_stream(handle, dev.cu_stream as bs::cudaStream_t).map_err(|e| cu_err("cublasSetStream", e))?;
             bs::cublasSetWorkspace_v2(handle, ws.ptr as *mut c_void, WORKSPACE).result().map_err(|e| cu_err("cublasSetWorkspace", e))?;

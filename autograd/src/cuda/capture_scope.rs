@@ -26,6 +26,9 @@ pub enum CaptureViolation {
     AllocOutsidePool { requested: usize, free: usize },
     /// A capture scope opened while another is open on this thread.
     NestedCapture,
+    /// A library's device-lifetime workspace (`library`: cuDNN, cuBLAS) would have to grow, which
+    /// a capture must not do: its arena's bytes are reused, rewound or given back later.
+    WorkspaceGrowth { library: &'static str, requested: usize },
 }
 
 impl std::fmt::Display for CaptureViolation {
@@ -37,6 +40,10 @@ impl std::fmt::Display for CaptureViolation {
                 write!(f, "allocation of {requested} bytes outside the recording's pool during capture ({free} bytes left in the arena)")
             }
             CaptureViolation::NestedCapture => write!(f, "nested graph capture"),
+            CaptureViolation::WorkspaceGrowth { library, requested } => write!(
+                f,
+                "{library}'s workspace would have to grow to {requested} bytes during graph capture (run the work natively once first, as a recorder's warm-up does)"
+            ),
         }
     }
 }
@@ -203,7 +210,8 @@ thread_local! {
     static MEASURING: Cell<bool> = const { Cell::new(false) };
 }
 
-fn violate(v: CaptureViolation) -> Error {
+/// Records `v` as the scope's violation (the first one stays) and returns it as an error.
+pub(crate) fn violation(v: CaptureViolation) -> Error {
     let msg = v.to_string();
     VIOLATION.with(|s| {
         let mut s = s.borrow_mut();
@@ -317,16 +325,16 @@ pub(crate) fn arena_alloc(dev: &Arc<Dev>, bytes: usize) -> Option<Result<(u64, A
         let s = s.borrow();
         let scope = s.as_ref()?;
         if scope.arena.dev.ordinal != dev.ordinal {
-            return Some(Err(violate(CaptureViolation::AllocOutsidePool { requested: bytes, free: 0 })));
+            return Some(Err(violation(CaptureViolation::AllocOutsidePool { requested: bytes, free: 0 })));
         }
-        Some(scope.arena.take(bytes).map(|p| (p, scope.arena.clone())).map_err(violate))
+        Some(scope.arena.take(bytes).map(|p| (p, scope.arena.clone())).map_err(violation))
     })
 }
 
 /// Called by host-synchronising entry points: an error inside a capture scope.
 pub(crate) fn check_host_sync(op: &'static str) -> Result<()> {
     if is_capturing() {
-        return Err(violate(CaptureViolation::HostSync { op }));
+        return Err(violation(CaptureViolation::HostSync { op }));
     }
     Ok(())
 }
@@ -334,7 +342,7 @@ pub(crate) fn check_host_sync(op: &'static str) -> Result<()> {
 /// Called by host→device uploads: an error inside a capture scope.
 pub(crate) fn check_host_upload(op: &'static str) -> Result<()> {
     if is_capturing() {
-        return Err(violate(CaptureViolation::HostUpload { op }));
+        return Err(violation(CaptureViolation::HostUpload { op }));
     }
     Ok(())
 }

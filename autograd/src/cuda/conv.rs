@@ -10,7 +10,8 @@
 //! f16/bf16 tensor cores with an f32 compute type, f64 the double path. (A timed choice,
 //! `PTL_CUDNN_BENCHMARK`, existed while every convolution went this way; it was dropped when the
 //! graph API took over, since it had come to time only f64 and fallback shapes.) All plans share one
-//! workspace ([`Workspace`]), so a captured step never allocates inside cuDNN.
+//! workspace ([`Workspace`], `conv_workspace`), which only native work grows: a captured step never
+//! allocates inside cuDNN.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -18,10 +19,10 @@ use std::sync::Arc;
 
 use cudarc::cudnn::{result as nr, sys as ns};
 
-use super::alloc::DevBuf;
 use super::conv_choice::{Choice, ChoiceCache};
 pub(crate) use super::conv_graph::Dir;
 use super::conv_graph::{max_workspace, Built};
+use super::conv_workspace::Workspace;
 use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
 use super::storage::CudaStorage;
@@ -44,70 +45,6 @@ struct Plan {
     conv: ns::cudnnConvolutionDescriptor_t,
     algo: Algo,
     ws_bytes: usize,
-}
-
-/// The one workspace every cuDNN plan of a device uses (calls run one after another on the compute
-/// stream), sized to the largest need so far. When a plan needs more, the old buffer is freed
-/// (stream-ordered, after the work already queued on it) unless a CUDA graph was captured with
-/// its address; then it stays for the graph's sake and the new one is at least twice as large, so
-/// kept buffers sum to less than twice the largest need. (One workspace per plan summed to 0.9 GiB
-/// in bf16 and 2.0 GiB in f32 in a training run; keeping every outgrown buffer cost ~20 MiB more.)
-/// A workspace per call, freed after it, was tried: the peak allocation barely moved (835 against
-/// 846 MiB — the largest workspaces are needed at the step's peak) and the pool, placing the big
-/// short-lived blocks between activations, reserved 1.5 GiB instead of 0.9. Plans are instead
-/// limited to [`max_workspace`] bytes.
-#[derive(Default)]
-pub(crate) struct Workspace {
-    /// Buffers, the current one last, each with whether a capture has seen its address.
-    bufs: Vec<(DevBuf, bool)>,
-}
-
-/// A workspace address for one call, and the buffer behind it when it was made for that call
-/// alone (freed, stream-ordered, when the lease drops after the call is queued).
-pub(crate) struct WorkspaceLease {
-    pub(crate) ptr: u64,
-    _transient: Option<DevBuf>,
-}
-
-impl Workspace {
-    /// A workspace of at least `bytes` bytes (address 0 when none is needed).
-    fn get(&mut self, dev: &Arc<Dev>, bytes: usize) -> Result<WorkspaceLease> {
-        let kept = |ptr| WorkspaceLease { ptr, _transient: None };
-        if bytes == 0 {
-            return Ok(kept(0));
-        }
-        let capturing = dev.capturing.load(std::sync::atomic::Ordering::Relaxed);
-        if let Some((b, pinned)) = self.bufs.last_mut() {
-            if b.bytes >= bytes {
-                *pinned |= capturing;
-                return Ok(kept(b.ptr));
-            }
-            // Recorded graphs hold the current buffer and a native call needs more (validation
-            // at twice the training batch): a buffer for this call alone, so that no second
-            // workspace stays beside the graphs' for the rest of the process.
-            if *pinned && !capturing {
-                let t = DevBuf::alloc(dev, bytes.next_multiple_of(1 << 20))?;
-                return Ok(WorkspaceLease { ptr: t.ptr, _transient: Some(t) });
-            }
-        }
-        let size = match self.bufs.last() {
-            Some((_, false)) => {
-                self.bufs.pop();
-                bytes
-            }
-            Some((b, true)) => bytes.max(2 * b.bytes),
-            None => bytes,
-        }
-        .next_multiple_of(1 << 20);
-        let b = DevBuf::alloc(dev, size)?;
-        let ptr = b.ptr;
-        self.bufs.push((b, capturing));
-        Ok(kept(ptr))
-    }
-
-    fn bytes(&self) -> u64 {
-        self.bufs.iter().map(|(b, _)| b.bytes as u64).sum()
-    }
 }
 
 pub(crate) struct Dnn {

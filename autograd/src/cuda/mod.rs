@@ -42,6 +42,7 @@ pub(crate) mod capture_support;
 pub(crate) mod conv;
 mod conv_choice;
 mod conv_graph;
+mod conv_workspace;
 pub(crate) mod counters;
 mod device;
 pub(crate) mod graph;
