@@ -285,13 +285,18 @@ def on_train_batch_end(tr):
 
 
 def on_fit_epoch_end(tr):
-    rec["epoch_s"].append(time.perf_counter() - state["epoch_t0"])
     m = {}
     for k, v in (tr.metrics or {}).items():
         try:
             m[k] = float(v)
         except Exception:
             pass
+    # After the last epoch, final_eval() validates best.pt and calls this hook once more: that is
+    # best.pt's figures, not an epoch.
+    if len(rec["metrics"]) >= tr.epochs:
+        rec["final_eval_metrics"] = m
+        return
+    rec["epoch_s"].append(time.perf_counter() - state["epoch_t0"])
     rec["metrics"].append(m)
 
 
@@ -352,7 +357,7 @@ res = {
     "start_to_start": dict(stats(s2s) or {}, window_ms=window_ms(s2s_g)) if s2s else None,
     "sync_window_ms_per_step": rec["sync_window"],
     "data_wait_ms_mean": statistics.fmean(waits) if waits else None,
-    "epoch_s": rec["epoch_s"], "metrics_per_epoch": rec["metrics"],
+    "epoch_s": rec["epoch_s"], "metrics_per_epoch": rec["metrics"], "final_eval_metrics": rec.get("final_eval_metrics"),
     "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
     "gpu_breakdown": rec.get("gpu_breakdown"), "gpu_breakdown_error": rec.get("gpu_breakdown_error"),

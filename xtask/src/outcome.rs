@@ -282,15 +282,21 @@ fn run_ultralytics(o: &Opts, work: &Path, script: &Path, site: Option<&Path>, da
     let logname = format!("{}-seed{seed}.log", arm.label.replace('@', "-"));
     let _ = std::fs::write(o.out.join(&logname), [out.stdout.as_slice(), out.stderr.as_slice()].concat());
     let res: Value = std::fs::read_to_string(&result).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or(Value::Null);
-    let epochs: Vec<Value> = res["metrics_per_epoch"]
+    let mut epochs: Vec<Value> = res["metrics_per_epoch"]
         .as_array()
         .map(|v| v.iter().enumerate().map(|(i, m)| epoch_entry(i + 1, |k| m[k].as_f64())).collect())
         .unwrap_or_default();
+    // A driver that still reports Ultralytics' final validation of best.pt as one more epoch.
+    let final_eval = (epochs.len() > o.epochs).then(|| epochs.split_off(o.epochs));
     let exit = out.status.code().unwrap_or(-1);
     let error = (exit != 0).then(|| tail(&out.stderr, 8)).or_else(|| res["error"].as_str().map(|e| format!("crashed: {e}")));
     let mut rec = record(o, arm, seed, wall, if error.is_some() && exit == 0 { 1 } else { exit }, epochs, error);
     rec["precision_ran"] = res["precision"].clone();
     rec["optimizer_ran"] = res["optimizer"].clone();
+    rec["final_eval"] = match final_eval {
+        Some(mut extra) => extra.pop().unwrap_or(Value::Null),
+        None => res["final_eval_metrics"].as_object().map_or(Value::Null, |m| epoch_entry(0, |k| m.get(k).and_then(Value::as_f64))),
+    };
     Ok(rec)
 }
 
@@ -347,8 +353,20 @@ struct Figures {
     best_pose: (f64, usize),
 }
 
+/// A run's training epochs: at most the epochs it was asked for. Ultralytics validates best.pt
+/// once more after the last epoch and calls its epoch-end hook for it; records made before the
+/// driver kept that apart carry it as an extra entry, which is not an epoch (it is best.pt's
+/// figures, not the last epoch's).
+fn training_epochs(rec: &Value) -> &[Value] {
+    let eps = rec["epochs"].as_array().map_or(&[][..], Vec::as_slice);
+    match rec["epochs_asked"].as_u64() {
+        Some(asked) => &eps[..eps.len().min(asked as usize)],
+        None => eps,
+    }
+}
+
 fn figures(rec: &Value) -> Option<Figures> {
-    let eps = rec["epochs"].as_array().filter(|v| !v.is_empty())?;
+    let eps = Some(training_epochs(rec)).filter(|v| !v.is_empty())?;
     let series =
         |k: &str| eps.iter().map(|e| (e[k].as_f64().unwrap_or(f64::NAN), e["epoch"].as_u64().unwrap_or(0) as usize)).collect::<Vec<_>>();
     let best = |k: &str| {
@@ -482,7 +500,7 @@ fn plot(runs: &[(&Value, Figures)], out: &Path) -> Result<(), String> {
         let nth = seen.entry(f.arm.as_str()).or_insert(0);
         let dashed = *nth > 0;
         *nth += 1;
-        let eps = rec["epochs"].as_array().cloned().unwrap_or_default();
+        let eps = training_epochs(rec);
         for (k, key) in ["box", "pose"].iter().enumerate() {
             let points = eps.iter().filter_map(|e| Some((e["epoch"].as_f64()?, e[*key].as_f64()?))).collect();
             curves[k].push(Curve { label: format!("{} seed {}", f.arm, f.seed), points, colour, dashed });
@@ -532,6 +550,20 @@ mod tests {
         assert!(ok && (lo - 0.47595).abs() < 1e-9 && (hi - 0.52605).abs() < 1e-9);
         assert!(!within_reference(0.47, &[0.5, 0.502]).unwrap().0);
         assert_eq!(within_reference(0.5, &[]), None);
+    }
+
+    #[test]
+    fn figures_stop_at_the_asked_epochs() {
+        // An older Ultralytics record: best.pt's final validation reported as a 4th "epoch".
+        let mut o = parse(&[]).unwrap();
+        o.epochs = 3;
+        let mut eps: Vec<Value> = (1..=3).map(|e| epoch_entry(e, |k| Some(if k == BOX { 0.1 * e as f64 } else { 0.05 }))).collect();
+        eps.push(epoch_entry(4, |k| Some(if k == BOX { 0.9 } else { 0.05 })));
+        let rec = record(&o, &parse_arm("ultralytics").unwrap(), 0, 10.0, 0, eps, None);
+        let f = figures(&rec).unwrap();
+        assert_eq!(f.epochs, 3);
+        assert!((f.last_box - 0.3).abs() < 1e-12, "{}", f.last_box);
+        assert_eq!(f.best_box.1, 3);
     }
 
     #[test]
