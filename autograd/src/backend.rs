@@ -224,8 +224,8 @@ pub trait BackendStorage: Sized {
     /// Top-k along `dim`, sorted (largest first when `largest`), ties by lower index. No gradient.
     fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Self, Self)>;
 
-    /// Training-mode batch-norm statistics of a contiguous NCHW tensor (`shape` = [n, c, h, w]),
-    /// accumulated deterministically in f64. `weight`, `bias`, `running_mean`, `running_var` have
+    /// Training-mode batch-norm statistics of an NCHW tensor (`shape` = [n, c, h, w], stored
+    /// N, H, W, C when `channels_last`), accumulated deterministically in f64. `weight`, `bias`, `running_mean`, `running_var` have
     /// the statistics dtype (f64 for f64 input, else f32); the running statistics are updated in
     /// place (`r ← (1 − momentum)·r + momentum·batch`, unbiased variance). Returns
     /// `([scale; C] ++ [shift; C], [invstd; C] ++ [−mean·invstd; C])` in the statistics dtype, with
@@ -242,10 +242,11 @@ pub trait BackendStorage: Sized {
         batches: Option<&mut Self>,
         eps: f64,
         momentum: f64,
+        channels_last: bool,
     ) -> Result<(Self, Self)>;
     /// [`Self::batch_norm_train_stats`] followed by [`Self::channel_affine`] with its `aff`:
     /// returns `(y, aff, nrm)`. A backend may do both in fewer passes; the bytes must be those of
-    /// the two calls.
+    /// the two calls. `y` is stored as `self` is (`channels_last`).
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_train_apply(
         &self,
@@ -258,20 +259,24 @@ pub trait BackendStorage: Sized {
         eps: f64,
         momentum: f64,
         silu: bool,
+        channels_last: bool,
     ) -> Result<(Self, Self, Self)> {
-        let (aff, nrm) = self.batch_norm_train_stats(shape, weight, bias, running_mean, running_var, batches, eps, momentum)?;
-        let y = self.channel_affine(shape, &aff, silu)?;
+        let (aff, nrm) =
+            self.batch_norm_train_stats(shape, weight, bias, running_mean, running_var, batches, eps, momentum, channels_last)?;
+        let y = self.channel_affine(shape, &aff, silu, channels_last)?;
         Ok((y, aff, nrm))
     }
-    /// `y = act(x·p[c] + p[C + c])` over a contiguous NCHW tensor with `p` = `[scale; C] ++ [shift; C]`
-    /// (statistics dtype); `act` is SiLU when `silu`, else identity. Output in the input dtype.
-    fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self>;
+    /// `y = act(x·p[c] + p[C + c])` over an NCHW tensor (stored N, H, W, C when `channels_last`,
+    /// and `y` the same way) with `p` = `[scale; C] ++ [shift; C]` (statistics dtype); `act` is
+    /// SiLU when `silu`, else identity. Output in the input dtype.
+    fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool, channels_last: bool) -> Result<Self>;
     /// Backward of `y = act(x·aff[c] + aff[C + c])` for batch-norm (`self` = x, NCHW), with
     /// `nrm` = `[invstd; C] ++ [−mean·invstd; C]` and the weight `w` (statistics dtype): with
     /// `gz = g·act'(z)` and `x̂ = x·nrm[c] + nrm[C + c]`, returns `(dx, Σ gz·x̂, Σ gz)` — the input
     /// gradient in the input dtype and the weight and bias gradients per channel (statistics
     /// dtype). `training` adds the batch-statistics terms: `dx = w·invstd·(gz − (Σgz + x̂·Σgz·x̂)/N)`,
-    /// else `dx = w·invstd·gz`. Sums accumulate in f64 in a fixed order.
+    /// else `dx = w·invstd·gz`. Sums accumulate in f64 in a fixed order. `x`, `g` and `dx` are
+    /// stored N, H, W, C when `channels_last`.
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_act_backward(
         &self,
@@ -282,6 +287,7 @@ pub trait BackendStorage: Sized {
         w: &Self,
         silu: bool,
         training: bool,
+        channels_last: bool,
     ) -> Result<(Self, Self, Self)>;
     /// Eval-mode batch-norm parameters from `self` = weight and the running statistics (all of one
     /// float dtype, length C): the same `(aff, nrm)` pair as [`Self::batch_norm_train_stats`].

@@ -506,6 +506,7 @@ impl Storage {
         batches: Option<&mut Storage>,
         eps: f64,
         momentum: f64,
+        channels_last: bool,
     ) -> Result<(Storage, Storage)> {
         match (self, w, b, rm, rv, batches) {
             (Storage::Cpu(x), Storage::Cpu(w), Storage::Cpu(b), Storage::Cpu(rm), Storage::Cpu(rv), nb) => {
@@ -515,7 +516,7 @@ impl Storage {
                     #[allow(unreachable_patterns)]
                     Some(s) => return Err(Error::DeviceMismatch { op: "batch_norm_train_stats", lhs: Device::Cpu, rhs: s.device() }),
                 };
-                let (a, n) = x.batch_norm_train_stats(shape, w, b, rm, rv, nb, eps, momentum)?;
+                let (a, n) = x.batch_norm_train_stats(shape, w, b, rm, rv, nb, eps, momentum, channels_last)?;
                 Ok((Storage::Cpu(a), Storage::Cpu(n)))
             }
             #[cfg(feature = "cuda")]
@@ -525,7 +526,7 @@ impl Storage {
                     Some(Storage::Cuda(s)) => Some(s),
                     Some(s) => return Err(Error::DeviceMismatch { op: "batch_norm_train_stats", lhs: x.device(), rhs: s.device() }),
                 };
-                let (a, n) = x.batch_norm_train_stats(shape, w, b, rm, rv, nb, eps, momentum)?;
+                let (a, n) = x.batch_norm_train_stats(shape, w, b, rm, rv, nb, eps, momentum, channels_last)?;
                 Ok((Storage::Cuda(a), Storage::Cuda(n)))
             }
             #[allow(unreachable_patterns)]
@@ -545,6 +546,7 @@ impl Storage {
         eps: f64,
         momentum: f64,
         silu: bool,
+        channels_last: bool,
     ) -> Result<(Storage, Storage, Storage)> {
         match (self, w, b, rm, rv, batches) {
             (Storage::Cpu(x), Storage::Cpu(w), Storage::Cpu(b), Storage::Cpu(rm), Storage::Cpu(rv), nb) => {
@@ -554,7 +556,7 @@ impl Storage {
                     #[allow(unreachable_patterns)]
                     Some(s) => return Err(Error::DeviceMismatch { op: "batch_norm_train_apply", lhs: Device::Cpu, rhs: s.device() }),
                 };
-                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu)?;
+                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu, channels_last)?;
                 Ok((Storage::Cpu(y), Storage::Cpu(a), Storage::Cpu(n)))
             }
             #[cfg(feature = "cuda")]
@@ -564,7 +566,7 @@ impl Storage {
                     Some(Storage::Cuda(s)) => Some(s),
                     Some(s) => return Err(Error::DeviceMismatch { op: "batch_norm_train_apply", lhs: x.device(), rhs: s.device() }),
                 };
-                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu)?;
+                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu, channels_last)?;
                 Ok((Storage::Cuda(y), Storage::Cuda(a), Storage::Cuda(n)))
             }
             #[allow(unreachable_patterns)]
@@ -582,15 +584,16 @@ impl Storage {
         w: &Storage,
         silu: bool,
         training: bool,
+        channels_last: bool,
     ) -> Result<(Storage, Storage, Storage)> {
         match (self, g, aff, nrm, w) {
             (Storage::Cpu(x), Storage::Cpu(g), Storage::Cpu(a), Storage::Cpu(n), Storage::Cpu(w)) => {
-                let (dx, gw, gb) = x.batch_norm_act_backward(g, shape, a, n, w, silu, training)?;
+                let (dx, gw, gb) = x.batch_norm_act_backward(g, shape, a, n, w, silu, training, channels_last)?;
                 Ok((Storage::Cpu(dx), Storage::Cpu(gw), Storage::Cpu(gb)))
             }
             #[cfg(feature = "cuda")]
             (Storage::Cuda(x), Storage::Cuda(g), Storage::Cuda(a), Storage::Cuda(n), Storage::Cuda(w)) => {
-                let (dx, gw, gb) = x.batch_norm_act_backward(g, shape, a, n, w, silu, training)?;
+                let (dx, gw, gb) = x.batch_norm_act_backward(g, shape, a, n, w, silu, training, channels_last)?;
                 Ok((Storage::Cuda(dx), Storage::Cuda(gw), Storage::Cuda(gb)))
             }
             #[allow(unreachable_patterns)]
@@ -618,8 +621,8 @@ impl Storage {
         unary_dispatch!(self, |s| s.softmax(shape, dim, log))
     }
     /// See [`BackendStorage::channel_affine`].
-    pub fn channel_affine(&self, shape: &[usize], params: &Storage, silu: bool) -> Result<Storage> {
-        pair!("channel_affine", self, params, |a, b| a.channel_affine(shape, b, silu))
+    pub fn channel_affine(&self, shape: &[usize], params: &Storage, silu: bool, channels_last: bool) -> Result<Storage> {
+        pair!("channel_affine", self, params, |a, b| a.channel_affine(shape, b, silu, channels_last))
     }
     pub fn nonzero_static(&self, size: usize, fill: i64) -> Result<Storage> {
         unary_dispatch!(self, |s| s.nonzero_static(size, fill))

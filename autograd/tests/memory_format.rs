@@ -216,3 +216,32 @@ fn max_pooling_keeps_channels_last() {
         assert_eq!(nhwc.2, plain.2, "kernel {k}: input gradient");
     }
 }
+
+/// Batch norm (+SiLU) takes a channels-last input as it lies and gives a channels-last output and
+/// input gradient (the CPU runs its planar loops on rearranged copies: the contiguous input's
+/// bytes), in training and in eval mode, with the same running statistics.
+#[test]
+fn batch_norm_keeps_channels_last() {
+    let x = rand(&[2, 5, 4, 3], 15);
+    let (w, b) = (rand(&[5], 16), rand(&[5], 17));
+    for training in [true, false] {
+        for silu in [true, false] {
+            let run = |channels_last: bool| -> (MemoryFormat, Vec<Vec<u8>>) {
+                let leaf = x.detach().requires_grad_(true).unwrap();
+                let (w, b) = (w.detach().requires_grad_(true).unwrap(), b.detach().requires_grad_(true).unwrap());
+                let (rm, rv) = (rand(&[5], 18), rand(&[5], 19).add_scalar(2.0).unwrap());
+                let input = if channels_last { leaf.to_memory_format(MemoryFormat::ChannelsLast).unwrap() } else { leaf.clone() };
+                let y = input.batch_norm2d_fused(&w, &b, &rm, &rv, BatchNormOptions { training, momentum: 0.03, eps: 1e-3 }, silu).unwrap();
+                let f = y.memory_format();
+                y.mul(&rand(y.dims(), 20)).unwrap().sum_all().unwrap().backward().unwrap();
+                let bytes = [&y, &leaf.grad().unwrap(), &w.grad().unwrap(), &b.grad().unwrap(), &rm, &rv].map(|t| t.to_bytes().unwrap());
+                (f, bytes.to_vec())
+            };
+            let (plain, nhwc) = (run(false), run(true));
+            assert_eq!((plain.0, nhwc.0), (MemoryFormat::Contiguous, MemoryFormat::ChannelsLast), "training {training}");
+            for (k, part) in ["y", "input gradient", "weight gradient", "bias gradient", "running mean", "running var"].iter().enumerate() {
+                assert_eq!(nhwc.1[k], plain.1[k], "training {training} silu {silu}: {part}");
+            }
+        }
+    }
+}

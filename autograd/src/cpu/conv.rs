@@ -269,6 +269,31 @@ fn relayout<T: Copy>(v: &[T], [n, c, h, w]: [usize; 4], to_planes: bool) -> Vec<
     out
 }
 
+/// `s` (logical NCHW `shape`) in N, C, H, W order: itself, or a rearranged copy when it is
+/// stored N, H, W, C (`channels_last`). Ops that have only the planar loops run on it.
+pub(crate) fn planes_of<'a>(s: &'a CpuStorage, shape: &[usize], channels_last: bool) -> Result<std::borrow::Cow<'a, CpuStorage>> {
+    if !channels_last {
+        return Ok(std::borrow::Cow::Borrowed(s));
+    }
+    Ok(std::borrow::Cow::Owned(relayout_storage(s, dims4(s, shape)?, true)?))
+}
+
+/// `s` (N, C, H, W order, logical `shape`) stored N, H, W, C when `channels_last`, else as it is.
+pub(crate) fn stored_as(s: CpuStorage, shape: &[usize], channels_last: bool) -> Result<CpuStorage> {
+    if !channels_last {
+        return Ok(s);
+    }
+    relayout_storage(&s, dims4(&s, shape)?, false)
+}
+
+/// `shape` as four dimensions whose product is the storage's length.
+fn dims4(s: &CpuStorage, shape: &[usize]) -> Result<[usize; 4]> {
+    match shape {
+        [n, c, h, w] if n * c * h * w == s.len() => Ok([*n, *c, *h, *w]),
+        _ => Err(Error::invalid("channels-last storage", format!("shape {shape:?} is not four dimensions of {} elements", s.len()))),
+    }
+}
+
 /// A storage of logical `dims` moved between N, H, W, C and N, C, H, W order (see [`relayout`]).
 fn relayout_storage(s: &CpuStorage, dims: [usize; 4], to_planes: bool) -> Result<CpuStorage> {
     use CpuStorage as S;
@@ -278,7 +303,13 @@ fn relayout_storage(s: &CpuStorage, dims: [usize; 4], to_planes: bool) -> Result
         S::F16(v) => S::F16(relayout(v, dims, to_planes)),
         S::BF16(v) => S::BF16(relayout(v, dims, to_planes)),
         S::I64(v) => S::I64(relayout(v, dims, to_planes)),
-        other => return Err(Error::UnsupportedDType { op: "max_pool2d", dtype: other.dtype(), expected: "a float dtype or i64 indices" }),
+        other => {
+            return Err(Error::UnsupportedDType {
+                op: "channels-last storage",
+                dtype: other.dtype(),
+                expected: "a float dtype or i64 indices",
+            })
+        }
     })
 }
 

@@ -289,11 +289,16 @@ impl BackendStorage for CpuStorage {
         batches: Option<&mut Self>,
         eps: f64,
         momentum: f64,
+        channels_last: bool,
     ) -> Result<(Self, Self)> {
-        fused::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum)
+        // The per-channel sums run over the planes (the same bytes as the contiguous tensor's).
+        let x = conv::planes_of(self, shape, channels_last)?;
+        fused::batch_norm_train_stats(&x, shape, weight, bias, running_mean, running_var, batches, eps, momentum)
     }
-    fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
-        fused::channel_affine(self, shape, params, silu)
+    fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool, channels_last: bool) -> Result<Self> {
+        let x = conv::planes_of(self, shape, channels_last)?;
+        let y = fused::channel_affine(&x, shape, params, silu)?;
+        conv::stored_as(y, shape, channels_last)
     }
     fn batch_norm_act_backward(
         &self,
@@ -304,8 +309,11 @@ impl BackendStorage for CpuStorage {
         w: &Self,
         silu: bool,
         training: bool,
+        channels_last: bool,
     ) -> Result<(Self, Self, Self)> {
-        fused::batch_norm_act_backward(self, g, shape, aff, nrm, w, silu, training)
+        let (x, g) = (conv::planes_of(self, shape, channels_last)?, conv::planes_of(g, shape, channels_last)?);
+        let (dx, gw, gb) = fused::batch_norm_act_backward(&x, &g, shape, aff, nrm, w, silu, training)?;
+        Ok((conv::stored_as(dx, shape, channels_last)?, gw, gb))
     }
     fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self> {
         fused::softmax(self, shape, dim, log)

@@ -33,7 +33,7 @@ mod tests {
         ("reduce", include_str!("ops/reduce.rs")),
         ("index", include_str!("ops/index.rs")),
         ("pool", include_str!("ops/pool.rs")),
-        ("norm", include_str!("ops/norm.rs")),
+        ("norm", concat!(include_str!("ops/norm.rs"), include_str!("ops/norm_cl.rs"))),
         ("softmax", include_str!("ops/softmax.rs")),
         ("multi_tensor", include_str!("ops/multi_tensor.rs")),
         ("pack", include_str!("ops/pack.rs")),

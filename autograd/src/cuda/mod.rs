@@ -219,8 +219,9 @@ impl BackendStorage for CudaStorage {
         batches: Option<&mut Self>,
         eps: f64,
         momentum: f64,
+        channels_last: bool,
     ) -> Result<(Self, Self)> {
-        ops::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum)
+        ops::batch_norm_train_stats(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum, channels_last)
     }
     fn batch_norm_train_apply(
         &self,
@@ -233,11 +234,12 @@ impl BackendStorage for CudaStorage {
         eps: f64,
         momentum: f64,
         silu: bool,
+        channels_last: bool,
     ) -> Result<(Self, Self, Self)> {
-        ops::batch_norm_train_apply(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum, silu)
+        ops::batch_norm_train_apply(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum, silu, channels_last)
     }
-    fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool) -> Result<Self> {
-        ops::channel_affine(self, shape, params, silu)
+    fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool, channels_last: bool) -> Result<Self> {
+        ops::channel_affine(self, shape, params, silu, channels_last)
     }
     fn batch_norm_act_backward(
         &self,
@@ -248,8 +250,9 @@ impl BackendStorage for CudaStorage {
         w: &Self,
         silu: bool,
         training: bool,
+        channels_last: bool,
     ) -> Result<(Self, Self, Self)> {
-        ops::batch_norm_act_backward(self, g, shape, aff, nrm, w, silu, training)
+        ops::batch_norm_act_backward(self, g, shape, aff, nrm, w, silu, training, channels_last)
     }
     fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self> {
         ops::softmax(self, shape, dim, log)

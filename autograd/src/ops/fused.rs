@@ -5,8 +5,9 @@
 
 use crate::autograd::{record, FnBackward};
 use crate::backend::stats_dtype;
+use crate::memory_format::StorageRead;
 use crate::storage::Storage;
-use crate::{BatchNormOptions, Error, Result, Tensor};
+use crate::{BatchNormOptions, Error, MemoryFormat, Result, Tensor};
 
 impl Tensor {
     /// `silu(batch_norm2d(x))`, numerically the same as `x.batch_norm2d(..)?.silu()` up to rounding
@@ -77,6 +78,11 @@ impl Tensor {
         }
         let sd = stats_dtype(self.dtype());
         let n = d[0] * d[2] * d[3];
+        // A channels-last input is normalised as it lies (every backend takes the layout); y and
+        // the input gradient are channels-last too.
+        let format = self.memory_format();
+        let channels_last = format == MemoryFormat::ChannelsLast;
+        let stored = |t| stored_as_it_lies(t, channels_last);
         // Per-channel parameters in the statistics dtype: aff = [scale; shift], nrm = [invstd; −mean·invstd].
         let w_sd = crate::no_grad(|| weight.detach().to_dtype(sd))?;
         // Training: statistics and y in one backend call (fused on CUDA for small layers); eval:
@@ -93,12 +99,23 @@ impl Tensor {
                 let (rm, rv) = (running_mean.to_dtype(sd)?, running_var.to_dtype(sd)?);
                 // Private copies when a cast was needed, so the update below writes through.
                 let (y, a, q) = {
-                    let x = self.read_storage()?;
+                    let x = stored(self)?;
                     let (ws, bs) = (w.read_storage()?, b.read_storage()?);
                     let mut rms = rm.write_storage();
                     let mut rvs = rv.write_storage();
                     let mut counter = num_batches_tracked.map(|t| t.write_storage());
-                    x.batch_norm_train_apply(&d, &ws, &bs, &mut rms, &mut rvs, counter.as_deref_mut(), opts.eps, opts.momentum, silu)?
+                    x.batch_norm_train_apply(
+                        &d,
+                        &ws,
+                        &bs,
+                        &mut rms,
+                        &mut rvs,
+                        counter.as_deref_mut(),
+                        opts.eps,
+                        opts.momentum,
+                        silu,
+                        channels_last,
+                    )?
                 };
                 if rm.storage_ptr() != running_mean.storage_ptr() {
                     running_mean.copy_(&rm.to_dtype(running_mean.dtype())?)?;
@@ -111,11 +128,11 @@ impl Tensor {
                 let (rm, rv) = (running_mean.to_dtype(sd)?, running_var.to_dtype(sd)?);
                 let (a, q) =
                     w.read_storage()?.batch_norm_eval_params(&*b.read_storage()?, &*rm.read_storage()?, &*rv.read_storage()?, opts.eps)?;
-                let y = self.read_storage()?.channel_affine(&d, &a, silu)?;
+                let y = stored(self)?.channel_affine(&d, &a, silu, channels_last)?;
                 Ok((y, Tensor::from_storage(a, vec![2 * c])?, Tensor::from_storage(q, vec![2 * c])?))
             }
         })?;
-        let y = Tensor::from_storage(y, d.clone())?;
+        let y = Tensor::from_storage_in(y, d.clone().into(), format)?;
         if !(self.requires_grad() || weight.requires_grad() || bias.requires_grad()) || !crate::is_grad_enabled() {
             return Ok(y);
         }
@@ -130,8 +147,10 @@ impl Tensor {
                 f: move |g: &[Option<Tensor>]| {
                     let Some(g) = &g[0] else { return Ok(vec![None, None, None]) };
                     let g = if g.dtype() == x.dtype() { g.clone() } else { g.to_dtype(x.dtype())? };
+                    // The output gradient in y's format (converted if it arrived otherwise).
+                    let g = g.to_memory_format(format)?;
                     let (dx, gw, gb) = {
-                        let (xs, gs) = (x.read_storage()?, g.read_storage()?);
+                        let (xs, gs) = (stored_as_it_lies(&x, channels_last)?, stored_as_it_lies(&g, channels_last)?);
                         xs.batch_norm_act_backward(
                             &gs,
                             &d,
@@ -140,9 +159,10 @@ impl Tensor {
                             &*w_sd.read_storage()?,
                             silu,
                             training,
+                            channels_last,
                         )?
                     };
-                    let gx = if needs[0] { Some(Tensor::from_storage(dx, d.clone())?) } else { None };
+                    let gx = if needs[0] { Some(Tensor::from_storage_in(dx, d.clone().into(), format)?) } else { None };
                     let gw = if needs[1] { Some(Tensor::from_storage(gw, vec![c])?.to_dtype(wd.dtype())?) } else { None };
                     let gbias = if needs[2] { Some(Tensor::from_storage(gb, vec![c])?.to_dtype(wd.dtype())?) } else { None };
                     Ok(vec![gx, gw, gbias])
@@ -150,5 +170,13 @@ impl Tensor {
             },
         )
         .remove(0))
+    }
+}
+
+/// `t`'s storage as it lies when the op computes channels-last, else in the logical order.
+fn stored_as_it_lies(t: &Tensor, channels_last: bool) -> Result<StorageRead<'_>> {
+    match channels_last {
+        true => Ok(StorageRead::Shared(t.raw_storage())),
+        false => t.read_storage(),
     }
 }

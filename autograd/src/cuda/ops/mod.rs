@@ -10,6 +10,7 @@ mod elementwise;
 mod index;
 mod multi_tensor;
 mod norm;
+mod norm_cl;
 mod pack;
 mod pool;
 mod reduce;

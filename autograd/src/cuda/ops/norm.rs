@@ -87,8 +87,9 @@ pub(crate) fn batch_norm_train_stats(
     batches: Option<&mut CudaStorage>,
     eps: f64,
     momentum: f64,
+    channels_last: bool,
 ) -> Result<(CudaStorage, CudaStorage)> {
-    let (_, aff, nrm) = bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, None)?;
+    let (_, aff, nrm) = bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, None, channels_last)?;
     Ok((aff, nrm))
 }
 
@@ -107,18 +108,20 @@ pub(crate) fn batch_norm_train_apply(
     eps: f64,
     momentum: f64,
     silu: bool,
+    channels_last: bool,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-    match bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, Some(silu))? {
+    match bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, Some(silu), channels_last)? {
         (Some(y), aff, nrm) => Ok((y, aff, nrm)),
         (None, aff, nrm) => {
-            let y = channel_affine(x, shape, &aff, silu)?;
+            let y = channel_affine(x, shape, &aff, silu, channels_last)?;
             Ok((y, aff, nrm))
         }
     }
 }
 
 /// The statistics launch; with `apply` = `Some(silu)` and one block per channel, the fused
-/// statistics-and-apply launch, whose output it returns.
+/// statistics-and-apply launch, whose output it returns. Channels-last storage goes to
+/// [`super::norm_cl`] after the same checks.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn bn_train(
     x: &CudaStorage,
@@ -131,6 +134,7 @@ pub(super) fn bn_train(
     eps: f64,
     momentum: f64,
     apply: Option<bool>,
+    channels_last: bool,
 ) -> Result<(Option<CudaStorage>, CudaStorage, CudaStorage)> {
     const OP: &str = "batch_norm_train_stats";
     if !x.dtype.is_float() {
@@ -159,6 +163,11 @@ pub(super) fn bn_train(
     }
     let aff = CudaStorage::alloc(dev, sd, 2 * c)?;
     let nrm = CudaStorage::alloc(dev, sd, 2 * c)?;
+    if channels_last {
+        let stats = super::norm_cl::Stats { w, b, rm, rv, nbt, eps, momentum, aff: &aff, nrm: &nrm };
+        let y = super::norm_cl::train(x, n * hw, c, &stats, apply)?;
+        return Ok((y, aff, nrm));
+    }
     let parts = bn_parts(total, c);
     // The statistics' summation order follows x's vector width alone; the fused launch also
     // stores y with it, so y must allow it too.
@@ -209,6 +218,7 @@ pub(crate) fn batch_norm_act_backward(
     w: &CudaStorage,
     silu: bool,
     training: bool,
+    channels_last: bool,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     const OP: &str = "batch_norm_act_backward";
     if !x.dtype.is_float() {
@@ -234,6 +244,11 @@ pub(crate) fn batch_norm_act_backward(
     let gw = CudaStorage::alloc(dev, sd, c)?;
     let gb = CudaStorage::alloc(dev, sd, c)?;
     let coef = CudaStorage::alloc(dev, sd, 3 * c)?;
+    if channels_last {
+        let grads = super::norm_cl::Grads { aff, nrm, w, gw: &gw, gb: &gb, coef: &coef };
+        let dx = super::norm_cl::backward(x, g, n * hw, c, &grads, silu, training, dx)?;
+        return Ok((dx, gw, gb));
+    }
     let parts = bn_parts(total, c);
     let (vsfx, v) = bn_vector(x.dtype, hw, &[x, g, &dx]);
     let (px, pg, pa, pn, pw) = (ptr(x), ptr(g), ptr(aff), ptr(nrm), ptr(w));
@@ -264,7 +279,8 @@ pub(crate) fn batch_norm_act_backward(
     Ok((dx, gw, gb))
 }
 
-pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, silu: bool) -> Result<CudaStorage> {
+/// `y = act(x·p[c] + p[C + c])`, stored as `x` is (N, H, W, C when `channels_last`).
+pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, silu: bool, channels_last: bool) -> Result<CudaStorage> {
     const OP: &str = "channel_affine";
     if !x.dtype.is_float() {
         return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
@@ -275,6 +291,10 @@ pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, 
     let dev = &x.buf.dev;
     let out = CudaStorage::alloc(dev, x.dtype, x.len)?;
     if x.len == 0 {
+        return Ok(out);
+    }
+    if channels_last {
+        super::norm_cl::affine(x, c, p, silu, &out)?;
         return Ok(out);
     }
     let (vsfx, v) = bn_vector(x.dtype, hw, &[x, &out]);
