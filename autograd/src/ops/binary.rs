@@ -8,16 +8,44 @@ use crate::{Error, MemoryFormat, Result, Tensor};
 
 fn forward(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str) -> Result<Tensor> {
     same_dtype(name, a, b)?;
-    // Two channels-last operands of one shape (a residual add): element by element as they lie,
-    // the result channels-last. Any other mix reads in the logical order (the entry rule).
-    if a.memory_format() == MemoryFormat::ChannelsLast && b.memory_format() == MemoryFormat::ChannelsLast && a.dims() == b.dims() {
-        let lay = Layout::contiguous(a.dims());
-        let s = a.raw_storage().binary(&lay, &b.raw_storage(), &lay, op)?;
-        return Tensor::from_storage_in(s, a.shape().clone(), MemoryFormat::ChannelsLast);
-    }
     let (out, la, lb) = broadcast_layouts(name, a, b)?;
+    if let Some([pa, pb]) = channels_last_space(&out, [(a, &la), (b, &lb)]) {
+        // Iterated in the N, H, W, C order of the channels-last operand's storage: each operand
+        // read where it lies (a channels-last one as stored, a contiguous or broadcast one through
+        // its strides), the result stored channels-last — no conversion pass.
+        let s = stored(a)?.binary(&pa, &*stored(b)?, &pb, op)?;
+        return Tensor::from_storage_in(s, out.into(), MemoryFormat::ChannelsLast);
+    }
     let s = a.read_storage()?.binary(&la, &*b.read_storage()?, &lb, op)?;
     Tensor::from_storage(s, out)
+}
+
+/// The operands' layouts over the N, H, W, C iteration order, when the result is 4-D and some
+/// operand is channels-last with the result's shape (every channels-last operand must have it; a
+/// broadcast channels-last one keeps the entry rule). `None`: compute in the logical order.
+fn channels_last_space(out: &[usize], ops: [(&Tensor, &Layout); 2]) -> Option<[Layout; 2]> {
+    let &[n, c, h, w] = out else { return None };
+    let cl = |t: &Tensor| t.memory_format() == MemoryFormat::ChannelsLast;
+    if !ops.iter().any(|(t, _)| cl(t)) || ops.iter().any(|(t, _)| cl(t) && t.dims() != out) {
+        return None;
+    }
+    let shape = vec![n, h, w, c];
+    Some(ops.map(|(t, l)| {
+        let strides = match cl(t) {
+            true => vec![h * w * c, w * c, c, 1],
+            false => vec![l.strides[0], l.strides[2], l.strides[3], l.strides[1]],
+        };
+        Layout { shape: shape.clone(), strides, offset: l.offset }
+    }))
+}
+
+/// `t`'s storage for a layout of [`channels_last_space`]: as stored when channels-last, else in
+/// the logical order its broadcast strides assume.
+fn stored(t: &Tensor) -> Result<crate::memory_format::StorageRead<'_>> {
+    match t.memory_format() {
+        MemoryFormat::ChannelsLast => Ok(crate::memory_format::StorageRead::Shared(t.raw_storage())),
+        MemoryFormat::Contiguous => t.read_storage(),
+    }
 }
 
 type PairGrad = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> + Send + Sync;

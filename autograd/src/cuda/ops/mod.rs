@@ -11,6 +11,7 @@ mod index;
 mod multi_tensor;
 mod norm;
 mod norm_cl;
+mod norm_rules;
 mod pack;
 mod pool;
 mod reduce;

@@ -9,7 +9,7 @@ use std::ffi::c_void;
 use super::super::device::sfx;
 use super::super::storage::CudaStorage;
 use super::geometry::*;
-use super::norm::{bn_channels, bn_one_block_max, bn_vector};
+use super::norm_rules::{bn_channels, bn_one_block_max, bn_vector};
 use crate::Result;
 
 /// The statistics' per-channel arguments: weight, bias and running statistics in, the affine and
