@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use ptl_autograd::module::{join_name, load_state_dict, state_dict};
-use ptl_autograd::{DType, Device, Module, Rng, Tensor, TensorKind};
+use ptl_autograd::{DType, Device, MemoryFormat, Module, Rng, Tensor, TensorKind};
 
 use crate::blocks::{C2Psa, C3k2, Sppf};
 use crate::head::{HeadOutput, Pose26};
@@ -196,6 +196,8 @@ pub struct PoseModel {
     pub save: Vec<usize>,
     pub device: Device,
     training: bool,
+    /// The storage order of the trunk's and neck's activations ([`PoseModel::set_activation_format`]).
+    activations: MemoryFormat,
     /// Identity of the current head (changes with [`PoseModel::replace_head`]).
     head_id: u64,
     /// [`PoseModel::piece_surface`] by piece: built once (a replay plugin asks every step),
@@ -308,7 +310,16 @@ impl PoseModel {
             }
         }
         save.sort_unstable();
-        Ok(PoseModel { config, layers, save, device, training: true, head_id: next_head_id(), surfaces: Default::default() })
+        Ok(PoseModel {
+            config,
+            layers,
+            save,
+            device,
+            training: true,
+            activations: MemoryFormat::Contiguous,
+            head_id: next_head_id(),
+            surfaces: Default::default(),
+        })
     }
 
     /// All layers, `model.0` … `model.23` (the last one is the `Pose26` head).
@@ -366,6 +377,20 @@ impl PoseModel {
         self.training
     }
 
+    /// Stores the trunk's and neck's activations channels-last (N, H, W, C: cuDNN's own layout on
+    /// a GPU, no conversions around its convolutions) or contiguous (the default). The input is
+    /// converted once; a layer whose output comes back in the other order (C2PSA's attention
+    /// reshapes) is converted after it. Values are the same up to the kernels' summation orders;
+    /// parameters, state dicts and outputs' shapes do not change.
+    pub fn set_activation_format(&mut self, format: MemoryFormat) {
+        self.activations = format;
+    }
+
+    /// The activations' storage order (see [`PoseModel::set_activation_format`]).
+    pub fn activation_format(&self) -> MemoryFormat {
+        self.activations
+    }
+
     /// Number of parameter elements (3,679,464 for nc = 1 YOLO26n-pose).
     pub fn num_params(&self) -> usize {
         crate::nn::param_count(self)
@@ -381,7 +406,7 @@ impl PoseModel {
             ));
         }
         let mut kept: HashMap<usize, Tensor> = HashMap::new();
-        let mut prev = x.clone();
+        let mut prev = x.to_memory_format(self.activations)?;
         for l in &self.layers {
             let input = |f: isize| -> Result<Tensor> {
                 if f < 0 {
@@ -405,6 +430,8 @@ impl PoseModel {
                 }
                 LayerKind::Pose(_) => break,
             };
+            // A no-op for an output already in the activations' order.
+            let y = y.to_memory_format(self.activations)?;
             hook(l.index, &y);
             if self.save.contains(&l.index) {
                 kept.insert(l.index, y.clone());

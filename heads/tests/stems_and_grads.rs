@@ -138,3 +138,42 @@ fn stems_replayed_one_by_one_equal_the_head_forward() {
         }
     }
 }
+
+/// Channels-last activations change no value on the CPU (its ops compute in the logical order and
+/// the batch norm on rearranged copies): the forward's outputs and every parameter's gradient are
+/// the contiguous model's bytes, the neck's features are channels-last, the outputs' shapes are
+/// unchanged — so every op of the trunk, neck and head takes the format.
+#[test]
+fn channels_last_activations_give_the_same_bytes_on_the_cpu() {
+    use ptl_autograd::MemoryFormat;
+    /// Output bytes, the neck features' formats, and each parameter's gradient bytes.
+    type Seen = (Vec<Vec<u8>>, Vec<MemoryFormat>, Vec<(String, Vec<u8>)>);
+    let run = |format: MemoryFormat| -> Seen {
+        let (mut m, x) = model_and_input(Device::Cpu);
+        m.set_activation_format(format);
+        assert_eq!(m.activation_format(), format);
+        let out = m.forward(&x).expect("forward");
+        let o = &out.one2many;
+        let sigma = o.kpts_sigma.as_ref().expect("training outputs carry sigma");
+        let loss = [&o.boxes, &o.scores, &o.kpts, sigma].iter().map(|t| t.sum_all().unwrap()).reduce(|a, b| a.add(&b).unwrap()).unwrap();
+        loss.backward().expect("backward");
+        let outs = [&o.boxes, &o.scores, &o.kpts, &out.one2one.boxes].map(|t| t.to_bytes().unwrap()).to_vec();
+        let feats = out.feats.iter().map(|f| f.memory_format()).collect();
+        let grads =
+            named_parameters(&m).into_iter().map(|(n, p)| (n, p.grad().map(|g| g.to_bytes().unwrap()).unwrap_or_default())).collect();
+        (outs, feats, grads)
+    };
+    let (plain, cl) = (run(MemoryFormat::Contiguous), run(MemoryFormat::ChannelsLast));
+    assert_eq!(cl.1, vec![MemoryFormat::ChannelsLast; 3], "the neck's features");
+    assert_eq!(plain.1, vec![MemoryFormat::Contiguous; 3]);
+    for (k, name) in ["o2m boxes", "o2m scores", "o2m kpts", "o2o boxes"].iter().enumerate() {
+        assert_eq!(cl.0[k], plain.0[k], "{name}");
+    }
+    assert_eq!(cl.2.len(), plain.2.len());
+    for ((n, a), (_, b)) in plain.2.iter().zip(&cl.2) {
+        // The one-to-one stems read detached features and the flow only serves the loss: no
+        // gradient from these outputs.
+        assert_eq!(a.is_empty(), n.contains("one2one") || n.contains("flow_model"), "{n}: which parameters get a gradient");
+        assert_eq!(a, b, "{n}: gradient");
+    }
+}

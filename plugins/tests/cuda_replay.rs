@@ -175,6 +175,32 @@ fn cuda_all_replay_equals_native_in_every_precision() {
     }
 }
 
+/// Channels-last activations (`channels_last=true`: cuDNN's NHWC convolutions, the channels-last
+/// batch norm, cat/split, pooling, upsampling and element-wise kernels): `replay=all` equals
+/// native in bf16-mixed and 32-true with every region replayed after its warm-up. (Its bytes are
+/// not the contiguous fit's: the kernels sum in other orders.)
+#[test]
+fn cuda_channels_last_replay_equals_native() {
+    let Some(dev) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-cl-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    for precision in [Precision::Bf16Mixed, Precision::F32] {
+        let run = |replay: &[&str]| {
+            let save = dir.join(format!("cl-{}-{}", precision.name(), replay.join("+")));
+            let cfg = PoseTrainConfig { nbs: 2, precision, channels_last: true, ..cuda_fit_cfg(&data, dev, 8, replay, save) };
+            fit(&cfg, vec![]).expect("fit")
+        };
+        let native = run(&[]);
+        let all = run(&["all"]);
+        assert_eq!(all.hashes, native.hashes, "{}: channels-last replay=all", precision.name());
+        for (plugin, calls) in [("optimizer", all.optimizer_steps), ("step", 12)] {
+            let short = replay_shortfalls(&all, plugin, calls, &[]);
+            assert!(short.is_empty(), "{} {plugin}: {short:?}", precision.name());
+        }
+        println!("ok cuda channels-last {}: replay=all = native, hashes {:?}", precision.name(), native.hashes);
+    }
+}
+
 /// Planned arenas (buffers of one recording share bytes where the warm-up's lifetimes did not
 /// meet) with every fresh allocation poisoned — arena pieces on every replay too: `replay=all`
 /// still ends with native's bytes, every region replaying after its warm-up, and the replayed

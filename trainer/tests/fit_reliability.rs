@@ -246,6 +246,14 @@ fn absurd_settings_are_typed_errors_up_front() {
     let e = cfg.validate().expect_err("batch × imgsz² too large");
     assert!(e.to_string().contains("pixels per batch"), "{e}");
     assert!(!base.save_dir.exists(), "nothing was written for a rejected configuration");
+    // channels_last is a GPU setting: refused on the CPU by name, before anything is written.
+    let mut cfg = base.clone();
+    cfg.set("channels_last", "true").unwrap();
+    cfg.device = Device::Cpu;
+    let e = fit(&cfg, vec![]).expect_err("channels_last on the CPU");
+    assert!(matches!(e, TrainerError::InvalidArgument { what: "channels_last", .. }), "{e}");
+    assert!(e.to_string().contains("cuda"), "the error names the fix: {e}");
+    assert!(!base.save_dir.exists(), "nothing was written for a rejected configuration");
 }
 
 /// At epoch 1's first batch (after its backward) puts NaN into the RLE flow's parameters, which

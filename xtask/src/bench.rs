@@ -31,7 +31,8 @@ options:
                      assigner and loss), all+dense (both: with the dense loss `all` records a step's
                      forward and loss as one region, `step`), all+loss (the same, named as before),
                      all+plan, all+summed (all+dense with arena planning named on — the default — or off),
-                     pieces+loss (the trunk, each stem and the loss recorded apart, no step region)
+                     pieces+loss (the trunk, each stem and the loss recorded apart, no step region);
+                     any arm with +strict (tf32=false) and/or +cl (channels_last=true)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
                      the ratios), compile (its compile=True), reduce-overhead (compile=reduce-overhead:
@@ -210,11 +211,14 @@ pub(crate) fn check_own_private(dir: &Path) -> Result<(), String> {
 
 /// `key=value` overrides of a ptl arm.
 fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
-    // `<arm>+strict`: the arm with strict FP32 convolutions (32-true's TF32 off).
-    if let Some(base) = arm.strip_suffix("+strict") {
-        let mut o = arm_overrides(base)?;
-        o.push("tf32=false".into());
-        return Ok(o);
+    // `<arm>+strict`: the arm with strict FP32 convolutions (32-true's TF32 off); `<arm>+cl`:
+    // with channels-last activations.
+    for (suffix, key) in [("+strict", "tf32=false"), ("+cl", "channels_last=true")] {
+        if let Some(base) = arm.strip_suffix(suffix) {
+            let mut o = arm_overrides(base)?;
+            o.push(key.into());
+            return Ok(o);
+        }
     }
     match arm {
         // The loss path is named on every arm, so arms compare as labelled whatever the default.
@@ -233,7 +237,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions and/or +cl for channels-last activations)"
         )),
     }
 }
@@ -1442,6 +1446,11 @@ mod tests {
         // 32-true like for like: strict FP32 convolutions on both sides.
         assert_eq!(ultra_arm("strict").unwrap().3, "False");
         assert_eq!(arm_overrides("all+dense+strict").unwrap(), ["replay=all", "loss_assigner=dense", "tf32=false"]);
+        assert_eq!(arm_overrides("dense+cl").unwrap(), ["loss_assigner=dense", "channels_last=true"]);
+        assert_eq!(
+            arm_overrides("all+dense+cl+strict").unwrap(),
+            ["replay=all", "loss_assigner=dense", "channels_last=true", "tf32=false"]
+        );
         assert!(arm_overrides("nope+strict").is_err());
         let (o, _) =
             parse(&["--batches".to_string(), "4,16".to_string(), "--ultra-arms".to_string(), "eager,compile".to_string()]).unwrap();

@@ -204,6 +204,10 @@ pub struct PoseTrainConfig {
     /// (`torch.backends.cudnn.allow_tf32 = True`, so Ultralytics' `amp=False`); matmuls stay full
     /// FP32. `false`: strict FP32 everywhere. The half precisions and the CPU are unaffected.
     pub tf32: bool,
+    /// On a GPU, the trunk's and neck's activations stored channels-last (N, H, W, C, cuDNN's own
+    /// layout: its convolutions run without layout conversions); values change only by the
+    /// kernels' summation orders. `false` (default): N, C, H, W. Refused on the CPU.
+    pub channels_last: bool,
 }
 
 mod device_serde {
@@ -321,6 +325,7 @@ impl Default for PoseTrainConfig {
             save_json: false,
             progress: true,
             tf32: true,
+            channels_last: false,
         }
     }
 }
@@ -489,6 +494,7 @@ impl PoseTrainConfig {
             ("precision", d.precision.name().to_string(), "32-true, bf16-mixed or 16-mixed (also --precision)"),
             ("amp", "true".into(), "Ultralytics' switch: true = 16-mixed on a GPU (32-true on the CPU), false = 32-true; or a precision name"),
             ("tf32", d.tf32.to_string(), "32-true on a GPU: convolutions in TF32 on tensor cores as PyTorch's default (false: strict FP32)"),
+            ("channels_last", d.channels_last.to_string(), "on a GPU: activations stored N, H, W, C (cuDNN's layout; false: N, C, H, W)"),
             ("seed", d.seed.to_string(), "random seed (also --seed)"),
             ("model", d.model.clone(), "yolo26{n,s,m,l,x}-pose.yaml (the size; or the letter), or weights to start from: a .safetensors with Ultralytics names or a ptl .ckpt (its EMA weights)"),
             ("optimizer", d.optimizer.clone(), "auto, SGD, MuSGD or AdamW (auto is resolved once and stored in checkpoints)"),

@@ -46,7 +46,8 @@ pub(super) fn autobatch(cfg: &PoseTrainConfig, fraction: f64, setup: &ProbeSetup
 /// One step per batch size in `sizes` (smallest first); after the first that runs out of memory
 /// the larger ones are not tried (they would too) and count as failed.
 fn probe(cfg: &PoseTrainConfig, setup: &ProbeSetup, sizes: &[usize]) -> Result<Vec<Probe>> {
-    let model = PoseModel::new(setup.model, cfg.device, cfg.seed)?;
+    let mut model = PoseModel::new(setup.model, cfg.device, cfg.seed)?;
+    model.set_activation_format(super::activation_format(cfg));
     let criterion = E2ELoss::new(setup.loss.clone(), cfg.epochs);
     let factor = if cfg.replay.is_empty() { 1.0 } else { REPLAY_FACTOR };
     let mut probes = Vec::new();

@@ -70,6 +70,14 @@ impl Drop for Tf32ForRun {
     }
 }
 
+/// The models' activation storage order from the run's `channels_last`.
+pub(super) fn activation_format(cfg: &PoseTrainConfig) -> ptl_autograd::MemoryFormat {
+    match cfg.channels_last {
+        true => ptl_autograd::MemoryFormat::ChannelsLast,
+        false => ptl_autograd::MemoryFormat::Contiguous,
+    }
+}
+
 /// Trains a pose model as `cfg` says, calling `callbacks` at the hook points; returns the summary
 /// (also written to `save_dir/summary.json`).
 pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<RunSummary> {
@@ -84,6 +92,15 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
     let t = Instant::now();
     probe::open_device(cfg.device)?;
+    if cfg.channels_last && !cfg.device.is_cuda() {
+        return Err(TrainerError::InvalidArgument {
+            what: "channels_last",
+            reason: format!(
+                "channels_last=true stores activations for cuDNN's convolutions and needs a CUDA device, not {}; use device=cuda:N or channels_last=false",
+                cfg.device
+            ),
+        });
+    }
     let _tf32 = set_tf32(cfg.device, cfg.tf32)?;
     startup.device_open_s = t.elapsed().as_secs_f64();
     crate::pose::reset_memory_peaks(cfg.device);
@@ -156,7 +173,8 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     let nb = cfg.max_batches.map_or(nb_full, |m| m.min(nb_full)).max(1);
 
     let nc = train_ds.meta.nc;
-    let model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
+    let mut model = PoseModel::new(mcfg, cfg.device, cfg.seed)?;
+    model.set_activation_format(activation_format(cfg));
     if cfg.resume.is_none() {
         if let (Some(values), Some(path)) = (source.start_weights()?, source.weights_path()) {
             let kept = super::weights::load_start_weights_for_classes(&model, &values, path)?;

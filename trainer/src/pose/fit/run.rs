@@ -187,6 +187,7 @@ impl Run {
     /// An evaluation model (eval mode) holding the EMA weights; the live model's integer buffers.
     pub(super) fn ema_eval_model(&self) -> Result<PoseModel> {
         let mut m = PoseModel::new(self.model_cfg, self.cfg.device, self.cfg.seed)?;
+        m.set_activation_format(super::activation_format(&self.cfg));
         m.set_training(false);
         self.sync_ema_model(&m)?;
         Ok(m)
