@@ -112,6 +112,78 @@ fn every_relative_link_in_the_documents_resolves() {
     println!("{checked} relative links resolve");
 }
 
+/// The Rust sources of the workspace's crates (what code comments cite).
+fn sources() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() && !p.ends_with("target") {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs" || x == "cu") {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for dir in ["autograd", "capture", "data", "heads", "trainer", "plugins", "export", "xtask", "tests", "src"] {
+        walk(&root().join(dir), &mut out);
+    }
+    out.sort();
+    out
+}
+
+/// Every `docs/<name>.md` a source names, with the `§n` section that follows it if any.
+fn cited_documents(text: &str) -> Vec<(String, Option<String>)> {
+    let mut out = Vec::new();
+    for (at, _) in text.match_indices("docs/") {
+        let tail = &text[at + "docs/".len()..];
+        let name: String = tail.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_').collect();
+        let Some(after) = tail[name.len()..].strip_prefix(".md") else { continue };
+        let section = after.strip_prefix(" §").map(|t| {
+            let n: String = t.chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
+            n.trim_end_matches('.').to_string()
+        });
+        out.push((format!("docs/{name}.md"), section.filter(|n| !n.is_empty())));
+    }
+    out
+}
+
+/// Whether `md` has a heading numbered `n` ("## 3. Terms", "### 3.2 Box CIoU").
+fn has_numbered_heading(md: &str, n: &str) -> bool {
+    md.lines().filter(|l| l.starts_with('#')).any(|l| {
+        let title = l.trim_start_matches('#').trim_start();
+        title.strip_prefix(n).is_some_and(|rest| rest.starts_with(". ") || rest.starts_with(' '))
+    })
+}
+
+/// Code comments cite documents of the repository: every `docs/<name>.md` a source names exists,
+/// and every `§n` after it is a numbered heading of that document.
+#[test]
+fn every_document_the_code_cites_exists_with_its_section() {
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for src in sources() {
+        let text = std::fs::read_to_string(&src).unwrap_or_default();
+        for (doc, section) in cited_documents(&text) {
+            checked += 1;
+            let Ok(md) = std::fs::read_to_string(root().join(&doc)) else {
+                broken.push(format!("{}: `{doc}`: no such file", src.display()));
+                continue;
+            };
+            if let Some(n) = section {
+                if !has_numbered_heading(&md, &n) {
+                    broken.push(format!("{}: `{doc} §{n}`: no heading numbered {n}", src.display()));
+                }
+            }
+        }
+    }
+    assert!(checked >= 50, "only {checked} citations found: the citation reader is broken");
+    assert!(broken.is_empty(), "citations of missing documents or sections:\n{}", broken.join("\n"));
+    assert!(has_numbered_heading("## 3. Terms\n### 3.2 Box", "3.2") && !has_numbered_heading("## 3. Terms", "3.2"));
+    println!("{checked} citations of docs/ resolve");
+}
+
 /// The first word after `program ` (e.g. "ptl", "cargo xtask") wherever the documents run it: at
 /// the start of a line of a code block, or at the start of a code span.
 fn named_commands(program: &str) -> BTreeSet<String> {

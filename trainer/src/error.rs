@@ -36,7 +36,7 @@ pub enum TrainerError {
          settings) or, to train differently, start a new run from the weights"
     )]
     ResumeMismatch { path: PathBuf, key: String, stored: String, given: String },
-    /// The loss stayed non-finite after the recovery attempts (training.md §9).
+    /// The loss stayed non-finite after the recovery attempts (docs/training.md §9).
     #[error(
         "non-finite loss at epoch {epoch}, batch {batch} (step {step}): {term} is {value} ({attempts} reloads of the last \
          checkpoint did not help); likely cause: {hint}"

@@ -1,4 +1,4 @@
-//! Conflict resolution of the task-aligned assigner (loss.md §2.5): an anchor claimed by several
+//! Conflict resolution of the task-aligned assigner (docs/loss.md §2.5): an anchor claimed by several
 //! GTs goes to the GT of largest overlap, and on equal overlaps to the *first* of them (torch's
 //! `argmax` returns the first maximum).
 

@@ -39,7 +39,7 @@ fn tiny_fit_is_deterministic_and_hooks_are_ordered() {
     insta::assert_snapshot!("hook_order_2_epochs_2_batches", trace.take().join("\n"));
 }
 
-/// results.csv has the spec's columns (training.md §11, `val/` losses included) with finite
+/// results.csv has the spec's columns (docs/training.md §11, `val/` losses included) with finite
 /// values; results.png has one chart with a drawn series per column; the PR curves are written.
 fn plots_follow_ultralytics(dir: &std::path::Path) {
     let csv = std::fs::read_to_string(dir.join("results.csv")).unwrap();

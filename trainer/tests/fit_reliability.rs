@@ -1,7 +1,7 @@
 //! Resume, artefacts and non-finite losses (reliability issue): resume restores and checks the
 //! run's settings, results.csv and the summary always match the checkpoint, a new run never
 //! overwrites an old one, failed writes leave nothing behind, older checkpoint formats migrate,
-//! and a non-finite loss is recovered from (or named) as training.md §9 says.
+//! and a non-finite loss is recovered from (or named) as docs/training.md §9 says.
 
 mod fit_support;
 
@@ -285,7 +285,7 @@ impl Callback for PoisonTheFlow {
 
 /// The dense path's device gate (the whole-step issue): a NaN loss leaves the weights untouched —
 /// the step after it sees the same first-layer weights — the warning names the step and the
-/// term, and the epoch runs again from the last checkpoint (training.md §9), after which the fit
+/// term, and the epoch runs again from the last checkpoint (docs/training.md §9), after which the fit
 /// finishes. Its losses arrive a step late, without a host read in the step.
 #[test]
 fn a_nan_loss_on_the_dense_path_never_reaches_the_weights() {

@@ -258,7 +258,7 @@ fn t2(v: Vec<f32>, shape: &[usize]) -> Tensor {
 
 #[test]
 fn keypoint_loss_worked_example() {
-    // loss.md §3.4: GT box 100×200 px on stride 8, three visible keypoints.
+    // docs/loss.md §3.4: GT box 100×200 px on stride 8, three visible keypoints.
     let s = 8f32;
     let area = (100.0 / s) * (200.0 / s);
     let sig = [0.026f32, 0.079, 0.107];
@@ -283,7 +283,7 @@ impl FlowLogProb for IdentityFlow {
 
 #[test]
 fn rle_worked_example_with_identity_flow() {
-    // loss.md §3.6: pred (10.3, 5.0), GT (10.0, 5.2), sigma logits (0, −1) → 3.305912.
+    // docs/loss.md §3.6: pred (10.3, 5.0), GT (10.0, 5.2), sigma logits (0, −1) → 3.305912.
     let pred = t2(vec![10.3, 5.0], &[1, 2]).requires_grad_(true).unwrap();
     let sig = t2(vec![0.0, -1.0], &[1, 2]);
     let gt = t2(vec![10.0, 5.2], &[1, 2]);

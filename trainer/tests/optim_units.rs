@@ -1,5 +1,5 @@
 //! Unit tests of the optimisation module on tiny parameter sets; expected values are the worked
-//! examples of training.md or derived by hand in the test.
+//! examples of docs/training.md or derived by hand in the test.
 
 mod optim_common;
 
@@ -119,7 +119,7 @@ fn adamw_and_sgd_group_counts_on_the_model() {
 
 #[test]
 fn newton_schulz_reference_values() {
-    // training.md §3.5 float64 reference values.
+    // docs/training.md §3.5 float64 reference values.
     let g = Tensor::from_vec(vec![2.0f64, 0.0, 0.0, 1.0], vec![2, 2], Device::Cpu).expect("g");
     let o = vals(&newton_schulz5(&g, NsPrecision::F64).expect("ns"));
     for (a, b) in o.iter().zip([0.688763, 0.0, 0.0, 1.114164]) {
@@ -244,7 +244,7 @@ fn adamw_matches_hand_formula() {
     let mut opt = build_optimizer(&params, &cfg).expect("adamw");
     assert_eq!(opt.kind(), OptimizerName::AdamW);
     let (lr, wd, b1, b2, eps) = (0.002, 0.0005, 0.9, 0.999, 1e-8);
-    // Host f64 replica of training.md §3.6.
+    // Host f64 replica of docs/training.md §3.6.
     let mut x: Vec<Vec<f64>> = params.iter().map(|(_, t)| vals(t)).collect();
     let mut m: Vec<Vec<f64>> = x.iter().map(|v| vec![0.0; v.len()]).collect();
     let mut v2 = m.clone();

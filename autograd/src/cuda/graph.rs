@@ -1,7 +1,7 @@
 //! Minimal stream capture of the compute stream into a CUDA graph (for capture-readiness tests and
 //! as the primitive a step recorder builds on).
 //!
-//! Rules while capturing (see docs/device.md): tensors allocated before the capture must not be
+//! Rules while capturing: tensors allocated before the capture must not be
 //! dropped during it; memory allocated during the capture must be dropped before it ends; no host
 //! transfers.
 

@@ -147,7 +147,7 @@ impl Tensor {
 
     /// `beta·self + alpha·(a · b)` over the last two dims, equal leading dims (PyTorch `baddbmm`,
     /// without broadcasting or autocast): the products accumulated in f32 (f64 for f64) and the sum
-    /// rounded once to the dtype — the fused form of Newton–Schulz's reference (training.md §3.5).
+    /// rounded once to the dtype — the fused form of Newton–Schulz's reference (docs/training.md §3.5).
     pub fn baddbmm(&self, a: &Tensor, b: &Tensor, beta: f64, alpha: f64) -> Result<Tensor> {
         super::same_dtype("baddbmm", a, b)?;
         super::same_dtype("baddbmm", self, a)?;

@@ -32,7 +32,7 @@ pub struct LoopState {
     /// Per-step losses so far (the run's loss sequence, hashed in the summary).
     pub step_losses: Vec<f64>,
     pub best_fitness: Option<f64>,
-    /// The early stopper's state (training.md §9): its best fitness and the 1-based epoch of it.
+    /// The early stopper's state (docs/training.md §9): its best fitness and the 1-based epoch of it.
     #[serde(default)]
     pub stopper: crate::fit::EarlyStopping,
     /// Where an interrupted epoch stopped (`None` at an epoch boundary): a resume continues it

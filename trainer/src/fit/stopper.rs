@@ -1,4 +1,4 @@
-//! Early stopping on the validation fitness (training.md §9, Ultralytics' `EarlyStopping`).
+//! Early stopping on the validation fitness (docs/training.md §9, Ultralytics' `EarlyStopping`).
 
 use serde::{Deserialize, Serialize};
 

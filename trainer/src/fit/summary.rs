@@ -71,7 +71,7 @@ impl StepTiming {
     }
 }
 
-/// How steps were timed, and what a step cost (training.md-style start-to-start figures next to
+/// How steps were timed, and what a step cost (start-to-start figures next to
 /// the GPU's own time). All per-step figures are means over the window named.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TimingReport {

@@ -63,7 +63,7 @@ impl Anchors {
         self.strides.is_empty()
     }
 
-    /// Image size in pixels, (height, width) of the first level × its stride (loss.md §1).
+    /// Image size in pixels, (height, width) of the first level × its stride (docs/loss.md §1).
     pub fn image_hw(&self) -> (f32, f32) {
         let (h, w) = self.level_hw[0];
         let s = self.level_strides[0];

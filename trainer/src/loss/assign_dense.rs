@@ -1,4 +1,4 @@
-//! The pose task-aligned assigner (loss.md §2) as fixed-shape tensor ops: every (image, GT slot,
+//! The pose task-aligned assigner (docs/loss.md §2) as fixed-shape tensor ops: every (image, GT slot,
 //! anchor) triple at once over targets padded to a bucketed slot count, so it runs on the
 //! predictions' device with no host read and no data-dependent shape — what a recorded loss
 //! region needs (the whole-step issue). Written step for step after the host assigner
@@ -160,7 +160,7 @@ fn f32_mask(c: &Tensor) -> Result<Tensor> {
     Ok(c.to_dtype(DType::F32)?)
 }
 
-/// Runs the assigner of loss.md §2 on fixed shapes (see the module doc): on a CUDA device in four
+/// Runs the assigner of docs/loss.md §2 on fixed shapes (see the module doc): on a CUDA device in four
 /// fused kernels ([`super::assign_fused`], the composed ops' bytes), elsewhere as composed tensor ops.
 pub fn assign_dense(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAssignment> {
     no_grad(|| {

@@ -32,7 +32,7 @@ pub fn supports(inp: &DenseInputs<'_>, p: &AssignParams) -> bool {
     inp.scores.device().is_cuda() && p.sigmas.len() <= MAX_PICKS && p.topk <= MAX_PICKS && p.topk2 <= MAX_PICKS
 }
 
-/// Runs the assigner of loss.md §2 with the fused kernels; the shapes were checked by the caller
+/// Runs the assigner of docs/loss.md §2 with the fused kernels; the shapes were checked by the caller
 /// ([`super::assign_dense::assign_dense`]).
 pub(crate) fn assign_fused(inp: &DenseInputs<'_>, p: &AssignParams) -> Result<DenseAssignment> {
     let t = inp.targets;

@@ -1,4 +1,4 @@
-//! Pose task-aligned assigner (loss.md §2), on host float32 vectors.
+//! Pose task-aligned assigner (docs/loss.md §2), on host float32 vectors.
 //!
 //! Deliberate first version: the assignment decides discrete things (candidate tests with strict
 //! inequalities, top-k order, argmax ties), so it is written as plain loops in `f32` that follow
@@ -84,7 +84,7 @@ pub struct AssignInputs<'a> {
 /// Row marker of an anchor whose predictions were not loaded.
 pub const NOT_LOADED: u32 = u32::MAX;
 
-/// Candidate anchors per GT slot (loss.md §2.1): in-box with the size floor, level gate,
+/// Candidate anchors per GT slot (docs/loss.md §2.1): in-box with the size floor, level gate,
 /// ungated fallback. Depends on targets and anchors only, not on predictions.
 #[derive(Clone, Debug, Default)]
 pub struct CandidateSets {
@@ -109,7 +109,7 @@ impl CandidateSets {
     }
 }
 
-/// Candidate sets of all GT slots (loss.md §2.1), in float32 as the reference computes them.
+/// Candidate sets of all GT slots (docs/loss.md §2.1), in float32 as the reference computes them.
 /// `anchors_px` (A, 2) anchor centres in pixels, `strides` (A,).
 pub fn candidate_sets(t: &PaddedTargets, anchors_px: &[f32], strides: &[f32], p: &AssignParams) -> Result<CandidateSets> {
     let na = strides.len();
@@ -198,7 +198,7 @@ impl Assignment {
         self.fg_mask.iter().enumerate().filter(|(_, &f)| f).map(|(i, _)| i).collect()
     }
 
-    /// Sum of all target scores (before the max(·, 1) of loss.md §2.7).
+    /// Sum of all target scores (before the max(·, 1) of docs/loss.md §2.7).
     pub fn target_scores_sum(&self) -> f32 {
         // torch sums a float32 tensor with pairwise/vectorised accumulation; f64 then rounding
         // is at least as accurate.
@@ -222,7 +222,7 @@ fn pow_f32(x: f32, p: f64) -> f32 {
 /// non-zero (`vals` aligned with them): returns the selected anchors that are in `anchors`.
 ///
 /// Order = value descending, anchor index ascending among equal values (ties broken by the lowest
-/// index, loss.md §2.4). Zero-valued picks are the lowest-index zeros of the full row, so a
+/// index, docs/loss.md §2.4). Zero-valued picks are the lowest-index zeros of the full row, so a
 /// listed anchor with value 0 is selected only if it is among them — exactly what a dense top-k
 /// with this tie rule selects, without materialising the row.
 fn sparse_topk(anchors: &[usize], vals: &[f32], na: usize, k: usize, scratch: &mut [bool]) -> Vec<usize> {
@@ -278,7 +278,7 @@ impl GtRow {
     }
 }
 
-/// Runs the pose task-aligned assigner (loss.md §2).
+/// Runs the pose task-aligned assigner (docs/loss.md §2).
 pub fn assign(inp: &AssignInputs<'_>, p: &AssignParams) -> Result<Assignment> {
     let (bs, na, nc) = (inp.batch_size, inp.num_anchors, inp.nc);
     let t = inp.targets;
@@ -515,7 +515,7 @@ mod tests {
 
     #[test]
     fn alignment_metric_worked_example() {
-        // loss.md §2.3: score 0.3, OKS 0.8 → t = 0.3^0.5 · 0.8^6 = 0.14358.
+        // docs/loss.md §2.3: score 0.3, OKS 0.8 → t = 0.3^0.5 · 0.8^6 = 0.14358.
         let t = pow_f32(0.3, 0.5) * pow_f32(0.8, 6.0);
         assert!((t - 0.14358).abs() < 1e-5, "{t}");
     }

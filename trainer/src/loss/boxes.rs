@@ -1,4 +1,4 @@
-//! Box geometry: CIoU (loss.md §3.2) on host f32 values (for the assigner) and as a
+//! Box geometry: CIoU (docs/loss.md §3.2) on host f32 values (for the assigner) and as a
 //! differentiable tensor op (for the box loss).
 
 use ptl_autograd::{no_grad, Tensor};
@@ -73,7 +73,7 @@ mod tests {
 
     #[test]
     fn ciou_worked_example() {
-        // loss.md §3.2: GT (0,0,10,10), prediction (2,2,14,10) → CIoU 0.450595.
+        // docs/loss.md §3.2: GT (0,0,10,10), prediction (2,2,14,10) → CIoU 0.450595.
         let c = ciou_f32([2.0, 2.0, 14.0, 10.0], [0.0, 0.0, 10.0, 10.0]);
         assert!((c - 0.450595).abs() < 2e-6, "{c}");
         let p = Tensor::from_vec(vec![2f32, 2.0, 14.0, 10.0], (1, 4), ptl_autograd::Device::Cpu).unwrap();

@@ -1,4 +1,4 @@
-//! One branch of the criterion (`PoseLoss26`, loss.md §1 and §3): decode, assign, six terms.
+//! One branch of the criterion (`PoseLoss26`, docs/loss.md §1 and §3): decode, assign, six terms.
 
 use ptl_autograd::{no_grad, DType, Tensor};
 

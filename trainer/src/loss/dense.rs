@@ -1,4 +1,4 @@
-//! One branch's six loss terms (loss.md §3) from a dense assignment ([`super::assign_dense`]) with
+//! One branch's six loss terms (docs/loss.md §3) from a dense assignment ([`super::assign_dense`]) with
 //! fixed shapes and no host read. The foreground rows are compacted on the device
 //! ([`Tensor::nonzero_static`]) into a buffer of a static bound — an image's foreground never
 //! exceeds its slots × the branch's top-k — so the box, keypoint and RLE terms run over that

@@ -1,4 +1,4 @@
-//! The two-branch criterion (`E2ELoss`, loss.md §4–§5): o2m (top-10) and o2o (top-7 → top-1)
+//! The two-branch criterion (`E2ELoss`, docs/loss.md §4–§5): o2m (top-10) and o2o (top-7 → top-1)
 //! branches with weights that move from 0.8/0.2 to 0.1/0.9 over training.
 
 use ptl_autograd::{DType, Tensor};

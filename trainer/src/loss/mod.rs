@@ -1,4 +1,4 @@
-//! YOLO26-pose training loss (loss.md): anchors, the pose task-aligned assigner, the six loss
+//! YOLO26-pose training loss (docs/loss.md): anchors, the pose task-aligned assigner, the six loss
 //! terms of one branch ([`PoseLoss26`]) and the two-branch criterion ([`E2ELoss`]).
 //!
 //! * Everything differentiable is written with `ptl-autograd` ops on the predictions' device, so
@@ -8,7 +8,7 @@
 //!   reproduces the reference's float32 arithmetic order where thresholds and ties decide
 //!   assignments. Its results (fg indices, targets) go back to the predictions' device as small
 //!   tensors. A tensor-op version for the GPU can replace it behind the same [`Assignment`] type.
-//! * Top-k ties are broken by the lowest anchor index (loss.md §2.4).
+//! * Top-k ties are broken by the lowest anchor index (docs/loss.md §2.4).
 //! * Predictions are copied to the host only at candidate anchors (candidates depend on the
 //!   targets alone); NaN/inf in any output is caught by one device-side sum and reported as
 //!   [`TrainerError::NonFinite`](crate::TrainerError::NonFinite) naming the tensor and element.
@@ -67,11 +67,11 @@ pub use targets::TargetBatch;
 
 use ptl_autograd::Tensor;
 
-/// COCO OKS sigmas (loss.md §6), float32 as the reference stores them.
+/// COCO OKS sigmas (docs/loss.md §6), float32 as the reference stores them.
 pub const OKS_SIGMA: [f32; 17] =
     [0.026, 0.025, 0.025, 0.035, 0.035, 0.079, 0.079, 0.072, 0.072, 0.062, 0.062, 0.107, 0.107, 0.087, 0.087, 0.089, 0.089];
 
-/// RLE per-keypoint weights for COCO keypoints (loss.md §6).
+/// RLE per-keypoint weights for COCO keypoints (docs/loss.md §6).
 pub const RLE_WEIGHT: [f32; 17] = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.2, 1.2, 1.5, 1.5, 1.0, 1.0, 1.2, 1.2, 1.5, 1.5];
 
 /// Names of the six logged loss items, in slot order.

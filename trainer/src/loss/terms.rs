@@ -1,4 +1,4 @@
-//! The six loss terms of one branch (loss.md §3), as differentiable tensor expressions.
+//! The six loss terms of one branch (docs/loss.md §3), as differentiable tensor expressions.
 //!
 //! Predictions arrive already gathered at the foreground anchors (N rows); everything that does
 //! not depend on predictions (targets, anchors, strides, per-keypoint constants) is a constant
@@ -60,7 +60,7 @@ pub fn kobj_loss(v_logit: &Tensor, mask: &Tensor) -> Result<Tensor> {
     Ok(v_logit.bce_with_logits(mask)?.mean_all()?)
 }
 
-/// RLE (slot 5) over the visible foreground keypoints (loss.md §3.6).
+/// RLE (slot 5) over the visible foreground keypoints (docs/loss.md §3.6).
 /// `pred` (V, 2) decoded keypoints, `sigma_logit` (V, 2), `gt` (V, 2) and `weight` (V,) constants;
 /// σ = sigmoid(logit) is clamped below at `sigma_floor` (the smallest positive normal number of
 /// the logits' dtype: 6.1e-5 for f16, 1.18e-38 for f32/bf16).

@@ -1,4 +1,4 @@
-//! AdamW, PyTorch single-tensor semantics (training.md §3.6): decoupled decay, bias-corrected
+//! AdamW, PyTorch single-tensor semantics (docs/training.md §3.6): decoupled decay, bias-corrected
 //! moments, eps 1e-8, no amsgrad; per-parameter step counters starting at 1. The step reads its
 //! scalars and each parameter's step count from the device (`Tensor::adamw_step_many_dev`), so it
 //! can be recorded; [`TensorUpdate::update`] is the host-scalar reference it matches.

@@ -1,4 +1,4 @@
-//! Model EMA (training.md §7): `ema ← lerp(ema, model, 1 − d)` with
+//! Model EMA (docs/training.md §7): `ema ← lerp(ema, model, 1 − d)` with
 //! `d = decay · (1 − exp(−updates / tau))` over every floating-point state-dict entry (parameters
 //! and float buffers); integer buffers keep their creation value. The EMA copies are FP32 and are
 //! updated in place.

@@ -1,4 +1,4 @@
-//! Parameter classification, parameter groups and the `optimizer=auto` rule (training.md §2–§3).
+//! Parameter classification, parameter groups and the `optimizer=auto` rule (docs/training.md §2–§3).
 
 use std::collections::HashSet;
 
@@ -53,7 +53,7 @@ impl OptimizerName {
 /// Precision of the Newton–Schulz orthogonalisation inside MuSGD.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum NsPrecision {
-    /// The reference: every op rounded to bfloat16 (training.md §3.5).
+    /// The reference: every op rounded to bfloat16 (docs/training.md §3.5).
     #[default]
     Bf16,
     F32,
@@ -61,7 +61,7 @@ pub enum NsPrecision {
     F64,
 }
 
-/// Everything `build_optimizer` needs. Defaults are the Ultralytics defaults (training.md §1).
+/// Everything `build_optimizer` needs. Defaults are the Ultralytics defaults (docs/training.md §1).
 #[derive(Clone, Debug)]
 pub struct OptimizerConfig {
     pub name: OptimizerName,

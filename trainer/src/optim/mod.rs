@@ -1,4 +1,4 @@
-//! Optimisation (training.md §2–§8, trainer.md §5, §7, §8): parameter groups, MuSGD / SGD / AdamW,
+//! Optimisation (docs/training.md §2–§8, trainer.md §5, §7, §8): parameter groups, MuSGD / SGD / AdamW,
 //! Newton–Schulz, warm-up and LR schedules, model EMA, gradient clipping, the FP16 GradScaler and
 //! checkpointable state.
 //!

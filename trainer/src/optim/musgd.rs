@@ -1,4 +1,4 @@
-//! MuSGD (Ultralytics `ultralytics/optim/muon.py`, training.md §3.4): Muon groups get an
+//! MuSGD (Ultralytics `ultralytics/optim/muon.py`, docs/training.md §3.4): Muon groups get an
 //! orthogonalised momentum update scaled by `muon_factor` **plus** an SGD-Nesterov update scaled by
 //! `sgd_factor` (separate buffers); other groups get plain SGD-Nesterov.
 

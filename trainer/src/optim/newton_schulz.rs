@@ -1,4 +1,4 @@
-//! Quintic Newton–Schulz orthogonalisation (training.md §3.5), written with tensor ops so it runs on
+//! Quintic Newton–Schulz orthogonalisation (docs/training.md §3.5), written with tensor ops so it runs on
 //! the parameter's device. In [`NsPrecision::Bf16`] values are rounded to bfloat16 exactly where the
 //! reference rounds: the input, the norm, the normalised X, the Gram matrix A = X·Xᵀ, and the two
 //! fused `baddbmm` results B = b·A + c·A·A and X = a·X + B·X (products accumulated in f32, one

@@ -1,4 +1,4 @@
-//! Warm-up (per batch: lr, momentum, accumulate; training.md §4) and the per-epoch LR lambda
+//! Warm-up (per batch: lr, momentum, accumulate; docs/training.md §4) and the per-epoch LR lambda
 //! (linear or cosine; §5). Both write `lr` / `momentum` into the optimizer's groups.
 
 use serde::{Deserialize, Serialize};

@@ -1,4 +1,4 @@
-//! SGD with (Nesterov) momentum, PyTorch semantics, no dampening (training.md §3.4 non-Muon part).
+//! SGD with (Nesterov) momentum, PyTorch semantics, no dampening (docs/training.md §3.4 non-Muon part).
 
 use ptl_autograd::{DeviceScalars, SgdStep, Tensor};
 

@@ -1,4 +1,4 @@
-//! Run configuration for pose training, with Ultralytics' defaults (training.md §1) and
+//! Run configuration for pose training, with Ultralytics' defaults (docs/training.md §1) and
 //! `key=value` overrides.
 
 use std::path::PathBuf;
@@ -570,7 +570,7 @@ fn default_patience() -> usize {
     100
 }
 
-/// The six loss gains (training.md §1: box 7.5, cls 0.5, dfl 1.5, pose 12, kobj 1, rle 1).
+/// The six loss gains (docs/training.md §1: box 7.5, cls 0.5, dfl 1.5, pose 12, kobj 1, rle 1).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LossGains {
     #[serde(rename = "box")]

@@ -17,7 +17,7 @@ const CLASSIFY: &str = "a classification setting: ptl trains pose models";
 const DISTILL: &str = "a distillation setting: knowledge distillation is not implemented";
 
 /// Ultralytics keys `ptl train` has none of.
-const FOREIGN: [Foreign; 58] = [
+const FOREIGN: [Foreign; 57] = [
     ("task", &["pose"], "ptl trains pose models only (task=pose)"),
     ("mode", &["train"], "`ptl train` is the train mode; the others are `ptl val`, `ptl predict` and `ptl export`"),
     ("time", &[""], "a time budget is not implemented: set epochs"),
@@ -34,7 +34,6 @@ const FOREIGN: [Foreign; 58] = [
     ("rect", &["false"], "rectangular training batches are not implemented"),
     ("multi_scale", &["0", "false"], "multi-scale training is not implemented"),
     ("compile", &["false"], "ptl has no torch.compile; its own speed-up is replay= (the step recorded as CUDA graphs)"),
-    ("channels_last", &["", "false"], "activations are stored NCHW (channels-last is a design, docs/channels-last.md)"),
     ("overlap_mask", &["true"], SEGMENT),
     ("mask_ratio", &["4"], SEGMENT),
     ("retina_masks", &["false"], SEGMENT),

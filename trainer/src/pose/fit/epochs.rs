@@ -168,7 +168,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         (run.workers, run.pageable_uploads) = (stats.workers, stats.pageable_uploads);
         run.loader_build = (stats.batches_built, stats.build_s_per_batch);
         if let Some(nf) = run.nonfinite.take() {
-            // training.md §9: reload the last checkpoint (its EMA weights into the model), reset the
+            // docs/training.md §9: reload the last checkpoint (its EMA weights into the model), reset the
             // optimizer-step counter and run the epoch again; after 3 attempts, stop. Without a
             // checkpoint to go back to (the first epoch) Ultralytics only warns and trains on with
             // broken weights; we stop at once with the same message.

@@ -1,4 +1,4 @@
-//! The pose fit loop: Ultralytics' optimisation recipe (training.md §2–§7) inside Lightning's hook
+//! The pose fit loop: Ultralytics' optimisation recipe (docs/training.md §2–§7) inside Lightning's hook
 //! order (trainer.md §3–§4), with replay plugins wrapping the step's stages.
 //!
 //! Read top down: [`fit`] assembles a run (this module), `epochs` runs its epochs, `step` one
@@ -34,7 +34,7 @@ use crate::{Result, TrainerError};
 use epochs::fit_loop;
 use run::*;
 
-/// Loss item names in the order of the 6-vector (loss.md §5).
+/// Loss item names in the order of the 6-vector (docs/loss.md §5).
 pub const LOSS_NAMES: [&str; 6] = ["box_loss", "pose_loss", "kobj_loss", "cls_loss", "l1_loss", "rle_loss"];
 
 /// The device's TF32 switch for f32 convolutions set from the run's `tf32` for as long as the
@@ -189,7 +189,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     }
     freeze_layers(&model, &cfg.freeze)?;
 
-    // Optimiser per training.md §2–§3: nominal accumulation, wd scaling, `auto` rule.
+    // Optimiser per docs/training.md §2–§3: nominal accumulation, wd scaling, `auto` rule.
     let accumulate_nominal = nominal_accumulate(cfg.nbs, cfg.batch)?.min(nb * cfg.epochs).max(1);
     let ocfg = OptimizerConfig {
         name: OptimizerName::parse(&cfg.optimizer)?,

@@ -16,7 +16,7 @@ impl Run {
         let mut tensors: Vec<(String, Tensor)> = float_state(&self.model).into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect();
         tensors.extend(self.ema.ema_tensors().iter().map(|(n, t)| (format!("ema.{n}"), t.clone())));
         tensors.extend(self.optimizer.state_tensors().into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
-        // Gradients accumulated since the last optimizer step carry over epochs (training.md §2):
+        // Gradients accumulated since the last optimizer step carry over epochs (docs/training.md §2):
         // keep them so a resumed run continues with exactly the same sums.
         for (n, p) in model_params(&self.model) {
             if let Some(g) = p.grad() {
@@ -74,7 +74,7 @@ impl Run {
     }
 
     /// Restores the run from a checkpoint. `ema_into_model`: the live model takes the EMA weights
-    /// (training.md §9's recovery from a non-finite loss) instead of its own.
+    /// (docs/training.md §9's recovery from a non-finite loss) instead of its own.
     pub(super) fn restore(&mut self, path: &Path, ema_into_model: bool) -> Result<()> {
         let ck = crate::fit::load_checkpoint(path, self.cfg.device)?;
         let bad = |msg: String| TrainerError::Checkpoint { path: path.to_path_buf(), msg };
