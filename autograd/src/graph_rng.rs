@@ -1,4 +1,4 @@
-//! A graph-safe Philox generator (capture.md §9) and the random ops that draw from it.
+//! A graph-safe Philox generator (docs/capture.md §9) and the random ops that draw from it.
 //!
 //! Eager random ops receive `(seed, offset)` by value and advance the host offset by their
 //! increment, rounded up to a multiple of 4. While a region is being recorded, ops instead read

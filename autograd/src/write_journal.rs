@@ -2,7 +2,7 @@
 //! that existed before it opened is preceded by a copy of that storage's bytes, and
 //! [`WriteJournal::restore`] copies them back (in place: the storage keeps its address).
 //!
-//! Why: a recorder's warmup is real execution (capture.md §2.3). It updates BatchNorm statistics
+//! Why: a recorder's warmup is real execution (docs/capture.md §2.3). It updates BatchNorm statistics
 //! and — for a region that contains an optimizer step — parameters, optimizer moments, EMA shadows
 //! and scaler state. Rule 2.1 asks for the whole write-set to be rolled back; the journal finds it
 //! by watching writes, so a region does not have to name what it writes. Storages created while

@@ -53,7 +53,7 @@ pub struct RegionSpec {
     pub surface: Option<SurfaceFn>,
     pub func: Option<RegionFn>,
     pub host_state: Vec<Arc<dyn HostState>>,
-    /// Graph-safe generators the body draws from (capture.md §9).
+    /// Graph-safe generators the body draws from (docs/capture.md §9).
     pub graph_rngs: Vec<Arc<GraphSafeRng>>,
 }
 
@@ -208,7 +208,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 type Presence = (Vec<bool>, Vec<bool>);
 /// Where a backward graph leaves the parameters' gradients: empty — in the recording's static
 /// buffers, added in by the host afterwards — or, per parameter, (address, accumulate) of its
-/// persistent gradient buffer, added into or written inside the graph (capture.md §13.1).
+/// persistent gradient buffer, added into or written inside the graph (docs/capture.md §13.1).
 type GradInto = Vec<Option<(u64, bool)>>;
 /// Backward graphs by gradient mask and where they leave the parameters' gradients.
 type BwdGraphs = BTreeMap<(Vec<bool>, GradInto), Box<dyn Graph>>;
@@ -1003,7 +1003,7 @@ impl RegionHandle {
         let (mut fwd_fp, mut bwd_fp) = (Footprint::default(), Footprint::default());
         // Every storage the warmup writes that existed before it (parameters an optimizer body
         // updates, its moments, EMA shadows, BatchNorm statistics) is copied before its first
-        // write and copied back below: the write-set of capture.md rule 2.1, found by watching.
+        // write and copied back below: the write-set of docs/capture.md rule 2.1, found by watching.
         let journaled = ptl_autograd::internal::write_journal::journal_writes(|| {
             (|| -> Result<()> {
                 for _ in 0..cfg.warmup_iters.max(1) {

@@ -1,4 +1,4 @@
-//! GPU acceptance tests of the recorder (capture.md §18: T1–T10, T13, T14), bit identity of a
+//! GPU acceptance tests of the recorder (docs/capture.md §18: T1–T10, T13, T14), bit identity of a
 //! trunk + two heads network trained natively and recorded (fp32, bf16), shape change and
 //! parameter replacement mid-run, and a native-vs-recorded benchmark.
 #![cfg(feature = "cuda")]

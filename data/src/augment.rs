@@ -1,4 +1,4 @@
-//! Geometric and photometric transforms of data.md §6–§8, on BGR images with pixel-space instances.
+//! Geometric and photometric transforms of docs/data.md §6–§8, on BGR images with pixel-space instances.
 
 use crate::hsv::{apply_hsv_bgr_hwc, HsvGains};
 use crate::image::{resize_bilinear, Image};
@@ -169,7 +169,7 @@ impl Instances {
     }
 }
 
-/// Augmentation hyper-parameters (data.md §6 defaults).
+/// Augmentation hyper-parameters (docs/data.md §6 defaults).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AugmentConfig {
     pub mosaic: f64,
@@ -236,7 +236,7 @@ pub fn recycle(img: Image) {
     });
 }
 
-/// 4-image mosaic on a `2s × 2s` canvas (data.md §6.1). Tile 0 top-left, 1 top-right, 2 bottom-left,
+/// 4-image mosaic on a `2s × 2s` canvas (docs/data.md §6.1). Tile 0 top-left, 1 top-right, 2 bottom-left,
 /// 3 bottom-right. Labels are normalised per tile. The result is clipped to the canvas and zero-area boxes removed.
 pub fn mosaic4(tiles: [(&Image, &Labels); 4], k: usize, s: u32, yc: i64, xc: i64) -> (Image, Instances) {
     let cs = 2 * s as i64;
@@ -626,7 +626,7 @@ pub fn box_candidate(old: &[f32; 4], new: &[f32; 4]) -> bool {
     w2 > 2.0 && h2 > 2.0 && w2 * h2 / (w1 * h1 + eps) > 0.10 && ar < 100.0
 }
 
-/// RandomPerspective (data.md §6.2): warps the image to `out × out`, transforms boxes (4 corners) and keypoints,
+/// RandomPerspective (docs/data.md §6.2): warps the image to `out × out`, transforms boxes (4 corners) and keypoints,
 /// zeroes the visibility of points that leave the image, clips, and applies the box-candidate filter.
 pub fn random_perspective(img: &Image, inst: &Instances, d: &AffineDraw, out: u32) -> (Image, Instances) {
     let m = affine_matrix(d, img.w, img.h, out, out);

@@ -1,4 +1,4 @@
-//! COCO keypoints JSON (`person_keypoints_*.json`) → YOLO pose labels (data.md §2).
+//! COCO keypoints JSON (`person_keypoints_*.json`) → YOLO pose labels (docs/data.md §2).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -60,7 +60,7 @@ pub struct CocoReport {
     pub annotations: usize,
     /// Annotations that became label rows.
     pub used: usize,
-    /// Skipped annotations by reason (data.md §2's rules, plus malformed entries), in first-seen order.
+    /// Skipped annotations by reason (docs/data.md §2's rules, plus malformed entries), in first-seen order.
     pub skipped: Vec<(&'static str, usize)>,
 }
 

@@ -1,4 +1,4 @@
-//! Dataset YAML (data.md §3) and image-path collection.
+//! Dataset YAML (docs/data.md §3) and image-path collection.
 
 use std::path::{Path, PathBuf};
 
@@ -60,7 +60,7 @@ pub struct DatasetConfig {
     pub names: Vec<String>,
     pub nc: usize,
     pub kpt_shape: KptShape,
-    /// `None` disables flips (data.md §3).
+    /// `None` disables flips (docs/data.md §3).
     pub flip_idx: Option<Vec<usize>>,
     pub kpt_names: Vec<String>,
     pub kpt_oks_sigmas: Vec<f32>,

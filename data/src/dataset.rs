@@ -15,7 +15,7 @@ use crate::labels::{label_path_for, parse_label_text, KptShape, LabelRules, Labe
 /// Options for opening a dataset.
 #[derive(Clone, Debug)]
 pub struct OpenOptions {
-    /// Long side of prepared images (data.md §5).
+    /// Long side of prepared images (docs/data.md §5).
     pub imgsz: u32,
     /// Disk cache folder for prepared images; `None` keeps them in RAM only.
     pub cache_dir: Option<PathBuf>,

@@ -1,4 +1,4 @@
-//! The fused device HSV jitter (data.md §6.3): one kernel launch applies every image's gains to an
+//! The fused device HSV jitter (docs/data.md §6.3): one kernel launch applies every image's gains to an
 //! uploaded u8 RGB batch, byte-identical to the CPU reference [`crate::apply_hsv_batch_rgb_nchw`].
 //!
 //! Only the random part (the per-image [`HsvGains`]) is drawn on the host; it becomes three 256-byte

@@ -42,7 +42,7 @@ pub enum DataError {
     /// An image could not be encoded (synthetic dataset writer).
     #[error("{path}: cannot encode image: {message}")]
     Encode { path: PathBuf, message: String },
-    /// A label file or annotation violates the label rules (data.md §1).
+    /// A label file or annotation violates the label rules (docs/data.md §1).
     #[error("{path}{}: {message}", line.map(|l| format!(":{l}")).unwrap_or_default())]
     Label { path: PathBuf, line: Option<usize>, message: String },
     /// Invalid arguments given by the caller (loader configuration, synth options, …).

@@ -1,4 +1,4 @@
-//! HSV colour jitter (data.md §6.3): LUT method with OpenCV's exact 8-bit BGR↔HSV conversions.
+//! HSV colour jitter (docs/data.md §6.3): LUT method with OpenCV's exact 8-bit BGR↔HSV conversions.
 //!
 //! Design for the device kernel: the random part is only [`HsvGains`] (three doubles drawn on the host per image).
 //! Everything else is a pure per-pixel function, [`hsv_pixel_bgr`], of the pixel and the image's [`HsvLut`]
@@ -237,7 +237,7 @@ mod tests {
         }
     }
 
-    /// Straightforward (branching) forms of data.md §6.3, to check the branch-free ones on every input.
+    /// Straightforward (branching) forms of docs/data.md §6.3, to check the branch-free ones on every input.
     fn ref_forward(b: u8, g: u8, r: u8) -> (u8, u8, u8) {
         let (b, g, r) = (b as i32, g as i32, r as i32);
         let v = b.max(g).max(r);

@@ -1,7 +1,7 @@
 //! 8-bit BGR images: decoding (JPEG/PNG with EXIF orientation), OpenCV-style bilinear resize, JPEG writing.
 //!
 //! Images are kept as interleaved **BGR** (height × width × 3) through the whole augmentation pipeline, exactly as
-//! the reference (OpenCV) does; the final batch formatting reverses the channel axis to RGB (data.md §6.5).
+//! the reference (OpenCV) does; the final batch formatting reverses the channel axis to RGB (docs/data.md §6.5).
 
 use std::io::Cursor;
 use std::path::Path;
@@ -63,7 +63,7 @@ pub struct DecodeInfo {
     pub truncated_jpeg: bool,
 }
 
-/// Minimum image side accepted (data.md §1).
+/// Minimum image side accepted (docs/data.md §1).
 pub const MIN_SIDE: u32 = 10;
 
 /// Largest image accepted, in pixels (width × height from the file's header, checked before any
@@ -228,7 +228,7 @@ pub fn resize_bilinear(src: &Image, nw: u32, nh: u32) -> Image {
     Image { w: nw, h: nh, data: out }
 }
 
-/// The load-time resize of data.md §5: long side to `imgsz` (aspect kept), `min(ceil(side·r), imgsz)`.
+/// The load-time resize of docs/data.md §5: long side to `imgsz` (aspect kept), `min(ceil(side·r), imgsz)`.
 pub fn load_resize_shape(w0: u32, h0: u32, imgsz: u32) -> (u32, u32) {
     if w0 == 0 || h0 == 0 {
         return (w0, h0);

@@ -1,4 +1,4 @@
-//! YOLO pose label files: parsing and the validation rules of data.md §1.
+//! YOLO pose label files: parsing and the validation rules of docs/data.md §1.
 
 use std::path::{Path, PathBuf};
 

@@ -1,4 +1,4 @@
-//! `ptl-data`: pose datasets for YOLO26n-pose training, following data.md (Ultralytics 8.4.190 behaviour).
+//! `ptl-data`: pose datasets for YOLO26n-pose training, following docs/data.md (Ultralytics 8.4.190 behaviour).
 //!
 //! * Sources: Ultralytics layout (dataset yaml + `images/` + `labels/*.txt`) via [`PoseDataset::open_yaml`], COCO
 //!   keypoints JSON via [`PoseDataset::from_coco`], and the synthetic generator [`synth::generate`].

@@ -1,5 +1,5 @@
 //! Sample pipelines (train: mosaic → affine → HSV → flips → format; val: letterbox → format), collation into
-//! [`Batch`] (data.md §9), deterministic epoch order, validation rect batches and the prefetching worker pool.
+//! [`Batch`] (docs/data.md §9), deterministic epoch order, validation rect batches and the prefetching worker pool.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -25,7 +25,7 @@ pub struct RatioPad {
     pub pad: Option<[f32; 2]>,
 }
 
-/// A collated batch, layout of data.md §9 with plain Rust types. `B` images, `N` objects, `K` keypoints.
+/// A collated batch, layout of docs/data.md §9 with plain Rust types. `B` images, `N` objects, `K` keypoints.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
     /// Epoch and batch index within the epoch (validation: epoch 0).
@@ -174,7 +174,7 @@ impl TrainLoader {
         self.ds.len().div_ceil(self.batch)
     }
 
-    /// Whether mosaic is used in `epoch` (close-mosaic switch, data.md §7).
+    /// Whether mosaic is used in `epoch` (close-mosaic switch, docs/data.md §7).
     pub fn mosaic_enabled(&self, epoch: usize) -> bool {
         self.cfg.aug.mosaic > 0.0 && (self.cfg.close_mosaic == 0 || epoch < self.cfg.epochs.saturating_sub(self.cfg.close_mosaic))
     }
@@ -188,7 +188,7 @@ impl TrainLoader {
         v
     }
 
-    /// One augmented training sample (per-sample RNG from (seed, epoch, index)), draw order of data.md §6.0.
+    /// One augmented training sample (per-sample RNG from (seed, epoch, index)), draw order of docs/data.md §6.0.
     pub fn sample(&self, epoch: usize, index: usize) -> Sample {
         let ds = &*self.ds;
         let a = &self.cfg.aug;
@@ -338,7 +338,7 @@ pub fn collate(samples: Vec<Sample>, k: usize, epoch: usize, index: usize) -> Re
     Ok(b)
 }
 
-/// Validation batches: images sorted by aspect ratio, rectangular letterbox shapes (data.md §8).
+/// Validation batches: images sorted by aspect ratio, rectangular letterbox shapes (docs/data.md §8).
 #[derive(Debug)]
 pub struct ValLoader {
     ds: Arc<PoseDataset>,

@@ -2,7 +2,7 @@
 //!
 //! Every training sample gets its own generator derived from `(seed, epoch, index)` so that the bytes of a batch do
 //! not depend on the number of worker threads or on the order in which workers pick jobs. The draws inside one
-//! sample follow the order of data.md §6.0 (the reference uses Python's `random`/NumPy streams; the *order and
+//! sample follow the order of docs/data.md §6.0 (the reference uses Python's `random`/NumPy streams; the *order and
 //! distribution* of draws is reproduced, the bit streams are not).
 
 /// SplitMix64 step: used to expand seeds.

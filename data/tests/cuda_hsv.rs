@@ -1,4 +1,4 @@
-//! The fused device HSV kernel produces exactly the CPU reference's bytes (data.md §6.3).
+//! The fused device HSV kernel produces exactly the CPU reference's bytes (docs/data.md §6.3).
 //!
 //! Exhaustive over colours: one 4096×4096 image holds every 24-bit RGB value once, jittered with
 //! several gain triples (Ultralytics' defaults, extremes, negative and zero gains), so every input

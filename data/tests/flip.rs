@@ -1,5 +1,5 @@
 //! Horizontal flips in the training pipeline swap left and right keypoints through `flip_idx`
-//! (data.md §6): keypoint k of a flipped sample is the mirrored keypoint `flip_idx[k]` of the same
+//! (docs/data.md §6): keypoint k of a flipped sample is the mirrored keypoint `flip_idx[k]` of the same
 //! sample unflipped.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Batching: layout of data.md §9, determinism (seed, epoch, index; worker count), close-mosaic, validation rect
+//! Batching: layout of docs/data.md §9, determinism (seed, epoch, index; worker count), close-mosaic, validation rect
 //! batches, prefetch across epochs, deferred (device) HSV equals CPU HSV.
 
 mod common;

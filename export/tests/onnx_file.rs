@@ -89,7 +89,7 @@ fn the_file_decodes_with_the_documented_interface_and_a_well_formed_graph() {
     .collect();
     assert!(ops.is_subset(&allowed), "unexpected ops {:?}", ops.difference(&allowed).collect::<Vec<_>>());
 
-    // The weights: f32, and as many as the reference's deployed YOLO26n-pose (model.md §Summary).
+    // The weights: f32, and as many as the reference's deployed YOLO26n-pose (docs/model.md §Summary).
     let weights: usize = g
         .initializer
         .iter()

@@ -1,4 +1,4 @@
-//! Ultralytics building blocks (model.md §2): Bottleneck, C3k, C3k2, SPPF (YOLO26 and v8 forms),
+//! Ultralytics building blocks (docs/model.md §2): Bottleneck, C3k, C3k2, SPPF (YOLO26 and v8 forms),
 //! Attention, PSABlock, C2PSA. Field names follow the reference attribute names so that
 //! `visit` produces the reference state-dict keys.
 

@@ -1,4 +1,4 @@
-//! Anchors and decoding (model.md §5): `make_anchors`, ltrb → boxes, keypoint decode, and the
+//! Anchors and decoding (docs/model.md §5): `make_anchors`, ltrb → boxes, keypoint decode, and the
 //! default eval output `(B, 4 + nc + nk, A)`.
 
 use ptl_autograd::{DType, Device, Tensor};

@@ -1,4 +1,4 @@
-//! The RealNVP flow used by the RLE keypoint loss (model.md §5.4), `model.23.flow_model.*`.
+//! The RealNVP flow used by the RLE keypoint loss (docs/model.md §5.4), `model.23.flow_model.*`.
 //!
 //! Six affine coupling layers on ℝ² with alternating masks. [`RealNvp::log_prob`] maps data to
 //! the latent (layers in reverse order) and returns `log N(z; 0, I) + log|det J|`.

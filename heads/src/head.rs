@@ -1,4 +1,4 @@
-//! The `Pose26` head (model.md §4): for each of the 3 levels a box stem (`cv2`), a class stem
+//! The `Pose26` head (docs/model.md §4): for each of the 3 levels a box stem (`cv2`), a class stem
 //! (`cv3`) and a point stem (`cv4`) with its keypoint view (`cv4_kpts`) and uncertainty view
 //! (`cv4_sigma`), all twice (one-to-many and `one2one_*`), plus the RealNVP flow.
 //!
@@ -179,7 +179,7 @@ pub struct BranchSet {
     pub sigma_views: Vec<Conv2d>,
 }
 
-/// Head widths derived from the input channels (model.md §4).
+/// Head widths derived from the input channels (docs/model.md §4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeadWidths {
     pub c2: usize,

@@ -1,6 +1,6 @@
 //! # ptl-heads
 //!
-//! The YOLO26-pose network (model.md): building blocks ([`nn`], [`blocks`]), the backbone and
+//! The YOLO26-pose network (docs/model.md): building blocks ([`nn`], [`blocks`]), the backbone and
 //! neck ([`model`]), the `Pose26` head with its 18 individually addressable stems ([`head`]), the
 //! RealNVP flow of the RLE loss ([`flow`]), anchors and decoding ([`decode`]), and a model
 //! summary ([`summary`]). Parameter and buffer names are exactly the reference `state_dict()`

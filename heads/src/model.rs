@@ -1,4 +1,4 @@
-//! The whole YOLO26-pose model: backbone + neck (model.md §3) and the `Pose26` head, built from
+//! The whole YOLO26-pose model: backbone + neck (docs/model.md §3) and the `Pose26` head, built from
 //! a yaml-like layer table scaled by the n/s/m/l/x multipliers.
 
 use std::collections::HashMap;

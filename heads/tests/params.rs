@@ -35,7 +35,7 @@ fn nano_nc1_has_3679464_params_and_the_table_3_layer_counts() {
     assert_eq!(got, expected);
     let head = m.head();
     assert_eq!(head.flow_model.num_params(), 53_784);
-    // Per-set stem totals (model.md §4).
+    // Per-set stem totals (docs/model.md §4).
     let sum = |b: Branch, k: StemKind| -> usize {
         (0..3)
             .map(|l| {

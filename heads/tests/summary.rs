@@ -10,7 +10,7 @@ fn yolo26n_pose_summary_snapshot() {
     assert_eq!(s.num_params, 3_679_464);
     assert_eq!(s.num_parameter_tensors, 498);
     assert_eq!(s.num_buffers, 381);
-    // model.md §1/§8: 2,926,494 deployed parameters; 5.119 G training-graph conv MACs at 640.
+    // docs/model.md §1/§8: 2,926,494 deployed parameters; 5.119 G training-graph conv MACs at 640.
     assert_eq!(s.deploy_params, 2_926_494);
     assert!((s.conv_macs as f64 / 1e9 - 5.119).abs() < 1e-3, "conv MACs {}", s.conv_macs);
     assert_eq!(s.stems.len(), 30);

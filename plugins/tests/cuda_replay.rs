@@ -93,7 +93,7 @@ fn cuda_ns_replay_equals_native() {
     println!("ok cuda ns replay: {}", ns.plugins.join(" || ").chars().take(300).collect::<String>());
 }
 
-/// `replay=optimizer` on real CUDA graphs (capture.md T11): the recorded update follows the
+/// `replay=optimizer` on real CUDA graphs (docs/capture.md T11): the recorded update follows the
 /// warm-up's learning-rate and momentum schedule (written to the device before each replay) and
 /// the fit ends with native's hashes, SGD, MuSGD and AdamW (its bias corrections from device step
 /// counts) in bf16, every step after the first replayed.
@@ -270,7 +270,7 @@ fn cuda_planned_arenas_poisoned_replay_equals_native() {
 
 mod scaler_skip;
 
-/// capture.md T12 on real CUDA graphs, SGD, MuSGD and AdamW: see `scaler_skip`.
+/// docs/capture.md T12 on real CUDA graphs, SGD, MuSGD and AdamW: see `scaler_skip`.
 #[test]
 fn cuda_t12_an_injected_inf_skips_the_step_on_the_device() {
     let Some(dev) = gpu() else { return };

@@ -35,7 +35,7 @@ for t in test_*; do
   grep -E "^(ok |bench |skipping|test result|test .* FAILED|failures:|.*panicked|loss case|warning: ptl-capture)" "$OUT/$t.log" | cut -c1-400
   [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/$t.log"; }
 done
-# Under the memory checker: teardown safety (capture.md I14) and the allocator's block cache
+# Under the memory checker: teardown safety (docs/capture.md I14) and the allocator's block cache
 # (reuse across an eager/captured boundary).
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 memcheck() { # log-name binary filter

@@ -278,7 +278,7 @@ pub fn check_pair(p: &Pair, what: &str) {
 /// Three gradient-accumulation windows of three micro-batches each, with persistent gradients
 /// (`set_keep_grad_buffer`) and a zero-grad after each window: the gradients' bytes and buffer
 /// addresses at the end of every window. A recorded backward writes or adds the gradients inside
-/// its graph here (capture.md §13.1), so the addresses must never move.
+/// its graph here (docs/capture.md §13.1), so the addresses must never move.
 pub fn persistent_windows(net: &Net, regions: Option<&Regions>, dev: Device, dt: DType, hw: usize) -> (Vec<Vec<Vec<u8>>>, Vec<Vec<usize>>) {
     for (_, p) in net.p.trainable() {
         p.set_keep_grad_buffer(true);

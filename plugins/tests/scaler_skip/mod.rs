@@ -1,4 +1,4 @@
-//! capture.md T12 in a real 16-mixed fit, natively and with `replay=optimizer`: an inf injected
+//! docs/capture.md T12 in a real 16-mixed fit, natively and with `replay=optimizer`: an inf injected
 //! into a gradient skips that optimizer step — no parameter changes — decided on the device (the
 //! replayed unscale writes the found-inf flag, the replayed update reads it), the loss scale backs
 //! off and its growth tracker restarts, and the scale grows again after the configured clean

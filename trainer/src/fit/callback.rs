@@ -1,4 +1,4 @@
-//! Callbacks: observers of the fit loop, called at Lightning's hook points (trainer.md §3, §9).
+//! Callbacks: observers of the fit loop, called at Lightning's hook points (docs/trainer.md §3, §9).
 
 use dyn_clone::DynClone;
 

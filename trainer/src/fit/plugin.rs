@@ -108,7 +108,7 @@ pub trait ReplayPlugin: DynClone + Send {
     fn persistent_gradients(&self) -> bool {
         false
     }
-    /// Validation is a region boundary: nothing may be left pending (capture.md §14).
+    /// Validation is a region boundary: nothing may be left pending (docs/capture.md §14).
     fn on_validation_start(&self) -> Result<()> {
         Ok(())
     }

@@ -1,4 +1,4 @@
-//! Anchor centres and strides (`make_anchors`, offset 0.5; model.md §5.1).
+//! Anchor centres and strides (`make_anchors`, offset 0.5; docs/model.md §5.1).
 
 use ptl_autograd::{Device, Tensor};
 

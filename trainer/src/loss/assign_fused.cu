@@ -1,4 +1,4 @@
-// The dense pose assigner (loss.md §2) in four kernels: the composed tensor ops of
+// The dense pose assigner (docs/loss.md §2) in four kernels: the composed tensor ops of
 // `assign_dense::assign_composed`, step for step with the same f32 operations (each product and
 // sum explicitly rounded, so the compiler cannot contract them into FMAs the composed kernels do
 // not use), over targets padded to M slots per image.

@@ -9,7 +9,7 @@ use super::terms::{self, constant, zero_connected};
 use super::{FlowLogProb, LossConfig};
 use crate::error::{Result, TrainerError};
 
-/// Raw training-mode head outputs of one branch set (model.md §4).
+/// Raw training-mode head outputs of one branch set (docs/model.md §4).
 #[derive(Clone, Debug)]
 pub struct BranchOutputs {
     /// (B, 4, A) (l, t, r, b) distances in grid units.

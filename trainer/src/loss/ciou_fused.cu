@@ -1,4 +1,4 @@
-// The box loss's CIoU (loss.md §3.2, `boxes::ciou`) in one forward and one backward kernel, a thread
+// The box loss's CIoU (docs/loss.md §3.2, `boxes::ciou`) in one forward and one backward kernel, a thread
 // per box pair, instead of ≈ 55 composed ops forward and ≈ 100 backward per branch. The forward
 // follows the composed ops' operations in their order; the backward is their chain rule written out,
 // with the composed ops' conventions: a tie of minimum/maximum sends half the gradient each way,

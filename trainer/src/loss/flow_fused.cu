@@ -1,4 +1,4 @@
-// The RLE loss's RealNVP flow (model.md §5.4) in four kernels instead of ≈ 600 composed tensor ops
+// The RLE loss's RealNVP flow (docs/model.md §5.4) in four kernels instead of ≈ 600 composed tensor ops
 // per step. `flow_fused.rs` explains the interface; the arithmetic follows the composed
 // `RealNvp::log_prob` operation by operation, including, under autocast, the rounding of every
 // tensor the composed ops would store in the compute dtype (`rnd`).

@@ -6,7 +6,7 @@
 //! against the composed flow in f32, bf16 and f16); every sum has a fixed order, so results are
 //! deterministic and a recorded step replays them exactly.
 //!
-//! The coupling masks are the reference's fixed `[[0, 1], [1, 0]] × 3` (model.md §5.4): the
+//! The coupling masks are the reference's fixed `[[0, 1], [1, 0]] × 3` (docs/model.md §5.4): the
 //! kernels hard-code them, and [`log_prob`] takes only a flow of the reference's shape.
 
 use std::sync::Arc;

@@ -1,5 +1,5 @@
-//! Training targets of one batch (Ultralytics collate layout, data.md §9) and their per-image
-//! padding into pixel boxes and keypoints (loss.md §1 steps 3–4).
+//! Training targets of one batch (Ultralytics collate layout, docs/data.md §9) and their per-image
+//! padding into pixel boxes and keypoints (docs/loss.md §1 steps 3–4).
 
 use crate::error::{check_finite, check_len, Result, TrainerError};
 
@@ -66,7 +66,7 @@ pub struct PaddedTargets {
     pub kpts: Vec<f32>,
 }
 
-/// Pads the batch per image (loss.md §1): boxes to xyxy pixels via `xywh2xyxy(xywh · [W,H,W,H])`,
+/// Pads the batch per image (docs/loss.md §1): boxes to xyxy pixels via `xywh2xyxy(xywh · [W,H,W,H])`,
 /// keypoints to pixels; `image_hw` = (H, W) in pixels.
 pub fn pad_targets(t: &TargetBatch, batch_size: usize, image_hw: (f32, f32)) -> Result<PaddedTargets> {
     t.validate(batch_size)?;

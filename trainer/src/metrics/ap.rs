@@ -1,4 +1,4 @@
-//! AP / P / R / F1 per class as Ultralytics' `ap_per_class` + `compute_ap` (metrics.md §5).
+//! AP / P / R / F1 per class as Ultralytics' `ap_per_class` + `compute_ap` (docs/metrics.md §5).
 //!
 //! Everything runs in float64 like the numpy reference; helpers reproduce `np.linspace`,
 //! `np.interp` (right-most duplicate rule) and `np.trapezoid` so that results agree to ~1e-15.
@@ -203,7 +203,7 @@ pub fn ap_per_class(tp: &[[bool; NUM_THRESHOLDS]], conf: &[f32], pred_cls: &[usi
 mod tests {
     use super::*;
 
-    /// metrics.md §5 worked example: trapezoid AP 0.7530, P 0.6, R 1.0.
+    /// docs/metrics.md §5 worked example: trapezoid AP 0.7530, P 0.6, R 1.0.
     #[test]
     fn worked_example() {
         let pattern = [true, false, true, false, true];

@@ -1,4 +1,4 @@
-//! End-to-end post-processing of the o2o branch (model.md §5.3, metrics.md §1.2): decode, top-k
+//! End-to-end post-processing of the o2o branch (docs/model.md §5.3, docs/metrics.md §1.2): decode, top-k
 //! over anchors, top-k over (anchor, class) pairs, then a confidence filter — no IoU suppression.
 //!
 //! Ties between equal scores are broken by the lower index (stable sorts); torch's `topk`

@@ -1,4 +1,4 @@
-//! Plain box IoU in float32 (Ultralytics `box_iou`, metrics.md §3.1).
+//! Plain box IoU in float32 (Ultralytics `box_iou`, docs/metrics.md §3.1).
 
 /// IoU matrix `(gt.len(), pred.len())`, row-major, boxes xyxy.
 ///

@@ -1,4 +1,4 @@
-//! Greedy prediction ↔ GT matching per threshold (metrics.md §4).
+//! Greedy prediction ↔ GT matching per threshold (docs/metrics.md §4).
 
 use super::{iou_thresholds, NUM_THRESHOLDS};
 use crate::error::{check_len, Result};

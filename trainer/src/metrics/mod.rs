@@ -1,6 +1,6 @@
 //! Validation metrics that reproduce Ultralytics 8.4.190 (`PoseValidator`) and pycocotools' COCOeval.
 //!
-//! Pipeline for training-time validation (metrics.md §§1–6):
+//! Pipeline for training-time validation (docs/metrics.md §§1–6):
 //! 1. post-process the head output: [`nms::non_max_suppression`] (o2m branch, default) or
 //!    [`e2e::decode_o2o`] + [`e2e::topk`] + [`e2e::postprocess`] (o2o branch, `nms=False`);
 //! 2. scale ground truth to input pixels with [`GroundTruth::from_normalized`];

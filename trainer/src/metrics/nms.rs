@@ -1,4 +1,4 @@
-//! Default post-processing: class-aware NMS on the decoded o2m output (metrics.md §1.1).
+//! Default post-processing: class-aware NMS on the decoded o2m output (docs/metrics.md §1.1).
 //!
 //! Mirrors Ultralytics' `non_max_suppression` with torchvision's CPU `nms`; all ties are
 //! broken by the lower candidate index (stable sorts), which is what torchvision's stable

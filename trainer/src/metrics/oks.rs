@@ -1,4 +1,4 @@
-//! Keypoint OKS as Ultralytics' `kpt_iou` computes it (metrics.md §3.2).
+//! Keypoint OKS as Ultralytics' `kpt_iou` computes it (docs/metrics.md §3.2).
 
 use crate::error::{Result, TrainerError};
 
@@ -64,7 +64,7 @@ pub fn kpt_oks(gt: &[f32], pred: &[f32], areas: &[f32], sigmas: &[f32]) -> Resul
 mod tests {
     use super::*;
 
-    /// metrics.md §3.2 worked example: OKS = 0.924154.
+    /// docs/metrics.md §3.2 worked example: OKS = 0.924154.
     #[test]
     fn worked_example() {
         let sig = coco_sigmas();

@@ -1,4 +1,4 @@
-//! Per-image detections and ground truth in letterboxed input pixels (metrics.md §2).
+//! Per-image detections and ground truth in letterboxed input pixels (docs/metrics.md §2).
 
 use crate::error::{check_finite, check_len, Result, TrainerError};
 
@@ -178,7 +178,7 @@ impl GroundTruth {
         check_finite("gt keypoints", &self.keypoints)
     }
 
-    /// OKS area proxy per GT: box area (from xyxy) × 0.53, in float32 (metrics.md §3.2).
+    /// OKS area proxy per GT: box area (from xyxy) × 0.53, in float32 (docs/metrics.md §3.2).
     pub fn oks_areas(&self) -> Vec<f32> {
         self.boxes.iter().map(|b| (b[2] - b[0]) * (b[3] - b[1]) * 0.53f32).collect()
     }

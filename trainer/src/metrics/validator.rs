@@ -1,4 +1,4 @@
-//! Accumulator over a validation set: `update` per image, then `compute` (metrics.md §§4–6).
+//! Accumulator over a validation set: `update` per image, then `compute` (docs/metrics.md §§4–6).
 
 use super::ap::{ap_per_class, ApPerClass};
 use super::iou::box_iou;
@@ -68,7 +68,7 @@ pub struct PoseMetrics {
 }
 
 impl PoseMetrics {
-    /// `results_dict` after an official COCO evaluation (metrics.md §7): mAP50 / mAP50-95 of box
+    /// `results_dict` after an official COCO evaluation (docs/metrics.md §7): mAP50 / mAP50-95 of box
     /// and pose replaced by COCOeval's AP50 / AP (stats 1 and 0), fitness = 0.9·AP + 0.1·AP50 of
     /// the last evaluated type (keypoints). P and R stay the validator's.
     pub fn coco_results_dict(&self, bbox_stats: &[f64], kpt_stats: &[f64]) -> Result<Vec<(&'static str, f64)>> {

@@ -1,4 +1,4 @@
-//! Global L2 gradient-norm clipping, PyTorch `clip_grad_norm_` semantics (trainer.md §8):
+//! Global L2 gradient-norm clipping, PyTorch `clip_grad_norm_` semantics (docs/trainer.md §8):
 //! absent gradients are skipped, the coefficient `min(1, max_norm / (total + 1e-6))` is always
 //! multiplied in (no host read), gradients are scaled in place. f32 gradients on CUDA can take
 //! multi-tensor kernels (`Tensor::clip_norm_many_`, a few launches), others the composed ops.

@@ -35,7 +35,7 @@ pub trait TensorUpdate: Send {
     /// host-scalar [`TensorUpdate::update_group`] runs). With some, [`Grouped`] writes every
     /// group's [`TensorUpdate::write_scalars`] with one host→device copy before the updates and
     /// runs [`TensorUpdate::update_group_dev`]: a recorded update then reads each step's learning
-    /// rate, momentum and decay (capture.md §16) instead of the ones it was recorded with.
+    /// rate, momentum and decay (docs/capture.md §16) instead of the ones it was recorded with.
     fn device_scalars(&self) -> usize {
         0
     }

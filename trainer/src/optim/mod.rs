@@ -1,4 +1,4 @@
-//! Optimisation (docs/training.md §2–§8, trainer.md §5, §7, §8): parameter groups, MuSGD / SGD / AdamW,
+//! Optimisation (docs/training.md §2–§8, docs/trainer.md §5, §7, §8): parameter groups, MuSGD / SGD / AdamW,
 //! Newton–Schulz, warm-up and LR schedules, model EMA, gradient clipping, the FP16 GradScaler and
 //! checkpointable state.
 //!
@@ -8,7 +8,7 @@
 //!   never change (CUDA-graph recordings rely on that); buffers are allocated once, on first use;
 //! * all math is written with tensor ops and runs on the parameter's device, under `no_grad`.
 //!
-//! Capturable where the rule reads device scalars (SGD, MuSGD, the EMA; capture.md §16): the host
+//! Capturable where the rule reads device scalars (SGD, MuSGD, the EMA; docs/capture.md §16): the host
 //! part of a step (`prepare_step`) writes learning rates, momenta and decay to the device, the
 //! device part (`step_prepared`, `step_prepared_unless` under 16-mixed) reads them, so a recorded
 //! update takes each step's values; AdamW keeps its step counts on the device as well.

@@ -1,4 +1,4 @@
-//! FP16 GradScaler, `torch.amp.GradScaler` semantics (trainer.md §5, docs/training.md §8): the loss is
+//! FP16 GradScaler, `torch.amp.GradScaler` semantics (docs/trainer.md §5, docs/training.md §8): the loss is
 //! multiplied by `scale`; `unscale_` multiplies every present gradient by `1/scale` and records
 //! whether any was non-finite; `step` skips the optimizer step when one was; `update` backs off
 //! (×0.5, tracker reset) after an inf/NaN, or grows (×2) after `growth_interval` clean steps.

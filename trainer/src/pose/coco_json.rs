@@ -20,7 +20,7 @@ use crate::metrics::Detections;
 pub const PREDICTIONS_FILE: &str = "predictions.json";
 /// File name of the COCO ground truth of the validation split.
 pub const GROUND_TRUTH_FILE: &str = "val_gt.json";
-/// GT area = this × box area: the validator's OKS scale (metrics.md §3), so COCOeval's OKS uses
+/// GT area = this × box area: the validator's OKS scale (docs/metrics.md §3), so COCOeval's OKS uses
 /// the same area (a YOLO label has no segmentation to measure).
 pub const AREA_FROM_BOX: f64 = 0.53;
 

@@ -11,7 +11,7 @@ use ptl_data::AugmentConfig;
 pub use super::weights::ModelSource;
 use crate::{Result, TrainerError};
 
-/// Numeric precision of the training step (trainer.md §5). Read with [`Precision::parse`]'s
+/// Numeric precision of the training step (docs/trainer.md §5). Read with [`Precision::parse`]'s
 /// spellings (`bf16`, `fp16`, …), written as the canonical name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "String")]
@@ -104,7 +104,7 @@ pub struct PoseTrainConfig {
     pub cos_lr: bool,
     pub nbs: usize,
     pub close_mosaic: usize,
-    /// Augmentation gains with Ultralytics' names and meanings (data.md §6); checkpoints written
+    /// Augmentation gains with Ultralytics' names and meanings (docs/data.md §6); checkpoints written
     /// before they were settings hold none and trained with these defaults.
     pub mosaic: f64,
     pub hsv_h: f64,
@@ -367,7 +367,7 @@ impl PoseTrainConfig {
         }
     }
 
-    /// The loader's augmentation settings (data.md §6) from the gains above.
+    /// The loader's augmentation settings (docs/data.md §6) from the gains above.
     pub fn augment(&self) -> AugmentConfig {
         AugmentConfig {
             mosaic: self.mosaic,

@@ -1,5 +1,5 @@
 //! Validation of the (EMA) model: letterboxed val batches → eval forward → NMS on the o2m branch
-//! → box/pose metrics (metrics.md), in the network's input space.
+//! → box/pose metrics (docs/metrics.md), in the network's input space.
 
 use std::path::PathBuf;
 use std::sync::Arc;

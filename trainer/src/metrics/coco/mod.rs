@@ -1,6 +1,6 @@
 //! COCO-style evaluation (pycocotools `COCOeval`, iouType "bbox" and "keypoints") and COCO JSON I/O.
 //!
-//! Used for standalone validation with JSON saving (metrics.md §7); training-time validation uses
+//! Used for standalone validation with JSON saving (docs/metrics.md §7); training-time validation uses
 //! [`crate::metrics::PoseValidator`] instead.
 
 pub mod eval;

@@ -1,5 +1,5 @@
 //! The pose fit loop: Ultralytics' optimisation recipe (docs/training.md §2–§7) inside Lightning's hook
-//! order (trainer.md §3–§4), with replay plugins wrapping the step's stages.
+//! order (docs/trainer.md §3–§4), with replay plugins wrapping the step's stages.
 //!
 //! Read top down: [`fit`] assembles a run (this module), `epochs` runs its epochs, `step` one
 //! training step, `persist` checkpoints and hashes; `run` holds the state they share.

@@ -208,7 +208,7 @@ mod tests {
 
     #[test]
     fn pr_curve_of_the_spec_example() {
-        // metrics.md's worked example: 3 GTs, TP pattern (1,0,1,0,1) at every threshold.
+        // docs/metrics.md's worked example: 3 GTs, TP pattern (1,0,1,0,1) at every threshold.
         let tp: Vec<[bool; 10]> = [true, false, true, false, true].iter().map(|&t| [t; 10]).collect();
         let pc = ap_per_class(&tp, &[0.9, 0.8, 0.7, 0.6, 0.5], &[0; 5], &[0, 0, 0]).unwrap();
         let c = PrCurve::from_ap("Box", &pc, &["person"]);
