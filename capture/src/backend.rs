@@ -32,7 +32,9 @@ pub struct Footprint {
 /// bytes handed out in order for what the plan does not cover.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ArenaSpec {
+    /// Offsets of the allocations the warm-up's trace planned.
     pub plan: ArenaPlan,
+    /// Bytes after the planned part for what the plan does not cover.
     pub tail: usize,
 }
 
@@ -61,6 +63,7 @@ pub trait Graph: Send + Sync {
 /// A way to record and replay bodies. [`crate::CudaBackend`] captures CUDA graphs;
 /// [`crate::testing::ReplayNatively`] keeps the body and runs it on every launch.
 pub trait Backend: Send + Sync {
+    /// The backend's name in counters and summaries (`cuda`, `native`).
     fn name(&self) -> &'static str;
     /// A fresh private pool for one recording's static buffers and arenas (`None`: no pools).
     fn new_pool(&self, device: Device) -> Result<Option<PoolHandle>>;

@@ -57,6 +57,7 @@
 //! captures real graphs; [`testing::ReplayNatively`] "records" by keeping the body and re-running
 //! it on replay, so CPU CI exercises signatures, masks, counters and retire/fallback decisions.
 
+#![warn(missing_docs)]
 mod backend;
 mod error;
 mod recorder;

@@ -41,7 +41,10 @@ pub struct RecorderConfig {
     /// another's forward starts — one region per batch, as the `step` and `loss` plugins record
     /// one per target bucket): their forward graphs share one arena, sized for the largest.
     pub share_forward_arena: bool,
+    /// An unplanned arena's size as a multiple of what the warm-up allocated (headroom for a
+    /// capture that allocates a little more).
     pub arena_slack: f64,
+    /// Bytes added to every unplanned arena on top of the slack.
     pub arena_extra_bytes: usize,
 }
 
@@ -157,6 +160,7 @@ impl Recorder {
         }
     }
 
+    /// The settings the recorder was made with.
     pub fn config(&self) -> &RecorderConfig {
         &self.inner.config
     }

@@ -25,7 +25,9 @@ pub type RegionFn = Arc<dyn Fn(&[Tensor]) -> ptl_autograd::Result<Vec<Tensor>> +
 /// Host-side state a region mutates (e.g. a host RNG): snapshotted before warmup and restored
 /// after warmup and capture.
 pub trait HostState: Send + Sync {
+    /// The state as plain numbers.
     fn snapshot(&self) -> Vec<u64>;
+    /// Puts back a state [`HostState::snapshot`] took.
     fn restore(&self, snap: &[u64]);
 }
 
@@ -49,15 +51,20 @@ pub type BodyFn<'a> = dyn Fn(&[Tensor]) -> ptl_autograd::Result<Vec<Tensor>> + '
 /// [`RegionHandle::call_with`] brings them, over the live model.
 #[derive(Clone)]
 pub struct RegionSpec {
+    /// The region's name (in counters, errors and summaries).
     pub name: String,
+    /// The parameters and buffers the body reads or writes, by name (`None`: given per call).
     pub surface: Option<SurfaceFn>,
+    /// The body (`None`: given per call).
     pub func: Option<RegionFn>,
+    /// Host-side state the body changes, rolled back after warm-up (docs/capture.md §2.1).
     pub host_state: Vec<Arc<dyn HostState>>,
     /// Graph-safe generators the body draws from (docs/capture.md §9).
     pub graph_rngs: Vec<Arc<GraphSafeRng>>,
 }
 
 impl RegionSpec {
+    /// A region named `name` that runs `func` over the tensors `surface` lists.
     pub fn new(
         name: impl Into<String>,
         surface: impl Fn() -> Vec<(String, Tensor, TensorKind)> + Send + Sync + 'static,
@@ -739,6 +746,7 @@ impl std::fmt::Debug for RegionHandle {
 }
 
 impl RegionHandle {
+    /// The region's name.
     pub fn name(&self) -> &str {
         self.shared.name()
     }

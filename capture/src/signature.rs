@@ -5,9 +5,13 @@ use ptl_autograd::{DType, Device, Tensor};
 /// Shape, dtype, device and `requires_grad` of one input.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct InputSig {
+    /// Its shape.
     pub dims: Vec<usize>,
+    /// Its dtype.
     pub dtype: DType,
+    /// Its device.
     pub device: Device,
+    /// Whether it needs a gradient (docs/capture.md §5).
     pub requires_grad: bool,
 }
 
@@ -16,6 +20,7 @@ pub struct InputSig {
 /// recording.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Signature {
+    /// The inputs' signatures, in order.
     pub inputs: Vec<InputSig>,
     /// Grad mode at the call (no grad: a forward-only recording).
     pub grad_enabled: bool,
@@ -26,6 +31,7 @@ pub struct Signature {
 }
 
 impl Signature {
+    /// The signature of a call with `inputs` under these modes.
     pub fn of(inputs: &[Tensor], grad_enabled: bool, training: bool, precision: Option<DType>) -> Signature {
         Signature {
             inputs: inputs

@@ -75,6 +75,7 @@ pub struct RegionStats {
     /// were still live).
     #[serde(default)]
     pub arena_planned: u64,
+    /// Allocations of the captures that went to the arena's unplanned tail.
     #[serde(default)]
     pub arena_tail: u64,
     /// Captures made again in an unplanned arena after overflowing their planned arena's tail
@@ -86,12 +87,15 @@ pub struct RegionStats {
 }
 
 impl RegionStats {
+    /// Native (not replayed) calls, every reason together.
     pub fn native_total(&self) -> u64 {
         self.native.values().sum()
     }
+    /// Native calls for reason `r`.
     pub fn native_for(&self, r: FallbackReason) -> u64 {
         self.native.get(&r).copied().unwrap_or(0)
     }
+    /// Recordings retired for reason `r`.
     pub fn retired_for(&self, r: RetireReason) -> u64 {
         self.retired.get(&r).copied().unwrap_or(0)
     }

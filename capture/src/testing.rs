@@ -20,6 +20,7 @@ pub struct ReplayNatively {
     /// Shared arenas set aside ([`Backend::set_shared_resident`] with `false`) and put back
     /// (explicitly, or by the next launch or capture into them).
     pub evictions: AtomicU64,
+    /// Shared arenas put back after an eviction.
     pub restores: Arc<AtomicU64>,
 }
 

@@ -7,19 +7,41 @@ use std::path::PathBuf;
 pub enum ExportError {
     /// `format=` names a format ptl cannot write.
     #[error("unknown export format `{given}`: ptl exports {known} (e.g. format=onnx)")]
-    UnknownFormat { given: String, known: &'static str },
+    UnknownFormat {
+        /// The value given.
+        given: String,
+        /// The formats ptl writes.
+        known: &'static str,
+    },
 
     /// The input size cannot be fed to the model.
     #[error("imgsz {h}×{w}: {reason}")]
-    ImageSize { h: usize, w: usize, reason: String },
+    ImageSize {
+        /// Requested height.
+        h: usize,
+        /// Requested width.
+        w: usize,
+        /// Why it cannot be used.
+        reason: String,
+    },
 
     /// An export setting is out of range (names the key and what it takes).
     #[error("{key}={reason}")]
-    Option { key: &'static str, reason: String },
+    Option {
+        /// The setting's key.
+        key: &'static str,
+        /// What was given and what the key takes.
+        reason: String,
+    },
 
     /// A module of the model has a shape the exporter does not handle (names the module).
     #[error("cannot export {module}: {reason}")]
-    Unsupported { module: String, reason: String },
+    Unsupported {
+        /// The module's name in the model.
+        module: String,
+        /// What about it the exporter does not handle.
+        reason: String,
+    },
 
     /// Reading a weight from the model failed.
     #[error(transparent)]
@@ -31,7 +53,12 @@ pub enum ExportError {
 
     /// The file could not be written.
     #[error("cannot write {path}: {source} (choose another out=)")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        /// The file that could not be written.
+        path: PathBuf,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
 }
 
 /// Result alias used across the crate.

@@ -9,33 +9,46 @@ use std::collections::{HashMap, HashSet};
 /// A node attribute value (the few kinds the exporter needs).
 #[derive(Clone, Debug, PartialEq)]
 pub enum AttrValue {
+    /// One integer.
     Int(i64),
+    /// A list of integers.
     Ints(Vec<i64>),
+    /// A string.
     Str(String),
 }
 
 /// One graph node with a single op and its attributes.
 #[derive(Clone, Debug)]
 pub struct Node {
+    /// The ONNX op type (`Conv`, `Reshape`, …).
     pub op: &'static str,
+    /// The node's unique name.
     pub name: String,
+    /// Names of the values it reads, in the op's input order.
     pub inputs: Vec<String>,
+    /// Names of the values it writes.
     pub outputs: Vec<String>,
+    /// Its attributes by name.
     pub attrs: Vec<(&'static str, AttrValue)>,
 }
 
 /// Initializer payload: weights are f32, shapes and split sizes i64.
 #[derive(Clone, Debug)]
 pub enum InitData {
+    /// Float values (weights, scalars).
     F32(Vec<f32>),
+    /// Integer values (shapes, axes, split sizes).
     I64(Vec<i64>),
 }
 
 /// A constant tensor stored in the file.
 #[derive(Clone, Debug)]
 pub struct Initializer {
+    /// The value name nodes read it by.
     pub name: String,
+    /// Its shape.
     pub dims: Vec<i64>,
+    /// Its values, row-major.
     pub data: InitData,
     /// An op parameter that ONNX types as f32 whatever the model computes in (`Resize`'s
     /// scales, `NonMaxSuppression`'s thresholds): kept f32 in a half-precision file.
@@ -45,7 +58,9 @@ pub struct Initializer {
 /// Nodes and initializers in emission order.
 #[derive(Default, Debug)]
 pub struct Graph {
+    /// The nodes, each after the nodes producing its inputs.
     pub nodes: Vec<Node>,
+    /// The constants, in the order they were made.
     pub initializers: Vec<Initializer>,
     taken: HashSet<String>,
     /// i64 constants by value, so a shape used by many reshapes is stored once.

@@ -43,6 +43,7 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
 pub mod error;
 pub mod graph;
 
@@ -89,7 +90,10 @@ pub enum ExportOutput {
     Nms(NmsSettings),
     /// `detections` `(B, k, 6 + K·D)`, k = min(max_det, A): the one-to-one branch's top k, no
     /// NMS (`nms=False`: YOLO26's end-to-end output).
-    EndToEnd { max_det: usize },
+    EndToEnd {
+        /// The most rows per image (Ultralytics' `max_det`, 300 by default).
+        max_det: usize,
+    },
 }
 
 /// How to export: input size, precision, opset and output form.
@@ -155,6 +159,7 @@ pub fn ir_version(opset: i64) -> i64 {
 /// The formats `ptl export` writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExportFormat {
+    /// ONNX (`format=onnx`), the format onnxruntime, TensorRT and OpenVINO read.
     Onnx,
 }
 
@@ -181,6 +186,7 @@ impl ExportFormat {
 /// One dimension of the graph's input or output.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Dim {
+    /// A size fixed in the file.
     Fixed(usize),
     /// A symbolic dimension (`batch`).
     Named(String),
@@ -189,9 +195,13 @@ pub enum Dim {
 /// An exported model, ready to serialise.
 #[derive(Debug)]
 pub struct OnnxModel {
+    /// The nodes and constants.
     pub graph: graph::Graph,
+    /// The input's name and dimensions.
     pub input: (String, Vec<Dim>),
+    /// The output's name and dimensions.
     pub output: (String, Vec<Dim>),
+    /// The ONNX opset the file declares.
     pub opset: i64,
     /// f16 weights, input and output (f32 op parameters stay f32).
     pub half: bool,

@@ -25,6 +25,7 @@
 //! failure, …) and says so in its counters: check them ([`replay_shortfalls`]) before believing
 //! "replay equals native".
 
+#![warn(missing_docs)]
 #[doc = include_str!("../../docs/plugins.md")]
 pub mod guide {}
 

@@ -49,6 +49,7 @@ pub struct LossReplay {
 }
 
 impl LossReplay {
+    /// The plugin's name in `replay=` (the criterion recorded on its own).
     pub const NAME: &'static str = "loss";
     /// The plugin that records a step's forward together with the criterion.
     pub const STEP: &'static str = "step";

@@ -48,8 +48,10 @@ impl HoldsRegions for NsRegions {
 }
 
 impl NsReplay {
+    /// The plugin's name in `replay=`.
     pub const NAME: &'static str = "ns";
 
+    /// The plugin with `config` for its recorders (one per shape group of Newton–Schulz).
     pub fn new(config: RecorderConfig) -> NsReplay {
         NsReplay { shell: PluginShell::new(config) }
     }

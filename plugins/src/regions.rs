@@ -28,6 +28,7 @@ impl Clone for PieceRegions {
 }
 
 impl PieceRegions {
+    /// No region recorded yet; each piece gets a recorder with `config` on its first call.
     pub fn new(config: RecorderConfig) -> PieceRegions {
         PieceRegions {
             config,

@@ -20,6 +20,7 @@ pub enum Scope {
 }
 
 impl Scope {
+    /// The plugin name of this scope in `replay=`.
     pub fn name(self) -> &'static str {
         match self {
             Scope::Trunk => PieceReplay::FEATURE,
@@ -79,9 +80,12 @@ pub(crate) fn parse_config(name: &str, cfg: &serde_json::Value) -> ptl_trainer::
 }
 
 impl PieceReplay {
+    /// `replay=feature`: the trunk recorded as one region.
     pub const FEATURE: &'static str = "feature";
+    /// `replay=stem`: each of the head's 18 stems recorded as its own region.
     pub const STEM: &'static str = "stem";
 
+    /// The plugin for `scope` with `config` for its recorders.
     pub fn new(scope: Scope, config: RecorderConfig) -> PieceReplay {
         PieceReplay { scope, regions: PieceRegions::new(config), native_for_fit: false, dispatch: true }
     }
@@ -94,6 +98,7 @@ impl PieceReplay {
         Ok(Box::new(p))
     }
 
+    /// Which pieces this plugin records.
     pub fn scope(&self) -> Scope {
         self.scope
     }

@@ -43,8 +43,10 @@ impl HoldsRegions for UpdateRegions {
 }
 
 impl UpdateReplay {
+    /// The plugin's name in `replay=`.
     pub const NAME: &'static str = "optimizer";
 
+    /// The plugin with `config` for the recorders of the optimizer update and the EMA.
     pub fn new(config: RecorderConfig) -> UpdateReplay {
         UpdateReplay { shell: PluginShell::new(config) }
     }
