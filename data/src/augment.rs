@@ -11,8 +11,11 @@ pub const PAD_VALUE: u8 = 114;
 /// Objects of one sample in pixels: boxes as (x1, y1, x2, y2), keypoints `n × K × 3` (x, y, v).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Instances {
+    /// Class of each object.
     pub cls: Vec<f32>,
+    /// Boxes (x1, y1, x2, y2) in pixels.
     pub boxes: Vec<[f32; 4]>,
+    /// Keypoints, `n × K × 3` values (x, y in pixels, visibility).
     pub kpts: Vec<f32>,
     /// Keypoints per object.
     pub k: usize,
@@ -42,10 +45,12 @@ impl Instances {
         Instances { cls: l.cls.clone(), boxes, kpts, k }
     }
 
+    /// Number of objects.
     pub fn len(&self) -> usize {
         self.cls.len()
     }
 
+    /// Whether there is no object.
     pub fn is_empty(&self) -> bool {
         self.cls.is_empty()
     }
@@ -172,17 +177,29 @@ impl Instances {
 /// Augmentation hyper-parameters (docs/data.md §6 defaults).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AugmentConfig {
+    /// Probability of a 4-image mosaic (Ultralytics' `mosaic`, 1.0).
     pub mosaic: f64,
+    /// Rotation range in degrees, ± (`degrees`, 0).
     pub degrees: f64,
+    /// Translation as a fraction of the image, ± (`translate`, 0.1).
     pub translate: f64,
+    /// Scale gain: the scale is drawn in 1 ± this (`scale`, 0.5).
     pub scale: f64,
+    /// Shear range in degrees, ± (`shear`, 0).
     pub shear: f64,
+    /// Perspective coefficient range, ± (`perspective`, 0).
     pub perspective: f64,
+    /// Hue gain (`hsv_h`, 0.015).
     pub hsv_h: f64,
+    /// Saturation gain (`hsv_s`, 0.7).
     pub hsv_s: f64,
+    /// Value gain (`hsv_v`, 0.4).
     pub hsv_v: f64,
+    /// Probability of a vertical flip (`flipud`, 0).
     pub flipud: f64,
+    /// Probability of a horizontal flip (`fliplr`, 0.5).
     pub fliplr: f64,
+    /// Probability of keeping BGR channel order (`bgr`, 0).
     pub bgr: f64,
 }
 
@@ -310,13 +327,21 @@ pub fn mosaic4(tiles: [(&Image, &Labels); 4], k: usize, s: u32, yc: i64, xc: i64
 /// The 8 random draws of the perspective/affine transform, in draw order.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AffineDraw {
+    /// Perspective coefficient along x.
     pub persp_x: f64,
+    /// Perspective coefficient along y.
     pub persp_y: f64,
+    /// Rotation in degrees.
     pub angle: f64,
+    /// Isotropic scale.
     pub scale: f64,
+    /// Shear along x in degrees.
     pub shear_x: f64,
+    /// Shear along y in degrees.
     pub shear_y: f64,
+    /// Translation as a fraction of the output width (0.5 = centred).
     pub tx: f64,
+    /// Translation as a fraction of the output height.
     pub ty: f64,
 }
 
@@ -668,8 +693,9 @@ pub fn random_perspective(img: &Image, inst: &Instances, d: &AffineDraw, out: u3
 pub struct LetterboxInfo {
     /// Scale applied to the incoming image.
     pub r: f32,
-    /// Padding (left, top) in pixels.
+    /// Padding on the left in pixels.
     pub left: u32,
+    /// Padding on the top in pixels.
     pub top: u32,
 }
 

@@ -56,7 +56,9 @@ struct CocoFile {
 /// Why COCO annotations were not used, and how many were.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CocoReport {
+    /// Images in the file.
     pub images: usize,
+    /// Annotations in the file.
     pub annotations: usize,
     /// Annotations that became label rows.
     pub used: usize,
@@ -86,7 +88,9 @@ impl CocoReport {
 /// One image of a converted COCO file: its file name and its label text (`None` = no annotation → no label file).
 #[derive(Clone, Debug, PartialEq)]
 pub struct CocoLabel {
+    /// The image's `file_name`.
     pub file_name: String,
+    /// Its YOLO label text (`None`: no annotation, so no label file).
     pub text: Option<String>,
 }
 

@@ -54,16 +54,23 @@ pub struct DatasetConfig {
     pub root: PathBuf,
     /// Split entries (directories or list files), resolved against `root`.
     pub train: Vec<PathBuf>,
+    /// The validation split's entries.
     pub val: Vec<PathBuf>,
+    /// The test split's entries.
     pub test: Vec<PathBuf>,
     /// Class names by id.
     pub names: Vec<String>,
+    /// Number of classes.
     pub nc: usize,
+    /// Keypoints per object and values per keypoint.
     pub kpt_shape: KptShape,
     /// `None` disables flips (docs/data.md §3).
     pub flip_idx: Option<Vec<usize>>,
+    /// Keypoint names (COCO's for 17 keypoints when the yaml gives none).
     pub kpt_names: Vec<String>,
+    /// OKS sigmas per keypoint (the yaml's, else COCO's for [17, 3], else 1/K).
     pub kpt_oks_sigmas: Vec<f32>,
+    /// Image channels (3).
     pub channels: usize,
     /// Image folders of COCO-JSON splits (`train_images:`, `val_images:`, `test_images:`), resolved
     /// against `root`; without one the folder is looked for next to the JSON ([`coco_image_dir`]).
@@ -345,6 +352,7 @@ fn has_image_suffix(p: &Path) -> bool {
 /// Files found under some folders, and the folder links that were not followed.
 #[derive(Debug, Default)]
 pub struct Walk {
+    /// The files, sorted.
     pub files: Vec<PathBuf>,
     /// Symbolic links to a folder that encloses them or was already walked (a loop, or the same
     /// files twice): skipped.

@@ -63,8 +63,11 @@ impl std::fmt::Display for SkipReason {
 /// One skipped image.
 #[derive(Clone, Debug)]
 pub struct Skipped {
+    /// The image.
     pub path: PathBuf,
+    /// Why, as a category (counted in the scan report).
     pub reason: SkipReason,
+    /// Why, in words naming the file and the fix.
     pub message: String,
 }
 
@@ -125,7 +128,9 @@ impl ScanReport {
 /// One usable image: its labels and its prepared (long side = imgsz) BGR pixels, shared.
 #[derive(Clone, Debug)]
 pub struct Item {
+    /// The image file.
     pub im_file: PathBuf,
+    /// Its objects, normalised.
     pub labels: Labels,
     /// Original (EXIF-oriented) size (h0, w0).
     pub ori_shape: (u32, u32),
@@ -136,10 +141,15 @@ pub struct Item {
 /// Dataset metadata needed by the pipeline.
 #[derive(Clone, Debug)]
 pub struct DatasetMeta {
+    /// Class names by id.
     pub names: Vec<String>,
+    /// Number of classes.
     pub nc: usize,
+    /// Keypoints per object and values per keypoint.
     pub kpt_shape: KptShape,
+    /// The keypoint permutation of a flip (`None`: flips off).
     pub flip_idx: Option<Vec<usize>>,
+    /// OKS sigmas per keypoint.
     pub kpt_oks_sigmas: Vec<f32>,
 }
 
@@ -158,10 +168,15 @@ impl DatasetMeta {
 /// A scanned split with every usable image prepared in RAM.
 #[derive(Clone, Debug)]
 pub struct PoseDataset {
+    /// The split's name (`train`, `val`, …).
     pub split: String,
+    /// The long side images were prepared at.
     pub imgsz: u32,
+    /// Classes, keypoints and flip of the dataset.
     pub meta: DatasetMeta,
+    /// The usable images, in path order.
     pub items: Vec<Item>,
+    /// What the scan found and skipped.
     pub report: ScanReport,
 }
 

@@ -10,8 +10,11 @@ use crate::rng::Rng;
 /// Per-image HSV gains r = (U(−1,1)·hgain, U(−1,1)·sgain, U(−1,1)·vgain).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct HsvGains {
+    /// Hue gain.
     pub h: f64,
+    /// Saturation gain.
     pub s: f64,
+    /// Value gain.
     pub v: f64,
 }
 
@@ -33,8 +36,11 @@ impl HsvGains {
 /// The three 256-entry tables of one image.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HsvLut {
+    /// New hue by old hue (OpenCV's 0..180).
     pub hue: [u8; 256],
+    /// New saturation by old.
     pub sat: [u8; 256],
+    /// New value by old.
     pub val: [u8; 256],
 }
 

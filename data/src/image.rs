@@ -11,8 +11,11 @@ use crate::error::{DataError, Result};
 /// Interleaved 8-bit BGR image, row-major `h × w × 3`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Image {
+    /// Width in pixels.
     pub w: u32,
+    /// Height in pixels.
     pub h: u32,
+    /// `h × w × 3` bytes, B, G, R per pixel.
     pub data: Vec<u8>,
 }
 

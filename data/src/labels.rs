@@ -7,7 +7,9 @@ use crate::error::{DataError, Result};
 /// Keypoint layout `[K, D]` with D ∈ {2, 3}.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KptShape {
+    /// Keypoints per object.
     pub k: usize,
+    /// Values per keypoint: 2 (x, y) or 3 (x, y, visibility).
     pub d: usize,
 }
 
@@ -47,8 +49,11 @@ impl Labels {
 /// Label settings taken from the dataset configuration.
 #[derive(Clone, Debug)]
 pub struct LabelRules {
+    /// The keypoint layout rows must have.
     pub kpt_shape: KptShape,
+    /// Classes must be below this.
     pub nc: usize,
+    /// Every object becomes class 0.
     pub single_cls: bool,
 }
 

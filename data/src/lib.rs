@@ -30,6 +30,7 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
 pub mod augment;
 pub mod cache;
 pub mod coco;

@@ -28,8 +28,9 @@ pub struct RatioPad {
 /// A collated batch, layout of docs/data.md §9 with plain Rust types. `B` images, `N` objects, `K` keypoints.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
-    /// Epoch and batch index within the epoch (validation: epoch 0).
+    /// The epoch (validation: 0).
     pub epoch: usize,
+    /// The batch's index within its epoch.
     pub index: usize,
     /// u8 RGB images, `B × 3 × H × W` row-major.
     pub img: Vec<u8>,
@@ -61,10 +62,12 @@ pub struct Batch {
 
 impl Batch {
     /// Images in the batch.
+    /// Images in the batch.
     pub fn len(&self) -> usize {
         self.shape[0]
     }
 
+    /// Whether the batch holds no image.
     pub fn is_empty(&self) -> bool {
         self.shape[0] == 0
     }
@@ -78,25 +81,38 @@ impl Batch {
 /// One augmented sample before collation (BGR HWC image, pixel xyxy instances).
 #[derive(Clone, Debug)]
 pub struct Sample {
+    /// The augmented image (BGR, HWC).
     pub img: Image,
+    /// Its objects in pixels.
     pub inst: Instances,
+    /// Whether Format turns it to RGB (the colour-order draw).
     pub rgb: bool,
+    /// The HSV gains drawn for it.
     pub hsv: HsvGains,
+    /// Whether the HSV jitter was applied already (else it is left to the device).
     pub hsv_applied: bool,
+    /// The source image file.
     pub im_file: PathBuf,
+    /// The source image's size (h, w).
     pub ori_shape: [u32; 2],
+    /// The size before collation (h, w).
     pub resized_shape: [u32; 2],
+    /// Resize ratio and letterbox padding.
     pub ratio_pad: RatioPad,
 }
 
 /// Training loader settings.
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
+    /// Images per batch.
     pub batch: usize,
+    /// The seed every sample's generator derives from.
     pub seed: u64,
+    /// Epochs of the run (for the close-mosaic switch).
     pub epochs: usize,
     /// Mosaic is off for epochs e ≥ epochs − close_mosaic (0 = never switch).
     pub close_mosaic: usize,
+    /// Augmentation settings.
     pub aug: AugmentConfig,
     /// Leave HSV to the device (gains still drawn, returned in the batch).
     pub hsv_on_device: bool,
@@ -137,6 +153,7 @@ pub struct TrainLoader {
 }
 
 impl TrainLoader {
+    /// A loader over `ds` (refuses batch 0, an empty dataset, and device HSV with BGR samples).
     pub fn new(ds: Arc<PoseDataset>, cfg: TrainConfig) -> Result<Self> {
         if cfg.batch == 0 {
             return Err(DataError::Invalid("batch must be ≥ 1".into()));
@@ -156,10 +173,12 @@ impl TrainLoader {
         Ok(TrainLoader { ds, cfg, batch })
     }
 
+    /// The dataset it reads.
     pub fn dataset(&self) -> &Arc<PoseDataset> {
         &self.ds
     }
 
+    /// Its settings.
     pub fn config(&self) -> &TrainConfig {
         &self.cfg
     }
@@ -382,10 +401,12 @@ impl ValLoader {
         Ok(ValLoader { ds, batch, seed, order, shapes })
     }
 
+    /// Batches in one pass over the split.
     pub fn len(&self) -> usize {
         self.shapes.len()
     }
 
+    /// Whether there is no batch.
     pub fn is_empty(&self) -> bool {
         self.shapes.is_empty()
     }

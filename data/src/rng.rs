@@ -34,9 +34,13 @@ pub struct Rng {
 
 /// Stream tags keep unrelated uses of the same (seed, epoch, index) apart.
 pub mod stream {
+    /// A training sample's augmentation draws.
     pub const SAMPLE: u64 = 1;
+    /// An epoch's shuffle.
     pub const SHUFFLE: u64 = 2;
+    /// The synthetic dataset generator.
     pub const SYNTH: u64 = 3;
+    /// Validation samples' draws.
     pub const VAL: u64 = 4;
 }
 
@@ -59,6 +63,7 @@ impl Rng {
         Rng::new(mix_seed(&[stream, seed, epoch, index]))
     }
 
+    /// The next 64 random bits.
     #[inline]
     pub fn next_u64(&mut self) -> u64 {
         let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);

@@ -18,15 +18,19 @@ use crate::rng::{stream, Rng};
 /// Options of the generator (CLI defaults: 512 train of which 226 background, 15 val, 640 px, seed 347).
 #[derive(Clone, Debug)]
 pub struct SynthOptions {
+    /// The folder the dataset is written into.
     pub out: PathBuf,
     /// Training images in total (including the background ones).
     pub train: usize,
     /// Person-free training images.
     pub background: usize,
+    /// Validation images.
     pub val: usize,
     /// Long side of the largest image size (sizes scale with imgsz / 640).
     pub imgsz: u32,
+    /// Seed of every drawing (the same options write the same bytes).
     pub seed: u64,
+    /// JPEG quality of the images written as JPEG (1–100).
     pub jpeg_quality: u8,
     /// 0 = all cores.
     pub threads: usize,
@@ -60,13 +64,19 @@ pub const MAX_SYNTH_IMAGES: usize = 1_000_000;
 /// What was written.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SynthStats {
+    /// Training images written.
     pub train_images: usize,
+    /// Of them, without people.
     pub train_background: usize,
+    /// People in the training labels.
     pub train_instances: usize,
+    /// Validation images written.
     pub val_images: usize,
+    /// People in the validation labels.
     pub val_instances: usize,
     /// Keypoints with visibility 0, 1, 2 over all labels.
     pub visibility: [usize; 3],
+    /// The dataset yaml written.
     pub yaml: PathBuf,
 }
 
