@@ -13,11 +13,21 @@ pub enum HeadsError {
 
     /// An input tensor has the wrong rank, size or dtype for this model.
     #[error("{op}: bad input: {msg}")]
-    Input { op: &'static str, msg: String },
+    Input {
+        /// The operation that refused it.
+        op: &'static str,
+        /// What is wrong with the input.
+        msg: String,
+    },
 
     /// A [`crate::PieceRunner`] could not run a piece (e.g. a replay plugin's recorder failed).
     #[error("piece {piece}: {msg}")]
-    Runner { piece: String, msg: String },
+    Runner {
+        /// The piece.
+        piece: String,
+        /// What went wrong.
+        msg: String,
+    },
 }
 
 /// Result alias used across the crate.

@@ -20,8 +20,11 @@ pub const FLOW_XAVIER_GAIN: f64 = 0.01;
 /// `Linear(2→64) → SiLU → Linear(64→64) → SiLU → Linear(64→2) [→ Tanh]`
 /// (state-dict indices 0, 2, 4 as in the reference `nn.Sequential`).
 pub struct CouplingNet {
+    /// First linear layer (2 → 64), state-dict index 0.
     pub l0: Linear,
+    /// Second linear layer (64 → 64), index 2.
     pub l2: Linear,
+    /// Last linear layer (64 → 2), index 4.
     pub l4: Linear,
     /// Scale nets end in Tanh, translation nets do not.
     pub tanh: bool,
@@ -37,6 +40,7 @@ impl CouplingNet {
         })
     }
 
+    /// The net's output for `x` (…, 2).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.l0.forward(x)?.silu()?;
         let h = self.l2.forward(&h)?.silu()?;
@@ -55,7 +59,9 @@ pub struct RealNvp {
     pub cov: Tensor,
     /// Coupling masks `[[0,1],[1,0]] × 3`.
     pub mask: Tensor,
+    /// The scale nets, one per coupling layer.
     pub s: Vec<CouplingNet>,
+    /// The translation nets, one per coupling layer.
     pub t: Vec<CouplingNet>,
 }
 
@@ -76,6 +82,7 @@ impl RealNvp {
         })
     }
 
+    /// The device the flow's tensors are on.
     pub fn device(&self) -> Device {
         self.mask.device()
     }

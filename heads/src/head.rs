@@ -24,6 +24,7 @@ pub enum Branch {
 }
 
 impl Branch {
+    /// Both branch sets, o2m first.
     pub const ALL: [Branch; 2] = [Branch::OneToMany, Branch::OneToOne];
     /// Attribute prefix of this branch's modules (`""` or `"one2one_"`).
     pub fn attr_prefix(self) -> &'static str {
@@ -44,12 +45,16 @@ impl Branch {
 /// The three stem kinds of a level.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StemKind {
+    /// Box stem: 4 side distances.
     Box,
+    /// Class stem: nc logits.
     Class,
+    /// Point stem with its keypoint and sigma views.
     Point,
 }
 
 impl StemKind {
+    /// The three kinds in state-dict order (`cv2`, `cv3`, `cv4`).
     pub const ALL: [StemKind; 3] = [StemKind::Box, StemKind::Class, StemKind::Point];
     /// Reference attribute name (`cv2`, `cv3`, `cv4`).
     pub fn attr(self) -> &'static str {
@@ -63,8 +68,11 @@ impl StemKind {
 
 /// Box stem `cv2[i]`: `Conv(x→c2, 3) → Conv(c2→c2, 3) → Conv2d(c2→4·reg_max, 1, bias)`.
 pub struct BoxStem {
+    /// First 3×3 Conv.
     pub conv0: Conv,
+    /// Second 3×3 Conv.
     pub conv1: Conv,
+    /// 1×1 projection to the 4 distances (with bias).
     pub pred: Conv2d,
 }
 
@@ -87,10 +95,15 @@ impl_module!(BoxStem { "0" => one conv0, "1" => one conv1, "2" => one pred });
 /// Class stem `cv3[i]`: `[DWConv(x→x, 3) → Conv(x→c3, 1)] → [DWConv(c3→c3, 3) → Conv(c3→c3, 1)]
 /// → Conv2d(c3→nc, 1, bias)`.
 pub struct ClassStem {
+    /// First depthwise 3×3 Conv.
     pub dw0: Conv,
+    /// First pointwise 1×1 Conv.
     pub pw0: Conv,
+    /// Second depthwise 3×3 Conv.
     pub dw1: Conv,
+    /// Second pointwise 1×1 Conv.
     pub pw1: Conv,
+    /// 1×1 projection to the class logits (with bias).
     pub pred: Conv2d,
 }
 
@@ -117,7 +130,9 @@ impl_module!(ClassStem { "0.0" => one dw0, "0.1" => one pw0, "1.0" => one dw1, "
 /// Point stem `cv4[i]`: `Conv(x→c4, 3) → Conv(c4→c4, 3)`; its output feeds the keypoint view
 /// (`cv4_kpts[i]`) and the uncertainty view (`cv4_sigma[i]`).
 pub struct PointStem {
+    /// First 3×3 Conv.
     pub conv0: Conv,
+    /// Second 3×3 Conv (its output feeds both views).
     pub conv1: Conv,
 }
 
@@ -136,8 +151,11 @@ impl_module!(PointStem { "0" => one conv0, "1" => one conv1 });
 /// A borrowed stem of any kind, with a uniform `forward`.
 #[derive(Clone, Copy)]
 pub enum StemRef<'a> {
+    /// A box stem.
     Box(&'a BoxStem),
+    /// A class stem.
     Class(&'a ClassStem),
+    /// A point stem.
     Point(&'a PointStem),
 }
 
@@ -150,6 +168,7 @@ impl StemRef<'_> {
             StemRef::Point(s) => s.forward(x),
         }
     }
+    /// Which kind of stem it is.
     pub fn kind(&self) -> StemKind {
         match self {
             StemRef::Box(_) => StemKind::Box,
@@ -170,8 +189,11 @@ impl StemRef<'_> {
 /// One complete branch set (one-to-many or one-to-one): 3 levels × (box, class, point) stems
 /// and the two 1×1 views per level.
 pub struct BranchSet {
+    /// Box stems, one per level (P3, P4, P5).
     pub box_stems: Vec<BoxStem>,
+    /// Class stems, one per level.
     pub class_stems: Vec<ClassStem>,
+    /// Point stems, one per level.
     pub point_stems: Vec<PointStem>,
     /// `cv4_kpts[i]`: Conv2d(c4 → K·D, 1, bias).
     pub kpt_views: Vec<Conv2d>,
@@ -182,12 +204,16 @@ pub struct BranchSet {
 /// Head widths derived from the input channels (docs/model.md §4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeadWidths {
+    /// Box stems' width.
     pub c2: usize,
+    /// Class stems' width.
     pub c3: usize,
+    /// Point stems' width.
     pub c4: usize,
 }
 
 impl HeadWidths {
+    /// The stems' widths for input channels `ch`, `nc` classes and `kpt_shape` (docs/model.md §4).
     pub fn new(ch: &[usize], nc: usize, kpt_shape: (usize, usize), reg_max: usize) -> Self {
         let x0 = ch.first().copied().unwrap_or(0);
         HeadWidths { c2: 16.max(x0 / 4).max(reg_max * 4), c3: x0.max(nc.min(100)), c4: (x0 / 4).max(kpt_shape.0 * (kpt_shape.1 + 2)) }
@@ -237,13 +263,16 @@ pub struct BranchOutput {
 /// The head's forward result: both branch sets and the features they saw.
 #[derive(Clone, Debug)]
 pub struct HeadOutput {
+    /// The one-to-many branch's outputs.
     pub one2many: BranchOutput,
+    /// The one-to-one branch's outputs.
     pub one2one: BranchOutput,
     /// The three neck feature maps fed to the head (the o2o set received detached copies).
     pub feats: Vec<Tensor>,
 }
 
 impl HeadOutput {
+    /// The outputs of branch `b`.
     pub fn branch(&self, b: Branch) -> &BranchOutput {
         match b {
             Branch::OneToMany => &self.one2many,
@@ -254,16 +283,25 @@ impl HeadOutput {
 
 /// `Pose26` (reg_max = 1, end-to-end).
 pub struct Pose26 {
+    /// Number of classes.
     pub nc: usize,
+    /// Keypoints and values per keypoint.
     pub kpt_shape: (usize, usize),
+    /// Box bins per side (1: no DFL).
     pub reg_max: usize,
     /// Input channels per level.
     pub ch: Vec<usize>,
+    /// Stride of each level (8, 16, 32).
     pub strides: Vec<f64>,
+    /// The stems' widths.
     pub widths: HeadWidths,
+    /// The one-to-many stems.
     pub one2many: BranchSet,
+    /// The one-to-one stems (copies at construction).
     pub one2one: BranchSet,
+    /// The RealNVP flow of the RLE loss, shared by both sets.
     pub flow_model: RealNvp,
+    /// Training mode (sigma views evaluated).
     pub training: bool,
 }
 
@@ -323,6 +361,7 @@ impl Pose26 {
         Ok(())
     }
 
+    /// Pyramid levels the head reads (3).
     pub fn num_levels(&self) -> usize {
         self.ch.len()
     }
@@ -335,6 +374,7 @@ impl Pose26 {
         self.kpt_shape.0 * 2
     }
 
+    /// The stems of `branch`.
     pub fn set(&self, branch: Branch) -> &BranchSet {
         match branch {
             Branch::OneToMany => &self.one2many,

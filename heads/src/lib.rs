@@ -39,6 +39,7 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
 pub mod blocks;
 pub mod decode;
 pub mod error;

@@ -15,10 +15,15 @@ use crate::{HeadsError, Result};
 /// Model scale (depth, width, max channels as in `yolo26-pose.yaml`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Scale {
+    /// Nano: depth 0.50, width 0.25, at most 1024 channels.
     N,
+    /// Small: depth 0.50, width 0.50, at most 1024 channels.
     S,
+    /// Medium: depth 0.50, width 1.00, at most 512 channels.
     M,
+    /// Large: depth 1.00, width 1.00, at most 512 channels.
     L,
+    /// Extra large: depth 1.00, width 1.50, at most 512 channels.
     X,
 }
 
@@ -33,6 +38,7 @@ impl Scale {
             Scale::X => (1.00, 1.50, 512),
         }
     }
+    /// The scale's letter in a model name (`n` in `yolo26n-pose`).
     pub fn letter(self) -> char {
         match self {
             Scale::N => 'n',
@@ -62,6 +68,7 @@ pub struct ModelConfig {
     pub nc: usize,
     /// `(keypoints, values per keypoint)`, e.g. `(17, 3)`.
     pub kpt_shape: (usize, usize),
+    /// Model size (n, s, m, l, x).
     pub scale: Scale,
 }
 
@@ -76,14 +83,19 @@ pub const STRIDES: [f64; 3] = [8.0, 16.0, 32.0];
 
 /// One layer of the network.
 pub enum LayerKind {
+    /// Conv (convolution, BN, SiLU).
     Conv(Conv),
+    /// C3k2 block.
     C3k2(C3k2),
+    /// SPPF block.
     Sppf(Sppf),
+    /// C2PSA block.
     C2Psa(C2Psa),
     /// Nearest-neighbour upsampling by the factor.
     Upsample(usize),
     /// Channel concatenation of the `from` inputs.
     Concat,
+    /// The Pose26 head.
     Pose(Box<Pose26>),
 }
 
@@ -124,6 +136,7 @@ impl LayerKind {
 
 /// A layer with its graph position (`model.<index>`).
 pub struct Layer {
+    /// Position in the model (`model.<index>` in the state dict).
     pub index: usize,
     /// Input layers: −1 = previous layer, otherwise an absolute index.
     pub from: Vec<isize>,
@@ -135,6 +148,7 @@ pub struct Layer {
     pub c_out: usize,
     /// Output stride relative to the input.
     pub stride: usize,
+    /// The module.
     pub kind: LayerKind,
 }
 
@@ -189,11 +203,13 @@ pub const HEAD_FROM: [usize; 3] = [16, 19, 22];
 
 /// YOLO26-pose: `model.0` … `model.22` and the `Pose26` head `model.23`.
 pub struct PoseModel {
+    /// Classes, keypoints and scale.
     pub config: ModelConfig,
     /// Private so that the last layer is always the head (see [`PoseModel::layers`]).
     layers: Vec<Layer>,
     /// Layer outputs that later layers read (kept during the forward).
     pub save: Vec<usize>,
+    /// The device the weights are on.
     pub device: Device,
     training: bool,
     /// The storage order of the trunk's and neck's activations ([`PoseModel::set_activation_format`]).
@@ -373,6 +389,7 @@ impl PoseModel {
         }
     }
 
+    /// Whether the model is in training mode.
     pub fn is_training(&self) -> bool {
         self.training
     }

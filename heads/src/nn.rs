@@ -17,7 +17,9 @@ pub const BN_MOMENTUM: f64 = 0.03;
 
 /// Where and how parameters are created.
 pub struct Init<'a> {
+    /// The generator the weights are drawn from.
     pub rng: &'a mut Rng,
+    /// The device the weights are made on.
     pub device: Device,
 }
 
@@ -50,14 +52,20 @@ pub(crate) fn cast_like(p: &Tensor, x: &Tensor) -> Result<Tensor> {
 
 /// `nn.Conv2d` (dilation 1, "same" padding k/2), optional bias.
 pub struct Conv2d {
+    /// Kernel, (c_out, c_in / groups, k, k).
     pub weight: Tensor,
+    /// Bias, when the layer has one.
     pub bias: Option<Tensor>,
+    /// Stride in both directions.
     pub stride: usize,
+    /// Padding on every side (k / 2).
     pub padding: usize,
+    /// Groups (c_in for depthwise).
     pub groups: usize,
 }
 
 impl Conv2d {
+    /// A `k`×`k` convolution from `c1` to `c2` channels with same padding, weights (and bias) drawn from `init` as PyTorch's default.
     pub fn new(c1: usize, c2: usize, k: usize, stride: usize, groups: usize, bias: bool, init: &mut Init<'_>) -> Result<Self> {
         if groups == 0 || c1 % groups != 0 || c2 % groups != 0 {
             return Err(crate::HeadsError::Config(format!("Conv2d {c1}->{c2} cannot use {groups} groups")));
@@ -68,16 +76,20 @@ impl Conv2d {
         Ok(Conv2d { weight, bias, stride, padding: k / 2, groups })
     }
 
+    /// Input channels.
     pub fn c_in(&self) -> usize {
         self.weight.dims()[1] * self.groups
     }
+    /// Output channels.
     pub fn c_out(&self) -> usize {
         self.weight.dims()[0]
     }
+    /// Kernel size.
     pub fn kernel(&self) -> usize {
         self.weight.dims()[2]
     }
 
+    /// The convolution of `x` (under autocast in the compute dtype).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (s, p) = ((self.stride, self.stride), (self.padding, self.padding));
         // Under `ptl_autograd::autocast` the convolution itself casts to the compute dtype.
@@ -102,17 +114,26 @@ impl Module for Conv2d {
 
 /// `nn.BatchNorm2d` with eps 1e-3 and momentum 0.03; tracks `num_batches_tracked` (int64).
 pub struct BatchNorm2d {
+    /// Scale γ per channel.
     pub weight: Tensor,
+    /// Shift β per channel.
     pub bias: Tensor,
+    /// Running mean per channel.
     pub running_mean: Tensor,
+    /// Running (unbiased) variance per channel.
     pub running_var: Tensor,
+    /// Batches seen in training (i64).
     pub num_batches_tracked: Tensor,
+    /// Added to the variance (1e-3).
     pub eps: f64,
+    /// Weight of a batch in the running statistics (0.03).
     pub momentum: f64,
+    /// Training mode (batch statistics).
     pub training: bool,
 }
 
 impl BatchNorm2d {
+    /// Batch norm over `c` channels on `device`: weight 1, bias 0, running mean 0 and variance 1.
     pub fn new(c: usize, device: Device) -> Result<Self> {
         Ok(BatchNorm2d {
             weight: parameter(Tensor::ones(c, DType::F32, device)?)?,
@@ -126,6 +147,7 @@ impl BatchNorm2d {
         })
     }
 
+    /// Normalises `x` (batch statistics in training, counting the batch; running ones in eval).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let opts = BatchNormOptions { training: self.training, momentum: self.momentum, eps: self.eps };
         let y = x.batch_norm2d(&self.weight, &self.bias, &self.running_mean, &self.running_var, opts)?;
@@ -168,8 +190,11 @@ impl Module for BatchNorm2d {
 
 /// Ultralytics `Conv`: Conv2d (no bias, padding k/2) → BatchNorm2d → SiLU (or identity).
 pub struct Conv {
+    /// The convolution (no bias).
     pub conv: Conv2d,
+    /// The batch norm.
     pub bn: BatchNorm2d,
+    /// Whether SiLU follows.
     pub act: bool,
 }
 
@@ -206,7 +231,9 @@ pub fn gcd(a: usize, b: usize) -> usize {
 
 /// `nn.Linear(in, out)`; weight `[out, in]`.
 pub struct Linear {
+    /// Weight, (out, in).
     pub weight: Tensor,
+    /// Bias, (out).
     pub bias: Tensor,
 }
 
@@ -226,6 +253,7 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
+    /// `x·Wᵀ + b`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.linear(&self.weight, Some(&self.bias))?)
     }

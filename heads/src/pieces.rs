@@ -26,7 +26,14 @@ pub enum Piece {
     /// Backbone + neck: the image to the three neck features.
     Trunk,
     /// One head stem (a point stem includes its keypoint and uncertainty views).
-    Stem { branch: Branch, level: usize, kind: StemKind },
+    Stem {
+        /// Its branch set.
+        branch: Branch,
+        /// Its pyramid level (0 = P3).
+        level: usize,
+        /// Box, class or point.
+        kind: StemKind,
+    },
 }
 
 impl Piece {
@@ -67,6 +74,7 @@ pub type PieceBody<'a> = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'a;
 /// Executes pieces. A runner must return exactly what `body(inputs)` returns (same values, same
 /// autograd behaviour) — natively, or by replaying a recording of it.
 pub trait PieceRunner {
+    /// Runs `piece` on `inputs`: `body(inputs)` natively, or a replay of its recording.
     fn run(&self, piece: Piece, inputs: &[Tensor], body: &PieceBody<'_>) -> Result<Vec<Tensor>>;
 }
 

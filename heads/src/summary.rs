@@ -12,12 +12,17 @@ use crate::model::{LayerKind, PoseModel};
 /// One layer of the summary table.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerRow {
+    /// The layer's index.
     pub index: usize,
     /// `-1`, or a list such as `[-1, 6]`.
     pub from: String,
+    /// Repeats after depth scaling.
     pub repeats: usize,
+    /// Parameters of the layer.
     pub params: usize,
+    /// Module type.
     pub module: String,
+    /// Resolved constructor arguments.
     pub args: String,
     /// Output shape for batch 1 at the summary's image size (the head: decoded eval output).
     pub out_shape: Vec<usize>,
@@ -28,25 +33,36 @@ pub struct LayerRow {
 /// One head stem (or view) of the summary.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StemRow {
+    /// Its branch set.
     pub branch: Branch,
+    /// Its pyramid level (0 = P3).
     pub level: usize,
     /// `box`, `class`, `point`, `kpt view`, `sigma view`.
     pub kind: String,
     /// State-dict prefix, e.g. `model.23.one2one_cv4.1`.
     pub name: String,
+    /// Parameters of the stem or view.
     pub params: usize,
+    /// Output channels.
     pub out_channels: usize,
 }
 
 /// The whole summary; `Display` renders it as a table.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelSummary {
+    /// The model's name (e.g. `yolo26n-pose`).
     pub name: String,
+    /// The image size the shapes are for.
     pub imgsz: usize,
+    /// One row per layer.
     pub layers: Vec<LayerRow>,
+    /// One row per head stem and view.
     pub stems: Vec<StemRow>,
+    /// Parameter elements in all.
     pub num_params: usize,
+    /// Parameter tensors.
     pub num_parameter_tensors: usize,
+    /// Buffer tensors (BN statistics, counters, flow masks).
     pub num_buffers: usize,
     /// Total convolution MACs (both branch sets, sigma views; flow excluded).
     pub conv_macs: u64,
