@@ -174,6 +174,7 @@ pub struct Placer {
     live: std::collections::BTreeMap<usize, usize>,
     /// Requests that took their planned offset, and those that went to the tail.
     pub planned_hits: usize,
+    /// Allocations that went to the unplanned tail.
     pub tail_allocs: usize,
     /// The most bytes in use at once so far (the planned part counts once one of its pieces is).
     pub high: usize,

@@ -49,6 +49,7 @@ pub fn autocast<R>(dtype: Option<DType>, f: impl FnOnce() -> R) -> R {
 pub struct AutocastGuard(Option<DType>);
 
 impl AutocastGuard {
+    /// Turns autocast to `dtype` (`None`: off) until the guard drops.
     pub fn new(dtype: Option<DType>) -> AutocastGuard {
         AutocastGuard(AUTOCAST.with(|a| a.replace(dtype)))
     }

@@ -17,7 +17,9 @@ use crate::{Error, Result, Tensor};
 /// result has one entry per input (`None` for "no gradient for this input"). The engine runs this
 /// with gradient recording disabled and never calls it when all `grad_outputs` are `None`.
 pub trait BackwardOp: Send + Sync {
+    /// The op's name (in errors and graph dumps).
     fn name(&self) -> &str;
+    /// Input gradients from the output gradients (`None`: absent).
     fn backward(&self, grad_outputs: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>>;
 }
 
@@ -52,6 +54,7 @@ pub struct Node {
 }
 
 impl Node {
+    /// The op's name.
     pub fn name(&self) -> &str {
         self.op.name()
     }

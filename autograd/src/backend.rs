@@ -17,22 +17,37 @@ use crate::{DType, Device, Result};
 /// Element-wise unary functions (parameters carried inline).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum UnaryOp {
+    /// −x.
     Neg,
+    /// eˣ.
     Exp,
+    /// ln x.
     Log,
+    /// √x.
     Sqrt,
+    /// |x|.
     Abs,
+    /// 1 / (1 + e⁻ˣ).
     Sigmoid,
+    /// x·sigmoid(x).
     Silu,
+    /// tanh x.
     Tanh,
     /// `log(1 + e^x)`, with PyTorch's threshold 20 (returns `x` above it).
     Softplus,
+    /// atan x.
     Atan,
+    /// 1 / x.
     Recip,
+    /// −1, 0 or 1.
     Sign,
+    /// x².
     Square,
+    /// max(x, 0).
     Relu,
+    /// ⌊x⌋.
     Floor,
+    /// ⌈x⌉.
     Ceil,
     /// `x^p` for a scalar exponent.
     Powf(f64),
@@ -47,13 +62,21 @@ pub enum UnaryOp {
 /// Element-wise binary functions with broadcasting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BinaryOp {
+    /// a + b.
     Add,
+    /// a − b.
     Sub,
+    /// a·b.
     Mul,
+    /// a / b.
     Div,
+    /// max(a, b).
     Maximum,
+    /// min(a, b).
     Minimum,
+    /// aᵇ.
     Pow,
+    /// atan2(a, b).
     Atan2,
     /// Binary cross-entropy on logits `a` with targets `b`, no reduction, in the stable form
     /// `max(a, 0) − a·b + log(1 + e^(−|a|))` (one fused pass).
@@ -63,19 +86,28 @@ pub enum BinaryOp {
 /// Element-wise comparisons; the result dtype is `Bool`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CmpOp {
+    /// a = b.
     Eq,
+    /// a ≠ b.
     Ne,
+    /// a < b.
     Lt,
+    /// a ≤ b.
     Le,
+    /// a > b.
     Gt,
+    /// a ≥ b.
     Ge,
 }
 
 /// Reductions along one dimension (kept as size 1 in the output).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
+    /// Sum.
     Sum,
+    /// Maximum.
     Max,
+    /// Minimum.
     Min,
     /// Index of the first maximum, as I64.
     ArgMax,
@@ -89,28 +121,42 @@ pub struct Conv2dParams {
     /// Input, output and their gradients stored N, H, W, C (the weight stays OIHW): asked only of
     /// a backend whose [`BackendStorage::computes_channels_last_convolutions`] says so.
     pub channels_last: bool,
+    /// Images.
     pub batch: usize,
+    /// Input channels.
     pub c_in: usize,
+    /// Input height.
     pub h_in: usize,
+    /// Input width.
     pub w_in: usize,
+    /// Output channels.
     pub c_out: usize,
+    /// Kernel height.
     pub kh: usize,
+    /// Kernel width.
     pub kw: usize,
+    /// Stride (vertical, horizontal).
     pub stride: (usize, usize),
+    /// Zero padding (vertical, horizontal), on both sides.
     pub padding: (usize, usize),
+    /// Groups (c_in for a depthwise convolution).
     pub groups: usize,
 }
 
 impl Conv2dParams {
+    /// Output height.
     pub fn h_out(&self) -> usize {
         (self.h_in + 2 * self.padding.0 - self.kh) / self.stride.0 + 1
     }
+    /// Output width.
     pub fn w_out(&self) -> usize {
         (self.w_in + 2 * self.padding.1 - self.kw) / self.stride.1 + 1
     }
+    /// The output's logical shape (N, C, H, W).
     pub fn out_shape(&self) -> [usize; 4] {
         [self.batch, self.c_out, self.h_out(), self.w_out()]
     }
+    /// The weight's shape (c_out, c_in / groups, kh, kw).
     pub fn weight_shape(&self) -> [usize; 4] {
         [self.c_out, self.c_in / self.groups, self.kh, self.kw]
     }
@@ -122,19 +168,28 @@ pub struct Pool2dParams {
     /// Input, output, indices and gradients stored N, H, W, C (indices still count positions
     /// within a channel's H×W plane).
     pub channels_last: bool,
+    /// Images.
     pub batch: usize,
+    /// Channels.
     pub channels: usize,
+    /// Input height.
     pub h_in: usize,
+    /// Input width.
     pub w_in: usize,
+    /// Square window size.
     pub kernel: usize,
+    /// Stride.
     pub stride: usize,
+    /// Padding with −∞ on every side.
     pub padding: usize,
 }
 
 impl Pool2dParams {
+    /// Output height.
     pub fn h_out(&self) -> usize {
         (self.h_in + 2 * self.padding - self.kernel) / self.stride + 1
     }
+    /// Output width.
     pub fn w_out(&self) -> usize {
         (self.w_in + 2 * self.padding - self.kernel) / self.stride + 1
     }
@@ -145,16 +200,24 @@ impl Pool2dParams {
 /// A batch count of 1 on one side broadcasts it over the other's batches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MatmulParams {
+    /// Matrices in the left operand (1: shared by every product).
     pub lhs_batch: usize,
+    /// Matrices in the right operand (1: shared).
     pub rhs_batch: usize,
+    /// Rows of the product.
     pub m: usize,
+    /// Columns of the product.
     pub n: usize,
+    /// The shared (summed) dimension.
     pub k: usize,
+    /// The left matrices are stored transposed.
     pub lhs_t: bool,
+    /// The right matrices are stored transposed.
     pub rhs_t: bool,
 }
 
 impl MatmulParams {
+    /// Products computed (the larger batch).
     pub fn batch(&self) -> usize {
         self.lhs_batch.max(self.rhs_batch)
     }
@@ -163,22 +226,28 @@ impl MatmulParams {
 /// The contract each device's storage fulfils. All slices are contiguous unless a [`Layout`] says
 /// otherwise; every kernel must write every output element (tests poison outputs to check).
 pub trait BackendStorage: Sized {
+    /// The element type.
     fn dtype(&self) -> DType;
+    /// The device holding the elements.
     fn device(&self) -> Device;
     /// Number of elements.
     fn len(&self) -> usize;
+    /// Whether there is no element.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// `op` applied to every element.
     fn unary(&self, op: UnaryOp) -> Result<Self>;
     /// `out[i] = op(lhs[lhs_layout(i)], rhs[rhs_layout(i)])`, both layouts of shape `out_shape`.
     fn binary(&self, lhs: &Layout, rhs: &Self, rhs_l: &Layout, op: BinaryOp) -> Result<Self>;
+    /// `op` between `self` (read through `lhs`) and `rhs` (through `rhs_l`), as bool elements.
     fn cmp(&self, lhs: &Layout, rhs: &Self, rhs_l: &Layout, op: CmpOp) -> Result<Self>;
     /// `out[i] = cond[i] != 0 ? a[i] : b[i]` with all three broadcast to one shape.
     fn where_cond(&self, cond_l: &Layout, a: &Self, a_l: &Layout, b: &Self, b_l: &Layout) -> Result<Self>;
     /// Reduce `dim` of a contiguous tensor of `shape`; the output keeps `dim` with size 1.
     fn reduce(&self, shape: &[usize], dim: usize, op: ReduceOp) -> Result<Self>;
+    /// The elements converted to `dtype` (round to nearest even).
     fn to_dtype(&self, dtype: DType) -> Result<Self>;
     /// Copies the strided view `src_l` of `self` into the strided view `dst_l` of `dst` (same shape).
     fn copy_strided(&self, src_l: &Layout, dst: &mut Self, dst_l: &Layout) -> Result<()>;
@@ -194,10 +263,12 @@ pub trait BackendStorage: Sized {
     /// `self` with `src` (shape `idx_shape`) added at positions `idx` along `dim`, deterministically.
     fn scatter_add(&self, shape: &[usize], dim: usize, idx: &Self, idx_shape: &[usize], src: &Self) -> Result<Self>;
 
+    /// The batched product `op(self)·op(rhs)` described by `p`.
     fn matmul(&self, rhs: &Self, p: &MatmulParams) -> Result<Self>;
     /// `beta·c + alpha·op(self)·op(rhs)` with `c` of the product's shape (PyTorch `baddbmm`):
     /// products accumulated as [`BackendStorage::matmul`] does, one rounding to the dtype.
     fn matmul_add(&self, rhs: &Self, c: &Self, p: &MatmulParams, alpha: f64, beta: f64) -> Result<Self>;
+    /// The convolution of `self` (input) with `weight` described by `p`.
     fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
     /// Whether the convolutions take [`Conv2dParams::channels_last`] data (cuDNN computes in
     /// NHWC; a backend without it gets channels-last inputs converted at the op's entry).
@@ -309,10 +380,20 @@ pub fn stats_dtype(dt: DType) -> DType {
 /// Where a keep mask's Philox counters start.
 pub enum PhiloxStart<'a, S> {
     /// The host's `(seed, offset)`, baked into the launch.
-    Value { seed: u64, offset: u64 },
+    Value {
+        /// The seed.
+        seed: u64,
+        /// The Philox offset of the first block.
+        offset: u64,
+    },
     /// A generator state buffer (`[seed, base offset]`, two i64) plus `intra` blocks: what a
     /// recorded graph reads again at each replay.
-    State { state: &'a S, intra: u64 },
+    State {
+        /// The generator state buffer.
+        state: &'a S,
+        /// Blocks into the graph's own offset.
+        intra: u64,
+    },
 }
 
 /// Counter-based random draws on a backend's own memory (the graph-safe generator of
@@ -330,8 +411,11 @@ pub trait RandomStorage: BackendStorage {
 /// slot holds the transpose (then it fills `cols × rows` of the slot).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PackedMatrix {
+    /// Rows of the packed matrix.
     pub rows: usize,
+    /// Columns.
     pub cols: usize,
+    /// Stored transposed.
     pub transposed: bool,
 }
 
@@ -378,7 +462,9 @@ pub trait DeferredReadStorage: BackendStorage {
 
 /// One operand of a multi-tensor row: read, or read and written in place.
 pub enum Operand<'a, S> {
+    /// Read only.
     Read(&'a S),
+    /// Written in place.
     Write(&'a mut S),
 }
 
@@ -396,8 +482,11 @@ impl<S> Operand<'_, S> {
 /// storage, and an optional f32 flag that, when non-zero, makes the update leave everything as it
 /// is (the grad scaler's found-inf: a skipped step decided without a host read).
 pub struct ScalarsAt<'a, S> {
+    /// The device buffer of scalars.
     pub values: &'a S,
+    /// Index of the first scalar this op reads.
     pub at: usize,
+    /// A device flag: when set, the update leaves everything unchanged (a skipped loss-scaled step).
     pub skip: Option<&'a S>,
 }
 
@@ -405,29 +494,70 @@ pub struct ScalarsAt<'a, S> {
 /// f32 storage of one length per row, except the f64 step counts and the found-inf flag.
 pub enum MultiTensorOp<'a, S> {
     /// Rows `[param (w), grad, momentum buffer (w) when with_buf]`: `Tensor::sgd_step_composed`.
-    Sgd { h: crate::ops::optim::SgdStep, with_buf: bool },
+    Sgd {
+        /// Decay, momentum, learning rate and Nesterov.
+        h: crate::ops::optim::SgdStep,
+        /// Whether rows carry a momentum buffer.
+        with_buf: bool,
+    },
     /// The same with `[weight_decay, momentum, neg_lr]` read from `scalars` (the decay applied
     /// when `weight_decay`).
-    SgdDev { scalars: ScalarsAt<'a, S>, weight_decay: bool, nesterov: bool, with_buf: bool },
+    SgdDev {
+        /// Where the step's scalars are read.
+        scalars: ScalarsAt<'a, S>,
+        /// Whether the decay applies.
+        weight_decay: bool,
+        /// Nesterov's form.
+        nesterov: bool,
+        /// Whether rows carry a momentum buffer.
+        with_buf: bool,
+    },
     /// Rows `[momentum (w), grad, blend (w)]`: `Tensor::momentum_blend_composed` into the blend.
-    Blend { beta: f64, nesterov: bool },
+    Blend {
+        /// Momentum β.
+        beta: f64,
+        /// Nesterov's form.
+        nesterov: bool,
+    },
     /// The same with β read from `scalars`; when skipped the momentum stays and the blend is
     /// still written.
-    BlendDev { scalars: ScalarsAt<'a, S>, nesterov: bool },
+    BlendDev {
+        /// Where the step's scalars are read.
+        scalars: ScalarsAt<'a, S>,
+        /// Nesterov's form.
+        nesterov: bool,
+    },
     /// Rows `[dst (w), src]`: `dst ← lerp(dst, src, w)`.
-    Lerp { w: f64 },
+    Lerp {
+        /// Interpolation weight.
+        w: f64,
+    },
     /// The same with `w` read from `scalars`.
-    LerpDev { scalars: ScalarsAt<'a, S> },
+    LerpDev {
+        /// Where the step's scalars are read.
+        scalars: ScalarsAt<'a, S>,
+    },
     /// Rows `[param (w), grad, exp_avg (w), exp_avg_sq (w), step count (w, f64)]`:
     /// `ops::optim::adamw_composed` with the `ADAMW_SCALARS` read from `scalars` at the count plus
     /// one, which is then stored.
-    AdamWDev { scalars: ScalarsAt<'a, S>, weight_decay: bool },
+    AdamWDev {
+        /// Where the step's scalars are read.
+        scalars: ScalarsAt<'a, S>,
+        /// Whether the decay applies.
+        weight_decay: bool,
+    },
     /// Rows `[grad (w)]`, the last row `[found (w)]` alone: every gradient times the f32
     /// `inv_scale`, `found` set to 1 when one held a non-finite value before, else 0.
-    Unscale { inv_scale: &'a S },
+    Unscale {
+        /// The f32 1/scale.
+        inv_scale: &'a S,
+    },
     /// Rows `[grad (w)]`: global L2-norm clipping to `max_norm`; the output is the total norm (an
     /// f32 value).
-    ClipNorm { max_norm: f32 },
+    ClipNorm {
+        /// The norm the gradients are scaled down to.
+        max_norm: f32,
+    },
 }
 
 /// Optimizer updates over many tensors at once (PyTorch's fused / `_foreach` kernels): a backend

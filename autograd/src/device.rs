@@ -3,11 +3,14 @@
 /// A compute device. `Cuda(n)` is the n-th visible GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Device {
+    /// The host.
     Cpu,
+    /// The CUDA device with this ordinal.
     Cuda(usize),
 }
 
 impl Device {
+    /// Whether it is a CUDA device.
     pub fn is_cuda(self) -> bool {
         matches!(self, Device::Cuda(_))
     }

@@ -3,11 +3,17 @@
 /// The element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
+    /// 32-bit float.
     F32,
+    /// 64-bit float.
     F64,
+    /// IEEE half.
     F16,
+    /// bfloat16.
     BF16,
+    /// 64-bit integer.
     I64,
+    /// Byte.
     U8,
     /// Stored as one byte per element, 0 or 1.
     Bool,

@@ -78,9 +78,11 @@ impl GraphSafeRng {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The device of its seed and offset scalars.
     pub fn device(&self) -> Device {
         self.device
     }
+    /// The seed.
     pub fn seed(&self) -> u64 {
         self.lock().seed
     }

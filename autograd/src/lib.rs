@@ -53,6 +53,7 @@
 //! # Ok::<(), ptl_autograd::Error>(())
 //! ```
 
+#![warn(missing_docs)]
 mod arena_plan;
 pub mod autocast;
 pub mod autograd;

@@ -14,13 +14,16 @@ use crate::{DType, Device, Error, Result, Tensor};
 /// Whether a state-dict entry is trained or merely carried (e.g. BN running statistics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TensorKind {
+    /// A trainable weight.
     Parameter,
+    /// State that is saved but not trained (BN statistics, counters).
     Buffer,
 }
 
 /// A network component. `visit` must report tensors in PyTorch `state_dict()` order: a module's own
 /// parameters, then its own buffers, then each child in registration order.
 pub trait Module {
+    /// Calls `f` with every parameter and buffer under its state-dict name (prefixed by `prefix`).
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind));
     /// Switches train/eval behaviour (BatchNorm statistics) recursively.
     fn set_training(&mut self, training: bool);

@@ -30,6 +30,7 @@ pub struct Rng {
 }
 
 impl Rng {
+    /// A generator for `seed`, at offset 0.
     pub fn new(seed: u64) -> Self {
         Rng { seed, offset: 0, buf: [0; 4], used: 4 }
     }
@@ -42,6 +43,7 @@ impl Rng {
         }
         Rng::new(h)
     }
+    /// Its seed.
     pub fn seed(&self) -> u64 {
         self.seed
     }
@@ -49,6 +51,7 @@ impl Rng {
     pub fn state(&self) -> (u64, u64, usize) {
         (self.seed, self.offset, self.used)
     }
+    /// A generator at a state `state()` returned.
     pub fn from_state(seed: u64, offset: u64, used: usize) -> Self {
         let mut r = Rng { seed, offset: offset.saturating_sub(1), buf: [0; 4], used: 4 };
         if offset > 0 {
@@ -65,6 +68,7 @@ impl Rng {
         self.offset += 1;
         self.used = 0;
     }
+    /// The next 32 random bits.
     pub fn next_u32(&mut self) -> u32 {
         if self.used == 4 {
             self.refill();
@@ -73,6 +77,7 @@ impl Rng {
         self.used += 1;
         v
     }
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         (self.next_u32() as u64) << 32 | self.next_u32() as u64
     }
@@ -80,6 +85,7 @@ impl Rng {
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
+    /// A uniform draw in [lo, hi).
     pub fn uniform_range(&mut self, lo: f64, hi: f64) -> f64 {
         lo + (hi - lo) * self.uniform()
     }

@@ -13,12 +13,15 @@ impl std::fmt::Debug for Shape {
 }
 
 impl Shape {
+    /// The dimensions.
     pub fn dims(&self) -> &[usize] {
         &self.0
     }
+    /// Number of dimensions.
     pub fn rank(&self) -> usize {
         self.0.len()
     }
+    /// Number of elements.
     pub fn numel(&self) -> usize {
         self.0.iter().product()
     }
@@ -109,18 +112,24 @@ pub fn broadcast_strides(src: &[usize], dst: &[usize]) -> Vec<usize> {
 /// A strided view description used by copy kernels: `element(idx) = data[offset + Σ idx_i·strides_i]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Layout {
+    /// The logical shape.
     pub shape: Vec<usize>,
+    /// Elements between neighbours along each dimension.
     pub strides: Vec<usize>,
+    /// Index of the first element.
     pub offset: usize,
 }
 
 impl Layout {
+    /// Row-major strides for `shape`.
     pub fn contiguous(shape: &[usize]) -> Self {
         Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: 0 }
     }
+    /// Elements addressed.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Whether the strides are row-major.
     pub fn is_contiguous(&self) -> bool {
         self.strides == contiguous_strides(&self.shape)
     }

@@ -26,7 +26,9 @@ pub fn cuda_usable(ordinal: usize) -> bool {
 /// A buffer on some device.
 #[derive(Debug)]
 pub enum Storage {
+    /// On the host.
     Cpu(CpuStorage),
+    /// On a CUDA device.
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::CudaStorage),
 }
@@ -60,6 +62,7 @@ fn mismatch3(op: &'static str, a: &Storage, b: &Storage, c: &Storage) -> Error {
 }
 
 impl Storage {
+    /// Where the elements are.
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
@@ -67,6 +70,7 @@ impl Storage {
             Storage::Cuda(s) => s.device(),
         }
     }
+    /// The element type.
     pub fn dtype(&self) -> DType {
         match self {
             Storage::Cpu(s) => s.dtype(),
@@ -74,6 +78,7 @@ impl Storage {
             Storage::Cuda(s) => s.dtype(),
         }
     }
+    /// Number of elements.
     pub fn len(&self) -> usize {
         match self {
             Storage::Cpu(s) => s.len(),
@@ -81,6 +86,7 @@ impl Storage {
             Storage::Cuda(s) => s.len(),
         }
     }
+    /// Whether there is no element.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -279,15 +285,19 @@ impl Storage {
         }
     }
 
+    /// See [`BackendStorage::unary`].
     pub fn unary(&self, op: UnaryOp) -> Result<Storage> {
         unary_dispatch!(self, |s| s.unary(op))
     }
+    /// See [`BackendStorage::binary`].
     pub fn binary(&self, l: &Layout, rhs: &Storage, r: &Layout, op: BinaryOp) -> Result<Storage> {
         pair!("binary", self, rhs, |a, b| a.binary(l, b, r, op))
     }
+    /// See [`BackendStorage::cmp`].
     pub fn cmp(&self, l: &Layout, rhs: &Storage, r: &Layout, op: CmpOp) -> Result<Storage> {
         pair!("cmp", self, rhs, |a, b| a.cmp(l, b, r, op))
     }
+    /// See [`BackendStorage::where_cond`].
     pub fn where_cond(&self, cl: &Layout, a: &Storage, al: &Layout, b: &Storage, bl: &Layout) -> Result<Storage> {
         match (self, a, b) {
             (Storage::Cpu(c), Storage::Cpu(x), Storage::Cpu(y)) => Ok(Storage::Cpu(c.where_cond(cl, x, al, y, bl)?)),
@@ -297,6 +307,7 @@ impl Storage {
             (c, x, y) => Err(mismatch3("where_cond", c, x, y)),
         }
     }
+    /// See [`BackendStorage::reduce`].
     pub fn reduce(&self, shape: &[usize], dim: usize, op: ReduceOp) -> Result<Storage> {
         unary_dispatch!(self, |s| s.reduce(shape, dim, op))
     }
@@ -309,6 +320,7 @@ impl Storage {
             Storage::Cuda(x) => Ok(Some(Storage::Cuda(crate::cuda::ops::sum_mid(x, outer, mid, inner)?))),
         }
     }
+    /// See [`BackendStorage::to_dtype`].
     pub fn to_dtype(&self, dtype: DType) -> Result<Storage> {
         unary_dispatch!(self, |s| s.to_dtype(dtype))
     }
@@ -329,6 +341,7 @@ impl Storage {
         }
         xs.iter().map(|s| s.to_dtype(dtype)).collect()
     }
+    /// See [`BackendStorage::copy_strided`].
     pub fn copy_strided(&self, sl: &Layout, dst: &mut Storage, dl: &Layout) -> Result<()> {
         match (self, dst) {
             (Storage::Cpu(s), Storage::Cpu(d)) => s.copy_strided(sl, d, dl),
@@ -382,6 +395,7 @@ impl Storage {
             _ => Ok(false),
         }
     }
+    /// See [`BackendStorage::add_assign`].
     pub fn add_assign(&mut self, src: &Storage) -> Result<()> {
         match (self, src) {
             (Storage::Cpu(d), Storage::Cpu(s)) => d.add_assign(s),
@@ -411,9 +425,11 @@ impl Storage {
         }
         Ok(())
     }
+    /// See [`BackendStorage::index_select`].
     pub fn index_select(&self, shape: &[usize], dim: usize, idx: &Storage) -> Result<Storage> {
         pair!("index_select", self, idx, |s, i| s.index_select(shape, dim, i))
     }
+    /// See [`BackendStorage::index_add`].
     pub fn index_add(&self, shape: &[usize], dim: usize, idx: &Storage, src: &Storage) -> Result<Storage> {
         match (self, idx, src) {
             (Storage::Cpu(s), Storage::Cpu(i), Storage::Cpu(x)) => Ok(Storage::Cpu(s.index_add(shape, dim, i, x)?)),
@@ -423,9 +439,11 @@ impl Storage {
             (s, i, x) => Err(mismatch3("index_add", s, i, x)),
         }
     }
+    /// See [`BackendStorage::gather`].
     pub fn gather(&self, shape: &[usize], dim: usize, idx: &Storage, idx_shape: &[usize]) -> Result<Storage> {
         pair!("gather", self, idx, |s, i| s.gather(shape, dim, i, idx_shape))
     }
+    /// See [`BackendStorage::scatter_add`].
     pub fn scatter_add(&self, shape: &[usize], dim: usize, idx: &Storage, idx_shape: &[usize], src: &Storage) -> Result<Storage> {
         match (self, idx, src) {
             (Storage::Cpu(s), Storage::Cpu(i), Storage::Cpu(x)) => Ok(Storage::Cpu(s.scatter_add(shape, dim, i, idx_shape, x)?)),
@@ -435,9 +453,11 @@ impl Storage {
             (s, i, x) => Err(mismatch3("scatter_add", s, i, x)),
         }
     }
+    /// See [`BackendStorage::matmul`].
     pub fn matmul(&self, rhs: &Storage, p: &MatmulParams) -> Result<Storage> {
         pair!("matmul", self, rhs, |a, b| a.matmul(b, p))
     }
+    /// See [`BackendStorage::matmul_add`].
     pub fn matmul_add(&self, rhs: &Storage, c: &Storage, p: &MatmulParams, alpha: f64, beta: f64) -> Result<Storage> {
         match (self, rhs, c) {
             (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => Ok(Storage::Cpu(a.matmul_add(b, c, p, alpha, beta)?)),
@@ -455,15 +475,19 @@ impl Storage {
             Storage::Cuda(s) => s.computes_channels_last_convolutions(),
         }
     }
+    /// See [`BackendStorage::conv2d`].
     pub fn conv2d(&self, w: &Storage, p: &Conv2dParams) -> Result<Storage> {
         pair!("conv2d", self, w, |a, b| a.conv2d(b, p))
     }
+    /// See [`BackendStorage::conv2d_backward_input`].
     pub fn conv2d_backward_input(&self, w: &Storage, p: &Conv2dParams) -> Result<Storage> {
         pair!("conv2d_backward_input", self, w, |a, b| a.conv2d_backward_input(b, p))
     }
+    /// See [`BackendStorage::conv2d_backward_weight`].
     pub fn conv2d_backward_weight(&self, x: &Storage, p: &Conv2dParams) -> Result<Storage> {
         pair!("conv2d_backward_weight", self, x, |a, b| a.conv2d_backward_weight(b, p))
     }
+    /// See [`BackendStorage::max_pool2d`].
     pub fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Storage, Storage)> {
         match self {
             Storage::Cpu(s) => {
@@ -477,6 +501,7 @@ impl Storage {
             }
         }
     }
+    /// See [`BackendStorage::upsample_nearest2d`].
     pub fn upsample_nearest2d(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Storage> {
         match self {
             Storage::Cpu(s) => Ok(Storage::Cpu(s.upsample_nearest2d(shape, factor, channels_last)?)),
@@ -484,6 +509,7 @@ impl Storage {
             Storage::Cuda(s) => Ok(Storage::Cuda(s.upsample_nearest2d(shape, factor, channels_last)?)),
         }
     }
+    /// See [`BackendStorage::upsample_nearest2d_backward`].
     pub fn upsample_nearest2d_backward(&self, shape: [usize; 4], factor: usize, channels_last: bool) -> Result<Storage> {
         match self {
             Storage::Cpu(s) => Ok(Storage::Cpu(s.upsample_nearest2d_backward(shape, factor, channels_last)?)),
@@ -491,6 +517,7 @@ impl Storage {
             Storage::Cuda(s) => Ok(Storage::Cuda(s.upsample_nearest2d_backward(shape, factor, channels_last)?)),
         }
     }
+    /// See [`BackendStorage::max_pool2d_backward`].
     pub fn max_pool2d_backward(&self, idx: &Storage, p: &Pool2dParams) -> Result<Storage> {
         pair!("max_pool2d_backward", self, idx, |a, b| a.max_pool2d_backward(b, p))
     }
@@ -624,9 +651,11 @@ impl Storage {
     pub fn channel_affine(&self, shape: &[usize], params: &Storage, silu: bool, channels_last: bool) -> Result<Storage> {
         pair!("channel_affine", self, params, |a, b| a.channel_affine(shape, b, silu, channels_last))
     }
+    /// See [`BackendStorage::nonzero_static`].
     pub fn nonzero_static(&self, size: usize, fill: i64) -> Result<Storage> {
         unary_dispatch!(self, |s| s.nonzero_static(size, fill))
     }
+    /// See [`BackendStorage::topk`].
     pub fn topk(&self, shape: &[usize], dim: usize, k: usize, largest: bool) -> Result<(Storage, Storage)> {
         match self {
             Storage::Cpu(s) => {

@@ -70,8 +70,11 @@ impl std::fmt::Debug for Tensor {
 
 /// Host element types that tensors can be built from and read back into.
 pub trait Element: Copy + Send + Sync + 'static {
+    /// The dtype of this element type.
     const DTYPE: DType;
+    /// Host storage of these values.
     fn into_storage(v: Vec<Self>) -> CpuStorage;
+    /// The values, when the storage has this dtype.
     fn from_storage(s: &CpuStorage) -> Option<Vec<Self>>;
 }
 
@@ -198,22 +201,28 @@ impl Tensor {
         Tensor::full((), v, dtype, device)
     }
 
+    /// A tensor of zeros.
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
         Tensor::full(shape, 0.0, dtype, device)
     }
+    /// A tensor of ones.
     pub fn ones(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype, device)
     }
+    /// A tensor filled with `value`.
     pub fn full(shape: impl Into<Shape>, value: f64, dtype: DType, device: Device) -> Result<Tensor> {
         let shape = shape.into();
         Tensor::from_storage(Storage::full(device, dtype, shape.numel(), value)?, shape)
     }
+    /// Zeros of this tensor's shape, dtype and device.
     pub fn zeros_like(&self) -> Result<Tensor> {
         Tensor::zeros(self.shape().clone(), self.dtype(), self.device())
     }
+    /// Ones of this tensor's shape, dtype and device.
     pub fn ones_like(&self) -> Result<Tensor> {
         Tensor::ones(self.shape().clone(), self.dtype(), self.device())
     }
+    /// `v` in this tensor's shape, dtype and device.
     pub fn full_like(&self, v: f64) -> Result<Tensor> {
         Tensor::full(self.shape().clone(), v, self.dtype(), self.device())
     }
@@ -226,24 +235,31 @@ impl Tensor {
 
     // ---- accessors ------------------------------------------------------------------------------
 
+    /// The tensor's identity (shared by its clones).
     pub fn id(&self) -> TensorId {
         self.0.id
     }
+    /// Its shape.
     pub fn shape(&self) -> &Shape {
         &self.0.shape
     }
+    /// Its dimensions.
     pub fn dims(&self) -> &[usize] {
         &self.0.shape.0
     }
+    /// Number of dimensions.
     pub fn rank(&self) -> usize {
         self.0.shape.rank()
     }
+    /// Number of elements.
     pub fn numel(&self) -> usize {
         self.0.shape.numel()
     }
+    /// Its element type.
     pub fn dtype(&self) -> DType {
         self.0.dtype
     }
+    /// Its device.
     pub fn device(&self) -> Device {
         self.0.device
     }
@@ -251,6 +267,7 @@ impl Tensor {
     pub fn dim(&self, dim: isize) -> Result<usize> {
         Ok(self.dims()[crate::shape::normalize_dim("dim", dim, self.rank())?])
     }
+    /// Whether a backward pass computes its gradient.
     pub fn requires_grad(&self) -> bool {
         self.0.requires_grad.load(std::sync::atomic::Ordering::Relaxed)
     }

@@ -97,6 +97,7 @@ impl WriteJournal {
     pub fn len(&self) -> usize {
         self.saved.len()
     }
+    /// Whether nothing was journaled.
     pub fn is_empty(&self) -> bool {
         self.saved.is_empty()
     }

@@ -77,6 +77,7 @@ fn sigmoid<T: Float>(x: T) -> T {
 }
 
 impl BinaryOp {
+    /// The op on two floats.
     #[inline]
     pub fn apply<T: Float>(self, a: T, b: T) -> T {
         match self {
@@ -137,6 +138,7 @@ impl BinaryOp {
 }
 
 impl CmpOp {
+    /// The comparison of two values.
     #[inline]
     pub fn apply<T: PartialOrd>(self, a: T, b: T) -> bool {
         match self {

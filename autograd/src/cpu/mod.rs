@@ -21,12 +21,19 @@ use crate::{DType, Device, Error, Result};
 /// Host storage, one variant per dtype.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CpuStorage {
+    /// f32 elements.
     F32(Vec<f32>),
+    /// f64 elements.
     F64(Vec<f64>),
+    /// f16 elements.
     F16(Vec<f16>),
+    /// bf16 elements.
     BF16(Vec<bf16>),
+    /// i64 elements.
     I64(Vec<i64>),
+    /// u8 elements.
     U8(Vec<u8>),
+    /// bool elements (0 or 1 bytes).
     Bool(Vec<u8>),
 }
 

@@ -190,8 +190,11 @@ impl Drop for DevBuf {
 /// recorder's warm-up was being measured — where to look when a peak is larger than expected.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PeakContext {
+    /// The stage tag the work ran under.
     pub stage: u8,
+    /// Whether a graph capture was being recorded.
     pub capturing: bool,
+    /// Whether a recorder's warm-up was being measured.
     pub measuring: bool,
 }
 
@@ -429,6 +432,7 @@ impl MemPool {
         f()
     }
 
+    /// The pool's device.
     pub fn device(&self) -> Device {
         Device::Cuda(self.inner.dev.ordinal)
     }

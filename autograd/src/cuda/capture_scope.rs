@@ -19,16 +19,32 @@ pub const ARENA_ALIGN: usize = 256;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CaptureViolation {
     /// A host read or synchronisation (`to_cpu`, `item`, `synchronize`).
-    HostSync { op: &'static str },
+    HostSync {
+        /// The operation.
+        op: &'static str,
+    },
     /// An upload of fresh host data (would be frozen into the graph).
-    HostUpload { op: &'static str },
+    HostUpload {
+        /// The operation.
+        op: &'static str,
+    },
     /// An allocation that does not fit in the recording's arena.
-    AllocOutsidePool { requested: usize, free: usize },
+    AllocOutsidePool {
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes left in the arena.
+        free: usize,
+    },
     /// A capture scope opened while another is open on this thread.
     NestedCapture,
     /// A library's device-lifetime workspace (`library`: cuDNN, cuBLAS) would have to grow, which
     /// a capture must not do: its arena's bytes are reused, rewound or given back later.
-    WorkspaceGrowth { library: &'static str, requested: usize },
+    WorkspaceGrowth {
+        /// The library (cuDNN, cuBLAS).
+        library: &'static str,
+        /// Bytes asked for.
+        requested: usize,
+    },
 }
 
 impl std::fmt::Display for CaptureViolation {

@@ -37,9 +37,13 @@ pub struct CudaCounters {
     pub library_calls: u64,
     /// CUDA graph launches (one launch replays a whole recorded region).
     pub graph_launches: u64,
+    /// Host-to-device copies.
     pub host_to_device_copies: u64,
+    /// Device-to-host copies.
     pub device_to_host_copies: u64,
+    /// Device-to-device copies.
     pub device_to_device_copies: u64,
+    /// Memsets.
     pub memsets: u64,
     /// Points where the host waited for the device (stream/event synchronisation, host reads).
     pub host_syncs: u64,
@@ -115,24 +119,32 @@ pub(crate) fn time_setup<R>(kind: Setup, f: impl FnOnce() -> R) -> R {
 /// One-time library set-ups so far: how many and how many seconds they took.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LibrarySetup {
+    /// cuBLAS/cuDNN handles created.
     pub handles: u64,
+    /// Seconds spent creating them.
     pub handle_s: f64,
     /// cuDNN execution plans, one per convolution shape, dtype and direction.
     pub conv_plans: u64,
+    /// Seconds spent building convolution plans.
     pub conv_plan_s: f64,
     /// cuBLASLt plans, one per matmul shape and dtype.
     pub gemm_plans: u64,
+    /// Seconds spent building GEMM plans.
     pub gemm_plan_s: f64,
     /// Parts of the conv plans' time (graph API): ranking the engines, and finalizing execution
     /// plans (one per engine tried).
     pub conv_heuristics_s: f64,
+    /// cuDNN plans finalised.
     pub conv_finalizes: u64,
+    /// Seconds spent finalising them.
     pub conv_finalize_s: f64,
     /// Of those, the finalizes of engines that compile their kernel at run time.
     pub conv_runtime_compiled: u64,
+    /// Seconds of cuDNN's runtime kernel compilation.
     pub conv_runtime_compiled_s: f64,
     /// Plans restored from the serialized form an earlier process stored (instead of compiling).
     pub conv_plans_loaded: u64,
+    /// Seconds spent loading remembered plans.
     pub conv_plan_load_s: f64,
 }
 

@@ -22,12 +22,17 @@ use crate::{Device, Error, Result};
 /// Kernel, copy and memset activity measured by a [`GpuKernelTimer`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GpuKernelTotals {
+    /// Kernels run.
     pub kernels: u64,
     /// Sum of kernel durations (end − start on the GPU), nanoseconds.
     pub kernel_ns: u64,
+    /// Copies run.
     pub memcpys: u64,
+    /// Nanoseconds of copies.
     pub memcpy_ns: u64,
+    /// Memsets run.
     pub memsets: u64,
+    /// Nanoseconds of memsets.
     pub memset_ns: u64,
     /// Records CUPTI dropped for lack of buffer space (then the sums are too low).
     pub dropped: u64,
@@ -44,7 +49,9 @@ static DETAILED: AtomicBool = AtomicBool::new(false);
 pub struct KernelDetail {
     /// The stage tag of the host call that launched it (a graph launch for replayed kernels).
     pub stage: u8,
+    /// The kernel's (demangled) name.
     pub name: String,
+    /// Launches.
     pub count: u64,
     /// Summed kernel durations, nanoseconds.
     pub ns: u64,

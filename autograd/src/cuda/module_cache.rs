@@ -38,9 +38,13 @@ pub enum ModuleSource {
 /// Start-up cost of one module: NVRTC compilation and the driver's module load.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModuleReport {
+    /// The kernel unit.
     pub name: String,
+    /// Compiled now or loaded from the cache.
     pub source: ModuleSource,
+    /// Seconds of compilation.
     pub compile_s: f64,
+    /// Seconds of loading.
     pub load_s: f64,
     /// Why the cache was not used or an entry was rebuilt, if it was not a plain hit or miss.
     pub note: Option<String>,

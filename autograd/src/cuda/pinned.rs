@@ -45,9 +45,11 @@ impl PinnedBuffer {
         Ok(PinnedBuffer { ptr, len, dev, event, in_flight: false })
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
+    /// Whether it holds no byte.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

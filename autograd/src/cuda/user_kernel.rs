@@ -25,10 +25,15 @@ pub enum KernelArg<'a> {
     /// declares e.g. `struct { const float* p[72]; }`): for kernels that read or write many
     /// tensors, such as every weight of a small network, without packing them into one buffer.
     TensorArray(&'a [Tensor]),
+    /// A u32 by value.
     U32(u32),
+    /// An i32 by value.
     I32(i32),
+    /// A u64 by value (also a device address).
     U64(u64),
+    /// An f32 by value.
     F32(f32),
+    /// An f64 by value.
     F64(f64),
 }
 

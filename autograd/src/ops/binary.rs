@@ -92,19 +92,24 @@ fn tie_split(g: &Tensor, pick: &Tensor, tie: &Tensor) -> Result<Tensor> {
 }
 
 impl Tensor {
+    /// `self + rhs`, broadcasting.
     pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
         binary_with_grad(self, rhs, BinaryOp::Add, "add", Box::new(|g, _, _, _| Ok((Some(g.clone()), Some(g.clone())))))
     }
+    /// `self − rhs`, broadcasting.
     pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
         binary_with_grad(self, rhs, BinaryOp::Sub, "sub", Box::new(|g, _, _, _| Ok((Some(g.clone()), Some(g.neg()?)))))
     }
+    /// `self·rhs`, broadcasting.
     pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
         binary_with_grad(self, rhs, BinaryOp::Mul, "mul", Box::new(|g, a, b, _| Ok((Some(g.mul(b)?), Some(g.mul(a)?)))))
     }
+    /// `self / rhs`, broadcasting.
     pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
         // d(a/b)/da = 1/b, d(a/b)/db = −a/b² = −y/b
         binary_with_grad(self, rhs, BinaryOp::Div, "div", Box::new(|g, _, b, y| Ok((Some(g.div(b)?), Some(g.mul(y)?.div(b)?.neg()?)))))
     }
+    /// Element-wise maximum (ties split the gradient).
     pub fn maximum(&self, rhs: &Tensor) -> Result<Tensor> {
         binary_with_grad(
             self,
@@ -117,6 +122,7 @@ impl Tensor {
             }),
         )
     }
+    /// Element-wise minimum (ties split the gradient).
     pub fn minimum(&self, rhs: &Tensor) -> Result<Tensor> {
         binary_with_grad(
             self,
@@ -171,36 +177,47 @@ impl Tensor {
         let s = lhs.read_storage()?.cmp(&la, &*rhs.read_storage()?, &lb, op)?;
         Tensor::from_storage(s, out)
     }
+    /// `self = rhs` as bool.
     pub fn eq(&self, rhs: &Tensor) -> Result<Tensor> {
         self.compare(rhs, CmpOp::Eq)
     }
+    /// `self ≠ rhs` as bool.
     pub fn ne(&self, rhs: &Tensor) -> Result<Tensor> {
         self.compare(rhs, CmpOp::Ne)
     }
+    /// `self < rhs` as bool.
     pub fn lt(&self, rhs: &Tensor) -> Result<Tensor> {
         self.compare(rhs, CmpOp::Lt)
     }
+    /// `self ≤ rhs` as bool.
     pub fn le(&self, rhs: &Tensor) -> Result<Tensor> {
         self.compare(rhs, CmpOp::Le)
     }
+    /// `self > rhs` as bool.
     pub fn gt(&self, rhs: &Tensor) -> Result<Tensor> {
         self.compare(rhs, CmpOp::Gt)
     }
+    /// `self ≥ rhs` as bool.
     pub fn ge(&self, rhs: &Tensor) -> Result<Tensor> {
         self.compare(rhs, CmpOp::Ge)
     }
+    /// `self = v` as bool.
     pub fn eq_scalar(&self, v: f64) -> Result<Tensor> {
         self.compare(&self.scalar_like(v)?, CmpOp::Eq)
     }
+    /// `self < v` as bool.
     pub fn lt_scalar(&self, v: f64) -> Result<Tensor> {
         self.compare(&self.scalar_like(v)?, CmpOp::Lt)
     }
+    /// `self ≤ v` as bool.
     pub fn le_scalar(&self, v: f64) -> Result<Tensor> {
         self.compare(&self.scalar_like(v)?, CmpOp::Le)
     }
+    /// `self > v` as bool.
     pub fn gt_scalar(&self, v: f64) -> Result<Tensor> {
         self.compare(&self.scalar_like(v)?, CmpOp::Gt)
     }
+    /// `self ≥ v` as bool.
     pub fn ge_scalar(&self, v: f64) -> Result<Tensor> {
         self.compare(&self.scalar_like(v)?, CmpOp::Ge)
     }

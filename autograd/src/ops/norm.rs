@@ -10,6 +10,7 @@ pub struct BatchNormOptions {
     pub training: bool,
     /// Weight of the new batch statistic in the running average (PyTorch convention).
     pub momentum: f64,
+    /// Added to the variance.
     pub eps: f64,
 }
 

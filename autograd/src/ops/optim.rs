@@ -16,10 +16,13 @@ use crate::{DType, Result, Tensor};
 /// One SGD step's hyperparameters (PyTorch semantics, no dampening).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdStep {
+    /// Weight decay added to the gradient.
     pub weight_decay: f64,
+    /// Momentum of the buffer.
     pub momentum: f64,
     /// `−lr · factor`, computed by the caller as the composed update would (in f64).
     pub neg_lr: f64,
+    /// Nesterov's update.
     pub nesterov: bool,
 }
 
@@ -34,8 +37,11 @@ pub struct SgdStep {
 /// are — the skipped step of 16-mixed decided on the device, with no host read.
 #[derive(Clone, Copy)]
 pub struct DeviceScalars<'a> {
+    /// The device tensor of scalars.
     pub values: &'a Tensor,
+    /// Index of the first scalar the update reads.
     pub at: usize,
+    /// A device flag that turns the update into a no-op (a skipped loss-scaled step).
     pub skip: Option<&'a Tensor>,
 }
 
@@ -290,10 +296,15 @@ fn fused_clip(grads: &[&Tensor], max_norm: f64) -> Result<Option<Tensor>> {
 /// and its step count (an f64 tensor of one value on the same device, which the step increments).
 #[derive(Clone, Copy)]
 pub struct AdamWItem<'a> {
+    /// The parameter.
     pub param: &'a Tensor,
+    /// Its gradient.
     pub grad: &'a Tensor,
+    /// First moment.
     pub exp_avg: &'a Tensor,
+    /// Second moment.
     pub exp_avg_sq: &'a Tensor,
+    /// Its step count (a device scalar).
     pub step: &'a Tensor,
 }
 

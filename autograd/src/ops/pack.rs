@@ -11,8 +11,11 @@ use crate::{DType, Error, Result, Tensor};
 /// (`rows·cols` elements) and a factor it is multiplied by (as `mul_scalar`; 1 multiplies nothing).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Unpacked {
+    /// Where the matrix lies in the packed buffer.
     pub matrix: PackedMatrix,
+    /// The shape it is given back (`rows·cols` elements).
     pub dims: Vec<usize>,
+    /// The factor it is multiplied by.
     pub scale: f64,
 }
 

@@ -69,11 +69,13 @@ impl Tensor {
         self.flatten_all()?.sum_dim(0, false)
     }
 
+    /// Mean over `dim`.
     pub fn mean_dim(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
         let n = self.dim(dim)?;
         self.sum_dim(dim, keepdim)?.affine(1.0 / n as f64, 0.0)
     }
 
+    /// Mean over `dims`.
     pub fn mean_dims(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let mut n = 1usize;
         for &d in dims {
@@ -82,6 +84,7 @@ impl Tensor {
         self.sum_dims(dims, keepdim)?.affine(1.0 / n as f64, 0.0)
     }
 
+    /// Mean of every element (a scalar).
     pub fn mean_all(&self) -> Result<Tensor> {
         let n = self.numel();
         self.sum_all()?.affine(1.0 / n as f64, 0.0)
@@ -108,6 +111,7 @@ impl Tensor {
     pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
         self.select_reduce(dim, keepdim, false)
     }
+    /// Index of the largest value along `dim`.
     pub fn argmax(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
         let d = normalize_dim("argmax", dim, self.rank())?;
         let i = raw_reduce(self, d, ReduceOp::ArgMax)?;
@@ -117,6 +121,7 @@ impl Tensor {
             i.reshape(drop_dim(self.dims(), d))
         }
     }
+    /// Index of the smallest value along `dim`.
     pub fn argmin(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
         let d = normalize_dim("argmin", dim, self.rank())?;
         let i = raw_reduce(self, d, ReduceOp::ArgMin)?;
@@ -130,6 +135,7 @@ impl Tensor {
     pub fn max_all(&self) -> Result<Tensor> {
         raw_reduce(&self.flatten_all()?.detach(), 0, ReduceOp::Max)?.reshape(Vec::<usize>::new())
     }
+    /// Smallest element (a scalar).
     pub fn min_all(&self) -> Result<Tensor> {
         raw_reduce(&self.flatten_all()?.detach(), 0, ReduceOp::Min)?.reshape(Vec::<usize>::new())
     }

@@ -121,6 +121,7 @@ impl Tensor {
         self.reshape(shape)
     }
 
+    /// The elements as one dimension.
     pub fn flatten_all(&self) -> Result<Tensor> {
         self.reshape(vec![self.numel()])
     }
@@ -138,6 +139,7 @@ impl Tensor {
         self.reshape(shape)
     }
 
+    /// A new dimension of size 1 at `dim`.
     pub fn unsqueeze(&self, dim: isize) -> Result<Tensor> {
         let d = normalize_dim("unsqueeze", dim, self.rank() + 1)?;
         let mut s = self.dims().to_vec();
@@ -145,6 +147,7 @@ impl Tensor {
         self.reshape(s)
     }
 
+    /// Dimension `dim` (of size 1) removed.
     pub fn squeeze(&self, dim: isize) -> Result<Tensor> {
         let d = normalize_dim("squeeze", dim, self.rank())?;
         if self.dims()[d] != 1 {

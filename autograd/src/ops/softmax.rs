@@ -11,6 +11,7 @@ impl Tensor {
         Tensor::from_storage(s, self.dims().to_vec())
     }
 
+    /// Softmax along `dim`.
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
         let y = self.raw_softmax(dim, false)?;
         if !self.requires_grad() || !crate::is_grad_enabled() {
@@ -32,6 +33,7 @@ impl Tensor {
         ))
     }
 
+    /// Log-softmax along `dim`.
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
         let y = self.raw_softmax(dim, true)?;
         if !self.requires_grad() || !crate::is_grad_enabled() {

@@ -36,28 +36,36 @@ fn unary_with_grad(
 }
 
 impl Tensor {
+    /// −x.
     pub fn neg(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Neg, "neg", |g, _, _| g.neg())
     }
+    /// eˣ.
     pub fn exp(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Exp, "exp", |g, _, y| g.mul(y))
     }
+    /// ln x.
     pub fn log(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Log, "log", |g, x, _| g.div(x))
     }
+    /// √x.
     pub fn sqrt(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Sqrt, "sqrt", |g, _, y| g.div(y)?.affine(0.5, 0.0))
     }
+    /// |x|.
     pub fn abs(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Abs, "abs", |g, x, _| g.mul(&forward(x, UnaryOp::Sign)?))
     }
+    /// 1 / (1 + e⁻ˣ).
     pub fn sigmoid(&self) -> Result<Tensor> {
         // dy/dx = y (1 - y)
         unary_with_grad(self, UnaryOp::Sigmoid, "sigmoid", |g, _, y| g.mul(&y.mul(&y.affine(-1.0, 1.0)?)?))
     }
+    /// x·sigmoid(x).
     pub fn silu(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Silu, "silu", |g, x, _| g.mul(&forward(x, UnaryOp::SiluGrad)?))
     }
+    /// tanh x.
     pub fn tanh(&self) -> Result<Tensor> {
         // dy/dx = 1 - y²
         unary_with_grad(self, UnaryOp::Tanh, "tanh", |g, _, y| g.mul(&y.square()?.affine(-1.0, 1.0)?))
@@ -70,16 +78,20 @@ impl Tensor {
             g.mul(&above.where_cond(&s.ones_like()?, &s)?)
         })
     }
+    /// atan x.
     pub fn atan(&self) -> Result<Tensor> {
         // dy/dx = 1 / (1 + x²)
         unary_with_grad(self, UnaryOp::Atan, "atan", |g, x, _| g.div(&x.square()?.affine(1.0, 1.0)?))
     }
+    /// 1 / x.
     pub fn recip(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Recip, "recip", |g, _, y| g.mul(&y.square()?)?.neg())
     }
+    /// x².
     pub fn square(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Square, "square", |g, x, _| g.mul(x)?.affine(2.0, 0.0))
     }
+    /// max(x, 0).
     pub fn relu(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Relu, "relu", |g, x, _| g.mul(&x.gt_scalar(0.0)?.to_dtype(g.dtype())?))
     }
@@ -94,9 +106,11 @@ impl Tensor {
             g.mul(&inside.to_dtype(g.dtype())?)
         })
     }
+    /// max(x, lo).
     pub fn clamp_min(&self, lo: f64) -> Result<Tensor> {
         self.clamp(lo, f64::INFINITY)
     }
+    /// min(x, hi).
     pub fn clamp_max(&self, hi: f64) -> Result<Tensor> {
         self.clamp(f64::NEG_INFINITY, hi)
     }
@@ -104,15 +118,19 @@ impl Tensor {
     pub fn affine(&self, mul: f64, add: f64) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Affine(mul, add), "affine", move |g, _, _| g.affine(mul, 0.0))
     }
+    /// x + v.
     pub fn add_scalar(&self, v: f64) -> Result<Tensor> {
         self.affine(1.0, v)
     }
+    /// x − v.
     pub fn sub_scalar(&self, v: f64) -> Result<Tensor> {
         self.affine(1.0, -v)
     }
+    /// x·v.
     pub fn mul_scalar(&self, v: f64) -> Result<Tensor> {
         self.affine(v, 0.0)
     }
+    /// x / v.
     pub fn div_scalar(&self, v: f64) -> Result<Tensor> {
         self.affine(1.0 / v, 0.0)
     }
@@ -120,9 +138,11 @@ impl Tensor {
     pub fn sign(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Sign, "sign", |g, _, _| g.zeros_like())
     }
+    /// ⌊x⌋ (its gradient is zero).
     pub fn floor(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Floor, "floor", |g, _, _| g.zeros_like())
     }
+    /// ⌈x⌉ (its gradient is zero).
     pub fn ceil(&self) -> Result<Tensor> {
         unary_with_grad(self, UnaryOp::Ceil, "ceil", |g, _, _| g.zeros_like())
     }
