@@ -9,6 +9,7 @@
 //! Each subcommand group parses its own arguments and calls into the library crates; add new
 //! groups (`train`, `val`, `predict`, `export`) as variants of `Command` with a `run_*` function.
 
+#![warn(missing_docs)]
 use std::path::PathBuf;
 use std::process::ExitCode;
 

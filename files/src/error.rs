@@ -38,25 +38,56 @@ pub enum FileError {
     /// The path could not be opened, read or written.
     #[error("{path}: {source}")]
     Io {
+        /// The path.
         path: PathBuf,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
     /// A file was expected and the path is something else.
     #[error("{path} is {kind}, not a regular file: give the path of a file")]
-    NotRegular { path: PathBuf, kind: FileKind },
+    NotRegular {
+        /// The path.
+        path: PathBuf,
+        /// What it is instead.
+        kind: FileKind,
+    },
     /// The file is larger than what the reader accepts.
     #[error("{path} is {len} bytes, more than the {limit} a {what} may have: is it the right file?")]
-    TooLarge { path: PathBuf, len: u64, limit: u64, what: &'static str },
+    TooLarge {
+        /// The path.
+        path: PathBuf,
+        /// Its size in bytes.
+        len: u64,
+        /// The largest size accepted.
+        limit: u64,
+        /// What kind of file was expected.
+        what: &'static str,
+    },
     /// A text file that is not UTF-8.
     #[error("{path} is not UTF-8 text (byte {at}): save it as UTF-8")]
-    NotUtf8 { path: PathBuf, at: usize },
+    NotUtf8 {
+        /// The path.
+        path: PathBuf,
+        /// Offset of the first byte that is not UTF-8.
+        at: usize,
+    },
     /// A cache folder that another user could have prepared or could change.
     #[error("{path}: {reason}; ptl keeps its caches in folders only you can write — remove it, or point PTL_CACHE at a folder of yours")]
-    NotPrivate { path: PathBuf, reason: String },
+    NotPrivate {
+        /// The path.
+        path: PathBuf,
+        /// Why it is not private.
+        reason: String,
+    },
     /// Another process holds the run folder.
     #[error("{path} is in use by another ptl process ({holder}): wait for it to finish, or train into another folder (name=…)")]
-    InUse { path: PathBuf, holder: String },
+    InUse {
+        /// The path.
+        path: PathBuf,
+        /// The process holding it.
+        holder: String,
+    },
 }
 
 impl FileError {

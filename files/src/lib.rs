@@ -10,6 +10,7 @@
 //!
 //! Every failure is a [`FileError`] naming the path and what to do.
 
+#![warn(missing_docs)]
 mod atomic;
 mod cache;
 mod error;

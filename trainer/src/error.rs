@@ -10,23 +10,55 @@ pub type Result<T> = std::result::Result<T, TrainerError>;
 pub enum TrainerError {
     /// A buffer does not have the length its declared shape implies.
     #[error("shape mismatch for {what}: expected {expected} elements ({shape}), got {got}")]
-    ShapeMismatch { what: &'static str, shape: String, expected: usize, got: usize },
+    ShapeMismatch {
+        /// What was checked.
+        what: &'static str,
+        /// Its shape.
+        shape: String,
+        /// The size expected.
+        expected: usize,
+        /// The size found.
+        got: usize,
+    },
     /// An invalid argument (e.g. threshold outside [0, 1], zero keypoints).
     #[error("invalid argument {what}: {reason}")]
-    InvalidArgument { what: &'static str, reason: String },
+    InvalidArgument {
+        /// What was checked.
+        what: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
     /// A NaN (or infinite) value in predictions or ground truth; metrics would silently be NaN.
     #[error("non-finite value in {what} at flat index {index}: {value}")]
-    NonFinite { what: &'static str, index: usize, value: f64 },
+    NonFinite {
+        /// What was checked.
+        what: &'static str,
+        /// The element.
+        index: usize,
+        /// The value.
+        value: f64,
+    },
     /// A file could not be read or written.
     #[error("I/O error on {path}: {source}")]
     Io {
+        /// The file or folder.
         path: PathBuf,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
     /// Malformed JSON (syntax or schema), with the position serde_json reports.
     #[error("malformed JSON in {path} at line {line}, column {column}: {msg}")]
-    Json { path: PathBuf, line: usize, column: usize, msg: String },
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// Line (1-based).
+        line: usize,
+        /// Column (1-based).
+        column: usize,
+        /// What is wrong.
+        msg: String,
+    },
     /// JSON that parses but is inconsistent (e.g. results for an image not in the GT).
     #[error("inconsistent COCO data: {0}")]
     Coco(String),
@@ -35,27 +67,68 @@ pub enum TrainerError {
         "resume from {path}: `{key}` is {given} here but the run was trained with {stored}; drop it (resume restores the run's \
          settings) or, to train differently, start a new run from the weights"
     )]
-    ResumeMismatch { path: PathBuf, key: String, stored: String, given: String },
+    ResumeMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The setting.
+        key: String,
+        /// Its value in the checkpoint.
+        stored: String,
+        /// The value given now.
+        given: String,
+    },
     /// The loss stayed non-finite after the recovery attempts (docs/training.md §9).
     #[error(
         "non-finite loss at epoch {epoch}, batch {batch} (step {step}): {term} is {value} ({attempts} reloads of the last \
          checkpoint did not help); likely cause: {hint}"
     )]
-    NonFiniteLoss { epoch: usize, batch: usize, step: usize, term: &'static str, value: f64, attempts: usize, hint: String },
+    NonFiniteLoss {
+        /// The epoch.
+        epoch: usize,
+        /// The batch in the epoch.
+        batch: usize,
+        /// The optimizer step.
+        step: usize,
+        /// The loss term.
+        term: &'static str,
+        /// The value.
+        value: f64,
+        /// Reloads tried.
+        attempts: usize,
+        /// What to change.
+        hint: String,
+    },
     /// Start weights (`model=…safetensors` / `.ckpt`) that do not fit the model: `tensor` names
     /// the first entry that is missing, unexpected or of another shape.
     #[error("start weights {path}: `{tensor}` {reason}")]
-    StartWeights { path: PathBuf, tensor: String, reason: String },
+    StartWeights {
+        /// The file.
+        path: PathBuf,
+        /// The first tensor that does not fit.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A checkpoint that cannot be used (truncated, foreign, wrong format version).
     #[error("checkpoint {path}: {msg}")]
-    Checkpoint { path: PathBuf, msg: String },
+    Checkpoint {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
     /// The fit stopped for a signal after writing a checkpoint at its place (`checkpoint`; `None`
     /// when the interrupted epoch could not be kept and the last epoch's checkpoint stays).
     #[error("{} received: training stopped{}", crate::fit::interrupt::signal_name(*signal), match checkpoint {
         Some(p) => format!("; resume with `ptl train resume={}`", p.display()),
         None => String::new(),
     })]
-    Interrupted { signal: i32, checkpoint: Option<PathBuf> },
+    Interrupted {
+        /// The signal received.
+        signal: i32,
+        /// The checkpoint written before stopping, if any.
+        checkpoint: Option<PathBuf>,
+    },
     /// A file that could not be read or written safely (not a regular file, a run folder in use, …).
     #[error(transparent)]
     File(ptl_files::FileError),
@@ -65,7 +138,16 @@ pub enum TrainerError {
         "batch={batch} does not fit in the memory of cuda:{device}; batch={fits} would (AutoBatch's choice for 60 % of the \
          memory; batch=-1 picks it itself). The failure: {detail}"
     )]
-    BatchDoesNotFit { batch: usize, device: usize, fits: usize, detail: String },
+    BatchDoesNotFit {
+        /// The batch in the epoch.
+        batch: usize,
+        /// The CUDA device ordinal.
+        device: usize,
+        /// The batch AutoBatch would choose.
+        fits: usize,
+        /// What ran out.
+        detail: String,
+    },
     /// An error from the tensor library (shapes, dtypes, devices, backward).
     #[error("tensor error: {0}")]
     Tensor(#[from] ptl_autograd::Error),
@@ -77,7 +159,12 @@ pub enum TrainerError {
     Model(#[from] ptl_heads::HeadsError),
     /// A plot or prediction image could not be drawn (`what` names the file or the drawing).
     #[error("plot {what}: {reason}")]
-    Plot { what: String, reason: String },
+    Plot {
+        /// What was checked.
+        what: String,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl TrainerError {

@@ -31,6 +31,7 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
 pub mod error;
 pub mod fit;
 pub mod loss;

@@ -5,13 +5,19 @@ use dyn_clone::DynClone;
 /// Read-only view of the loop for callbacks.
 #[derive(Clone, Debug, Default)]
 pub struct LoopView {
+    /// Current epoch (0-based).
     pub epoch: usize,
+    /// Epochs of the run.
     pub epochs: usize,
+    /// Batch index within the epoch.
     pub batch_in_epoch: usize,
+    /// Batches per epoch.
     pub batches_per_epoch: usize,
+    /// Optimizer steps taken so far.
     pub global_step: u64,
     /// Running mean of the logged loss items this epoch.
     pub mean_items: Vec<f64>,
+    /// Each parameter group's learning rate.
     pub lr: Vec<f64>,
     /// Last validation metrics (name, value).
     pub metrics: Vec<(String, f64)>,
@@ -24,29 +30,50 @@ pub trait Callback: DynClone + Send {
     fn state_key(&self) -> String {
         std::any::type_name::<Self>().rsplit("::").next().unwrap_or("callback").to_string()
     }
+    /// Before anything runs.
     fn setup(&mut self, v: &LoopView) {}
+    /// The fit starts.
     fn on_fit_start(&mut self, v: &LoopView) {}
+    /// Training starts.
     fn on_train_start(&mut self, v: &LoopView) {}
+    /// An epoch starts.
     fn on_train_epoch_start(&mut self, v: &LoopView) {}
+    /// A batch starts (before its forward).
     fn on_train_batch_start(&mut self, v: &LoopView) {}
+    /// Before the gradients are cleared (first batch of an accumulation window).
     fn on_before_zero_grad(&mut self, v: &LoopView) {}
+    /// Before the backward.
     fn on_before_backward(&mut self, v: &LoopView) {}
+    /// After the backward.
     fn on_after_backward(&mut self, v: &LoopView) {}
     /// Right after `on_after_backward`, with the model's named parameters (gradients readable and
     /// writable, e.g. for gradient statistics or fault injection in tests).
     fn on_after_backward_params(&mut self, v: &LoopView, params: &[(String, ptl_autograd::Tensor)]) {}
+    /// Before the optimizer step (after unscaling, before clipping).
     fn on_before_optimizer_step(&mut self, v: &LoopView) {}
+    /// A batch ended.
     fn on_train_batch_end(&mut self, v: &LoopView) {}
+    /// Validation starts.
     fn on_validation_start(&mut self, v: &LoopView) {}
+    /// The validation pass starts.
     fn on_validation_epoch_start(&mut self, v: &LoopView) {}
+    /// The validation pass ended.
     fn on_validation_epoch_end(&mut self, v: &LoopView) {}
+    /// Validation ended.
     fn on_validation_end(&mut self, v: &LoopView) {}
+    /// An epoch ended (after its validation).
     fn on_train_epoch_end(&mut self, v: &LoopView) {}
+    /// A checkpoint is being written.
     fn on_save_checkpoint(&mut self, v: &LoopView) {}
+    /// Training ended.
     fn on_train_end(&mut self, v: &LoopView) {}
+    /// The fit ended.
     fn on_fit_end(&mut self, v: &LoopView) {}
+    /// The last hook of a fit.
     fn teardown(&mut self, v: &LoopView) {}
+    /// The fit failed with `error`.
     fn on_exception(&mut self, v: &LoopView, error: &str) {}
+    /// State to store in checkpoints under [`Callback::state_key`].
     fn state(&self) -> serde_json::Value {
         serde_json::Value::Null
     }
@@ -57,6 +84,7 @@ dyn_clone::clone_trait_object!(Callback);
 /// Records the hook sequence (used by the hook-order snapshot test and for debugging).
 #[derive(Clone, Default)]
 pub struct HookTrace {
+    /// The hooks called, in order.
     pub events: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 

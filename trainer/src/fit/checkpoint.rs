@@ -31,6 +31,7 @@ pub struct LoopState {
     pub last_opt_step: i64,
     /// Per-step losses so far (the run's loss sequence, hashed in the summary).
     pub step_losses: Vec<f64>,
+    /// The best validation fitness so far.
     pub best_fitness: Option<f64>,
     /// The early stopper's state (docs/training.md §9): its best fitness and the 1-based epoch of it.
     #[serde(default)]
@@ -61,6 +62,7 @@ pub struct RunHistory {
     /// `results.csv` header and one formatted row per completed epoch (the file is rewritten from
     /// these, so a kill between checkpoint and CSV can never duplicate or lose a row).
     pub columns: Vec<String>,
+    /// results.csv's rows so far.
     pub rows: Vec<String>,
     /// Validation metrics per completed epoch (`None` for a non-finite value).
     pub metrics: Vec<Vec<(String, Option<f64>)>>,
@@ -71,17 +73,25 @@ pub struct RunHistory {
 /// Everything except tensors.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Manifest {
+    /// Checkpoint format version.
     pub format: u32,
+    /// The ptl version that wrote it.
     pub ptl_version: String,
+    /// Epoch, steps and best fitness.
     pub loop_state: LoopState,
     /// Run arguments as given (config + overrides).
     pub train_args: serde_json::Value,
     /// Optimizer/scheduler/scaler/EMA scalar state (tensors live in the file body).
     pub optimizer: serde_json::Value,
+    /// The loss scaler's state.
     pub scaler: serde_json::Value,
+    /// The EMA's scalars.
     pub ema: serde_json::Value,
+    /// The loss's state (branch-weight counter).
     pub criterion: serde_json::Value,
+    /// Callbacks' states by state key.
     pub callbacks: serde_json::Map<String, serde_json::Value>,
+    /// Replay plugins' states by name.
     pub plugins: serde_json::Map<String, serde_json::Value>,
     /// CUDA-graph recordings are never serialised: they are rebuilt after a restore.
     pub recordings: String,
@@ -96,6 +106,7 @@ pub struct Manifest {
 
 /// A loaded or to-be-saved checkpoint.
 pub struct Checkpoint {
+    /// Everything but the tensors.
     pub manifest: Manifest,
     /// Named tensors; prefixes `model.`, `ema.`, `optim.` keep the parts apart.
     pub tensors: Vec<(String, Tensor)>,

@@ -37,7 +37,9 @@ pub enum Stage {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ReplayCadence {
+    /// Every batch.
     PerBatch,
+    /// Every optimizer step.
     PerOptimizerStep,
     /// Each batch calls one of the plugin's regions, the one of its shapes (the loss region per
     /// target bucket): the guard counts the regions together.
@@ -47,7 +49,9 @@ pub enum ReplayCadence {
 /// What a plugin sees about the step it wraps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StageInfo {
+    /// The stage.
     pub stage: Stage,
+    /// The epoch.
     pub epoch: usize,
     /// Global batch index (`i + nb·epoch`).
     pub batch_index: usize,
@@ -57,10 +61,13 @@ pub struct StageInfo {
 
 /// What a plugin is given when a fit starts (after any checkpoint was restored).
 pub struct PluginSetup<'a> {
+    /// The model.
     pub model: &'a PoseModel,
     /// The model's parameters by state-dict name (their storage lives for the whole run).
     pub params: &'a [(String, Tensor)],
+    /// The optimizer.
     pub optimizer: &'a dyn Optimizer,
+    /// The EMA.
     pub ema: &'a ModelEma,
     /// The device the fit trains on.
     pub device: ptl_autograd::Device,
@@ -144,6 +151,7 @@ dyn_clone::clone_trait_object!(ReplayPlugin);
 /// A site as a plugin receives it.
 #[derive(Clone, Copy)]
 pub struct SiteCall<'a> {
+    /// Which site runs.
     pub site: Site,
     /// The body's inputs.
     pub inputs: &'a [Tensor],
@@ -156,6 +164,7 @@ pub struct SiteCall<'a> {
 /// A plugin's entry in the global registry:
 /// `inventory::submit! { PluginRegistration { name: "…", in_all: false, create: |cfg| … } }`.
 pub struct PluginRegistration {
+    /// The plugin's name in `replay=`.
     pub name: &'static str,
     /// Whether `replay=all` enables it: ptl's own replay strategies (`ptl-plugins`) say yes; a
     /// third-party plugin is enabled by its name.
@@ -253,10 +262,12 @@ impl PluginStack {
         PluginStack { plugins }
     }
 
+    /// Whether no plugin is active.
     pub fn is_empty(&self) -> bool {
         self.plugins.is_empty()
     }
 
+    /// The active plugins' names, in stack order.
     pub fn names(&self) -> Vec<&'static str> {
         self.plugins.iter().map(|p| p.name()).collect()
     }
@@ -326,10 +337,12 @@ impl PluginStack {
         self.plugins.iter().any(|p| p.persistent_gradients())
     }
 
+    /// Tells every plugin that validation starts (a region boundary).
     pub fn on_validation_start(&self) -> Result<()> {
         self.plugins.iter().try_for_each(|p| p.on_validation_start())
     }
 
+    /// Tells every plugin that the fit ended.
     pub fn on_fit_end(&self) {
         self.plugins.iter().for_each(|p| p.on_fit_end())
     }
@@ -349,6 +362,7 @@ impl PluginStack {
         self.plugins.iter().map(|p| (p.name().to_string(), p.cadence())).collect()
     }
 
+    /// Every plugin's state by name, for checkpoints.
     pub fn states(&self) -> serde_json::Map<String, serde_json::Value> {
         self.plugins.iter().map(|p| (p.name().to_string(), p.state())).collect()
     }

@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 /// as in the reference, so a run that has not started to learn is not stopped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct EarlyStopping {
+    /// Best fitness so far.
     pub best_fitness: f64,
+    /// Epoch (1-based) of the best fitness.
     pub best_epoch: usize,
 }
 

@@ -11,14 +11,21 @@ use crate::{Result, TrainerError};
 /// same index rule as the Ultralytics reference script (`sorted[int(q·(n−1))]`), so they compare directly.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepTiming {
+    /// Steps timed.
     pub timed_steps: usize,
+    /// Median, ms.
     pub median_ms: f64,
+    /// Fastest, ms.
     pub min_ms: f64,
+    /// Slowest, ms.
     pub max_ms: f64,
+    /// 10th percentile, ms.
     #[serde(default)]
     pub p10_ms: f64,
+    /// 90th percentile, ms.
     #[serde(default)]
     pub p90_ms: f64,
+    /// Mean, ms.
     #[serde(default)]
     pub mean_ms: f64,
     /// The median over non-overlapping 16-step stretches of consecutive timed steps of their mean
@@ -87,6 +94,7 @@ pub struct TimingReport {
     /// gradient accumulation most steps do not): an update's cost shows as the gap between the two.
     #[serde(default)]
     pub start_to_start_update: StepTiming,
+    /// Start-to-start times of steps without an optimizer update.
     #[serde(default)]
     pub start_to_start_no_update: StepTiming,
     /// The reference system's measure: 16 consecutive steps after the warm-up, device synchronised at both
@@ -130,14 +138,23 @@ pub struct TimingReport {
 /// What the host asked of the CUDA backend per step.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LaunchesPerStep {
+    /// Steps counted.
     pub steps: usize,
+    /// Kernel launches.
     pub kernel_launches: f64,
+    /// cuBLAS/cuDNN calls.
     pub library_calls: f64,
+    /// CUDA graph launches.
     pub graph_launches: f64,
+    /// Host-to-device copies.
     pub host_to_device_copies: f64,
+    /// Device-to-host copies.
     pub device_to_host_copies: f64,
+    /// Device-to-device copies.
     pub device_to_device_copies: f64,
+    /// Memsets.
     pub memsets: f64,
+    /// Host synchronisations.
     pub host_syncs: f64,
 }
 
@@ -145,14 +162,21 @@ pub struct LaunchesPerStep {
 /// span of the same steps (which also counts the GPU's idle gaps).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct GpuWindowReport {
+    /// Steps in the window.
     pub steps: usize,
     /// Global step index (in this process) of the window's first step.
     pub first_step: usize,
+    /// Kernel time per step, ms.
     pub kernel_ms_per_step: f64,
+    /// Kernels per step.
     pub kernels_per_step: f64,
+    /// Copy time per step, ms.
     pub memcpy_ms_per_step: f64,
+    /// Copies per step.
     pub memcpys_per_step: f64,
+    /// Memsets per step.
     pub memsets_per_step: f64,
+    /// Span between the window's first and last device events per step, ms.
     pub event_span_ms_per_step: f64,
     /// Optimizer updates among the window's steps (an update's own kernel time is the optimizer
     /// and EMA stages' time × steps / this).
@@ -172,7 +196,9 @@ pub struct GpuWindowReport {
 /// activations are all alive, next to the persistent state — split by owner.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MemoryAtBackward {
+    /// Bytes allocated.
     pub allocated_bytes: u64,
+    /// Bytes reserved by the pools.
     pub reserved_bytes: u64,
     /// Model parameters and buffers, gradients present, optimizer state, EMA copy.
     pub parts: Vec<(String, u64)>,
@@ -190,19 +216,26 @@ pub struct MemoryAtBackward {
 /// Kernel time of one label (a stage, an op class) per step.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct KernelShare {
+    /// The stage or op class.
     pub label: String,
+    /// Kernel time per step, ms.
     pub ms_per_step: f64,
+    /// Kernels per step.
     pub kernels_per_step: f64,
 }
 
 /// One kernel name under one stage.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct KernelRow {
+    /// The stage it ran in.
     pub stage: String,
     /// `cuDNN`, `cuBLAS`, or one of ptl's kernel families (the name without its dtype suffix).
     pub class: String,
+    /// The kernel's name.
     pub name: String,
+    /// Time per step, ms.
     pub ms_per_step: f64,
+    /// Launches per step.
     pub kernels_per_step: f64,
 }
 
@@ -211,7 +244,9 @@ pub struct KernelRow {
 /// graph's kernels go to the stage that launched it) and by op class, largest first.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct KernelBreakdown {
+    /// Kernel time by stage.
     pub by_stage: Vec<KernelShare>,
+    /// Kernel time by op class.
     pub by_class: Vec<KernelShare>,
     /// (stage, class) pairs, largest first.
     pub by_stage_class: Vec<KernelRow>,
@@ -222,11 +257,17 @@ pub struct KernelBreakdown {
 /// Median milliseconds per stage (`profile=true`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StageProfile {
+    /// Steps profiled.
     pub steps: usize,
+    /// Waiting for the batch, ms.
     pub data_ms: f64,
+    /// Upload, ms.
     pub upload_ms: f64,
+    /// Forward, ms.
     pub forward_ms: f64,
+    /// Loss, ms.
     pub loss_ms: f64,
+    /// Backward, ms.
     pub backward_ms: f64,
     /// Unscale, clip, step, scaler update and zero-grad (optimizer steps only).
     pub optimizer_ms: f64,
@@ -249,32 +290,40 @@ pub struct StartupReport {
     pub model_build_s: f64,
     /// cuDNN/cuBLAS handles and execution plans built so far, and their total wall time.
     pub library_setups: u64,
+    /// Seconds creating library handles.
     pub library_setup_s: f64,
     /// The same by kind: cuDNN convolution plans, cuBLASLt matmul plans (one per new shape).
     #[serde(default)]
     pub conv_plans: u64,
+    /// Seconds building convolution plans.
     #[serde(default)]
     pub conv_plan_s: f64,
+    /// GEMM plans built.
     #[serde(default)]
     pub gemm_plans: u64,
+    /// Seconds building them.
     #[serde(default)]
     pub gemm_plan_s: f64,
     /// Inside the conv plans (graph API): cuDNN's engine ranking, and the execution-plan
     /// finalizes (one per engine tried; a remembered choice tries one).
     #[serde(default)]
     pub conv_heuristics_s: f64,
+    /// cuDNN plans finalised.
     #[serde(default)]
     pub conv_finalizes: u64,
+    /// Seconds finalising them.
     #[serde(default)]
     pub conv_finalize_s: f64,
     /// Of those, the finalizes of engines that compile their kernel at run time (NVRTC).
     #[serde(default)]
     pub conv_runtime_compiled: u64,
+    /// Seconds of cuDNN's runtime compilation.
     #[serde(default)]
     pub conv_runtime_compiled_s: f64,
     /// Conv plans restored from an earlier process's serialized plan (no kernel compile).
     #[serde(default)]
     pub conv_plans_loaded: u64,
+    /// Seconds loading remembered plans.
     #[serde(default)]
     pub conv_plan_load_s: f64,
     /// The first training step (first-use plans and allocations).
@@ -290,40 +339,59 @@ pub struct StartupReport {
 /// One device-code module's start-up cost.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct KernelModuleTime {
+    /// The kernel unit.
     pub name: String,
     /// `cache-hit`, `compiled`, `rebuilt` or `uncached`.
     pub source: String,
+    /// Seconds compiling it.
     pub compile_s: f64,
+    /// Seconds loading it.
     pub load_s: f64,
 }
 
 /// SHA-256 hashes of the run's end state (hex).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunHashes {
+    /// Hash of the final weights and buffers.
     pub model: String,
+    /// Hash of the optimizer state.
     pub optimizer: String,
+    /// Hash of the scheduler state.
     pub scheduler: String,
+    /// Hash of the EMA.
     pub ema: String,
+    /// Hash of every step's loss items.
     pub step_losses: String,
 }
 
 /// The run summary written next to the checkpoints.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RunSummary {
+    /// The device trained on.
     pub device: String,
+    /// The precision.
     pub precision: String,
+    /// Epochs run.
     pub epochs: usize,
+    /// Batch size.
     pub batch: usize,
+    /// Image size.
     pub imgsz: usize,
+    /// The optimizer used.
     pub optimizer: String,
+    /// Seconds from start to end.
     pub total_runtime_s: f64,
     /// Start-to-start step time (the same as `timing.start_to_start`).
     pub step_time: StepTiming,
+    /// Step timing.
     #[serde(default)]
     pub timing: TimingReport,
+    /// What the start cost.
     #[serde(default)]
     pub startup: StartupReport,
+    /// Peak bytes allocated (GPU).
     pub peak_allocated_bytes: Option<u64>,
+    /// Peak bytes reserved (GPU).
     pub peak_reserved_bytes: Option<u64>,
     /// What the work that set the allocated peak was part of (a stage, and whether a graph was
     /// being recorded or a recorder's warm-up measured); `None` on the CPU.
@@ -333,6 +401,7 @@ pub struct RunSummary {
     /// cuDNN plans) at the end of the run; `None` on the CPU.
     #[serde(default)]
     pub library_workspace_bytes: Option<u64>,
+    /// Optimizer steps taken.
     pub optimizer_steps: u64,
     /// Where the run's artefacts went (a numbered sibling of the asked-for folder when that one
     /// already held a run).
@@ -341,8 +410,11 @@ pub struct RunSummary {
     /// Seconds of fitting over every process of the run (resumes included).
     #[serde(default)]
     pub fit_time_s: f64,
+    /// The last validation's metrics.
     pub final_metrics: Vec<(String, f64)>,
+    /// Every epoch's metrics.
     pub metrics_per_epoch: Vec<Vec<(String, f64)>>,
+    /// Hashes of the final state.
     pub hashes: RunHashes,
     /// One line per replay plugin (its counters).
     pub plugins: Vec<String>,
@@ -360,6 +432,7 @@ pub struct RunSummary {
 }
 
 impl RunSummary {
+    /// Writes the summary as JSON to `path`.
     pub fn write(&self, path: &Path) -> Result<()> {
         let s = serde_json::to_string_pretty(self).map_err(|e| TrainerError::InvalidArgument { what: "summary", reason: e.to_string() })?;
         // Temporary file + rename: a kill mid-write never leaves a truncated summary.
@@ -374,6 +447,7 @@ pub struct ResultsCsv {
 }
 
 impl ResultsCsv {
+    /// The results.csv at `path`.
     pub fn new(path: &Path) -> Self {
         ResultsCsv { path: path.to_path_buf() }
     }

@@ -59,6 +59,7 @@ impl Anchors {
         self.strides.len()
     }
 
+    /// Whether there is no anchor.
     pub fn is_empty(&self) -> bool {
         self.strides.is_empty()
     }

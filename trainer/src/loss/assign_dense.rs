@@ -26,6 +26,7 @@ pub fn target_bucket(max_boxes: usize) -> Option<usize> {
 /// Padded targets as device tensors with `slots` slots per image (≥ the batch's largest count).
 #[derive(Clone, Debug)]
 pub struct DeviceTargets {
+    /// Ground-truth slots per image.
     pub slots: usize,
     /// (B, M) class of each slot, f32 (0 for padding).
     pub labels: Tensor,
@@ -86,10 +87,12 @@ pub struct DenseGeometry {
     pub class_index: Tensor,
     /// (1, A, 2) anchor centres in grid units and (1, A, 1) strides, for the decode.
     pub anchors_grid: Tensor,
+    /// Each anchor's stride, as a column.
     pub strides_col: Tensor,
 }
 
 impl DenseGeometry {
+    /// The device constants for `anchors`, `sigmas` and `nc` classes.
     pub fn new(anchors: &super::Anchors, sigmas: &[f32], nc: usize, device: Device) -> Result<DenseGeometry> {
         let na = anchors.len();
         let sq: Vec<f32> = sigmas.iter().map(|&s| (2.0 * s) * (2.0 * s)).collect();
@@ -114,7 +117,9 @@ pub struct DenseInputs<'a> {
     pub boxes: &'a Tensor,
     /// (B, A, K, 2) predicted keypoints.
     pub kpts: &'a Tensor,
+    /// Anchors and constants.
     pub geometry: &'a DenseGeometry,
+    /// The batch's targets on the device.
     pub targets: &'a DeviceTargets,
 }
 

@@ -13,11 +13,15 @@ use crate::error::{Result, TrainerError};
 /// Assigner hyper-parameters.
 #[derive(Clone, Debug)]
 pub struct AssignParams {
+    /// Anchors each ground truth takes.
     pub topk: usize,
     /// Second filter (o2o: 1); equal to `topk` disables it.
     pub topk2: usize,
+    /// Exponent of the score in the alignment (0.5).
     pub alpha: f64,
+    /// Exponent of the overlap in the alignment (6).
     pub beta: f64,
+    /// Small constant of the normalisation (1e-9).
     pub eps: f32,
     /// Sides below this are enlarged to it for the in-box test (16 px).
     pub size_floor: f32,
@@ -25,6 +29,7 @@ pub struct AssignParams {
     pub level_range: (f32, f32),
     /// Smallest and largest stride (their levels are open-ended in the gate).
     pub min_stride: f32,
+    /// The largest stride.
     pub max_stride: f32,
     /// OKS sigmas (length K).
     pub sigmas: Vec<f32>,
@@ -63,8 +68,11 @@ impl AssignParams {
 /// `rows[b·A + a]` is the row of anchor a of image b in `scores`/`boxes`/`kpts`, or
 /// [`NOT_LOADED`] where the anchor is no candidate of any GT of that image.
 pub struct AssignInputs<'a> {
+    /// Images.
     pub batch_size: usize,
+    /// Anchors per image.
     pub num_anchors: usize,
+    /// Classes.
     pub nc: usize,
     /// (B·A,) row of each anchor in the compact arrays.
     pub rows: &'a [u32],
@@ -76,6 +84,7 @@ pub struct AssignInputs<'a> {
     pub kpts: &'a [f32],
     /// (A,) anchor strides.
     pub strides: &'a [f32],
+    /// The padded targets.
     pub targets: &'a PaddedTargets,
     /// Candidate anchors of every GT slot (from [`candidate_sets`]).
     pub candidates: &'a CandidateSets,
@@ -166,9 +175,13 @@ pub fn candidate_sets(t: &PaddedTargets, anchors_px: &[f32], strides: &[f32], p:
 /// Result of one assignment.
 #[derive(Clone, Debug, Default)]
 pub struct Assignment {
+    /// Images.
     pub batch_size: usize,
+    /// Anchors per image.
     pub num_anchors: usize,
+    /// Ground-truth slots per image.
     pub max_boxes: usize,
+    /// Classes.
     pub nc: usize,
     /// (B, A) foreground anchors.
     pub fg_mask: Vec<bool>,

@@ -46,7 +46,9 @@ pub struct BranchLoss {
 /// The per-branch criterion.
 #[derive(Clone, Debug)]
 pub struct PoseLoss26 {
+    /// Gains and keypoint constants.
     pub cfg: LossConfig,
+    /// The branch's assigner settings.
     pub assign: AssignParams,
     /// Dense-path calls that ran the host path (shared by clones).
     dense_fallbacks: std::sync::Arc<std::sync::atomic::AtomicUsize>,

@@ -48,6 +48,7 @@ pub struct DenseConstants {
 }
 
 impl DenseConstants {
+    /// The loss's device constants.
     pub fn new(
         cfg: &LossConfig,
         params: &AssignParams,

@@ -21,9 +21,11 @@ pub struct LossOutput {
     pub items: [f64; 6],
     /// Per-branch results (o2m, o2o).
     pub one2many: BranchLoss,
+    /// The o2o branch's result.
     pub one2one: BranchLoss,
     /// Weights used for this call.
     pub w_o2m: f64,
+    /// The o2o branch's weight.
     pub w_o2o: f64,
     /// With [`E2ELoss::defer_items`] on the dense path: the values still on the device (then
     /// `items` and the branches' items are NaN until read).
@@ -50,15 +52,21 @@ impl DeferredItems {
 /// The criterion: two [`PoseLoss26`] and the moving weights.
 #[derive(Clone, Debug)]
 pub struct E2ELoss {
+    /// The o2m branch's loss (top-10 assigner).
     pub one2many: PoseLoss26,
+    /// The o2o branch's loss (top-7, then top-1).
     pub one2one: PoseLoss26,
     /// Completed epochs (number of `update()` calls, or the resume epoch).
     pub updates: usize,
     /// Total epochs E.
     pub epochs: usize,
+    /// The o2m weight in the first epoch (0.8).
     pub o2m_initial: f64,
+    /// The o2m weight in the last epoch (0.1).
     pub o2m_final: f64,
+    /// The current o2m weight.
     pub w_o2m: f64,
+    /// The current o2o weight.
     pub w_o2o: f64,
     /// On the dense path, leave the loss values on the device ([`LossOutput::deferred`]) instead
     /// of reading them (the fit loop on a GPU: it reads them a step later and gates the optimizer

@@ -82,6 +82,7 @@ pub const LOSS_NAMES: [&str; 6] = ["box_loss", "pose_loss", "kobj_loss", "cls_lo
 /// Implemented by the model's RealNVP (`ptl_heads::RealNvp`); kept as a trait so the loss does not
 /// depend on how the flow is built.
 pub trait FlowLogProb {
+    /// log φ of each error 2-vector in `e`.
     fn log_prob(&self, e: &Tensor) -> crate::error::Result<Tensor>;
 }
 
@@ -102,12 +103,17 @@ impl FlowLogProb for ptl_heads::RealNvp {
 /// Loss hyper-parameters (gains and keypoint constants).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LossConfig {
+    /// Box CIoU gain (7.5).
     pub box_gain: f64,
+    /// Keypoint location gain (12).
     pub pose_gain: f64,
+    /// Keypoint visibility gain (1).
     pub kobj_gain: f64,
+    /// Classification gain (0.5).
     pub cls_gain: f64,
     /// The "dfl" gain, used by the box-side L1 term when reg_max = 1.
     pub l1_gain: f64,
+    /// RLE gain (1).
     pub rle_gain: f64,
     /// Number of classes.
     pub nc: usize,

@@ -24,6 +24,7 @@ impl TargetBatch {
         self.batch_idx.len()
     }
 
+    /// Whether the batch has no object.
     pub fn is_empty(&self) -> bool {
         self.batch_idx.is_empty()
     }
@@ -52,9 +53,11 @@ impl TargetBatch {
 /// Targets padded per image to M = max objects per image, in pixels.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PaddedTargets {
+    /// Images.
     pub batch_size: usize,
     /// M.
     pub max_boxes: usize,
+    /// Keypoints per object.
     pub nkpt: usize,
     /// (B, M) class of each slot (0 for padding).
     pub labels: Vec<f32>,

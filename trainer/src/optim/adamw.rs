@@ -11,7 +11,9 @@ use super::state::ParamStates;
 use super::NsRunner;
 use crate::error::Result;
 
+/// State key of the first moment.
 pub const EXP_AVG: &str = "exp_avg";
+/// State key of the second moment.
 pub const EXP_AVG_SQ: &str = "exp_avg_sq";
 
 /// AdamW over named parameter groups.
@@ -21,6 +23,7 @@ pub type AdamW = Grouped<AdamWUpdate>;
 pub struct AdamWUpdate;
 
 impl AdamW {
+    /// AdamW over `groups`.
     pub fn new(groups: Vec<ParamGroup>) -> Self {
         Grouped::with_update(groups, AdamWUpdate)
     }

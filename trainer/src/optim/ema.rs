@@ -13,16 +13,23 @@ use crate::error::{Result, TrainerError};
 /// Scalar EMA state for checkpoints (tensors: [`ModelEma::ema_tensors`]).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EmaMeta {
+    /// Updates made.
     pub updates: u64,
+    /// The decay's limit (0.9999).
     pub decay: f64,
+    /// The ramp's time constant in updates (2000).
     pub tau: f64,
 }
 
+/// The model's exponential moving average (docs/training.md §7): every float tensor of the state dict.
 pub struct ModelEma {
     entries: Vec<(String, Tensor)>,
     index: HashMap<String, usize>,
+    /// Updates made.
     pub updates: u64,
+    /// The decay's limit (0.9999).
     pub decay: f64,
+    /// The ramp's time constant in updates (2000).
     pub tau: f64,
     /// The update's weight `1 − d` on the entries' device, written before each update and read by
     /// the lerp kernels (so a recorded update takes each step's decay); never saved.
@@ -39,6 +46,7 @@ impl ModelEma {
         Self::with_params(state, 0.9999, 2000.0, 0)
     }
 
+    /// An EMA starting from the tensors `state`, with `decay` and `tau`.
     pub fn with_params(state: &[(String, Tensor)], decay: f64, tau: f64, updates: u64) -> Result<Self> {
         let mut entries = Vec::with_capacity(state.len());
         let mut index = HashMap::with_capacity(state.len());
@@ -132,10 +140,12 @@ impl ModelEma {
     pub fn ema_tensors(&self) -> &[(String, Tensor)] {
         &self.entries
     }
+    /// The averaged tensor of `name`.
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.index.get(name).map(|&i| &self.entries[i].1)
     }
 
+    /// The scalars for a checkpoint.
     pub fn meta(&self) -> EmaMeta {
         EmaMeta { updates: self.updates, decay: self.decay, tau: self.tau }
     }

@@ -14,6 +14,7 @@ use crate::error::Result;
 /// One optimizer's update of one parameter, given its group, its present gradient and the
 /// optimizer's per-parameter state (buffers created on first use, updated in place).
 pub trait TensorUpdate: Send {
+    /// Which optimizer this is.
     fn kind(&self) -> OptimizerName;
     /// The state buffers it keeps per parameter, in state-dict order.
     fn state_keys(&self) -> &'static [&'static str];
@@ -21,6 +22,7 @@ pub trait TensorUpdate: Send {
     fn counts_steps(&self) -> bool {
         false
     }
+    /// Updates one parameter with its gradient.
     fn update(&self, group: &ParamGroup, p: &NamedParam, grad: &Tensor, state: &mut ParamStates) -> Result<()>;
     /// One group's update over its parameters that have a gradient (in group order): by default
     /// [`TensorUpdate::update`] one by one; a rule may batch work across them (MuSGD's
@@ -63,6 +65,7 @@ pub trait TensorUpdate: Send {
     }
     /// Its own scalars in the checkpoint metadata.
     fn write_meta(&self, _meta: &mut OptimizerMeta) {}
+    /// Takes optimizer-level scalars from a checkpoint.
     fn read_meta(&mut self, _meta: &OptimizerMeta) {}
 }
 
@@ -77,6 +80,7 @@ pub struct Grouped<U> {
 }
 
 impl<U: TensorUpdate> Grouped<U> {
+    /// The optimizer over `groups` with the per-tensor rule `update`.
     pub fn with_update(groups: Vec<ParamGroup>, update: U) -> Self {
         Grouped { groups, state: ParamStates::default(), update, scalars: None }
     }
@@ -103,6 +107,7 @@ impl<U: TensorUpdate> Grouped<U> {
         t.write_f64(0, &host)?;
         Ok(Some(t))
     }
+    /// The per-parameter state.
     pub fn state(&self) -> &ParamStates {
         &self.state
     }

@@ -12,10 +12,13 @@ use crate::error::{Result, TrainerError};
 pub enum OptimizerName {
     /// MuSGD for long runs, AdamW for short ones (§3.1).
     Auto,
+    /// SGD with Nesterov momentum.
     #[serde(rename = "SGD")]
     Sgd,
+    /// MuSGD: SGD plus an orthogonalised (Muon) update.
     #[serde(rename = "MuSGD")]
     MuSgd,
+    /// AdamW.
     AdamW,
 }
 
@@ -56,6 +59,7 @@ pub enum NsPrecision {
     /// The reference: every op rounded to bfloat16 (docs/training.md §3.5).
     #[default]
     Bf16,
+    /// Every op in f32.
     F32,
     /// Precise target for tests (`ns_out_f64` goldens).
     F64,
@@ -64,6 +68,7 @@ pub enum NsPrecision {
 /// Everything `build_optimizer` needs. Defaults are the Ultralytics defaults (docs/training.md §1).
 #[derive(Clone, Debug)]
 pub struct OptimizerConfig {
+    /// The optimizer.
     pub name: OptimizerName,
     /// Used only for an explicitly named optimizer (`auto` chooses its own).
     pub lr0: f64,
@@ -85,6 +90,7 @@ pub struct OptimizerConfig {
     /// Module prefixes that are normalisation layers (their weights go to the `bn` group). `None`
     /// uses the name rule: the owning module's last path component is `bn`.
     pub norm_modules: Option<HashSet<String>>,
+    /// Newton–Schulz's arithmetic.
     pub ns_precision: NsPrecision,
 }
 
@@ -153,10 +159,13 @@ pub fn auto_iterations(dataset_size: usize, batch: usize, nbs: usize, epochs: us
 /// `warmup_bias_lr` back into the run arguments (momentum is *not* written back).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ResolvedOptimizer {
+    /// The optimizer chosen.
     pub name: OptimizerName,
+    /// Its initial learning rate.
     pub lr0: f64,
     /// Constructor momentum (β₁ for AdamW).
     pub momentum: f64,
+    /// The bias groups' warm-up start.
     pub warmup_bias_lr: f64,
     /// Scaled weight decay (§2).
     pub weight_decay: f64,
@@ -187,9 +196,13 @@ pub fn resolve(cfg: &OptimizerConfig) -> Result<ResolvedOptimizer> {
 /// The four parameter classes of §3.2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ParamKind {
+    /// Weights with decay.
     Weight,
+    /// Batch-norm weights, no decay.
     Bn,
+    /// Biases, no decay.
     Bias,
+    /// 2-D/4-D weights with the Muon update.
     Muon,
 }
 
@@ -249,14 +262,18 @@ pub fn is_boosted(name: &str) -> bool {
 /// One parameter of a group.
 #[derive(Clone, Debug)]
 pub struct NamedParam {
+    /// State-dict name.
     pub name: String,
+    /// The parameter.
     pub tensor: Tensor,
 }
 
 /// One optimizer parameter group with its mutable hyper-parameters.
 #[derive(Clone, Debug)]
 pub struct ParamGroup {
+    /// Which kind of parameters.
     pub kind: ParamKind,
+    /// The class stems' group at 3·lr0.
     pub boosted: bool,
     /// Current learning rate (written by warm-up and the scheduler).
     pub lr: f64,
@@ -264,11 +281,17 @@ pub struct ParamGroup {
     pub initial_lr: f64,
     /// SGD/MuSGD momentum; `None` for AdamW (its β₁ lives in `betas`).
     pub momentum: Option<f64>,
+    /// Adam's (β₁, β₂).
     pub betas: Option<(f64, f64)>,
+    /// Adam's ε.
     pub eps: f64,
+    /// Weight decay (scaled).
     pub weight_decay: f64,
+    /// Nesterov momentum.
     pub nesterov: bool,
+    /// Muon update.
     pub use_muon: bool,
+    /// The parameters.
     pub params: Vec<NamedParam>,
 }
 
@@ -277,6 +300,7 @@ impl ParamGroup {
     pub fn name(&self) -> &'static str {
         self.kind.as_str()
     }
+    /// Sets the current learning rate.
     pub fn set_lr(&mut self, lr: f64) {
         self.lr = lr;
     }
@@ -286,6 +310,7 @@ impl ParamGroup {
             *x = m;
         }
     }
+    /// The parameters' names.
     pub fn param_names(&self) -> Vec<&str> {
         self.params.iter().map(|p| p.name.as_str()).collect()
     }

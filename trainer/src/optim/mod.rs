@@ -77,6 +77,7 @@ use crate::error::Result;
 pub trait Optimizer: Send {
     /// Which family this is (never `Auto`).
     fn kind(&self) -> OptimizerName;
+    /// The parameter groups, in order.
     fn param_groups(&self) -> &[ParamGroup];
     /// Warm-up and schedulers write `lr` / `momentum` here.
     fn param_groups_mut(&mut self) -> &mut [ParamGroup];

@@ -16,6 +16,7 @@ pub const MOMENTUM_BUFFER_SGD: &str = "momentum_buffer_SGD";
 
 /// Ultralytics' factors: `muon = 0.2`, `sgd = 1.0`.
 pub const MUON_FACTOR: f64 = 0.2;
+/// Weight of MuSGD's SGD update.
 pub const SGD_FACTOR: f64 = 1.0;
 
 /// Muon momentum and Nesterov blend, in place on `momentum`: M ← lerp(M, g, 1−β);
@@ -53,12 +54,16 @@ pub type MuSgd = Grouped<MuSgdUpdate>;
 
 /// MuSGD's per-tensor update and its factors.
 pub struct MuSgdUpdate {
+    /// Weight of the Muon update (0.2).
     pub muon_factor: f64,
+    /// Weight of the SGD update (1.0).
     pub sgd_factor: f64,
+    /// Newton–Schulz's arithmetic.
     pub ns_precision: NsPrecision,
 }
 
 impl MuSgd {
+    /// MuSGD over `groups`.
     pub fn new(groups: Vec<ParamGroup>, ns_precision: NsPrecision) -> Self {
         Grouped::with_update(groups, MuSgdUpdate { muon_factor: MUON_FACTOR, sgd_factor: SGD_FACTOR, ns_precision })
     }

@@ -59,6 +59,7 @@ pub enum Padding {
 }
 
 impl Padding {
+    /// The padding rule for `device`.
     pub fn for_device(device: ptl_autograd::Device) -> Padding {
         match device {
             ptl_autograd::Device::Cpu => Padding::ExactShapes,
@@ -70,8 +71,11 @@ impl Padding {
 /// One padded batch: its slot shape (wide: rows ≤ cols) and the matrices in it (input indices).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NsBatch {
+    /// Rows of every matrix in the batch.
     pub rows: usize,
+    /// Columns.
     pub cols: usize,
+    /// Indices of the matrices.
     pub members: Vec<usize>,
 }
 
@@ -218,6 +222,7 @@ fn iterate(mut x: Tensor) -> Result<Tensor> {
 /// Runs the Newton–Schulz of one optimizer group's blends for a step: `body(matrices)` natively,
 /// or a replay of it (a plugin's recorded graph). It must return what `body` returns.
 pub trait NsRunner {
+    /// Runs `body` on `matrices`: natively, or by replaying its recording.
     fn run_ns(&self, matrices: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>>;
 }
 

@@ -16,10 +16,15 @@ use crate::error::{Result, TrainerError};
 /// PyTorch defaults: init 2¹⁶, growth 2.0 every 2000 clean steps, backoff 0.5.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GradScalerConfig {
+    /// Initial scale (2¹⁶).
     pub init_scale: f64,
+    /// Factor after a run of clean steps (2).
     pub growth_factor: f64,
+    /// Factor after an overflow (0.5).
     pub backoff_factor: f64,
+    /// Clean steps before growing (2000).
     pub growth_interval: u64,
+    /// Whether scaling is on (16-mixed).
     pub enabled: bool,
 }
 
@@ -32,10 +37,15 @@ impl Default for GradScalerConfig {
 /// Checkpoint form (`scale`, factors, interval, `_growth_tracker`).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ScalerState {
+    /// Current scale.
     pub scale: f64,
+    /// Growth factor.
     pub growth_factor: f64,
+    /// Backoff factor.
     pub backoff_factor: f64,
+    /// Growth interval.
     pub growth_interval: u64,
+    /// Clean steps since the last change.
     pub growth_tracker: u64,
 }
 
@@ -46,6 +56,7 @@ enum Stage {
     Stepped,
 }
 
+/// PyTorch's GradScaler for 16-mixed (docs/trainer.md §5): scale and tracker on the device.
 pub struct GradScaler {
     cfg: GradScalerConfig,
     scale: Option<Tensor>,
@@ -63,6 +74,7 @@ fn scaler_err(msg: impl Into<String>) -> TrainerError {
 }
 
 impl GradScaler {
+    /// A scaler with `cfg`.
     pub fn new(cfg: GradScalerConfig) -> Result<Self> {
         if cfg.growth_factor <= 1.0 {
             return Err(scaler_err(format!("growth_factor must be > 1, got {}", cfg.growth_factor)));
@@ -76,9 +88,11 @@ impl GradScaler {
         Ok(GradScaler { cfg, scale: None, tracker: None, found_inf: None, stage: Stage::Ready, checked: false, pending_tracker: None })
     }
 
+    /// Its settings.
     pub fn config(&self) -> &GradScalerConfig {
         &self.cfg
     }
+    /// Whether it scales.
     pub fn is_enabled(&self) -> bool {
         self.cfg.enabled
     }

@@ -33,12 +33,23 @@ pub fn warmup_iterations(warmup_epochs: f64, epochs: usize, nb: usize) -> usize 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum LrLambda {
     /// `max(1 − e/E, 0)·(1 − lrf) + lrf`.
-    Linear { lrf: f64, epochs: usize },
+    Linear {
+        /// Final learning rate fraction.
+        lrf: f64,
+        /// Epochs of the run.
+        epochs: usize,
+    },
     /// Ultralytics `one_cycle(1, lrf, E)`: `max((1 − cos(π e / E)) / 2, 0)·(lrf − 1) + 1`.
-    Cosine { lrf: f64, epochs: usize },
+    Cosine {
+        /// Final learning rate fraction.
+        lrf: f64,
+        /// Epochs of the run.
+        epochs: usize,
+    },
 }
 
 impl LrLambda {
+    /// Linear, or cosine when `cos_lr`, to `lrf` over `epochs`.
     pub fn new(cos_lr: bool, lrf: f64, epochs: usize) -> Self {
         if cos_lr {
             LrLambda::Cosine { lrf, epochs }
@@ -46,6 +57,7 @@ impl LrLambda {
             LrLambda::Linear { lrf, epochs }
         }
     }
+    /// lf(epoch).
     pub fn factor(&self, epoch: f64) -> f64 {
         match *self {
             LrLambda::Linear { lrf, epochs } => (1.0 - epoch / epochs as f64).max(0.0) * (1.0 - lrf) + lrf,
@@ -59,6 +71,7 @@ impl LrLambda {
 /// `LambdaLR` stepped once at the start of every epoch: group lr = `initial_lr · lf(epoch)`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LrScheduler {
+    /// The schedule's factor.
     pub lambda: LrLambda,
     /// The epoch whose factor is applied (−1 before the first `step`).
     pub last_epoch: i64,
@@ -81,9 +94,11 @@ impl LrScheduler {
     pub fn factor(&self) -> f64 {
         self.lambda.factor(self.last_epoch.max(0) as f64)
     }
+    /// The state for a checkpoint.
     pub fn to_json(&self) -> Result<String> {
         serde_json::to_string(self).map_err(|e| TrainerError::InvalidArgument { what: "scheduler state", reason: e.to_string() })
     }
+    /// A scheduler from a checkpoint's state.
     pub fn from_json(s: &str) -> Result<Self> {
         serde_json::from_str(s)
             .map_err(|e| TrainerError::InvalidArgument { what: "scheduler state", reason: format!("malformed JSON: {e}") })
@@ -96,7 +111,9 @@ impl LrScheduler {
 pub struct Warmup {
     /// Warm-up iterations (batches); 0 disables the warm-up.
     pub nw: usize,
+    /// The bias groups' starting learning rate.
     pub warmup_bias_lr: f64,
+    /// The starting momentum.
     pub warmup_momentum: f64,
     /// Target momentum: the run argument (0.937), not the constructor's 0.9 of `auto`.
     pub momentum: f64,

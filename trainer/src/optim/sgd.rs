@@ -40,6 +40,7 @@ pub type Sgd = Grouped<SgdUpdate>;
 pub struct SgdUpdate;
 
 impl Sgd {
+    /// SGD over `groups`.
     pub fn new(groups: Vec<ParamGroup>) -> Self {
         Grouped::with_update(groups, SgdUpdate)
     }

@@ -35,6 +35,7 @@ impl ParamStates {
         slots.insert(key.to_string(), t.clone());
         Ok(t)
     }
+    /// State tensor `key` of `param`.
     pub fn get(&self, param: &str, key: &str) -> Option<&Tensor> {
         self.buffers.get(param).and_then(|s| s.get(key))
     }
@@ -42,6 +43,7 @@ impl ParamStates {
     pub fn has_state(&self, param: &str) -> bool {
         self.buffers.get(param).is_some_and(|s| !s.is_empty())
     }
+    /// Steps `param` took.
     pub fn step_count(&self, param: &str) -> u64 {
         self.steps.get(param).copied().unwrap_or(0)
     }
@@ -142,25 +144,40 @@ impl ParamStates {
 /// One group's hyper-parameters and membership, as stored in a checkpoint.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GroupMeta {
+    /// Which kind of parameters.
     pub param_group: ParamKind,
+    /// The class stems' group.
     pub boosted: bool,
+    /// Current learning rate.
     pub lr: f64,
+    /// Learning rate at construction.
     pub initial_lr: f64,
+    /// Momentum (SGD, MuSGD).
     pub momentum: Option<f64>,
+    /// Adam's betas.
     pub betas: Option<(f64, f64)>,
+    /// Adam's ε.
     pub eps: f64,
+    /// Weight decay.
     pub weight_decay: f64,
+    /// Nesterov momentum.
     pub nesterov: bool,
+    /// Muon update.
     pub use_muon: bool,
+    /// Parameter names.
     pub params: Vec<String>,
 }
 
 /// Scalars of an optimizer's state (the tensors travel separately, see [`ParamStates`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerMeta {
+    /// Which optimizer.
     pub optimizer: OptimizerName,
+    /// MuSGD's Muon weight.
     pub muon_factor: Option<f64>,
+    /// MuSGD's SGD weight.
     pub sgd_factor: Option<f64>,
+    /// The groups.
     pub groups: Vec<GroupMeta>,
     /// Per-parameter step counters (AdamW).
     #[serde(default)]
@@ -168,9 +185,11 @@ pub struct OptimizerMeta {
 }
 
 impl OptimizerMeta {
+    /// As JSON.
     pub fn to_json(&self) -> Result<String> {
         serde_json::to_string(self).map_err(|e| state_err(format!("cannot serialise: {e}")))
     }
+    /// From JSON.
     pub fn from_json(s: &str) -> Result<Self> {
         serde_json::from_str(s).map_err(|e| state_err(format!("malformed optimizer state JSON: {e}")))
     }

@@ -35,6 +35,7 @@ impl TryFrom<String> for Precision {
 }
 
 impl Precision {
+    /// Reads `32-true`, `bf16-mixed` or `16-mixed` (and their spellings).
     pub fn parse(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "32" | "32-true" | "fp32" | "f32" => Ok(Precision::F32),
@@ -45,6 +46,7 @@ impl Precision {
             }
         }
     }
+    /// The name (`bf16-mixed`, …).
     pub fn name(self) -> &'static str {
         match self {
             Precision::F32 => "32-true",
@@ -69,11 +71,16 @@ impl Precision {
 pub struct PoseTrainConfig {
     /// Dataset yaml (Ultralytics layout).
     pub data: PathBuf,
+    /// Epochs.
     pub epochs: usize,
+    /// Images per batch.
     pub batch: usize,
+    /// Training image size.
     pub imgsz: usize,
+    /// The device.
     #[serde(with = "device_serde")]
     pub device: Device,
+    /// The precision.
     pub precision: Precision,
     /// Ultralytics' `amp` switch, resolved once the device is known ([`Self::resolve_amp`]):
     /// `true` is 16-mixed on a CUDA device and 32-true on the CPU, `false` is 32-true; `None`
@@ -88,41 +95,65 @@ pub struct PoseTrainConfig {
     /// checkpoints keep the batch it resolved to.
     #[serde(skip)]
     pub autobatch: Option<f64>,
+    /// Seed of everything random.
     pub seed: u64,
     /// What to train (Ultralytics' `model`): a model yaml name for the size (`yolo26n-pose.yaml`
     /// … `yolo26x-pose.yaml`, or the bare letter), or weights to start from (a `.safetensors`
     /// state dict with Ultralytics' names, or a ptl `.ckpt`: its EMA weights). See [`ModelSource`].
     pub model: String,
+    /// `auto`, `SGD`, `MuSGD` or `AdamW`.
     pub optimizer: String,
+    /// Initial learning rate.
     pub lr0: f64,
+    /// Final learning rate as a fraction of lr0.
     pub lrf: f64,
+    /// SGD momentum / Adam β₁.
     pub momentum: f64,
+    /// Weight decay (scaled by batch·accumulate/nbs).
     pub weight_decay: f64,
+    /// Warm-up length in epochs.
     pub warmup_epochs: f64,
+    /// Momentum at the warm-up's start.
     pub warmup_momentum: f64,
+    /// The bias groups' learning rate at the warm-up's start.
     pub warmup_bias_lr: f64,
+    /// Cosine decay instead of linear.
     pub cos_lr: bool,
+    /// Nominal batch size (accumulation).
     pub nbs: usize,
+    /// Last epochs without mosaic.
     pub close_mosaic: usize,
     /// Augmentation gains with Ultralytics' names and meanings (docs/data.md §6); checkpoints written
     /// before they were settings hold none and trained with these defaults.
     pub mosaic: f64,
+    /// Hue gain.
     pub hsv_h: f64,
+    /// Saturation gain.
     pub hsv_s: f64,
+    /// Value gain.
     pub hsv_v: f64,
+    /// Rotation range, ±degrees.
     pub degrees: f64,
+    /// Translation range, ± fraction.
     pub translate: f64,
     /// The random affine's scale gain: zoom drawn from U(1 − scale, 1 + scale).
     pub scale: f64,
+    /// Shear range, ±degrees.
     pub shear: f64,
+    /// Perspective range.
     pub perspective: f64,
+    /// Vertical flip probability.
     pub flipud: f64,
+    /// Horizontal flip probability.
     pub fliplr: f64,
+    /// Probability of keeping BGR order.
     pub bgr: f64,
     /// MixUp, CutMix and CopyPaste are not implemented: only 0 (their default) is accepted, so that
     /// a run asking for them fails up front instead of training without them.
     pub mixup: f64,
+    /// CutMix probability (only 0 is taken).
     pub cutmix: f64,
+    /// Copy-paste probability (only 0 is taken).
     pub copy_paste: f64,
     /// Loader worker threads. `None` (the default): Ultralytics' rule on a GPU — min(8, CPU
     /// cores, batches per epoch), 0 for one batch — and on the CPU min(2, cores / 8), so
@@ -134,6 +165,7 @@ pub struct PoseTrainConfig {
     /// 16-mixed grad scaler: the first loss scale (PyTorch's 2¹⁶) and the clean steps after which
     /// it doubles (PyTorch's 2000).
     pub scaler_init_scale: f64,
+    /// Clean steps before the loss scaler grows.
     pub scaler_growth_interval: usize,
     /// The loss's assigner: `auto` (the default: `dense` on a CUDA device, `host` elsewhere),
     /// `host` (the task-aligned assigner on host vectors, a few host reads per branch) or `dense`
@@ -175,6 +207,7 @@ pub struct PoseTrainConfig {
     pub save_dir: PathBuf,
     /// Ultralytics' `project` and `name`: setting either makes `save_dir` = `project/name`.
     pub project: PathBuf,
+    /// Run folder name under `project`.
     pub name: String,
     /// Train into an existing `save_dir` (the CLI's numbering is off).
     #[serde(default)]
@@ -573,12 +606,18 @@ fn default_patience() -> usize {
 /// The six loss gains (docs/training.md §1: box 7.5, cls 0.5, dfl 1.5, pose 12, kobj 1, rle 1).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LossGains {
+    /// `box`.
     #[serde(rename = "box")]
     pub box_gain: f64,
+    /// `cls`.
     pub cls: f64,
+    /// `dfl` (the box-side L1 term).
     pub dfl: f64,
+    /// `pose`.
     pub pose: f64,
+    /// `kobj`.
     pub kobj: f64,
+    /// `rle`.
     pub rle: f64,
 }
 

@@ -65,8 +65,11 @@ fn palette(i: usize) -> RGBColor {
 /// One detection to draw: box (x1, y1, x2, y2), keypoints (x, y, confidence), optional score.
 #[derive(Clone, Debug)]
 pub struct Person<'a> {
+    /// Box (x1, y1, x2, y2) in pixels.
     pub bbox: [f32; 4],
+    /// Keypoints (x, y, visibility or score).
     pub kpts: &'a [[f32; 3]],
+    /// Detection score, when drawn.
     pub score: Option<f32>,
     /// The class name written before the score (`person` for a one-class model).
     pub name: &'a str,

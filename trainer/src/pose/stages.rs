@@ -8,12 +8,17 @@ use ptl_autograd::internal::stage::BACKWARD_OF;
 
 use crate::fit::{KernelBreakdown, KernelRow, KernelShare};
 
+/// The batch's upload.
 pub const UPLOAD: u8 = 1;
+/// The model's forward.
 pub const FORWARD: u8 = 2;
+/// The loss and assigner.
 pub const LOSS: u8 = 3;
 /// The `backward()` call itself (its seed and leaf accumulation); node backwards carry their own tags.
 pub const BACKWARD: u8 = 4;
+/// The optimizer step.
 pub const OPTIMIZER: u8 = 5;
+/// The EMA update.
 pub const EMA: u8 = 6;
 /// Validation after an epoch (the EMA model's forward over the validation set, metrics).
 pub const VALIDATION: u8 = 7;

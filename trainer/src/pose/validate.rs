@@ -24,7 +24,9 @@ use crate::Result;
 pub struct ValResult {
     /// Ultralytics' result keys and fitness, in order.
     pub metrics: Vec<(String, f64)>,
+    /// mAP50-95(B) + mAP50-95(P).
     pub fitness: f64,
+    /// Images validated.
     pub images: usize,
     /// The COCO files written when [`ValOptions::save_json`] was set.
     pub coco_json: Option<CocoJsonFiles>,
@@ -42,8 +44,11 @@ pub struct ValResult {
 /// mAP50 and mAP50-95 for boxes and for keypoints.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClassRow {
+    /// Class name.
     pub name: String,
+    /// Images with the class.
     pub images: usize,
+    /// Objects of the class.
     pub instances: usize,
     /// In [`ValResult::metric_names`] order.
     pub metrics: [f64; 8],
@@ -102,6 +107,7 @@ impl Default for ValOptions {
 }
 
 impl ValResult {
+    /// The eight metric keys, in Ultralytics' order.
     pub fn metric_names() -> [&'static str; 8] {
         [
             "metrics/precision(B)",
@@ -118,6 +124,7 @@ impl ValResult {
     pub fn metric_values(&self) -> Vec<f64> {
         Self::metric_names().iter().map(|n| self.metrics.iter().find(|(k, _)| k == n).map_or(f64::NAN, |(_, v)| *v)).collect()
     }
+    /// The metric named `name`.
     pub fn get(&self, name: &str) -> Option<f64> {
         self.metrics.iter().find(|(k, _)| k == name).map(|(_, v)| *v)
     }

@@ -27,6 +27,7 @@ pub struct LabelledBatch<'a> {
     pub bboxes: &'a [f32],
     /// Normalised (x, y, visibility) per keypoint of each object, `nkpt` per object.
     pub keypoints: &'a [f32],
+    /// Keypoints per object.
     pub nkpt: usize,
     /// Each object's confidence (predictions), drawn beside its label.
     pub scores: Option<&'a [f32]>,

@@ -30,7 +30,9 @@ pub struct PrCurve {
     pub conf: Vec<f64>,
     /// Precision, recall and F1 against confidence, per class with targets.
     pub p_conf: Vec<Vec<f64>>,
+    /// Recall against confidence, per class.
     pub r_conf: Vec<Vec<f64>>,
+    /// F1 against confidence, per class.
     pub f1_conf: Vec<Vec<f64>>,
     /// Class names of those classes.
     pub conf_names: Vec<String>,
