@@ -602,7 +602,7 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
     let t = Instant::now();
     let out = cmd.output().map_err(|e| format!("starting ptl: {e}"))?;
     let wall = t.elapsed().as_secs_f64();
-    // No `+` in file names (`all+dense`): the device tool does not bring such files back.
+    // No `+` in log file names (`all+dense` becomes `all_dense`): plain names survive every copy.
     let logname = format!("ptl-{}-{precision}-{pair}.log", label.replace('+', "_"));
     let _ = std::fs::write(o.out.join(&logname), [out.stdout.as_slice(), out.stderr.as_slice()].concat());
     let summary = std::fs::read_to_string(project.join("summary.json")).ok().and_then(|s| serde_json::from_str(&s).ok());
