@@ -297,6 +297,15 @@ impl Tensor {
         self.0.grad_fn.as_ref().map(|g| g.node.name().to_string())
     }
 
+    /// The storage as it lies when an op computes on channels-last storage (`channels_last`),
+    /// else in the contiguous order ([`Tensor::read_storage`]).
+    pub(crate) fn storage_for(&self, channels_last: bool) -> Result<StorageRead<'_>> {
+        match channels_last {
+            true => Ok(StorageRead::Shared(self.raw_storage())),
+            false => self.read_storage(),
+        }
+    }
+
     /// The storage in the contiguous order, as ops read their operands: the tensor's own under
     /// its read lock, or a contiguous copy of a channels-last tensor (see [`MemoryFormat`]).
     pub(crate) fn read_storage(&self) -> Result<StorageRead<'_>> {

@@ -13,7 +13,8 @@ fn forward(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str) -> Result<T
         // Iterated in the N, H, W, C order of the channels-last operand's storage: each operand
         // read where it lies (a channels-last one as stored, a contiguous or broadcast one through
         // its strides), the result stored channels-last — no conversion pass.
-        let s = stored(a)?.binary(&pa, &*stored(b)?, &pb, op)?;
+        let cl = |t: &Tensor| t.memory_format() == MemoryFormat::ChannelsLast;
+        let s = a.storage_for(cl(a))?.binary(&pa, &*b.storage_for(cl(b))?, &pb, op)?;
         return Tensor::from_storage_in(s, out.into(), MemoryFormat::ChannelsLast);
     }
     let s = a.read_storage()?.binary(&la, &*b.read_storage()?, &lb, op)?;
@@ -37,15 +38,6 @@ fn channels_last_space(out: &[usize], ops: [(&Tensor, &Layout); 2]) -> Option<[L
         };
         Layout { shape: shape.clone(), strides, offset: l.offset }
     }))
-}
-
-/// `t`'s storage for a layout of [`channels_last_space`]: as stored when channels-last, else in
-/// the logical order its broadcast strides assume.
-fn stored(t: &Tensor) -> Result<crate::memory_format::StorageRead<'_>> {
-    match t.memory_format() {
-        MemoryFormat::ChannelsLast => Ok(crate::memory_format::StorageRead::Shared(t.raw_storage())),
-        MemoryFormat::Contiguous => t.read_storage(),
-    }
 }
 
 type PairGrad = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> + Send + Sync;

@@ -54,10 +54,7 @@ impl Tensor {
             padding,
             groups,
         };
-        let s = match channels_last {
-            true => self.raw_storage().conv2d(&*w.read_storage()?, &p)?,
-            false => self.read_storage()?.conv2d(&*w.read_storage()?, &p)?,
-        };
+        let s = self.storage_for(channels_last)?.conv2d(&*w.read_storage()?, &p)?;
         let y = Tensor::from_storage_in(s, p.out_shape().to_vec().into(), format)?;
         let y = if (self.requires_grad() || w.requires_grad()) && crate::is_grad_enabled() {
             let (x, wt) = (self.detach(), w.detach());
@@ -72,15 +69,14 @@ impl Tensor {
                         // The output gradient in the output's format: as it lies for a
                         // channels-last convolution (converted first if it arrived otherwise).
                         let g = g.to_memory_format(format)?;
-                        let gs = if channels_last { crate::memory_format::StorageRead::Shared(g.raw_storage()) } else { g.read_storage()? };
+                        let gs = g.storage_for(channels_last)?;
                         let gx = if need_x {
                             Some(Tensor::from_storage_in(gs.conv2d_backward_input(&*wt.read_storage()?, &p)?, x.shape().clone(), format)?)
                         } else {
                             None
                         };
                         let gw = if need_w {
-                            let xs =
-                                if channels_last { crate::memory_format::StorageRead::Shared(x.raw_storage()) } else { x.read_storage()? };
+                            let xs = x.storage_for(channels_last)?;
                             Some(Tensor::from_storage(gs.conv2d_backward_weight(&xs, &p)?, wt.shape().clone())?)
                         } else {
                             None

@@ -5,7 +5,6 @@
 
 use crate::autograd::{record, FnBackward};
 use crate::backend::stats_dtype;
-use crate::memory_format::StorageRead;
 use crate::storage::Storage;
 use crate::{BatchNormOptions, Error, MemoryFormat, Result, Tensor};
 
@@ -82,7 +81,6 @@ impl Tensor {
         // the input gradient are channels-last too.
         let format = self.memory_format();
         let channels_last = format == MemoryFormat::ChannelsLast;
-        let stored = |t| stored_as_it_lies(t, channels_last);
         // Per-channel parameters in the statistics dtype: aff = [scale; shift], nrm = [invstd; −mean·invstd].
         let w_sd = crate::no_grad(|| weight.detach().to_dtype(sd))?;
         // Training: statistics and y in one backend call (fused on CUDA for small layers); eval:
@@ -99,7 +97,7 @@ impl Tensor {
                 let (rm, rv) = (running_mean.to_dtype(sd)?, running_var.to_dtype(sd)?);
                 // Private copies when a cast was needed, so the update below writes through.
                 let (y, a, q) = {
-                    let x = stored(self)?;
+                    let x = self.storage_for(channels_last)?;
                     let (ws, bs) = (w.read_storage()?, b.read_storage()?);
                     let mut rms = rm.write_storage();
                     let mut rvs = rv.write_storage();
@@ -128,7 +126,7 @@ impl Tensor {
                 let (rm, rv) = (running_mean.to_dtype(sd)?, running_var.to_dtype(sd)?);
                 let (a, q) =
                     w.read_storage()?.batch_norm_eval_params(&*b.read_storage()?, &*rm.read_storage()?, &*rv.read_storage()?, opts.eps)?;
-                let y = stored(self)?.channel_affine(&d, &a, silu, channels_last)?;
+                let y = self.storage_for(channels_last)?.channel_affine(&d, &a, silu, channels_last)?;
                 Ok((y, Tensor::from_storage(a, vec![2 * c])?, Tensor::from_storage(q, vec![2 * c])?))
             }
         })?;
@@ -150,7 +148,7 @@ impl Tensor {
                     // The output gradient in y's format (converted if it arrived otherwise).
                     let g = g.to_memory_format(format)?;
                     let (dx, gw, gb) = {
-                        let (xs, gs) = (stored_as_it_lies(&x, channels_last)?, stored_as_it_lies(&g, channels_last)?);
+                        let (xs, gs) = (x.storage_for(channels_last)?, g.storage_for(channels_last)?);
                         xs.batch_norm_act_backward(
                             &gs,
                             &d,
@@ -170,13 +168,5 @@ impl Tensor {
             },
         )
         .remove(0))
-    }
-}
-
-/// `t`'s storage as it lies when the op computes channels-last, else in the logical order.
-fn stored_as_it_lies(t: &Tensor, channels_last: bool) -> Result<StorageRead<'_>> {
-    match channels_last {
-        true => Ok(StorageRead::Shared(t.raw_storage())),
-        false => t.read_storage(),
     }
 }

@@ -9,7 +9,7 @@ use std::ffi::c_void;
 use super::super::device::sfx;
 use super::super::storage::CudaStorage;
 use super::geometry::*;
-use super::norm_rules::{bn_channels, bn_one_block_max, bn_vector};
+use super::norm_rules::{bn_channels, bn_one_block_max, bn_one_launch, bn_vector};
 use crate::Result;
 
 /// The statistics' per-channel arguments: weight, bias and running statistics in, the affine and
@@ -77,7 +77,7 @@ pub(super) fn train(x: &CudaStorage, rows: usize, c: usize, st: &Stats, apply: O
     let count = rows as f64;
     let (px, pw, pb, prm, prv, pa, pq, nbt) = (ptr(x), ptr(st.w), ptr(st.b), ptr(st.rm), ptr(st.rv), ptr(st.aff), ptr(st.nrm), st.nbt);
     let (eps, mom) = (st.eps, st.momentum);
-    if let (Some(silu), 1, true) = (apply, s.parts, dev.options().bn_one_launch) {
+    if let (Some(silu), true) = (apply, bn_one_launch(dev, s.parts as usize)) {
         let y = CudaStorage::alloc(dev, x.dtype, x.len)?;
         let (py, act) = (ptr(&y), silu as i32);
         let f = dev.func("bncl_fwd1", sfx(x.dtype))?;
@@ -126,7 +126,7 @@ pub(super) fn backward(
     let (px, pg, pa, pn, pw, pdx) = (ptr(x), ptr(g), ptr(gr.aff), ptr(gr.nrm), ptr(gr.w), ptr(&dx));
     let (pgw, pgb, pc) = (ptr(gr.gw), ptr(gr.gb), ptr(gr.coef));
     let (act, train, count) = (silu as i32, training as i32, rows as f64);
-    if s.parts == 1 && dev.options().bn_one_launch {
+    if bn_one_launch(dev, s.parts as usize) {
         let f = dev.func("bnbcl_fused1", sfx(x.dtype))?;
         dev.launch(f, gd, bd, &mut args!(px, pg, pa, pn, rr, cc, act, count, pw, train, pgw, pgb, pc, pdx))?;
         return Ok(dx);
