@@ -24,6 +24,8 @@ use crate::bench::{check_own_private, install_ultralytics, read_runs, tail, ULTR
 const HELP: &str =
     "usage: cargo xtask outcome --here [options]     on the GPU machine, from bench-pack/ (cargo xtask bench --pack --vs ultralytics)
        cargo xtask outcome --report DIR|FILE... [--out DIR]   merge runs.jsonl files into outcome.md and outcome.png
+       cargo xtask outcome --import RESULTS_CSV --arm A --seed S --wall-s SECONDS [--note TEXT] [options] --out DIR
+                   append a run made outside `--here` (e.g. resumed in parts) from its results.csv
 options:
   --arms A,B       runs per seed, each `<tool>[@precision]` (precision 16-mixed unless named):
                    native (ptl), replay (ptl replay=all), ultralytics (amp=True for 16-mixed,
@@ -154,6 +156,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             }
             write_report(&recs, &out)
         }
+        Some("--import") => import(&args[1..]),
         Some("--here") => {
             // On the GPU machine, from bench-pack/: ptl, the Ultralytics driver and its wheels lie
             // beside this binary.
@@ -163,6 +166,43 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         }
         _ => Err(format!("outcome runs on the GPU machine (--here) or reports (--report)\n{HELP}")),
     }
+}
+
+/// Appends one run made outside `--here` — a run split by `resume`, say — to `--out`'s runs.jsonl
+/// from its `results.csv` (Ultralytics' column names, which ptl's results.csv shares), with the
+/// wall time and a note on how it ran given by the caller; the set and settings are the options'.
+fn import(args: &[String]) -> Result<(), String> {
+    let csv = PathBuf::from(args.first().ok_or_else(|| format!("--import needs a results.csv\n{HELP}"))?);
+    let (mut arm, mut seed, mut wall, mut note, mut rest) = (None, None, None, None, Vec::new());
+    let mut it = args[1..].iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().cloned().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--arm" => arm = Some(parse_arm(&val()?)?),
+            "--seed" => seed = Some(val()?.parse::<u64>().map_err(|_| "--seed wants a whole number".to_string())?),
+            "--wall-s" => wall = Some(val()?.parse::<f64>().map_err(|_| "--wall-s wants seconds".to_string())?),
+            "--note" => note = Some(val()?),
+            _ => rest.push(a.clone()),
+        }
+    }
+    let (Some(arm), Some(seed), Some(wall)) = (arm, seed, wall) else {
+        return Err("--import needs --arm, --seed and --wall-s".into());
+    };
+    let o = parse(&rest)?;
+    let text = std::fs::read_to_string(&csv).map_err(|e| format!("{}: {e}", csv.display()))?;
+    let epochs = epochs_of_csv(&text);
+    if epochs.is_empty() {
+        return Err(format!("{}: no epoch rows", csv.display()));
+    }
+    let mut rec = record(&o, &arm, seed, wall, 0, epochs, None);
+    rec["imported_from"] = json!(csv.file_name().map(|n| n.to_string_lossy().into_owned()));
+    rec["note"] = json!(note);
+    std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
+    let log = o.out.join("runs.jsonl");
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+    writeln!(f, "{rec}").map_err(|e| format!("{}: {e}", log.display()))?;
+    eprintln!("outcome: imported {} seed {seed}: {}", arm.label, summary_line(&rec));
+    Ok(())
 }
 
 fn work_folder(o: &Opts) -> Result<PathBuf, String> {
@@ -429,6 +469,11 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             f.wall_s
         );
     }
+    let notes: Vec<String> =
+        sorted.iter().filter_map(|(r, f)| r["note"].as_str().map(|n| format!("- {} seed {}: {n}\n", f.arm, f.seed))).collect();
+    if !notes.is_empty() {
+        md += &format!("\nHow some runs ran:\n{}", notes.concat());
+    }
     md += &verdicts(&sorted.iter().map(|(_, f)| f.clone()).collect::<Vec<_>>());
     if !failed.is_empty() {
         md += "\nFailed runs:\n";
@@ -473,11 +518,24 @@ fn verdicts(runs: &[Figures]) -> String {
                         "- {arm} seed {}: final {name} mAP50-95 {:.4} {} [{lo:.4}, {hi:.4}] ({reference}, {} runs)\n",
                         f.seed,
                         get(f),
-                        if ok { "within" } else { "OUTSIDE" },
+                        if ok {
+                            "within"
+                        } else if get(f) > hi {
+                            "ABOVE"
+                        } else {
+                            "BELOW"
+                        },
                         rv.len()
                     );
                 }
             }
+            let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
+            let (m, r) = (mean(fs.iter().map(|f| get(f)).collect()), mean(rv));
+            s += &format!(
+                "- {arm}: mean final {name} mAP50-95 over {} seeds {m:.4}, {:+.1} % against {reference}, {r:.4}\n",
+                fs.len(),
+                100.0 * (m / r - 1.0)
+            );
         }
     }
     if any {
@@ -567,6 +625,36 @@ mod tests {
     }
 
     #[test]
+    fn import_appends_a_split_run_from_its_results_csv_and_the_report_names_its_note() {
+        let dir = std::env::temp_dir().join(format!("ptl-outcome-import-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Two parts: the resumed part's `time` restarts; the epoch column orders the rows.
+        let csv = dir.join("results.csv");
+        std::fs::write(
+            &csv,
+            format!("epoch,time,{BOX},{POSE},{BOX50},{POSE50}\n1,5.0,0.1,0.05,0.3,0.1\n2,9.0,0.2,0.1,0.4,0.2\n3,4.0,0.3,0.2,0.5,0.3\n"),
+        )
+        .unwrap();
+        let args: Vec<String> =
+            [&csv.to_string_lossy(), "--arm", "ultralytics", "--seed", "1", "--wall-s", "21", "--note", "resumed at epoch 3"]
+                .iter()
+                .map(|s| s.to_string())
+                .chain(["--epochs".into(), "3".into(), "--out".into(), dir.to_string_lossy().into_owned()])
+                .collect();
+        import(&args).unwrap();
+        let recs = read_runs(&dir.join("runs.jsonl")).unwrap();
+        assert_eq!(recs.len(), 1);
+        assert_eq!(recs[0]["epochs"].as_array().unwrap().len(), 3);
+        assert_eq!(recs[0]["epochs"][2]["pose"].as_f64(), Some(0.2));
+        assert_eq!(recs[0]["wall_s"].as_f64(), Some(21.0));
+        write_report(&recs, &dir.join("report")).unwrap();
+        let md = std::fs::read_to_string(dir.join("report/outcome.md")).unwrap();
+        assert!(md.contains("- ultralytics seed 1: resumed at epoch 3"), "{md}");
+        assert!(import(&args[..3]).unwrap_err().contains("--wall-s"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
     fn report_judges_ptl_against_ultralytics_and_draws_the_curves() {
         let o = parse(&[]).unwrap();
         let ep = |b: f64, p: f64| {
@@ -583,7 +671,7 @@ mod tests {
         let md = std::fs::read_to_string(dir.join("outcome.md")).unwrap();
         assert!(md.contains("native seed 0: final box mAP50-95 0.6200 within [0.5500, 0.7000]"), "{md}");
         // The pose spread (0.30, 0.34) is wider than ±5 % of its mean: the band is the spread.
-        assert!(md.contains("native seed 0: final pose mAP50-95 0.2000 OUTSIDE [0.3000, 0.3400]"), "{md}");
+        assert!(md.contains("native seed 0: final pose mAP50-95 0.2000 BELOW [0.3000, 0.3400]"), "{md}");
         assert!(md.contains("- replay seed 0: exit 1: boom"), "{md}");
         assert!(dir.join("outcome.png").exists());
         std::fs::remove_dir_all(&dir).ok();
