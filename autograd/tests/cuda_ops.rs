@@ -1511,7 +1511,9 @@ fn channels_last_batch_norm_matches_the_contiguous_kernels() {
     use ptl_autograd::{BatchNormOptions, MemoryFormat};
     let Some(dev) = gpu() else { return };
     let rand = |dims: &[usize], seed: u64| Tensor::rand(dims.to_vec(), -1.0, 1.0, DType::F32, dev, &mut Rng::new(seed)).unwrap();
-    let shapes: [[usize; 4]; 4] = [[2, 3, 6, 6], [4, 40, 20, 20], [2, 16, 96, 96], [4, 64, 40, 40]];
+    // Paths: C = 3 (scalar, one block per tile, fused), C = 40 (vectors, tiles with idle lanes,
+    // several blocks per tile), C = 16 and 64 (vectors, many blocks), 1×64×4×4 (vectors, fused).
+    let shapes: [[usize; 4]; 5] = [[2, 3, 6, 6], [4, 40, 20, 20], [2, 16, 96, 96], [4, 64, 40, 40], [1, 64, 4, 4]];
     for (i, dims) in shapes.into_iter().enumerate() {
         for dt in [DType::F32, DType::BF16] {
             for silu in [true, false] {

@@ -335,41 +335,62 @@ INST_BN(f16, __half, float)
 INST_BN(bf16, __nv_bfloat16, float)
 
 // ---- batch norm (+SiLU) on channels-last storage ----------------------------------------------------
-// N, H, W, C storage: element (row r, channel ch) at r·C + ch over rows = N·H·W. A block of 256
-// threads takes a tile of CT = blockDim.x ≤ 32 consecutive channels (threadIdx.x, so a warp reads
-// whole rows of the tile) and RL = blockDim.y = 256 / CT row lanes; lane y sums rows y, y + RL, …
-// of its share. The lanes combine in a fixed order, then the blocks of a tile as
-// bn_last_block_totals does, so the bytes are fixed for a shape and launch (they are not the
-// N, C, H, W kernels' bytes: the summation order differs).
+// N, H, W, C storage: element (row r, channel ch) at r·C + ch over rows = N·H·W. A thread owns V
+// consecutive channels: one 16-byte load per row when C % V == 0 and the buffers are 16-byte
+// aligned (the host's choice), else V = 1. A block of 256 threads is (CW, L): CW = blockDim.x
+// channel vectors side by side (a tile of CW·V channels, so a warp reads whole rows of the tile:
+// contiguous bytes) and L = blockDim.y = 256 / CW row lanes (a power of two); lane y takes rows
+// start + y, start + y + L, … of its block's share. A thread's sums run in f64; the lanes combine
+// by a fixed binary tree in shared memory, then the P blocks of a tile as bn_last_block_totals
+// does, so a shape's bytes are fixed (they are not the N, C, H, W kernels' bytes: the summation
+// order differs).
 
-// Fixed-order sums of (a, b) over the row lanes of each channel; valid where threadIdx.y == 0.
-// Every thread must call it.
-__device__ __forceinline__ void bncl_lane_sum2(double& a, double& b) {
-    __shared__ double sa[256], sb[256];
-    const u32 ct = blockDim.x, t = threadIdx.y * ct + threadIdx.x;
-    sa[t] = a;
-    sb[t] = b;
+// Fixed-order tree sum of each of the V pairs (a, b) over the L row lanes; valid where
+// threadIdx.y == 0. Every thread must call it.
+template <int V>
+__device__ __forceinline__ void bncl_lane_sum(double (&a)[V], double (&b)[V]) {
+    // Value k of thread t at sh[k·256 + t]: a warp touches consecutive words (no bank conflicts).
+    __shared__ double sh[2 * V * 256];
+    const u32 t = threadIdx.y * blockDim.x + threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        sh[k * 256 + t] = a[k];
+        sh[(V + k) * 256 + t] = b[k];
+    }
     __syncthreads();
+    for (u32 half = blockDim.y >> 1; half > 0; half >>= 1) {
+        if (threadIdx.y < half) {
+            const u32 u = t + half * blockDim.x;
+#pragma unroll
+            for (int k = 0; k < 2 * V; ++k) sh[k * 256 + t] += sh[k * 256 + u];
+        }
+        __syncthreads();
+    }
     if (threadIdx.y == 0) {
-        for (u32 k = 1; k < blockDim.y; ++k) {
-            a += sa[k * ct + threadIdx.x];
-            b += sb[k * ct + threadIdx.x];
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            a[k] = sh[k * 256 + t];
+            b[k] = sh[(V + k) * 256 + t];
         }
     }
-    __syncthreads();  // sa/sb may be reused by the next call
+    __syncthreads();  // sh may be reused by the next call
 }
 // The tile's totals in its row-lane-0 threads of one block, or false in every thread of the other
 // blocks (and in the other lanes). P = 1: the block's own sums. Else each block writes its
 // channels' partial pairs and takes the tile's ticket; the last block sums the P partials of each
-// channel lane-strided, then over the lanes in the fixed order, and resets the ticket.
-__device__ __forceinline__ bool bncl_last_block_totals(double& a, double& b, double* part, u32 ch, bool valid, u32 tile, u32 p, u32 P,
-                                                       unsigned int* tickets) {
+// channel lane-strided, then over the lanes by the same tree, and resets the ticket.
+template <int V>
+__device__ __forceinline__ bool bncl_tile_totals(double (&a)[V], double (&b)[V], double* part, u32 ch0, bool valid, u32 tile, u32 p,
+                                                 u32 P, unsigned int* tickets) {
     __shared__ bool last;
-    bncl_lane_sum2(a, b);
+    bncl_lane_sum<V>(a, b);
     if (P == 1) return threadIdx.y == 0;
     if (threadIdx.y == 0 && valid) {
-        part[((size_t)ch * P + p) * 2] = a;
-        part[((size_t)ch * P + p) * 2 + 1] = b;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            part[((size_t)(ch0 + k) * P + p) * 2] = a[k];
+            part[((size_t)(ch0 + k) * P + p) * 2 + 1] = b[k];
+        }
     }
     __threadfence();
     __syncthreads();
@@ -377,43 +398,63 @@ __device__ __forceinline__ bool bncl_last_block_totals(double& a, double& b, dou
     __syncthreads();
     if (!last) return false;  // the same in every thread of the block
     __threadfence();
-    a = 0.0;
-    b = 0.0;
+#pragma unroll
+    for (int k = 0; k < V; ++k) a[k] = b[k] = 0.0;
     if (valid) {
-        for (u32 k = threadIdx.y; k < P; k += blockDim.y) {  // L1-bypassing: written by other blocks
-            a += __ldcg(&part[((size_t)ch * P + k) * 2]);
-            b += __ldcg(&part[((size_t)ch * P + k) * 2 + 1]);
+        for (u32 j = threadIdx.y; j < P; j += blockDim.y) {  // L1-bypassing: written by other blocks
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                a[k] += __ldcg(&part[((size_t)(ch0 + k) * P + j) * 2]);
+                b[k] += __ldcg(&part[((size_t)(ch0 + k) * P + j) * 2 + 1]);
+            }
         }
     }
-    bncl_lane_sum2(a, b);
+    bncl_lane_sum<V>(a, b);
     if (threadIdx.x == 0 && threadIdx.y == 0) tickets[tile] = 0u;
     return threadIdx.y == 0;
 }
-// This thread's shifted sums of its channel over rows [start + threadIdx.y, end) in steps of RL.
-template <typename T>
-__device__ __forceinline__ void bncl_shifted_sums(const T* x, u32 ch, u32 c, typename Acc<T>::type K, u32 start, u32 end, double& s,
-                                                  double& q) {
+// This thread's first channel (ch0) and whether it has channels at all.
+__device__ __forceinline__ u32 bncl_first_channel(int V) { return (blockIdx.y * blockDim.x + threadIdx.x) * (u32)V; }
+// This thread's shifted sums of its V channels over rows [start + threadIdx.y, end) in steps of L.
+template <typename T, int V>
+__device__ __forceinline__ void bncl_shifted_sums(const T* x, u32 ch0, u32 c, const typename Acc<T>::type (&K)[V], u32 start, u32 end,
+                                                  double (&s)[V], double (&q)[V]) {
+    typedef typename Acc<T>::type A;
     for (u32 r = start + threadIdx.y; r < end; r += blockDim.y) {
-        const double d = (double)(to_acc(x[(size_t)r * c + ch]) - K);
-        s += d;
-        q += d * d;
+        A e[V];
+        ld_vec<T, V>(x, (size_t)r * c + ch0, e);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const double d = (double)(e[k] - K[k]);
+            s[k] += d;
+            q[k] += d * d;
+        }
     }
 }
-// Training statistics, grid (P, tiles), block (CT, 256 / CT): bn_stats_k's sums and parameters.
-template <typename T, typename S>
+// Training statistics, grid (P, tiles), block (CW, 256 / CW): bn_stats_k's sums and parameters
+// (K = each channel's value in row 0).
+template <typename T, typename S, int V>
 __device__ void bncl_stats_k(const T* x, double* part, u32 rows, u32 c, u32 P, unsigned int* tickets, double count, const S* w, const S* b,
                              S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) {
     typedef typename Acc<T>::type A;
-    const u32 tile = blockIdx.y, p = blockIdx.x, ch = tile * blockDim.x + threadIdx.x;
-    const bool valid = ch < c;
+    const u32 tile = blockIdx.y, p = blockIdx.x, ch0 = bncl_first_channel(V);
+    const bool valid = ch0 < c;
     u32 start, end;
     bn_chunk(rows, P, p, start, end);
-    const A K = valid ? to_acc(x[ch]) : (A)0;
-    double s = 0.0, q = 0.0;
-    if (valid) bncl_shifted_sums<T>(x, ch, c, K, start, end, s, q);
-    if (!bncl_last_block_totals(s, q, part, ch, valid, tile, p, P, tickets) || !valid) return;
-    S sc, sh;
-    bn_stats_finish<S>(s, q, (double)K, ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
+    A K[V];
+    double s[V], q[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) K[k] = (A)0, s[k] = q[k] = 0.0;
+    if (valid) {
+        ld_vec<T, V>(x, ch0, K);
+        bncl_shifted_sums<T, V>(x, ch0, c, K, start, end, s, q);
+    }
+    if (!bncl_tile_totals<V>(s, q, part, ch0, valid, tile, p, P, tickets) || !valid) return;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        S sc, sh;
+        bn_stats_finish<S>(s[k], q[k], (double)K[k], ch0 + k, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
+    }
 }
 // y = act(x·p[ch] + p[C + ch]) over channels-last storage, V elements per step (C % V == 0 when
 // V > 1, so a vector never crosses a row); nvec = len / V.
@@ -431,65 +472,97 @@ __device__ void chaffine_cl_k(const T* x, const S* p, T* y, u32 nvec, u32 c, int
 }
 // One block per tile (P = 1), grid (1, tiles): bncl_stats_k's sums and parameters, then
 // chaffine_cl_k's arithmetic over the tile in the same launch (the two launches' bytes).
-template <typename T, typename S>
+template <typename T, typename S, int V>
 __device__ void bncl_fwd1_k(const T* x, T* y, u32 rows, u32 c, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom,
                             S* aff, S* nrm, i64* nbt, int silu) {
     typedef typename Acc<T>::type A;
-    __shared__ S ssc[32], ssh[32];
-    const u32 ch = blockIdx.y * blockDim.x + threadIdx.x;
-    const bool valid = ch < c;
-    const A K = valid ? to_acc(x[ch]) : (A)0;
-    double s = 0.0, q = 0.0;
-    if (valid) bncl_shifted_sums<T>(x, ch, c, K, 0, rows, s, q);
-    bncl_lane_sum2(s, q);
+    __shared__ S ssc[256], ssh[256];
+    const u32 ch0 = bncl_first_channel(V);
+    const bool valid = ch0 < c;
+    A K[V];
+    double s[V], q[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) K[k] = (A)0, s[k] = q[k] = 0.0;
+    if (valid) {
+        ld_vec<T, V>(x, ch0, K);
+        bncl_shifted_sums<T, V>(x, ch0, c, K, 0, rows, s, q);
+    }
+    bncl_lane_sum<V>(s, q);
     if (threadIdx.y == 0 && valid) {
-        S sc, sh;
-        bn_stats_finish<S>(s, q, (double)K, ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
-        ssc[threadIdx.x] = sc;
-        ssh[threadIdx.x] = sh;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            bn_stats_finish<S>(s[k], q[k], (double)K[k], ch0 + k, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, ssc[threadIdx.x * V + k],
+                               ssh[threadIdx.x * V + k]);
+        }
     }
     __syncthreads();
     if (!valid) return;
-    const A sc = (A)ssc[threadIdx.x], sh = (A)ssh[threadIdx.x];
+    A sc[V], sh[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) sc[k] = (A)ssc[threadIdx.x * V + k], sh[k] = (A)ssh[threadIdx.x * V + k];
     for (u32 r = threadIdx.y; r < rows; r += blockDim.y) {
-        const size_t i = (size_t)r * c + ch;
-        A e[1];
-        ld_vec<T, 1>(x, i, e);
-        bn_apply_vec<A, 1>(e, sc, sh, silu);
-        st_vec<T, 1>(y, i, e);
+        const size_t i = (size_t)r * c + ch0;
+        A e[V];
+        ld_vec<T, V>(x, i, e);
+#pragma unroll
+        for (int k = 0; k < V; ++k) bn_apply_vec<A, 1>(&e[k], sc[k], sh[k], silu);
+        st_vec<T, V>(y, i, e);
     }
 }
-// This thread's backward sums (Σgz, Σgz·x̂) of its channel over rows [start + threadIdx.y, end);
-// t = (aff[ch], aff[C + ch], nrm[ch], nrm[C + ch]).
-template <typename T>
-__device__ __forceinline__ void bnbcl_sums(const T* x, const T* g, u32 ch, u32 c, const typename Acc<T>::type* t, int silu, u32 start,
-                                           u32 end, double& sa, double& sq) {
+// The forward's per-channel parameters of this thread's V channels: (aff[ch], aff[C + ch],
+// nrm[ch], nrm[C + ch]) for each.
+template <typename A, typename S, int V>
+__device__ __forceinline__ void bncl_params(const S* aff, const S* nrm, u32 ch0, u32 c, A (&t)[V][4]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        t[k][0] = (A)aff[ch0 + k];
+        t[k][1] = (A)aff[c + ch0 + k];
+        t[k][2] = (A)nrm[ch0 + k];
+        t[k][3] = (A)nrm[c + ch0 + k];
+    }
+}
+// This thread's backward sums (Σgz, Σgz·x̂) of its V channels over rows [start + threadIdx.y, end).
+template <typename T, int V>
+__device__ __forceinline__ void bnbcl_sums(const T* x, const T* g, u32 ch0, u32 c, const typename Acc<T>::type (&t)[V][4], int silu,
+                                           u32 start, u32 end, double (&sa)[V], double (&sq)[V]) {
     typedef typename Acc<T>::type A;
     for (u32 r = start + threadIdx.y; r < end; r += blockDim.y) {
-        const size_t i = (size_t)r * c + ch;
-        A gz, xh;
-        bnb_terms<A>(to_acc(x[i]), to_acc(g[i]), t[0], t[1], t[2], t[3], silu, gz, xh);
-        sa += (double)gz;
-        sq += (double)gz * (double)xh;
+        const size_t i = (size_t)r * c + ch0;
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, i, xe);
+        ld_vec<T, V>(g, i, ge);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            A gz, xh;
+            bnb_terms<A>(xe[k], ge[k], t[k][0], t[k][1], t[k][2], t[k][3], silu, gz, xh);
+            sa[k] += (double)gz;
+            sq[k] += (double)gz * (double)xh;
+        }
     }
 }
-// Backward reduction, grid (P, tiles), block (CT, 256 / CT): bnb_reduce_k's sums and coefficients.
-template <typename T, typename S>
+// Backward reduction, grid (P, tiles), block (CW, 256 / CW): bnb_reduce_k's sums and coefficients.
+template <typename T, typename S, int V>
 __device__ void bnbcl_reduce_k(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 rows, u32 c, u32 P, int silu,
                                unsigned int* tickets, double count, const S* w, int training, S* gw, S* gb, S* coef) {
     typedef typename Acc<T>::type A;
-    const u32 tile = blockIdx.y, p = blockIdx.x, ch = tile * blockDim.x + threadIdx.x;
-    const bool valid = ch < c;
+    const u32 tile = blockIdx.y, p = blockIdx.x, ch0 = bncl_first_channel(V);
+    const bool valid = ch0 < c;
     u32 start, end;
     bn_chunk(rows, P, p, start, end);
-    double sa = 0.0, sq = 0.0;
+    double sa[V], sq[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) sa[k] = sq[k] = 0.0;
     if (valid) {
-        const A t[4] = {(A)aff[ch], (A)aff[c + ch], (A)nrm[ch], (A)nrm[c + ch]};
-        bnbcl_sums<T>(x, g, ch, c, t, silu, start, end, sa, sq);
+        A t[V][4];
+        bncl_params<A, S, V>(aff, nrm, ch0, c, t);
+        bnbcl_sums<T, V>(x, g, ch0, c, t, silu, start, end, sa, sq);
     }
-    if (!bncl_last_block_totals(sa, sq, part, ch, valid, tile, p, P, tickets) || !valid) return;
-    S k3[3];
-    bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, k3);
+    if (!bncl_tile_totals<V>(sa, sq, part, ch0, valid, tile, p, P, tickets) || !valid) return;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        S k3[3];
+        bnb_finish<S>(sa[k], sq[k], ch0 + k, c, count, w, nrm, training, gw, gb, coef, k3);
+    }
 }
 // dx = coef[0]·gz + coef[1] + coef[2]·x̂ over channels-last storage, V elements per step (C % V
 // == 0 when V > 1).
@@ -512,43 +585,73 @@ __device__ void bnbcl_dx_k(const T* x, const T* g, const S* aff, const S* nrm, c
 }
 // One block per tile (P = 1), grid (1, tiles): bnbcl_reduce_k's sums and coefficients, then
 // bnbcl_dx_k's dx over the tile in the same launch.
-template <typename T, typename S>
+template <typename T, typename S, int V>
 __device__ void bnbcl_fused1_k(const T* x, const T* g, const S* aff, const S* nrm, u32 rows, u32 c, int silu, double count, const S* w,
                                int training, S* gw, S* gb, S* coef, T* dx) {
     typedef typename Acc<T>::type A;
-    __shared__ S sk[3][32];
-    const u32 ch = blockIdx.y * blockDim.x + threadIdx.x;
-    const bool valid = ch < c;
-    A t[4] = {(A)0, (A)0, (A)0, (A)0};
-    if (valid) {
-        t[0] = (A)aff[ch];
-        t[1] = (A)aff[c + ch];
-        t[2] = (A)nrm[ch];
-        t[3] = (A)nrm[c + ch];
+    __shared__ S sk[3][256];
+    const u32 ch0 = bncl_first_channel(V);
+    const bool valid = ch0 < c;
+    A t[V][4];
+    double sa[V], sq[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        sa[k] = sq[k] = 0.0;
+        t[k][0] = t[k][1] = t[k][2] = t[k][3] = (A)0;
     }
-    double sa = 0.0, sq = 0.0;
-    if (valid) bnbcl_sums<T>(x, g, ch, c, t, silu, 0, rows, sa, sq);
-    bncl_lane_sum2(sa, sq);
+    if (valid) {
+        bncl_params<A, S, V>(aff, nrm, ch0, c, t);
+        bnbcl_sums<T, V>(x, g, ch0, c, t, silu, 0, rows, sa, sq);
+    }
+    bncl_lane_sum<V>(sa, sq);
     if (threadIdx.y == 0 && valid) {
-        S k3[3];
-        bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, k3);
-        sk[0][threadIdx.x] = k3[0];
-        sk[1][threadIdx.x] = k3[1];
-        sk[2][threadIdx.x] = k3[2];
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            S k3[3];
+            bnb_finish<S>(sa[k], sq[k], ch0 + k, c, count, w, nrm, training, gw, gb, coef, k3);
+            sk[0][threadIdx.x * V + k] = k3[0];
+            sk[1][threadIdx.x * V + k] = k3[1];
+            sk[2][threadIdx.x * V + k] = k3[2];
+        }
     }
     __syncthreads();
     if (!valid) return;
-    const A k0 = (A)sk[0][threadIdx.x], k1 = (A)sk[1][threadIdx.x], k2 = (A)sk[2][threadIdx.x];
+    A k0[V], k1[V], k2[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        k0[k] = (A)sk[0][threadIdx.x * V + k];
+        k1[k] = (A)sk[1][threadIdx.x * V + k];
+        k2[k] = (A)sk[2][threadIdx.x * V + k];
+    }
     for (u32 r = threadIdx.y; r < rows; r += blockDim.y) {
-        const size_t i = (size_t)r * c + ch;
-        A xe[1], ge[1];
-        ld_vec<T, 1>(x, i, xe);
-        ld_vec<T, 1>(g, i, ge);
-        bnb_dx_vec<A, 1>(xe, ge, t[0], t[1], t[2], t[3], k0, k1, k2, silu);
-        st_vec<T, 1>(dx, i, xe);
+        const size_t i = (size_t)r * c + ch0;
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, i, xe);
+        ld_vec<T, V>(g, i, ge);
+#pragma unroll
+        for (int k = 0; k < V; ++k) bnb_dx_vec<A, 1>(&xe[k], &ge[k], t[k][0], t[k][1], t[k][2], t[k][3], k0[k], k1[k], k2[k], silu);
+        st_vec<T, V>(dx, i, xe);
     }
 }
+// Each kernel at vector width V (suffix "" for 1, "_v" for 16 / sizeof(T)).
 #define INST_BNCL_V(name, T, S, V, sfx)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bncl_stats##sfx##_##name(const T* x, double* part, u32 rows, u32 c, u32 P,       \
+        unsigned int* tickets, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) {   \
+        bncl_stats_k<T, S, V>(x, part, rows, c, P, tickets, count, w, b, rm, rv, eps, mom, aff, nrm, nbt);                               \
+    }                                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) bncl_fwd1##sfx##_##name(const T* x, T* y, u32 rows, u32 c, double count,         \
+        const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {                             \
+        bncl_fwd1_k<T, S, V>(x, y, rows, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                         \
+    }                                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) bnbcl_reduce##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,   \
+        double* part, u32 rows, u32 c, u32 P, int silu, unsigned int* tickets, double count, const S* w, int training, S* gw, S* gb,     \
+        S* coef) {                                                                                                                       \
+        bnbcl_reduce_k<T, S, V>(x, g, aff, nrm, part, rows, c, P, silu, tickets, count, w, training, gw, gb, coef);                     \
+    }                                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) bnbcl_fused1##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,   \
+        u32 rows, u32 c, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                              \
+        bnbcl_fused1_k<T, S, V>(x, g, aff, nrm, rows, c, silu, count, w, training, gw, gb, coef, dx);                                   \
+    }                                                                                                                                    \
     extern "C" __global__ void chaffine_cl##sfx##_##name(const T* x, const S* p, T* y, u32 nvec, u32 c, int silu) {                     \
         chaffine_cl_k<T, S, V>(x, p, y, nvec, c, silu);                                                                                  \
     }                                                                                                                                    \
@@ -557,23 +660,6 @@ __device__ void bnbcl_fused1_k(const T* x, const T* g, const S* aff, const S* nr
         bnbcl_dx_k<T, S, V>(x, g, aff, nrm, coef, dx, nvec, c, silu);                                                                    \
     }
 #define INST_BNCL(name, T, S)                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256) bncl_stats_##name(const T* x, double* part, u32 rows, u32 c, u32 P,               \
-        unsigned int* tickets, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) {   \
-        bncl_stats_k<T, S>(x, part, rows, c, P, tickets, count, w, b, rm, rv, eps, mom, aff, nrm, nbt);                                  \
-    }                                                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) bncl_fwd1_##name(const T* x, T* y, u32 rows, u32 c, double count, const S* w,     \
-        const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {                                         \
-        bncl_fwd1_k<T, S>(x, y, rows, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                            \
-    }                                                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) bnbcl_reduce_##name(const T* x, const T* g, const S* aff, const S* nrm,           \
-        double* part, u32 rows, u32 c, u32 P, int silu, unsigned int* tickets, double count, const S* w, int training, S* gw, S* gb,     \
-        S* coef) {                                                                                                                       \
-        bnbcl_reduce_k<T, S>(x, g, aff, nrm, part, rows, c, P, silu, tickets, count, w, training, gw, gb, coef);                        \
-    }                                                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) bnbcl_fused1_##name(const T* x, const T* g, const S* aff, const S* nrm, u32 rows, \
-        u32 c, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                                        \
-        bnbcl_fused1_k<T, S>(x, g, aff, nrm, rows, c, silu, count, w, training, gw, gb, coef, dx);                                      \
-    }                                                                                                                                    \
     INST_BNCL_V(name, T, S, 1, )                                                                                                         \
     INST_BNCL_V(name, T, S, 16 / sizeof(T), _v)
 INST_BNCL(f32, float, float)
