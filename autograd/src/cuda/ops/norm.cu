@@ -345,58 +345,64 @@ INST_BN(bf16, __nv_bfloat16, float)
 // does, so a shape's bytes are fixed (they are not the N, C, H, W kernels' bytes: the summation
 // order differs).
 
-// Fixed-order tree sum of each of the V pairs (a, b) over the L row lanes; valid where
-// threadIdx.y == 0. Every thread must call it.
+// Fixed-order sum of each of the V pairs (a, b) over the L row lanes: a shuffle tree over the
+// lanes of one warp (lanes t and t + o hold the same channels when o is a multiple of CW), then
+// the 8 warps' sums in order. Valid where threadIdx.y == 0 (the first warp's first CW threads).
+// Every thread must call it.
 template <int V>
 __device__ __forceinline__ void bncl_lane_sum(double (&a)[V], double (&b)[V]) {
-    // Value k of thread t at sh[k·256 + t]: a warp touches consecutive words (no bank conflicts).
-    __shared__ double sh[2 * V * 256];
-    const u32 t = threadIdx.y * blockDim.x + threadIdx.x;
+    __shared__ double sh[2 * V][8][32];
+    const u32 cw = blockDim.x, t = threadIdx.y * cw + threadIdx.x, lane = t & 31, warp = t >> 5;
+    for (u32 o = 16; o >= cw; o >>= 1) {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-        sh[k * 256 + t] = a[k];
-        sh[(V + k) * 256 + t] = b[k];
+        for (int k = 0; k < V; ++k) {
+            a[k] += __shfl_down_sync(0xffffffffu, a[k], o);
+            b[k] += __shfl_down_sync(0xffffffffu, b[k], o);
+        }
+    }
+    if (lane < cw) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            sh[k][warp][lane] = a[k];
+            sh[V + k][warp][lane] = b[k];
+        }
     }
     __syncthreads();
-    for (u32 half = blockDim.y >> 1; half > 0; half >>= 1) {
-        if (threadIdx.y < half) {
-            const u32 u = t + half * blockDim.x;
-#pragma unroll
-            for (int k = 0; k < 2 * V; ++k) sh[k * 256 + t] += sh[k * 256 + u];
-        }
-        __syncthreads();
-    }
     if (threadIdx.y == 0) {
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            a[k] = sh[k * 256 + t];
-            b[k] = sh[(V + k) * 256 + t];
+            a[k] = sh[k][0][lane];
+            b[k] = sh[V + k][0][lane];
+            for (u32 w = 1; w < (blockDim.x * blockDim.y) >> 5; ++w) {
+                a[k] += sh[k][w][lane];
+                b[k] += sh[V + k][w][lane];
+            }
         }
     }
     __syncthreads();  // sh may be reused by the next call
 }
-// The tile's totals in its row-lane-0 threads of one block, or false in every thread of the other
-// blocks (and in the other lanes). P = 1: the block's own sums. Else each block writes its
-// channels' partial pairs and takes the tile's ticket; the last block sums the P partials of each
-// channel lane-strided, then over the lanes by the same tree, and resets the ticket.
+// Whether this block holds the tile's totals (then in its row-lane-0 threads): P = 1, the block's
+// own sums; else each block writes its channels' partial pairs (part[(p·C + ch)·2 + {0, 1}]) and
+// takes the tile's ticket, and the last block sums the P partials of each channel lane-strided,
+// then over the lanes as above, and resets the ticket. The same answer in every thread of a block.
 template <int V>
-__device__ __forceinline__ bool bncl_tile_totals(double (&a)[V], double (&b)[V], double* part, u32 ch0, bool valid, u32 tile, u32 p,
-                                                 u32 P, unsigned int* tickets) {
+__device__ __forceinline__ bool bncl_tile_totals(double (&a)[V], double (&b)[V], double* part, u32 c, u32 ch0, bool valid, u32 tile,
+                                                 u32 p, u32 P, unsigned int* tickets) {
     __shared__ bool last;
     bncl_lane_sum<V>(a, b);
-    if (P == 1) return threadIdx.y == 0;
+    if (P == 1) return true;
     if (threadIdx.y == 0 && valid) {
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            part[((size_t)(ch0 + k) * P + p) * 2] = a[k];
-            part[((size_t)(ch0 + k) * P + p) * 2 + 1] = b[k];
+            part[((size_t)p * c + ch0 + k) * 2] = a[k];
+            part[((size_t)p * c + ch0 + k) * 2 + 1] = b[k];
         }
+        __threadfence();
     }
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(&tickets[tile], 1u) == P - 1;
     __syncthreads();
-    if (!last) return false;  // the same in every thread of the block
+    if (!last) return false;
     __threadfence();
 #pragma unroll
     for (int k = 0; k < V; ++k) a[k] = b[k] = 0.0;
@@ -404,23 +410,61 @@ __device__ __forceinline__ bool bncl_tile_totals(double (&a)[V], double (&b)[V],
         for (u32 j = threadIdx.y; j < P; j += blockDim.y) {  // L1-bypassing: written by other blocks
 #pragma unroll
             for (int k = 0; k < V; ++k) {
-                a[k] += __ldcg(&part[((size_t)(ch0 + k) * P + j) * 2]);
-                b[k] += __ldcg(&part[((size_t)(ch0 + k) * P + j) * 2 + 1]);
+                a[k] += __ldcg(&part[((size_t)j * c + ch0 + k) * 2]);
+                b[k] += __ldcg(&part[((size_t)j * c + ch0 + k) * 2 + 1]);
             }
         }
     }
     bncl_lane_sum<V>(a, b);
     if (threadIdx.x == 0 && threadIdx.y == 0) tickets[tile] = 0u;
-    return threadIdx.y == 0;
+    return true;
 }
-// This thread's first channel (ch0) and whether it has channels at all.
+// Hands the totals of the row-lane-0 threads out one channel per thread: thread (x, y < V) gets
+// the pair of channel ch0(x) + y, so the per-channel finishing math (divisions, square roots in
+// f64) runs V-wide instead of V times over. Every thread of the block must call it.
+template <int V>
+__device__ __forceinline__ void bncl_spread(const double (&a)[V], const double (&b)[V], double& ta, double& tb) {
+    __shared__ double sp[2][V][32];
+    if (threadIdx.y == 0) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            sp[0][k][threadIdx.x] = a[k];
+            sp[1][k][threadIdx.x] = b[k];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.y < V) {
+        ta = sp[0][threadIdx.y][threadIdx.x];
+        tb = sp[1][threadIdx.y][threadIdx.x];
+    }
+}
+// This thread's first channel.
 __device__ __forceinline__ u32 bncl_first_channel(int V) { return (blockIdx.y * blockDim.x + threadIdx.x) * (u32)V; }
-// This thread's shifted sums of its V channels over rows [start + threadIdx.y, end) in steps of L.
+// Rows a thread loads before it sums them (loads in flight; the sums still run in row order).
+#define BNCL_UNROLL 4
+// This thread's shifted sums of its V channels over rows [start + threadIdx.y, end) in steps of L,
+// in row order.
 template <typename T, int V>
 __device__ __forceinline__ void bncl_shifted_sums(const T* x, u32 ch0, u32 c, const typename Acc<T>::type (&K)[V], u32 start, u32 end,
                                                   double (&s)[V], double (&q)[V]) {
     typedef typename Acc<T>::type A;
-    for (u32 r = start + threadIdx.y; r < end; r += blockDim.y) {
+    const u32 L = blockDim.y;
+    u32 r = start + threadIdx.y;
+    for (; r + (BNCL_UNROLL - 1) * L < end; r += BNCL_UNROLL * L) {
+        A e[BNCL_UNROLL][V];
+#pragma unroll
+        for (int u = 0; u < BNCL_UNROLL; ++u) ld_vec<T, V>(x, (size_t)(r + u * L) * c + ch0, e[u]);
+#pragma unroll
+        for (int u = 0; u < BNCL_UNROLL; ++u) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const double d = (double)(e[u][k] - K[k]);
+                s[k] += d;
+                q[k] += d * d;
+            }
+        }
+    }
+    for (; r < end; r += L) {
         A e[V];
         ld_vec<T, V>(x, (size_t)r * c + ch0, e);
 #pragma unroll
@@ -449,12 +493,13 @@ __device__ void bncl_stats_k(const T* x, double* part, u32 rows, u32 c, u32 P, u
         ld_vec<T, V>(x, ch0, K);
         bncl_shifted_sums<T, V>(x, ch0, c, K, start, end, s, q);
     }
-    if (!bncl_tile_totals<V>(s, q, part, ch0, valid, tile, p, P, tickets) || !valid) return;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        S sc, sh;
-        bn_stats_finish<S>(s[k], q[k], (double)K[k], ch0 + k, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
-    }
+    if (!bncl_tile_totals<V>(s, q, part, c, ch0, valid, tile, p, P, tickets)) return;
+    double ts = 0.0, tq = 0.0;
+    bncl_spread<V>(s, q, ts, tq);
+    if (!valid || threadIdx.y >= V) return;
+    const u32 ch = ch0 + threadIdx.y;
+    S sc, sh;
+    bn_stats_finish<S>(ts, tq, (double)to_acc(x[ch]), ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh);
 }
 // y = act(x·p[ch] + p[C + ch]) over channels-last storage, V elements per step (C % V == 0 when
 // V > 1, so a vector never crosses a row); nvec = len / V.
@@ -488,12 +533,12 @@ __device__ void bncl_fwd1_k(const T* x, T* y, u32 rows, u32 c, double count, con
         bncl_shifted_sums<T, V>(x, ch0, c, K, 0, rows, s, q);
     }
     bncl_lane_sum<V>(s, q);
-    if (threadIdx.y == 0 && valid) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            bn_stats_finish<S>(s[k], q[k], (double)K[k], ch0 + k, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, ssc[threadIdx.x * V + k],
-                               ssh[threadIdx.x * V + k]);
-        }
+    double ts = 0.0, tq = 0.0;
+    bncl_spread<V>(s, q, ts, tq);
+    if (valid && threadIdx.y < V) {
+        const u32 ch = ch0 + threadIdx.y;
+        bn_stats_finish<S>(ts, tq, (double)to_acc(x[ch]), ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt,
+                           ssc[threadIdx.x * V + threadIdx.y], ssh[threadIdx.x * V + threadIdx.y]);
     }
     __syncthreads();
     if (!valid) return;
@@ -521,12 +566,33 @@ __device__ __forceinline__ void bncl_params(const S* aff, const S* nrm, u32 ch0,
         t[k][3] = (A)nrm[c + ch0 + k];
     }
 }
-// This thread's backward sums (Σgz, Σgz·x̂) of its V channels over rows [start + threadIdx.y, end).
+// This thread's backward sums (Σgz, Σgz·x̂) of its V channels over rows [start + threadIdx.y, end),
+// in row order (two rows loaded before they are summed).
 template <typename T, int V>
 __device__ __forceinline__ void bnbcl_sums(const T* x, const T* g, u32 ch0, u32 c, const typename Acc<T>::type (&t)[V][4], int silu,
                                            u32 start, u32 end, double (&sa)[V], double (&sq)[V]) {
     typedef typename Acc<T>::type A;
-    for (u32 r = start + threadIdx.y; r < end; r += blockDim.y) {
+    const u32 L = blockDim.y;
+    u32 r = start + threadIdx.y;
+    for (; r + L < end; r += 2 * L) {
+        A xe[2][V], ge[2][V];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            ld_vec<T, V>(x, (size_t)(r + u * L) * c + ch0, xe[u]);
+            ld_vec<T, V>(g, (size_t)(r + u * L) * c + ch0, ge[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                A gz, xh;
+                bnb_terms<A>(xe[u][k], ge[u][k], t[k][0], t[k][1], t[k][2], t[k][3], silu, gz, xh);
+                sa[k] += (double)gz;
+                sq[k] += (double)gz * (double)xh;
+            }
+        }
+    }
+    for (; r < end; r += L) {
         const size_t i = (size_t)r * c + ch0;
         A xe[V], ge[V];
         ld_vec<T, V>(x, i, xe);
@@ -557,12 +623,12 @@ __device__ void bnbcl_reduce_k(const T* x, const T* g, const S* aff, const S* nr
         bncl_params<A, S, V>(aff, nrm, ch0, c, t);
         bnbcl_sums<T, V>(x, g, ch0, c, t, silu, start, end, sa, sq);
     }
-    if (!bncl_tile_totals<V>(sa, sq, part, ch0, valid, tile, p, P, tickets) || !valid) return;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        S k3[3];
-        bnb_finish<S>(sa[k], sq[k], ch0 + k, c, count, w, nrm, training, gw, gb, coef, k3);
-    }
+    if (!bncl_tile_totals<V>(sa, sq, part, c, ch0, valid, tile, p, P, tickets)) return;
+    double ta = 0.0, tq = 0.0;
+    bncl_spread<V>(sa, sq, ta, tq);
+    if (!valid || threadIdx.y >= V) return;
+    S k3[3];
+    bnb_finish<S>(ta, tq, ch0 + threadIdx.y, c, count, w, nrm, training, gw, gb, coef, k3);
 }
 // dx = coef[0]·gz + coef[1] + coef[2]·x̂ over channels-last storage, V elements per step (C % V
 // == 0 when V > 1).
@@ -604,15 +670,14 @@ __device__ void bnbcl_fused1_k(const T* x, const T* g, const S* aff, const S* nr
         bnbcl_sums<T, V>(x, g, ch0, c, t, silu, 0, rows, sa, sq);
     }
     bncl_lane_sum<V>(sa, sq);
-    if (threadIdx.y == 0 && valid) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            S k3[3];
-            bnb_finish<S>(sa[k], sq[k], ch0 + k, c, count, w, nrm, training, gw, gb, coef, k3);
-            sk[0][threadIdx.x * V + k] = k3[0];
-            sk[1][threadIdx.x * V + k] = k3[1];
-            sk[2][threadIdx.x * V + k] = k3[2];
-        }
+    double ta = 0.0, tq = 0.0;
+    bncl_spread<V>(sa, sq, ta, tq);
+    if (valid && threadIdx.y < V) {
+        S k3[3];
+        bnb_finish<S>(ta, tq, ch0 + threadIdx.y, c, count, w, nrm, training, gw, gb, coef, k3);
+        sk[0][threadIdx.x * V + threadIdx.y] = k3[0];
+        sk[1][threadIdx.x * V + threadIdx.y] = k3[1];
+        sk[2][threadIdx.x * V + threadIdx.y] = k3[2];
     }
     __syncthreads();
     if (!valid) return;
