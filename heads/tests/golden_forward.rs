@@ -1,4 +1,4 @@
-//! Golden forward tests against `shared/goldens/model/` (Ultralytics 8.4.190, fp32 CPU).
+//! Golden forward tests against the goldens' `model/` (Ultralytics 8.4.190, fp32 CPU).
 //! Device-generic: each check takes a `Device`; CUDA variants run with `--features cuda`.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Golden loss cases (shared/goldens/loss_cases): per-term items, assignment, gradients.
+//! Golden loss cases (the goldens' `loss_cases/`): per-term items, assignment, gradients.
 
 mod loss_support;
 

@@ -15,10 +15,11 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # CUDA tests + GPU micro-benchmark (ptl vs PyTorch). Logs go to $OUT (default: ./out beside this file).
 set -u
 cd "$(dirname "$0")"
-# Binaries packed xz-compressed are unpacked once (the .xz goes).
+# Binaries and goldens packed xz-compressed are unpacked once (the .xz goes).
 for z in *.xz; do
   [ -f "$z" ] && { xz -d -f "$z" && chmod +x "${z%.xz}"; }
 done
+find goldens -name '*.xz' -exec xz -d -f {} + 2>/dev/null
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export OUT
@@ -83,15 +84,16 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// The goldens a packed test binary reads (`../shared` does not travel to the GPU machine):
+/// The goldens a packed test binary reads, copied from the repository's (`ptl_goldens::dir`):
 /// (binary name, files or folders under `goldens/`).
 const GOLDENS_OF: [(&str, &[&str]); 2] = [
     ("loss_cuda", &["loss_cases"]),
     ("optim_golden", &["optimizer", "model/weights.safetensors", "model/params.json", "model/loss.json", "model/loss.safetensors"]),
 ];
 
-/// Copies `rel` (a file or a folder of files) from `src` into `dst`; returns the bytes copied.
-fn copy_golden(src: &Path, dst: &Path, rel: &str) -> Result<u64, String> {
+/// Copies `rel` (a file or a folder of files) from `src` into `dst`; returns the bytes copied and
+/// the copies.
+fn copy_golden(src: &Path, dst: &Path, rel: &str) -> Result<(u64, Vec<PathBuf>), String> {
     let (from, to) = (src.join(rel), dst.join(rel));
     let files: Vec<(PathBuf, PathBuf)> = if from.is_dir() {
         std::fs::read_dir(&from)
@@ -103,17 +105,20 @@ fn copy_golden(src: &Path, dst: &Path, rel: &str) -> Result<u64, String> {
         vec![(from.clone(), to.clone())]
     };
     let mut total = 0;
+    let mut copies = Vec::new();
     for (f, t) in files {
         if let Some(parent) = t.parent() {
             std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
         }
         total += std::fs::copy(&f, &t).map_err(|e| format!("copying {}: {e}", f.display()))?;
+        copies.push(t);
     }
-    Ok(total)
+    Ok((total, copies))
 }
 
-/// Compresses each binary in place to `<name>.xz` with the `xz` tool (multi-threaded, preset 6);
-/// returns the bytes saved, or `None` when there is no `xz` here (the pack stays uncompressed).
+/// Compresses each file (binaries, goldens) in place to `<name>.xz` with the `xz` tool
+/// (multi-threaded, preset 6); returns the bytes saved, or `None` when there is no `xz` here (the
+/// pack stays uncompressed).
 fn compress(binaries: &[PathBuf]) -> Result<Option<u64>, String> {
     if std::process::Command::new("xz").arg("--version").output().is_err() {
         eprintln!("device-pack: no `xz` tool here; the binaries travel uncompressed");
@@ -202,8 +207,10 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     std::fs::copy(root.join("autograd/benches/torch_ops.py"), pack.join("torch_ops.py"))
         .map_err(|e| format!("copying torch_ops.py: {e}"))?;
-    // The goldens the packed binaries read.
-    let goldens = std::env::var_os("PTL_GOLDENS").map(PathBuf::from).unwrap_or_else(|| root.join("../shared/goldens"));
+    // The goldens the packed binaries read: the repository's copy, unpacked when xtask was built
+    // (or `$PTL_GOLDENS`).
+    let goldens = ptl_goldens::dir();
+    let mut golden_files = Vec::new();
     for (name, files) in GOLDENS_OF {
         if !copied.iter().any(|c| c.file_name().is_some_and(|f| f.to_string_lossy().ends_with(name))) {
             continue;
@@ -213,7 +220,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
             continue;
         }
         for f in files {
-            total += copy_golden(&goldens, &pack.join("goldens"), f)?;
+            let (bytes, copies) = copy_golden(&goldens, &pack.join("goldens"), f)?;
+            total += bytes;
+            golden_files.extend(copies);
         }
     }
     let run = pack.join("run.sh");
@@ -223,7 +232,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755));
     }
-    let packed: Vec<PathBuf> = copied.iter().cloned().chain(cli_wanted.then(|| pack.join("ptl-ext")).filter(|p| p.exists())).collect();
+    let packed: Vec<PathBuf> =
+        copied.iter().cloned().chain(cli_wanted.then(|| pack.join("ptl-ext")).filter(|p| p.exists())).chain(golden_files).collect();
     if let Some(saved) = compress(&packed)? {
         total -= saved;
     }

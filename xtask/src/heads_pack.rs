@@ -60,7 +60,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     for a in artifacts {
         total += crate::artifacts::copy_stripped(&a.exe, &pack.join(format!("{}_{}", a.kind, a.name)))?;
     }
-    let goldens = std::env::var_os("PTL_GOLDENS").map(PathBuf::from).unwrap_or_else(|| root.join("../shared/goldens"));
+    let goldens = ptl_goldens::dir();
     for f in ["weights.safetensors", "forward.safetensors", "forward_layers.safetensors", "forward.json", "params.json"] {
         total += copy(&goldens.join("model").join(f), &pack.join("goldens/model").join(f))?;
     }

@@ -7,6 +7,7 @@ mod bench;
 mod device_pack;
 mod fuzz;
 mod gate;
+mod goldens;
 mod heads_pack;
 mod outcome;
 
@@ -18,6 +19,7 @@ fn usage() -> &'static str {
        bench           training benchmark: arms in alternating fresh processes next to Ultralytics (--help)\n  \
        heads-pack      the model's CUDA golden tests + forward/backward bench next to PyTorch into heads-pack/\n  \
        outcome         long ptl and Ultralytics fits on one learnable set: final/best metrics, curves (--help)\n  \
+       goldens         pack a full copy of the reference tensors into goldens/data/ (--from DIR)\n  \
        fuzz            fuzz the label/yaml/COCO/image parsers (libFuzzer via cargo +nightly fuzz; --stable, --runs N)\n"
 }
 
@@ -30,6 +32,7 @@ fn main() -> ExitCode {
         Some("heads-pack") => heads_pack::run(&args[1..]),
         Some("fuzz") => fuzz::run(&args[1..]),
         Some("outcome") => outcome::run(&args[1..]),
+        Some("goldens") => goldens::run(&args[1..]),
         Some("-h") | Some("--help") | None => {
             print!("{}", usage());
             return ExitCode::SUCCESS;

@@ -8,17 +8,17 @@ use std::path::PathBuf;
 use ptl_autograd::{DType, Device, Tensor};
 use ptl_heads::{ModelConfig, PoseModel};
 
-pub const GOLDENS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens");
-
-/// The golden `model/` folder (`$PTL_GOLDENS/model` when that variable is set, e.g. on a GPU
-/// machine that runs packed test binaries), or `None` (with a printed reason) when it is absent.
+/// The golden `model/` folder (under [`ptl_goldens::folder`]: the repository's copy, or
+/// `$PTL_GOLDENS` on a machine that runs packed test binaries), or `None` with a loud skip line (a
+/// failure under CI) when it is absent.
 pub fn model_dir() -> Option<PathBuf> {
-    let root = std::env::var_os("PTL_GOLDENS").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(GOLDENS));
-    let d = root.join("model");
+    let d = ptl_goldens::folder()?.join("model");
     if d.join("weights.safetensors").is_file() {
         Some(d)
     } else {
-        eprintln!("SKIP: golden model files not found under {}", d.display());
+        let msg = format!("golden model files not found under {}: the golden comparisons did NOT run", d.display());
+        assert!(std::env::var_os("CI").is_none_or(|v| v.is_empty()), "{msg} (CI)");
+        eprintln!("SKIPPED: {msg}");
         None
     }
 }

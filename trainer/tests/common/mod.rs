@@ -1,22 +1,14 @@
-//! Shared helpers for golden tests: locate `shared/goldens`, read safetensors into host vectors.
+//! Shared helpers for golden tests: locate the goldens, read safetensors into host vectors.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
 
 use safetensors::{Dtype, SafeTensors};
 
-/// `$PTL_GOLDENS`, else `shared/goldens`, or `None` (with a printed reason) when there is none.
+/// The goldens' folder ([`ptl_goldens::folder`]: the repository's copy, or `$PTL_GOLDENS`), or
+/// `None` with a loud skip line (a failure under CI) when there is none.
 pub fn goldens() -> Option<PathBuf> {
-    let p = std::env::var_os("PTL_GOLDENS")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/goldens")));
-    if p.is_dir() {
-        Some(p)
-    } else {
-        eprintln!("skipping: golden folder {} not found", p.display());
-        None
-    }
+    ptl_goldens::folder()
 }
 
 /// A host copy of one tensor.

@@ -1,0 +1,54 @@
+//! The reference tensors ptl's tests compare against: forward outputs, per-layer activations,
+//! losses, gradients, optimizer and EMA steps and metrics of Ultralytics 8.4.190's YOLO26n-pose,
+//! made on the CPU in float32. The repository keeps them packed in `goldens/data/` (see
+//! `goldens/README.md`: what each file holds, how they were made, what was reduced); this crate's
+//! build script unpacks them, so a clean clone runs every golden test.
+//!
+//! ```
+//! let weights = ptl_goldens::folder().expect("the goldens unpack at build time").join("model/weights.safetensors");
+//! assert!(weights.is_file());
+//! ```
+
+#![warn(missing_docs)]
+
+use std::path::{Path, PathBuf};
+
+/// The repository's goldens, unpacked when this crate was built.
+pub fn unpacked() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/goldens"))
+}
+
+/// Where the tests read goldens: `$PTL_GOLDENS` when set (a full copy, or the one a device pack
+/// carries to a machine that runs packed test binaries), else [`unpacked`].
+pub fn dir() -> PathBuf {
+    match std::env::var_os("PTL_GOLDENS").filter(|v| !v.is_empty()) {
+        Some(d) => PathBuf::from(d),
+        None => unpacked().to_path_buf(),
+    }
+}
+
+/// [`dir`] when it exists. When it does not, a test cannot check what it exists to check: under
+/// CI (the `CI` variable set) that fails the test; elsewhere it prints a loud skip line and
+/// returns `None`.
+pub fn folder() -> Option<PathBuf> {
+    let d = dir();
+    if d.is_dir() {
+        return Some(d);
+    }
+    let msg = format!("golden folder {} not found: the golden comparisons did NOT run", d.display());
+    if std::env::var_os("CI").is_some_and(|v| !v.is_empty()) {
+        panic!("{msg} (CI)");
+    }
+    eprintln!("SKIPPED: {msg}");
+    None
+}
+
+/// Values kept of a large parameter gradient in the repository's `model/loss.safetensors`: its
+/// gradients of more than 2048 values are `grad_sample.<name>`, this many values at positions
+/// ⌊j·n / GRADIENT_SAMPLES⌋ ([`sample_positions`]), instead of `grad.<name>`.
+pub const GRADIENT_SAMPLES: usize = 512;
+
+/// The positions of a reduced gradient's samples in a tensor of `n` values.
+pub fn sample_positions(n: usize) -> impl Iterator<Item = usize> {
+    (0..GRADIENT_SAMPLES).map(move |j| j * n / GRADIENT_SAMPLES)
+}

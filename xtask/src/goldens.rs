@@ -1,0 +1,204 @@
+//! `cargo xtask goldens --from DIR`: packs a full copy of the reference tensors (the files the
+//! golden tests read, as the reference generator wrote them) into the repository's `goldens/data/`:
+//! every file xz-compressed, a safetensors file's data section first split into four byte planes
+//! (the float exponents then lie together and compress: ~8 % smaller than xz alone), and the one
+//! reduction that keeps the copy under 25 MB: `model/loss.safetensors`' parameter gradients of
+//! more than [`FULL_MAX`] values are kept as [`SAMPLES`] values at fixed positions
+//! (`grad_sample.<name>`, positions ⌊j·n / SAMPLES⌋); the tests compare those and each tensor's
+//! L2 norm and largest magnitude, which `model/loss.json` holds for every gradient.
+//! `ptl-goldens`' build script undoes the planes and the compression.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::{Map, Value};
+
+/// Gradients with at most this many values stay whole.
+pub(crate) const FULL_MAX: usize = 2048;
+/// Values kept of a larger gradient.
+pub(crate) const SAMPLES: usize = 512;
+
+const HELP: &str = "usage: cargo xtask goldens --from DIR [--out goldens/data]
+  packs the reference tensors of DIR (a full copy, e.g. ../shared/goldens) into the repository";
+
+pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let (mut from, mut out) = (None, root.join("goldens/data"));
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--from" => from = Some(PathBuf::from(it.next().ok_or("--from needs a folder")?)),
+            "--out" => out = PathBuf::from(it.next().ok_or("--out needs a folder")?),
+            _ => return Err(HELP.into()),
+        }
+    }
+    let from = from.ok_or(HELP)?;
+    let mut files = Vec::new();
+    walk(&from, &mut files)?;
+    files.sort();
+    let (mut raw, mut packed) = (0u64, 0u64);
+    for f in files {
+        let rel = f.strip_prefix(&from).map_err(|e| e.to_string())?;
+        if rel.extension().is_some_and(|e| e == "md") {
+            continue; // the generator's notes: goldens/README.md says what the files are
+        }
+        let bytes = std::fs::read(&f).map_err(|e| format!("{}: {e}", f.display()))?;
+        raw += bytes.len() as u64;
+        let body = if rel.extension().is_some_and(|e| e == "safetensors") {
+            let st = if rel == Path::new("model/loss.safetensors") { reduce_gradients(&bytes)? } else { bytes };
+            to_planes(&st)?
+        } else {
+            bytes
+        };
+        let dst = out.join(format!("{}.xz", rel.display()));
+        std::fs::create_dir_all(dst.parent().unwrap_or(&out)).map_err(|e| e.to_string())?;
+        let z = xz(&body)?;
+        packed += z.len() as u64;
+        std::fs::write(&dst, z).map_err(|e| format!("{}: {e}", dst.display()))?;
+        eprintln!("goldens: {}", dst.display());
+    }
+    eprintln!("goldens: {:.1} MB of reference files packed into {:.1} MB in {}", raw as f64 / 1e6, packed as f64 / 1e6, out.display());
+    Ok(())
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
+    for e in std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+        let p = e.map_err(|e| e.to_string())?.path();
+        if p.is_dir() {
+            walk(&p, out)?;
+        } else {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+/// `xz -9e` of `data`, one thread (one block: what a plain decoder expects).
+fn xz(data: &[u8]) -> Result<Vec<u8>, String> {
+    let mut child = Command::new("xz")
+        .args(["-9e", "-T1", "-c"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting xz (install xz-utils): {e}"))?;
+    let mut stdin = child.stdin.take().ok_or("xz: no stdin")?;
+    let input = data.to_vec();
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
+    let out = child.wait_with_output().map_err(|e| format!("xz: {e}"))?;
+    writer.join().map_err(|_| "xz: writer panicked")?.map_err(|e| format!("xz: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("xz failed: {}", out.status));
+    }
+    Ok(out.stdout)
+}
+
+/// A safetensors file's header (8-byte length, JSON) and data section.
+fn split(st: &[u8]) -> Result<(Map<String, Value>, &[u8]), String> {
+    let n = u64::from_le_bytes(st.get(..8).ok_or("short safetensors file")?.try_into().map_err(|_| "header length")?) as usize;
+    let header = st.get(8..8 + n).ok_or("safetensors header past the end")?;
+    let map: Map<String, Value> = serde_json::from_slice(header).map_err(|e| format!("safetensors header: {e}"))?;
+    Ok((map, &st[8 + n..]))
+}
+
+/// The file with its data section as four byte planes (byte k of every 4-byte word, then k + 1,
+/// …; the section zero-padded to a multiple of 4). The header is unchanged, so the original
+/// length is the largest end offset it names.
+pub(crate) fn to_planes(st: &[u8]) -> Result<Vec<u8>, String> {
+    let (_, data) = split(st)?;
+    let head = st.len() - data.len();
+    let words = data.len().div_ceil(4);
+    let mut out = st[..head].to_vec();
+    out.resize(head + 4 * words, 0);
+    for (i, b) in data.iter().enumerate() {
+        out[head + (i % 4) * words + i / 4] = *b;
+    }
+    Ok(out)
+}
+
+/// `model/loss.safetensors` with every `grad.<name>` of more than [`FULL_MAX`] f32 values replaced
+/// by `grad_sample.<name>`: [`SAMPLES`] values at positions ⌊j·n / SAMPLES⌋.
+pub(crate) fn reduce_gradients(st: &[u8]) -> Result<Vec<u8>, String> {
+    let (map, data) = split(st)?;
+    let mut entries: Vec<(String, Value)> = map.into_iter().collect();
+    let meta = entries.iter().position(|(k, _)| k == "__metadata__").map(|i| entries.remove(i));
+    entries.sort_by_key(|(_, v)| v["data_offsets"][0].as_u64().unwrap_or(0));
+    let mut header = Map::new();
+    let mut meta_map = meta.and_then(|(_, v)| v.as_object().cloned()).unwrap_or_default();
+    meta_map.insert(
+        "ptl_reduced".into(),
+        Value::String(format!(
+            "grad.<name> of more than {FULL_MAX} values kept as grad_sample.<name>: {SAMPLES} values at positions floor(j*n/{SAMPLES})"
+        )),
+    );
+    header.insert("__metadata__".into(), Value::Object(meta_map));
+    let mut body = Vec::new();
+    for (name, v) in entries {
+        let (s, e) = (v["data_offsets"][0].as_u64().unwrap_or(0) as usize, v["data_offsets"][1].as_u64().unwrap_or(0) as usize);
+        let bytes = data.get(s..e).ok_or_else(|| format!("{name}: offsets past the data"))?;
+        let (key, kept, shape) = match name.strip_prefix("grad.") {
+            Some(param) if v["dtype"] == "F32" && bytes.len() / 4 > FULL_MAX => {
+                let n = bytes.len() / 4;
+                let kept: Vec<u8> = (0..SAMPLES).flat_map(|j| bytes[4 * (j * n / SAMPLES)..][..4].to_vec()).collect();
+                (format!("grad_sample.{param}"), kept, Value::from(vec![SAMPLES]))
+            }
+            _ => (name.clone(), bytes.to_vec(), v["shape"].clone()),
+        };
+        let start = body.len();
+        body.extend_from_slice(&kept);
+        header.insert(key, serde_json::json!({ "dtype": v["dtype"], "shape": shape, "data_offsets": [start, body.len()] }));
+    }
+    let mut h = serde_json::to_vec(&Value::Object(header)).map_err(|e| e.to_string())?;
+    h.resize(h.len().div_ceil(8) * 8, b' ');
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+        let mut header = Map::new();
+        let mut body = Vec::new();
+        for (name, dtype, shape, bytes) in tensors {
+            let s = body.len();
+            body.extend_from_slice(bytes);
+            header.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [s, body.len()]}));
+        }
+        let h = serde_json::to_vec(&Value::Object(header)).unwrap();
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        out.extend_from_slice(&body);
+        out
+    }
+
+    #[test]
+    fn planes_put_byte_k_of_every_word_together() {
+        let st = file(&[("a", "U8", vec![6], vec![1, 2, 3, 4, 5, 6])]);
+        let p = to_planes(&st).unwrap();
+        let head = st.len() - 6;
+        assert_eq!(&p[..head], &st[..head]);
+        assert_eq!(&p[head..], &[1, 5, 2, 6, 3, 0, 4, 0]);
+    }
+
+    #[test]
+    fn large_gradients_keep_samples_at_fixed_positions_small_ones_stay_whole() {
+        let big: Vec<u8> = (0..4096u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let small: Vec<u8> = (0..8u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let st = file(&[("grad.w", "F32", vec![64, 64], big), ("grad.b", "F32", vec![8], small.clone()), ("x", "F32", vec![8], small)]);
+        let r = reduce_gradients(&st).unwrap();
+        let (map, data) = split(&r).unwrap();
+        assert!(map.get("grad.w").is_none());
+        let s = &map["grad_sample.w"];
+        assert_eq!(s["shape"], serde_json::json!([SAMPLES]));
+        let (a, b) = (s["data_offsets"][0].as_u64().unwrap() as usize, s["data_offsets"][1].as_u64().unwrap() as usize);
+        let vals: Vec<f32> = data[a..b].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(vals.len(), SAMPLES);
+        assert_eq!(vals[3], (3 * 4096 / SAMPLES) as f32);
+        assert_eq!(map["grad.b"]["shape"], serde_json::json!([8]));
+        assert!(map["__metadata__"]["ptl_reduced"].as_str().unwrap().contains("grad_sample"));
+    }
+}
