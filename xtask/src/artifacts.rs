@@ -58,3 +58,44 @@ pub(crate) fn copy_stripped(src: &Path, dst: &Path) -> Result<u64, String> {
     let _ = Command::new("strip").arg(dst).status();
     Ok(std::fs::metadata(dst).map(|m| m.len()).unwrap_or(0))
 }
+
+/// `bin`, unpacked from `bin.xz` first when only the compressed copy is there (a pack's binaries
+/// travel xz-compressed); the path to run.
+pub(crate) fn unpacked(bin: &Path) -> Result<PathBuf, String> {
+    let xz = PathBuf::from(format!("{}.xz", bin.display()));
+    if !bin.exists() && xz.exists() {
+        let status = std::process::Command::new("xz")
+            .args(["-d", "-f"])
+            .arg(&xz)
+            .status()
+            .map_err(|e| format!("unpacking {} (is xz installed?): {e}", xz.display()))?;
+        if !status.success() {
+            return Err(format!("unpacking {} failed ({status})", xz.display()));
+        }
+    }
+    Ok(bin.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A packed `name.xz` unpacks to `name` on first use; an unpacked binary is used as it is.
+    #[test]
+    fn a_compressed_binary_unpacks_on_first_use() {
+        let dir = std::env::temp_dir().join(format!("ptl-unpacked-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bin = dir.join("tool");
+        std::fs::write(&bin, b"#!/bin/sh\necho packed\n").unwrap();
+        assert_eq!(unpacked(&bin).unwrap(), bin, "an unpacked file is used as it is");
+        match Command::new("xz").arg("-f").arg(&bin).status() {
+            Ok(st) if st.success() => {
+                assert!(!bin.exists());
+                assert_eq!(unpacked(&bin).unwrap(), bin);
+                assert_eq!(std::fs::read(&bin).unwrap(), b"#!/bin/sh\necho packed\n");
+            }
+            _ => println!("no xz tool on this machine: only the unpacked case was checked"),
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

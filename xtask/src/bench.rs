@@ -318,7 +318,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         let (mut o, _) = parse(&args[1..])?;
         o.work = Some(work_folder(&o)?);
         let dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
-        return run_sweep(&o, &dir.join("ptl"), &dir.join("ultralytics_bench.py"), Some(&dir.join("whl")));
+        return run_sweep(&o, &crate::artifacts::unpacked(&dir.join("ptl"))?, &dir.join("ultralytics_bench.py"), Some(&dir.join("whl")));
     }
     let pack = args.iter().any(|a| a == "--pack");
     let args: Vec<String> = args.iter().filter(|a| *a != "--pack").cloned().collect();
@@ -344,7 +344,11 @@ fn write_pack(root: &Path, ptl: &Path, args: &[String], ultralytics: bool) -> Re
     let pack = root.join("bench-pack");
     let _ = std::fs::remove_dir_all(&pack);
     std::fs::create_dir_all(&pack).map_err(|e| format!("creating {}: {e}", pack.display()))?;
+    // ptl travels xz-compressed (about half its size); the `--here` modes unpack it.
     let mut bytes = crate::artifacts::copy_stripped(ptl, &pack.join("ptl"))?;
+    if let Some(saved) = crate::device_pack::compress(&[pack.join("ptl")])? {
+        bytes -= saved;
+    }
     bytes += crate::artifacts::copy_stripped(&root.join("target/release/ptl-xtask"), &pack.join("xtask"))?;
     std::fs::write(pack.join("ultralytics_bench.py"), ULTRA_SCRIPT).map_err(|e| format!("writing the driver: {e}"))?;
     if ultralytics {

@@ -1,7 +1,8 @@
 //! `cargo xtask device-pack`: builds the CUDA test and bench binaries of ptl-autograd, ptl-data,
 //! ptl-capture and ptl-trainer (release, `cuda` feature), strips them and copies them with `run.sh`,
-//! the PyTorch reference script and the goldens the GPU tests read (`goldens/loss_cases`) into
-//! `device-pack/` (git-ignored). On the GPU machine run `bash device-pack/run.sh`; logs go to `$OUT`.
+//! the PyTorch reference script and the goldens' unpacker into `device-pack/` (git-ignored): the
+//! pack lives in the checkout, so run.sh unpacks the goldens the GPU tests read from the
+//! repository's packed copy (`goldens/data`) instead of carrying a second one. On the GPU machine run `bash device-pack/run.sh`; logs go to `$OUT`.
 //! Binaries are named `test_<crate>_<target>`; `T14` of ptl-capture also runs under
 //! `compute-sanitizer` when the GPU machine has it; `NCU_BN=1` profiles the BatchNorm kernels of the
 //! CUDA fit test with Nsight Compute. The binaries travel xz-compressed (`<name>.xz`, a third of
@@ -15,18 +16,22 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # CUDA tests + GPU micro-benchmark (ptl vs PyTorch). Logs go to $OUT (default: ./out beside this file).
 set -u
 cd "$(dirname "$0")"
-# Binaries and goldens packed xz-compressed are unpacked once (the .xz goes).
+# Binaries packed xz-compressed are unpacked once (the .xz goes).
 for z in *.xz; do
   [ -f "$z" ] && { xz -d -f "$z" && chmod +x "${z%.xz}"; }
 done
-find goldens -name '*.xz' -exec xz -d -f {} + 2>/dev/null
+# The goldens: the repository's packed copy beside this folder, unpacked here once (or
+# $PTL_GOLDENS when set).
+if [ -z "${PTL_GOLDENS:-}" ] && [ -d ../goldens/data ]; then
+  [ -d goldens ] || python3 unpack_goldens.py ../goldens/data goldens || echo "run.sh: unpacking ../goldens/data failed"
+fi
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export OUT
 (nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv) > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 status=0
-[ -d goldens ] && export PTL_GOLDENS=$PWD/goldens
+[ -z "${PTL_GOLDENS:-}" ] && [ -d goldens ] && export PTL_GOLDENS=$PWD/goldens
 # The optimizer goldens run on the GPU here (on the CPU in CI).
 export PTL_OPTIM_DEVICE=cuda:0
 # The command line's CUDA tests run the packed ptl binary.
@@ -84,42 +89,13 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// The goldens a packed test binary reads, copied from the repository's (`ptl_goldens::dir`):
-/// (binary name, files or folders under `goldens/`).
-const GOLDENS_OF: [(&str, &[&str]); 2] = [
-    ("loss_cuda", &["loss_cases"]),
-    ("optim_golden", &["optimizer", "model/weights.safetensors", "model/params.json", "model/loss.json", "model/loss.safetensors"]),
-];
+/// The test binaries that read goldens (packed beside the `cuda_*` ones).
+const GOLDEN_TESTS: [&str; 2] = ["loss_cuda", "optim_golden"];
 
-/// Copies `rel` (a file or a folder of files) from `src` into `dst`; returns the bytes copied and
-/// the copies.
-fn copy_golden(src: &Path, dst: &Path, rel: &str) -> Result<(u64, Vec<PathBuf>), String> {
-    let (from, to) = (src.join(rel), dst.join(rel));
-    let files: Vec<(PathBuf, PathBuf)> = if from.is_dir() {
-        std::fs::read_dir(&from)
-            .map_err(|e| format!("reading {}: {e}", from.display()))?
-            .flatten()
-            .map(|e| (e.path(), to.join(e.file_name())))
-            .collect()
-    } else {
-        vec![(from.clone(), to.clone())]
-    };
-    let mut total = 0;
-    let mut copies = Vec::new();
-    for (f, t) in files {
-        if let Some(parent) = t.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
-        }
-        total += std::fs::copy(&f, &t).map_err(|e| format!("copying {}: {e}", f.display()))?;
-        copies.push(t);
-    }
-    Ok((total, copies))
-}
-
-/// Compresses each file (binaries, goldens) in place to `<name>.xz` with the `xz` tool
+/// Compresses each binary in place to `<name>.xz` with the `xz` tool
 /// (multi-threaded, preset 6); returns the bytes saved, or `None` when there is no `xz` here (the
 /// pack stays uncompressed).
-fn compress(binaries: &[PathBuf]) -> Result<Option<u64>, String> {
+pub(crate) fn compress(binaries: &[PathBuf]) -> Result<Option<u64>, String> {
     if std::process::Command::new("xz").arg("--version").output().is_err() {
         eprintln!("device-pack: no `xz` tool here; the binaries travel uncompressed");
         return Ok(None);
@@ -193,7 +169,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
             total += crate::artifacts::copy_stripped(&a.exe, &pack.join("ptl-ext"))?;
             continue;
         }
-        let wanted = name.starts_with("cuda_") || (kind == "test" && GOLDENS_OF.iter().any(|(n, _)| *n == name));
+        let wanted = name.starts_with("cuda_") || (kind == "test" && GOLDEN_TESTS.contains(&name));
         let selected = only.is_empty() || only.iter().any(|o| name.contains(o.as_str()));
         if !wanted || !selected || !(kind == "test" || kind == "bench") {
             continue;
@@ -207,24 +183,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     std::fs::copy(root.join("autograd/benches/torch_ops.py"), pack.join("torch_ops.py"))
         .map_err(|e| format!("copying torch_ops.py: {e}"))?;
-    // The goldens the packed binaries read: the repository's copy, unpacked when xtask was built
-    // (or `$PTL_GOLDENS`).
-    let goldens = ptl_goldens::dir();
-    let mut golden_files = Vec::new();
-    for (name, files) in GOLDENS_OF {
-        if !copied.iter().any(|c| c.file_name().is_some_and(|f| f.to_string_lossy().ends_with(name))) {
-            continue;
-        }
-        if !goldens.is_dir() {
-            eprintln!("device-pack: {} not found; {name} will skip", goldens.display());
-            continue;
-        }
-        for f in files {
-            let (bytes, copies) = copy_golden(&goldens, &pack.join("goldens"), f)?;
-            total += bytes;
-            golden_files.extend(copies);
-        }
-    }
+    std::fs::copy(root.join("xtask/assets/unpack_goldens.py"), pack.join("unpack_goldens.py"))
+        .map_err(|e| format!("copying unpack_goldens.py: {e}"))?;
     let run = pack.join("run.sh");
     std::fs::write(&run, RUN_SH).map_err(|e| format!("writing run.sh: {e}"))?;
     #[cfg(unix)]
@@ -232,8 +192,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755));
     }
-    let packed: Vec<PathBuf> =
-        copied.iter().cloned().chain(cli_wanted.then(|| pack.join("ptl-ext")).filter(|p| p.exists())).chain(golden_files).collect();
+    let packed: Vec<PathBuf> = copied.iter().cloned().chain(cli_wanted.then(|| pack.join("ptl-ext")).filter(|p| p.exists())).collect();
     if let Some(saved) = compress(&packed)? {
         total -= saved;
     }

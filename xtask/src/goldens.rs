@@ -201,4 +201,31 @@ mod tests {
         assert_eq!(map["grad.b"]["shape"], serde_json::json!([8]));
         assert!(map["__metadata__"]["ptl_reduced"].as_str().unwrap().contains("grad_sample"));
     }
+
+    /// The unpacker a device pack's run.sh runs (Python: the GPU machine has no Rust toolchain)
+    /// gives the bytes the build script gives.
+    #[test]
+    fn the_device_pack_unpacker_matches_the_build_script() {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let dst = std::env::temp_dir().join(format!("ptl-unpack-goldens-{}", std::process::id()));
+        let run =
+            Command::new("python3").arg(root.join("xtask/assets/unpack_goldens.py")).arg(root.join("goldens/data")).arg(&dst).status();
+        match run {
+            Ok(st) => assert!(st.success(), "unpack_goldens.py failed: {st}"),
+            Err(e) => {
+                assert!(std::env::var_os("CI").is_none_or(|v| v.is_empty()), "python3 is needed (CI): {e}");
+                eprintln!("SKIPPED: no python3 here ({e}): the device pack's unpacker was NOT checked");
+                return;
+            }
+        }
+        let mut ours = Vec::new();
+        walk(ptl_goldens::unpacked(), &mut ours).unwrap();
+        assert!(ours.len() > 20, "the build script unpacked {} files", ours.len());
+        for f in ours {
+            let rel = f.strip_prefix(ptl_goldens::unpacked()).unwrap();
+            let theirs = std::fs::read(dst.join(rel)).unwrap_or_else(|e| panic!("{}: {e}", rel.display()));
+            assert!(std::fs::read(&f).unwrap() == theirs, "{}: the unpackers differ", rel.display());
+        }
+        std::fs::remove_dir_all(&dst).ok();
+    }
 }

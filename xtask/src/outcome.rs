@@ -162,7 +162,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             // beside this binary.
             let o = parse(&args[1..])?;
             let dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or_default();
-            run_here(&o, &dir.join("ptl"), &dir.join("ultralytics_bench.py"), &dir.join("whl"))
+            run_here(&o, &crate::artifacts::unpacked(&dir.join("ptl"))?, &dir.join("ultralytics_bench.py"), &dir.join("whl"))
         }
         _ => Err(format!("outcome runs on the GPU machine (--here) or reports (--report)\n{HELP}")),
     }
