@@ -1430,11 +1430,16 @@ fn channels_last_convolutions_compute_in_nhwc() {
     let rand = |dims: &[usize], seed: u64| Tensor::rand(dims.to_vec(), -1.0, 1.0, DType::F32, dev, &mut Rng::new(seed)).unwrap();
     /// Input, weight, stride, padding, groups.
     type Shape = ([usize; 4], [usize; 4], usize, usize, usize);
-    let shapes: [Shape; 4] = [
+    // The depthwise shapes run ptl's own channels-last kernels (cuda/ops/depthwise.rs): strided,
+    // 5×5, and one whose weight gradient splits its rows over several blocks.
+    let shapes: [Shape; 7] = [
         ([2, 16, 12, 12], [32, 16, 3, 3], 1, 1, 1),
         ([2, 16, 12, 12], [32, 16, 3, 3], 2, 1, 1),
         ([2, 32, 10, 10], [32, 1, 3, 3], 1, 1, 32),
         ([2, 24, 9, 9], [40, 24, 1, 1], 1, 0, 1),
+        ([2, 24, 11, 11], [24, 1, 3, 3], 2, 1, 24),
+        ([1, 8, 13, 13], [8, 1, 5, 5], 1, 2, 8),
+        ([2, 48, 40, 40], [48, 1, 3, 3], 1, 1, 48),
     ];
     for (i, (xs, ws, stride, pad, groups)) in shapes.into_iter().enumerate() {
         for dt in [DType::F32, DType::BF16] {

@@ -275,6 +275,9 @@ pub(crate) fn run_into(
     if p.kh == 1 && p.kw == 1 && p.stride == (1, 1) && p.padding == (0, 0) && p.groups == 1 {
         return pointwise(dir, a, b, p, out, tf32);
     }
+    if super::ops::takes_depthwise(p, dt) {
+        return super::ops::depthwise_channels_last(dir, a, b, p, out);
+    }
     dev.dnn.with(
         || super::counters::time_setup(Setup::Handle, || Dnn::new(dev)),
         |dnn: &mut Dnn| {

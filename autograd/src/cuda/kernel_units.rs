@@ -11,7 +11,7 @@ macro_rules! unit {
 }
 
 /// Every unit as (module name, source), in the order kernels are looked up.
-pub(crate) const UNITS: [(&str, &str); 9] = [
+pub(crate) const UNITS: [(&str, &str); 10] = [
     unit!("elementwise"),
     unit!("reduce"),
     unit!("index"),
@@ -21,6 +21,7 @@ pub(crate) const UNITS: [(&str, &str); 9] = [
     unit!("multi_tensor"),
     unit!("pack"),
     unit!("rng"),
+    unit!("depthwise"),
 ];
 
 #[cfg(test)]
@@ -28,7 +29,7 @@ mod tests {
     use super::UNITS;
 
     /// The launchers, in the order of [`UNITS`].
-    const LAUNCHERS: [(&str, &str); 9] = [
+    const LAUNCHERS: [(&str, &str); 10] = [
         ("elementwise", include_str!("ops/elementwise.rs")),
         ("reduce", include_str!("ops/reduce.rs")),
         ("index", include_str!("ops/index.rs")),
@@ -38,6 +39,7 @@ mod tests {
         ("multi_tensor", include_str!("ops/multi_tensor.rs")),
         ("pack", include_str!("ops/pack.rs")),
         ("rng", include_str!("ops/rng.rs")),
+        ("depthwise", include_str!("ops/depthwise.rs")),
     ];
 
     /// The literal kernel names a launcher passes to `func(` (first argument; both arms of an

@@ -6,6 +6,7 @@
 
 #[macro_use]
 mod geometry;
+mod depthwise;
 mod elementwise;
 mod index;
 mod multi_tensor;
@@ -18,6 +19,7 @@ mod reduce;
 mod rng;
 mod softmax;
 
+pub(crate) use depthwise::*;
 pub(crate) use elementwise::*;
 pub(crate) use index::*;
 pub(crate) use multi_tensor::*;
