@@ -87,7 +87,7 @@ pub(crate) fn depthwise_channels_last(
             let (pp, rr, pn) = (ptr(&part), u32c(OP, rows)?, parts as u32);
             let f = dev.func("dw_wgrad_part", sfx(a.dtype))?;
             dev.launch(f, (pn, tiles as u32, taps as u32), (32, 8, 1), &mut args!(pa, pb, pp, g, rr, pn))?;
-            super::sum_partials(&part, parts, &out)?;
+            super::reduce::sum_partials(&part, parts, &out)?;
         }
     }
     Ok(out)
