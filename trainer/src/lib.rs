@@ -32,6 +32,7 @@
 //! ```
 
 #![warn(missing_docs)]
+pub mod distributed;
 pub mod error;
 pub mod fit;
 pub mod loss;

@@ -1,0 +1,14 @@
+//! Data-parallel training's rules that do not depend on the transport: how the global batch and
+//! each epoch's order are split over the ranks, how gradients are grouped into all-reduce buckets
+//! and averaged (absent gradients included), and a [`Collective`] that runs them — in CI the
+//! threads-in-one-process [`ThreadGroup`], on GPUs NCCL. Ultralytics' semantics throughout:
+//! `batch` is global and floored per rank, each epoch's order is padded and strided over the
+//! ranks as PyTorch's `DistributedSampler` does, gradients are averaged over the world size.
+
+mod buckets;
+mod collective;
+mod shard;
+
+pub use buckets::{average_gradients, Bucket, BucketPlan, DEFAULT_BUCKET_BYTES};
+pub use collective::{Collective, ThreadCollective, ThreadGroup};
+pub use shard::{per_rank_batch, shard_order};
