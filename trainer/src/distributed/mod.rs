@@ -1,14 +1,17 @@
 //! Data-parallel training's rules that do not depend on the transport: how the global batch and
 //! each epoch's order are split over the ranks, how gradients are grouped into all-reduce buckets
 //! and averaged (absent gradients included), and a [`Collective`] that runs them — in CI the
-//! threads-in-one-process [`ThreadGroup`], on GPUs NCCL. Ultralytics' semantics throughout:
+//! threads-in-one-process [`ThreadGroup`], on GPUs NCCL — and the TCP rendezvous store through
+//! which the ranks meet. Ultralytics' semantics throughout:
 //! `batch` is global and floored per rank, each epoch's order is padded and strided over the
 //! ranks as PyTorch's `DistributedSampler` does, gradients are averaged over the world size.
 
 mod buckets;
 mod collective;
 mod shard;
+mod store;
 
 pub use buckets::{average_gradients, Bucket, BucketPlan, DEFAULT_BUCKET_BYTES};
 pub use collective::{Collective, ThreadCollective, ThreadGroup};
 pub use shard::{per_rank_batch, shard_order};
+pub use store::{store_get, store_set, StoreServer, MAX_VALUE};
