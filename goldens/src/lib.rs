@@ -43,8 +43,11 @@ pub fn folder() -> Option<PathBuf> {
     None
 }
 
-/// Values kept of a large parameter gradient in the repository's `model/loss.safetensors`: its
-/// gradients of more than 2048 values are `grad_sample.<name>`, this many values at positions
+/// The largest parameter gradient the repository's `model/loss.safetensors` keeps whole
+/// (`grad.<name>`).
+pub const WHOLE_GRADIENT_MAX: usize = 2048;
+
+/// Values kept of a larger gradient: `grad_sample.<name>`, this many values at positions
 /// ⌊j·n / GRADIENT_SAMPLES⌋ ([`sample_positions`]), instead of `grad.<name>`.
 pub const GRADIENT_SAMPLES: usize = 512;
 

@@ -14,10 +14,10 @@ use std::process::{Command, Stdio};
 
 use serde_json::{Map, Value};
 
-/// Gradients with at most this many values stay whole.
-pub(crate) const FULL_MAX: usize = 2048;
-/// Values kept of a larger gradient.
-pub(crate) const SAMPLES: usize = 512;
+/// Gradients with at most this many values stay whole (what the tests expect: ptl-goldens says).
+pub(crate) const FULL_MAX: usize = ptl_goldens::WHOLE_GRADIENT_MAX;
+/// Values kept of a larger gradient, at `ptl_goldens::sample_positions`.
+pub(crate) const SAMPLES: usize = ptl_goldens::GRADIENT_SAMPLES;
 
 const HELP: &str = "usage: cargo xtask goldens --from DIR [--out goldens/data]
   packs the reference tensors of DIR (a full copy, e.g. ../shared/goldens) into the repository";
@@ -139,7 +139,7 @@ pub(crate) fn reduce_gradients(st: &[u8]) -> Result<Vec<u8>, String> {
         let (key, kept, shape) = match name.strip_prefix("grad.") {
             Some(param) if v["dtype"] == "F32" && bytes.len() / 4 > FULL_MAX => {
                 let n = bytes.len() / 4;
-                let kept: Vec<u8> = (0..SAMPLES).flat_map(|j| bytes[4 * (j * n / SAMPLES)..][..4].to_vec()).collect();
+                let kept: Vec<u8> = ptl_goldens::sample_positions(n).flat_map(|i| bytes[4 * i..][..4].to_vec()).collect();
                 (format!("grad_sample.{param}"), kept, Value::from(vec![SAMPLES]))
             }
             _ => (name.clone(), bytes.to_vec(), v["shape"].clone()),
