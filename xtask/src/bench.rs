@@ -895,6 +895,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             }));
         }
     }
+    md.push_str(&no_gpu_window(&ok));
     // Paired ratios: each arm against Ultralytics (or the first arm) of the same precision and pair.
     let mut ratios = Vec::new();
     md.push_str("\nPaired ratios (same precision, same round; median (min–max) over rounds):\n\n| precision | arm / reference | complete | step |\n|---|---|---:|---:|\n");
@@ -1090,6 +1091,24 @@ fn failed_runs(recs: &[Value]) -> String {
         ));
     }
     md
+}
+
+/// Why ptl runs of a CUDA bench have no kernel figures ("–" in the table), as each run said
+/// (epochs too short for the warm-up and the windows, no CUPTI, …).
+fn no_gpu_window(ok: &[&Value]) -> String {
+    let lines: Vec<String> = ok
+        .iter()
+        .filter(|r| r["kind"] != ULTRA)
+        .filter_map(|r| {
+            let why = r["result"]["timing"]["gpu_unavailable"].as_str()?;
+            Some(format!("- {} {} #{}: {why}\n", r["arm"].as_str().unwrap_or("?"), r["precision"].as_str().unwrap_or("?"), r["pair"]))
+        })
+        .collect();
+    if lines.is_empty() {
+        String::new()
+    } else {
+        format!("\nRuns without GPU kernel figures, and why:\n\n{}", lines.concat())
+    }
 }
 
 /// A run's kernel-time breakdown: ptl's traced window, or the Ultralytics driver's profiler window
@@ -1493,6 +1512,17 @@ mod tests {
         let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
         assert!(md.contains("| bf16-mixed · batch 16 | ptl native | 1 | 30.0 |"), "{md}");
         assert!(md.contains("| bf16-mixed | ptl native | 1 | 15.0 |"), "{md}");
+        assert!(!md.contains("Runs without GPU kernel figures"), "every run had its window: {md}");
+        // A run whose epochs were too short for the GPU window says why under the table.
+        let mut short = ptl_run("native", 0, 15.0, 75.0, "m");
+        short["result"]["timing"]["gpu"] = Value::Null;
+        short["result"]["timing"]["gpu_unavailable"] = json!("epochs of 8 steps are too short");
+        write_report(&[short], &out).expect("report without a GPU window");
+        let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
+        assert!(
+            md.contains("Runs without GPU kernel figures, and why:\n\n- native bf16-mixed #0: epochs of 8 steps are too short"),
+            "{md}"
+        );
         let bad = vec![ptl_run("native", 0, 15.0, 75.0, "m"), ptl_run("workers0", 0, 20.0, 110.0, "other")];
         assert!(write_report(&bad, &out).is_err(), "differing hashes fail the bench");
         // A replay arm whose region fell back to native (e.g. a capture failure) fails the guard.
