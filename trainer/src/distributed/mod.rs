@@ -6,11 +6,13 @@
 //! `batch` is global and floored per rank, each epoch's order is padded and strided over the
 //! ranks as PyTorch's `DistributedSampler` does, gradients are averaged over the world size.
 
+mod agree;
 mod buckets;
 mod collective;
 mod shard;
 mod store;
 
+pub use agree::{agree_bucket, Issued, LoggedCollective};
 pub use buckets::{average_gradients, Bucket, BucketPlan, DEFAULT_BUCKET_BYTES};
 pub use collective::{Collective, ThreadCollective, ThreadGroup};
 pub use shard::{per_rank_batch, shard_order};
