@@ -9,12 +9,21 @@ struct DwGeo {
     u32 n, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw;
 };
 
+// Channel, column, row and image of element i of an (N, H, W, C) tensor of width w and height h.
+__device__ __forceinline__ void dw_position(u32 i, u32 c, u32 w, u32 h, u32& ch, u32& col, u32& row, u32& img) {
+    const u32 r = i / c, t = r / w;
+    ch = i % c;
+    col = r % w;
+    row = t % h;
+    img = t / h;
+}
 // y = Σ over the window of x·w, one output value per thread (taps in row-major order).
 template <typename T>
 __device__ void dw_fwd_k(const T* x, const T* wt, T* y, DwGeo g, u32 total) {
     typedef typename Acc<T>::type A;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
-        const u32 ch = i % g.c, r = i / g.c, ox = r % g.wo, t = r / g.wo, oy = t % g.ho, ni = t / g.ho;
+        u32 ch, ox, oy, ni;
+        dw_position(i, g.c, g.wo, g.ho, ch, ox, oy, ni);
         A acc = (A)0;
         for (u32 a = 0; a < g.kh; ++a) {
             const int iy = (int)(oy * g.sh + a) - (int)g.ph;
@@ -34,7 +43,8 @@ template <typename T>
 __device__ void dw_dgrad_k(const T* dy, const T* wt, T* dx, DwGeo g, u32 total) {
     typedef typename Acc<T>::type A;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
-        const u32 ch = i % g.c, r = i / g.c, ix = r % g.w, t = r / g.w, iy = t % g.h, ni = t / g.h;
+        u32 ch, ix, iy, ni;
+        dw_position(i, g.c, g.w, g.h, ch, ix, iy, ni);
         A acc = (A)0;
         for (u32 a = 0; a < g.kh; ++a) {
             const int ty = (int)(iy + g.ph) - (int)a;

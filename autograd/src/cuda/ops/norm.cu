@@ -443,11 +443,16 @@ __device__ __forceinline__ u32 bncl_first_channel(int V) { return (blockIdx.y * 
 // Rows a thread loads before it sums them (loads in flight; the sums still run in row order).
 #define BNCL_UNROLL 4
 // This thread's shifted sums of its V channels over rows [start + threadIdx.y, end) in steps of L,
-// in row order.
+// in row order (K = each channel's value in row 0); zeros for a thread past the last channel.
 template <typename T, int V>
-__device__ __forceinline__ void bncl_shifted_sums(const T* x, u32 ch0, u32 c, const typename Acc<T>::type (&K)[V], u32 start, u32 end,
-                                                  double (&s)[V], double (&q)[V]) {
+__device__ __forceinline__ void bncl_shifted_sums(const T* x, u32 ch0, u32 c, bool valid, u32 start, u32 end, double (&s)[V],
+                                                  double (&q)[V]) {
     typedef typename Acc<T>::type A;
+#pragma unroll
+    for (int k = 0; k < V; ++k) s[k] = q[k] = 0.0;
+    if (!valid) return;
+    A K[V];
+    ld_vec<T, V>(x, ch0, K);
     const u32 L = blockDim.y;
     u32 r = start + threadIdx.y;
     for (; r + (BNCL_UNROLL - 1) * L < end; r += BNCL_UNROLL * L) {
@@ -480,19 +485,12 @@ __device__ __forceinline__ void bncl_shifted_sums(const T* x, u32 ch0, u32 c, co
 template <typename T, typename S, int V>
 __device__ void bncl_stats_k(const T* x, double* part, u32 rows, u32 c, u32 P, unsigned int* tickets, double count, const S* w, const S* b,
                              S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) {
-    typedef typename Acc<T>::type A;
     const u32 tile = blockIdx.y, p = blockIdx.x, ch0 = bncl_first_channel(V);
     const bool valid = ch0 < c;
     u32 start, end;
     bn_chunk(rows, P, p, start, end);
-    A K[V];
     double s[V], q[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) K[k] = (A)0, s[k] = q[k] = 0.0;
-    if (valid) {
-        ld_vec<T, V>(x, ch0, K);
-        bncl_shifted_sums<T, V>(x, ch0, c, K, start, end, s, q);
-    }
+    bncl_shifted_sums<T, V>(x, ch0, c, valid, start, end, s, q);
     if (!bncl_tile_totals<V>(s, q, part, c, ch0, valid, tile, p, P, tickets)) return;
     double ts = 0.0, tq = 0.0;
     bncl_spread<V>(s, q, ts, tq);
@@ -524,14 +522,8 @@ __device__ void bncl_fwd1_k(const T* x, T* y, u32 rows, u32 c, double count, con
     __shared__ S ssc[256], ssh[256];
     const u32 ch0 = bncl_first_channel(V);
     const bool valid = ch0 < c;
-    A K[V];
     double s[V], q[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) K[k] = (A)0, s[k] = q[k] = 0.0;
-    if (valid) {
-        ld_vec<T, V>(x, ch0, K);
-        bncl_shifted_sums<T, V>(x, ch0, c, K, 0, rows, s, q);
-    }
+    bncl_shifted_sums<T, V>(x, ch0, c, valid, 0, rows, s, q);
     bncl_lane_sum<V>(s, q);
     double ts = 0.0, tq = 0.0;
     bncl_spread<V>(s, q, ts, tq);
@@ -567,11 +559,19 @@ __device__ __forceinline__ void bncl_params(const S* aff, const S* nrm, u32 ch0,
     }
 }
 // This thread's backward sums (Σgz, Σgz·x̂) of its V channels over rows [start + threadIdx.y, end),
-// in row order (two rows loaded before they are summed).
-template <typename T, int V>
-__device__ __forceinline__ void bnbcl_sums(const T* x, const T* g, u32 ch0, u32 c, const typename Acc<T>::type (&t)[V][4], int silu,
-                                           u32 start, u32 end, double (&sa)[V], double (&sq)[V]) {
+// in row order (two rows loaded before they are summed), and the forward's parameters `t` it used
+// (bncl_params); zeros for a thread past the last channel.
+template <typename T, typename S, int V>
+__device__ __forceinline__ void bnbcl_sums(const T* x, const T* g, const S* aff, const S* nrm, u32 ch0, u32 c, bool valid, int silu,
+                                           u32 start, u32 end, typename Acc<T>::type (&t)[V][4], double (&sa)[V], double (&sq)[V]) {
     typedef typename Acc<T>::type A;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        sa[k] = sq[k] = 0.0;
+        t[k][0] = t[k][1] = t[k][2] = t[k][3] = (A)0;
+    }
+    if (!valid) return;
+    bncl_params<A, S, V>(aff, nrm, ch0, c, t);
     const u32 L = blockDim.y;
     u32 r = start + threadIdx.y;
     for (; r + L < end; r += 2 * L) {
@@ -615,14 +615,9 @@ __device__ void bnbcl_reduce_k(const T* x, const T* g, const S* aff, const S* nr
     const bool valid = ch0 < c;
     u32 start, end;
     bn_chunk(rows, P, p, start, end);
+    A t[V][4];
     double sa[V], sq[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) sa[k] = sq[k] = 0.0;
-    if (valid) {
-        A t[V][4];
-        bncl_params<A, S, V>(aff, nrm, ch0, c, t);
-        bnbcl_sums<T, V>(x, g, ch0, c, t, silu, start, end, sa, sq);
-    }
+    bnbcl_sums<T, S, V>(x, g, aff, nrm, ch0, c, valid, silu, start, end, t, sa, sq);
     if (!bncl_tile_totals<V>(sa, sq, part, c, ch0, valid, tile, p, P, tickets)) return;
     double ta = 0.0, tq = 0.0;
     bncl_spread<V>(sa, sq, ta, tq);
@@ -660,15 +655,7 @@ __device__ void bnbcl_fused1_k(const T* x, const T* g, const S* aff, const S* nr
     const bool valid = ch0 < c;
     A t[V][4];
     double sa[V], sq[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        sa[k] = sq[k] = 0.0;
-        t[k][0] = t[k][1] = t[k][2] = t[k][3] = (A)0;
-    }
-    if (valid) {
-        bncl_params<A, S, V>(aff, nrm, ch0, c, t);
-        bnbcl_sums<T, V>(x, g, ch0, c, t, silu, 0, rows, sa, sq);
-    }
+    bnbcl_sums<T, S, V>(x, g, aff, nrm, ch0, c, valid, silu, 0, rows, t, sa, sq);
     bncl_lane_sum<V>(sa, sq);
     double ta = 0.0, tq = 0.0;
     bncl_spread<V>(sa, sq, ta, tq);
