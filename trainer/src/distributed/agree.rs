@@ -74,7 +74,7 @@ impl<C: Collective> Collective for LoggedCollective<C> {
 #[cfg(test)]
 mod tests {
     use super::super::buckets::{average_gradients, BucketPlan};
-    use super::super::collective::ThreadGroup;
+    use super::super::on_ranks;
     use super::*;
 
     /// Ranks whose batches need different buckets agree on the largest, and then issue identical
@@ -83,31 +83,23 @@ mod tests {
     fn ranks_with_different_buckets_issue_the_same_collectives() {
         let sizes = vec![5, 3, 8];
         let plan = BucketPlan::new(&sizes, 32);
-        let handles: Vec<_> = ThreadGroup::new(3)
-            .unwrap()
-            .into_iter()
-            .map(|c| {
-                let (sizes, plan) = (sizes.clone(), plan.clone());
-                std::thread::spawn(move || {
-                    let c = LoggedCollective::new(c);
-                    let mut agreed = Vec::new();
-                    for step in 0..3 {
-                        // Rank r's own bucket this step.
-                        let mine = [8, 16, 8][(c.rank() + step) % 3];
-                        agreed.push(agree_bucket(&c, mine).unwrap());
-                        let mut grads: Vec<Option<Vec<f32>>> = sizes.iter().map(|&n| (c.rank() != 1).then(|| vec![1.0; n])).collect();
-                        average_gradients(&c, &plan, &sizes, &mut grads).unwrap();
-                    }
-                    (agreed, c.issued())
-                })
-            })
-            .collect();
-        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let per_step = 2 + plan.buckets.len();
+        let results = on_ranks(3, move |c| {
+            let c = LoggedCollective::new(c);
+            let mut agreed = Vec::new();
+            for step in 0..3 {
+                // Rank r's own bucket this step.
+                let mine = [8, 16, 8][(c.rank() + step) % 3];
+                agreed.push(agree_bucket(&c, mine).unwrap());
+                let mut grads: Vec<Option<Vec<f32>>> = sizes.iter().map(|&n| (c.rank() != 1).then(|| vec![1.0; n])).collect();
+                average_gradients(&c, &plan, &sizes, &mut grads).unwrap();
+            }
+            (agreed, c.issued())
+        });
         for (agreed, issued) in &results {
             assert_eq!(agreed, &vec![16, 16, 16], "every step takes the largest bucket any rank needs");
             assert_eq!(issued, &results[0].1, "the same collectives in the same order on every rank");
         }
-        let per_step = 2 + plan.buckets.len();
         assert_eq!(results[0].1.len(), 3 * per_step);
         assert_eq!(results[0].1[..2], [Issued::Max(1), Issued::Max(3)]);
     }

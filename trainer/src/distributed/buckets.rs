@@ -84,6 +84,7 @@ pub fn average_gradients(c: &dyn Collective, plan: &BucketPlan, sizes: &[usize],
 #[cfg(test)]
 mod tests {
     use super::super::collective::ThreadGroup;
+    use super::super::on_ranks;
     use super::*;
 
     #[test]
@@ -103,21 +104,14 @@ mod tests {
     fn gradients_average_and_absent_ones_follow_the_ranks() {
         let sizes = vec![2, 1, 3];
         let plan = BucketPlan::new(&sizes, 8);
-        let handles: Vec<_> = ThreadGroup::new(2)
-            .unwrap()
-            .into_iter()
-            .map(|c| {
-                let (sizes, plan) = (sizes.clone(), plan.clone());
-                std::thread::spawn(move || {
-                    let r = c.rank() as f32;
-                    // Parameter 1 has no gradient anywhere; parameter 2 only on rank 1.
-                    let mut grads = vec![Some(vec![1.0 + r, 2.0 * r]), None, (r == 1.0).then(|| vec![4.0, 6.0, 8.0])];
-                    average_gradients(&c, &plan, &sizes, &mut grads).unwrap();
-                    grads
-                })
-            })
-            .collect();
-        for grads in handles.into_iter().map(|h| h.join().unwrap()) {
+        let results = on_ranks(2, move |c| {
+            let r = c.rank() as f32;
+            // Parameter 1 has no gradient anywhere; parameter 2 only on rank 1.
+            let mut grads = vec![Some(vec![1.0 + r, 2.0 * r]), None, (r == 1.0).then(|| vec![4.0, 6.0, 8.0])];
+            average_gradients(&c, &plan, &sizes, &mut grads).unwrap();
+            grads
+        });
+        for grads in results {
             assert_eq!(grads[0], Some(vec![1.5, 1.0]));
             assert_eq!(grads[1], None, "absent on every rank stays absent");
             assert_eq!(grads[2], Some(vec![2.0, 3.0, 4.0]), "absent on one rank counts as zeros there");

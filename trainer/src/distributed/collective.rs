@@ -113,21 +113,8 @@ impl Collective for ThreadCollective {
 
 #[cfg(test)]
 mod tests {
+    use super::super::on_ranks;
     use super::*;
-
-    /// Runs `f` on every rank of a `world`-rank group, each in its thread; the ranks' results.
-    pub(crate) fn on_ranks<T: Send + 'static>(world: usize, f: impl Fn(ThreadCollective) -> T + Send + Sync + 'static) -> Vec<T> {
-        let f = Arc::new(f);
-        let handles: Vec<_> = ThreadGroup::new(world)
-            .unwrap()
-            .into_iter()
-            .map(|c| {
-                let f = f.clone();
-                std::thread::spawn(move || f(c))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
 
     #[test]
     fn every_rank_gets_the_same_bytes_summed_in_rank_order() {

@@ -17,3 +17,19 @@ pub use buckets::{average_gradients, Bucket, BucketPlan, DEFAULT_BUCKET_BYTES};
 pub use collective::{Collective, ThreadCollective, ThreadGroup};
 pub use shard::{per_rank_batch, shard_order};
 pub use store::{store_get, store_set, StoreServer, MAX_VALUE};
+
+/// Runs `f` on every rank of a `world`-rank [`ThreadGroup`], each in its thread; the ranks'
+/// results in rank order.
+#[cfg(test)]
+pub(crate) fn on_ranks<T: Send + 'static>(world: usize, f: impl Fn(ThreadCollective) -> T + Send + Sync + 'static) -> Vec<T> {
+    let f = std::sync::Arc::new(f);
+    let handles: Vec<_> = ThreadGroup::new(world)
+        .expect("a group of at least one rank")
+        .into_iter()
+        .map(|c| {
+            let f = f.clone();
+            std::thread::spawn(move || f(c))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+}
