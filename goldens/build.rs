@@ -50,19 +50,9 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The inverse of the packer's planes: the header as is, then byte i of the data section from
-/// plane i % 4 at i / 4; the data section's length is the largest end offset the header names.
-fn from_planes(st: &[u8]) -> Result<Vec<u8>, String> {
-    let n = u64::from_le_bytes(st.get(..8).ok_or("short file")?.try_into().map_err(|_| "header length")?) as usize;
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(st.get(8..8 + n).ok_or("header past the end")?).map_err(|e| format!("header: {e}"))?;
-    let len = header.values().filter_map(|v| v["data_offsets"][1].as_u64()).max().unwrap_or(0) as usize;
-    let words = len.div_ceil(4);
-    let planes = st.get(8 + n..).ok_or("no data")?;
-    if planes.len() != 4 * words {
-        return Err(format!("data section of {} bytes, expected {} for {len} bytes in planes", planes.len(), 4 * words));
-    }
-    let mut out = st[..8 + n].to_vec();
-    out.extend((0..len).map(|i| planes[(i % 4) * words + i / 4]));
-    Ok(out)
+// to_planes / from_planes: the format, written once (src/planes.rs).
+#[allow(dead_code)]
+mod planes {
+    include!("src/planes.rs");
 }
+use planes::from_planes;

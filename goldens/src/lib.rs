@@ -13,6 +13,9 @@
 
 use std::path::{Path, PathBuf};
 
+mod planes;
+pub use planes::{from_planes, safetensors_split, to_planes, PlanesError};
+
 /// The repository's goldens, unpacked when this crate was built.
 pub fn unpacked() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/goldens"))
@@ -54,4 +57,22 @@ pub const GRADIENT_SAMPLES: usize = 512;
 /// The positions of a reduced gradient's samples in a tensor of `n` values.
 pub fn sample_positions(n: usize) -> impl Iterator<Item = usize> {
     (0..GRADIENT_SAMPLES).map(move |j| j * n / GRADIENT_SAMPLES)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn planes_round_trip_and_put_byte_k_of_every_word_together() {
+        let header = br#"{"a":{"dtype":"U8","shape":[6],"data_offsets":[0,6]}}"#;
+        let mut st = (header.len() as u64).to_le_bytes().to_vec();
+        st.extend_from_slice(header);
+        st.extend_from_slice(&[1, 2, 3, 4, 5, 6]);
+        let p = to_planes(&st).unwrap();
+        assert_eq!(&p[..st.len() - 6], &st[..st.len() - 6], "the header stays");
+        assert_eq!(&p[st.len() - 6..], &[1, 5, 2, 6, 3, 0, 4, 0]);
+        assert_eq!(from_planes(&p).unwrap(), st);
+        assert!(from_planes(&p[..p.len() - 1]).is_err(), "a cut data section is refused");
+    }
 }

@@ -47,7 +47,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         raw += bytes.len() as u64;
         let body = if rel.extension().is_some_and(|e| e == "safetensors") {
             let st = if rel == Path::new("model/loss.safetensors") { reduce_gradients(&bytes)? } else { bytes };
-            to_planes(&st)?
+            ptl_goldens::to_planes(&st).map_err(|e| format!("{}: {e}", rel.display()))?
         } else {
             bytes
         };
@@ -93,33 +93,10 @@ fn xz(data: &[u8]) -> Result<Vec<u8>, String> {
     Ok(out.stdout)
 }
 
-/// A safetensors file's header (8-byte length, JSON) and data section.
-fn split(st: &[u8]) -> Result<(Map<String, Value>, &[u8]), String> {
-    let n = u64::from_le_bytes(st.get(..8).ok_or("short safetensors file")?.try_into().map_err(|_| "header length")?) as usize;
-    let header = st.get(8..8 + n).ok_or("safetensors header past the end")?;
-    let map: Map<String, Value> = serde_json::from_slice(header).map_err(|e| format!("safetensors header: {e}"))?;
-    Ok((map, &st[8 + n..]))
-}
-
-/// The file with its data section as four byte planes (byte k of every 4-byte word, then k + 1,
-/// …; the section zero-padded to a multiple of 4). The header is unchanged, so the original
-/// length is the largest end offset it names.
-pub(crate) fn to_planes(st: &[u8]) -> Result<Vec<u8>, String> {
-    let (_, data) = split(st)?;
-    let head = st.len() - data.len();
-    let words = data.len().div_ceil(4);
-    let mut out = st[..head].to_vec();
-    out.resize(head + 4 * words, 0);
-    for (i, b) in data.iter().enumerate() {
-        out[head + (i % 4) * words + i / 4] = *b;
-    }
-    Ok(out)
-}
-
 /// `model/loss.safetensors` with every `grad.<name>` of more than [`FULL_MAX`] f32 values replaced
 /// by `grad_sample.<name>`: [`SAMPLES`] values at positions ⌊j·n / SAMPLES⌋.
 pub(crate) fn reduce_gradients(st: &[u8]) -> Result<Vec<u8>, String> {
-    let (map, data) = split(st)?;
+    let (map, data) = ptl_goldens::safetensors_split(st).map_err(|e| e.to_string())?;
     let mut entries: Vec<(String, Value)> = map.into_iter().collect();
     let meta = entries.iter().position(|(k, _)| k == "__metadata__").map(|i| entries.remove(i));
     entries.sort_by_key(|(_, v)| v["data_offsets"][0].as_u64().unwrap_or(0));
@@ -176,21 +153,12 @@ mod tests {
     }
 
     #[test]
-    fn planes_put_byte_k_of_every_word_together() {
-        let st = file(&[("a", "U8", vec![6], vec![1, 2, 3, 4, 5, 6])]);
-        let p = to_planes(&st).unwrap();
-        let head = st.len() - 6;
-        assert_eq!(&p[..head], &st[..head]);
-        assert_eq!(&p[head..], &[1, 5, 2, 6, 3, 0, 4, 0]);
-    }
-
-    #[test]
     fn large_gradients_keep_samples_at_fixed_positions_small_ones_stay_whole() {
         let big: Vec<u8> = (0..4096u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
         let small: Vec<u8> = (0..8u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
         let st = file(&[("grad.w", "F32", vec![64, 64], big), ("grad.b", "F32", vec![8], small.clone()), ("x", "F32", vec![8], small)]);
         let r = reduce_gradients(&st).unwrap();
-        let (map, data) = split(&r).unwrap();
+        let (map, data) = ptl_goldens::safetensors_split(&r).unwrap();
         assert!(map.get("grad.w").is_none());
         let s = &map["grad_sample.w"];
         assert_eq!(s["shape"], serde_json::json!([SAMPLES]));
