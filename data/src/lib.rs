@@ -54,7 +54,7 @@ pub use dataset::{OpenOptions, PoseDataset, ScanReport, SkipReason};
 pub use error::{DataError, Result};
 pub use hsv::{apply_hsv_batch_rgb_nchw, apply_hsv_bgr_hwc, HsvGains, HsvLut};
 pub use labels::KptShape;
-pub use loader::{Batch, BatchStage, PrefetchPlan, Prefetcher, RatioPad, TrainConfig, TrainLoader, ValLoader};
+pub use loader::{Batch, BatchStage, PrefetchPlan, Prefetcher, RatioPad, Shard, TrainConfig, TrainLoader, ValLoader};
 pub use synth::{ensure as synth_ensure, generate as synth_generate, SynthOptions, SynthStats};
 
 /// The most threads a thread-count setting may ask for: four per core, and at least 8 (so

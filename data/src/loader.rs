@@ -122,6 +122,9 @@ pub struct TrainConfig {
     pub prefetch: usize,
     /// Shuffle every epoch (seeded by (seed, epoch)).
     pub shuffle: bool,
+    /// Which share of each epoch this loader takes when several processes train together
+    /// (data-parallel ranks); the whole epoch by default.
+    pub shard: Shard,
     /// Test hook: building batch (epoch, index) panics, to exercise worker failure handling.
     #[doc(hidden)]
     pub inject_panic_at: Option<(usize, usize)>,
@@ -139,8 +142,40 @@ impl Default for TrainConfig {
             workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(8),
             prefetch: 8,
             shuffle: true,
+            shard: Shard::WHOLE,
             inject_panic_at: None,
         }
+    }
+}
+
+/// One rank's share of every epoch in data-parallel training: the epoch's order (the same on
+/// every rank, drawn from the seed) padded to a multiple of `world` by repeating its head, then
+/// every `world`-th sample from position `rank` — PyTorch's `DistributedSampler`, so every rank
+/// takes the same number of samples (and steps) and every sample is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    /// This rank (0-based).
+    pub rank: usize,
+    /// The number of ranks.
+    pub world: usize,
+}
+
+impl Shard {
+    /// The whole epoch: one rank.
+    pub const WHOLE: Shard = Shard { rank: 0, world: 1 };
+
+    /// This share of `order`.
+    pub fn of(&self, order: &[usize]) -> Vec<usize> {
+        if self.world == 0 || self.rank >= self.world || order.is_empty() {
+            return Vec::new();
+        }
+        let total = self.len(order.len());
+        (self.rank..total * self.world).step_by(self.world).map(|i| order[i % order.len()]).collect()
+    }
+
+    /// Samples per epoch in this share of an epoch of `n` samples.
+    pub fn len(&self, n: usize) -> usize {
+        n.div_ceil(self.world.max(1))
     }
 }
 
@@ -162,6 +197,12 @@ impl TrainLoader {
             return Err(DataError::Invalid("dataset is empty".into()));
         }
         crate::check_threads("workers", cfg.workers)?;
+        if cfg.shard.world == 0 || cfg.shard.rank >= cfg.shard.world {
+            return Err(DataError::Invalid(format!(
+                "shard: rank {} of a world of {} does not exist (ranks are 0…world−1, world ≥ 1)",
+                cfg.shard.rank, cfg.shard.world
+            )));
+        }
         if cfg.hsv_on_device && cfg.aug.bgr != 0.0 {
             // The device kernel reads every image as RGB; a BGR-swapped sample would be jittered wrongly.
             return Err(DataError::Invalid(format!(
@@ -169,7 +210,7 @@ impl TrainLoader {
                 cfg.aug.bgr
             )));
         }
-        let batch = cfg.batch.min(ds.len());
+        let batch = cfg.batch.min(cfg.shard.len(ds.len()));
         Ok(TrainLoader { ds, cfg, batch })
     }
 
@@ -183,14 +224,14 @@ impl TrainLoader {
         &self.cfg
     }
 
-    /// Effective batch size: min(batch, dataset size).
+    /// Effective batch size: min(batch, samples of this loader's share of an epoch).
     pub fn batch_size(&self) -> usize {
         self.batch
     }
 
-    /// ceil(N / batch); the last partial batch is kept.
+    /// ceil(samples of this loader's share of an epoch / batch); the last partial batch is kept.
     pub fn batches_per_epoch(&self) -> usize {
-        self.ds.len().div_ceil(self.batch)
+        self.cfg.shard.len(self.ds.len()).div_ceil(self.batch)
     }
 
     /// Whether mosaic is used in `epoch` (close-mosaic switch, docs/data.md §7).
@@ -198,13 +239,16 @@ impl TrainLoader {
         self.cfg.aug.mosaic > 0.0 && (self.cfg.close_mosaic == 0 || epoch < self.cfg.epochs.saturating_sub(self.cfg.close_mosaic))
     }
 
-    /// Dataset indices in the order of `epoch`.
+    /// Dataset indices in the order of `epoch` (this loader's share of it, see [`Shard`]).
     pub fn epoch_order(&self, epoch: usize) -> Vec<usize> {
         let mut v: Vec<usize> = (0..self.ds.len()).collect();
         if self.cfg.shuffle {
             Rng::for_sample(stream::SHUFFLE, self.cfg.seed, epoch as u64, 0).shuffle(&mut v);
         }
-        v
+        match self.cfg.shard == Shard::WHOLE {
+            true => v,
+            false => self.cfg.shard.of(&v),
+        }
     }
 
     /// One augmented training sample (per-sample RNG from (seed, epoch, index)), draw order of docs/data.md §6.0.

@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 
 use common::*;
 use ptl_data::loader::rect_shape;
-use ptl_data::{apply_hsv_batch_rgb_nchw, Batch, PoseDataset, TrainConfig, TrainLoader, ValLoader};
+use ptl_data::{apply_hsv_batch_rgb_nchw, Batch, PoseDataset, Shard, TrainConfig, TrainLoader, ValLoader};
 
 const S: u32 = 128;
 
@@ -112,6 +112,51 @@ fn batches_are_deterministic_and_worker_count_independent() {
     assert_eq!(one[5], a.build_batch(1, 1).unwrap());
     let other = TrainLoader::new(ds, TrainConfig { seed: 6, ..cfg(0) }).unwrap();
     assert_ne!(one[0].img, other.build_batch(0, 0).unwrap().img);
+}
+
+/// Data-parallel shards: each rank's loader takes every `world`-th sample of the one epoch order
+/// (padded from its head), with the same batches per epoch on every rank, and a sample is
+/// augmented as it is on one rank (its draws follow (seed, epoch, sample), not the rank).
+#[test]
+fn shards_split_each_epoch_over_the_ranks() {
+    let ds = dataset();
+    let n = ds.len();
+    let whole = TrainLoader::new(ds.clone(), cfg(0)).unwrap();
+    for world in [2usize, 3] {
+        let ranks: Vec<TrainLoader> =
+            (0..world).map(|rank| TrainLoader::new(ds.clone(), TrainConfig { shard: Shard { rank, world }, ..cfg(0) }).unwrap()).collect();
+        for epoch in 0..2 {
+            let order = whole.epoch_order(epoch);
+            let shares: Vec<Vec<usize>> = ranks.iter().map(|l| l.epoch_order(epoch)).collect();
+            let per_rank = n.div_ceil(world);
+            for (rank, share) in shares.iter().enumerate() {
+                assert_eq!(share.len(), per_rank, "world {world} rank {rank}");
+                for (k, &i) in share.iter().enumerate() {
+                    assert_eq!(i, order[(rank + k * world) % n], "world {world} rank {rank} position {k}");
+                }
+            }
+            let mut all: Vec<usize> = shares.concat();
+            all.sort_unstable();
+            all.dedup();
+            assert_eq!(all.len(), n, "every sample is taken (world {world})");
+        }
+        let nb: Vec<usize> = ranks.iter().map(TrainLoader::batches_per_epoch).collect();
+        assert!(nb.iter().all(|&b| b == n.div_ceil(world).div_ceil(4)), "{nb:?}");
+        // Rank 1's first batch holds the samples the whole epoch's loader builds for them.
+        let first = ranks[1].build_batch(0, 0).unwrap();
+        let share = ranks[1].epoch_order(0);
+        assert_eq!(first.shape[0], 4);
+        let alone = TrainLoader::new(ds.clone(), TrainConfig { batch: 1, shuffle: false, ..cfg(0) }).unwrap();
+        let plane = first.img.len() / 4;
+        for (k, &i) in share[..4].iter().enumerate() {
+            let one = alone.build_batch(0, i).unwrap();
+            assert_eq!(&first.img[k * plane..(k + 1) * plane], &one.img[..], "sample {i} as on one rank");
+        }
+    }
+    for bad in [Shard { rank: 2, world: 2 }, Shard { rank: 0, world: 0 }] {
+        let e = TrainLoader::new(ds.clone(), TrainConfig { shard: bad, ..cfg(0) }).unwrap_err().to_string();
+        assert!(e.contains("does not exist"), "{e}");
+    }
 }
 
 #[test]
