@@ -148,6 +148,15 @@ pub enum TrainerError {
         /// What ran out.
         detail: String,
     },
+    /// A collective of data-parallel training could not complete on rank `rank`: another rank
+    /// left the group (it failed or ended) or did not arrive within the watchdog's time.
+    #[error("rank {rank}: {reason}")]
+    Collective {
+        /// The rank reporting it.
+        rank: usize,
+        /// What happened, naming the other rank where known.
+        reason: String,
+    },
     /// An error from the tensor library (shapes, dtypes, devices, backward).
     #[error("tensor error: {0}")]
     Tensor(#[from] ptl_autograd::Error),

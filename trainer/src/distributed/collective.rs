@@ -1,7 +1,8 @@
 //! The operations data-parallel training needs from its transport, and a transport of threads in
 //! one process, which runs the multi-rank rules in CI without GPUs.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::error::{Result, TrainerError};
 
@@ -20,35 +21,64 @@ pub trait Collective: Send {
     fn all_reduce_max(&self, buf: &mut [u64]) -> Result<()>;
 }
 
-/// The ranks' deposits of the operation in progress.
-struct Slots {
-    f32s: Vec<Vec<f32>>,
-    u64s: Vec<Vec<u64>>,
+/// How long a rank of a [`ThreadGroup`] waits for the others at one collective before it gives
+/// up (the watchdog: a rank stuck elsewhere must not hang the others for ever).
+pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The deposits of one kind of operation and the last result.
+struct Slot<T> {
+    deposits: Vec<Vec<T>>,
+    result: std::result::Result<Vec<T>, String>,
+}
+
+impl<T> Slot<T> {
+    fn new(world: usize) -> Self {
+        Slot { deposits: (0..world).map(|_| Vec::new()).collect(), result: Ok(Vec::new()) }
+    }
+}
+
+/// Where the ranks of a [`ThreadGroup`] stand.
+struct State {
+    /// Completed collectives.
+    generation: u64,
+    /// Ranks waiting in the current one.
+    arrived: usize,
+    /// The first rank that left the group (its collective dropped: it ended or failed).
+    left: Option<usize>,
+    f32s: Slot<f32>,
+    u64s: Slot<u64>,
 }
 
 /// What the ranks of a [`ThreadGroup`] share.
 struct Shared {
     world: usize,
-    slots: Mutex<Slots>,
-    barrier: Barrier,
+    timeout: Duration,
+    state: Mutex<State>,
+    arrived: Condvar,
 }
 
 /// A group of ranks that are threads of one process: [`ThreadGroup::new`] gives one
-/// [`ThreadCollective`] per rank, each moved to its thread.
+/// [`ThreadCollective`] per rank, each moved to its thread. A rank that drops its collective
+/// (its fit ended or failed) leaves the group: a rank waiting for it, or arriving later, gets an
+/// error naming it instead of waiting for ever; so does a rank that waits longer than the
+/// group's timeout.
 pub struct ThreadGroup;
 
 impl ThreadGroup {
-    /// One collective per rank of a `world`-rank group.
+    /// One collective per rank of a `world`-rank group, with [`DEFAULT_COLLECTIVE_TIMEOUT`].
     #[allow(clippy::new_ret_no_self)]
     pub fn new(world: usize) -> Result<Vec<ThreadCollective>> {
+        ThreadGroup::with_timeout(world, DEFAULT_COLLECTIVE_TIMEOUT)
+    }
+
+    /// One collective per rank of a `world`-rank group whose ranks wait at most `timeout` for
+    /// each other at one collective.
+    pub fn with_timeout(world: usize, timeout: Duration) -> Result<Vec<ThreadCollective>> {
         if world == 0 {
             return Err(TrainerError::InvalidArgument { what: "world size", reason: "at least one rank is needed".into() });
         }
-        let shared = Arc::new(Shared {
-            world,
-            slots: Mutex::new(Slots { f32s: vec![Vec::new(); world], u64s: vec![Vec::new(); world] }),
-            barrier: Barrier::new(world),
-        });
+        let state = State { generation: 0, arrived: 0, left: None, f32s: Slot::new(world), u64s: Slot::new(world) };
+        let shared = Arc::new(Shared { world, timeout, state: Mutex::new(state), arrived: Condvar::new() });
         Ok((0..world).map(|rank| ThreadCollective { rank, shared: shared.clone() }).collect())
     }
 }
@@ -60,36 +90,77 @@ pub struct ThreadCollective {
 }
 
 impl ThreadCollective {
-    /// Deposits this rank's buffer, waits for every rank, combines the deposits in rank order,
-    /// and waits again before the slots are reused.
+    fn error(&self, reason: String) -> TrainerError {
+        TrainerError::Collective { rank: self.rank, reason }
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.shared.state.lock().map_err(|_| self.error("a rank panicked inside a collective".into()))
+    }
+
+    /// Deposits this rank's buffer; the last rank to arrive combines the deposits in rank order
+    /// and wakes the others; every rank then copies the result (which stays until the next
+    /// collective completes, which needs every rank again).
     fn exchange<T: Copy + Send>(
         &self,
         buf: &mut [T],
-        slot: impl Fn(&mut Slots) -> &mut Vec<Vec<T>>,
+        slot: impl Fn(&mut State) -> &mut Slot<T>,
         combine: impl Fn(T, T) -> T,
     ) -> Result<()> {
-        let lock =
-            || self.shared.slots.lock().map_err(|_| TrainerError::InvalidArgument { what: "collective", reason: "a rank panicked".into() });
-        slot(&mut *lock()?)[self.rank] = buf.to_vec();
-        self.shared.barrier.wait();
-        {
-            let mut slots = lock()?;
-            let deposits = slot(&mut slots);
-            if deposits.iter().any(|d| d.len() != buf.len()) {
-                return Err(TrainerError::InvalidArgument {
-                    what: "collective",
-                    reason: format!(
-                        "the ranks passed buffers of different lengths: {:?}",
-                        deposits.iter().map(Vec::len).collect::<Vec<_>>()
-                    ),
-                });
-            }
-            for (i, v) in buf.iter_mut().enumerate() {
-                *v = deposits[1..].iter().fold(deposits[0][i], |acc, d| combine(acc, d[i]));
+        let mut st = self.lock()?;
+        if let Some(r) = st.left {
+            return Err(self.error(format!("rank {r} left the group before this collective")));
+        }
+        let generation = st.generation;
+        slot(&mut st).deposits[self.rank] = buf.to_vec();
+        st.arrived += 1;
+        if st.arrived == self.shared.world {
+            let s = slot(&mut st);
+            s.result = match s.deposits.iter().all(|d| d.len() == buf.len()) {
+                true => Ok((0..buf.len()).map(|i| s.deposits[1..].iter().fold(s.deposits[0][i], |acc, d| combine(acc, d[i]))).collect()),
+                false => {
+                    Err(format!("the ranks passed buffers of different lengths: {:?}", s.deposits.iter().map(Vec::len).collect::<Vec<_>>()))
+                }
+            };
+            st.arrived = 0;
+            st.generation += 1;
+            self.shared.arrived.notify_all();
+        } else {
+            let deadline = Instant::now() + self.shared.timeout;
+            while st.generation == generation {
+                if let Some(r) = st.left {
+                    return Err(self.error(format!("rank {r} left the group while this rank waited for it")));
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(self.error(format!(
+                        "a collective did not complete within {:.0} s ({} of {} ranks arrived)",
+                        self.shared.timeout.as_secs_f64(),
+                        st.arrived,
+                        self.shared.world
+                    )));
+                }
+                st = self
+                    .shared
+                    .arrived
+                    .wait_timeout(st, deadline - now)
+                    .map_err(|_| self.error("a rank panicked inside a collective".into()))?
+                    .0;
             }
         }
-        self.shared.barrier.wait();
+        match &slot(&mut st).result {
+            Ok(v) => buf.copy_from_slice(v),
+            Err(reason) => return Err(self.error(reason.clone())),
+        }
         Ok(())
+    }
+}
+
+impl Drop for ThreadCollective {
+    fn drop(&mut self) {
+        let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.left.get_or_insert(self.rank);
+        self.shared.arrived.notify_all();
     }
 }
 
@@ -142,5 +213,26 @@ mod tests {
         });
         assert!(results.iter().all(|r| r.as_ref().is_err_and(|e| e.contains("different lengths"))), "{results:?}");
         assert!(ThreadGroup::new(0).is_err());
+    }
+
+    /// A rank that leaves (its fit failed before a collective the others reached) fails the
+    /// ranks waiting for it, naming it; one that never arrives fails them after the timeout.
+    #[test]
+    fn a_rank_that_leaves_or_stalls_fails_the_others_instead_of_hanging_them() {
+        let results = on_ranks(3, |c| {
+            if c.rank() == 1 {
+                return Ok(()); // leaves: its collective is dropped here
+            }
+            c.all_reduce_max(&mut [1]).map_err(|e| e.to_string())
+        });
+        for r in [&results[0], &results[2]] {
+            let e = r.as_ref().unwrap_err();
+            assert!(e.contains("rank 1 left the group"), "{e}");
+        }
+        let mut group = ThreadGroup::with_timeout(2, Duration::from_millis(50)).unwrap();
+        let stalled = group.pop().unwrap();
+        let e = group[0].all_reduce_sum(&mut [1.0]).unwrap_err().to_string();
+        assert!(e.contains("did not complete within") && e.contains("1 of 2 ranks"), "{e}");
+        drop(stalled);
     }
 }

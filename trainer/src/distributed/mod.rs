@@ -9,12 +9,14 @@
 mod agree;
 mod buckets;
 mod collective;
+mod data_parallel;
 mod shard;
 mod store;
 
 pub use agree::{agree_bucket, Issued, LoggedCollective};
 pub use buckets::{average_gradients, Bucket, BucketPlan, DEFAULT_BUCKET_BYTES};
 pub use collective::{Collective, ThreadCollective, ThreadGroup};
+pub use data_parallel::DataParallel;
 pub use shard::{per_rank_batch, shard_order};
 pub use store::{store_get, store_set, StoreServer, MAX_VALUE};
 

@@ -20,14 +20,9 @@ pub fn per_rank_batch(batch: usize, world: usize) -> Result<usize> {
 
 /// Rank `rank`'s share of one epoch's `order` (the same on every rank, drawn from the run's seed):
 /// the order padded to a multiple of `world` by repeating its head, then every `world`-th sample
-/// from position `rank` — PyTorch's `DistributedSampler`, so every rank takes the same number of
-/// samples and every sample is taken.
+/// from position `rank` — PyTorch's `DistributedSampler`; the loader's [`ptl_data::Shard`] rule.
 pub fn shard_order(order: &[usize], rank: usize, world: usize) -> Vec<usize> {
-    if world == 0 || rank >= world || order.is_empty() {
-        return Vec::new();
-    }
-    let total = order.len().div_ceil(world) * world;
-    (rank..total).step_by(world).map(|i| order[i % order.len()]).collect()
+    ptl_data::Shard { rank, world }.of(order)
 }
 
 #[cfg(test)]

@@ -65,7 +65,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
     // The CSV always matches the last checkpoint: a resume rewrites it from the checkpoint's rows
     // (a kill between the two writes can neither duplicate nor lose an epoch).
     let csv = ResultsCsv::new(&cfg.save_dir.join("results.csv"));
-    if cfg.resume.is_some() {
+    if cfg.resume.is_some() && run.is_main() {
         csv.write(&run.history.columns, &run.history.rows)?;
     }
     run.metrics_per_epoch =
@@ -155,8 +155,10 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             run.clock.end_step();
             ahead.step_queued()?;
             bar.update(i, &run.view.mean_items, run.view.lr.first().copied().unwrap_or(0.0));
-            // A signal during the epoch's last batch lets the epoch end (checked below).
-            if let Some(signal) = interrupt::requested().filter(|_| i + 1 < run.nb) {
+            // A signal during the epoch's last batch lets the epoch end (checked below). Ranks of a
+            // group stop together at the epoch's end (deciding that every step would cost a
+            // collective per step).
+            if let Some(signal) = interrupt::requested().filter(|_| i + 1 < run.nb && run.dp.is_none()) {
                 bar.finish();
                 let fit_time = fit_time_before + fit_start.elapsed().as_secs_f64();
                 return run.stop_for_signal(signal, (epoch, i + 1), &mut sums, train_args, &last_ckpt, fit_time);
@@ -167,7 +169,10 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         let stats = pipeline.stats();
         (run.workers, run.pageable_uploads) = (stats.workers, stats.pageable_uploads);
         run.loader_build = (stats.batches_built, stats.build_s_per_batch);
-        if let Some(nf) = run.nonfinite.take() {
+        // Ranks recover together: a non-finite loss on any rank sends every rank back.
+        let nonfinite = run.nonfinite.take();
+        let elsewhere = NonFiniteStep { epoch, batch: 0, step: 0, term: "the loss of another rank", value: f64::NAN };
+        if let Some(nf) = run.on_any_rank(nonfinite.is_some())?.then(|| nonfinite.unwrap_or(elsewhere)) {
             // docs/training.md §9: reload the last checkpoint (its EMA weights into the model), reset the
             // optimizer-step counter and run the epoch again; after 3 attempts, stop. Without a
             // checkpoint to go back to (the first epoch) Ultralytics only warns and trains on with
@@ -231,6 +236,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             }
             stop_early = run.state.stopper.update(epoch + 1, f, cfg.patience);
         }
+        let stop_early = run.as_rank_0_says(stop_early)?;
         let fit_time = fit_time_before + fit_start.elapsed().as_secs_f64();
         if cfg.progress {
             let losses: Vec<f64> = sums.iter().map(|s| s / run.nb as f64).collect();
@@ -271,24 +277,30 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         run.history.metrics.push(metrics.iter().map(|(k, v)| (k.clone(), v.is_finite().then_some(*v))).collect());
         run.history.fit_time_s = fit_time;
         run.metrics_per_epoch.push(metrics);
-        // Checkpoint first, then the CSV derived from it.
-        let ck = run.checkpoint(train_args)?;
-        save_checkpoint(&last_ckpt, &ck)?;
-        // What Ultralytics ships as last.pt and best.pt: the EMA model in half precision and the
-        // settings (last.ckpt stays the full, resumable checkpoint).
-        let lean = Run::weights_only(&ck)?;
-        save_checkpoint(&cfg.save_dir.join("weights").join(LAST_WEIGHTS), &lean)?;
-        if fitness.is_some() && fitness == run.state.best_fitness {
-            save_checkpoint(&cfg.save_dir.join("weights").join("best.ckpt"), &lean)?;
+        if run.is_main() {
+            // Checkpoint first, then the CSV derived from it.
+            let ck = run.checkpoint(train_args)?;
+            save_checkpoint(&last_ckpt, &ck)?;
+            // What Ultralytics ships as last.pt and best.pt: the EMA model in half precision and the
+            // settings (last.ckpt stays the full, resumable checkpoint).
+            let lean = Run::weights_only(&ck)?;
+            save_checkpoint(&cfg.save_dir.join("weights").join(LAST_WEIGHTS), &lean)?;
+            if fitness.is_some() && fitness == run.state.best_fitness {
+                save_checkpoint(&cfg.save_dir.join("weights").join("best.ckpt"), &lean)?;
+            }
+            if cfg.save_period > 0 && epoch as i64 % cfg.save_period == 0 {
+                save_checkpoint(&cfg.save_dir.join("weights").join(format!("epoch{epoch}.ckpt")), &ck)?;
+            }
+            csv.write(&run.history.columns, &run.history.rows)?;
+            run.each_cb(|c, v| c.on_save_checkpoint(v));
         }
-        if cfg.save_period > 0 && epoch as i64 % cfg.save_period == 0 {
-            save_checkpoint(&cfg.save_dir.join("weights").join(format!("epoch{epoch}.ckpt")), &ck)?;
-        }
-        csv.write(&run.history.columns, &run.history.rows)?;
-        run.each_cb(|c, v| c.on_save_checkpoint(v));
         run.each_cb(|c, v| c.on_train_epoch_end(v));
         run.epoch_s.push(epoch_start.elapsed().as_secs_f64());
-        if let Some(signal) = interrupt::requested().filter(|_| epoch + 1 < cfg.epochs) {
+        let signal = interrupt::requested().filter(|_| epoch + 1 < cfg.epochs);
+        // Every rank stops at this epoch's end once any rank has a signal (the ranks' own signal
+        // numbers may differ; each reports its own, or SIGTERM's when the signal came to another).
+        let signal = run.on_any_rank(signal.is_some())?.then(|| signal.unwrap_or(interrupt::SIGTERM));
+        if let Some(signal) = signal {
             interrupt::clear();
             log::warn!("ptl: {} received: stopped after epoch {epoch}; checkpoint {}", interrupt::signal_name(signal), last_ckpt.display());
             return Err(TrainerError::Interrupted { signal, checkpoint: Some(last_ckpt.clone()) });

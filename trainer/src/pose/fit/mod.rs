@@ -16,13 +16,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ptl_autograd::{module, Device, Module, Tensor, TensorKind};
-use ptl_data::{OpenOptions, PoseDataset, TrainConfig, TrainLoader};
+use ptl_data::{OpenOptions, PoseDataset, Shard, TrainConfig, TrainLoader};
 use ptl_heads::{ModelConfig, PoseModel};
 
 use super::clock::StepClock;
 use super::config::{PoseTrainConfig, Precision};
 use super::probe;
 use super::weights::ModelSource;
+use crate::distributed::{per_rank_batch, Collective, DataParallel};
 use crate::fit::{Callback, LoopState, LoopView, PluginStack, RunDir, RunHistory, RunSummary, StageProfile, StartupReport};
 use crate::loss::{E2ELoss, LossConfig};
 use crate::optim::{
@@ -81,14 +82,34 @@ pub(super) fn activation_format(cfg: &PoseTrainConfig) -> ptl_autograd::MemoryFo
 /// Trains a pose model as `cfg` says, calling `callbacks` at the hook points; returns the summary
 /// (also written to `save_dir/summary.json`).
 pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<RunSummary> {
+    fit_with(cfg, callbacks, None)
+}
+
+/// Trains as one rank of a data-parallel group, with Ultralytics' semantics (docs/multi-gpu.md):
+/// `batch` is the global batch, floored per rank; each rank takes its share of every epoch;
+/// gradients are averaged over the ranks before each optimizer step, so every rank holds the
+/// same weights; rank 0 alone validates, writes the run folder and prints, and the others follow
+/// its decisions (early stop, the non-finite recovery). Every rank calls this with the same
+/// settings; each returns its summary (rank 0's is the one written).
+pub fn fit_data_parallel(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>, group: Box<dyn Collective>) -> Result<RunSummary> {
+    fit_with(cfg, callbacks, Some(DataParallel::new(group)))
+}
+
+fn fit_with(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>, dp: Option<DataParallel>) -> Result<RunSummary> {
     cfg.validate()?;
     let started = Instant::now();
     let mut cfg = cfg.clone();
     cfg.resolve_amp();
     cfg.resolve_autobatch()?;
+    // Against the settings as given: a rank other than 0 turns its outputs off below.
     if let Some(path) = &cfg.resume {
         cfg.check_resume(path)?;
     }
+    let shard = match &dp {
+        Some(dp) => data_parallel_settings(&mut cfg, dp)?,
+        None => Shard::WHOLE,
+    };
+    let is_main = dp.as_ref().is_none_or(DataParallel::is_main);
     let mut startup = StartupReport { process_to_fit_s: probe::process_age_s(), ..StartupReport::default() };
     let t = Instant::now();
     probe::open_device(cfg.device)?;
@@ -124,38 +145,36 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
     // Only now, with the settings, the device and the data known good, is anything written.
     // The run folder is this process's until the fit returns (see `RunDir`). A resume continues
     // in the checkpoint's own run folder, or starts a new one where the user said.
-    let own_folder = cfg.resume.as_deref().and_then(PoseTrainConfig::run_dir_of).is_some_and(|d| d == cfg.save_dir);
-    let run_dir = match own_folder || cfg.exist_ok {
-        true => RunDir::claim_existing(&cfg.save_dir)?,
-        false => RunDir::claim_new(&cfg.save_dir)?,
+    // With several ranks only rank 0 writes; the others learn its folder (they read its
+    // checkpoints in the non-finite recovery).
+    let run_dir = match is_main {
+        true => Some(claim_run_folder(&mut cfg, &train_ds)),
+        false => None,
     };
-    if run_dir.path() != cfg.save_dir {
-        log::warn!(
-            "ptl: {} already holds a run; writing to {} (exist_ok=true trains into the existing folder)",
-            cfg.save_dir.display(),
-            run_dir.path().display()
-        );
-        cfg.save_dir = run_dir.path().to_path_buf();
-    } else if cfg.progress {
-        log::info!("ptl: writing to {}", run_dir.path().display());
-    }
-    // Every resolved setting, as Ultralytics' args.yaml (`ptl train args.yaml` reads it back).
-    let args = run_dir.path().join("args.yaml");
-    let yaml = cfg.args_yaml();
-    ptl_files::write_atomic_with(&args, 0o644, |f| std::io::Write::write_all(f, yaml.as_bytes()))?;
-    // Ultralytics' labels.jpg: the training labels before the first epoch (not again on a resume).
-    if cfg.plots && cfg.resume.is_none() {
-        let objects = train_ds.items.iter().flat_map(|it| it.labels.cls.iter().zip(&it.labels.boxes));
-        let (cls, boxes): (Vec<usize>, Vec<[f32; 4]>) = objects.map(|(c, b)| (*c as usize, *b)).unzip();
-        super::plots::plot_labels(&cls, &boxes, &train_ds.meta.names, run_dir.path())?;
-    }
+    let run_dir = match &dp {
+        Some(dp) => {
+            let claimed = run_dir.as_ref().and_then(|r| r.as_ref().ok()).map(|r| r.path().to_string_lossy().into_owned());
+            let folder = dp.bytes_from_main(claimed.as_deref().unwrap_or("").as_bytes())?;
+            if folder.is_empty() && !is_main {
+                return Err(TrainerError::InvalidArgument {
+                    what: "data-parallel run",
+                    reason: "rank 0 could not set up its run folder (its error says why)".into(),
+                });
+            }
+            cfg.save_dir = String::from_utf8_lossy(&folder).into_owned().into();
+            run_dir.transpose()?
+        }
+        None => run_dir.transpose()?,
+    };
     let cfg = &cfg;
     let t = Instant::now();
-    let batches = train_ds.len().div_ceil(cfg.batch.min(train_ds.len()).max(1));
+    let rank_batch = per_rank_batch(cfg.batch, shard.world)?;
+    let batches = shard.len(train_ds.len()).div_ceil(rank_batch.min(shard.len(train_ds.len())).max(1));
     let batches = cfg.max_batches.map_or(batches, |m| m.min(batches));
     let workers = cfg.effective_workers(batches);
     let mut tcfg = TrainConfig {
-        batch: cfg.batch,
+        batch: rank_batch,
+        shard,
         seed: cfg.seed,
         epochs: cfg.epochs,
         close_mosaic: cfg.close_mosaic,
@@ -263,6 +282,7 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
             "warmup_bias_lr": resolved.warmup_bias_lr, "weight_decay": resolved.weight_decay,
         }),
         params: Vec::new(),
+        float_buffers: Vec::new(),
         compute_weights: Vec::new(),
         anchors: None,
         flow_surface: Vec::new(),
@@ -270,9 +290,15 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         pending_losses: Default::default(),
         absorbed: 0,
         loss_flag: None,
+        dp,
     };
     run.params = model_params(&run.model);
     run.compute_weights = compute_weights(&run.params);
+    run.float_buffers = module::state_dict(&run.model)
+        .into_iter()
+        .filter(|(_, t, kind)| *kind == TensorKind::Buffer && t.dtype().is_float())
+        .map(|(_, t, _)| t)
+        .collect();
     run.flow_surface = run
         .params
         .iter()
@@ -350,8 +376,70 @@ pub fn fit(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>) -> Result<R
         // Both branches fall back together; each counts the call once.
         dense_loss_fallbacks: run.criterion.one2many.dense_fallbacks() as u64,
     };
-    summary.write(&cfg.save_dir.join("summary.json"))?;
+    if is_main {
+        summary.write(&cfg.save_dir.join("summary.json"))?;
+    }
+    drop(run_dir);
     Ok(summary)
+}
+
+/// Settles a data-parallel rank's settings: no replay yet (the all-reduce is not inside the
+/// recorded step), AutoBatch replaced by batch 16 as Ultralytics does on several GPUs, and the
+/// ranks other than 0 neither validate, plot nor print. Returns this rank's share of each epoch.
+fn data_parallel_settings(cfg: &mut PoseTrainConfig, dp: &DataParallel) -> Result<Shard> {
+    if !cfg.replay.is_empty() && !cfg.replay.iter().all(|r| r == "none") {
+        return Err(TrainerError::InvalidArgument {
+            what: "replay",
+            reason: format!(
+                "replay={} with {} ranks: the gradient all-reduce is not yet recorded inside the replayed step; train with replay=none",
+                cfg.replay.join(","),
+                dp.world()
+            ),
+        });
+    }
+    if cfg.autobatch.take().is_some() {
+        cfg.batch = 16;
+        if dp.is_main() {
+            log::warn!("ptl: AutoBatch (batch=-1) is for one device; training {} ranks with the default batch=16", dp.world());
+        }
+    }
+    // Refused here, on every rank alike, before the ranks' first exchange.
+    per_rank_batch(cfg.batch, dp.world())?;
+    if !dp.is_main() {
+        (cfg.progress, cfg.plots, cfg.val, cfg.save_json) = (false, false, false, false);
+    }
+    Ok(Shard { rank: dp.rank(), world: dp.world() })
+}
+
+/// Claims the run folder (a new numbered one unless resuming in place or `exist_ok`), writes
+/// args.yaml and, on a new run with plots on, labels.jpg. `cfg.save_dir` becomes the folder.
+fn claim_run_folder(cfg: &mut PoseTrainConfig, train_ds: &PoseDataset) -> Result<RunDir> {
+    let own_folder = cfg.resume.as_deref().and_then(PoseTrainConfig::run_dir_of).is_some_and(|d| d == cfg.save_dir);
+    let run_dir = match own_folder || cfg.exist_ok {
+        true => RunDir::claim_existing(&cfg.save_dir)?,
+        false => RunDir::claim_new(&cfg.save_dir)?,
+    };
+    if run_dir.path() != cfg.save_dir {
+        log::warn!(
+            "ptl: {} already holds a run; writing to {} (exist_ok=true trains into the existing folder)",
+            cfg.save_dir.display(),
+            run_dir.path().display()
+        );
+        cfg.save_dir = run_dir.path().to_path_buf();
+    } else if cfg.progress {
+        log::info!("ptl: writing to {}", run_dir.path().display());
+    }
+    // Every resolved setting, as Ultralytics' args.yaml (`ptl train args.yaml` reads it back).
+    let args = run_dir.path().join("args.yaml");
+    let yaml = cfg.args_yaml();
+    ptl_files::write_atomic_with(&args, 0o644, |f| std::io::Write::write_all(f, yaml.as_bytes()))?;
+    // Ultralytics' labels.jpg: the training labels before the first epoch (not again on a resume).
+    if cfg.plots && cfg.resume.is_none() {
+        let objects = train_ds.items.iter().flat_map(|it| it.labels.cls.iter().zip(&it.labels.boxes));
+        let (cls, boxes): (Vec<usize>, Vec<[f32; 4]>) = objects.map(|(c, b)| (*c as usize, *b)).unzip();
+        super::plots::plot_labels(&cls, &boxes, &train_ds.meta.names, run_dir.path())?;
+    }
+    Ok(run_dir)
 }
 
 /// The model's configuration: the data's classes and keypoints, the size of the start weights

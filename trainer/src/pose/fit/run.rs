@@ -11,6 +11,7 @@ use ptl_heads::{ModelConfig, PoseModel};
 use super::super::clock::StepClock;
 use super::super::config::{PoseTrainConfig, Precision};
 use super::super::probe;
+use crate::distributed::DataParallel;
 use crate::fit::{Callback, LoopState, LoopView, PluginStack, RunHistory};
 use crate::loss::{Anchors, BranchOutputs, E2ELoss};
 use crate::optim::{GradScaler, LrLambda, LrScheduler, ModelEma, Optimizer, Warmup};
@@ -27,6 +28,9 @@ pub(super) struct Run {
     pub(super) model_cfg: ModelConfig,
     /// Named parameters, walked once: parameters keep their storage for the whole run.
     pub(super) params: Vec<(String, Tensor)>,
+    /// The model's floating-point buffers (BatchNorm's running statistics): what rank 0 hands
+    /// the other ranks of a data-parallel group after each step.
+    pub(super) float_buffers: Vec<Tensor>,
     /// The parameters autocast ops read, cast once per forward under mixed precision: every one of
     /// rank ≥ 2 (convolution and linear weights) and the biases of convolutions (see
     /// [`compute_weights`]); BatchNorm's rank-1 parameters are read in f32.
@@ -84,6 +88,9 @@ pub(super) struct Run {
     pub(super) stage_ms: Vec<[f64; 7]>,
     /// Wall time of each epoch run by this process.
     pub(super) epoch_s: Vec<f64>,
+    // ---- data-parallel training ----
+    /// This process's rank of a data-parallel group; `None`: the only one.
+    pub(super) dp: Option<DataParallel>,
 }
 
 /// One step's deferred loss values ([`crate::loss::DeferredItems`]) being read.
@@ -117,6 +124,27 @@ pub(super) fn branch(b: &ptl_heads::BranchOutput) -> BranchOutputs {
 }
 
 impl Run {
+    /// Whether this process writes and prints: the only one, or rank 0 of a group.
+    pub(super) fn is_main(&self) -> bool {
+        self.dp.as_ref().is_none_or(DataParallel::is_main)
+    }
+
+    /// Whether `flag` holds on any rank (alone: `flag`).
+    pub(super) fn on_any_rank(&self, flag: bool) -> Result<bool> {
+        match &self.dp {
+            Some(dp) => dp.any(flag),
+            None => Ok(flag),
+        }
+    }
+
+    /// Rank 0's `flag` on every rank (alone: `flag`): the decisions that follow its validation.
+    pub(super) fn as_rank_0_says(&self, flag: bool) -> Result<bool> {
+        match &self.dp {
+            Some(dp) => Ok(dp.from_main(flag as u64)? != 0),
+            None => Ok(flag),
+        }
+    }
+
     pub(super) fn each_cb(&mut self, f: impl Fn(&mut dyn Callback, &LoopView)) {
         let v = self.view.clone();
         for cb in self.callbacks.iter_mut() {

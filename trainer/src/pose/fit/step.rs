@@ -18,6 +18,22 @@ use super::run::*;
 use super::LOSS_NAMES;
 
 impl Run {
+    /// Several ranks: every rank's gradients become their average (the same bytes on every rank,
+    /// so every rank's update is the same), and a non-finite loss of this window on any rank skips
+    /// the update on every rank. Runs before the unscale, so a 16-mixed found-inf is the same
+    /// everywhere too.
+    fn average_over_ranks(&mut self) -> Result<()> {
+        let Some(dp) = self.dp.as_mut() else { return Ok(()) };
+        dp.average_gradients(&self.params)?;
+        if let Some((flag, _)) = &self.loss_flag {
+            let here = flag.to_vec::<f32>()?.iter().any(|v| *v != 0.0);
+            if dp.any(here)? && !here {
+                no_grad(|| flag.copy_(&Tensor::from_vec(vec![1f32], vec![1], flag.device())?))?;
+            }
+        }
+        Ok(())
+    }
+
     /// One batch: warm-up, forward+loss, backward, and (when due) the optimizer step. `pixels` are
     /// the batch's u8 images already on the device; `data_ms` is how long the step waited for them.
     pub(super) fn train_batch(
@@ -94,12 +110,21 @@ impl Run {
             }
         }
         self.each_cb(|c, v| c.on_before_backward(v));
-        let to_backprop = match self.scaler.as_mut() {
-            Some(s) => s.scale(&loss.total)?,
+        // Several ranks: the loss × the world size, as Ultralytics does, so the gradients
+        // averaged over the ranks are the sum of theirs (a global batch's gradient).
+        let total = match self.dp.as_ref().map(|dp| dp.world()).filter(|&w| w > 1) {
+            Some(world) => loss.total.mul_scalar(world as f64)?,
             None => loss.total.clone(),
+        };
+        let to_backprop = match self.scaler.as_mut() {
+            Some(s) => s.scale(&total)?,
+            None => total,
         };
         self.plugins.run(info(Stage::Backward), &mut || Ok(in_stage(stages::BACKWARD, || to_backprop.backward())?))?;
         stages[4] = self.stage_mark(&mut t)?;
+        if let Some(dp) = self.dp.as_ref().filter(|dp| dp.world() > 1) {
+            dp.buffers_from_main(&self.float_buffers)?;
+        }
         self.each_cb(|c, v| c.on_after_backward(v));
         if !self.callbacks.is_empty() {
             let v = self.view.clone();
@@ -275,6 +300,7 @@ impl Run {
     /// Unscale → hook → clip → step (skipped on inf under 16-mixed) → scaler update → zero grad → EMA.
     /// Returns the EMA update's milliseconds under `profile=true` (device synchronised around it), else 0.
     pub(super) fn optimizer_step(&mut self, ni: usize, epoch: usize) -> Result<f64> {
+        self.average_over_ranks()?;
         let info = StageInfo { stage: Stage::OptimizerStep, epoch, batch_index: ni, training: true };
         let params = &self.params;
         let max_norm = self.cfg.clip_max_norm;

@@ -1,0 +1,179 @@
+//! What the fit loop asks of a data-parallel group: gradients averaged over the ranks, and the
+//! few decisions every rank must take alike (stop, recover, which folder rank 0 writes to).
+
+use ptl_autograd::{no_grad, DType, Tensor};
+
+use super::buckets::{average_gradients, BucketPlan, DEFAULT_BUCKET_BYTES};
+use super::collective::Collective;
+use crate::error::{Result, TrainerError};
+
+/// One rank of a data-parallel fit: its collective and the gradient buckets of the model it
+/// trains (planned at the first average, from the trainable parameters, the same on every rank).
+pub struct DataParallel {
+    collective: Box<dyn Collective>,
+    plan: Option<(BucketPlan, Vec<usize>)>,
+}
+
+impl DataParallel {
+    /// A rank of the group `collective` belongs to.
+    pub fn new(collective: Box<dyn Collective>) -> DataParallel {
+        DataParallel { collective, plan: None }
+    }
+
+    /// This rank (0-based).
+    pub fn rank(&self) -> usize {
+        self.collective.rank()
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.collective.world()
+    }
+
+    /// Rank 0: the one that validates, writes and prints (Ultralytics' `RANK in {-1, 0}`).
+    pub fn is_main(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// Averages the gradients of the trainable parameters among `params` (those with
+    /// `requires_grad`, in order) over the ranks, in place: a present gradient keeps its buffer
+    /// (a recorded graph may read it there), a gradient absent here but present on another rank
+    /// arrives as zeros averaged in, one absent everywhere stays absent.
+    pub fn average_gradients(&mut self, params: &[(String, Tensor)]) -> Result<()> {
+        let trainable: Vec<&Tensor> = params.iter().map(|(_, t)| t).filter(|t| t.requires_grad()).collect();
+        let sizes: Vec<usize> = trainable.iter().map(|t| t.numel()).collect();
+        let (plan, planned) = self.plan.get_or_insert_with(|| (BucketPlan::new(&sizes, DEFAULT_BUCKET_BYTES), sizes.clone()));
+        if *planned != sizes {
+            return Err(TrainerError::InvalidArgument {
+                what: "data-parallel gradients",
+                reason: format!("the trainable parameters changed during the fit ({} values, planned for {})", sizes.len(), planned.len()),
+            });
+        }
+        let mut grads: Vec<Option<Vec<f32>>> = Vec::with_capacity(trainable.len());
+        for t in &trainable {
+            grads.push(match t.grad() {
+                Some(g) => Some(g.to_dtype(DType::F32)?.to_vec::<f32>()?),
+                None => None,
+            });
+        }
+        average_gradients(self.collective.as_ref(), plan, &sizes, &mut grads)?;
+        no_grad(|| -> Result<()> {
+            for (t, avg) in trainable.iter().zip(grads) {
+                let Some(avg) = avg else { continue };
+                match t.grad() {
+                    Some(g) => g.copy_(&Tensor::from_vec(avg, g.shape().clone(), g.device())?.to_dtype(g.dtype())?)?,
+                    None => t.add_to_grad(&Tensor::from_vec(avg, t.shape().clone(), t.device())?.to_dtype(t.dtype())?)?,
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Rank 0's values of `buffers` (BatchNorm's running statistics) on every rank, bit for bit —
+    /// PyTorch DDP's `broadcast_buffers`: each rank's batch moves its own statistics, rank 0's are
+    /// the run's. Sent as bit patterns through a max all-reduce to which the others give zeros.
+    pub fn buffers_from_main(&self, buffers: &[Tensor]) -> Result<()> {
+        let mut bits: Vec<u64> = Vec::with_capacity(buffers.iter().map(Tensor::numel).sum());
+        for b in buffers {
+            match self.is_main() {
+                true => bits.extend(b.to_dtype(DType::F32)?.to_vec::<f32>()?.into_iter().map(|v| v.to_bits() as u64)),
+                false => bits.resize(bits.len() + b.numel(), 0),
+            }
+        }
+        self.collective.all_reduce_max(&mut bits)?;
+        if self.is_main() {
+            return Ok(());
+        }
+        let mut at = 0;
+        no_grad(|| -> Result<()> {
+            for b in buffers {
+                let values: Vec<f32> = bits[at..at + b.numel()].iter().map(|&v| f32::from_bits(v as u32)).collect();
+                at += b.numel();
+                b.copy_(&Tensor::from_vec(values, b.shape().clone(), b.device())?.to_dtype(b.dtype())?)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Whether `flag` holds on any rank (every rank gets the same answer).
+    pub fn any(&self, flag: bool) -> Result<bool> {
+        let mut v = [flag as u64];
+        self.collective.all_reduce_max(&mut v)?;
+        Ok(v[0] != 0)
+    }
+
+    /// Rank 0's `value` on every rank (the others' arguments are ignored).
+    pub fn from_main(&self, value: u64) -> Result<u64> {
+        let mut v = [if self.is_main() { value } else { 0 }];
+        self.collective.all_reduce_max(&mut v)?;
+        Ok(v[0])
+    }
+
+    /// Rank 0's `bytes` on every rank (the others' arguments are ignored): its run folder, say.
+    pub fn bytes_from_main(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+        let len = self.from_main(bytes.len() as u64)? as usize;
+        let mut v = vec![0u64; len];
+        if self.is_main() {
+            v.iter_mut().zip(bytes).for_each(|(d, &b)| *d = b as u64);
+        }
+        self.collective.all_reduce_max(&mut v)?;
+        Ok(v.into_iter().map(|b| b as u8).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::collective::ThreadCollective;
+    use super::super::on_ranks;
+    use super::*;
+    use ptl_autograd::Device;
+
+    fn leaf(values: Vec<f32>) -> Tensor {
+        let n = values.len();
+        Tensor::from_vec(values, vec![n], Device::Cpu).unwrap().requires_grad_(true).unwrap()
+    }
+
+    /// Gradients average into their own buffers; absent ones follow the ranks; frozen parameters
+    /// are not exchanged; decisions and bytes from rank 0 reach every rank.
+    #[test]
+    fn gradients_average_in_place_and_rank_0_decides() {
+        let results = on_ranks(2, |c: ThreadCollective| {
+            let rank = c.rank() as f32;
+            let mut dp = DataParallel::new(Box::new(c));
+            let (a, b, frozen) = (leaf(vec![0.0; 2]), leaf(vec![0.0; 3]), leaf(vec![0.0; 1]));
+            frozen.set_requires_grad(false).unwrap();
+            a.set_grad(Some(Tensor::from_vec(vec![1.0 + rank, 4.0 * rank], vec![2], Device::Cpu).unwrap()));
+            if rank == 1.0 {
+                b.set_grad(Some(Tensor::from_vec(vec![2.0f32, 4.0, 6.0], vec![3], Device::Cpu).unwrap()));
+            }
+            let buffer = a.grad().unwrap().storage_ptr();
+            let params = vec![("a".to_string(), a.clone()), ("frozen".to_string(), frozen), ("b".to_string(), b.clone())];
+            dp.average_gradients(&params).unwrap();
+            assert_eq!(a.grad().unwrap().storage_ptr(), buffer, "averaged into the gradient's own buffer");
+            let any = (dp.any(rank == 1.0).unwrap(), dp.any(false).unwrap());
+            let stats = Tensor::from_vec(
+                match rank == 0.0 {
+                    true => vec![-0.0f32, f32::NAN, 1e-40],
+                    false => vec![5.0, 2.0, 1e-39],
+                },
+                vec![3],
+                Device::Cpu,
+            )
+            .unwrap();
+            dp.buffers_from_main(std::slice::from_ref(&stats)).unwrap();
+            let stats: Vec<u32> = stats.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect();
+            let main = dp.from_main(7 + rank as u64).unwrap();
+            let folder = dp.bytes_from_main(if dp.is_main() { b"runs/pose/train2" } else { b"other" }).unwrap();
+            (a.grad().unwrap().to_vec::<f32>().unwrap(), b.grad().unwrap().to_vec::<f32>().unwrap(), any, main, folder, stats)
+        });
+        let rank_0_stats: Vec<u32> = [-0.0f32, f32::NAN, 1e-40].iter().map(|v| v.to_bits()).collect();
+        for (a, b, any, main, folder, stats) in results {
+            assert_eq!(stats, rank_0_stats, "rank 0's buffers bit for bit (a negative zero, a NaN, a subnormal)");
+            assert_eq!(a, vec![1.5, 2.0]);
+            assert_eq!(b, vec![1.0, 2.0, 3.0], "absent on rank 0: zeros there");
+            assert_eq!(any, (true, false));
+            assert_eq!(main, 7);
+            assert_eq!(folder, b"runs/pose/train2");
+        }
+    }
+}

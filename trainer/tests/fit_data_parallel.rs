@@ -1,0 +1,138 @@
+//! Data-parallel fits on the CPU, the ranks being threads of one process (`ThreadGroup`): the
+//! fit loop's use of the multi-rank rules that NCCL ranks will follow on GPUs — shards, the
+//! global batch, averaged gradients, rank 0's buffers, rank 0 alone writing, resume.
+
+mod fit_support;
+
+use std::path::Path;
+
+use ptl_trainer::distributed::ThreadGroup;
+use ptl_trainer::fit::RunSummary;
+use ptl_trainer::pose::{fit, fit_data_parallel, PoseTrainConfig};
+
+/// Every rank of a `world`-rank group fits `cfg` in its thread; the ranks' results in rank order.
+fn fit_on_ranks(world: usize, cfg: &PoseTrainConfig) -> Vec<Result<RunSummary, String>> {
+    fit_on_ranks_with(world, cfg, |_, _| {})
+}
+
+/// [`fit_on_ranks`] with `tweak` applied to each rank's settings (a fault on one rank).
+fn fit_on_ranks_with(world: usize, cfg: &PoseTrainConfig, tweak: fn(usize, &mut PoseTrainConfig)) -> Vec<Result<RunSummary, String>> {
+    let handles: Vec<_> = ThreadGroup::new(world)
+        .expect("a group")
+        .into_iter()
+        .enumerate()
+        .map(|(rank, c)| {
+            let mut cfg = cfg.clone();
+            tweak(rank, &mut cfg);
+            std::thread::spawn(move || fit_data_parallel(&cfg, vec![], Box::new(c)).map_err(|e| e.to_string()))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+}
+
+/// A global batch of 4 (2 per rank of two), 2 epochs of 2 steps, validation on.
+fn two_rank_run(save: &str) -> PoseTrainConfig {
+    let save_dir = fit_support::scratch(save);
+    let _ = std::fs::remove_dir_all(&save_dir);
+    PoseTrainConfig { batch: 4, ..fit_support::tiny_in(&save_dir) }
+}
+
+/// The folders in `save_dir`'s parent whose names start with its name (a second rank claiming a
+/// folder would add `<name>2`).
+fn run_folders(save_dir: &Path) -> Vec<String> {
+    let name = save_dir.file_name().unwrap().to_string_lossy().into_owned();
+    let mut found: Vec<String> = std::fs::read_dir(save_dir.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&name))
+        .collect();
+    found.sort();
+    found
+}
+
+/// Two ranks end with the same weights, optimizer state, EMA and schedule (their gradients
+/// averaged, rank 0's BatchNorm statistics handed on) though each trained on its own share of
+/// every epoch (their per-step losses differ); a second run gives the same bytes; one folder is
+/// written, by rank 0, holding what a one-rank run writes.
+#[test]
+fn two_ranks_train_one_model_and_rank_0_alone_writes() {
+    let cfg = two_rank_run("dp-two");
+    let ranks: Vec<RunSummary> = fit_on_ranks(2, &cfg).into_iter().map(|r| r.expect("rank fit")).collect();
+    let (a, b) = (&ranks[0].hashes, &ranks[1].hashes);
+    assert_eq!((&a.model, &a.optimizer, &a.ema, &a.scheduler), (&b.model, &b.optimizer, &b.ema, &b.scheduler), "the ranks' states");
+    assert_ne!(a.step_losses, b.step_losses, "each rank trains on its own share of the epoch");
+    assert_eq!(ranks[0].optimizer_steps, ranks[1].optimizer_steps);
+    assert!(!ranks[0].final_metrics.is_empty(), "rank 0 validates");
+    assert!(ranks[1].final_metrics.is_empty(), "the other ranks do not");
+
+    assert_eq!(run_folders(&cfg.save_dir), vec!["dp-two".to_string()], "one folder, no second claim");
+    for f in ["args.yaml", "results.csv", "summary.json", "weights/last.ckpt", "weights/best.ckpt"] {
+        assert!(cfg.save_dir.join(f).is_file(), "rank 0 wrote {f}");
+    }
+    let rows = std::fs::read_to_string(cfg.save_dir.join("results.csv")).unwrap().lines().count();
+    assert_eq!(rows, 1 + cfg.epochs, "a header and one row per epoch, written once");
+
+    let again = fit_on_ranks(2, &two_rank_run("dp-two-again"));
+    let again = again[0].as_ref().expect("rank 0 of the second run");
+    assert_eq!(again.hashes, ranks[0].hashes, "the same bytes run to run");
+}
+
+/// One rank through the group is the plain fit byte for byte (no scaling, no exchange changes a
+/// value).
+#[test]
+fn a_group_of_one_is_the_plain_fit() {
+    let alone = fit(&two_rank_run("dp-plain"), vec![]).expect("plain fit");
+    let group = fit_on_ranks(1, &two_rank_run("dp-one")).remove(0).expect("one-rank group");
+    assert_eq!(group.hashes, alone.hashes);
+}
+
+/// Stopped after its first epoch and resumed from rank 0's checkpoint, a two-rank run ends as the
+/// uninterrupted one: every rank restores from that one file.
+#[test]
+fn every_rank_resumes_from_rank_0s_checkpoint() {
+    let full = fit_on_ranks(2, &two_rank_run("dp-full")).remove(0).expect("uninterrupted run");
+    let cfg = two_rank_run("dp-stopped");
+    for r in fit_on_ranks(2, &PoseTrainConfig { stop_after_epochs: Some(1), ..cfg.clone() }) {
+        r.expect("first epoch");
+    }
+    let resumed = fit_on_ranks(2, &PoseTrainConfig { resume: Some(cfg.save_dir.join("weights/last.ckpt")), ..cfg });
+    for r in resumed {
+        let r = r.expect("resumed rank");
+        assert_eq!((&r.hashes.model, &r.hashes.optimizer, &r.hashes.ema), (&full.hashes.model, &full.hashes.optimizer, &full.hashes.ema));
+    }
+}
+
+/// A rank whose fit fails mid-epoch (here its loader, at epoch 1's second batch) ends the others
+/// with an error naming it, instead of leaving them waiting in the next collective; the last
+/// checkpoint rank 0 wrote (epoch 0's) stays to resume from.
+#[test]
+fn a_failing_rank_ends_the_others() {
+    let cfg = two_rank_run("dp-fault");
+    let results = fit_on_ranks_with(3, &PoseTrainConfig { batch: 6, ..cfg.clone() }, |rank, c| {
+        if rank == 2 {
+            c.inject_loader_panic_at = Some((1, 1));
+        }
+    });
+    let errors: Vec<String> = results.into_iter().map(|r| r.expect_err("every rank fails")).collect();
+    assert!(errors[2].contains("loader") || errors[2].contains("injected"), "{}", errors[2]);
+    for e in &errors[..2] {
+        assert!(e.contains("rank 2 left the group"), "{e}");
+    }
+    assert!(cfg.save_dir.join("weights/last.ckpt").is_file(), "epoch 0's checkpoint stays");
+}
+
+/// A global batch that does not split over the ranks, and replay (whose step has no all-reduce
+/// yet), are refused on every rank with the fix, before the ranks exchange anything.
+#[test]
+fn settings_the_group_cannot_train_are_refused_on_every_rank() {
+    for (cfg, says) in [
+        (PoseTrainConfig { batch: 1, ..two_rank_run("dp-batch") }, "batch=2 or more"),
+        (PoseTrainConfig { replay: vec!["all".into()], ..two_rank_run("dp-replay") }, "replay=none"),
+    ] {
+        for r in fit_on_ranks(2, &cfg) {
+            let e = r.expect_err("refused");
+            assert!(e.contains(says), "{e}");
+        }
+        assert!(!cfg.save_dir.exists(), "nothing written");
+    }
+}
