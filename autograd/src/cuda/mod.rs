@@ -53,6 +53,7 @@ mod library_memory;
 mod mapped_range;
 pub(crate) mod module_cache;
 pub(crate) mod module_probe;
+mod nccl;
 pub(crate) mod ops;
 pub(crate) mod pending_copy;
 pub(crate) mod pinned;
@@ -68,6 +69,7 @@ pub use device::DeviceOptions;
 pub(crate) use kernel_timer::stage_changed;
 pub use library_memory::library_workspace_bytes;
 pub use module_cache::{kernel_cache_dir, module_reports, ModuleReport, ModuleSource};
+pub use nccl::{nccl_candidates, nccl_version, NcclComm, NcclId, NCCL_LIBRARY_ENV};
 
 /// The kernel choices of `device` ([`DeviceOptions`]).
 pub fn device_options(device: Device) -> Result<DeviceOptions> {
