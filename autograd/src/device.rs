@@ -28,7 +28,9 @@ impl Device {
                 if ordinals.contains(',') {
                     return Err(crate::Error::invalid(
                         "Device::parse",
-                        format!("`{s}` names several GPUs: training on more than one is not available yet; name one (e.g. device=0)"),
+                        format!(
+                            "`{s}` names several GPUs: one device is needed here (e.g. device=0); `ptl train device=0,1` trains on several"
+                        ),
                     ));
                 }
                 match ordinals.parse::<usize>() {

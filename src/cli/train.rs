@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
+use ptl_autograd::Device;
+use ptl_trainer::distributed::{device_list, launch_local, Collective, WorkerEnv};
+use ptl_trainer::pose::{fit, fit_data_parallel, PoseTrainConfig, Precision};
 use ptl_trainer::TrainerError;
 
 /// Arguments of `ptl train`.
@@ -127,7 +129,60 @@ fn embedded_default(cfg: &mut PoseTrainConfig) {
 /// Builds the run configuration: defaults → embedded-default settings (when no data is given)
 /// → yaml file(s) → `key=value` overrides → flags.
 /// Also says whether the run is the embedded default (no data given).
+#[cfg(test)]
 fn build_run(a: &TrainArgs) -> Result<(PoseTrainConfig, bool), String> {
+    build_run_ranked(a).map(|(cfg, embedded, _)| (cfg, embedded))
+}
+
+/// Which process of a run this is: the only one, the launcher of several GPUs (it prepares the
+/// run and starts one worker per GPU), or a worker of a group (its GPU is its `LOCAL_RANK`'s).
+enum Ranks {
+    One,
+    Launcher(Vec<usize>),
+    Worker(WorkerEnv),
+}
+
+impl Ranks {
+    /// From the device setting and the environment a launcher (ptl's, torchrun, SLURM) sets.
+    fn of(device: Option<&str>) -> Result<Ranks, String> {
+        let env = WorkerEnv::from_env(&|k| std::env::var(k).ok()).map_err(|e| e.to_string())?;
+        let list = device.map(device_list).transpose().map_err(|e| e.to_string())?.flatten();
+        Ok(match (env, list) {
+            (Some(w), _) => Ranks::Worker(w),
+            (None, Some(list)) => Ranks::Launcher(list),
+            (None, None) => Ranks::One,
+        })
+    }
+
+    /// The one device this process trains on, from the setting `device` (`None`: auto).
+    fn device(&self, device: Option<&str>) -> Result<Device, String> {
+        match (self, device.map(device_list).transpose().map_err(|e| e.to_string())?.flatten()) {
+            // A worker takes its host's LOCAL_RANK-th GPU of the list (or of the host, without one).
+            (Ranks::Worker(w), Some(list)) => {
+                let n = list
+                    .get(w.local_rank)
+                    .ok_or_else(|| format!("LOCAL_RANK={} but device={} names {} GPUs", w.local_rank, device.unwrap_or(""), list.len()))?;
+                super::resolve_device(&n.to_string(), "training")
+            }
+            (Ranks::Worker(w), None) if device.is_none_or(|d| d.trim().eq_ignore_ascii_case("auto")) => {
+                super::resolve_device(&w.local_rank.to_string(), "training")
+            }
+            // The launcher checks every GPU before it starts a worker, and prepares on the first.
+            (Ranks::Launcher(list), _) => {
+                for n in list {
+                    super::resolve_device(&n.to_string(), "training")
+                        .map_err(|e| format!("device={}: training on several GPUs needs each of them; {e}", device.unwrap_or("")))?;
+                }
+                Ok(Device::Cuda(list[0]))
+            }
+            _ => super::resolve_device(device.unwrap_or("auto"), "training"),
+        }
+    }
+}
+
+/// The run configuration (as `build_run` says), whether it is the embedded default, and which
+/// process of the run this is.
+fn build_run_ranked(a: &TrainArgs) -> Result<(PoseTrainConfig, bool, Ranks), String> {
     // Ultralytics' default precision: amp=True (16-mixed on a GPU, 32-true on the CPU) unless
     // amp= or precision= (key, yaml or --precision) says otherwise.
     let mut cfg = PoseTrainConfig { amp: Some(true), ..PoseTrainConfig::default() };
@@ -152,7 +207,8 @@ fn build_run(a: &TrainArgs) -> Result<(PoseTrainConfig, bool), String> {
     let device_keys: Vec<(String, String)> = from_yaml.iter().chain(&overrides).filter(|(k, _)| k == "device").cloned().collect();
     let device = device_setting(a.device.as_deref(), &device_keys)?;
     // Checked before anything is generated or read: a device that is not there fails at once.
-    let device = super::resolve_device(device.as_deref().unwrap_or("auto"), "training")?;
+    let ranks = Ranks::of(device.as_deref())?;
+    let device = ranks.device(device.as_deref())?;
     overrides.retain(|(k, _)| k != "device");
     // Ultralytics' resume=True continues the newest run (its last.ckpt under the project folder);
     // resume=False is no resume.
@@ -185,7 +241,7 @@ fn build_run(a: &TrainArgs) -> Result<(PoseTrainConfig, bool), String> {
         let mut cfg = PoseTrainConfig::for_resume(Path::new(path), &given).map_err(|e| e.to_string())?;
         cfg.device = device;
         cfg.resolve_amp();
-        return Ok((cfg, false));
+        return Ok((cfg, false, ranks));
     }
     let data_given = a.settings.iter().any(|s| s.starts_with("data=")) || cfg.data != PoseTrainConfig::default().data;
     if !data_given {
@@ -210,7 +266,7 @@ fn build_run(a: &TrainArgs) -> Result<(PoseTrainConfig, bool), String> {
         cfg.imgsz = up;
     }
     cfg.validate().map_err(|e| e.to_string())?;
-    Ok((cfg, !data_given))
+    Ok((cfg, !data_given, ranks))
 }
 
 /// Ultralytics' `check_imgsz`: a size that is not a multiple of the model's largest stride (32)
@@ -237,7 +293,17 @@ fn latest_run(project: &Path) -> Result<std::path::PathBuf, String> {
 pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
     // Ctrl-C and SIGTERM end the fit after its current step with a resumable checkpoint.
     ptl_trainer::fit::interrupt::install_signal_handlers().map_err(|e| format!("cannot install the SIGINT/SIGTERM handlers: {e}"))?;
-    let (cfg, embedded) = build_run(&a)?;
+    let (cfg, embedded, ranks) = build_run_ranked(&a)?;
+    if let Ranks::Launcher(list) = &ranks {
+        // The run's settings and data were checked (and the embedded default's files made) here,
+        // once; each worker reads them again with its own GPU.
+        log::info!("ptl: training on GPUs {list:?}: one worker process per GPU, batch {} in all", cfg.batch);
+        let program = std::env::current_exe().map_err(|e| format!("cannot find ptl's own executable to start the workers: {e}"))?;
+        let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+        launch_local(&program, &args, list).map_err(|e| e.to_string())?;
+        println!("finished: {} ranks; the run is in {}", list.len(), cfg.save_dir.display());
+        return Ok(());
+    }
     let batch = match cfg.autobatch {
         Some(f) => format!("AutoBatch at {:.0} % of the GPU's memory", 100.0 * f),
         None => cfg.batch.to_string(),
@@ -252,7 +318,15 @@ pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
         cfg.device,
         cfg.precision.name()
     );
-    let s = fit(&cfg, Vec::new()).map_err(|e| match e {
+    let fitted = match &ranks {
+        Ranks::Worker(w) => join_group(&cfg, w).and_then(|group| fit_data_parallel(&cfg, Vec::new(), group)),
+        _ => fit(&cfg, Vec::new()),
+    };
+    // Only rank 0 reports; the others end quietly.
+    if matches!(&ranks, Ranks::Worker(w) if w.rank != 0) {
+        return fitted.map(|_| ()).map_err(|e| super::Failure::from(e.to_string()));
+    }
+    let s = fitted.map_err(|e| match e {
         // The shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM).
         TrainerError::Interrupted { signal, .. } => super::Failure { message: e.to_string(), code: (128 + signal).clamp(0, 255) as u8 },
         e => super::Failure::from(e.to_string()),
@@ -374,6 +448,19 @@ pub fn print_keys() {
          default) and refuse others with the reason: {}",
         foreign.join(", ")
     );
+}
+
+/// This worker's place in its group: the NCCL communicator on its GPU (CUDA builds).
+fn join_group(cfg: &PoseTrainConfig, w: &WorkerEnv) -> ptl_trainer::Result<Box<dyn Collective>> {
+    #[cfg(feature = "cuda")]
+    if cfg.device.is_cuda() {
+        let group = ptl_trainer::distributed::NcclCollective::join(cfg.device, w, std::time::Duration::from_secs(600))?;
+        return Ok(Box::new(group));
+    }
+    Err(TrainerError::InvalidArgument {
+        what: "device",
+        reason: format!("rank {} of {}: several ranks train on CUDA GPUs through NCCL, not on {}", w.rank, w.world, cfg.device),
+    })
 }
 
 #[cfg(test)]

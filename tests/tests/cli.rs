@@ -268,7 +268,8 @@ fn save_json_writes_coco_files_in_train_and_val() {
     assert!(text(&o).contains(&blocked.join("val").display().to_string()), "{}", text(&o));
 }
 
-/// Ultralytics' spellings: `device=0,1` is a clear error until training on several GPUs exists,
+/// Ultralytics' spellings: `device=0,1` on a machine without those GPUs is a clear error (before
+/// any worker starts),
 /// `imgsz=100` is rounded up to a multiple of the stride with a warning, `verbose=false` quiets the
 /// per-epoch lines, `resume=True` continues the newest run of the project.
 #[test]

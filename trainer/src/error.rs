@@ -157,6 +157,14 @@ pub enum TrainerError {
         /// What happened, naming the other rank where known.
         reason: String,
     },
+    /// A worker process of a multi-GPU run ended with a failure; the launcher ended the others.
+    #[error("rank {rank}'s worker exited with {status}; the other ranks were ended (resume from the run's weights/last.ckpt)")]
+    WorkerFailed {
+        /// The worker's rank.
+        rank: usize,
+        /// How it exited.
+        status: String,
+    },
     /// An error from the tensor library (shapes, dtypes, devices, backward).
     #[error("tensor error: {0}")]
     Tensor(#[from] ptl_autograd::Error),

@@ -10,6 +10,9 @@ mod agree;
 mod buckets;
 mod collective;
 mod data_parallel;
+mod launch;
+#[cfg(feature = "cuda")]
+mod nccl_group;
 mod shard;
 mod store;
 
@@ -17,6 +20,9 @@ pub use agree::{agree_bucket, Issued, LoggedCollective};
 pub use buckets::{average_gradients, Bucket, BucketPlan, DEFAULT_BUCKET_BYTES};
 pub use collective::{Collective, ThreadCollective, ThreadGroup};
 pub use data_parallel::DataParallel;
+pub use launch::{device_list, launch_local, supervise, WorkerEnv, STORE_ADDR_ENV};
+#[cfg(feature = "cuda")]
+pub use nccl_group::NcclCollective;
 pub use shard::{per_rank_batch, shard_order};
 pub use store::{store_get, store_set, StoreServer, MAX_VALUE};
 
