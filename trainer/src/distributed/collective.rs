@@ -4,6 +4,8 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use ptl_autograd::{no_grad, DType, Tensor};
+
 use crate::error::{Result, TrainerError};
 
 /// Collective operations over `world` ranks. Every rank must call the same operations in the
@@ -19,6 +21,14 @@ pub trait Collective: Send {
     /// Replaces `buf` with the element-wise maximum over the ranks (the ranks' agreement on a
     /// step's target bucket, which gradients are present).
     fn all_reduce_max(&self, buf: &mut [u64]) -> Result<()>;
+    /// Replaces `t` with the element-wise sum over the ranks, in place. This default goes through
+    /// a host copy and [`Collective::all_reduce_sum`]; a device transport sums where `t` lies.
+    fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
+        let mut v = t.to_dtype(DType::F32)?.to_vec::<f32>()?;
+        self.all_reduce_sum(&mut v)?;
+        no_grad(|| t.copy_(&Tensor::from_vec(v, t.shape().clone(), t.device())?.to_dtype(t.dtype())?))?;
+        Ok(())
+    }
 }
 
 /// How long a rank of a [`ThreadGroup`] waits for the others at one collective before it gives

@@ -3,7 +3,7 @@
 
 use ptl_autograd::{no_grad, DType, Tensor};
 
-use super::buckets::{average_gradients, BucketPlan, DEFAULT_BUCKET_BYTES};
+use super::buckets::{BucketPlan, DEFAULT_BUCKET_BYTES};
 use super::collective::Collective;
 use crate::error::{Result, TrainerError};
 
@@ -36,7 +36,11 @@ impl DataParallel {
     }
 
     /// Averages the gradients of the trainable parameters among `params` (those with
-    /// `requires_grad`, in order) over the ranks, in place: a present gradient keeps its buffer
+    /// `requires_grad`, in order) over the ranks, in place: one max all-reduce of which
+    /// parameters have a gradient anywhere, then per bucket (≤ 25 MiB, from the last parameter)
+    /// the f32 gradients flattened into one tensor where they lie, summed over the ranks by the
+    /// transport ([`Collective::all_reduce_sum_tensor`]: NCCL on the device, the CPU group through
+    /// the host), divided by the world size and written back. A present gradient keeps its buffer
     /// (a recorded graph may read it there), a gradient absent here but present on another rank
     /// arrives as zeros averaged in, one absent everywhere stays absent.
     pub fn average_gradients(&mut self, params: &[(String, Tensor)]) -> Result<()> {
@@ -49,20 +53,33 @@ impl DataParallel {
                 reason: format!("the trainable parameters changed during the fit ({} values, planned for {})", sizes.len(), planned.len()),
             });
         }
-        let mut grads: Vec<Option<Vec<f32>>> = Vec::with_capacity(trainable.len());
-        for t in &trainable {
-            grads.push(match t.grad() {
-                Some(g) => Some(g.to_dtype(DType::F32)?.to_vec::<f32>()?),
-                None => None,
-            });
-        }
-        average_gradients(self.collective.as_ref(), plan, &sizes, &mut grads)?;
+        let grads: Vec<Option<Tensor>> = trainable.iter().map(|t| t.grad()).collect();
+        let mut present: Vec<u64> = grads.iter().map(|g| g.is_some() as u64).collect();
+        self.collective.all_reduce_max(&mut present)?;
+        let scale = 1.0 / self.collective.world() as f64;
         no_grad(|| -> Result<()> {
-            for (t, avg) in trainable.iter().zip(grads) {
-                let Some(avg) = avg else { continue };
-                match t.grad() {
-                    Some(g) => g.copy_(&Tensor::from_vec(avg, g.shape().clone(), g.device())?.to_dtype(g.dtype())?)?,
-                    None => t.add_to_grad(&Tensor::from_vec(avg, t.shape().clone(), t.device())?.to_dtype(t.dtype())?)?,
+            for bucket in &plan.buckets {
+                let mut parts = Vec::with_capacity(bucket.params.len());
+                for &i in &bucket.params {
+                    let t = trainable[i];
+                    parts.push(match &grads[i] {
+                        Some(g) => g.to_dtype(DType::F32)?.reshape(vec![sizes[i]])?,
+                        None => Tensor::zeros(vec![sizes[i]], DType::F32, t.device())?,
+                    });
+                }
+                let flat = Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)?;
+                self.collective.all_reduce_sum_tensor(&flat)?;
+                let flat = flat.mul_scalar(scale)?;
+                let mut at = 0;
+                for &i in &bucket.params {
+                    let t = trainable[i];
+                    let avg = flat.narrow(0, at, sizes[i])?.reshape(t.shape().clone())?;
+                    at += sizes[i];
+                    match (&grads[i], present[i] != 0) {
+                        (Some(g), _) => g.copy_(&avg.to_dtype(g.dtype())?)?,
+                        (None, true) => t.add_to_grad(&avg.to_dtype(t.dtype())?)?,
+                        (None, false) => {}
+                    }
                 }
             }
             Ok(())

@@ -1,7 +1,10 @@
 //! The GPU transport of a data-parallel group: one NCCL communicator per rank, whose identifier
-//! travels through the rendezvous store.
+//! travels through the rendezvous store, watched by a thread that aborts it when a collective
+//! does not complete in time or NCCL reports an asynchronous error.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use ptl_autograd::cuda::{NcclComm, NcclId};
 use ptl_autograd::{Device, Tensor};
@@ -14,10 +17,25 @@ use crate::error::{Result, TrainerError};
 /// The store key under which rank 0 leaves the communicator's identifier.
 const ID_KEY: &str = "ptl-nccl-unique-id";
 
+/// How often the watchdog looks.
+const WATCH_EVERY: Duration = Duration::from_millis(500);
+
+/// What the fit's thread and the watchdog share.
+struct Watched {
+    comm: NcclComm,
+    /// Milliseconds since `epoch` at which the collective in flight began (0: none in flight).
+    began_ms: AtomicU64,
+    epoch: Instant,
+    /// Set by the watchdog when it aborted the communicator, with why.
+    aborted: std::sync::Mutex<Option<String>>,
+    stop: AtomicBool,
+}
+
 /// One rank's NCCL communicator as a [`Collective`].
 pub struct NcclCollective {
-    comm: NcclComm,
+    watched: Arc<Watched>,
     device: Device,
+    watchdog: Option<std::thread::JoinHandle<()>>,
     /// The rendezvous store when this rank serves it (rank 0 outside ptl's launcher), kept while
     /// the group lives.
     _store: Option<StoreServer>,
@@ -26,7 +44,9 @@ pub struct NcclCollective {
 impl NcclCollective {
     /// Joins the group `env` describes on `device`: rank 0 makes the identifier and leaves it in
     /// the store (serving the store itself when no launcher does), the others wait up to
-    /// `timeout` for it; then every rank joins the communicator.
+    /// `timeout` for it; then every rank joins the communicator. A collective that has not
+    /// completed after `timeout` aborts the communicator (NCCL's kernels spin rather than fail
+    /// when a peer dies), and so does an asynchronous error NCCL reports.
     pub fn join(device: Device, env: &WorkerEnv, timeout: Duration) -> Result<NcclCollective> {
         let (addr, serve) = env.store_addr()?;
         let store = match serve {
@@ -48,17 +68,75 @@ impl NcclCollective {
             }
         };
         let comm = NcclComm::init(device, env.world, env.rank, &id)?;
-        Ok(NcclCollective { comm, device, _store: store })
+        let watched = Arc::new(Watched {
+            comm,
+            began_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            aborted: std::sync::Mutex::new(None),
+            stop: AtomicBool::new(false),
+        });
+        let w = watched.clone();
+        let watchdog = std::thread::Builder::new()
+            .name(format!("ptl-nccl-watchdog-{}", env.rank))
+            .spawn(move || watch(&w, timeout))
+            .map_err(|e| TrainerError::Collective { rank: env.rank, reason: format!("cannot start the watchdog thread: {e}") })?;
+        Ok(NcclCollective { watched, device, watchdog: Some(watchdog), _store: store })
+    }
+
+    /// Runs one collective under the watchdog's eye; after an abort, the error says why.
+    fn watched<R>(&self, f: impl FnOnce(&NcclComm) -> ptl_autograd::Result<R>) -> Result<R> {
+        let w = &self.watched;
+        w.began_ms.store((w.epoch.elapsed().as_millis() as u64).max(1), Ordering::Release);
+        let r = f(&w.comm);
+        w.began_ms.store(0, Ordering::Release);
+        let aborted = w.aborted.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match (r, aborted) {
+            (_, Some(why)) => Err(TrainerError::Collective { rank: w.comm.rank(), reason: why }),
+            (r, None) => Ok(r?),
+        }
+    }
+}
+
+/// The watchdog: aborts the communicator when NCCL reports an asynchronous error or when the
+/// collective in flight began more than `timeout` ago.
+fn watch(w: &Watched, timeout: Duration) {
+    while !w.stop.load(Ordering::Acquire) {
+        std::thread::sleep(WATCH_EVERY);
+        let began = w.began_ms.load(Ordering::Acquire);
+        let late = began != 0 && w.epoch.elapsed().as_millis() as u64 > began + timeout.as_millis() as u64;
+        let why = match (w.comm.async_error(), late) {
+            (Err(e), _) => Some(format!("NCCL reported an error while the ranks trained ({e}); communicator aborted")),
+            (Ok(()), true) => Some(format!(
+                "a collective did not complete within {:.0} s (another rank has likely died); communicator aborted",
+                timeout.as_secs_f64()
+            )),
+            _ => None,
+        };
+        if let Some(why) = why {
+            log::error!("ptl: rank {}: {why}", w.comm.rank());
+            *w.aborted.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+            w.comm.abort();
+            return;
+        }
+    }
+}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        self.watched.stop.store(true, Ordering::Release);
+        if let Some(h) = self.watchdog.take() {
+            let _ = h.join();
+        }
     }
 }
 
 impl Collective for NcclCollective {
     fn rank(&self) -> usize {
-        self.comm.rank()
+        self.watched.comm.rank()
     }
 
     fn world(&self) -> usize {
-        self.comm.world()
+        self.watched.comm.world()
     }
 
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
@@ -66,12 +144,25 @@ impl Collective for NcclCollective {
             return Ok(());
         }
         let t = Tensor::from_vec(buf.to_vec(), vec![buf.len()], self.device)?;
-        self.comm.all_reduce_sum(&t)?;
-        buf.copy_from_slice(&t.to_vec::<f32>()?);
+        let summed = self.watched(|comm| {
+            comm.all_reduce_sum(&t)?;
+            t.to_vec::<f32>()
+        })?;
+        buf.copy_from_slice(&summed);
         Ok(())
     }
 
     fn all_reduce_max(&self, buf: &mut [u64]) -> Result<()> {
-        Ok(self.comm.all_reduce_max(buf)?)
+        self.watched(|comm| comm.all_reduce_max(buf))
+    }
+
+    fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
+        // The wait for the device is inside the watchdog's window: a collective that a dead peer
+        // never joins spins there. (A recorded step cannot wait inside its capture; it will
+        // watch an event instead.)
+        self.watched(|comm| {
+            comm.all_reduce_sum(t)?;
+            ptl_autograd::cuda::synchronize(self.device)
+        })
     }
 }
