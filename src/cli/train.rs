@@ -300,7 +300,17 @@ pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
         log::info!("ptl: training on GPUs {list:?}: one worker process per GPU, batch {} in all", cfg.batch);
         let program = std::env::current_exe().map_err(|e| format!("cannot find ptl's own executable to start the workers: {e}"))?;
         let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-        launch_local(&program, &args, list).map_err(|e| e.to_string())?;
+        launch_local(&program, &args, list).map_err(|e| match e {
+            TrainerError::Interrupted { signal, .. } => super::Failure {
+                message: format!(
+                    "{}: every rank stopped; rank 0 kept the place in its run's weights/last.ckpt (resume with `ptl train resume=…/weights/last.ckpt device={}`)",
+                    ptl_trainer::fit::interrupt::signal_name(signal),
+                    list.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+                ),
+                code: (128 + signal).clamp(0, 255) as u8,
+            },
+            e => super::Failure::from(e.to_string()),
+        })?;
         println!("finished: {} ranks; the run is in {}", list.len(), cfg.save_dir.display());
         return Ok(());
     }

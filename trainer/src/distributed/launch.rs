@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use super::store::StoreServer;
 use crate::error::{Result, TrainerError};
+use crate::fit::interrupt::{SIGINT, SIGTERM};
 
 /// The variable that gives a worker the rendezvous store's address (set by ptl's launcher; under
 /// another launcher rank 0 serves the store itself, see [`WorkerEnv::store_addr`]).
@@ -142,14 +143,22 @@ pub fn launch_local(program: &Path, args: &[std::ffi::OsString], devices: &[usiz
             }
         }
     }
-    supervise(children, Duration::from_millis(100))
+    supervise(children, Duration::from_millis(100), STOP_GRACE)
 }
 
-/// Waits for every worker (rank = position): all exit 0 → `Ok`; the first that exits otherwise
-/// ends the others at once (a rank whose peer died would wait in its collective until the
-/// watchdog's timeout) and is the error, naming its rank and exit status.
-pub fn supervise(mut children: Vec<Child>, poll: Duration) -> Result<()> {
+/// How long the launcher waits for the other workers once one stopped for a signal (they stop
+/// at their group's next agreement, rank 0 after writing its checkpoint).
+pub const STOP_GRACE: Duration = Duration::from_secs(300);
+
+/// Waits for every worker (rank = position): all exit 0 → `Ok`. A worker that exits with a
+/// failure ends the others at once (a rank whose peer died would wait in its collective until
+/// the watchdog's timeout) and is the error, naming its rank and exit status. A worker that
+/// stopped for a signal (exit status 128 + SIGINT or SIGTERM: the group agreed to stop, and
+/// rank 0 keeps the place in its checkpoint) is waited for with the others, up to `grace`
+/// (then the rest are ended), and the result is [`TrainerError::Interrupted`].
+pub fn supervise(mut children: Vec<Child>, poll: Duration, grace: Duration) -> Result<()> {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    let mut stopping: Option<(i32, std::time::Instant)> = None;
     loop {
         for (rank, child) in children.iter_mut().enumerate() {
             if done[rank].is_some() {
@@ -157,16 +166,36 @@ pub fn supervise(mut children: Vec<Child>, poll: Duration) -> Result<()> {
             }
             let status =
                 child.try_wait().map_err(|e| TrainerError::Collective { rank, reason: format!("cannot wait for the worker: {e}") })?;
-            if let Some(status) = status {
-                done[rank] = Some(status);
-                if !status.success() {
+            let Some(status) = status else { continue };
+            done[rank] = Some(status);
+            match status.code() {
+                Some(0) => {}
+                Some(code) if code == 128 + SIGINT || code == 128 + SIGTERM => {
+                    stopping.get_or_insert((code - 128, std::time::Instant::now() + grace));
+                }
+                _ => {
                     end_all(&mut children);
                     return Err(TrainerError::WorkerFailed { rank, status: status.to_string() });
                 }
             }
         }
         if done.iter().all(Option::is_some) {
-            return Ok(());
+            return match stopping {
+                Some((signal, _)) => Err(TrainerError::Interrupted { signal, checkpoint: None }),
+                None => Ok(()),
+            };
+        }
+        if let Some((signal, _)) = stopping.filter(|(_, d)| std::time::Instant::now() > *d) {
+            let late = done.iter().position(Option::is_none).unwrap_or(0);
+            end_all(&mut children);
+            return Err(TrainerError::WorkerFailed {
+                rank: late,
+                status: format!(
+                    "no exit within {:.0} s of the group's stop for {}",
+                    grace.as_secs_f64(),
+                    crate::fit::interrupt::signal_name(signal)
+                ),
+            });
         }
         std::thread::sleep(poll);
     }
@@ -229,13 +258,30 @@ mod tests {
     #[test]
     fn a_failing_worker_ends_the_others() {
         let t = Instant::now();
-        let e = supervise(vec![sh("sleep 30"), sh("exit 3"), sh("sleep 30")], Duration::from_millis(20)).unwrap_err();
+        let e = supervise(vec![sh("sleep 30"), sh("exit 3"), sh("sleep 30")], Duration::from_millis(20), STOP_GRACE).unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(10), "the sleeping workers were ended, not waited for");
         match e {
             TrainerError::WorkerFailed { rank, status } => assert_eq!((rank, status.contains('3')), (1, true), "{status}"),
             other => panic!("{other}"),
         }
-        supervise(vec![sh("exit 0"), sh("sleep 0.1")], Duration::from_millis(20)).unwrap();
+        supervise(vec![sh("exit 0"), sh("sleep 0.1")], Duration::from_millis(20), STOP_GRACE).unwrap();
+    }
+
+    /// Workers that stop for a signal (exit 143: SIGTERM) are waited for — the slower one is not
+    /// killed — and the result is an interruption; one that does not stop within the grace time
+    /// is ended and named.
+    #[test]
+    fn a_group_stopping_for_a_signal_is_waited_for() {
+        let (poll, grace) = (Duration::from_millis(20), Duration::from_secs(20));
+        let e = supervise(vec![sh("exit 143"), sh("sleep 0.5; exit 143")], poll, grace).unwrap_err();
+        assert!(matches!(e, TrainerError::Interrupted { signal: SIGTERM, checkpoint: None }), "{e}");
+        let t = Instant::now();
+        let e = supervise(vec![sh("exit 130"), sh("sleep 30")], poll, Duration::from_millis(200)).unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(10));
+        match e {
+            TrainerError::WorkerFailed { rank, status } => assert!(rank == 1 && status.contains("SIGINT"), "{rank} {status}"),
+            other => panic!("{other}"),
+        }
     }
 
     /// The launcher gives each worker torchrun's variables, its rank and the store's address,

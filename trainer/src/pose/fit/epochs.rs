@@ -19,6 +19,10 @@ use crate::{Result, TrainerError};
 use super::run::*;
 use super::{epoch_line, LOSS_NAMES};
 
+/// How often (in batches) the ranks of a data-parallel group agree on whether a signal asked
+/// them to stop: each agreement is a collective that waits for the device.
+const SIGNAL_CHECK_EVERY: usize = 8;
+
 pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<()> {
     let cfg = run.cfg.clone();
     if let Some(path) = &cfg.resume {
@@ -156,9 +160,14 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             ahead.step_queued()?;
             bar.update(i, &run.view.mean_items, run.view.lr.first().copied().unwrap_or(0.0));
             // A signal during the epoch's last batch lets the epoch end (checked below). Ranks of a
-            // group stop together at the epoch's end (deciding that every step would cost a
-            // collective per step).
-            if let Some(signal) = interrupt::requested().filter(|_| i + 1 < run.nb && run.dp.is_none()) {
+            // group decide together every SIGNAL_CHECK_EVERY batches (a collective each time),
+            // and at the epoch's end.
+            let signal = match run.dp.is_some() {
+                false => interrupt::requested(),
+                true if (i + 1) % SIGNAL_CHECK_EVERY == 0 => run.signal_on_any_rank()?,
+                true => None,
+            };
+            if let Some(signal) = signal.filter(|_| i + 1 < run.nb) {
                 bar.finish();
                 let fit_time = fit_time_before + fit_start.elapsed().as_secs_f64();
                 return run.stop_for_signal(signal, (epoch, i + 1), &mut sums, train_args, &last_ckpt, fit_time);
@@ -296,11 +305,8 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         }
         run.each_cb(|c, v| c.on_train_epoch_end(v));
         run.epoch_s.push(epoch_start.elapsed().as_secs_f64());
-        let signal = interrupt::requested().filter(|_| epoch + 1 < cfg.epochs);
-        // Every rank stops at this epoch's end once any rank has a signal (the ranks' own signal
-        // numbers may differ; each reports its own, or SIGTERM's when the signal came to another).
-        let signal = run.on_any_rank(signal.is_some())?.then(|| signal.unwrap_or(interrupt::SIGTERM));
-        if let Some(signal) = signal {
+        // Every rank stops at this epoch's end once any rank has a signal.
+        if let Some(signal) = run.signal_on_any_rank()?.filter(|_| epoch + 1 < cfg.epochs) {
             interrupt::clear();
             log::warn!("ptl: {} received: stopped after epoch {epoch}; checkpoint {}", interrupt::signal_name(signal), last_ckpt.display());
             return Err(TrainerError::Interrupted { signal, checkpoint: Some(last_ckpt.clone()) });
@@ -371,16 +377,19 @@ impl Run {
         self.absorb_losses(sums, true)?;
         interrupt::clear();
         let name = interrupt::signal_name(signal);
-        if self.nonfinite.is_some() {
+        // Ranks of a group keep the place only if none of them saw a non-finite loss.
+        if self.on_any_rank(self.nonfinite.is_some())? {
             let kept = last_ckpt.exists().then(|| last_ckpt.to_path_buf());
             log::warn!("ptl: {name} received: epoch {epoch} had a non-finite loss, so its place is not kept; a resume repeats it");
             return Err(TrainerError::Interrupted { signal, checkpoint: kept });
         }
         self.state.partial_epoch = Some(PartialEpoch { epoch, next_batch, loss_sums: *sums, absorbed: self.absorbed });
         self.history.fit_time_s = fit_time_s;
-        let ck = self.checkpoint(train_args);
-        self.state.partial_epoch = None;
-        save_checkpoint(last_ckpt, &ck?)?;
+        if self.is_main() {
+            let ck = self.checkpoint(train_args);
+            self.state.partial_epoch = None;
+            save_checkpoint(last_ckpt, &ck?)?;
+        }
         log::warn!(
             "ptl: {name} received: stopped in epoch {epoch} after batch {next_batch}/{}; checkpoint {}",
             self.nb,

@@ -137,6 +137,13 @@ impl Run {
         }
     }
 
+    /// The signal that asked this process to stop, agreed over the ranks: a signal on any rank
+    /// stops every rank (each reports its own signal, or SIGTERM's when it came to another).
+    pub(super) fn signal_on_any_rank(&self) -> Result<Option<i32>> {
+        let own = crate::fit::interrupt::requested();
+        Ok(self.on_any_rank(own.is_some())?.then(|| own.unwrap_or(crate::fit::interrupt::SIGTERM)))
+    }
+
     /// Rank 0's `flag` on every rank (alone: `flag`): the decisions that follow its validation.
     pub(super) fn as_rank_0_says(&self, flag: bool) -> Result<bool> {
         match &self.dp {
