@@ -363,3 +363,40 @@ fn a_replayed_dense_step_reads_nothing_back() {
     }
     assert_replayed(&s, ptl_plugins::LossReplay::STEP, 1, 6);
 }
+
+/// Two ranks of a data-parallel group (threads of one process) replaying their regions end with
+/// the native group's bytes on every rank: the gradients are averaged natively between the
+/// replayed backward and the update, into the gradients' own buffers. The counters show every
+/// region replayed after its warm-up on both ranks: the trunk and the stems (`feature,stem`), and
+/// a step's forward and dense loss as one region (`all` with `loss_assigner=dense`).
+#[test]
+fn a_replayed_data_parallel_group_equals_the_native_group() {
+    use ptl_trainer::distributed::ThreadGroup;
+    use ptl_trainer::pose::fit_data_parallel;
+    let on_two_ranks = |cfg: PoseTrainConfig| -> Vec<ptl_trainer::fit::RunSummary> {
+        let handles: Vec<_> = ThreadGroup::new(2)
+            .expect("a group")
+            .into_iter()
+            .map(|c| {
+                let cfg = cfg.clone();
+                std::thread::spawn(move || fit_data_parallel(&cfg, vec![], Box::new(c)).expect("rank fit"))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+    };
+    let group = |save: &str, replay: &[&str]| PoseTrainConfig { batch: 4, ..tiny(save, replay) };
+    let native = on_two_ranks(group("dp-native", &[]));
+    let replayed = on_two_ranks(group("dp-replayed", &["feature", "stem"]));
+    for (n, r) in native.iter().zip(&replayed) {
+        assert_eq!(r.hashes, n.hashes, "each rank's bytes as in the native group");
+        assert_replayed(r, "feature", 1, 2 * 2);
+        assert_replayed(r, "stem", 18, 2 * 2);
+    }
+    assert_eq!(replayed[0].hashes.model, replayed[1].hashes.model, "one model on both ranks");
+    let dense = |save: &str, replay: &[&str]| PoseTrainConfig { loss_assigner: "dense".into(), ..group(save, replay) };
+    let dense_native = on_two_ranks(dense("dp-dense-native", &[]));
+    for (n, r) in dense_native.iter().zip(&on_two_ranks(dense("dp-all", &["all"]))) {
+        assert_eq!(r.hashes, n.hashes, "replay=all: each rank's bytes as in the native group");
+        assert_replayed(r, "step", 1, 2 * 2);
+    }
+}

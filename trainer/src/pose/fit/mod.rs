@@ -383,20 +383,11 @@ fn fit_with(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>, dp: Option
     Ok(summary)
 }
 
-/// Settles a data-parallel rank's settings: no replay yet (the all-reduce is not inside the
-/// recorded step), AutoBatch replaced by batch 16 as Ultralytics does on several GPUs, and the
-/// ranks other than 0 neither validate, plot nor print. Returns this rank's share of each epoch.
+/// Settles a data-parallel rank's settings: AutoBatch replaced by batch 16 as Ultralytics does on
+/// several GPUs, and the ranks other than 0 neither validate, plot nor print. Returns this rank's
+/// share of each epoch. Replay plugins work as alone: the gradients are averaged natively
+/// between the replayed backward and the (replayed) update, into the gradients' own buffers.
 fn data_parallel_settings(cfg: &mut PoseTrainConfig, dp: &DataParallel) -> Result<Shard> {
-    if !cfg.replay.is_empty() && !cfg.replay.iter().all(|r| r == "none") {
-        return Err(TrainerError::InvalidArgument {
-            what: "replay",
-            reason: format!(
-                "replay={} with {} ranks: the gradient all-reduce is not yet recorded inside the replayed step; train with replay=none",
-                cfg.replay.join(","),
-                dp.world()
-            ),
-        });
-    }
     if cfg.autobatch.take().is_some() {
         cfg.batch = 16;
         if dp.is_main() {
