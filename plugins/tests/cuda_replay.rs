@@ -343,3 +343,38 @@ fn cuda_loss_replay_equals_native() {
         println!("ok cuda loss replay {precision:?}: {} || {}", line(&pieces, "loss"), line(&every, "step"));
     }
 }
+
+/// One data-parallel rank through NCCL (the identifier through the rendezvous store, the
+/// gradients averaged on the device between the replayed backward and the replayed update) with
+/// `replay=all`, bf16-mixed: the plain native fit's bytes, every region replayed after its
+/// warm-up — native ≡ replay at world size 1 on the NCCL path.
+#[test]
+fn cuda_one_nccl_rank_with_replay_all_equals_the_native_fit() {
+    use ptl_trainer::distributed::{NcclCollective, StoreServer, WorkerEnv};
+    let Some(dev) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-dp-all-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    let cfg = |replay: &[&str], save: &str| PoseTrainConfig {
+        nbs: 2,
+        precision: Precision::Bf16Mixed,
+        ..cuda_fit_cfg(&data, dev, 8, replay, dir.join(save))
+    };
+    let native = fit(&cfg(&[], "native"), vec![]).expect("native fit");
+    let store = StoreServer::serve("127.0.0.1:0").expect("store");
+    let env = WorkerEnv {
+        rank: 0,
+        world: 1,
+        local_rank: 0,
+        master: store.addr().to_string(),
+        store: Some(store.addr().to_string()),
+        under_torchrun: false,
+    };
+    let group = NcclCollective::join(dev, &env, std::time::Duration::from_secs(60)).expect("one-rank NCCL group");
+    let all = ptl_trainer::pose::fit_data_parallel(&cfg(&["all"], "ranked-all"), vec![], Box::new(group)).expect("ranked replay fit");
+    assert_eq!(all.hashes, native.hashes, "one NCCL rank with replay=all: the native bytes");
+    for (plugin, calls) in [("optimizer", all.optimizer_steps), ("step", 12)] {
+        let short = replay_shortfalls(&all, plugin, calls, &[]);
+        assert!(short.is_empty(), "{plugin}: {short:?}");
+    }
+    println!("ok cuda one NCCL rank replay=all: model {} as native", &native.hashes.model[..16]);
+}
