@@ -416,3 +416,31 @@ fn the_replay_config_example_of_ptl_cfg_trains() {
     let o = run_train(&args, dir.path());
     assert!(o.status.success(), "replay_config={example}: {}", text(&o));
 }
+
+/// A process started by a launcher (`RANK`, `WORLD_SIZE`, … set, as ptl's `device=0,1`, torchrun
+/// and SLURM set them) joins its group instead of training alone: on the CPU it is refused with
+/// the reason (ranks train on CUDA GPUs through NCCL), a half-set environment names the missing
+/// variable, and neither writes a run folder.
+#[test]
+fn a_launched_worker_joins_its_group_or_says_why_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = synth(dir.path());
+    let run = dir.path().join("runs").join("worker");
+    let mut args = vec!["train".to_string()];
+    args.extend(train_args(&data, &run));
+    let with_env = |vars: &[(&str, &str)]| {
+        let mut cmd = std::process::Command::new(common::ptl_bin());
+        cmd.args(&args).current_dir(dir.path()).env("PTL_CACHE", dir.path().join("cache"));
+        for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PTL_STORE_ADDR", "TORCHELASTIC_RUN_ID"] {
+            cmd.env_remove(var);
+        }
+        cmd.envs(vars.iter().copied()).output().expect("run ptl-ext")
+    };
+    let o = with_env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("rank 0 of 1") && text(&o).contains("through NCCL"), "{}", text(&o));
+    let o = with_env(&[("RANK", "1"), ("WORLD_SIZE", "2")]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("MASTER_ADDR is not set"), "{}", text(&o));
+    assert!(!run.exists(), "no run folder");
+}
