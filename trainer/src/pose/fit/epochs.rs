@@ -174,6 +174,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             }
         }
         run.absorb_losses(&mut sums, true)?;
+        run.buffers_from_rank_0()?;
         bar.finish();
         let stats = pipeline.stats();
         (run.workers, run.pageable_uploads) = (stats.workers, stats.pageable_uploads);

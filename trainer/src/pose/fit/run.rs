@@ -29,7 +29,7 @@ pub(super) struct Run {
     /// Named parameters, walked once: parameters keep their storage for the whole run.
     pub(super) params: Vec<(String, Tensor)>,
     /// The model's floating-point buffers (BatchNorm's running statistics): what rank 0 hands
-    /// the other ranks of a data-parallel group after each step.
+    /// the other ranks of a data-parallel group before each update and at each epoch's end.
     pub(super) float_buffers: Vec<Tensor>,
     /// The parameters autocast ops read, cast once per forward under mixed precision: every one of
     /// rank ≥ 2 (convolution and linear weights) and the biases of convolutions (see
@@ -134,6 +134,18 @@ impl Run {
         match &self.dp {
             Some(dp) => dp.any(flag),
             None => Ok(flag),
+        }
+    }
+
+    /// Several ranks: rank 0's BatchNorm running statistics on every rank, bit for bit (PyTorch
+    /// DDP's `broadcast_buffers`: each rank's batches move its own statistics, rank 0's are the
+    /// run's). Done before each update (the EMA reads them) and at each epoch's end, rather than
+    /// after every step: only rank 0's statistics reach any output, and a collective waits for
+    /// the device.
+    pub(super) fn buffers_from_rank_0(&self) -> Result<()> {
+        match self.dp.as_ref().filter(|dp| dp.world() > 1) {
+            Some(dp) => dp.buffers_from_main(&self.float_buffers),
+            None => Ok(()),
         }
     }
 

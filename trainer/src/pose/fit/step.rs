@@ -19,10 +19,12 @@ use super::LOSS_NAMES;
 
 impl Run {
     /// Several ranks: every rank's gradients become their average (the same bytes on every rank,
-    /// so every rank's update is the same), and a non-finite loss of this window on any rank skips
-    /// the update on every rank. Runs before the unscale, so a 16-mixed found-inf is the same
-    /// everywhere too.
+    /// so every rank's update is the same), a non-finite loss of this window on any rank skips
+    /// the update on every rank, and rank 0's BatchNorm statistics replace the others' before the
+    /// EMA reads them (see [`Run::buffers_from_rank_0`]). Runs before the unscale, so a 16-mixed
+    /// found-inf is the same everywhere too.
     fn average_over_ranks(&mut self) -> Result<()> {
+        self.buffers_from_rank_0()?;
         let Some(dp) = self.dp.as_mut() else { return Ok(()) };
         dp.average_gradients(&self.params)?;
         if let Some((flag, _)) = &self.loss_flag {
@@ -122,9 +124,6 @@ impl Run {
         };
         self.plugins.run(info(Stage::Backward), &mut || Ok(in_stage(stages::BACKWARD, || to_backprop.backward())?))?;
         stages[4] = self.stage_mark(&mut t)?;
-        if let Some(dp) = self.dp.as_ref().filter(|dp| dp.world() > 1) {
-            dp.buffers_from_main(&self.float_buffers)?;
-        }
         self.each_cb(|c, v| c.on_after_backward(v));
         if !self.callbacks.is_empty() {
             let v = self.view.clone();
