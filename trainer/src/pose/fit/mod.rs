@@ -172,6 +172,12 @@ fn fit_with(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>, dp: Option
     let batches = shard.len(train_ds.len()).div_ceil(rank_batch.min(shard.len(train_ds.len())).max(1));
     let batches = cfg.max_batches.map_or(batches, |m| m.min(batches));
     let workers = cfg.effective_workers(batches);
+    // Several ranks on one host share its cores: each loader takes at most its share, as
+    // Ultralytics' min(cores / GPUs, workers).
+    let workers = match shard.world {
+        1 => workers,
+        world => workers.min((std::thread::available_parallelism().map_or(1, |n| n.get()) / world).max(1)),
+    };
     let mut tcfg = TrainConfig {
         batch: rank_batch,
         shard,
