@@ -311,7 +311,7 @@ pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
             },
             e => super::Failure::from(e.to_string()),
         })?;
-        println!("finished: {} ranks; the run is in {}", list.len(), cfg.save_dir.display());
+        println!("finished: {} ranks trained (rank 0's lines above name the run folder)", list.len());
         return Ok(());
     }
     let batch = match cfg.autobatch {
