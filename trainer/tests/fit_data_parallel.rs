@@ -7,7 +7,10 @@ mod fit_support;
 use std::path::Path;
 
 use ptl_trainer::distributed::ThreadGroup;
-use ptl_trainer::fit::RunSummary;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use ptl_autograd::Tensor;
+use ptl_trainer::fit::{Callback, LoopView, RunSummary};
 use ptl_trainer::pose::{fit, fit_data_parallel, PoseTrainConfig};
 
 /// Every rank of a `world`-rank group fits `cfg` in its thread; the ranks' results in rank order.
@@ -17,6 +20,16 @@ fn fit_on_ranks(world: usize, cfg: &PoseTrainConfig) -> Vec<Result<RunSummary, S
 
 /// [`fit_on_ranks`] with `tweak` applied to each rank's settings (a fault on one rank).
 fn fit_on_ranks_with(world: usize, cfg: &PoseTrainConfig, tweak: fn(usize, &mut PoseTrainConfig)) -> Vec<Result<RunSummary, String>> {
+    fit_on_ranks_full(world, cfg, tweak, |_| vec![])
+}
+
+/// [`fit_on_ranks_with`], each rank also with the callbacks `callbacks(rank)` makes.
+fn fit_on_ranks_full(
+    world: usize,
+    cfg: &PoseTrainConfig,
+    tweak: fn(usize, &mut PoseTrainConfig),
+    callbacks: fn(usize) -> Vec<Box<dyn Callback>>,
+) -> Vec<Result<RunSummary, String>> {
     let handles: Vec<_> = ThreadGroup::new(world)
         .expect("a group")
         .into_iter()
@@ -24,7 +37,8 @@ fn fit_on_ranks_with(world: usize, cfg: &PoseTrainConfig, tweak: fn(usize, &mut 
         .map(|(rank, c)| {
             let mut cfg = cfg.clone();
             tweak(rank, &mut cfg);
-            std::thread::spawn(move || fit_data_parallel(&cfg, vec![], Box::new(c)).map_err(|e| e.to_string()))
+            let callbacks = callbacks(rank);
+            std::thread::spawn(move || fit_data_parallel(&cfg, callbacks, Box::new(c)).map_err(|e| e.to_string()))
         })
         .collect();
     handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
@@ -131,4 +145,39 @@ fn a_batch_the_group_cannot_split_is_refused_on_every_rank() {
         assert!(e.contains("batch=2 or more"), "{e}");
     }
     assert!(!cfg.save_dir.exists(), "nothing written");
+}
+
+/// How often rank 1's first batch of epoch 1 started in the recovery test.
+static POISONED: AtomicUsize = AtomicUsize::new(0);
+
+/// Puts NaN into rank 1's first convolution gradient at epoch 1's first batch, the first time:
+/// averaged, it reaches every rank's weights, and every rank's next loss is non-finite.
+#[derive(Clone)]
+struct PoisonOnce;
+
+impl Callback for PoisonOnce {
+    fn on_after_backward_params(&mut self, v: &LoopView, params: &[(String, Tensor)]) {
+        if v.epoch == 1 && v.batch_in_epoch == 0 && POISONED.fetch_add(1, Ordering::SeqCst) == 0 {
+            let (_, p) = params.iter().find(|(n, _)| n == "model.0.conv.weight").expect("parameter");
+            let g = p.grad().expect("gradient");
+            g.copy_(&Tensor::full(g.dims().to_vec(), f64::NAN, g.dtype(), g.device()).unwrap()).unwrap();
+        }
+    }
+}
+
+/// A non-finite gradient on one rank sends every rank back to rank 0's last checkpoint together:
+/// epoch 1 runs again on both ranks, and they finish with one model.
+#[test]
+fn the_ranks_recover_from_a_non_finite_loss_together() {
+    let cfg = PoseTrainConfig { nbs: 2, warmup_epochs: 0.0, epochs: 3, ..two_rank_run("dp-nan") };
+    let callbacks = |rank: usize| -> Vec<Box<dyn Callback>> {
+        match rank {
+            1 => vec![Box::new(PoisonOnce)],
+            _ => vec![],
+        }
+    };
+    let ranks: Vec<RunSummary> = fit_on_ranks_full(2, &cfg, |_, _| {}, callbacks).into_iter().map(|r| r.expect("recovered rank")).collect();
+    assert_eq!(POISONED.load(Ordering::SeqCst), 2, "epoch 1 ran twice on rank 1");
+    assert_eq!(ranks[0].hashes.model, ranks[1].hashes.model, "one model after the recovery");
+    assert_eq!(ranks[0].metrics_per_epoch.len(), 3, "rank 0 validated every epoch once");
 }
