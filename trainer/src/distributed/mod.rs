@@ -1,10 +1,12 @@
-//! Data-parallel training's rules that do not depend on the transport: how the global batch and
-//! each epoch's order are split over the ranks, how gradients are grouped into all-reduce buckets
-//! and averaged (absent gradients included), and a [`Collective`] that runs them — in CI the
-//! threads-in-one-process [`ThreadGroup`], on GPUs NCCL — and the TCP rendezvous store through
-//! which the ranks meet. Ultralytics' semantics throughout:
-//! `batch` is global and floored per rank, each epoch's order is padded and strided over the
-//! ranks as PyTorch's `DistributedSampler` does, gradients are averaged over the world size.
+//! Data-parallel training: how the global batch and each epoch's order are split over the
+//! ranks, how gradients are grouped into all-reduce buckets and averaged (absent gradients
+//! included), the [`Collective`] transports that run them — in CI the threads-in-one-process
+//! [`ThreadGroup`], on GPUs NCCL ([`NcclCollective`], CUDA builds) — the [`DataParallel`] handle
+//! the fit loop uses, the TCP rendezvous store through which the ranks meet, and the launcher
+//! behind `ptl train device=0,1` ([`launch_local`], [`WorkerEnv`]). Ultralytics' semantics
+//! throughout: `batch` is global and floored per rank, each epoch's order is padded and strided
+//! over the ranks as PyTorch's `DistributedSampler` does, gradients are averaged over the world
+//! size, rank 0 writes.
 
 mod agree;
 mod buckets;
@@ -18,9 +20,9 @@ mod store;
 
 pub use agree::{agree_bucket, Issued, LoggedCollective};
 pub use buckets::{average_gradients, Bucket, BucketPlan, DEFAULT_BUCKET_BYTES};
-pub use collective::{Collective, ThreadCollective, ThreadGroup};
+pub use collective::{Collective, ThreadCollective, ThreadGroup, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use data_parallel::DataParallel;
-pub use launch::{device_list, launch_local, supervise, WorkerEnv, STORE_ADDR_ENV};
+pub use launch::{device_list, launch_local, supervise, WorkerEnv, STOP_GRACE, STORE_ADDR_ENV};
 #[cfg(feature = "cuda")]
 pub use nccl_group::NcclCollective;
 pub use shard::{per_rank_batch, shard_order};
