@@ -5,7 +5,7 @@
 //! goldens. [`MemoryFormat::ChannelsLast`] stores a 4-D tensor's elements in N, H, W, C order
 //! (PyTorch's `torch.channels_last`), the order cuDNN's fast convolution engines compute in.
 //!
-//! The entry rule: an op reads its operands through [`Tensor::read_storage`], which hands a
+//! The entry rule: an op reads its operands through `Tensor::read_storage`, which hands a
 //! channels-last operand over converted to the contiguous order (one strided copy), so every op
 //! computes correctly on either format and returns a contiguous result; an op that computes on
 //! channels-last data itself reads the raw storage instead and says so. In-place writes into a

@@ -1,5 +1,5 @@
 //! An ONNX graph while it is being built: owned names, attributes and initializers, so the
-//! emitters need no lifetimes; [`crate::encode`] turns it into protobuf bytes at the end.
+//! emitters need no lifetimes; `encode` turns it into protobuf bytes at the end.
 //!
 //! Every value name is unique (a repeated base name gets a `_N` suffix), and a node is only
 //! appended after the nodes producing its inputs, so the node list is in topological order.

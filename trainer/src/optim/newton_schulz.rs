@@ -88,7 +88,7 @@ const GEMM_FLOPS: f64 = 100e12;
 /// (min × max of its dims). With [`Padding::SizeClasses`] the short side rounds up to a power of
 /// two (at least 16), the long side to a multiple of 8 (tensor-core alignment), the matrices are
 /// ordered by (short class, long side) and cut into consecutive runs minimising
-/// Σ [`BATCH_COST_S`] + FLOP / [`GEMM_FLOPS`] (five iterations of 4·r²·c + 2·r³ each) — a shortest
+/// Σ `BATCH_COST_S` + FLOP / `GEMM_FLOPS` (five iterations of 4·r²·c + 2·r³ each) — a shortest
 /// path over cut points, deterministic in the shapes.
 pub fn plan_batches(shapes: &[(usize, usize)], padding: Padding) -> Vec<NsBatch> {
     let wide = |&(r, c): &(usize, usize)| (r.min(c), r.max(c));

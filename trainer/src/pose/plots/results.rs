@@ -14,7 +14,7 @@ pub(crate) const COLS: usize = 5;
 /// Line colour of a series (matplotlib's tab:blue, as Ultralytics draws it).
 pub(crate) const SERIES: RGBColor = RGBColor(31, 119, 180);
 
-/// Draws every column but `epoch`/`time` of `results.csv` into `out` (PNG, [`COLS`] charts a row).
+/// Draws every column but `epoch`/`time` of `results.csv` into `out` (PNG, `COLS` charts a row).
 pub fn plot_results(csv: &Path, out: &Path) -> Result<()> {
     let text = ptl_files::read_to_string(csv)?;
     let mut lines = text.lines();
