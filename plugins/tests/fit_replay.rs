@@ -368,7 +368,8 @@ fn a_replayed_dense_step_reads_nothing_back() {
 /// the native group's bytes on every rank: the gradients are averaged natively between the
 /// replayed backward and the update, into the gradients' own buffers. The counters show every
 /// region replayed after its warm-up on both ranks: the trunk and the stems (`feature,stem`), and
-/// a step's forward and dense loss as one region (`all` with `loss_assigner=dense`).
+/// a step's forward and dense loss as one region with the update recorded too (`all` with
+/// `loss_assigner=dense`), the sum over the ranks inside the recorded update.
 #[test]
 fn a_replayed_data_parallel_group_equals_the_native_group() {
     use ptl_trainer::distributed::ThreadGroup;
@@ -393,10 +394,15 @@ fn a_replayed_data_parallel_group_equals_the_native_group() {
         assert_replayed(r, "stem", 18, 2 * 2);
     }
     assert_eq!(replayed[0].hashes.model, replayed[1].hashes.model, "one model on both ranks");
-    let dense = |save: &str, replay: &[&str]| PoseTrainConfig { loss_assigner: "dense".into(), ..group(save, replay) };
+    // An update every step (nbs = the global batch): the sum over the ranks runs inside the
+    // recorded update, which replays from its second call on.
+    let dense = |save: &str, replay: &[&str]| PoseTrainConfig { loss_assigner: "dense".into(), nbs: 4, ..group(save, replay) };
     let dense_native = on_two_ranks(dense("dp-dense-native", &[]));
     for (n, r) in dense_native.iter().zip(&on_two_ranks(dense("dp-all", &["all"]))) {
         assert_eq!(r.hashes, n.hashes, "replay=all: each rank's bytes as in the native group");
         assert_replayed(r, "step", 1, 2 * 2);
+        assert_eq!(r.optimizer_steps, 2 * 2);
+        let short = replay_shortfalls(r, "optimizer", r.optimizer_steps, &[]);
+        assert!(short.is_empty(), "optimizer: {short:?}");
     }
 }

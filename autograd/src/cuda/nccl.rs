@@ -235,6 +235,16 @@ impl NcclComm {
         self.issue(ptr, t.numel(), dtype, ns::ncclRedOp_t::ncclSum)
     }
 
+    /// [`NcclComm::all_reduce_sum`], then a wait for the device — unless its stream is being
+    /// captured, where the all-reduce is recorded and completes when the graph runs.
+    pub fn all_reduce_sum_waited(&self, t: &Tensor) -> Result<()> {
+        self.all_reduce_sum(t)?;
+        match self.dev.capturing.load(Ordering::Acquire) {
+            true => Ok(()),
+            false => self.dev.synchronize(),
+        }
+    }
+
     /// Replaces `values` with the element-wise maximum over the ranks (a host round trip through
     /// a small device buffer; waits for the device).
     pub fn all_reduce_max(&self, values: &mut [u64]) -> Result<()> {

@@ -21,6 +21,11 @@ pub trait Collective: Send {
     /// Replaces `buf` with the element-wise maximum over the ranks (the ranks' agreement on a
     /// step's target bucket, which gradients are present).
     fn all_reduce_max(&self, buf: &mut [u64]) -> Result<()>;
+    /// Whether [`Collective::all_reduce_sum_tensor`] is work on the device's stream (recorded into
+    /// a graph when that stream is captured) rather than host work. The default: host work.
+    fn sums_on_device(&self) -> bool {
+        false
+    }
     /// Replaces `t` with the element-wise sum over the ranks, in place. This default goes through
     /// a host copy and [`Collective::all_reduce_sum`]; a device transport sums where `t` lies.
     fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {

@@ -1,7 +1,7 @@
 //! What the fit loop asks of a data-parallel group: gradients averaged over the ranks, and the
 //! few decisions every rank must take alike (stop, recover, which folder rank 0 writes to).
 
-use ptl_autograd::{no_grad, DType, Tensor};
+use ptl_autograd::{no_grad, DType, Device, Tensor};
 
 use super::buckets::{BucketPlan, DEFAULT_BUCKET_BYTES};
 use super::collective::Collective;
@@ -36,54 +36,82 @@ impl DataParallel {
     }
 
     /// Averages the gradients of the trainable parameters among `params` (those with
-    /// `requires_grad`, in order) over the ranks, in place: one max all-reduce of which
-    /// parameters have a gradient anywhere, then per bucket (≤ 25 MiB, from the last parameter)
-    /// the f32 gradients flattened into one tensor where they lie, summed over the ranks by the
-    /// transport ([`Collective::all_reduce_sum_tensor`]: NCCL on the device, the CPU group through
-    /// the host), divided by the world size and written back. A present gradient keeps its buffer
-    /// (a recorded graph may read it there), a gradient absent here but present on another rank
-    /// arrives as zeros averaged in, one absent everywhere stays absent.
+    /// `requires_grad`, in order) over the ranks, in place: [`DataParallel::agree_on_gradients`]
+    /// then [`DataParallel::sum_gradients`]. A present gradient keeps its buffer (a recorded
+    /// graph may read it there), a gradient absent here but present on another rank counts as
+    /// zeros here, one absent everywhere stays absent.
     pub fn average_gradients(&mut self, params: &[(String, Tensor)]) -> Result<()> {
-        let trainable: Vec<&Tensor> = params.iter().map(|(_, t)| t).filter(|t| t.requires_grad()).collect();
+        self.agree_on_gradients(params)?;
+        self.sum_gradients(params)
+    }
+
+    /// The host half of the average: one max all-reduce of which trainable parameters have a
+    /// gradient on any rank; a gradient absent here but present elsewhere becomes zeros here, so
+    /// every rank enters [`DataParallel::sum_gradients`] with the same gradients present (the
+    /// same buckets, the same collectives).
+    pub fn agree_on_gradients(&mut self, params: &[(String, Tensor)]) -> Result<()> {
+        let trainable = trainable(params);
         let sizes: Vec<usize> = trainable.iter().map(|t| t.numel()).collect();
-        let (plan, planned) = self.plan.get_or_insert_with(|| (BucketPlan::new(&sizes, DEFAULT_BUCKET_BYTES), sizes.clone()));
+        let (_, planned) = self.plan.get_or_insert_with(|| (BucketPlan::new(&sizes, DEFAULT_BUCKET_BYTES), sizes.clone()));
         if *planned != sizes {
             return Err(TrainerError::InvalidArgument {
                 what: "data-parallel gradients",
                 reason: format!("the trainable parameters changed during the fit ({} values, planned for {})", sizes.len(), planned.len()),
             });
         }
-        let grads: Vec<Option<Tensor>> = trainable.iter().map(|t| t.grad()).collect();
-        let mut present: Vec<u64> = grads.iter().map(|g| g.is_some() as u64).collect();
+        let mut present: Vec<u64> = trainable.iter().map(|t| t.grad().is_some() as u64).collect();
         self.collective.all_reduce_max(&mut present)?;
-        let scale = 1.0 / self.collective.world() as f64;
         no_grad(|| -> Result<()> {
-            for bucket in &plan.buckets {
-                let mut parts = Vec::with_capacity(bucket.params.len());
-                for &i in &bucket.params {
-                    let t = trainable[i];
-                    parts.push(match &grads[i] {
-                        Some(g) => g.to_dtype(DType::F32)?.reshape(vec![sizes[i]])?,
-                        None => Tensor::zeros(vec![sizes[i]], DType::F32, t.device())?,
-                    });
-                }
-                let flat = Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)?;
-                self.collective.all_reduce_sum_tensor(&flat)?;
-                let flat = flat.mul_scalar(scale)?;
-                let mut at = 0;
-                for &i in &bucket.params {
-                    let t = trainable[i];
-                    let avg = flat.narrow(0, at, sizes[i])?.reshape(t.shape().clone())?;
-                    at += sizes[i];
-                    match (&grads[i], present[i] != 0) {
-                        (Some(g), _) => g.copy_(&avg.to_dtype(g.dtype())?)?,
-                        (None, true) => t.add_to_grad(&avg.to_dtype(t.dtype())?)?,
-                        (None, false) => {}
-                    }
+            for (t, p) in trainable.iter().zip(present) {
+                if p != 0 && t.grad().is_none() {
+                    t.add_to_grad(&Tensor::zeros(t.shape().clone(), t.dtype(), t.device())?)?;
                 }
             }
             Ok(())
         })
+    }
+
+    /// The device half of the average, after [`DataParallel::agree_on_gradients`]: per bucket
+    /// (≤ 25 MiB, from the last parameter) the present f32 gradients flattened into one tensor
+    /// where they lie, summed over the ranks by the transport ([`Collective::all_reduce_sum_tensor`]:
+    /// NCCL on the device, the CPU group through the host), divided by the world size and copied
+    /// back into the gradients' own buffers. No host decision: a recorded region may hold it
+    /// (see [`DataParallel::sums_in_regions`]).
+    pub fn sum_gradients(&self, params: &[(String, Tensor)]) -> Result<()> {
+        let Some((plan, _)) = &self.plan else {
+            return Err(TrainerError::InvalidArgument {
+                what: "data-parallel gradients",
+                reason: "summed before the ranks agreed on which gradients are present".into(),
+            });
+        };
+        let trainable = trainable(params);
+        let scale = 1.0 / self.collective.world() as f64;
+        no_grad(|| -> Result<()> {
+            for bucket in &plan.buckets {
+                let grads: Vec<Tensor> = bucket.params.iter().filter_map(|&i| trainable[i].grad()).collect();
+                if grads.is_empty() {
+                    continue;
+                }
+                let parts =
+                    grads.iter().map(|g| g.to_dtype(DType::F32)?.reshape(vec![g.numel()])).collect::<ptl_autograd::Result<Vec<_>>>()?;
+                let flat = Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)?;
+                self.collective.all_reduce_sum_tensor(&flat)?;
+                let flat = flat.mul_scalar(scale)?;
+                let mut at = 0;
+                for g in &grads {
+                    g.copy_(&flat.narrow(0, at, g.numel())?.reshape(g.shape().clone())?.to_dtype(g.dtype())?)?;
+                    at += g.numel();
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Whether [`DataParallel::sum_gradients`] may run inside a recorded region on `device`: when
+    /// the transport sums on the device's stream (NCCL: the all-reduce is recorded into the
+    /// graph), or on the CPU, whose recordings run their bodies again at every replay.
+    pub fn sums_in_regions(&self, device: Device) -> bool {
+        !device.is_cuda() || self.collective.sums_on_device()
     }
 
     /// Rank 0's values of `buffers` (BatchNorm's running statistics) on every rank, bit for bit —
@@ -136,6 +164,11 @@ impl DataParallel {
         self.collective.all_reduce_max(&mut v)?;
         Ok(v.into_iter().map(|b| b as u8).collect())
     }
+}
+
+/// The parameters that train (`requires_grad`), in order.
+fn trainable(params: &[(String, Tensor)]) -> Vec<&Tensor> {
+    params.iter().map(|(_, t)| t).filter(|t| t.requires_grad()).collect()
 }
 
 #[cfg(test)]

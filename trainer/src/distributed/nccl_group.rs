@@ -158,11 +158,12 @@ impl Collective for NcclCollective {
 
     fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
         // The wait for the device is inside the watchdog's window: a collective that a dead peer
-        // never joins spins there. (A recorded step cannot wait inside its capture; it will
-        // watch an event instead.)
-        self.watched(|comm| {
-            comm.all_reduce_sum(t)?;
-            ptl_autograd::cuda::synchronize(self.device)
-        })
+        // never joins spins there. Inside a capture there is no wait: the all-reduce is recorded
+        // and runs with its graph.
+        self.watched(|comm| comm.all_reduce_sum_waited(t))
+    }
+
+    fn sums_on_device(&self) -> bool {
+        true
     }
 }

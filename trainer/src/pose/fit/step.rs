@@ -18,15 +18,15 @@ use super::run::*;
 use super::LOSS_NAMES;
 
 impl Run {
-    /// Several ranks: every rank's gradients become their average (the same bytes on every rank,
-    /// so every rank's update is the same), a non-finite loss of this window on any rank skips
-    /// the update on every rank, and rank 0's BatchNorm statistics replace the others' before the
-    /// EMA reads them (see [`Run::buffers_from_rank_0`]). Runs before the unscale, so a 16-mixed
-    /// found-inf is the same everywhere too.
-    fn average_over_ranks(&mut self) -> Result<()> {
+    /// Several ranks, the host decisions before an update: which gradients are present (the same
+    /// on every rank, see [`DataParallel::agree_on_gradients`]), a non-finite loss of this window
+    /// on any rank skips the update on every rank, and rank 0's BatchNorm statistics replace the
+    /// others' before the EMA reads them (see [`Run::buffers_from_rank_0`]). The gradients' sum
+    /// over the ranks follows in [`Run::optimizer_step`].
+    fn agree_over_ranks(&mut self) -> Result<()> {
         self.buffers_from_rank_0()?;
         let Some(dp) = self.dp.as_mut() else { return Ok(()) };
-        dp.average_gradients(&self.params)?;
+        dp.agree_on_gradients(&self.params)?;
         if let Some((flag, _)) = &self.loss_flag {
             let here = flag.to_vec::<f32>()?.iter().any(|v| *v != 0.0);
             if dp.any(here)? && !here {
@@ -299,9 +299,23 @@ impl Run {
     /// Unscale → hook → clip → step (skipped on inf under 16-mixed) → scaler update → zero grad → EMA.
     /// Returns the EMA update's milliseconds under `profile=true` (device synchronised around it), else 0.
     pub(super) fn optimizer_step(&mut self, ni: usize, epoch: usize) -> Result<f64> {
-        self.average_over_ranks()?;
+        self.agree_over_ranks()?;
         let info = StageInfo { stage: Stage::OptimizerStep, epoch, batch_index: ni, training: true };
         let params = &self.params;
+        // Several ranks: the gradients become their average over the ranks (the same bytes on
+        // every rank, so every rank's update is the same) before the unscale (a 16-mixed
+        // found-inf is then the same everywhere) — inside the update's first device part when
+        // the transport's sum can be recorded there (NCCL; the CPU's recordings re-run their
+        // bodies), else here.
+        let dp = self.dp.as_ref();
+        let sum_in_update = dp.is_some_and(|d| d.sums_in_regions(self.cfg.device));
+        if let (Some(d), false) = (dp, sum_in_update) {
+            d.sum_gradients(params)?;
+        }
+        let sum_over_ranks = || match (dp, sum_in_update) {
+            (Some(d), true) => d.sum_gradients(params),
+            _ => Ok(()),
+        };
         let max_norm = self.cfg.clip_max_norm;
         let (optimizer, scaler, ema, model) = (&mut self.optimizer, &mut self.scaler, &mut self.ema, &self.model);
         // Deferred losses: a non-finite one in this window skips the update on the device.
@@ -326,12 +340,17 @@ impl Run {
             };
             // 16-mixed: the host part of the unscale (order of calls), then its device part —
             // every present gradient × 1/scale and the found-inf flag.
+            let mut summed = false;
             if let Some(s) = scaler.as_mut() {
                 if s.begin_unscale()? {
                     let grads: Vec<Tensor> =
                         optimizer.param_groups().iter().flat_map(|g| &g.params).filter_map(|p| p.tensor.grad()).collect();
                     let s: &GradScaler = s;
-                    run_update(UpdatePart::Unscale, &mut |_| s.unscale_grads(&grads))?;
+                    run_update(UpdatePart::Unscale, &mut |_| {
+                        sum_over_ranks()?;
+                        s.unscale_grads(&grads)
+                    })?;
+                    summed = true;
                 }
             }
             for cb in callbacks.iter_mut() {
@@ -348,6 +367,9 @@ impl Run {
             {
                 let s: Option<&GradScaler> = scaler.as_ref().filter(|s| s.is_enabled());
                 run_update(UpdatePart::Step, &mut |inner| {
+                    if !summed {
+                        sum_over_ranks()?;
+                    }
                     let ns = NsSite(inner);
                     clip_grad_norm(params.iter().map(|(_, t)| t), max_norm)?;
                     match (&found_inf, s) {
