@@ -344,10 +344,10 @@ fn cuda_loss_replay_equals_native() {
     }
 }
 
-/// One data-parallel rank through NCCL (the identifier through the rendezvous store, the
-/// gradients averaged on the device between the replayed backward and the replayed update) with
-/// `replay=all`, bf16-mixed: the plain native fit's bytes, every region replayed after its
-/// warm-up — native ≡ replay at world size 1 on the NCCL path.
+/// One data-parallel rank through NCCL (the identifier through the rendezvous store; the
+/// gradients' all-reduce recorded inside the replayed update's graph) with `replay=all`,
+/// bf16-mixed: the plain native fit's bytes, every region replayed after its warm-up — native ≡
+/// replay at world size 1 on the NCCL path.
 #[test]
 fn cuda_one_nccl_rank_with_replay_all_equals_the_native_fit() {
     use ptl_trainer::distributed::{NcclCollective, StoreServer, WorkerEnv};
