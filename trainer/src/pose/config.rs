@@ -523,7 +523,7 @@ impl PoseTrainConfig {
             ("epochs", d.epochs.to_string(), "epochs to train"),
             ("batch", d.batch.to_string(), "images per batch"),
             ("imgsz", d.imgsz.to_string(), "training image size (multiple of 32)"),
-            ("device", "auto".into(), "auto, cpu, cuda:N or N (also --device; auto picks a GPU when there is one)"),
+            ("device", "auto".into(), "auto, cpu, cuda:N or N, or N,M,… for one worker process per GPU (also --device; auto picks a GPU when there is one)"),
             ("precision", d.precision.name().to_string(), "32-true, bf16-mixed or 16-mixed (also --precision)"),
             ("amp", "true".into(), "Ultralytics' switch: true = 16-mixed on a GPU (32-true on the CPU), false = 32-true; or a precision name"),
             ("tf32", d.tf32.to_string(), "32-true on a GPU: convolutions in TF32 on tensor cores as PyTorch's default (false: strict FP32)"),
