@@ -167,13 +167,20 @@ impl Ranks {
             (Ranks::Worker(w), None) if device.is_none_or(|d| d.trim().eq_ignore_ascii_case("auto")) => {
                 super::resolve_device(&w.local_rank.to_string(), "training")
             }
-            // The launcher checks every GPU before it starts a worker, and prepares on the first.
+            // The launcher checks that every GPU is there before it starts a worker — counted, not
+            // opened: it holds no context (nor its memory) on the GPUs its workers train on.
             (Ranks::Launcher(list), _) => {
-                for n in list {
-                    super::resolve_device(&n.to_string(), "training")
-                        .map_err(|e| format!("device={}: training on several GPUs needs each of them; {e}", device.unwrap_or("")))?;
+                let visible = visible_gpus();
+                match (list.iter().find(|&&n| n >= visible.as_ref().map_or(0, |v| *v)), &visible) {
+                    (Some(n), Ok(v)) => Err(format!(
+                        "device={}: training on several GPUs needs each of them; GPU {n} is not there ({v} visible)",
+                        device.unwrap_or("")
+                    )),
+                    (Some(_), Err(why)) => {
+                        Err(format!("device={}: training on several GPUs needs each of them; {why}", device.unwrap_or("")))
+                    }
+                    (None, _) => Ok(Device::Cuda(list[0])),
                 }
-                Ok(Device::Cuda(list[0]))
             }
             _ => super::resolve_device(device.unwrap_or("auto"), "training"),
         }
@@ -458,6 +465,14 @@ pub fn print_keys() {
          default) and refuse others with the reason: {}",
         foreign.join(", ")
     );
+}
+
+/// The number of GPUs the driver shows, or why there are none, without opening any of them.
+fn visible_gpus() -> Result<usize, String> {
+    #[cfg(feature = "cuda")]
+    return ptl_autograd::cuda::visible_devices().map_err(|e| e.to_string());
+    #[cfg(not(feature = "cuda"))]
+    Err("this ptl was built without its CUDA backend (feature `cuda`)".into())
 }
 
 /// This worker's place in its group: the NCCL communicator on its GPU (CUDA builds).

@@ -119,6 +119,12 @@ pub fn device_count() -> usize {
     device::probe().unwrap_or(0)
 }
 
+/// Number of visible GPUs, or why none can be used (no driver, a missing library, no device) —
+/// without opening any of them (no context, no memory taken).
+pub fn visible_devices() -> std::result::Result<usize, CudaSetupError> {
+    device::probe()
+}
+
 /// Name of the GPU behind `cuda:ordinal`.
 pub fn device_name(ordinal: usize) -> Result<String> {
     let d = Dev::get(ordinal).map_err(Error::CudaUnavailable)?;
