@@ -123,6 +123,7 @@ fn run_data(cmd: DataCommand) -> Result<(), ptl_data::DataError> {
 
 /// Runs the `ptl` command line on the process arguments.
 pub fn main() -> ExitCode {
+    keep_nvlink_multicast_off();
     let cli = Cli::parse();
     cli::logger::install(cli::logger::level(cli.quiet, cli.verbose));
     let res: Result<(), cli::Failure> = match cli.command {
@@ -142,5 +143,14 @@ pub fn main() -> ExitCode {
             eprintln!("error: {}", e.message);
             ExitCode::from(e.code)
         }
+    }
+}
+
+/// In a process a launcher started (`RANK` set: torchrun, SLURM; ptl's own launcher sets it for
+/// its workers), NCCL's NVLink multicast stays off unless the user set `NCCL_NVLS_ENABLE`. Set
+/// first thing in `main`, while the process has one thread, so NCCL reads it at its init.
+fn keep_nvlink_multicast_off() {
+    if std::env::var_os("RANK").is_some() && std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
 }
