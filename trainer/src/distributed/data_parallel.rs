@@ -45,11 +45,17 @@ impl DataParallel {
         self.sum_gradients(params)
     }
 
-    /// The host half of the average: one max all-reduce of which trainable parameters have a
-    /// gradient on any rank; a gradient absent here but present elsewhere becomes zeros here, so
-    /// every rank enters [`DataParallel::sum_gradients`] with the same gradients present (the
-    /// same buckets, the same collectives).
+    /// The host half of the average: [`DataParallel::agree_on_update`] with nothing else to agree.
     pub fn agree_on_gradients(&mut self, params: &[(String, Tensor)]) -> Result<()> {
+        self.agree_on_update(params, false, &[]).map(|_| ())
+    }
+
+    /// The host half of an update, in one max all-reduce: which trainable parameters have a
+    /// gradient on any rank (a gradient absent here but present elsewhere becomes zeros here, so
+    /// every rank enters [`DataParallel::sum_gradients`] with the same gradients present — the
+    /// same buckets, the same collectives), whether any rank's window saw a non-finite loss (the
+    /// result), and rank 0's values of `buffers` bit for bit (as [`DataParallel::buffers_from_main`]).
+    pub fn agree_on_update(&mut self, params: &[(String, Tensor)], nonfinite_here: bool, buffers: &[Tensor]) -> Result<bool> {
         let trainable = trainable(params);
         let sizes: Vec<usize> = trainable.iter().map(|t| t.numel()).collect();
         let (_, planned) = self.plan.get_or_insert_with(|| (BucketPlan::new(&sizes, DEFAULT_BUCKET_BYTES), sizes.clone()));
@@ -59,16 +65,21 @@ impl DataParallel {
                 reason: format!("the trainable parameters changed during the fit ({} values, planned for {})", sizes.len(), planned.len()),
             });
         }
-        let mut present: Vec<u64> = trainable.iter().map(|t| t.grad().is_some() as u64).collect();
-        self.collective.all_reduce_max(&mut present)?;
+        let mut v: Vec<u64> = trainable.iter().map(|t| t.grad().is_some() as u64).collect();
+        v.push(nonfinite_here as u64);
+        let head = v.len();
+        self.push_buffer_bits(&mut v, buffers)?;
+        self.collective.all_reduce_max(&mut v)?;
         no_grad(|| -> Result<()> {
-            for (t, p) in trainable.iter().zip(present) {
+            for (t, &p) in trainable.iter().zip(&v) {
                 if p != 0 && t.grad().is_none() {
                     t.add_to_grad(&Tensor::zeros(t.shape().clone(), t.dtype(), t.device())?)?;
                 }
             }
             Ok(())
-        })
+        })?;
+        self.take_buffer_bits(&v[head..], buffers)?;
+        Ok(v[head - 1] != 0)
     }
 
     /// The device half of the average, after [`DataParallel::agree_on_gradients`]: per bucket
@@ -118,14 +129,25 @@ impl DataParallel {
     /// PyTorch DDP's `broadcast_buffers`: each rank's batch moves its own statistics, rank 0's are
     /// the run's. Sent as bit patterns through a max all-reduce to which the others give zeros.
     pub fn buffers_from_main(&self, buffers: &[Tensor]) -> Result<()> {
-        let mut bits: Vec<u64> = Vec::with_capacity(buffers.iter().map(Tensor::numel).sum());
+        let mut bits = Vec::with_capacity(buffers.iter().map(Tensor::numel).sum());
+        self.push_buffer_bits(&mut bits, buffers)?;
+        self.collective.all_reduce_max(&mut bits)?;
+        self.take_buffer_bits(&bits, buffers)
+    }
+
+    /// Appends `buffers`' f32 bit patterns on rank 0, as many zeros elsewhere.
+    fn push_buffer_bits(&self, bits: &mut Vec<u64>, buffers: &[Tensor]) -> Result<()> {
         for b in buffers {
             match self.is_main() {
                 true => bits.extend(b.to_dtype(DType::F32)?.to_vec::<f32>()?.into_iter().map(|v| v.to_bits() as u64)),
                 false => bits.resize(bits.len() + b.numel(), 0),
             }
         }
-        self.collective.all_reduce_max(&mut bits)?;
+        Ok(())
+    }
+
+    /// Writes the bit patterns rank 0 sent into `buffers` (rank 0 keeps its own).
+    fn take_buffer_bits(&self, bits: &[u64], buffers: &[Tensor]) -> Result<()> {
         if self.is_main() {
             return Ok(());
         }
@@ -201,6 +223,8 @@ mod tests {
             dp.average_gradients(&params).unwrap();
             assert_eq!(a.grad().unwrap().storage_ptr(), buffer, "averaged into the gradient's own buffer");
             let any = (dp.any(rank == 1.0).unwrap(), dp.any(false).unwrap());
+            // The update's decisions in one exchange: rank 1's non-finite window reaches rank 0.
+            assert!(dp.agree_on_update(&params, rank == 1.0, &[]).unwrap(), "a non-finite window on any rank");
             let stats = Tensor::from_vec(
                 match rank == 0.0 {
                     true => vec![-0.0f32, f32::NAN, 1e-40],

@@ -18,20 +18,24 @@ use super::run::*;
 use super::LOSS_NAMES;
 
 impl Run {
-    /// Several ranks, the host decisions before an update: which gradients are present (the same
-    /// on every rank, see [`DataParallel::agree_on_gradients`]), a non-finite loss of this window
-    /// on any rank skips the update on every rank, and rank 0's BatchNorm statistics replace the
-    /// others' before the EMA reads them (see [`Run::buffers_from_rank_0`]). The gradients' sum
-    /// over the ranks follows in [`Run::optimizer_step`].
+    /// Several ranks, the host decisions before an update, in one collective
+    /// ([`DataParallel::agree_on_update`]): which gradients are present (the same on every rank), a
+    /// non-finite loss of this window on any rank skips the update on every rank, and rank 0's
+    /// BatchNorm statistics replace the others' before the EMA reads them (as
+    /// [`Run::buffers_from_rank_0`]). The gradients' sum over the ranks follows in
+    /// [`Run::optimizer_step`].
     fn agree_over_ranks(&mut self) -> Result<()> {
-        self.buffers_from_rank_0()?;
         let Some(dp) = self.dp.as_mut() else { return Ok(()) };
-        dp.agree_on_gradients(&self.params)?;
-        if let Some((flag, _)) = &self.loss_flag {
-            let here = flag.to_vec::<f32>()?.iter().any(|v| *v != 0.0);
-            if dp.any(here)? && !here {
-                no_grad(|| flag.copy_(&Tensor::from_vec(vec![1f32], vec![1], flag.device())?))?;
-            }
+        let flag = self.loss_flag.as_ref().map(|(f, _)| f);
+        let here = match flag {
+            Some(f) => f.to_vec::<f32>()?.iter().any(|v| *v != 0.0),
+            None => false,
+        };
+        // One collective for the three decisions.
+        let buffers: &[Tensor] = if dp.world() > 1 { &self.float_buffers } else { &[] };
+        let anywhere = dp.agree_on_update(&self.params, here, buffers)?;
+        if let Some(f) = flag.filter(|_| anywhere && !here) {
+            no_grad(|| f.copy_(&Tensor::from_vec(vec![1f32], vec![1], f.device())?))?;
         }
         Ok(())
     }
