@@ -97,10 +97,12 @@ const DEFAULT_TRAIN_IMAGES: usize = 64;
 /// The embedded default's start weights: a YOLO26n-pose that ptl trained on a larger synthetic
 /// set (`assets/README.md` says how), lean (EMA, f16), so that the default job fine-tunes a model
 /// that already finds the synthetic people instead of starting from nothing.
+#[cfg(feature = "embedded-start")]
 const DEFAULT_START: &[u8] = include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/assets/yolo26n-pose-synth.ckpt"));
 
 /// The default start weights as a file in ptl's cache (written once; rewritten when the file
 /// there is not these bytes).
+#[cfg(feature = "embedded-start")]
 fn ensure_default_start_weights() -> Result<PathBuf, String> {
     let dir = ptl_files::cache_dir(None, "default-model").map_err(|e| format!("the default start weights: {e}"))?;
     let dir = dir.ok_or_else(|| "the default start weights have no cache folder".to_string())?;
@@ -110,6 +112,15 @@ fn ensure_default_start_weights() -> Result<PathBuf, String> {
     }
     ptl_files::write_atomic(&path, DEFAULT_START, 0o600).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     Ok(path)
+}
+
+/// A binary built without the `embedded-start` feature carries no start weights: the default job
+/// says how to run anyway.
+#[cfg(not(feature = "embedded-start"))]
+fn ensure_default_start_weights() -> Result<PathBuf, String> {
+    Err("this ptl was built without its default start weights (cargo feature `embedded-start`): give \
+         `model=` (a checkpoint or a model yaml) and `data=`, or build with the default features"
+        .to_string())
 }
 
 /// The embedded default's settings: a fine-tune of the shipped start weights

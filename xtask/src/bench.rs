@@ -326,12 +326,16 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     if let Some(x) = rest.first() {
         return Err(format!("unknown option {x}\n{HELP}"));
     }
-    crate::cargo("build ptl and xtask (release)", &["build", "--release", "-p", "ptl", "-p", "ptl-xtask"])?;
     let root = crate::workspace_root();
     let ptl = root.join("target/release/ptl");
     if pack {
+        // The pack's ptl leaves out the default job's start weights (the bench names its model):
+        // 7 MB less to carry to the GPU machine.
+        crate::cargo("build ptl (release, lean)", &["build", "--release", "-p", "ptl", "--no-default-features", "--features", "cuda"])?;
+        crate::cargo("build xtask (release)", &["build", "--release", "-p", "ptl-xtask"])?;
         return write_pack(&root, &ptl, &args, o.ultralytics);
     }
+    crate::cargo("build ptl and xtask (release)", &["build", "--release", "-p", "ptl", "-p", "ptl-xtask"])?;
     let mut o = o;
     o.work = Some(work_folder(&o)?);
     let script = work_of(&o).join("ultralytics_bench.py");
@@ -349,7 +353,11 @@ fn write_pack(root: &Path, ptl: &Path, args: &[String], ultralytics: bool) -> Re
     if let Some(saved) = crate::device_pack::compress(&[pack.join("ptl")])? {
         bytes -= saved;
     }
+    // The driver travels compressed too; run.sh unpacks it before it runs.
     bytes += crate::artifacts::copy_stripped(&root.join("target/release/ptl-xtask"), &pack.join("xtask"))?;
+    if let Some(saved) = crate::device_pack::compress(&[pack.join("xtask")])? {
+        bytes -= saved;
+    }
     std::fs::write(pack.join("ultralytics_bench.py"), ULTRA_SCRIPT).map_err(|e| format!("writing the driver: {e}"))?;
     if ultralytics {
         bytes += copy_wheels(&root.join(".whl"), &pack.join("whl"))?;
@@ -359,6 +367,7 @@ fn write_pack(root: &Path, ptl: &Path, args: &[String], ultralytics: bool) -> Re
         "#!/usr/bin/env bash\n# cargo xtask bench on the GPU machine; arguments replace the packed defaults.\n\
          # Results: $OUT/runs.jsonl, $OUT/bench.md, $OUT/bench.json (OUT defaults to bench-pack/out).\n\
          set -u\ncd \"$(dirname \"$0\")\"\nexport OUT=${{OUT:-$PWD/out}}\n\
+         if [ -f xtask.xz ]; then xz -d -f xtask.xz && chmod +x xtask; fi\n\
          for d in /usr/local/cuda/extras/CUPTI/lib64 /usr/local/cuda/lib64; do [ -d $d ] && export LD_LIBRARY_PATH=$d:${{LD_LIBRARY_PATH:-}}; done\n\
          nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; echo \"cores: $(nproc)\"\n\
          if [ $# -gt 0 ]; then exec ./xtask bench --here \"$@\"; else exec ./xtask bench --here {defaults}; fi\n"
