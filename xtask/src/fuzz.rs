@@ -2,8 +2,8 @@
 //!
 //! Default: libFuzzer through `cargo +nightly fuzz` (coverage-guided; `cargo install cargo-fuzz`),
 //! each target `--runs` executions (default 1,000,000) starting from `fuzz/corpus/<target>`; new
-//! inputs that add coverage are merged back into that corpus (it is committed, and CI's smoke test
-//! replays it). `--stable`: the mutation harness of `ptl_data::fuzz` (no coverage feedback) in a
+//! inputs that add coverage are merged with that corpus into its smallest set of the same coverage
+//! (it is committed, and CI's smoke test replays it). `--runs 0` only minimises the corpus. `--stable`: the mutation harness of `ptl_data::fuzz` (no coverage feedback) in a
 //! release build, for machines without nightly.
 
 use std::process::Command;
@@ -64,21 +64,54 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
                 tail.into_iter().rev().collect::<Vec<_>>().join("\n")
             ));
         }
-        // Keep the inputs that add coverage (libFuzzer's merge), so the committed corpus grows.
+        // Keep the smallest set of inputs with the coverage of the old corpus and the new finds
+        // (libFuzzer's merge into an empty folder), so the committed corpus stays small; the old
+        // corpus is replaced only when the merge succeeded.
+        let minimal = std::env::temp_dir().join(format!("ptl-fuzz-{t}-minimal"));
+        let _ = std::fs::remove_dir_all(&minimal);
+        std::fs::create_dir_all(&minimal).map_err(|e| format!("{}: {e}", minimal.display()))?;
         let merged = Command::new("cargo")
             .args(["+nightly", "fuzz", "run", "-O", t])
+            .arg(&minimal)
             .arg(&corpus)
             .arg(&work)
-            .args(["--", "-merge=1"])
+            .args(["--", "-merge=1", "-max_len=65536", "-rss_limit_mb=4096", "-malloc_limit_mb=2048", "-timeout=10"])
             .current_dir(&fuzz)
             .output()
             .map_err(|e| format!("merge: {e}"))?;
+        if merged.status.success() {
+            replace_corpus(&corpus, &minimal)?;
+        }
         let files = std::fs::read_dir(&corpus).map(|r| r.count()).unwrap_or(0);
         report
             .push(format!("{t}: {done}; 0 crashes; corpus {files} files{}", if merged.status.success() { "" } else { " (merge failed)" }));
     }
     for r in &report {
         println!("{r}");
+    }
+    Ok(())
+}
+
+/// Replaces the files of `corpus` with those of `minimal` (a libFuzzer merge's result, which keeps
+/// every coverage feature of the inputs it read): new files are copied in first, then the files
+/// `minimal` does not hold are removed.
+fn replace_corpus(corpus: &std::path::Path, minimal: &std::path::Path) -> Result<(), String> {
+    let names = |dir: &std::path::Path| -> Result<std::collections::BTreeSet<std::ffi::OsString>, String> {
+        Ok(std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?.flatten().map(|e| e.file_name()).collect())
+    };
+    let keep = names(minimal)?;
+    if keep.is_empty() {
+        return Err(format!("the merge into {} kept no input: the corpus stays as it was", minimal.display()));
+    }
+    for name in &keep {
+        let dst = corpus.join(name);
+        if !dst.exists() {
+            std::fs::copy(minimal.join(name), &dst).map_err(|e| format!("{}: {e}", dst.display()))?;
+        }
+    }
+    for name in names(corpus)?.difference(&keep) {
+        let old = corpus.join(name);
+        std::fs::remove_file(&old).map_err(|e| format!("{}: {e}", old.display()))?;
     }
     Ok(())
 }
