@@ -1201,6 +1201,30 @@ fn breakdown_section(ok: &[&Value]) -> String {
             .collect();
         md.push_str(&format!("- {p} {arm}: {}\n", items.join(" · ")));
     }
+    // Launch counts matter apart from time: a replayed kernel costs a node's fixed time however
+    // little it does, so the (stage, class) pairs that launch most are where fusion pays.
+    md.push_str("\nMost launched (stage · class: kernels/step, ms/step; the 16 largest counts of one run per arm):\n\n");
+    for ((p, arm), runs) in &groups {
+        let Some(b) = runs.iter().find_map(|r| breakdown_of(r)) else { continue };
+        let mut rows: Vec<&Value> = b["by_stage_class"].as_array().into_iter().flatten().collect();
+        rows.sort_by(|a, b| b["kernels_per_step"].as_f64().unwrap_or(0.0).total_cmp(&a["kernels_per_step"].as_f64().unwrap_or(0.0)));
+        let items: Vec<String> = rows
+            .iter()
+            .take(16)
+            .map(|e| {
+                format!(
+                    "{} · {}: {:.0}, {:.2}",
+                    e["stage"].as_str().unwrap_or("?"),
+                    e["class"].as_str().unwrap_or("?"),
+                    e["kernels_per_step"].as_f64().unwrap_or(0.0),
+                    e["ms_per_step"].as_f64().unwrap_or(0.0)
+                )
+            })
+            .collect();
+        if !items.is_empty() {
+            md.push_str(&format!("- {p} {arm}: {}\n", items.join(" · ")));
+        }
+    }
     md.push_str("\nLargest kernels of one run per arm (stage · class · kernel: ms/step, kernels/step):\n\n");
     for ((p, arm), runs) in &groups {
         let Some(b) = runs.iter().find_map(|r| breakdown_of(r)) else { continue };
