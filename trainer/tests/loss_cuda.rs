@@ -454,3 +454,95 @@ fn fused_ciou_matches_composed() {
     assert!(dv <= 1e-5, "values deviate by {dv:.2e}");
     assert!(dg <= 1e-4, "gradients deviate by {dg:.2e}");
 }
+
+/// The fused CUDA keypoint terms (`loss::kpt_fused`: OKS term, visibility BCE, RLE rows) against
+/// the composed ops of the dense loss on the same GPU, on every golden case and both branches:
+/// the six items within 1e-5 relative (the keypoint and visibility items bit for bit when the
+/// element arithmetic matches; the RLE sums the same rows), and the gradients of the raw outputs
+/// and of the flow within 1e-4 of each tensor's largest value. Both runs must have foreground
+/// keypoints for the comparison to mean anything: the case's pose item is checked non-zero where
+/// the case has visible keypoints.
+#[test]
+fn fused_keypoint_terms_match_composed() {
+    use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
+    use ptl_trainer::loss::dense::{dense_branch_terms, DenseConstants};
+    let Some((root, gpu)) = goldens_and_gpu() else { return };
+    let flow_vals = load(root.join("loss_cases/flow.safetensors"));
+    let was_enabled = ptl_trainer::loss::kpt_fused::enabled();
+    let mut worst = (0f64, String::new());
+    let mut with_keypoints = 0;
+    for file in CASES {
+        let g = load(root.join("loss_cases").join(file));
+        let cfg = LossConfig::default();
+        let (anchors, targets) = case_anchors_and_targets(&g);
+        let crit = E2ELoss::new(cfg.clone(), 100);
+        for (br, prefix, params) in
+            [("one2many", "input.one2many.", &crit.one2many.assign), ("one2one", "input.one2one.", &crit.one2one.assign)]
+        {
+            let mut runs = Vec::new();
+            for fused in [false, true] {
+                ptl_trainer::loss::kpt_fused::set_enabled(fused);
+                let calls_before = ptl_trainer::loss::kpt_fused::calls();
+                let outs = branch_leaves_on(&g, prefix, gpu);
+                let flow = flow_on(&flow_vals, gpu);
+                let bs = outs.boxes.dims()[0];
+                let padded = ptl_trainer::loss::targets::pad_targets(&targets, bs, anchors.image_hw()).unwrap();
+                let dt = DeviceTargets::upload(&padded, target_bucket(padded.max_boxes).unwrap(), gpu).unwrap();
+                let geometry = DenseGeometry::new(&anchors, &params.sigmas, outs.scores.dims()[1], gpu).unwrap();
+                let (scores, boxes, kpts) = decode_for_assignment(
+                    &outs.boxes,
+                    &outs.scores,
+                    &outs.kpts,
+                    &DenseGeometry::new(&anchors, &LossConfig::default().sigmas, 1, gpu).unwrap(),
+                )
+                .unwrap();
+                let asg =
+                    assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, params)
+                        .unwrap();
+                let consts = DenseConstants::new(&cfg, params, &anchors, bs, dt.slots, gpu).unwrap();
+                let terms = dense_branch_terms(&cfg, &outs, &asg, &dt, &consts, Some(&flow)).unwrap();
+                terms.mul_scalar(bs as f64).unwrap().sum_all().unwrap().backward().unwrap();
+                let ran = ptl_trainer::loss::kpt_fused::calls() - calls_before;
+                assert_eq!(
+                    ran,
+                    u64::from(fused),
+                    "{file} {br}: fused calls with fused = {fused} (last refusal: {:?})",
+                    ptl_trainer::loss::kpt_fused::last_refusal()
+                );
+                let mut grads: Vec<(String, Vec<f64>)> = [("boxes", &outs.boxes), ("scores", &outs.scores), ("kpts", &outs.kpts)]
+                    .into_iter()
+                    .chain(outs.kpts_sigma.as_ref().map(|s| ("kpts_sigma", s)))
+                    .map(|(k, t)| (k.to_string(), f64v(&t.grad().expect("gradient of the raw output"))))
+                    .collect();
+                for (name, p) in ptl_autograd::module::named_parameters(&flow) {
+                    if let Some(gr) = p.grad() {
+                        grads.push((format!("flow {name}"), f64v(&gr)));
+                    }
+                }
+                runs.push((f64v(&terms), grads));
+            }
+            ptl_trainer::loss::kpt_fused::set_enabled(was_enabled);
+            let ((composed, cg), (fused, fg)) = (&runs[0], &runs[1]);
+            for i in 0..6 {
+                let d = rel_scalar(fused[i], composed[i]);
+                assert!(d <= 1e-5, "{file} {br} {}: fused {} vs composed {} ({d:.2e})", LOSS_NAMES[i], fused[i], composed[i]);
+                if d > worst.0 {
+                    worst = (d, format!("{file} {br} item {}", LOSS_NAMES[i]));
+                }
+            }
+            if composed[1] != 0.0 {
+                with_keypoints += 1;
+            }
+            assert_eq!(cg.len(), fg.len(), "{file} {br}: the same gradients are present");
+            for ((name, a), (_, b)) in cg.iter().zip(fg) {
+                let d = rel_dev(b, a, 1e-30);
+                assert!(d <= 1e-4, "{file} {br} gradient {name}: {d:.2e}");
+                if d > worst.0 {
+                    worst = (d, format!("{file} {br} gradient {name}"));
+                }
+            }
+        }
+    }
+    assert!(with_keypoints >= 4, "only {with_keypoints} branch runs had a keypoint term: the comparison checked little");
+    eprintln!("fused keypoint terms: worst deviation {:.2e} ({})", worst.0, worst.1);
+}

@@ -235,11 +235,40 @@ pub fn dense_branch_parts(
         Ok(flat.reshape(vec![bs * na])?.index_select(0, &fg_rows)?)
     })?;
     let gk = targets.kpts.reshape(vec![bs * targets.slots, nk * 3])?.index_select(0, &slot)?.reshape(vec![f, nk, 3])?;
+    let kp = rows_of(&kpts.permute(&[0, 2, 1])?, nk * 3)?.reshape(vec![f, nk, 3])?;
+    // The host path's mean over N × K: Σ · (1/(N·K)) with the reciprocal rounded to f32.
+    let inv_nk = n_fg.to_dtype(DType::F64)?.mul_scalar(nk as f64)?.clamp_min(1.0)?.recip()?.to_dtype(DType::F32)?;
+    let sg_rows = match &out.kpts_sigma {
+        Some(sigma) => Some(rows_of(&f32_of(sigma)?.permute(&[0, 2, 1])?, nk * 2)?.reshape(vec![f, nk, 2])?),
+        None => None,
+    };
+    // On CUDA the keypoint terms and the RLE rows in one kernel each way (`kpt_fused`).
+    #[cfg(feature = "cuda")]
+    if let Some(sg) = &sg_rows {
+        let rows = super::kpt_fused::KptRows {
+            kp: &kp,
+            sigma_logits: sg,
+            anchor: &anc,
+            stride: &st,
+            target_box: &tb,
+            valid: &valid,
+            target_kpts: &gk,
+            two_sigma_sq: &consts.two_sigma_sq,
+            sigma_floor,
+        };
+        if super::kpt_fused::take(&rows) {
+            let t = super::kpt_fused::kpt_terms(&rows)?;
+            let l_kpt = t.kpt.sum_all()?.mul(&inv_nk)?;
+            let l_kobj = t.kobj.sum_all()?.mul(&inv_nk)?;
+            let rle =
+                RleRows { error: t.error.reshape(vec![f * nk, 2])?, sigma: t.sigma, keep: t.keep, weights: consts.rle_weights.clone() };
+            return Ok(DenseParts { raw: [l_box, l_kpt, l_kobj, l_cls, l_l1], rle: Some(rle), device: boxes.device() });
+        }
+    }
     let s3 = st.unsqueeze(-1)?; // (F, 1, 1)
     let gxy = gk.narrow(-1, 0, 2)?.div(&s3)?;
     let vis = gk.narrow(-1, 2, 1)?.squeeze(-1)?.ne(&consts.zero)?.to_dtype(DType::F32)?;
     let m = vis.mul(&valid)?; // (F, K)
-    let kp = rows_of(&kpts.permute(&[0, 2, 1])?, nk * 3)?.reshape(vec![f, nk, 3])?;
     let kp_xy = kp.narrow(-1, 0, 2)?.add(&anc.unsqueeze(1)?)?;
     let pxy = kp_xy.split(&[1, 1], -1)?;
     let gxy_s = gxy.split(&[1, 1], -1)?;
@@ -249,8 +278,6 @@ pub fn dense_branch_parts(
     let denom = consts.two_sigma_sq.mul(&area.add_scalar(1e-9)?)?.mul_scalar(2.0)?;
     let nv = m.sum_dim(-1, true)?;
     let factor = consts.nkpt.div(&nv.add_scalar(1e-9)?)?;
-    // The host path's mean over N × K: Σ · (1/(N·K)) with the reciprocal rounded to f32.
-    let inv_nk = n_fg.to_dtype(DType::F64)?.mul_scalar(nk as f64)?.clamp_min(1.0)?.recip()?.to_dtype(DType::F32)?;
     let d = px.sub(&gx)?.square()?.add(&py.sub(&gy)?.square()?)?;
     let lk = d.div(&denom)?.neg()?.exp()?.affine(-1.0, 1.0)?.mul(&m)?;
     let l_kpt = factor.mul(&lk)?.mul(&valid)?.sum_all()?.mul(&inv_nk)?;
@@ -258,9 +285,8 @@ pub fn dense_branch_parts(
     let l_kobj = vlog.bce_with_logits(&m)?.mul(&valid)?.sum_all()?.mul(&inv_nk)?;
 
     // RLE rows: the visible foreground keypoints whose error is finite (the flow runs later).
-    let rle = match &out.kpts_sigma {
-        Some(sigma) => {
-            let sg = rows_of(&f32_of(sigma)?.permute(&[0, 2, 1])?, nk * 2)?.reshape(vec![f, nk, 2])?;
+    let rle = match &sg_rows {
+        Some(sg) => {
             let sig = sg.sigmoid()?.clamp_min(sigma_floor)?;
             let error = kp_xy.sub(&gxy)?.div(&sig.add_scalar(1e-9)?)?;
             let finite = ptl_autograd::no_grad(|| -> Result<Tensor> {

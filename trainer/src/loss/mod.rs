@@ -56,6 +56,8 @@ mod device_kernels;
 pub mod e2e;
 #[cfg(feature = "cuda")]
 pub mod flow_fused;
+#[cfg(feature = "cuda")]
+pub mod kpt_fused;
 pub mod targets;
 pub mod terms;
 

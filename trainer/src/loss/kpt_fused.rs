@@ -1,0 +1,307 @@
+//! The dense loss's keypoint terms on CUDA in one forward and one backward kernel (`kpt_fused.cu`)
+//! instead of ≈ 60 composed ops forward and ≈ 80 backward per branch and step: the OKS keypoint
+//! term, the visibility BCE and the RLE rows (clamped errors, σ, keep mask) that go into the flow,
+//! element by element over the foreground rows. The forward follows
+//! [`super::dense::dense_branch_parts`]' composed ops in order; the backward writes out their chain
+//! rule; a CUDA test compares values and gradients with the composed path.
+//!
+//! On by default on CUDA; [`set_enabled`] or `PTL_FUSED_KPT=0` turns it off (the composed ops are
+//! used then, and on every other device).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use ptl_autograd::internal::cuda::KernelArg;
+use ptl_autograd::{BackwardOp, DType, Device, Tensor};
+
+use super::device_kernels::{backward_error, kernels, uninit};
+use crate::error::{Result, TrainerError};
+
+const SOURCE: &str = include_str!("kpt_fused.cu");
+const MODULE: &str = "ptl_trainer_kpt";
+const FUNCTIONS: [&str; 2] = ["kpt_fwd", "kpt_bwd"];
+const BLOCK: u32 = 256;
+
+/// 0: not decided yet (read `PTL_FUSED_KPT` at first use), 1: off, 2: on.
+static ENABLED: AtomicU8 = AtomicU8::new(0);
+
+/// Turns the fused keypoint terms on or off for this process (default: on, unless
+/// `PTL_FUSED_KPT=0` is in the environment).
+pub fn set_enabled(on: bool) {
+    ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether the fused keypoint terms are on (see [`set_enabled`]).
+pub fn enabled() -> bool {
+    match ENABLED.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("PTL_FUSED_KPT").map_or(true, |v| v != "0");
+            set_enabled(on);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// The foreground rows the keypoint terms read: F rows of K keypoints, every tensor f32,
+/// contiguous, on one CUDA device.
+pub struct KptRows<'a> {
+    /// (F, K, 3) predicted keypoints: x, y offsets (grid units) and the visibility logit
+    /// (differentiable).
+    pub kp: &'a Tensor,
+    /// (F, K, 2) σ logits (differentiable).
+    pub sigma_logits: &'a Tensor,
+    /// (F, 2) anchor points (grid units).
+    pub anchor: &'a Tensor,
+    /// (F, 1) strides.
+    pub stride: &'a Tensor,
+    /// (F, 4) target boxes, xyxy in grid units.
+    pub target_box: &'a Tensor,
+    /// (F, 1) 1 on real rows, 0 on padding rows.
+    pub valid: &'a Tensor,
+    /// (F, K, 3) target keypoints: x, y (pixels) and visibility.
+    pub target_kpts: &'a Tensor,
+    /// (1, K) the OKS factors (2σ)².
+    pub two_sigma_sq: &'a Tensor,
+    /// The floor of σ (the sigma dtype's smallest normal).
+    pub sigma_floor: f64,
+}
+
+/// What the fused forward gives: per (row, keypoint) terms whose sums are the raw keypoint and
+/// visibility terms (before the 1/(N·K) factor), and the RLE's rows.
+pub struct KptTerms {
+    /// (F, K) factor · (1 − exp(−d / denom)) · visible · valid.
+    pub kpt: Tensor,
+    /// (F, K) BCE(visibility logit, visible) · valid.
+    pub kobj: Tensor,
+    /// (F, K, 2) the clamped errors (0 where not kept).
+    pub error: Tensor,
+    /// (F, K, 2) σ (1 where not kept).
+    pub sigma: Tensor,
+    /// (F, K, 1) visible, real and finite (no gradient).
+    pub keep: Tensor,
+}
+
+/// Whether the fused kernels take these rows: enabled, CUDA, f32, the shapes above, constant
+/// targets, and a row count that fits the kernels' 32-bit index (see [`unsupported_because`]).
+pub fn supports(rows: &KptRows<'_>) -> bool {
+    unsupported_because(rows).is_none()
+}
+
+/// Why the fused kernels do not take these rows, or `None` when they do.
+pub fn unsupported_because(rows: &KptRows<'_>) -> Option<String> {
+    let kp = rows.kp;
+    let d = kp.dims();
+    if !enabled() {
+        return Some("turned off".into());
+    }
+    if !kp.device().is_cuda() {
+        return Some(format!("on {:?}", kp.device()));
+    }
+    if d.len() != 3 || d[2] != 3 {
+        return Some(format!("keypoint rows of shape {d:?}"));
+    }
+    let (f, k) = (d[0], d[1]);
+    let shapes: [(&str, &Tensor, Vec<usize>); 8] = [
+        ("kp", rows.kp, vec![f, k, 3]),
+        ("sigma_logits", rows.sigma_logits, vec![f, k, 2]),
+        ("anchor", rows.anchor, vec![f, 2]),
+        ("stride", rows.stride, vec![f, 1]),
+        ("target_box", rows.target_box, vec![f, 4]),
+        ("valid", rows.valid, vec![f, 1]),
+        ("target_kpts", rows.target_kpts, vec![f, k, 3]),
+        ("two_sigma_sq", rows.two_sigma_sq, vec![1, k]),
+    ];
+    for (name, t, dims) in &shapes {
+        if t.device() != kp.device() || t.dtype() != DType::F32 || t.dims() != dims.as_slice() {
+            return Some(format!("{name}: {:?} {:?} on {:?}, wanted f32 {dims:?}", t.dtype(), t.dims(), t.device()));
+        }
+    }
+    for (name, t, _) in &shapes[2..] {
+        if t.requires_grad() {
+            return Some(format!("{name} requires a gradient"));
+        }
+    }
+    if u32::try_from(f * k).is_err() {
+        return Some(format!("{f} × {k} elements"));
+    }
+    None
+}
+
+/// Why the last call that could have taken the fused kernels did not (see
+/// [`unsupported_because`]), for tests and diagnostics; `None` when every call took them.
+pub fn last_refusal() -> Option<String> {
+    LAST_REFUSAL.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Whether the fused kernels take `rows`; a refusal is kept for [`last_refusal`].
+pub(crate) fn take(rows: &KptRows<'_>) -> bool {
+    let why = unsupported_because(rows);
+    let ok = why.is_none();
+    if let Some(why) = why {
+        *LAST_REFUSAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+    }
+    ok
+}
+
+static LAST_REFUSAL: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// Fused forward calls made by this process (tests check that the fused path ran).
+pub fn calls() -> u64 {
+    CALLS.load(Ordering::Relaxed)
+}
+
+static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn launch_grid(n: usize) -> u32 {
+    n.div_ceil(BLOCK as usize).clamp(1, 65_535) as u32
+}
+
+/// The keypoint terms of `rows` (the caller checked [`supports`]); `nkpt` is K as the loss's
+/// visibility-factor numerator.
+pub fn kpt_terms(rows: &KptRows<'_>) -> Result<KptTerms> {
+    let device = rows.kp.device();
+    let (f, nk) = (rows.kp.dims()[0], rows.kp.dims()[1]);
+    let n = f * nk;
+    let too_many = || TrainerError::InvalidArgument { what: "kpt_terms", reason: format!("{f} rows × {nk} keypoints") };
+    let (f32_, nk32) = (u32::try_from(f).map_err(|_| too_many())?, u32::try_from(nk).map_err(|_| too_many())?);
+    let kpt = uninit(device, DType::F32, vec![f, nk])?;
+    let kobj = uninit(device, DType::F32, vec![f, nk])?;
+    let error = uninit(device, DType::F32, vec![f, nk, 2])?;
+    let sigma = uninit(device, DType::F32, vec![f, nk, 2])?;
+    let keep = uninit(device, DType::F32, vec![f, nk, 1])?;
+    let consts = Constants::of(rows);
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    if n > 0 {
+        let k = kernels(device, MODULE, SOURCE, FUNCTIONS)?;
+        // SAFETY: the arguments match `kpt_fwd`'s parameters; `supports` checked every input's
+        // shape and dtype, the outputs are (F, K) / (F, K, 2) / (F, K, 1) f32; the grid-stride
+        // loop stays below F·K.
+        unsafe {
+            use KernelArg::{Tensor as T, F32, U32};
+            k[0].launch(
+                (launch_grid(n), 1, 1),
+                (BLOCK, 1, 1),
+                &[
+                    T(rows.kp),
+                    T(rows.sigma_logits),
+                    T(rows.anchor),
+                    T(rows.stride),
+                    T(rows.target_box),
+                    T(rows.valid),
+                    T(rows.target_kpts),
+                    T(rows.two_sigma_sq),
+                    T(&kpt),
+                    T(&kobj),
+                    T(&error),
+                    T(&sigma),
+                    T(&keep),
+                    U32(f32_),
+                    U32(nk32),
+                    F32(nk as f32),
+                    F32(rows.sigma_floor as f32),
+                ],
+            )?;
+        }
+    }
+    let backward = KptBackward { kp: rows.kp.detach(), sigma_logits: rows.sigma_logits.detach(), consts, f: f32_, nk: nk32, device };
+    let mut out = ptl_autograd::attach_custom_node(Arc::new(backward), &[rows.kp, rows.sigma_logits], &[kpt, kobj, error, sigma]);
+    let sigma = out.pop().ok_or_else(too_many)?;
+    let error = out.pop().ok_or_else(too_many)?;
+    let kobj = out.pop().ok_or_else(too_many)?;
+    let kpt = out.pop().ok_or_else(too_many)?;
+    Ok(KptTerms { kpt, kobj, error, sigma, keep })
+}
+
+/// The constant inputs, kept for the backward (which recomputes the forward's values per thread).
+struct Constants {
+    anchor: Tensor,
+    stride: Tensor,
+    target_box: Tensor,
+    valid: Tensor,
+    target_kpts: Tensor,
+    two_sigma_sq: Tensor,
+    sigma_floor: f32,
+}
+
+impl Constants {
+    fn of(rows: &KptRows<'_>) -> Constants {
+        Constants {
+            anchor: rows.anchor.detach(),
+            stride: rows.stride.detach(),
+            target_box: rows.target_box.detach(),
+            valid: rows.valid.detach(),
+            target_kpts: rows.target_kpts.detach(),
+            two_sigma_sq: rows.two_sigma_sq.detach(),
+            sigma_floor: rows.sigma_floor as f32,
+        }
+    }
+}
+
+struct KptBackward {
+    kp: Tensor,
+    sigma_logits: Tensor,
+    consts: Constants,
+    f: u32,
+    nk: u32,
+    device: Device,
+}
+
+impl BackwardOp for KptBackward {
+    fn name(&self) -> &str {
+        "kpt_fused"
+    }
+
+    fn backward(&self, grad_outputs: &[Option<Tensor>]) -> ptl_autograd::Result<Vec<Option<Tensor>>> {
+        if grad_outputs.iter().all(Option::is_none) {
+            return Ok(vec![None, None]);
+        }
+        let run = || -> Result<(Tensor, Tensor)> {
+            let (f, nk) = (self.f as usize, self.nk as usize);
+            let grads: Vec<Option<Tensor>> = grad_outputs
+                .iter()
+                .map(|g| g.as_ref().map(|g| if g.dtype() == DType::F32 { Ok(g.clone()) } else { g.to_dtype(DType::F32) }).transpose())
+                .collect::<ptl_autograd::Result<_>>()?;
+            let d_kp = uninit(self.device, DType::F32, vec![f, nk, 3])?;
+            let d_sg = uninit(self.device, DType::F32, vec![f, nk, 2])?;
+            if f * nk > 0 {
+                let k = kernels(self.device, MODULE, SOURCE, FUNCTIONS)?;
+                let c = &self.consts;
+                let grad = |i: usize| grads.get(i).and_then(Option::as_ref).map_or(KernelArg::U64(0), KernelArg::Tensor);
+                // SAFETY: the arguments match `kpt_bwd`'s parameters; the saved inputs have the
+                // shapes `supports` checked, each present gradient the shape of its output (a
+                // null address stands for an absent one), d_kp (F, K, 3) and d_sg (F, K, 2) f32;
+                // the grid-stride loop stays below F·K.
+                unsafe {
+                    use KernelArg::{Tensor as T, F32, U32};
+                    k[1].launch(
+                        (launch_grid(f * nk), 1, 1),
+                        (BLOCK, 1, 1),
+                        &[
+                            T(&self.kp),
+                            T(&self.sigma_logits),
+                            T(&c.anchor),
+                            T(&c.stride),
+                            T(&c.target_box),
+                            T(&c.valid),
+                            T(&c.target_kpts),
+                            T(&c.two_sigma_sq),
+                            grad(0),
+                            grad(1),
+                            grad(2),
+                            grad(3),
+                            T(&d_kp),
+                            T(&d_sg),
+                            U32(self.f),
+                            U32(self.nk),
+                            F32(nk as f32),
+                            F32(c.sigma_floor),
+                        ],
+                    )?;
+                }
+            }
+            Ok((d_kp, d_sg))
+        };
+        run().map(|(a, b)| vec![Some(a), Some(b)]).map_err(|e| backward_error("kpt_fused", e))
+    }
+}
