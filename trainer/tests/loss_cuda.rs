@@ -455,20 +455,21 @@ fn fused_ciou_matches_composed() {
     assert!(dg <= 1e-4, "gradients deviate by {dg:.2e}");
 }
 
-/// The fused CUDA keypoint terms (`loss::kpt_fused`: OKS term, visibility BCE, RLE rows) against
-/// the composed ops of the dense loss on the same GPU, on every golden case and both branches:
+/// The fused CUDA terms of the dense loss — keypoints (`loss::kpt_fused`: OKS term, visibility
+/// BCE, RLE rows) and box rows (`loss::ciou_fused::box_rows`: CIoU and side-L1 terms) — against
+/// the composed ops on the same GPU, on every golden case and both branches:
 /// the six items within 1e-5 relative (the keypoint and visibility items bit for bit when the
 /// element arithmetic matches; the RLE sums the same rows), and the gradients of the raw outputs
 /// and of the flow within 1e-4 of each tensor's largest value. Both runs must have foreground
 /// keypoints for the comparison to mean anything: the case's pose item is checked non-zero where
 /// the case has visible keypoints.
 #[test]
-fn fused_keypoint_terms_match_composed() {
+fn fused_dense_terms_match_composed() {
     use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
     use ptl_trainer::loss::dense::{dense_branch_terms, DenseConstants};
     let Some((root, gpu)) = goldens_and_gpu() else { return };
     let flow_vals = load(root.join("loss_cases/flow.safetensors"));
-    let was_enabled = ptl_trainer::loss::kpt_fused::enabled();
+    let was_enabled = (ptl_trainer::loss::kpt_fused::enabled(), ptl_trainer::loss::ciou_fused::enabled());
     let mut worst = (0f64, String::new());
     let mut with_keypoints = 0;
     for file in CASES {
@@ -482,7 +483,8 @@ fn fused_keypoint_terms_match_composed() {
             let mut runs = Vec::new();
             for fused in [false, true] {
                 ptl_trainer::loss::kpt_fused::set_enabled(fused);
-                let calls_before = ptl_trainer::loss::kpt_fused::calls();
+                ptl_trainer::loss::ciou_fused::set_enabled(fused);
+                let calls_before = (ptl_trainer::loss::kpt_fused::calls(), ptl_trainer::loss::ciou_fused::box_rows_calls());
                 let outs = branch_leaves_on(&g, prefix, gpu);
                 let flow = flow_on(&flow_vals, gpu);
                 let bs = outs.boxes.dims()[0];
@@ -502,10 +504,13 @@ fn fused_keypoint_terms_match_composed() {
                 let consts = DenseConstants::new(&cfg, params, &anchors, bs, dt.slots, gpu).unwrap();
                 let terms = dense_branch_terms(&cfg, &outs, &asg, &dt, &consts, Some(&flow)).unwrap();
                 terms.mul_scalar(bs as f64).unwrap().sum_all().unwrap().backward().unwrap();
-                let ran = ptl_trainer::loss::kpt_fused::calls() - calls_before;
+                let ran = (
+                    ptl_trainer::loss::kpt_fused::calls() - calls_before.0,
+                    ptl_trainer::loss::ciou_fused::box_rows_calls() - calls_before.1,
+                );
                 assert_eq!(
                     ran,
-                    u64::from(fused),
+                    (u64::from(fused), u64::from(fused)),
                     "{file} {br}: fused calls with fused = {fused} (last refusal: {:?})",
                     ptl_trainer::loss::kpt_fused::last_refusal()
                 );
@@ -521,7 +526,8 @@ fn fused_keypoint_terms_match_composed() {
                 }
                 runs.push((f64v(&terms), grads));
             }
-            ptl_trainer::loss::kpt_fused::set_enabled(was_enabled);
+            ptl_trainer::loss::kpt_fused::set_enabled(was_enabled.0);
+            ptl_trainer::loss::ciou_fused::set_enabled(was_enabled.1);
             let ((composed, cg), (fused, fg)) = (&runs[0], &runs[1]);
             for i in 0..6 {
                 let d = rel_scalar(fused[i], composed[i]);
@@ -544,5 +550,5 @@ fn fused_keypoint_terms_match_composed() {
         }
     }
     assert!(with_keypoints >= 4, "only {with_keypoints} branch runs had a keypoint term: the comparison checked little");
-    eprintln!("fused keypoint terms: worst deviation {:.2e} ({})", worst.0, worst.1);
+    eprintln!("fused dense terms: worst deviation {:.2e} ({})", worst.0, worst.1);
 }

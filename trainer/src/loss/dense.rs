@@ -162,6 +162,14 @@ pub fn rle_terms(parts: &[&DenseParts], flow: Option<&dyn FlowLogProb>) -> Resul
                 let lp = per_row.next().ok_or_else(|| TrainerError::InvalidArgument { what: "flow", reason: "missing rows".into() })?;
                 let (s, e, keep) = (&r.sigma, &r.error, &r.keep);
                 let (f, nk) = (s.dims()[0], s.dims()[1]);
+                let n_keep = keep.sum_all()?.clamp_min(1.0)?;
+                #[cfg(feature = "cuda")]
+                {
+                    let rows = super::kpt_fused::RleRowsIn { sigma: s, log_phi: &lp, error: e, weights: &r.weights, keep, n_keep: &n_keep };
+                    if super::kpt_fused::supports_rle(&rows) {
+                        return Ok(super::kpt_fused::rle_rows(&rows)?.sum_all()?.clamp_min(0.0)?);
+                    }
+                }
                 let e = e.reshape(vec![f, nk, 2])?;
                 let l = s
                     .log()?
@@ -169,7 +177,6 @@ pub fn rle_terms(parts: &[&DenseParts], flow: Option<&dyn FlowLogProb>) -> Resul
                     .add(&s.mul_scalar(2.0)?.log()?.add(&e.abs()?)?)?
                     .mul(&r.weights)?
                     .mul(keep)?;
-                let n_keep = keep.sum_all()?.clamp_min(1.0)?;
                 Ok(l.div(&n_keep)?.sum_all()?.clamp_min(0.0)?)
             }
         })
@@ -220,14 +227,7 @@ pub fn dense_branch_parts(
 
     // Box CIoU and side L1; padding rows' boxes become a unit box.
     let ltrb = rows_of(&boxes.permute(&[0, 2, 1])?, 4)?;
-    let lt_rb = ltrb.split(&[2, 2], -1)?;
-    let pred_xyxy = Tensor::cat(&[&anc.sub(&lt_rb[0])?, &anc.add(&lt_rb[1])?], -1)?;
-    let unit = &consts.unit_box;
-    let l_box = terms::box_loss(&valid.where_cond(&pred_xyxy, unit)?, &valid.where_cond(&tb, unit)?, &w, &tss)?;
-    let pred_l1 = ltrb.mul(&st)?.div(&consts.whwh)?;
-    let tb_xy = tb.split(&[2, 2], -1)?;
-    let tl1 = Tensor::cat(&[&anc.sub(&tb_xy[0])?, &tb_xy[1].sub(&anc)?], -1)?.mul(&st)?.div(&consts.whwh)?;
-    let l_l1 = terms::l1_loss(&pred_l1, &tl1, &w, &tss)?;
+    let (l_box, l_l1) = box_terms(&ltrb, &anc, &st, &tb, &valid, &w, &tss, consts)?;
 
     // Keypoints: each row's assigned GT keypoints (grid units), the visibility mask on real rows.
     let slot = ptl_autograd::no_grad(|| -> Result<Tensor> {
@@ -301,4 +301,36 @@ pub fn dense_branch_parts(
         None => None,
     };
     Ok(DenseParts { raw: [l_box, l_kpt, l_kobj, l_cls, l_l1], rle, device: boxes.device() })
+}
+
+/// The box CIoU and side-L1 terms of the foreground rows: on CUDA one kernel each way
+/// (`ciou_fused::box_rows`), else the composed ops (which the fused kernels follow).
+#[allow(clippy::too_many_arguments)]
+fn box_terms(
+    ltrb: &Tensor,
+    anc: &Tensor,
+    st: &Tensor,
+    tb: &Tensor,
+    valid: &Tensor,
+    w: &Tensor,
+    tss: &Tensor,
+    consts: &DenseConstants,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    {
+        let rows = super::ciou_fused::BoxRows { ltrb, anchor: anc, stride: st, target_box: tb, valid, weight: w, whwh: &consts.whwh };
+        if super::ciou_fused::supports_rows(&rows) {
+            let (b, l) = super::ciou_fused::box_rows(&rows)?;
+            return Ok((b.sum_all()?.div(tss)?, l.sum_all()?.div(tss)?));
+        }
+    }
+    let lt_rb = ltrb.split(&[2, 2], -1)?;
+    let pred_xyxy = Tensor::cat(&[&anc.sub(&lt_rb[0])?, &anc.add(&lt_rb[1])?], -1)?;
+    let unit = &consts.unit_box;
+    let l_box = terms::box_loss(&valid.where_cond(&pred_xyxy, unit)?, &valid.where_cond(tb, unit)?, w, tss)?;
+    let pred_l1 = ltrb.mul(st)?.div(&consts.whwh)?;
+    let tb_xy = tb.split(&[2, 2], -1)?;
+    let tl1 = Tensor::cat(&[&anc.sub(&tb_xy[0])?, &tb_xy[1].sub(anc)?], -1)?.mul(st)?.div(&consts.whwh)?;
+    let l_l1 = terms::l1_loss(&pred_l1, &tl1, w, tss)?;
+    Ok((l_box, l_l1))
 }

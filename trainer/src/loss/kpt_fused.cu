@@ -131,3 +131,45 @@ extern "C" __global__ void kpt_bwd(const float* kp, const float* sg, const float
         d_sg[2 * i + 1] = dsy * cy * (o.ry * (1.0f - o.ry));
     }
 }
+
+// The RLE term's rows after the flow (`dense::rle_terms`), a thread per (row, keypoint) pair and
+// both coordinates: l = ((log σ − log φ) + (log 2σ + |e|))·w_k·keep / n_keep, with σ (F, K, 2),
+// log φ (F·K), e (F·K, 2), w (K), keep (F, K) and n_keep a device scalar (1 element).
+extern "C" __global__ void rle_fwd(const float* s, const float* lp, const float* e, const float* w, const float* keep, const float* n_keep,
+                                   float* out, u32 f, u32 nk) {
+    const unsigned long long n = (unsigned long long)f * nk;
+    const float nkeep = n_keep[0];
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        const float wk = w[i % nk], kp = keep[i], l = lp[i];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float sv = s[2 * i + c];
+            const float a = logf(sv) - l;
+            const float b = __fadd_rn(logf(__fmul_rn(sv, 2.0f)), fabsf(e[2 * i + c]));
+            out[2 * i + c] = __fmul_rn(__fmul_rn(__fadd_rn(a, b), wk), kp) / nkeep;
+        }
+    }
+}
+
+// d_s (F, K, 2), d_lp (F·K) and d_e (F·K, 2) from the gradient g (F, K, 2) of rle_fwd's output.
+extern "C" __global__ void rle_bwd(const float* s, const float* e, const float* w, const float* keep, const float* n_keep, const float* g,
+                                   float* d_s, float* d_lp, float* d_e, u32 f, u32 nk) {
+    const unsigned long long n = (unsigned long long)f * nk;
+    const float nkeep = n_keep[0];
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)blockDim.x * gridDim.x) {
+        const float wk = w[i % nk], kp = keep[i];
+        float dl = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float gm = (g[2 * i + c] / nkeep) * kp * wk;
+            const float sv = s[2 * i + c], ev = e[2 * i + c];
+            // d log σ = 1/σ; d log 2σ = 2 · 1/(2σ).
+            d_s[2 * i + c] = gm / sv + (gm / __fmul_rn(sv, 2.0f)) * 2.0f;
+            d_e[2 * i + c] = gm * (ev > 0.0f ? 1.0f : (ev < 0.0f ? -1.0f : ev * 0.0f));
+            dl -= gm;
+        }
+        d_lp[i] = dl;
+    }
+}

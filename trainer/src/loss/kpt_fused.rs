@@ -5,6 +5,8 @@
 //! [`super::dense::dense_branch_parts`]' composed ops in order; the backward writes out their chain
 //! rule; a CUDA test compares values and gradients with the composed path.
 //!
+//! [`rle_rows`] does the same for the RLE term's rows after the flow.
+//!
 //! On by default on CUDA; [`set_enabled`] or `PTL_FUSED_KPT=0` turns it off (the composed ops are
 //! used then, and on every other device).
 
@@ -19,7 +21,7 @@ use crate::error::{Result, TrainerError};
 
 const SOURCE: &str = include_str!("kpt_fused.cu");
 const MODULE: &str = "ptl_trainer_kpt";
-const FUNCTIONS: [&str; 2] = ["kpt_fwd", "kpt_bwd"];
+const FUNCTIONS: [&str; 4] = ["kpt_fwd", "kpt_bwd", "rle_fwd", "rle_bwd"];
 const BLOCK: u32 = 256;
 
 /// 0: not decided yet (read `PTL_FUSED_KPT` at first use), 1: off, 2: on.
@@ -303,5 +305,146 @@ impl BackwardOp for KptBackward {
             Ok((d_kp, d_sg))
         };
         run().map(|(a, b)| vec![Some(a), Some(b)]).map_err(|e| backward_error("kpt_fused", e))
+    }
+}
+
+/// The RLE term's rows after the flow: σ (F, K, 2), log φ (F·K), errors (F·K, 2) (these three
+/// differentiable), keypoint weights (1, K, 1), keep (F, K, 1) and the kept count n_keep (a
+/// 1-element device tensor), all f32 on one CUDA device.
+pub struct RleRowsIn<'a> {
+    /// (F, K, 2) σ (1 where not kept).
+    pub sigma: &'a Tensor,
+    /// (F·K,) the flow's log-density of each row's error.
+    pub log_phi: &'a Tensor,
+    /// (F·K, 2) the clamped errors.
+    pub error: &'a Tensor,
+    /// (1, K, 1) the keypoint weights.
+    pub weights: &'a Tensor,
+    /// (F, K, 1) the keep mask.
+    pub keep: &'a Tensor,
+    /// The kept rows' count, at least 1 (one element).
+    pub n_keep: &'a Tensor,
+}
+
+/// Whether [`rle_rows`] takes these rows (enabled, CUDA, f32, the shapes of [`RleRowsIn`],
+/// constants without gradient, a 32-bit element count).
+pub fn supports_rle(rows: &RleRowsIn<'_>) -> bool {
+    let d = rows.sigma.dims();
+    if !enabled() || !rows.sigma.device().is_cuda() || d.len() != 3 || d[2] != 2 {
+        return false;
+    }
+    let (f, k) = (d[0], d[1]);
+    let shapes: [(&Tensor, Vec<usize>); 6] = [
+        (rows.sigma, vec![f, k, 2]),
+        (rows.log_phi, vec![f * k]),
+        (rows.error, vec![f * k, 2]),
+        (rows.weights, vec![1, k, 1]),
+        (rows.keep, vec![f, k, 1]),
+        (rows.n_keep, rows.n_keep.dims().to_vec()),
+    ];
+    shapes.iter().all(|(t, dims)| t.device() == rows.sigma.device() && t.dtype() == DType::F32 && t.dims() == dims.as_slice())
+        && rows.n_keep.dims().iter().product::<usize>() == 1
+        && [rows.weights, rows.keep, rows.n_keep].iter().all(|t| !t.requires_grad())
+        && u32::try_from(f * k).is_ok()
+}
+
+/// Each row's RLE term before the sum, (F, K, 2): ((log σ − log φ) + (log 2σ + |e|)) · w · keep /
+/// n_keep, as `dense::rle_terms` composes it (the caller checked [`supports_rle`]).
+pub fn rle_rows(rows: &RleRowsIn<'_>) -> Result<Tensor> {
+    let device = rows.sigma.device();
+    let (f, nk) = (rows.sigma.dims()[0], rows.sigma.dims()[1]);
+    let too_many = || TrainerError::InvalidArgument { what: "rle_rows", reason: format!("{f} rows × {nk} keypoints") };
+    let (f32_, nk32) = (u32::try_from(f).map_err(|_| too_many())?, u32::try_from(nk).map_err(|_| too_many())?);
+    let out = uninit(device, DType::F32, vec![f, nk, 2])?;
+    let saved = RleBackward {
+        sigma: rows.sigma.detach(),
+        error: rows.error.detach(),
+        weights: rows.weights.detach(),
+        keep: rows.keep.detach(),
+        n_keep: rows.n_keep.detach(),
+        f: f32_,
+        nk: nk32,
+        device,
+    };
+    if f * nk > 0 {
+        let k = kernels(device, MODULE, SOURCE, FUNCTIONS)?;
+        // SAFETY: the arguments match `rle_fwd`'s parameters; `supports_rle` checked every input's
+        // shape and dtype, out is (F, K, 2) f32; the grid-stride loop stays below F·K.
+        unsafe {
+            use KernelArg::{Tensor as T, U32};
+            k[2].launch(
+                (launch_grid(f * nk), 1, 1),
+                (BLOCK, 1, 1),
+                &[
+                    T(rows.sigma),
+                    T(rows.log_phi),
+                    T(rows.error),
+                    T(rows.weights),
+                    T(rows.keep),
+                    T(rows.n_keep),
+                    T(&out),
+                    U32(f32_),
+                    U32(nk32),
+                ],
+            )?;
+        }
+    }
+    let mut v = ptl_autograd::attach_custom_node(Arc::new(saved), &[rows.sigma, rows.log_phi, rows.error], &[out]);
+    v.pop().ok_or_else(too_many)
+}
+
+struct RleBackward {
+    sigma: Tensor,
+    error: Tensor,
+    weights: Tensor,
+    keep: Tensor,
+    n_keep: Tensor,
+    f: u32,
+    nk: u32,
+    device: Device,
+}
+
+impl BackwardOp for RleBackward {
+    fn name(&self) -> &str {
+        "rle_rows_fused"
+    }
+
+    fn backward(&self, grad_outputs: &[Option<Tensor>]) -> ptl_autograd::Result<Vec<Option<Tensor>>> {
+        let Some(g) = grad_outputs.first().cloned().flatten() else { return Ok(vec![None, None, None]) };
+        let run = || -> Result<[Tensor; 3]> {
+            let (f, nk) = (self.f as usize, self.nk as usize);
+            let g = if g.dtype() == DType::F32 { g.clone() } else { g.to_dtype(DType::F32)? };
+            let d_s = uninit(self.device, DType::F32, vec![f, nk, 2])?;
+            let d_lp = uninit(self.device, DType::F32, vec![f * nk])?;
+            let d_e = uninit(self.device, DType::F32, vec![f * nk, 2])?;
+            if f * nk > 0 {
+                let k = kernels(self.device, MODULE, SOURCE, FUNCTIONS)?;
+                // SAFETY: the arguments match `rle_bwd`'s parameters; the saved inputs have the
+                // shapes `supports_rle` checked, g is (F, K, 2), the outputs (F, K, 2), (F·K) and
+                // (F·K, 2) f32; the grid-stride loop stays below F·K.
+                unsafe {
+                    use KernelArg::{Tensor as T, U32};
+                    k[3].launch(
+                        (launch_grid(f * nk), 1, 1),
+                        (BLOCK, 1, 1),
+                        &[
+                            T(&self.sigma),
+                            T(&self.error),
+                            T(&self.weights),
+                            T(&self.keep),
+                            T(&self.n_keep),
+                            T(&g),
+                            T(&d_s),
+                            T(&d_lp),
+                            T(&d_e),
+                            U32(self.f),
+                            U32(self.nk),
+                        ],
+                    )?;
+                }
+            }
+            Ok([d_s, d_lp, d_e])
+        };
+        run().map(|d| d.into_iter().map(Some).collect()).map_err(|e| backward_error("rle_rows_fused", e))
     }
 }
