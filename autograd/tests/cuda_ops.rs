@@ -344,6 +344,10 @@ fn conv2d() {
     // 1×1: HW = 81 (no 16-byte rows: a GEMM per item), HW = 64 (one batched GEMM of partials).
     conv("conv1x1", &[2, 16, 9, 9], &[8, 16, 1, 1], 1, 0, 1, true);
     conv("conv1x1_rows16", &[3, 16, 8, 8], &[8, 16, 1, 1], 1, 0, 1, false);
+    // No 16-byte rows but 16 items or more: the batched GEMM of partials as well (the head's 1-
+    // and 51-channel outputs at training batch sizes).
+    conv("conv1x1_unaligned_batched", &[18, 16, 9, 9], &[3, 16, 1, 1], 1, 0, 1, true);
+    conv("conv1x1_one_output_batched", &[16, 8, 5, 5], &[1, 8, 1, 1], 1, 0, 1, false);
     conv("conv_groups2", &[1, 8, 10, 10], &[12, 4, 3, 3], 1, 1, 2, false);
     conv("conv_depthwise", &[2, 16, 11, 9], &[16, 1, 3, 3], 2, 1, 16, true);
     conv("conv_nopad", &[1, 4, 9, 9], &[4, 4, 3, 3], 1, 0, 1, false);

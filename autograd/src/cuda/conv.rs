@@ -421,12 +421,21 @@ pub(crate) fn conv2d_backward_weight(dy: &CudaStorage, x: &CudaStorage, p: &Conv
     run(Dir::BwdFilter, dy, x, p, "conv2d_backward_weight")
 }
 
+/// Batch size from which an unaligned 1×1 weight gradient (rows not a multiple of 16 bytes: the
+/// head's 1-, 4-, 34- and 51-channel outputs) takes the batched GEMM of partials too. cuBLAS's
+/// batched kernel for those shapes costs ≈ 60 µs a layer against ≈ 5 µs per item for one GEMM
+/// per item (plus its split-K reductions): the loop wins up to about a dozen items, and at batch
+/// 64 it was 768 GEMMs, 1,024 split-K reductions and 504 accumulations per step (≈ 7 ms of a
+/// 77 ms step's kernels on an H100, `results/2026-12-06-17dc218/`).
+const UNALIGNED_BATCHED_FROM: usize = 16;
+
 /// 1×1 stride-1 convolutions are plain GEMMs: through cuBLAS (faster than cuDNN's picks here).
 /// The weight gradient is one batched GEMM writing an f32 partial per batch item, then one kernel
 /// adding the partials in item order and storing the result in the gradient's dtype: two launches
 /// whatever the batch (a GEMM per item accumulating with β = 1, plus a cast for halves, took
 /// `batch` + 1 launches, and cuBLAS split most of those GEMMs in two: 519 kernels, 1.9 ms of a
-/// batch-4 bf16 backward on the H200). Shapes without 16-byte rows and f64 keep the GEMM per item.
+/// batch-4 bf16 backward on the H200). f64, and shapes without 16-byte rows below
+/// [`UNALIGNED_BATCHED_FROM`] items, keep the GEMM per item.
 fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: CudaStorage, tf32: bool) -> Result<CudaStorage> {
     use crate::backend::MatmulParams;
     let dev = &a.buf.dev;
@@ -452,7 +461,7 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
             // Rows of 16 bytes: the batched GEMM's fast kernels need them (for a 51- or
             // 1-channel output cuBLAS picked a 60 µs kernel, against 4–5 µs for one per item).
             let rows16 = [co, ci, hw].iter().all(|v| (v * dt.size_in_bytes()).is_multiple_of(16));
-            if dt == DType::F64 || !rows16 {
+            if dt == DType::F64 || (!rows16 && n < UNALIGNED_BATCHED_FROM) {
                 // One GEMM per item accumulating with β = 1 (f32 accumulator for halves).
                 let es = dt.size_in_bytes() as u64;
                 let acc = if half { Some(CudaStorage::alloc(dev, DType::F32, co * ci)?) } else { None };
