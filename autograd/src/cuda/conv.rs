@@ -21,7 +21,7 @@ use cudarc::cudnn::{result as nr, sys as ns};
 
 use super::conv_choice::{Choice, ChoiceCache};
 pub(crate) use super::conv_graph::Dir;
-use super::conv_graph::{max_workspace, Built};
+use super::conv_graph::{workspace_cap, Built};
 use super::conv_workspace::Workspace;
 use super::counters::Setup;
 use super::device::{count_path, cu_err, Dev, LibPath};
@@ -89,7 +89,7 @@ impl Dnn {
         // SAFETY: a plain query.
         let version = unsafe { ns::cudnnGetVersion() };
         let mut context =
-            format!("cudnn {version} sm_{major}{minor} heuristics {:?} workspace {}", super::conv_graph::heuristic_mode(), max_workspace());
+            format!("cudnn {version} sm_{major}{minor} heuristics {:?} workspace {}", super::conv_graph::heuristic_mode(), workspace_cap());
         if !super::conv_graph::runtime_compiled_allowed() {
             context.push_str(" no-runtime-compiled");
         }
@@ -381,7 +381,7 @@ fn graph_plan(
     // unless an earlier process's serialized plan is restored.
     if let Some(k) = hint {
         if let Some(json) = choices.get_plan(&key, k) {
-            match super::conv_graph::load(h, &json) {
+            match super::conv_graph::load(h, &json, super::conv_graph::workspace_limit(workspace_cap(), p, dt)) {
                 Ok(plan) => return Some(plan),
                 Err(err) => log::warn!("ptl: {err}; building the plan for {key} again"),
             }

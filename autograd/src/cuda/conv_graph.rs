@@ -206,16 +206,17 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
         let got = heur.get(results.0, results.1, &mut raw)?;
         Ok((heur, cfgs, got))
     })?;
+    let limit = workspace_limit(workspace_cap(), p, dt);
     let mut why = Vec::new();
     let mut chosen = None;
     if let Some(k) = hint.filter(|&k| k < got) {
-        if let Ok((plan, ws_bytes, engine, compiled)) = try_engine(handle, &cfgs[k], dt, tf32) {
+        if let Ok((plan, ws_bytes, engine, compiled)) = try_engine(handle, &cfgs[k], dt, tf32, limit) {
             chosen = Some((plan, ws_bytes, engine, compiled, k));
         }
     }
     if chosen.is_none() {
         for (k, cfg) in cfgs.iter().take(got).enumerate() {
-            match try_engine(handle, cfg, dt, tf32) {
+            match try_engine(handle, cfg, dt, tf32, limit) {
                 Ok((plan, ws_bytes, engine, compiled)) => {
                     chosen = Some((plan, ws_bytes, engine, compiled, k));
                     break;
@@ -312,7 +313,13 @@ fn operation(dir: Dir, x: &Desc, w: &Desc, y: &Desc, conv: &Desc) -> Result<Desc
 
 /// Checks one heuristic result: its engine's numerical notes, then whether a plan builds. Gives
 /// the plan, its workspace bytes, the engine and whether the engine compiled its kernel.
-fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType, tf32: bool) -> std::result::Result<(Desc, usize, Desc, bool), String> {
+fn try_engine(
+    handle: ns::cudnnHandle_t,
+    cfg: &Desc,
+    dt: DType,
+    tf32: bool,
+    limit: usize,
+) -> std::result::Result<(Desc, usize, Desc, bool), String> {
     let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR).map_err(|e| e.to_string())?;
     // cuDNN fills the created engine descriptor.
     cfg.get(A::CUDNN_ATTR_ENGINECFG_ENGINE, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &mut [engine.0])
@@ -339,29 +346,29 @@ fn try_engine(handle: ns::cudnnHandle_t, cfg: &Desc, dt: DType, tf32: bool) -> s
         super::counters::add_setup(Setup::ConvRuntimeCompiled, took);
     }
     finalized.map_err(|e| e.to_string())?;
-    let ws = workspace_within_limit(&plan)?;
+    let ws = workspace_within_limit(&plan, limit)?;
     Ok((plan, ws, engine, compiles))
 }
 
-/// The plan's workspace bytes, refused above [`max_workspace`].
-fn workspace_within_limit(plan: &Desc) -> std::result::Result<usize, String> {
+/// The plan's workspace bytes, refused above `limit`.
+fn workspace_within_limit(plan: &Desc, limit: usize) -> std::result::Result<usize, String> {
     let mut ws = [0i64];
     plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, T::CUDNN_TYPE_INT64, &mut ws)
         .map_err(|e| format!("workspace size unreadable ({e})"))?;
     let ws = ws[0];
-    if ws > max_workspace() as i64 {
+    if ws > limit as i64 {
         return Err(format!("workspace {ws} bytes"));
     }
     Ok(ws.max(0) as usize)
 }
 
 /// A plan restored from [`GraphPlan::serialized`] (same cuDNN, same GPU): no kernel compile.
-pub(crate) fn load(handle: ns::cudnnHandle_t, json: &[u8]) -> Result<GraphPlan> {
+pub(crate) fn load(handle: ns::cudnnHandle_t, json: &[u8], limit: usize) -> Result<GraphPlan> {
     let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
     plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION, T::CUDNN_TYPE_CHAR, json)?;
     plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, T::CUDNN_TYPE_HANDLE, &[handle])?;
     super::counters::time_setup(Setup::ConvPlanLoad, || plan.finalize("execution plan (serialized)"))?;
-    let ws_bytes = workspace_within_limit(&plan).map_err(|e| Error::Cuda(format!("cuDNN graph API: serialized plan: {e}")))?;
+    let ws_bytes = workspace_within_limit(&plan, limit).map_err(|e| Error::Cuda(format!("cuDNN graph API: serialized plan: {e}")))?;
     Ok(GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: Vec::new(), runtime_compiled: true })
 }
 
@@ -443,18 +450,61 @@ impl GraphPlan {
     }
 }
 
-/// The largest workspace a convolution plan may need (default 32 MiB; `PTL_CUDNN_WORKSPACE_MIB`
-/// sets it): engines needing more are passed over for the next one in cuDNN's ranking. The
-/// workspace is held for the whole run, so it adds to the peak memory one for one.
-pub(crate) fn max_workspace() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| match std::env::var("PTL_CUDNN_WORKSPACE_MIB") {
-        Err(_) => DEFAULT_MAX_WS,
-        Ok(v) => parse_workspace_mib(&v).unwrap_or_else(|e| {
-            log::warn!("ptl: {e}; using {} MiB", DEFAULT_MAX_WS >> 20);
-            DEFAULT_MAX_WS
-        }),
+/// How large a workspace a convolution plan may need: 32 MiB for every shape, another fixed cap
+/// with `PTL_CUDNN_WORKSPACE_MIB=<MiB>`, or a cap that follows the shape with
+/// `PTL_CUDNN_WORKSPACE_MIB=auto` ([`workspace_limit`]). Engines needing more are passed over for
+/// the next one in cuDNN's ranking. The workspace is one buffer held for the whole run, sized to
+/// the largest need (validation's larger batch included), so it adds to the peak memory one for
+/// one.
+pub(crate) fn workspace_cap() -> WorkspaceCap {
+    static CAP: std::sync::OnceLock<WorkspaceCap> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| match std::env::var("PTL_CUDNN_WORKSPACE_MIB") {
+        Err(_) => WorkspaceCap::Fixed(MIN_WS),
+        Ok(v) if v.trim() == "auto" => WorkspaceCap::PerShape,
+        Ok(v) => WorkspaceCap::Fixed(parse_workspace_mib(&v).unwrap_or_else(|e| {
+            log::warn!("ptl: {e}; using {} MiB", MIN_WS >> 20);
+            MIN_WS
+        })),
     })
+}
+
+/// The rule that caps a plan's workspace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WorkspaceCap {
+    /// One cap in bytes for every shape (the default, or `PTL_CUDNN_WORKSPACE_MIB=<MiB>`).
+    Fixed(usize),
+    /// [`workspace_limit`] of each shape (`PTL_CUDNN_WORKSPACE_MIB=auto`).
+    PerShape,
+}
+
+impl std::fmt::Display for WorkspaceCap {
+    /// As the engine-choice cache's context names it (choices made under another rule are not
+    /// reused).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WorkspaceCap::Fixed(b) => write!(f, "{b}"),
+            WorkspaceCap::PerShape => write!(f, "per-shape {MIN_WS}+x+y"),
+        }
+    }
+}
+
+/// The workspace cap of one convolution in `dt` under `cap`; per shape, the larger of 32 MiB and
+/// the bytes of its input and output plus 1 MiB. Why the per-shape rule exists: cuDNN's fast
+/// engines on Hopper compute in NHWC and convert NCHW tensors in their workspace — x and y, a few
+/// kilobytes over their sizes — so the fixed 32 MiB refuses every engine of the 3×3 convolutions
+/// at batch 64 (57 shapes of training and validation went to the legacy API there,
+/// `results/2026-12-06-17dc218/`). It is not the default because the one workspace buffer then
+/// grows to the largest layer's input and output — at batch 64 about 300 MiB for training and
+/// twice that for validation's batch of 128 — and it stays allocated.
+pub(crate) fn workspace_limit(cap: WorkspaceCap, p: &crate::backend::Conv2dParams, dt: DType) -> usize {
+    match cap {
+        WorkspaceCap::Fixed(b) => b,
+        WorkspaceCap::PerShape => {
+            let x = p.batch * p.c_in * p.h_in * p.w_in;
+            let y: usize = p.out_shape().iter().product();
+            MIN_WS.max((x + y) * dt.size_in_bytes() + (1 << 20))
+        }
+    }
 }
 
 /// `PTL_CUDNN_WORKSPACE_MIB`'s value in bytes (at most 16 GiB).
@@ -465,10 +515,38 @@ fn parse_workspace_mib(v: &str) -> std::result::Result<usize, String> {
     }
 }
 
-const DEFAULT_MAX_WS: usize = 32 << 20;
+/// The smallest workspace cap: what every shape may use (and the fallback for a bad
+/// `PTL_CUDNN_WORKSPACE_MIB`).
+const MIN_WS: usize = 32 << 20;
 
 #[cfg(test)]
 mod workspace_tests {
+    #[test]
+    fn per_shape_caps_follow_the_tensors() {
+        use super::{workspace_limit, WorkspaceCap, MIN_WS};
+        let mut p = crate::backend::Conv2dParams {
+            channels_last: false,
+            batch: 64,
+            c_in: 16,
+            h_in: 320,
+            w_in: 320,
+            c_out: 32,
+            kh: 3,
+            kw: 3,
+            stride: (2, 2),
+            padding: (1, 1),
+            groups: 1,
+        };
+        // x 64·16·320·320 and y 64·32·160·160 bf16 values: the 314,582,032 bytes cuDNN's engines
+        // asked for this shape fit under the cap.
+        let cap = workspace_limit(WorkspaceCap::PerShape, &p, crate::DType::BF16);
+        assert_eq!(cap, (64 * 16 * 320 * 320 + 64 * 32 * 160 * 160) * 2 + (1 << 20));
+        assert!(cap >= 314_582_032);
+        assert_eq!(workspace_limit(WorkspaceCap::Fixed(7), &p, crate::DType::BF16), 7);
+        p.batch = 1;
+        assert_eq!(workspace_limit(WorkspaceCap::PerShape, &p, crate::DType::BF16), MIN_WS, "small shapes keep the floor");
+    }
+
     #[test]
     fn workspace_limit_parses_or_names_the_variable() {
         assert_eq!(super::parse_workspace_mib("32"), Ok(32 << 20));
