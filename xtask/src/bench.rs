@@ -32,7 +32,8 @@ options:
                      forward and loss as one region, `step`), all+loss (the same, named as before),
                      all+plan, all+summed (all+dense with arena planning named on — the default — or off),
                      pieces+loss (the trunk, each stem and the loss recorded apart, no step region);
-                     any arm with +strict (tf32=false) and/or +cl (channels_last=true)
+                     any arm with +strict (tf32=false), +cl (channels_last=true) and/or +ws
+                     (PTL_CUDNN_WORKSPACE_MIB=auto: per-shape cuDNN workspaces)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
                      the ratios), compile (its compile=True), reduce-overhead (compile=reduce-overhead:
@@ -212,11 +213,12 @@ pub(crate) fn check_own_private(dir: &Path) -> Result<(), String> {
 /// `key=value` overrides of a ptl arm.
 fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
     // `<arm>+strict`: the arm with strict FP32 convolutions (32-true's TF32 off); `<arm>+cl`:
-    // with channels-last activations.
-    for (suffix, key) in [("+strict", "tf32=false"), ("+cl", "channels_last=true")] {
+    // with channels-last activations; `<arm>+ws`: with per-shape cuDNN workspaces (an
+    // environment variable, [`arm_env`]: no key).
+    for (suffix, key) in [("+strict", Some("tf32=false")), ("+cl", Some("channels_last=true")), ("+ws", None)] {
         if let Some(base) = arm.strip_suffix(suffix) {
             let mut o = arm_overrides(base)?;
-            o.push(key.into());
+            o.extend(key.map(str::to_string));
             return Ok(o);
         }
     }
@@ -237,8 +239,18 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions and/or +cl for channels-last activations)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations and/or +ws for per-shape cuDNN workspaces)"
         )),
+    }
+}
+
+/// Environment variables of a ptl arm's process: `+ws` sets `PTL_CUDNN_WORKSPACE_MIB=auto` (the
+/// cuDNN workspace cap follows each convolution's tensors).
+fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
+    if arm.split('+').skip(1).any(|p| p == "ws") {
+        vec![("PTL_CUDNN_WORKSPACE_MIB", "auto")]
+    } else {
+        Vec::new()
     }
 }
 
@@ -611,7 +623,8 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
         .args(arm_overrides(arm)?)
         .args(["--device", &o.device, "--precision", precision])
         .env("PTL_KERNEL_CACHE", kcache)
-        .env("PTL_CUDNN_CACHE", cudnn_cache(kcache));
+        .env("PTL_CUDNN_CACHE", cudnn_cache(kcache))
+        .envs(arm_env(arm));
     let t = Instant::now();
     let out = cmd.output().map_err(|e| format!("starting ptl: {e}"))?;
     let wall = t.elapsed().as_secs_f64();
@@ -1508,6 +1521,11 @@ mod tests {
             ["replay=all", "loss_assigner=dense", "channels_last=true", "tf32=false"]
         );
         assert!(arm_overrides("nope+strict").is_err());
+        assert_eq!(arm_overrides("all+dense+ws").unwrap(), ["replay=all", "loss_assigner=dense"]);
+        assert_eq!(arm_overrides("dense+ws+cl").unwrap(), ["loss_assigner=dense", "channels_last=true"]);
+        assert_eq!(arm_env("all+dense+ws"), [("PTL_CUDNN_WORKSPACE_MIB", "auto")]);
+        assert_eq!(arm_env("dense+ws+cl"), [("PTL_CUDNN_WORKSPACE_MIB", "auto")]);
+        assert!(arm_env("all+dense").is_empty() && arm_env("dense+cl").is_empty());
         let (o, _) =
             parse(&["--batches".to_string(), "4,16".to_string(), "--ultra-arms".to_string(), "eager,compile".to_string()]).unwrap();
         assert_eq!((o.batches, o.ultra_arms.len()), (vec![4, 16], 2));
