@@ -1292,7 +1292,7 @@ fn topk_of_long_rows_matches_the_cpu() {
 fn nonzero_static_matches_the_cpu() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(31);
-    for (n, p) in [(33_600usize, 0.02f64), (571_200, 0.001), (5_000, 0.7), (1_000, 0.0)] {
+    for (n, p) in [(33_600usize, 0.02f64), (571_200, 0.001), (5_000, 0.7), (1_000, 0.0), (16_389, 0.5), (40_000, 1.0)] {
         let u = Tensor::rand(vec![n], 0.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap();
         let mask = u.lt_scalar(p).unwrap().to_dtype(DType::F32).unwrap();
         let count = mask.to_vec::<f32>().unwrap().iter().filter(|&&v| v != 0.0).count();

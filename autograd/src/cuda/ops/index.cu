@@ -271,17 +271,29 @@ extern "C" __global__ void ia_sum_i64(const i64* x, const i64* src, const u32* o
 extern "C" __global__ void scatter_add_i64(const i64* x, const i64* idx, const i64* src, i64* y, u32 n, GatherGeo g) { scatter_add_k<i64>(x, idx, src, y, n, g); }
 
 // Positions of the non-zero elements (ascending), the first `size` of them, padded with `fill`:
-// one block of 1024 threads scans the input in chunks (a warp scan, then a scan of the warp
-// totals), so the order never depends on scheduling and no count travels to the host.
+// one block of 1024 threads scans the input in passes of 1024 · NZ_PER_THREAD elements, each
+// thread NZ_PER_THREAD consecutive ones: it counts its nonzeros, a block-wide exclusive scan of the
+// counts (a warp scan, then a scan of the warp totals) says where its indices go, and it writes
+// them in order — so the order never depends on scheduling and no count travels to the host. (One
+// element per thread and pass took 445 µs for the 537,600 anchors of a batch-64 step.)
+#define NZ_PER_THREAD 16
 template <typename T>
 __device__ void nonzero_static_k(const T* x, i64* y, u32 n, u32 size, i64 fill) {
     __shared__ u32 warp_sums[32];
     const u32 t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
+    const unsigned long long step = (unsigned long long)blockDim.x * NZ_PER_THREAD;
     u32 base = 0;
-    for (u32 start = 0; start < n && base < size; start += blockDim.x) {
-        const u32 i = start + t;
-        const u32 flag = (i < n && to_d(x[i]) != 0.0) ? 1u : 0u;
-        u32 v = flag;
+    for (unsigned long long start = 0; start < n && base < size; start += step) {
+        const unsigned long long i0 = start + (unsigned long long)t * NZ_PER_THREAD;
+        u32 flags = 0u, cnt = 0u;
+#pragma unroll
+        for (int k = 0; k < NZ_PER_THREAD; ++k) {
+            const unsigned long long i = i0 + k;
+            const u32 f = (i < n && to_d(x[i]) != 0.0) ? 1u : 0u;
+            flags |= f << k;
+            cnt += f;
+        }
+        u32 v = cnt;
         for (int o = 1; o < 32; o <<= 1) { u32 w = __shfl_up_sync(0xffffffffu, v, o); if (lane >= (u32)o) v += w; }
         if (lane == 31) warp_sums[warp] = v;
         __syncthreads();
@@ -291,8 +303,14 @@ __device__ void nonzero_static_k(const T* x, i64* y, u32 n, u32 size, i64 fill) 
             warp_sums[lane] = s;
         }
         __syncthreads();
-        const u32 at = base + (warp > 0 ? warp_sums[warp - 1] : 0u) + v - flag;
-        if (flag && at < size) y[at] = (i64)i;
+        u32 at = base + (warp > 0 ? warp_sums[warp - 1] : 0u) + v - cnt;
+#pragma unroll
+        for (int k = 0; k < NZ_PER_THREAD; ++k) {
+            if ((flags >> k) & 1u) {
+                if (at < size) y[at] = (i64)(i0 + k);
+                ++at;
+            }
+        }
         base += warp_sums[nw - 1];
         __syncthreads();
     }
