@@ -242,6 +242,10 @@ fn reductions() {
         exact("argmax_ties", &[DType::F32], &[(s, -2.0, 2.0)], &move |v, _| v[0].floor()?.argmax(d, false));
     }
     case("sum_dims", FP64, &[(&[2, 16, 9, 9], -2.0, 2.0)], &|v, _| v[0].sum_dims(&[0, 2, 3], true));
+    // A per-channel bias's gradient (`sum_mid`: its eight-loads-in-flight loop and its tail): rows
+    // longer and shorter than the block, totals not a multiple of 2,048.
+    case("bias_add_long_rows", FP64, &[(&[8, 3, 40, 41], -2.0, 2.0), (&[1, 3, 1, 1], -1.0, 1.0)], &|v, _| v[0].add(&v[1]));
+    case("bias_add_short_rows", FP64, &[(&[37, 4, 7, 13], -2.0, 2.0), (&[1, 4, 1, 1], -1.0, 1.0)], &|v, _| v[0].add(&v[1]));
     case("mean_all", FP64, &[(&[3, 1000], -2.0, 2.0)], &|v, _| v[0].mean_all());
     case("sum_long_row", FP, &[(&[3, 70000], -1.0, 1.0)], &|v, _| v[0].sum_dim(1, false));
     // Column reduction with more than 65535 outer rows (the grid's y limit): chunked launches.

@@ -123,16 +123,43 @@ __device__ void reduce_cols_k(const T* x, void* yv, u32 d, u32 inner, int op) {
 // Sum over the outer and inner dims of [outer, mid, inner], one block (256) per mid index: each
 // thread sums its stride of the outer·inner values in order, then a fixed tree over the block.
 // One launch for a bias gradient (N, H, W summed) where three one-dim reductions took three.
+#define SUM_MID_LOADS 8
 template <typename T>
 __device__ void sum_mid_k(const T* x, T* y, u32 outer, u32 mid, u32 inner) {
     typedef typename SumAcc<T>::type S;
     typedef typename Acc<T>::type A;
     __shared__ S sh[256];
     const u32 m = blockIdx.x, t = threadIdx.x, total = outer * inner;
+    // The thread's elements j = t, t + 256, … as (o, i) = (j / inner, j % inner), stepped without
+    // a division; SUM_MID_LOADS of them loaded before they are added, in j order (the sum is the
+    // one-at-a-time loop's, bit for bit; only more loads are in flight).
+    const u32 dq = 256u / inner, dr = 256u % inner;
+    u32 o = t / inner, i = t - o * inner;
     S acc = 0;
-    for (u32 j = t; j < total; j += 256) {
-        const u32 o = j / inner, i = j - o * inner;
+    u32 j = t;
+    for (; j + (SUM_MID_LOADS - 1) * 256u < total; j += SUM_MID_LOADS * 256u) {
+        A v[SUM_MID_LOADS];
+#pragma unroll
+        for (int k = 0; k < SUM_MID_LOADS; ++k) {
+            v[k] = to_acc(x[((size_t)o * mid + m) * inner + i]);
+            o += dq;
+            i += dr;
+            if (i >= inner) {
+                i -= inner;
+                ++o;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < SUM_MID_LOADS; ++k) acc += (S)v[k];
+    }
+    for (; j < total; j += 256u) {
         acc += (S)to_acc(x[((size_t)o * mid + m) * inner + i]);
+        o += dq;
+        i += dr;
+        if (i >= inner) {
+            i -= inner;
+            ++o;
+        }
     }
     sh[t] = acc;
     __syncthreads();
