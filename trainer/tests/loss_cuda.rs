@@ -435,6 +435,7 @@ fn fused_ciou_matches_composed() {
     let gv: Vec<f32> = (0..n).map(|i| ((i * 29 % 53) as f32 - 26.0) / 13.0).collect();
     let g = Tensor::from_vec(gv, vec![n, 1], gpu).unwrap();
     let target = Tensor::from_vec(t, vec![n, 4], gpu).unwrap();
+    let was_enabled = ptl_trainer::loss::ciou_fused::enabled();
     let mut runs = Vec::new();
     for fused in [false, true] {
         let pred = Tensor::from_vec(p.clone(), vec![n, 4], gpu).unwrap().requires_grad_(true).unwrap();
@@ -448,7 +449,8 @@ fn fused_ciou_matches_composed() {
         c.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
         runs.push((f64v(&c), f64v(&pred.grad().expect("gradient present"))));
     }
-    ptl_trainer::loss::ciou_fused::set_enabled(false);
+    // Later tests of this binary run with the setting they would have had without this one.
+    ptl_trainer::loss::ciou_fused::set_enabled(was_enabled);
     let (dv, dg) = (rel_dev(&runs[1].0, &runs[0].0, 1e-30), rel_dev(&runs[1].1, &runs[0].1, 1e-30));
     eprintln!("fused CIoU: values within {dv:.2e}, gradients within {dg:.2e} of the composed op's max");
     assert!(dv <= 1e-5, "values deviate by {dv:.2e}");
