@@ -162,3 +162,27 @@ fn nonzero_static_keeps_the_first_positions_and_pads() {
     let grid = Tensor::from_vec(vec![0u8, 1, 1, 0, 0, 1], vec![2, 3], Device::Cpu).unwrap();
     assert_eq!(grid.nonzero_static(3, 0).unwrap().to_vec::<i64>().unwrap(), vec![1, 2, 5], "flat positions of a 2-d mask");
 }
+
+/// A permutation that moves only dims of size 1 is a view of the same storage (no copy), with the
+/// values and gradient of a copying permute; other permutations still copy.
+#[test]
+fn permuting_unit_dims_is_a_view() {
+    let mut rng = Rng::new(3);
+    let x = Tensor::rand(vec![2, 1, 5], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap().requires_grad_(true).unwrap();
+    let y = x.permute(&[0, 2, 1]).unwrap();
+    assert_eq!(y.dims(), [2, 5, 1]);
+    assert_eq!(y.storage_ptr(), x.storage_ptr(), "moving the size-1 dim keeps the storage");
+    assert_eq!(y.to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap(), "the same order of values");
+    let w = Tensor::rand(vec![2, 5, 1], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap();
+    y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().dims(), [2, 1, 5]);
+    assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap(), "the gradient comes back in x's order");
+    // A real transpose copies, and its values are the transposed ones.
+    let z = Tensor::from_vec((0..6).map(|v| v as f32).collect::<Vec<_>>(), vec![1, 2, 3], Device::Cpu).unwrap();
+    let t = z.permute(&[0, 2, 1]).unwrap();
+    assert_ne!(t.storage_ptr(), z.storage_ptr());
+    assert_eq!(t.to_vec::<f32>().unwrap(), [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+    // Moving two size-1 dims around the others, order of the others kept: a view too.
+    let u = Tensor::zeros(vec![1, 3, 1, 4], DType::F32, Device::Cpu).unwrap();
+    assert_eq!(u.permute(&[1, 0, 3, 2]).unwrap().storage_ptr(), u.storage_ptr());
+}

@@ -168,6 +168,12 @@ impl Tensor {
         if perm.iter().enumerate().all(|(i, &p)| i == p) {
             return Ok(self.clone());
         }
+        // A permutation that moves only dims of size 1 keeps the storage order: a view, no copy
+        // (e.g. (B, 1, A) → (B, A, 1), a one-class head's scores).
+        let moved: Vec<usize> = perm.iter().copied().filter(|&p| self.dims()[p] != 1).collect();
+        if self.memory_format() == MemoryFormat::Contiguous && moved.windows(2).all(|w| w[0] < w[1]) {
+            return self.reshape(perm.iter().map(|&p| self.dims()[p]).collect::<Vec<usize>>());
+        }
         let st = contiguous_strides(self.dims());
         let src =
             Layout { shape: perm.iter().map(|&p| self.dims()[p]).collect(), strides: perm.iter().map(|&p| st[p]).collect(), offset: 0 };
