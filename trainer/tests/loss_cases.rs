@@ -102,7 +102,7 @@ fn check_dense_terms(
     g: &std::collections::HashMap<String, ptl_autograd::Tensor>,
     flow_vals: &std::collections::HashMap<String, ptl_autograd::Tensor>,
 ) {
-    use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
+    use ptl_trainer::loss::assign_dense::{assign_dense, DenseInputs};
     use ptl_trainer::loss::dense::{dense_branch_terms, DenseConstants};
     let cfg = LossConfig::default();
     let (anchors, targets) = case_anchors_and_targets(g);
@@ -115,16 +115,8 @@ fn check_dense_terms(
         host.loss_times_bs.sum_all().unwrap().backward().unwrap();
         let bs = dense_out.boxes.dims()[0];
         let device = dense_out.boxes.device();
-        let padded = ptl_trainer::loss::targets::pad_targets(&targets, bs, anchors.image_hw()).unwrap();
-        let dt = DeviceTargets::upload(&padded, target_bucket(padded.max_boxes).unwrap(), device).unwrap();
-        let geometry = DenseGeometry::new(&anchors, &branch.assign.sigmas, cfg.nc, device).unwrap();
-        let (scores, boxes, kpts) = decode_for_assignment(
-            &dense_out.boxes,
-            &dense_out.scores,
-            &dense_out.kpts,
-            &DenseGeometry::new(&anchors, &LossConfig::default().sigmas, 1, dense_out.boxes.device()).unwrap(),
-        )
-        .unwrap();
+        let DenseCase { targets: dt, geometry, decoded: (scores, boxes, kpts) } =
+            dense_case(&dense_out, &targets, &anchors, &branch.assign.sigmas, device);
         let asg =
             assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, &branch.assign)
                 .unwrap();

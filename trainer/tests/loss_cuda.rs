@@ -88,7 +88,7 @@ fn loss_cases_cuda_match_cpu() {
 /// at the benchmark's shape (batch 4, 640 px, 16 slots), printed for the whole-step issue's budget.
 #[test]
 fn dense_assignment_on_cuda_matches_the_host() {
-    use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
+    use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, DenseGeometry, DenseInputs, DeviceTargets};
     let Some((root, gpu)) = goldens_and_gpu() else { return };
     let flow_vals = load(root.join("loss_cases/flow.safetensors"));
     for file in CASES {
@@ -104,17 +104,8 @@ fn dense_assignment_on_cuda_matches_the_host() {
             ("one2one", "input.one2one.", &crit.one2one.assign, host.one2one.assignment.as_ref().expect("host assignment")),
         ] {
             let outs = branch_leaves_on(&g, prefix, gpu);
-            let bs = outs.boxes.dims()[0];
-            let padded = ptl_trainer::loss::targets::pad_targets(&targets, bs, anchors.image_hw()).unwrap();
-            let dt = DeviceTargets::upload(&padded, target_bucket(padded.max_boxes).unwrap(), gpu).unwrap();
-            let geometry = DenseGeometry::new(&anchors, &params.sigmas, outs.scores.dims()[1], gpu).unwrap();
-            let (scores, boxes, kpts) = decode_for_assignment(
-                &outs.boxes,
-                &outs.scores,
-                &outs.kpts,
-                &DenseGeometry::new(&anchors, &LossConfig::default().sigmas, 1, outs.boxes.device()).unwrap(),
-            )
-            .unwrap();
+            let DenseCase { targets: dt, geometry, decoded: (scores, boxes, kpts) } =
+                dense_case(&outs, &targets, &anchors, &params.sigmas, gpu);
             let before = ptl_autograd::internal::cuda::counters();
             let d = assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, params)
                 .unwrap();
@@ -467,7 +458,7 @@ fn fused_ciou_matches_composed() {
 /// the case has visible keypoints.
 #[test]
 fn fused_dense_terms_match_composed() {
-    use ptl_trainer::loss::assign_dense::{assign_dense, decode_for_assignment, target_bucket, DenseGeometry, DenseInputs, DeviceTargets};
+    use ptl_trainer::loss::assign_dense::{assign_dense, DenseInputs};
     use ptl_trainer::loss::dense::{dense_branch_terms, DenseConstants};
     let Some((root, gpu)) = goldens_and_gpu() else { return };
     let flow_vals = load(root.join("loss_cases/flow.safetensors"));
@@ -490,16 +481,8 @@ fn fused_dense_terms_match_composed() {
                 let outs = branch_leaves_on(&g, prefix, gpu);
                 let flow = flow_on(&flow_vals, gpu);
                 let bs = outs.boxes.dims()[0];
-                let padded = ptl_trainer::loss::targets::pad_targets(&targets, bs, anchors.image_hw()).unwrap();
-                let dt = DeviceTargets::upload(&padded, target_bucket(padded.max_boxes).unwrap(), gpu).unwrap();
-                let geometry = DenseGeometry::new(&anchors, &params.sigmas, outs.scores.dims()[1], gpu).unwrap();
-                let (scores, boxes, kpts) = decode_for_assignment(
-                    &outs.boxes,
-                    &outs.scores,
-                    &outs.kpts,
-                    &DenseGeometry::new(&anchors, &LossConfig::default().sigmas, 1, gpu).unwrap(),
-                )
-                .unwrap();
+                let DenseCase { targets: dt, geometry, decoded: (scores, boxes, kpts) } =
+                    dense_case(&outs, &targets, &anchors, &params.sigmas, gpu);
                 let asg =
                     assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: &dt }, params)
                         .unwrap();

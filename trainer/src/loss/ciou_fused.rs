@@ -11,14 +11,14 @@
 //! On by default on CUDA; [`set_enabled`] or `PTL_FUSED_CIOU=0` turns it off (the composed op is
 //! used then, and on every other device).
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use ptl_autograd::internal::cuda::KernelArg;
 use ptl_autograd::{BackwardOp, DType, Device, Tensor};
 
 use super::boxes::CIOU_EPS;
-use super::device_kernels::{backward_error, kernels, uninit};
+use super::device_kernels::{backward_error, f32_grads, grad_arg, kernels, launch_grid, uninit, FusedSwitch};
 use crate::error::{Result, TrainerError};
 
 const SOURCE: &str = include_str!("ciou_fused.cu");
@@ -26,25 +26,17 @@ const MODULE: &str = "ptl_trainer_ciou";
 const FUNCTIONS: [&str; 4] = ["ciou_fwd", "ciou_bwd", "box_rows_fwd", "box_rows_bwd"];
 const BLOCK: u32 = 256;
 
-/// 0: not decided yet (read `PTL_FUSED_CIOU` at first use), 1: off, 2: on.
-static ENABLED: AtomicU8 = AtomicU8::new(0);
+static SWITCH: FusedSwitch = FusedSwitch::new("PTL_FUSED_CIOU");
 
 /// Turns the fused CIoU on or off for this process (default: on, unless `PTL_FUSED_CIOU=0` is in
 /// the environment).
 pub fn set_enabled(on: bool) {
-    ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    SWITCH.set(on);
 }
 
 /// Whether the fused CIoU is on (see [`set_enabled`]).
 pub fn enabled() -> bool {
-    match ENABLED.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("PTL_FUSED_CIOU").map_or(true, |v| v != "0");
-            set_enabled(on);
-            on
-        }
-        v => v == 2,
-    }
+    SWITCH.enabled()
 }
 
 /// Whether the fused kernels take these boxes: enabled, CUDA, f32 (N, 4) pairs on one device, and
@@ -60,10 +52,6 @@ pub fn supports(pred: &Tensor, target: &Tensor) -> bool {
         && target.dims() == pred.dims()
         && !target.requires_grad()
         && u32::try_from(pred.dims()[0]).is_ok()
-}
-
-fn launch_grid(n: usize) -> u32 {
-    n.div_ceil(BLOCK as usize).clamp(1, 65_535) as u32
 }
 
 fn four_over_pi2() -> f32 {
@@ -84,7 +72,7 @@ pub fn ciou(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
         unsafe {
             use KernelArg::{Tensor as T, F32, U32};
             k[0].launch(
-                (launch_grid(n), 1, 1),
+                (launch_grid(n, BLOCK), 1, 1),
                 (BLOCK, 1, 1),
                 &[T(pred), T(target), T(&out), U32(n32), F32(CIOU_EPS), F32(four_over_pi2())],
             )?;
@@ -118,7 +106,7 @@ impl BackwardOp for CiouBackward {
                 unsafe {
                     use KernelArg::{Tensor as T, F32, U32};
                     k[1].launch(
-                        (launch_grid(self.n as usize), 1, 1),
+                        (launch_grid(self.n as usize, BLOCK), 1, 1),
                         (BLOCK, 1, 1),
                         &[T(&self.pred), T(&self.target), T(&g), T(&d), U32(self.n), F32(CIOU_EPS), F32(four_over_pi2())],
                     )?;
@@ -195,7 +183,7 @@ pub fn box_rows(rows: &BoxRows<'_>) -> Result<(Tensor, Tensor)> {
         unsafe {
             use KernelArg::{Tensor as T, F32, U32};
             k[2].launch(
-                (launch_grid(f), 1, 1),
+                (launch_grid(f, BLOCK), 1, 1),
                 (BLOCK, 1, 1),
                 &[
                     T(rows.ltrb),
@@ -228,7 +216,7 @@ pub fn box_rows_calls() -> u64 {
     BOX_ROWS_CALLS.load(Ordering::Relaxed)
 }
 
-static BOX_ROWS_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static BOX_ROWS_CALLS: AtomicU64 = AtomicU64::new(0);
 
 struct BoxRowsBackward {
     ltrb: Tensor,
@@ -248,22 +236,18 @@ impl BackwardOp for BoxRowsBackward {
             return Ok(vec![None]);
         }
         let run = || -> Result<Tensor> {
-            let grads: Vec<Option<Tensor>> = grad_outputs
-                .iter()
-                .map(|g| g.as_ref().map(|g| if g.dtype() == DType::F32 { Ok(g.clone()) } else { g.to_dtype(DType::F32) }).transpose())
-                .collect::<ptl_autograd::Result<_>>()?;
+            let grads = f32_grads(grad_outputs)?;
             let d = uninit(self.device, DType::F32, vec![self.n as usize, 4])?;
             if self.n > 0 {
                 let k = kernels(self.device, MODULE, SOURCE, FUNCTIONS)?;
                 let [anchor, stride, target_box, valid, weight, whwh] = &self.constants;
-                let grad = |i: usize| grads.get(i).and_then(Option::as_ref).map_or(KernelArg::U64(0), KernelArg::Tensor);
                 // SAFETY: the arguments match `box_rows_bwd`'s parameters; the saved inputs have
                 // the shapes `supports_rows` checked, each present gradient (F, 1) (a null address
                 // stands for an absent one), d (F, 4) f32; the grid-stride loop stays below F.
                 unsafe {
                     use KernelArg::{Tensor as T, F32, U32};
                     k[3].launch(
-                        (launch_grid(self.n as usize), 1, 1),
+                        (launch_grid(self.n as usize, BLOCK), 1, 1),
                         (BLOCK, 1, 1),
                         &[
                             T(&self.ltrb),
@@ -273,8 +257,8 @@ impl BackwardOp for BoxRowsBackward {
                             T(valid),
                             T(weight),
                             T(whwh),
-                            grad(0),
-                            grad(1),
+                            grad_arg(&grads, 0),
+                            grad_arg(&grads, 1),
                             T(&d),
                             U32(self.n),
                             F32(CIOU_EPS),

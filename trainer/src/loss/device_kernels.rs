@@ -35,3 +35,56 @@ pub(crate) fn backward_error(op: &'static str, e: TrainerError) -> ptl_autograd:
         other => ptl_autograd::Error::InvalidArgument { op, msg: other.to_string() },
     }
 }
+
+/// An on/off switch of one family of fused kernels: on unless its environment variable is `0`
+/// (read at first use), and settable per process (tests compare the fused and composed paths).
+pub(crate) struct FusedSwitch {
+    /// 0: not decided yet, 1: off, 2: on.
+    state: std::sync::atomic::AtomicU8,
+    /// The variable that turns the family off (`=0`).
+    env: &'static str,
+}
+
+impl FusedSwitch {
+    /// A switch read from `env` at first use.
+    pub(crate) const fn new(env: &'static str) -> FusedSwitch {
+        FusedSwitch { state: std::sync::atomic::AtomicU8::new(0), env }
+    }
+
+    /// Turns the family on or off for this process.
+    pub(crate) fn set(&self, on: bool) {
+        self.state.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the family is on.
+    pub(crate) fn enabled(&self) -> bool {
+        match self.state.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => {
+                let on = std::env::var(self.env).map_or(true, |v| v != "0");
+                self.set(on);
+                on
+            }
+            v => v == 2,
+        }
+    }
+}
+
+/// Blocks of `block` threads for a grid-stride loop over `n` items (at most 65,535).
+pub(crate) fn launch_grid(n: usize, block: u32) -> u32 {
+    n.div_ceil(block as usize).clamp(1, 65_535) as u32
+}
+
+/// A custom node's output gradients in f32 (absent ones stay absent).
+pub(crate) fn f32_grads(grad_outputs: &[Option<Tensor>]) -> ptl_autograd::Result<Vec<Option<Tensor>>> {
+    grad_outputs
+        .iter()
+        .map(|g| g.as_ref().map(|g| if g.dtype() == DType::F32 { Ok(g.clone()) } else { g.to_dtype(DType::F32) }).transpose())
+        .collect()
+}
+
+/// Gradient `i` of `grads` as a kernel argument: its address, or a null address for an absent one
+/// (the kernels read it as zero).
+pub(crate) fn grad_arg(grads: &[Option<Tensor>], i: usize) -> ptl_autograd::internal::cuda::KernelArg<'_> {
+    use ptl_autograd::internal::cuda::KernelArg;
+    grads.get(i).and_then(Option::as_ref).map_or(KernelArg::U64(0), KernelArg::Tensor)
+}

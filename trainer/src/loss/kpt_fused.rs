@@ -10,13 +10,13 @@
 //! On by default on CUDA; [`set_enabled`] or `PTL_FUSED_KPT=0` turns it off (the composed ops are
 //! used then, and on every other device).
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use ptl_autograd::internal::cuda::KernelArg;
 use ptl_autograd::{BackwardOp, DType, Device, Tensor};
 
-use super::device_kernels::{backward_error, kernels, uninit};
+use super::device_kernels::{backward_error, f32_grads, grad_arg, kernels, launch_grid, uninit, FusedSwitch};
 use crate::error::{Result, TrainerError};
 
 const SOURCE: &str = include_str!("kpt_fused.cu");
@@ -24,25 +24,17 @@ const MODULE: &str = "ptl_trainer_kpt";
 const FUNCTIONS: [&str; 4] = ["kpt_fwd", "kpt_bwd", "rle_fwd", "rle_bwd"];
 const BLOCK: u32 = 256;
 
-/// 0: not decided yet (read `PTL_FUSED_KPT` at first use), 1: off, 2: on.
-static ENABLED: AtomicU8 = AtomicU8::new(0);
+static SWITCH: FusedSwitch = FusedSwitch::new("PTL_FUSED_KPT");
 
 /// Turns the fused keypoint terms on or off for this process (default: on, unless
 /// `PTL_FUSED_KPT=0` is in the environment).
 pub fn set_enabled(on: bool) {
-    ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    SWITCH.set(on);
 }
 
 /// Whether the fused keypoint terms are on (see [`set_enabled`]).
 pub fn enabled() -> bool {
-    match ENABLED.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("PTL_FUSED_KPT").map_or(true, |v| v != "0");
-            set_enabled(on);
-            on
-        }
-        v => v == 2,
-    }
+    SWITCH.enabled()
 }
 
 /// The foreground rows the keypoint terms read: F rows of K keypoints, every tensor f32,
@@ -153,11 +145,7 @@ pub fn calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
 }
 
-static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-fn launch_grid(n: usize) -> u32 {
-    n.div_ceil(BLOCK as usize).clamp(1, 65_535) as u32
-}
+static CALLS: AtomicU64 = AtomicU64::new(0);
 
 /// The keypoint terms of `rows` (the caller checked [`supports`]); `nkpt` is K as the loss's
 /// visibility-factor numerator.
@@ -182,7 +170,7 @@ pub fn kpt_terms(rows: &KptRows<'_>) -> Result<KptTerms> {
         unsafe {
             use KernelArg::{Tensor as T, F32, U32};
             k[0].launch(
-                (launch_grid(n), 1, 1),
+                (launch_grid(n, BLOCK), 1, 1),
                 (BLOCK, 1, 1),
                 &[
                     T(rows.kp),
@@ -260,16 +248,12 @@ impl BackwardOp for KptBackward {
         }
         let run = || -> Result<(Tensor, Tensor)> {
             let (f, nk) = (self.f as usize, self.nk as usize);
-            let grads: Vec<Option<Tensor>> = grad_outputs
-                .iter()
-                .map(|g| g.as_ref().map(|g| if g.dtype() == DType::F32 { Ok(g.clone()) } else { g.to_dtype(DType::F32) }).transpose())
-                .collect::<ptl_autograd::Result<_>>()?;
+            let grads = f32_grads(grad_outputs)?;
             let d_kp = uninit(self.device, DType::F32, vec![f, nk, 3])?;
             let d_sg = uninit(self.device, DType::F32, vec![f, nk, 2])?;
             if f * nk > 0 {
                 let k = kernels(self.device, MODULE, SOURCE, FUNCTIONS)?;
                 let c = &self.consts;
-                let grad = |i: usize| grads.get(i).and_then(Option::as_ref).map_or(KernelArg::U64(0), KernelArg::Tensor);
                 // SAFETY: the arguments match `kpt_bwd`'s parameters; the saved inputs have the
                 // shapes `supports` checked, each present gradient the shape of its output (a
                 // null address stands for an absent one), d_kp (F, K, 3) and d_sg (F, K, 2) f32;
@@ -277,7 +261,7 @@ impl BackwardOp for KptBackward {
                 unsafe {
                     use KernelArg::{Tensor as T, F32, U32};
                     k[1].launch(
-                        (launch_grid(f * nk), 1, 1),
+                        (launch_grid(f * nk, BLOCK), 1, 1),
                         (BLOCK, 1, 1),
                         &[
                             T(&self.kp),
@@ -288,10 +272,10 @@ impl BackwardOp for KptBackward {
                             T(&c.valid),
                             T(&c.target_kpts),
                             T(&c.two_sigma_sq),
-                            grad(0),
-                            grad(1),
-                            grad(2),
-                            grad(3),
+                            grad_arg(&grads, 0),
+                            grad_arg(&grads, 1),
+                            grad_arg(&grads, 2),
+                            grad_arg(&grads, 3),
                             T(&d_kp),
                             T(&d_sg),
                             U32(self.f),
@@ -373,7 +357,7 @@ pub fn rle_rows(rows: &RleRowsIn<'_>) -> Result<Tensor> {
         unsafe {
             use KernelArg::{Tensor as T, U32};
             k[2].launch(
-                (launch_grid(f * nk), 1, 1),
+                (launch_grid(f * nk, BLOCK), 1, 1),
                 (BLOCK, 1, 1),
                 &[
                     T(rows.sigma),
@@ -425,7 +409,7 @@ impl BackwardOp for RleBackward {
                 unsafe {
                     use KernelArg::{Tensor as T, U32};
                     k[3].launch(
-                        (launch_grid(f * nk), 1, 1),
+                        (launch_grid(f * nk, BLOCK), 1, 1),
                         (BLOCK, 1, 1),
                         &[
                             T(&self.sigma),

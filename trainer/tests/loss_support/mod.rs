@@ -85,3 +85,32 @@ pub fn case_anchors_and_targets(g: &HashMap<String, Tensor>) -> (Anchors, Target
     let anchors = Anchors::from_image_hw((hw[0] as usize, hw[1] as usize), &LossConfig::default().strides).expect("anchors");
     (anchors, target_batch(g, "batch."))
 }
+
+/// What the dense assigner reads for one branch of a golden case on `device`: the padded targets
+/// uploaded in their bucket, the branch's geometry, and the predictions decoded for assignment
+/// (scores, boxes, keypoints).
+pub struct DenseCase {
+    /// The padded targets on the device.
+    pub targets: ptl_trainer::loss::assign_dense::DeviceTargets,
+    /// The branch's anchor geometry (its keypoint sigmas, the outputs' class count).
+    pub geometry: ptl_trainer::loss::assign_dense::DenseGeometry,
+    /// Decoded (scores, boxes, keypoints).
+    pub decoded: (Tensor, Tensor, Tensor),
+}
+
+/// [`DenseCase`] of `outs` against `targets` with the assigner's `sigmas`.
+pub fn dense_case(outs: &BranchOutputs, targets: &TargetBatch, anchors: &Anchors, sigmas: &[f32], device: Device) -> DenseCase {
+    use ptl_trainer::loss::assign_dense::{decode_for_assignment, target_bucket, DenseGeometry, DeviceTargets};
+    let bs = outs.boxes.dims()[0];
+    let padded = ptl_trainer::loss::targets::pad_targets(targets, bs, anchors.image_hw()).unwrap();
+    let dt = DeviceTargets::upload(&padded, target_bucket(padded.max_boxes).unwrap(), device).unwrap();
+    let geometry = DenseGeometry::new(anchors, sigmas, outs.scores.dims()[1], device).unwrap();
+    let decoded = decode_for_assignment(
+        &outs.boxes,
+        &outs.scores,
+        &outs.kpts,
+        &DenseGeometry::new(anchors, &LossConfig::default().sigmas, 1, device).unwrap(),
+    )
+    .unwrap();
+    DenseCase { targets: dt, geometry, decoded }
+}
