@@ -350,7 +350,7 @@ fn cuda_loss_replay_equals_native() {
 /// replay at world size 1 on the NCCL path.
 #[test]
 fn cuda_one_nccl_rank_with_replay_all_equals_the_native_fit() {
-    use ptl_trainer::distributed::{NcclCollective, StoreServer, WorkerEnv};
+    use ptl_trainer::distributed::NcclCollective;
     let Some(dev) = gpu() else { return };
     let dir = std::env::temp_dir().join(format!("ptl-cuda-dp-all-{}", std::process::id()));
     let data = ptl_test_support::pose_dataset(&dir, 24, 6);
@@ -360,16 +360,7 @@ fn cuda_one_nccl_rank_with_replay_all_equals_the_native_fit() {
         ..cuda_fit_cfg(&data, dev, 8, replay, dir.join(save))
     };
     let native = fit(&cfg(&[], "native"), vec![]).expect("native fit");
-    let store = StoreServer::serve("127.0.0.1:0").expect("store");
-    let env = WorkerEnv {
-        rank: 0,
-        world: 1,
-        local_rank: 0,
-        master: store.addr().to_string(),
-        store: Some(store.addr().to_string()),
-        under_torchrun: false,
-    };
-    let group = NcclCollective::join(dev, &env, std::time::Duration::from_secs(60)).expect("one-rank NCCL group");
+    let group = NcclCollective::alone(dev, std::time::Duration::from_secs(60)).expect("one-rank NCCL group");
     let all = ptl_trainer::pose::fit_data_parallel(&cfg(&["all"], "ranked-all"), vec![], Box::new(group)).expect("ranked replay fit");
     assert_eq!(all.hashes, native.hashes, "one NCCL rank with replay=all: the native bytes");
     for (plugin, calls) in [("optimizer", all.optimizer_steps), ("step", 12)] {

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use ptl_trainer::distributed::{NcclCollective, StoreServer, WorkerEnv};
+use ptl_trainer::distributed::NcclCollective;
 use ptl_trainer::pose::{fit, fit_data_parallel, PoseTrainConfig, Precision};
 
 #[test]
@@ -36,16 +36,7 @@ fn one_nccl_rank_is_the_plain_cuda_fit() {
         ..PoseTrainConfig::default()
     };
     let plain = fit(&cfg("plain"), vec![]).expect("plain fit");
-    let store = StoreServer::serve("127.0.0.1:0").unwrap();
-    let env = WorkerEnv {
-        rank: 0,
-        world: 1,
-        local_rank: 0,
-        master: store.addr().to_string(),
-        store: Some(store.addr().to_string()),
-        under_torchrun: false,
-    };
-    let group = NcclCollective::join(dev, &env, Duration::from_secs(60)).expect("one-rank NCCL group");
+    let group = NcclCollective::alone(dev, Duration::from_secs(60)).expect("one-rank NCCL group");
     let ranked = fit_data_parallel(&cfg("ranked"), vec![], Box::new(group)).expect("one-rank data-parallel fit");
     assert_eq!(ranked.hashes, plain.hashes, "one NCCL rank trains the plain fit's bytes");
     println!("ok one NCCL rank: model {} as the plain fit", &plain.hashes.model[..16]);

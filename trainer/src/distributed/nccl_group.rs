@@ -83,6 +83,18 @@ impl NcclCollective {
         Ok(NcclCollective { watched, device, watchdog: Some(watchdog), _store: store })
     }
 
+    /// A group of this process alone (rank 0 of 1) on `device`, with its own store on a free local
+    /// port: the data-parallel loop on one GPU through real NCCL collectives (the CUDA tests check
+    /// it trains the plain fit's bytes).
+    pub fn alone(device: Device, timeout: Duration) -> Result<NcclCollective> {
+        let server = StoreServer::serve("127.0.0.1:0")?;
+        let addr = server.addr().to_string();
+        let env = WorkerEnv { rank: 0, world: 1, local_rank: 0, master: addr.clone(), store: Some(addr), under_torchrun: false };
+        let mut group = Self::join(device, &env, timeout)?;
+        group._store = Some(server);
+        Ok(group)
+    }
+
     /// Runs one collective under the watchdog's eye; after an abort, the error says why.
     fn watched<R>(&self, f: impl FnOnce(&NcclComm) -> ptl_autograd::Result<R>) -> Result<R> {
         let w = &self.watched;
