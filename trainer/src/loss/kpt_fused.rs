@@ -96,18 +96,18 @@ pub fn unsupported_because(rows: &KptRows<'_>) -> Option<String> {
         return Some(format!("keypoint rows of shape {d:?}"));
     }
     let (f, k) = (d[0], d[1]);
-    let shapes: [(&str, &Tensor, Vec<usize>); 8] = [
-        ("kp", rows.kp, vec![f, k, 3]),
-        ("sigma_logits", rows.sigma_logits, vec![f, k, 2]),
-        ("anchor", rows.anchor, vec![f, 2]),
-        ("stride", rows.stride, vec![f, 1]),
-        ("target_box", rows.target_box, vec![f, 4]),
-        ("valid", rows.valid, vec![f, 1]),
-        ("target_kpts", rows.target_kpts, vec![f, k, 3]),
-        ("two_sigma_sq", rows.two_sigma_sq, vec![1, k]),
+    let shapes: [(&str, &Tensor, &[usize]); 8] = [
+        ("kp", rows.kp, &[f, k, 3]),
+        ("sigma_logits", rows.sigma_logits, &[f, k, 2]),
+        ("anchor", rows.anchor, &[f, 2]),
+        ("stride", rows.stride, &[f, 1]),
+        ("target_box", rows.target_box, &[f, 4]),
+        ("valid", rows.valid, &[f, 1]),
+        ("target_kpts", rows.target_kpts, &[f, k, 3]),
+        ("two_sigma_sq", rows.two_sigma_sq, &[1, k]),
     ];
     for (name, t, dims) in &shapes {
-        if t.device() != kp.device() || t.dtype() != DType::F32 || t.dims() != dims.as_slice() {
+        if t.device() != kp.device() || t.dtype() != DType::F32 || t.dims() != *dims {
             return Some(format!("{name}: {:?} {:?} on {:?}, wanted f32 {dims:?}", t.dtype(), t.dims(), t.device()));
         }
     }
@@ -318,15 +318,15 @@ pub fn supports_rle(rows: &RleRowsIn<'_>) -> bool {
         return false;
     }
     let (f, k) = (d[0], d[1]);
-    let shapes: [(&Tensor, Vec<usize>); 6] = [
-        (rows.sigma, vec![f, k, 2]),
-        (rows.log_phi, vec![f * k]),
-        (rows.error, vec![f * k, 2]),
-        (rows.weights, vec![1, k, 1]),
-        (rows.keep, vec![f, k, 1]),
-        (rows.n_keep, rows.n_keep.dims().to_vec()),
+    let shapes: [(&Tensor, &[usize]); 6] = [
+        (rows.sigma, &[f, k, 2]),
+        (rows.log_phi, &[f * k]),
+        (rows.error, &[f * k, 2]),
+        (rows.weights, &[1, k, 1]),
+        (rows.keep, &[f, k, 1]),
+        (rows.n_keep, rows.n_keep.dims()),
     ];
-    shapes.iter().all(|(t, dims)| t.device() == rows.sigma.device() && t.dtype() == DType::F32 && t.dims() == dims.as_slice())
+    shapes.iter().all(|(t, dims)| t.device() == rows.sigma.device() && t.dtype() == DType::F32 && t.dims() == *dims)
         && rows.n_keep.dims().iter().product::<usize>() == 1
         && [rows.weights, rows.keep, rows.n_keep].iter().all(|t| !t.requires_grad())
         && u32::try_from(f * k).is_ok()
