@@ -244,6 +244,14 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
     }
 }
 
+/// The numeric variant of an arm: its `+strict`, `+cl` and `+ws` suffixes, sorted and joined
+/// (empty for none). Arms of one variant run the same convolution engines, so their bytes agree.
+fn numeric_variant(arm: &str) -> String {
+    let mut parts: Vec<&str> = arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws")).collect();
+    parts.sort_unstable();
+    parts.iter().map(|p| format!("+{p}")).collect()
+}
+
 /// Environment variables of a ptl arm's process: `+ws` sets `PTL_CUDNN_WORKSPACE_MIB=auto` (the
 /// cuDNN workspace cap follows each convolution's tensors).
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
@@ -957,17 +965,31 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             mr(&waited, 1)
         ));
     }
-    // Hashes: every ptl run of one precision and loss algorithm must end with the same bytes (the
-    // dense arms compute the loss with another summation order than the host path's).
+    // Hashes: every ptl run of one precision, loss algorithm and numeric variant must end with the
+    // same bytes (the dense arms compute the loss with another summation order than the host
+    // path's; +strict, +cl and +ws pick other convolution engines, so they form their own families
+    // in which native and replay must still agree).
     md.push('\n');
     let mut hash_ok = true;
     let dense_arm =
         |r: &Value| r["arm"].as_str().and_then(|a| arm_overrides(a).ok()).is_some_and(|o| o.iter().any(|x| x == "loss_assigner=dense"));
-    let families: Vec<(String, bool)> = precisions.iter().flat_map(|p| [(p.clone(), false), (p.clone(), true)]).collect();
-    for (p, dense) in &families {
+    let mut families: Vec<(String, bool, String)> = Vec::new();
+    for r in ok.iter().filter(|r| r["kind"] == "ptl") {
+        let key = (r["precision"].as_str().unwrap_or("").to_string(), dense_arm(r), numeric_variant(r["arm"].as_str().unwrap_or("")));
+        if !families.contains(&key) {
+            families.push(key);
+        }
+    }
+    families.sort();
+    for (p, dense, variant) in &families {
         let hs: Vec<(String, Value)> = ok
             .iter()
-            .filter(|r| r["precision"] == p.as_str() && r["kind"] == "ptl" && dense_arm(r) == *dense)
+            .filter(|r| {
+                r["precision"] == p.as_str()
+                    && r["kind"] == "ptl"
+                    && dense_arm(r) == *dense
+                    && numeric_variant(r["arm"].as_str().unwrap_or("")) == *variant
+            })
             .filter_map(|r| figures(r).hashes.map(|h| (format!("{} #{}", r["arm"].as_str().unwrap_or("?"), r["pair"]), h)))
             .collect();
         if hs.len() > 1 {
@@ -975,7 +997,8 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             hash_ok &= same;
             let short = hs[0].1["model"].as_str().unwrap_or("").chars().take(16).collect::<String>();
             let loss = if *dense { ", dense loss" } else { "" };
-            md.push_str(&format!("{p}{loss}: {} ptl runs, hashes identical: {same} (model {short}…)\n", hs.len()));
+            let variant = if variant.is_empty() { String::new() } else { format!(", {variant}") };
+            md.push_str(&format!("{p}{loss}{variant}: {} ptl runs, hashes identical: {same} (model {short}…)\n", hs.len()));
             if !same {
                 for (who, h) in &hs {
                     md.push_str(&format!("  {who}: model {} losses {}\n", h["model"], h["step_losses"]));
@@ -1574,6 +1597,21 @@ mod tests {
             md.contains("Runs without GPU kernel figures, and why:\n\n- native bf16-mixed #0: epochs of 8 steps are too short"),
             "{md}"
         );
+        // Arms with other convolution engines (+ws, +cl, +strict) are their own hash family: native
+        // and replay must agree within it, not with the plain arms.
+        assert_eq!((numeric_variant("all+dense+ws+cl"), numeric_variant("all+dense")), ("+cl+ws".to_string(), String::new()));
+        let variants = [
+            ptl_run("dense", 0, 15.0, 75.0, "d"),
+            ptl_run("all+dense", 0, 14.0, 70.0, "d"),
+            ptl_run("dense+ws", 0, 15.0, 75.0, "w"),
+            ptl_run("all+dense+ws", 0, 14.0, 70.0, "w"),
+        ];
+        write_report(&variants, &out).expect("each variant agrees with itself");
+        let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
+        assert!(md.contains("bf16-mixed, dense loss, +ws: 2 ptl runs, hashes identical: true"), "{md}");
+        let mut split = variants.to_vec();
+        split[3] = ptl_run("all+dense+ws", 0, 14.0, 70.0, "d");
+        assert!(write_report(&split, &out).is_err(), "replay differing from native within +ws fails");
         let bad = vec![ptl_run("native", 0, 15.0, 75.0, "m"), ptl_run("workers0", 0, 20.0, 110.0, "other")];
         assert!(write_report(&bad, &out).is_err(), "differing hashes fail the bench");
         // A replay arm whose region fell back to native (e.g. a capture failure) fails the guard.
