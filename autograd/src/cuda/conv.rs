@@ -227,6 +227,12 @@ pub fn conv_paths() -> (u64, u64) {
     (c[LibPath::ConvGraph as usize], c[LibPath::ConvLegacy as usize])
 }
 
+/// How many weight gradients of thin-input convolutions (the first layer's RGB input) the own
+/// kernel computed in this process instead of cuDNN, to check which path a shape takes.
+pub fn thin_weight_gradients() -> u64 {
+    super::ops::thin_weight_gradients()
+}
+
 /// `PTL_CUDNN_LEGACY=1`: every convolution uses the legacy API (for comparison).
 fn legacy_forced() -> bool {
     static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -277,6 +283,9 @@ pub(crate) fn run_into(
     }
     if super::ops::takes_depthwise(p, dt) {
         return super::ops::depthwise_channels_last(dir, a, b, p, out);
+    }
+    if matches!(dir, Dir::BwdFilter) && super::ops::takes_thin_weight_gradient(p, dt) {
+        return super::ops::thin_weight_gradient(a, b, p, out);
     }
     dev.dnn.with(
         || super::counters::time_setup(Setup::Handle, || Dnn::new(dev)),

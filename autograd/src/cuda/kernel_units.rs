@@ -11,7 +11,7 @@ macro_rules! unit {
 }
 
 /// Every unit as (module name, source), in the order kernels are looked up.
-pub(crate) const UNITS: [(&str, &str); 10] = [
+pub(crate) const UNITS: [(&str, &str); 11] = [
     unit!("elementwise"),
     unit!("reduce"),
     unit!("index"),
@@ -22,6 +22,7 @@ pub(crate) const UNITS: [(&str, &str); 10] = [
     unit!("pack"),
     unit!("rng"),
     unit!("depthwise"),
+    unit!("thin_conv"),
 ];
 
 #[cfg(test)]
@@ -29,7 +30,7 @@ mod tests {
     use super::UNITS;
 
     /// The launchers, in the order of [`UNITS`].
-    const LAUNCHERS: [(&str, &str); 10] = [
+    const LAUNCHERS: [(&str, &str); 11] = [
         ("elementwise", include_str!("ops/elementwise.rs")),
         ("reduce", include_str!("ops/reduce.rs")),
         ("index", include_str!("ops/index.rs")),
@@ -40,6 +41,7 @@ mod tests {
         ("pack", include_str!("ops/pack.rs")),
         ("rng", include_str!("ops/rng.rs")),
         ("depthwise", include_str!("ops/depthwise.rs")),
+        ("thin_conv", include_str!("ops/thin_conv.rs")),
     ];
 
     /// The literal kernel names a launcher passes to `func(` (first argument; both arms of an

@@ -18,6 +18,7 @@ mod pool;
 mod reduce;
 mod rng;
 mod softmax;
+mod thin_conv;
 
 pub(crate) use depthwise::*;
 pub(crate) use elementwise::*;
@@ -27,3 +28,4 @@ pub(crate) use norm::*;
 pub(crate) use pool::*;
 pub(crate) use reduce::*;
 pub(crate) use softmax::*;
+pub(crate) use thin_conv::*;
