@@ -1,8 +1,8 @@
 //! Weight gradients of planar convolutions with few input channels (the model's first layer, RGB
 //! in): the launcher of `thin_conv.cu`. cuDNN's heuristic picked a direct engine for this shape at
-//! batch 64 that took ≈ 9 ms of a 77 ms step on an H100; the reduction has N·Ho·Wo terms for
-//! only Co·Ci·KH·KW outputs, so blocks take bands of output rows, each thread one tap for 16
-//! output channels, and the bands' partials are added in order: the bytes are fixed for a shape.
+//! batch 64 that took ≈ 9 ms of an 77 ms step on an H100; the reduction has N·Ho·Wo terms for
+//! only Co·Ci·KH·KW outputs, so blocks take bands of output rows, each thread one output, and the
+//! bands' partials are added in order: the bytes are fixed for a shape.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,23 +31,15 @@ struct ThinGeo {
     ph: u32,
     pw: u32,
     tw: u32,
-    xw: u32,
-    groups: u32,
 }
 
 /// Input channels up to which a convolution counts as thin.
 const THIN_MAX_INPUT_CHANNELS: usize = 4;
-/// Input values (Ci·KH·KW taps) a weight gradient of the kernel may have: a thread per tap and group.
-const THIN_MAX_TAPS: usize = 64;
-/// Output channels per block (`THIN_CO` in `thin_conv.cu`).
-const THIN_CO: usize = 16;
 /// Floats of shared memory a block has (`THIN_SMEM` in `thin_conv.cu`).
 const THIN_SMEM: usize = 12000;
-/// Threads a block aims at (taps × groups).
-const THIN_THREADS: usize = 512;
-/// Bands of output rows (blocks per output-channel chunk): about three per SM of the largest GPUs,
-/// whose partials the second launch adds.
-const THIN_BANDS: usize = 396;
+/// Bands of output rows (blocks): a few per SM of the largest GPUs, whose partials the second
+/// launch adds.
+const THIN_BANDS: usize = 264;
 
 static THIN_WGRADS: AtomicU64 = AtomicU64::new(0);
 
@@ -57,38 +49,27 @@ pub(crate) fn thin_weight_gradients() -> u64 {
     THIN_WGRADS.load(Ordering::Relaxed)
 }
 
-/// The shared row stride of a tile's input rows: at least `span` floats and ≡ `kw` (mod 32), so
-/// that the taps one column reads fall in distinct banks.
-fn input_stride(span: usize, kw: usize) -> usize {
-    span + (kw % 32 + 32 - span % 32) % 32
-}
-
-/// Output columns per tile and the input rows' stride: as many columns as fit the shared memory
-/// beside [`THIN_CO`] rows of dy (all of a row where they fit), at least 8; `None` when 8 do not fit.
-fn tile(p: &Conv2dParams) -> Option<(usize, usize)> {
-    let (ci, kh, kw, sw) = (p.c_in, p.kh, p.kw, p.stride.1);
-    let fits = |tw: usize| THIN_CO * tw + ci * kh * input_stride((tw - 1) * sw + kw, kw) <= THIN_SMEM;
-    // THIN_CO·tw + ci·kh·((tw − 1)·sw + kw + 31) ≤ THIN_SMEM bounds tw from below; step up from it.
-    let low = THIN_SMEM.checked_sub(ci * kh * (kw + 31))? / (THIN_CO + ci * kh * sw).max(1);
-    let mut tw = low.min(p.w_out());
-    while tw < p.w_out() && fits(tw + 1) {
-        tw += 1;
-    }
-    (tw >= 8.min(p.w_out()).max(1) && fits(tw)).then(|| (tw, input_stride((tw - 1) * sw + kw, kw)))
+/// Output columns per tile: as many as fit the shared memory (all of a row where they fit), at
+/// least 8; `None` when even 8 do not fit.
+fn tile_width(p: &Conv2dParams) -> Option<usize> {
+    let (co, ci, kh, kw, sw) = (p.c_out, p.c_in, p.kh, p.kw, p.stride.1);
+    // co·tw + ci·kh·((tw − 1)·sw + kw) ≤ THIN_SMEM, i.e. tw·(co + ci·kh·sw) ≤ THIN_SMEM − ci·kh·(kw − sw).
+    let fixed = ci * kh * kw.saturating_sub(sw);
+    let tw = (THIN_SMEM.checked_sub(fixed)? / (co + ci * kh * sw).max(1)).min(p.w_out());
+    (tw >= 8.min(p.w_out()).max(1)).then_some(tw)
 }
 
 /// Whether the thin-input kernel computes this weight gradient: planar storage, one group, at most
-/// [`THIN_MAX_INPUT_CHANNELS`] input channels and [`THIN_MAX_TAPS`] taps, a tile that fits, a
-/// dtype it computes (f64 stays with cuDNN).
+/// [`THIN_MAX_INPUT_CHANNELS`] input channels, one thread per weight (≤ 1024), a tile that fits,
+/// a dtype it computes (f64 stays with cuDNN).
 pub(crate) fn takes_thin_weight_gradient(p: &Conv2dParams, dtype: DType) -> bool {
-    let taps = p.c_in * p.kh * p.kw;
+    let weights = p.c_out * p.c_in * p.kh * p.kw;
     !p.channels_last
         && p.groups == 1
         && p.c_in <= THIN_MAX_INPUT_CHANNELS
-        && (1..=THIN_MAX_TAPS).contains(&taps)
-        && p.c_out > 0
+        && (1..=1024).contains(&weights)
         && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
-        && tile(p).is_some()
+        && tile_width(p).is_some()
 }
 
 /// The weight gradient of `p` ([`takes_thin_weight_gradient`]) from `dy` and `x` into `out`
@@ -96,9 +77,7 @@ pub(crate) fn takes_thin_weight_gradient(p: &Conv2dParams, dtype: DType) -> bool
 pub(crate) fn thin_weight_gradient(dy: &CudaStorage, x: &CudaStorage, p: &Conv2dParams, out: CudaStorage) -> Result<CudaStorage> {
     const OP: &str = "conv2d_backward_weight (thin input)";
     let dev = &dy.buf.dev;
-    let (tw, xw) = tile(p).ok_or_else(|| crate::Error::invalid(OP, format!("no tile of {p:?} fits {THIN_SMEM} floats")))?;
-    let taps = p.c_in * p.kh * p.kw;
-    let groups = (THIN_THREADS / taps).clamp(1, 32);
+    let tw = tile_width(p).ok_or_else(|| crate::Error::invalid(OP, format!("no tile of {p:?} fits {THIN_SMEM} floats")))?;
     let c = |v| u32c(OP, v);
     let g = ThinGeo {
         n: c(p.batch)?,
@@ -115,16 +94,15 @@ pub(crate) fn thin_weight_gradient(dy: &CudaStorage, x: &CudaStorage, p: &Conv2d
         ph: c(p.padding.0)?,
         pw: c(p.padding.1)?,
         tw: c(tw)?,
-        xw: c(xw)?,
-        groups: c(groups)?,
     };
     let rows = p.batch * p.h_out();
+    let weights = p.c_out * p.c_in * p.kh * p.kw;
     let bands = THIN_BANDS.min(rows).max(1);
-    let part = CudaStorage::alloc(dev, DType::F32, bands * p.c_out * taps)?;
+    let part = CudaStorage::alloc(dev, DType::F32, bands * weights)?;
     let (pa, pb, pp, rr, pn) = (ptr(dy), ptr(x), ptr(&part), c(rows)?, bands as u32);
-    let f = dev.func("thin_weight_grad_part", sfx(dy.dtype))?;
-    let chunks = c(p.c_out.div_ceil(THIN_CO))?;
-    dev.launch(f, (pn, chunks, 1), (c(taps * groups)?, 1, 1), &mut args!(pa, pb, pp, g, rr, pn))?;
+    let f = dev.func("thin_wgrad_part", sfx(dy.dtype))?;
+    let threads = weights.div_ceil(32) * 32;
+    dev.launch(f, (pn, 1, 1), (threads as u32, 1, 1), &mut args!(pa, pb, pp, g, rr, pn))?;
     super::reduce::sum_partials(&part, bands, &out)?;
     THIN_WGRADS.fetch_add(1, Ordering::Relaxed);
     Ok(out)
@@ -152,26 +130,19 @@ mod tests {
 
     #[test]
     fn the_stem_takes_a_whole_row_per_tile() {
-        // 640 px in, 3×3 stride 2: 320 output columns; the input rows' 641 floats padded to 643
-        // (≡ 3 mod 32): 16·320 + 3·3·643 = 10,907 floats.
+        // 640 px in, 3×3 stride 2: 320 output columns, 16·320 + 3·3·641 = 10,889 floats.
         let stem = conv(3, 16, 3, 2, 640);
-        assert_eq!(tile(&stem), Some((320, 643)));
+        assert_eq!(tile_width(&stem), Some(320));
         assert!(takes_thin_weight_gradient(&stem, DType::BF16));
         assert!(!takes_thin_weight_gradient(&stem, DType::F64), "f64 stays with cuDNN");
-        // Stride 1, 600 columns: 478 columns per tile, whose input rows of 480 floats are padded
-        // to 483 (16·478 + 9·483 = 11,995 floats; 479 would need 12,011).
-        assert_eq!(tile(&conv(3, 32, 3, 1, 600)), Some((478, 483)));
-        for (tw, kw) in [(320, 3), (17, 5), (480, 3)] {
-            let s = input_stride((tw - 1) * 2 + kw, kw);
-            assert!(s >= (tw - 1) * 2 + kw && s % 32 == kw % 32);
-        }
+        // 32 outputs at stride 1: (12,000 − 18) / 41 = 292 columns per tile.
+        assert_eq!(tile_width(&conv(3, 32, 3, 1, 300)), Some(292));
     }
 
     #[test]
     fn wide_or_grouped_or_channels_last_shapes_stay_with_cudnn() {
         assert!(!takes_thin_weight_gradient(&conv(16, 16, 3, 1, 64), DType::F32), "16 input channels");
-        assert!(!takes_thin_weight_gradient(&conv(4, 16, 5, 1, 64), DType::F32), "100 taps > 64");
-        assert!(takes_thin_weight_gradient(&conv(4, 96, 3, 1, 64), DType::F32), "36 taps, six blocks of 16 outputs");
+        assert!(!takes_thin_weight_gradient(&conv(4, 64, 3, 1, 64), DType::F32), "2,304 weights > 1,024 threads");
         let mut cl = conv(3, 16, 3, 2, 64);
         cl.channels_last = true;
         assert!(!takes_thin_weight_gradient(&cl, DType::F32));
