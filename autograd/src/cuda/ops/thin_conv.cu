@@ -18,7 +18,7 @@ struct ThinGeo {
 // rows, tile by tile, in row then column order (f32), into part[p·O + o]. The launcher sums the P
 // partials in order (sum_partials).
 template <typename T>
-__device__ void thin_wgrad_part_k(const T* dy, const T* x, float* part, ThinGeo g, u32 rows, u32 P) {
+__device__ void thin_weight_grad_part_k(const T* dy, const T* x, float* part, ThinGeo g, u32 rows, u32 P) {
     __shared__ float sm[THIN_SMEM];
     const u32 K = g.kh * g.kw, O = g.co * g.ci * K, xw = (g.tw - 1) * g.sw + g.kw;
     float* sdy = sm;            // [co][tw]
@@ -60,9 +60,9 @@ __device__ void thin_wgrad_part_k(const T* dy, const T* x, float* part, ThinGeo 
     if (o < O) part[(size_t)blockIdx.x * O + o] = acc;
 }
 #define INST_THIN(name, T)                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(1024) thin_wgrad_part_##name(const T* dy, const T* x, float* part, ThinGeo g,        \
+    extern "C" __global__ void __launch_bounds__(1024) thin_weight_grad_part_##name(const T* dy, const T* x, float* part, ThinGeo g,        \
                                                                              u32 rows, u32 P) {                                      \
-        thin_wgrad_part_k<T>(dy, x, part, g, rows, P);                                                                                 \
+        thin_weight_grad_part_k<T>(dy, x, part, g, rows, P);                                                                                 \
     }
 INST_THIN(f32, float)
 INST_THIN(f16, __half)

@@ -100,7 +100,7 @@ pub(crate) fn thin_weight_gradient(dy: &CudaStorage, x: &CudaStorage, p: &Conv2d
     let bands = THIN_BANDS.min(rows).max(1);
     let part = CudaStorage::alloc(dev, DType::F32, bands * weights)?;
     let (pa, pb, pp, rr, pn) = (ptr(dy), ptr(x), ptr(&part), c(rows)?, bands as u32);
-    let f = dev.func("thin_wgrad_part", sfx(dy.dtype))?;
+    let f = dev.func("thin_weight_grad_part", sfx(dy.dtype))?;
     let threads = weights.div_ceil(32) * 32;
     dev.launch(f, (pn, 1, 1), (threads as u32, 1, 1), &mut args!(pa, pb, pp, g, rr, pn))?;
     super::reduce::sum_partials(&part, bands, &out)?;
