@@ -10,6 +10,7 @@ mod gate;
 mod goldens;
 mod heads_pack;
 mod outcome;
+mod record;
 
 fn usage() -> &'static str {
     "usage: cargo xtask <command>\n\
@@ -19,6 +20,8 @@ fn usage() -> &'static str {
        bench           training benchmark: arms in alternating fresh processes next to Ultralytics (--help)\n  \
        heads-pack      the model's CUDA golden tests + forward/backward bench next to PyTorch into heads-pack/\n  \
        outcome         long ptl and Ultralytics fits on one learnable set: final/best metrics, curves (--help)\n  \
+       record          pack a measurement record's raw files into its raw.tar.xz (README, pictures, scripts stay)
+  \
        goldens         pack a full copy of the reference tensors into goldens/data/ (--from DIR)\n  \
        fuzz            fuzz the label/yaml/COCO/image parsers (libFuzzer via cargo +nightly fuzz; --stable, --runs N)\n"
 }
@@ -33,6 +36,7 @@ fn main() -> ExitCode {
         Some("fuzz") => fuzz::run(&args[1..]),
         Some("outcome") => outcome::run(&args[1..]),
         Some("goldens") => goldens::run(&args[1..]),
+        Some("record") => record::run(&args[1..]),
         Some("-h") | Some("--help") | None => {
             print!("{}", usage());
             return ExitCode::SUCCESS;
