@@ -32,8 +32,9 @@ options:
                      forward and loss as one region, `step`), all+loss (the same, named as before),
                      all+plan, all+summed (all+dense with arena planning named on — the default — or off),
                      pieces+loss (the trunk, each stem and the loss recorded apart, no step region);
-                     any arm with +strict (tf32=false), +cl (channels_last=true) and/or +ws
-                     (PTL_CUDNN_WORKSPACE_MIB=auto: per-shape cuDNN workspaces)
+                     any arm with +strict (tf32=false), +cl (channels_last=true), +ws
+                     (PTL_CUDNN_WORKSPACE_MIB=auto: per-shape cuDNN workspaces) and/or +timed
+                     (PTL_CUDNN_TIMED=1: convolution engines chosen by timing)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
                      the ratios), compile (its compile=True), reduce-overhead (compile=reduce-overhead:
@@ -215,7 +216,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
     // `<arm>+strict`: the arm with strict FP32 convolutions (32-true's TF32 off); `<arm>+cl`:
     // with channels-last activations; `<arm>+ws`: with per-shape cuDNN workspaces (an
     // environment variable, [`arm_env`]: no key).
-    for (suffix, key) in [("+strict", Some("tf32=false")), ("+cl", Some("channels_last=true")), ("+ws", None)] {
+    for (suffix, key) in [("+strict", Some("tf32=false")), ("+cl", Some("channels_last=true")), ("+ws", None), ("+timed", None)] {
         if let Some(base) = arm.strip_suffix(suffix) {
             let mut o = arm_overrides(base)?;
             o.extend(key.map(str::to_string));
@@ -239,27 +240,33 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations and/or +ws for per-shape cuDNN workspaces)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces and/or +timed for convolution engines chosen by timing)"
         )),
     }
 }
 
-/// The numeric variant of an arm: its `+strict`, `+cl` and `+ws` suffixes, sorted and joined
+/// The numeric variant of an arm: its `+strict`, `+cl`, `+ws` and `+timed` suffixes, sorted and joined
 /// (empty for none). Arms of one variant run the same convolution engines, so their bytes agree.
 fn numeric_variant(arm: &str) -> String {
-    let mut parts: Vec<&str> = arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws")).collect();
+    let arm = arm.strip_suffix("-cold").unwrap_or(arm);
+    let mut parts: Vec<&str> = arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws" | "timed")).collect();
     parts.sort_unstable();
     parts.iter().map(|p| format!("+{p}")).collect()
 }
 
 /// Environment variables of a ptl arm's process: `+ws` sets `PTL_CUDNN_WORKSPACE_MIB=auto` (the
-/// cuDNN workspace cap follows each convolution's tensors).
+/// cuDNN workspace cap follows each convolution's tensors), `+timed` sets `PTL_CUDNN_TIMED=1`
+/// (convolution engines chosen by timing).
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
-    if arm.split('+').skip(1).any(|p| p == "ws") {
-        vec![("PTL_CUDNN_WORKSPACE_MIB", "auto")]
-    } else {
-        Vec::new()
+    let parts: Vec<&str> = arm.split('+').skip(1).collect();
+    let mut env = Vec::new();
+    if parts.contains(&"ws") {
+        env.push(("PTL_CUDNN_WORKSPACE_MIB", "auto"));
     }
+    if parts.contains(&"timed") {
+        env.push(("PTL_CUDNN_TIMED", "1"));
+    }
+    env
 }
 
 /// `replay_config` turning arena planning on or off in every replay plugin of ptl-plugins.
@@ -971,8 +978,13 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     // in which native and replay must still agree).
     md.push('\n');
     let mut hash_ok = true;
-    let dense_arm =
-        |r: &Value| r["arm"].as_str().and_then(|a| arm_overrides(a).ok()).is_some_and(|o| o.iter().any(|x| x == "loss_assigner=dense"));
+    // A cold run (`<arm>-cold`) belongs to its arm's family: cold and warm processes must agree.
+    let dense_arm = |r: &Value| {
+        r["arm"]
+            .as_str()
+            .and_then(|a| arm_overrides(a.strip_suffix("-cold").unwrap_or(a)).ok())
+            .is_some_and(|o| o.iter().any(|x| x == "loss_assigner=dense"))
+    };
     let mut families: Vec<(String, bool, String)> = Vec::new();
     for r in ok.iter().filter(|r| r["kind"] == "ptl") {
         let key = (r["precision"].as_str().unwrap_or("").to_string(), dense_arm(r), numeric_variant(r["arm"].as_str().unwrap_or("")));
@@ -1549,6 +1561,10 @@ mod tests {
         assert_eq!(arm_env("all+dense+ws"), [("PTL_CUDNN_WORKSPACE_MIB", "auto")]);
         assert_eq!(arm_env("dense+ws+cl"), [("PTL_CUDNN_WORKSPACE_MIB", "auto")]);
         assert!(arm_env("all+dense").is_empty() && arm_env("dense+cl").is_empty());
+        assert_eq!(arm_env("dense+timed"), [("PTL_CUDNN_TIMED", "1")]);
+        assert_eq!(arm_overrides("all+dense+timed").unwrap(), ["replay=all", "loss_assigner=dense"]);
+        assert_eq!(numeric_variant("dense+timed+ws"), "+timed+ws");
+        assert_eq!(numeric_variant("dense+timed-cold"), "+timed", "the cold run belongs to its arm's family");
         let (o, _) =
             parse(&["--batches".to_string(), "4,16".to_string(), "--ultra-arms".to_string(), "eager,compile".to_string()]).unwrap();
         assert_eq!((o.batches, o.ultra_arms.len()), (vec![4, 16], 2));
@@ -1609,6 +1625,11 @@ mod tests {
         write_report(&variants, &out).expect("each variant agrees with itself");
         let md = std::fs::read_to_string(out.join("bench.md")).expect("bench.md");
         assert!(md.contains("bf16-mixed, dense loss, +ws: 2 ptl runs, hashes identical: true"), "{md}");
+        // A cold run is compared with its arm's warm runs.
+        let mut cold = ptl_run("dense", 0, 15.0, 75.0, "other");
+        cold["arm"] = json!("dense-cold");
+        cold["cold"] = json!(true);
+        assert!(write_report(&[cold, ptl_run("dense", 0, 15.0, 75.0, "d")], &out).is_err(), "a cold run with other bytes fails");
         let mut split = variants.to_vec();
         split[3] = ptl_run("all+dense+ws", 0, 14.0, 70.0, "d");
         assert!(write_report(&split, &out).is_err(), "replay differing from native within +ws fails");

@@ -292,19 +292,22 @@ pub(crate) fn run_into(
         |dnn: &mut Dnn| {
             let h = dnn.handle;
             if dt != DType::F64 && !legacy_forced() {
-                let choices = &dnn.choices;
-                let entry = dnn
-                    .graph_plans
-                    .entry((*p, dt, dir, tf32))
-                    .or_insert_with(|| super::counters::time_setup(Setup::ConvPlan, || graph_plan(choices, h, p, dt, dir, tf32)));
-                if let Some(gp) = entry {
-                    // Buffers by their forward-convolution names (x, w, y).
-                    let (a, b, o) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
-                    let (x, w, y) = match dir {
-                        Dir::Fwd => (a, b, o),
-                        Dir::BwdData => (o, b, a),
-                        Dir::BwdFilter => (b, o, a),
-                    };
+                // Buffers by their forward-convolution names (x, w, y).
+                let (pa, pb, po) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
+                let (x, w, y) = match dir {
+                    Dir::Fwd => (pa, pb, po),
+                    Dir::BwdData => (po, pb, pa),
+                    Dir::BwdFilter => (pb, po, pa),
+                };
+                let key = (*p, dt, dir, tf32);
+                if !dnn.graph_plans.contains_key(&key) {
+                    let Dnn { choices, workspace, .. } = &mut *dnn;
+                    let built = super::counters::time_setup(Setup::ConvPlan, || {
+                        graph_plan(choices, workspace, dev, h, p, dt, dir, tf32, [x, w, y])
+                    });
+                    dnn.graph_plans.insert(key, built);
+                }
+                if let Some(gp) = dnn.graph_plans.get_mut(&key).and_then(Option::as_mut) {
                     let ws = dnn.workspace.get(dev, gp.workspace_bytes())?;
                     gp.execute(h, x, w, y, ws.ptr)?;
                     count_path(LibPath::ConvGraph);
@@ -371,16 +374,23 @@ pub(crate) fn run_into(
 
 /// The graph-API plan for (`p`, `dt`, `dir`, `tf32`), or `None` when no engine qualifies (legacy
 /// path), taking the outcome of an earlier process's engine walk when one is remembered (TF32
-/// choices under their own key: the engines differ).
+/// choices under their own key: the engines differ; timed choices too). With
+/// `PTL_CUDNN_TIMED=1` and no remembered choice, the candidates run on the call's own buffers
+/// (`[x, w, y]`, the one being written overwritten afterwards) outside a capture.
+#[allow(clippy::too_many_arguments)]
 fn graph_plan(
     choices: &ChoiceCache,
+    workspace: &mut Workspace,
+    dev: &Arc<Dev>,
     h: ns::cudnnHandle_t,
     p: &Conv2dParams,
     dt: DType,
     dir: Dir,
     tf32: bool,
+    [x, w, y]: [u64; 3],
 ) -> Option<super::conv_graph::GraphPlan> {
-    let key = format!("{p:?} {dt:?} {dir:?}{}", if tf32 { " tf32" } else { "" });
+    let timed = super::conv_graph::timed_choice();
+    let key = format!("{p:?} {dt:?} {dir:?}{}{}", if tf32 { " tf32" } else { "" }, if timed { " timed" } else { "" });
     let hint = match choices.get(&key) {
         Some(Choice::Legacy) => return None,
         Some(Choice::Engine(k)) => Some(k),
@@ -396,7 +406,21 @@ fn graph_plan(
             }
         }
     }
-    match super::conv_graph::build(h, p, dt, dir, hint, tf32) {
+    // Each candidate: one run for its variant pack and caches, then three timed.
+    let mut time = |gp: &mut super::conv_graph::GraphPlan| -> Result<f64> {
+        let ws = workspace.get(dev, gp.workspace_bytes())?;
+        gp.execute(h, x, w, y, ws.ptr)?;
+        super::graph::time_on_dev(dev, || -> Result<()> {
+            for _ in 0..3 {
+                gp.execute(h, x, w, y, ws.ptr)?;
+            }
+            Ok(())
+        })
+        .and_then(|(ran, ms)| ran.map(|()| ms))
+    };
+    let timer: Option<super::conv_graph::PlanTimer<'_>> =
+        if timed && !super::capture_scope::is_capturing() { Some(&mut time) } else { None };
+    match super::conv_graph::build(h, p, dt, dir, hint, tf32, timer) {
         Ok(Built::Plan(plan, k)) => {
             if hint != Some(k) {
                 choices.put(&key, Choice::Engine(k));

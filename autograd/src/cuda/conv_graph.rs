@@ -11,6 +11,8 @@
 //! default f32 stays true FP32. The first engine that builds an
 //! execution plan within the workspace limit is kept for the shape. If none does, the caller falls
 //! back to the legacy API. `PTL_CUDNN_LEGACY=1` forces the legacy path (for comparison).
+//! `PTL_CUDNN_TIMED=1` ([`timed_choice`]) times the first few usable engines instead and keeps the
+//! fastest, remembered so that later processes take it untimed (the same bytes).
 //!
 //! Executing needs a "variant pack" (the call's device pointers); building one is most of the host
 //! cost of a call, so each plan keeps the last few packs keyed by their pointers (the allocator
@@ -172,7 +174,35 @@ fn excluded(note: ns::cudnnBackendNumericalNote_t, dt: DType, tf32: bool) -> boo
 /// it took, or explains why none is usable. `hint`: the position a previous process ended with
 /// for the same shape, cuDNN and GPU (`conv_choice`), tried first; if it no longer builds, the
 /// whole ranking is walked as without one.
-pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir: Dir, hint: Option<usize>, tf32: bool) -> Result<Built> {
+/// Runs a candidate plan on the call's tensors and returns its milliseconds ([`build`]).
+pub(crate) type PlanTimer<'a> = &'a mut dyn FnMut(&mut GraphPlan) -> Result<f64>;
+
+/// Engines [`build`] times when asked to (the first usable ones of cuDNN's ranking).
+pub(crate) const TIMED_CANDIDATES: usize = 6;
+
+/// Whether convolution engines are chosen by timing (`PTL_CUDNN_TIMED=1`): the first
+/// [`TIMED_CANDIDATES`] usable engines of cuDNN's ranking each run on the call's own tensors and
+/// the fastest is kept — and remembered with the plans under its own key, so a later process
+/// takes the same engine (the same bytes) without timing. Off by default: the ranking alone picks,
+/// the same engine on every machine of one GPU model.
+pub(crate) fn timed_choice() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PTL_CUDNN_TIMED").is_ok_and(|v| v == "1"))
+}
+
+/// A plan for the convolution: cuDNN's first usable deterministic engine in its ranking (the
+/// remembered `hint` first), or, given `time`, the fastest of the first [`TIMED_CANDIDATES`]
+/// (`time` runs a candidate plan and returns its milliseconds).
+pub(crate) fn build(
+    handle: ns::cudnnHandle_t,
+    p: &Conv2dParams,
+    dt: DType,
+    dir: Dir,
+    hint: Option<usize>,
+    tf32: bool,
+    time: Option<PlanTimer<'_>>,
+) -> Result<Built> {
+    let want = if time.is_some() && hint.is_none() { TIMED_CANDIDATES } else { 1 };
     let t = data_type(dt)?;
     // Activations in the data's format; the weight stays OIHW.
     let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t, p.channels_last)?;
@@ -208,32 +238,62 @@ pub(crate) fn build(handle: ns::cudnnHandle_t, p: &Conv2dParams, dt: DType, dir:
     })?;
     let limit = workspace_limit(workspace_cap(), p, dt);
     let mut why = Vec::new();
-    let mut chosen = None;
+    // (plan, workspace bytes, engine, compiled at run time, position in the ranking)
+    let mut found: Vec<(Desc, usize, Desc, bool, usize)> = Vec::new();
     if let Some(k) = hint.filter(|&k| k < got) {
         if let Ok((plan, ws_bytes, engine, compiled)) = try_engine(handle, &cfgs[k], dt, tf32, limit) {
-            chosen = Some((plan, ws_bytes, engine, compiled, k));
+            found.push((plan, ws_bytes, engine, compiled, k));
         }
     }
-    if chosen.is_none() {
+    if found.is_empty() {
         for (k, cfg) in cfgs.iter().take(got).enumerate() {
             match try_engine(handle, cfg, dt, tf32, limit) {
                 Ok((plan, ws_bytes, engine, compiled)) => {
-                    chosen = Some((plan, ws_bytes, engine, compiled, k));
-                    break;
+                    found.push((plan, ws_bytes, engine, compiled, k));
+                    if found.len() == want {
+                        break;
+                    }
                 }
                 Err(reason) => why.push(format!("#{k}: {reason}")),
             }
         }
     }
-    let Some((plan, ws_bytes, engine, runtime_compiled, position)) = chosen else {
+    if found.is_empty() {
         return Ok(Built::NoEngine(format!(
             "cuDNN graph API: no usable deterministic {dir:?} engine among {got} for {p:?} {dt} ({})",
             why.join("; ")
         )));
+    }
+    let mut plans: Vec<(GraphPlan, usize)> = found
+        .into_iter()
+        .map(|(plan, ws_bytes, engine, runtime_compiled, k)| {
+            (GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: vec![engine], runtime_compiled }, k)
+        })
+        .collect();
+    // The fastest by `time` (ties and failed timings: the better-ranked), else cuDNN's first.
+    let pick = match time.filter(|_| plans.len() > 1) {
+        Some(time) => fastest(&plans.iter_mut().map(|(plan, _)| time(plan).ok()).collect::<Vec<_>>()),
+        None => 0,
     };
-    let mut keep = vec![x, w, y, conv, op, graph, heur, engine];
-    keep.extend(cfgs);
-    Ok(Built::Plan(GraphPlan { plan, ws_bytes, packs: Vec::new(), _keep: keep, runtime_compiled }, position))
+    let (mut chosen, position) = plans.swap_remove(pick);
+    drop(plans);
+    chosen._keep.extend([x, w, y, conv, op, graph, heur]);
+    chosen._keep.extend(cfgs);
+    Ok(Built::Plan(chosen, position))
+}
+
+/// The index of the smallest timing (the first of equal ones; failed timings, `None`, never win
+/// unless all failed: then 0, cuDNN's first).
+fn fastest(ms: &[Option<f64>]) -> usize {
+    let mut pick = 0;
+    let mut best = f64::INFINITY;
+    for (i, t) in ms.iter().enumerate() {
+        if let Some(t) = t.filter(|t| *t < best) {
+            best = t;
+            pick = i;
+        }
+    }
+    pick
 }
 
 /// What walking cuDNN's ranking for one shape gave.
@@ -520,7 +580,17 @@ fn parse_workspace_mib(v: &str) -> std::result::Result<usize, String> {
 const MIN_WS: usize = 32 << 20;
 
 #[cfg(test)]
-mod workspace_tests {
+mod tests {
+    #[test]
+    fn the_fastest_candidate_wins_ties_go_to_the_better_ranked() {
+        use super::fastest;
+        assert_eq!(fastest(&[Some(2.0), Some(1.0), Some(1.5)]), 1);
+        assert_eq!(fastest(&[Some(1.0), Some(1.0)]), 0, "a tie keeps cuDNN's order");
+        assert_eq!(fastest(&[None, Some(3.0), None]), 1, "a failed timing never wins");
+        assert_eq!(fastest(&[None, None]), 0, "nothing timed: cuDNN's first");
+        assert_eq!(fastest(&[Some(f64::NAN), Some(4.0)]), 1, "NaN is no timing");
+    }
+
     #[test]
     fn per_shape_caps_follow_the_tensors() {
         use super::{workspace_limit, WorkspaceCap, MIN_WS};

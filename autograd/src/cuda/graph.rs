@@ -110,7 +110,11 @@ pub fn gpu_spin(device: Device, cycles: i64) -> Result<()> {
 /// Runs `f` between two events recorded on `device`'s compute stream and returns its result with
 /// the GPU time in milliseconds between them (waits for the stream).
 pub fn time_on_stream<R>(device: Device, f: impl FnOnce() -> R) -> Result<(R, f64)> {
-    let dev = dev_of(device)?;
+    time_on_dev(&dev_of(device)?, f)
+}
+
+/// [`time_on_stream`] for a device already opened.
+pub(crate) fn time_on_dev<R>(dev: &Arc<Dev>, f: impl FnOnce() -> R) -> Result<(R, f64)> {
     dev.bind()?;
     let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
     let a = dr::event::create(flags).map_err(|e| cu_err("cuEventCreate", e))?;
