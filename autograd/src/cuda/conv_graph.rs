@@ -277,7 +277,10 @@ pub(crate) fn build(
     };
     let (mut chosen, position) = plans.swap_remove(pick);
     drop(plans);
-    chosen._keep.extend([x, w, y, conv, op, graph, heur]);
+    // Kept in the order the descriptors were made (its engine after the heuristics).
+    let engine = std::mem::take(&mut chosen._keep);
+    chosen._keep = vec![x, w, y, conv, op, graph, heur];
+    chosen._keep.extend(engine);
     chosen._keep.extend(cfgs);
     Ok(Built::Plan(chosen, position))
 }
