@@ -24,6 +24,30 @@
 //! region falls back to native execution when it must (warm-up, another shape, a capture
 //! failure, …) and says so in its counters: check them ([`replay_shortfalls`]) before believing
 //! "replay equals native".
+//!
+//! ## Replay from Rust code
+//! A fit names the plugins in its `replay` setting (`ptl train`'s `replay=` key); on the CPU
+//! they record with the test double, on a GPU with CUDA graphs:
+//!
+//! ```
+//! use ptl_trainer::pose::{fit, PoseTrainConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = std::env::temp_dir().join(format!("ptl-plugins-doc-{}", std::process::id()));
+//! let set = ptl_data::synth_generate(&ptl_data::SynthOptions {
+//!     out: dir.join("data"), train: 6, background: 0, val: 2, imgsz: 64, ..Default::default()
+//! })?;
+//! let mut cfg = PoseTrainConfig { data: set.yaml, epochs: 2, batch: 2, imgsz: 64, save_dir: dir.join("run"), ..Default::default() };
+//! cfg.set("optimizer", "SGD")?;
+//! cfg.set("plots", "false")?;
+//! cfg.set("replay", "feature")?; // the trunk's forward and backward as one recorded region
+//! let summary = fit(&cfg, vec![])?;
+//! // 2 epochs × 3 batches: every call after the region's warm-up replayed.
+//! assert!(ptl_plugins::replay_shortfalls(&summary, ptl_plugins::PieceReplay::FEATURE, 6, &[]).is_empty());
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok(())
+//! # }
+//! ```
 
 #![warn(missing_docs)]
 #[doc = include_str!("../../docs/plugins.md")]
