@@ -406,3 +406,97 @@ fn a_replayed_data_parallel_group_equals_the_native_group() {
         assert!(short.is_empty(), "optimizer: {short:?}");
     }
 }
+
+/// Writes `people` small people (box and 17 visible keypoints) into a label file, in a grid.
+fn write_people(label: &std::path::Path, people: usize) {
+    let mut lines = String::new();
+    for p in 0..people {
+        let (cx, cy) = (0.15 + 0.23 * (p % 4) as f64, 0.15 + 0.23 * (p / 4) as f64);
+        lines.push_str(&format!("0 {cx:.4} {cy:.4} 0.1500 0.1800"));
+        for k in 0..17 {
+            let (dx, dy) = (((k % 5) as f64 - 2.0) * 0.02, ((k / 5) as f64 - 1.5) * 0.03);
+            lines.push_str(&format!(" {:.4} {:.4} 2", cx + dx, cy + dy));
+        }
+        lines.push('\n');
+    }
+    std::fs::write(label, lines).expect("label file");
+}
+
+/// Ranks whose batches need different target buckets — two training images, one of 3 people and
+/// one of 12, one image per rank and step, dealt anew every epoch — agree on the larger count
+/// every step: both ranks record one step shape (bucket 16), replay it on every later step, end
+/// with one model, and issue the same collectives in the same order (the agreement's max, the
+/// update's, the gradient sums).
+#[test]
+fn ranks_with_different_buckets_record_one_step_shape_and_issue_the_same_collectives() {
+    use std::sync::Arc;
+
+    use ptl_trainer::distributed::{Collective, LoggedCollective, ThreadCollective, ThreadGroup};
+    use ptl_trainer::pose::fit_data_parallel;
+
+    /// A rank's collective whose log the test reads after the fit.
+    struct Tap(Arc<LoggedCollective<ThreadCollective>>);
+    impl Collective for Tap {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world(&self) -> usize {
+            self.0.world()
+        }
+        fn all_reduce_sum(&self, buf: &mut [f32]) -> ptl_trainer::Result<()> {
+            self.0.all_reduce_sum(buf)
+        }
+        fn all_reduce_max(&self, buf: &mut [u64]) -> ptl_trainer::Result<()> {
+            self.0.all_reduce_max(buf)
+        }
+    }
+
+    let dir = common::scratch("dp-buckets");
+    let opts = ptl_data::SynthOptions {
+        out: dir.join("ds"),
+        train: 2,
+        background: 0,
+        val: 2,
+        imgsz: 64,
+        seed: 9,
+        threads: 1,
+        ..Default::default()
+    };
+    let set = ptl_data::synth_generate(&opts).expect("synthetic dataset");
+    let labels = dir.join("ds/labels/train");
+    let mut files: Vec<_> = std::fs::read_dir(&labels).expect("labels").flatten().map(|e| e.path()).collect();
+    files.sort();
+    assert_eq!(files.len(), 2, "{files:?}");
+    write_people(&files[0], 3);
+    write_people(&files[1], 12);
+    let epochs = 4;
+    let cfg = PoseTrainConfig {
+        data: set.yaml,
+        epochs,
+        batch: 2,
+        nbs: 2,
+        mosaic: 0.0,
+        translate: 0.0,
+        scale: 0.0,
+        loss_assigner: "dense".into(),
+        ..tiny("dp-buckets-run", &["all"])
+    };
+    let taps: Vec<Arc<LoggedCollective<ThreadCollective>>> =
+        ThreadGroup::new(2).expect("a group").into_iter().map(|c| Arc::new(LoggedCollective::new(c))).collect();
+    let handles: Vec<_> = taps
+        .iter()
+        .map(|t| {
+            let (cfg, tap) = (cfg.clone(), Tap(t.clone()));
+            std::thread::spawn(move || fit_data_parallel(&cfg, vec![], Box::new(tap)).expect("rank fit"))
+        })
+        .collect();
+    let summaries: Vec<_> = handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect();
+    let logs: Vec<_> = taps.iter().map(|t| t.issued()).collect();
+    assert!(!logs[0].is_empty() && logs[0] == logs[1], "the ranks issued different collectives: {logs:?}");
+    assert_eq!(summaries[0].hashes.model, summaries[1].hashes.model, "one model on both ranks");
+    for s in &summaries {
+        // One step per epoch; one recorded step shape, replayed after its warm-up.
+        assert_replayed(s, ptl_plugins::LossReplay::STEP, 1, epochs as u64);
+        assert_eq!(s.dense_loss_fallbacks, 0);
+    }
+}

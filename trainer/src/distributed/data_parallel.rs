@@ -30,6 +30,16 @@ impl DataParallel {
         self.collective.world()
     }
 
+    /// The most objects any rank's batch has in one image this step (one max all-reduce of
+    /// `mine`): the dense criterion pads every rank's targets to that count's bucket, so the ranks
+    /// record and replay the same step shape, and a batch beyond the largest bucket on one rank
+    /// sends every rank to the host path ([`super::agree_bucket`] over counts rather than buckets).
+    pub fn agree_max_boxes(&mut self, mine: usize) -> Result<usize> {
+        let mut v = [mine as u64];
+        self.collective.all_reduce_max(&mut v)?;
+        Ok(usize::try_from(v[0]).unwrap_or(usize::MAX))
+    }
+
     /// Rank 0: the one that validates, writes and prints (Ultralytics' `RANK in {-1, 0}`).
     pub fn is_main(&self) -> bool {
         self.rank() == 0

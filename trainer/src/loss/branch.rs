@@ -448,9 +448,21 @@ impl PoseLoss26 {
         targets: &TargetBatch,
         anchors: &Anchors,
     ) -> Result<Option<super::assign_dense::DeviceTargets>> {
+        self.dense_targets_at_least(out, targets, anchors, 0)
+    }
+
+    /// [`PoseLoss26::dense_targets`] padded to the bucket of at least `at_least` objects per image
+    /// (the count the ranks of a data-parallel fit agreed on), `None` (counted) beyond the largest.
+    pub fn dense_targets_at_least(
+        &self,
+        out: &BranchOutputs,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        at_least: usize,
+    ) -> Result<Option<super::assign_dense::DeviceTargets>> {
         self.check_inputs(out, targets, anchors)?;
         let bs = out.boxes.dims().first().copied().unwrap_or(0);
-        let dt = padded_targets_on(targets, bs, anchors, out.boxes.device())?;
+        let dt = padded_targets_on(targets, bs, anchors, out.boxes.device(), at_least)?;
         if dt.is_none() {
             self.count_fallback();
         }
@@ -545,17 +557,20 @@ impl PoseLoss26 {
     }
 }
 
-/// `targets` for a batch of `bs` images padded to their bucket and uploaded to `device`, or
-/// `None` beyond the largest bucket (not counted here: the host-path call that follows counts it).
+/// `targets` for a batch of `bs` images padded to the bucket of their largest count per image, or
+/// of `at_least` where that is more (the count a data-parallel group agreed on), and uploaded to
+/// `device`; `None` beyond the largest bucket (not counted here: the host-path call that follows
+/// counts it).
 pub(crate) fn padded_targets_on(
     targets: &TargetBatch,
     bs: usize,
     anchors: &Anchors,
     device: ptl_autograd::Device,
+    at_least: usize,
 ) -> Result<Option<super::assign_dense::DeviceTargets>> {
     use super::assign_dense::{target_bucket, DeviceTargets};
     let padded = pad_targets(targets, bs, anchors.image_hw())?;
-    match target_bucket(padded.max_boxes) {
+    match target_bucket(padded.max_boxes.max(at_least)) {
         Some(slots) => Ok(Some(DeviceTargets::upload(&padded, slots, device)?)),
         None => Ok(None),
     }

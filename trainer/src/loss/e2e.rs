@@ -74,6 +74,9 @@ pub struct E2ELoss {
     pub defer_items: bool,
     /// The branch weights on the device ([`E2ELoss::weights_on`]), shared by clones.
     weights: std::sync::Arc<std::sync::Mutex<Option<WeightsKey>>>,
+    /// Objects per image the dense path pads the current step's targets to at least
+    /// ([`E2ELoss::set_agreed_max_boxes`]), shared by clones.
+    agreed_max_boxes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 type WeightsKey = ((f64, f64), ptl_autograd::Device, Tensor);
@@ -105,9 +108,27 @@ impl E2ELoss {
             w_o2o: 0.0,
             defer_items: false,
             weights: Default::default(),
+            agreed_max_boxes: Default::default(),
         };
         c.w_o2o = (1.0 - c.w_o2m).max(0.0);
         c
+    }
+
+    /// Pads the dense path's targets of the coming steps to the bucket of at least `n` objects per
+    /// image: the count a data-parallel group agreed on for the step (the largest any rank's batch
+    /// has), so every rank records and replays the same shape and issues the same collectives; 0
+    /// (the default): each batch's own count.
+    pub fn set_agreed_max_boxes(&self, n: usize) {
+        self.agreed_max_boxes.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether both branches assign on the dense path (the fixed-shape criterion).
+    pub fn is_dense(&self) -> bool {
+        self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment
+    }
+
+    fn agreed(&self) -> usize {
+        self.agreed_max_boxes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// o2m weight after `u` completed epochs.
@@ -225,7 +246,7 @@ impl E2ELoss {
     ) -> Result<Option<LossOutput>> {
         let clock = std::time::Instant::now();
         // Whether the targets fit a bucket depends on the targets alone: the same for both branches.
-        let Some(dt) = self.one2many.dense_targets(o2m, targets, anchors)? else {
+        let Some(dt) = self.one2many.dense_targets_at_least(o2m, targets, anchors, self.agreed())? else {
             self.one2one.count_fallback();
             return Ok(None);
         };
@@ -260,7 +281,7 @@ impl E2ELoss {
         if !(self.one2many.cfg.dense_assignment && self.one2one.cfg.dense_assignment) {
             return Ok(None);
         }
-        super::branch::padded_targets_on(targets, bs, anchors, device)
+        super::branch::padded_targets_on(targets, bs, anchors, device, self.agreed())
     }
 
     /// The model's forward and the dense criterion as one body over tensors, which `route` may

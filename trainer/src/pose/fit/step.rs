@@ -40,6 +40,27 @@ impl Run {
         Ok(())
     }
 
+    /// On the dense path of a data-parallel fit, the ranks agree on the step's objects per image
+    /// (the largest count any rank's batch has; one max all-reduce every step, whichever path the
+    /// step then takes) and pad their targets to that count's bucket: every rank records and
+    /// replays the same step shape — a new bucket is a warm-up on every rank at once — and a batch
+    /// beyond the largest bucket anywhere sends every rank to the host path.
+    fn agree_on_targets(&mut self, targets: &TargetBatch, bs: usize) -> Result<()> {
+        let Some(dp) = self.dp.as_mut().filter(|dp| dp.world() > 1) else { return Ok(()) };
+        if !self.criterion.is_dense() {
+            return Ok(());
+        }
+        let mut counts = vec![0usize; bs];
+        for &b in &targets.batch_idx {
+            if let Some(c) = counts.get_mut(b as usize) {
+                *c += 1;
+            }
+        }
+        let agreed = dp.agree_max_boxes(counts.into_iter().max().unwrap_or(0))?;
+        self.criterion.set_agreed_max_boxes(agreed);
+        Ok(())
+    }
+
     /// One batch: warm-up, forward+loss, backward, and (when due) the optimizer step. `pixels` are
     /// the batch's u8 images already on the device; `data_ms` is how long the step waited for them.
     pub(super) fn train_batch(
@@ -70,6 +91,7 @@ impl Run {
             keypoints: batch.keypoints.clone(),
             nkpt: batch.nkpt,
         };
+        self.agree_on_targets(&targets, batch.shape[0])?;
         let info = |stage| StageInfo { stage, epoch, batch_index: ni, training: true };
         let (h, w) = (batch.shape[2], batch.shape[3]);
         let anchors = match &self.anchors {
