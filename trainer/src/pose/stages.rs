@@ -45,10 +45,13 @@ pub fn name(tag: u8) -> String {
 /// kernels (plain `extern "C"` names) by family — the name without its dtype suffix.
 pub fn class(kernel: &str) -> String {
     let k = kernel.to_ascii_lowercase();
+    if let Some(family) = own_family(kernel) {
+        return family;
+    }
     if ["cudnn", "conv", "fprop", "dgrad", "wgrad", "nchw", "nhwc"].iter().any(|p| k.contains(p)) {
         return "cuDNN".into();
     }
-    if ["gemm", "cublas", "cutlass"].iter().any(|p| k.contains(p)) {
+    if ["gemm", "cublas", "cutlass", "nvjet"].iter().any(|p| k.contains(p)) {
         return "cuBLAS".into();
     }
     let plain = !kernel.is_empty() && kernel.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') && !kernel.starts_with("_Z");
@@ -61,6 +64,21 @@ pub fn class(kernel: &str) -> String {
         }
     }
     kernel.to_string()
+}
+
+/// A ptl kernel's family: a plain `extern "C"` name ending in its dtype suffix (`dw_wgrad_part_bf16`
+/// → `dw_wgrad_part`), unless it reads as a library's (cuBLAS's and cuDNN's plain names carry
+/// `xmma`, `gemm`, `cudnn` or an `sm<arch>_` prefix). Checked before the library words, so an own
+/// convolution kernel is not counted as cuDNN's.
+fn own_family(kernel: &str) -> Option<String> {
+    let plain = !kernel.is_empty() && kernel.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') && !kernel.starts_with("_Z");
+    let k = kernel.to_ascii_lowercase();
+    let library = ["xmma", "gemm", "cudnn", "cublas", "cutlass", "nvjet"].iter().any(|p| k.contains(p))
+        || (k.starts_with("sm") && k[2..].starts_with(|c: char| c.is_ascii_digit()));
+    if !plain || library {
+        return None;
+    }
+    ["_f32", "_f64", "_bf16", "_f16", "_u8", "_i64"].iter().find_map(|suffix| kernel.strip_suffix(suffix).map(str::to_string))
 }
 
 /// The breakdown of `detail` (a traced window of `steps` steps).
@@ -116,6 +134,12 @@ mod tests {
         assert_eq!(class("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32"), "cuBLAS");
         assert_eq!(class("_ZN7cutlass6KernelI..."), "cuBLAS");
         assert_eq!(class("_ZN3cub11DeviceReduceKernel"), "other library");
+        // ptl's own convolution kernels are theirs, not cuDNN's; library plain names stay the library's.
+        assert_eq!(class("dw_wgrad_part_bf16"), "dw_wgrad_part");
+        assert_eq!(class("thin_weight_grad_part_f16"), "thin_weight_grad_part");
+        assert_eq!(class("wgrad2d_shmem_tiling"), "cuDNN");
+        assert_eq!(class("sm80_xmma_wgrad_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize64x32x64_f32"), "cuDNN");
+        assert_eq!(class("nvjet_sm90_tss_64x8_64x16_1x4_h_bz_TNT"), "cuBLAS");
         assert_eq!(name(FORWARD | BACKWARD_OF), "model backward");
         assert_eq!(name(LOSS | BACKWARD_OF), "loss backward");
         assert_eq!(name(0), "other");
