@@ -18,7 +18,7 @@ use ptl_autograd::internal::cuda::KernelArg;
 use ptl_autograd::{BackwardOp, DType, Device, Tensor};
 
 use super::boxes::CIOU_EPS;
-use super::device_kernels::{backward_error, f32_grads, grad_arg, kernels, launch_grid, uninit, FusedSwitch};
+use super::device_kernels::{backward_error, f32_grads, grad_arg, kernels, launch_grid, rows_mismatch, uninit, FusedSwitch};
 use crate::error::{Result, TrainerError};
 
 const SOURCE: &str = include_str!("ciou_fused.cu");
@@ -146,18 +146,16 @@ pub fn supports_rows(rows: &BoxRows<'_>) -> bool {
         return false;
     }
     let f = d[0];
-    let shapes: [(&Tensor, [usize; 2]); 7] = [
-        (rows.ltrb, [f, 4]),
-        (rows.anchor, [f, 2]),
-        (rows.stride, [f, 1]),
-        (rows.target_box, [f, 4]),
-        (rows.valid, [f, 1]),
-        (rows.weight, [f, 1]),
-        (rows.whwh, [1, 4]),
+    let shapes: [(&str, &Tensor, &[usize]); 7] = [
+        ("ltrb", rows.ltrb, &[f, 4]),
+        ("anchor", rows.anchor, &[f, 2]),
+        ("stride", rows.stride, &[f, 1]),
+        ("target_box", rows.target_box, &[f, 4]),
+        ("valid", rows.valid, &[f, 1]),
+        ("weight", rows.weight, &[f, 1]),
+        ("whwh", rows.whwh, &[1, 4]),
     ];
-    shapes.iter().all(|(t, dims)| t.device() == rows.ltrb.device() && t.dtype() == DType::F32 && t.dims() == dims.as_slice())
-        && shapes[1..].iter().all(|(t, _)| !t.requires_grad())
-        && u32::try_from(f).is_ok()
+    rows_mismatch(rows.ltrb.device(), &shapes, 1).is_none() && u32::try_from(f).is_ok()
 }
 
 /// Each row's CIoU term (1 − CIoU)·w and side-L1 term mean₄ |pred − target|·w, (F, 1) each, as

@@ -27,6 +27,18 @@ pub(crate) fn uninit(device: Device, dtype: DType, dims: Vec<usize>) -> Result<T
     Ok(Tensor::from_storage(ptl_autograd::internal::storage::Storage::uninit(device, dtype, n)?, dims)?)
 }
 
+/// Why `rows` do not suit a fused row kernel, `None` when they do: every tensor f32 with its
+/// shape and on `device`, and those after the first `differentiable` ones without gradient (the
+/// kernels give gradients to the differentiable ones only).
+pub(crate) fn rows_mismatch(device: Device, rows: &[(&str, &Tensor, &[usize])], differentiable: usize) -> Option<String> {
+    for (name, t, dims) in rows {
+        if t.device() != device || t.dtype() != DType::F32 || t.dims() != *dims {
+            return Some(format!("{name}: {:?} {:?} on {:?}, wanted f32 {dims:?}", t.dtype(), t.dims(), t.device()));
+        }
+    }
+    rows.iter().skip(differentiable).find(|(_, t, _)| t.requires_grad()).map(|(name, _, _)| format!("{name} requires a gradient"))
+}
+
 /// A trainer error as the autograd engine's error type, for a custom node's backward (`op` names
 /// the node).
 pub(crate) fn backward_error(op: &'static str, e: TrainerError) -> ptl_autograd::Error {
@@ -87,4 +99,28 @@ pub(crate) fn f32_grads(grad_outputs: &[Option<Tensor>]) -> ptl_autograd::Result
 pub(crate) fn grad_arg(grads: &[Option<Tensor>], i: usize) -> ptl_autograd::internal::cuda::KernelArg<'_> {
     use ptl_autograd::internal::cuda::KernelArg;
     grads.get(i).and_then(Option::as_ref).map_or(KernelArg::U64(0), KernelArg::Tensor)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_mismatch_names_the_tensor_that_does_not_fit() -> Result<()> {
+        let cpu = Device::Cpu;
+        let pred = Tensor::zeros(vec![3, 4], DType::F32, cpu)?.requires_grad_(true)?;
+        let target = Tensor::zeros(vec![3, 4], DType::F32, cpu)?;
+        let ok = [("pred", &pred, &[3usize, 4][..]), ("target", &target, &[3, 4][..])];
+        assert_eq!(rows_mismatch(cpu, &ok, 1), None);
+        let short = [("pred", &pred, &[3usize, 4][..]), ("target", &target, &[2, 4][..])];
+        assert!(rows_mismatch(cpu, &short, 1).is_some_and(|w| w.starts_with("target:")));
+        let halves = Tensor::zeros(vec![3, 4], DType::BF16, cpu)?;
+        let wrong_dtype = [("pred", &pred, &[3usize, 4][..]), ("target", &halves, &[3, 4][..])];
+        assert!(rows_mismatch(cpu, &wrong_dtype, 1).is_some_and(|w| w.contains("BF16")));
+        // A constant (after the differentiable ones) that asks for a gradient is refused.
+        let grad_target = [("pred", &pred, &[3usize, 4][..]), ("target", &pred, &[3, 4][..])];
+        assert_eq!(rows_mismatch(cpu, &grad_target, 1).as_deref(), Some("target requires a gradient"));
+        assert_eq!(rows_mismatch(cpu, &grad_target, 2), None, "both differentiable");
+        Ok(())
+    }
 }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use ptl_autograd::internal::cuda::KernelArg;
 use ptl_autograd::{BackwardOp, DType, Device, Tensor};
 
-use super::device_kernels::{backward_error, f32_grads, grad_arg, kernels, launch_grid, uninit, FusedSwitch};
+use super::device_kernels::{backward_error, f32_grads, grad_arg, kernels, launch_grid, rows_mismatch, uninit, FusedSwitch};
 use crate::error::{Result, TrainerError};
 
 const SOURCE: &str = include_str!("kpt_fused.cu");
@@ -106,15 +106,8 @@ pub fn unsupported_because(rows: &KptRows<'_>) -> Option<String> {
         ("target_kpts", rows.target_kpts, &[f, k, 3]),
         ("two_sigma_sq", rows.two_sigma_sq, &[1, k]),
     ];
-    for (name, t, dims) in &shapes {
-        if t.device() != kp.device() || t.dtype() != DType::F32 || t.dims() != *dims {
-            return Some(format!("{name}: {:?} {:?} on {:?}, wanted f32 {dims:?}", t.dtype(), t.dims(), t.device()));
-        }
-    }
-    for (name, t, _) in &shapes[2..] {
-        if t.requires_grad() {
-            return Some(format!("{name} requires a gradient"));
-        }
+    if let Some(why) = rows_mismatch(kp.device(), &shapes, 2) {
+        return Some(why);
     }
     if u32::try_from(f * k).is_err() {
         return Some(format!("{f} × {k} elements"));
@@ -318,17 +311,16 @@ pub fn supports_rle(rows: &RleRowsIn<'_>) -> bool {
         return false;
     }
     let (f, k) = (d[0], d[1]);
-    let shapes: [(&Tensor, &[usize]); 6] = [
-        (rows.sigma, &[f, k, 2]),
-        (rows.log_phi, &[f * k]),
-        (rows.error, &[f * k, 2]),
-        (rows.weights, &[1, k, 1]),
-        (rows.keep, &[f, k, 1]),
-        (rows.n_keep, rows.n_keep.dims()),
+    let shapes: [(&str, &Tensor, &[usize]); 6] = [
+        ("sigma", rows.sigma, &[f, k, 2]),
+        ("log_phi", rows.log_phi, &[f * k]),
+        ("error", rows.error, &[f * k, 2]),
+        ("weights", rows.weights, &[1, k, 1]),
+        ("keep", rows.keep, &[f, k, 1]),
+        ("n_keep", rows.n_keep, rows.n_keep.dims()),
     ];
-    shapes.iter().all(|(t, dims)| t.device() == rows.sigma.device() && t.dtype() == DType::F32 && t.dims() == *dims)
+    rows_mismatch(rows.sigma.device(), &shapes, 3).is_none()
         && rows.n_keep.dims().iter().product::<usize>() == 1
-        && [rows.weights, rows.keep, rows.n_keep].iter().all(|t| !t.requires_grad())
         && u32::try_from(f * k).is_ok()
 }
 
