@@ -352,6 +352,22 @@ fn conv2d() {
     // and 51-channel outputs at training batch sizes).
     conv("conv1x1_unaligned_batched", &[18, 16, 9, 9], &[3, 16, 1, 1], 1, 0, 1, true);
     conv("conv1x1_one_output_batched", &[16, 8, 5, 5], &[1, 8, 1, 1], 1, 0, 1, false);
+    // No 16-byte rows below 16 items: the weight gradient from the own narrow kernel — the head's
+    // 85 → 51 projection (two input tiles, one output tile partly used, bands crossing items), its
+    // 64 → 1 and 16 → 4 projections, more than one output tile (70 outputs), and a contraction
+    // shorter than one chunk.
+    let narrow_before = gpu().map(|_| ptl_autograd::internal::cuda::narrow_weight_gradients());
+    conv("conv1x1_narrow_points", &[4, 85, 20, 20], &[51, 85, 1, 1], 1, 0, 1, true);
+    conv("conv1x1_narrow_class", &[3, 64, 9, 7], &[1, 64, 1, 1], 1, 0, 1, true);
+    conv("conv1x1_narrow_box", &[15, 16, 9, 9], &[4, 16, 1, 1], 1, 0, 1, false);
+    conv("conv1x1_narrow_tiles", &[2, 33, 13, 11], &[70, 33, 1, 1], 1, 0, 1, false);
+    conv("conv1x1_narrow_short", &[1, 5, 3, 3], &[3, 5, 1, 1], 1, 0, 1, false);
+    if let Some(before) = narrow_before {
+        let ran = ptl_autograd::internal::cuda::narrow_weight_gradients() - before;
+        // Five shapes, three dtypes (f64 keeps cuBLAS), two runs each.
+        assert!(ran >= 30, "the narrow 1×1 weight gradient ran {ran} times, expected 30");
+        println!("ok narrow 1×1 weight gradients: {ran} through the own kernel");
+    }
     conv("conv_groups2", &[1, 8, 10, 10], &[12, 4, 3, 3], 1, 1, 2, false);
     conv("conv_depthwise", &[2, 16, 11, 9], &[16, 1, 3, 3], 2, 1, 16, true);
     conv("conv_nopad", &[1, 4, 9, 9], &[4, 4, 3, 3], 1, 0, 1, false);
@@ -462,8 +478,10 @@ fn gemms_use_cublaslt() {
         let y1 = a.transpose(1, 2).unwrap().matmul(&b.transpose(0, 1).unwrap()).unwrap();
         let y2 = a.transpose(1, 2).unwrap().matmul(&b.transpose(0, 1).unwrap()).unwrap();
         assert_eq!(y1.to_bytes().unwrap(), y2.to_bytes().unwrap(), "{dt}: matmul repeat differs");
-        let x = Tensor::rand(vec![2, 8, 5, 5], -1.0, 1.0, dt, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
-        let w = Tensor::rand(vec![4, 8, 1, 1], -1.0, 1.0, dt, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+        // 16-byte rows in every dtype: the weight gradient is a GEMM too (unaligned ones at this
+        // batch take the own narrow kernel).
+        let x = Tensor::rand(vec![2, 8, 4, 4], -1.0, 1.0, dt, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+        let w = Tensor::rand(vec![8, 8, 1, 1], -1.0, 1.0, dt, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
         x.conv2d(&w, None, (1, 1), (0, 0), 1).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(x.grad().is_some() && w.grad().is_some());
     }

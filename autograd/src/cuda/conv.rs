@@ -233,6 +233,12 @@ pub fn thin_weight_gradients() -> u64 {
     super::ops::thin_weight_gradients()
 }
 
+/// How many weight gradients of narrow 1×1 convolutions (unaligned rows, small batches) the own
+/// kernel computed in this process instead of cuBLAS, to check which path a shape takes.
+pub fn narrow_weight_gradients() -> u64 {
+    super::ops::narrow_weight_gradients()
+}
+
 /// `PTL_CUDNN_LEGACY=1`: every convolution uses the legacy API (for comparison).
 fn legacy_forced() -> bool {
     static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -455,11 +461,13 @@ pub(crate) fn conv2d_backward_weight(dy: &CudaStorage, x: &CudaStorage, p: &Conv
 }
 
 /// Batch size from which an unaligned 1×1 weight gradient (rows not a multiple of 16 bytes: the
-/// head's 1-, 4-, 34- and 51-channel outputs) takes the batched GEMM of partials too. cuBLAS's
-/// batched kernel for those shapes costs ≈ 60 µs a layer against ≈ 5 µs per item for one GEMM
-/// per item (plus its split-K reductions): the loop wins up to about a dozen items, and at batch
-/// 64 it was 768 GEMMs, 1,024 split-K reductions and 504 accumulations per step (≈ 7 ms of a
-/// 77 ms step's kernels on an H100, `results/2026-12-06-17dc218/`).
+/// head's 1-, 4-, 34- and 51-channel outputs) takes the batched GEMM of partials; below it the own
+/// narrow kernel (`ops/narrow_wgrad.rs`) computes it. cuBLAS's batched kernel for those shapes
+/// costs ≈ 60 µs a layer against ≈ 5 µs per item for one GEMM per item (plus its split-K
+/// reductions), and at batch 64 the per-item loop was 768 GEMMs, 1,024 split-K reductions and 504
+/// accumulations per step (≈ 7 ms of a 77 ms step's kernels on an H100,
+/// `results/2026-12-06-17dc218/`); the own kernel runs on CUDA cores, which the batched GEMM's
+/// tensor cores outrun from about this many items.
 const UNALIGNED_BATCHED_FROM: usize = 16;
 
 /// 1×1 stride-1 convolutions are plain GEMMs: through cuBLAS (faster than cuDNN's picks here).
@@ -467,8 +475,8 @@ const UNALIGNED_BATCHED_FROM: usize = 16;
 /// adding the partials in item order and storing the result in the gradient's dtype: two launches
 /// whatever the batch (a GEMM per item accumulating with β = 1, plus a cast for halves, took
 /// `batch` + 1 launches, and cuBLAS split most of those GEMMs in two: 519 kernels, 1.9 ms of a
-/// batch-4 bf16 backward on the H200). f64, and shapes without 16-byte rows below
-/// [`UNALIGNED_BATCHED_FROM`] items, keep the GEMM per item.
+/// batch-4 bf16 backward on the H200). Shapes without 16-byte rows below
+/// [`UNALIGNED_BATCHED_FROM`] items take the own narrow kernel; f64 keeps the GEMM per item.
 fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: CudaStorage, tf32: bool) -> Result<CudaStorage> {
     use crate::backend::MatmulParams;
     let dev = &a.buf.dev;
@@ -494,18 +502,16 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
             // Rows of 16 bytes: the batched GEMM's fast kernels need them (for a 51- or
             // 1-channel output cuBLAS picked a 60 µs kernel, against 4–5 µs for one per item).
             let rows16 = [co, ci, hw].iter().all(|v| (v * dt.size_in_bytes()).is_multiple_of(16));
-            if dt == DType::F64 || (!rows16 && n < UNALIGNED_BATCHED_FROM) {
-                // One GEMM per item accumulating with β = 1 (f32 accumulator for halves).
+            if dt != DType::F64 && !rows16 && n < UNALIGNED_BATCHED_FROM {
+                return super::ops::narrow_pointwise_weight_gradient(a, b, p, out);
+            }
+            if dt == DType::F64 {
+                // One GEMM per item accumulating with β = 1.
                 let es = dt.size_in_bytes() as u64;
-                let acc = if half { Some(CudaStorage::alloc(dev, DType::F32, co * ci)?) } else { None };
-                let pc = acc.as_ref().map_or(out.buf.ptr, |acc| acc.buf.ptr);
                 let mp = MatmulParams { lhs_batch: 1, rhs_batch: 1, m: co, n: ci, k: hw, lhs_t: false, rhs_t: true };
                 for i in 0..n as u64 {
                     let (pa, pb) = (a.buf.ptr + i * (co * hw) as u64 * es, b.buf.ptr + i * (ci * hw) as u64 * es);
-                    super::blas::gemm_math(dev, dt, &mp, pa, pb, pc, if i == 0 { 0.0 } else { 1.0 }, half, tf32)?;
-                }
-                if let Some(acc) = &acc {
-                    super::ops::sum_partials(acc, 1, &out)?;
+                    super::blas::gemm_math(dev, dt, &mp, pa, pb, out.buf.ptr, if i == 0 { 0.0 } else { 1.0 }, false, tf32)?;
                 }
                 return Ok(out);
             }

@@ -11,7 +11,7 @@ macro_rules! unit {
 }
 
 /// Every unit as (module name, source), in the order kernels are looked up.
-pub(crate) const UNITS: [(&str, &str); 11] = [
+pub(crate) const UNITS: [(&str, &str); 12] = [
     unit!("elementwise"),
     unit!("reduce"),
     unit!("index"),
@@ -23,6 +23,7 @@ pub(crate) const UNITS: [(&str, &str); 11] = [
     unit!("rng"),
     unit!("depthwise"),
     unit!("thin_conv"),
+    unit!("narrow_wgrad"),
 ];
 
 #[cfg(test)]
@@ -30,7 +31,7 @@ mod tests {
     use super::UNITS;
 
     /// The launchers, in the order of [`UNITS`].
-    const LAUNCHERS: [(&str, &str); 11] = [
+    const LAUNCHERS: [(&str, &str); 12] = [
         ("elementwise", include_str!("ops/elementwise.rs")),
         ("reduce", include_str!("ops/reduce.rs")),
         ("index", include_str!("ops/index.rs")),
@@ -42,6 +43,7 @@ mod tests {
         ("rng", include_str!("ops/rng.rs")),
         ("depthwise", include_str!("ops/depthwise.rs")),
         ("thin_conv", include_str!("ops/thin_conv.rs")),
+        ("narrow_wgrad", include_str!("ops/narrow_wgrad.rs")),
     ];
 
     /// The literal kernel names a launcher passes to `func(` (first argument; both arms of an

@@ -1,0 +1,87 @@
+// Weight gradient of a planar 1×1 stride-1 convolution with narrow rows — the head's last
+// projections (16 → 4, 64 → 1, 85 → 51 and 85 → 34 channels), whose rows are not 16-byte aligned —
+// at small batches. Launched by narrow_wgrad.rs; compiled as one NVRTC unit behind prelude.cuh.
+//
+//   dW[o][c] = Σ_n Σ_p dy[n][o][p] · x[n][c][p]
+//
+// is a GEMM whose contraction runs over the (item, position) pairs; with planar storage that
+// contraction has no single stride, so cuBLAS needs a GEMM per item (plus its split-K reductions)
+// or a batched GEMM of per-item partials, whose kernels for these shapes are slow. Here a block
+// takes a band of consecutive (item, position) pairs and a 64 × 32 tile of the weight, and writes
+// the band's f32 sums; the launcher adds the bands in order (sum_partials), so the bytes are
+// fixed for a shape.
+
+#define NW_TO 64   // outputs per block tile
+#define NW_TC 32   // inputs per block tile
+#define NW_KC 32   // contraction positions per shared chunk
+
+// Grid (bands, output tiles, input tiles), 256 threads. Thread (ty, tx) = (t / 16, t % 16) owns
+// outputs o0 + 4·ty + i (i < 4) and inputs c0 + 2·tx + j (j < 2); it adds its products over the
+// band's positions in ascending order (one FMA chain per weight) into part[(band·co + o)·ci + c].
+// Loads: lane = position in the chunk (coalesced along p), warp w = rows w, w + 8, …; the next
+// chunk's values are loaded into registers while the current one is multiplied.
+template <typename T>
+__device__ void narrow_wgrad_part_k(const T* dy, const T* x, float* part, u32 co, u32 ci, u32 P, u32 K, u32 per) {
+    __shared__ float sdy[NW_KC][NW_TO + 1];
+    __shared__ float sx[NW_KC][NW_TC + 1];
+    const u32 band = blockIdx.x, o0 = blockIdx.y * NW_TO, c0 = blockIdx.z * NW_TC;
+    const u32 t = threadIdx.x, tx = t % 16, ty = t / 16, lane = t & 31u, warp = t >> 5;
+    const u32 k0 = min(band * per, K), k1 = min(k0 + per, K);
+    float rd[NW_TO / 8], rx[NW_TC / 8];
+    auto load = [&](u32 kb) {
+        const u32 k = kb + lane;
+        const bool in = k < k1;
+        const u32 n = in ? k / P : 0, p = in ? k - n * P : 0;
+#pragma unroll
+        for (u32 r = 0; r < NW_TO / 8; ++r) {
+            const u32 o = o0 + warp + 8 * r;
+            rd[r] = (in && o < co) ? to_acc(dy[((size_t)n * co + o) * P + p]) : 0.f;
+        }
+#pragma unroll
+        for (u32 r = 0; r < NW_TC / 8; ++r) {
+            const u32 c = c0 + warp + 8 * r;
+            rx[r] = (in && c < ci) ? to_acc(x[((size_t)n * ci + c) * P + p]) : 0.f;
+        }
+    };
+    float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+    if (k0 < k1) load(k0);
+    for (u32 kb = k0; kb < k1; kb += NW_KC) {
+        __syncthreads();  // every thread is done with the previous chunk
+#pragma unroll
+        for (u32 r = 0; r < NW_TO / 8; ++r) sdy[lane][warp + 8 * r] = rd[r];
+#pragma unroll
+        for (u32 r = 0; r < NW_TC / 8; ++r) sx[lane][warp + 8 * r] = rx[r];
+        __syncthreads();
+        if (kb + NW_KC < k1) load(kb + NW_KC);
+#pragma unroll 8
+        for (u32 j = 0; j < NW_KC; ++j) {
+            float a[4], b[2];
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) a[i] = sdy[j][4 * ty + i];
+            b[0] = sx[j][2 * tx];
+            b[1] = sx[j][2 * tx + 1];
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                acc[i][0] = fmaf(a[i], b[0], acc[i][0]);
+                acc[i][1] = fmaf(a[i], b[1], acc[i][1]);
+            }
+        }
+    }
+#pragma unroll
+    for (u32 i = 0; i < 4; ++i) {
+        const u32 o = o0 + 4 * ty + i;
+#pragma unroll
+        for (u32 j = 0; j < 2; ++j) {
+            const u32 c = c0 + 2 * tx + j;
+            if (o < co && c < ci) part[((size_t)band * co + o) * ci + c] = acc[i][j];
+        }
+    }
+}
+#define INST_NARROW(name, T)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) narrow_wgrad_part_##name(const T* dy, const T* x, float* part, u32 co, \
+                                                                               u32 ci, u32 P, u32 K, u32 per) {          \
+        narrow_wgrad_part_k<T>(dy, x, part, co, ci, P, K, per);                                                         \
+    }
+INST_NARROW(f32, float)
+INST_NARROW(f16, __half)
+INST_NARROW(bf16, __nv_bfloat16)
