@@ -8,9 +8,13 @@
 //   3. flow_weight_grads   one block per (net, chunk of tiles): the chunk's weight-gradient sums
 //   4. flow_reduce         one thread per parameter: the chunks' sums in chunk order
 //
-// A block has HIDDEN threads, thread i owning hidden unit i of the net at hand, and works on a tile
-// of rows at once (a row per independent FMA chain: the products over hidden units read each row's
-// activations as broadcast float4s from shared memory). Every sum runs in a fixed order (no
+// A block of the row kernels (1, 2) has GROUPS groups of HIDDEN threads, thread i of a group owning
+// hidden unit i of the net at hand, and works on a tile of ROWS rows, each group on RPG of them (a
+// row per independent FMA chain: the products over hidden units read each row's activations as
+// broadcast float4s from shared memory). The groups share the staged weights; a block of one group
+// took a serial chain four times as long, and with only the few tiles of real rows busy that chain
+// was the kernel's time. `flow_weight_grads` has one group per block. A row's arithmetic does not
+// depend on the group that computes it. Every sum runs in a fixed order (no
 // atomics), so a result does not depend on scheduling. The RLE's padding rows cost almost nothing:
 // a forward tile of rows that are all exactly (+0, +0) computes one row, and rows whose incoming
 // gradient is exactly zero contribute exactly zero to every gradient, so the backward skips tiles
@@ -25,6 +29,9 @@ typedef unsigned int u32;
 #define LAYERS 6
 #define NETS 12              // s.0 … s.5, then t.0 … t.5
 #define ROWS 16              // rows per tile
+#define GROUPS 4             // groups of HIDDEN threads in a block of the row kernels
+#define RPG (ROWS / GROUPS)  // rows per group
+#define STAGE_BATCH 16       // W2 values a thread loads before storing them to shared memory
 #define WSTRIDE 65           // padded row stride of W2 in shared memory (conflict-free both ways)
 // One net's parameters, packed: W0 (64×2), b0 (64), W2 (64×64), b2 (64), W4 (2×64), b4 (2).
 #define OFF_W0 0
@@ -62,32 +69,55 @@ struct __align__(16) NetShared {
     float b4;
 };
 
+// Every thread of the block takes part (STAGE_BATCH loads in flight before their stores).
 __device__ void stage_net(NetShared& s, const Weights& w, u32 net, u32 c, int mode) {
-    const u32 o = 1 - c, i = threadIdx.x;
+    const u32 o = 1 - c, i = threadIdx.x, nt = blockDim.x;
     const float* W0 = w.p[6 * net];
     const float* W2 = w.p[6 * net + 2];
-    for (u32 q = i; q < HIDDEN * HIDDEN; q += HIDDEN) s.w2[(q / HIDDEN) * WSTRIDE + q % HIDDEN] = rnd(W2[q], mode);
-    s.w0[i] = rnd(W0[2 * i + c], mode);
-    s.b0[i] = rnd(w.p[6 * net + 1][i], mode);
-    s.b2[i] = rnd(w.p[6 * net + 3][i], mode);
-    s.w4[i] = rnd(w.p[6 * net + 4][o * HIDDEN + i], mode);
+    for (u32 q0 = i; q0 < HIDDEN * HIDDEN; q0 += STAGE_BATCH * nt) {
+        float v[STAGE_BATCH];
+#pragma unroll
+        for (u32 u = 0; u < STAGE_BATCH; ++u) {
+            const u32 q = q0 + u * nt;
+            v[u] = q < HIDDEN * HIDDEN ? W2[q] : 0.0f;
+        }
+#pragma unroll
+        for (u32 u = 0; u < STAGE_BATCH; ++u) {
+            const u32 q = q0 + u * nt;
+            if (q < HIDDEN * HIDDEN) s.w2[(q / HIDDEN) * WSTRIDE + q % HIDDEN] = rnd(v[u], mode);
+        }
+    }
+    if (i < HIDDEN) {
+        s.w0[i] = rnd(W0[2 * i + c], mode);
+        s.b0[i] = rnd(w.p[6 * net + 1][i], mode);
+        s.b2[i] = rnd(w.p[6 * net + 3][i], mode);
+        s.w4[i] = rnd(w.p[6 * net + 4][o * HIDDEN + i], mode);
+    }
     if (i == 0) s.b4 = rnd(w.p[6 * net + 5][o], mode);
 }
 
-// Per-row sums over the block's HIDDEN threads of v[r], r < R: each warp's butterfly, then warp
-// 0's sum plus warp 1's, into sum[r]. Call with every thread; ends synchronised.
+// The hidden unit a thread owns, and the first tile row of its group.
+__device__ __forceinline__ u32 unit() { return threadIdx.x % HIDDEN; }
+__device__ __forceinline__ u32 group_row0() { return (threadIdx.x / HIDDEN) * RPG; }
+// Whether tile row t is computed when each group computes its first R rows.
 template <int R>
-__device__ __forceinline__ void block_sum_rows(const float* v, float (*ws)[2], float* sum) {
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+__device__ __forceinline__ bool computed(u32 t) { return t < ROWS && t % RPG < (u32)R; }
+
+// Per-row sums over a group's HIDDEN threads of v[r] (its rows group_row0() + r, r < R): each
+// warp's butterfly, then warp 0's sum plus warp 1's, into sum[row]. Call with every thread; ends
+// synchronised.
+template <int R>
+__device__ __forceinline__ void group_sum_rows(const float* v, float (*ws)[2], float* sum) {
+    const u32 lane = threadIdx.x & 31u, warp = unit() >> 5, row0 = group_row0();
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         float x = v[r];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-        if (lane == 0) ws[r][warp] = x;
+        if (lane == 0) ws[row0 + r][warp] = x;
     }
     __syncthreads();
-    if (threadIdx.x < R) sum[threadIdx.x] = ws[threadIdx.x][0] + ws[threadIdx.x][1];
+    if (computed<R>(threadIdx.x)) sum[threadIdx.x] = ws[threadIdx.x][0] + ws[threadIdx.x][1];
     __syncthreads();
 }
 
@@ -119,57 +149,58 @@ struct __align__(16) TileShared {
     float sv[ROWS], tv[ROWS];
 };
 
-// A net's forward on the tile's inputs x[r] (the kept coordinate), r < R: keeps each row's
-// pre-activations p1[r], p2[r] of this thread's unit; returns the outputs in out[r] (tanh'd for a
-// scale net). `mm(x, W)` rounds its f32 sum; the bias add, SiLU and tanh round too.
+// A net's forward on the tile's inputs x[row] (the kept coordinate) of the group's rows
+// group_row0() + r, r < R: keeps each row's pre-activations p1[r], p2[r] of this thread's unit;
+// returns the outputs in out[row] (tanh'd for a scale net). `mm(x, W)` rounds its f32 sum; the
+// bias add, SiLU and tanh round too.
 template <int R>
 __device__ __forceinline__ void net_forward(const NetShared& s, bool scale, TileShared& sh, float* p1, float* p2, float* out, int mode) {
-    const u32 i = threadIdx.x;
+    const u32 i = unit(), row0 = group_row0(), t = threadIdx.x;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        p1[r] = rnd(rnd(rnd(sh.x[r], mode) * s.w0[i], mode) + s.b0[i], mode);
-        sh.h1s[r][i] = rnd(silu(p1[r]), mode);
+        p1[r] = rnd(rnd(rnd(sh.x[row0 + r], mode) * s.w0[i], mode) + s.b0[i], mode);
+        sh.h1s[row0 + r][i] = rnd(silu(p1[r]), mode);
     }
     __syncthreads();
     float acc[R], v[R];
-    dot_rows<R>(s.w2 + i * WSTRIDE, 1, sh.h1s, acc);
+    dot_rows<R>(s.w2 + i * WSTRIDE, 1, sh.h1s + row0, acc);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         p2[r] = rnd(rnd(acc[r], mode) + s.b2[i], mode);
         v[r] = rnd(silu(p2[r]), mode) * s.w4[i];
     }
-    block_sum_rows<R>(v, sh.ws, sh.sum);
-    if (i < R) {
-        const float y = rnd(rnd(sh.sum[i], mode) + s.b4, mode);
-        out[i] = scale ? rnd(tanhf(y), mode) : y;
+    group_sum_rows<R>(v, sh.ws, sh.sum);
+    if (computed<R>(t)) {
+        const float y = rnd(rnd(sh.sum[t], mode) + s.b4, mode);
+        out[t] = scale ? rnd(tanhf(y), mode) : y;
     }
     __syncthreads();
 }
 
-// A net's backward for each row's output gradient dy[r] (after the tanh): returns each row's
-// gradient of the kept input coordinate in dx[r]; p1, p2 from `net_forward`.
+// A net's backward for each row's output gradient dy[row] (after the tanh): returns each row's
+// gradient of the kept input coordinate in dx[row]; p1, p2 from `net_forward` (the group's rows).
 template <int R>
 __device__ __forceinline__ void net_backward(const NetShared& s, const float* dy, const float* p1, const float* p2, TileShared& sh,
                                              float* dx, int mode) {
-    const u32 k = threadIdx.x;
+    const u32 k = unit(), row0 = group_row0(), t = threadIdx.x;
 #pragma unroll
-    for (int r = 0; r < R; ++r) sh.h1s[r][k] = rnd(rnd(dy[r] * s.w4[k], mode) * rnd(silu_grad(p2[r]), mode), mode);
+    for (int r = 0; r < R; ++r) sh.h1s[row0 + r][k] = rnd(rnd(dy[row0 + r] * s.w4[k], mode) * rnd(silu_grad(p2[r]), mode), mode);
     __syncthreads();
     float acc[R], v[R];
-    dot_rows<R>(s.w2 + k, WSTRIDE, sh.h1s, acc);
+    dot_rows<R>(s.w2 + k, WSTRIDE, sh.h1s + row0, acc);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const float dp1 = rnd(rnd(acc[r], mode) * rnd(silu_grad(p1[r]), mode), mode);
         v[r] = dp1 * s.w0[k];
     }
-    block_sum_rows<R>(v, sh.ws, sh.sum);
-    if (k < R) dx[k] = rnd(sh.sum[k], mode);
+    group_sum_rows<R>(v, sh.ws, sh.sum);
+    if (computed<R>(t)) dx[t] = rnd(sh.sum[t], mode);
     __syncthreads();
 }
 
-// Layer j's two nets on the tile's rows r < R of z: stages their weights, takes the kept
-// coordinate as input and leaves the scale net's outputs in sh.sv, the translation net's in sh.tv
-// (pre-activations in p1s/p2s and p1t/p2t for a backward).
+// Layer j's two nets on the tile's rows of z (each group's first R): stages their weights, takes
+// the kept coordinate as input and leaves the scale net's outputs in sh.sv, the translation net's
+// in sh.tv (pre-activations of the group's rows in p1s/p2s and p1t/p2t for a backward).
 template <int R>
 __device__ __forceinline__ void layer_nets(const Weights& w, TileShared& sh, const float (*z)[2], u32 j, float* p1s, float* p2s,
                                            float* p1t, float* p2t, int mode) {
@@ -177,22 +208,23 @@ __device__ __forceinline__ void layer_nets(const Weights& w, TileShared& sh, con
     __syncthreads();
     stage_net(sh.net[0], w, j, c, mode);
     stage_net(sh.net[1], w, LAYERS + j, c, mode);
-    if (threadIdx.x < R) sh.x[threadIdx.x] = z[threadIdx.x][c];
+    if (threadIdx.x < ROWS) sh.x[threadIdx.x] = z[threadIdx.x][c];
     __syncthreads();
     net_forward<R>(sh.net[0], true, sh, p1s, p2s, sh.sv, mode);
     net_forward<R>(sh.net[1], false, sh, p1t, p2t, sh.tv, mode);
 }
 
-// The layers of the forward on rows [row0, row0 + R) of z (the tile's state in shared memory);
-// the updated coordinate's input to layer j lands in zin[r][j].
+// The layers of the forward on the tile's rows of z (its state in shared memory; each group's
+// first R rows); the updated coordinate's input to layer j lands in zin[row][j].
 template <int R>
 __device__ __forceinline__ void forward_layers(const Weights& w, TileShared& sh, float (*z)[2], float* logdet, float (*zin)[LAYERS], int mode) {
     const u32 i = threadIdx.x;
+    const bool row = computed<R>(i);
     float p1[R], p2[R];
     for (int jj = LAYERS - 1; jj >= 0; --jj) {
         const u32 j = (u32)jj, o = 1 - kept(j);
         layer_nets<R>(w, sh, z, j, p1, p2, p1, p2, mode);
-        if (i < R) {
+        if (row) {
             const float zo = z[i][o];
             zin[i][j] = zo;
             z[i][o] = (zo - sh.tv[i]) * expf(-sh.sv[i]);
@@ -222,7 +254,7 @@ extern "C" __global__ void flow_forward(const float* e, Weights w, float* lp, fl
     __syncthreads();
     const bool all_zero = nonzero == 0;
     if (all_zero) forward_layers<1>(w, sh, z, logdet, zin, mode);
-    else forward_layers<ROWS>(w, sh, z, logdet, zin, mode);
+    else forward_layers<RPG>(w, sh, z, logdet, zin, mode);
     if (i < ROWS) {
         const u32 row = row0 + i, src = all_zero ? 0 : i;
         if (row < n) {
@@ -270,10 +302,10 @@ extern "C" __global__ void flow_backward_rows(const float* g, const float* saved
         dz[i][0] = gh * (2.0f * z0);
         dz[i][1] = gh * (2.0f * z1);
     }
-    float p1s[ROWS], p2s[ROWS], p1t[ROWS], p2t[ROWS];
+    float p1s[RPG], p2s[RPG], p1t[RPG], p2t[RPG];
     for (u32 j = 0; j < LAYERS; ++j) {
         const u32 c = kept(j), o = 1 - c;
-        layer_nets<ROWS>(w, sh, z, j, p1s, p2s, p1t, p2t, mode);
+        layer_nets<RPG>(w, sh, z, j, p1s, p2s, p1t, p2t, mode);
         if (i < ROWS) {
             const u32 row = row0 + i;
             const float zin = row < n ? saved[8ull * row + j] : 0.0f;
@@ -292,8 +324,8 @@ extern "C" __global__ void flow_backward_rows(const float* g, const float* saved
             }
         }
         __syncthreads();
-        net_backward<ROWS>(sh.net[0], dys, p1s, p2s, sh, dxs, mode);
-        net_backward<ROWS>(sh.net[1], dyt, p1t, p2t, sh, dxt, mode);
+        net_backward<RPG>(sh.net[0], dys, p1s, p2s, sh, dxs, mode);
+        net_backward<RPG>(sh.net[1], dyt, p1t, p2t, sh, dxt, mode);
         if (i < ROWS) dz[i][c] = (dz[i][c] + dxs[i]) + dxt[i];
     }
     __syncthreads();

@@ -24,6 +24,9 @@ const MODULE: &str = "ptl_trainer_flow";
 const FUNCTIONS: [&str; 4] = ["flow_forward", "flow_backward_rows", "flow_weight_grads", "flow_reduce"];
 /// Threads per block (`HIDDEN` in the source: one per hidden unit).
 const BLOCK: u32 = FLOW_HIDDEN as u32;
+/// Threads of a row-kernel block (`flow_forward`, `flow_backward_rows`): `GROUPS` groups of a
+/// net's hidden units, each group on a quarter of the tile's rows.
+const ROW_BLOCK: u32 = 4 * BLOCK;
 /// Rows per tile (`ROWS`).
 const ROWS: usize = 16;
 /// Blocks per net of the weight-gradient kernel; each sums every `CHUNKS`-th tile.
@@ -96,7 +99,7 @@ pub fn log_prob(flow: &RealNvp, e: &Tensor) -> Result<Option<Tensor>> {
             use KernelArg::{Tensor as T, TensorArray, F32, I32, U32};
             k[0].launch(
                 (grid_of("flow tiles", n.div_ceil(ROWS))?, 1, 1),
-                (BLOCK, 1, 1),
+                (ROW_BLOCK, 1, 1),
                 &[T(&e), TensorArray(&params), T(&lp), T(&saved), U32(n32), I32(mode), F32(neg_ln2pi)],
             )?;
         }
@@ -149,7 +152,7 @@ impl FlowBackward {
             if n > 0 {
                 k[1].launch(
                     (grid_of("flow tiles", n.div_ceil(ROWS))?, 1, 1),
-                    (BLOCK, 1, 1),
+                    (ROW_BLOCK, 1, 1),
                     &[T(&g), T(&self.saved), TensorArray(&self.params), T(&de), T(&nets), U32(n32), I32(self.mode)],
                 )?;
             }
