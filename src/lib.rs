@@ -123,6 +123,7 @@ fn run_data(cmd: DataCommand) -> Result<(), ptl_data::DataError> {
 
 /// Runs the `ptl` command line on the process arguments.
 pub fn main() -> ExitCode {
+    ptl_trainer::pose::mark_program_start();
     keep_nvlink_multicast_off();
     let cli = Cli::parse();
     cli::logger::install(cli::logger::level(cli.quiet, cli.verbose));

@@ -278,7 +278,9 @@ pub struct StageProfile {
 /// Where the time before the training loop (and in its first step) went.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StartupReport {
-    /// From process start (the kernel's record of it) to the start of `fit`; `None` where unknown.
+    /// From the program's start (`main`, as the binary marked it with
+    /// [`crate::pose::mark_program_start`], else the kernel's record of the process start) to the
+    /// start of `fit`; `None` where unknown.
     pub process_to_fit_s: Option<f64>,
     /// Scanning, decoding and resizing the train and val images.
     pub dataset_open_s: f64,

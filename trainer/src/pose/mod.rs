@@ -23,6 +23,7 @@ pub use coco_json::CocoJsonFiles;
 pub use config::{nearest_key, PoseTrainConfig, Precision, MAX_BATCH, MAX_IMGSZ};
 pub use fit::{fit, fit_data_parallel, LOSS_NAMES};
 pub use images::images_to_tensor;
+pub use probe::mark_program_start;
 pub use validate::{validate, validate_with, ValOptions, ValResult};
 pub use weights::ModelSource;
 

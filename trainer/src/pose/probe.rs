@@ -160,8 +160,28 @@ pub(crate) fn library_setup(s: &mut StartupReport) {
     let _ = s;
 }
 
-/// Seconds since this process started, from the kernel's record (Linux); `None` elsewhere.
+/// When the program's `main` began, where the binary marked it ([`mark_program_start`]).
+static PROGRAM_START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Marks now as the program's start, for the start-up report's "process start" figures; the
+/// first call counts. A binary calls it first thing in `main`: the kernel's record of the
+/// process start also counts whatever ran in the same process before an `exec` (`cargo run`
+/// execs the binary once it has built it, so that record would include the build).
+pub fn mark_program_start() {
+    let _ = PROGRAM_START.get_or_init(std::time::Instant::now);
+}
+
+/// Seconds since the program started: since [`mark_program_start`] where the binary called it,
+/// else since the process started by the kernel's record (Linux); `None` elsewhere.
 pub(crate) fn process_age_s() -> Option<f64> {
+    if let Some(start) = PROGRAM_START.get() {
+        return Some(start.elapsed().as_secs_f64());
+    }
+    kernel_process_age_s()
+}
+
+/// Seconds since this process started, from the kernel's record (Linux); `None` elsewhere.
+fn kernel_process_age_s() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     // Fields after the command name (which may hold spaces) start after the last ')'.
     let rest = &stat[stat.rfind(')')? + 1..];
@@ -204,11 +224,25 @@ pub(crate) fn memory_at_backward(device: Device, parts: Vec<(String, u64)>) -> O
 #[cfg(test)]
 mod tests {
     #[test]
+    fn the_program_start_mark_counts_from_main_not_from_before_an_exec() {
+        // The test process started at least 100 ms before the mark (the kernel's record has a
+        // 10 ms resolution); the age then counts from the mark, and grows.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        super::mark_program_start();
+        let marked = super::process_age_s().unwrap();
+        if let Some(kernel) = super::kernel_process_age_s() {
+            assert!(kernel >= marked + 0.08, "kernel record {kernel} s, mark {marked} s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        assert!(super::process_age_s().unwrap() >= marked + 0.009);
+    }
+
+    #[test]
     fn process_age_is_small_and_grows() {
-        if let Some(a) = super::process_age_s() {
+        if let Some(a) = super::kernel_process_age_s() {
             assert!((0.0..3600.0).contains(&a), "test process started {a} s ago");
             std::thread::sleep(std::time::Duration::from_millis(30));
-            let b = super::process_age_s().unwrap();
+            let b = super::kernel_process_age_s().unwrap();
             assert!(b >= a);
         }
     }
