@@ -34,7 +34,8 @@ options:
                      pieces+loss (the trunk, each stem and the loss recorded apart, no step region);
                      any arm with +strict (tf32=false), +cl (channels_last=true), +ws
                      (PTL_CUDNN_WORKSPACE_MIB=auto: per-shape cuDNN workspaces) and/or +timed
-                     (PTL_CUDNN_TIMED=1: convolution engines chosen by timing)
+                     (PTL_CUDNN_TIMED=1: convolution engines chosen by timing among cuDNN's first
+                     six) or +timedall (PTL_CUDNN_TIMED=all: among every usable engine)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
                      the ratios), compile (its compile=True), reduce-overhead (compile=reduce-overhead:
@@ -216,7 +217,9 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
     // `<arm>+strict`: the arm with strict FP32 convolutions (32-true's TF32 off); `<arm>+cl`:
     // with channels-last activations; `<arm>+ws`: with per-shape cuDNN workspaces (an
     // environment variable, [`arm_env`]: no key).
-    for (suffix, key) in [("+strict", Some("tf32=false")), ("+cl", Some("channels_last=true")), ("+ws", None), ("+timed", None)] {
+    for (suffix, key) in
+        [("+strict", Some("tf32=false")), ("+cl", Some("channels_last=true")), ("+ws", None), ("+timed", None), ("+timedall", None)]
+    {
         if let Some(base) = arm.strip_suffix(suffix) {
             let mut o = arm_overrides(base)?;
             o.extend(key.map(str::to_string));
@@ -240,7 +243,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces and/or +timed for convolution engines chosen by timing)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces and/or +timed / +timedall for convolution engines chosen by timing among six / all)"
         )),
     }
 }
@@ -249,14 +252,15 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
 /// (empty for none). Arms of one variant run the same convolution engines, so their bytes agree.
 fn numeric_variant(arm: &str) -> String {
     let arm = arm.strip_suffix("-cold").unwrap_or(arm);
-    let mut parts: Vec<&str> = arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws" | "timed")).collect();
+    let mut parts: Vec<&str> = arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws" | "timed" | "timedall")).collect();
     parts.sort_unstable();
     parts.iter().map(|p| format!("+{p}")).collect()
 }
 
 /// Environment variables of a ptl arm's process: `+ws` sets `PTL_CUDNN_WORKSPACE_MIB=auto` (the
 /// cuDNN workspace cap follows each convolution's tensors), `+timed` sets `PTL_CUDNN_TIMED=1`
-/// (convolution engines chosen by timing).
+/// (convolution engines chosen by timing among the first six of cuDNN's ranking), `+timedall`
+/// `PTL_CUDNN_TIMED=all` (among every usable engine).
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     let parts: Vec<&str> = arm.split('+').skip(1).collect();
     let mut env = Vec::new();
@@ -265,6 +269,9 @@ fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     }
     if parts.contains(&"timed") {
         env.push(("PTL_CUDNN_TIMED", "1"));
+    }
+    if parts.contains(&"timedall") {
+        env.push(("PTL_CUDNN_TIMED", "all"));
     }
     env
 }
@@ -1564,6 +1571,8 @@ mod tests {
         assert_eq!(arm_env("dense+timed"), [("PTL_CUDNN_TIMED", "1")]);
         assert_eq!(arm_overrides("all+dense+timed").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(numeric_variant("dense+timed+ws"), "+timed+ws");
+        assert_eq!(arm_env("all+dense+timedall"), [("PTL_CUDNN_TIMED", "all")]);
+        assert_eq!(numeric_variant("all+dense+timedall"), "+timedall");
         assert_eq!(numeric_variant("dense+timed-cold"), "+timed", "the cold run belongs to its arm's family");
         let (o, _) =
             parse(&["--batches".to_string(), "4,16".to_string(), "--ultra-arms".to_string(), "eager,compile".to_string()]).unwrap();

@@ -395,8 +395,15 @@ fn graph_plan(
     tf32: bool,
     [x, w, y]: [u64; 3],
 ) -> Option<super::conv_graph::GraphPlan> {
-    let timed = super::conv_graph::timed_choice();
-    let key = format!("{p:?} {dt:?} {dir:?}{}{}", if tf32 { " tf32" } else { "" }, if timed { " timed" } else { "" });
+    let timed = super::conv_graph::timed_candidates();
+    // The key of a timed choice names how many engines were timed (six: plain " timed", as stored
+    // before other counts existed).
+    let timed_key = match timed {
+        None => String::new(),
+        Some(super::conv_graph::TIMED_CANDIDATES) => " timed".to_string(),
+        Some(n) => format!(" timed{n}"),
+    };
+    let key = format!("{p:?} {dt:?} {dir:?}{}{timed_key}", if tf32 { " tf32" } else { "" });
     let hint = match choices.get(&key) {
         Some(Choice::Legacy) => return None,
         Some(Choice::Engine(k)) => Some(k),
@@ -425,7 +432,7 @@ fn graph_plan(
         .and_then(|(ran, ms)| ran.map(|()| ms))
     };
     let timer: Option<super::conv_graph::PlanTimer<'_>> =
-        if timed && !super::capture_scope::is_capturing() { Some(&mut time) } else { None };
+        if timed.is_some() && !super::capture_scope::is_capturing() { Some(&mut time) } else { None };
     match super::conv_graph::build(h, p, dt, dir, hint, tf32, timer) {
         Ok(Built::Plan(plan, k)) => {
             if hint != Some(k) {

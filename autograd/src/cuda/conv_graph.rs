@@ -11,7 +11,7 @@
 //! default f32 stays true FP32. The first engine that builds an
 //! execution plan within the workspace limit is kept for the shape. If none does, the caller falls
 //! back to the legacy API. `PTL_CUDNN_LEGACY=1` forces the legacy path (for comparison).
-//! `PTL_CUDNN_TIMED=1` ([`timed_choice`]) times the first few usable engines instead and keeps the
+//! `PTL_CUDNN_TIMED=1` ([`timed_candidates`]) times the first few usable engines instead and keeps the
 //! fastest, remembered so that later processes take it untimed (the same bytes).
 //!
 //! Executing needs a "variant pack" (the call's device pointers); building one is most of the host
@@ -177,22 +177,42 @@ fn excluded(note: ns::cudnnBackendNumericalNote_t, dt: DType, tf32: bool) -> boo
 /// Runs a candidate plan on the call's tensors and returns its milliseconds ([`build`]).
 pub(crate) type PlanTimer<'a> = &'a mut dyn FnMut(&mut GraphPlan) -> Result<f64>;
 
-/// Engines [`build`] times when asked to (the first usable ones of cuDNN's ranking).
+/// Engines [`build`] times with `PTL_CUDNN_TIMED=1` (the first usable ones of cuDNN's ranking).
 pub(crate) const TIMED_CANDIDATES: usize = 6;
+/// The most engines [`build`] reads from cuDNN's ranking (and times with `PTL_CUDNN_TIMED=all`).
+const MAX_CANDIDATES: usize = 64;
 
-/// Whether convolution engines are chosen by timing (`PTL_CUDNN_TIMED=1`): the first
-/// [`TIMED_CANDIDATES`] usable engines of cuDNN's ranking each run on the call's own tensors and
-/// the fastest is kept — and remembered with the plans under its own key, so a later process
+/// How many engines are timed when convolution engines are chosen by timing (`PTL_CUDNN_TIMED`:
+/// `1` the first [`TIMED_CANDIDATES`] usable engines of cuDNN's ranking, `all` every usable one,
+/// `2`–`64` that many), `None` when they are not. Each candidate runs on the call's own tensors
+/// and the fastest is kept — and remembered with the plans under its own key, so a later process
 /// takes the same engine (the same bytes) without timing. Off by default: the ranking alone picks,
 /// the same engine on every machine of one GPU model.
-pub(crate) fn timed_choice() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PTL_CUDNN_TIMED").is_ok_and(|v| v == "1"))
+pub(crate) fn timed_candidates() -> Option<usize> {
+    static N: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *N.get_or_init(|| parse_timed(std::env::var("PTL_CUDNN_TIMED").ok().as_deref()))
+}
+
+/// `PTL_CUDNN_TIMED`'s value as a candidate count ([`timed_candidates`]); anything else is off,
+/// with a warning.
+fn parse_timed(v: Option<&str>) -> Option<usize> {
+    match v.map(str::trim) {
+        None | Some("") | Some("0") => None,
+        Some("1") => Some(TIMED_CANDIDATES),
+        Some("all") => Some(MAX_CANDIDATES),
+        Some(other) => match other.parse::<usize>() {
+            Ok(n) if (2..=MAX_CANDIDATES).contains(&n) => Some(n),
+            _ => {
+                log::warn!("ptl: PTL_CUDNN_TIMED={other:?} is not 1, all or a count from 2 to {MAX_CANDIDATES}; engines are not timed");
+                None
+            }
+        },
+    }
 }
 
 /// A plan for the convolution: cuDNN's first usable deterministic engine in its ranking (the
-/// remembered `hint` first), or, given `time`, the fastest of the first [`TIMED_CANDIDATES`]
-/// (`time` runs a candidate plan and returns its milliseconds).
+/// remembered `hint` first), or, given `time`, the fastest of the first [`timed_candidates`]
+/// usable ones (`time` runs a candidate plan and returns its milliseconds).
 pub(crate) fn build(
     handle: ns::cudnnHandle_t,
     p: &Conv2dParams,
@@ -202,7 +222,7 @@ pub(crate) fn build(
     tf32: bool,
     time: Option<PlanTimer<'_>>,
 ) -> Result<Built> {
-    let want = if time.is_some() && hint.is_none() { TIMED_CANDIDATES } else { 1 };
+    let want = if time.is_some() && hint.is_none() { timed_candidates().unwrap_or(TIMED_CANDIDATES) } else { 1 };
     let t = data_type(dt)?;
     // Activations in the data's format; the weight stays OIHW.
     let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t, p.channels_last)?;
@@ -230,7 +250,8 @@ pub(crate) fn build(
         heur.finalize("engine heuristics")?;
         let results = (A::CUDNN_ATTR_ENGINEHEUR_RESULTS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR);
         let count = heur.get::<ns::cudnnBackendDescriptor_t>(results.0, results.1, &mut [])?;
-        let cfgs: Vec<Desc> = (0..count.min(64)).map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)).collect::<Result<_>>()?;
+        let cfgs: Vec<Desc> =
+            (0..count.min(MAX_CANDIDATES)).map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)).collect::<Result<_>>()?;
         // cuDNN fills the created engine-config descriptors.
         let mut raw: Vec<ns::cudnnBackendDescriptor_t> = cfgs.iter().map(|c| c.0).collect();
         let got = heur.get(results.0, results.1, &mut raw)?;
@@ -592,6 +613,18 @@ mod tests {
         assert_eq!(fastest(&[None, Some(3.0), None]), 1, "a failed timing never wins");
         assert_eq!(fastest(&[None, None]), 0, "nothing timed: cuDNN's first");
         assert_eq!(fastest(&[Some(f64::NAN), Some(4.0)]), 1, "NaN is no timing");
+    }
+
+    #[test]
+    fn timed_counts_read_from_the_environment_value() {
+        use super::{parse_timed, MAX_CANDIDATES, TIMED_CANDIDATES};
+        assert_eq!(parse_timed(None), None);
+        assert_eq!(parse_timed(Some("0")), None);
+        assert_eq!(parse_timed(Some("1")), Some(TIMED_CANDIDATES), "1 keeps the six of before");
+        assert_eq!(parse_timed(Some("all")), Some(MAX_CANDIDATES));
+        assert_eq!(parse_timed(Some(" 12 ")), Some(12));
+        assert_eq!(parse_timed(Some("65")), None, "more than the ranking is read");
+        assert_eq!(parse_timed(Some("yes")), None);
     }
 
     #[test]
