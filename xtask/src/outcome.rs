@@ -349,16 +349,22 @@ fn epoch_entry(epoch: usize, get: impl Fn(&str) -> Option<f64>) -> Value {
 fn epochs_of_csv(text: &str) -> Vec<Value> {
     let mut lines = text.lines();
     let header: Vec<&str> = lines.next().unwrap_or("").split(',').map(str::trim).collect();
-    lines
-        .filter(|l| !l.trim().is_empty())
-        .enumerate()
-        .map(|(i, l)| {
-            let cells: Vec<&str> = l.split(',').map(str::trim).collect();
-            let get = |k: &str| header.iter().position(|h| *h == k).and_then(|j| cells.get(j)).and_then(|v| v.parse::<f64>().ok());
-            let epoch = get("epoch").map_or(i + 1, |e| e as usize);
-            epoch_entry(epoch, get)
-        })
-        .collect()
+    let rows = lines.filter(|l| !l.trim().is_empty()).enumerate().map(|(i, l)| {
+        let cells: Vec<&str> = l.split(',').map(str::trim).collect();
+        let get = |k: &str| header.iter().position(|h| *h == k).and_then(|j| cells.get(j)).and_then(|v| v.parse::<f64>().ok());
+        let epoch = get("epoch").map_or(i + 1, |e| e as usize);
+        (epoch, epoch_entry(epoch, get))
+    });
+    // An epoch that ran twice (a run resumed from a checkpoint older than its last row) keeps
+    // its last row, in the place of its first.
+    let mut out: Vec<(usize, Value)> = Vec::new();
+    for (epoch, entry) in rows {
+        match out.iter_mut().find(|(e, _)| *e == epoch) {
+            Some(slot) => slot.1 = entry,
+            None => out.push((epoch, entry)),
+        }
+    }
+    out.into_iter().map(|(_, v)| v).collect()
 }
 
 fn summary_line(rec: &Value) -> String {
@@ -622,6 +628,15 @@ mod tests {
         assert_eq!(f.epochs, 3);
         assert!((f.last_box - 0.3).abs() < 1e-12, "{}", f.last_box);
         assert_eq!(f.best_box.1, 3);
+    }
+
+    #[test]
+    fn an_epoch_that_ran_twice_keeps_its_last_row() {
+        let csv = format!("epoch,time,{BOX},{POSE},{BOX50},{POSE50}\n1,5.0,0.1,0.05,0.3,0.1\n2,9.0,0.2,0.1,0.4,0.2\n2,3.0,0.25,0.12,0.4,0.2\n3,6.0,0.3,0.2,0.5,0.3\n");
+        let e = epochs_of_csv(&csv);
+        assert_eq!(e.len(), 3);
+        assert_eq!(e.iter().map(|v| v["epoch"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(e[1]["box"].as_f64(), Some(0.25), "the resumed run's row");
     }
 
     #[test]
