@@ -1,10 +1,11 @@
 //! Weight gradients of planar 1×1 convolutions with rows that are not 16-byte aligned (the head's
 //! 4-, 1-, 51- and 34-channel projections) at small batches: the launcher of `narrow_wgrad.cu`.
 //! cuBLAS needed one GEMM per batch item for them (its batched kernel for these shapes is slower
-//! still below about a dozen items), split in two by its heuristic, plus a cast: ≈ 8 launches and
-//! 25–40 µs per layer at batch 4 on an H100, 24 layers a step. Blocks take bands of the
-//! contraction over (item, position) and tiles of the weight; the bands' f32 partials are added
-//! in order, so the bytes are fixed for a shape.
+//! still below about a dozen items), each split in two by its heuristic, plus a cast; with this
+//! kernel a batch-4 step on an H100 has 2,172 kernels instead of 2,308 and 9.4 ms of them instead
+//! of 9.7 (24 layers, 0.20 ms in this kernel). Blocks take bands of the contraction over (item,
+//! position) and tiles of the weight; the bands' f32 partials are added in order, so the bytes
+//! are fixed for a shape.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
