@@ -21,6 +21,13 @@ pub trait BackwardOp: Send + Sync {
     fn name(&self) -> &str;
     /// Input gradients from the output gradients (`None`: absent).
     fn backward(&self, grad_outputs: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>>;
+    /// Whether the engine may queue this backward beside the data-gradient chain when a gradient
+    /// it receives is still being written there (a weight gradient's cast back to f32, say):
+    /// true only for backwards that read nothing but their inputs and saved tensors and write
+    /// only fresh outputs. Otherwise the engine joins the two first.
+    fn runs_aside(&self) -> bool {
+        false
+    }
 }
 
 /// Closure adapter so simple ops can write `backward` next to `forward`.
@@ -38,6 +45,9 @@ where
     }
     fn backward(&self, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         (self.f)(g)
+    }
+    fn runs_aside(&self) -> bool {
+        true
     }
 }
 
@@ -242,15 +252,30 @@ impl Tensor {
         seed[root.index].push((u64::MAX, grad.clone()));
         pending.insert(root.node.id, seed);
 
+        // Weight gradients may be computed beside the chain of data gradients (`streams`): a node
+        // that receives one still being written there runs there too (or after a join), and
+        // everything is joined before the leaves' gradients are touched — or when this stops early.
+        let _join = crate::streams::JoinOnDrop;
         for node in order.iter().rev() {
             let Some(contributions) = pending.remove(&node.id) else { continue };
             let _stage = crate::stage::StageGuard::new(node.stage | crate::stage::BACKWARD_OF);
-            let grads = contributions.into_iter().map(sum_contributions).collect::<Result<Vec<Option<Tensor>>>>()?;
-            if grads.iter().all(Option::is_none) {
-                continue;
-            }
-            let input_grads = node.op.backward(&grads)?;
-            drop(grads);
+            let aside = crate::streams::written_aside(contributions.iter().flatten().map(|(_, g)| g));
+            let run = || -> Result<Option<Vec<Option<Tensor>>>> {
+                let grads = contributions.into_iter().map(sum_contributions).collect::<Result<Vec<Option<Tensor>>>>()?;
+                if grads.iter().all(Option::is_none) {
+                    return Ok(None);
+                }
+                node.op.backward(&grads).map(Some)
+            };
+            let input_grads = match aside {
+                Some(device) if node.op.runs_aside() => crate::streams::weight_gradient(device, run)?,
+                Some(_) => {
+                    crate::streams::join()?;
+                    run()?
+                }
+                None => run()?,
+            };
+            let Some(input_grads) = input_grads else { continue };
             if input_grads.len() != node.inputs.len() {
                 return Err(Error::Backward {
                     msg: format!("{} returned {} gradients for {} inputs", node.name(), input_grads.len(), node.inputs.len()),
@@ -275,6 +300,7 @@ impl Tensor {
                 }
             }
         }
+        crate::streams::join()?;
         accumulate_leaf_grads(leaf_grads)
     }
 }

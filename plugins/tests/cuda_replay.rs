@@ -369,3 +369,45 @@ fn cuda_one_nccl_rank_with_replay_all_equals_the_native_fit() {
     }
     println!("ok cuda one NCCL rank replay=all: model {} as native", &native.hashes.model[..16]);
 }
+
+/// Weight gradients on the side stream (`DeviceOptions::concurrent_weight_gradients`), every
+/// allocation poisoned: a native fit and a `replay=all` fit with side tasks end with the
+/// one-stream native fit's hashes in bf16-mixed and 32-true, every region replaying after its
+/// warm-up (the recorded step holds the forks and joins as graph edges; its planned arena keeps
+/// the held frees apart).
+#[test]
+fn cuda_side_stream_fits_equal_the_one_stream_fit() {
+    let Some(dev) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-side-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    let before = ptl_autograd::cuda::device_options(dev).expect("device options");
+    ptl_autograd::internal::cuda::set_poison_allocations(true);
+    for precision in [Precision::Bf16Mixed, Precision::F32] {
+        let run = |replay: &[&str], side: bool| {
+            ptl_autograd::cuda::set_device_options(dev, ptl_autograd::cuda::DeviceOptions { concurrent_weight_gradients: side, ..before })
+                .expect("device options");
+            let save = dir.join(format!("side-{}-{}-{side}", precision.name(), replay.join("+")));
+            let cfg = PoseTrainConfig { nbs: 2, precision, ..cuda_fit_cfg(&data, dev, 8, replay, save) };
+            let tasks = ptl_autograd::cuda::side_stream_stats(dev).expect("side stream stats").tasks;
+            let s = fit(&cfg, vec![]).expect("fit");
+            (s, ptl_autograd::cuda::side_stream_stats(dev).expect("side stream stats").tasks - tasks)
+        };
+        let (one, none) = run(&[], false);
+        let (native, native_tasks) = run(&[], true);
+        let (all, all_tasks) = run(&["all"], true);
+        assert_eq!(none, 0, "the one-stream fit forks no side task");
+        assert!(native_tasks > 0 && all_tasks > 0, "side tasks: native {native_tasks}, replay=all {all_tasks}");
+        assert_eq!(native.hashes, one.hashes, "{}: native with side tasks", precision.name());
+        assert_eq!(all.hashes, one.hashes, "{}: replay=all with side tasks", precision.name());
+        for (plugin, calls) in [("optimizer", all.optimizer_steps), ("step", 12)] {
+            let short = replay_shortfalls(&all, plugin, calls, &[]);
+            assert!(short.is_empty(), "{} {plugin}: {short:?}", precision.name());
+        }
+        println!(
+            "ok cuda side stream {}: native ({native_tasks} side tasks) and replay=all ({all_tasks} side tasks, fewer: replays fork none) = one stream",
+            precision.name()
+        );
+    }
+    ptl_autograd::internal::cuda::set_poison_allocations(false);
+    ptl_autograd::cuda::set_device_options(dev, before).expect("device options");
+}

@@ -68,6 +68,9 @@ pub(crate) struct DevBuf {
     _pool: Option<Arc<PoolInner>>,
     /// Set for memory carved from a recorder's capture arena (never freed on its own).
     _arena: Option<Arc<super::capture_scope::CaptureArena>>,
+    /// The side task that allocated it (0: the compute stream's work): its contents are written
+    /// by that task until the compute stream joins it ([`super::side_stream`]).
+    pub side_task: u64,
 }
 
 // SAFETY: a device pointer is a plain address; access is ordered on the device's stream.
@@ -97,9 +100,10 @@ impl DevBuf {
                 // Recorded into the graph: every replay poisons the piece again, so a kernel that
                 // reads bytes another buffer of the plan left there is caught too.
                 let n = bytes.max(1).next_multiple_of(super::capture_scope::ARENA_ALIGN);
-                unsafe { dr::memset_d8_async(ptr, 0xFF, n, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
+                unsafe { dr::memset_d8_async(ptr, 0xFF, n, dev.stream()) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
             }
-            return Ok(DevBuf { ptr, bytes, block: 0, dev: dev.clone(), _pool: None, _arena: Some(arena) });
+            let side_task = dev.current_side_task();
+            return Ok(DevBuf { ptr, bytes, block: 0, dev: dev.clone(), _pool: None, _arena: Some(arena), side_task });
         }
         let pool = POOL_STACK.with(|s| {
             let s = s.borrow();
@@ -137,9 +141,10 @@ impl DevBuf {
         }
         super::capture_scope::note_alloc(ptr, bytes);
         if POISON.load(Ordering::Relaxed) {
-            unsafe { dr::memset_d8_async(ptr, 0xFF, block, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
+            unsafe { dr::memset_d8_async(ptr, 0xFF, block, dev.stream()) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
         }
-        Ok(DevBuf { ptr, bytes, block, dev: dev.clone(), _pool: pool, _arena: None })
+        let side_task = dev.current_side_task();
+        Ok(DevBuf { ptr, bytes, block, dev: dev.clone(), _pool: pool, _arena: None, side_task })
     }
 }
 
@@ -164,23 +169,72 @@ pub fn device_memory(device: Device) -> Result<(u64, u64)> {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        if let Some(a) = &self._arena {
+        let freed = Freed {
+            ptr: self.ptr,
+            bytes: self.bytes,
+            block: self.block,
+            dev: self.dev.clone(),
+            pool: self._pool.take(),
+            arena: self._arena.take(),
+        };
+        // While side tasks may still read or write it, the free waits for their join
+        // (`side_stream`). Released outside the lock: a pool's drop synchronises, which joins.
+        let now = {
+            let mut side = self.dev.side.lock().unwrap_or_else(|e| e.into_inner());
+            if side.pending() {
+                side.hold(Box::new(freed));
+                None
+            } else {
+                Some(freed)
+            }
+        };
+        if let Some(freed) = now {
+            freed.release_now();
+        }
+    }
+}
+
+/// A dropped buffer's memory, on its way back to the arena, the block cache or the pool.
+pub(crate) struct Freed {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    block: usize,
+    dev: Arc<Dev>,
+    pool: Option<Arc<PoolInner>>,
+    arena: Option<Arc<super::capture_scope::CaptureArena>>,
+}
+
+impl super::side_tasks::Held for Freed {
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+    fn release(self: Box<Self>) {
+        self.release_now();
+    }
+}
+
+impl Freed {
+    /// Gives the memory back: a later request may take it, ordered after the compute stream's
+    /// work queued so far.
+    pub(crate) fn release_now(self) {
+        let dev = &*self.dev;
+        if let Some(a) = &self.arena {
             a.release(self.ptr);
             return;
         }
-        if self.dev.bind().is_err() {
+        if dev.bind().is_err() {
             return;
         }
         super::capture_scope::note_free(self.ptr);
-        self.dev.note_free(self.bytes.max(1) as u64);
-        if self._pool.is_none()
-            && !self.dev.capturing.load(Ordering::Relaxed)
-            && self.dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).put(self.block, self.ptr)
+        dev.note_free(self.bytes.max(1) as u64);
+        if self.pool.is_none()
+            && !dev.capturing.load(Ordering::Relaxed)
+            && dev.block_cache.lock().unwrap_or_else(|e| e.into_inner()).put(self.block, self.ptr)
         {
             return;
         }
-        if let Err(e) = unsafe { dr::free_async(self.ptr, self.dev.cu_stream) } {
-            self.dev.record_deferred("cuMemFreeAsync", e);
+        if let Err(e) = unsafe { dr::free_async(self.ptr, dev.cu_stream) } {
+            dev.record_deferred("cuMemFreeAsync", e);
         }
     }
 }

@@ -31,6 +31,9 @@ pub(crate) struct Blas {
     lt: Option<ls::cublasLtHandle_t>,
     plans: HashMap<LtKey, Option<LtPlan>>,
     workspace: DevBuf,
+    /// The workspace of GEMMs queued on the side stream (made on its first use there): two
+    /// streams writing one workspace at once would race.
+    side_workspace: Option<DevBuf>,
 }
 unsafe impl Send for Blas {}
 
@@ -84,7 +87,42 @@ impl Blas {
         }
         // cudarc panics on a missing library: look before using cuBLASLt.
         let lt = if unsafe { ls::is_culib_present() } { lr::create_handle().ok() } else { None };
-        Ok(Blas { handle, lt, plans: HashMap::new(), workspace: ws })
+        Ok(Blas { handle, lt, plans: HashMap::new(), workspace: ws, side_workspace: None })
+    }
+
+    /// Bytes of the workspaces made so far.
+    pub(crate) fn workspace_bytes(&self) -> u64 {
+        (WORKSPACE * (1 + self.side_workspace.is_some() as usize)) as u64
+    }
+
+    /// The workspace for the stream the calling thread queues on.
+    fn workspace_for(&mut self, dev: &Arc<Dev>) -> Result<u64> {
+        if !dev.on_side() {
+            return Ok(self.workspace.ptr);
+        }
+        if let Some(ws) = &self.side_workspace {
+            return Ok(ws.ptr);
+        }
+        if dev.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(super::capture_scope::violation(super::capture_scope::CaptureViolation::WorkspaceGrowth {
+                library: "cuBLAS (side stream)",
+                requested: WORKSPACE,
+            }));
+        }
+        let ws = super::capture_scope::unmeasured(|| DevBuf::alloc(dev, WORKSPACE))?;
+        let ptr = ws.ptr;
+        self.side_workspace = Some(ws);
+        Ok(ptr)
+    }
+
+    /// Points the classic handle at `stream` and `workspace`.
+    fn bind_classic(&self, stream: cudarc::driver::sys::CUstream, workspace: u64) -> Result<()> {
+        unsafe {
+            br::set_stream(self.handle, stream as bs::cudaStream_t).map_err(|e| cu_err("cublasSetStream", e))?;
+            bs::cublasSetWorkspace_v2(self.handle, workspace as *mut c_void, WORKSPACE)
+                .result()
+                .map_err(|e| cu_err("cublasSetWorkspace", e))
+        }
     }
 
     /// The cached plan for `key` (built on first use; `None` when cuBLASLt is unavailable or has
@@ -180,7 +218,20 @@ fn build_lt_plan(lt: ls::cublasLtHandle_t, (p, dt, c_f32, tf32): LtKey) -> std::
 /// Runs `f` on the device's cuBLAS state (created on first use) under its lock.
 fn with_blas<R>(dev: &Arc<Dev>, f: impl FnOnce(&mut Blas) -> Result<R>) -> Result<R> {
     dev.bind()?;
-    dev.blas.with(|| super::counters::time_setup(Setup::Handle, || Blas::new(dev)), f)
+    dev.blas.with(
+        || super::counters::time_setup(Setup::Handle, || Blas::new(dev)),
+        |blas| {
+            if !dev.on_side() {
+                return f(blas);
+            }
+            // A side task's calls: the classic handle follows the side stream for their duration.
+            let ws = blas.workspace_for(dev)?;
+            blas.bind_classic(dev.side_cu_stream, ws)?;
+            let r = f(blas);
+            blas.bind_classic(dev.cu_stream, blas.workspace.ptr)?;
+            r
+        },
+    )
 }
 
 /// The device's cuBLAS handle (for the host-cost probe's bare calls; callers serialise on the
@@ -344,7 +395,7 @@ fn gemm_on(
     let Scale { alpha, beta, out: pd } = scale;
     let batch = p.batch();
     if lt_type(dtype).is_some() {
-        let (lt, stream, ws) = (blas.lt, dev.cu_stream as ls::cudaStream_t, blas.workspace.ptr);
+        let (lt, stream, ws) = (blas.lt, dev.stream() as ls::cudaStream_t, blas.workspace_for(dev)?);
         if let (Some(lt), Some(plan)) = (lt, blas.lt_plan((*p, dtype, c_f32, tf32))) {
             let (al, be) = (alpha as f32, beta as f32);
             // SAFETY: the plan's layouts describe exactly these buffers (sizes checked by callers);
@@ -378,7 +429,7 @@ fn gemm_on(
         // The classic API writes C in place: start D as a copy of C.
         let bytes = p.batch() * p.m * p.n * if c_f32 { 4 } else { dtype.size_in_bytes() };
         // SAFETY: both buffers hold the product's batch·m·n elements (checked by the callers).
-        unsafe { cudarc::driver::result::memcpy_dtod_async(pd, pc, bytes, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
+        unsafe { cudarc::driver::result::memcpy_dtod_async(pd, pc, bytes, dev.stream()) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
     }
     let pc = pd;
     let h = blas.handle;

@@ -49,7 +49,12 @@ struct Plan {
 
 pub(crate) struct Dnn {
     handle: ns::cudnnHandle_t,
+    /// The stream the handle queues on now (the compute stream, or the side stream during a
+    /// side task's calls).
+    bound: cudarc::driver::sys::CUstream,
     workspace: Workspace,
+    /// The workspace of calls queued on the side stream: two streams must not share one.
+    side_workspace: Workspace,
     /// Keyed by shape, dtype, direction and whether f32 may run in TF32.
     plans: HashMap<(Conv2dParams, DType, Dir, bool), Plan>,
     /// Graph-API plans (`None`: no usable engine for the shape, legacy path), keyed as `plans`.
@@ -78,7 +83,17 @@ fn e(what: &'static str) -> impl Fn(nr::CudnnError) -> Error {
 impl Dnn {
     /// Bytes held by the shared plan workspace.
     pub(crate) fn workspace_bytes(&self) -> u64 {
-        self.workspace.bytes()
+        self.workspace.bytes() + self.side_workspace.bytes()
+    }
+
+    /// Points the handle at the stream the calling thread queues on.
+    fn follow_stream(&mut self, dev: &Dev) -> Result<()> {
+        let stream = dev.stream();
+        if self.bound != stream {
+            unsafe { nr::set_stream(self.handle, stream as ns::cudaStream_t) }.map_err(e("cudnnSetStream"))?;
+            self.bound = stream;
+        }
+        Ok(())
     }
 
     fn new(dev: &Arc<Dev>) -> Result<Dnn> {
@@ -95,7 +110,9 @@ impl Dnn {
         }
         Ok(Dnn {
             handle,
+            bound: dev.cu_stream,
             workspace: Workspace::default(),
+            side_workspace: Workspace::default(),
             plans: HashMap::new(),
             graph_plans: HashMap::new(),
             choices: ChoiceCache::new(context),
@@ -296,7 +313,9 @@ pub(crate) fn run_into(
     dev.dnn.with(
         || super::counters::time_setup(Setup::Handle, || Dnn::new(dev)),
         |dnn: &mut Dnn| {
+            dnn.follow_stream(dev)?;
             let h = dnn.handle;
+            let side = dev.on_side();
             if dt != DType::F64 && !legacy_forced() {
                 // Buffers by their forward-convolution names (x, w, y).
                 let (pa, pb, po) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
@@ -307,14 +326,17 @@ pub(crate) fn run_into(
                 };
                 let key = (*p, dt, dir, tf32);
                 if !dnn.graph_plans.contains_key(&key) {
-                    let Dnn { choices, workspace, .. } = &mut *dnn;
+                    let Dnn { choices, workspace, side_workspace, .. } = &mut *dnn;
+                    let workspace = if side { side_workspace } else { workspace };
                     let built = super::counters::time_setup(Setup::ConvPlan, || {
                         graph_plan(choices, workspace, dev, h, p, dt, dir, tf32, [x, w, y])
                     });
                     dnn.graph_plans.insert(key, built);
                 }
-                if let Some(gp) = dnn.graph_plans.get_mut(&key).and_then(Option::as_mut) {
-                    let ws = dnn.workspace.get(dev, gp.workspace_bytes())?;
+                let Dnn { graph_plans, workspace, side_workspace, .. } = &mut *dnn;
+                let workspace = if side { side_workspace } else { workspace };
+                if let Some(gp) = graph_plans.get_mut(&key).and_then(Option::as_mut) {
+                    let ws = workspace.get(dev, gp.workspace_bytes())?;
                     gp.execute(h, x, w, y, ws.ptr)?;
                     count_path(LibPath::ConvGraph);
                     return Ok(out);
@@ -323,7 +345,7 @@ pub(crate) fn run_into(
             count_path(LibPath::ConvLegacy);
             let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
             let plan = dnn.plan(p, dt, dir, tf32)?;
-            let lease = dnn.workspace.get(dev, plan.ws_bytes)?;
+            let lease = if side { dnn.side_workspace.get(dev, plan.ws_bytes)? } else { dnn.workspace.get(dev, plan.ws_bytes)? };
             let ws = lease.ptr as *mut c_void;
             let (af, bf) = (1f32, 0f32);
             let (ad, bd) = (1f64, 0f64);

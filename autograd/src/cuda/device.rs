@@ -99,11 +99,22 @@ pub struct DeviceOptions {
     /// matmuls stay full FP32 either way (PyTorch's matmul default). Off by default here (strict
     /// FP32, the CPU's bytes within f32 rounding); the trainer's `tf32` key turns it on.
     pub tf32_convolutions: bool,
+    /// Convolution weight gradients (and the backward work that consumes them) run on a second
+    /// stream beside the chain of data gradients, so that independent kernels overlap
+    /// (`side_stream`, docs/concurrent-backward.md). The same kernels on the same inputs: the bytes
+    /// do not change. `PTL_SIDE_STREAM=1` turns it on when the device opens.
+    pub concurrent_weight_gradients: bool,
 }
 
 impl Default for DeviceOptions {
     fn default() -> Self {
-        DeviceOptions { fused_clip: true, index_add_by_buckets: true, bn_one_launch: true, tf32_convolutions: false }
+        DeviceOptions {
+            fused_clip: true,
+            index_add_by_buckets: true,
+            bn_one_launch: true,
+            tf32_convolutions: false,
+            concurrent_weight_gradients: super::side_tasks::enabled_by_env(),
+        }
     }
 }
 
@@ -138,6 +149,12 @@ pub(crate) struct Dev {
     #[allow(dead_code)]
     pub stream: Arc<CudaStream>,
     pub cu_stream: sys::CUstream,
+    /// Keeps the side stream (weight gradients beside the compute stream) alive.
+    #[allow(dead_code)]
+    pub side_stream: Arc<CudaStream>,
+    pub side_cu_stream: sys::CUstream,
+    /// Forks, joins and the frees held for the side stream (`side_stream`).
+    pub side: Mutex<super::side_tasks::SideState>,
     pub default_pool: sys::CUmemoryPool,
     /// The kernel units' modules ([`super::kernel_units::UNITS`], same order).
     modules: Vec<Arc<CudaModule>>,
@@ -198,6 +215,11 @@ fn registry() -> &'static Mutex<HashMap<usize, DevSlot>> {
     R.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// Every device opened so far.
+pub(crate) fn opened() -> Vec<Arc<Dev>> {
+    registry().lock().unwrap_or_else(|e| e.into_inner()).values().filter_map(|slot| slot.as_ref().ok().cloned()).collect()
+}
+
 thread_local! {
     static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
@@ -223,8 +245,19 @@ impl Dev {
         let ctx = CudaContext::new(ordinal).map_err(|e| init("context", &e))?;
         // Event tracking breaks stream capture; we order everything on one stream ourselves.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(|e| init("stream", &e))?;
+        // The compute stream at the highest priority, the side stream at the lowest: where both
+        // have blocks waiting, the chain of data gradients (the critical path) is scheduled first
+        // and weight gradients fill the idle SMs. Captured kernels keep their stream's priority
+        // (graphs are instantiated to use it).
+        let (least, greatest) = match super::side_tasks::priorities_enabled() {
+            true => dr::stream::get_priority_range().map_err(|e| init("stream priorities", &e))?,
+            false => (0, 0),
+        };
+        let stream = ctx.new_stream_with_priority(greatest).map_err(|e| init("stream", &e))?;
         let cu_stream = stream.cu_stream();
+        let side_stream = ctx.new_stream_with_priority(least).map_err(|e| init("side stream", &e))?;
+        let side_cu_stream = side_stream.cu_stream();
+        let side = super::side_tasks::SideState::new().map_err(|e| init("side stream events", &e))?;
         let dev = ctx.cu_device();
         let pool = unsafe { dr::device::get_default_mem_pool(dev) }.map_err(|e| init("default memory pool", &e))?;
         let mut thr = u64::MAX;
@@ -252,6 +285,9 @@ impl Dev {
             ctx,
             stream,
             cu_stream,
+            side_stream,
+            side_cu_stream,
+            side: Mutex::new(side),
             default_pool: pool,
             modules,
             funcs: Mutex::new(HashMap::new()),
@@ -323,14 +359,59 @@ impl Dev {
     pub fn launch(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), params: &mut [*mut c_void]) -> Result<()> {
         super::counters::count(super::counters::Count::KernelLaunch);
         // SAFETY: every caller passes pointers to live arguments matching the kernel signature.
-        unsafe { dr::launch_kernel(f, grid, block, 0, self.cu_stream, params) }.map_err(|e| cu_err("kernel launch", e))
+        unsafe { dr::launch_kernel(f, grid, block, 0, self.stream(), params) }.map_err(|e| cu_err("kernel launch", e))
     }
 
-    /// Waits for all work queued on the compute stream.
+    /// The stream this thread queues work on: the side stream inside a side task
+    /// ([`super::side_stream::on_side`]), the compute stream otherwise.
+    #[inline]
+    pub fn stream(&self) -> sys::CUstream {
+        if super::side_tasks::is_on_side(self.ordinal) {
+            self.side_cu_stream
+        } else {
+            self.cu_stream
+        }
+    }
+
+    /// Makes the compute stream wait for every side task that has ended (`side_stream`) and carries
+    /// out the frees held for them. Inside a side task, the running task stays unjoined.
+    pub fn join_side_tasks(&self) -> Result<()> {
+        let released = {
+            let mut s = self.side.lock().unwrap_or_else(|e| e.into_inner());
+            if !s.pending() {
+                return Ok(());
+            }
+            let n = s.last_ended();
+            s.join_through(self.cu_stream, n)?
+        };
+        for f in released {
+            f.release();
+        }
+        Ok(())
+    }
+
+    /// The side task this thread is inside on this device (0: none), for tagging what it
+    /// allocates.
+    pub fn current_side_task(&self) -> u64 {
+        if self.on_side() {
+            self.side.lock().unwrap_or_else(|e| e.into_inner()).forked
+        } else {
+            0
+        }
+    }
+
+    /// Whether this thread is inside a side task of this device.
+    #[inline]
+    pub fn on_side(&self) -> bool {
+        super::side_tasks::is_on_side(self.ordinal)
+    }
+
+    /// Waits for all work queued on the compute stream (and the side tasks joined into it first).
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
+        self.join_side_tasks()?;
         super::counters::count(super::counters::Count::HostSync);
-        unsafe { dr::stream::synchronize(self.cu_stream) }.map_err(|e| cu_err("stream synchronize", e))
+        unsafe { dr::stream::synchronize(self.stream()) }.map_err(|e| cu_err("stream synchronize", e))
     }
 
     pub fn record_deferred(&self, what: &str, e: impl std::fmt::Debug) {

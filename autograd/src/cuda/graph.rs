@@ -27,6 +27,8 @@ unsafe impl Send for CudaGraph {}
 pub fn begin_capture(device: Device) -> Result<()> {
     let dev = dev_of(device)?;
     dev.bind()?;
+    // Side tasks queued before the capture are not part of it.
+    dev.join_side_tasks()?;
     // Set first: from here on the allocator's block cache is bypassed.
     let was = dev.capturing.swap(true, std::sync::atomic::Ordering::Relaxed);
     unsafe { dr::stream::begin_capture(dev.cu_stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }.map_err(|e| {
@@ -39,16 +41,26 @@ pub fn begin_capture(device: Device) -> Result<()> {
 pub fn end_capture(device: Device) -> Result<CudaGraph> {
     let dev = dev_of(device)?;
     dev.bind()?;
+    // A capture ends with every stream that joined it joined back.
+    let joined = dev.join_side_tasks();
     let ended = unsafe { dr::stream::end_capture(dev.cu_stream) };
     dev.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
     let graph = ended.map_err(|e| cu_err("cuStreamEndCapture", e))?;
+    if let Err(e) = joined {
+        unsafe {
+            let _ = dr::graph::destroy(graph);
+        }
+        return Err(e);
+    }
     if let Some(e) = dev.deferred_error.lock().unwrap_or_else(|e| e.into_inner()).take() {
         unsafe {
             let _ = dr::graph::destroy(graph);
         }
         return Err(crate::Error::Cuda(format!("during capture: {e}")));
     }
-    let exec = unsafe { dr::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }.map_err(|e| cu_err("cuGraphInstantiate", e))?;
+    // Kernels keep the priority of the stream they were captured on (compute over side).
+    let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY;
+    let exec = unsafe { dr::graph::instantiate(graph, flags) }.map_err(|e| cu_err("cuGraphInstantiate", e))?;
     Ok(CudaGraph { graph, exec, dev })
 }
 
@@ -119,11 +131,12 @@ pub(crate) fn time_on_dev<R>(dev: &Arc<Dev>, f: impl FnOnce() -> R) -> Result<(R
     let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
     let a = dr::event::create(flags).map_err(|e| cu_err("cuEventCreate", e))?;
     let b = dr::event::create(flags).map_err(|e| cu_err("cuEventCreate", e))?;
-    unsafe { dr::event::record(a, dev.cu_stream) }.map_err(|e| cu_err("cuEventRecord", e))?;
+    // The stream the thread queues on (a side task's, for an engine timed inside one).
+    unsafe { dr::event::record(a, dev.stream()) }.map_err(|e| cu_err("cuEventRecord", e))?;
     let r = f();
     dev.bind()?;
     let ms = unsafe {
-        dr::event::record(b, dev.cu_stream).map_err(|e| cu_err("cuEventRecord", e))?;
+        dr::event::record(b, dev.stream()).map_err(|e| cu_err("cuEventRecord", e))?;
         super::counters::count(super::counters::Count::HostSync);
         dr::event::synchronize(b).map_err(|e| cu_err("cuEventSynchronize", e))?;
         let ms = dr::event::elapsed(a, b).map_err(|e| cu_err("cuEventElapsedTime", e))?;

@@ -1,7 +1,7 @@
 //! Device memory the math libraries hold: a view over the cuBLAS and cuDNN state of a device,
 //! above both library modules.
 
-use super::blas::{Blas, WORKSPACE};
+use super::blas::Blas;
 use super::conv::Dnn;
 use crate::{Device, Result};
 
@@ -10,7 +10,7 @@ use crate::{Device, Result};
 /// the process lifetime, since recorded graphs keep their addresses.
 pub fn library_workspace_bytes(device: Device) -> Result<u64> {
     let dev = super::device::dev_of(device)?;
-    let blas = dev.blas.peek(|_: &Blas| WORKSPACE as u64).unwrap_or(0);
+    let blas = dev.blas.peek(|b: &Blas| b.workspace_bytes()).unwrap_or(0);
     let dnn = dev.dnn.peek(|d: &Dnn| d.workspace_bytes()).unwrap_or(0);
     Ok(blas + dnn)
 }

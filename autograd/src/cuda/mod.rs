@@ -57,6 +57,8 @@ mod nccl;
 pub(crate) mod ops;
 pub(crate) mod pending_copy;
 pub(crate) mod pinned;
+pub(crate) mod side_stream;
+mod side_tasks;
 mod storage;
 pub(crate) mod user_kernel;
 
@@ -70,6 +72,7 @@ pub(crate) use kernel_timer::stage_changed;
 pub use library_memory::library_workspace_bytes;
 pub use module_cache::{kernel_cache_dir, module_reports, ModuleReport, ModuleSource};
 pub use nccl::{nccl_candidates, nccl_version, NcclComm, NcclId, NCCL_LIBRARY_ENV};
+pub use side_stream::{side_stream_stats, SideStreamStats};
 
 /// The kernel choices of `device` ([`DeviceOptions`]).
 pub fn device_options(device: Device) -> Result<DeviceOptions> {

@@ -41,6 +41,8 @@ impl PendingCopy {
         capture_scope::check_host_sync("read_later")?;
         let dev = src.buf.dev.clone();
         dev.bind()?;
+        // What side tasks wrote is read after the compute stream joins them.
+        dev.join_side_tasks()?;
         let bytes = src.len * 4;
         let pooled = bytes <= PINNED_READ_BYTES;
         let reuse = if pooled { dev.pinned_reads.lock().unwrap_or_else(|e| e.into_inner()).pop() } else { None };

@@ -51,7 +51,7 @@ impl CudaStorage {
         if !bytes.is_empty() {
             // Pageable source: the driver stages it before returning, so `s` may be dropped after.
             counters::count(counters::Count::HostToDevice);
-            unsafe { dr::memcpy_htod_async(out.buf.ptr, bytes, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyHtoDAsync", e))?;
+            unsafe { dr::memcpy_htod_async(out.buf.ptr, bytes, dev.stream()) }.map_err(|e| cu_err("cuMemcpyHtoDAsync", e))?;
         }
         Ok(out)
     }
@@ -69,7 +69,7 @@ impl CudaStorage {
         let dev = &self.buf.dev;
         dev.bind()?;
         counters::count(counters::Count::HostToDevice);
-        unsafe { dr::memcpy_htod_async(self.buf.ptr + at as u64, bytes, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyHtoDAsync", e))
+        unsafe { dr::memcpy_htod_async(self.buf.ptr + at as u64, bytes, dev.stream()) }.map_err(|e| cu_err("cuMemcpyHtoDAsync", e))
     }
 
     /// Downloads to the host: waits for the stream, then copies (a synchronisation point).
@@ -77,10 +77,12 @@ impl CudaStorage {
         capture_scope::check_host_sync("to_cpu")?;
         let dev = &self.buf.dev;
         dev.bind()?;
+        // What side tasks wrote is read after the compute stream joins them.
+        dev.join_side_tasks()?;
         let mut bytes = vec![0u8; self.len * self.dtype.size_in_bytes()];
         if !bytes.is_empty() {
             counters::count(counters::Count::DeviceToHost);
-            unsafe { dr::memcpy_dtoh_async(&mut bytes, self.buf.ptr, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoHAsync", e))?;
+            unsafe { dr::memcpy_dtoh_async(&mut bytes, self.buf.ptr, dev.stream()) }.map_err(|e| cu_err("cuMemcpyDtoHAsync", e))?;
         }
         dev.synchronize()?;
         CpuStorage::from_bytes(self.dtype, &bytes)
@@ -93,7 +95,7 @@ impl CudaStorage {
         let n = self.len * self.dtype.size_in_bytes();
         if n > 0 {
             counters::count(counters::Count::DeviceToDevice);
-            unsafe { dr::memcpy_dtod_async(out.buf.ptr, self.buf.ptr, n, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
+            unsafe { dr::memcpy_dtod_async(out.buf.ptr, self.buf.ptr, n, dev.stream()) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
         }
         Ok(out)
     }

@@ -156,7 +156,7 @@ impl UserKernel {
         self.dev.bind()?;
         super::counters::count(super::counters::Count::KernelLaunch);
         // SAFETY: the caller guarantees the signature; `slots` outlives the launch call, which copies the values.
-        unsafe { dr::launch_kernel(self.func, grid, block, 0, self.dev.cu_stream, &mut params) }
+        unsafe { dr::launch_kernel(self.func, grid, block, 0, self.dev.stream(), &mut params) }
             .map_err(|e| cu_err(&format!("launch of {}", self.name), e))
     }
 }

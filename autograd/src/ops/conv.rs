@@ -70,14 +70,18 @@ impl Tensor {
                         // channels-last convolution (converted first if it arrived otherwise).
                         let g = g.to_memory_format(format)?;
                         let gs = g.storage_for(channels_last)?;
-                        let gx = if need_x {
-                            Some(Tensor::from_storage_in(gs.conv2d_backward_input(&*wt.read_storage()?, &p)?, x.shape().clone(), format)?)
+                        // The weight gradient first, beside the data-gradient chain where the
+                        // backend can (`streams`): nothing but the optimizer waits for it.
+                        let gw = if need_w {
+                            crate::streams::weight_gradient(x.device(), || {
+                                let xs = x.storage_for(channels_last)?;
+                                Ok(Some(Tensor::from_storage(gs.conv2d_backward_weight(&xs, &p)?, wt.shape().clone())?))
+                            })?
                         } else {
                             None
                         };
-                        let gw = if need_w {
-                            let xs = x.storage_for(channels_last)?;
-                            Some(Tensor::from_storage(gs.conv2d_backward_weight(&xs, &p)?, wt.shape().clone())?)
+                        let gx = if need_x {
+                            Some(Tensor::from_storage_in(gs.conv2d_backward_input(&*wt.read_storage()?, &p)?, x.shape().clone(), format)?)
                         } else {
                             None
                         };

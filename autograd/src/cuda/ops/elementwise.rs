@@ -201,7 +201,7 @@ pub(crate) fn fill(s: &CudaStorage, value: f64) -> Result<()> {
     if value == 0.0 && value.is_sign_positive() {
         dev.bind()?;
         super::super::counters::count(super::super::counters::Count::Memset);
-        return unsafe { dr::memset_d8_async(s.buf.ptr, 0, s.len * s.dtype.size_in_bytes(), dev.cu_stream) }
+        return unsafe { dr::memset_d8_async(s.buf.ptr, 0, s.len * s.dtype.size_in_bytes(), dev.stream()) }
             .map_err(|e| cu_err("cuMemsetD8Async", e));
     }
     let v = if s.dtype == DType::Bool { (value != 0.0) as u8 as f64 } else { value };
@@ -223,7 +223,7 @@ pub(crate) fn to_dtype(x: &CudaStorage, dt: DType) -> Result<CudaStorage> {
     if matches!((src, dt), (DType::Bool, DType::U8)) {
         dev.bind()?;
         super::super::counters::count(super::super::counters::Count::DeviceToDevice);
-        unsafe { dr::memcpy_dtod_async(out.buf.ptr, x.buf.ptr, x.len, dev.cu_stream) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
+        unsafe { dr::memcpy_dtod_async(out.buf.ptr, x.buf.ptr, x.len, dev.stream()) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
         return Ok(out);
     }
     let (base, suffix): (&'static str, &'static str) = match (src, dt) {
@@ -295,7 +295,7 @@ pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage
         dev.bind()?;
         super::super::counters::count(super::super::counters::Count::DeviceToDevice);
         return unsafe {
-            dr::memcpy_dtod_async(dst.buf.ptr + (dl.offset * es) as u64, src.buf.ptr + (sl.offset * es) as u64, n * es, dev.cu_stream)
+            dr::memcpy_dtod_async(dst.buf.ptr + (dl.offset * es) as u64, src.buf.ptr + (sl.offset * es) as u64, n * es, dev.stream())
         }
         .map_err(|e| cu_err("cuMemcpyDtoDAsync", e));
     }

@@ -78,7 +78,7 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
     dev.bind()?;
     for b in [&counts, &cursor] {
         super::super::counters::count(super::super::counters::Count::Memset);
-        unsafe { dr::memset_d8_async(b.ptr, 0, b.bytes, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async", e))?;
+        unsafe { dr::memset_d8_async(b.ptr, 0, b.bytes, dev.stream()) }.map_err(|e| cu_err("cuMemsetD8Async", e))?;
     }
     let (pc, pu, po, pr) = (counts.ptr, cursor.ptr, offsets.ptr, rows.ptr);
     dev.launch1d(dev.func("ia_count", "")?, n, &mut args!(pi, nn, dd, pc))?;

@@ -194,7 +194,7 @@ pub(crate) fn unscale_many(any: &CudaStorage, rows: &[([u64; 3], usize)], inv: u
     let dev = &any.buf.dev;
     dev.bind()?;
     super::super::counters::count(super::super::counters::Count::Memset);
-    unsafe { dr::memset_d8_async(found, 0, 4, dev.cu_stream) }.map_err(|e| cu_err("cuMemsetD8Async", e))?;
+    unsafe { dr::memset_d8_async(found, 0, 4, dev.stream()) }.map_err(|e| cu_err("cuMemsetD8Async", e))?;
     let f = dev.func("mt_unscale_f32", "")?;
     for (t, blocks) in mt_tables("unscale_many_", rows)? {
         dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t, inv, found))?;

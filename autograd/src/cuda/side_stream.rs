@@ -1,0 +1,122 @@
+//! Side tasks: work queued on a device's second stream beside the compute stream, so that
+//! independent kernels of the backward overlap (docs/concurrent-backward.md).
+//!
+//! * **Fork.** A side task starts with the side stream waiting for an event recorded on the
+//!   compute stream: it sees everything queued there before it. Kernels, copies, memsets and
+//!   library calls of the thread go to the side stream until the task ends ([`Dev::stream`]).
+//! * **Join.** The compute stream waits for the end event of a side task before it may use what
+//!   the task wrote. Side tasks run one after another, so joining task `n` joins every earlier
+//!   one. At most [`in_flight`] tasks are left unjoined (the oldest is joined before another
+//!   forks), and everything is joined before a host synchronisation, before a capture begins or
+//!   ends, and at the end of each backward pass.
+//! * **Held frees.** A buffer dropped while a side task is unjoined may still be read or written
+//!   by it; handing its memory to the next request on the compute stream (the pool, the block
+//!   cache, a capture arena's plan) would race. So such a free is *held*, tagged with the latest
+//!   task, and carried out when the compute stream joins that task. The warm-up's allocation trace
+//!   sees the free there too, so an arena plan made from it keeps the buffer apart from what the
+//!   compute stream allocates meanwhile.
+//!
+//! Under stream capture the fork and join become edges of the graph (the side stream joins the
+//! capture through the first wait and is joined back before the capture ends). Every kernel
+//! computes what it computes on one stream; only which kernels overlap changes, so the bytes do
+//! not.
+
+use cudarc::driver::{result as dr, sys};
+
+use super::device::{cu_err, Dev};
+use super::side_tasks::{in_flight, new_event, set_on_side, side_ordinal, Held, SideState};
+use crate::Result;
+
+fn release_all(freed: Vec<Box<dyn Held>>) {
+    for f in freed {
+        f.release();
+    }
+}
+
+fn state(dev: &Dev) -> std::sync::MutexGuard<'_, SideState> {
+    dev.side.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether a buffer allocated by side task `task` may still be written by it, seen from the
+/// compute stream.
+pub(crate) fn task_pending(dev: &Dev, task: u64) -> bool {
+    task != 0 && state(dev).joined < task
+}
+
+/// Runs `f` as a side task of `dev` when the device's `concurrent_weight_gradients` option is on
+/// (otherwise, or already inside one, on the current stream).
+pub(crate) fn on_side<R>(dev: &Dev, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    if !dev.options().concurrent_weight_gradients || side_ordinal().is_some() {
+        return f();
+    }
+    dev.bind()?;
+    // Leave at most `in_flight() - 1` tasks unjoined before this one forks; what waited for the
+    // joined ones is freed before the fork, so the new task sees those frees done.
+    let released = {
+        let mut s = state(dev);
+        let through = s.forked.saturating_sub(in_flight() - 1).min(s.last_ended());
+        s.join_through(dev.cu_stream, through)?
+    };
+    release_all(released);
+    {
+        let mut s = state(dev);
+        unsafe {
+            dr::event::record(s.fork, dev.cu_stream).map_err(|e| cu_err("cuEventRecord (fork)", e))?;
+            dr::stream::wait_event(dev.side_cu_stream, s.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                .map_err(|e| cu_err("cuStreamWaitEvent (fork)", e))?;
+        }
+        s.forked += 1;
+        s.tasks += 1;
+    }
+    set_on_side(Some(dev.ordinal));
+    let r = f();
+    set_on_side(None);
+    let mut s = state(dev);
+    let ev = match s.spare.pop() {
+        Some(ev) => ev,
+        None => new_event().map_err(|e| cu_err("cuEventCreate", e))?,
+    };
+    unsafe { dr::event::record(ev, dev.side_cu_stream) }.map_err(|e| cu_err("cuEventRecord (side task end)", e))?;
+    let seq = s.forked;
+    s.ends.push_back((seq, ev));
+    r
+}
+
+/// Side-task figures of one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SideStreamStats {
+    /// Side tasks forked since the device opened.
+    pub tasks: u64,
+    /// Bytes of frees held for unjoined side tasks now.
+    pub held_bytes: u64,
+    /// The most bytes held at once since the device opened.
+    pub peak_held_bytes: u64,
+}
+
+/// The side-task figures of `device`.
+pub fn side_stream_stats(device: crate::Device) -> Result<SideStreamStats> {
+    let dev = super::device::dev_of(device)?;
+    let s = state(&dev);
+    Ok(SideStreamStats { tasks: s.tasks, held_bytes: s.held_bytes, peak_held_bytes: s.peak_held_bytes })
+}
+
+/// Runs `f` as a side task of `device` (see [`on_side`]).
+pub(crate) fn run_aside<R>(device: crate::Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    match device {
+        crate::Device::Cuda(_) => on_side(&*super::device::dev_of(device)?, f),
+        crate::Device::Cpu => f(),
+    }
+}
+
+/// Whether `storage` was written by a side task the compute stream has not joined yet.
+pub(crate) fn written_aside(storage: &super::storage::CudaStorage) -> bool {
+    task_pending(&storage.buf.dev, storage.buf.side_task)
+}
+
+/// Joins the side tasks of every opened device ([`Dev::join_side_tasks`]).
+pub(crate) fn join_every_device() -> Result<()> {
+    for dev in super::device::opened() {
+        dev.join_side_tasks()?;
+    }
+    Ok(())
+}
