@@ -61,6 +61,9 @@ pub struct Node {
     /// The [`crate::stage`] tag the node was created under; its backward runs under
     /// `stage | BACKWARD_OF`.
     stage: u8,
+    /// Recorded inside a side task ([`crate::streams::beside`]): its backward runs beside the
+    /// chain too.
+    aside: bool,
 }
 
 impl Node {
@@ -147,6 +150,7 @@ fn new_node(inputs: &[&Tensor], op: Box<dyn BackwardOp>, num_outputs: usize) -> 
         inputs: inputs.iter().map(|t| if t.requires_grad() { Some((*t).clone()) } else { None }).collect(),
         num_outputs,
         stage: crate::stage::current(),
+        aside: crate::streams::in_side_task(),
     })
 }
 
@@ -259,7 +263,17 @@ impl Tensor {
         for node in order.iter().rev() {
             let Some(contributions) = pending.remove(&node.id) else { continue };
             let _stage = crate::stage::StageGuard::new(node.stage | crate::stage::BACKWARD_OF);
-            let aside = crate::streams::written_aside(contributions.iter().flatten().map(|(_, g)| g));
+            let written_aside = crate::streams::written_aside(contributions.iter().flatten().map(|(_, g)| g));
+            let device = contributions.iter().flatten().map(|(_, g)| g.device()).next();
+            let aside = match (node.aside, written_aside) {
+                (true, _) => device,
+                (false, Some(d)) if node.op.runs_aside() => Some(d),
+                (false, Some(_)) => {
+                    crate::streams::join()?;
+                    None
+                }
+                (false, None) => None,
+            };
             let run = || -> Result<Option<Vec<Option<Tensor>>>> {
                 let grads = contributions.into_iter().map(sum_contributions).collect::<Result<Vec<Option<Tensor>>>>()?;
                 if grads.iter().all(Option::is_none) {
@@ -268,11 +282,7 @@ impl Tensor {
                 node.op.backward(&grads).map(Some)
             };
             let input_grads = match aside {
-                Some(device) if node.op.runs_aside() => crate::streams::weight_gradient(device, run)?,
-                Some(_) => {
-                    crate::streams::join()?;
-                    run()?
-                }
+                Some(device) => crate::streams::beside(device, run)?,
                 None => run()?,
             };
             let Some(input_grads) = input_grads else { continue };

@@ -75,7 +75,7 @@ pub mod rng;
 pub mod shape;
 mod stage;
 mod storage;
-mod streams;
+pub mod streams;
 pub mod tensor;
 mod write_journal;
 

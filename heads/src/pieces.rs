@@ -76,6 +76,12 @@ pub type PieceBody<'a> = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'a;
 pub trait PieceRunner {
     /// Runs `piece` on `inputs`: `body(inputs)` natively, or a replay of its recording.
     fn run(&self, piece: Piece, inputs: &[Tensor], body: &PieceBody<'_>) -> Result<Vec<Tensor>>;
+
+    /// Whether pieces may run beside each other (`ptl_autograd::streams::beside`): only a runner
+    /// that runs every body as it is, on the thread's current stream.
+    fn may_overlap(&self) -> bool {
+        false
+    }
 }
 
 /// Runs every piece at once (today's forward).
@@ -85,6 +91,9 @@ pub struct NativeRunner;
 impl PieceRunner for NativeRunner {
     fn run(&self, _piece: Piece, inputs: &[Tensor], body: &PieceBody<'_>) -> Result<Vec<Tensor>> {
         body(inputs)
+    }
+    fn may_overlap(&self) -> bool {
+        true
     }
 }
 
@@ -166,9 +175,23 @@ impl Pose26 {
     }
 
     /// [`Pose26::forward`] with every stem run through `runner`.
+    ///
+    /// The one-to-one set reads detached features, so nothing of it (forward or backward) waits
+    /// for the one-to-many set or feeds it: where the device runs work beside its main chain
+    /// (`ptl_autograd::streams`) and the runner allows it, the one-to-one set goes there — queued
+    /// first, so that it starts with the one-to-many set — and is joined before this returns.
+    /// The same kernels on the same inputs either way: the bytes do not change.
     pub fn forward_with(&self, feats: &[Tensor], runner: &dyn PieceRunner) -> Result<HeadOutput> {
-        let one2many = self.forward_branch_with(Branch::OneToMany, feats, self.training, runner)?;
         let detached: Vec<Tensor> = feats.iter().map(|f| f.detach()).collect();
+        let device = feats.first().map(Tensor::device);
+        if let Some(device) = device.filter(|d| runner.may_overlap() && ptl_autograd::streams::overlapping(*d)) {
+            let one2one =
+                ptl_autograd::streams::beside(device, || self.forward_branch_with(Branch::OneToOne, &detached, self.training, runner))?;
+            let one2many = self.forward_branch_with(Branch::OneToMany, feats, self.training, runner)?;
+            ptl_autograd::streams::join()?;
+            return Ok(HeadOutput { one2many, one2one, feats: feats.to_vec() });
+        }
+        let one2many = self.forward_branch_with(Branch::OneToMany, feats, self.training, runner)?;
         let one2one = self.forward_branch_with(Branch::OneToOne, &detached, self.training, runner)?;
         Ok(HeadOutput { one2many, one2one, feats: feats.to_vec() })
     }

@@ -45,7 +45,7 @@ pub(crate) fn task_pending(dev: &Dev, task: u64) -> bool {
 
 /// Runs `f` as a side task of `dev` when the device's `concurrent_weight_gradients` option is on
 /// (otherwise, or already inside one, on the current stream).
-pub(crate) fn on_side<R>(dev: &Dev, f: impl FnOnce() -> Result<R>) -> Result<R> {
+pub(crate) fn on_side<R, E: From<crate::Error>>(dev: &Dev, f: impl FnOnce() -> std::result::Result<R, E>) -> std::result::Result<R, E> {
     if !dev.options().concurrent_weight_gradients || side_ordinal().is_some() {
         return f();
     }
@@ -101,7 +101,10 @@ pub fn side_stream_stats(device: crate::Device) -> Result<SideStreamStats> {
 }
 
 /// Runs `f` as a side task of `device` (see [`on_side`]).
-pub(crate) fn run_aside<R>(device: crate::Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
+pub(crate) fn run_aside<R, E: From<crate::Error>>(
+    device: crate::Device,
+    f: impl FnOnce() -> std::result::Result<R, E>,
+) -> std::result::Result<R, E> {
     match device {
         crate::Device::Cuda(_) => on_side(&*super::device::dev_of(device)?, f),
         crate::Device::Cpu => f(),
@@ -111,6 +114,19 @@ pub(crate) fn run_aside<R>(device: crate::Device, f: impl FnOnce() -> Result<R>)
 /// Whether `storage` was written by a side task the compute stream has not joined yet.
 pub(crate) fn written_aside(storage: &super::storage::CudaStorage) -> bool {
     task_pending(&storage.buf.dev, storage.buf.side_task)
+}
+
+/// Whether `device` runs side tasks (its `concurrent_weight_gradients` option).
+pub(crate) fn enabled(device: crate::Device) -> bool {
+    match device {
+        crate::Device::Cuda(_) => super::device::dev_of(device).is_ok_and(|d| d.options().concurrent_weight_gradients),
+        crate::Device::Cpu => false,
+    }
+}
+
+/// Whether this thread is inside a side task.
+pub(crate) fn in_side_task() -> bool {
+    side_ordinal().is_some()
 }
 
 /// Joins the side tasks of every opened device ([`Dev::join_side_tasks`]).
