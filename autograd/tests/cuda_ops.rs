@@ -1673,6 +1673,24 @@ fn side_stream_weight_gradients_match_one_stream() {
         let again = run(true, mode);
         assert_eq!(again, aside, "mode {mode}: the side stream's bytes differ run to run");
     }
+    // Two batch norms large enough for several blocks per channel (whose last block is chosen by
+    // counters), one beside the chain and one on it, at once: each with its bytes alone.
+    ptl_autograd::cuda::set_device_options(dev, ptl_autograd::cuda::DeviceOptions { concurrent_weight_gradients: true, ..before }).unwrap();
+    let norm = |seed: u64| -> Tensor {
+        let mut rng = Rng::new(seed);
+        let x = Tensor::rand(vec![8, 64, 96, 96], -2.0, 2.0, DType::F32, dev, &mut rng).unwrap();
+        let (g, b) = (Tensor::ones(vec![64], DType::F32, dev).unwrap(), Tensor::zeros(vec![64], DType::F32, dev).unwrap());
+        let (rm, rv) = (Tensor::zeros(vec![64], DType::F32, dev).unwrap(), Tensor::ones(vec![64], DType::F32, dev).unwrap());
+        let opts = BatchNormOptions { training: true, momentum: 0.03, eps: 1e-3 };
+        x.batch_norm2d_fused_tracked(&g, &b, &rm, &rv, None, opts, true).unwrap()
+    };
+    let alone = [norm(1).to_bytes().unwrap(), norm(2).to_bytes().unwrap()];
+    for _ in 0..3 {
+        let beside = ptl_autograd::streams::beside(dev, || -> Result<Tensor> { Ok(norm(1)) }).unwrap();
+        let chain = norm(2);
+        ptl_autograd::streams::join().unwrap();
+        assert!(beside.to_bytes().unwrap() == alone[0] && chain.to_bytes().unwrap() == alone[1], "batch norms at once on two streams");
+    }
     let stats = ptl_autograd::cuda::side_stream_stats(dev).unwrap();
     ptl_autograd::cuda::set_device_options(dev, before).unwrap();
     assert_eq!(stats.held_bytes, 0, "every held free is carried out by the end of backward");

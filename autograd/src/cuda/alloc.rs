@@ -71,6 +71,9 @@ pub(crate) struct DevBuf {
     /// The side task that allocated it (0: the compute stream's work): its contents are written
     /// by that task until the compute stream joins it ([`super::side_stream`]).
     pub side_task: u64,
+    /// The last side task that cannot touch it (its work was queued before this buffer existed):
+    /// a free needs to wait only for later ones.
+    side_born: u64,
 }
 
 // SAFETY: a device pointer is a plain address; access is ordered on the device's stream.
@@ -102,8 +105,8 @@ impl DevBuf {
                 let n = bytes.max(1).next_multiple_of(super::capture_scope::ARENA_ALIGN);
                 unsafe { dr::memset_d8_async(ptr, 0xFF, n, dev.stream()) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
             }
-            let side_task = dev.current_side_task();
-            return Ok(DevBuf { ptr, bytes, block: 0, dev: dev.clone(), _pool: None, _arena: Some(arena), side_task });
+            let (side_task, side_born) = dev.side_birth();
+            return Ok(DevBuf { ptr, bytes, block: 0, dev: dev.clone(), _pool: None, _arena: Some(arena), side_task, side_born });
         }
         let pool = POOL_STACK.with(|s| {
             let s = s.borrow();
@@ -143,8 +146,8 @@ impl DevBuf {
         if POISON.load(Ordering::Relaxed) {
             unsafe { dr::memset_d8_async(ptr, 0xFF, block, dev.stream()) }.map_err(|e| cu_err("cuMemsetD8Async (poison)", e))?;
         }
-        let side_task = dev.current_side_task();
-        Ok(DevBuf { ptr, bytes, block, dev: dev.clone(), _pool: pool, _arena: None, side_task })
+        let (side_task, side_born) = dev.side_birth();
+        Ok(DevBuf { ptr, bytes, block, dev: dev.clone(), _pool: pool, _arena: None, side_task, side_born })
     }
 }
 
@@ -177,11 +180,12 @@ impl Drop for DevBuf {
             pool: self._pool.take(),
             arena: self._arena.take(),
         };
-        // While side tasks may still read or write it, the free waits for their join
-        // (`side_stream`). Released outside the lock: a pool's drop synchronises, which joins.
+        // While side tasks that may read or write it are unjoined (any forked after it existed),
+        // the free waits for their join (`side_stream`). Released outside the lock: a pool's drop
+        // synchronises, which joins.
         let now = {
             let mut side = self.dev.side.lock().unwrap_or_else(|e| e.into_inner());
-            if side.pending() {
+            if side.forked > side.joined.max(self.side_born) {
                 side.hold(Box::new(freed));
                 None
             } else {

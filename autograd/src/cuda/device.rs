@@ -190,6 +190,9 @@ pub(crate) struct Dev {
     /// `BN_TICKETS` zeroed u32 counters for the one-launch batch-norm statistics kernel, allocated
     /// at open (so never inside a capture) and kept for the device's lifetime.
     pub bn_tickets: sys::CUdeviceptr,
+    /// The side stream's own tickets: two batch norms running at once on the two streams must
+    /// not share counters.
+    pub side_bn_tickets: sys::CUdeviceptr,
     /// Set while the compute stream is being captured ([`super::begin_capture`]): the block cache
     /// is bypassed then, so a graph never holds a block the eager side could hand out again.
     pub capturing: AtomicBool,
@@ -275,11 +278,12 @@ impl Dev {
         })?;
         let (cache_limit, cache_max_block) =
             super::block_cache::cache_limits_from_env().map_err(|detail| CudaSetupError::Init { detail })?;
-        let bn_tickets = unsafe {
+        let tickets = || unsafe {
             let p = dr::malloc_sync(BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
             dr::memset_d8_sync(p, 0, BN_TICKETS * 4).map_err(|e| init("batch-norm tickets", &e))?;
-            p
+            Ok::<_, CudaSetupError>(p)
         };
+        let (bn_tickets, side_bn_tickets) = (tickets()?, tickets()?);
         Ok(Dev {
             ordinal,
             ctx,
@@ -306,6 +310,7 @@ impl Dev {
             block_cache: Mutex::new(BlockCache::with_limits(cache_limit, cache_max_block)),
             capturing: AtomicBool::new(false),
             bn_tickets,
+            side_bn_tickets,
             options: Mutex::new(DeviceOptions::default()),
         })
     }
@@ -390,13 +395,25 @@ impl Dev {
         Ok(())
     }
 
-    /// The side task this thread is inside on this device (0: none), for tagging what it
-    /// allocates.
-    pub fn current_side_task(&self) -> u64 {
+    /// For tagging a new buffer: the side task this thread is inside (0: none), and the last task
+    /// that cannot touch the buffer (every task up to it had queued its work before the buffer
+    /// existed).
+    pub fn side_birth(&self) -> (u64, u64) {
+        let forked = self.side.lock().unwrap_or_else(|e| e.into_inner()).forked;
         if self.on_side() {
-            self.side.lock().unwrap_or_else(|e| e.into_inner()).forked
+            (forked, forked - 1)
         } else {
-            0
+            (0, forked)
+        }
+    }
+
+    /// The batch-norm tickets of the stream this thread queues on.
+    #[inline]
+    pub fn bn_tickets(&self) -> sys::CUdeviceptr {
+        if self.on_side() {
+            self.side_bn_tickets
+        } else {
+            self.bn_tickets
         }
     }
 

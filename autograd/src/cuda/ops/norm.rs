@@ -130,7 +130,7 @@ pub(super) fn bn_train(
     let part = super::super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
     let (pp, pn) = (part.ptr, parts as u32);
     let f = dev.func(if vsfx.is_empty() { "bn_stats" } else { "bn_stats_v" }, sfx(x.dtype))?;
-    let tickets = dev.bn_tickets;
+    let tickets = dev.bn_tickets();
     dev.launch(
         f,
         (pn, cc, 1),
@@ -192,7 +192,7 @@ pub(crate) fn batch_norm_act_backward(
     let (nn, cc, hh, pnum) = (u32c(OP, n)?, bn_channels(OP, c)?, u32c(OP, hw)?, parts as u32);
     u32c(OP, x.len)?;
     let (act, train, count) = (silu as i32, training as i32, total as f64);
-    let (pgw, pgb, pc, tickets) = (ptr(&gw), ptr(&gb), ptr(&coef), dev.bn_tickets);
+    let (pgw, pgb, pc, tickets) = (ptr(&gw), ptr(&gb), ptr(&coef), dev.bn_tickets());
     if bn_one_launch(dev, parts) {
         // One block per channel: the reduction and dx in one launch (the two kernels' arithmetic).
         let f = dev.func(if vsfx.is_empty() { "bnb_fused1" } else { "bnb_fused1_v" }, sfx(x.dtype))?;

@@ -96,7 +96,7 @@ pub(super) fn train(x: &CudaStorage, rows: usize, c: usize, st: &Stats, apply: O
         return Ok(Some(y));
     }
     let part = super::super::alloc::DevBuf::alloc(dev, c * s.parts as usize * 16)?;
-    let (pp, pn, tickets) = (part.ptr, s.parts, dev.bn_tickets);
+    let (pp, pn, tickets) = (part.ptr, s.parts, dev.bn_tickets());
     let f = dev.func(stats, sfx(x.dtype))?;
     dev.launch(f, g, b, &mut args!(px, pp, rr, cc, pn, tickets, count, pw, pb, prm, prv, eps, mom, pa, pq, nbt))?;
     drop(part);
@@ -145,7 +145,7 @@ pub(super) fn backward(
         return Ok(dx);
     }
     let part = super::super::alloc::DevBuf::alloc(dev, c * s.parts as usize * 16)?;
-    let (pp, pnum, tickets) = (part.ptr, s.parts, dev.bn_tickets);
+    let (pp, pnum, tickets) = (part.ptr, s.parts, dev.bn_tickets());
     let f = dev.func(reduce, sfx(x.dtype))?;
     dev.launch(f, gd, bd, &mut args!(px, pg, pa, pn, pp, rr, cc, pnum, act, tickets, count, pw, train, pgw, pgb, pc))?;
     let f = dev.func(if v > 1 { "bnbcl_dx_v" } else { "bnbcl_dx" }, sfx(x.dtype))?;
