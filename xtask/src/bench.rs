@@ -35,10 +35,10 @@ options:
                      any arm with +strict (tf32=false), +cl (channels_last=true), +ws
                      (PTL_CUDNN_WORKSPACE_MIB=auto: per-shape cuDNN workspaces) and/or +timed
                      (PTL_CUDNN_TIMED=1: convolution engines chosen by timing among cuDNN's first
-                     six) or +timedall (PTL_CUDNN_TIMED=all: among every usable engine), +side
-                     (PTL_SIDE_STREAM=1: weight gradients on a second stream of lower priority;
-                     +side8 with eight side tasks in flight instead of three, +sidenp with both
-                     streams at one priority: the same bytes as the arm without)
+                     six) or +timedall (PTL_CUDNN_TIMED=all: among every usable engine),
+                     +onestream (PTL_SIDE_STREAM=0: no second stream for weight gradients and the
+                     one-to-one head; +side8 with eight side tasks in flight instead of three,
+                     +sidenp with both streams at one priority: all with the same bytes)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
                      the ratios), compile (its compile=True), reduce-overhead (compile=reduce-overhead:
@@ -226,7 +226,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         ("+ws", None),
         ("+timed", None),
         ("+timedall", None),
-        ("+side", None),
+        ("+onestream", None),
         ("+side8", None),
         ("+sidenp", None),
     ] {
@@ -253,7 +253,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all and/or +side / +side8 for weight gradients on a second stream)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all and/or +onestream / +side8 / +sidenp for the second stream)"
         )),
     }
 }
@@ -270,8 +270,9 @@ fn numeric_variant(arm: &str) -> String {
 /// Environment variables of a ptl arm's process: `+ws` sets `PTL_CUDNN_WORKSPACE_MIB=auto` (the
 /// cuDNN workspace cap follows each convolution's tensors), `+timed` sets `PTL_CUDNN_TIMED=1`
 /// (convolution engines chosen by timing among the first six of cuDNN's ranking), `+timedall`
-/// `PTL_CUDNN_TIMED=all` (among every usable engine), `+side` `PTL_SIDE_STREAM=1` (weight gradients
-/// on a second stream beside the data gradients) and `+side8` that with eight side tasks in flight.
+/// `PTL_CUDNN_TIMED=all` (among every usable engine), `+onestream` `PTL_SIDE_STREAM=0` (no second
+/// stream beside the main chain), `+side8` eight side tasks in flight instead of three and
+/// `+sidenp` both streams at one priority.
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     let parts: Vec<&str> = arm.split('+').skip(1).collect();
     let mut env = Vec::new();
@@ -284,8 +285,8 @@ fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     if parts.contains(&"timedall") {
         env.push(("PTL_CUDNN_TIMED", "all"));
     }
-    if parts.contains(&"side") || parts.contains(&"side8") || parts.contains(&"sidenp") {
-        env.push(("PTL_SIDE_STREAM", "1"));
+    if parts.contains(&"onestream") {
+        env.push(("PTL_SIDE_STREAM", "0"));
     }
     if parts.contains(&"sidenp") {
         env.push(("PTL_SIDE_PRIORITY", "0"));
@@ -1592,10 +1593,11 @@ mod tests {
         assert_eq!(arm_overrides("all+dense+timed").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(numeric_variant("dense+timed+ws"), "+timed+ws");
         assert_eq!(arm_env("all+dense+timedall"), [("PTL_CUDNN_TIMED", "all")]);
-        assert_eq!(arm_env("all+dense+side"), [("PTL_SIDE_STREAM", "1")]);
-        assert_eq!(arm_env("dense+side8"), [("PTL_SIDE_STREAM", "1"), ("PTL_SIDE_IN_FLIGHT", "8")]);
-        assert_eq!(arm_overrides("all+dense+side").unwrap(), ["replay=all", "loss_assigner=dense"]);
-        assert_eq!(numeric_variant("all+dense+side"), "", "the side stream keeps the arm's bytes: its hashes are compared");
+        assert_eq!(arm_env("all+dense+onestream"), [("PTL_SIDE_STREAM", "0")]);
+        assert_eq!(arm_env("dense+side8"), [("PTL_SIDE_IN_FLIGHT", "8")]);
+        assert_eq!(arm_env("dense+sidenp"), [("PTL_SIDE_PRIORITY", "0")]);
+        assert_eq!(arm_overrides("all+dense+onestream").unwrap(), ["replay=all", "loss_assigner=dense"]);
+        assert_eq!(numeric_variant("all+dense+onestream"), "", "one stream keeps the arm's bytes: its hashes are compared");
         assert_eq!(numeric_variant("all+dense+timedall"), "+timedall");
         assert_eq!(numeric_variant("dense+timed-cold"), "+timed", "the cold run belongs to its arm's family");
         let (o, _) =

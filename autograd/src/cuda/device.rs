@@ -102,7 +102,7 @@ pub struct DeviceOptions {
     /// Convolution weight gradients (and the backward work that consumes them) run on a second
     /// stream beside the chain of data gradients, so that independent kernels overlap
     /// (`side_stream`, docs/concurrent-backward.md). The same kernels on the same inputs: the bytes
-    /// do not change. `PTL_SIDE_STREAM=1` turns it on when the device opens.
+    /// do not change. On by default; `PTL_SIDE_STREAM=0` turns it off when the device opens.
     pub concurrent_weight_gradients: bool,
 }
 

@@ -22,9 +22,9 @@ thread_local! {
     static ON_SIDE: Cell<usize> = const { Cell::new(0) };
 }
 
-/// Whether `PTL_SIDE_STREAM=1` asks for concurrent weight gradients on newly opened devices.
+/// Whether newly opened devices run side tasks: yes unless `PTL_SIDE_STREAM=0`.
 pub(crate) fn enabled_by_env() -> bool {
-    std::env::var("PTL_SIDE_STREAM").is_ok_and(|v| v == "1")
+    std::env::var("PTL_SIDE_STREAM").map_or(true, |v| v != "0")
 }
 
 /// Whether the compute stream runs at a higher priority than the side stream
