@@ -185,8 +185,8 @@ impl Drop for DevBuf {
         // synchronises, which joins.
         let now = {
             let mut side = self.dev.side.lock().unwrap_or_else(|e| e.into_inner());
-            if side.forked > side.joined.max(self.side_born) {
-                side.hold(Box::new(freed));
+            if side.ledger.must_hold(self.side_born) {
+                side.ledger.hold(Box::new(freed));
                 None
             } else {
                 Some(freed)

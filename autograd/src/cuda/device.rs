@@ -383,11 +383,10 @@ impl Dev {
     pub fn join_side_tasks(&self) -> Result<()> {
         let released = {
             let mut s = self.side.lock().unwrap_or_else(|e| e.into_inner());
-            if !s.pending() {
+            if !s.ledger.pending() {
                 return Ok(());
             }
-            let n = s.last_ended();
-            s.join_through(self.cu_stream, n)?
+            s.join_through(self.cu_stream, u64::MAX)?
         };
         for f in released {
             f.release();
@@ -399,7 +398,7 @@ impl Dev {
     /// that cannot touch the buffer (every task up to it had queued its work before the buffer
     /// existed).
     pub fn side_birth(&self) -> (u64, u64) {
-        let forked = self.side.lock().unwrap_or_else(|e| e.into_inner()).forked;
+        let forked = self.side.lock().unwrap_or_else(|e| e.into_inner()).ledger.forked;
         if self.on_side() {
             (forked, forked - 1)
         } else {

@@ -40,7 +40,7 @@ fn state(dev: &Dev) -> std::sync::MutexGuard<'_, SideState> {
 /// Whether a buffer allocated by side task `task` may still be written by it, seen from the
 /// compute stream.
 pub(crate) fn task_pending(dev: &Dev, task: u64) -> bool {
-    task != 0 && state(dev).joined < task
+    task != 0 && state(dev).ledger.joined < task
 }
 
 /// Runs `f` as a side task of `dev` when the device's `concurrent_weight_gradients` option is on
@@ -54,7 +54,7 @@ pub(crate) fn on_side<R, E: From<crate::Error>>(dev: &Dev, f: impl FnOnce() -> s
     // joined ones is freed before the fork, so the new task sees those frees done.
     let released = {
         let mut s = state(dev);
-        let through = s.forked.saturating_sub(in_flight() - 1).min(s.last_ended());
+        let through = s.ledger.join_before_fork(in_flight());
         s.join_through(dev.cu_stream, through)?
     };
     release_all(released);
@@ -65,20 +65,18 @@ pub(crate) fn on_side<R, E: From<crate::Error>>(dev: &Dev, f: impl FnOnce() -> s
             dr::stream::wait_event(dev.side_cu_stream, s.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
                 .map_err(|e| cu_err("cuStreamWaitEvent (fork)", e))?;
         }
-        s.forked += 1;
-        s.tasks += 1;
+        s.ledger.fork();
     }
     set_on_side(Some(dev.ordinal));
     let r = f();
     set_on_side(None);
     let mut s = state(dev);
-    let ev = match s.spare.pop() {
+    let ev = match s.ledger.spare_event() {
         Some(ev) => ev,
         None => new_event().map_err(|e| cu_err("cuEventCreate", e))?,
     };
     unsafe { dr::event::record(ev, dev.side_cu_stream) }.map_err(|e| cu_err("cuEventRecord (side task end)", e))?;
-    let seq = s.forked;
-    s.ends.push_back((seq, ev));
+    s.ledger.ended(ev);
     r
 }
 
@@ -97,7 +95,8 @@ pub struct SideStreamStats {
 pub fn side_stream_stats(device: crate::Device) -> Result<SideStreamStats> {
     let dev = super::device::dev_of(device)?;
     let s = state(&dev);
-    Ok(SideStreamStats { tasks: s.tasks, held_bytes: s.held_bytes, peak_held_bytes: s.peak_held_bytes })
+    let l = &s.ledger;
+    Ok(SideStreamStats { tasks: l.tasks, held_bytes: l.held_bytes, peak_held_bytes: l.peak_held_bytes })
 }
 
 /// Runs `f` as a side task of `device` (see [`on_side`]).

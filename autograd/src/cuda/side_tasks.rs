@@ -58,48 +58,51 @@ pub(crate) fn is_on_side(ordinal: usize) -> bool {
     ON_SIDE.with(|s| s.get() == ordinal + 1)
 }
 
-/// The side tasks of one device: what was forked, what was joined, and the frees held meanwhile.
-pub(crate) struct SideState {
+/// Bytes a held free gives back (what the ledger counts).
+pub(crate) trait HeldBytes {
+    /// Bytes it gives back.
+    fn bytes(&self) -> usize;
+}
+
+impl HeldBytes for Box<dyn Held> {
+    fn bytes(&self) -> usize {
+        (**self).bytes()
+    }
+}
+
+/// The side tasks of one device as numbers: what was forked, what has ended (with its end event
+/// `E`), what was joined, and the frees `H` held meanwhile. No driver calls: the caller records and
+/// waits on the events it names, so the rules are tested on the CPU.
+pub(crate) struct SideLedger<E, H> {
     /// Sequence number of the latest side task (0: none yet).
     pub(crate) forked: u64,
     /// Tasks up to this one are ordered before the compute stream's later work.
     pub(crate) joined: u64,
-    /// The end event of each finished (queued) task not yet joined, oldest first.
-    pub(crate) ends: VecDeque<(u64, sys::CUevent)>,
-    /// The event each fork records on the compute stream (reused: a wait takes the event's state
-    /// when it is queued).
-    pub(crate) fork: sys::CUevent,
+    /// The end event of each ended (queued) task not yet joined, oldest first.
+    ends: VecDeque<(u64, E)>,
     /// Events free for reuse as end events.
-    pub(crate) spare: Vec<sys::CUevent>,
+    spare: Vec<E>,
     /// Frees waiting for the join of the task they are tagged with, in tag order.
-    held: VecDeque<(u64, Box<dyn Held>)>,
+    held: VecDeque<(u64, H)>,
     /// Bytes held now, and the most held at once.
     pub(crate) held_bytes: u64,
     pub(crate) peak_held_bytes: u64,
-    /// Side tasks forked since the device opened (diagnostics).
+    /// Side tasks forked so far (diagnostics).
     pub(crate) tasks: u64,
 }
 
-// SAFETY: events are process-global driver objects; the state is only touched under its mutex.
-unsafe impl Send for SideState {}
-
-pub(crate) fn new_event() -> std::result::Result<sys::CUevent, cudarc::driver::DriverError> {
-    dr::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-}
-
-impl SideState {
-    pub(crate) fn new() -> std::result::Result<SideState, cudarc::driver::DriverError> {
-        Ok(SideState {
+impl<E: Copy, H: HeldBytes> SideLedger<E, H> {
+    pub(crate) fn new() -> Self {
+        SideLedger {
             forked: 0,
             joined: 0,
             ends: VecDeque::new(),
-            fork: new_event()?,
             spare: Vec::new(),
             held: VecDeque::new(),
             held_bytes: 0,
             peak_held_bytes: 0,
             tasks: 0,
-        })
+        }
     }
 
     /// Whether a side task may still be running from the compute stream's point of view.
@@ -107,11 +110,41 @@ impl SideState {
         self.forked > self.joined
     }
 
-    /// Makes the compute stream wait for task `n` (which must have ended: its end event is
-    /// queued) and returns the frees that waited for it.
-    pub(crate) fn join_through(&mut self, compute: sys::CUstream, n: u64) -> Result<Vec<Box<dyn Held>>> {
+    /// The latest task whose end event is queued.
+    pub(crate) fn last_ended(&self) -> u64 {
+        self.ends.back().map_or(self.joined, |(seq, _)| *seq)
+    }
+
+    /// The task to join before another forks, so that at most `in_flight` stay unjoined with it.
+    pub(crate) fn join_before_fork(&self, in_flight: u64) -> u64 {
+        self.forked.saturating_sub(in_flight.max(1) - 1).min(self.last_ended())
+    }
+
+    /// Starts a task: its sequence number.
+    pub(crate) fn fork(&mut self) -> u64 {
+        self.forked += 1;
+        self.tasks += 1;
+        self.forked
+    }
+
+    /// An event to record a task's end with, if one is free.
+    pub(crate) fn spare_event(&mut self) -> Option<E> {
+        self.spare.pop()
+    }
+
+    /// The running task's work is queued, its end recorded in `event`.
+    pub(crate) fn ended(&mut self, event: E) {
+        self.ends.push_back((self.forked, event));
+    }
+
+    /// Joins every task up to `n` (ended ones only count): the event the compute stream must wait
+    /// for (the latest such task's; `None`: nothing to wait for) and the frees that waited for it,
+    /// in the order they were made. The event goes back to the spare ones: the caller queues its
+    /// wait before recording anything else.
+    pub(crate) fn join_through(&mut self, n: u64) -> (Option<E>, Vec<H>) {
+        let n = n.min(self.last_ended());
         if n <= self.joined {
-            return Ok(Vec::new());
+            return (None, Vec::new());
         }
         let mut last = None;
         while let Some(&(seq, ev)) = self.ends.front() {
@@ -124,8 +157,6 @@ impl SideState {
             }
         }
         if let Some(ev) = last {
-            unsafe { dr::stream::wait_event(compute, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                .map_err(|e| Error::Cuda(format!("cuStreamWaitEvent (join): {e:?}")))?;
             self.spare.push(ev);
         }
         self.joined = n;
@@ -136,22 +167,125 @@ impl SideState {
                 out.push(f);
             }
         }
-        Ok(out)
+        (last, out)
     }
 
-    /// Keeps `freed` until the join of the latest task if one is unjoined; otherwise hands it back.
-    pub(crate) fn hold(&mut self, freed: Box<dyn Held>) -> Option<Box<dyn Held>> {
-        if !self.pending() {
-            return Some(freed);
-        }
+    /// Whether the free of a buffer made after task `born` must wait: a task forked after it
+    /// existed (which may read or write it) is unjoined. Earlier tasks had queued all their work
+    /// before the buffer existed.
+    pub(crate) fn must_hold(&self, born: u64) -> bool {
+        self.forked > self.joined.max(born)
+    }
+
+    /// Keeps `freed` until the join of the latest task.
+    pub(crate) fn hold(&mut self, freed: H) {
         self.held_bytes += freed.bytes() as u64;
         self.peak_held_bytes = self.peak_held_bytes.max(self.held_bytes);
         self.held.push_back((self.forked, freed));
-        None
+    }
+}
+
+/// The side tasks of one device: the ledger and the event each fork records.
+pub(crate) struct SideState {
+    pub(crate) ledger: SideLedger<sys::CUevent, Box<dyn Held>>,
+    /// The event each fork records on the compute stream (reused: a wait takes the event's state
+    /// when it is queued).
+    pub(crate) fork: sys::CUevent,
+}
+
+// SAFETY: events are process-global driver objects; the state is only touched under its mutex.
+unsafe impl Send for SideState {}
+
+pub(crate) fn new_event() -> std::result::Result<sys::CUevent, cudarc::driver::DriverError> {
+    dr::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+}
+
+impl SideState {
+    pub(crate) fn new() -> std::result::Result<SideState, cudarc::driver::DriverError> {
+        Ok(SideState { ledger: SideLedger::new(), fork: new_event()? })
     }
 
-    /// The latest task whose end event is queued.
-    pub(crate) fn last_ended(&self) -> u64 {
-        self.ends.back().map_or(self.joined, |(seq, _)| *seq)
+    /// Makes the compute stream wait for task `n` (ended tasks only) and returns the frees that
+    /// waited for it.
+    pub(crate) fn join_through(&mut self, compute: sys::CUstream, n: u64) -> Result<Vec<Box<dyn Held>>> {
+        let (wait, released) = self.ledger.join_through(n);
+        if let Some(ev) = wait {
+            unsafe { dr::stream::wait_event(compute, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(|e| Error::Cuda(format!("cuStreamWaitEvent (join): {e:?}")))?;
+        }
+        Ok(released)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Buf(usize, &'static str);
+    impl HeldBytes for Buf {
+        fn bytes(&self) -> usize {
+            self.0
+        }
+    }
+
+    fn names(v: &[Buf]) -> Vec<&'static str> {
+        v.iter().map(|b| b.1).collect()
+    }
+
+    #[test]
+    fn a_join_waits_for_the_latest_ended_task_and_releases_what_waited_for_it() {
+        let mut l: SideLedger<u32, Buf> = SideLedger::new();
+        assert!(!l.pending() && !l.must_hold(0), "nothing forked: frees go back at once");
+        assert_eq!(l.fork(), 1);
+        // A buffer that existed before task 1 (born 0) may be touched by it; one made after it
+        // forked (born 1, on the compute stream) may not.
+        assert!(l.must_hold(0) && !l.must_hold(1));
+        l.hold(Buf(100, "dy"));
+        l.ended(11);
+        assert_eq!(l.fork(), 2);
+        l.hold(Buf(20, "x"));
+        assert_eq!((l.held_bytes, l.peak_held_bytes), (120, 120));
+        // Task 2 has not ended: a join now stops at task 1, with task 1's event.
+        let (wait, freed) = l.join_through(2);
+        assert_eq!((wait, names(&freed)), (Some(11), vec!["dy"]));
+        assert!(l.pending() && l.joined == 1 && l.held_bytes == 20);
+        l.ended(12);
+        let (wait, freed) = l.join_through(u64::MAX);
+        assert_eq!((wait, names(&freed)), (Some(12), vec!["x"]));
+        assert!(!l.pending() && l.held_bytes == 0 && l.peak_held_bytes == 120);
+        assert_eq!(l.join_through(u64::MAX).0, None, "nothing left to wait for");
+        // Both events are free again, the last one waited for on top.
+        assert_eq!((l.spare_event(), l.spare_event(), l.spare_event()), (Some(12), Some(11), None));
+    }
+
+    #[test]
+    fn a_fork_joins_the_oldest_task_beyond_the_in_flight_limit() {
+        let mut l: SideLedger<u32, Buf> = SideLedger::new();
+        for ev in 1..=5 {
+            l.fork();
+            l.ended(ev);
+        }
+        assert_eq!(l.join_before_fork(3), 3, "with the sixth task, tasks 4 and 5 stay unjoined");
+        assert_eq!(l.join_before_fork(1), 5, "one in flight: everything before joins");
+        assert_eq!(l.join_before_fork(0), 5, "a limit of 0 counts as 1");
+        assert_eq!(l.join_before_fork(64), 0, "nothing to join yet");
+        // Joining through task 3 waits for task 3's event only (the side stream runs in order).
+        let (wait, _) = l.join_through(l.join_before_fork(3));
+        assert_eq!((wait, l.joined), (Some(3), 3));
+        assert_eq!((l.spare_event(), l.spare_event(), l.spare_event(), l.spare_event()), (Some(3), Some(2), Some(1), None));
+    }
+
+    #[test]
+    fn frees_come_back_in_the_order_they_were_made() {
+        let mut l: SideLedger<u32, Buf> = SideLedger::new();
+        l.fork();
+        l.hold(Buf(1, "a"));
+        l.hold(Buf(2, "b"));
+        l.ended(7);
+        l.fork();
+        l.hold(Buf(3, "c"));
+        l.ended(8);
+        let (_, freed) = l.join_through(u64::MAX);
+        assert_eq!(names(&freed), ["a", "b", "c"]);
     }
 }
