@@ -7,8 +7,9 @@
 //! In front of the default pool sits a host-side block cache (like PyTorch's caching allocator):
 //! a freed block goes onto a free list of its size and the next request it fits (with at most 1/8
 //! to spare) takes it back without a driver call (an alloc + free pair costs ~0.6–1.1 µs of host time in the driver,
-//! a sizeable part of a ~4 µs eager op). Reuse is safe because every buffer is used on the one
-//! compute stream, so work queued with the new owner runs after the old owner's. The cache is
+//! a sizeable part of a ~4 µs eager op). Reuse is safe because a freed buffer comes back in the
+//! compute stream's order: work queued with the new owner runs after the old owner's (a buffer a
+//! side task may still touch is held until the compute stream joins it, `side_stream`). The cache is
 //! off by default (it costs reserved memory, see `block_cache::CACHE_LIMIT`; `PTL_CUDA_BLOCK_CACHE` or
 //! [`set_block_cache_limits`] turn it on), bypassed while the stream is captured and for private
 //! pools, and emptied into the pool when an allocation fails or on [`empty_cache`].

@@ -1,4 +1,5 @@
-//! Per-device state: context, the one compute stream, the kernel units' modules, library handles.
+//! Per-device state: context, the compute stream and the side stream beside it (`side_stream`),
+//! the kernel units' modules, library handles.
 //!
 //! A device is opened on first use (`Dev::get`) after checking that the driver and every library
 //! we load are present (cudarc panics on a missing library, so we never let it try).

@@ -1,8 +1,11 @@
 //! The CUDA backend (feature `cuda`).
 //!
-//! - **Device and stream**: each GPU gets one context and one compute stream, opened on first use
-//!   ([`Device::Cuda`]); all work is queued on that stream, in program order. cudarc's event
-//!   tracking is off (it breaks stream capture).
+//! - **Device and streams**: each GPU gets one context and a compute stream, opened on first use
+//!   ([`Device::Cuda`]); work is queued on that stream, in program order, except side tasks —
+//!   weight gradients and work a model sends [`crate::streams::beside`] the chain — on a second,
+//!   lower-priority stream with fork and join events (`side_stream`, docs/concurrent-backward.md;
+//!   [`DeviceOptions::concurrent_weight_gradients`]). cudarc's event tracking is off (it breaks
+//!   stream capture).
 //! - **Kernels**: one source per op family (`ops/<family>.cu` next to the launcher `ops/<family>.rs`,
 //!   behind a shared `ops/prelude.cuh`), each compiled with NVRTC to machine code (CUBIN) for the
 //!   device's `sm_XY` (headers from `$CUDA_HOME/include`, default `/usr/local/cuda/include`), in
