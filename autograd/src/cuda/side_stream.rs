@@ -1,5 +1,6 @@
 //! Side tasks: work queued on a device's second stream beside the compute stream, so that
-//! independent kernels of the backward overlap (docs/concurrent-backward.md).
+//! independent kernels overlap — weight gradients, and what a model sends beside the chain
+//! ([`crate::streams::beside`]) with its backward (docs/concurrent-backward.md).
 //!
 //! * **Fork.** A side task starts with the side stream waiting for an event recorded on the
 //!   compute stream: it sees everything queued there before it. Kernels, copies, memsets and
@@ -9,10 +10,11 @@
 //!   one. At most [`in_flight`] tasks are left unjoined (the oldest is joined before another
 //!   forks), and everything is joined before a host synchronisation, before a capture begins or
 //!   ends, and at the end of each backward pass.
-//! * **Held frees.** A buffer dropped while a side task is unjoined may still be read or written
-//!   by it; handing its memory to the next request on the compute stream (the pool, the block
-//!   cache, a capture arena's plan) would race. So such a free is *held*, tagged with the latest
-//!   task, and carried out when the compute stream joins that task. The warm-up's allocation trace
+//! * **Held frees.** A buffer dropped while a side task forked after it existed is unjoined may
+//!   still be read or written by that task; handing its memory to the next request on the compute
+//!   stream (the pool, the block cache, a capture arena's plan) would race. So such a free is
+//!   *held*, tagged with the latest task, and carried out when the compute stream joins that task
+//!   (tasks forked before the buffer existed had queued all their work without it). The warm-up's allocation trace
 //!   sees the free there too, so an arena plan made from it keeps the buffer apart from what the
 //!   compute stream allocates meanwhile.
 //!
