@@ -50,12 +50,6 @@ pub(crate) fn in_side_task() -> bool {
     }
 }
 
-/// Runs `f`, the computation of a weight gradient on `device`, beside the data-gradient chain
-/// where the backend can ([`beside`]).
-pub(crate) fn weight_gradient<R>(device: Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
-    beside(device, f)
-}
-
 /// The device of the first of `grads` still being written beside the data-gradient chain: work
 /// that reads it must run there too, or after a join.
 pub(crate) fn written_aside<'a>(grads: impl IntoIterator<Item = &'a Tensor>) -> Option<Device> {

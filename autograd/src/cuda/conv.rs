@@ -52,9 +52,9 @@ pub(crate) struct Dnn {
     /// The stream the handle queues on now (the compute stream, or the side stream during a
     /// side task's calls).
     bound: cudarc::driver::sys::CUstream,
-    workspace: Workspace,
-    /// The workspace of calls queued on the side stream: two streams must not share one.
-    side_workspace: Workspace,
+    /// The workspaces of calls queued on the compute stream (0) and on the side stream (1): two
+    /// streams must not share one.
+    workspaces: [Workspace; 2],
     /// Keyed by shape, dtype, direction and whether f32 may run in TF32.
     plans: HashMap<(Conv2dParams, DType, Dir, bool), Plan>,
     /// Graph-API plans (`None`: no usable engine for the shape, legacy path), keyed as `plans`.
@@ -83,7 +83,7 @@ fn e(what: &'static str) -> impl Fn(nr::CudnnError) -> Error {
 impl Dnn {
     /// Bytes held by the shared plan workspace.
     pub(crate) fn workspace_bytes(&self) -> u64 {
-        self.workspace.bytes() + self.side_workspace.bytes()
+        self.workspaces.iter().map(Workspace::bytes).sum()
     }
 
     /// Points the handle at the stream the calling thread queues on.
@@ -111,8 +111,7 @@ impl Dnn {
         Ok(Dnn {
             handle,
             bound: dev.cu_stream,
-            workspace: Workspace::default(),
-            side_workspace: Workspace::default(),
+            workspaces: Default::default(),
             plans: HashMap::new(),
             graph_plans: HashMap::new(),
             choices: ChoiceCache::new(context),
@@ -315,7 +314,7 @@ pub(crate) fn run_into(
         |dnn: &mut Dnn| {
             dnn.follow_stream(dev)?;
             let h = dnn.handle;
-            let side = dev.on_side();
+            let slot = usize::from(dev.on_side());
             if dt != DType::F64 && !legacy_forced() {
                 // Buffers by their forward-convolution names (x, w, y).
                 let (pa, pb, po) = (a.buf.ptr, b.buf.ptr, out.buf.ptr);
@@ -326,17 +325,15 @@ pub(crate) fn run_into(
                 };
                 let key = (*p, dt, dir, tf32);
                 if !dnn.graph_plans.contains_key(&key) {
-                    let Dnn { choices, workspace, side_workspace, .. } = &mut *dnn;
-                    let workspace = if side { side_workspace } else { workspace };
+                    let Dnn { choices, workspaces, .. } = &mut *dnn;
                     let built = super::counters::time_setup(Setup::ConvPlan, || {
-                        graph_plan(choices, workspace, dev, h, p, dt, dir, tf32, [x, w, y])
+                        graph_plan(choices, &mut workspaces[slot], dev, h, p, dt, dir, tf32, [x, w, y])
                     });
                     dnn.graph_plans.insert(key, built);
                 }
-                let Dnn { graph_plans, workspace, side_workspace, .. } = &mut *dnn;
-                let workspace = if side { side_workspace } else { workspace };
+                let Dnn { graph_plans, workspaces, .. } = &mut *dnn;
                 if let Some(gp) = graph_plans.get_mut(&key).and_then(Option::as_mut) {
-                    let ws = workspace.get(dev, gp.workspace_bytes())?;
+                    let ws = workspaces[slot].get(dev, gp.workspace_bytes())?;
                     gp.execute(h, x, w, y, ws.ptr)?;
                     count_path(LibPath::ConvGraph);
                     return Ok(out);
@@ -345,7 +342,7 @@ pub(crate) fn run_into(
             count_path(LibPath::ConvLegacy);
             let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
             let plan = dnn.plan(p, dt, dir, tf32)?;
-            let lease = if side { dnn.side_workspace.get(dev, plan.ws_bytes)? } else { dnn.workspace.get(dev, plan.ws_bytes)? };
+            let lease = dnn.workspaces[slot].get(dev, plan.ws_bytes)?;
             let ws = lease.ptr as *mut c_void;
             let (af, bf) = (1f32, 0f32);
             let (ad, bd) = (1f64, 0f64);

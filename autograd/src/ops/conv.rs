@@ -73,7 +73,7 @@ impl Tensor {
                         // The weight gradient first, beside the data-gradient chain where the
                         // backend can (`streams`): nothing but the optimizer waits for it.
                         let gw = if need_w {
-                            crate::streams::weight_gradient(x.device(), || {
+                            crate::streams::beside(x.device(), || -> Result<Option<Tensor>> {
                                 let xs = x.storage_for(channels_last)?;
                                 Ok(Some(Tensor::from_storage(gs.conv2d_backward_weight(&xs, &p)?, wt.shape().clone())?))
                             })?
