@@ -13,8 +13,10 @@ fn one_rank_initialises_reduces_and_replays_inside_a_graph() {
     // On a GPU machine NCCL must be there: this test exists to run it.
     let (version, path) = cuda::nccl_version().unwrap_or_else(|e| panic!("NCCL could not be loaded on a GPU machine: {e}"));
     println!("NCCL {version} from {}", path.display());
-    let comm = NcclComm::init(dev, 1, 0, &NcclId::new().unwrap()).unwrap();
+    let comm = NcclComm::init(dev, 1, 0, &NcclId::new().unwrap(), std::time::Duration::from_secs(60)).unwrap();
     assert_eq!((comm.rank(), comm.world()), (0, 1));
+    // NCCL ≥ 2.17 takes a configuration: the communicator is non-blocking (its waits time out).
+    assert_eq!(comm.is_non_blocking(), version >= 21701, "NCCL {version}: non-blocking communicator");
 
     for dt in [DType::F32, DType::BF16] {
         let x = Tensor::rand(vec![3, 1000], -1.0, 1.0, dt, dev, &mut Rng::new(5)).unwrap();

@@ -56,6 +56,9 @@ struct Api {
     get_version: unsafe extern "C" fn(*mut c_int) -> ns::ncclResult_t,
     get_unique_id: unsafe extern "C" fn(*mut ns::ncclUniqueId) -> ns::ncclResult_t,
     comm_init_rank: unsafe extern "C" fn(*mut ns::ncclComm_t, c_int, ns::ncclUniqueId, c_int) -> ns::ncclResult_t,
+    /// `ncclCommInitRankConfig` (NCCL ≥ 2.14), absent in older libraries.
+    comm_init_rank_config:
+        Option<unsafe extern "C" fn(*mut ns::ncclComm_t, c_int, ns::ncclUniqueId, c_int, *mut Config) -> ns::ncclResult_t>,
     #[allow(clippy::type_complexity)]
     all_reduce: unsafe extern "C" fn(
         *const c_void,
@@ -112,6 +115,7 @@ fn resolve(library: libloading::Library, path: &Path) -> std::result::Result<Api
             get_version: sym!(b"ncclGetVersion\0"),
             get_unique_id: sym!(b"ncclGetUniqueId\0"),
             comm_init_rank: sym!(b"ncclCommInitRank\0"),
+            comm_init_rank_config: library.get(b"ncclCommInitRankConfig\0").ok().map(|f| *f),
             all_reduce: sym!(b"ncclAllReduce\0"),
             comm_get_async_error: sym!(b"ncclCommGetAsyncError\0"),
             comm_abort: sym!(b"ncclCommAbort\0"),
@@ -120,6 +124,44 @@ fn resolve(library: libloading::Library, path: &Path) -> std::result::Result<Api
             path: path.to_path_buf(),
             _library: library,
         })
+    }
+}
+
+/// The leading fields of NCCL's `ncclConfig_t` as of 2.17. NCCL reads a configuration by its
+/// `size` and `version` fields, so a later library takes this prefix and leaves its newer fields
+/// at their defaults; `i32::MIN` (`NCCL_CONFIG_UNDEF_INT`) and a null name leave a field to NCCL.
+#[repr(C)]
+struct Config {
+    size: usize,
+    magic: std::ffi::c_uint,
+    version: std::ffi::c_uint,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+/// The oldest NCCL whose communicators take a configuration: 2.17.1 (`NCCL_VERSION(2, 17, 1)`).
+const CONFIG_VERSION: c_int = 21701;
+
+impl Config {
+    /// A non-blocking communicator: its calls return at once with `ncclInProgress` while NCCL
+    /// works in the background, so a rank waiting for a peer that never arrives can give up.
+    fn non_blocking() -> Config {
+        const UNDEF: c_int = c_int::MIN;
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: 0xcafe_beef,
+            version: CONFIG_VERSION as std::ffi::c_uint,
+            blocking: 0,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: UNDEF,
+        }
     }
 }
 
@@ -172,6 +214,10 @@ pub struct NcclComm {
     dev: Arc<Dev>,
     rank: usize,
     world: usize,
+    /// Made with a non-blocking configuration: each call is followed by [`NcclComm::settle`].
+    non_blocking: bool,
+    /// The longest wait for a call to finish (non-blocking communicators).
+    timeout: std::time::Duration,
     /// [`HEALTHY`], [`FAILED`] (an error was seen: drop aborts) or [`ABORTED`] (drop does nothing).
     state: AtomicU8,
 }
@@ -187,9 +233,11 @@ unsafe impl Send for NcclComm {}
 unsafe impl Sync for NcclComm {}
 
 impl NcclComm {
-    /// Joins the `world`-rank communicator `id` as `rank`, on `device`; blocks until every rank
-    /// has joined.
-    pub fn init(device: Device, world: usize, rank: usize, id: &NcclId) -> Result<NcclComm> {
+    /// Joins the `world`-rank communicator `id` as `rank`, on `device`; waits until every rank
+    /// has joined, at most `timeout`: with NCCL ≥ 2.17 the communicator is non-blocking, so a
+    /// peer that never arrives ends the wait (the communicator is aborted and the error says how
+    /// long this rank waited); an older NCCL joins blocking, without that limit.
+    pub fn init(device: Device, world: usize, rank: usize, id: &NcclId, timeout: std::time::Duration) -> Result<NcclComm> {
         if world == 0 || rank >= world || world > c_int::MAX as usize {
             return Err(Error::invalid("NcclComm::init", format!("rank {rank} of a world of {world} does not exist")));
         }
@@ -198,9 +246,70 @@ impl NcclComm {
         dev.bind()?;
         let mut comm: ns::ncclComm_t = std::ptr::null_mut();
         let id = ns::ncclUniqueId { internal: id.0.map(|b| b as c_char) };
-        // SAFETY: `comm` receives the new communicator; the device's context is current.
-        check(api, "ncclCommInitRank", unsafe { (api.comm_init_rank)(&mut comm, world as c_int, id, rank as c_int) })?;
-        Ok(NcclComm { comm, dev, rank, world, state: AtomicU8::new(HEALTHY) })
+        let configured = api.comm_init_rank_config.filter(|_| nccl_version().is_ok_and(|(v, _)| v >= CONFIG_VERSION));
+        let Some(init_config) = configured else {
+            // SAFETY: `comm` receives the new communicator; the device's context is current.
+            check(api, "ncclCommInitRank", unsafe { (api.comm_init_rank)(&mut comm, world as c_int, id, rank as c_int) })?;
+            return Ok(NcclComm { comm, dev, rank, world, non_blocking: false, timeout, state: AtomicU8::new(HEALTHY) });
+        };
+        let mut config = Config::non_blocking();
+        // SAFETY: `comm` receives the new communicator, `config` outlives the call (NCCL copies
+        // it); the device's context is current.
+        let r = unsafe { init_config(&mut comm, world as c_int, id, rank as c_int, &mut config) };
+        if r != ns::ncclResult_t::ncclSuccess && r != ns::ncclResult_t::ncclInProgress {
+            if !comm.is_null() {
+                // SAFETY: a communicator that failed to start is aborted, never used again.
+                unsafe { (api.comm_abort)(comm) };
+            }
+            return Err(match check(api, "ncclCommInitRankConfig", r) {
+                Err(e) => e,
+                Ok(()) => Error::Cuda("NCCL ncclCommInitRankConfig failed".into()),
+            });
+        }
+        let comm = NcclComm { comm, dev, rank, world, non_blocking: true, timeout, state: AtomicU8::new(HEALTHY) };
+        comm.settle("joining the communicator")?;
+        Ok(comm)
+    }
+
+    /// Waits until a non-blocking communicator's last call has finished (its asynchronous state
+    /// leaves `ncclInProgress`), at most the communicator's timeout; on an error or the timeout
+    /// the communicator is aborted and the error names what was waited for.
+    fn settle(&self, what: &str) -> Result<()> {
+        if !self.non_blocking {
+            return Ok(());
+        }
+        let api = api()?;
+        let began = std::time::Instant::now();
+        loop {
+            let mut r = ns::ncclResult_t::ncclInProgress;
+            // SAFETY: writes one result code; allowed at any time on a live communicator.
+            let q = unsafe { (api.comm_get_async_error)(self.comm, &mut r) };
+            let failed = match (q, r) {
+                (ns::ncclResult_t::ncclSuccess, ns::ncclResult_t::ncclSuccess) => return Ok(()),
+                (ns::ncclResult_t::ncclSuccess, ns::ncclResult_t::ncclInProgress) => None,
+                (ns::ncclResult_t::ncclSuccess, r) => Some(check(api, what, r)),
+                (q, _) => Some(check(api, "ncclCommGetAsyncError", q)),
+            };
+            if let Some(e) = failed {
+                self.abort();
+                return e;
+            }
+            if began.elapsed() > self.timeout {
+                self.abort();
+                return Err(Error::Cuda(format!(
+                    "NCCL rank {} of {}: {what} did not finish within {:.0} s (a peer missing or stuck); the communicator was aborted",
+                    self.rank,
+                    self.world,
+                    self.timeout.as_secs_f64()
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
+    /// Whether the communicator is non-blocking (NCCL ≥ 2.17: its waits end at the timeout).
+    pub fn is_non_blocking(&self) -> bool {
+        self.non_blocking
     }
 
     /// This rank.
@@ -269,6 +378,10 @@ impl NcclComm {
         // SAFETY: `p` addresses `count` values of `dtype` on this communicator's device, alive
         // until the stream passes this call (the caller holds the tensor); in place is allowed.
         let r = unsafe { (api.all_reduce)(p, p, count, dtype, op, self.comm, self.dev.cu_stream as ns::cudaStream_t) };
+        if self.non_blocking && r == ns::ncclResult_t::ncclInProgress {
+            // Queued in the background: the stream holds the collective once NCCL is done.
+            return self.settle("queueing an all-reduce");
+        }
         if r != ns::ncclResult_t::ncclSuccess {
             let _ = self.state.compare_exchange(HEALTHY, FAILED, Ordering::AcqRel, Ordering::Acquire);
         }
@@ -325,6 +438,22 @@ impl Drop for NcclComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The configuration's layout is `ncclConfig_t`'s prefix of NCCL 2.17 on 64-bit targets
+    /// (size, magic, version, four ints, the network name pointer, splitShare).
+    #[test]
+    fn the_configuration_has_the_layout_of_nccl_2_17() {
+        let c = Config::non_blocking();
+        let base = &c as *const Config as usize;
+        let at = |p: *const u8| p as usize - base;
+        assert_eq!(std::mem::size_of::<Config>(), 48);
+        assert_eq!(c.size, 48);
+        assert_eq!(at(&c.magic as *const _ as *const u8), 8);
+        assert_eq!(at(&c.blocking as *const _ as *const u8), 16);
+        assert_eq!(at(&c.net_name as *const _ as *const u8), 32);
+        assert_eq!(at(&c.split_share as *const _ as *const u8), 40);
+        assert_eq!((c.magic, c.version, c.blocking, c.min_ctas), (0xcafe_beef, 21701, 0, i32::MIN));
+    }
 
     /// The search order: the named file, the loader's names, then the Python packages' copies
     /// (newest Python first) under the environment prefixes.

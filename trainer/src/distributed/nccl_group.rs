@@ -67,7 +67,7 @@ impl NcclCollective {
                 })?)
             }
         };
-        let comm = NcclComm::init(device, env.world, env.rank, &id)?;
+        let comm = NcclComm::init(device, env.world, env.rank, &id, timeout)?;
         let watched = Arc::new(Watched {
             comm,
             began_ms: AtomicU64::new(0),
