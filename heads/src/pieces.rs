@@ -182,21 +182,13 @@ impl Pose26 {
     /// first, so that it starts with the one-to-many set — and is joined before this returns.
     /// The same kernels on the same inputs either way: the bytes do not change.
     pub fn forward_with(&self, feats: &[Tensor], runner: &dyn PieceRunner) -> Result<HeadOutput> {
-        let out = self.forward_one2one_beside(feats, runner)?;
-        ptl_autograd::streams::join()?;
-        Ok(out)
-    }
-
-    /// [`Pose26::forward_with`] without the final join: the one-to-one outputs may still be being
-    /// written beside the main chain when this returns. For a caller that reads them there too
-    /// (inside `ptl_autograd::streams::beside`) and joins before anything else reads them.
-    pub fn forward_one2one_beside(&self, feats: &[Tensor], runner: &dyn PieceRunner) -> Result<HeadOutput> {
         let detached: Vec<Tensor> = feats.iter().map(|f| f.detach()).collect();
         let device = feats.first().map(Tensor::device);
         if let Some(device) = device.filter(|d| runner.may_overlap() && ptl_autograd::streams::overlapping(*d)) {
             let one2one =
                 ptl_autograd::streams::beside(device, || self.forward_branch_with(Branch::OneToOne, &detached, self.training, runner))?;
             let one2many = self.forward_branch_with(Branch::OneToMany, feats, self.training, runner)?;
+            ptl_autograd::streams::join()?;
             return Ok(HeadOutput { one2many, one2one, feats: feats.to_vec() });
         }
         let one2many = self.forward_branch_with(Branch::OneToMany, feats, self.training, runner)?;
@@ -214,17 +206,6 @@ impl PoseModel {
             return Err(crate::HeadsError::Config(format!("piece trunk returned {} features", feats.len())));
         }
         self.head().forward_with(&feats, runner)
-    }
-
-    /// [`PoseModel::forward_with`] leaving the one-to-one outputs beside the main chain
-    /// ([`Pose26::forward_one2one_beside`]): the caller reads them there or joins first.
-    pub fn forward_one2one_beside(&self, x: &Tensor, runner: &dyn PieceRunner) -> Result<HeadOutput> {
-        let body = |xs: &[Tensor]| self.forward_features(only_input(xs, Piece::Trunk)?);
-        let feats = runner.run(Piece::Trunk, std::slice::from_ref(x), &body)?;
-        if feats.len() != self.head().num_levels() {
-            return Err(crate::HeadsError::Config(format!("piece trunk returned {} features", feats.len())));
-        }
-        self.head().forward_one2one_beside(&feats, runner)
     }
 
     /// Freezes (`false`) or unfreezes (`true`) the parameters of `piece` in place: frozen

@@ -354,12 +354,8 @@ impl E2ELoss {
         };
         let (a_out, b_out) = if with_sigma { (branch(0, Some(11)), branch(3, Some(12))) } else { (branch(0, None), branch(3, None)) };
         let dt = DeviceTargets { slots, labels: xs[6].clone(), boxes: xs[7].clone(), mask: xs[8].clone(), kpts: xs[9].clone() };
-        // The o2o branch's assignment and terms depend on nothing of the o2m branch's: queued
-        // first beside the main chain where the device runs work there (`ptl_autograd::streams`;
-        // its backward follows), joined before the flow reads both. The same bytes either way.
-        let pb = ptl_autograd::streams::beside(b_out.boxes.device(), || self.one2one.dense_parts_on(&b_out, &dt, anchors))?;
         let pa = self.one2many.dense_parts_on(&a_out, &dt, anchors)?;
-        ptl_autograd::streams::join()?;
+        let pb = self.one2one.dense_parts_on(&b_out, &dt, anchors)?;
         // One flow evaluation for both branches' RLE rows.
         let rle = super::dense::rle_terms(&[&pa, &pb], flow)?;
         let (va, vb) = (pa.finish(&self.one2many.cfg, &rle[0])?, pb.finish(&self.one2one.cfg, &rle[1])?);

@@ -262,9 +262,7 @@ impl Run {
         let weights = &self.compute_weights;
         let forward = |x: &Tensor| -> Result<(BranchOutputs, BranchOutputs)> {
             let out = in_stage(stages::FORWARD, || {
-                // The one-to-one outputs may stay beside the main chain: the dense loss reads them
-                // there (its one-to-one terms) and joins before anything else does.
-                ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_one2one_beside(x, &ptl_heads::NativeRunner))?
+                ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(x, &ptl_heads::NativeRunner))?
             })?;
             Ok((branch(&out.one2many), branch(&out.one2one)))
         };
