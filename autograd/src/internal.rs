@@ -39,6 +39,7 @@ pub mod cuda {
     pub use crate::cuda::graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph, StreamMark};
     pub use crate::cuda::kernel_timer::{GpuKernelTimer, GpuKernelTotals, KernelDetail};
     pub use crate::cuda::module_probe::probe_module_cache;
+    pub use crate::cuda::ops::bn_cluster_launches;
     pub use crate::cuda::pending_copy::PendingCopy;
     pub use crate::cuda::pinned::PinnedBuffer;
     pub use crate::cuda::user_kernel::{KernelArg, UserKernel};

@@ -713,10 +713,12 @@ fn index_add_cases(dev: Device, outer: usize, d: usize, inner: usize, n: usize) 
     }
 }
 
-/// A batch-norm layer whose channels fit one block (≤ 4096 values) runs its forward and its
-/// backward as one launch each; their bytes equal the two-launch path's — output, input, weight
-/// and bias gradients, running statistics and batch counter — for scalar (HW = 42) and
-/// 16-byte-vector (HW = 400) shapes, training and eval, with and without SiLU, in f32/bf16/f16.
+/// A batch-norm layer whose channels fit one block (≤ 4096 values), or 2–8 blocks as one
+/// thread-block cluster per channel (sm_90 and later), runs its forward and its backward as one
+/// launch each; their bytes equal the two-launch path's — output, input, weight and bias
+/// gradients, running statistics and batch counter — for scalar (HW = 42, 4900) and
+/// 16-byte-vector (HW = 400, 1600, 6400) shapes, training and eval, with and without SiLU, in
+/// f32/bf16/f16; a layer of more than 8 blocks per channel stays two launches.
 #[test]
 fn bn_one_launch_matches_two_launches() {
     let Some(dev) = gpu() else { return };
@@ -739,8 +741,10 @@ fn bn_one_launch_matches_two_launches() {
         [&y, &grads[0], &grads[1], &grads[2], &rm, &rv, &nbt].iter().map(|t| t.to_bytes().unwrap()).collect()
     };
     let mut cases = 0;
+    let clusters_before = ptl_autograd::internal::cuda::bn_cluster_launches();
     for dt in [DType::F32, DType::BF16, DType::F16] {
-        for shape in [[3, 8, 7, 6], [4, 32, 20, 20]] {
+        // Blocks per channel: 1, 1, 2, 3 (scalar loads), 7, 25.
+        for shape in [[3, 8, 7, 6], [4, 32, 20, 20], [4, 64, 40, 40], [2, 8, 70, 70], [4, 16, 80, 80], [4, 8, 160, 160]] {
             for (training, silu) in [(true, true), (true, false), (false, true)] {
                 let (one, two) = (run(true, dt, shape, training, silu), run(false, dt, shape, training, silu));
                 for (k, (a, b)) in one.iter().zip(&two).enumerate() {
@@ -751,7 +755,14 @@ fn bn_one_launch_matches_two_launches() {
         }
     }
     ptl_autograd::cuda::set_device_options(dev, ptl_autograd::cuda::DeviceOptions { bn_one_launch: true, ..Default::default() }).unwrap();
-    println!("ok bn one launch: {cases} cases byte-identical to two launches");
+    let clusters = ptl_autograd::internal::cuda::bn_cluster_launches() - clusters_before;
+    println!("ok bn one launch: {cases} cases byte-identical to two launches ({clusters} cluster launches)");
+    if ptl_autograd::cuda::has_clusters(dev) {
+        // Three cluster shapes × three dtypes × three modes: a forward each in training, a backward each.
+        assert_eq!(clusters, 3 * 3 * (2 * 2 + 1), "every layer of 2–8 blocks per channel should have run as clusters");
+    } else {
+        println!("NOTE: {dev} has no thread-block clusters; the cluster form was not run");
+    }
 }
 
 /// The graph-safe Philox keep mask and dropout: identical bytes on CPU and CUDA for the same

@@ -199,6 +199,8 @@ pub(crate) struct Dev {
     pub capturing: AtomicBool,
     /// Kernel choices of this device ([`DeviceOptions`]).
     pub options: Mutex<DeviceOptions>,
+    /// Thread-block clusters can be launched (compute capability 9.0 and later).
+    pub clusters: bool,
 }
 
 // SAFETY: the raw handles are process-global driver objects; all mutation goes through mutexes or
@@ -313,6 +315,7 @@ impl Dev {
             bn_tickets,
             side_bn_tickets,
             options: Mutex::new(DeviceOptions::default()),
+            clusters: major >= 9,
         })
     }
 
@@ -366,6 +369,44 @@ impl Dev {
         super::counters::count(super::counters::Count::KernelLaunch);
         // SAFETY: every caller passes pointers to live arguments matching the kernel signature.
         unsafe { dr::launch_kernel(f, grid, block, 0, self.stream(), params) }.map_err(|e| cu_err("kernel launch", e))
+    }
+
+    /// [`Dev::launch`] with the grid's blocks grouped in thread-block clusters of `cluster_x` × 1
+    /// × 1 (which share their shared memory); only where [`Dev::clusters`] says so.
+    pub fn launch_cluster(
+        &self,
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        cluster_x: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        if !self.clusters || cluster_x == 0 || !grid.0.is_multiple_of(cluster_x) {
+            return Err(crate::Error::Cuda(format!(
+                "a cluster launch of {cluster_x} blocks over a grid of {grid:?} on a device without clusters or not divisible by it"
+            )));
+        }
+        super::counters::count(super::counters::Count::KernelLaunch);
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster_x, y: 1, z: 1 };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: 0,
+            hStream: self.stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: every caller passes pointers to live arguments matching the kernel signature;
+        // the configuration and its one attribute live across the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| cu_err("kernel launch (cluster)", e))
     }
 
     /// The stream this thread queues work on: the side stream inside a side task

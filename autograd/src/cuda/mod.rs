@@ -89,6 +89,12 @@ pub fn set_device_options(device: Device, options: DeviceOptions) -> Result<()> 
     Ok(())
 }
 
+/// Whether `device` launches thread-block clusters (compute capability 9.0 and later), which the
+/// batch norm uses for layers of 2–8 blocks per channel; false for a device that does not open.
+pub fn has_clusters(device: Device) -> bool {
+    dev_of(device).is_ok_and(|d| d.clusters)
+}
+
 use device::{cu_err, dev_of, Dev};
 pub use storage::CudaStorage;
 

@@ -14,6 +14,7 @@ mod narrow_wgrad;
 mod norm;
 mod norm_cl;
 mod norm_rules;
+pub use norm_rules::bn_cluster_launches;
 mod pack;
 mod pool;
 mod reduce;

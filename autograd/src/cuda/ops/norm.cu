@@ -73,9 +73,11 @@ __device__ __forceinline__ bool bn_last_block_totals(double& a, double& b, doubl
 
 // The channel's parameters from its shifted sums (s = Σ(x − K), q = Σ(x − K)²): writes aff, nrm,
 // the running statistics and (channel 0) the batch counter; returns aff's pair in (sc, sh).
+// `write` = false: only (sc, sh), for the blocks of a cluster other than the one that writes.
 template <typename S>
 __device__ __forceinline__ void bn_stats_finish(double s, double q, double K, u32 ch, u32 c, double count, const S* w, const S* b,
-                                                S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, S& sc, S& sh) {
+                                                S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, S& sc, S& sh,
+                                                bool write = true) {
     const double ms = s / count;
     double var = q / count - ms * ms;
     if (var < 0.0) var = 0.0;
@@ -84,6 +86,7 @@ __device__ __forceinline__ void bn_stats_finish(double s, double q, double K, u3
     const double scale = (double)w[ch] * invstd;
     sc = (S)scale;
     sh = (S)((double)b[ch] - mean * scale);
+    if (!write) return;
     aff[ch] = sc;
     aff[c + ch] = sh;
     nrm[ch] = (S)invstd;
@@ -222,15 +225,17 @@ __device__ __forceinline__ void bnb_sums(const T* x, const T* g, u32 ch, u32 c, 
 }
 // The channel's totals to gw = Σgz·x̂, gb = Σgz and dx's coefficients
 // coef = [k; −k·Σgz/N; −k·Σgz·x̂/N] with k = w·invstd (eval: no batch terms), also returned in k3.
+// `write` = false: only k3, for the blocks of a cluster other than the one that writes.
 template <typename S>
 __device__ __forceinline__ void bnb_finish(double sa, double sq, u32 ch, u32 c, double count, const S* w, const S* nrm, int training, S* gw,
-                                           S* gb, S* coef, S* k3) {
-    gb[ch] = (S)sa;
-    gw[ch] = (S)sq;
+                                           S* gb, S* coef, S* k3, bool write = true) {
     const double k = (double)w[ch] * (double)nrm[ch];
     k3[0] = (S)k;
     k3[1] = (S)(training ? -k * sa / count : 0.0);
     k3[2] = (S)(training ? -k * sq / count : 0.0);
+    if (!write) return;
+    gb[ch] = (S)sa;
+    gw[ch] = (S)sq;
     coef[ch] = k3[0];
     coef[c + ch] = k3[1];
     coef[2 * c + ch] = k3[2];
@@ -301,6 +306,114 @@ __device__ void bnb_fused1_k(const T* x, const T* g, const S* aff, const S* nrm,
         st_vec<T, V>(dx, i, xe);
     }
 }
+// ---- one launch per direction for layers of 2–8 blocks per channel: a thread-block cluster each ------
+// Grid (P, C) with clusters of (P, 1, 1): channel ch's P blocks form one cluster (block p has
+// cluster rank p). Each block reduces its share of the channel as the two-launch kernels do and
+// leaves its partial pair in its shared memory; after a cluster barrier every block combines the P
+// pairs exactly as bn_last_block_totals does (lane k of the first warp adds pair k to zero, then
+// the shuffle tree), so every block holds the totals of the two-launch path; block 0 writes the
+// channel's parameters and each block applies them to its share in the same launch. The second
+// barrier keeps each block's shared memory alive until every block has read it. sm_90 and later.
+__device__ __forceinline__ void bn_cluster_barrier() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// `local[i]` of the cluster block of rank `rank` (the same shared variable in that block).
+__device__ __forceinline__ double bn_cluster_load(const double* local, u32 i, u32 rank) {
+    double v = 0.0;
+#if __CUDA_ARCH__ >= 900
+    const u32 a = (u32)__cvta_generic_to_shared(local + i);
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(r) : "memory");
+#endif
+    return v;
+}
+// The channel's totals (a, b) in every thread of every block of the cluster (P blocks).
+__device__ __forceinline__ void bn_cluster_totals(double& a, double& b, u32 P) {
+    __shared__ double pair[2], tot[2];
+    bn_block_sum2(a, b);
+    if (threadIdx.x == 0) {
+        pair[0] = a;
+        pair[1] = b;
+    }
+    bn_cluster_barrier();
+    if (threadIdx.x < 32) {
+        a = 0.0;
+        b = 0.0;
+        for (u32 k = threadIdx.x; k < P; k += 32) {
+            a += bn_cluster_load(pair, 0, k);
+            b += bn_cluster_load(pair, 1, k);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            a += __shfl_down_sync(0xffffffffu, a, o);
+            b += __shfl_down_sync(0xffffffffu, b, o);
+        }
+        if (threadIdx.x == 0) {
+            tot[0] = a;
+            tot[1] = b;
+        }
+    }
+    bn_cluster_barrier();
+    a = tot[0];
+    b = tot[1];
+}
+// bn_stats_k + chaffine_k in one launch for a channel of P blocks (one cluster).
+template <typename T, typename S, int V>
+__device__ void bn_fwdc_k(const T* x, T* y, u32 n, u32 c, u32 hw, u32 P, double count, const S* w, const S* b, S* rm, S* rv, double eps,
+                          double mom, S* aff, S* nrm, i64* nbt, int silu) {
+    typedef typename Acc<T>::type A;
+    __shared__ S ssc, ssh;
+    const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
+    u32 start, end;
+    bn_chunk(n * hv, P, p, start, end);
+    const A K = to_acc(x[(size_t)ch * hw]);
+    double s = 0.0, q = 0.0;
+    bn_shifted_sums<T, V>(x, ch, c, hw, K, start, end, s, q);
+    bn_cluster_totals(s, q, P);
+    if (threadIdx.x == 0) {
+        S sc, sh;
+        bn_stats_finish<S>(s, q, (double)K, ch, c, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, sc, sh, p == 0);
+        ssc = sc;
+        ssh = sh;
+    }
+    __syncthreads();
+    const A sc = (A)ssc, sh = (A)ssh;
+    for (u32 v = start + threadIdx.x; v < end; v += 256) {
+        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
+        A e[V];
+        ld_vec<T, V>(x, i, e);
+        bn_apply_vec<A, V>(e, sc, sh, silu);
+        st_vec<T, V>(y, i, e);
+    }
+}
+// bnb_reduce_k + bnb_dx_k in one launch for a channel of P blocks (one cluster).
+template <typename T, typename S, int V>
+__device__ void bnb_fusedc_k(const T* x, const T* g, const S* aff, const S* nrm, u32 n, u32 c, u32 hw, u32 P, int silu, double count,
+                             const S* w, int training, S* gw, S* gb, S* coef, T* dx) {
+    typedef typename Acc<T>::type A;
+    __shared__ S sk[3];
+    const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
+    const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
+    u32 start, end;
+    bn_chunk(n * hv, P, p, start, end);
+    double sa = 0.0, sq = 0.0;
+    bnb_sums<T, V>(x, g, ch, c, hw, a0, a1, n0, n1, silu, start, end, sa, sq);
+    bn_cluster_totals(sa, sq, P);
+    if (threadIdx.x == 0) bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, sk, p == 0);
+    __syncthreads();
+    const A k0 = (A)sk[0], k1 = (A)sk[1], k2 = (A)sk[2];
+    for (u32 v = start + threadIdx.x; v < end; v += 256) {
+        const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
+        A xe[V], ge[V];
+        ld_vec<T, V>(x, i, xe);
+        ld_vec<T, V>(g, i, ge);
+        bnb_dx_vec<A, V>(xe, ge, a0, a1, n0, n1, k0, k1, k2, silu);
+        st_vec<T, V>(dx, i, xe);
+    }
+}
 #define INST_BN_V(name, T, S, V, sfx)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bn_stats##sfx##_##name(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P,    \
         unsigned int* tickets, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) { \
@@ -325,6 +438,14 @@ __device__ void bnb_fused1_k(const T* x, const T* g, const S* aff, const S* nrm,
     extern "C" __global__ void __launch_bounds__(256) bnb_fused1##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,    \
         u32 n, u32 c, u32 hw, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                        \
         bnb_fused1_k<T, S, V>(x, g, aff, nrm, n, c, hw, silu, count, w, training, gw, gb, coef, dx);                                   \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bn_fwdc##sfx##_##name(const T* x, T* y, u32 n, u32 c, u32 hw, u32 P,            \
+        double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {              \
+        bn_fwdc_k<T, S, V>(x, y, n, c, hw, P, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                     \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bnb_fusedc##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,    \
+        u32 n, u32 c, u32 hw, u32 P, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                 \
+        bnb_fusedc_k<T, S, V>(x, g, aff, nrm, n, c, hw, P, silu, count, w, training, gw, gb, coef, dx);                                \
     }
 #define INST_BN(name, T, S)            \
     INST_BN_V(name, T, S, 1, )         \

@@ -31,7 +31,8 @@ pub(crate) fn batch_norm_train_stats(
 }
 
 /// The statistics and `y = act(x·scale + shift)`: for a channel small enough for one block
-/// (`bn_parts` = 1) in one launch (`bn_fwd1`, the two kernels' arithmetic), else the statistics
+/// (`bn_parts` = 1) in one launch (`bn_fwd1`, the two kernels' arithmetic), for one of 2–8 blocks
+/// in one launch of a cluster per channel (`bn_fwdc`, the same arithmetic), else the statistics
 /// launch and [`channel_affine`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn batch_norm_train_apply(
@@ -127,6 +128,23 @@ pub(super) fn bn_train(
             return Ok((Some(y), aff, nrm));
         }
     }
+    if let (Some(silu), true) = (apply, bn_cluster(dev, parts)) {
+        // 2–8 blocks per channel: one cluster each, the statistics and y in one launch.
+        let y = CudaStorage::alloc(dev, x.dtype, x.len)?;
+        if bn_vector(x.dtype, hw, &[x, &y]).0 == vsfx {
+            let f = dev.func(if vsfx.is_empty() { "bn_fwdc" } else { "bn_fwdc_v" }, sfx(x.dtype))?;
+            let (py, act, pn) = (ptr(&y), silu as i32, parts as u32);
+            dev.launch_cluster(
+                f,
+                (pn, cc, 1),
+                (256, 1, 1),
+                pn,
+                &mut args!(px, py, nn, cc, hh, pn, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt, act),
+            )?;
+            count_bn_cluster_launch();
+            return Ok((Some(y), aff, nrm));
+        }
+    }
     let part = super::super::alloc::DevBuf::alloc(dev, c * parts * 16)?;
     let (pp, pn) = (part.ptr, parts as u32);
     let f = dev.func(if vsfx.is_empty() { "bn_stats" } else { "bn_stats_v" }, sfx(x.dtype))?;
@@ -144,7 +162,7 @@ pub(super) fn bn_train(
 /// See `BackendStorage::batch_norm_act_backward`: two launches — per-(channel, block) f64 partial
 /// sums of `gz` and `gz·x̂` whose last block per channel writes the weight and bias gradients and
 /// dx's coefficients (fixed order), then one elementwise pass for dx; one launch doing both when
-/// a channel fits one block.
+/// a channel fits one block or one cluster of 2–8 blocks.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn batch_norm_act_backward(
     x: &CudaStorage,
@@ -198,6 +216,20 @@ pub(crate) fn batch_norm_act_backward(
         let f = dev.func(if vsfx.is_empty() { "bnb_fused1" } else { "bnb_fused1_v" }, sfx(x.dtype))?;
         let pdx = ptr(&dx);
         dev.launch(f, (1, cc, 1), (256, 1, 1), &mut args!(px, pg, pa, pn, nn, cc, hh, act, count, pw, train, pgw, pgb, pc, pdx))?;
+        return Ok((dx, gw, gb));
+    }
+    if bn_cluster(dev, parts) {
+        // 2–8 blocks per channel: one cluster each, the reduction and dx in one launch.
+        let f = dev.func(if vsfx.is_empty() { "bnb_fusedc" } else { "bnb_fusedc_v" }, sfx(x.dtype))?;
+        let pdx = ptr(&dx);
+        dev.launch_cluster(
+            f,
+            (pnum, cc, 1),
+            (256, 1, 1),
+            pnum,
+            &mut args!(px, pg, pa, pn, nn, cc, hh, pnum, act, count, pw, train, pgw, pgb, pc, pdx),
+        )?;
+        count_bn_cluster_launch();
         return Ok((dx, gw, gb));
     }
     let part = super::super::alloc::DevBuf::alloc(dev, c * parts * 16)?;

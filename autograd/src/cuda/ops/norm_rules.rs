@@ -63,6 +63,33 @@ pub(super) fn bn_one_launch(dev: &super::super::device::Dev, parts: usize) -> bo
     parts == 1 && dev.options().bn_one_launch
 }
 
+/// Whether a batch-norm layer of `parts` channel blocks runs one launch per direction as one
+/// thread-block cluster per channel (2–8 blocks, the portable cluster size; sm_90 and later), the
+/// two-launch kernels' arithmetic: under [`super::super::DeviceOptions::bn_one_launch`], unless
+/// `PTL_BN_CLUSTER=0`.
+pub(super) fn bn_cluster(dev: &super::super::device::Dev, parts: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("PTL_BN_CLUSTER").map_or(true, |v| v != "0"));
+    (2..=BN_CLUSTER_MAX).contains(&parts) && on && dev.clusters && dev.options().bn_one_launch
+}
+
+/// Batch-norm launches made as one cluster per channel in this process ([`bn_cluster`]).
+static CLUSTER_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts one cluster launch of the batch norm.
+pub(super) fn count_bn_cluster_launch() {
+    CLUSTER_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How many batch-norm launches (forward or backward) ran as one thread-block cluster per
+/// channel in this process, to check which path a shape takes.
+pub fn bn_cluster_launches() -> u64 {
+    CLUSTER_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The most blocks per channel [`bn_cluster`] groups in one cluster.
+pub(super) const BN_CLUSTER_MAX: usize = 8;
+
 pub(super) fn bn_channels(op: &'static str, c: usize) -> Result<u32> {
     if c > super::super::device::BN_TICKETS {
         return Err(Error::invalid(op, format!("{c} channels; the CUDA batch norm handles at most {}", super::super::device::BN_TICKETS)));
