@@ -7,7 +7,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::{DType, Result, Tensor};
+use crate::{DType, MemoryFormat, Result, Tensor};
 
 thread_local! {
     static AUTOCAST: Cell<Option<DType>> = const { Cell::new(None) };
@@ -72,7 +72,8 @@ impl Drop for AutocastGuard {
 pub fn autocast_with_weights<R>(dtype: Option<DType>, weights: &[Tensor], f: impl FnOnce() -> R) -> Result<R> {
     let Some(dt) = dtype.filter(|d| *d != DType::F32) else { return Ok(autocast(dtype, f)) };
     let f32s: Vec<Tensor> = weights.iter().filter(|w| w.dtype() == DType::F32).cloned().collect();
-    let copies = Tensor::to_dtype_many(&f32s, dt)?;
+    let formats: Vec<MemoryFormat> = f32s.iter().map(copy_format).collect();
+    let copies = Tensor::to_dtype_many_in(&f32s, dt, &formats)?;
     let map: HashMap<usize, Tensor> = f32s.iter().zip(copies).map(|(w, c)| (Arc::as_ptr(&w.0) as usize, c)).collect();
     let previous = WEIGHT_COPIES.with(|w| w.replace(Some((dt, map, recording_state()))));
     struct Restore(Option<WeightCopies>);
@@ -83,6 +84,28 @@ pub fn autocast_with_weights<R>(dtype: Option<DType>, weights: &[Tensor], f: imp
     }
     let _restore = Restore(previous);
     Ok(autocast(Some(dt), f))
+}
+
+/// The memory format of `w`'s up-front copy: O, H, W, I (channels-last) for a convolution weight
+/// with a spatial kernel and several input channels on a backend that computes channels-last
+/// convolutions — the order cuDNN's fast engines read, so no filter conversion runs inside cuDNN
+/// in the forward or the data gradient, and the weight gradient comes back in it (cast back to
+/// OIHW by the batched cast's backward). `PTL_WEIGHT_KRSC=0` keeps every copy in `w`'s format.
+fn copy_format(w: &Tensor) -> MemoryFormat {
+    let d = w.dims();
+    let spatial_weight = d.len() == 4 && d[1] > 1 && d[2] * d[3] > 1;
+    if spatial_weight && krsc_copies() && w.with_storage(|s| s.computes_channels_last_convolutions()) {
+        MemoryFormat::ChannelsLast
+    } else {
+        w.memory_format()
+    }
+}
+
+/// Whether autocast's up-front copies of convolution weights are made channels-last (see
+/// [`copy_format`]); read once per process.
+fn krsc_copies() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PTL_WEIGHT_KRSC").map_or(true, |v| v != "0"))
 }
 
 /// The up-front copy of `t` in `dt`, if [`autocast_with_weights`] made one and it may be used now.

@@ -118,9 +118,13 @@ pub enum ReduceOp {
 /// 2-D convolution geometry (logical NCHW input, OIHW weight, dilation 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Conv2dParams {
-    /// Input, output and their gradients stored N, H, W, C (the weight stays OIHW): asked only of
-    /// a backend whose [`BackendStorage::computes_channels_last_convolutions`] says so.
+    /// Input, output and their gradients stored N, H, W, C: asked only of a backend whose
+    /// [`BackendStorage::computes_channels_last_convolutions`] says so.
     pub channels_last: bool,
+    /// The weight and its gradient stored O, H, W, I (cuDNN's KRSC, the order its fast engines
+    /// read, so no filter conversion runs inside cuDNN), whatever the activations' format; asked
+    /// only of a backend that computes channels-last convolutions.
+    pub weight_channels_last: bool,
     /// Images.
     pub batch: usize,
     /// Input channels.

@@ -325,8 +325,12 @@ impl Storage {
         unary_dispatch!(self, |s| s.to_dtype(dtype))
     }
     /// Every storage cast to `dtype` (each as [`Storage::to_dtype`]); on CUDA the f32 ↔ half casts
-    /// of many tensors run as one launch per 40.
-    pub fn to_dtype_many(xs: &[&Storage], dtype: DType) -> Result<Vec<Storage>> {
+    /// of many tensors run as one launch per 40. `transposes[k] = Some((a, b))`: storage k, read
+    /// as (K, a, b), is stored (K, b, a) — in the same launch on CUDA.
+    pub fn to_dtype_many(xs: &[&Storage], dtype: DType, transposes: &[Option<(usize, usize)>]) -> Result<Vec<Storage>> {
+        if transposes.len() != xs.len() {
+            return Err(Error::invalid("to_dtype_many", format!("{} transposes for {} storages", transposes.len(), xs.len())));
+        }
         #[cfg(feature = "cuda")]
         if !xs.is_empty() && xs.iter().all(|s| matches!(s, Storage::Cuda(_))) {
             let cuda: Vec<&crate::cuda::CudaStorage> = xs
@@ -337,9 +341,23 @@ impl Storage {
                     _ => None,
                 })
                 .collect();
-            return Ok(crate::cuda::ops::to_dtype_many(&cuda, dtype)?.into_iter().map(Storage::Cuda).collect());
+            return Ok(crate::cuda::ops::to_dtype_many(&cuda, dtype, transposes)?.into_iter().map(Storage::Cuda).collect());
         }
-        xs.iter().map(|s| s.to_dtype(dtype)).collect()
+        xs.iter()
+            .zip(transposes)
+            .map(|(s, t)| {
+                let cast = s.to_dtype(dtype)?;
+                let Some((a, b)) = *t else { return Ok(cast) };
+                if a == 0 || b == 0 || cast.len() % (a * b) != 0 {
+                    return Err(Error::invalid("to_dtype_many", format!("a ({a}, {b}) transpose of a storage of {} elements", cast.len())));
+                }
+                let k = cast.len() / (a * b);
+                let mut out = Storage::uninit(cast.device(), dtype, cast.len())?;
+                let src = Layout { shape: vec![k, b, a], strides: vec![a * b, 1, b], offset: 0 };
+                cast.copy_strided(&src, &mut out, &Layout::contiguous(&[k, b, a]))?;
+                Ok(out)
+            })
+            .collect()
     }
     /// See [`BackendStorage::copy_strided`].
     pub fn copy_strided(&self, sl: &Layout, dst: &mut Storage, dl: &Layout) -> Result<()> {

@@ -1520,6 +1520,111 @@ fn channels_last_convolutions_compute_in_nhwc() {
     }
 }
 
+/// A channels-last weight (stored O, H, W, I: autocast's weight copies on CUDA) computes what the
+/// OIHW weight computes — output and both gradients within the convolution tolerance of the OIHW
+/// run (cuDNN may pick another engine for it) — through the graph API (f32, bf16), the legacy API
+/// (f64: an OIHW copy in, the gradient reordered out), ptl's thin-input weight gradient (3 input
+/// channels) and a grouped convolution with 4 input channels per group.
+#[test]
+fn channels_last_weights_compute_as_oihw_ones() {
+    use ptl_autograd::MemoryFormat;
+    let Some(dev) = gpu() else { return };
+    let rand = |dims: &[usize], seed: u64, dt: DType| Tensor::rand(dims.to_vec(), -1.0, 1.0, dt, dev, &mut Rng::new(seed)).unwrap();
+    /// Input, weight, stride, padding, groups.
+    type Shape = ([usize; 4], [usize; 4], usize, usize, usize);
+    let shapes: [Shape; 4] = [
+        ([2, 16, 12, 12], [32, 16, 3, 3], 1, 1, 1),
+        ([2, 16, 12, 12], [24, 16, 3, 3], 2, 1, 1),
+        ([2, 3, 32, 32], [16, 3, 3, 3], 2, 1, 1),
+        ([2, 16, 10, 10], [16, 4, 3, 3], 1, 1, 4),
+    ];
+    let (g0, l0) = ptl_autograd::internal::cuda::conv_paths();
+    for (i, (xs, ws, stride, pad, groups)) in shapes.into_iter().enumerate() {
+        for dt in [DType::F32, DType::BF16, DType::F64] {
+            let run = |weight_cl: bool| -> [Vec<f64>; 3] {
+                let x = rand(&xs, 10 + i as u64, dt).requires_grad_(true).unwrap();
+                let w = rand(&ws, 20 + i as u64, dt);
+                let w = if weight_cl { w.to_memory_format(MemoryFormat::ChannelsLast).unwrap() } else { w };
+                let w = w.requires_grad_(true).unwrap();
+                let y = x.conv2d(&w, None, (stride, stride), (pad, pad), groups).unwrap();
+                assert_eq!(y.memory_format(), MemoryFormat::Contiguous, "shape {i} {dt:?}: the output's format");
+                let mix = rand(y.dims(), 30 + i as u64, dt);
+                y.mul(&mix).unwrap().sum_all().unwrap().backward().unwrap();
+                let vals = |t: &Tensor| t.to_memory_format(MemoryFormat::Contiguous).unwrap().to_dtype(DType::F64).unwrap().to_f64_vec().unwrap();
+                [vals(&y), vals(&x.grad().expect("input gradient")), vals(&w.grad().expect("weight gradient"))]
+            };
+            let (oihw, ohwi) = (run(false), run(true));
+            let tol = match dt {
+                DType::F64 => 1e-12,
+                DType::F32 => 1e-5,
+                _ => 1.0 / 128.0,
+            };
+            for (k, part) in ["output", "input gradient", "weight gradient"].iter().enumerate() {
+                let scale = oihw[k].iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-6);
+                let worst = oihw[k].iter().zip(&ohwi[k]).fold(0f64, |m, (a, b)| m.max((a - b).abs())) / scale;
+                assert!(worst <= tol, "shape {i} {dt:?} {part}: max |Δ| {worst:.2e} of the largest value (tolerance {tol:.1e})");
+                println!("ok channels-last weight shape {i} {dt:?} {part}: max |Δ| {worst:.2e} of the largest value");
+            }
+        }
+    }
+    let (g1, l1) = ptl_autograd::internal::cuda::conv_paths();
+    println!("ok channels-last weights: {} convolutions through the graph API, {} through the legacy API", g1 - g0, l1 - l0);
+    assert!(l1 - l0 > 0, "the f64 runs should have taken the legacy API");
+}
+
+/// Autocast's up-front weight copies on CUDA: a 3×3 weight with several input channels is copied
+/// channels-last (O, H, W, I) in the batched cast, a 1×1 and a depthwise weight keep their format
+/// (the same bytes either way); the copy holds the plain cast's values, and the batched cast's
+/// backward hands the f32 weight an OIHW gradient with plain autocast's values (within the
+/// convolution tolerance: cuDNN reads the weight in another order).
+#[test]
+fn autocast_weight_copies_are_channels_last_on_cuda() {
+    use ptl_autograd::MemoryFormat;
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(41);
+    let x = Tensor::rand(vec![2, 8, 12, 12], -1.0, 1.0, DType::F32, dev, &mut rng).unwrap();
+    let w3 = Tensor::rand(vec![16, 8, 3, 3], -0.5, 0.5, DType::F32, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+    let w1 = Tensor::rand(vec![16, 16, 1, 1], -0.5, 0.5, DType::F32, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+    let wd = Tensor::rand(vec![16, 1, 3, 3], -0.5, 0.5, DType::F32, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+    let weights = [w3.clone(), w1.clone(), wd.clone()];
+    let formats = ptl_autograd::autocast_with_weights(Some(DType::BF16), &weights, || {
+        weights.iter().map(|w| ptl_autograd::cast_weight(w, DType::BF16).unwrap()).collect::<Vec<_>>()
+    })
+    .unwrap();
+    let krsc = std::env::var("PTL_WEIGHT_KRSC").map_or(true, |v| v != "0");
+    let want = if krsc { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
+    assert_eq!(formats.iter().map(Tensor::memory_format).collect::<Vec<_>>(), [want, MemoryFormat::Contiguous, MemoryFormat::Contiguous]);
+    let copy = &formats[0];
+    let plain = w3.to_dtype(DType::BF16).unwrap();
+    assert_eq!(copy.to_memory_format(MemoryFormat::Contiguous).unwrap().to_bytes().unwrap(), plain.to_bytes().unwrap(), "the copy's values");
+    let run = |batched: bool| -> Vec<Vec<f64>> {
+        for t in &weights {
+            t.zero_grad();
+        }
+        let f = || -> Tensor {
+            let h = x.conv2d(&w3, None, (1, 1), (1, 1), 1).unwrap();
+            let h = h.conv2d(&w1, None, (1, 1), (0, 0), 1).unwrap();
+            h.conv2d(&wd, None, (1, 1), (1, 1), 16).unwrap()
+        };
+        let y = if batched { ptl_autograd::autocast_with_weights(Some(DType::BF16), &weights, f).unwrap() } else { ptl_autograd::autocast(Some(DType::BF16), f) };
+        y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut v = vec![y.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap()];
+        for t in &weights {
+            let g = t.grad().expect("gradient");
+            assert_eq!((g.dtype(), g.memory_format()), (DType::F32, MemoryFormat::Contiguous), "a master weight's gradient");
+            v.push(g.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap());
+        }
+        v
+    };
+    let (batched, plain) = (run(true), run(false));
+    for (k, part) in ["output", "3×3 weight gradient", "1×1 weight gradient", "depthwise weight gradient"].iter().enumerate() {
+        let scale = plain[k].iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-6);
+        let worst = plain[k].iter().zip(&batched[k]).fold(0f64, |m, (a, b)| m.max((a - b).abs())) / scale;
+        assert!(worst <= 1.0 / 128.0, "{part}: max |Δ| {worst:.2e} of the largest value");
+        println!("ok autocast weight copies {part}: max |Δ| {worst:.2e} of the largest value (bytes equal: {})", worst == 0.0);
+    }
+}
+
 /// Channels-last on the GPU (step 1 of docs/channels-last.md): the conversion stores (N, H, W, C)
 /// and back, and the model's op families read a channels-last operand in the logical order —
 /// the contiguous input's output and input-gradient bytes.

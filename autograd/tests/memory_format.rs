@@ -249,3 +249,46 @@ fn batch_norm_keeps_channels_last() {
         }
     }
 }
+
+/// The batched cast with memory formats (autocast's weight copies): each result holds the bytes
+/// of a cast then a conversion, stored in the asked format; the backward hands each input a
+/// gradient in its own format with the bytes of the tensor-by-tensor path's; a 2-D tensor
+/// cannot be asked for channels-last.
+#[test]
+fn batched_casts_change_formats_on_the_way() {
+    let w3 = rand(&[6, 4, 3, 3], 50).requires_grad_(true).unwrap();
+    let w1 = rand(&[6, 6, 1, 1], 51).requires_grad_(true).unwrap();
+    let cl_in = rand(&[2, 3, 2, 5], 52).to_memory_format(MemoryFormat::ChannelsLast).unwrap().requires_grad_(true).unwrap();
+    let inputs = [w3.clone(), w1.clone(), cl_in.clone()];
+    let formats = [MemoryFormat::ChannelsLast, MemoryFormat::Contiguous, MemoryFormat::Contiguous];
+    let mix: Vec<Tensor> = inputs.iter().enumerate().map(|(i, t)| rand(t.dims(), 60 + i as u64).to_dtype(DType::BF16).unwrap()).collect();
+    let run = |batched: bool| -> Vec<Vec<u8>> {
+        for t in &inputs {
+            t.zero_grad();
+        }
+        let out = match batched {
+            true => Tensor::to_dtype_many_in(&inputs, DType::BF16, &formats).unwrap(),
+            false => inputs.iter().zip(formats).map(|(t, f)| t.to_dtype(DType::BF16).unwrap().to_memory_format(f).unwrap()).collect(),
+        };
+        let mut v = Vec::new();
+        for ((o, f), m) in out.iter().zip(formats).zip(&mix) {
+            assert_eq!((o.dtype(), o.memory_format()), (DType::BF16, f));
+            v.push(raw_bytes(o));
+            o.mul(m).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+        }
+        for t in &inputs {
+            let g = t.grad().expect("gradient");
+            assert_eq!((g.dtype(), g.to_memory_format(t.memory_format()).unwrap().memory_format()), (DType::F32, t.memory_format()));
+            v.push(g.to_bytes().unwrap());
+        }
+        v
+    };
+    let (batched, single) = (run(true), run(false));
+    assert_eq!(batched, single, "batched casts with formats against a cast and a conversion each");
+    let nhwc = w3.to_dtype(DType::BF16).unwrap().permute(&[0, 2, 3, 1]).unwrap().to_bytes().unwrap();
+    assert_eq!(batched[0], nhwc, "the 3×3 copy is stored (O, H, W, I)");
+    let e = Tensor::to_dtype_many_in(&[rand(&[4, 5], 70)], DType::BF16, &[MemoryFormat::ChannelsLast]).unwrap_err().to_string();
+    assert!(e.contains("4-D") && e.contains("[4, 5]"), "{e}");
+    let e = Tensor::to_dtype_many_in(&[rand(&[4, 5], 70)], DType::BF16, &[]).unwrap_err().to_string();
+    assert!(e.contains("0 formats for 1 tensors"), "{e}");
+}

@@ -307,7 +307,11 @@ pub(crate) fn run_into(
         return super::ops::depthwise_channels_last(dir, a, b, p, out);
     }
     if matches!(dir, Dir::BwdFilter) && super::ops::takes_thin_weight_gradient(p, dt) {
-        return super::ops::thin_weight_gradient(a, b, p, out);
+        if !p.weight_channels_last {
+            return super::ops::thin_weight_gradient(a, b, p, out);
+        }
+        let oihw = super::ops::thin_weight_gradient(a, b, p, CudaStorage::alloc(dev, dt, out.len)?)?;
+        return weight_reordered_into(&oihw, p.weight_shape(), true, out);
     }
     dev.dnn.with(
         || super::counters::time_setup(Setup::Handle, || Dnn::new(dev)),
@@ -340,8 +344,18 @@ pub(crate) fn run_into(
                 }
             }
             count_path(LibPath::ConvLegacy);
-            let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, out.buf.ptr as *mut c_void);
-            let plan = dnn.plan(p, dt, dir, tf32)?;
+            // The legacy filter descriptors are OIHW: an O, H, W, I weight goes in through an OIHW
+            // copy, and its gradient comes out through one.
+            let q = Conv2dParams { weight_channels_last: false, ..*p };
+            let (oihw_weight, oihw_grad) = match (p.weight_channels_last, dir) {
+                (false, _) => (None, None),
+                (true, Dir::BwdFilter) => (None, Some(CudaStorage::alloc(dev, dt, out.len)?)),
+                (true, _) => (Some(weight_reordered_into(b, p.weight_shape(), false, CudaStorage::alloc(dev, dt, b.len)?)?), None),
+            };
+            let b = oihw_weight.as_ref().unwrap_or(b);
+            let o = oihw_grad.as_ref().unwrap_or(&out);
+            let (pa, pb, po) = (a.buf.ptr as *const c_void, b.buf.ptr as *const c_void, o.buf.ptr as *mut c_void);
+            let plan = dnn.plan(&q, dt, dir, tf32)?;
             let lease = dnn.workspaces[slot].get(dev, plan.ws_bytes)?;
             let ws = lease.ptr as *mut c_void;
             let (af, bf) = (1f32, 0f32);
@@ -392,9 +406,28 @@ pub(crate) fn run_into(
                 }
             }
             .map_err(|err| cu_err(op, err))?;
-            Ok(out)
+            match oihw_grad {
+                Some(g) => weight_reordered_into(&g, p.weight_shape(), true, out),
+                None => Ok(out),
+            }
         },
     )
+}
+
+/// `src`, a weight of logical `dims` (O, I, H, W), written into `out` rearranged from OIHW to
+/// O, H, W, I order (`to_ohwi`) or back: one strided copy.
+fn weight_reordered_into(src: &CudaStorage, dims: [usize; 4], to_ohwi: bool, mut out: CudaStorage) -> Result<CudaStorage> {
+    use crate::shape::Layout;
+    let [o, i, h, w] = dims;
+    let hw = h * w;
+    // The source seen in the destination's order: OIHW as (o, hw, i), or OHWI as (o, i, hw).
+    let (shape, strides) = match to_ohwi {
+        true => (vec![o, hw, i], vec![i * hw, 1, hw]),
+        false => (vec![o, i, hw], vec![hw * i, 1, i]),
+    };
+    let dst = Layout::contiguous(&shape);
+    super::ops::copy_strided(src, &Layout { shape, strides, offset: 0 }, &mut out, &dst)?;
+    Ok(out)
 }
 
 /// The graph-API plan for (`p`, `dt`, `dir`, `tf32`), or `None` when no engine qualifies (legacy

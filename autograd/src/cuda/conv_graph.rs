@@ -224,9 +224,9 @@ pub(crate) fn build(
 ) -> Result<Built> {
     let want = if time.is_some() && hint.is_none() { timed_candidates().unwrap_or(TIMED_CANDIDATES) } else { 1 };
     let t = data_type(dt)?;
-    // Activations in the data's format; the weight stays OIHW.
+    // Activations in the data's format, the weight in its own (OIHW, or O, H, W, I: KRSC).
     let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t, p.channels_last)?;
-    let w = tensor(UID_W, p.weight_shape(), t, false)?;
+    let w = tensor(UID_W, p.weight_shape(), t, p.weight_channels_last)?;
     let y = tensor(UID_Y, p.out_shape(), t, p.channels_last)?;
     let conv = Desc::new(D::CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR)?;
     conv.set(A::CUDNN_ATTR_CONVOLUTION_COMP_TYPE, T::CUDNN_TYPE_DATA_TYPE, &[ns::cudnnDataType_t::CUDNN_DATA_FLOAT])?;
@@ -632,6 +632,7 @@ mod tests {
         use super::{workspace_limit, WorkspaceCap, MIN_WS};
         let mut p = crate::backend::Conv2dParams {
             channels_last: false,
+            weight_channels_last: false,
             batch: 64,
             c_in: 16,
             h_in: 320,

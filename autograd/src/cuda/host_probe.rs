@@ -72,6 +72,7 @@ pub fn host_cost_breakdown(device: Device, reps: usize) -> Result<Vec<(&'static 
     // every call) and a pack built per call (16 rotating outputs, more than a plan keeps).
     let p = Conv2dParams {
         channels_last: false,
+        weight_channels_last: false,
         batch: 1,
         c_in: 8,
         h_in: 8,

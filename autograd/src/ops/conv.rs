@@ -7,7 +7,9 @@ use crate::{Error, MemoryFormat, Result, Tensor};
 impl Tensor {
     /// NCHW convolution with an OIHW weight, optional bias, dilation 1. A channels-last input on a
     /// backend that computes so (CUDA) is convolved as it lies and gives a channels-last output
-    /// (and input gradient); elsewhere it is converted at entry (docs/channels-last.md).
+    /// (and input gradient); elsewhere it is converted at entry (docs/channels-last.md). A
+    /// channels-last weight (O, H, W, I storage, as autocast's weight copies are on CUDA) is read
+    /// as it lies there too, and its gradient comes back in that order.
     pub fn conv2d(
         &self,
         w: &Tensor,
@@ -38,11 +40,18 @@ impl Tensor {
         if stride.0 == 0 || stride.1 == 0 || xd[2] + 2 * padding.0 < wd[2] || xd[3] + 2 * padding.1 < wd[3] {
             return Err(bad("kernel larger than the padded input or zero stride".into()));
         }
-        let channels_last =
-            self.memory_format() == MemoryFormat::ChannelsLast && self.with_storage(|s| s.computes_channels_last_convolutions());
+        let computes_cl = self.with_storage(|s| s.computes_channels_last_convolutions());
+        let channels_last = self.memory_format() == MemoryFormat::ChannelsLast && computes_cl;
         let format = if channels_last { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
+        // A channels-last (O, H, W, I) weight is read as it lies where the backend computes so;
+        // for a 1×1 kernel or one input channel per group both orders are the same bytes.
+        let weight_format = w.memory_format();
+        let same_bytes = wd[1] == 1 || wd[2] * wd[3] == 1;
+        let weight_channels_last = weight_format == MemoryFormat::ChannelsLast && computes_cl && !same_bytes;
+        let weight_as_it_lies = weight_channels_last || same_bytes;
         let p = Conv2dParams {
             channels_last,
+            weight_channels_last,
             batch: xd[0],
             c_in: xd[1],
             h_in: xd[2],
@@ -54,7 +63,7 @@ impl Tensor {
             padding,
             groups,
         };
-        let s = self.storage_for(channels_last)?.conv2d(&*w.read_storage()?, &p)?;
+        let s = self.storage_for(channels_last)?.conv2d(&*w.storage_for(weight_as_it_lies)?, &p)?;
         let y = Tensor::from_storage_in(s, p.out_shape().to_vec().into(), format)?;
         let y = if (self.requires_grad() || w.requires_grad()) && crate::is_grad_enabled() {
             let (x, wt) = (self.detach(), w.detach());
@@ -75,13 +84,17 @@ impl Tensor {
                         let gw = if need_w {
                             crate::streams::beside(x.device(), || -> Result<Option<Tensor>> {
                                 let xs = x.storage_for(channels_last)?;
-                                Ok(Some(Tensor::from_storage(gs.conv2d_backward_weight(&xs, &p)?, wt.shape().clone())?))
+                                let gw = gs.conv2d_backward_weight(&xs, &p)?;
+                                // In the weight's order where it was read as it lies.
+                                let gw_format = if weight_as_it_lies { weight_format } else { MemoryFormat::Contiguous };
+                                Ok(Some(Tensor::from_storage_in(gw, wt.shape().clone(), gw_format)?))
                             })?
                         } else {
                             None
                         };
                         let gx = if need_x {
-                            Some(Tensor::from_storage_in(gs.conv2d_backward_input(&*wt.read_storage()?, &p)?, x.shape().clone(), format)?)
+                            let ws = wt.storage_for(weight_as_it_lies)?;
+                            Some(Tensor::from_storage_in(gs.conv2d_backward_input(&ws, &p)?, x.shape().clone(), format)?)
                         } else {
                             None
                         };

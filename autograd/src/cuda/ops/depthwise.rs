@@ -110,6 +110,7 @@ mod tests {
     fn only_channels_last_depthwise_shapes_in_f32_and_halves_come_here() {
         let p = Conv2dParams {
             channels_last: true,
+            weight_channels_last: false,
             batch: 2,
             c_in: 16,
             h_in: 8,

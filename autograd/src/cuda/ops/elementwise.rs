@@ -13,7 +13,7 @@ use crate::{DType, Device, Error, Result};
 use std::sync::Arc;
 
 use super::geometry::*;
-use super::multi_tensor::launch_multi_tensor;
+use super::multi_tensor::mt_tables;
 
 pub(super) fn unary_code(op: UnaryOp) -> (i32, f64, f64) {
     match op {
@@ -259,7 +259,13 @@ pub(crate) fn to_dtype(x: &CudaStorage, dt: DType) -> Result<CudaStorage> {
 
 /// Casts every storage to `dt`, the same bytes as [`to_dtype`] on each; f32 ↔ bf16/f16 run as one
 /// launch per 40 tensors (autocast's weight copies and their gradients), other pairs one by one.
-pub(crate) fn to_dtype_many(xs: &[&CudaStorage], dt: DType) -> Result<Vec<CudaStorage>> {
+/// Every storage cast to `dt`, the f32 ↔ half casts in one launch per 40; `transposes[k] =
+/// Some((a, b))` also stores storage k, read as (K, a, b), in (K, b, a) order (see `mt_cast_k`).
+pub(crate) fn to_dtype_many(xs: &[&CudaStorage], dt: DType, transposes: &[Option<(usize, usize)>]) -> Result<Vec<CudaStorage>> {
+    const OP: &str = "to_dtype_many";
+    if transposes.len() != xs.len() {
+        return Err(crate::Error::invalid(OP, format!("{} transposes for {} storages", transposes.len(), xs.len())));
+    }
     let Some(first) = xs.first() else { return Ok(Vec::new()) };
     let name = match (first.dtype, dt) {
         (DType::F32, DType::BF16) => Some("mt_cast_f32_bf16"),
@@ -268,13 +274,41 @@ pub(crate) fn to_dtype_many(xs: &[&CudaStorage], dt: DType) -> Result<Vec<CudaSt
         (DType::F16, DType::F32) => Some("mt_cast_f16_f32"),
         _ => None,
     };
+    for (x, t) in xs.iter().zip(transposes) {
+        if let Some((a, b)) = *t {
+            if a == 0 || b == 0 || x.len % (a * b) != 0 || u32::try_from(a * b).is_err() {
+                return Err(crate::Error::invalid(OP, format!("a ({a}, {b}) transpose of a storage of {} elements", x.len)));
+            }
+        }
+    }
     let uniform = xs.iter().all(|x| x.dtype == first.dtype && x.same_device("to_dtype", first).is_ok());
-    let (Some(name), true) = (name, uniform) else { return xs.iter().map(|x| to_dtype(x, dt)).collect() };
+    let (Some(name), true) = (name, uniform) else {
+        return xs.iter().zip(transposes).map(|(x, t)| transposed(to_dtype(x, dt)?, *t)).collect();
+    };
     let dev = &first.buf.dev;
     let outs = xs.iter().map(|x| CudaStorage::alloc(dev, dt, x.len)).collect::<Result<Vec<_>>>()?;
-    let items: Vec<(u64, u64, usize)> = outs.iter().zip(xs).filter(|(_, x)| x.len > 0).map(|(o, x)| (ptr(o), ptr(x), x.len)).collect();
-    launch_multi_tensor(dev, dev.func(name, "")?, &items)?;
+    let rows: Vec<([u64; 3], usize)> = outs
+        .iter()
+        .zip(xs)
+        .zip(transposes)
+        .filter(|((_, x), _)| x.len > 0)
+        .map(|((o, x), t)| ([ptr(o), ptr(x), t.map_or(0, |(a, b)| a as u64 | (b as u64) << 32)], x.len))
+        .collect();
+    let f = dev.func(name, "")?;
+    for (t, blocks) in mt_tables(OP, &rows)? {
+        dev.launch(f, (blocks, 1, 1), (256, 1, 1), &mut args!(t))?;
+    }
     Ok(outs)
+}
+
+/// `x` read as (K, a, b) and stored (K, b, a) (one strided copy), or `x` itself for `None`.
+fn transposed(x: CudaStorage, t: Option<(usize, usize)>) -> Result<CudaStorage> {
+    let Some((a, b)) = t else { return Ok(x) };
+    let k = x.len / (a * b);
+    let mut out = CudaStorage::alloc(&x.buf.dev, x.dtype, x.len)?;
+    let src = Layout { shape: vec![k, b, a], strides: vec![a * b, 1, b], offset: 0 };
+    copy_strided(&x, &src, &mut out, &Layout::contiguous(&[k, b, a]))?;
+    Ok(out)
 }
 
 pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage, dl: &Layout) -> Result<()> {

@@ -42,13 +42,24 @@ INST_MT(f16, __half)
 INST_MT(bf16, __nv_bfloat16)
 // dst_k = cast(src_k) for up to MT_ADD tensors, rounding exactly as the one-tensor casts do (f32 to
 // a half type directly, the other way exactly): autocast's weight copies of a step in one launch.
+// A nonzero ptr[2][k] = A | B << 32 also transposes the last two dimensions: src_k stored
+// (K, A, B) lands in dst_k as (K, B, A) — a 4-D weight between OIHW and O, H, W, I order.
 template <typename S, typename D>
 __device__ void mt_cast_k(const MtTable& t) {
     u32 base, end;
     const u32 k = mt_locate(t, base, end);
     D* d = reinterpret_cast<D*>(t.ptr[0][k]);
     const S* s = reinterpret_cast<const S*>(t.ptr[1][k]);
-    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = mt_conv<S, D>(s[i]);
+    const unsigned long long tr = t.ptr[2][k];
+    if (tr == 0) {
+        for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = mt_conv<S, D>(s[i]);
+        return;
+    }
+    const u32 A = (u32)(tr & 0xffffffffull), B = (u32)(tr >> 32), AB = A * B;
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) {
+        const u32 kk = i / AB, r = i - kk * AB, b = r / A, a = r - b * A;
+        d[i] = mt_conv<S, D>(s[kk * AB + a * B + b]);
+    }
 }
 extern "C" __global__ void mt_cast_f32_bf16(const MtTable t) { mt_cast_k<float, __nv_bfloat16>(t); }
 extern "C" __global__ void mt_cast_f32_f16(const MtTable t) { mt_cast_k<float, __half>(t); }

@@ -115,6 +115,7 @@ mod tests {
     fn conv(c_in: usize, c_out: usize, k: usize, stride: usize, w_in: usize) -> Conv2dParams {
         Conv2dParams {
             channels_last: false,
+            weight_channels_last: false,
             batch: 64,
             c_in,
             h_in: w_in,
