@@ -1550,7 +1550,8 @@ fn channels_last_weights_compute_as_oihw_ones() {
                 assert_eq!(y.memory_format(), MemoryFormat::Contiguous, "shape {i} {dt:?}: the output's format");
                 let mix = rand(y.dims(), 30 + i as u64, dt);
                 y.mul(&mix).unwrap().sum_all().unwrap().backward().unwrap();
-                let vals = |t: &Tensor| t.to_memory_format(MemoryFormat::Contiguous).unwrap().to_dtype(DType::F64).unwrap().to_f64_vec().unwrap();
+                let vals =
+                    |t: &Tensor| t.to_memory_format(MemoryFormat::Contiguous).unwrap().to_dtype(DType::F64).unwrap().to_f64_vec().unwrap();
                 [vals(&y), vals(&x.grad().expect("input gradient")), vals(&w.grad().expect("weight gradient"))]
             };
             let (oihw, ohwi) = (run(false), run(true));
@@ -1596,7 +1597,11 @@ fn autocast_weight_copies_are_channels_last_on_cuda() {
     assert_eq!(formats.iter().map(Tensor::memory_format).collect::<Vec<_>>(), [want, MemoryFormat::Contiguous, MemoryFormat::Contiguous]);
     let copy = &formats[0];
     let plain = w3.to_dtype(DType::BF16).unwrap();
-    assert_eq!(copy.to_memory_format(MemoryFormat::Contiguous).unwrap().to_bytes().unwrap(), plain.to_bytes().unwrap(), "the copy's values");
+    assert_eq!(
+        copy.to_memory_format(MemoryFormat::Contiguous).unwrap().to_bytes().unwrap(),
+        plain.to_bytes().unwrap(),
+        "the copy's values"
+    );
     let run = |batched: bool| -> Vec<Vec<f64>> {
         for t in &weights {
             t.zero_grad();
@@ -1606,7 +1611,11 @@ fn autocast_weight_copies_are_channels_last_on_cuda() {
             let h = h.conv2d(&w1, None, (1, 1), (0, 0), 1).unwrap();
             h.conv2d(&wd, None, (1, 1), (1, 1), 16).unwrap()
         };
-        let y = if batched { ptl_autograd::autocast_with_weights(Some(DType::BF16), &weights, f).unwrap() } else { ptl_autograd::autocast(Some(DType::BF16), f) };
+        let y = if batched {
+            ptl_autograd::autocast_with_weights(Some(DType::BF16), &weights, f).unwrap()
+        } else {
+            ptl_autograd::autocast(Some(DType::BF16), f)
+        };
         y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
         let mut v = vec![y.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap()];
         for t in &weights {

@@ -265,7 +265,8 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
 /// (empty for none). Arms of one variant run the same convolution engines, so their bytes agree.
 fn numeric_variant(arm: &str) -> String {
     let arm = arm.strip_suffix("-cold").unwrap_or(arm);
-    let mut parts: Vec<&str> = arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws" | "timed" | "timedall" | "oihw")).collect();
+    let mut parts: Vec<&str> =
+        arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws" | "timed" | "timedall" | "oihw")).collect();
     parts.sort_unstable();
     parts.iter().map(|p| format!("+{p}")).collect()
 }
