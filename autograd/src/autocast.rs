@@ -120,14 +120,39 @@ fn weight_copy(t: &Tensor, dt: DType) -> Option<Tensor> {
 }
 
 /// `t.to_dtype(dtype)`, taking the up-front copy of [`autocast_with_weights`] when there is one —
-/// for modules that cast a parameter to their input's dtype themselves.
+/// for modules that cast a parameter to their input's dtype themselves. Either way the cast is
+/// in the format the up-front copy has ([`copy_format`]), so a convolution reads the weight in
+/// the same order (and picks the same engine, the same bytes) whether the copy was made up front,
+/// inside a recorded region or at a second use.
 pub fn cast_weight(t: &Tensor, dtype: DType) -> Result<Tensor> {
     if t.dtype() == DType::F32 {
         if let Some(c) = weight_copy(t, dtype) {
             return Ok(c);
         }
     }
-    t.to_dtype(dtype)
+    cast_in_copy_format(t, dtype)
+}
+
+/// `t` cast to `dtype` in its up-front copy's format: a channels-last copy through the batched
+/// cast (one launch, which transposes on the way), anything else through [`Tensor::to_dtype`].
+fn cast_in_copy_format(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    let format = copy_format(t);
+    if t.dtype() == dtype || format == t.memory_format() || !dtype.is_float() || !t.dtype().is_float() {
+        return t.to_dtype(dtype);
+    }
+    Ok(Tensor::to_dtype_many_in(std::slice::from_ref(t), dtype, &[format])?.remove(0))
+}
+
+/// A convolution's weight operand under autocast: [`cast_for_compute`], with the cast at use in
+/// the up-front copy's format (see [`cast_weight`]).
+pub(crate) fn cast_conv_weight_for_compute(w: &Tensor) -> Result<Tensor> {
+    match autocast_dtype() {
+        Some(dt) if w.dtype() == DType::F32 && dt != DType::F32 => match weight_copy(w, dt) {
+            Some(c) => Ok(c),
+            None => cast_in_copy_format(w, dt),
+        },
+        _ => Ok(w.clone()),
+    }
 }
 
 /// Casts an f32 operand to the autocast dtype when autocast is active.

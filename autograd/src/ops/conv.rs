@@ -19,7 +19,7 @@ impl Tensor {
         groups: usize,
     ) -> Result<Tensor> {
         if crate::autocast::autocast_dtype().is_some() {
-            let (x, w) = (crate::autocast::cast_for_compute(self)?, crate::autocast::cast_for_compute(w)?);
+            let (x, w) = (crate::autocast::cast_for_compute(self)?, crate::autocast::cast_conv_weight_for_compute(w)?);
             let b = bias.map(crate::autocast::cast_for_compute).transpose()?;
             return crate::autocast::autocast(None, || x.conv2d(&w, b.as_ref(), stride, padding, groups));
         }
