@@ -90,7 +90,8 @@ pub fn autocast_with_weights<R>(dtype: Option<DType>, weights: &[Tensor], f: imp
 /// with a spatial kernel and several input channels on a backend that computes channels-last
 /// convolutions — the order cuDNN's fast engines read, so no filter conversion runs inside cuDNN
 /// in the forward or the data gradient, and the weight gradient comes back in it (cast back to
-/// OIHW by the batched cast's backward). `PTL_WEIGHT_KRSC=0` keeps every copy in `w`'s format.
+/// OIHW by the batched cast's backward). Opt-in, `PTL_WEIGHT_KRSC=1`; otherwise every copy keeps
+/// `w`'s format.
 fn copy_format(w: &Tensor) -> MemoryFormat {
     let d = w.dims();
     let spatial_weight = d.len() == 4 && d[1] > 1 && d[2] * d[3] > 1;
@@ -102,10 +103,10 @@ fn copy_format(w: &Tensor) -> MemoryFormat {
 }
 
 /// Whether autocast's up-front copies of convolution weights are made channels-last (see
-/// [`copy_format`]); read once per process.
+/// [`copy_format`]): `PTL_WEIGHT_KRSC=1`, read once per process.
 fn krsc_copies() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PTL_WEIGHT_KRSC").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| std::env::var("PTL_WEIGHT_KRSC").is_ok_and(|v| v == "1"))
 }
 
 /// The up-front copy of `t` in `dt`, if [`autocast_with_weights`] made one and it may be used now.

@@ -36,8 +36,8 @@ options:
                      (PTL_CUDNN_WORKSPACE_MIB=auto: per-shape cuDNN workspaces) and/or +timed
                      (PTL_CUDNN_TIMED=1: convolution engines chosen by timing among cuDNN's first
                      six) or +timedall (PTL_CUDNN_TIMED=all: among every usable engine),
-                     +oihw (PTL_WEIGHT_KRSC=0: autocast's convolution weight copies in OIHW order,
-                     converted inside cuDNN, instead of K, R, S, C),
+                     +krsc (PTL_WEIGHT_KRSC=1: autocast's convolution weight copies in K, R, S, C
+                     order, which cuDNN reads without converting the filter),
                      +onestream (PTL_SIDE_STREAM=0: no second stream for weight gradients and the
                      one-to-one head; +side8 with eight side tasks in flight instead of three,
                      +sidenp with both streams at one priority: all with the same bytes)
@@ -228,7 +228,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         ("+ws", None),
         ("+timed", None),
         ("+timedall", None),
-        ("+oihw", None),
+        ("+krsc", None),
         ("+onestream", None),
         ("+side8", None),
         ("+sidenp", None),
@@ -256,17 +256,17 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +oihw for OIHW weight copies and/or +onestream / +side8 / +sidenp for the second stream)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc for K, R, S, C weight copies and/or +onestream / +side8 / +sidenp for the second stream)"
         )),
     }
 }
 
-/// The numeric variant of an arm: its `+strict`, `+cl`, `+ws`, `+timed` and `+oihw` suffixes, sorted and joined
+/// The numeric variant of an arm: its `+strict`, `+cl`, `+ws`, `+timed` and `+krsc` suffixes, sorted and joined
 /// (empty for none). Arms of one variant run the same convolution engines, so their bytes agree.
 fn numeric_variant(arm: &str) -> String {
     let arm = arm.strip_suffix("-cold").unwrap_or(arm);
     let mut parts: Vec<&str> =
-        arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws" | "timed" | "timedall" | "oihw")).collect();
+        arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws" | "timed" | "timedall" | "krsc")).collect();
     parts.sort_unstable();
     parts.iter().map(|p| format!("+{p}")).collect()
 }
@@ -274,8 +274,8 @@ fn numeric_variant(arm: &str) -> String {
 /// Environment variables of a ptl arm's process: `+ws` sets `PTL_CUDNN_WORKSPACE_MIB=auto` (the
 /// cuDNN workspace cap follows each convolution's tensors), `+timed` sets `PTL_CUDNN_TIMED=1`
 /// (convolution engines chosen by timing among the first six of cuDNN's ranking), `+timedall`
-/// `PTL_CUDNN_TIMED=all` (among every usable engine), `+oihw` `PTL_WEIGHT_KRSC=0` (autocast's
-/// weight copies in OIHW order), `+onestream` `PTL_SIDE_STREAM=0` (no second
+/// `PTL_CUDNN_TIMED=all` (among every usable engine), `+krsc` `PTL_WEIGHT_KRSC=1` (autocast's
+/// weight copies in K, R, S, C order), `+onestream` `PTL_SIDE_STREAM=0` (no second
 /// stream beside the main chain), `+side8` eight side tasks in flight instead of three and
 /// `+sidenp` both streams at one priority.
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
@@ -290,8 +290,8 @@ fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     if parts.contains(&"timedall") {
         env.push(("PTL_CUDNN_TIMED", "all"));
     }
-    if parts.contains(&"oihw") {
-        env.push(("PTL_WEIGHT_KRSC", "0"));
+    if parts.contains(&"krsc") {
+        env.push(("PTL_WEIGHT_KRSC", "1"));
     }
     if parts.contains(&"onestream") {
         env.push(("PTL_SIDE_STREAM", "0"));
@@ -1602,8 +1602,8 @@ mod tests {
         assert_eq!(numeric_variant("dense+timed+ws"), "+timed+ws");
         assert_eq!(arm_env("all+dense+timedall"), [("PTL_CUDNN_TIMED", "all")]);
         assert_eq!(arm_env("all+dense+onestream"), [("PTL_SIDE_STREAM", "0")]);
-        assert_eq!(arm_env("all+dense+oihw"), [("PTL_WEIGHT_KRSC", "0")]);
-        assert_eq!(numeric_variant("all+dense+oihw"), "+oihw", "other engines may run: its own hashes");
+        assert_eq!(arm_env("all+dense+krsc"), [("PTL_WEIGHT_KRSC", "1")]);
+        assert_eq!(numeric_variant("all+dense+krsc"), "+krsc", "other engines may run: its own hashes");
         assert_eq!(arm_env("dense+side8"), [("PTL_SIDE_IN_FLIGHT", "8")]);
         assert_eq!(arm_env("dense+sidenp"), [("PTL_SIDE_PRIORITY", "0")]);
         assert_eq!(arm_overrides("all+dense+onestream").unwrap(), ["replay=all", "loss_assigner=dense"]);
