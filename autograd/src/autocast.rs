@@ -122,7 +122,8 @@ fn weight_copy(t: &Tensor, dt: DType) -> Option<Tensor> {
 
 /// `t.to_dtype(dtype)`, taking the up-front copy of [`autocast_with_weights`] when there is one —
 /// for modules that cast a parameter to their input's dtype themselves. Either way the cast is
-/// in the format the up-front copy has ([`copy_format`]), so a convolution reads the weight in
+/// in the format the up-front copy has (K, R, S, C for a convolution weight under
+/// `PTL_WEIGHT_KRSC=1` on CUDA, else the weight's own), so a convolution reads the weight in
 /// the same order (and picks the same engine, the same bytes) whether the copy was made up front,
 /// inside a recorded region or at a second use.
 pub fn cast_weight(t: &Tensor, dtype: DType) -> Result<Tensor> {
