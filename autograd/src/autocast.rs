@@ -102,11 +102,20 @@ fn copy_format(w: &Tensor) -> MemoryFormat {
     }
 }
 
+/// Whether autocast's up-front copies of convolution weights are made channels-last when
+/// `PTL_WEIGHT_KRSC` is not set.
+const KRSC_COPIES_BY_DEFAULT: bool = false;
+
 /// Whether autocast's up-front copies of convolution weights are made channels-last (see
-/// [`copy_format`]): `PTL_WEIGHT_KRSC=1`, read once per process.
+/// [`copy_format`]): `PTL_WEIGHT_KRSC=1` on, `0` off, else [`KRSC_COPIES_BY_DEFAULT`]; read once
+/// per process.
 fn krsc_copies() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PTL_WEIGHT_KRSC").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| match std::env::var("PTL_WEIGHT_KRSC").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => KRSC_COPIES_BY_DEFAULT,
+    })
 }
 
 /// The up-front copy of `t` in `dt`, if [`autocast_with_weights`] made one and it may be used now.

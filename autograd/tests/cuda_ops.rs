@@ -1827,3 +1827,34 @@ fn side_stream_weight_gradients_match_one_stream() {
         stats.tasks, stats.peak_held_bytes
     );
 }
+
+/// Programmatic dependent launch: each kernel's blocks may be scheduled while its predecessor
+/// ends, and must wait for its writes. A chain alternating a kernel of many waves (2^24 elements)
+/// with small ones that read the elements its last blocks write, then a reduction over all of it:
+/// a kernel that read before its predecessor had finished would see a count one short.
+#[test]
+fn dependent_launches_see_their_predecessors_writes() {
+    let Some(dev) = gpu() else {
+        println!("skipping: no usable GPU");
+        return;
+    };
+    let on = ptl_autograd::cuda::dependent_launch(dev);
+    match std::env::var("PTL_PDL").as_deref() {
+        Ok("1") => assert_eq!(on, ptl_autograd::cuda::has_clusters(dev), "PTL_PDL=1: dependent launches from sm_90 on"),
+        Ok("0") => assert!(!on, "PTL_PDL=0: no dependent launches"),
+        _ => {}
+    }
+    println!("dependent launch: {on}");
+    let n = 1usize << 24;
+    let rounds = 60;
+    let mut big = Tensor::zeros(vec![n], DType::F32, dev).unwrap();
+    let mut tail = Tensor::zeros(vec![4096], DType::F32, dev).unwrap();
+    for _ in 0..rounds {
+        big = big.affine(1.0, 1.0).unwrap();
+        tail = tail.add(&big.narrow(0, n - 4096, 4096).unwrap()).unwrap();
+    }
+    let total = big.to_dtype(DType::F64).unwrap().sum_all().unwrap().item().unwrap();
+    assert_eq!(total, (n * rounds) as f64, "every element counted {rounds} times");
+    let want = (rounds * (rounds + 1) / 2) as f64;
+    assert!(tail.to_f64_vec().unwrap().iter().all(|&v| v == want), "the small kernels read each round's count ({want})");
+}

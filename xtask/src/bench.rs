@@ -229,6 +229,9 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         ("+timed", None),
         ("+timedall", None),
         ("+krsc", None),
+        ("+oihw", None),
+        ("+pdl", None),
+        ("+nopdl", None),
         ("+onestream", None),
         ("+side8", None),
         ("+sidenp", None),
@@ -256,17 +259,17 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc for K, R, S, C weight copies and/or +onestream / +side8 / +sidenp for the second stream)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp for the second stream)"
         )),
     }
 }
 
-/// The numeric variant of an arm: its `+strict`, `+cl`, `+ws`, `+timed` and `+krsc` suffixes, sorted and joined
+/// The numeric variant of an arm: its `+strict`, `+cl`, `+ws`, `+timed`, `+krsc` and `+oihw` suffixes, sorted and joined
 /// (empty for none). Arms of one variant run the same convolution engines, so their bytes agree.
 fn numeric_variant(arm: &str) -> String {
     let arm = arm.strip_suffix("-cold").unwrap_or(arm);
     let mut parts: Vec<&str> =
-        arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws" | "timed" | "timedall" | "krsc")).collect();
+        arm.split('+').skip(1).filter(|p| matches!(*p, "strict" | "cl" | "ws" | "timed" | "timedall" | "krsc" | "oihw")).collect();
     parts.sort_unstable();
     parts.iter().map(|p| format!("+{p}")).collect()
 }
@@ -275,7 +278,9 @@ fn numeric_variant(arm: &str) -> String {
 /// cuDNN workspace cap follows each convolution's tensors), `+timed` sets `PTL_CUDNN_TIMED=1`
 /// (convolution engines chosen by timing among the first six of cuDNN's ranking), `+timedall`
 /// `PTL_CUDNN_TIMED=all` (among every usable engine), `+krsc` `PTL_WEIGHT_KRSC=1` (autocast's
-/// weight copies in K, R, S, C order), `+onestream` `PTL_SIDE_STREAM=0` (no second
+/// weight copies in K, R, S, C order) and `+oihw` `PTL_WEIGHT_KRSC=0` (in O, I, H, W order),
+/// `+pdl` / `+nopdl` `PTL_PDL=1` / `0` (kernels launched with / without programmatic dependent
+/// launch), `+onestream` `PTL_SIDE_STREAM=0` (no second
 /// stream beside the main chain), `+side8` eight side tasks in flight instead of three and
 /// `+sidenp` both streams at one priority.
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
@@ -292,6 +297,15 @@ fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     }
     if parts.contains(&"krsc") {
         env.push(("PTL_WEIGHT_KRSC", "1"));
+    }
+    if parts.contains(&"oihw") {
+        env.push(("PTL_WEIGHT_KRSC", "0"));
+    }
+    if parts.contains(&"pdl") {
+        env.push(("PTL_PDL", "1"));
+    }
+    if parts.contains(&"nopdl") {
+        env.push(("PTL_PDL", "0"));
     }
     if parts.contains(&"onestream") {
         env.push(("PTL_SIDE_STREAM", "0"));
@@ -1603,6 +1617,11 @@ mod tests {
         assert_eq!(arm_env("all+dense+timedall"), [("PTL_CUDNN_TIMED", "all")]);
         assert_eq!(arm_env("all+dense+onestream"), [("PTL_SIDE_STREAM", "0")]);
         assert_eq!(arm_env("all+dense+krsc"), [("PTL_WEIGHT_KRSC", "1")]);
+        assert_eq!(arm_env("all+dense+oihw+nopdl"), [("PTL_WEIGHT_KRSC", "0"), ("PTL_PDL", "0")]);
+        assert_eq!(arm_env("all+dense+pdl"), [("PTL_PDL", "1")]);
+        assert_eq!(numeric_variant("all+dense+nopdl"), "", "the same engines and bytes as all+dense");
+        assert_eq!(numeric_variant("all+dense+pdl"), "");
+        assert_eq!(numeric_variant("all+dense+oihw"), "+oihw");
         assert_eq!(numeric_variant("all+dense+krsc"), "+krsc", "other engines may run: its own hashes");
         assert_eq!(arm_env("dense+side8"), [("PTL_SIDE_IN_FLIGHT", "8")]);
         assert_eq!(arm_env("dense+sidenp"), [("PTL_SIDE_PRIORITY", "0")]);

@@ -201,6 +201,23 @@ pub(crate) struct Dev {
     pub options: Mutex<DeviceOptions>,
     /// Thread-block clusters can be launched (compute capability 9.0 and later).
     pub clusters: bool,
+    /// The units' kernels are launched with programmatic stream serialization (compute capability
+    /// 9.0 and later, `PTL_PDL`): the next kernel's blocks may be scheduled while this one
+    /// ends, and wait at entry for its writes (`ops/prelude.cuh`, `ptl_kernel_entry`).
+    pub dependent_launch: bool,
+}
+
+/// Whether kernels are launched dependent where `PTL_PDL` is not set.
+const DEPENDENT_LAUNCH_BY_DEFAULT: bool = false;
+
+/// `PTL_PDL=1` turns programmatic dependent launch on, `0` off (the bytes are the same either way);
+/// else [`DEPENDENT_LAUNCH_BY_DEFAULT`].
+fn dependent_launch_from_env() -> bool {
+    match std::env::var("PTL_PDL").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => DEPENDENT_LAUNCH_BY_DEFAULT,
+    }
 }
 
 // SAFETY: the raw handles are process-global driver objects; all mutation goes through mutexes or
@@ -276,8 +293,10 @@ impl Dev {
         }
         .map_err(|e| init("pool release threshold", &e))?;
         let (major, minor) = ctx.compute_capability().map_err(|e| init("compute capability", &e))?;
-        let modules = super::module_cache::load_modules(&ctx, &super::kernel_units::UNITS, major, minor).map_err(|e| {
-            CudaSetupError::Init { detail: format!("kernels (CUDA headers from {}/include; set CUDA_HOME): {e}", cuda_home()) }
+        let units = super::kernel_units::compiled_units();
+        let units: Vec<(&str, &str)> = units.iter().map(|(name, source)| (*name, source.as_str())).collect();
+        let modules = super::module_cache::load_modules(&ctx, &units, major, minor).map_err(|e| CudaSetupError::Init {
+            detail: format!("kernels (CUDA headers from {}/include; set CUDA_HOME): {e}", cuda_home()),
         })?;
         let (cache_limit, cache_max_block) =
             super::block_cache::cache_limits_from_env().map_err(|detail| CudaSetupError::Init { detail })?;
@@ -316,6 +335,7 @@ impl Dev {
             side_bn_tickets,
             options: Mutex::new(DeviceOptions::default()),
             clusters: major >= 9,
+            dependent_launch: major >= 9 && dependent_launch_from_env(),
         })
     }
 
@@ -364,11 +384,58 @@ impl Dev {
         self.launch(f, (blocks, 1, 1), (block, 1, 1), params)
     }
 
+    /// Launches one of the units' kernels on this thread's stream.
     #[inline]
     pub fn launch(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), params: &mut [*mut c_void]) -> Result<()> {
+        if self.dependent_launch {
+            return self.launch_ex(f, grid, block, None, params);
+        }
         super::counters::count(super::counters::Count::KernelLaunch);
         // SAFETY: every caller passes pointers to live arguments matching the kernel signature.
         unsafe { dr::launch_kernel(f, grid, block, 0, self.stream(), params) }.map_err(|e| cu_err("kernel launch", e))
+    }
+
+    /// `cuLaunchKernelEx` with a cluster dimension (when given) and programmatic stream
+    /// serialization (when [`Dev::dependent_launch`]).
+    fn launch_ex(
+        &self,
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        cluster_x: Option<u32>,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        super::counters::count(super::counters::Count::KernelLaunch);
+        // SAFETY: plain-data attributes; zero is a valid bit pattern (the "ignore" attribute).
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if let Some(x) = cluster_x {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y: 1, z: 1 };
+            n += 1;
+        }
+        if self.dependent_launch {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: 0,
+            hStream: self.stream(),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
+        };
+        // SAFETY: every caller passes pointers to live arguments matching the kernel signature;
+        // the configuration and its attributes live across the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| cu_err("kernel launch (cuLaunchKernelEx)", e))
     }
 
     /// [`Dev::launch`] with the grid's blocks grouped in thread-block clusters of `cluster_x` × 1
@@ -386,27 +453,7 @@ impl Dev {
                 "a cluster launch of {cluster_x} blocks over a grid of {grid:?} on a device without clusters or not divisible by it"
             )));
         }
-        super::counters::count(super::counters::Count::KernelLaunch);
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster_x, y: 1, z: 1 };
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid.0,
-            gridDimY: grid.1,
-            gridDimZ: grid.2,
-            blockDimX: block.0,
-            blockDimY: block.1,
-            blockDimZ: block.2,
-            sharedMemBytes: 0,
-            hStream: self.stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        // SAFETY: every caller passes pointers to live arguments matching the kernel signature;
-        // the configuration and its one attribute live across the call.
-        unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()
-            .map_err(|e| cu_err("kernel launch (cluster)", e))
+        self.launch_ex(f, grid, block, Some(cluster_x), params)
     }
 
     /// The stream this thread queues work on: the side stream inside a side task

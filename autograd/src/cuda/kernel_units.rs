@@ -26,9 +26,52 @@ pub(crate) const UNITS: [(&str, &str); 12] = [
     unit!("narrow_wgrad"),
 ];
 
+/// The call every kernel body opens with (`ops/prelude.cuh`: programmatic dependent launch).
+pub(crate) const ENTRY_CALL: &str = "ptl_kernel_entry();";
+
+/// [`UNITS`] as compiled: every kernel's body opens with [`ENTRY_CALL`] ([`with_entry_waits`]).
+pub(crate) fn compiled_units() -> Vec<(&'static str, String)> {
+    UNITS.iter().map(|&(name, source)| (name, with_entry_waits(source))).collect()
+}
+
+/// `source` with [`ENTRY_CALL`] right after the opening brace of every `__global__` function
+/// definition (declarations and mentions in `//` comments are left alone). Done when the unit is
+/// assembled rather than written into each kernel, so that no kernel can miss it: a kernel
+/// launched with the programmatic-serialization attribute but without the wait could read its
+/// predecessor's output before it is written.
+pub(crate) fn with_entry_waits(source: &str) -> String {
+    const KEY: &str = "__global__";
+    let mut out = String::with_capacity(source.len() + 4096);
+    let mut done = 0;
+    for (at, _) in source.match_indices(KEY) {
+        let line_start = source[..at].rfind('\n').map_or(0, |i| i + 1);
+        if at < done || source[line_start..at].contains("//") {
+            continue;
+        }
+        let mut depth = 0i32;
+        for (i, c) in source[at + KEY.len()..].char_indices() {
+            match c {
+                '(' => depth += 1,
+                ')' => depth -= 1,
+                ';' if depth == 0 => break,
+                '{' if depth == 0 => {
+                    let body = at + KEY.len() + i + 1;
+                    out.push_str(&source[done..body]);
+                    out.push_str(ENTRY_CALL);
+                    done = body;
+                    break;
+                }
+                _ => {}
+            }
+        }
+    }
+    out.push_str(&source[done..]);
+    out
+}
+
 #[cfg(test)]
 mod tests {
-    use super::UNITS;
+    use super::{with_entry_waits, ENTRY_CALL, UNITS};
 
     /// The launchers, in the order of [`UNITS`].
     const LAUNCHERS: [(&str, &str); 12] = [
@@ -112,5 +155,35 @@ mod tests {
             assert!(UNITS[..i].iter().all(|(other, _)| other != name), "{name} twice");
             assert!(source.contains("extern \"C\" __global__"), "{name} defines no kernel");
         }
+    }
+
+    #[test]
+    fn every_kernel_body_opens_with_the_entry_wait() {
+        for (name, source) in UNITS {
+            let compiled = with_entry_waits(source);
+            let kernels = source.lines().filter(|l| l.contains("__global__") && !l.trim_start().starts_with("//")).count();
+            assert!(kernels > 0, "{name}");
+            assert_eq!(compiled.matches(ENTRY_CALL).count(), kernels, "{name}: one entry wait per kernel");
+            for (at, _) in compiled.match_indices(ENTRY_CALL) {
+                let before = compiled[..at].trim_end();
+                assert!(before.ends_with('{'), "{name}: the wait opens a body");
+                let head = &compiled[before.rfind("__global__").unwrap_or(0)..at];
+                assert!(!head.contains(';'), "{name}: the wait is the first statement of its kernel: {head}");
+            }
+            assert_eq!(compiled.replace(ENTRY_CALL, ""), source, "{name}: nothing else changes");
+        }
+    }
+
+    #[test]
+    fn the_entry_wait_skips_declarations_comments_and_handles_macros() {
+        let src = "// __global__ void not_this() {}\n\
+                   extern \"C\" __global__ void decl(int a);\n\
+                   extern \"C\" __global__ void __launch_bounds__(256) k(const float* x, int n) { if (n) { x++; } }\n\
+                   #define INST(n) extern \"C\" __global__ void n(int a) \\\n  { f(a); }\n";
+        let out = with_entry_waits(src);
+        assert_eq!(out.matches(ENTRY_CALL).count(), 2, "{out}");
+        assert!(out.contains(&format!("int n) {{{ENTRY_CALL} if (n)")), "{out}");
+        assert!(out.contains(&format!("{{{ENTRY_CALL} f(a); }}")), "{out}");
+        assert!(out.contains("void decl(int a);\n"), "{out}");
     }
 }

@@ -95,6 +95,12 @@ pub fn has_clusters(device: Device) -> bool {
     dev_of(device).is_ok_and(|d| d.clusters)
 }
 
+/// Whether `device` launches ptl's kernels with programmatic dependent launch (compute capability
+/// 9.0 and later, `PTL_PDL`; the same bytes either way); false for a device that does not open.
+pub fn dependent_launch(device: Device) -> bool {
+    dev_of(device).is_ok_and(|d| d.dependent_launch)
+}
+
 use device::{cu_err, dev_of, Dev};
 pub use storage::CudaStorage;
 

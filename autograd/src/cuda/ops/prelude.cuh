@@ -14,6 +14,20 @@ typedef unsigned char u8;
 typedef unsigned int u32;
 
 #define MAXD 8
+
+// Programmatic dependent launch (compute capability 9.0 and later). Every kernel's body opens with
+// this call, inserted when its unit is compiled (kernel_units.rs: `with_entry_waits`): it waits
+// until the kernel before it in the stream has ended and its writes are visible — a no-op for a
+// launch without the attribute — and only then lets the next kernel's blocks be scheduled, so
+// those are resident and waiting when this one ends instead of being launched after it. Nothing is
+// read or written before the wait, so the bytes are those of plain stream order.
+__device__ __forceinline__ void ptl_kernel_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #define F_INF __int_as_float(0x7f800000)
 #define D_INF __longlong_as_double(0x7ff0000000000000LL)
 
