@@ -90,7 +90,7 @@ pub fn autocast_with_weights<R>(dtype: Option<DType>, weights: &[Tensor], f: imp
 /// with a spatial kernel and several input channels on a backend that computes channels-last
 /// convolutions — the order cuDNN's fast engines read, so no filter conversion runs inside cuDNN
 /// in the forward or the data gradient, and the weight gradient comes back in it (cast back to
-/// OIHW by the batched cast's backward). Opt-in, `PTL_WEIGHT_KRSC=1`; otherwise every copy keeps
+/// OIHW by the batched cast's backward) when [`krsc_copies`] says so; otherwise every copy keeps
 /// `w`'s format.
 fn copy_format(w: &Tensor) -> MemoryFormat {
     let d = w.dims();
@@ -106,10 +106,10 @@ fn copy_format(w: &Tensor) -> MemoryFormat {
 /// `PTL_WEIGHT_KRSC` is not set.
 const KRSC_COPIES_BY_DEFAULT: bool = false;
 
-/// Whether autocast's up-front copies of convolution weights are made channels-last (see
-/// [`copy_format`]): `PTL_WEIGHT_KRSC=1` on, `0` off, else [`KRSC_COPIES_BY_DEFAULT`]; read once
-/// per process.
-fn krsc_copies() -> bool {
+/// Whether autocast's up-front copies of convolution weights with a spatial kernel are made
+/// K, R, S, C (channels-last) on a backend that computes channels-last convolutions:
+/// `PTL_WEIGHT_KRSC=1` on, `0` off, else the default; read once per process.
+pub fn krsc_copies() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| match std::env::var("PTL_WEIGHT_KRSC").as_deref() {
         Ok("1") => true,

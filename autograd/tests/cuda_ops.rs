@@ -1573,9 +1573,9 @@ fn channels_last_weights_compute_as_oihw_ones() {
     assert!(l1 - l0 > 0, "the f64 runs should have taken the legacy API");
 }
 
-/// Autocast's up-front weight copies on CUDA with `PTL_WEIGHT_KRSC=1` (device-pack runs this test
-/// with and without it): a 3×3 weight with several input channels is copied channels-last
-/// (O, H, W, I) in the batched cast (without the switch: contiguous), a 1×1 and a depthwise weight keep their format
+/// Autocast's up-front weight copies on CUDA with K, R, S, C copies (device-pack runs this test
+/// with `PTL_WEIGHT_KRSC=1` and without): a 3×3 weight with several input channels is copied channels-last
+/// (O, H, W, I) in the batched cast (with the copies off: contiguous), a 1×1 and a depthwise weight keep their format
 /// (the same bytes either way); the copy holds the plain cast's values, and the batched cast's
 /// backward hands the f32 weight an OIHW gradient with plain autocast's values (within the
 /// convolution tolerance: cuDNN reads the weight in another order).
@@ -1593,8 +1593,8 @@ fn autocast_weight_copies_are_channels_last_on_cuda() {
         weights.iter().map(|w| ptl_autograd::cast_weight(w, DType::BF16).unwrap()).collect::<Vec<_>>()
     })
     .unwrap();
-    // Opt-in (`PTL_WEIGHT_KRSC=1`): without it every copy keeps the weight's format.
-    let krsc = std::env::var("PTL_WEIGHT_KRSC").is_ok_and(|v| v == "1");
+    // `PTL_WEIGHT_KRSC=0`: every copy keeps the weight's format.
+    let krsc = ptl_autograd::autocast::krsc_copies();
     let want = if krsc { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
     assert_eq!(formats.iter().map(Tensor::memory_format).collect::<Vec<_>>(), [want, MemoryFormat::Contiguous, MemoryFormat::Contiguous]);
     let copy = &formats[0];

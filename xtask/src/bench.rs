@@ -37,7 +37,9 @@ options:
                      (PTL_CUDNN_TIMED=1: convolution engines chosen by timing among cuDNN's first
                      six) or +timedall (PTL_CUDNN_TIMED=all: among every usable engine),
                      +krsc (PTL_WEIGHT_KRSC=1: autocast's convolution weight copies in K, R, S, C
-                     order, which cuDNN reads without converting the filter),
+                     order, which cuDNN reads without converting the filter) or +oihw
+                     (PTL_WEIGHT_KRSC=0: in O, I, H, W order), +pdl / +nopdl (PTL_PDL=1 / 0: ptl's
+                     kernels with / without programmatic dependent launch; the same bytes),
                      +onestream (PTL_SIDE_STREAM=0: no second stream for weight gradients and the
                      one-to-one head; +side8 with eight side tasks in flight instead of three,
                      +sidenp with both streams at one priority: all with the same bytes)
