@@ -104,7 +104,7 @@ fn copy_format(w: &Tensor) -> MemoryFormat {
 
 /// Whether autocast's up-front copies of convolution weights are made channels-last when
 /// `PTL_WEIGHT_KRSC` is not set.
-const KRSC_COPIES_BY_DEFAULT: bool = false;
+const KRSC_COPIES_BY_DEFAULT: bool = true;
 
 /// Whether autocast's up-front copies of convolution weights with a spatial kernel are made
 /// K, R, S, C (channels-last) on a backend that computes channels-last convolutions:

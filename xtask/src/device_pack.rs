@@ -4,8 +4,9 @@
 //! pack lives in the checkout, so run.sh unpacks the goldens the GPU tests read from the
 //! repository's packed copy (`goldens/data`) instead of carrying a second one. On the GPU machine run `bash device-pack/run.sh`; logs go to `$OUT`.
 //! Binaries are named `test_<crate>_<target>`; the weight-copy test of `cuda_ops` and the replay
-//! fits of `cuda_replay` run a second time with the opt-in `PTL_WEIGHT_KRSC=1`, and `cuda_ops`,
-//! ptl-capture's `cuda_capture` and the replay fits with the opt-in `PTL_PDL=1`; `T14` of ptl-capture also runs under
+//! fits of `cuda_replay` run a second time with the weight copies in O, I, H, W order
+//! (`PTL_WEIGHT_KRSC=0`), and `cuda_ops`, ptl-capture's `cuda_capture` and the replay fits without
+//! programmatic dependent launch (`PTL_PDL=0`); `T14` of ptl-capture also runs under
 //! `compute-sanitizer` when the GPU machine has it; `NCU_BN=1` profiles the BatchNorm kernels of the
 //! CUDA fit test with Nsight Compute. The binaries travel xz-compressed (`<name>.xz`, a third of
 //! their size; run.sh unpacks them first) when the `xz` tool is here.
@@ -48,10 +49,10 @@ for t in test_*; do
   grep -E "^(ok |bench |skipping|test result|test .* FAILED|failures:|.*panicked|loss case|warning: ptl-capture)" "$OUT/$t.log" | cut -c1-400
   [ $rc -eq 0 ] || { status=1; tail -n 40 "$OUT/$t.log"; }
 done
-# Opt-in switches, a second run of the tests they touch: the K, R, S, C weight copies
-# (PTL_WEIGHT_KRSC=1: the copies' test and the replayed fits) and programmatic dependent launch
-# (PTL_PDL=1: every op test, the recorder's tests and the replayed fits).
-optin() { # VAR=VALUE binary filter
+# Switches of the defaults, a second run of the tests they touch: the weight copies in O, I, H, W
+# order (PTL_WEIGHT_KRSC=0: the copies' test and the replayed fits) and no programmatic dependent
+# launch (PTL_PDL=0: every op test, the recorder's tests and the replayed fits).
+switched() { # VAR=VALUE binary filter
   [ -x "$2" ] || return 0
   echo "=== $1 $2 $3"
   local log="$OUT/${1%%=*}_$2.log"
@@ -60,11 +61,11 @@ optin() { # VAR=VALUE binary filter
   grep -E "^(ok |test result|test .* FAILED|.*panicked|dependent launch)" "$log" | cut -c1-400
   [ $rc -eq 0 ] || { status=1; tail -n 40 "$log"; }
 }
-optin PTL_WEIGHT_KRSC=1 test_autograd_cuda_ops autocast_weight_copies
-optin PTL_WEIGHT_KRSC=1 test_plugins_cuda_replay cuda_
-optin PTL_PDL=1 test_autograd_cuda_ops ""
-optin PTL_PDL=1 test_capture_cuda_capture ""
-optin PTL_PDL=1 test_plugins_cuda_replay cuda_
+switched PTL_WEIGHT_KRSC=0 test_autograd_cuda_ops autocast_weight_copies
+switched PTL_WEIGHT_KRSC=0 test_plugins_cuda_replay cuda_
+switched PTL_PDL=0 test_autograd_cuda_ops ""
+switched PTL_PDL=0 test_capture_cuda_capture ""
+switched PTL_PDL=0 test_plugins_cuda_replay cuda_
 # Under the memory checker: teardown safety (docs/capture.md I14) and the allocator's block cache
 # (reuse across an eager/captured boundary).
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)

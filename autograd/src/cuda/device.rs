@@ -208,7 +208,7 @@ pub(crate) struct Dev {
 }
 
 /// Whether kernels are launched dependent where `PTL_PDL` is not set.
-const DEPENDENT_LAUNCH_BY_DEFAULT: bool = false;
+const DEPENDENT_LAUNCH_BY_DEFAULT: bool = true;
 
 /// `PTL_PDL=1` turns programmatic dependent launch on, `0` off (the bytes are the same either way);
 /// else [`DEPENDENT_LAUNCH_BY_DEFAULT`].
