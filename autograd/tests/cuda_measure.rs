@@ -104,6 +104,9 @@ fn counters_and_kernel_timer_agree_with_what_ran() {
     let kernel_ms = t.kernel_ns as f64 * 1e-6;
     assert!(kernel_ms > 0.3, "the spin kernel alone runs ~1 ms: {kernel_ms} ms");
     assert!(kernel_ms <= span * 1.01 + 0.01, "kernels of one stream do not overlap: sum {kernel_ms} ms ≤ span {span} ms");
+    assert_eq!(t.kernel_streams, 1, "{t:?}");
+    let busy_ms = t.kernel_busy_ns as f64 * 1e-6;
+    assert!(busy_ms > 0.3 && busy_ms <= kernel_ms && busy_ms <= span * 1.01 + 0.01, "busy {busy_ms} ms, sum {kernel_ms}, span {span}");
     // A second window starts from zero.
     let timer = ptl_autograd::internal::cuda::GpuKernelTimer::start(dev).unwrap();
     let _ = x.affine(3.0, 0.0).unwrap();
@@ -113,6 +116,32 @@ fn counters_and_kernel_timer_agree_with_what_ran() {
         "ok counters/timer: {} launches, {} kernels, {kernel_ms:.3} ms of kernels in a {span:.3} ms span",
         counted.kernel_launches, t.kernels
     );
+}
+
+/// With dependent launch a kernel's blocks are scheduled while its predecessor runs and wait for
+/// it at entry: CUPTI's duration holds that wait, the busy time leaves it out. Without dependent
+/// launch the two agree.
+#[test]
+fn busy_kernel_time_leaves_out_dependent_launch_waits() {
+    let Some(dev) = gpu() else { return };
+    let x = Tensor::ones(vec![1024], DType::F32, dev).unwrap();
+    let _ = x.affine(2.0, 0.0).unwrap();
+    ptl_autograd::internal::cuda::gpu_spin(dev, 1000).unwrap();
+    cuda::synchronize(dev).unwrap();
+    let timer = ptl_autograd::internal::cuda::GpuKernelTimer::start(dev).unwrap();
+    ptl_autograd::internal::cuda::gpu_spin(dev, 2_000_000).unwrap(); // ~1 ms of one block
+    let _ = x.affine(2.0, 0.0).unwrap();
+    let t = timer.finish().unwrap();
+    assert_eq!((t.kernels, t.kernel_streams, t.dropped), (2, 1, 0), "{t:?}");
+    let (sum_ms, busy_ms) = (t.kernel_ns as f64 * 1e-6, t.kernel_busy_ns as f64 * 1e-6);
+    assert!(busy_ms <= sum_ms && busy_ms > 0.3, "sum {sum_ms} ms, busy {busy_ms} ms");
+    let dependent = cuda::dependent_launch(dev);
+    if dependent {
+        assert!(sum_ms - busy_ms > 0.3, "the dependent kernel waited for the ~1 ms spin: sum {sum_ms} ms, busy {busy_ms} ms");
+    } else {
+        assert!(sum_ms - busy_ms < 0.01, "serial kernels: sum {sum_ms} ms = busy {busy_ms} ms");
+    }
+    println!("ok busy kernel time: dependent launch {dependent}, sum {sum_ms:.3} ms, busy {busy_ms:.3} ms");
 }
 
 /// A detailed window names every kernel and labels it with the stage tag it was launched under;

@@ -183,6 +183,18 @@ def kernel_class(name):
     return "other"
 
 
+def busy_us(spans):
+    """Kernel time with each kernel counted from the end of the kernels before it on its stream
+    (ptl's kernel timer does the same): spans are (stream, start, end)."""
+    busy, cur_stream, covered = 0.0, None, 0.0
+    for stream, start, end in sorted(spans):
+        if stream != cur_stream:
+            cur_stream, covered = stream, 0.0
+        busy += max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    return busy
+
+
 def breakdown(trace_path, steps):
     """Kernel time per step by stage / class / (stage, kernel) from a Chrome trace of the profiler."""
     import bisect
@@ -205,9 +217,11 @@ def breakdown(trace_path, steps):
         return best[1] if best else "other"
 
     by = {}
+    spans = []
     for e in ev:
         if e.get("cat") != "kernel":
             continue
+        spans.append((e.get("args", {}).get("stream", 0), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
         ts = launch.get(e.get("args", {}).get("correlation"))
         stage = stage_at(ts) if ts is not None else "other"
         key = (stage, e["name"])
@@ -227,6 +241,7 @@ def breakdown(trace_path, steps):
                   for (st, n), (c, us) in by.items()), key=lambda d: -d["ms_per_step"])[:40]
     total_us = sum(us for _, us in by.values())
     return {"steps": steps, "kernel_ms_per_step": total_us / 1e3 / steps,
+            "kernel_busy_ms_per_step": busy_us(spans) / 1e3 / steps,
             "kernels_per_step": sum(c for c, _ in by.values()) / steps,
             "by_stage": shares(lambda st, n: st), "by_class": shares(lambda st, n: kernel_class(n)), "top": top}
 

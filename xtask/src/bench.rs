@@ -790,6 +790,8 @@ struct Figures {
     sync_ms: Option<f64>,
     wait_ms: Option<f64>,
     gpu_ms: Option<f64>,
+    /// Kernel time without dependent-launch waits (each kernel from its stream predecessor's end).
+    gpu_busy_ms: Option<f64>,
     gpu_kernels: Option<f64>,
     span_ms: Option<f64>,
     launches: Option<f64>,
@@ -813,6 +815,7 @@ fn figures(r: &Value) -> Figures {
         x.wait_ms = f(&res["data_wait_ms_mean"]);
         x.to_first_step_s = f(&res["process_to_first_step_s"]);
         x.gpu_ms = f(&res["gpu_breakdown"]["kernel_ms_per_step"]);
+        x.gpu_busy_ms = f(&res["gpu_breakdown"]["kernel_busy_ms_per_step"]);
         x.gpu_kernels = f(&res["gpu_breakdown"]["kernels_per_step"]);
         x.map50 = res["metrics_per_epoch"]
             .as_array()
@@ -825,6 +828,8 @@ fn figures(r: &Value) -> Figures {
         x.sync_ms = f(&t["sync_window_ms_per_step"]);
         x.wait_ms = f(&t["data_wait_ms_mean"]);
         x.gpu_ms = f(&t["gpu"]["kernel_ms_per_step"]);
+        // Reports written before the busy time was measured carry 0.
+        x.gpu_busy_ms = f(&t["gpu"]["kernel_busy_ms_per_step"]).filter(|v| *v > 0.0);
         x.gpu_kernels = f(&t["gpu"]["kernels_per_step"]);
         x.span_ms = f(&t["gpu"]["event_span_ms_per_step"]);
         // The steady-state counts (the traced window) where the run has them.
@@ -925,12 +930,12 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     }
     let mut md = String::new();
     md.push_str(&format!(
-        "{} runs ({} failed). Medians over runs, (min–max) across runs; step = ptl: 16 steps right before the GPU window, the device synchronised at both ends (total / 16; the host may queue steps ahead of the GPU); Ultralytics (a host sync every step): a run's median over 16-step stretches of their mean start-to-start time, after 10 warm-up steps.\n\n",
+        "{} runs ({} failed). Medians over runs, (min–max) across runs; step = ptl: 16 steps right before the GPU window, the device synchronised at both ends (total / 16; the host may queue steps ahead of the GPU); Ultralytics (a host sync every step): a run's median over 16-step stretches of their mean start-to-start time, after 10 warm-up steps. GPU kernel ms = CUPTI's kernel durations summed; GPU busy ms = the same with each kernel counted from the end of the kernels before it on its stream (ptl's dependently launched kernels start while their predecessor ends and wait for it; Ultralytics' from its profiler trace the same way).\n\n",
         recs.len(),
         failed
     ));
-    md.push_str("| precision | arm | runs | complete s | step ms | images/s | sync-window ms | data wait ms | loader images/s | GPU kernel ms/step | GPU kernels/step | event span ms/step | host launches/step | host copies/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
-    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    md.push_str("| precision | arm | runs | complete s | step ms | images/s | sync-window ms | data wait ms | loader images/s | GPU kernel ms/step | GPU busy ms/step | GPU kernels/step | event span ms/step | host launches/step | host copies/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
+    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     let mut json_groups = Vec::new();
     for p in &precisions {
         for arm in &arm_order {
@@ -952,7 +957,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             };
             let map = fs.first().map(|f| f.map50.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(" ")).unwrap_or_default();
             md.push_str(&format!(
-                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
+                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
                 fs.len(),
                 mr(&col(|f| Some(f.wall_s)), 1),
                 mr(&col(|f| f.step_ms), 1),
@@ -961,6 +966,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
                 mr(&col(|f| f.wait_ms), 2),
                 mr(&col(|f| f.loader_img_s), 0),
                 mr(&col(|f| f.gpu_ms), 1),
+                mr(&col(|f| f.gpu_busy_ms), 1),
                 mr(&col(|f| f.gpu_kernels), 0),
                 mr(&col(|f| f.span_ms), 1),
                 mr(&col(|f| f.launches), 1),
@@ -976,7 +982,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
                 "precision": p, "arm": arm, "runs": fs.len(),
                 "complete_s": fs.iter().map(|f| f.wall_s).collect::<Vec<_>>(),
                 "step_ms": col(|f| f.step_ms), "images_per_s": col(|f| f.images_s), "loader_images_per_s": col(|f| f.loader_img_s), "sync_window_ms": col(|f| f.sync_ms), "data_wait_ms": col(|f| f.wait_ms),
-                "gpu_kernel_ms_per_step": col(|f| f.gpu_ms), "gpu_kernels_per_step": col(|f| f.gpu_kernels),
+                "gpu_kernel_ms_per_step": col(|f| f.gpu_ms), "gpu_busy_ms_per_step": col(|f| f.gpu_busy_ms), "gpu_kernels_per_step": col(|f| f.gpu_kernels),
                 "event_span_ms_per_step": col(|f| f.span_ms), "host_launches_per_step": col(|f| f.launches), "host_copies_per_step": col(|f| f.copies),
                 "host_syncs_per_step": col(|f| f.syncs), "peak_allocated_mib": col(|f| f.alloc_mib), "peak_reserved_mib": col(|f| f.reserved_mib),
                 "to_first_step_s_cold": cold, "to_first_step_s_warm": warm,
@@ -987,22 +993,24 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     md.push_str(&no_gpu_window(&ok));
     // Paired ratios: each arm against Ultralytics (or the first arm) of the same precision and pair.
     let mut ratios = Vec::new();
-    md.push_str("\nPaired ratios (same precision, same round; median (min–max) over rounds):\n\n| precision | arm / reference | complete | step |\n|---|---|---:|---:|\n");
+    md.push_str("\nPaired ratios (same precision, same round; median (min–max) over rounds):\n\n| precision | arm / reference | complete | step | GPU busy |\n|---|---|---:|---:|---:|\n");
     for p in &precisions {
         let reference = if groups.contains_key(&(p.clone(), ULTRA.into())) { ULTRA.to_string() } else { arm_order[0].clone() };
         for arm in arm_order.iter().filter(|a| **a != reference && !a.ends_with("-cold")) {
             let (Some(a), Some(b)) = (groups.get(&(p.clone(), arm.clone())), groups.get(&(p.clone(), reference.clone()))) else { continue };
             let mut wall = Vec::new();
             let mut step = Vec::new();
+            let mut busy = Vec::new();
             for ra in a {
                 if let Some(rb) = b.iter().find(|rb| rb["pair"] == ra["pair"]) {
                     let (fa, fb) = (figures(ra), figures(rb));
                     wall.push(Some(fa.wall_s / fb.wall_s));
                     step.push(fa.step_ms.zip(fb.step_ms).map(|(x, y)| x / y));
+                    busy.push(fa.gpu_busy_ms.zip(fb.gpu_busy_ms).map(|(x, y)| x / y));
                 }
             }
-            md.push_str(&format!("| {p} | {arm} / {reference} | {} | {} |\n", mr(&wall, 3), mr(&step, 3)));
-            ratios.push(json!({ "precision": p, "arm": arm, "reference": reference, "complete": wall, "step": step }));
+            md.push_str(&format!("| {p} | {arm} / {reference} | {} | {} | {} |\n", mr(&wall, 3), mr(&step, 3), mr(&busy, 3)));
+            ratios.push(json!({ "precision": p, "arm": arm, "reference": reference, "complete": wall, "step": step, "gpu_busy": busy }));
         }
     }
     // What removing the serial batch building saved, against what the serial loop waited.

@@ -26,6 +26,12 @@ pub struct GpuKernelTotals {
     pub kernels: u64,
     /// Sum of kernel durations (end − start on the GPU), nanoseconds.
     pub kernel_ns: u64,
+    /// Sum of kernel durations with each kernel counted from the end of the kernels before it on
+    /// its stream ([`kernel_busy_ns`]), nanoseconds: a dependent launch's blocks start while its
+    /// predecessor ends and wait for it, and that wait is in `kernel_ns` but is no work.
+    pub kernel_busy_ns: u64,
+    /// Streams the kernels ran on, as CUPTI names them.
+    pub kernel_streams: u64,
     /// Copies run.
     pub memcpys: u64,
     /// Nanoseconds of copies.
@@ -38,8 +44,17 @@ pub struct GpuKernelTotals {
     pub dropped: u64,
 }
 
-static TOTALS: Mutex<GpuKernelTotals> =
-    Mutex::new(GpuKernelTotals { kernels: 0, kernel_ns: 0, memcpys: 0, memcpy_ns: 0, memsets: 0, memset_ns: 0, dropped: 0 });
+static TOTALS: Mutex<GpuKernelTotals> = Mutex::new(GpuKernelTotals {
+    kernels: 0,
+    kernel_ns: 0,
+    kernel_busy_ns: 0,
+    kernel_streams: 0,
+    memcpys: 0,
+    memcpy_ns: 0,
+    memsets: 0,
+    memset_ns: 0,
+    dropped: 0,
+});
 static RUNNING: AtomicBool = AtomicBool::new(false);
 /// A detailed window runs: kernels are kept by name and stage tag ([`GpuKernelTimer::start_detailed`]).
 static DETAILED: AtomicBool = AtomicBool::new(false);
@@ -68,6 +83,32 @@ struct Detail {
 }
 
 static DETAIL: Mutex<Option<Detail>> = Mutex::new(None);
+
+/// Every kernel of the running window as (stream, start, end), for [`kernel_busy_ns`].
+static SPANS: Mutex<Vec<(u32, u64, u64)>> = Mutex::new(Vec::new());
+
+/// Kernel time with each kernel counted from `max(its start, the latest end of the kernels that
+/// started before it on its stream)` to its end: the summed durations without the time a kernel
+/// spends waiting for its predecessor (programmatic dependent launch starts a kernel's blocks
+/// while the previous one still runs). Kernels on different streams still add up, as in a plain
+/// sum. Returns (nanoseconds, streams seen); sorts `spans`.
+pub fn kernel_busy_ns(spans: &mut [(u32, u64, u64)]) -> (u64, u64) {
+    spans.sort_unstable();
+    let (mut busy, mut streams) = (0u64, 0u64);
+    let mut current: Option<(u32, u64)> = None;
+    for &(stream, start, end) in spans.iter() {
+        let covered = match current {
+            Some((s, covered)) if s == stream => covered,
+            _ => {
+                streams += 1;
+                0
+            }
+        };
+        busy += end.saturating_sub(start.max(covered));
+        current = Some((stream, covered.max(end)));
+    }
+    (busy, streams)
+}
 
 thread_local! {
     /// Whether this thread has an external correlation id pushed (detailed windows only).
@@ -111,6 +152,8 @@ const BUFFER_ALIGN: usize = 8;
 /// memset records; checked against the bindings in the tests below.
 const START_AT: usize = 16;
 const END_AT: usize = 24;
+/// Offset of `streamId` (u32) in kernel records (v4 and later).
+const KERNEL_STREAM_AT: usize = 48;
 /// Offsets of `correlationId` (u32) and `name` (C string) in kernel records (v4 and later, the
 /// same prefix), and of `externalId` (u64) / `correlationId` in external-correlation records.
 const KERNEL_CORRELATION_AT: usize = 92;
@@ -139,6 +182,7 @@ extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _stream: u3
     }
     let mut sums = GpuKernelTotals::default();
     let mut detail = DETAIL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut spans = SPANS.lock().unwrap_or_else(|e| e.into_inner());
     let mut record: *mut cs::CUpti_Activity = std::ptr::null_mut();
     // SAFETY: `buffer` holds `valid` bytes of records written by CUPTI; each record starts with
     // its kind, and kernel/memcpy/memset records carry start/end at the offsets above.
@@ -155,6 +199,11 @@ extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _stream: u3
             if kind == Kind::CUPTI_ACTIVITY_KIND_KERNEL as u32 || kind == Kind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL as u32 {
                 sums.kernels += 1;
                 sums.kernel_ns += span();
+                spans.push((
+                    std::ptr::read_unaligned(base.add(KERNEL_STREAM_AT) as *const u32),
+                    std::ptr::read_unaligned(base.add(START_AT) as *const u64),
+                    std::ptr::read_unaligned(base.add(END_AT) as *const u64),
+                ));
                 if let Some(d) = detail.as_mut() {
                     let corr = std::ptr::read_unaligned(base.add(KERNEL_CORRELATION_AT) as *const u32);
                     let name = std::ptr::read_unaligned(base.add(KERNEL_NAME_AT) as *const *const std::ffi::c_char);
@@ -183,6 +232,7 @@ extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _stream: u3
         std::alloc::dealloc(buffer, layout());
     }
     drop(detail);
+    drop(spans);
     let mut t = TOTALS.lock().unwrap_or_else(|e| e.into_inner());
     t.kernels += sums.kernels;
     t.kernel_ns += sums.kernel_ns;
@@ -269,6 +319,7 @@ impl GpuKernelTimer {
             super::alloc::synchronize(device)?;
             activity::flush_all(0).map_err(|e| cupti_err("flush", e))?;
             *TOTALS.lock().unwrap_or_else(|e| e.into_inner()) = GpuKernelTotals::default();
+            SPANS.lock().unwrap_or_else(|e| e.into_inner()).clear();
             for k in KINDS {
                 activity::enable(k).map_err(|e| cupti_err("cuptiActivityEnable", e))?;
             }
@@ -325,6 +376,8 @@ impl GpuKernelTimer {
         self.stop();
         r?;
         let mut t = *TOTALS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut spans = std::mem::take(&mut *SPANS.lock().unwrap_or_else(|e| e.into_inner()));
+        (t.kernel_busy_ns, t.kernel_streams) = kernel_busy_ns(&mut spans);
         let mut dropped = 0usize;
         // SAFETY: a null context asks for the records dropped outside any context.
         if unsafe { activity::get_num_dropped_records(std::ptr::null_mut(), 0, &mut dropped) }.is_ok() {
@@ -364,6 +417,13 @@ mod tests {
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityKernel9, start), START_AT);
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityKernel9, end), END_AT);
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityKernel4, start), START_AT);
+        for stream in [
+            std::mem::offset_of!(cs::CUpti_ActivityKernel4, streamId),
+            std::mem::offset_of!(cs::CUpti_ActivityKernel9, streamId),
+            std::mem::offset_of!(cs::CUpti_ActivityKernel10, streamId),
+        ] {
+            assert_eq!(stream, KERNEL_STREAM_AT);
+        }
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemcpy6, start), START_AT);
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemcpy6, end), END_AT);
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemset4, start), START_AT);
@@ -377,5 +437,17 @@ mod tests {
         }
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityExternalCorrelation, externalId), EXTERNAL_ID_AT);
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityExternalCorrelation, correlationId), EXTERNAL_CORRELATION_AT);
+    }
+
+    #[test]
+    fn busy_time_leaves_out_waits_for_the_predecessor_on_the_same_stream() {
+        // Stream 7: a 0..10, b starts at 4 (dependent launch) and ends at 15, c after a gap.
+        // Stream 9 overlaps stream 7 and counts in full.
+        let mut spans = vec![(7, 4, 15), (9, 2, 12), (7, 0, 10), (7, 20, 25)];
+        assert_eq!(kernel_busy_ns(&mut spans), (10 + 5 + 5 + 10, 2));
+        // A kernel wholly inside its predecessor's span counts nothing; serial kernels count in full.
+        let mut nested = vec![(1, 0, 10), (1, 2, 8), (1, 10, 12)];
+        assert_eq!(kernel_busy_ns(&mut nested), (12, 1));
+        assert_eq!(kernel_busy_ns(&mut []), (0, 0));
     }
 }

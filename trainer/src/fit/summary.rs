@@ -166,8 +166,16 @@ pub struct GpuWindowReport {
     pub steps: usize,
     /// Global step index (in this process) of the window's first step.
     pub first_step: usize,
-    /// Kernel time per step, ms.
+    /// Kernel time per step, ms: CUPTI's durations summed.
     pub kernel_ms_per_step: f64,
+    /// Kernel time per step, ms, each kernel counted from the end of the kernels before it on its
+    /// stream: without the time a dependently launched kernel waits for its predecessor, which
+    /// `kernel_ms_per_step` counts (0 in reports written before it was measured).
+    #[serde(default)]
+    pub kernel_busy_ms_per_step: f64,
+    /// Streams the window's kernels ran on, as CUPTI names them.
+    #[serde(default)]
+    pub kernel_streams: u64,
     /// Kernels per step.
     pub kernels_per_step: f64,
     /// Copy time per step, ms.
