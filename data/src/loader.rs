@@ -118,7 +118,9 @@ pub struct TrainConfig {
     pub hsv_on_device: bool,
     /// Worker threads; 0 = build batches in the calling thread.
     pub workers: usize,
-    /// Batches prepared ahead (queue bound, ≥ 1).
+    /// Batches in the works or waiting to be taken (queue bound, ≥ 1). Twice the workers by
+    /// default, as PyTorch's `prefetch_factor=2`: with no more than one per worker, the workers
+    /// idle whenever the batch due next is the slowest one in the works.
     pub prefetch: usize,
     /// Shuffle every epoch (seeded by (seed, epoch)).
     pub shuffle: bool,
@@ -130,6 +132,13 @@ pub struct TrainConfig {
     pub inject_panic_at: Option<(usize, usize)>,
 }
 
+/// Worker threads of [`TrainConfig::default`] (fewer where the machine has fewer cores).
+const DEFAULT_WORKERS: usize = 8;
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
@@ -139,8 +148,8 @@ impl Default for TrainConfig {
             close_mosaic: 10,
             aug: AugmentConfig::default(),
             hsv_on_device: false,
-            workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(8),
-            prefetch: 8,
+            workers: DEFAULT_WORKERS.min(cores()),
+            prefetch: 2 * DEFAULT_WORKERS.min(cores()),
             shuffle: true,
             shard: Shard::WHOLE,
             inject_panic_at: None,

@@ -155,10 +155,11 @@ pub struct PoseTrainConfig {
     pub cutmix: f64,
     /// Copy-paste probability (only 0 is taken).
     pub copy_paste: f64,
-    /// Loader worker threads. `None` (the default): Ultralytics' rule on a GPU — min(8, CPU
-    /// cores, batches per epoch), 0 for one batch — and on the CPU min(2, cores / 8), so
-    /// that workers do not fight the CPU backend's own threads. 0 builds batches on the
-    /// training thread.
+    /// Loader worker threads. `None` (the default): on a GPU every core but two (at least
+    /// Ultralytics' min(8, cores), at most 16; never more than the batches per epoch, 0 for one
+    /// batch) — a replayed step consumes images faster than eight threads augment them at large
+    /// batches — and on the CPU min(2, cores / 8), so that workers do not fight the CPU
+    /// backend's own threads. 0 builds batches on the training thread.
     pub workers: Option<usize>,
     /// Gradient clipping max norm (10 in the reference).
     pub clip_max_norm: f64,
@@ -390,7 +391,7 @@ impl PoseTrainConfig {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let n = match (self.workers, self.device) {
             (Some(w), _) => w,
-            (None, Device::Cuda(_)) => 8.min(cores),
+            (None, Device::Cuda(_)) => cores.saturating_sub(2).max(8.min(cores)).min(16),
             (None, Device::Cpu) => 2.min(cores / 8),
         };
         if batches_per_epoch <= 1 {
@@ -556,7 +557,7 @@ impl PoseTrainConfig {
             ("mixup", d.mixup.to_string(), "MixUp probability: not implemented, only 0"),
             ("cutmix", d.cutmix.to_string(), "CutMix probability: not implemented, only 0"),
             ("copy_paste", d.copy_paste.to_string(), "CopyPaste probability: not implemented, only 0"),
-            ("workers", opt(d.workers), "loader threads (auto: min(8, cores) on a GPU, min(2, cores/8) on the CPU)"),
+            ("workers", opt(d.workers), "loader threads (auto: cores − 2 on a GPU, at least min(8, cores), at most 16; min(2, cores/8) on the CPU)"),
             ("val", d.val.to_string(), "validate after every epoch"),
             ("clip_max_norm", d.clip_max_norm.to_string(), "gradient clipping: largest global L2 norm"),
             ("scaler_init_scale", d.scaler_init_scale.to_string(), "16-mixed: the grad scaler's first loss scale"),

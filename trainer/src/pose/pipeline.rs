@@ -66,6 +66,11 @@ impl PinnedRing {
     }
 }
 
+/// Pinned buffers beyond the loader's queue: uploads queued on the device and not yet run (the
+/// host may queue a few steps ahead of the GPU); past them a batch is uploaded from pageable
+/// memory, counted in [`PipelineStats::pageable_uploads`].
+const UPLOADS_IN_FLIGHT: usize = 4;
+
 /// What the pipeline measured.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct PipelineStats {
@@ -99,10 +104,9 @@ impl TrainPipeline {
         let pageable = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "cuda")]
         if matches!(device, Device::Cuda(_)) {
-            let workers = loader.config().workers;
-            // Enough buffers for every queued batch, one per worker being built and two uploads
-            // in flight: the ring never runs dry while the GPU keeps up.
-            let count = loader.config().prefetch.max(1) + workers + 2;
+            // A batch holds a buffer from the end of its building until its upload has run: at
+            // most `prefetch` batches are in the works or waiting, plus uploads in flight.
+            let count = loader.config().prefetch.max(1) + UPLOADS_IN_FLIGHT;
             let ring = PinnedRing::new(device, count, image_bytes)?;
             let free = ring.free.clone();
             let counter = pageable.clone();
