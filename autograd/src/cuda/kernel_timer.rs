@@ -27,7 +27,7 @@ pub struct GpuKernelTotals {
     /// Sum of kernel durations (end − start on the GPU), nanoseconds.
     pub kernel_ns: u64,
     /// Sum of kernel durations with each kernel counted from the end of the kernels before it on
-    /// its stream ([`kernel_busy_ns`]), nanoseconds: a dependent launch's blocks start while its
+    /// its stream, nanoseconds: a dependent launch's blocks start while its
     /// predecessor ends and wait for it, and that wait is in `kernel_ns` but is no work.
     pub kernel_busy_ns: u64,
     /// Streams the kernels ran on, as CUPTI names them.
@@ -84,7 +84,7 @@ struct Detail {
 
 static DETAIL: Mutex<Option<Detail>> = Mutex::new(None);
 
-/// Every kernel of the running window as (stream, start, end), for [`kernel_busy_ns`].
+/// Every kernel of the running window as (stream, start, end), for `kernel_busy_ns`.
 static SPANS: Mutex<Vec<(u32, u64, u64)>> = Mutex::new(Vec::new());
 
 /// Kernel time with each kernel counted from `max(its start, the latest end of the kernels that
