@@ -1,5 +1,6 @@
 //! Geometric and photometric transforms of docs/data.md §6–§8, on BGR images with pixel-space instances.
 
+use crate::canvas::{release, MosaicCanvas, SourceRows, TilePlacement};
 use crate::hsv::{apply_hsv_bgr_hwc, HsvGains};
 use crate::image::{resize_bilinear, Image};
 use crate::labels::Labels;
@@ -236,7 +237,7 @@ thread_local! {
 }
 
 /// A buffer of `n` bytes set to `fill`, reusing this thread's pooled allocation when there is one.
-fn take_buffer(n: usize, fill: u8) -> Vec<u8> {
+pub(crate) fn take_buffer(n: usize, fill: u8) -> Vec<u8> {
     let mut v = CANVAS_POOL.with(|p| std::mem::take(&mut *p.borrow_mut()));
     v.clear();
     v.resize(n, fill);
@@ -256,8 +257,15 @@ pub fn recycle(img: Image) {
 /// 4-image mosaic on a `2s × 2s` canvas (docs/data.md §6.1). Tile 0 top-left, 1 top-right, 2 bottom-left,
 /// 3 bottom-right. Labels are normalised per tile. The result is clipped to the canvas and zero-area boxes removed.
 pub fn mosaic4(tiles: [(&Image, &Labels); 4], k: usize, s: u32, yc: i64, xc: i64) -> (Image, Instances) {
+    let (canvas, inst) = mosaic4_layout(tiles, k, s, yc, xc);
+    (canvas.to_image(), inst)
+}
+
+/// [`mosaic4`] with the canvas left as its tiles' placements: a warp composes the rows it reads
+/// ([`MosaicCanvas`]) instead of reading a stored 2s × 2s canvas.
+pub fn mosaic4_layout<'a>(tiles: [(&'a Image, &Labels); 4], k: usize, s: u32, yc: i64, xc: i64) -> (MosaicCanvas<'a>, Instances) {
     let cs = 2 * s as i64;
-    let mut canvas = Image { w: cs as u32, h: cs as u32, data: take_buffer(cs as usize * cs as usize * 3, PAD_VALUE) };
+    let mut placed = [(tiles[0].0, TilePlacement::default()); 4];
     let mut all = Instances::empty(k);
     for (i, (img, labels)) in tiles.iter().enumerate() {
         let (w, h) = (img.w as i64, img.h as i64);
@@ -306,22 +314,14 @@ pub fn mosaic4(tiles: [(&Image, &Labels); 4], k: usize, s: u32, yc: i64, xc: i64
         }
         let cw = (x2a - x1a).min(x2b - x1b).max(0) as usize;
         let ch = (y2a - y1a).min(y2b - y1b).max(0) as usize;
-        let cstride = canvas.stride();
-        let sstride = img.stride();
-        for row in 0..ch {
-            let dy = y1a as usize + row;
-            let sy = y1b as usize + row;
-            let d0 = dy * cstride + x1a as usize * 3;
-            let s0 = sy * sstride + x1b as usize * 3;
-            canvas.data[d0..d0 + cw * 3].copy_from_slice(&img.data[s0..s0 + cw * 3]);
-        }
+        placed[i] = (*img, TilePlacement { x: x1a as usize, y: y1a as usize, src_x: x1b as usize, src_y: y1b as usize, w: cw, h: ch });
         let mut inst = Instances::from_labels(labels, k, w as f32, h as f32);
         inst.add_padding((x1a - x1b) as f32, (y1a - y1b) as f32);
         all.extend(inst);
     }
     all.clip(cs as f32, cs as f32);
     all.remove_zero_area();
-    (canvas, all)
+    (MosaicCanvas { size: cs as u32, tiles: placed }, all)
 }
 
 /// The 8 random draws of the perspective/affine transform, in draw order.
@@ -503,9 +503,10 @@ fn invert_affine(m: &Mat3) -> [[f64; 3]; 2] {
 /// Scale + translation warp (the default augmentation): source columns depend on x only and rows on y only, so the
 /// horizontal lerps of a source row are computed once and shared by every destination row that reads it. Same
 /// arithmetic as [`sample_into`] (taps outside the source read 114), so the bytes are identical.
-fn warp_separable(src: &Image, f: &[[f32; 3]; 2], out: &mut Image) {
+fn warp_separable<S: SourceRows + ?Sized>(src: &S, f: &[[f32; 3]; 2], out: &mut Image) {
     let ow = out.w as usize;
-    let (sw, sh) = (src.w as i32, src.h as i32);
+    let (sw, sh) = (src.size().0 as i32, src.size().1 as i32);
+    let mut scratch = vec![0u8; sw as usize * 3];
     // per destination column: (x0 tap, x1 tap, alpha); a tap is a byte offset or None (border)
     let cols: Vec<(Option<usize>, Option<usize>, f32)> = (0..ow)
         .map(|x| {
@@ -525,8 +526,8 @@ fn warp_separable(src: &Image, f: &[[f32; 3]; 2], out: &mut Image) {
     let first = cols.iter().position(inside).unwrap_or(ow);
     let last = cols.iter().rposition(inside).map_or(first, |x| x + 1).max(first);
     // horizontal lerp of source row `iy` (or of a border row) into `buf`
-    let hpass = |iy: i32, buf: &mut [f32]| {
-        let row = (iy >= 0 && iy < sh).then(|| &src.data[iy as usize * src.stride()..(iy as usize + 1) * src.stride()]);
+    let hpass = |iy: i32, buf: &mut [f32], scratch: &mut [u8]| {
+        let row = (iy >= 0 && iy < sh).then(|| src.row(iy as usize, scratch));
         let Some(r) = row else {
             // p0 = p1 = 114: the lerp is 114 exactly
             buf.fill(border);
@@ -576,7 +577,7 @@ fn warp_separable(src: &Image, f: &[[f32; 3]; 2], out: &mut Image) {
                         hi[0].1.copy_from_slice(&lo[0].1);
                     }
                 } else {
-                    hpass(want, &mut rows[slot].1);
+                    hpass(want, &mut rows[slot].1, &mut scratch);
                 }
                 rows[slot].0 = want;
             }
@@ -592,19 +593,21 @@ fn warp_separable(src: &Image, f: &[[f32; 3]; 2], out: &mut Image) {
 /// 114, as OpenCV ≥ 4.11 (`warpAffine` / `warpPerspective`, INTER_LINEAR, 8UC3) computes it: the inverse matrix in
 /// double, converted to float32; per destination pixel `sx = M₀·x + (M₁·y + M₂)` (and `/ (M₆·x + (M₇·y + M₈))` for
 /// perspective) in float32; see `sample_into`. Bit-exact against OpenCV 5.0 in the goldens.
-pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) -> Image {
+pub fn warp<S: SourceRows + ?Sized>(source: &S, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) -> Image {
     let (ow, oh) = (out_w as usize, out_h as usize);
     let mut out = Image { w: out_w, h: out_h, data: vec![PAD_VALUE; ow * oh * 3] };
-    if src.w == 0 || src.h == 0 {
+    if source.size().0 == 0 || source.size().1 == 0 {
         return out;
     }
     if !perspective {
         let iv = invert_affine(m);
         let f: [[f32; 3]; 2] = [[iv[0][0] as f32, iv[0][1] as f32, iv[0][2] as f32], [iv[1][0] as f32, iv[1][1] as f32, iv[1][2] as f32]];
         if f[0][1] == 0.0 && f[1][0] == 0.0 {
-            warp_separable(src, &f, &mut out);
+            warp_separable(source, &f, &mut out);
             return out;
         }
+        let whole = source.image();
+        let src = whole.as_ref();
         for (y, row) in out.data.chunks_exact_mut(ow * 3).enumerate() {
             let yf = y as f32;
             let cx = f[0][1] * yf + f[0][2];
@@ -614,9 +617,12 @@ pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) ->
                 sample_into(src, f[0][0] * xf + cx, f[1][0] * xf + cy, o);
             }
         }
+        release(whole);
     } else {
         let Some(iv) = invert3(m) else { return out };
         let f: Vec<[f32; 3]> = iv.iter().map(|r| [r[0] as f32, r[1] as f32, r[2] as f32]).collect();
+        let whole = source.image();
+        let src = whole.as_ref();
         for (y, row) in out.data.chunks_exact_mut(ow * 3).enumerate() {
             let yf = y as f32;
             let (cx, cy, cw) = (f[0][1] * yf + f[0][2], f[1][1] * yf + f[1][2], f[2][1] * yf + f[2][2]);
@@ -626,6 +632,7 @@ pub fn warp(src: &Image, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) ->
                 sample_into(src, (f[0][0] * xf + cx) / wv, (f[1][0] * xf + cy) / wv, o);
             }
         }
+        release(whole);
     }
     out
 }
@@ -653,8 +660,8 @@ pub fn box_candidate(old: &[f32; 4], new: &[f32; 4]) -> bool {
 
 /// RandomPerspective (docs/data.md §6.2): warps the image to `out × out`, transforms boxes (4 corners) and keypoints,
 /// zeroes the visibility of points that leave the image, clips, and applies the box-candidate filter.
-pub fn random_perspective(img: &Image, inst: &Instances, d: &AffineDraw, out: u32) -> (Image, Instances) {
-    let m = affine_matrix(d, img.w, img.h, out, out);
+pub fn random_perspective<S: SourceRows + ?Sized>(img: &S, inst: &Instances, d: &AffineDraw, out: u32) -> (Image, Instances) {
+    let m = affine_matrix(d, img.size().0, img.size().1, out, out);
     let persp = d.persp_x != 0.0 || d.persp_y != 0.0;
     let warped = warp(img, &m, out, out, persp);
     let of = out as f32;

@@ -33,6 +33,7 @@
 #![warn(missing_docs)]
 pub mod augment;
 pub mod cache;
+pub mod canvas;
 pub mod coco;
 pub mod config;
 pub mod dataset;

@@ -272,30 +272,38 @@ impl TrainLoader {
         let gate = rng.uniform(0.0, 1.0);
         let (h, w) = (item.image.h, item.image.w);
         let load_ratio = [h as f32 / item.ori_shape.0 as f32, w as f32 / item.ori_shape.1 as f32];
-        let (pre_img, pre_inst, resized_shape, ratio_pad, border_in) = if p_mosaic > 0.0 && gate <= p_mosaic {
+        // The mosaic's canvas stays as its tiles' placements: the warp composes the rows it reads.
+        enum Pre<'a> {
+            Mosaic(crate::canvas::MosaicCanvas<'a>),
+            Letterboxed(Image),
+        }
+        let (pre, pre_inst, resized_shape, ratio_pad) = if p_mosaic > 0.0 && gate <= p_mosaic {
             let n = ds.len() as i64;
             let partners = [rng.randint(0, n - 1), rng.randint(0, n - 1), rng.randint(0, n - 1)];
             let (yc, xc) = augment::draw_mosaic_centre(&mut rng, s);
             let it = |i: i64| &ds.items[i as usize];
             let (p1, p2, p3) = (it(partners[0]), it(partners[1]), it(partners[2]));
             let tiles = [(&*item.image, &item.labels), (&*p1.image, &p1.labels), (&*p2.image, &p2.labels), (&*p3.image, &p3.labels)];
-            let (canvas, inst) = augment::mosaic4(tiles, k, s, yc, xc);
-            (canvas, inst, [2 * s, 2 * s], RatioPad { ratio: load_ratio, pad: None }, true)
+            let (canvas, inst) = augment::mosaic4_layout(tiles, k, s, yc, xc);
+            (Pre::Mosaic(canvas), inst, [2 * s, 2 * s], RatioPad { ratio: load_ratio, pad: None })
         } else {
             let mut inst = Instances::from_labels(&item.labels, k, w as f32, h as f32);
             let (img, lb) = augment::letterbox(&item.image, &mut inst, s, s, true);
             (
-                img,
+                Pre::Letterboxed(img),
                 inst,
                 [s, s],
                 RatioPad { ratio: [load_ratio[0] * lb.r, load_ratio[1] * lb.r], pad: Some([lb.left as f32, lb.top as f32]) },
-                false,
             )
         };
-        let _ = border_in;
         let d = AffineDraw::draw(&mut rng, a);
-        let (mut img, mut inst) = augment::random_perspective(&pre_img, &pre_inst, &d, s);
-        augment::recycle(pre_img);
+        let (mut img, mut inst) = match &pre {
+            Pre::Mosaic(canvas) => augment::random_perspective(canvas, &pre_inst, &d, s),
+            Pre::Letterboxed(img) => augment::random_perspective(img, &pre_inst, &d, s),
+        };
+        if let Pre::Letterboxed(img) = pre {
+            augment::recycle(img);
+        }
         let _mixup_gate = rng.random();
         let _cutmix_gate = rng.random();
         let hsv_on = a.hsv_h != 0.0 || a.hsv_s != 0.0 || a.hsv_v != 0.0;
