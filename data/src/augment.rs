@@ -525,6 +525,11 @@ fn warp_separable<S: SourceRows + ?Sized>(src: &S, f: &[[f32; 3]; 2], out: &mut 
     let inside = |t: &(Option<usize>, Option<usize>, f32)| t.0.is_some() && t.1.is_some();
     let first = cols.iter().position(inside).unwrap_or(ow);
     let last = cols.iter().rposition(inside).map_or(first, |x| x + 1).max(first);
+    // Inside the run both taps are in the source and the second is the first's right neighbour
+    // (the taps are monotonic in x); should a column break that, the whole run takes the edge path.
+    let neighbours = cols[first..last].iter().all(|&(t0, t1, _)| t0.is_some() && t1 == t0.map(|o| o + 3));
+    let (first, last) = if neighbours { (first, last) } else { (ow, ow) };
+    let run: Vec<(usize, f32)> = cols[first..last].iter().map(|&(t0, _, a)| (t0.unwrap_or(0), a)).collect();
     // horizontal lerp of source row `iy` (or of a border row) into `buf`
     let hpass = |iy: i32, buf: &mut [f32], scratch: &mut [u8]| {
         let row = (iy >= 0 && iy < sh).then(|| src.row(iy as usize, scratch));
@@ -544,18 +549,13 @@ fn warp_separable<S: SourceRows + ?Sized>(src: &S, f: &[[f32; 3]; 2], out: &mut 
         for x in (0..first).chain(last..ow) {
             edge(x, buf);
         }
-        for (x, &(t0, t1, a)) in cols.iter().enumerate().take(last).skip(first) {
-            let (Some(o0), Some(o1)) = (t0, t1) else {
-                edge(x, buf);
-                continue;
-            };
-            let (Some(q0), Some(q1), Some(out)) = (r.get(o0..o0 + 3), r.get(o1..o1 + 3), buf.get_mut(x * 3..x * 3 + 3)) else {
-                continue;
-            };
-            for c in 0..3 {
-                let (p0, p1) = (q0[c] as f32, q1[c] as f32);
-                out[c] = p0 + a * (p1 - p0);
-            }
+        // The run's taps are neighbours (ix, ix + 1): one six-byte read per column.
+        for (out, &(o0, a)) in buf[first * 3..last * 3].chunks_exact_mut(3).zip(&run) {
+            let Some(q) = r.get(o0..o0 + 6) else { continue };
+            let Ok(q) = <&[u8; 6]>::try_from(q) else { continue };
+            out[0] = q[0] as f32 + a * (q[3] as f32 - q[0] as f32);
+            out[1] = q[1] as f32 + a * (q[4] as f32 - q[1] as f32);
+            out[2] = q[2] as f32 + a * (q[5] as f32 - q[2] as f32);
         }
     };
     let mut rows: [(i32, Vec<f32>); 2] = [(i32::MIN, vec![0.0; ow * 3]), (i32::MIN, vec![0.0; ow * 3])];
@@ -943,9 +943,10 @@ mod tests {
         let mut rng = Rng::new(9);
         let mut img = Image::filled(57, 43, [0, 0, 0]);
         img.data.iter_mut().for_each(|v| *v = rng.below(256) as u8);
-        for _ in 0..20 {
-            let d =
-                AffineDraw { scale: rng.uniform(0.3, 2.0), tx: rng.uniform(-0.2, 1.2), ty: rng.uniform(-0.2, 1.2), ..Default::default() };
+        for i in 0..30 {
+            // A negative scale (Ultralytics' `scale` > 1 can draw one) mirrors the image.
+            let scale = if i % 3 == 2 { -rng.uniform(0.3, 2.0) } else { rng.uniform(0.3, 2.0) };
+            let d = AffineDraw { scale, tx: rng.uniform(-0.2, 1.2), ty: rng.uniform(-0.2, 1.2), ..Default::default() };
             let m = affine_matrix(&d, 57, 43, 50, 50);
             let got = warp(&img, &m, 50, 50, false);
             let iv = invert_affine(&m);
