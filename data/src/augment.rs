@@ -503,6 +503,7 @@ fn invert_affine(m: &Mat3) -> [[f64; 3]; 2] {
 /// Scale + translation warp (the default augmentation): source columns depend on x only and rows on y only, so the
 /// horizontal lerps of a source row are computed once and shared by every destination row that reads it. Same
 /// arithmetic as [`sample_into`] (taps outside the source read 114), so the bytes are identical.
+#[inline(always)]
 fn warp_separable<S: SourceRows + ?Sized>(src: &S, f: &[[f32; 3]; 2], out: &mut Image) {
     let ow = out.w as usize;
     let (sw, sh) = (src.size().0 as i32, src.size().1 as i32);
@@ -593,6 +594,7 @@ fn warp_separable<S: SourceRows + ?Sized>(src: &S, f: &[[f32; 3]; 2], out: &mut 
 /// 114, as OpenCV ≥ 4.11 (`warpAffine` / `warpPerspective`, INTER_LINEAR, 8UC3) computes it: the inverse matrix in
 /// double, converted to float32; per destination pixel `sx = M₀·x + (M₁·y + M₂)` (and `/ (M₆·x + (M₇·y + M₈))` for
 /// perspective) in float32; see `sample_into`. Bit-exact against OpenCV 5.0 in the goldens.
+#[inline(always)]
 pub fn warp<S: SourceRows + ?Sized>(source: &S, m: &Mat3, out_w: u32, out_h: u32, perspective: bool) -> Image {
     let (ow, oh) = (out_w as usize, out_h as usize);
     let mut out = Image { w: out_w, h: out_h, data: vec![PAD_VALUE; ow * oh * 3] };
@@ -660,6 +662,7 @@ pub fn box_candidate(old: &[f32; 4], new: &[f32; 4]) -> bool {
 
 /// RandomPerspective (docs/data.md §6.2): warps the image to `out × out`, transforms boxes (4 corners) and keypoints,
 /// zeroes the visibility of points that leave the image, clips, and applies the box-candidate filter.
+#[inline(always)]
 pub fn random_perspective<S: SourceRows + ?Sized>(img: &S, inst: &Instances, d: &AffineDraw, out: u32) -> (Image, Instances) {
     let m = affine_matrix(d, img.size().0, img.size().1, out, out);
     let persp = d.persp_x != 0.0 || d.persp_y != 0.0;
@@ -713,6 +716,7 @@ fn pyround(v: f64) -> f64 {
 
 /// LetterBox (centre, pad 114): scale by `min(H/h, W/w)` (capped at 1 unless `scaleup`), resize bilinear, pad
 /// `top = round(dh/2 − 0.1)`, `bottom = round(dh/2 + 0.1)` and the same for left/right. Instances move with it.
+#[inline(always)]
 pub fn letterbox(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, scaleup: bool) -> (Image, LetterboxInfo) {
     letterbox_with(img, inst, new_h, new_w, scaleup, None)
 }
@@ -724,6 +728,7 @@ pub fn letterbox_min(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, 
     letterbox_with(img, inst, new_h, new_w, scaleup, Some(stride.max(1)))
 }
 
+#[inline(always)]
 fn letterbox_with(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, scaleup: bool, auto: Option<u32>) -> (Image, LetterboxInfo) {
     let (h, w) = (img.h as f64, img.w as f64);
     let mut r = (new_h as f64 / h).min(new_w as f64 / w);
@@ -759,6 +764,7 @@ fn letterbox_with(img: &Image, inst: &mut Instances, new_h: u32, new_w: u32, sca
 }
 
 /// Mirrors an image left–right in place.
+#[inline(always)]
 pub fn fliplr_image(img: &mut Image) {
     let stride = img.stride();
     for row in img.data.chunks_exact_mut(stride) {
@@ -768,6 +774,7 @@ pub fn fliplr_image(img: &mut Image) {
 }
 
 /// Mirrors an image top–bottom in place.
+#[inline(always)]
 pub fn flipud_image(img: &mut Image) {
     let h = img.h as usize;
     let stride = img.stride();
@@ -778,6 +785,7 @@ pub fn flipud_image(img: &mut Image) {
 }
 
 /// HSV step with the gains already drawn (CPU reference).
+#[inline(always)]
 pub fn hsv(img: &mut Image, gains: &HsvGains) {
     apply_hsv_bgr_hwc(&mut img.data, gains);
 }

@@ -95,6 +95,7 @@ impl SourceRows for MosaicCanvas<'_> {
         (self.size, self.size)
     }
 
+    #[inline(always)]
     fn row<'a>(&'a self, y: usize, scratch: &'a mut [u8]) -> &'a [u8] {
         let out = &mut scratch[..self.size as usize * 3];
         out.fill(PAD_VALUE);

@@ -25,6 +25,17 @@ pub struct RatioPad {
     pub pad: Option<[f32; 2]>,
 }
 
+/// Whether this CPU runs the loader's AVX2 copy of the augmentation (x86-64 with AVX2).
+fn wide_vectors() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *WIDE.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// A collated batch, layout of docs/data.md §9 with plain Rust types. `B` images, `N` objects, `K` keypoints.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
@@ -261,6 +272,7 @@ impl TrainLoader {
     }
 
     /// One augmented training sample (per-sample RNG from (seed, epoch, index)), draw order of docs/data.md §6.0.
+    #[inline(always)]
     pub fn sample(&self, epoch: usize, index: usize) -> Sample {
         let ds = &*self.ds;
         let a = &self.cfg.aug;
@@ -347,6 +359,32 @@ impl TrainLoader {
         }
         let order = self.epoch_order(epoch);
         let idx = &order[b * self.batch..((b + 1) * self.batch).min(order.len())];
+        self.build_samples(epoch, b, idx, wide_vectors())
+    }
+
+    /// Augments and collates the samples `idx` as batch `b` of `epoch`; with `wide` (the CPU has
+    /// AVX2) in a copy of the code compiled for it, whose byte loops take 32-byte vectors
+    /// (no fused multiply-add: the same arithmetic, the same bytes).
+    fn build_samples(&self, epoch: usize, b: usize, idx: &[usize], wide: bool) -> Result<Batch> {
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            // SAFETY: `wide` is true only where the CPU reports AVX2 (`wide_vectors`).
+            return unsafe { self.build_samples_avx2(epoch, b, idx) };
+        }
+        let _ = wide;
+        self.build_samples_inline(epoch, b, idx)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn build_samples_avx2(&self, epoch: usize, b: usize, idx: &[usize]) -> Result<Batch> {
+        self.build_samples_inline(epoch, b, idx)
+    }
+
+    /// The body of [`Self::build_samples`]; inlined, with the augmentation's loops, into each
+    /// caller so that the AVX2 copy compiles them for AVX2.
+    #[inline(always)]
+    fn build_samples_inline(&self, epoch: usize, b: usize, idx: &[usize]) -> Result<Batch> {
         let samples: Vec<Sample> = idx.iter().map(|&i| self.sample(epoch, i)).collect();
         collate(samples, self.ds.nkpt(), epoch, b)
     }
@@ -359,6 +397,7 @@ impl TrainLoader {
 }
 
 /// Collates samples: HWC BGR → CHW (RGB when the sample's gate says so), normalised boxes/keypoints.
+#[inline(always)]
 pub fn collate(samples: Vec<Sample>, k: usize, epoch: usize, index: usize) -> Result<Batch> {
     let Some(first) = samples.first() else {
         return Err(DataError::Invalid("cannot collate an empty batch".into()));
@@ -779,6 +818,44 @@ impl<T: Send + 'static> Iterator for EpochIter<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The AVX2 copy of the augmentation and collation gives the plain copy's bytes, for the
+    /// separable warp (the default) and the per-pixel one (rotation and shear).
+    #[test]
+    fn the_avx2_copy_builds_the_plain_copys_bytes() {
+        if !wide_vectors() {
+            println!("skipping: this CPU has no AVX2, so the loader runs its plain copy only (nothing to compare)");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let st = crate::synth_generate(&crate::SynthOptions {
+            out: dir.path().to_path_buf(),
+            train: 10,
+            background: 2,
+            val: 0,
+            imgsz: 96,
+            seed: 3,
+            jpeg_quality: 90,
+            threads: 2,
+            classes: 1,
+        })
+        .unwrap();
+        let ds = Arc::new(
+            PoseDataset::open_yaml(&st.yaml, "train", &crate::OpenOptions { imgsz: 96, verbose: false, ..Default::default() }).unwrap(),
+        );
+        for (degrees, shear) in [(0.0, 0.0), (10.0, 3.0)] {
+            let aug = AugmentConfig { degrees, shear, ..AugmentConfig::default() };
+            let cfg = TrainConfig { batch: 4, seed: 5, epochs: 2, close_mosaic: 0, aug, workers: 0, ..TrainConfig::default() };
+            let loader = TrainLoader::new(ds.clone(), cfg).unwrap();
+            for (epoch, b) in [(0, 0), (0, 1), (1, 0)] {
+                let order = loader.epoch_order(epoch);
+                let idx = &order[b * 4..(b + 1) * 4];
+                let wide = loader.build_samples(epoch, b, idx, true).unwrap();
+                let plain = loader.build_samples(epoch, b, idx, false).unwrap();
+                assert_eq!(wide, plain, "degrees {degrees}, epoch {epoch}, batch {b}");
+            }
+        }
+    }
 
     #[test]
     fn rect_shapes_spec_examples() {
