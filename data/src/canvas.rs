@@ -77,16 +77,22 @@ impl MosaicCanvas<'_> {
     pub fn to_image(&self) -> Image {
         let cs = self.size as usize;
         let mut canvas = Image { w: self.size, h: self.size, data: take_buffer(cs * cs * 3, PAD_VALUE) };
-        let cstride = canvas.stride();
-        for (img, p) in &self.tiles {
-            let sstride = img.stride();
-            for row in 0..p.h {
-                let d0 = (p.y + row) * cstride + p.x * 3;
-                let s0 = (p.src_y + row) * sstride + p.src_x * 3;
-                canvas.data[d0..d0 + p.w * 3].copy_from_slice(&img.data[s0..s0 + p.w * 3]);
-            }
+        for (y, row) in canvas.data.chunks_exact_mut(cs * 3).enumerate() {
+            self.compose_row(y, row);
         }
         canvas
+    }
+
+    /// Writes canvas row `y` into `out` (`size × 3` bytes): 114, then the tiles that cross it.
+    #[inline(always)]
+    fn compose_row(&self, y: usize, out: &mut [u8]) {
+        out.fill(PAD_VALUE);
+        for (img, p) in &self.tiles {
+            if (p.y..p.y + p.h).contains(&y) {
+                let s0 = (p.src_y + y - p.y) * img.stride() + p.src_x * 3;
+                out[p.x * 3..(p.x + p.w) * 3].copy_from_slice(&img.data[s0..s0 + p.w * 3]);
+            }
+        }
     }
 }
 
@@ -98,13 +104,7 @@ impl SourceRows for MosaicCanvas<'_> {
     #[inline(always)]
     fn row<'a>(&'a self, y: usize, scratch: &'a mut [u8]) -> &'a [u8] {
         let out = &mut scratch[..self.size as usize * 3];
-        out.fill(PAD_VALUE);
-        for (img, p) in &self.tiles {
-            if (p.y..p.y + p.h).contains(&y) {
-                let s0 = (p.src_y + y - p.y) * img.stride() + p.src_x * 3;
-                out[p.x * 3..(p.x + p.w) * 3].copy_from_slice(&img.data[s0..s0 + p.w * 3]);
-            }
-        }
+        self.compose_row(y, out);
         out
     }
 

@@ -143,6 +143,12 @@ pub struct TrainConfig {
     pub inject_panic_at: Option<(usize, usize)>,
 }
 
+/// The queue bound for `workers` worker threads: two batches per worker (at least two), as
+/// PyTorch's `prefetch_factor=2` ([`TrainConfig::prefetch`]).
+pub fn prefetch_for(workers: usize) -> usize {
+    (2 * workers).max(2)
+}
+
 /// Worker threads of [`TrainConfig::default`] (fewer where the machine has fewer cores).
 const DEFAULT_WORKERS: usize = 8;
 
@@ -160,7 +166,7 @@ impl Default for TrainConfig {
             aug: AugmentConfig::default(),
             hsv_on_device: false,
             workers: DEFAULT_WORKERS.min(cores()),
-            prefetch: 2 * DEFAULT_WORKERS.min(cores()),
+            prefetch: prefetch_for(DEFAULT_WORKERS.min(cores())),
             shuffle: true,
             shard: Shard::WHOLE,
             inject_panic_at: None,

@@ -185,8 +185,7 @@ fn fit_with(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>, dp: Option
         epochs: cfg.epochs,
         close_mosaic: cfg.close_mosaic,
         workers,
-        // Two batches per worker in the works or waiting, as PyTorch's prefetch_factor=2.
-        prefetch: (2 * workers).max(2),
+        prefetch: ptl_data::loader::prefetch_for(workers),
         inject_panic_at: cfg.inject_loader_panic_at,
         // CUDA runs jitter colours on the device after the upload (one fused launch per batch).
         hsv_on_device: matches!(cfg.device, Device::Cuda(_)) && cfg!(feature = "cuda"),
