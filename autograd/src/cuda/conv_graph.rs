@@ -566,8 +566,8 @@ impl std::fmt::Display for WorkspaceCap {
     /// reused).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            WorkspaceCap::Fixed(b) => write!(f, "{b}"),
-            WorkspaceCap::PerShape => write!(f, "per-shape {MIN_WS}+x+y"),
+            WorkspaceCap::Fixed(b) => write!(f, "{b}, channels-last padding"),
+            WorkspaceCap::PerShape => write!(f, "per-shape {MIN_WS}+x+y, channels-last padding"),
         }
     }
 }
@@ -581,14 +581,31 @@ impl std::fmt::Display for WorkspaceCap {
 /// grows to the largest layer's input and output — at batch 64 about 300 MiB for training and
 /// twice that for validation's batch of 128 — and it stays allocated.
 pub(crate) fn workspace_limit(cap: WorkspaceCap, p: &crate::backend::Conv2dParams, dt: DType) -> usize {
-    match cap {
+    let by_rule = match cap {
         WorkspaceCap::Fixed(b) => b,
         WorkspaceCap::PerShape => {
             let x = p.batch * p.c_in * p.h_in * p.w_in;
             let y: usize = p.out_shape().iter().product();
             MIN_WS.max((x + y) * dt.size_in_bytes() + (1 << 20))
         }
+    };
+    by_rule.max(channel_padding_workspace(p, dt))
+}
+
+/// The workspace a channels-last convolution with a channel count off the 16-byte vector needs:
+/// cuDNN's NHWC engines pad x and y to whole vectors of channels in their workspace (85 → 88 in
+/// bf16 — the pose stems' 17 × 5 channels), and no legacy algorithm computes such a weight
+/// gradient deterministically, so without room for the padded copies the shape has no engine at
+/// all. Zero for every other convolution. The padded x and y plus 1 MiB: at batch 64 the
+/// 85 → 85 3×3 convolution at 80 × 80 asked for 144,318,739 bytes, this gives 145,227,776.
+fn channel_padding_workspace(p: &crate::backend::Conv2dParams, dt: DType) -> usize {
+    let vector = (16 / dt.size_in_bytes()).max(1);
+    if !p.channels_last || (p.c_in.is_multiple_of(vector) && p.c_out.is_multiple_of(vector)) {
+        return 0;
     }
+    let padded = |c: usize| c.div_ceil(vector) * vector;
+    let [n, _, ho, wo] = p.out_shape();
+    (n * padded(p.c_in) * p.h_in * p.w_in + n * padded(p.c_out) * ho * wo) * dt.size_in_bytes() + (1 << 20)
 }
 
 /// `PTL_CUDNN_WORKSPACE_MIB`'s value in bytes (at most 16 GiB).
@@ -652,6 +669,40 @@ mod tests {
         assert_eq!(workspace_limit(WorkspaceCap::Fixed(7), &p, crate::DType::BF16), 7);
         p.batch = 1;
         assert_eq!(workspace_limit(WorkspaceCap::PerShape, &p, crate::DType::BF16), MIN_WS, "small shapes keep the floor");
+    }
+
+    #[test]
+    fn channels_last_shapes_off_the_vector_get_room_for_padded_copies() {
+        use super::{workspace_limit, WorkspaceCap, MIN_WS};
+        let mut p = crate::backend::Conv2dParams {
+            channels_last: true,
+            weight_channels_last: true,
+            batch: 64,
+            c_in: 85,
+            h_in: 80,
+            w_in: 80,
+            c_out: 85,
+            kh: 3,
+            kw: 3,
+            stride: (1, 1),
+            padding: (1, 1),
+            groups: 1,
+        };
+        // cuDNN's engines asked for 144,318,739 bytes for this shape at batch 64 in bf16.
+        let cap = workspace_limit(WorkspaceCap::Fixed(MIN_WS), &p, crate::DType::BF16);
+        assert_eq!(cap, 2 * 64 * 88 * 80 * 80 * 2 + (1 << 20));
+        assert!(cap >= 144_318_739);
+        p.c_in = 64; // only the output padded: 72,191,123 bytes asked
+        assert!(workspace_limit(WorkspaceCap::Fixed(MIN_WS), &p, crate::DType::BF16) >= 72_191_123);
+        p.c_out = 88;
+        assert_eq!(workspace_limit(WorkspaceCap::Fixed(MIN_WS), &p, crate::DType::BF16), MIN_WS, "aligned channels: the rule's cap");
+        p.c_out = 85;
+        p.channels_last = false;
+        assert_eq!(workspace_limit(WorkspaceCap::Fixed(MIN_WS), &p, crate::DType::BF16), MIN_WS, "contiguous: the rule's cap");
+        p.channels_last = true;
+        p.c_out = 84; // a whole number of f32 vectors, not of bf16 ones
+        assert_eq!(workspace_limit(WorkspaceCap::Fixed(MIN_WS), &p, crate::DType::F32), MIN_WS);
+        assert!(workspace_limit(WorkspaceCap::Fixed(MIN_WS), &p, crate::DType::BF16) > MIN_WS);
     }
 
     #[test]
