@@ -384,9 +384,15 @@ pub fn run_train(a: TrainArgs) -> Result<(), super::Failure> {
     }
     if let Some(g) = &t.gpu {
         println!(
-            "GPU time {:.1} ms/step in {:.0} kernels on {} streams, {:.1} ms without dependent-launch waits \
-             (device-event span {:.1} ms/step, {} steps traced)",
-            g.kernel_ms_per_step, g.kernels_per_step, g.kernel_streams, g.kernel_busy_ms_per_step, g.event_span_ms_per_step, g.steps
+            "GPU time {:.1} ms/step in {:.0} kernels on {} streams, {:.1} ms without dependent-launch waits, \
+             {:.1} ms with a kernel running (device-event span {:.1} ms/step, {} steps traced)",
+            g.kernel_ms_per_step,
+            g.kernels_per_step,
+            g.kernel_streams,
+            g.kernel_busy_ms_per_step,
+            g.kernel_active_ms_per_step,
+            g.event_span_ms_per_step,
+            g.steps
         );
     }
     // The steady state (the traced window near the end) when there is one.

@@ -55,6 +55,13 @@ fn prefetched_cuda_fit_is_worker_independent_and_reports_gpu_time() {
     // stream is busy at most the whole span.
     assert!(g.kernel_busy_ms_per_step > 0.0 && g.kernel_busy_ms_per_step <= g.kernel_ms_per_step && g.kernel_streams >= 1, "{g:?}");
     assert!(g.kernel_busy_ms_per_step <= g.event_span_ms_per_step * g.kernel_streams as f64 * 1.01, "{g:?}");
+    // The union of the kernels' spans fits in the window's event span and under the busy sum.
+    assert!(
+        g.kernel_active_ms_per_step > 0.0
+            && g.kernel_active_ms_per_step <= g.kernel_busy_ms_per_step * 1.0001
+            && g.kernel_active_ms_per_step <= g.event_span_ms_per_step * 1.01 + 0.01,
+        "{g:?}"
+    );
     assert!(t.sync_window_ms_per_step.is_some());
     assert!(
         pre.startup.kernel_modules.iter().filter(|m| m.name.starts_with("ptl-kernels-")).count() >= 9,

@@ -195,6 +195,16 @@ def busy_us(spans):
     return busy
 
 
+def active_us(spans):
+    """Time with at least one kernel running: the union of the spans over every stream (ptl's
+    kernel timer does the same)."""
+    active, covered = 0.0, 0.0
+    for _, start, end in sorted(spans, key=lambda s: (s[1], s[2])):
+        active += max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    return active
+
+
 def breakdown(trace_path, steps):
     """Kernel time per step by stage / class / (stage, kernel) from a Chrome trace of the profiler."""
     import bisect
@@ -242,6 +252,7 @@ def breakdown(trace_path, steps):
     total_us = sum(us for _, us in by.values())
     return {"steps": steps, "kernel_ms_per_step": total_us / 1e3 / steps,
             "kernel_busy_ms_per_step": busy_us(spans) / 1e3 / steps,
+            "kernel_active_ms_per_step": active_us(spans) / 1e3 / steps,
             "kernels_per_step": sum(c for c, _ in by.values()) / steps,
             "by_stage": shares(lambda st, n: st), "by_class": shares(lambda st, n: kernel_class(n)), "top": top}
 

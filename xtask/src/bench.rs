@@ -792,6 +792,8 @@ struct Figures {
     gpu_ms: Option<f64>,
     /// Kernel time without dependent-launch waits (each kernel from its stream predecessor's end).
     gpu_busy_ms: Option<f64>,
+    /// Time with at least one kernel running (the union of the kernels' spans over every stream).
+    gpu_active_ms: Option<f64>,
     gpu_kernels: Option<f64>,
     span_ms: Option<f64>,
     launches: Option<f64>,
@@ -816,6 +818,7 @@ fn figures(r: &Value) -> Figures {
         x.to_first_step_s = f(&res["process_to_first_step_s"]);
         x.gpu_ms = f(&res["gpu_breakdown"]["kernel_ms_per_step"]);
         x.gpu_busy_ms = f(&res["gpu_breakdown"]["kernel_busy_ms_per_step"]);
+        x.gpu_active_ms = f(&res["gpu_breakdown"]["kernel_active_ms_per_step"]);
         x.gpu_kernels = f(&res["gpu_breakdown"]["kernels_per_step"]);
         x.map50 = res["metrics_per_epoch"]
             .as_array()
@@ -830,6 +833,7 @@ fn figures(r: &Value) -> Figures {
         x.gpu_ms = f(&t["gpu"]["kernel_ms_per_step"]);
         // Reports written before the busy time was measured carry 0.
         x.gpu_busy_ms = f(&t["gpu"]["kernel_busy_ms_per_step"]).filter(|v| *v > 0.0);
+        x.gpu_active_ms = f(&t["gpu"]["kernel_active_ms_per_step"]).filter(|v| *v > 0.0);
         x.gpu_kernels = f(&t["gpu"]["kernels_per_step"]);
         x.span_ms = f(&t["gpu"]["event_span_ms_per_step"]);
         // The steady-state counts (the traced window) where the run has them.
@@ -930,12 +934,12 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     }
     let mut md = String::new();
     md.push_str(&format!(
-        "{} runs ({} failed). Medians over runs, (min–max) across runs; step = ptl: 16 steps right before the GPU window, the device synchronised at both ends (total / 16; the host may queue steps ahead of the GPU); Ultralytics (a host sync every step): a run's median over 16-step stretches of their mean start-to-start time, after 10 warm-up steps. GPU kernel ms = CUPTI's kernel durations summed; GPU busy ms = the same with each kernel counted from the end of the kernels before it on its stream (ptl's dependently launched kernels start while their predecessor ends and wait for it; Ultralytics' from its profiler trace the same way).\n\n",
+        "{} runs ({} failed). Medians over runs, (min–max) across runs; step = ptl: 16 steps right before the GPU window, the device synchronised at both ends (total / 16; the host may queue steps ahead of the GPU); Ultralytics (a host sync every step): a run's median over 16-step stretches of their mean start-to-start time, after 10 warm-up steps. GPU kernel ms = CUPTI's kernel durations summed; GPU busy ms = the same with each kernel counted from the end of the kernels before it on its stream (ptl's dependently launched kernels start while their predecessor ends and wait for it; Ultralytics' from its profiler trace the same way); GPU active ms = the time with at least one kernel running, the union of the kernels' spans over every stream (kernels side by side on two streams each last longer, so both sums exceed the GPU's working time; the active time does not).\n\n",
         recs.len(),
         failed
     ));
-    md.push_str("| precision | arm | runs | complete s | step ms | images/s | sync-window ms | data wait ms | loader images/s | GPU kernel ms/step | GPU busy ms/step | GPU kernels/step | event span ms/step | host launches/step | host copies/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
-    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    md.push_str("| precision | arm | runs | complete s | step ms | images/s | sync-window ms | data wait ms | loader images/s | GPU kernel ms/step | GPU busy ms/step | GPU active ms/step | GPU kernels/step | event span ms/step | host launches/step | host copies/step | host syncs/step | peak alloc/reserved MiB | to first step s (cold · warm) | pose mAP50 per epoch |\n");
+    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     let mut json_groups = Vec::new();
     for p in &precisions {
         for arm in &arm_order {
@@ -957,7 +961,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             };
             let map = fs.first().map(|f| f.map50.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(" ")).unwrap_or_default();
             md.push_str(&format!(
-                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
+                "| {p} | {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} · {} | {} |\n",
                 fs.len(),
                 mr(&col(|f| Some(f.wall_s)), 1),
                 mr(&col(|f| f.step_ms), 1),
@@ -967,6 +971,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
                 mr(&col(|f| f.loader_img_s), 0),
                 mr(&col(|f| f.gpu_ms), 1),
                 mr(&col(|f| f.gpu_busy_ms), 1),
+                mr(&col(|f| f.gpu_active_ms), 1),
                 mr(&col(|f| f.gpu_kernels), 0),
                 mr(&col(|f| f.span_ms), 1),
                 mr(&col(|f| f.launches), 1),
@@ -982,7 +987,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
                 "precision": p, "arm": arm, "runs": fs.len(),
                 "complete_s": fs.iter().map(|f| f.wall_s).collect::<Vec<_>>(),
                 "step_ms": col(|f| f.step_ms), "images_per_s": col(|f| f.images_s), "loader_images_per_s": col(|f| f.loader_img_s), "sync_window_ms": col(|f| f.sync_ms), "data_wait_ms": col(|f| f.wait_ms),
-                "gpu_kernel_ms_per_step": col(|f| f.gpu_ms), "gpu_busy_ms_per_step": col(|f| f.gpu_busy_ms), "gpu_kernels_per_step": col(|f| f.gpu_kernels),
+                "gpu_kernel_ms_per_step": col(|f| f.gpu_ms), "gpu_busy_ms_per_step": col(|f| f.gpu_busy_ms), "gpu_active_ms_per_step": col(|f| f.gpu_active_ms), "gpu_kernels_per_step": col(|f| f.gpu_kernels),
                 "event_span_ms_per_step": col(|f| f.span_ms), "host_launches_per_step": col(|f| f.launches), "host_copies_per_step": col(|f| f.copies),
                 "host_syncs_per_step": col(|f| f.syncs), "peak_allocated_mib": col(|f| f.alloc_mib), "peak_reserved_mib": col(|f| f.reserved_mib),
                 "to_first_step_s_cold": cold, "to_first_step_s_warm": warm,
@@ -993,7 +998,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     md.push_str(&no_gpu_window(&ok));
     // Paired ratios: each arm against Ultralytics (or the first arm) of the same precision and pair.
     let mut ratios = Vec::new();
-    md.push_str("\nPaired ratios (same precision, same round; median (min–max) over rounds):\n\n| precision | arm / reference | complete | step | GPU busy |\n|---|---|---:|---:|---:|\n");
+    md.push_str("\nPaired ratios (same precision, same round; median (min–max) over rounds):\n\n| precision | arm / reference | complete | step | GPU busy | GPU active |\n|---|---|---:|---:|---:|---:|\n");
     for p in &precisions {
         let reference = if groups.contains_key(&(p.clone(), ULTRA.into())) { ULTRA.to_string() } else { arm_order[0].clone() };
         for arm in arm_order.iter().filter(|a| **a != reference && !a.ends_with("-cold")) {
@@ -1001,16 +1006,24 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             let mut wall = Vec::new();
             let mut step = Vec::new();
             let mut busy = Vec::new();
+            let mut active = Vec::new();
             for ra in a {
                 if let Some(rb) = b.iter().find(|rb| rb["pair"] == ra["pair"]) {
                     let (fa, fb) = (figures(ra), figures(rb));
                     wall.push(Some(fa.wall_s / fb.wall_s));
                     step.push(fa.step_ms.zip(fb.step_ms).map(|(x, y)| x / y));
                     busy.push(fa.gpu_busy_ms.zip(fb.gpu_busy_ms).map(|(x, y)| x / y));
+                    active.push(fa.gpu_active_ms.zip(fb.gpu_active_ms).map(|(x, y)| x / y));
                 }
             }
-            md.push_str(&format!("| {p} | {arm} / {reference} | {} | {} | {} |\n", mr(&wall, 3), mr(&step, 3), mr(&busy, 3)));
-            ratios.push(json!({ "precision": p, "arm": arm, "reference": reference, "complete": wall, "step": step, "gpu_busy": busy }));
+            md.push_str(&format!(
+                "| {p} | {arm} / {reference} | {} | {} | {} | {} |\n",
+                mr(&wall, 3),
+                mr(&step, 3),
+                mr(&busy, 3),
+                mr(&active, 3)
+            ));
+            ratios.push(json!({ "precision": p, "arm": arm, "reference": reference, "complete": wall, "step": step, "gpu_busy": busy, "gpu_active": active }));
         }
     }
     // What removing the serial batch building saved, against what the serial loop waited.
@@ -1549,6 +1562,39 @@ mod quoting_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ultralytics' kernel time is summed in its own process by the bench script: its busy and
+    /// active sums must be the kernel timer's (`ptl_autograd`'s `kernel_busy_ns` and
+    /// `kernel_active_ns` unit tests, the same spans and values).
+    #[test]
+    fn the_ultralytics_script_sums_kernel_spans_as_the_kernel_timer_does() {
+        let code = "import ast, sys\n\
+src = sys.stdin.read()\n\
+tree = ast.parse(src)\n\
+funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ('busy_us', 'active_us')]\n\
+ns = {}\n\
+exec(compile(ast.Module(funcs, []), 'ultralytics_bench.py', 'exec'), ns)\n\
+spans = [(7, 4, 15), (9, 2, 12), (7, 0, 10), (7, 20, 25)]\n\
+print(ns['busy_us'](spans), ns['active_us'](spans + [(9, 30, 31)]), ns['active_us']([]))\n";
+        let mut child = match Command::new("python3")
+            .args(["-c", code])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                assert!(std::env::var_os("CI").is_none_or(|v| v.is_empty()), "python3 is needed (CI): {e}");
+                eprintln!("SKIPPED: python3 not found ({e}); the Ultralytics script's span sums are not checked");
+                return;
+            }
+        };
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(ULTRA_SCRIPT.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "30.0 21.0 0.0");
+    }
 
     fn ptl_run(arm: &str, pair: usize, wall: f64, step: f64, model: &str) -> Value {
         record(

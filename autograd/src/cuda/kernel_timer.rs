@@ -32,6 +32,11 @@ pub struct GpuKernelTotals {
     pub kernel_busy_ns: u64,
     /// Streams the kernels ran on, as CUPTI names them.
     pub kernel_streams: u64,
+    /// Time during which at least one kernel ran, nanoseconds: the union of the kernels' spans
+    /// over every stream. Unlike the sums it does not grow when kernels run side by side (each
+    /// lasting longer while they share the GPU) or wait for their predecessor; unlike an event
+    /// span it leaves out the gaps between kernels.
+    pub kernel_active_ns: u64,
     /// Copies run.
     pub memcpys: u64,
     /// Nanoseconds of copies.
@@ -49,6 +54,7 @@ static TOTALS: Mutex<GpuKernelTotals> = Mutex::new(GpuKernelTotals {
     kernel_ns: 0,
     kernel_busy_ns: 0,
     kernel_streams: 0,
+    kernel_active_ns: 0,
     memcpys: 0,
     memcpy_ns: 0,
     memsets: 0,
@@ -108,6 +114,18 @@ pub fn kernel_busy_ns(spans: &mut [(u32, u64, u64)]) -> (u64, u64) {
         current = Some((stream, covered.max(end)));
     }
     (busy, streams)
+}
+
+/// The union of the kernels' spans over every stream (stream ids ignored), nanoseconds: the time
+/// during which at least one kernel ran. Sorts `spans` by start.
+pub fn kernel_active_ns(spans: &mut [(u32, u64, u64)]) -> u64 {
+    spans.sort_unstable_by_key(|&(_, start, end)| (start, end));
+    let (mut active, mut covered) = (0u64, 0u64);
+    for &(_, start, end) in spans.iter() {
+        active += end.saturating_sub(start.max(covered));
+        covered = covered.max(end);
+    }
+    active
 }
 
 thread_local! {
@@ -378,6 +396,7 @@ impl GpuKernelTimer {
         let mut t = *TOTALS.lock().unwrap_or_else(|e| e.into_inner());
         let mut spans = std::mem::take(&mut *SPANS.lock().unwrap_or_else(|e| e.into_inner()));
         (t.kernel_busy_ns, t.kernel_streams) = kernel_busy_ns(&mut spans);
+        t.kernel_active_ns = kernel_active_ns(&mut spans);
         let mut dropped = 0usize;
         // SAFETY: a null context asks for the records dropped outside any context.
         if unsafe { activity::get_num_dropped_records(std::ptr::null_mut(), 0, &mut dropped) }.is_ok() {
@@ -449,5 +468,20 @@ mod tests {
         let mut nested = vec![(1, 0, 10), (1, 2, 8), (1, 10, 12)];
         assert_eq!(kernel_busy_ns(&mut nested), (12, 1));
         assert_eq!(kernel_busy_ns(&mut []), (0, 0));
+    }
+
+    #[test]
+    fn active_time_is_the_union_over_every_stream() {
+        // Stream 7: 0..10 and 4..15 (a dependent launch), 20..25; stream 9: 2..12 beside them,
+        // 30..31 alone. Covered: 0..15, 20..25, 30..31.
+        let mut spans = vec![(7, 4, 15), (9, 2, 12), (7, 0, 10), (7, 20, 25), (9, 30, 31)];
+        assert_eq!(kernel_active_ns(&mut spans), 15 + 5 + 1);
+        let mut spans = vec![(7, 4, 15), (9, 2, 12), (7, 0, 10), (7, 20, 25), (9, 30, 31)];
+        let (busy, _) = kernel_busy_ns(&mut spans);
+        assert!(kernel_active_ns(&mut spans) <= busy);
+        // Serial kernels on one stream: the plain sum.
+        let mut serial = vec![(1, 10, 12), (1, 0, 10), (1, 12, 20)];
+        assert_eq!(kernel_active_ns(&mut serial), 20);
+        assert_eq!(kernel_active_ns(&mut []), 0);
     }
 }

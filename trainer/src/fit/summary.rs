@@ -176,6 +176,11 @@ pub struct GpuWindowReport {
     /// Streams the window's kernels ran on, as CUPTI names them.
     #[serde(default)]
     pub kernel_streams: u64,
+    /// Time per step, ms, during which at least one kernel ran (the union of the kernels' spans
+    /// over every stream): the GPU's working time, which neither sum measures once kernels run
+    /// side by side (0 in reports written before it was measured).
+    #[serde(default)]
+    pub kernel_active_ms_per_step: f64,
     /// Kernels per step.
     pub kernels_per_step: f64,
     /// Copy time per step, ms.

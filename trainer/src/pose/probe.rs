@@ -103,6 +103,7 @@ impl GpuWindow {
                 kernel_ms_per_step: t.kernel_ns as f64 * 1e-6 / n,
                 kernel_busy_ms_per_step: t.kernel_busy_ns as f64 * 1e-6 / n,
                 kernel_streams: t.kernel_streams,
+                kernel_active_ms_per_step: t.kernel_active_ns as f64 * 1e-6 / n,
                 kernels_per_step: t.kernels as f64 / n,
                 memcpy_ms_per_step: t.memcpy_ns as f64 * 1e-6 / n,
                 memcpys_per_step: t.memcpys as f64 / n,
