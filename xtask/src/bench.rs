@@ -42,7 +42,9 @@ options:
                      kernels with / without programmatic dependent launch; the same bytes),
                      +onestream (PTL_SIDE_STREAM=0: no second stream for weight gradients and the
                      one-to-one head; +side8 with eight side tasks in flight instead of three,
-                     +sidenp with both streams at one priority: all with the same bytes)
+                     +sidenp with both streams at one priority, +held256 joining the oldest
+                     side tasks early beyond 256 MiB of frees waiting for them: all with the
+                     same bytes)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
                      the ratios), compile (its compile=True), reduce-overhead (compile=reduce-overhead:
@@ -237,6 +239,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         ("+onestream", None),
         ("+side8", None),
         ("+sidenp", None),
+        ("+held256", None),
     ] {
         if let Some(base) = arm.strip_suffix(suffix) {
             let mut o = arm_overrides(base)?;
@@ -261,7 +264,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp for the second stream)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp / +held256 for the second stream)"
         )),
     }
 }
@@ -283,8 +286,9 @@ fn numeric_variant(arm: &str) -> String {
 /// weight copies in K, R, S, C order) and `+oihw` `PTL_WEIGHT_KRSC=0` (in O, I, H, W order),
 /// `+pdl` / `+nopdl` `PTL_PDL=1` / `0` (kernels launched with / without programmatic dependent
 /// launch), `+onestream` `PTL_SIDE_STREAM=0` (no second
-/// stream beside the main chain), `+side8` eight side tasks in flight instead of three and
-/// `+sidenp` both streams at one priority.
+/// stream beside the main chain), `+side8` eight side tasks in flight instead of three,
+/// `+sidenp` both streams at one priority and `+held256` `PTL_SIDE_HELD_MIB=256` (the oldest side
+/// tasks joined early when more than 256 MiB of frees wait for them).
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     let parts: Vec<&str> = arm.split('+').skip(1).collect();
     let mut env = Vec::new();
@@ -317,6 +321,9 @@ fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     }
     if parts.contains(&"side8") {
         env.push(("PTL_SIDE_IN_FLIGHT", "8"));
+    }
+    if parts.contains(&"held256") {
+        env.push(("PTL_SIDE_HELD_MIB", "256"));
     }
     env
 }
@@ -1672,6 +1679,9 @@ print(ns['busy_us'](spans), ns['active_us'](spans + [(9, 30, 31)]), ns['active_u
         assert_eq!(numeric_variant("dense+timed+ws"), "+timed+ws");
         assert_eq!(arm_env("all+dense+timedall"), [("PTL_CUDNN_TIMED", "all")]);
         assert_eq!(arm_env("all+dense+onestream"), [("PTL_SIDE_STREAM", "0")]);
+        assert_eq!(arm_env("dense+held256"), [("PTL_SIDE_HELD_MIB", "256")]);
+        assert_eq!(arm_overrides("all+dense+held256").unwrap(), ["replay=all", "loss_assigner=dense"]);
+        assert_eq!(numeric_variant("all+dense+held256"), "", "joins change no bytes: its hashes are compared");
         assert_eq!(arm_env("all+dense+krsc"), [("PTL_WEIGHT_KRSC", "1")]);
         assert_eq!(arm_env("all+dense+oihw+nopdl"), [("PTL_WEIGHT_KRSC", "0"), ("PTL_PDL", "0")]);
         assert_eq!(arm_env("all+dense+pdl"), [("PTL_PDL", "1")]);

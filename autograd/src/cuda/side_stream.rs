@@ -8,7 +8,8 @@
 //! * **Join.** The compute stream waits for the end event of a side task before it may use what
 //!   the task wrote. Side tasks run one after another, so joining task `n` joins every earlier
 //!   one. At most [`in_flight`] tasks are left unjoined (the oldest is joined before another
-//!   forks), and everything is joined before a host synchronisation, before a capture begins or
+//!   forks; with [`held_cap`], also as many of the oldest as keep the held frees within it), and
+//!   everything is joined before a host synchronisation, before a capture begins or
 //!   ends, and at the end of each backward pass.
 //! * **Held frees.** A buffer dropped while a side task forked after it existed is unjoined may
 //!   still be read or written by that task; handing its memory to the next request on the compute
@@ -26,7 +27,7 @@
 use cudarc::driver::{result as dr, sys};
 
 use super::device::{cu_err, Dev};
-use super::side_tasks::{in_flight, new_event, set_on_side, side_ordinal, Held, SideState};
+use super::side_tasks::{held_cap, in_flight, new_event, set_on_side, side_ordinal, Held, SideState};
 use crate::Result;
 
 fn release_all(freed: Vec<Box<dyn Held>>) {
@@ -56,7 +57,10 @@ pub(crate) fn on_side<R, E: From<crate::Error>>(dev: &Dev, f: impl FnOnce() -> s
     // joined ones is freed before the fork, so the new task sees those frees done.
     let released = {
         let mut s = state(dev);
-        let through = s.ledger.join_before_fork(in_flight());
+        let mut through = s.ledger.join_before_fork(in_flight());
+        if let Some(cap) = held_cap() {
+            through = through.max(s.ledger.join_for_held_bytes(cap));
+        }
         s.join_through(dev.cu_stream, through)?
     };
     release_all(released);

@@ -42,6 +42,15 @@ pub(crate) fn in_flight() -> u64 {
     })
 }
 
+/// Bytes of held frees above which a fork joins the oldest side tasks (`PTL_SIDE_HELD_MIB`, MiB;
+/// unset: no limit beyond [`in_flight`]). Each held free waits for up to `in_flight` tasks, and
+/// at large batches a task's buffers are large: three tasks' worth held 840 MiB more at the
+/// batch-64 peak than one stream did.
+pub(crate) fn held_cap() -> Option<u64> {
+    static CAP: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| std::env::var("PTL_SIDE_HELD_MIB").ok().and_then(|v| v.trim().parse::<u64>().ok()).map(|mib| mib << 20))
+}
+
 /// The device whose side task this thread is inside.
 pub(crate) fn side_ordinal() -> Option<usize> {
     ON_SIDE.with(|s| s.get().checked_sub(1))
@@ -118,6 +127,22 @@ impl<E: Copy, H: HeldBytes> SideLedger<E, H> {
     /// The task to join before another forks, so that at most `in_flight` stay unjoined with it.
     pub(crate) fn join_before_fork(&self, in_flight: u64) -> u64 {
         self.forked.saturating_sub(in_flight.max(1) - 1).min(self.last_ended())
+    }
+
+    /// The task to join before another forks so that at most `cap` bytes of frees stay held:
+    /// the oldest tasks first (frees are held in the order of the tasks they wait for), only
+    /// ended ones; `joined` when the held bytes are within `cap` already.
+    pub(crate) fn join_for_held_bytes(&self, cap: u64) -> u64 {
+        let mut left = self.held_bytes;
+        let mut through = self.joined;
+        for (tag, freed) in &self.held {
+            if left <= cap {
+                break;
+            }
+            through = *tag;
+            left -= freed.bytes() as u64;
+        }
+        through.min(self.last_ended())
     }
 
     /// Starts a task: its sequence number.
@@ -273,6 +298,30 @@ mod tests {
         let (wait, _) = l.join_through(l.join_before_fork(3));
         assert_eq!((wait, l.joined), (Some(3), 3));
         assert_eq!((l.spare_event(), l.spare_event(), l.spare_event(), l.spare_event()), (Some(3), Some(2), Some(1), None));
+    }
+
+    #[test]
+    fn a_cap_on_held_bytes_joins_the_oldest_tasks_first() {
+        let mut l: SideLedger<u32, Buf> = SideLedger::new();
+        for (ev, bytes) in [(1, 100), (2, 50), (3, 30)] {
+            l.fork();
+            l.hold(Buf(bytes, "x"));
+            l.hold(Buf(bytes, "dy"));
+            l.ended(ev);
+        }
+        assert_eq!(l.held_bytes, 360);
+        assert_eq!(l.join_for_held_bytes(360), 0, "within the cap: nothing to join");
+        assert_eq!(l.join_for_held_bytes(200), 1, "task 1's 200 bytes released leave 160");
+        assert_eq!(l.join_for_held_bytes(160), 1);
+        assert_eq!(l.join_for_held_bytes(159), 2);
+        assert_eq!(l.join_for_held_bytes(0), 3);
+        let (_, freed) = l.join_through(l.join_for_held_bytes(100));
+        assert_eq!((freed.len(), l.held_bytes), (4, 60));
+        assert_eq!(l.join_for_held_bytes(100), 2, "already within the cap: the tasks joined so far");
+        // A task that has not ended is never joined.
+        l.fork();
+        l.hold(Buf(500, "big"));
+        assert_eq!(l.join_for_held_bytes(0), 3);
     }
 
     #[test]
