@@ -22,6 +22,16 @@ pub(crate) fn region_body<'a, 'b: 'a>(
     }
 }
 
+/// The CPU test double whose first `failures` recordings fail (the `inject_capture_failures` test
+/// hook), to exercise the fallbacks.
+pub(crate) fn failing_double(failures: usize) -> ptl_capture::testing::ReplayNatively {
+    let double = ptl_capture::testing::ReplayNatively::default();
+    let errors = (0..failures)
+        .map(|i| ptl_capture::CaptureError::Region { region: "injected".into(), msg: format!("injected capture failure {}", i + 1) });
+    double.fail_next.lock().unwrap_or_else(|e| e.into_inner()).extend(errors);
+    double
+}
+
 /// A recorder for a fit on `device`: CUDA graphs on a GPU, `double` (the CPU test double) elsewhere.
 pub(crate) fn recorder_for(config: &RecorderConfig, device: Device, double: ptl_capture::testing::ReplayNatively) -> Recorder {
     match device {
@@ -41,8 +51,10 @@ pub(crate) struct KeyedRegions<K> {
 }
 
 impl<K: Ord> KeyedRegions<K> {
-    pub(crate) fn new(config: &RecorderConfig, device: Device) -> Self {
-        KeyedRegions { recorder: recorder_for(config, device, Default::default()), regions: Mutex::new(BTreeMap::new()) }
+    /// Regions recorded with `config` on `device`; on the CPU test double the first
+    /// `inject_failures` recordings fail.
+    pub(crate) fn new(config: &RecorderConfig, device: Device, inject_failures: usize) -> Self {
+        KeyedRegions { recorder: recorder_for(config, device, failing_double(inject_failures)), regions: Mutex::new(BTreeMap::new()) }
     }
 
     /// The region of `key`, made on first use with the name `name` gives (from the keys so far).
@@ -92,30 +104,38 @@ pub(crate) trait HoldsRegions {
 }
 
 /// The part of an optimizer-stage plugin that does not depend on what it records: its recorder
-/// settings (checkpointed), this fit's regions, and the `"dispatch": false` test hook (the seam
-/// acts broken, so that the mutation tests can show the replay guard failing).
+/// settings (checkpointed), this fit's regions, and the test hooks: `"dispatch": false` (the seam
+/// acts broken, so that the mutation tests can show the replay guard failing) and
+/// `inject_capture_failures` (the first N recordings fail on the CPU test double).
 pub(crate) struct PluginShell<R> {
     pub(crate) config: RecorderConfig,
     regions: Option<Arc<R>>,
     dispatch: bool,
+    pub(crate) inject_capture_failures: usize,
 }
 
 impl<R> Clone for PluginShell<R> {
     /// A clone starts without recordings (checkpoints and clones never carry graphs).
     fn clone(&self) -> Self {
-        PluginShell { config: self.config.clone(), regions: None, dispatch: self.dispatch }
+        PluginShell {
+            config: self.config.clone(),
+            regions: None,
+            dispatch: self.dispatch,
+            inject_capture_failures: self.inject_capture_failures,
+        }
     }
 }
 
 impl<R: HoldsRegions> PluginShell<R> {
     pub(crate) fn new(config: RecorderConfig) -> Self {
-        PluginShell { config, regions: None, dispatch: true }
+        PluginShell { config, regions: None, dispatch: true, inject_capture_failures: 0 }
     }
 
-    /// Settings of plugin `name` from its `replay_config` entry (recorder fields and `dispatch`).
+    /// Settings of plugin `name` from its `replay_config` entry (recorder fields and the test hooks).
     pub(crate) fn from_config(name: &'static str, cfg: &serde_json::Value) -> ptl_trainer::Result<Self> {
         let mut shell = PluginShell::new(crate::replay::parse_config(name, cfg)?);
         shell.dispatch = cfg["dispatch"].as_bool().unwrap_or(true);
+        shell.inject_capture_failures = cfg["inject_capture_failures"].as_u64().unwrap_or(0) as usize;
         Ok(shell)
     }
 

@@ -100,7 +100,7 @@ impl ReplayPlugin for LossReplay {
         self.with_forward
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
-        self.shell.install(LossRegions(KeyedRegions::new(&self.shell.config, ctx.device)));
+        self.shell.install(LossRegions(KeyedRegions::new(&self.shell.config, ctx.device, self.shell.inject_capture_failures)));
         Ok(())
     }
     fn claims(&self, site: Site) -> bool {

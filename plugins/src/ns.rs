@@ -69,7 +69,7 @@ impl ReplayPlugin for NsReplay {
         10
     }
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
-        let regions = NsRegions(KeyedRegions::new(&self.shell.config, ctx.device));
+        let regions = NsRegions(KeyedRegions::new(&self.shell.config, ctx.device, self.shell.inject_capture_failures));
         self.shell.install(regions);
         Ok(())
     }

@@ -59,11 +59,7 @@ impl PieceRegions {
     /// Starts recording for a fit on `device`: CUDA graphs on a GPU, the test double on the CPU.
     pub fn start(&mut self, device: Device) {
         self.release();
-        let double = ptl_capture::testing::ReplayNatively::default();
-        let failures = (0..self.inject_capture_failures)
-            .map(|i| ptl_capture::CaptureError::Region { region: "injected".into(), msg: format!("injected capture failure {}", i + 1) });
-        double.fail_next.lock().unwrap_or_else(|e| e.into_inner()).extend(failures);
-        let recorder = crate::keyed::recorder_for(&self.config, device, double);
+        let recorder = crate::keyed::recorder_for(&self.config, device, crate::keyed::failing_double(self.inject_capture_failures));
         self.recorder = Some(recorder);
     }
 

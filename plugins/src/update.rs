@@ -102,7 +102,7 @@ impl ReplayPlugin for UpdateReplay {
         let names = |prefix: &str, suffix: &str, ts: &[(String, Tensor)]| ts.iter().map(|(n, _)| format!("{prefix}{n}{suffix}")).collect();
         let ema = ctx.ema.ema_tensors();
         let regions = UpdateRegions {
-            regions: KeyedRegions::new(&self.shell.config, ctx.device),
+            regions: KeyedRegions::new(&self.shell.config, ctx.device, self.shell.inject_capture_failures),
             grad_names: names("", ".grad", ctx.params),
             ema_names: names("ema.", "", ema),
             params: ctx.params.to_vec(),

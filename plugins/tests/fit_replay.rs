@@ -407,6 +407,75 @@ fn a_replayed_data_parallel_group_equals_the_native_group() {
     }
 }
 
+/// A rank's collective whose log the test reads after the fit.
+struct Tap(std::sync::Arc<ptl_trainer::distributed::LoggedCollective<ptl_trainer::distributed::ThreadCollective>>);
+
+impl ptl_trainer::distributed::Collective for Tap {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world(&self) -> usize {
+        self.0.world()
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> ptl_trainer::Result<()> {
+        self.0.all_reduce_sum(buf)
+    }
+    fn all_reduce_max(&self, buf: &mut [u64]) -> ptl_trainer::Result<()> {
+        self.0.all_reduce_max(buf)
+    }
+}
+
+/// Two ranks, each with its own settings, through logged collectives: the summaries and what
+/// each rank issued.
+fn on_two_logged_ranks(cfgs: [PoseTrainConfig; 2]) -> (Vec<ptl_trainer::fit::RunSummary>, Vec<Vec<String>>) {
+    use ptl_trainer::distributed::{LoggedCollective, ThreadGroup};
+    let taps: Vec<_> = ThreadGroup::new(2).expect("a group").into_iter().map(|c| std::sync::Arc::new(LoggedCollective::new(c))).collect();
+    let handles: Vec<_> = taps
+        .iter()
+        .zip(cfgs)
+        .map(|(t, cfg)| {
+            let tap = Tap(t.clone());
+            std::thread::spawn(move || ptl_trainer::pose::fit_data_parallel(&cfg, vec![], Box::new(tap)).expect("rank fit"))
+        })
+        .collect();
+    let summaries = handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect();
+    (summaries, taps.iter().map(|t| t.issued().iter().map(|c| format!("{c:?}")).collect()).collect())
+}
+
+/// A recording that fails on one rank alone — its update and its step region, whose update sums
+/// the gradients over the ranks — leaves that rank running those regions natively while the
+/// other replays them: both still issue the same collectives in the same order, and both end
+/// with the native group's bytes.
+#[test]
+fn a_capture_failure_on_one_rank_keeps_the_ranks_collectives_in_step() {
+    let group = |save: &str, replay: &[&str]| PoseTrainConfig { batch: 4, nbs: 4, loss_assigner: "dense".into(), ..tiny(save, replay) };
+    let (native, _) = on_two_logged_ranks([group("dp-fail-native", &[]), group("dp-fail-native", &[])]);
+    // The same run folder name's length as below: the first agreement carries the run folder.
+    let (_, recorded_log) = on_two_logged_ranks([group("dp-okay-all", &["all"]), group("dp-okay-all", &["all"])]);
+    let mut failing = group("dp-fail-all", &["all"]);
+    failing
+        .set("replay_config", r#"{"optimizer": {"inject_capture_failures": 1}, "step": {"inject_capture_failures": 1}}"#)
+        .expect("config");
+    let (replayed, log) = on_two_logged_ranks([failing, group("dp-fail-all", &["all"])]);
+    assert!(!log[0].is_empty() && log[0] == log[1], "the ranks issued different collectives: {log:?}");
+    assert_eq!(log[0], recorded_log[0], "the collectives of a group whose recordings all succeed");
+    for (n, r) in native.iter().zip(&replayed) {
+        assert_eq!(r.hashes, n.hashes, "each rank's bytes as in the native group");
+    }
+    let failed = |s: &ptl_trainer::fit::RunSummary, plugin: &str| -> u64 {
+        s.replay_counters[plugin].as_object().map_or(0, |m| m.values().map(|st| st["native"]["CaptureFailed"].as_u64().unwrap_or(0)).sum())
+    };
+    assert!(
+        failed(&replayed[0], "optimizer") > 0 && failed(&replayed[0], "step") > 0,
+        "rank 0's injected failures: {:?}",
+        replayed[0].replay_counters
+    );
+    assert_eq!(failed(&replayed[1], "optimizer") + failed(&replayed[1], "step"), 0, "rank 1 recorded");
+    assert_replayed(&replayed[1], "step", 1, 2 * 2);
+    let short = replay_shortfalls(&replayed[1], "optimizer", replayed[1].optimizer_steps, &[]);
+    assert!(short.is_empty(), "rank 1's optimizer: {short:?}");
+}
+
 /// Writes `people` small people (box and 17 visible keypoints) into a label file, in a grid.
 fn write_people(label: &std::path::Path, people: usize) {
     let mut lines = String::new();
@@ -431,25 +500,8 @@ fn write_people(label: &std::path::Path, people: usize) {
 fn ranks_with_different_buckets_record_one_step_shape_and_issue_the_same_collectives() {
     use std::sync::Arc;
 
-    use ptl_trainer::distributed::{Collective, LoggedCollective, ThreadCollective, ThreadGroup};
+    use ptl_trainer::distributed::{LoggedCollective, ThreadCollective, ThreadGroup};
     use ptl_trainer::pose::fit_data_parallel;
-
-    /// A rank's collective whose log the test reads after the fit.
-    struct Tap(Arc<LoggedCollective<ThreadCollective>>);
-    impl Collective for Tap {
-        fn rank(&self) -> usize {
-            self.0.rank()
-        }
-        fn world(&self) -> usize {
-            self.0.world()
-        }
-        fn all_reduce_sum(&self, buf: &mut [f32]) -> ptl_trainer::Result<()> {
-            self.0.all_reduce_sum(buf)
-        }
-        fn all_reduce_max(&self, buf: &mut [u64]) -> ptl_trainer::Result<()> {
-            self.0.all_reduce_max(buf)
-        }
-    }
 
     let dir = common::scratch("dp-buckets");
     let opts = ptl_data::SynthOptions {
