@@ -48,7 +48,16 @@ pub(crate) fn in_flight() -> u64 {
 /// batch-64 peak than one stream did.
 pub(crate) fn held_cap() -> Option<u64> {
     static CAP: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-    *CAP.get_or_init(|| std::env::var("PTL_SIDE_HELD_MIB").ok().and_then(|v| v.trim().parse::<u64>().ok()).map(|mib| mib << 20))
+    *CAP.get_or_init(|| {
+        let v = std::env::var("PTL_SIDE_HELD_MIB").ok()?;
+        match v.trim().parse::<u64>() {
+            Ok(mib) if mib <= 1 << 20 => Some(mib << 20),
+            _ => {
+                log::warn!("ptl: PTL_SIDE_HELD_MIB={v:?} is not a number of MiB up to 1048576; no cap on held frees");
+                None
+            }
+        }
+    })
 }
 
 /// The device whose side task this thread is inside.
