@@ -22,6 +22,11 @@ pub mod arena_plan {
     pub use crate::arena_plan::*;
 }
 
+/// Whether this thread runs a recorder's warm-up (work whose results are rolled back).
+pub mod warmup {
+    pub use crate::warmup::{active, WarmupGuard};
+}
+
 /// Which storages a closure wrote (the recorder's rollback of a failed warm-up).
 pub mod write_journal {
     pub use crate::write_journal::{journal_writes, WriteJournal};

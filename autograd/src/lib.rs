@@ -77,6 +77,7 @@ mod stage;
 mod storage;
 pub mod streams;
 pub mod tensor;
+mod warmup;
 mod write_journal;
 
 pub use autocast::{autocast, autocast_dtype, autocast_with_weights, cast_weight, AutocastGuard};

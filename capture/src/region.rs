@@ -1013,6 +1013,9 @@ impl RegionHandle {
         // updates, its moments, EMA shadows, BatchNorm statistics) is copied before its first
         // write and copied back below: the write-set of docs/capture.md rule 2.1, found by watching.
         let journaled = ptl_autograd::internal::write_journal::journal_writes(|| {
+            // Marked as a warm-up: work that must run as often on every rank of a group (its
+            // collectives) is left out here, so a rank that records alone stays in step.
+            let _warm = ptl_autograd::internal::warmup::WarmupGuard::new();
             (|| -> Result<()> {
                 for _ in 0..cfg.warmup_iters.max(1) {
                     let mut outs: Vec<Tensor> = Vec::new();

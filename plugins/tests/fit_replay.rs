@@ -449,16 +449,17 @@ fn on_two_logged_ranks(cfgs: [PoseTrainConfig; 2]) -> (Vec<ptl_trainer::fit::Run
 #[test]
 fn a_capture_failure_on_one_rank_keeps_the_ranks_collectives_in_step() {
     let group = |save: &str, replay: &[&str]| PoseTrainConfig { batch: 4, nbs: 4, loss_assigner: "dense".into(), ..tiny(save, replay) };
-    let (native, _) = on_two_logged_ranks([group("dp-fail-native", &[]), group("dp-fail-native", &[])]);
-    // The same run folder name's length as below: the first agreement carries the run folder.
+    // Run folder names of one length: the first agreement carries the run folder's path.
+    let (native, native_log) = on_two_logged_ranks([group("dp-fail-nat", &[]), group("dp-fail-nat", &[])]);
     let (_, recorded_log) = on_two_logged_ranks([group("dp-okay-all", &["all"]), group("dp-okay-all", &["all"])]);
+    assert_eq!(recorded_log[0], native_log[0], "recording issues no collective of its own (none in a warm-up)");
     let mut failing = group("dp-fail-all", &["all"]);
     failing
         .set("replay_config", r#"{"optimizer": {"inject_capture_failures": 1}, "step": {"inject_capture_failures": 1}}"#)
         .expect("config");
     let (replayed, log) = on_two_logged_ranks([failing, group("dp-fail-all", &["all"])]);
     assert!(!log[0].is_empty() && log[0] == log[1], "the ranks issued different collectives: {log:?}");
-    assert_eq!(log[0], recorded_log[0], "the collectives of a group whose recordings all succeed");
+    assert_eq!(log[0], native_log[0], "the collectives of the native group");
     for (n, r) in native.iter().zip(&replayed) {
         assert_eq!(r.hashes, n.hashes, "each rank's bytes as in the native group");
     }
@@ -474,6 +475,43 @@ fn a_capture_failure_on_one_rank_keeps_the_ranks_collectives_in_step() {
     assert_replayed(&replayed[1], "step", 1, 2 * 2);
     let short = replay_shortfalls(&replayed[1], "optimizer", replayed[1].optimizer_steps, &[]);
     assert!(short.is_empty(), "rank 1's optimizer: {short:?}");
+}
+
+/// A rank that records its update while the other still runs it natively (rank 0 records at the
+/// second call, rank 1 at the third): the recording's warm-up issues no collective, so both ranks
+/// issue one gradient sum per update, as the native group does, and end with its bytes.
+#[test]
+fn a_rank_recording_alone_stays_in_step_with_the_others() {
+    let group =
+        |save: &str, replay: &[&str]| PoseTrainConfig { batch: 4, nbs: 4, epochs: 3, loss_assigner: "dense".into(), ..tiny(save, replay) };
+    let (native, native_log) = on_two_logged_ranks([group("dp-late-nat", &[]), group("dp-late-nat", &[])]);
+    let ranks = [1, 2].map(|warmup_calls| {
+        let mut cfg = group("dp-late-all", &["optimizer"]);
+        cfg.set("replay_config", &format!(r#"{{"optimizer": {{"warmup_calls": {warmup_calls}}}}}"#)).expect("config");
+        cfg
+    });
+    let (replayed, log) = on_two_logged_ranks(ranks);
+    assert!(!log[0].is_empty() && log[0] == log[1], "the ranks issued different collectives: {log:?}");
+    assert_eq!(log[0], native_log[0], "the collectives of the native group");
+    for (n, r) in native.iter().zip(&replayed) {
+        assert_eq!(r.hashes, n.hashes, "each rank's bytes as in the native group");
+    }
+    // Each rank's regions (the update's and the EMA's) replayed every call after their warm-up,
+    // each of rank 0's once more than rank 1's: it recorded a call earlier, while rank 1 still
+    // ran natively.
+    let replays: Vec<std::collections::BTreeMap<String, u64>> = replayed
+        .iter()
+        .map(|r| {
+            let short = replay_shortfalls(r, "optimizer", r.optimizer_steps, &[]);
+            assert!(short.is_empty(), "optimizer: {short:?}");
+            let regions = r.replay_counters["optimizer"].as_object().expect("optimizer counters");
+            regions.iter().map(|(name, st)| (name.clone(), st["replays"].as_u64().unwrap_or(0))).collect()
+        })
+        .collect();
+    assert!(!replays[0].is_empty() && replays[0].keys().eq(replays[1].keys()), "{replays:?}");
+    for (name, n) in &replays[0] {
+        assert_eq!(*n, replays[1][name] + 1, "{name}: rank 0 recorded one call before rank 1: {replays:?}");
+    }
 }
 
 /// Writes `people` small people (box and 17 visible keypoints) into a label file, in a grid.

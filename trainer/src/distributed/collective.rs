@@ -60,6 +60,11 @@ struct State {
     arrived: usize,
     /// The first rank that left the group (its collective dropped: it ended or failed).
     left: Option<usize>,
+    /// The operation each rank called in the current collective.
+    ops: Vec<&'static str>,
+    /// Why the group is out of step, once a collective met ranks calling different operations
+    /// (every later collective fails too: the ranks' sequences no longer pair up).
+    out_of_step: Option<String>,
     f32s: Slot<f32>,
     u64s: Slot<u64>,
 }
@@ -92,7 +97,15 @@ impl ThreadGroup {
         if world == 0 {
             return Err(TrainerError::InvalidArgument { what: "world size", reason: "at least one rank is needed".into() });
         }
-        let state = State { generation: 0, arrived: 0, left: None, f32s: Slot::new(world), u64s: Slot::new(world) };
+        let state = State {
+            generation: 0,
+            arrived: 0,
+            left: None,
+            ops: vec![""; world],
+            out_of_step: None,
+            f32s: Slot::new(world),
+            u64s: Slot::new(world),
+        };
         let shared = Arc::new(Shared { world, timeout, state: Mutex::new(state), arrived: Condvar::new() });
         Ok((0..world).map(|rank| ThreadCollective { rank, shared: shared.clone() }).collect())
     }
@@ -118,18 +131,31 @@ impl ThreadCollective {
     /// collective completes, which needs every rank again).
     fn exchange<T: Copy + Send>(
         &self,
+        op: &'static str,
         buf: &mut [T],
         slot: impl Fn(&mut State) -> &mut Slot<T>,
         combine: impl Fn(T, T) -> T,
     ) -> Result<()> {
         let mut st = self.lock()?;
+        // The cause first: a group out of step also sees its ranks leave as they fail.
+        if let Some(why) = &st.out_of_step {
+            return Err(self.error(why.clone()));
+        }
         if let Some(r) = st.left {
             return Err(self.error(format!("rank {r} left the group before this collective")));
         }
         let generation = st.generation;
         slot(&mut st).deposits[self.rank] = buf.to_vec();
+        st.ops[self.rank] = op;
         st.arrived += 1;
-        if st.arrived == self.shared.world {
+        if st.arrived == self.shared.world && st.ops.iter().any(|o| *o != op) {
+            // The ranks' sequences diverged (one rank issued a collective the others did not):
+            // every rank of this collective, and every later one, fails.
+            st.out_of_step = Some(format!("the ranks' collectives are out of step: the ranks called {:?}", st.ops));
+            st.arrived = 0;
+            st.generation += 1;
+            self.shared.arrived.notify_all();
+        } else if st.arrived == self.shared.world {
             let s = slot(&mut st);
             s.result = match s.deposits.iter().all(|d| d.len() == buf.len()) {
                 true => Ok((0..buf.len()).map(|i| s.deposits[1..].iter().fold(s.deposits[0][i], |acc, d| combine(acc, d[i]))).collect()),
@@ -163,6 +189,9 @@ impl ThreadCollective {
                     .0;
             }
         }
+        if let Some(why) = &st.out_of_step {
+            return Err(self.error(why.clone()));
+        }
         match &slot(&mut st).result {
             Ok(v) => buf.copy_from_slice(v),
             Err(reason) => return Err(self.error(reason.clone())),
@@ -189,11 +218,11 @@ impl Collective for ThreadCollective {
     }
 
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        self.exchange(buf, |s| &mut s.f32s, |a, b| a + b)
+        self.exchange("all_reduce_sum", buf, |s| &mut s.f32s, |a, b| a + b)
     }
 
     fn all_reduce_max(&self, buf: &mut [u64]) -> Result<()> {
-        self.exchange(buf, |s| &mut s.u64s, u64::max)
+        self.exchange("all_reduce_max", buf, |s| &mut s.u64s, u64::max)
     }
 }
 
@@ -228,6 +257,24 @@ mod tests {
         });
         assert!(results.iter().all(|r| r.as_ref().is_err_and(|e| e.contains("different lengths"))), "{results:?}");
         assert!(ThreadGroup::new(0).is_err());
+    }
+
+    /// Ranks whose sequences diverged — one sums while the other takes a maximum — fail at that
+    /// collective and at every later one, instead of pairing one rank's call with another's.
+    #[test]
+    fn ranks_calling_different_collectives_are_an_error_on_every_rank_from_then_on() {
+        let results = on_ranks(2, |c| {
+            let first = match c.rank() {
+                0 => c.all_reduce_sum(&mut [1.0]).map_err(|e| e.to_string()),
+                _ => c.all_reduce_max(&mut [1]).map_err(|e| e.to_string()),
+            };
+            let then = c.all_reduce_max(&mut [2]).map_err(|e| e.to_string());
+            (first, then)
+        });
+        for (first, then) in &results {
+            assert!(first.as_ref().is_err_and(|e| e.contains("out of step")), "{first:?}");
+            assert!(then.as_ref().is_err_and(|e| e.contains("out of step")), "{then:?}");
+        }
     }
 
     /// A rank that leaves (its fit failed before a collective the others reached) fails the

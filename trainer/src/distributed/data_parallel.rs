@@ -116,7 +116,12 @@ impl DataParallel {
                 let parts =
                     grads.iter().map(|g| g.to_dtype(DType::F32)?.reshape(vec![g.numel()])).collect::<ptl_autograd::Result<Vec<_>>>()?;
                 let flat = Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)?;
-                self.collective.all_reduce_sum_tensor(&flat)?;
+                // A recorder's warm-up runs this natively and rolls its writes back: its sum
+                // counts for nothing, and leaving it out keeps one collective per call on every
+                // rank — also on a rank that records while the others replay.
+                if !ptl_autograd::internal::warmup::active() {
+                    self.collective.all_reduce_sum_tensor(&flat)?;
+                }
                 let flat = flat.mul_scalar(scale)?;
                 let mut at = 0;
                 for g in &grads {
