@@ -263,6 +263,7 @@ impl Tensor {
         for node in order.iter().rev() {
             let Some(contributions) = pending.remove(&node.id) else { continue };
             let _stage = crate::stage::StageGuard::new(node.stage | crate::stage::BACKWARD_OF);
+            let _label = crate::stage::LabelGuard::new(node.name());
             let written_aside = crate::streams::written_aside(contributions.iter().flatten().map(|(_, g)| g));
             let device = contributions.iter().flatten().map(|(_, g)| g.device()).next();
             let aside = match (node.aside, written_aside) {

@@ -9,7 +9,7 @@
 /// Stage tags: which part of a step (forward, backward of, loss, update) issued a kernel, for the
 /// kernel timer and the arena planner.
 pub mod stage {
-    pub use crate::stage::{current, in_stage, StageGuard, BACKWARD_OF};
+    pub use crate::stage::{current, in_stage, LabelGuard, StageGuard, BACKWARD_OF};
 }
 
 /// The device-dispatching storage behind a tensor.

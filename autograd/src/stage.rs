@@ -46,6 +46,32 @@ impl Drop for StageGuard {
     }
 }
 
+/// Labels this thread's CUDA launches with a name (a backward node's) while a detailed kernel
+/// trace runs, for the trace file; restores the previous label when dropped. Costs a relaxed load
+/// otherwise.
+#[must_use = "the label holds only while the guard lives"]
+pub struct LabelGuard(#[cfg_attr(not(feature = "cuda"), allow(dead_code))] u32);
+
+impl LabelGuard {
+    /// Labels the rest of the scope with `name`.
+    pub fn new(name: &str) -> LabelGuard {
+        #[cfg(feature = "cuda")]
+        return LabelGuard(crate::cuda::set_label(name));
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = name;
+            LabelGuard(0)
+        }
+    }
+}
+
+impl Drop for LabelGuard {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        crate::cuda::restore_label(self.0);
+    }
+}
+
 /// Runs `f` under `tag`.
 pub fn in_stage<R>(tag: u8, f: impl FnOnce() -> R) -> R {
     let _g = StageGuard::new(tag);

@@ -201,6 +201,13 @@ fn yaml() -> Vec<(Vec<isize>, usize, Row)> {
 /// Layers feeding the head (P3, P4, P5).
 pub const HEAD_FROM: [usize; 3] = [16, 19, 22];
 
+/// Kernel-trace labels of the layers, by index (static, so labelling allocates nothing).
+const LAYER_LABELS: [&str; 24] = [
+    "layer 0", "layer 1", "layer 2", "layer 3", "layer 4", "layer 5", "layer 6", "layer 7", "layer 8", "layer 9", "layer 10", "layer 11",
+    "layer 12", "layer 13", "layer 14", "layer 15", "layer 16", "layer 17", "layer 18", "layer 19", "layer 20", "layer 21", "layer 22",
+    "layer 23",
+];
+
 /// YOLO26-pose: `model.0` … `model.22` and the `Pose26` head `model.23`.
 pub struct PoseModel {
     /// Classes, keypoints and scale.
@@ -434,6 +441,8 @@ impl PoseModel {
                         .ok_or_else(|| HeadsError::Config(format!("layer {} reads missing output {f}", l.index)))
                 }
             };
+            // Names the layer's kernels in a kernel trace (`PTL_KERNEL_TRACE`); nothing otherwise.
+            let _label = ptl_autograd::internal::stage::LabelGuard::new(LAYER_LABELS.get(l.index).copied().unwrap_or("layer"));
             let y = match &l.kind {
                 LayerKind::Conv(m) => m.forward(&input(l.from[0])?)?,
                 LayerKind::C3k2(m) => m.forward(&input(l.from[0])?)?,

@@ -85,7 +85,68 @@ struct Detail {
     kernels: Vec<(u32, u32, u64)>,
     names: std::collections::HashMap<usize, u32>,
     name_list: Vec<String>,
-    stage_of: std::collections::HashMap<u32, u8>,
+    /// The external id each correlation id was launched under: the stage tag in the low byte,
+    /// the [`crate::stage::LabelGuard`] label above it.
+    stage_of: std::collections::HashMap<u32, u64>,
+    /// With [`TRACE_ENV`] set: every kernel, copy and memset as it ran.
+    trace: Option<Vec<TraceEvent>>,
+}
+
+/// One kernel, copy or memset of a traced window (see [`TRACE_ENV`]).
+#[derive(Clone, Copy)]
+struct TraceEvent {
+    start: u64,
+    end: u64,
+    stream: u32,
+    corr: u32,
+    /// A kernel's index in `Detail::name_list`; `MEMCPY` / `MEMSET` otherwise.
+    what: u32,
+}
+
+const MEMCPY: u32 = u32::MAX;
+const MEMSET: u32 = u32::MAX - 1;
+
+/// The environment variable that names a file for the kernel trace of the detailed window: one
+/// line per kernel, copy and memset in start order (start µs from the first, duration µs, stream,
+/// stage tag, the backward node it ran for, name). A diagnostic for finding which op launches
+/// which kernel; nothing is written without it.
+pub const TRACE_ENV: &str = "PTL_KERNEL_TRACE";
+
+/// Names of the labels pushed while a detailed window runs, by label id (id 0: none).
+static LABELS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// The label id this thread's launches carry (0: none).
+    static LABEL: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Sets this thread's label to `name` while a detailed window runs; returns the previous label id
+/// for [`restore_label`]. A relaxed load otherwise.
+pub(crate) fn set_label(name: &str) -> u32 {
+    let prev = LABEL.with(|l| l.get());
+    if !DETAILED.load(Ordering::Relaxed) {
+        return prev;
+    }
+    let id = {
+        let mut labels = LABELS.lock().unwrap_or_else(|e| e.into_inner());
+        match labels.iter().position(|l| l == name) {
+            Some(i) => i as u32 + 1,
+            None => {
+                labels.push(name.to_string());
+                labels.len() as u32
+            }
+        }
+    };
+    LABEL.with(|l| l.set(id));
+    push_stage(crate::stage::current());
+    prev
+}
+
+/// Puts back the label [`set_label`] returned.
+pub(crate) fn restore_label(prev: u32) {
+    if LABEL.with(|l| l.replace(prev)) != prev && DETAILED.load(Ordering::Relaxed) {
+        push_stage(crate::stage::current());
+    }
 }
 
 static DETAIL: Mutex<Option<Detail>> = Mutex::new(None);
@@ -151,7 +212,8 @@ fn push_stage(tag: u8) {
             let mut last = 0u64;
             let _ = cs::cuptiActivityPopExternalCorrelationId(EXTERNAL, &mut last);
         }
-        let ok = cs::cuptiActivityPushExternalCorrelationId(EXTERNAL, tag as u64).result().is_ok();
+        let id = tag as u64 | (LABEL.with(|l| l.get()) as u64) << 8;
+        let ok = cs::cuptiActivityPushExternalCorrelationId(EXTERNAL, id).result().is_ok();
         PUSHED.with(|p| p.set(ok));
     }
 }
@@ -178,6 +240,9 @@ const KERNEL_CORRELATION_AT: usize = 92;
 const KERNEL_NAME_AT: usize = 104;
 const EXTERNAL_ID_AT: usize = 8;
 const EXTERNAL_CORRELATION_AT: usize = 16;
+/// Offsets of `streamId` and `correlationId` (u32) in memcpy and memset records.
+const COPY_STREAM_AT: usize = 40;
+const COPY_CORRELATION_AT: usize = 44;
 
 fn layout() -> std::alloc::Layout {
     // BUFFER_BYTES and BUFFER_ALIGN are valid constants.
@@ -232,19 +297,39 @@ extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _stream: u3
                         d.name_list.push(text);
                     }
                     d.kernels.push((corr, id, span()));
+                    if let Some(t) = d.trace.as_mut() {
+                        let (start, end) = (
+                            std::ptr::read_unaligned(base.add(START_AT) as *const u64),
+                            std::ptr::read_unaligned(base.add(END_AT) as *const u64),
+                        );
+                        let stream = std::ptr::read_unaligned(base.add(KERNEL_STREAM_AT) as *const u32);
+                        t.push(TraceEvent { start, end, stream, corr, what: id });
+                    }
                 }
             } else if kind == Kind::CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION as u32 {
                 if let Some(d) = detail.as_mut() {
                     let ext = std::ptr::read_unaligned(base.add(EXTERNAL_ID_AT) as *const u64);
                     let corr = std::ptr::read_unaligned(base.add(EXTERNAL_CORRELATION_AT) as *const u32);
-                    d.stage_of.insert(corr, ext as u8);
+                    d.stage_of.insert(corr, ext);
                 }
-            } else if kind == Kind::CUPTI_ACTIVITY_KIND_MEMCPY as u32 {
-                sums.memcpys += 1;
-                sums.memcpy_ns += span();
-            } else if kind == Kind::CUPTI_ACTIVITY_KIND_MEMSET as u32 {
-                sums.memsets += 1;
-                sums.memset_ns += span();
+            } else if kind == Kind::CUPTI_ACTIVITY_KIND_MEMCPY as u32 || kind == Kind::CUPTI_ACTIVITY_KIND_MEMSET as u32 {
+                let memcpy = kind == Kind::CUPTI_ACTIVITY_KIND_MEMCPY as u32;
+                if memcpy {
+                    sums.memcpys += 1;
+                    sums.memcpy_ns += span();
+                } else {
+                    sums.memsets += 1;
+                    sums.memset_ns += span();
+                }
+                if let Some(t) = detail.as_mut().and_then(|d| d.trace.as_mut()) {
+                    t.push(TraceEvent {
+                        start: std::ptr::read_unaligned(base.add(START_AT) as *const u64),
+                        end: std::ptr::read_unaligned(base.add(END_AT) as *const u64),
+                        stream: std::ptr::read_unaligned(base.add(COPY_STREAM_AT) as *const u32),
+                        corr: std::ptr::read_unaligned(base.add(COPY_CORRELATION_AT) as *const u32),
+                        what: if memcpy { MEMCPY } else { MEMSET },
+                    });
+                }
             }
         }
         std::alloc::dealloc(buffer, layout());
@@ -355,7 +440,8 @@ impl GpuKernelTimer {
     /// Tags are followed on the calling thread, the one that launches the work.
     pub fn start_detailed(device: Device) -> Result<GpuKernelTimer> {
         let t = GpuKernelTimer::start(device)?;
-        *DETAIL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Detail::default());
+        let trace = std::env::var_os(TRACE_ENV).is_some().then(Vec::new);
+        *DETAIL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Detail { trace, ..Detail::default() });
         // External-correlation records come with the API records of the calls they label.
         for k in DETAIL_KINDS {
             activity::enable(k).map_err(|e| cupti_err("cuptiActivityEnable", e))?;
@@ -370,9 +456,12 @@ impl GpuKernelTimer {
     pub fn finish_detailed(self) -> Result<(GpuKernelTotals, Vec<KernelDetail>)> {
         let totals = self.finish()?;
         let d = DETAIL.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        if let (Some(path), Some(events)) = (std::env::var_os(TRACE_ENV), d.trace.as_ref()) {
+            write_trace(std::path::Path::new(&path), events, &d)?;
+        }
         let mut by: std::collections::HashMap<(u8, u32), (u64, u64)> = std::collections::HashMap::new();
         for (corr, name, ns) in &d.kernels {
-            let e = by.entry((d.stage_of.get(corr).copied().unwrap_or(0), *name)).or_default();
+            let e = by.entry((d.stage_of.get(corr).copied().unwrap_or(0) as u8, *name)).or_default();
             e.0 += 1;
             e.1 += ns;
         }
@@ -419,6 +508,38 @@ impl GpuKernelTimer {
     }
 }
 
+/// Writes a traced window (see [`TRACE_ENV`]) to `path`, in start order.
+fn write_trace(path: &std::path::Path, events: &[TraceEvent], d: &Detail) -> Result<()> {
+    use std::fmt::Write as _;
+    let mut ev = events.to_vec();
+    ev.sort_by_key(|e| (e.start, e.end));
+    let t0 = ev.first().map_or(0, |e| e.start);
+    let labels = LABELS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut out = String::from("start_us\tdur_us\tstream\tstage\tnode\tname\n");
+    for e in &ev {
+        let ext = d.stage_of.get(&e.corr).copied().unwrap_or(0);
+        let label = match (ext >> 8) as usize {
+            0 => "-",
+            i => labels.get(i - 1).map_or("?", String::as_str),
+        };
+        let name = match e.what {
+            MEMCPY => "(memcpy)",
+            MEMSET => "(memset)",
+            i => d.name_list.get(i as usize).map_or("?", String::as_str),
+        };
+        let _ = writeln!(
+            out,
+            "{:.3}\t{:.3}\t{}\t{:#04x}\t{label}\t{name}",
+            (e.start - t0) as f64 / 1e3,
+            e.end.saturating_sub(e.start) as f64 / 1e3,
+            e.stream,
+            ext as u8
+        );
+    }
+    std::fs::write(path, out)
+        .map_err(|e| Error::invalid("GpuKernelTimer::finish_detailed", format!("{}: {e} ({TRACE_ENV})", path.display())))
+}
+
 impl Drop for GpuKernelTimer {
     fn drop(&mut self) {
         if RUNNING.load(Ordering::SeqCst) {
@@ -454,8 +575,36 @@ mod tests {
         ] {
             assert_eq!((corr, name), (KERNEL_CORRELATION_AT, KERNEL_NAME_AT));
         }
+        assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemcpy6, streamId), COPY_STREAM_AT);
+        assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemcpy6, correlationId), COPY_CORRELATION_AT);
+        assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemset4, streamId), COPY_STREAM_AT);
+        assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityMemset4, correlationId), COPY_CORRELATION_AT);
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityExternalCorrelation, externalId), EXTERNAL_ID_AT);
         assert_eq!(std::mem::offset_of!(cs::CUpti_ActivityExternalCorrelation, correlationId), EXTERNAL_CORRELATION_AT);
+    }
+
+    #[test]
+    fn a_trace_lists_kernels_copies_and_memsets_in_start_order_with_their_labels() {
+        let label = {
+            let mut l = LABELS.lock().unwrap_or_else(|e| e.into_inner());
+            l.push("trace test node".into());
+            l.len() as u64
+        };
+        let mut d = Detail { name_list: vec!["k_first".into(), "k_second".into()], ..Detail::default() };
+        d.stage_of.insert(11, 0x83 | label << 8);
+        let ev = |start, end, corr, what| TraceEvent { start, end, stream: 7, corr, what };
+        let events = [ev(5_000, 6_500, 12, 1), ev(1_000, 3_000, 11, 0), ev(4_000, 4_100, 11, MEMSET), ev(7_000, 7_200, 13, MEMCPY)];
+        let path = std::env::temp_dir().join(format!("ptl-trace-test-{}.tsv", std::process::id()));
+        write_trace(&path, &events, &d).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "start_us\tdur_us\tstream\tstage\tnode\tname");
+        assert_eq!(lines[1], "0.000\t2.000\t7\t0x83\ttrace test node\tk_first");
+        assert_eq!(lines[2], "3.000\t0.100\t7\t0x83\ttrace test node\t(memset)");
+        assert_eq!(lines[3], "4.000\t1.500\t7\t0x00\t-\tk_second");
+        assert_eq!(lines[4], "6.000\t0.200\t7\t0x00\t-\t(memcpy)");
+        assert_eq!(lines.len(), 5);
     }
 
     #[test]

@@ -71,7 +71,7 @@ pub use alloc::{
 pub use conv_choice::cudnn_cache_dir;
 pub use device::CudaSetupError;
 pub use device::DeviceOptions;
-pub(crate) use kernel_timer::stage_changed;
+pub(crate) use kernel_timer::{restore_label, set_label, stage_changed};
 pub use library_memory::library_workspace_bytes;
 pub use module_cache::{kernel_cache_dir, module_reports, ModuleReport, ModuleSource};
 pub use nccl::{nccl_candidates, nccl_version, NcclComm, NcclId, NCCL_LIBRARY_ENV};
