@@ -674,18 +674,22 @@ fn fused_bn_counts_batches() {
     }
 }
 
-/// A large `index_add` (the gradient of `index_select`, as the loss takes it) runs by buckets —
-/// count, scan, fill, sort, sum — instead of scanning every index per output element: the same
-/// bytes (each target's rows summed in ascending order either way), with repeated targets,
-/// untouched targets and a target hit by many rows; f32, bf16 and f64.
+/// A large `index_add` (the gradient of `index_select`, as the loss takes it) runs sorted — up to
+/// 4,096 indices sorted in one block, then summed: two launches — or by buckets — count, scan,
+/// fill, sort, sum — instead of scanning every index per output element: the same bytes (each
+/// target's rows summed in ascending order every way), with repeated targets, untouched targets,
+/// and a target hit by many rows; f32, bf16 and f64.
 #[test]
-fn index_add_by_buckets_matches_the_full_scan() {
+fn index_add_sorted_and_by_buckets_match_the_full_scan() {
     let Some(dev) = gpu() else { return };
-    // 3 blocks of counts, and 40 (the scan by blocks: 40,000 targets as in the loss's gathers).
-    for (outer, d, inner, n) in [(2usize, 3000usize, 17usize, 500usize), (1, 40_000, 2, 3000)] {
+    // Sorted: 500 indices (not a power of two), 3,000 and exactly 4,096; by buckets: 3 blocks of
+    // counts, and 40 (the scan by blocks: 40,000 targets as in the loss's gathers).
+    for (outer, d, inner, n) in
+        [(2usize, 3000usize, 17usize, 500usize), (1, 40_000, 2, 3000), (1, 40_000, 3, 4096), (1, 3000, 5, 6000), (1, 40_000, 2, 9000)]
+    {
         index_add_cases(dev, outer, d, inner, n);
     }
-    println!("ok index_add by buckets: f32, bf16, f64 byte-identical to the full scan");
+    println!("ok index_add sorted and by buckets: f32, bf16, f64 byte-identical to the full scan");
 }
 
 fn index_add_cases(dev: Device, outer: usize, d: usize, inner: usize, n: usize) {

@@ -124,6 +124,63 @@ extern "C" __global__ void ia_sort(const u32* offsets, u32 d, u32* rows) {
         }
     }
 }
+// index_add of at most IA_SORTED_MAX indices (the loss's foreground rows): two launches instead of
+// the buckets' six and two memsets. ia_sorted_keys (one block) sorts the (target, row) pairs —
+// an out-of-range target counts as d — by a bitonic sort in shared memory; the keys are unique
+// (rows differ), so the order is the same every run. ia_sorted_sum then finds each target's run
+// by binary search and adds its rows in ascending order from x, as index_add_k and ia_sum do:
+// the same bytes.
+#define IA_SORTED_MAX 4096
+extern "C" __global__ void __launch_bounds__(1024) ia_sorted_keys(const i64* idx, u32 n, u32 d, u32* targets, u32* rows) {
+    __shared__ unsigned long long key[IA_SORTED_MAX];
+    u32 p = 1;
+    while (p < n) p <<= 1;
+    for (u32 r = threadIdx.x; r < p; r += blockDim.x) {
+        if (r < n) {
+            const i64 j = idx[r];
+            const unsigned long long t = (j >= 0 && j < (i64)d) ? (unsigned long long)j : (unsigned long long)d;
+            key[r] = (t << 32) | r;
+        } else {
+            key[r] = ~0ull;
+        }
+    }
+    __syncthreads();
+    for (u32 k = 2; k <= p; k <<= 1) {
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            for (u32 i = threadIdx.x; i < p; i += blockDim.x) {
+                const u32 o = i ^ j;
+                if (o > i) {
+                    const unsigned long long a = key[i], b = key[o];
+                    if ((a > b) == ((i & k) == 0)) {
+                        key[i] = b;
+                        key[o] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (u32 r = threadIdx.x; r < n; r += blockDim.x) {
+        targets[r] = (u32)(key[r] >> 32);
+        rows[r] = (u32)key[r];
+    }
+}
+template <typename T>
+__device__ void ia_sorted_sum_k(const T* x, const T* src, const u32* targets, const u32* rows, T* y, u32 outer, u32 d, u32 n, u32 inner) {
+    typedef typename Acc<T>::type A;
+    u32 total = outer * d * inner;
+    for (u32 k = blockIdx.x * blockDim.x + threadIdx.x; k < total; k += blockDim.x * gridDim.x) {
+        u32 i = k % inner, j = (k / inner) % d, o = k / (inner * d);
+        u32 lo = 0, hi = n;
+        while (lo < hi) {
+            const u32 mid = (lo + hi) >> 1;
+            if (targets[mid] < j) lo = mid + 1; else hi = mid;
+        }
+        T acc = x[k];
+        for (u32 t = lo; t < n && targets[t] == j; ++t) acc = store<T, A>(to_acc(acc) + to_acc(src[((size_t)o * n + rows[t]) * inner + i]));
+        y[k] = acc;
+    }
+}
 template <typename T>
 __device__ void ia_sum_k(const T* x, const T* src, const u32* offsets, const u32* rows, T* y, u32 outer, u32 d, u32 n, u32 inner) {
     typedef typename Acc<T>::type A;
@@ -263,10 +320,12 @@ __device__ void topk_select_k(const T* x, T* yv, i64* yi, u32 d, u32 inner, u32 
 #define INST_FLOAT_IDX(name, T)                                                                                     \
     extern "C" __global__ void index_add_##name(const T* x, const i64* idx, const T* src, T* y, u32 outer, u32 d, u32 n, u32 inner) { index_add_k<T>(x, idx, src, y, outer, d, n, inner); } \
     extern "C" __global__ void ia_sum_##name(const T* x, const T* src, const u32* off, const u32* rows, T* y, u32 outer, u32 d, u32 n, u32 inner) { ia_sum_k<T>(x, src, off, rows, y, outer, d, n, inner); } \
+    extern "C" __global__ void ia_sorted_sum_##name(const T* x, const T* src, const u32* tg, const u32* rows, T* y, u32 outer, u32 d, u32 n, u32 inner) { ia_sorted_sum_k<T>(x, src, tg, rows, y, outer, d, n, inner); } \
     extern "C" __global__ void scatter_add_##name(const T* x, const i64* idx, const T* src, T* y, u32 n, GatherGeo g) { scatter_add_k<T>(x, idx, src, y, n, g); }
 FLOAT_TYPES(INST_FLOAT_IDX)
 
 extern "C" __global__ void index_add_i64(const i64* x, const i64* idx, const i64* src, i64* y, u32 outer, u32 d, u32 n, u32 inner) { index_add_k<i64>(x, idx, src, y, outer, d, n, inner); }
+extern "C" __global__ void ia_sorted_sum_i64(const i64* x, const i64* src, const u32* tg, const u32* rows, i64* y, u32 outer, u32 d, u32 n, u32 inner) { ia_sorted_sum_k<i64>(x, src, tg, rows, y, outer, d, n, inner); }
 extern "C" __global__ void ia_sum_i64(const i64* x, const i64* src, const u32* off, const u32* rows, i64* y, u32 outer, u32 d, u32 n, u32 inner) { ia_sum_k<i64>(x, src, off, rows, y, outer, d, n, inner); }
 extern "C" __global__ void scatter_add_i64(const i64* x, const i64* idx, const i64* src, i64* y, u32 n, GatherGeo g) { scatter_add_k<i64>(x, idx, src, y, n, g); }
 

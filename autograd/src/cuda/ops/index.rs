@@ -45,6 +45,9 @@ pub(super) fn float_or_i64(op: &'static str, dt: DType) -> Result<()> {
     }
 }
 
+/// The most indices `index_add` sorts in one block (`IA_SORTED_MAX` in index.cu).
+const IA_SORTED_MAX: usize = 4096;
+
 pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &CudaStorage, src: &CudaStorage) -> Result<CudaStorage> {
     need_i64("index_add", idx)?;
     float_or_i64("index_add", x.dtype)?;
@@ -71,8 +74,17 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
         dev.launch1d(f, x.len, &mut args!(px, pi, ps, py, o, dd, nn, ii))?;
         return Ok(out);
     }
-    // By buckets (see index.cu): the same sums in the same order, O(n + d + outputs).
     u32c("index_add", d + 1)?;
+    if n <= IA_SORTED_MAX {
+        // Few indices (see index.cu): sorted in one block, then summed — two launches, the same
+        // sums in the same order.
+        let (targets, rows) = (super::super::alloc::DevBuf::alloc(dev, 4 * n)?, super::super::alloc::DevBuf::alloc(dev, 4 * n)?);
+        let (pt, pr) = (targets.ptr, rows.ptr);
+        dev.launch(dev.func("ia_sorted_keys", "")?, (1, 1, 1), (1024, 1, 1), &mut args!(pi, nn, dd, pt, pr))?;
+        dev.launch1d(dev.func("ia_sorted_sum", sfx(x.dtype))?, x.len, &mut args!(px, ps, pt, pr, py, o, dd, nn, ii))?;
+        return Ok(out);
+    }
+    // By buckets (see index.cu): the same sums in the same order, O(n + d + outputs).
     let (counts, cursor) = (super::super::alloc::DevBuf::alloc(dev, 4 * d)?, super::super::alloc::DevBuf::alloc(dev, 4 * d)?);
     let (offsets, rows) = (super::super::alloc::DevBuf::alloc(dev, 4 * (d + 1))?, super::super::alloc::DevBuf::alloc(dev, 4 * n)?);
     dev.bind()?;
