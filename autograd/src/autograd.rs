@@ -230,6 +230,20 @@ impl Tensor {
 
     /// Back-propagates `grad` (same shape as `self`) into every leaf that requires a gradient.
     pub fn backward_with(&self, grad: &Tensor) -> Result<()> {
+        self.backward_inner(grad, None)
+    }
+
+    /// [`Tensor::backward_with`], calling `ready` with each leaf as soon as its gradient is final
+    /// for this backward — after the last node that may add to it has run, its contributions
+    /// added into `.grad` then (the same bytes as [`Tensor::backward_with`], which adds every
+    /// leaf's at the end) — so work on finished gradients (a data-parallel all-reduce) can start
+    /// while the backward goes on. A leaf that receives no gradient is not reported; each leaf
+    /// is reported once, in the order the engine passes the last node that reads it.
+    pub fn backward_with_ready(&self, grad: &Tensor, ready: &mut GradReady<'_>) -> Result<()> {
+        self.backward_inner(grad, Some(ready))
+    }
+
+    fn backward_inner(&self, grad: &Tensor, mut ready: Option<&mut GradReady<'_>>) -> Result<()> {
         if grad.dims() != self.dims() {
             return Err(Error::GradShape {
                 node: "backward seed".into(),
@@ -243,15 +257,24 @@ impl Tensor {
         }
         let _mode = GradModeGuard::new(false);
         let Some(root) = self.grad_fn().cloned() else {
-            return self.accumulate_grad(grad);
+            self.accumulate_grad(grad)?;
+            return match ready {
+                Some(r) => r(self),
+                None => Ok(()),
+            };
         };
         let order = topo_order(&root.node);
+        // With `ready`: the leaves whose last reader is the node at each step of the walk.
+        let due = match ready {
+            Some(_) => last_readers(&order),
+            None => Vec::new(),
+        };
         let mut leaf_grads: Vec<(Tensor, Tensor)> = Vec::new();
         // Gradient contributions per node output, with the id of the node that sent each: they
         // are summed in a canonical order (latest-created consumer first) when the node runs, so
         // a tensor read by several consumers gets the same bytes whatever the shape of the
         // consumers' graphs — e.g. whether a consumer ran natively or as one replayed node.
-        let mut pending: HashMap<u64, Vec<Vec<(u64, Tensor)>>> = HashMap::new();
+        let mut pending: Pending = HashMap::new();
         let mut seed = vec![Vec::new(); root.node.num_outputs];
         seed[root.index].push((u64::MAX, grad.clone()));
         pending.insert(root.node.id, seed);
@@ -260,8 +283,21 @@ impl Tensor {
         // that receives one still being written there runs there too (or after a join), and
         // everything is joined before the leaves' gradients are touched — or when this stops early.
         let _join = crate::streams::JoinOnDrop;
-        for node in order.iter().rev() {
-            let Some(contributions) = pending.remove(&node.id) else { continue };
+        for (step, node) in order.iter().rev().enumerate() {
+            self.backward_node(node, &mut pending, &mut leaf_grads)?;
+            if let (Some(r), Some(leaves)) = (ready.as_mut(), due.get(step)) {
+                finish_leaves(leaves, &mut leaf_grads, &mut **r)?;
+            }
+        }
+        crate::streams::join()?;
+        accumulate_leaf_grads(leaf_grads)
+    }
+
+    /// One node of the backward walk: sums its contributions, runs its backward, and hands each
+    /// input's gradient to the node that made the input (`pending`) or, for a leaf, to `leaf_grads`.
+    fn backward_node(&self, node: &Arc<Node>, pending: &mut Pending, leaf_grads: &mut Vec<(Tensor, Tensor)>) -> Result<()> {
+        {
+            let Some(contributions) = pending.remove(&node.id) else { return Ok(()) };
             let _stage = crate::stage::StageGuard::new(node.stage | crate::stage::BACKWARD_OF);
             let _label = crate::stage::LabelGuard::new(node.name());
             let written_aside = crate::streams::written_aside(contributions.iter().flatten().map(|(_, g)| g));
@@ -286,7 +322,7 @@ impl Tensor {
                 Some(device) => crate::streams::beside(device, run)?,
                 None => run()?,
             };
-            let Some(input_grads) = input_grads else { continue };
+            let Some(input_grads) = input_grads else { return Ok(()) };
             if input_grads.len() != node.inputs.len() {
                 return Err(Error::Backward {
                     msg: format!("{} returned {} gradients for {} inputs", node.name(), input_grads.len(), node.inputs.len()),
@@ -311,9 +347,57 @@ impl Tensor {
                 }
             }
         }
-        crate::streams::join()?;
-        accumulate_leaf_grads(leaf_grads)
+        Ok(())
     }
+}
+
+/// What [`Tensor::backward_with_ready`] calls with each leaf whose gradient is final.
+pub type GradReady<'a> = dyn FnMut(&Tensor) -> Result<()> + 'a;
+
+/// Gradient contributions waiting for their node: per node id, per output, (sender id, gradient).
+type Pending = HashMap<u64, Vec<Vec<(u64, Tensor)>>>;
+
+/// For each step of the backward walk (`order` reversed), the leaves whose last reader is that
+/// step's node — after it, no node adds to them — each listed once, in input order.
+fn last_readers(order: &[Arc<Node>]) -> Vec<Vec<Tensor>> {
+    let mut last: HashMap<usize, usize> = HashMap::new();
+    let mut leaves: Vec<(usize, Tensor)> = Vec::new();
+    for (step, node) in order.iter().rev().enumerate() {
+        for t in node.inputs.iter().flatten().filter(|t| t.grad_fn().is_none()) {
+            let key = Arc::as_ptr(&t.0) as usize;
+            if last.insert(key, step).is_none() {
+                leaves.push((key, t.clone()));
+            }
+        }
+    }
+    let mut due: Vec<Vec<Tensor>> = vec![Vec::new(); order.len()];
+    for (key, t) in leaves {
+        if let Some(&step) = last.get(&key) {
+            due[step].push(t);
+        }
+    }
+    due
+}
+
+/// Adds the contributions of `leaves` (their last reader has run) into their gradients — each
+/// leaf's in arrival order, as [`accumulate_leaf_grads`] does at the end — and reports each leaf
+/// that received one.
+fn finish_leaves(leaves: &[Tensor], leaf_grads: &mut Vec<(Tensor, Tensor)>, ready: &mut GradReady<'_>) -> Result<()> {
+    let keys: HashSet<usize> = leaves.iter().map(|t| Arc::as_ptr(&t.0) as usize).collect();
+    let (now, later): (Vec<_>, Vec<_>) =
+        std::mem::take(leaf_grads).into_iter().partition(|(l, _)| keys.contains(&(Arc::as_ptr(&l.0) as usize)));
+    *leaf_grads = later;
+    if now.is_empty() {
+        return Ok(());
+    }
+    let got: HashSet<usize> = now.iter().map(|(l, _)| Arc::as_ptr(&l.0) as usize).collect();
+    // Side-stream work may still write these gradients.
+    crate::streams::join()?;
+    accumulate_leaf_grads(now)?;
+    for leaf in leaves.iter().filter(|t| got.contains(&(Arc::as_ptr(&t.0) as usize))) {
+        ready(leaf)?;
+    }
+    Ok(())
 }
 
 /// Adds the gradients that reached leaves during one backward into their `.grad`, each leaf's

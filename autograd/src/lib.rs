@@ -81,7 +81,7 @@ mod warmup;
 mod write_journal;
 
 pub use autocast::{autocast, autocast_dtype, autocast_with_weights, cast_weight, AutocastGuard};
-pub use autograd::{attach_custom_node, is_grad_enabled, no_grad, BackwardOp, GradModeGuard};
+pub use autograd::{attach_custom_node, is_grad_enabled, no_grad, BackwardOp, GradModeGuard, GradReady};
 pub use cpu::CpuStorage;
 pub use device::Device;
 pub use dtype::DType;
