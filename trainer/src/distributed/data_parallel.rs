@@ -12,12 +12,19 @@ use crate::error::{Result, TrainerError};
 pub struct DataParallel {
     collective: Box<dyn Collective>,
     plan: Option<(BucketPlan, Vec<usize>)>,
+    bucket_bytes: usize,
 }
 
 impl DataParallel {
     /// A rank of the group `collective` belongs to.
     pub fn new(collective: Box<dyn Collective>) -> DataParallel {
-        DataParallel { collective, plan: None }
+        DataParallel::with_bucket_bytes(collective, DEFAULT_BUCKET_BYTES)
+    }
+
+    /// [`DataParallel::new`] with all-reduce buckets of at most `bucket_bytes` of f32 gradients
+    /// (PyTorch DDP's `bucket_cap_mb`; [`DEFAULT_BUCKET_BYTES`] by default).
+    pub fn with_bucket_bytes(collective: Box<dyn Collective>, bucket_bytes: usize) -> DataParallel {
+        DataParallel { collective, plan: None, bucket_bytes }
     }
 
     /// This rank (0-based).
@@ -67,14 +74,7 @@ impl DataParallel {
     /// result), and rank 0's values of `buffers` bit for bit (as [`DataParallel::buffers_from_main`]).
     pub fn agree_on_update(&mut self, params: &[(String, Tensor)], nonfinite_here: bool, buffers: &[Tensor]) -> Result<bool> {
         let trainable = trainable(params);
-        let sizes: Vec<usize> = trainable.iter().map(|t| t.numel()).collect();
-        let (_, planned) = self.plan.get_or_insert_with(|| (BucketPlan::new(&sizes, DEFAULT_BUCKET_BYTES), sizes.clone()));
-        if *planned != sizes {
-            return Err(TrainerError::InvalidArgument {
-                what: "data-parallel gradients",
-                reason: format!("the trainable parameters changed during the fit ({} values, planned for {})", sizes.len(), planned.len()),
-            });
-        }
+        self.bucket_plan(&trainable)?;
         let mut v: Vec<u64> = trainable.iter().map(|t| t.grad().is_some() as u64).collect();
         v.push(nonfinite_here as u64);
         let head = v.len();
@@ -90,6 +90,26 @@ impl DataParallel {
         })?;
         self.take_buffer_bits(&v[head..], buffers)?;
         Ok(v[head - 1] != 0)
+    }
+
+    /// The bucket plan of the trainable parameters `trainable` (made at the first call; an error
+    /// when they changed since).
+    pub(super) fn bucket_plan(&mut self, trainable: &[&Tensor]) -> Result<BucketPlan> {
+        let sizes: Vec<usize> = trainable.iter().map(|t| t.numel()).collect();
+        let cap = self.bucket_bytes;
+        let (plan, planned) = self.plan.get_or_insert_with(|| (BucketPlan::new(&sizes, cap), sizes.clone()));
+        if *planned != sizes {
+            return Err(TrainerError::InvalidArgument {
+                what: "data-parallel gradients",
+                reason: format!("the trainable parameters changed during the fit ({} values, planned for {})", sizes.len(), planned.len()),
+            });
+        }
+        Ok(plan.clone())
+    }
+
+    /// The group's transport.
+    pub(super) fn collective(&self) -> &dyn Collective {
+        self.collective.as_ref()
     }
 
     /// The device half of the average, after [`DataParallel::agree_on_gradients`]: per bucket
@@ -204,7 +224,7 @@ impl DataParallel {
 }
 
 /// The parameters that train (`requires_grad`), in order.
-fn trainable(params: &[(String, Tensor)]) -> Vec<&Tensor> {
+pub(super) fn trainable(params: &[(String, Tensor)]) -> Vec<&Tensor> {
     params.iter().map(|(_, t)| t).filter(|t| t.requires_grad()).collect()
 }
 

@@ -15,6 +15,7 @@ mod data_parallel;
 mod launch;
 #[cfg(feature = "cuda")]
 mod nccl_group;
+mod overlap;
 mod shard;
 mod store;
 
@@ -25,6 +26,7 @@ pub use data_parallel::DataParallel;
 pub use launch::{device_list, launch_local, supervise, WorkerEnv, STOP_GRACE, STORE_ADDR_ENV};
 #[cfg(feature = "cuda")]
 pub use nccl_group::NcclCollective;
+pub use overlap::OverlappedSums;
 pub use shard::{per_rank_batch, shard_order};
 pub use store::{store_get, store_set, StoreServer, MAX_VALUE};
 
