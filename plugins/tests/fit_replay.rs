@@ -449,8 +449,10 @@ fn on_two_logged_ranks(cfgs: [PoseTrainConfig; 2]) -> (Vec<ptl_trainer::fit::Run
 #[test]
 fn a_capture_failure_on_one_rank_keeps_the_ranks_collectives_in_step() {
     let group = |save: &str, replay: &[&str]| PoseTrainConfig { batch: 4, nbs: 4, loss_assigner: "dense".into(), ..tiny(save, replay) };
-    // Run folder names of one length: the first agreement carries the run folder's path.
-    let (native, native_log) = on_two_logged_ranks([group("dp-fail-nat", &[]), group("dp-fail-nat", &[])]);
+    // Run folder names of one length: the first agreement carries the run folder's path. The
+    // native group sums after backward, as a replayed step does (`overlap_all_reduce=false`).
+    let native_group = |save: &str| PoseTrainConfig { overlap_all_reduce: false, ..group(save, &[]) };
+    let (native, native_log) = on_two_logged_ranks([native_group("dp-fail-nat"), native_group("dp-fail-nat")]);
     let (_, recorded_log) = on_two_logged_ranks([group("dp-okay-all", &["all"]), group("dp-okay-all", &["all"])]);
     assert_eq!(recorded_log[0], native_log[0], "recording issues no collective of its own (none in a warm-up)");
     let mut failing = group("dp-fail-all", &["all"]);
@@ -484,7 +486,9 @@ fn a_capture_failure_on_one_rank_keeps_the_ranks_collectives_in_step() {
 fn a_rank_recording_alone_stays_in_step_with_the_others() {
     let group =
         |save: &str, replay: &[&str]| PoseTrainConfig { batch: 4, nbs: 4, epochs: 3, loss_assigner: "dense".into(), ..tiny(save, replay) };
-    let (native, native_log) = on_two_logged_ranks([group("dp-late-nat", &[]), group("dp-late-nat", &[])]);
+    // The native group sums after backward, as the replayed updates do (`overlap_all_reduce=false`).
+    let native_group = |save: &str| PoseTrainConfig { overlap_all_reduce: false, ..group(save, &[]) };
+    let (native, native_log) = on_two_logged_ranks([native_group("dp-late-nat"), native_group("dp-late-nat")]);
     let ranks = [1, 2].map(|warmup_calls| {
         let mut cfg = group("dp-late-all", &["optimizer"]);
         cfg.set("replay_config", &format!(r#"{{"optimizer": {{"warmup_calls": {warmup_calls}}}}}"#)).expect("config");

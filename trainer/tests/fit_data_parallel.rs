@@ -181,3 +181,61 @@ fn the_ranks_recover_from_a_non_finite_loss_together() {
     assert_eq!(ranks[0].hashes.model, ranks[1].hashes.model, "one model after the recovery");
     assert_eq!(ranks[0].metrics_per_epoch.len(), 3, "rank 0 validated every epoch once");
 }
+
+/// A rank's collective whose log the test reads after the fit.
+struct Tap(std::sync::Arc<ptl_trainer::distributed::LoggedCollective<ptl_trainer::distributed::ThreadCollective>>);
+
+impl ptl_trainer::distributed::Collective for Tap {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world(&self) -> usize {
+        self.0.world()
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> ptl_trainer::Result<()> {
+        self.0.all_reduce_sum(buf)
+    }
+    fn all_reduce_max(&self, buf: &mut [u64]) -> ptl_trainer::Result<()> {
+        self.0.all_reduce_max(buf)
+    }
+}
+
+/// Two ranks fitting `cfg` through logged collectives: the summaries and what each rank issued.
+fn fit_on_two_logged_ranks(cfg: &PoseTrainConfig) -> (Vec<RunSummary>, Vec<Vec<ptl_trainer::distributed::Issued>>) {
+    use ptl_trainer::distributed::LoggedCollective;
+    let taps: Vec<_> = ThreadGroup::new(2).expect("a group").into_iter().map(|c| std::sync::Arc::new(LoggedCollective::new(c))).collect();
+    let handles: Vec<_> = taps
+        .iter()
+        .map(|t| {
+            let (tap, cfg) = (Tap(t.clone()), cfg.clone());
+            std::thread::spawn(move || fit_data_parallel(&cfg, vec![], Box::new(tap)).expect("rank fit"))
+        })
+        .collect();
+    let summaries = handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect();
+    (summaries, taps.iter().map(|t| t.issued()).collect())
+}
+
+/// The gradient sums started during the update's last backward (`overlap_all_reduce`, the
+/// default) end with the bytes of the sums after backward: weights, optimizer state, EMA and
+/// per-step losses. They are issued before the update's agreement (its max all-reduce) instead of
+/// after it, the same collectives on both ranks.
+#[test]
+fn gradient_sums_during_backward_give_the_bytes_of_sums_after_it() {
+    use ptl_trainer::distributed::Issued;
+    let (during, during_log) = fit_on_two_logged_ranks(&two_rank_run("dp-overlap"));
+    let (after, after_log) = fit_on_two_logged_ranks(&PoseTrainConfig { overlap_all_reduce: false, ..two_rank_run("dp-no-overlap") });
+    for (d, a) in during.iter().zip(&after) {
+        assert_eq!(d.hashes, a.hashes, "the same bytes with and without the overlap");
+    }
+    assert_eq!(during_log[0], during_log[1], "both ranks issue the same collectives");
+    let sums = |log: &[Issued]| log.iter().filter(|c| matches!(c, Issued::Sum(_))).count();
+    assert_eq!(sums(&during_log[0]), sums(&after_log[0]), "as many sums");
+    // Without the overlap the first sum follows the first update's agreement (a max over every
+    // parameter's presence and more); with it the sums come first and the agreement after them.
+    let first_sum = |log: &[Issued]| log.iter().position(|c| matches!(c, Issued::Sum(_))).expect("a sum");
+    let (d, a) = (first_sum(&during_log[0]), first_sum(&after_log[0]));
+    let Issued::Max(agreement) = after_log[0][a - 1] else { panic!("after backward, a sum follows the agreement: {:?}", after_log[0]) };
+    assert!(agreement > 1, "the update's agreement carries the parameters' presence");
+    let agreed_at = during_log[0].iter().position(|c| *c == Issued::Max(agreement)).expect("the update's agreement");
+    assert!(d < agreed_at, "with the overlap the first sum (at {d}) comes before the update's agreement (at {agreed_at})");
+}

@@ -113,8 +113,8 @@ impl DataParallel {
     }
 
     /// The device half of the average, after [`DataParallel::agree_on_gradients`]: per bucket
-    /// (≤ 25 MiB, from the last parameter) the present f32 gradients flattened into one tensor
-    /// where they lie, summed over the ranks by the transport ([`Collective::all_reduce_sum_tensor`]:
+    /// (≤ 25 MiB, from the last parameter) the f32 gradients flattened into one tensor where they
+    /// lie (zeros for a parameter whose gradient is absent everywhere: a fixed layout), summed over the ranks by the transport ([`Collective::all_reduce_sum_tensor`]:
     /// NCCL on the device, the CPU group through the host), divided by the world size and copied
     /// back into the gradients' own buffers. No host decision: a recorded region may hold it
     /// (see [`DataParallel::sums_in_regions`]).
@@ -129,12 +129,22 @@ impl DataParallel {
         let scale = 1.0 / self.collective.world() as f64;
         no_grad(|| -> Result<()> {
             for bucket in &plan.buckets {
-                let grads: Vec<Tensor> = bucket.params.iter().filter_map(|&i| trainable[i].grad()).collect();
-                if grads.is_empty() {
+                let grads: Vec<Option<Tensor>> = bucket.params.iter().map(|&i| trainable[i].grad()).collect();
+                if grads.iter().all(Option::is_none) {
                     continue;
                 }
-                let parts =
-                    grads.iter().map(|g| g.to_dtype(DType::F32)?.reshape(vec![g.numel()])).collect::<ptl_autograd::Result<Vec<_>>>()?;
+                // Every parameter of the bucket, zeros where absent everywhere: the layout of the
+                // sums started during backward (`OverlappedSums`), so both give the same bytes
+                // whatever order the transport sums a buffer's positions in.
+                let parts = bucket
+                    .params
+                    .iter()
+                    .zip(&grads)
+                    .map(|(&i, g)| match g {
+                        Some(g) => g.to_dtype(DType::F32)?.reshape(vec![g.numel()]),
+                        None => Tensor::zeros(vec![trainable[i].numel()], DType::F32, trainable[i].device()),
+                    })
+                    .collect::<ptl_autograd::Result<Vec<_>>>()?;
                 let flat = Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)?;
                 // A recorder's warm-up runs this natively and rolls its writes back: its sum
                 // counts for nothing, and leaving it out keeps one collective per call on every
@@ -144,9 +154,11 @@ impl DataParallel {
                 }
                 let flat = flat.mul_scalar(scale)?;
                 let mut at = 0;
-                for g in &grads {
-                    g.copy_(&flat.narrow(0, at, g.numel())?.reshape(g.shape().clone())?.to_dtype(g.dtype())?)?;
-                    at += g.numel();
+                for (&i, g) in bucket.params.iter().zip(&grads) {
+                    if let Some(g) = g {
+                        g.copy_(&flat.narrow(0, at, g.numel())?.reshape(g.shape().clone())?.to_dtype(g.dtype())?)?;
+                    }
+                    at += trainable[i].numel();
                 }
             }
             Ok(())

@@ -242,6 +242,12 @@ pub struct PoseTrainConfig {
     /// layout: its convolutions run without layout conversions); values change only by the
     /// kernels' summation orders. `false` (default): N, C, H, W. Refused on the CPU.
     pub channels_last: bool,
+    /// Several ranks, no `replay=`: each bucket of gradients is summed over the ranks during the
+    /// update's last backward, as soon as backward has finished its parameters (PyTorch DDP's
+    /// overlap); the same bytes as summing after backward (`false`). A replayed step keeps the
+    /// sum after backward, where its recording holds it, and so does a fit where a rank has
+    /// callbacks (one may read or change the gradients after backward).
+    pub overlap_all_reduce: bool,
 }
 
 mod device_serde {
@@ -360,6 +366,7 @@ impl Default for PoseTrainConfig {
             progress: true,
             tf32: true,
             channels_last: false,
+            overlap_all_reduce: true,
         }
     }
 }
@@ -529,6 +536,7 @@ impl PoseTrainConfig {
             ("amp", "true".into(), "Ultralytics' switch: true = 16-mixed on a GPU (32-true on the CPU), false = 32-true; or a precision name"),
             ("tf32", d.tf32.to_string(), "32-true on a GPU: convolutions in TF32 on tensor cores as PyTorch's default (false: strict FP32)"),
             ("channels_last", d.channels_last.to_string(), "on a GPU: activations stored N, H, W, C (cuDNN's layout; false: N, C, H, W)"),
+            ("overlap_all_reduce", d.overlap_all_reduce.to_string(), "several GPUs, no replay: gradient buckets summed over the ranks during backward (false: after it; the same bytes)"),
             ("seed", d.seed.to_string(), "random seed (also --seed)"),
             ("model", d.model.clone(), "yolo26{n,s,m,l,x}-pose.yaml (the size; or the letter), or weights to start from: a .safetensors with Ultralytics names or a ptl .ckpt (its EMA weights)"),
             ("optimizer", d.optimizer.clone(), "auto, SGD, MuSGD or AdamW (auto is resolved once and stored in checkpoints)"),

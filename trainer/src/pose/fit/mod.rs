@@ -297,6 +297,8 @@ fn fit_with(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>, dp: Option
         pending_losses: Default::default(),
         absorbed: 0,
         loss_flag: None,
+        overlapped: None,
+        overlap_allowed: None,
         dp,
     };
     run.params = model_params(&run.model);

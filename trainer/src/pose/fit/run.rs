@@ -91,6 +91,11 @@ pub(super) struct Run {
     // ---- data-parallel training ----
     /// This process's rank of a data-parallel group; `None`: the only one.
     pub(super) dp: Option<DataParallel>,
+    /// The gradient sums the update's last backward started (`overlap_all_reduce`), finished
+    /// when the ranks agree on the update.
+    pub(super) overlapped: Option<crate::distributed::OverlappedSums>,
+    /// Whether the ranks agreed to sum during backward (none has callbacks); `None`: not asked yet.
+    pub(super) overlap_allowed: Option<bool>,
 }
 
 /// One step's deferred loss values ([`crate::loss::DeferredItems`]) being read.

@@ -9,6 +9,7 @@ use ptl_autograd::{module, no_grad, DType, Tensor};
 use super::super::images::device_images;
 use super::super::probe;
 use super::super::stages;
+use crate::distributed::OverlappedSums;
 use crate::fit::{NsSite, Site, SiteRunner, Stage, StageInfo, UpdatePart};
 use crate::loss::{Anchors, BranchOutputs, TargetBatch};
 use crate::optim::{clip_grad_norm, GradScaler};
@@ -33,11 +34,29 @@ impl Run {
         };
         // One collective for the three decisions.
         let buffers: &[Tensor] = if dp.world() > 1 { &self.float_buffers } else { &[] };
-        let anywhere = dp.agree_on_update(&self.params, here, buffers)?;
+        // After sums started during backward, the agreement comes with their end.
+        let anywhere = match self.overlapped.take() {
+            Some(sums) => sums.finish(dp, &self.params, here, buffers)?,
+            None => dp.agree_on_update(&self.params, here, buffers)?,
+        };
         if let Some(f) = flag.filter(|_| anywhere && !here) {
             no_grad(|| f.copy_(&Tensor::from_vec(vec![1f32], vec![1], f.device())?))?;
         }
         Ok(())
+    }
+
+    /// Whether the ranks may sum gradients during backward: not when a rank has callbacks (one
+    /// may read or change the gradients after backward, which the sums must then see). Agreed
+    /// once per fit, at the first update that could overlap (one max all-reduce), so every rank
+    /// decides alike.
+    fn overlap_agreed(&mut self) -> Result<bool> {
+        let Some(dp) = self.dp.as_ref().filter(|dp| dp.world() > 1) else { return Ok(false) };
+        if let Some(v) = self.overlap_allowed {
+            return Ok(v);
+        }
+        let allowed = !dp.any(!self.callbacks.is_empty())?;
+        self.overlap_allowed = Some(allowed);
+        Ok(allowed)
     }
 
     /// On the dense path of a data-parallel fit, the ranks agree on the step's objects per image
@@ -148,7 +167,22 @@ impl Run {
             Some(s) => s.scale(&total)?,
             None => total,
         };
-        self.plugins.run(info(Stage::Backward), &mut || Ok(in_stage(stages::BACKWARD, || to_backprop.backward())?))?;
+        // Several ranks, no replay, the update's last backward: its gradient buckets are summed
+        // over the ranks as backward finishes them (`overlap_all_reduce`).
+        let updates = ni as i64 - self.state.last_opt_step >= self.accumulate as i64;
+        let overlap = updates && self.cfg.overlap_all_reduce && self.plugins.is_empty() && self.overlap_agreed()?;
+        match self.dp.as_mut().filter(|dp| overlap && dp.world() > 1) {
+            Some(dp) => {
+                let mut sums = OverlappedSums::new(dp, &self.params)?;
+                let seed = to_backprop.ones_like()?;
+                let dp = &*dp;
+                self.plugins.run(info(Stage::Backward), &mut || {
+                    Ok(in_stage(stages::BACKWARD, || to_backprop.backward_with_ready(&seed, &mut sums.ready_hook(dp)))?)
+                })?;
+                self.overlapped = Some(sums);
+            }
+            None => self.plugins.run(info(Stage::Backward), &mut || Ok(in_stage(stages::BACKWARD, || to_backprop.backward())?))?,
+        }
         stages[4] = self.stage_mark(&mut t)?;
         self.each_cb(|c, v| c.on_after_backward(v));
         if !self.callbacks.is_empty() {
@@ -177,7 +211,7 @@ impl Run {
             }
         }
 
-        if ni as i64 - self.state.last_opt_step >= self.accumulate as i64 {
+        if updates {
             self.clock.note_update();
             let mut t = Instant::now();
             let ema_ms = self.optimizer_step(ni, epoch)?;
@@ -325,6 +359,7 @@ impl Run {
     /// Unscale → hook → clip → step (skipped on inf under 16-mixed) → scaler update → zero grad → EMA.
     /// Returns the EMA update's milliseconds under `profile=true` (device synchronised around it), else 0.
     pub(super) fn optimizer_step(&mut self, ni: usize, epoch: usize) -> Result<f64> {
+        let summed = self.overlapped.is_some();
         self.agree_over_ranks()?;
         let info = StageInfo { stage: Stage::OptimizerStep, epoch, batch_index: ni, training: true };
         let params = &self.params;
@@ -333,7 +368,8 @@ impl Run {
         // found-inf is then the same everywhere) — inside the update's first device part when
         // the transport's sum can be recorded there (NCCL; the CPU's recordings re-run their
         // bodies), else here.
-        let dp = self.dp.as_ref();
+        // Sums started during backward are already averaged (`agree_over_ranks` finished them).
+        let dp = self.dp.as_ref().filter(|_| !summed);
         let sum_in_update = dp.is_some_and(|d| d.sums_in_regions(self.cfg.device));
         if let (Some(d), false) = (dp, sum_in_update) {
             d.sum_gradients(params)?;
