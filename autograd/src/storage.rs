@@ -443,6 +443,27 @@ impl Storage {
         }
         Ok(())
     }
+    /// `dst = src` for every pair (same length and dtype), bytes as they are; on CUDA one launch
+    /// per 40 pairs instead of a copy each (a recorded graph's copies become one node each).
+    pub fn copy_many(pairs: &mut [(&mut Storage, &Storage)]) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if pairs.iter().all(|(d, s)| matches!((&**d, s), (Storage::Cuda(_), Storage::Cuda(_)))) {
+            let mut cuda: Vec<(&mut crate::cuda::CudaStorage, &crate::cuda::CudaStorage)> = pairs
+                .iter_mut()
+                .filter_map(|(d, s)| match (&mut **d, &**s) {
+                    (Storage::Cuda(d), Storage::Cuda(s)) => Some((d, s)),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                })
+                .collect();
+            return crate::cuda::ops::copy_many(&mut cuda);
+        }
+        for (d, s) in pairs.iter_mut() {
+            let whole = crate::shape::Layout::contiguous(&[s.len()]);
+            s.copy_strided(&whole, d, &whole)?;
+        }
+        Ok(())
+    }
     /// See [`BackendStorage::index_select`].
     pub fn index_select(&self, shape: &[usize], dim: usize, idx: &Storage) -> Result<Storage> {
         pair!("index_select", self, idx, |s, i| s.index_select(shape, dim, i))

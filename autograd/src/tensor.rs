@@ -570,6 +570,42 @@ impl Tensor {
         self.write_storage_for("add_")?.add_assign(&s)
     }
 
+    /// `dst.copy_(src)` for every pair (same shape and dtype), batched: on CUDA one launch per 40
+    /// contiguous pairs. A pair that is not plain contiguous storage, or whose source is another
+    /// pair's destination, is copied on its own.
+    pub fn copy_many_(pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
+        let mut batch: Vec<(&Tensor, &Tensor)> = Vec::with_capacity(pairs.len());
+        let mut alone: Vec<(&Tensor, &Tensor)> = Vec::new();
+        let mut used: std::collections::HashSet<usize> = std::collections::HashSet::new();
+        for &(d, s) in pairs {
+            if s.dims() != d.dims() {
+                return Err(Error::ShapeMismatch { op: "copy_many_", lhs: d.dims().to_vec(), rhs: s.dims().to_vec() });
+            }
+            if s.dtype() != d.dtype() {
+                return Err(Error::DTypeMismatch { op: "copy_many_", lhs: d.dtype(), rhs: s.dtype() });
+            }
+            let plain = d.memory_format() == MemoryFormat::Contiguous
+                && s.memory_format() == MemoryFormat::Contiguous
+                && d.numel() == d.raw_storage().len()
+                && s.numel() == s.raw_storage().len();
+            if plain && used.insert(d.storage_ptr()) && used.insert(s.storage_ptr()) {
+                batch.push((d, s));
+            } else {
+                alone.push((d, s));
+            }
+        }
+        {
+            let mut dsts: Vec<_> = batch.iter().map(|(d, _)| d.write_storage_for("copy_many_")).collect::<Result<_>>()?;
+            let srcs: Vec<_> = batch.iter().map(|(_, s)| s.raw_storage()).collect();
+            let mut refs: Vec<(&mut Storage, &Storage)> = dsts.iter_mut().map(|d| &mut **d).zip(srcs.iter().map(|s| &**s)).collect();
+            Storage::copy_many(&mut refs)?;
+        }
+        for (d, s) in alone {
+            d.copy_(s)?;
+        }
+        Ok(())
+    }
+
     /// `dst.add_(src)` for every pair, the same bytes, batched: on CUDA one launch per dtype and 40
     /// tensors (gradient accumulation into many parameters). A pair whose source shares storage
     /// with another operand of the batch, or that is not a plain same-shape pair, runs on its own.

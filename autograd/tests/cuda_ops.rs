@@ -1862,3 +1862,33 @@ fn dependent_launches_see_their_predecessors_writes() {
     let want = (rounds * (rounds + 1) / 2) as f64;
     assert!(tail.to_f64_vec().unwrap().iter().all(|&v| v == want), "the small kernels read each round's count ({want})");
 }
+
+/// `Tensor::copy_many_` on the device (the batched first gradients of a recorded backward): one
+/// `mt_copy_words` launch per 40 pairs whose bytes are whole 4-byte words, a copy of its own for
+/// others (an odd number of half values) — every destination ends with its source's bytes, as
+/// `copy_` gives, across 45 pairs (two launches in f32 and f64) and tensors of several chunks.
+#[test]
+fn copy_many_gives_each_destination_its_sources_bytes() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(29);
+    for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+        let sizes: Vec<usize> = (0..45).map(|i| [1usize, 3, 8, 1000, 70_001][i % 5]).collect();
+        let src: Vec<Tensor> = sizes.iter().map(|&n| Tensor::rand(vec![n], -1.0, 1.0, dt, dev, &mut rng).unwrap()).collect();
+        let dst: Vec<Tensor> = sizes.iter().map(|&n| Tensor::rand(vec![n], -1.0, 1.0, dt, dev, &mut rng).unwrap()).collect();
+        let before = ptl_autograd::internal::cuda::counters();
+        Tensor::copy_many_(&dst.iter().zip(&src).collect::<Vec<_>>()).unwrap();
+        let launched = ptl_autograd::internal::cuda::counters().since(&before);
+        for (d, s) in dst.iter().zip(&src) {
+            assert_eq!(d.to_bytes().unwrap(), s.to_bytes().unwrap(), "{dt}: {} values", s.numel());
+        }
+        // Halves of an odd length are not whole words: a copy each; the rest go 40 to a launch.
+        let odd = if dt.size_in_bytes() == 2 { sizes.iter().filter(|&&n| n % 2 == 1).count() } else { 0 };
+        let batched = (sizes.len() - odd).div_ceil(40) as u64;
+        assert_eq!(
+            (launched.kernel_launches, launched.device_to_device_copies),
+            (batched, odd as u64),
+            "{dt}: one launch per 40 whole-word pairs, a copy per odd-length half"
+        );
+    }
+    println!("ok copy_many: f32, bf16, f16, f64 byte-equal to copy_, batched");
+}

@@ -34,6 +34,16 @@ __device__ void mt_add_k(const MtTable& t) {
     const T* s = reinterpret_cast<const T*>(t.ptr[1][k]);
     for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = store<T, A>(to_acc(d[i]) + to_acc(s[i]));
 }
+// dst_k = src_k, word by word (4-byte words: every tensor's bytes are a multiple of 4 here): the
+// gradients a recorded backward writes into their persistent buffers, in one launch per 40.
+__device__ void mt_copy_k(const MtTable& t) {
+    u32 base, end;
+    const u32 k = mt_locate(t, base, end);
+    unsigned int* d = reinterpret_cast<unsigned int*>(t.ptr[0][k]);
+    const unsigned int* s = reinterpret_cast<const unsigned int*>(t.ptr[1][k]);
+    for (u32 i = base + threadIdx.x; i < end; i += blockDim.x) d[i] = s[i];
+}
+extern "C" __global__ void mt_copy_words(const MtTable t) { mt_copy_k(t); }
 #define INST_MT(name, T) \
     extern "C" __global__ void mt_add_##name(const MtTable t) { mt_add_k<T>(t); }
 INST_MT(f32, float)

@@ -77,6 +77,45 @@ pub(crate) fn add_assign_many(pairs: &mut [(&mut CudaStorage, &CudaStorage)]) ->
     Ok(())
 }
 
+/// `dst = src` for every pair, bytes as they are: one launch per 40 pairs whose sizes are whole
+/// 4-byte words (`mt_copy_words`), a copy of its own for any other pair.
+pub(crate) fn copy_many(pairs: &mut [(&mut CudaStorage, &CudaStorage)]) -> Result<()> {
+    for (d, s) in pairs.iter() {
+        if d.len != s.len {
+            return Err(Error::ShapeMismatch { op: "copy_many", lhs: vec![d.len], rhs: vec![s.len] });
+        }
+        if d.dtype != s.dtype {
+            return Err(Error::DTypeMismatch { op: "copy_many", lhs: d.dtype, rhs: s.dtype });
+        }
+        d.same_device("copy_many", s)?;
+    }
+    let Some((first, _)) = pairs.first() else { return Ok(()) };
+    for (d, _) in pairs.iter().skip(1) {
+        first.same_device("copy_many", d)?;
+    }
+    let dev = &first.buf.dev;
+    let mut words: Vec<(u64, u64, usize)> = Vec::new();
+    for (d, s) in pairs.iter() {
+        let bytes = d.len * d.dtype.size_in_bytes();
+        if bytes == 0 {
+            continue;
+        }
+        if bytes % 4 == 0 && u32::try_from(bytes / 4).is_ok() {
+            words.push((ptr(d), ptr(s), bytes / 4));
+        } else {
+            dev.bind()?;
+            super::super::counters::count(super::super::counters::Count::DeviceToDevice);
+            // SAFETY: both buffers hold `bytes` bytes on this device (checked above).
+            unsafe { dr::memcpy_dtod_async(ptr(d), ptr(s), bytes, dev.stream()) }.map_err(|e| cu_err("cuMemcpyDtoDAsync", e))?;
+        }
+    }
+    if !words.is_empty() {
+        let f = dev.func("mt_copy_words", "")?;
+        launch_multi_tensor(dev, f, &words)?;
+    }
+    Ok(())
+}
+
 /// Launches a table-only multi-tensor kernel (`mt_add`, `mt_cast`) over `(dst, src, len)` items.
 pub(super) fn launch_multi_tensor(
     dev: &super::super::device::Dev,
