@@ -240,6 +240,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         ("+side8", None),
         ("+sidenp", None),
         ("+held256", None),
+        ("+heldoff", None),
     ] {
         if let Some(base) = arm.strip_suffix(suffix) {
             let mut o = arm_overrides(base)?;
@@ -264,7 +265,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp / +held256 for the second stream)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp / +held256 / +heldoff for the second stream)"
         )),
     }
 }
@@ -287,8 +288,9 @@ fn numeric_variant(arm: &str) -> String {
 /// `+pdl` / `+nopdl` `PTL_PDL=1` / `0` (kernels launched with / without programmatic dependent
 /// launch), `+onestream` `PTL_SIDE_STREAM=0` (no second
 /// stream beside the main chain), `+side8` eight side tasks in flight instead of three,
-/// `+sidenp` both streams at one priority and `+held256` `PTL_SIDE_HELD_MIB=256` (the oldest side
-/// tasks joined early when more than 256 MiB of frees wait for them).
+/// `+sidenp` both streams at one priority, `+held256` `PTL_SIDE_HELD_MIB=256` (the oldest side
+/// tasks joined early when more than 256 MiB of frees wait for them: the default since 2026-12-07)
+/// and `+heldoff` `PTL_SIDE_HELD_MIB=off` (no such cap).
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     let parts: Vec<&str> = arm.split('+').skip(1).collect();
     let mut env = Vec::new();
@@ -324,6 +326,9 @@ fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     }
     if parts.contains(&"held256") {
         env.push(("PTL_SIDE_HELD_MIB", "256"));
+    }
+    if parts.contains(&"heldoff") {
+        env.push(("PTL_SIDE_HELD_MIB", "off"));
     }
     env
 }
@@ -1680,6 +1685,8 @@ print(ns['busy_us'](spans), ns['active_us'](spans + [(9, 30, 31)]), ns['active_u
         assert_eq!(arm_env("all+dense+timedall"), [("PTL_CUDNN_TIMED", "all")]);
         assert_eq!(arm_env("all+dense+onestream"), [("PTL_SIDE_STREAM", "0")]);
         assert_eq!(arm_env("dense+held256"), [("PTL_SIDE_HELD_MIB", "256")]);
+        assert_eq!(arm_env("all+dense+heldoff"), [("PTL_SIDE_HELD_MIB", "off")]);
+        assert_eq!(arm_overrides("all+dense+heldoff").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(arm_overrides("all+dense+held256").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(numeric_variant("all+dense+held256"), "", "joins change no bytes: its hashes are compared");
         assert_eq!(arm_env("all+dense+krsc"), [("PTL_WEIGHT_KRSC", "1")]);
