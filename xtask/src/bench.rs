@@ -43,8 +43,10 @@ options:
                      +onestream (PTL_SIDE_STREAM=0: no second stream for weight gradients and the
                      one-to-one head; +side8 with eight side tasks in flight instead of three,
                      +sidenp with both streams at one priority, +held256 joining the oldest
-                     side tasks early beyond 256 MiB of frees waiting for them: all with the
-                     same bytes)
+                     side tasks early beyond 256 MiB of frees waiting for them (the default),
+                     +heldoff without that cap: all with the same bytes), +wskept32
+                     (PTL_CUDNN_KEPT_WORKSPACE_MIB=32: native work borrows a cuDNN workspace
+                     above 32 MiB for its call instead of keeping it; the same bytes)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
                      the ratios), compile (its compile=True), reduce-overhead (compile=reduce-overhead:
@@ -241,6 +243,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         ("+sidenp", None),
         ("+held256", None),
         ("+heldoff", None),
+        ("+wskept32", None),
     ] {
         if let Some(base) = arm.strip_suffix(suffix) {
             let mut o = arm_overrides(base)?;
@@ -265,7 +268,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp / +held256 / +heldoff for the second stream)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp / +held256 / +heldoff for the second stream, +wskept32 for cuDNN workspaces above 32 MiB borrowed per call)"
         )),
     }
 }
@@ -290,7 +293,8 @@ fn numeric_variant(arm: &str) -> String {
 /// stream beside the main chain), `+side8` eight side tasks in flight instead of three,
 /// `+sidenp` both streams at one priority, `+held256` `PTL_SIDE_HELD_MIB=256` (the oldest side
 /// tasks joined early when more than 256 MiB of frees wait for them: the default since 2026-12-07)
-/// and `+heldoff` `PTL_SIDE_HELD_MIB=off` (no such cap).
+/// and `+heldoff` `PTL_SIDE_HELD_MIB=off` (no such cap); `+wskept32` `PTL_CUDNN_KEPT_WORKSPACE_MIB=32`
+/// (native work borrows a cuDNN workspace above 32 MiB for its call instead of keeping it).
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     let parts: Vec<&str> = arm.split('+').skip(1).collect();
     let mut env = Vec::new();
@@ -329,6 +333,9 @@ fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     }
     if parts.contains(&"heldoff") {
         env.push(("PTL_SIDE_HELD_MIB", "off"));
+    }
+    if parts.contains(&"wskept32") {
+        env.push(("PTL_CUDNN_KEPT_WORKSPACE_MIB", "32"));
     }
     env
 }
@@ -1686,6 +1693,7 @@ print(ns['busy_us'](spans), ns['active_us'](spans + [(9, 30, 31)]), ns['active_u
         assert_eq!(arm_env("all+dense+onestream"), [("PTL_SIDE_STREAM", "0")]);
         assert_eq!(arm_env("dense+held256"), [("PTL_SIDE_HELD_MIB", "256")]);
         assert_eq!(arm_env("all+dense+heldoff"), [("PTL_SIDE_HELD_MIB", "off")]);
+        assert_eq!(arm_env("dense+wskept32"), [("PTL_CUDNN_KEPT_WORKSPACE_MIB", "32")]);
         assert_eq!(arm_overrides("all+dense+heldoff").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(arm_overrides("all+dense+held256").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(numeric_variant("all+dense+held256"), "", "joins change no bytes: its hashes are compared");

@@ -75,8 +75,32 @@ pub(crate) enum Step {
     Refuse,
 }
 
+/// The most bytes plain native work keeps in the workspace buffer (`PTL_CUDNN_KEPT_WORKSPACE_MIB`,
+/// MiB; unset: no limit): a larger need gets a buffer for its call alone, which the pool hands
+/// back after it. The legacy API's engines may ask for up to 512 MiB (the large 3×3 convolutions
+/// at batch 64), and a kept buffer of that size adds to the step's peak for the whole run, while
+/// a call's own buffer can take memory that the activations have already given back.
+pub(crate) fn kept_limit() -> usize {
+    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| parse_kept_limit(std::env::var("PTL_CUDNN_KEPT_WORKSPACE_MIB").ok().as_deref()))
+}
+
+/// [`kept_limit`] from the variable's value (`None`: unset).
+fn parse_kept_limit(value: Option<&str>) -> usize {
+    match value.map(|v| v.trim().parse::<usize>()) {
+        None => usize::MAX,
+        Some(Ok(mib)) if mib <= 1 << 14 => mib << 20,
+        Some(_) => {
+            log::warn!("ptl: PTL_CUDNN_KEPT_WORKSPACE_MIB={:?} is not a number of MiB up to 16384; no limit", value.unwrap_or(""));
+            usize::MAX
+        }
+    }
+}
+
 /// The policy behind [`Workspace::get`], apart from the device so it can be tested anywhere.
-pub(crate) fn next_step(current: Option<Current>, need: usize, activity: Activity) -> Step {
+/// `kept`: the most bytes native work keeps ([`kept_limit`]); warm-ups keep whatever their
+/// captures will need.
+pub(crate) fn next_step(current: Option<Current>, need: usize, activity: Activity, kept: usize) -> Step {
     const MIB: usize = 1 << 20;
     if need == 0 {
         return Step::None;
@@ -84,6 +108,7 @@ pub(crate) fn next_step(current: Option<Current>, need: usize, activity: Activit
     match current {
         Some(c) if c.bytes >= need => Step::UseCurrent,
         _ if activity == Activity::Capture => Step::Refuse,
+        _ if activity == Activity::Native && need > kept => Step::Transient(need.next_multiple_of(MIB)),
         Some(c) if c.pinned && activity == Activity::Native => Step::Transient(need.next_multiple_of(MIB)),
         Some(c) if c.pinned => Step::Add(need.max(2 * c.bytes).next_multiple_of(MIB)),
         Some(_) => Step::Replace(need.next_multiple_of(MIB)),
@@ -104,7 +129,7 @@ impl Workspace {
         let current = self.bufs.last().map(|(b, pinned)| Current { bytes: b.bytes, pinned: *pinned });
         // Device state, not part of the region a warm-up measures for its arena.
         let alloc = |size: usize| capture_scope::unmeasured(|| DevBuf::alloc(dev, size));
-        let step = next_step(current, bytes, activity);
+        let step = next_step(current, bytes, activity, kept_limit());
         match step {
             Step::None => Ok(kept(0)),
             Step::Transient(size) => {
@@ -142,6 +167,7 @@ mod tests {
     use super::*;
 
     const MIB: usize = 1 << 20;
+    const NO_LIMIT: usize = usize::MAX;
 
     fn cur(bytes: usize, pinned: bool) -> Option<Current> {
         Some(Current { bytes, pinned })
@@ -150,24 +176,43 @@ mod tests {
     #[test]
     fn a_capture_never_allocates_the_workspace() {
         for current in [None, cur(MIB, false), cur(MIB, true)] {
-            assert_eq!(next_step(current, 3 * MIB, Activity::Capture), Step::Refuse, "{current:?}");
+            assert_eq!(next_step(current, 3 * MIB, Activity::Capture, NO_LIMIT), Step::Refuse, "{current:?}");
         }
-        assert_eq!(next_step(cur(4 * MIB, true), 3 * MIB, Activity::Capture), Step::UseCurrent);
-        assert_eq!(next_step(cur(MIB, true), 0, Activity::Capture), Step::None);
+        assert_eq!(next_step(cur(4 * MIB, true), 3 * MIB, Activity::Capture, NO_LIMIT), Step::UseCurrent);
+        assert_eq!(next_step(cur(MIB, true), 0, Activity::Capture, NO_LIMIT), Step::None);
     }
 
     #[test]
     fn a_warm_up_grows_the_kept_buffer_where_native_work_takes_a_transient_one() {
         // Graphs hold a 1 MiB buffer: a warm-up adds a kept one (the capture after it finds it),
         // plain native work borrows one for the call.
-        assert_eq!(next_step(cur(MIB, true), 3 * MIB + 5, Activity::WarmUp), Step::Add(4 * MIB));
-        assert_eq!(next_step(cur(4 * MIB, true), 5 * MIB, Activity::WarmUp), Step::Add(8 * MIB));
-        assert_eq!(next_step(cur(MIB, true), 3 * MIB + 5, Activity::Native), Step::Transient(4 * MIB));
+        assert_eq!(next_step(cur(MIB, true), 3 * MIB + 5, Activity::WarmUp, NO_LIMIT), Step::Add(4 * MIB));
+        assert_eq!(next_step(cur(4 * MIB, true), 5 * MIB, Activity::WarmUp, NO_LIMIT), Step::Add(8 * MIB));
+        assert_eq!(next_step(cur(MIB, true), 3 * MIB + 5, Activity::Native, NO_LIMIT), Step::Transient(4 * MIB));
         // No graph holds it: replaced, in either.
         for activity in [Activity::Native, Activity::WarmUp] {
-            assert_eq!(next_step(cur(MIB, false), 3 * MIB, activity), Step::Replace(3 * MIB));
-            assert_eq!(next_step(None, 3 * MIB, activity), Step::Add(3 * MIB));
-            assert_eq!(next_step(cur(3 * MIB, true), 3 * MIB, activity), Step::UseCurrent);
+            assert_eq!(next_step(cur(MIB, false), 3 * MIB, activity, NO_LIMIT), Step::Replace(3 * MIB));
+            assert_eq!(next_step(None, 3 * MIB, activity, NO_LIMIT), Step::Add(3 * MIB));
+            assert_eq!(next_step(cur(3 * MIB, true), 3 * MIB, activity, NO_LIMIT), Step::UseCurrent);
         }
+    }
+
+    #[test]
+    fn native_work_above_the_kept_limit_borrows_a_buffer_for_its_call() {
+        let kept = 32 * MIB;
+        assert_eq!(next_step(cur(8 * MIB, false), 300 * MIB + 1, Activity::Native, kept), Step::Transient(301 * MIB));
+        assert_eq!(next_step(None, 300 * MIB, Activity::Native, kept), Step::Transient(300 * MIB));
+        assert_eq!(next_step(cur(8 * MIB, false), 20 * MIB, Activity::Native, kept), Step::Replace(20 * MIB), "within the limit: kept");
+        // A warm-up keeps what its capture will need; a buffer already large enough serves anyone.
+        assert_eq!(next_step(cur(8 * MIB, false), 300 * MIB, Activity::WarmUp, kept), Step::Replace(300 * MIB));
+        assert_eq!(next_step(cur(300 * MIB, true), 200 * MIB, Activity::Native, kept), Step::UseCurrent);
+    }
+
+    #[test]
+    fn the_kept_limit_is_read_in_mib() {
+        assert_eq!(parse_kept_limit(None), usize::MAX);
+        assert_eq!(parse_kept_limit(Some(" 32 ")), 32 * MIB);
+        assert_eq!(parse_kept_limit(Some("0")), 0);
+        assert_eq!(parse_kept_limit(Some("many")), usize::MAX, "not a number: no limit, with a warning");
     }
 }
