@@ -1892,3 +1892,28 @@ fn copy_many_gives_each_destination_its_sources_bytes() {
     }
     println!("ok copy_many: f32, bf16, f16, f64 byte-equal to copy_, batched");
 }
+
+#[test]
+fn binary_backward_launches_nothing_for_an_input_without_gradient() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(31);
+    let a = Tensor::rand(vec![64, 33], 0.5, 1.5, DType::F32, dev, &mut rng).unwrap();
+    let b = Tensor::rand(vec![64, 33], 0.5, 1.5, DType::F32, dev, &mut rng).unwrap();
+    let g = Tensor::rand(vec![64, 33], -1.0, 1.0, DType::F32, dev, &mut rng).unwrap();
+    type Op = fn(&Tensor, &Tensor) -> ptl_autograd::Result<Tensor>;
+    // The kernels the right-hand gradient takes: −g (sub), g·a (mul), −(g·y)/b (div).
+    let ops: [(&str, Op, u64); 3] = [("sub", |x, y| x.sub(y), 1), ("mul", |x, y| x.mul(y), 1), ("div", |x, y| x.div(y), 3)];
+    for (name, op, rhs_kernels) in ops {
+        let mut launched = Vec::new();
+        for rhs_needs in [true, false] {
+            let (x, y) = (a.detach().requires_grad_(true).unwrap(), b.detach().requires_grad_(rhs_needs).unwrap());
+            let out = op(&x, &y).unwrap();
+            let before = ptl_autograd::internal::cuda::counters();
+            out.backward_with(&g).unwrap();
+            launched.push(ptl_autograd::internal::cuda::counters().since(&before).kernel_launches);
+            assert_eq!(y.grad().is_some(), rhs_needs, "{name}: the right-hand gradient is there only when asked for");
+        }
+        assert_eq!(launched[0] - launched[1], rhs_kernels, "{name}: launches with / without the right-hand gradient {launched:?}");
+    }
+    println!("ok binary backward: sub, mul, div launch no kernel for an input without gradient");
+}

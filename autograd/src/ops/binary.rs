@@ -40,7 +40,22 @@ fn channels_last_space(out: &[usize], ops: [(&Tensor, &Layout); 2]) -> Option<[L
     }))
 }
 
-type PairGrad = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> + Send + Sync;
+/// (g, a, b, y, which inputs need a gradient) → the unreduced gradients; an input that needs none
+/// gets `None` without its kernels being launched (a mask, a target or a normaliser is often one
+/// side of a binary op in a loss).
+type PairGrad = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, Need) -> Result<(Option<Tensor>, Option<Tensor>)> + Send + Sync;
+
+/// Which inputs of a binary op need a gradient.
+#[derive(Clone, Copy)]
+struct Need {
+    a: bool,
+    b: bool,
+}
+
+/// `f()` when `need`, else nothing (and nothing launched).
+fn when(need: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
+    need.then(f).transpose()
+}
 
 /// Runs `op` and records a backward that computes (unreduced) input gradients with `grads`
 /// from (g, a, b, y) and sums them back to each input's shape.
@@ -60,7 +75,7 @@ fn binary_with_grad(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str, gr
             name,
             f: move |g: &[Option<Tensor>]| {
                 let Some(g) = g[0].as_ref() else { return Ok(vec![None, None]) };
-                let (ga, gb) = grads(g, &xa, &xb, &ys)?;
+                let (ga, gb) = grads(g, &xa, &xb, &ys, Need { a: need_a, b: need_b })?;
                 let ga = match (need_a, ga) {
                     (true, Some(t)) => Some(t.sum_to(xa.dims())?),
                     _ => None,
@@ -86,20 +101,26 @@ fn tie_split(g: &Tensor, pick: &Tensor, tie: &Tensor) -> Result<Tensor> {
 impl Tensor {
     /// `self + rhs`, broadcasting.
     pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
-        binary_with_grad(self, rhs, BinaryOp::Add, "add", Box::new(|g, _, _, _| Ok((Some(g.clone()), Some(g.clone())))))
+        binary_with_grad(self, rhs, BinaryOp::Add, "add", Box::new(|g, _, _, _, _| Ok((Some(g.clone()), Some(g.clone())))))
     }
     /// `self − rhs`, broadcasting.
     pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
-        binary_with_grad(self, rhs, BinaryOp::Sub, "sub", Box::new(|g, _, _, _| Ok((Some(g.clone()), Some(g.neg()?)))))
+        binary_with_grad(self, rhs, BinaryOp::Sub, "sub", Box::new(|g, _, _, _, n| Ok((Some(g.clone()), when(n.b, || g.neg())?))))
     }
     /// `self·rhs`, broadcasting.
     pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
-        binary_with_grad(self, rhs, BinaryOp::Mul, "mul", Box::new(|g, a, b, _| Ok((Some(g.mul(b)?), Some(g.mul(a)?)))))
+        binary_with_grad(self, rhs, BinaryOp::Mul, "mul", Box::new(|g, a, b, _, n| Ok((when(n.a, || g.mul(b))?, when(n.b, || g.mul(a))?))))
     }
     /// `self / rhs`, broadcasting.
     pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
         // d(a/b)/da = 1/b, d(a/b)/db = −a/b² = −y/b
-        binary_with_grad(self, rhs, BinaryOp::Div, "div", Box::new(|g, _, b, y| Ok((Some(g.div(b)?), Some(g.mul(y)?.div(b)?.neg()?)))))
+        binary_with_grad(
+            self,
+            rhs,
+            BinaryOp::Div,
+            "div",
+            Box::new(|g, _, b, y, n| Ok((when(n.a, || g.div(b))?, when(n.b, || g.mul(y)?.div(b)?.neg())?))),
+        )
     }
     /// Element-wise maximum (ties split the gradient).
     pub fn maximum(&self, rhs: &Tensor) -> Result<Tensor> {
@@ -108,9 +129,9 @@ impl Tensor {
             rhs,
             BinaryOp::Maximum,
             "maximum",
-            Box::new(|g, a, b, _| {
+            Box::new(|g, a, b, _, n| {
                 let tie = a.eq(b)?;
-                Ok((Some(tie_split(g, &a.gt(b)?, &tie)?), Some(tie_split(g, &b.gt(a)?, &tie)?)))
+                Ok((when(n.a, || tie_split(g, &a.gt(b)?, &tie))?, when(n.b, || tie_split(g, &b.gt(a)?, &tie))?))
             }),
         )
     }
@@ -121,9 +142,9 @@ impl Tensor {
             rhs,
             BinaryOp::Minimum,
             "minimum",
-            Box::new(|g, a, b, _| {
+            Box::new(|g, a, b, _, n| {
                 let tie = a.eq(b)?;
-                Ok((Some(tie_split(g, &a.lt(b)?, &tie)?), Some(tie_split(g, &b.lt(a)?, &tie)?)))
+                Ok((when(n.a, || tie_split(g, &a.lt(b)?, &tie))?, when(n.b, || tie_split(g, &b.lt(a)?, &tie))?))
             }),
         )
     }
@@ -135,10 +156,10 @@ impl Tensor {
             rhs,
             BinaryOp::Pow,
             "pow",
-            Box::new(|g, a, b, y| {
-                let ga = g.mul(&b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?)?;
-                let gb = g.mul(&y.mul(&a.log()?)?)?;
-                Ok((Some(ga), Some(gb)))
+            Box::new(|g, a, b, y, n| {
+                let ga = when(n.a, || g.mul(&b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?))?;
+                let gb = when(n.b, || g.mul(&y.mul(&a.log()?)?))?;
+                Ok((ga, gb))
             }),
         )
     }
@@ -149,9 +170,9 @@ impl Tensor {
             rhs,
             BinaryOp::Atan2,
             "atan2",
-            Box::new(|g, a, b, _| {
+            Box::new(|g, a, b, _, n| {
                 let r2 = a.square()?.add(&b.square()?)?;
-                Ok((Some(g.mul(b)?.div(&r2)?), Some(g.mul(a)?.div(&r2)?.neg()?)))
+                Ok((when(n.a, || g.mul(b)?.div(&r2))?, when(n.b, || g.mul(a)?.div(&r2)?.neg())?))
             }),
         )
     }
