@@ -1917,3 +1917,30 @@ fn binary_backward_launches_nothing_for_an_input_without_gradient() {
     }
     println!("ok binary backward: sub, mul, div launch no kernel for an input without gradient");
 }
+
+#[test]
+fn a_one_channel_bias_gradient_is_one_launch() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(37);
+    for dt in [DType::F32, DType::BF16] {
+        let x_cpu = Tensor::rand(vec![4, 1, 20, 20], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap().to_dtype(dt).unwrap();
+        let g_cpu = Tensor::rand(vec![4, 1, 20, 20], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap().to_dtype(dt).unwrap();
+        let bias_grad = |device: Device, count: bool| {
+            let x = x_cpu.to_device(device).unwrap();
+            let b = Tensor::zeros(vec![1], dt, device).unwrap().requires_grad_(true).unwrap();
+            let y = x.add(&b.reshape(vec![1, 1, 1, 1]).unwrap()).unwrap();
+            let before = ptl_autograd::internal::cuda::counters();
+            y.backward_with(&g_cpu.to_device(device).unwrap()).unwrap();
+            let launched = ptl_autograd::internal::cuda::counters().since(&before).kernel_launches;
+            let grad = b.grad().unwrap().to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()[0];
+            (grad, if count { launched } else { 0 })
+        };
+        let (want, _) = bias_grad(Device::Cpu, false);
+        let (got, launches) = bias_grad(dev, true);
+        assert!((got - want).abs() <= tol(dt) * want.abs().max(1.0), "{dt}: {got} against the CPU's {want}");
+        // The reshape's backward is a view; the sum to one value is one block's pass.
+        assert_eq!(launches, 1, "{dt}: launches for the bias gradient");
+        assert_eq!(bias_grad(dev, false).0.to_bits(), got.to_bits(), "{dt}: the same bytes again");
+    }
+    println!("ok one-channel bias gradient: one launch, f32 and bf16 within tolerance of the CPU");
+}

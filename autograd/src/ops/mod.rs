@@ -78,13 +78,16 @@ impl Tensor {
         let dims = self.dims();
         let target: Vec<usize> = std::iter::repeat_n(1, extra).chain(shape.iter().copied()).collect();
         let kept: Vec<usize> = (0..dims.len()).filter(|&d| target[d] != 1).collect();
-        let (Some(&a), Some(&b)) = (kept.first(), kept.last()) else { return Ok(None) };
-        if (a..=b).any(|d| target[d] != dims[d]) {
-            return Ok(None);
-        }
-        let outer: usize = dims[..a].iter().product();
-        let mid: usize = dims[a..=b].iter().product();
-        let inner: usize = dims[b + 1..].iter().product();
+        let (outer, mid, inner) = match (kept.first(), kept.last()) {
+            (Some(&a), Some(&b)) => {
+                if (a..=b).any(|d| target[d] != dims[d]) {
+                    return Ok(None);
+                }
+                (dims[..a].iter().product(), dims[a..=b].iter().product(), dims[b + 1..].iter().product())
+            }
+            // Everything summed into one value (the bias gradient of a one-channel output).
+            _ => (1, 1, self.numel()),
+        };
         // One block per kept value: worth it for few kept values with many summed ones each.
         if inner < 2 || mid > 4096 || outer * inner < 256 {
             return Ok(None);
