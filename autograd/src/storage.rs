@@ -478,6 +478,15 @@ impl Storage {
             (s, i, x) => Err(mismatch3("index_add", s, i, x)),
         }
     }
+    /// `index_add` onto zeros of `shape` in `src`'s dtype: on CUDA without a zeroed buffer (the
+    /// kernels read a missing base as zeros), elsewhere onto [`Storage::zeros`]. The same bytes.
+    pub fn index_add_to_zeros(shape: &[usize], dim: usize, idx: &Storage, src: &Storage) -> Result<Storage> {
+        match (idx, src) {
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(i), Storage::Cuda(x)) => Ok(Storage::Cuda(crate::cuda::ops::index_add_to_zeros(shape, dim, i, x)?)),
+            _ => Storage::zeros(src.device(), src.dtype(), shape.iter().product())?.index_add(shape, dim, idx, src),
+        }
+    }
     /// See [`BackendStorage::gather`].
     pub fn gather(&self, shape: &[usize], dim: usize, idx: &Storage, idx_shape: &[usize]) -> Result<Storage> {
         pair!("gather", self, idx, |s, i| s.gather(shape, dim, i, idx_shape))

@@ -1944,3 +1944,27 @@ fn a_one_channel_bias_gradient_is_one_launch() {
     }
     println!("ok one-channel bias gradient: one launch, f32 and bf16 within tolerance of the CPU");
 }
+
+/// The gradient of `index_select` is an `index_add` onto zeros that reads no zeroed buffer: no
+/// memset, and the CPU's bytes (each target's rows added in ascending order in f32 on both).
+#[test]
+fn index_select_gradient_needs_no_zeroed_buffer() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(41);
+    let idx: Vec<i64> = (0..700).map(|r| ((r * 37) % 300) as i64).collect();
+    let x0 = Tensor::rand(vec![2, 300, 3], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap();
+    let g0 = Tensor::rand(vec![2, 700, 3], -1.0, 1.0, DType::F32, Device::Cpu, &mut rng).unwrap();
+    let grad = |device: Device| {
+        let x = x0.to_device(device).unwrap().requires_grad_(true).unwrap();
+        let y = x.index_select(1, &Tensor::from_vec(idx.clone(), idx.len(), device).unwrap()).unwrap();
+        let before = ptl_autograd::internal::cuda::counters();
+        y.backward_with(&g0.to_device(device).unwrap()).unwrap();
+        let memsets = ptl_autograd::internal::cuda::counters().since(&before).memsets;
+        (x.grad().unwrap().to_bytes().unwrap(), memsets)
+    };
+    let (want, _) = grad(Device::Cpu);
+    let (got, memsets) = grad(dev);
+    assert_eq!(memsets, 0, "no zeroed buffer for the gradient");
+    assert!(got == want, "the CPU's bytes");
+    println!("ok index_select gradient: no memset, the CPU's bytes");
+}

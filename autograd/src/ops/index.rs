@@ -35,8 +35,7 @@ impl Tensor {
                 name: "index_select",
                 f: move |g: &[Option<Tensor>]| {
                     let Some(g) = &g[0] else { return Ok(vec![None]) };
-                    let z = Storage::zeros(g.device(), g.dtype(), in_dims.iter().product())?;
-                    let s = z.index_add(&in_dims, d, &*idx.read_storage()?, &*g.read_storage()?)?;
+                    let s = Storage::index_add_to_zeros(&in_dims, d, &*idx.read_storage()?, &*g.read_storage()?)?;
                     Ok(vec![Some(Tensor::from_storage(s, in_dims.clone())?)])
                 },
             },

@@ -13,14 +13,15 @@ __device__ void index_select_k(const T* x, const i64* idx, T* y, u32 outer, u32 
         y[k] = (j >= 0 && j < d) ? x[((size_t)o * d + j) * inner + i] : from_d<T>(0.0);
     }
 }
-// out[o, j, i] = x[o, j, i] + sum over r (ascending) with idx[r] == j of src[o, r, i].
+// out[o, j, i] = x[o, j, i] + sum over r (ascending) with idx[r] == j of src[o, r, i]; a null x
+// reads as zeros (the gradient of index_select: no zeroed buffer to read, no memset).
 template <typename T>
 __device__ void index_add_k(const T* x, const i64* idx, const T* src, T* y, u32 outer, u32 d, u32 n, u32 inner) {
     typedef typename Acc<T>::type A;
     u32 total = outer * d * inner;
     for (u32 k = blockIdx.x * blockDim.x + threadIdx.x; k < total; k += blockDim.x * gridDim.x) {
         u32 i = k % inner, j = (k / inner) % d, o = k / (inner * d);
-        T acc = x[k];
+        T acc = x ? x[k] : store<T, A>((A)0);
         for (u32 r = 0; r < n; ++r)
             if (idx[r] == (i64)j) acc = store<T, A>(to_acc(acc) + to_acc(src[((size_t)o * n + r) * inner + i]));
         y[k] = acc;
@@ -176,7 +177,7 @@ __device__ void ia_sorted_sum_k(const T* x, const T* src, const u32* targets, co
             const u32 mid = (lo + hi) >> 1;
             if (targets[mid] < j) lo = mid + 1; else hi = mid;
         }
-        T acc = x[k];
+        T acc = x ? x[k] : store<T, A>((A)0);
         for (u32 t = lo; t < n && targets[t] == j; ++t) acc = store<T, A>(to_acc(acc) + to_acc(src[((size_t)o * n + rows[t]) * inner + i]));
         y[k] = acc;
     }
@@ -187,7 +188,7 @@ __device__ void ia_sum_k(const T* x, const T* src, const u32* offsets, const u32
     u32 total = outer * d * inner;
     for (u32 k = blockIdx.x * blockDim.x + threadIdx.x; k < total; k += blockDim.x * gridDim.x) {
         u32 i = k % inner, j = (k / inner) % d, o = k / (inner * d);
-        T acc = x[k];
+        T acc = x ? x[k] : store<T, A>((A)0);
         for (u32 t = offsets[j]; t < offsets[j + 1]; ++t) acc = store<T, A>(to_acc(acc) + to_acc(src[((size_t)o * n + rows[t]) * inner + i]));
         y[k] = acc;
     }

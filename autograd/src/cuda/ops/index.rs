@@ -49,29 +49,43 @@ pub(super) fn float_or_i64(op: &'static str, dt: DType) -> Result<()> {
 const IA_SORTED_MAX: usize = 4096;
 
 pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &CudaStorage, src: &CudaStorage) -> Result<CudaStorage> {
-    need_i64("index_add", idx)?;
-    float_or_i64("index_add", x.dtype)?;
     if src.dtype != x.dtype {
         return Err(Error::DTypeMismatch { op: "index_add", lhs: x.dtype, rhs: src.dtype });
     }
-    x.same_device("index_add", idx)?;
     x.same_device("index_add", src)?;
+    if x.len != shape.iter().product::<usize>() {
+        return Err(Error::invalid("index_add", format!("{} values for the shape {shape:?}", x.len)));
+    }
+    index_add_onto(Some(x), shape, dim, idx, src)
+}
+
+/// [`index_add`] onto zeros of `shape` (`src`'s dtype), without a zeroed buffer to read: the
+/// kernels read a null base as zeros (one memset fewer per `index_select` gradient).
+pub(crate) fn index_add_to_zeros(shape: &[usize], dim: usize, idx: &CudaStorage, src: &CudaStorage) -> Result<CudaStorage> {
+    index_add_onto(None, shape, dim, idx, src)
+}
+
+fn index_add_onto(x: Option<&CudaStorage>, shape: &[usize], dim: usize, idx: &CudaStorage, src: &CudaStorage) -> Result<CudaStorage> {
+    need_i64("index_add", idx)?;
+    float_or_i64("index_add", src.dtype)?;
+    src.same_device("index_add", idx)?;
     let (outer, d, inner) = split3(shape, dim);
     let n = idx.len;
     if src.len != outer * n * inner {
         return Err(Error::invalid("index_add", format!("source has {} elements, expected {}", src.len, outer * n * inner)));
     }
-    let dev = &x.buf.dev;
-    let out = CudaStorage::alloc(dev, x.dtype, x.len)?;
-    if x.len == 0 {
+    let dev = &src.buf.dev;
+    let len = outer * d * inner;
+    let out = CudaStorage::alloc(dev, src.dtype, len)?;
+    if len == 0 {
         return Ok(out);
     }
-    let (px, pi, ps, py) = (ptr(x), ptr(idx), ptr(src), ptr(&out));
+    let (px, pi, ps, py) = (x.map_or(0, ptr), ptr(idx), ptr(src), ptr(&out));
     let (o, dd, nn, ii) = (u32c("index_add", outer)?, u32c("index_add", d)?, u32c("index_add", n)?, u32c("index_add", inner)?);
-    if n == 0 || !x.buf.dev.options().index_add_by_buckets || (x.len as u64) * (n as u64) < 1 << 20 {
+    if n == 0 || !dev.options().index_add_by_buckets || (len as u64) * (n as u64) < 1 << 20 {
         // Small: one launch scanning every index per output element.
-        let f = dev.func("index_add", sfx(x.dtype))?;
-        dev.launch1d(f, x.len, &mut args!(px, pi, ps, py, o, dd, nn, ii))?;
+        let f = dev.func("index_add", sfx(src.dtype))?;
+        dev.launch1d(f, len, &mut args!(px, pi, ps, py, o, dd, nn, ii))?;
         return Ok(out);
     }
     u32c("index_add", d + 1)?;
@@ -81,7 +95,7 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
         let (targets, rows) = (super::super::alloc::DevBuf::alloc(dev, 4 * n)?, super::super::alloc::DevBuf::alloc(dev, 4 * n)?);
         let (pt, pr) = (targets.ptr, rows.ptr);
         dev.launch(dev.func("ia_sorted_keys", "")?, (1, 1, 1), (1024, 1, 1), &mut args!(pi, nn, dd, pt, pr))?;
-        dev.launch1d(dev.func("ia_sorted_sum", sfx(x.dtype))?, x.len, &mut args!(px, ps, pt, pr, py, o, dd, nn, ii))?;
+        dev.launch1d(dev.func("ia_sorted_sum", sfx(src.dtype))?, len, &mut args!(px, ps, pt, pr, py, o, dd, nn, ii))?;
         return Ok(out);
     }
     // By buckets (see index.cu): the same sums in the same order, O(n + d + outputs).
@@ -105,7 +119,7 @@ pub(crate) fn index_add(x: &CudaStorage, shape: &[usize], dim: usize, idx: &Cuda
     dev.launch(dev.func("ia_scan_apply", "")?, (bb, 1, 1), (1024, 1, 1), &mut args!(pc, pb, po, dd, bb))?;
     dev.launch1d(dev.func("ia_fill", "")?, n, &mut args!(pi, nn, dd, po, pu, pr))?;
     dev.launch1d(dev.func("ia_sort", "")?, d, &mut args!(po, dd, pr))?;
-    dev.launch1d(dev.func("ia_sum", sfx(x.dtype))?, x.len, &mut args!(px, ps, po, pr, py, o, dd, nn, ii))?;
+    dev.launch1d(dev.func("ia_sum", sfx(src.dtype))?, len, &mut args!(px, ps, po, pr, py, o, dd, nn, ii))?;
     Ok(out)
 }
 
