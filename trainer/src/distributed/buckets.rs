@@ -6,6 +6,11 @@ use crate::error::{Result, TrainerError};
 /// PyTorch DDP's default bucket size: 25 MiB of gradients per all-reduce.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
+/// PyTorch DDP's cap on the first bucket: 1 MiB, so that the first all-reduce can start early in
+/// backward. YOLO26n-pose's 3.7 M parameters are 14.7 MB of f32 gradients — one bucket of 25 MiB,
+/// ready only when backward ends, without it.
+pub const DEFAULT_FIRST_BUCKET_BYTES: usize = 1 << 20;
+
 /// One all-reduce: the parameters whose gradients it carries (indices in parameter order, listed
 /// in reverse, the order backward produces them) and its length in values.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,10 +33,18 @@ pub struct BucketPlan {
 impl BucketPlan {
     /// The plan for parameters of `sizes` values each (parameter order).
     pub fn new(sizes: &[usize], cap_bytes: usize) -> BucketPlan {
+        BucketPlan::with_first(sizes, cap_bytes, cap_bytes)
+    }
+
+    /// As [`BucketPlan::new`], the first bucket capped at `first_cap_bytes` (at most `cap_bytes`),
+    /// as DDP does.
+    pub fn with_first(sizes: &[usize], first_cap_bytes: usize, cap_bytes: usize) -> BucketPlan {
         let cap = (cap_bytes / 4).max(1);
+        let first_cap = (first_cap_bytes.min(cap_bytes) / 4).max(1);
         let mut buckets: Vec<Bucket> = Vec::new();
         let mut cur = Bucket { params: Vec::new(), len: 0 };
         for i in (0..sizes.len()).rev() {
+            let cap = if buckets.is_empty() { first_cap } else { cap };
             if !cur.params.is_empty() && cur.len + sizes[i] > cap {
                 buckets.push(std::mem::replace(&mut cur, Bucket { params: Vec::new(), len: 0 }));
             }
@@ -86,6 +99,21 @@ mod tests {
     use super::super::collective::ThreadGroup;
     use super::super::on_ranks;
     use super::*;
+
+    #[test]
+    fn the_first_bucket_is_capped_apart() {
+        // Caps of 4 values first, then 8, from the last parameter: (1, 2) | (3, 4) | (4, 1).
+        let plan = BucketPlan::with_first(&[1, 4, 4, 3, 2, 1], 16, 32);
+        let got: Vec<Vec<usize>> = plan.buckets.iter().map(|b| b.params.clone()).collect();
+        assert_eq!(got, vec![vec![5, 4], vec![3, 2], vec![1, 0]]);
+        assert_eq!(plan.buckets.iter().map(|b| b.len).collect::<Vec<_>>(), vec![3, 7, 5]);
+        // A first cap above the others counts as the others'.
+        assert_eq!(BucketPlan::with_first(&[1, 4, 4, 3, 2, 1], 64, 32), BucketPlan::new(&[1, 4, 4, 3, 2, 1], 32));
+        // YOLO26n-pose's gradients: a 1 MiB bucket, then the rest in one.
+        let sizes = [3_679_464 - 200_000, 200_000];
+        let plan = BucketPlan::with_first(&sizes, DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES);
+        assert_eq!(plan.buckets.len(), 2);
+    }
 
     #[test]
     fn buckets_run_from_the_last_parameter_and_hold_at_most_the_cap() {

@@ -3,7 +3,7 @@
 
 use ptl_autograd::{no_grad, DType, Device, Tensor};
 
-use super::buckets::{BucketPlan, DEFAULT_BUCKET_BYTES};
+use super::buckets::{BucketPlan, DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES};
 use super::collective::Collective;
 use crate::error::{Result, TrainerError};
 
@@ -22,7 +22,8 @@ impl DataParallel {
     }
 
     /// [`DataParallel::new`] with all-reduce buckets of at most `bucket_bytes` of f32 gradients
-    /// (PyTorch DDP's `bucket_cap_mb`; [`DEFAULT_BUCKET_BYTES`] by default).
+    /// (PyTorch DDP's `bucket_cap_mb`; [`DEFAULT_BUCKET_BYTES`] by default), the first one at most
+    /// [`DEFAULT_FIRST_BUCKET_BYTES`] (as DDP's).
     pub fn with_bucket_bytes(collective: Box<dyn Collective>, bucket_bytes: usize) -> DataParallel {
         DataParallel { collective, plan: None, bucket_bytes }
     }
@@ -97,7 +98,8 @@ impl DataParallel {
     pub(super) fn bucket_plan(&mut self, trainable: &[&Tensor]) -> Result<BucketPlan> {
         let sizes: Vec<usize> = trainable.iter().map(|t| t.numel()).collect();
         let cap = self.bucket_bytes;
-        let (plan, planned) = self.plan.get_or_insert_with(|| (BucketPlan::new(&sizes, cap), sizes.clone()));
+        let (plan, planned) =
+            self.plan.get_or_insert_with(|| (BucketPlan::with_first(&sizes, DEFAULT_FIRST_BUCKET_BYTES, cap), sizes.clone()));
         if *planned != sizes {
             return Err(TrainerError::InvalidArgument {
                 what: "data-parallel gradients",

@@ -20,7 +20,7 @@ mod shard;
 mod store;
 
 pub use agree::{agree_bucket, Issued, LoggedCollective};
-pub use buckets::{average_gradients, Bucket, BucketPlan, DEFAULT_BUCKET_BYTES};
+pub use buckets::{average_gradients, Bucket, BucketPlan, DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES};
 pub use collective::{Collective, ThreadCollective, ThreadGroup, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use data_parallel::DataParallel;
 pub use launch::{device_list, launch_local, supervise, WorkerEnv, STOP_GRACE, STORE_ADDR_ENV};
