@@ -1968,3 +1968,15 @@ fn index_select_gradient_needs_no_zeroed_buffer() {
     assert!(got == want, "the CPU's bytes");
     println!("ok index_select gradient: no memset, the CPU's bytes");
 }
+
+#[path = "clamp_mask.rs"]
+mod clamp_mask;
+
+/// `clamp`'s one-comparison gradient mask on the GPU: the two comparisons' bytes (see
+/// `clamp_mask.rs`), in f32 and f64.
+#[test]
+fn clamp_gradient_matches_two_comparisons_on_the_gpu() {
+    let Some(dev) = gpu() else { return };
+    clamp_mask::clamp_gradient_matches_two_comparisons(dev);
+    println!("ok clamp gradient: the two comparisons' bytes on the GPU, f32 and f64");
+}

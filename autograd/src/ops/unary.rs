@@ -101,8 +101,16 @@ impl Tensor {
     }
     /// Clamps into `[lo, hi]`; the gradient passes where `lo ≤ x ≤ hi` (as in PyTorch).
     pub fn clamp(&self, lo: f64, hi: f64) -> Result<Tensor> {
-        unary_with_grad(self, UnaryOp::Clamp(lo, hi), "clamp", move |g, x, _| {
-            let inside = x.ge_scalar(lo)?.mul(&x.le_scalar(hi)?)?;
+        // f32 and f64 are clamped in their own precision, so with lo ≤ hi an element lies inside
+        // [lo, hi] exactly when the clamp left it as it was (NaN: in neither): one comparison
+        // instead of two scalar fills, two comparisons and their product — the same mask. Halves
+        // are clamped in f32 and keep the two comparisons.
+        let own_precision = matches!(self.dtype(), crate::DType::F32 | crate::DType::F64) && lo <= hi;
+        unary_with_grad(self, UnaryOp::Clamp(lo, hi), "clamp", move |g, x, y| {
+            let inside = match own_precision {
+                true => y.eq(x)?,
+                false => x.ge_scalar(lo)?.mul(&x.le_scalar(hi)?)?,
+            };
             g.mul(&inside.to_dtype(g.dtype())?)
         })
     }
