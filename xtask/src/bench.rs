@@ -46,7 +46,9 @@ options:
                      side tasks early beyond 256 MiB of frees waiting for them (the default),
                      +heldoff without that cap: all with the same bytes), +wskept32
                      (PTL_CUDNN_KEPT_WORKSPACE_MIB=32: native work borrows a cuDNN workspace
-                     above 32 MiB for its call instead of keeping it; the same bytes)
+                     above 32 MiB for its call instead of keeping it, the default) or
+                     +wskeptoff (=off: the kept workspace grows to the largest need; the
+                     same bytes)
   --vs ultralytics   also run Ultralytics 8.4.190 (wheels from .whl/ when packing)
   --ultra-arms A,B   Ultralytics arms with --vs: eager (default; deterministic=True, the reference of
                      the ratios), compile (its compile=True), reduce-overhead (compile=reduce-overhead:
@@ -244,6 +246,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         ("+held256", None),
         ("+heldoff", None),
         ("+wskept32", None),
+        ("+wskeptoff", None),
     ] {
         if let Some(base) = arm.strip_suffix(suffix) {
             let mut o = arm_overrides(base)?;
@@ -268,7 +271,7 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp / +held256 / +heldoff for the second stream, +wskept32 for cuDNN workspaces above 32 MiB borrowed per call)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp / +held256 / +heldoff for the second stream, +wskept32 / +wskeptoff with cuDNN workspaces above 32 MiB borrowed per call / kept)"
         )),
     }
 }
@@ -294,7 +297,9 @@ fn numeric_variant(arm: &str) -> String {
 /// `+sidenp` both streams at one priority, `+held256` `PTL_SIDE_HELD_MIB=256` (the oldest side
 /// tasks joined early when more than 256 MiB of frees wait for them: the default since 2026-12-07)
 /// and `+heldoff` `PTL_SIDE_HELD_MIB=off` (no such cap); `+wskept32` `PTL_CUDNN_KEPT_WORKSPACE_MIB=32`
-/// (native work borrows a cuDNN workspace above 32 MiB for its call instead of keeping it).
+/// (native work borrows a cuDNN workspace above 32 MiB for its call instead of keeping it: the
+/// default since 2026-12-07) and `+wskeptoff` `PTL_CUDNN_KEPT_WORKSPACE_MIB=off` (the kept
+/// workspace grows to the largest need).
 fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     let parts: Vec<&str> = arm.split('+').skip(1).collect();
     let mut env = Vec::new();
@@ -336,6 +341,9 @@ fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
     }
     if parts.contains(&"wskept32") {
         env.push(("PTL_CUDNN_KEPT_WORKSPACE_MIB", "32"));
+    }
+    if parts.contains(&"wskeptoff") {
+        env.push(("PTL_CUDNN_KEPT_WORKSPACE_MIB", "off"));
     }
     env
 }
@@ -1694,6 +1702,7 @@ print(ns['busy_us'](spans), ns['active_us'](spans + [(9, 30, 31)]), ns['active_u
         assert_eq!(arm_env("dense+held256"), [("PTL_SIDE_HELD_MIB", "256")]);
         assert_eq!(arm_env("all+dense+heldoff"), [("PTL_SIDE_HELD_MIB", "off")]);
         assert_eq!(arm_env("dense+wskept32"), [("PTL_CUDNN_KEPT_WORKSPACE_MIB", "32")]);
+        assert_eq!(arm_env("dense+wskeptoff"), [("PTL_CUDNN_KEPT_WORKSPACE_MIB", "off")]);
         assert_eq!(arm_overrides("all+dense+heldoff").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(arm_overrides("all+dense+held256").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(numeric_variant("all+dense+held256"), "", "joins change no bytes: its hashes are compared");

@@ -75,11 +75,15 @@ pub(crate) enum Step {
     Refuse,
 }
 
+/// MiB of cuDNN workspace plain native work keeps by default (see [`kept_limit`]).
+pub(crate) const DEFAULT_KEPT_MIB: usize = 32;
+
 /// The most bytes plain native work keeps in the workspace buffer (`PTL_CUDNN_KEPT_WORKSPACE_MIB`,
-/// MiB; unset: no limit): a larger need gets a buffer for its call alone, which the pool hands
-/// back after it. The legacy API's engines may ask for up to 512 MiB (the large 3×3 convolutions
-/// at batch 64), and a kept buffer of that size adds to the step's peak for the whole run, while
-/// a call's own buffer can take memory that the activations have already given back.
+/// MiB, default [`DEFAULT_KEPT_MIB`]; `off`: no limit): a larger need gets a buffer for its call
+/// alone, which the pool hands back after it. The legacy API's engines may ask for up to 512 MiB
+/// (the large 3×3 convolutions at batch 64), and a kept buffer of that size adds to the step's
+/// peak for the whole run, while a call's own buffer can take memory that the activations have
+/// already given back. Warm-ups keep what their captures need whatever the limit.
 pub(crate) fn kept_limit() -> usize {
     static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *LIMIT.get_or_init(|| parse_kept_limit(std::env::var("PTL_CUDNN_KEPT_WORKSPACE_MIB").ok().as_deref()))
@@ -87,12 +91,17 @@ pub(crate) fn kept_limit() -> usize {
 
 /// [`kept_limit`] from the variable's value (`None`: unset).
 fn parse_kept_limit(value: Option<&str>) -> usize {
-    match value.map(|v| v.trim().parse::<usize>()) {
-        None => usize::MAX,
-        Some(Ok(mib)) if mib <= 1 << 14 => mib << 20,
-        Some(_) => {
-            log::warn!("ptl: PTL_CUDNN_KEPT_WORKSPACE_MIB={:?} is not a number of MiB up to 16384; no limit", value.unwrap_or(""));
-            usize::MAX
+    let Some(v) = value else { return DEFAULT_KEPT_MIB << 20 };
+    match v.trim() {
+        "off" => usize::MAX,
+        t => {
+            match t.parse::<usize>() {
+                Ok(mib) if mib <= 1 << 14 => mib << 20,
+                _ => {
+                    log::warn!("ptl: PTL_CUDNN_KEPT_WORKSPACE_MIB={v:?} is neither `off` nor a number of MiB up to 16384; using {DEFAULT_KEPT_MIB}");
+                    DEFAULT_KEPT_MIB << 20
+                }
+            }
         }
     }
 }
@@ -210,9 +219,10 @@ mod tests {
 
     #[test]
     fn the_kept_limit_is_read_in_mib() {
-        assert_eq!(parse_kept_limit(None), usize::MAX);
-        assert_eq!(parse_kept_limit(Some(" 32 ")), 32 * MIB);
+        assert_eq!(parse_kept_limit(None), 32 * MIB);
+        assert_eq!(parse_kept_limit(Some("off")), usize::MAX);
+        assert_eq!(parse_kept_limit(Some(" 64 ")), 64 * MIB);
         assert_eq!(parse_kept_limit(Some("0")), 0);
-        assert_eq!(parse_kept_limit(Some("many")), usize::MAX, "not a number: no limit, with a warning");
+        assert_eq!(parse_kept_limit(Some("many")), 32 * MIB, "not a number: the default, with a warning");
     }
 }
