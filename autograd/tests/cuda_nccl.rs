@@ -56,3 +56,50 @@ fn one_rank_initialises_reduces_and_replays_inside_a_graph() {
     comm.async_error().unwrap();
     println!("ok nccl: one rank, f32/bf16 all-reduce in place, u64 max, recorded in a graph and replayed 3 times");
 }
+
+/// All-reduces started on the communication stream: they see what the compute stream wrote
+/// before them (the fork), the compute stream goes on meanwhile, and after the join both it and
+/// the host see the sums — a lone rank's own values, in order, in place. Inside a capture the
+/// start records the all-reduce on the compute stream, and nothing is left to join.
+#[test]
+fn one_rank_sums_beside_the_compute_stream_and_joins() {
+    let Some(dev) = cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}")) else { return };
+    let comm = NcclComm::init(dev, 1, 0, &NcclId::new().unwrap(), std::time::Duration::from_secs(60)).unwrap();
+    comm.join_beside().unwrap();
+    let y = Tensor::rand(vec![64, 4096], -1.0, 1.0, DType::F32, dev, &mut Rng::new(3)).unwrap();
+    let expected: Vec<Vec<u8>> = (1..=3).map(|k| y.mul_scalar(k as f64).unwrap().to_bytes().unwrap()).collect();
+    let buckets: Vec<Tensor> = (0..3).map(|_| y.zeros_like().unwrap()).collect();
+    cuda::synchronize(dev).unwrap();
+    for (k, b) in buckets.iter().enumerate() {
+        // Written on the compute stream right before the start: the fork orders the sum after it.
+        b.copy_(&y.mul_scalar((k + 1) as f64).unwrap()).unwrap();
+        comm.all_reduce_sum_beside(b).unwrap();
+    }
+    // The compute stream's own work meanwhile.
+    let busy = y.matmul(&y.transpose(0, 1).unwrap()).unwrap();
+    comm.join_beside().unwrap();
+    for (k, b) in buckets.iter().enumerate() {
+        assert_eq!(b.to_bytes().unwrap(), expected[k], "bucket {k}: the sum of one rank after the join");
+    }
+    assert_eq!(busy.dims(), &[64, 64]);
+    comm.join_beside().unwrap();
+
+    // Started while capturing: recorded on the compute stream, replayed with the graph.
+    let holder = y.zeros_like().unwrap();
+    cuda::synchronize(dev).unwrap();
+    ptl_autograd::internal::cuda::begin_capture(dev).unwrap();
+    let recorded = (|| -> ptl_autograd::Result<()> {
+        holder.copy_(&y.mul_scalar(2.0)?)?;
+        comm.all_reduce_sum_beside(&holder)
+    })();
+    let graph = ptl_autograd::internal::cuda::end_capture(dev);
+    recorded.unwrap();
+    let graph = graph.unwrap();
+    comm.join_beside().unwrap();
+    holder.copy_(&holder.zeros_like().unwrap()).unwrap();
+    graph.launch().unwrap();
+    cuda::synchronize(dev).unwrap();
+    assert_eq!(holder.to_bytes().unwrap(), expected[1], "the start recorded inside the graph");
+    comm.async_error().unwrap();
+    println!("ok nccl: three sums beside the compute stream joined in order; a start inside a capture recorded on its stream");
+}

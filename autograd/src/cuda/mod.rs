@@ -42,6 +42,7 @@ pub(crate) mod blas;
 mod block_cache;
 mod capture_scope;
 pub(crate) mod capture_support;
+mod comm_stream;
 pub(crate) mod conv;
 mod conv_choice;
 mod conv_graph;

@@ -5,7 +5,9 @@
 //! find, because NCCL installs `libnccl.so.2`, a name cudarc's own loader does not try, and
 //! because its safe `Comm` aborts on drop through `expect` and cannot report NCCL's asynchronous
 //! errors. Collectives run on the device's compute stream, so they are ordered with the kernels
-//! around them and are recorded when that stream is being captured (NCCL ≥ 2.9).
+//! around them and are recorded when that stream is being captured (NCCL ≥ 2.9) — or, started
+//! with [`NcclComm::all_reduce_sum_beside`], on the communicator's own stream, beside the compute
+//! stream's work until [`NcclComm::join_beside`].
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::{Path, PathBuf};
@@ -14,6 +16,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::nccl::sys as ns;
 
+use super::comm_stream::CommStream;
 use super::device::{dev_of, Dev};
 use crate::{DType, Device, Error, Result, Tensor};
 
@@ -220,6 +223,10 @@ pub struct NcclComm {
     timeout: std::time::Duration,
     /// [`HEALTHY`], [`FAILED`] (an error was seen: drop aborts) or [`ABORTED`] (drop does nothing).
     state: AtomicU8,
+    /// The communication stream, made on the first all-reduce started beside the compute stream.
+    beside: OnceLock<CommStream>,
+    /// Whether all-reduces started beside the compute stream have not been joined yet.
+    beside_pending: std::sync::atomic::AtomicBool,
 }
 
 const HEALTHY: u8 = 0;
@@ -250,7 +257,7 @@ impl NcclComm {
         let Some(init_config) = configured else {
             // SAFETY: `comm` receives the new communicator; the device's context is current.
             check(api, "ncclCommInitRank", unsafe { (api.comm_init_rank)(&mut comm, world as c_int, id, rank as c_int) })?;
-            return Ok(NcclComm { comm, dev, rank, world, non_blocking: false, timeout, state: AtomicU8::new(HEALTHY) });
+            return Ok(NcclComm::new(comm, dev, rank, world, false, timeout));
         };
         let mut config = Config::non_blocking();
         // SAFETY: `comm` receives the new communicator, `config` outlives the call (NCCL copies
@@ -266,9 +273,14 @@ impl NcclComm {
                 Ok(()) => Error::Cuda("NCCL ncclCommInitRankConfig failed".into()),
             });
         }
-        let comm = NcclComm { comm, dev, rank, world, non_blocking: true, timeout, state: AtomicU8::new(HEALTHY) };
+        let comm = NcclComm::new(comm, dev, rank, world, true, timeout);
         comm.settle("joining the communicator")?;
         Ok(comm)
+    }
+
+    fn new(comm: ns::ncclComm_t, dev: Arc<Dev>, rank: usize, world: usize, non_blocking: bool, timeout: std::time::Duration) -> NcclComm {
+        let (state, beside, beside_pending) = (AtomicU8::new(HEALTHY), OnceLock::new(), Default::default());
+        NcclComm { comm, dev, rank, world, non_blocking, timeout, state, beside, beside_pending }
     }
 
     /// Waits until a non-blocking communicator's last call has finished (its asynchronous state
@@ -326,22 +338,64 @@ impl NcclComm {
     /// element-wise sum over the ranks, in place, on the compute stream. Every rank gets the same
     /// bytes; the summation order is NCCL's, fixed for a given world and topology.
     pub fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
+        let (dtype, ptr) = self.sum_arguments(t)?;
+        self.issue(ptr, t.numel(), dtype, ns::ncclRedOp_t::ncclSum, self.dev.cu_stream)
+    }
+
+    /// Starts [`NcclComm::all_reduce_sum`] of `t` on the communicator's own stream, which waits for
+    /// the work queued on the compute stream so far: the compute stream goes on with what follows
+    /// (the rest of a backward) while the ranks sum. `t` must be neither read, written nor freed
+    /// until [`NcclComm::join_beside`]; nothing else of it is touched. Started all-reduces
+    /// complete in the order they were started. While the compute stream is being captured, the
+    /// all-reduce is recorded on it instead (a graph's streams must join before it ends).
+    pub fn all_reduce_sum_beside(&self, t: &Tensor) -> Result<()> {
+        if self.dev.capturing.load(Ordering::Acquire) {
+            return self.all_reduce_sum(t);
+        }
+        let (dtype, ptr) = self.sum_arguments(t)?;
+        let beside = match self.beside.get() {
+            Some(b) => b,
+            None => {
+                let made = CommStream::new(&self.dev)?;
+                self.beside.get_or_init(|| made)
+            }
+        };
+        self.dev.bind()?;
+        beside.fork(self.dev.cu_stream)?;
+        self.beside_pending.store(true, Ordering::Release);
+        self.issue(ptr, t.numel(), dtype, ns::ncclRedOp_t::ncclSum, beside.stream)?;
+        beside.end()
+    }
+
+    /// Ends the all-reduces started by [`NcclComm::all_reduce_sum_beside`]: the compute stream
+    /// waits for them (what it queues next sees the sums), and so does the host — the wait a
+    /// watchdog bounds, since a collective that a dead peer never joins spins. Nothing to do when
+    /// none is pending.
+    pub fn join_beside(&self) -> Result<()> {
+        if !self.beside_pending.swap(false, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let beside = self.beside.get().ok_or_else(|| Error::Cuda("NCCL: all-reduces pending without a communication stream".into()))?;
+        self.dev.bind()?;
+        beside.join(self.dev.cu_stream)
+    }
+
+    /// The NCCL type and device address of an all-reduced tensor, checked.
+    fn sum_arguments(&self, t: &Tensor) -> Result<(ns::ncclDataType_t, u64)> {
+        const OP: &str = "NcclComm::all_reduce_sum";
         let dtype = match t.dtype() {
             DType::F32 => ns::ncclDataType_t::ncclFloat32,
             DType::F16 => ns::ncclDataType_t::ncclFloat16,
             DType::BF16 => ns::ncclDataType_t::ncclBfloat16,
-            other => return Err(Error::UnsupportedDType { op: "NcclComm::all_reduce_sum", dtype: other, expected: "f32, f16 or bf16" }),
+            other => return Err(Error::UnsupportedDType { op: OP, dtype: other, expected: "f32, f16 or bf16" }),
         };
+        if t.device() != Device::Cuda(self.dev.ordinal) {
+            return Err(Error::invalid(OP, format!("the tensor must be on cuda:{} (it is on {})", self.dev.ordinal, t.device())));
+        }
         // A tensor's storage is its own dense buffer of numel values (no views with offsets), in
         // either memory format: a sum of positions is a sum of elements.
-        if t.device() != Device::Cuda(self.dev.ordinal) {
-            return Err(Error::invalid(
-                "NcclComm::all_reduce_sum",
-                format!("the tensor must be on cuda:{} (it is on {})", self.dev.ordinal, t.device()),
-            ));
-        }
-        let ptr = super::capture_support::device_ptr(t).ok_or_else(|| Error::invalid("NcclComm::all_reduce_sum", "no device buffer"))?;
-        self.issue(ptr, t.numel(), dtype, ns::ncclRedOp_t::ncclSum)
+        let ptr = super::capture_support::device_ptr(t).ok_or_else(|| Error::invalid(OP, "no device buffer"))?;
+        Ok((dtype, ptr))
     }
 
     /// [`NcclComm::all_reduce_sum`], then a wait for the device — unless its stream is being
@@ -363,21 +417,29 @@ impl NcclComm {
         let bits: Vec<i64> = values.iter().map(|&v| v as i64).collect();
         let buf = Tensor::from_vec(bits, vec![values.len()], Device::Cuda(self.dev.ordinal))?;
         let ptr = super::capture_support::device_ptr(&buf).ok_or_else(|| Error::invalid("NcclComm::all_reduce_max", "no device buffer"))?;
-        self.issue(ptr, values.len(), ns::ncclDataType_t::ncclUint64, ns::ncclRedOp_t::ncclMax)?;
+        self.issue(ptr, values.len(), ns::ncclDataType_t::ncclUint64, ns::ncclRedOp_t::ncclMax, self.dev.cu_stream)?;
         for (v, b) in values.iter_mut().zip(buf.to_vec::<i64>()?) {
             *v = b as u64;
         }
         Ok(())
     }
 
-    /// One in-place all-reduce of `count` values at `ptr` on the compute stream.
-    fn issue(&self, ptr: u64, count: usize, dtype: ns::ncclDataType_t, op: ns::ncclRedOp_t) -> Result<()> {
+    /// One in-place all-reduce of `count` values at `ptr` on `stream` (the compute stream or the
+    /// communication stream).
+    fn issue(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: ns::ncclDataType_t,
+        op: ns::ncclRedOp_t,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
         let api = api()?;
         self.dev.bind()?;
         let p = ptr as *mut c_void;
         // SAFETY: `p` addresses `count` values of `dtype` on this communicator's device, alive
         // until the stream passes this call (the caller holds the tensor); in place is allowed.
-        let r = unsafe { (api.all_reduce)(p, p, count, dtype, op, self.comm, self.dev.cu_stream as ns::cudaStream_t) };
+        let r = unsafe { (api.all_reduce)(p, p, count, dtype, op, self.comm, stream as ns::cudaStream_t) };
         if self.non_blocking && r == ns::ncclResult_t::ncclInProgress {
             // Queued in the background: the stream holds the collective once NCCL is done.
             return self.settle("queueing an all-reduce");

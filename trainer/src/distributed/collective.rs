@@ -34,6 +34,19 @@ pub trait Collective: Send {
         no_grad(|| t.copy_(&Tensor::from_vec(v, t.shape().clone(), t.device())?.to_dtype(t.dtype())?))?;
         Ok(())
     }
+    /// Starts [`Collective::all_reduce_sum_tensor`] of `t` so that it may complete beside the
+    /// work that follows (a device transport sums on its own stream while the backward goes on);
+    /// `t` is not to be read, written or freed before [`Collective::wait_started`]. Sums started
+    /// complete in order, and no other collective may be issued while any is pending. This
+    /// default sums at once.
+    fn start_all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
+        self.all_reduce_sum_tensor(t)
+    }
+    /// Waits until every sum started by [`Collective::start_all_reduce_sum_tensor`] has completed
+    /// and is visible to the work queued after this. The default has nothing pending.
+    fn wait_started(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// How long a rank of a [`ThreadGroup`] waits for the others at one collective before it gives

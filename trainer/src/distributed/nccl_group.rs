@@ -97,9 +97,22 @@ impl NcclCollective {
 
     /// Runs one collective under the watchdog's eye; after an abort, the error says why.
     fn watched<R>(&self, f: impl FnOnce(&NcclComm) -> ptl_autograd::Result<R>) -> Result<R> {
+        self.open_window();
+        let r = f(&self.watched.comm);
+        self.close_window(r)
+    }
+
+    /// The watchdog's window opens, unless started sums keep it open already (its age counts
+    /// from the first of them).
+    fn open_window(&self) {
         let w = &self.watched;
-        w.began_ms.store((w.epoch.elapsed().as_millis() as u64).max(1), Ordering::Release);
-        let r = f(&w.comm);
+        let now = (w.epoch.elapsed().as_millis() as u64).max(1);
+        let _ = w.began_ms.compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// The window closes with `r`; after an abort, the error says why.
+    fn close_window<R>(&self, r: ptl_autograd::Result<R>) -> Result<R> {
+        let w = &self.watched;
         w.began_ms.store(0, Ordering::Release);
         let aborted = w.aborted.lock().unwrap_or_else(|e| e.into_inner()).clone();
         match (r, aborted) {
@@ -173,6 +186,20 @@ impl Collective for NcclCollective {
         // never joins spins there. Inside a capture there is no wait: the all-reduce is recorded
         // and runs with its graph.
         self.watched(|comm| comm.all_reduce_sum_waited(t))
+    }
+
+    fn start_all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
+        // The window opens with the first sum started and closes when they have been waited for.
+        self.open_window();
+        match self.watched.comm.all_reduce_sum_beside(t) {
+            Ok(()) => Ok(()),
+            Err(e) => self.close_window(Err(e)),
+        }
+    }
+
+    fn wait_started(&self) -> Result<()> {
+        let r = self.watched.comm.join_beside();
+        self.close_window(r)
     }
 
     fn sums_on_device(&self) -> bool {

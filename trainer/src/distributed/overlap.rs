@@ -78,6 +78,9 @@ impl OverlappedSums {
         while self.sums.len() < self.plan.buckets.len() {
             self.issue_next(dp)?;
         }
+        // The sums ran beside the backward: wait for them before the agreement (the next
+        // collective) and before reading them.
+        dp.collective().wait_started()?;
         let anywhere = dp.agree_on_update(params, nonfinite_here, buffers)?;
         let scale = 1.0 / dp.world() as f64;
         no_grad(|| -> Result<()> {
@@ -116,7 +119,7 @@ impl OverlappedSums {
         })?;
         // As in `DataParallel::sum_gradients`: nothing is exchanged in a recorder's warm-up.
         if !ptl_autograd::internal::warmup::active() {
-            dp.collective().all_reduce_sum_tensor(&flat)?;
+            dp.collective().start_all_reduce_sum_tensor(&flat)?;
         }
         self.sums.push(flat);
         Ok(())
@@ -154,6 +157,57 @@ mod tests {
         (p.into_iter().enumerate().map(|(i, t)| (format!("p{i}"), t)).collect(), loss)
     }
 
+    /// A transport whose started sums complete only at [`Collective::wait_started`] (as a
+    /// device transport's run beside the backward): a sum read before the wait still holds this
+    /// rank's own values, and a collective issued while sums are pending is refused.
+    struct Deferred {
+        inner: ThreadCollective,
+        pending: std::sync::Mutex<Vec<Tensor>>,
+        started: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Deferred {
+        fn idle(&self) -> Result<()> {
+            match self.pending.lock().unwrap().len() {
+                0 => Ok(()),
+                n => Err(crate::TrainerError::Collective {
+                    rank: self.inner.rank(),
+                    reason: format!("a collective was issued while {n} started sums were pending"),
+                }),
+            }
+        }
+    }
+
+    impl Collective for Deferred {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world(&self) -> usize {
+            self.inner.world()
+        }
+        fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+            self.idle()?;
+            self.inner.all_reduce_sum(buf)
+        }
+        fn all_reduce_max(&self, buf: &mut [u64]) -> Result<()> {
+            self.idle()?;
+            self.inner.all_reduce_max(buf)
+        }
+        fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
+            self.idle()?;
+            self.inner.all_reduce_sum_tensor(t)
+        }
+        fn start_all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
+            self.started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.pending.lock().unwrap().push(t.clone());
+            Ok(())
+        }
+        fn wait_started(&self) -> Result<()> {
+            let pending = std::mem::take(&mut *self.pending.lock().unwrap());
+            pending.iter().try_for_each(|t| self.inner.all_reduce_sum_tensor(t))
+        }
+    }
+
     fn grads(params: &[(String, Tensor)]) -> Vec<Option<Vec<u32>>> {
         params.iter().map(|(_, t)| t.grad().map(|g| g.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())).collect()
     }
@@ -188,6 +242,59 @@ mod tests {
             // lacks p2, so only [p4, p3] goes before the end.
             assert_eq!(during, if rank == 1 { 1 } else { 3 }, "rank {rank}: buckets summed during backward");
             assert!(flag, "rank {rank}: rank 2's non-finite window reaches every rank");
+        }
+    }
+
+    /// Sums that complete only when waited for (a communication stream's) give the same bytes:
+    /// the update waits for every started sum before its agreement and before reading them, and
+    /// issues no other collective while they are pending (the transport refuses one).
+    #[test]
+    fn sums_completing_beside_the_backward_are_waited_for_before_use() {
+        let results = on_ranks(3, |c: ThreadCollective| {
+            let rank = c.rank();
+            let started = std::sync::Arc::new(Deferred { inner: c, pending: Default::default(), started: Default::default() });
+            let mut dp = DataParallel::with_bucket_bytes(Box::new(SharedDeferred(started.clone())), 12);
+            let (params, loss) = model(rank);
+            loss.backward().unwrap();
+            dp.average_gradients(&params).unwrap();
+            let reference = grads(&params);
+            assert_eq!(started.started.load(std::sync::atomic::Ordering::Relaxed), 0, "the plain average starts nothing");
+            let (params, loss) = model(rank);
+            let mut sums = OverlappedSums::new(&mut dp, &params).unwrap();
+            loss.backward_with_ready(&loss.ones_like().unwrap(), &mut sums.ready_hook(&dp)).unwrap();
+            sums.finish(&mut dp, &params, false, &[]).unwrap();
+            (reference, grads(&params), started.started.load(std::sync::atomic::Ordering::Relaxed))
+        });
+        for (rank, (reference, overlapped, started)) in results.into_iter().enumerate() {
+            assert_eq!(overlapped, reference, "rank {rank}: the average's bytes");
+            assert_eq!(started, 4, "rank {rank}: every bucket's sum was started, none summed at once");
+        }
+    }
+
+    /// [`Deferred`] behind an `Arc`, so the test can read its count after the fit's use.
+    struct SharedDeferred(std::sync::Arc<Deferred>);
+
+    impl Collective for SharedDeferred {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world(&self) -> usize {
+            self.0.world()
+        }
+        fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+            self.0.all_reduce_sum(buf)
+        }
+        fn all_reduce_max(&self, buf: &mut [u64]) -> Result<()> {
+            self.0.all_reduce_max(buf)
+        }
+        fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
+            self.0.all_reduce_sum_tensor(t)
+        }
+        fn start_all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
+            self.0.start_all_reduce_sum_tensor(t)
+        }
+        fn wait_started(&self) -> Result<()> {
+            self.0.wait_started()
         }
     }
 }
