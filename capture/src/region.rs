@@ -411,7 +411,7 @@ struct Token {
 /// How a graph's arena is laid out from a traced capture of its body ([`Backend::trace_capture`]).
 #[derive(Clone, Copy, Debug)]
 struct Planning {
-    /// The unplanned tail, as a fraction of the planned bytes ([`RecorderConfig::plan_headroom`]) ...
+    /// The unplanned tail, as a fraction of the planned bytes ([`RecorderConfig::traced_headroom`]) ...
     headroom: f64,
     /// ... plus these bytes ([`RecorderConfig::arena_extra_bytes`]).
     extra: usize,
@@ -1193,7 +1193,11 @@ impl RegionHandle {
             }
         };
         let planning = |fp: &Footprint| {
-            cfg.plan_arenas.then(|| Planning { headroom: cfg.plan_headroom, extra: cfg.arena_extra_bytes, addresses: 2 * slack(fp.bytes) })
+            cfg.plan_arenas.then(|| Planning {
+                headroom: cfg.traced_headroom,
+                extra: cfg.arena_extra_bytes,
+                addresses: 2 * slack(fp.bytes),
+            })
         };
         // With planned arenas, each graph is first captured once on addresses alone and laid out
         // from that capture's own trace (which the real capture repeats); the warm-up's trace is

@@ -70,6 +70,7 @@ pub use alloc::{
     device_memory, empty_cache, memory_stats, reset_peak_memory_stats, set_block_cache_limits, synchronize, MemoryStats, PeakContext,
 };
 pub use conv_choice::cudnn_cache_dir;
+pub use conv_workspace::cudnn_workspaces_from_arenas;
 pub use device::CudaSetupError;
 pub use device::DeviceOptions;
 pub(crate) use kernel_timer::{restore_label, set_label, stage_changed};

@@ -1,0 +1,59 @@
+//! cuDNN workspaces from a capture's arena: with no kept workspace
+//! (`PTL_CUDNN_KEPT_WORKSPACE_MIB=0`) every convolution that needs one borrows a buffer for its
+//! call — from the pool natively, from the arena inside a capture, where it is one more
+//! temporary of the graph's planned layout. With every fresh allocation and arena piece poisoned,
+//! `replay=all` gives the native fit's bytes, every region replays after its warm-up, and the
+//! captures did take workspaces from their arenas.
+//! Without a usable GPU the test prints `skipping: <reason>` and passes.
+#![cfg(feature = "cuda")]
+
+use ptl_plugins::replay_shortfalls;
+use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
+
+#[test]
+fn cuda_workspaces_from_capture_arenas_replay_equals_native() {
+    // Read once per process, at the first convolution: set before any.
+    std::env::set_var("PTL_CUDNN_KEPT_WORKSPACE_MIB", "0");
+    let Some(dev) = ptl_autograd::cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}"))
+    else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("ptl-cuda-arena-ws-{}", std::process::id()));
+    let data = ptl_test_support::pose_dataset(&dir, 24, 6);
+    ptl_autograd::internal::cuda::set_poison_allocations(true);
+    let run = |replay: &[&str], name: &str| {
+        let cfg = PoseTrainConfig {
+            data: data.clone(),
+            epochs: 1,
+            batch: 4,
+            nbs: 4,
+            imgsz: 128,
+            seed: 8,
+            device: dev,
+            precision: Precision::Bf16Mixed,
+            workers: Some(2),
+            optimizer: "MuSGD".into(),
+            close_mosaic: 0,
+            plots: false,
+            progress: false,
+            gpu_time: false,
+            exist_ok: true,
+            replay: replay.iter().map(|s| s.to_string()).collect(),
+            save_dir: dir.join(name),
+            ..PoseTrainConfig::default()
+        };
+        fit(&cfg, vec![]).expect("fit")
+    };
+    let native = run(&[], "native");
+    let before = ptl_autograd::cuda::cudnn_workspaces_from_arenas();
+    let replayed = run(&["all"], "all");
+    let from_arenas = ptl_autograd::cuda::cudnn_workspaces_from_arenas() - before;
+    ptl_autograd::internal::cuda::set_poison_allocations(false);
+    assert_eq!(replayed.hashes, native.hashes, "replay=all with workspaces from the arenas, poisoned");
+    for (plugin, calls) in [("optimizer", replayed.optimizer_steps), ("step", 6)] {
+        let short = replay_shortfalls(&replayed, plugin, calls, &[]);
+        assert!(short.is_empty(), "{plugin}: {short:?}");
+    }
+    assert!(from_arenas > 0, "no capture took a cuDNN workspace from its arena: the path this test exists for did not run");
+    println!("ok cuda workspaces from capture arenas: {from_arenas} recorded calls, model {} as native", &native.hashes.model[..16]);
+}
