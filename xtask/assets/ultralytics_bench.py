@@ -17,7 +17,11 @@ times itself, written to one JSON file.
 usage: ultralytics_bench.py --data DS/data.yaml --out RESULT.json [--epochs 1] [--amp True|False|bf16]
                             [--optimizer MuSGD] [--batch 4] [--imgsz 640] [--workers 8] [--seed 347]
                             [--compile False|True|reduce-overhead] [--deterministic True|False]
-                            [--close-mosaic 0] [--gpu-window 1]
+                            [--close-mosaic 0] [--gpu-window 1] [--device 0]
+
+Several GPUs: run it under `python3 -m torch.distributed.run --standalone --nproc_per_node N` with
+`--device 0,1,…` and the global `--batch` (Ultralytics divides it by the world size, as when it
+launches its own DDP workers); every rank trains, rank 0 alone times, profiles and writes RESULT.json.
 """
 import time
 
@@ -45,7 +49,10 @@ ap.add_argument("--compile", default="False", help="Ultralytics' own `compile=` 
 ap.add_argument("--deterministic", default="True", help="Ultralytics' `deterministic=`")
 ap.add_argument("--close-mosaic", type=int, default=0, help="Ultralytics' close_mosaic (0: mosaic every epoch, as the bench trains)")
 ap.add_argument("--tf32", default="True", help="torch.backends.cudnn.allow_tf32 (PyTorch's default True; False: strict FP32 convolutions)")
+ap.add_argument("--device", default="0", help="Ultralytics' `device=` (0,1,…: several GPUs, under torch.distributed.run)")
 args = ap.parse_args()
+# Under torch.distributed.run every rank runs this file; rank 0 alone measures and writes.
+MEASURING = int(os.environ.get("RANK", "-1")) <= 0
 
 work = Path(os.environ.get("ULTRA_WORK", "/tmp/ptl-bench-ultra"))
 cfg_dir = Path(os.environ.setdefault("YOLO_CONFIG_DIR", str(work / "cfg")))
@@ -328,7 +335,7 @@ def on_fit_epoch_end(tr):
 
 model = YOLO("yolo26n-pose.yaml")
 for name, fn in list(globals().items()):
-    if name.startswith("on_") and callable(fn):
+    if MEASURING and name.startswith("on_") and callable(fn):
         model.add_callback(name, fn)
 if cuda:
     torch.cuda.reset_peak_memory_stats()
@@ -336,7 +343,7 @@ err = None
 try:
     model.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, batch=args.batch, workers=args.workers, cache="ram",
                 deterministic=args.deterministic.lower() == "true", seed=args.seed,
-                compile={"true": True, "false": False}.get(args.compile.lower(), args.compile), plots=False, device=0 if cuda else "cpu", project=str(work / "runs"),
+                compile={"true": True, "false": False}.get(args.compile.lower(), args.compile), plots=False, device=(0 if args.device == "0" else args.device) if cuda else "cpu", project=str(work / "runs"),
                 name="bench", exist_ok=True, close_mosaic=args.close_mosaic, optimizer=args.optimizer,
                 amp={"true": True, "false": False}.get(args.amp.lower(), args.amp), verbose=False)
 except Exception as e:  # keep what was measured
@@ -389,6 +396,8 @@ res = {
     "gpu_breakdown": rec.get("gpu_breakdown"), "gpu_breakdown_error": rec.get("gpu_breakdown_error"),
     "memory_at_backward": rec.get("memory_at_backward"),
 }
+if not MEASURING:
+    raise SystemExit(1 if err else 0)
 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 Path(args.out).write_text(json.dumps(res, indent=1))
 print("[ultralytics_bench] " + json.dumps({k: res[k] for k in ("total_runtime_s", "start_to_start", "error")}), flush=True)

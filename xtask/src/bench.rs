@@ -68,6 +68,12 @@ options:
   --warm             keep the kernel cache (default: the first ptl run starts with an empty one: cold);
                      needs --work, where an earlier call left the caches
   --device D         ptl's device (default cuda:0)
+  --devices 0,1      data-parallel runs on these GPUs (Ultralytics' `device=0,1`): ptl trains with
+                     `device=0,1` (one worker process per GPU), Ultralytics under
+                     torch.distributed.run; --batch is then per GPU (both get the global batch,
+                     batch × GPUs, and divide it), the set has 128 × the global batch images, and
+                     the report adds images/s per GPU and, beside one-GPU runs of the same arm and
+                     per-GPU batch (`--devices 0`, merged with --report), the scaling
   --imgsz N          image size of the dataset and the runs (default 640)
   --images N         training images of the synthetic set (default 128 × batch: 512 at batch 4, 128 steps
                      per epoch at any batch size, so the traced GPU window fits; 44 % backgrounds)
@@ -95,13 +101,46 @@ struct Opts {
     batches: Vec<usize>,
     /// Ultralytics arms (`--ultra-arms`), run when `ultralytics` is set.
     ultra_arms: Vec<String>,
+    /// GPUs of a data-parallel run (`--devices`; empty: one device, `device`).
+    gpus: Vec<usize>,
 }
 
 impl Opts {
     /// Training images of the synthetic set.
     fn images(&self) -> usize {
-        self.images.unwrap_or(128 * self.batch)
+        self.images.unwrap_or(128 * self.global_batch())
     }
+
+    /// Ranks of a run: the GPUs `--devices` lists, else one.
+    fn world(&self) -> usize {
+        self.gpus.len().max(1)
+    }
+
+    /// The batch every run is given: `batch` per GPU times the GPUs (Ultralytics' `batch` is global).
+    fn global_batch(&self) -> usize {
+        self.batch * self.world()
+    }
+
+    /// `--devices` as Ultralytics spells it (`0,1`), if given.
+    fn device_list(&self) -> Option<String> {
+        (!self.gpus.is_empty()).then(|| self.gpus.iter().map(|g| g.to_string()).collect::<Vec<_>>().join(","))
+    }
+}
+
+/// `--devices`: distinct GPU ordinals.
+fn parse_devices(v: &str) -> Result<Vec<usize>, String> {
+    let mut gpus = Vec::new();
+    for d in v.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let g: usize = d.parse().map_err(|_| format!("--devices: `{d}` is not a GPU number (e.g. --devices 0,1)"))?;
+        if gpus.contains(&g) {
+            return Err(format!("--devices: GPU {g} is listed twice"));
+        }
+        gpus.push(g);
+    }
+    if gpus.is_empty() {
+        return Err("--devices needs at least one GPU number (e.g. --devices 0,1)".into());
+    }
+    Ok(gpus)
 }
 
 fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
@@ -122,6 +161,7 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
         batch: 4,
         batches: Vec::new(),
         ultra_arms: vec!["eager".into()],
+        gpus: Vec::new(),
     };
     let mut rest = Vec::new();
     let mut it = args.iter();
@@ -156,6 +196,7 @@ fn parse(args: &[String]) -> Result<(Opts, Vec<String>), String> {
                     .collect::<Result<_, _>>()?
             }
             "--ultra-arms" => o.ultra_arms = list(&val("--ultra-arms")?),
+            "--devices" => o.gpus = parse_devices(&val("--devices")?)?,
             "-h" | "--help" => return Err(HELP.into()),
             other => rest.push(other.to_string()),
         }
@@ -704,18 +745,7 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
     let project = work_of(o).join(format!("runs/{label}-{precision}-b{}-{pair}", o.batch));
     let _ = std::fs::remove_dir_all(&project);
     let mut cmd = Command::new(ptl);
-    cmd.arg("train")
-        .arg(format!("data={}", data.display()))
-        .args([
-            format!("epochs={}", o.epochs),
-            format!("batch={}", o.batch),
-            format!("imgsz={}", o.imgsz),
-            format!("optimizer={}", o.optimizer),
-        ])
-        .args(["close_mosaic=0", "seed=347", "plots=false", "exist_ok=true"])
-        .arg(format!("save_dir={}", project.display()))
-        .args(arm_overrides(arm)?)
-        .args(["--device", &o.device, "--precision", precision])
+    cmd.args(ptl_args(o, data, &project, arm, precision)?)
         .env("PTL_KERNEL_CACHE", kcache)
         .env("PTL_CUDNN_CACHE", cudnn_cache(kcache))
         .envs(arm_env(arm));
@@ -733,7 +763,29 @@ fn run_ptl(o: &Opts, ptl: &Path, kcache: &Path, data: &Path, arm: &str, precisio
     }
     let mut rec = record(RunId { kind: "ptl", arm: &label, precision, pair, cold }, wall, exit, summary.unwrap_or(Value::Null), error);
     rec["batch"] = json!(o.batch);
+    rec["world"] = json!(o.world());
     Ok(rec)
+}
+
+/// `ptl`'s arguments for one run of `arm` in `precision`, into `project`: on several GPUs
+/// `device=0,1` (ptl's launcher: a worker process per GPU) and the global batch.
+fn ptl_args(o: &Opts, data: &Path, project: &Path, arm: &str, precision: &str) -> Result<Vec<String>, String> {
+    let mut a = vec!["train".to_string(), format!("data={}", data.display())];
+    a.extend([
+        format!("epochs={}", o.epochs),
+        format!("batch={}", o.global_batch()),
+        format!("imgsz={}", o.imgsz),
+        format!("optimizer={}", o.optimizer),
+    ]);
+    a.extend(["close_mosaic=0", "seed=347", "plots=false", "exist_ok=true"].map(str::to_string));
+    a.push(format!("save_dir={}", project.display()));
+    a.extend(arm_overrides(arm)?);
+    match o.device_list() {
+        Some(list) => a.push(format!("device={list}")),
+        None => a.extend(["--device".to_string(), o.device.clone()]),
+    }
+    a.extend(["--precision".to_string(), precision.to_string()]);
+    Ok(a)
 }
 
 fn run_ultralytics(
@@ -749,14 +801,7 @@ fn run_ultralytics(
     let result = work_of(o).join(format!("{label}-{precision}-{pair}.json"));
     let _ = std::fs::remove_file(&result);
     let mut cmd = Command::new("python3");
-    cmd.arg(script)
-        .arg("--data")
-        .arg(data)
-        .arg("--out")
-        .arg(&result)
-        .args(["--epochs", &o.epochs.to_string(), "--amp", ultra_amp(precision)?, "--optimizer", &o.optimizer])
-        .args(["--imgsz", &o.imgsz.to_string(), "--batch", &o.batch.to_string()])
-        .args(["--compile", compile, "--deterministic", deterministic, "--tf32", tf32])
+    cmd.args(ultra_args(o, script, data, &result, precision, (compile, deterministic, tf32))?)
         .env("PYTHONUNBUFFERED", "1")
         .env("ULTRA_WORK", work_of(o).join("ultra"));
     if let Some(s) = site {
@@ -779,7 +824,36 @@ fn run_ultralytics(
     let exit = if error.is_some() && exit == 0 { 1 } else { exit };
     let mut rec = record(RunId { kind: ULTRA, arm: label, precision, pair, cold: false }, wall, exit, res.unwrap_or(Value::Null), error);
     rec["batch"] = json!(o.batch);
+    rec["world"] = json!(o.world());
     Ok(rec)
+}
+
+/// `python3`'s arguments for one Ultralytics run: the bench script with its options, under
+/// `torch.distributed.run` (one process per GPU, as Ultralytics' own DDP launch) on several GPUs,
+/// with `--device 0,1` and the global batch. `flags`: compile, deterministic, tf32.
+fn ultra_args(
+    o: &Opts,
+    script: &Path,
+    data: &Path,
+    result: &Path,
+    precision: &str,
+    flags: (&str, &str, &str),
+) -> Result<Vec<String>, String> {
+    let mut a = Vec::new();
+    if o.world() > 1 {
+        a.extend(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"].map(str::to_string));
+        a.push(o.world().to_string());
+    }
+    a.push(script.display().to_string());
+    a.extend(["--data".to_string(), data.display().to_string(), "--out".to_string(), result.display().to_string()]);
+    a.extend(["--epochs".to_string(), o.epochs.to_string(), "--amp".to_string(), ultra_amp(precision)?.to_string()]);
+    a.extend(["--optimizer".to_string(), o.optimizer.clone(), "--imgsz".to_string(), o.imgsz.to_string()]);
+    a.extend(["--batch".to_string(), o.global_batch().to_string()]);
+    a.extend(["--compile", flags.0, "--deterministic", flags.1, "--tf32", flags.2].map(str::to_string));
+    if let Some(list) = o.device_list() {
+        a.extend(["--device".to_string(), list]);
+    }
+    Ok(a)
 }
 
 pub(crate) fn tail(bytes: &[u8], lines: usize) -> String {
@@ -885,10 +959,16 @@ fn figures(r: &Value) -> Figures {
     }
     x.alloc_mib = mib(&res["peak_allocated_bytes"]);
     x.reserved_mib = mib(&res["peak_reserved_bytes"]);
-    let batch = r["batch"].as_f64().unwrap_or(4.0);
+    // `batch` is per GPU; a step of a data-parallel run takes the global batch.
+    let batch = r["batch"].as_f64().unwrap_or(4.0) * world_of(r) as f64;
     x.loader_img_s = res["timing"]["loader_images_per_s"].as_f64();
     x.images_s = x.step_ms.filter(|s| *s > 0.0).map(|s| batch * 1000.0 / s);
     x
+}
+
+/// A run's ranks (1 for runs recorded before data-parallel runs existed).
+fn world_of(r: &Value) -> u64 {
+    r["world"].as_u64().unwrap_or(1).max(1)
 }
 
 fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -920,19 +1000,66 @@ fn base_precision(p: &str) -> &str {
     p.split(" · ").next().unwrap_or(p)
 }
 
+/// `r` with its batch size (other than 4) and its GPUs (more than one) in its precision label.
+fn relabel(r: &Value) -> Value {
+    let mut r = r.clone();
+    let mut label = r["precision"].as_str().unwrap_or("?").to_string();
+    let world = world_of(&r);
+    match r["batch"].as_u64() {
+        Some(b) if b != 4 || world > 1 => label.push_str(&format!(" · batch {b}")),
+        _ => {}
+    }
+    if world > 1 {
+        label.push_str(&format!(" · {world} GPUs"));
+    }
+    r["precision"] = json!(label);
+    r
+}
+
+/// (base precision, batch per GPU, arm) of a run.
+type ScalingKey = (String, u64, String);
+
+/// Data-parallel scaling: for each (framework and arm, precision, per-GPU batch) with runs on
+/// several GPUs and on one, images/s per GPU against the one-GPU run's (medians over runs). Empty
+/// without such pairs.
+fn scaling_section(ok: &[&Value]) -> String {
+    let key = |r: &Value| {
+        let arm = r["arm"].as_str().unwrap_or("?").to_string();
+        let base = r["precision"].as_str().unwrap_or("?").split(" · ").next().unwrap_or("?").to_string();
+        (base, r["batch"].as_u64().unwrap_or(4), arm)
+    };
+    let mut by: BTreeMap<(ScalingKey, u64), Vec<f64>> = BTreeMap::new();
+    for r in ok {
+        if let Some(i) = figures(r).images_s {
+            by.entry((key(r), world_of(r))).or_default().push(i);
+        }
+    }
+    let mut rows = String::new();
+    for (((precision, batch, arm), world), v) in &by {
+        if *world < 2 {
+            continue;
+        }
+        let Some(one) = by.get(&((precision.clone(), *batch, arm.clone()), 1)).and_then(|v| median(v.clone())) else { continue };
+        let Some(many) = median(v.clone()) else { continue };
+        let per_gpu = many / *world as f64;
+        rows.push_str(&format!(
+            "| {precision} | {arm} | {batch} | {world} | {many:.0} | {per_gpu:.0} | {one:.0} | {:.1} % |\n",
+            100.0 * per_gpu / one
+        ));
+    }
+    if rows.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nData-parallel scaling: images/s per GPU on several GPUs against one GPU at the same batch per GPU (medians over runs):\n\n| precision | arm | batch per GPU | GPUs | images/s | images/s per GPU | one GPU images/s | scaling |\n|---|---|---:|---:|---:|---:|---:|---:|\n{rows}"
+    )
+}
+
 fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
     std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
-    // Runs of another batch size than the default 4 form their own rows ("bf16-mixed · batch 16").
-    let relabelled: Vec<Value> = recs
-        .iter()
-        .map(|r| {
-            let mut r = r.clone();
-            if let Some(b) = r["batch"].as_u64().filter(|&b| b != 4) {
-                r["precision"] = json!(format!("{} · batch {b}", r["precision"].as_str().unwrap_or("?")));
-            }
-            r
-        })
-        .collect();
+    // Runs of another batch size than the default 4 form their own rows ("bf16-mixed · batch 16"),
+    // and so do data-parallel ones ("bf16-mixed · batch 16 · 2 GPUs": the batch per GPU).
+    let relabelled: Vec<Value> = recs.iter().map(relabel).collect();
     let recs = relabelled.as_slice();
     let ok: Vec<&Value> = recs.iter().filter(|r| r["exit"] == 0 && !r["result"].is_null()).collect();
     let failed = recs.len() - ok.len();
@@ -1205,6 +1332,7 @@ fn write_report(recs: &[Value], out: &Path) -> Result<(), String> {
             if guard_ok { "ok" } else { "FAILED" }
         ));
     }
+    md.push_str(&scaling_section(&ok));
     md.push_str(&breakdown_section(&ok));
     md.push_str(&update_steps_section(&ok));
     md.push_str(&memory_section(&ok));
@@ -1853,5 +1981,83 @@ print(ns['busy_us'](spans), ns['active_us'](spans + [(9, 30, 31)]), ns['active_u
         assert_eq!(ultra_amp("16-mixed"), Ok("True"));
         assert_eq!(ultra_amp("bf16-mixed"), Ok("bf16"));
         assert_eq!(ultra_amp("32-true"), Ok("False"));
+    }
+}
+
+#[cfg(test)]
+mod data_parallel_tests {
+    use super::*;
+
+    fn opts(args: &[&str]) -> Opts {
+        parse(&args.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap().0
+    }
+
+    #[test]
+    fn devices_are_distinct_gpu_numbers() {
+        assert_eq!(parse_devices("0,1").unwrap(), [0, 1]);
+        assert_eq!(parse_devices(" 2 , 3,").unwrap(), [2, 3]);
+        assert!(parse_devices("0,0").unwrap_err().contains("twice"));
+        assert!(parse_devices("cuda:0").unwrap_err().contains("not a GPU number"));
+        assert!(parse_devices(",").unwrap_err().contains("at least one"));
+    }
+
+    /// On two GPUs both frameworks get the global batch and the GPU list: ptl as `device=0,1`
+    /// (its launcher), Ultralytics under torch.distributed.run with one process per GPU.
+    #[test]
+    fn several_gpus_run_both_frameworks_data_parallel_with_the_global_batch() {
+        let o = opts(&["--devices", "0,1", "--batch", "16"]);
+        assert_eq!((o.world(), o.global_batch(), o.images()), (2, 32, 4096));
+        let (data, project) = (Path::new("/d/data.yaml"), Path::new("/w/run"));
+        let a = ptl_args(&o, data, project, "all+dense", "bf16-mixed").unwrap();
+        assert!(a.contains(&"batch=32".to_string()) && a.contains(&"device=0,1".to_string()), "{a:?}");
+        assert!(a.contains(&"replay=all".to_string()) && !a.contains(&"--device".to_string()), "{a:?}");
+        let u = ultra_args(&o, Path::new("/p/ub.py"), data, Path::new("/w/r.json"), "bf16-mixed", ("False", "True", "True")).unwrap();
+        assert_eq!(u[..6], ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "/p/ub.py"]);
+        let at = |k: &str| u.iter().position(|x| x == k).map(|i| u[i + 1].as_str());
+        assert_eq!((at("--batch"), at("--device"), at("--amp")), (Some("32"), Some("0,1"), Some("bf16")));
+        // One GPU as before: the device flag, the batch as given, no launcher.
+        let one = opts(&["--batch", "16"]);
+        let a = ptl_args(&one, data, project, "native", "bf16-mixed").unwrap();
+        assert!(a.contains(&"batch=16".to_string()) && a.windows(2).any(|w| w == ["--device", "cuda:0"]), "{a:?}");
+        let u = ultra_args(&one, Path::new("/p/ub.py"), data, Path::new("/w/r.json"), "bf16-mixed", ("False", "True", "True")).unwrap();
+        assert_eq!(u[0], "/p/ub.py");
+        assert!(!u.contains(&"--device".to_string()));
+    }
+
+    fn run(kind: &'static str, arm: &'static str, world: u64, step_ms: f64) -> Value {
+        let result = match kind {
+            ULTRA => json!({ "start_to_start": { "median_ms": step_ms }, "metrics_per_epoch": [] }),
+            _ => {
+                json!({ "timing": { "start_to_start": { "median_ms": step_ms, "timed_steps": 100 } }, "hashes": { "model": format!("m{world}") } })
+            }
+        };
+        let mut r = record(RunId { kind, arm, precision: "bf16-mixed", pair: 0, cold: false }, 30.0, 0, result, None);
+        r["batch"] = json!(16);
+        r["world"] = json!(world);
+        r
+    }
+
+    /// A step of a data-parallel run takes the global batch; its rows are apart; the scaling is
+    /// images/s per GPU against the one-GPU run of the same arm and batch per GPU.
+    #[test]
+    fn data_parallel_runs_report_images_per_gpu_and_their_scaling() {
+        let recs =
+            [run("ptl", "all+dense", 1, 20.0), run("ptl", "all+dense", 2, 21.0), run(ULTRA, ULTRA, 1, 160.0), run(ULTRA, ULTRA, 2, 200.0)];
+        assert_eq!(figures(&recs[1]).images_s.map(|v| v.round()), Some((32.0 * 1000.0 / 21.0f64).round()));
+        assert_eq!(relabel(&recs[1])["precision"], "bf16-mixed · batch 16 · 2 GPUs");
+        assert_eq!(relabel(&recs[0])["precision"], "bf16-mixed · batch 16");
+        let relabelled: Vec<Value> = recs.iter().map(relabel).collect();
+        let section = scaling_section(&relabelled.iter().collect::<Vec<_>>());
+        // ptl: 1523.8 images/s on two GPUs, 762 per GPU, against 800 on one: 95.2 %.
+        assert!(section.contains("| bf16-mixed | all+dense | 16 | 2 | 1524 | 762 | 800 | 95.2 % |"), "{section}");
+        // Ultralytics: 32 images in 200 ms on two GPUs, 160 images/s, 80 per GPU, against 16 in
+        // 160 ms, 100, on one: 80.0 %.
+        assert!(section.contains("| bf16-mixed | ultralytics | 16 | 2 | 160 | 80 | 100 | 80.0 % |"), "{section}");
+        assert_eq!(scaling_section(&[&relabelled[0], &relabelled[2]]), "", "no multi-GPU runs, no section");
+        let out = std::env::temp_dir().join(format!("ptl-bench-dp-{}", std::process::id()));
+        write_report(&recs, &out).unwrap();
+        let md = std::fs::read_to_string(out.join("bench.md")).unwrap();
+        assert!(md.contains("Data-parallel scaling") && md.contains("bf16-mixed · batch 16 · 2 GPUs"), "{md}");
+        let _ = std::fs::remove_dir_all(&out);
     }
 }
