@@ -173,9 +173,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
         ],
         args,
     )?;
-    // The command line's CUDA tests (`tests/tests/cuda_*.rs`) run the `ptl-ext` binary, packed
-    // beside them (run.sh points PTL_BIN at it).
-    let cli_wanted = only.is_empty() || only.iter().any(|o| o.contains("cli"));
+    // The command line's CUDA tests (`tests/tests/cuda_*.rs`: `cuda_cli`, `cuda_multi_gpu`) run
+    // the `ptl-ext` binary, packed beside them (run.sh points PTL_BIN at it).
+    let cli_wanted = only.is_empty() || only.iter().any(|o| o.contains("cli") || o.contains("multi_gpu"));
     if cli_wanted {
         artifacts.extend(crate::artifacts::build("device-pack", &["-p", "ptl-tests", "--tests", "--bins"], args)?);
     }
