@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{ptl, summary, synth, text};
+use common::{ptl, summary, synth, text, train};
 
 /// A one-epoch run's arguments into `dir/<name>`.
 fn run_args(data: &Path, dir: &Path, name: &str) -> Vec<String> {
@@ -24,13 +24,6 @@ fn run_args(data: &Path, dir: &Path, name: &str) -> Vec<String> {
         format!("name={name}"),
     ]
     .to_vec()
-}
-
-fn train(args: &[String], extra: &[&str], cwd: &Path) -> std::process::Output {
-    let mut all: Vec<&str> = vec!["train"];
-    all.extend(args.iter().map(String::as_str));
-    all.extend(extra);
-    ptl(&all, cwd)
 }
 
 #[test]

@@ -8,10 +8,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ptl, ptl_bin, summary, synth, text};
+use common::{ptl, ptl_bin, summary, synth, text, train, Running};
 
 /// Two GPUs, or `None` after saying why not.
 fn two_gpus() -> Option<()> {
@@ -42,13 +42,6 @@ fn run_args(data: &Path, dir: &Path, name: &str, epochs: usize) -> Vec<String> {
     .to_vec()
 }
 
-fn train(args: &[String], extra: &[&str], cwd: &Path) -> std::process::Output {
-    let mut all: Vec<&str> = vec!["train"];
-    all.extend(args.iter().map(String::as_str));
-    all.extend(extra);
-    ptl(&all, cwd)
-}
-
 #[test]
 fn cuda_two_gpus_give_the_same_bytes_twice_and_replayed() {
     let Some(()) = two_gpus() else { return };
@@ -72,18 +65,6 @@ fn cuda_two_gpus_give_the_same_bytes_twice_and_replayed() {
         assert!(short.is_empty(), "{plugin}: {short:?}");
     }
     println!("ok two GPUs: model {} in both runs and replayed", hashes("a")["model"]);
-}
-
-/// A child process that is killed if the test panics while it runs.
-struct Running(Option<Child>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// The processes whose parent is `parent` (Linux's /proc), with their environment.

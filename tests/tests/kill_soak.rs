@@ -8,11 +8,13 @@ mod common;
 
 use std::fs::File;
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use ptl_autograd::Device;
 use ptl_trainer::fit::load_checkpoint;
+
+use common::Running;
 
 const EPOCHS: usize = 20;
 const KILLS: usize = 20;
@@ -30,18 +32,6 @@ impl SplitMix {
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         (z ^ (z >> 31)) as f64 / 2f64.powi(64)
-    }
-}
-
-/// A child process that is SIGKILLed if the test panics while it runs.
-struct Running(Option<Child>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 

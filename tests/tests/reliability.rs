@@ -6,10 +6,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ptl, ptl_bin, summary, synth, text};
+use common::{ptl, ptl_bin, summary, synth, text, train, Running};
 
 /// How long a case that must not hang may take.
 const NO_HANG: Duration = Duration::from_secs(60);
@@ -29,26 +29,6 @@ fn run_args(data: &Path, dir: &Path, name: &str) -> Vec<String> {
         "device=cpu".into(),
     ]
     .to_vec()
-}
-
-/// `ptl train ARGS EXTRA`.
-fn train(args: &[String], extra: &[&str], cwd: &Path) -> Output {
-    let mut all: Vec<&str> = vec!["train"];
-    all.extend(args.iter().map(String::as_str));
-    all.extend(extra);
-    ptl(&all, cwd)
-}
-
-/// A child `ptl` that is killed if the test ends while it runs.
-struct Running(Option<Child>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// Starts `ptl ARGS` in `cwd` with piped output.

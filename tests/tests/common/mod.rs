@@ -2,7 +2,7 @@
 #![allow(dead_code)] // each test binary uses a part
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 
 /// `ptl data synth` options of the tiny dataset: 8 + 2 background training images at 64 px.
 pub const SYNTH_OPTIONS: [&str; 10] = ["--train", "8", "--background", "2", "--val", "2", "--imgsz", "64", "--seed", "3"];
@@ -39,4 +39,24 @@ pub fn summary(dir: &Path) -> serde_json::Value {
     let path = dir.join("summary.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Runs `ptl-ext train ARGS EXTRA` in `cwd` to completion.
+pub fn train(args: &[String], extra: &[&str], cwd: &Path) -> Output {
+    let mut all: Vec<&str> = vec!["train"];
+    all.extend(args.iter().map(String::as_str));
+    all.extend(extra);
+    ptl(&all, cwd)
+}
+
+/// A child process that is killed (and reaped) if the test ends while it runs.
+pub struct Running(pub Option<Child>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
