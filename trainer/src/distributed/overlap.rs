@@ -163,7 +163,8 @@ mod tests {
     struct Deferred {
         inner: ThreadCollective,
         pending: std::sync::Mutex<Vec<Tensor>>,
-        started: std::sync::atomic::AtomicUsize,
+        /// Sums started so far (shared with the test, which reads it after the transport's use).
+        started: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     }
 
     impl Deferred {
@@ -252,49 +253,23 @@ mod tests {
     fn sums_completing_beside_the_backward_are_waited_for_before_use() {
         let results = on_ranks(3, |c: ThreadCollective| {
             let rank = c.rank();
-            let started = std::sync::Arc::new(Deferred { inner: c, pending: Default::default(), started: Default::default() });
-            let mut dp = DataParallel::with_bucket_bytes(Box::new(SharedDeferred(started.clone())), 12);
+            let started = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let deferred = Deferred { inner: c, pending: Default::default(), started: started.clone() };
+            let mut dp = DataParallel::with_bucket_bytes(Box::new(deferred), 12);
             let (params, loss) = model(rank);
             loss.backward().unwrap();
             dp.average_gradients(&params).unwrap();
             let reference = grads(&params);
-            assert_eq!(started.started.load(std::sync::atomic::Ordering::Relaxed), 0, "the plain average starts nothing");
+            assert_eq!(started.load(std::sync::atomic::Ordering::Relaxed), 0, "the plain average starts nothing");
             let (params, loss) = model(rank);
             let mut sums = OverlappedSums::new(&mut dp, &params).unwrap();
             loss.backward_with_ready(&loss.ones_like().unwrap(), &mut sums.ready_hook(&dp)).unwrap();
             sums.finish(&mut dp, &params, false, &[]).unwrap();
-            (reference, grads(&params), started.started.load(std::sync::atomic::Ordering::Relaxed))
+            (reference, grads(&params), started.load(std::sync::atomic::Ordering::Relaxed))
         });
         for (rank, (reference, overlapped, started)) in results.into_iter().enumerate() {
             assert_eq!(overlapped, reference, "rank {rank}: the average's bytes");
             assert_eq!(started, 4, "rank {rank}: every bucket's sum was started, none summed at once");
-        }
-    }
-
-    /// [`Deferred`] behind an `Arc`, so the test can read its count after the fit's use.
-    struct SharedDeferred(std::sync::Arc<Deferred>);
-
-    impl Collective for SharedDeferred {
-        fn rank(&self) -> usize {
-            self.0.rank()
-        }
-        fn world(&self) -> usize {
-            self.0.world()
-        }
-        fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-            self.0.all_reduce_sum(buf)
-        }
-        fn all_reduce_max(&self, buf: &mut [u64]) -> Result<()> {
-            self.0.all_reduce_max(buf)
-        }
-        fn all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
-            self.0.all_reduce_sum_tensor(t)
-        }
-        fn start_all_reduce_sum_tensor(&self, t: &Tensor) -> Result<()> {
-            self.0.start_all_reduce_sum_tensor(t)
-        }
-        fn wait_started(&self) -> Result<()> {
-            self.0.wait_started()
         }
     }
 }
