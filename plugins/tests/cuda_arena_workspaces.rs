@@ -10,6 +10,9 @@
 use ptl_plugins::replay_shortfalls;
 use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
 
+mod common;
+use common::cuda_fit_cfg;
+
 #[test]
 fn cuda_workspaces_from_capture_arenas_replay_equals_native() {
     // Read once per process, at the first convolution: set before any.
@@ -23,24 +26,11 @@ fn cuda_workspaces_from_capture_arenas_replay_equals_native() {
     ptl_autograd::internal::cuda::set_poison_allocations(true);
     let run = |replay: &[&str], name: &str| {
         let cfg = PoseTrainConfig {
-            data: data.clone(),
-            epochs: 1,
             batch: 4,
             nbs: 4,
             imgsz: 128,
-            seed: 8,
-            device: dev,
             precision: Precision::Bf16Mixed,
-            workers: Some(2),
-            optimizer: "MuSGD".into(),
-            close_mosaic: 0,
-            plots: false,
-            progress: false,
-            gpu_time: false,
-            exist_ok: true,
-            replay: replay.iter().map(|s| s.to_string()).collect(),
-            save_dir: dir.join(name),
-            ..PoseTrainConfig::default()
+            ..cuda_fit_cfg(&data, dev, 8, replay, dir.join(name))
         };
         fit(&cfg, vec![]).expect("fit")
     };

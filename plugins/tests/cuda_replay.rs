@@ -8,31 +8,11 @@ use ptl_autograd::Device;
 use ptl_plugins::{replay_shortfalls, PieceReplay};
 use ptl_trainer::pose::{fit, PoseTrainConfig, Precision};
 
+mod common;
+use common::cuda_fit_cfg;
+
 fn gpu() -> Option<Device> {
     ptl_autograd::cuda::device_for_tests(0).unwrap_or_else(|e| panic!("a GPU is present but CUDA is not usable: {e}"))
-}
-
-/// The 64 px CUDA fit every test here starts from: one epoch of batches of 2 on `data`, MuSGD,
-/// `seed`, two loader workers, mosaic kept, no plots, progress or GPU trace, `replay` into `save`.
-fn cuda_fit_cfg(data: &std::path::Path, dev: Device, seed: u64, replay: &[&str], save: std::path::PathBuf) -> PoseTrainConfig {
-    PoseTrainConfig {
-        data: data.to_path_buf(),
-        epochs: 1,
-        batch: 2,
-        imgsz: 64,
-        seed,
-        device: dev,
-        workers: Some(2),
-        optimizer: "MuSGD".into(),
-        close_mosaic: 0,
-        plots: false,
-        progress: false,
-        gpu_time: false,
-        exist_ok: true,
-        replay: replay.iter().map(|s| s.to_string()).collect(),
-        save_dir: save,
-        ..PoseTrainConfig::default()
-    }
 }
 
 #[test]

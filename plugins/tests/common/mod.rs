@@ -1,4 +1,5 @@
-//! What the plugin test binaries share: a small synthetic dataset and a tiny CPU fit.
+//! What the plugin test binaries share: a small synthetic dataset, a tiny CPU fit and the base CUDA fit.
+#![allow(dead_code)] // each test binary uses a part
 
 use std::path::PathBuf;
 
@@ -28,6 +29,35 @@ pub fn tiny(save: &str, replay: &[&str]) -> PoseTrainConfig {
         optimizer: "SGD".into(),
         replay: replay.iter().map(|s| s.to_string()).collect(),
         exist_ok: true,
+        ..PoseTrainConfig::default()
+    }
+}
+
+/// The 64 px CUDA fit the CUDA fit tests start from: one epoch of batches of 2 on `data`, MuSGD,
+/// `seed`, two loader workers, mosaic kept, no plots, progress or GPU trace, `replay` into `save`.
+pub fn cuda_fit_cfg(
+    data: &std::path::Path,
+    dev: ptl_autograd::Device,
+    seed: u64,
+    replay: &[&str],
+    save: std::path::PathBuf,
+) -> PoseTrainConfig {
+    PoseTrainConfig {
+        data: data.to_path_buf(),
+        epochs: 1,
+        batch: 2,
+        imgsz: 64,
+        seed,
+        device: dev,
+        workers: Some(2),
+        optimizer: "MuSGD".into(),
+        close_mosaic: 0,
+        plots: false,
+        progress: false,
+        gpu_time: false,
+        exist_ok: true,
+        replay: replay.iter().map(|s| s.to_string()).collect(),
+        save_dir: save,
         ..PoseTrainConfig::default()
     }
 }
