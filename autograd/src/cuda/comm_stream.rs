@@ -43,12 +43,7 @@ impl CommStream {
 
     /// The stream waits for what `compute` has queued so far.
     pub(crate) fn fork(&self, compute: sys::CUstream) -> Result<()> {
-        // SAFETY: live handles of the bound context.
-        unsafe {
-            dr::event::record(self.fork, compute).map_err(|e| cu_err("cuEventRecord (communication fork)", e))?;
-            dr::stream::wait_event(self.stream, self.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-                .map_err(|e| cu_err("cuStreamWaitEvent (communication fork)", e))
-        }
+        super::side_tasks::fork_stream(self.fork, compute, self.stream, "communication fork")
     }
 
     /// Marks the end of what the stream has queued so far.

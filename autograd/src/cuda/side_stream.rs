@@ -24,7 +24,7 @@
 //! computes what it computes on one stream; only which kernels overlap changes, so the bytes do
 //! not.
 
-use cudarc::driver::{result as dr, sys};
+use cudarc::driver::result as dr;
 
 use super::device::{cu_err, Dev};
 use super::side_tasks::{held_cap, in_flight, new_event, set_on_side, side_ordinal, Held, SideState};
@@ -66,11 +66,7 @@ pub(crate) fn on_side<R, E: From<crate::Error>>(dev: &Dev, f: impl FnOnce() -> s
     release_all(released);
     {
         let mut s = state(dev);
-        unsafe {
-            dr::event::record(s.fork, dev.cu_stream).map_err(|e| cu_err("cuEventRecord (fork)", e))?;
-            dr::stream::wait_event(dev.side_cu_stream, s.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-                .map_err(|e| cu_err("cuStreamWaitEvent (fork)", e))?;
-        }
+        super::side_tasks::fork_stream(s.fork, dev.cu_stream, dev.side_cu_stream, "fork")?;
         s.ledger.fork();
     }
     set_on_side(Some(dev.ordinal));

@@ -244,6 +244,17 @@ pub(crate) fn new_event() -> std::result::Result<sys::CUevent, cudarc::driver::D
     dr::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
 }
 
+/// `to` waits for what `from` has queued so far, through `event` (recorded on `from`): a fork of
+/// a second stream from the compute stream. Under stream capture it is an edge of the graph.
+pub(crate) fn fork_stream(event: sys::CUevent, from: sys::CUstream, to: sys::CUstream, what: &str) -> Result<()> {
+    // SAFETY: live handles of the bound context.
+    unsafe {
+        dr::event::record(event, from).map_err(|e| Error::Cuda(format!("cuEventRecord ({what}): {e:?}")))?;
+        dr::stream::wait_event(to, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+            .map_err(|e| Error::Cuda(format!("cuStreamWaitEvent ({what}): {e:?}")))
+    }
+}
+
 impl SideState {
     pub(crate) fn new() -> std::result::Result<SideState, cudarc::driver::DriverError> {
         Ok(SideState { ledger: SideLedger::new(), fork: new_event()? })
