@@ -3,7 +3,8 @@
 //! call — from the pool natively, from the arena inside a capture, where it is one more
 //! temporary of the graph's planned layout. With every fresh allocation and arena piece poisoned,
 //! `replay=all` gives the native fit's bytes, every region replays after its warm-up, and the
-//! captures did take workspaces from their arenas.
+//! captures did take workspaces from their arenas — in bf16-mixed, 16-mixed, 32-true (TF32
+//! convolutions) and bf16-mixed with channels-last activations.
 //! Without a usable GPU the test prints `skipping: <reason>` and passes.
 #![cfg(feature = "cuda")]
 
@@ -24,26 +25,47 @@ fn cuda_workspaces_from_capture_arenas_replay_equals_native() {
     let dir = std::env::temp_dir().join(format!("ptl-cuda-arena-ws-{}", std::process::id()));
     let data = ptl_test_support::pose_dataset(&dir, 24, 6);
     ptl_autograd::internal::cuda::set_poison_allocations(true);
-    let run = |replay: &[&str], name: &str| {
-        let cfg = PoseTrainConfig {
-            batch: 4,
-            nbs: 4,
-            imgsz: 128,
-            precision: Precision::Bf16Mixed,
-            ..cuda_fit_cfg(&data, dev, 8, replay, dir.join(name))
+    // Each precision (32-true with its TF32 convolutions) and the channels-last activations pick
+    // other engines and workspace sizes.
+    let settings = [(Precision::Bf16Mixed, false), (Precision::F16Mixed, false), (Precision::F32, false), (Precision::Bf16Mixed, true)];
+    let mut failures = Vec::new();
+    for (precision, channels_last) in settings {
+        let label = format!("{}{}", precision.name(), if channels_last { " channels-last" } else { "" });
+        let run = |replay: &[&str], name: &str| {
+            let cfg = PoseTrainConfig {
+                batch: 4,
+                nbs: 4,
+                imgsz: 128,
+                precision,
+                channels_last,
+                ..cuda_fit_cfg(&data, dev, 8, replay, dir.join(format!("{name}-{}-{channels_last}", precision.name())))
+            };
+            fit(&cfg, vec![]).expect("fit")
         };
-        fit(&cfg, vec![]).expect("fit")
-    };
-    let native = run(&[], "native");
-    let before = ptl_autograd::cuda::cudnn_workspaces_from_arenas();
-    let replayed = run(&["all"], "all");
-    let from_arenas = ptl_autograd::cuda::cudnn_workspaces_from_arenas() - before;
-    ptl_autograd::internal::cuda::set_poison_allocations(false);
-    assert_eq!(replayed.hashes, native.hashes, "replay=all with workspaces from the arenas, poisoned");
-    for (plugin, calls) in [("optimizer", replayed.optimizer_steps), ("step", 6)] {
-        let short = replay_shortfalls(&replayed, plugin, calls, &[]);
-        assert!(short.is_empty(), "{plugin}: {short:?}");
+        let native = run(&[], "native");
+        let before = ptl_autograd::cuda::cudnn_workspaces_from_arenas();
+        let replayed = run(&["all"], "all");
+        let from_arenas = ptl_autograd::cuda::cudnn_workspaces_from_arenas() - before;
+        if replayed.hashes != native.hashes {
+            failures.push(format!("{label}: replay=all with workspaces from the arenas, poisoned, differs from native"));
+        }
+        for (plugin, calls) in [("optimizer", replayed.optimizer_steps), ("step", 6)] {
+            let short = replay_shortfalls(&replayed, plugin, calls, &[]);
+            if !short.is_empty() {
+                failures.push(format!("{label}: {plugin}: {short:?}"));
+            }
+        }
+        if from_arenas == 0 {
+            failures.push(format!("{label}: no capture took a cuDNN workspace from its arena: the path this test exists for did not run"));
+        }
+        println!(
+            "{label}: {from_arenas} recorded calls took workspaces from arenas, model {} (native {})",
+            &replayed.hashes.model[..16],
+            &native.hashes.model[..16]
+        );
     }
-    assert!(from_arenas > 0, "no capture took a cuDNN workspace from its arena: the path this test exists for did not run");
-    println!("ok cuda workspaces from capture arenas: {from_arenas} recorded calls, model {} as native", &native.hashes.model[..16]);
+    ptl_autograd::internal::cuda::set_poison_allocations(false);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "{failures:#?}");
+    println!("ok cuda workspaces from capture arenas in bf16-mixed, 16-mixed, 32-true and channels-last");
 }

@@ -1607,6 +1607,51 @@ fn memory_section(ok: &[&Value]) -> String {
         ));
         seen.push(key);
     }
+    md.push_str(&epoch_memory_section(ok));
+    md
+}
+
+/// Runs of several epochs: the peaks and the recordings as each epoch ended, and whether either
+/// grew after the first epoch (a late target bucket that needed a larger arena, a recording made
+/// late).
+fn epoch_memory_section(ok: &[&Value]) -> String {
+    let mut md = String::new();
+    for r in ok.iter().filter(|r| r["kind"] == "ptl") {
+        let epochs = r["result"]["memory_per_epoch"].as_array().map(Vec::as_slice).unwrap_or_default();
+        if epochs.len() < 2 {
+            continue;
+        }
+        if md.is_empty() {
+            md.push_str(
+                "
+Device memory as each epoch ended (the process's peaks so far; graphs recorded so far):
+
+",
+            );
+        }
+        let col = |k: &str| -> Vec<u64> { epochs.iter().map(|e| e[k].as_u64().unwrap_or(0)).collect() };
+        let (alloc, reserved, recordings) = (col("peak_allocated_bytes"), col("peak_reserved_bytes"), col("recordings"));
+        let mibs = |v: &[u64]| v.iter().map(|b| format!("{:.0}", *b as f64 / 1048576.0)).collect::<Vec<_>>().join(", ");
+        let grew = |v: &[u64]| v.iter().any(|x| *x > v[0]);
+        let verdict = match (grew(&alloc), grew(&reserved), grew(&recordings)) {
+            (false, false, false) => "nothing grew after the first epoch".to_string(),
+            (a, rs, rc) => format!(
+                "GREW after the first epoch:{}{}{}",
+                if a { " allocated" } else { "" },
+                if rs { " reserved" } else { "" },
+                if rc { " recordings" } else { "" }
+            ),
+        };
+        md.push_str(&format!(
+            "- {} {} #{}: peak allocated {} MiB; peak reserved {} MiB; recordings {}; {verdict}\n",
+            r["precision"].as_str().unwrap_or("?"),
+            r["arm"].as_str().unwrap_or("?"),
+            r["pair"],
+            mibs(&alloc),
+            mibs(&reserved),
+            recordings.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+        ));
+    }
     md
 }
 
@@ -1776,6 +1821,32 @@ print(ns['busy_us'](spans), ns['active_us'](spans + [(9, 30, 31)]), ns['active_u
             }),
             None,
         )
+    }
+
+    /// Runs of several epochs say whether a peak or the recordings grew after the first epoch.
+    #[test]
+    fn epoch_memory_says_what_grew_after_the_first_epoch() {
+        let epochs = |alloc: [u64; 3], recordings: [u64; 3]| -> Value {
+            let mut r = ptl_run("all", 1, 10.0, 7.5, "m");
+            r["result"]["memory_per_epoch"] = (0..3)
+                .map(|e| {
+                    json!({ "epoch": e, "peak_allocated_bytes": alloc[e] << 20, "peak_reserved_bytes": 2048u64 << 20,
+                                  "reserved_bytes": 2048u64 << 20, "recordings": recordings[e] })
+                })
+                .collect();
+            r
+        };
+        let steady = epochs([979, 979, 979], [4, 4, 4]);
+        let md = epoch_memory_section(&[&steady]);
+        assert!(
+            md.contains("peak allocated 979, 979, 979 MiB; peak reserved 2048, 2048, 2048 MiB; recordings 4, 4, 4; nothing grew"),
+            "{md}"
+        );
+        let late = epochs([979, 979, 1001], [4, 4, 6]);
+        let md = epoch_memory_section(&[&late]);
+        assert!(md.contains("GREW after the first epoch: allocated recordings"), "{md}");
+        let one = ptl_run("all", 1, 10.0, 7.5, "m");
+        assert_eq!(epoch_memory_section(&[&one]), "", "a run of one epoch (or on the CPU) says nothing");
     }
 
     /// Ultralytics' arms get their own rows and labels; a crashed one is listed with its error,

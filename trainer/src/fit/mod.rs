@@ -20,6 +20,6 @@ pub use run_dir::RunDir;
 pub use sites::{NativeSites, NsSite, Site, SiteBody, SiteRunner, Surface, UpdatePart};
 pub use stopper::EarlyStopping;
 pub use summary::{
-    GpuWindowReport, KernelBreakdown, KernelModuleTime, KernelRow, KernelShare, LaunchesPerStep, MemoryAtBackward, ResultsCsv, RunHashes,
-    RunSummary, StageProfile, StartupReport, StepTiming, TimingReport,
+    EpochMemory, GpuWindowReport, KernelBreakdown, KernelModuleTime, KernelRow, KernelShare, LaunchesPerStep, MemoryAtBackward, ResultsCsv,
+    RunHashes, RunSummary, StageProfile, StartupReport, StepTiming, TimingReport,
 };

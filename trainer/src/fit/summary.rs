@@ -379,6 +379,36 @@ pub struct RunHashes {
     pub step_losses: String,
 }
 
+/// Device memory as an epoch ends: the process's peaks so far and what its replay plugins had
+/// recorded by then.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochMemory {
+    /// The epoch (0-based).
+    pub epoch: usize,
+    /// Peak bytes allocated since the run started.
+    pub peak_allocated_bytes: u64,
+    /// Peak bytes reserved since the run started.
+    pub peak_reserved_bytes: u64,
+    /// Bytes reserved at the epoch's end (what the epoch row prints as `GPU_mem`).
+    pub reserved_bytes: u64,
+    /// Graphs the replay plugins had recorded by the epoch's end (forward and backward captures
+    /// of every region): a number that stays put means no recording was made in later epochs.
+    pub recordings: u64,
+}
+
+impl EpochMemory {
+    /// The recordings counted in replay counters as `RunSummary::replay_counters` holds them
+    /// (plugin → region → counters): every region's `captures` and `backward_captures`.
+    pub fn recordings_in(counters: &serde_json::Map<String, serde_json::Value>) -> u64 {
+        counters
+            .values()
+            .filter_map(|regions| regions.as_object())
+            .flat_map(|regions| regions.values())
+            .map(|st| ["captures", "backward_captures"].iter().map(|k| st[*k].as_u64().unwrap_or(0)).sum::<u64>())
+            .sum()
+    }
+}
+
 /// The run summary written next to the checkpoints.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RunSummary {
@@ -431,6 +461,10 @@ pub struct RunSummary {
     pub metrics_per_epoch: Vec<Vec<(String, f64)>>,
     /// Hashes of the final state.
     pub hashes: RunHashes,
+    /// Device memory at the end of each epoch this process ran (validation included); empty on
+    /// the CPU. A peak that stays at the first epoch's value means nothing grew after it.
+    #[serde(default)]
+    pub memory_per_epoch: Vec<EpochMemory>,
     /// One line per replay plugin (its counters).
     pub plugins: Vec<String>,
     /// Per-region counters of each replay plugin (plugin → region → counters).
@@ -482,5 +516,22 @@ impl ResultsCsv {
             }
             Ok(())
         })?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Recordings are every region's forward and backward captures, over every plugin.
+    #[test]
+    fn recordings_add_up_every_regions_captures() {
+        let counters = serde_json::json!({
+            "step": { "step.0": { "captures": 1, "backward_captures": 1, "replays": 120 },
+                      "step.1": { "captures": 1, "backward_captures": 2 } },
+            "optimizer": { "update": { "captures": 1, "backward_captures": 0 } },
+            "feature": {}
+        });
+        assert_eq!(EpochMemory::recordings_in(counters.as_object().unwrap()), 6);
     }
 }

@@ -306,6 +306,15 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
         }
         run.each_cb(|c, v| c.on_train_epoch_end(v));
         run.epoch_s.push(epoch_start.elapsed().as_secs_f64());
+        if let (Some(peak_allocated_bytes), Some(peak_reserved_bytes)) = crate::pose::memory_peaks(cfg.device) {
+            run.memory_per_epoch.push(crate::fit::EpochMemory {
+                epoch,
+                peak_allocated_bytes,
+                peak_reserved_bytes,
+                reserved_bytes: crate::pose::memory_reserved(cfg.device),
+                recordings: crate::fit::EpochMemory::recordings_in(&run.plugins.counters()),
+            });
+        }
         // Every rank stops at this epoch's end once any rank has a signal.
         if let Some(signal) = run.signal_on_any_rank()?.filter(|_| epoch + 1 < cfg.epochs) {
             interrupt::clear();

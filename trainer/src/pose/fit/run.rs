@@ -88,6 +88,8 @@ pub(super) struct Run {
     pub(super) stage_ms: Vec<[f64; 7]>,
     /// Wall time of each epoch run by this process.
     pub(super) epoch_s: Vec<f64>,
+    /// Device memory at the end of each epoch run by this process (CUDA only).
+    pub(super) memory_per_epoch: Vec<crate::fit::EpochMemory>,
     // ---- data-parallel training ----
     /// This process's rank of a data-parallel group; `None`: the only one.
     pub(super) dp: Option<DataParallel>,
