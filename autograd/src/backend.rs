@@ -125,6 +125,11 @@ pub struct Conv2dParams {
     /// read, so no filter conversion runs inside cuDNN), whatever the activations' format; asked
     /// only of a backend that computes channels-last convolutions.
     pub weight_channels_last: bool,
+    /// The output gradient stored N, H, W, C while the input, the output and the input's gradient
+    /// are contiguous (`channels_last` false): converted once and read as it lies by both
+    /// gradients, instead of each converting it inside the library; asked only where
+    /// [`BackendStorage::reads_channels_last_output_gradient`] says so. Forward calls ignore it.
+    pub grad_channels_last: bool,
     /// Images.
     pub batch: usize,
     /// Input channels.
@@ -277,6 +282,13 @@ pub trait BackendStorage: Sized {
     /// Whether the convolutions take [`Conv2dParams::channels_last`] data (cuDNN computes in
     /// NHWC; a backend without it gets channels-last inputs converted at the op's entry).
     fn computes_channels_last_convolutions(&self) -> bool {
+        false
+    }
+    /// Whether both gradients of the contiguous convolution `p` are cheaper from an output
+    /// gradient stored N, H, W, C ([`Conv2dParams::grad_channels_last`]): true where the library
+    /// computes in NHWC and would otherwise convert the same output gradient once per gradient.
+    fn reads_channels_last_output_gradient(&self, p: &Conv2dParams) -> bool {
+        let _ = p;
         false
     }
     /// Gradient of the conv input given the output gradient (`self`).

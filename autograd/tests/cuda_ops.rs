@@ -799,6 +799,7 @@ fn philox_dropout_matches_cpu() {
 fn convs_use_the_graph_api() {
     let Some(dev) = gpu() else { return };
     let (g0, l0) = ptl_autograd::internal::cuda::conv_paths();
+    let nhwc0 = ptl_autograd::internal::cuda::channels_last_output_gradient_reads();
     let mut rng = Rng::new(5);
     let cases: [(&[usize], &[usize], usize, usize); 3] =
         [(&[2, 64, 40, 40], &[64, 64, 3, 3], 1, 1), (&[2, 32, 40, 40], &[64, 32, 3, 3], 2, 1), (&[2, 64, 20, 20], &[64, 1, 3, 3], 1, 64)];
@@ -831,6 +832,33 @@ fn convs_use_the_graph_api() {
     println!("ok convs: {} through the cuDNN graph API, {} through the legacy fallback", g1 - g0, l1 - l0);
     assert_eq!(l1 - l0, 0, "a convolution fell back to the legacy API ({} graph)", g1 - g0);
     assert_eq!(g1 - g0, 3 * 3 * 3 * 2, "expected every convolution through the graph API");
+    // The two ungrouped shapes' output gradients are converted to N, H, W, C once and read as
+    // they lie by both gradients (three dtypes, two runs); the depthwise one keeps cuDNN's planar
+    // kernels.
+    let nhwc = ptl_autograd::internal::cuda::channels_last_output_gradient_reads() - nhwc0;
+    assert_eq!(nhwc, 2 * 2 * 3 * 2, "gradients reading a channels-last output gradient");
+}
+
+/// Layout conversions (N, C, H, W ↔ N, H, W, C, the tiled batched transposes of `copy_strided`)
+/// are exact copies: the bytes of the CPU's permutation, in 2-, 4- and 8-byte types, at shapes
+/// with partial tiles, one image and more than one, and back again.
+#[test]
+fn layout_conversions_are_exact_copies() {
+    use ptl_autograd::MemoryFormat;
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(11);
+    for dt in [DType::BF16, DType::F16, DType::F32, DType::F64] {
+        for dims in [[1usize, 3, 5, 7], [2, 40, 33, 35], [3, 85, 20, 20], [4, 32, 64, 64], [1, 1, 9, 9]] {
+            let cpu = Tensor::rand(dims.to_vec(), -1.0, 1.0, dt, Device::Cpu, &mut rng).unwrap();
+            let x = cpu.to_device(dev).unwrap();
+            let cl = x.to_memory_format(MemoryFormat::ChannelsLast).unwrap();
+            let raw = cl.with_storage(|s| s.to_cpu().unwrap().as_bytes().to_vec());
+            assert_eq!(raw, cpu.permute(&[0, 2, 3, 1]).unwrap().to_bytes().unwrap(), "{dt} {dims:?}: stored as (N, H, W, C)");
+            let back = cl.to_memory_format(MemoryFormat::Contiguous).unwrap();
+            assert_eq!(back.to_bytes().unwrap(), cpu.to_bytes().unwrap(), "{dt} {dims:?}: back to (N, C, H, W)");
+        }
+    }
+    println!("ok layout conversions on {dev}: exact in bf16, f16, f32 and f64");
 }
 
 /// Gradient accumulation into existing `.grad`s runs batched (one multi-tensor launch per dtype

@@ -255,6 +255,16 @@ pub fn narrow_weight_gradients() -> u64 {
     super::ops::narrow_weight_gradients()
 }
 
+/// Gradient calls that read an N, H, W, C output gradient through the graph API
+/// ([`Conv2dParams::grad_channels_last`]).
+static CHANNELS_LAST_OUTPUT_GRADIENT_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many convolution gradients (data and weight, any dtype) read an output gradient converted
+/// once to N, H, W, C through cuDNN's graph API in this process, to check which path a shape takes.
+pub fn channels_last_output_gradient_reads() -> u64 {
+    CHANNELS_LAST_OUTPUT_GRADIENT_READS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// `PTL_CUDNN_LEGACY=1`: every convolution uses the legacy API (for comparison).
 fn legacy_forced() -> bool {
     static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -279,6 +289,34 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
     run_into(dir, a, b, p, op, out)
 }
 
+/// Whether both gradients of the contiguous convolution `p` in `dt` read an output gradient
+/// stored N, H, W, C ([`Conv2dParams::grad_channels_last`]): the shapes cuDNN's graph API
+/// computes in NHWC — not 1×1 GEMMs, grouped convolutions (cuDNN's planar direct kernels take
+/// those without a conversion), the own thin-input weight gradient or f64 (legacy API).
+/// `PTL_CONV_GRAD_NHWC=0` turns it off (each gradient converts the output gradient inside cuDNN).
+pub(crate) fn reads_channels_last_output_gradient(p: &Conv2dParams, dt: DType) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("PTL_CONV_GRAD_NHWC").map_or(true, |v| v.trim() != "0"));
+    let pointwise = p.kh == 1 && p.kw == 1 && p.stride == (1, 1) && p.padding == (0, 0);
+    on && !p.channels_last
+        && matches!(dt, DType::F32 | DType::BF16 | DType::F16)
+        && p.groups == 1
+        && !pointwise
+        && !super::ops::takes_thin_weight_gradient(p, dt)
+        && !legacy_forced()
+}
+
+/// The output gradient `dy` of `p`, stored N, H, W, C, rearranged into N, C, H, W for a path that
+/// reads it so (the legacy API, or a shape [`reads_channels_last_output_gradient`] turns down).
+fn output_gradient_contiguous(dy: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    use crate::shape::Layout;
+    let [n, c, h, w] = p.out_shape();
+    let mut out = CudaStorage::alloc(&dy.buf.dev, dy.dtype, dy.len)?;
+    let src = Layout { shape: vec![n, c, h, w], strides: vec![h * w * c, 1, w * c, c], offset: 0 };
+    super::ops::copy_strided(dy, &src, &mut out, &Layout::contiguous(&[n, c, h, w]))?;
+    Ok(out)
+}
+
 /// Computes direction `dir` into `out` (already allocated with the direction's size). Inputs: Fwd
 /// (x, w), BwdData (dy, w), BwdFilter (dy, x).
 pub(crate) fn run_into(
@@ -291,6 +329,13 @@ pub(crate) fn run_into(
 ) -> Result<CudaStorage> {
     let dt = a.dtype;
     let dev = &a.buf.dev;
+    if p.grad_channels_last && (dir == Dir::Fwd || !reads_channels_last_output_gradient(p, dt)) {
+        let q = Conv2dParams { grad_channels_last: false, ..*p };
+        return match dir {
+            Dir::Fwd => run_into(dir, a, b, &q, op, out),
+            _ => run_into(dir, &output_gradient_contiguous(a, p)?, b, &q, op, out),
+        };
+    }
     if out.len == 0 {
         return Ok(out);
     }
@@ -340,13 +385,19 @@ pub(crate) fn run_into(
                     let ws = workspaces[slot].get(dev, gp.workspace_bytes())?;
                     gp.execute(h, x, w, y, ws.ptr)?;
                     count_path(LibPath::ConvGraph);
+                    if p.grad_channels_last {
+                        CHANNELS_LAST_OUTPUT_GRADIENT_READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
                     return Ok(out);
                 }
             }
             count_path(LibPath::ConvLegacy);
-            // The legacy filter descriptors are OIHW: an O, H, W, I weight goes in through an OIHW
-            // copy, and its gradient comes out through one.
-            let q = Conv2dParams { weight_channels_last: false, ..*p };
+            // The legacy descriptors here are NCHW activations and OIHW filters: an N, H, W, C
+            // output gradient and an O, H, W, I weight go in through contiguous copies, and the
+            // weight's gradient comes out through one.
+            let dy_contiguous = if p.grad_channels_last { Some(output_gradient_contiguous(a, p)?) } else { None };
+            let a = dy_contiguous.as_ref().unwrap_or(a);
+            let q = Conv2dParams { weight_channels_last: false, grad_channels_last: false, ..*p };
             let (oihw_weight, oihw_grad) = match (p.weight_channels_last, dir) {
                 (false, _) => (None, None),
                 (true, Dir::BwdFilter) => (None, Some(CudaStorage::alloc(dev, dt, out.len)?)),

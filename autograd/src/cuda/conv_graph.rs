@@ -227,7 +227,10 @@ pub(crate) fn build(
     // Activations in the data's format, the weight in its own (OIHW, or O, H, W, I: KRSC).
     let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t, p.channels_last)?;
     let w = tensor(UID_W, p.weight_shape(), t, p.weight_channels_last)?;
-    let y = tensor(UID_Y, p.out_shape(), t, p.channels_last)?;
+    // The output gradient may lie N, H, W, C beside contiguous activations (converted once for
+    // both gradients).
+    let y_channels_last = p.channels_last || (dir != Dir::Fwd && p.grad_channels_last);
+    let y = tensor(UID_Y, p.out_shape(), t, y_channels_last)?;
     let conv = Desc::new(D::CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR)?;
     conv.set(A::CUDNN_ATTR_CONVOLUTION_COMP_TYPE, T::CUDNN_TYPE_DATA_TYPE, &[ns::cudnnDataType_t::CUDNN_DATA_FLOAT])?;
     conv.set(A::CUDNN_ATTR_CONVOLUTION_CONV_MODE, T::CUDNN_TYPE_CONVOLUTION_MODE, &[ns::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION])?;
@@ -650,6 +653,7 @@ mod tests {
         let mut p = crate::backend::Conv2dParams {
             channels_last: false,
             weight_channels_last: false,
+            grad_channels_last: false,
             batch: 64,
             c_in: 16,
             h_in: 320,
@@ -677,6 +681,7 @@ mod tests {
         let mut p = crate::backend::Conv2dParams {
             channels_last: true,
             weight_channels_last: true,
+            grad_channels_last: false,
             batch: 64,
             c_in: 85,
             h_in: 80,

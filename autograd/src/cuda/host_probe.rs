@@ -73,6 +73,7 @@ pub fn host_cost_breakdown(device: Device, reps: usize) -> Result<Vec<(&'static 
     let p = Conv2dParams {
         channels_last: false,
         weight_channels_last: false,
+        grad_channels_last: false,
         batch: 1,
         c_in: 8,
         h_in: 8,

@@ -52,6 +52,7 @@ impl Tensor {
         let p = Conv2dParams {
             channels_last,
             weight_channels_last,
+            grad_channels_last: false,
             batch: xd[0],
             c_in: xd[1],
             h_in: xd[2],
@@ -77,8 +78,15 @@ impl Tensor {
                         let Some(g) = &g[0] else { return Ok(vec![None, None]) };
                         // The output gradient in the output's format: as it lies for a
                         // channels-last convolution (converted first if it arrived otherwise).
+                        // Where both gradients would each convert a contiguous one to N, H, W, C
+                        // inside the library, it is converted once here and read as it lies.
                         let g = g.to_memory_format(format)?;
-                        let gs = g.storage_for(channels_last)?;
+                        let once = need_x && need_w && g.with_storage(|s| s.reads_channels_last_output_gradient(&p));
+                        let (g, p) = match once {
+                            true => (g.to_memory_format(MemoryFormat::ChannelsLast)?, Conv2dParams { grad_channels_last: true, ..p }),
+                            false => (g, p),
+                        };
+                        let gs = g.storage_for(channels_last || once)?;
                         // The weight gradient first, beside the data-gradient chain where the
                         // backend can (`streams`): nothing but the optimizer waits for it.
                         let gw = if need_w {

@@ -111,6 +111,7 @@ mod tests {
         let p = Conv2dParams {
             channels_last: true,
             weight_channels_last: false,
+            grad_channels_last: false,
             batch: 2,
             c_in: 16,
             h_in: 8,

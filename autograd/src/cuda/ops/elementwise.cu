@@ -231,6 +231,29 @@ extern "C" __global__ void copy2d_v4(const unsigned int* s, unsigned int* d, u32
 extern "C" __global__ void copy2d_v2(const unsigned short* s, unsigned short* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<unsigned short>(s, d, rows, cols, sp, dp); }
 extern "C" __global__ void copy2d_v1(const u8* s, u8* d, u32 rows, u32 cols, unsigned long long sp, unsigned long long dp) { copy2d_k<u8>(s, d, rows, cols, sp, dp); }
 
+// ---- batched transposes (layout conversions: N, C, H·W ↔ N, H·W, C) -----------------------------------
+// blockIdx.z's (rows × cols) row-major matrix of s written to d as its (cols × rows) transpose,
+// 32 × 32 tiles through shared memory (the padding column keeps the column reads off one bank), so
+// that both the reads and the writes take whole rows; blocks of 32 × 8 threads.
+template <typename T>
+__device__ void transpose_k(const T* s, T* d, u32 rows, u32 cols) {
+    __shared__ T tile[32][33];
+    const size_t base = (size_t)blockIdx.z * rows * cols;
+    const u32 c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (u32 k = threadIdx.y; k < 32; k += blockDim.y) {
+        const u32 r = r0 + k, c = c0 + threadIdx.x;
+        if (r < rows && c < cols) tile[k][threadIdx.x] = s[base + (size_t)r * cols + c];
+    }
+    __syncthreads();
+    for (u32 k = threadIdx.y; k < 32; k += blockDim.y) {
+        const u32 c = c0 + k, r = r0 + threadIdx.x;
+        if (r < rows && c < cols) d[base + (size_t)c * rows + r] = tile[threadIdx.x][k];
+    }
+}
+extern "C" __global__ void transpose_b2(const unsigned short* s, unsigned short* d, u32 rows, u32 cols) { transpose_k<unsigned short>(s, d, rows, cols); }
+extern "C" __global__ void transpose_b4(const unsigned int* s, unsigned int* d, u32 rows, u32 cols) { transpose_k<unsigned int>(s, d, rows, cols); }
+extern "C" __global__ void transpose_b8(const unsigned long long* s, unsigned long long* d, u32 rows, u32 cols) { transpose_k<unsigned long long>(s, d, rows, cols); }
+
 // Concatenation of up to 8 contiguous inputs in one launch (blockIdx.y = input): input k holds
 // `rows` rows of cols[k] vectors and lands at vector offset off[k] of each output row (pitch dp).
 struct CatArgs {

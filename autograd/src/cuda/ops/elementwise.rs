@@ -351,9 +351,39 @@ pub(crate) fn copy_strided(src: &CudaStorage, sl: &Layout, dst: &mut CudaStorage
         let db = dst.buf.ptr + (g.off[1] as usize * es) as u64;
         return copy_rows(dev, sb, db, h, w, sp, dp);
     }
+    if let Some((k, rows, cols)) = batched_transpose(&g) {
+        if let Some(name) = [(2, "transpose_b2"), (4, "transpose_b4"), (8, "transpose_b8")].iter().find(|(s, _)| *s == es).map(|(_, f)| *f)
+        {
+            let f = dev.func(name, "")?;
+            let sb = src.buf.ptr + (g.off[0] as usize * es) as u64;
+            let db = dst.buf.ptr + (g.off[1] as usize * es) as u64;
+            let grid = (cols.div_ceil(TRANSPOSE_TILE), rows.div_ceil(TRANSPOSE_TILE), k);
+            return dev.launch(f, grid, (TRANSPOSE_TILE, 8, 1), &mut args!(sb, db, rows, cols));
+        }
+    }
     let f = dev.func("copy_s", sfx(src.dtype))?;
     let (px, py, nn) = (ptr(src), ptr(dst), u32c("copy_strided", n)?);
     dev.launch1d(f, n, &mut args!(px, py, nn, g))
+}
+
+/// Side of the square tiles of `transpose_b*` (elementwise.cu).
+const TRANSPOSE_TILE: u32 = 32;
+
+/// A coalesced copy that writes `k` contiguous (`cols` × `rows`) matrices from (`rows` × `cols`)
+/// row-major ones — N, C, H·W storage to N, H·W, C and back, the layout conversions — as
+/// `(k, rows, cols)`. Such a copy through `copy_s` reads with a stride of a whole row per
+/// element; the tiled kernel reads and writes whole rows. `None` for any other copy (and for a
+/// batch beyond the grid's third dimension).
+fn batched_transpose(g: &super::geometry::Strided) -> Option<(u32, u32, u32)> {
+    let (k, a, b, st) = match g.rank {
+        3 => (g.shape[0], g.shape[1], g.shape[2], [[g.st[0][1], g.st[0][2]], [g.st[1][1], g.st[1][2]]]),
+        2 => (1, g.shape[0], g.shape[1], [[g.st[0][0], g.st[0][1]], [g.st[1][0], g.st[1][1]]]),
+        _ => return None,
+    };
+    // Destination contiguous (a, b); the source holds (b, a) row-major: element (j, l) at j + l·a.
+    let ab = u64::from(a) * u64::from(b);
+    let whole = g.rank == 2 || (u64::from(g.st[0][0]) == ab && u64::from(g.st[1][0]) == ab);
+    (whole && st[1] == [b, 1] && st[0] == [1, a] && a > 1 && b > 1 && k <= 65_535).then_some((k, b, a))
 }
 
 /// The widest access (16, 8, 4, 2 or 1 bytes) that divides `all` (the OR of every size, pitch,
@@ -479,5 +509,28 @@ mod access_width_tests {
         for (v, k) in [(1usize, 0u32), (2, 1), (4, 2), (8, 3), (16, 4)] {
             assert_eq!(v.trailing_zeros(), k);
         }
+    }
+}
+
+#[cfg(test)]
+mod transpose_tests {
+    use super::*;
+
+    /// The layout conversions' coalesced copies are recognised as batched transposes (and
+    /// launched as `(images, rows, cols)` of the source's matrices); other copies are not.
+    #[test]
+    fn layout_conversions_are_batched_transposes() {
+        let (n, c, h, w) = (3usize, 40usize, 5usize, 7usize);
+        let to_cl = |n: usize| strided("t", &[n, h, w, c], &[(&[c * h * w, w, 1, h * w], 0), (&[h * w * c, w * c, c, 1], 0)]).unwrap();
+        assert_eq!(batched_transpose(&to_cl(n)), Some((3, 40, 35)), "N, C, H, W → N, H, W, C: (C × H·W) matrices");
+        assert_eq!(batched_transpose(&to_cl(1)), Some((1, 40, 35)), "one image");
+        let from_cl = strided("t", &[n, c, h, w], &[(&[h * w * c, 1, w * c, c], 0), (&[c * h * w, h * w, w, 1], 0)]).unwrap();
+        assert_eq!(batched_transpose(&from_cl), Some((3, 35, 40)), "N, H, W, C → N, C, H, W: (H·W × C) matrices");
+        let plain = strided("t", &[n, c], &[(&[c, 1], 0), (&[c, 1], 0)]).unwrap();
+        assert_eq!(batched_transpose(&plain), None, "a contiguous copy");
+        let narrowing = strided("t", &[n, c, 4], &[(&[c * 8, 8, 1], 0), (&[c * 4, 4, 1], 0)]).unwrap();
+        assert_eq!(batched_transpose(&narrowing), None, "row copies");
+        let permuted = strided("t", &[n, c, 4], &[(&[4, 4 * n, 1], 0), (&[c * 4, 4, 1], 0)]).unwrap();
+        assert_eq!(batched_transpose(&permuted), None, "a permutation that is no batched transpose");
     }
 }

@@ -116,6 +116,7 @@ mod tests {
         Conv2dParams {
             channels_last: false,
             weight_channels_last: false,
+            grad_channels_last: false,
             batch: 64,
             c_in,
             h_in: w_in,
