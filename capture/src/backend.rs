@@ -89,6 +89,15 @@ pub trait Backend: Send + Sync {
         let _ = slot;
         self.record(region, device, arena, pool, body)
     }
+    /// The slot of `device`'s turn arena: shared by every recorder with
+    /// [`crate::RecorderConfig::take_turns`] on this backend, for graphs that keep nothing in
+    /// their arena past their end — backward graphs, and forward graphs of regions with no
+    /// backward (an optimizer update writing in place) — which run one at a time on the device's
+    /// compute stream. By default a fresh slot each time (no sharing).
+    fn turn_arena(&self, device: Device) -> std::sync::Arc<ArenaSlot> {
+        let _ = device;
+        std::sync::Arc::new(ArenaSlot::default())
+    }
     /// Gives the memory of `slot`'s shared arena back (`resident` false) or maps it again
     /// (true): its graphs hold nothing between replays, so a native run beside them (a new
     /// signature's warm-up) may have that memory; none of them runs until it is mapped again.

@@ -198,6 +198,18 @@ impl Backend for CudaBackend {
         }
         Ok(graph)
     }
+    /// One turn arena per device for the whole process: the recorders of every replay plugin
+    /// take turns in it.
+    fn turn_arena(&self, device: Device) -> std::sync::Arc<ArenaSlot> {
+        static SLOTS: Mutex<Vec<(Device, std::sync::Arc<ArenaSlot>)>> = Mutex::new(Vec::new());
+        let mut slots = SLOTS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, s)) = slots.iter().find(|(d, _)| *d == device) {
+            return s.clone();
+        }
+        let s = std::sync::Arc::new(ArenaSlot::default());
+        slots.push((device, s.clone()));
+        s
+    }
     fn set_shared_resident(&self, slot: &ArenaSlot, resident: bool) -> Result<bool> {
         let held = slot.lock().unwrap_or_else(|e| e.into_inner());
         let Some(arena) = held.as_ref().and_then(|a| a.downcast_ref::<std::sync::Arc<CaptureArena>>()) else { return Ok(false) };

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use ptl_autograd::{DType, Tensor};
+use ptl_autograd::{DType, Device, Tensor};
 
 use serde::{Deserialize, Serialize};
 
@@ -45,6 +45,14 @@ pub struct RecorderConfig {
     /// another's forward starts — one region per batch, as the `step` and `loss` plugins record
     /// one per target bucket): their forward graphs share one arena, sized for the largest.
     pub share_forward_arena: bool,
+    /// This recorder's graphs that keep nothing in their arena past their end — its backward
+    /// graphs, and the forward graphs of regions with no backward (nothing saved for one: an
+    /// optimizer update writing in place) — record into the backend's turn arena of the device
+    /// ([`crate::Backend::turn_arena`]), shared with every other recorder that takes turns,
+    /// instead of an arena of the recorder's own (backward) or of their own (such forwards).
+    /// They run one at a time on the compute stream, so the step's backward and the optimizer's
+    /// update need memory for the larger of the two only (docs/memory.md).
+    pub take_turns: bool,
     /// An unplanned arena's size as a multiple of what the warm-up allocated (headroom for a
     /// capture that allocates a little more).
     pub arena_slack: f64,
@@ -65,6 +73,7 @@ impl Default for RecorderConfig {
             plan_headroom: 1.0 / 16.0,
             traced_headroom: 1.0 / 128.0,
             share_forward_arena: false,
+            take_turns: false,
             arena_slack: 1.25,
             arena_extra_bytes: 1 << 20,
         }
@@ -83,6 +92,8 @@ pub(crate) struct RecorderInner {
     pub(crate) bwd_arena: Arc<ArenaSlot>,
     /// The forward graphs' shared arena when [`RecorderConfig::share_forward_arena`] is on.
     pub(crate) fwd_arena: Arc<ArenaSlot>,
+    /// The turn arenas this recorder's graphs recorded into ([`RecorderConfig::take_turns`]).
+    turn_slots: Mutex<Vec<Arc<ArenaSlot>>>,
     /// With [`RecorderConfig::share_forward_arena`], the regions take turns: their recordings
     /// share one static buffer per input position, shape and dtype (a step's images are copied
     /// into one buffer whichever target bucket records the step).
@@ -116,6 +127,28 @@ impl RecorderInner {
         regions.iter().filter(|r| !std::ptr::eq(r.as_ref(), me)).all(|r| r.idle())
     }
 
+    /// The slot of the arena that graphs keeping nothing past their end record into on `device`:
+    /// the backend's turn arena with [`RecorderConfig::take_turns`], else the recorder's own
+    /// backward arena.
+    pub(crate) fn turn_slot(&self, device: Device) -> Arc<ArenaSlot> {
+        if !self.config.take_turns {
+            return self.bwd_arena.clone();
+        }
+        let slot = self.backend.turn_arena(device);
+        let mut held = self.turn_slots.lock().unwrap_or_else(|e| e.into_inner());
+        if !held.iter().any(|s| Arc::ptr_eq(s, &slot)) {
+            held.push(slot.clone());
+        }
+        slot
+    }
+
+    /// Every shared arena slot this recorder's graphs use.
+    fn shared_slots(&self) -> Vec<Arc<ArenaSlot>> {
+        let mut slots = vec![self.fwd_arena.clone(), self.bwd_arena.clone()];
+        slots.extend(self.turn_slots.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned());
+        slots
+    }
+
     /// Whether a forward graph has been recorded into the shared forward arena.
     pub(crate) fn holds_shared_forward(&self) -> bool {
         self.fwd_arena.lock().unwrap_or_else(|e| e.into_inner()).is_some()
@@ -141,7 +174,15 @@ impl Recorder {
         let (bwd_arena, fwd_arena) = (Arc::new(ArenaSlot::default()), Arc::new(ArenaSlot::default()));
         let shared_inputs = Mutex::default();
         Recorder {
-            inner: Arc::new(RecorderInner { config, backend, regions: Mutex::new(Vec::new()), bwd_arena, fwd_arena, shared_inputs }),
+            inner: Arc::new(RecorderInner {
+                config,
+                backend,
+                regions: Mutex::new(Vec::new()),
+                bwd_arena,
+                fwd_arena,
+                turn_slots: Mutex::default(),
+                shared_inputs,
+            }),
         }
     }
 
@@ -192,8 +233,12 @@ impl Recorder {
     /// Lets go of the shared arenas and static inputs (their memory returns once no recording
     /// holds them): after the regions' recordings were released.
     pub fn release_shared(&self) {
-        *self.inner.fwd_arena.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        *self.inner.bwd_arena.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        // A turn arena's graphs of other recorders keep theirs alive; the next capture into the
+        // slot makes a new one.
+        for slot in self.inner.shared_slots() {
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+        self.inner.turn_slots.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.inner.shared_inputs.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
@@ -209,9 +254,11 @@ impl Recorder {
             return Ok(false);
         }
         let b = &self.inner.backend;
-        let fwd = b.set_shared_resident(&self.inner.fwd_arena, false)?;
-        let bwd = b.set_shared_resident(&self.inner.bwd_arena, false)?;
-        Ok(fwd || bwd)
+        let mut any = false;
+        for slot in self.inner.shared_slots() {
+            any |= b.set_shared_resident(&slot, false)?;
+        }
+        Ok(any)
     }
 
     /// Counters of every region, in creation order.

@@ -996,9 +996,12 @@ impl RegionHandle {
         // The recorder's shared arenas hold nothing between replays: their memory goes back to
         // the driver while the warm-up runs natively, so a signature captured after another does
         // not hold a native step's working set beside them (docs/memory.md).
+        // The turn arena holds nothing between graphs whatever other recorders wait for.
         let idle = st.recordings.iter().all(|r| !r.pending_alive()) && self.recorder.others_idle(&self.shared);
+        let turn_slot = self.recorder.turn_slot(device);
         let aside = match idle {
-            true => ArenasAside::take(backend.as_ref(), device, [&*self.recorder.fwd_arena, &*self.recorder.bwd_arena])?,
+            true => ArenasAside::take(backend.as_ref(), device, [&*self.recorder.fwd_arena, &*self.recorder.bwd_arena, &*turn_slot])?,
+            false if self.recorder.config.take_turns => ArenasAside::take(backend.as_ref(), device, [&*turn_slot])?,
             false => ArenasAside::none(backend.as_ref(), device),
         };
         let buf_snap: Vec<Tensor> = buffers.iter().map(|b| b.deep_copy()).collect::<ptl_autograd::Result<_>>()?;
@@ -1183,7 +1186,7 @@ impl RegionHandle {
             *lock(&w) = rngs.iter().map(|r| r.end_capture()).collect();
             res
         };
-        let bwd_arena_slot = self.recorder.bwd_arena.clone();
+        let bwd_arena_slot = turn_slot.clone();
         let restore_host = || {
             for (h, s) in spec.host_state.iter().zip(&host_snap) {
                 h.restore(s);
@@ -1226,9 +1229,17 @@ impl RegionHandle {
             if cfg.plan_arenas {
                 core.clear_tape();
             }
-            let fwd = match cfg.share_forward_arena {
-                true => backend.record_sharing(&region, device, &fwd_spec, &self.recorder.fwd_arena, pool.as_ref(), fwd_body.clone()),
-                false => backend.record(&region, device, &fwd_spec, pool.as_ref(), fwd_body.clone()),
+            // A forward graph that saves nothing for a backward keeps nothing in its arena past its
+            // end (its outputs are static buffers): it takes turns with the backward graphs.
+            let saves_for_backward = needs_grad && core.out_grad.iter().any(|g| *g);
+            let fwd_slot = match (cfg.take_turns && !saves_for_backward, cfg.share_forward_arena) {
+                (true, _) => Some(&*bwd_arena_slot),
+                (false, true) => Some(&*self.recorder.fwd_arena),
+                (false, false) => None,
+            };
+            let fwd = match fwd_slot {
+                Some(slot) => backend.record_sharing(&region, device, &fwd_spec, slot, pool.as_ref(), fwd_body.clone()),
+                None => backend.record(&region, device, &fwd_spec, pool.as_ref(), fwd_body.clone()),
             };
             // A planned capture that overflowed a shared arena is tried once more in an arena of
             // its own with the plan's whole tail, then unplanned.
@@ -1236,7 +1247,7 @@ impl RegionHandle {
                 Err(CaptureError::AllocOutsidePool { .. }) if !fwd_spec.plan.offsets.is_empty() => {
                     restore_host();
                     lock(&self.shared.stats).arena_replans += 1;
-                    let own = cfg.share_forward_arena.then(|| backend.record(&region, device, &fwd_spec, pool.as_ref(), fwd_body.clone()));
+                    let own = fwd_slot.is_some().then(|| backend.record(&region, device, &fwd_spec, pool.as_ref(), fwd_body.clone()));
                     match own {
                         None | Some(Err(CaptureError::AllocOutsidePool { .. })) => {
                             restore_host();

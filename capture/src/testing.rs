@@ -22,6 +22,9 @@ pub struct ReplayNatively {
     pub evictions: AtomicU64,
     /// Shared arenas put back after an eviction.
     pub restores: Arc<AtomicU64>,
+    /// The turn arenas' slots by device ([`Backend::turn_arena`]), shared by the recorders on
+    /// this double.
+    pub turn_slots: Mutex<Vec<(Device, Arc<ArenaSlot>)>>,
 }
 
 struct Stored {
@@ -101,6 +104,15 @@ impl Backend for ReplayNatively {
             *held = Some(Box::new(flag));
         }
         Ok(Box::new(stored))
+    }
+    fn turn_arena(&self, device: Device) -> Arc<ArenaSlot> {
+        let mut slots = self.turn_slots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, s)) = slots.iter().find(|(d, _)| *d == device) {
+            return s.clone();
+        }
+        let s = Arc::new(ArenaSlot::default());
+        slots.push((device, s.clone()));
+        s
     }
     fn set_shared_resident(&self, slot: &ArenaSlot, resident: bool) -> Result<bool> {
         let held = slot.lock().unwrap_or_else(|e| e.into_inner());

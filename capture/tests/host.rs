@@ -332,6 +332,54 @@ fn a_later_signature_warms_up_with_the_shared_arenas_set_aside() {
     assert_eq!(load(&backend.restores), 4, "once");
 }
 
+/// Recorders that take turns (`take_turns`: the step's backward graphs, the optimizer's update)
+/// record the graphs that keep nothing past their end into the backend's one turn arena: the
+/// update's forward graph (no backward) shares the other recorder's backward arena, so setting
+/// that recorder's arenas aside also sets the update's aside, and its next replay maps it again.
+/// Results stay the native ones; without `take_turns` the update keeps an arena of its own.
+#[test]
+fn recorders_that_take_turns_share_one_arena() {
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    for take_turns in [true, false] {
+        let backend = Arc::new(ReplayNatively::default());
+        let cfg = RecorderConfig { take_turns, ..Default::default() };
+        let (step_rec, update_rec) = (Recorder::with_backend(cfg.clone(), backend.clone()), Recorder::with_backend(cfg, backend.clone()));
+        let net = Net::new(Device::Cpu, DType::F32, 5);
+        let (p, s) = (net.p.clone(), net.p.clone());
+        let step = step_rec.region(RegionSpec::new("step", move || s.with_prefix("trunk."), move |xs| Ok(vec![Net::trunk(&p, &xs[0])?])));
+        let m = Tensor::zeros(vec![3], DType::F32, Device::Cpu).unwrap();
+        let (m2, m_native) = (m.clone(), m.deep_copy().unwrap());
+        let bump = |m: &Tensor, x: &Tensor| no_grad(|| m.add_(&x.mul_scalar(0.5)?));
+        let update = update_rec.region(RegionSpec::new("update", Vec::new, move |xs| {
+            bump(&m2, &xs[0])?;
+            Ok(Vec::new())
+        }));
+        let x = Data::new(Device::Cpu, DType::F32, 2, 8, 1).x;
+        for i in 0..4 {
+            let y = step.call(std::slice::from_ref(&x)).unwrap().remove(0);
+            assert_eq!(y.to_bytes().unwrap(), no_grad(|| Net::trunk(&net.p, &x).unwrap().to_bytes().unwrap()), "call {i}");
+            y.mean_all().unwrap().backward().unwrap();
+            let g = Tensor::from_vec(vec![i as f32, 1.0, -1.0], 3, Device::Cpu).unwrap();
+            update.call(std::slice::from_ref(&g)).unwrap();
+            bump(&m_native, &g).unwrap();
+            assert_eq!(m.to_bytes().unwrap(), m_native.to_bytes().unwrap(), "call {i}: the update wrote in place as natively");
+        }
+        assert_eq!((step.stats().captures, update.stats().captures), (1, 1));
+        // Set the step recorder's arenas aside (validation), then replay the update alone.
+        let restores = load(&backend.restores);
+        assert!(step_rec.set_shared_arenas_aside().unwrap(), "the step's backward arena was set aside");
+        let g = Tensor::from_vec(vec![2.0f32, 2.0, 2.0], 3, Device::Cpu).unwrap();
+        update.call(std::slice::from_ref(&g)).unwrap();
+        bump(&m_native, &g).unwrap();
+        assert_eq!(m.to_bytes().unwrap(), m_native.to_bytes().unwrap());
+        let put_back = load(&backend.restores) - restores;
+        match take_turns {
+            true => assert_eq!(put_back, 1, "the update's graph is in the step's backward arena: its replay mapped it again"),
+            false => assert_eq!(put_back, 0, "the update's graph has an arena of its own"),
+        }
+    }
+}
+
 /// A channels-last input reaches a region's body in the logical order (converted at entry): the
 /// region's outputs and the input's gradient equal those of the contiguous input, call after
 /// call through warm-up, capture and replays.

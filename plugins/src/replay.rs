@@ -49,9 +49,11 @@ pub struct PieceReplay {
 }
 
 /// Recorder defaults of the replay plugins: one recording per region, so a temporary shape (the
-/// last partial batch, another image size) runs natively and replay resumes on the recorded one.
+/// last partial batch, another image size) runs natively and replay resumes on the recorded one;
+/// the plugins' backward graphs and the optimizer's update graphs take turns in one arena
+/// (`take_turns`: they never run at the same time).
 pub fn plugin_defaults() -> RecorderConfig {
-    RecorderConfig { max_recordings: 1, ..RecorderConfig::default() }
+    RecorderConfig { max_recordings: 1, take_turns: true, ..RecorderConfig::default() }
 }
 
 /// Configuration keys that steer tests, not the recorder.
