@@ -1,8 +1,8 @@
-//! No growth after the first epoch: a `replay=all` fit of three epochs records every graph it
-//! needs in the first, and neither the allocated nor the reserved peak moves after it (every
-//! later target bucket's step fits the arenas planned then). The peaks are the process's, read as
-//! each epoch ends (`RunSummary::memory_per_epoch`), validation included; the replay counters show
-//! that every region replayed after its warm-up.
+//! No growth after the first epoch: in a `replay=all` fit of three epochs neither the allocated
+//! nor the reserved peak moves after the first (a target bucket first seen later must fit the
+//! arenas planned then). The peaks are the process's, read as each epoch ends
+//! (`RunSummary::memory_per_epoch`), validation included; the replay counters show that every
+//! region replayed after its warm-up. The recordings made by each epoch's end are printed.
 //! Without a usable GPU the test prints `skipping: <reason>` and passes.
 #![cfg(feature = "cuda")]
 
@@ -37,7 +37,6 @@ fn cuda_replay_memory_does_not_grow_after_the_first_epoch() {
     }
     let first = &s.memory_per_epoch[0];
     for later in &s.memory_per_epoch[1..] {
-        assert_eq!(later.recordings, first.recordings, "a graph was recorded after the first epoch: {:?}", s.memory_per_epoch);
         assert_eq!(
             later.peak_allocated_bytes, first.peak_allocated_bytes,
             "the allocated peak grew after the first epoch: {:?}",
@@ -49,8 +48,9 @@ fn cuda_replay_memory_does_not_grow_after_the_first_epoch() {
             s.memory_per_epoch
         );
     }
+    let recordings: Vec<u64> = s.memory_per_epoch.iter().map(|e| e.recordings).collect();
     println!(
-        "ok cuda replay memory: {} recordings, peak {} / {} bytes allocated / reserved after each of 3 epochs",
-        first.recordings, first.peak_allocated_bytes, first.peak_reserved_bytes
+        "ok cuda replay memory: peak {} / {} bytes allocated / reserved after each of 3 epochs; recordings by each epoch's end {recordings:?}",
+        first.peak_allocated_bytes, first.peak_reserved_bytes
     );
 }
