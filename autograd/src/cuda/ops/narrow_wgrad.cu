@@ -8,8 +8,8 @@
 // contraction has no single stride, so cuBLAS needs a GEMM per item (plus its split-K reductions)
 // or a batched GEMM of per-item partials, whose kernels for these shapes are slow. Here a block
 // takes a band of consecutive (item, position) pairs and a 64 × 32 tile of the weight, and writes
-// the band's f32 sums; the launcher adds the bands in order (sum_partials), so the bytes are
-// fixed for a shape.
+// the band's f32 sums; the last block of a tile to finish (a ticket per tile) adds the tile's
+// bands in order, as sum_partials does, so the bytes are fixed for a shape — in one launch.
 
 #define NW_TO 64   // outputs per block tile
 #define NW_TC 32   // inputs per block tile
@@ -77,10 +77,38 @@ __device__ void narrow_wgrad_part_k(const T* dy, const T* x, float* part, u32 co
         }
     }
 }
-#define INST_NARROW(name, T)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) narrow_wgrad_part_##name(const T* dy, const T* x, float* part, u32 co, \
-                                                                               u32 ci, u32 P, u32 K, u32 per) {          \
-        narrow_wgrad_part_k<T>(dy, x, part, co, ci, P, K, per);                                                         \
+// After its band's partial, a block takes its tile's ticket (`tickets`: device-lifetime zeros of
+// the launching stream); the last of the `nb` bands adds the tile's partials in band order — the
+// order and f32 arithmetic of sum_partials — stores them in T, and resets the ticket.
+template <typename T>
+__device__ void narrow_wgrad_k(const T* dy, const T* x, float* part, T* out, u32 co, u32 ci, u32 P, u32 K, u32 per, u32 nb,
+                               unsigned int* tickets) {
+    narrow_wgrad_part_k<T>(dy, x, part, co, ci, P, K, per);
+    __shared__ bool last;
+    const u32 tile = blockIdx.y * gridDim.z + blockIdx.z;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&tickets[tile], 1u) == nb - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const u32 o0 = blockIdx.y * NW_TO, c0 = blockIdx.z * NW_TC;
+    const size_t len = (size_t)co * ci;
+    for (u32 e = threadIdx.x; e < NW_TO * NW_TC; e += blockDim.x) {
+        const u32 o = o0 + e / NW_TC, c = c0 + e % NW_TC;
+        if (o >= co || c >= ci) continue;
+        const size_t j = (size_t)o * ci + c;
+        float acc = __ldcg(&part[j]);
+        for (u32 b = 1; b < nb; ++b) acc += __ldcg(&part[(size_t)b * len + j]);
+        out[j] = store<T, float>(acc);
+    }
+    if (threadIdx.x == 0) tickets[tile] = 0u;
+}
+#define INST_NARROW(name, T)                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) narrow_wgrad_##name(const T* dy, const T* x, float* part, T* out, u32 co, \
+                                                                          u32 ci, u32 P, u32 K, u32 per, u32 nb,               \
+                                                                          unsigned int* tickets) {                             \
+        narrow_wgrad_k<T>(dy, x, part, out, co, ci, P, K, per, nb, tickets);                                                  \
     }
 INST_NARROW(f32, float)
 INST_NARROW(f16, __half)

@@ -4,8 +4,8 @@
 //! still below about a dozen items), each split in two by its heuristic, plus a cast; with this
 //! kernel a batch-4 step on an H100 has 2,172 kernels instead of 2,308 and 9.4 ms of them instead
 //! of 9.7 (24 layers, 0.20 ms in this kernel). Blocks take bands of the contraction over (item,
-//! position) and tiles of the weight; the bands' f32 partials are added in order, so the bytes
-//! are fixed for a shape.
+//! position) and tiles of the weight; the bands' f32 partials are added in order by each tile's
+//! last block (one launch, no separate sum), so the bytes are fixed for a shape.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,12 +58,16 @@ pub(crate) fn narrow_pointwise_weight_gradient(
     let k = p.batch * positions;
     let (to, tc) = (p.c_out.div_ceil(TILE_OUT), p.c_in.div_ceil(TILE_IN));
     let (nb, per) = bands(k, to * tc);
+    if to * tc > super::super::device::BN_TICKETS {
+        return Err(crate::Error::invalid(OP, format!("{} weight tiles exceed the {} tickets", to * tc, super::super::device::BN_TICKETS)));
+    }
     let part = CudaStorage::alloc(dev, DType::F32, nb * p.c_out * p.c_in)?;
-    let (pa, pb, pp) = (ptr(dy), ptr(x), ptr(&part));
-    let (co, ci, pn, kk, pr) = (c(p.c_out)?, c(p.c_in)?, c(positions)?, c(k)?, c(per)?);
-    let f = dev.func("narrow_wgrad_part", sfx(dy.dtype))?;
-    dev.launch(f, (c(nb)?, c(to)?, c(tc)?), (256, 1, 1), &mut args!(pa, pb, pp, co, ci, pn, kk, pr))?;
-    super::reduce::sum_partials(&part, nb, &out)?;
+    let (pa, pb, pp, po) = (ptr(dy), ptr(x), ptr(&part), ptr(&out));
+    let (co, ci, pn, kk, pr, pnb) = (c(p.c_out)?, c(p.c_in)?, c(positions)?, c(k)?, c(per)?, c(nb)?);
+    // The stream's batch-norm tickets: kernels of one stream run one after another.
+    let tickets = dev.bn_tickets();
+    let f = dev.func("narrow_wgrad", sfx(dy.dtype))?;
+    dev.launch(f, (pnb, c(to)?, c(tc)?), (256, 1, 1), &mut args!(pa, pb, pp, po, co, ci, pn, kk, pr, pnb, tickets))?;
     NARROW_WGRADS.fetch_add(1, Ordering::Relaxed);
     Ok(out)
 }
