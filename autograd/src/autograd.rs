@@ -28,6 +28,18 @@ pub trait BackwardOp: Send + Sync {
     fn runs_aside(&self) -> bool {
         false
     }
+    /// Whether this single-output backward takes its gradient as the two contributions it
+    /// received, unsummed ([`BackwardOp::backward_two`]), where exactly two arrived: it adds them
+    /// inside its own kernels as the engine would have, saving the addition's launch.
+    fn adds_two_contributions(&self) -> bool {
+        false
+    }
+    /// [`BackwardOp::backward`] of a single-output node whose gradient is `a + b` (the engine's
+    /// order: `a` from the later-created consumer). By default the sum, then `backward`.
+    fn backward_two(&self, a: &Tensor, b: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let g = add_grads(a.clone(), b.clone())?;
+        self.backward(&[Some(g)])
+    }
 }
 
 /// Closure adapter so simple ops can write `backward` next to `forward`.
@@ -171,6 +183,12 @@ pub fn attach_custom_node(op: Arc<dyn BackwardOp>, inputs: &[&Tensor], outputs: 
         fn backward(&self, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
             self.0.backward(g)
         }
+        fn adds_two_contributions(&self) -> bool {
+            self.0.adds_two_contributions()
+        }
+        fn backward_two(&self, a: &Tensor, b: &Tensor) -> Result<Vec<Option<Tensor>>> {
+            self.0.backward_two(a, b)
+        }
     }
     if !tracking(inputs) {
         return outputs.iter().map(|t| t.detach()).collect();
@@ -203,15 +221,22 @@ fn topo_order(root: &Arc<Node>) -> Vec<Arc<Node>> {
     order
 }
 
-fn add_grads(a: Tensor, b: Tensor) -> Result<Tensor> {
+/// Two gradient contributions added as the engine adds them (`a + b`, one elementwise op).
+pub(crate) fn add_grads(a: Tensor, b: Tensor) -> Result<Tensor> {
     no_grad(|| a.add(&b))
+}
+
+/// One output's gradient contributions in the order they are added: latest-created consumer
+/// first.
+fn in_sum_order(mut c: Vec<(u64, Tensor)>) -> Vec<Tensor> {
+    c.sort_by_key(|(id, _)| std::cmp::Reverse(*id));
+    c.into_iter().map(|(_, g)| g).collect()
 }
 
 /// The sum of one output's gradient contributions, latest-created consumer first (`None` when
 /// nothing arrived: an absent gradient stays absent).
-fn sum_contributions(mut c: Vec<(u64, Tensor)>) -> Result<Option<Tensor>> {
-    c.sort_by_key(|(id, _)| std::cmp::Reverse(*id));
-    let mut it = c.into_iter().map(|(_, g)| g);
+fn sum_contributions(c: Vec<(u64, Tensor)>) -> Result<Option<Tensor>> {
+    let mut it = in_sum_order(c).into_iter();
     let Some(first) = it.next() else { return Ok(None) };
     it.try_fold(first, add_grads).map(Some)
 }
@@ -312,6 +337,15 @@ impl Tensor {
                 (false, None) => None,
             };
             let run = || -> Result<Option<Vec<Option<Tensor>>>> {
+                // A node that adds two contributions itself gets them unsummed.
+                if node.op.adds_two_contributions() && contributions.len() == 1 && contributions[0].len() == 2 {
+                    let mut parts = in_sum_order(contributions.into_iter().next().unwrap_or_default());
+                    let (b, a) = (parts.pop(), parts.pop());
+                    if let (Some(a), Some(b)) = (a, b) {
+                        return node.op.backward_two(&a, &b).map(Some);
+                    }
+                    return Err(Error::Backward { msg: format!("{}: two gradient contributions expected", node.name()) });
+                }
                 let grads = contributions.into_iter().map(sum_contributions).collect::<Result<Vec<Option<Tensor>>>>()?;
                 if grads.iter().all(Option::is_none) {
                     return Ok(None);

@@ -769,6 +769,55 @@ fn bn_one_launch_matches_two_launches() {
     }
 }
 
+/// A batch norm whose output two consumers read gets its gradient as the two contributions and
+/// adds them inside its kernels: the bytes equal those of the backward from the sum (added as
+/// the engine adds contributions: the later consumer's first) — input, weight and bias gradients —
+/// in the one-block, cluster and two-launch forms, scalar and vector shapes, f32/bf16/f16, and
+/// with channels-last storage (added before the kernels).
+#[test]
+fn bn_adds_two_gradient_contributions_itself() {
+    use ptl_autograd::MemoryFormat;
+    let Some(dev) = gpu() else { return };
+    let mut cases = 0;
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        for shape in [[3, 8, 7, 6], [4, 32, 20, 20], [4, 64, 40, 40], [4, 8, 160, 160]] {
+            for format in [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast] {
+                let mut rng = Rng::new(23);
+                let c = shape[1];
+                let x0 = Tensor::rand(shape.to_vec(), -2.0, 2.0, dt, dev, &mut rng).unwrap();
+                let w0 = Tensor::rand(vec![c], 0.5, 1.5, DType::F32, dev, &mut rng).unwrap();
+                let b0 = Tensor::rand(vec![c], -0.5, 0.5, DType::F32, dev, &mut rng).unwrap();
+                let (r1, r2) = (
+                    Tensor::rand(shape.to_vec(), -1.0, 1.0, dt, dev, &mut rng).unwrap(),
+                    Tensor::rand(shape.to_vec(), -1.0, 1.0, dt, dev, &mut rng).unwrap(),
+                );
+                // `two`: y read by y·r1 and then y·r2; else the backward from r2 + r1.
+                let run = |two: bool| -> Vec<Vec<u8>> {
+                    let x = x0.detach().to_memory_format(format).unwrap().requires_grad_(true).unwrap();
+                    let (w, b) = (w0.detach().requires_grad_(true).unwrap(), b0.detach().requires_grad_(true).unwrap());
+                    let (rm, rv) =
+                        (Tensor::full(vec![c], 0.1, DType::F32, dev).unwrap(), Tensor::full(vec![c], 0.8, DType::F32, dev).unwrap());
+                    let opts = BatchNormOptions { training: true, momentum: 0.03, eps: 1e-3 };
+                    let y = x.batch_norm2d_silu(&w, &b, &rm, &rv, opts).unwrap();
+                    let (r1, r2) = (r1.to_memory_format(format).unwrap(), r2.to_memory_format(format).unwrap());
+                    if two {
+                        y.mul(&r1).unwrap().sum_all().unwrap().add(&y.mul(&r2).unwrap().sum_all().unwrap()).unwrap().backward().unwrap();
+                    } else {
+                        y.backward_with(&r2.add(&r1).unwrap()).unwrap();
+                    }
+                    [x.grad(), w.grad(), b.grad()].map(|g| g.expect("every input receives a gradient").to_bytes().unwrap()).to_vec()
+                };
+                let (fused, summed) = (run(true), run(false));
+                for (k, what) in ["input", "weight", "bias"].iter().enumerate() {
+                    assert!(fused[k] == summed[k], "{dt} {shape:?} {format:?}: {what} gradient differs from the backward of the sum");
+                }
+                cases += 1;
+            }
+        }
+    }
+    println!("ok bn two contributions: {cases} cases byte-identical to adding first");
+}
+
 /// The graph-safe Philox keep mask and dropout: identical bytes on CPU and CUDA for the same
 /// generator state (sizes not a multiple of 4 included), same offsets, and the dropout gradient.
 #[test]

@@ -3,7 +3,7 @@
 //! backward in two (per-channel sums of gz and gz·x̂ whose last block per channel finishes it, one
 //! pass for dx) where the composed ops take about twenty. The CPU runs the same algorithm in f64.
 
-use crate::autograd::{record, FnBackward};
+use crate::autograd::{record, BackwardOp};
 use crate::backend::stats_dtype;
 use crate::storage::Storage;
 use crate::{BatchNormOptions, Error, MemoryFormat, Result, Tensor};
@@ -134,39 +134,97 @@ impl Tensor {
         if !(self.requires_grad() || weight.requires_grad() || bias.requires_grad()) || !crate::is_grad_enabled() {
             return Ok(y);
         }
-        let x = self.detach();
-        let (wd, training) = (weight.detach(), opts.training);
-        let needs = [self.requires_grad(), weight.requires_grad(), bias.requires_grad()];
-        Ok(record(
-            &[self, weight, bias],
-            vec![y],
-            FnBackward {
-                name: if silu { "batch_norm2d_silu" } else { "batch_norm2d_fused" },
-                f: move |g: &[Option<Tensor>]| {
-                    let Some(g) = &g[0] else { return Ok(vec![None, None, None]) };
-                    let g = if g.dtype() == x.dtype() { g.clone() } else { g.to_dtype(x.dtype())? };
-                    // The output gradient in y's format (converted if it arrived otherwise).
-                    let g = g.to_memory_format(format)?;
-                    let (dx, gw, gb) = {
-                        let (xs, gs) = (x.storage_for(channels_last)?, g.storage_for(channels_last)?);
-                        xs.batch_norm_act_backward(
-                            &gs,
-                            &d,
-                            &*aff.read_storage()?,
-                            &*nrm.read_storage()?,
-                            &*w_sd.read_storage()?,
-                            silu,
-                            training,
-                            channels_last,
-                        )?
-                    };
-                    let gx = if needs[0] { Some(Tensor::from_storage_in(dx, d.clone().into(), format)?) } else { None };
-                    let gw = if needs[1] { Some(Tensor::from_storage(gw, vec![c])?.to_dtype(wd.dtype())?) } else { None };
-                    let gbias = if needs[2] { Some(Tensor::from_storage(gb, vec![c])?.to_dtype(wd.dtype())?) } else { None };
-                    Ok(vec![gx, gw, gbias])
-                },
-            },
-        )
-        .remove(0))
+        let node = BatchNormBackward {
+            x: self.detach(),
+            wd: weight.detach(),
+            d,
+            aff,
+            nrm,
+            w_sd,
+            silu,
+            training: opts.training,
+            format,
+            needs: [self.requires_grad(), weight.requires_grad(), bias.requires_grad()],
+        };
+        Ok(record(&[self, weight, bias], vec![y], node).remove(0))
+    }
+}
+
+/// The fused batch norm's backward node: what it saved, and the backend call that computes the
+/// input, weight and bias gradients from the output gradient — or from its two contributions,
+/// added inside the backend's kernels where it can (a tensor read by two consumers: the addition
+/// the engine would launch goes).
+struct BatchNormBackward {
+    x: Tensor,
+    wd: Tensor,
+    d: Vec<usize>,
+    aff: Tensor,
+    nrm: Tensor,
+    w_sd: Tensor,
+    silu: bool,
+    training: bool,
+    format: MemoryFormat,
+    needs: [bool; 3],
+}
+
+impl BatchNormBackward {
+    /// The gradient as this node's kernels read it: x's dtype, y's format.
+    fn prepared(&self, g: &Tensor) -> Result<Tensor> {
+        let g = if g.dtype() == self.x.dtype() { g.clone() } else { g.to_dtype(self.x.dtype())? };
+        g.to_memory_format(self.format)
+    }
+
+    /// The gradients from the output gradient `g` (plus `g2`, added as the engine would, when
+    /// given).
+    fn gradients(&self, g: &Tensor, g2: Option<&Tensor>) -> Result<Vec<Option<Tensor>>> {
+        let channels_last = self.format == MemoryFormat::ChannelsLast;
+        let c = self.d[1];
+        let (dx, gw, gb) = {
+            let xs = self.x.storage_for(channels_last)?;
+            let gs = g.storage_for(channels_last)?;
+            let (aff, nrm, w) = (self.aff.read_storage()?, self.nrm.read_storage()?, self.w_sd.read_storage()?);
+            match g2 {
+                None => xs.batch_norm_act_backward(&gs, &self.d, &aff, &nrm, &w, self.silu, self.training, channels_last)?,
+                Some(g2) => {
+                    let g2s = g2.storage_for(channels_last)?;
+                    xs.batch_norm_act_backward_two(&gs, &g2s, &self.d, &aff, &nrm, &w, self.silu, self.training, channels_last)?
+                }
+            }
+        };
+        let gx = if self.needs[0] { Some(Tensor::from_storage_in(dx, self.d.clone().into(), self.format)?) } else { None };
+        let gw = if self.needs[1] { Some(Tensor::from_storage(gw, vec![c])?.to_dtype(self.wd.dtype())?) } else { None };
+        let gbias = if self.needs[2] { Some(Tensor::from_storage(gb, vec![c])?.to_dtype(self.wd.dtype())?) } else { None };
+        Ok(vec![gx, gw, gbias])
+    }
+}
+
+impl BackwardOp for BatchNormBackward {
+    fn name(&self) -> &str {
+        if self.silu {
+            "batch_norm2d_silu"
+        } else {
+            "batch_norm2d_fused"
+        }
+    }
+    fn backward(&self, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        let Some(g) = &g[0] else { return Ok(vec![None, None, None]) };
+        self.gradients(&self.prepared(g)?, None)
+    }
+    /// Reads only what it saved and writes fresh gradients.
+    fn runs_aside(&self) -> bool {
+        true
+    }
+    fn adds_two_contributions(&self) -> bool {
+        true
+    }
+    /// Contributions already in x's dtype and y's format are added inside the backend's kernels
+    /// (the sum's bytes as the engine's addition would give them); others are added first.
+    fn backward_two(&self, a: &Tensor, b: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let ready = |t: &Tensor| t.dtype() == self.x.dtype() && t.memory_format() == self.format;
+        if ready(a) && ready(b) {
+            return self.gradients(a, Some(b));
+        }
+        let g = crate::autograd::add_grads(a.clone(), b.clone())?;
+        self.gradients(&self.prepared(&g)?, None)
     }
 }

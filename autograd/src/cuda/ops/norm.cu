@@ -191,6 +191,19 @@ __device__ void bn_fwd1_k(const T* x, T* y, u32 n, u32 c, u32 hw, double count, 
 
 // ---- batch-norm (+SiLU) backward --------------------------------------------------------------------
 // gz = g·act'(z) with z = x·aff[ch] + aff[C+ch]; x̂ = x·nrm[ch] + nrm[C+ch].
+// The output gradient's V values at i: g's, or — when the engine passed its two contributions —
+// g + g2 stored in T and read back, the bytes the addition kernel (binary_cv / binary_c) would
+// have written, so the result is the same as adding first.
+template <typename T, int V>
+__device__ __forceinline__ void bn_ld_grad(const T* g, const T* g2, size_t i, typename Acc<T>::type (&ge)[V]) {
+    typedef typename Acc<T>::type A;
+    ld_vec<T, V>(g, i, ge);
+    if (g2 == nullptr) return;
+    A e2[V];
+    ld_vec<T, V>(g2, i, e2);
+#pragma unroll
+    for (int k = 0; k < V; ++k) ge[k] = to_acc(store<T, A>(ge[k] + e2[k]));
+}
 template <typename A>
 __device__ __forceinline__ void bnb_terms(A x, A g, A a0, A a1, A n0, A n1, int silu, A& gz, A& xh) {
     const A z = x * a0 + a1;
@@ -204,7 +217,7 @@ __device__ __forceinline__ void bnb_terms(A x, A g, A a0, A a1, A n0, A n1, int 
 }
 // This thread's sums sa += Σgz, sq += Σgz·x̂ over vectors [start, end) of channel ch.
 template <typename T, int V>
-__device__ __forceinline__ void bnb_sums(const T* x, const T* g, u32 ch, u32 c, u32 hw, typename Acc<T>::type a0, typename Acc<T>::type a1,
+__device__ __forceinline__ void bnb_sums(const T* x, const T* g, const T* g2, u32 ch, u32 c, u32 hw, typename Acc<T>::type a0, typename Acc<T>::type a1,
                                          typename Acc<T>::type n0, typename Acc<T>::type n1, int silu, u32 start, u32 end, double& sa,
                                          double& sq) {
     typedef typename Acc<T>::type A;
@@ -213,7 +226,7 @@ __device__ __forceinline__ void bnb_sums(const T* x, const T* g, u32 ch, u32 c, 
         const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
         A xe[V], ge[V];
         ld_vec<T, V>(x, i, xe);
-        ld_vec<T, V>(g, i, ge);
+        bn_ld_grad<T, V>(g, g2, i, ge);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             A gz, xh;
@@ -254,7 +267,7 @@ __device__ __forceinline__ void bnb_dx_vec(A* xe, const A* ge, A a0, A a1, A n0,
 // writes gw = Σgz·x̂, gb = Σgz and dx's coefficients coef = [k; −k·Σgz/N; −k·Σgz·x̂/N] with
 // k = w·invstd (eval: no batch terms).
 template <typename T, typename S, int V>
-__device__ void bnb_reduce_k(const T* x, const T* g, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu,
+__device__ void bnb_reduce_k(const T* x, const T* g, const T* g2, const S* aff, const S* nrm, double* part, u32 n, u32 c, u32 hw, u32 P, int silu,
                              unsigned int* tickets, double count, const S* w, int training, S* gw, S* gb, S* coef) {
     typedef typename Acc<T>::type A;
     const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
@@ -262,14 +275,14 @@ __device__ void bnb_reduce_k(const T* x, const T* g, const S* aff, const S* nrm,
     u32 start, end;
     bn_chunk(n * hv, P, p, start, end);
     double sa = 0.0, sq = 0.0;
-    bnb_sums<T, V>(x, g, ch, c, hw, a0, a1, n0, n1, silu, start, end, sa, sq);
+    bnb_sums<T, V>(x, g, g2, ch, c, hw, a0, a1, n0, n1, silu, start, end, sa, sq);
     if (!bn_last_block_totals(sa, sq, part, ch, p, P, tickets) || threadIdx.x != 0) return;
     S k3[3];
     bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, k3);
 }
 // dx = coef[0]·gz + coef[1] + coef[2]·x̂, V elements per thread step.
 template <typename T, typename S, int V>
-__device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx, u32 nvec, u32 hv, u32 c, int silu) {
+__device__ void bnb_dx_k(const T* x, const T* g, const T* g2, const S* aff, const S* nrm, const S* coef, T* dx, u32 nvec, u32 hv, u32 c, int silu) {
     typedef typename Acc<T>::type A;
     for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += blockDim.x * gridDim.x) {
         const u32 ch = (v / hv) % c;
@@ -277,7 +290,7 @@ __device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, con
         const A k0 = (A)coef[ch], k1 = (A)coef[c + ch], k2 = (A)coef[2 * c + ch];
         A xe[V], ge[V];
         ld_vec<T, V>(x, (size_t)v * V, xe);
-        ld_vec<T, V>(g, (size_t)v * V, ge);
+        bn_ld_grad<T, V>(g, g2, (size_t)v * V, ge);
         bnb_dx_vec<A, V>(xe, ge, a0, a1, n0, n1, k0, k1, k2, silu);
         st_vec<T, V>(dx, (size_t)v * V, xe);
     }
@@ -285,14 +298,14 @@ __device__ void bnb_dx_k(const T* x, const T* g, const S* aff, const S* nrm, con
 // One block per channel (P = 1), grid (1, C): bnb_reduce_k's sums and coefficients, then bnb_dx_k's
 // dx over the same channel in the same launch (same arithmetic, same bytes, one launch fewer).
 template <typename T, typename S, int V>
-__device__ void bnb_fused1_k(const T* x, const T* g, const S* aff, const S* nrm, u32 n, u32 c, u32 hw, int silu, double count,
+__device__ void bnb_fused1_k(const T* x, const T* g, const T* g2, const S* aff, const S* nrm, u32 n, u32 c, u32 hw, int silu, double count,
                              const S* w, int training, S* gw, S* gb, S* coef, T* dx) {
     typedef typename Acc<T>::type A;
     __shared__ S sk[3];
     const u32 ch = blockIdx.y, hv = hw / V, nv = n * hv;
     const A a0 = (A)aff[ch], a1 = (A)aff[c + ch], n0 = (A)nrm[ch], n1 = (A)nrm[c + ch];
     double sa = 0.0, sq = 0.0;
-    bnb_sums<T, V>(x, g, ch, c, hw, a0, a1, n0, n1, silu, 0, nv, sa, sq);
+    bnb_sums<T, V>(x, g, g2, ch, c, hw, a0, a1, n0, n1, silu, 0, nv, sa, sq);
     bn_block_sum2(sa, sq);
     if (threadIdx.x == 0) bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, sk);
     __syncthreads();
@@ -301,7 +314,7 @@ __device__ void bnb_fused1_k(const T* x, const T* g, const S* aff, const S* nrm,
         const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
         A xe[V], ge[V];
         ld_vec<T, V>(x, i, xe);
-        ld_vec<T, V>(g, i, ge);
+        bn_ld_grad<T, V>(g, g2, i, ge);
         bnb_dx_vec<A, V>(xe, ge, a0, a1, n0, n1, k0, k1, k2, silu);
         st_vec<T, V>(dx, i, xe);
     }
@@ -391,7 +404,7 @@ __device__ void bn_fwdc_k(const T* x, T* y, u32 n, u32 c, u32 hw, u32 P, double 
 }
 // bnb_reduce_k + bnb_dx_k in one launch for a channel of P blocks (one cluster).
 template <typename T, typename S, int V>
-__device__ void bnb_fusedc_k(const T* x, const T* g, const S* aff, const S* nrm, u32 n, u32 c, u32 hw, u32 P, int silu, double count,
+__device__ void bnb_fusedc_k(const T* x, const T* g, const T* g2, const S* aff, const S* nrm, u32 n, u32 c, u32 hw, u32 P, int silu, double count,
                              const S* w, int training, S* gw, S* gb, S* coef, T* dx) {
     typedef typename Acc<T>::type A;
     __shared__ S sk[3];
@@ -400,7 +413,7 @@ __device__ void bnb_fusedc_k(const T* x, const T* g, const S* aff, const S* nrm,
     u32 start, end;
     bn_chunk(n * hv, P, p, start, end);
     double sa = 0.0, sq = 0.0;
-    bnb_sums<T, V>(x, g, ch, c, hw, a0, a1, n0, n1, silu, start, end, sa, sq);
+    bnb_sums<T, V>(x, g, g2, ch, c, hw, a0, a1, n0, n1, silu, start, end, sa, sq);
     bn_cluster_totals(sa, sq, P);
     if (threadIdx.x == 0) bnb_finish<S>(sa, sq, ch, c, count, w, nrm, training, gw, gb, coef, sk, p == 0);
     __syncthreads();
@@ -409,7 +422,7 @@ __device__ void bnb_fusedc_k(const T* x, const T* g, const S* aff, const S* nrm,
         const size_t i = bn_vec_index(v, hv, ch, c, hw, V);
         A xe[V], ge[V];
         ld_vec<T, V>(x, i, xe);
-        ld_vec<T, V>(g, i, ge);
+        bn_ld_grad<T, V>(g, g2, i, ge);
         bnb_dx_vec<A, V>(xe, ge, a0, a1, n0, n1, k0, k1, k2, silu);
         st_vec<T, V>(dx, i, xe);
     }
@@ -422,30 +435,30 @@ __device__ void bnb_fusedc_k(const T* x, const T* g, const S* aff, const S* nrm,
     extern "C" __global__ void chaffine##sfx##_##name(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c, int silu) {              \
         chaffine_k<T, S, V>(x, p, y, nvec, hv, c, silu);                                                                               \
     }                                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) bnb_reduce##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,    \
+    extern "C" __global__ void __launch_bounds__(256) bnb_reduce##sfx##_##name(const T* x, const T* g, const T* g2, const S* aff, const S* nrm,    \
         double* part, u32 n, u32 c, u32 hw, u32 P, int silu, unsigned int* tickets, double count, const S* w, int training, S* gw,     \
         S* gb, S* coef) {                                                                                                              \
-        bnb_reduce_k<T, S, V>(x, g, aff, nrm, part, n, c, hw, P, silu, tickets, count, w, training, gw, gb, coef);                    \
+        bnb_reduce_k<T, S, V>(x, g, g2, aff, nrm, part, n, c, hw, P, silu, tickets, count, w, training, gw, gb, coef);                    \
     }                                                                                                                                  \
-    extern "C" __global__ void bnb_dx##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm, const S* coef, T* dx,         \
+    extern "C" __global__ void bnb_dx##sfx##_##name(const T* x, const T* g, const T* g2, const S* aff, const S* nrm, const S* coef, T* dx,         \
         u32 nvec, u32 hv, u32 c, int silu) {                                                                                           \
-        bnb_dx_k<T, S, V>(x, g, aff, nrm, coef, dx, nvec, hv, c, silu);                                                                \
+        bnb_dx_k<T, S, V>(x, g, g2, aff, nrm, coef, dx, nvec, hv, c, silu);                                                                \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bn_fwd1##sfx##_##name(const T* x, T* y, u32 n, u32 c, u32 hw, double count,     \
         const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {                            \
         bn_fwd1_k<T, S, V>(x, y, n, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                        \
     }                                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) bnb_fused1##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,    \
+    extern "C" __global__ void __launch_bounds__(256) bnb_fused1##sfx##_##name(const T* x, const T* g, const T* g2, const S* aff, const S* nrm,    \
         u32 n, u32 c, u32 hw, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                        \
-        bnb_fused1_k<T, S, V>(x, g, aff, nrm, n, c, hw, silu, count, w, training, gw, gb, coef, dx);                                   \
+        bnb_fused1_k<T, S, V>(x, g, g2, aff, nrm, n, c, hw, silu, count, w, training, gw, gb, coef, dx);                                   \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bn_fwdc##sfx##_##name(const T* x, T* y, u32 n, u32 c, u32 hw, u32 P,            \
         double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {              \
         bn_fwdc_k<T, S, V>(x, y, n, c, hw, P, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                     \
     }                                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) bnb_fusedc##sfx##_##name(const T* x, const T* g, const S* aff, const S* nrm,    \
+    extern "C" __global__ void __launch_bounds__(256) bnb_fusedc##sfx##_##name(const T* x, const T* g, const T* g2, const S* aff, const S* nrm,    \
         u32 n, u32 c, u32 hw, u32 P, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                 \
-        bnb_fusedc_k<T, S, V>(x, g, aff, nrm, n, c, hw, P, silu, count, w, training, gw, gb, coef, dx);                                \
+        bnb_fusedc_k<T, S, V>(x, g, g2, aff, nrm, n, c, hw, P, silu, count, w, training, gw, gb, coef, dx);                                \
     }
 #define INST_BN(name, T, S)            \
     INST_BN_V(name, T, S, 1, )         \

@@ -162,11 +162,14 @@ pub(super) fn bn_train(
 /// See `BackendStorage::batch_norm_act_backward`: two launches — per-(channel, block) f64 partial
 /// sums of `gz` and `gz·x̂` whose last block per channel writes the weight and bias gradients and
 /// dx's coefficients (fixed order), then one elementwise pass for dx; one launch doing both when
-/// a channel fits one block or one cluster of 2–8 blocks.
+/// a channel fits one block or one cluster of 2–8 blocks. With `g2` the output gradient is
+/// `g + g2`, added inside the planar kernels as the addition kernel stores it (channels-last
+/// storage adds first).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn batch_norm_act_backward(
     x: &CudaStorage,
     g: &CudaStorage,
+    g2: Option<&CudaStorage>,
     shape: &[usize],
     aff: &CudaStorage,
     nrm: &CudaStorage,
@@ -179,8 +182,11 @@ pub(crate) fn batch_norm_act_backward(
     if !x.dtype.is_float() {
         return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
     }
-    if g.dtype != x.dtype || g.len != x.len {
-        return Err(Error::invalid(OP, format!("g ({} × {}) must match x ({} × {})", g.len, g.dtype, x.len, x.dtype)));
+    for g in std::iter::once(g).chain(g2) {
+        if g.dtype != x.dtype || g.len != x.len {
+            return Err(Error::invalid(OP, format!("g ({} × {}) must match x ({} × {})", g.len, g.dtype, x.len, x.dtype)));
+        }
+        x.same_device(OP, g)?;
     }
     let (n, c, hw) = nchw(OP, shape, x.len)?;
     let sd = crate::backend::stats_dtype(x.dtype);
@@ -201,12 +207,23 @@ pub(crate) fn batch_norm_act_backward(
     let coef = CudaStorage::alloc(dev, sd, 3 * c)?;
     if channels_last {
         let grads = super::norm_cl::Grads { aff, nrm, w, gw: &gw, gb: &gb, coef: &coef };
-        let dx = super::norm_cl::backward(x, g, n * hw, c, &grads, silu, training, dx)?;
+        let sum = match g2 {
+            Some(g2) => {
+                let all = crate::shape::Layout::contiguous(&[x.len]);
+                Some(super::elementwise::binary(g, &all, g2, &all, crate::backend::BinaryOp::Add)?)
+            }
+            None => None,
+        };
+        let dx = super::norm_cl::backward(x, sum.as_ref().unwrap_or(g), n * hw, c, &grads, silu, training, dx)?;
         return Ok((dx, gw, gb));
     }
     let parts = bn_parts(total, c);
-    let (vsfx, v) = bn_vector(x.dtype, hw, &[x, g, &dx]);
+    let mut operands = vec![x, g, &dx];
+    operands.extend(g2);
+    let (vsfx, v) = bn_vector(x.dtype, hw, &operands);
     let (px, pg, pa, pn, pw) = (ptr(x), ptr(g), ptr(aff), ptr(nrm), ptr(w));
+    // A null second gradient: the kernels read `g` alone.
+    let pg2: u64 = g2.map_or(0, ptr);
     let (nn, cc, hh, pnum) = (u32c(OP, n)?, bn_channels(OP, c)?, u32c(OP, hw)?, parts as u32);
     u32c(OP, x.len)?;
     let (act, train, count) = (silu as i32, training as i32, total as f64);
@@ -215,7 +232,7 @@ pub(crate) fn batch_norm_act_backward(
         // One block per channel: the reduction and dx in one launch (the two kernels' arithmetic).
         let f = dev.func(if vsfx.is_empty() { "bnb_fused1" } else { "bnb_fused1_v" }, sfx(x.dtype))?;
         let pdx = ptr(&dx);
-        dev.launch(f, (1, cc, 1), (256, 1, 1), &mut args!(px, pg, pa, pn, nn, cc, hh, act, count, pw, train, pgw, pgb, pc, pdx))?;
+        dev.launch(f, (1, cc, 1), (256, 1, 1), &mut args!(px, pg, pg2, pa, pn, nn, cc, hh, act, count, pw, train, pgw, pgb, pc, pdx))?;
         return Ok((dx, gw, gb));
     }
     if bn_cluster(dev, parts) {
@@ -227,7 +244,7 @@ pub(crate) fn batch_norm_act_backward(
             (pnum, cc, 1),
             (256, 1, 1),
             pnum,
-            &mut args!(px, pg, pa, pn, nn, cc, hh, pnum, act, count, pw, train, pgw, pgb, pc, pdx),
+            &mut args!(px, pg, pg2, pa, pn, nn, cc, hh, pnum, act, count, pw, train, pgw, pgb, pc, pdx),
         )?;
         count_bn_cluster_launch();
         return Ok((dx, gw, gb));
@@ -239,11 +256,11 @@ pub(crate) fn batch_norm_act_backward(
         f,
         (pnum, cc, 1),
         (256, 1, 1),
-        &mut args!(px, pg, pa, pn, pp, nn, cc, hh, pnum, act, tickets, count, pw, train, pgw, pgb, pc),
+        &mut args!(px, pg, pg2, pa, pn, pp, nn, cc, hh, pnum, act, tickets, count, pw, train, pgw, pgb, pc),
     )?;
     let f = dev.func(if vsfx.is_empty() { "bnb_dx" } else { "bnb_dx_v" }, sfx(x.dtype))?;
     let (pdx, nvec, hv) = (ptr(&dx), (x.len / v) as u32, (hw / v) as u32);
-    dev.launch1d(f, x.len / v, &mut args!(px, pg, pa, pn, pc, pdx, nvec, hv, cc, act))?;
+    dev.launch1d(f, x.len / v, &mut args!(px, pg, pg2, pa, pn, pc, pdx, nvec, hv, cc, act))?;
     drop(part);
     Ok((dx, gw, gb))
 }
