@@ -363,11 +363,14 @@ pub trait BackendStorage: Sized {
     /// gradient in the input dtype and the weight and bias gradients per channel (statistics
     /// dtype). `training` adds the batch-statistics terms: `dx = w·invstd·(gz − (Σgz + x̂·Σgz·x̂)/N)`,
     /// else `dx = w·invstd·gz`. Sums accumulate in f64 in a fixed order. `x`, `g` and `dx` are
-    /// stored N, H, W, C when `channels_last`.
+    /// stored N, H, W, C when `channels_last`. With `g2` the output gradient is `g + g2` (two
+    /// contributions to it, of `g`'s dtype and storage order) as the elementwise addition stores
+    /// it: a backend may add them inside its kernels instead of a launch of its own.
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_act_backward(
         &self,
         g: &Self,
+        g2: Option<&Self>,
         shape: &[usize],
         aff: &Self,
         nrm: &Self,
@@ -376,26 +379,6 @@ pub trait BackendStorage: Sized {
         training: bool,
         channels_last: bool,
     ) -> Result<(Self, Self, Self)>;
-    /// [`Self::batch_norm_act_backward`] of the output gradient `g + g2` (two contributions to
-    /// it, the same dtype and storage order), their sum as the elementwise addition stores it. By
-    /// default that addition, then the backward; a backend may add them inside its kernels.
-    #[allow(clippy::too_many_arguments)]
-    fn batch_norm_act_backward_two(
-        &self,
-        g: &Self,
-        g2: &Self,
-        shape: &[usize],
-        aff: &Self,
-        nrm: &Self,
-        w: &Self,
-        silu: bool,
-        training: bool,
-        channels_last: bool,
-    ) -> Result<(Self, Self, Self)> {
-        let all = Layout::contiguous(&[shape.iter().product()]);
-        let sum = g.binary(&all, g2, &all, BinaryOp::Add)?;
-        self.batch_norm_act_backward(&sum, shape, aff, nrm, w, silu, training, channels_last)
-    }
     /// Eval-mode batch-norm parameters from `self` = weight and the running statistics (all of one
     /// float dtype, length C): the same `(aff, nrm)` pair as [`Self::batch_norm_train_stats`].
     fn batch_norm_eval_params(&self, bias: &Self, running_mean: &Self, running_var: &Self, eps: f64) -> Result<(Self, Self)>;

@@ -661,6 +661,7 @@ impl Storage {
     pub fn batch_norm_act_backward(
         &self,
         g: &Storage,
+        g2: Option<&Storage>,
         shape: &[usize],
         aff: &Storage,
         nrm: &Storage,
@@ -669,46 +670,29 @@ impl Storage {
         training: bool,
         channels_last: bool,
     ) -> Result<(Storage, Storage, Storage)> {
+        let other = |x: &Storage| Err(mismatch3("batch_norm_act_backward", self, g, x));
         match (self, g, aff, nrm, w) {
             (Storage::Cpu(x), Storage::Cpu(g), Storage::Cpu(a), Storage::Cpu(n), Storage::Cpu(w)) => {
-                let (dx, gw, gb) = x.batch_norm_act_backward(g, shape, a, n, w, silu, training, channels_last)?;
+                let g2 = match g2 {
+                    None => None,
+                    Some(Storage::Cpu(s)) => Some(s),
+                    Some(s) => return other(s),
+                };
+                let (dx, gw, gb) = x.batch_norm_act_backward(g, g2, shape, a, n, w, silu, training, channels_last)?;
                 Ok((Storage::Cpu(dx), Storage::Cpu(gw), Storage::Cpu(gb)))
             }
             #[cfg(feature = "cuda")]
             (Storage::Cuda(x), Storage::Cuda(g), Storage::Cuda(a), Storage::Cuda(n), Storage::Cuda(w)) => {
-                let (dx, gw, gb) = x.batch_norm_act_backward(g, shape, a, n, w, silu, training, channels_last)?;
+                let g2 = match g2 {
+                    None => None,
+                    Some(Storage::Cuda(s)) => Some(s),
+                    Some(s) => return other(s),
+                };
+                let (dx, gw, gb) = x.batch_norm_act_backward(g, g2, shape, a, n, w, silu, training, channels_last)?;
                 Ok((Storage::Cuda(dx), Storage::Cuda(gw), Storage::Cuda(gb)))
             }
             #[allow(unreachable_patterns)]
             (x, g, a, _, _) => Err(mismatch3("batch_norm_act_backward", x, g, a)),
-        }
-    }
-    /// See [`BackendStorage::batch_norm_act_backward_two`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_act_backward_two(
-        &self,
-        g: &Storage,
-        g2: &Storage,
-        shape: &[usize],
-        aff: &Storage,
-        nrm: &Storage,
-        w: &Storage,
-        silu: bool,
-        training: bool,
-        channels_last: bool,
-    ) -> Result<(Storage, Storage, Storage)> {
-        match (self, g, g2, aff, nrm, w) {
-            (Storage::Cpu(x), Storage::Cpu(g), Storage::Cpu(g2), Storage::Cpu(a), Storage::Cpu(n), Storage::Cpu(w)) => {
-                let (dx, gw, gb) = x.batch_norm_act_backward_two(g, g2, shape, a, n, w, silu, training, channels_last)?;
-                Ok((Storage::Cpu(dx), Storage::Cpu(gw), Storage::Cpu(gb)))
-            }
-            #[cfg(feature = "cuda")]
-            (Storage::Cuda(x), Storage::Cuda(g), Storage::Cuda(g2), Storage::Cuda(a), Storage::Cuda(n), Storage::Cuda(w)) => {
-                let (dx, gw, gb) = x.batch_norm_act_backward_two(g, g2, shape, a, n, w, silu, training, channels_last)?;
-                Ok((Storage::Cuda(dx), Storage::Cuda(gw), Storage::Cuda(gb)))
-            }
-            #[allow(unreachable_patterns)]
-            (x, g, g2, _, _, _) => Err(mismatch3("batch_norm_act_backward_two", x, g, g2)),
         }
     }
     /// See [`BackendStorage::batch_norm_eval_params`].

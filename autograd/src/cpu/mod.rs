@@ -310,6 +310,7 @@ impl BackendStorage for CpuStorage {
     fn batch_norm_act_backward(
         &self,
         g: &Self,
+        g2: Option<&Self>,
         shape: &[usize],
         aff: &Self,
         nrm: &Self,
@@ -318,6 +319,10 @@ impl BackendStorage for CpuStorage {
         training: bool,
         channels_last: bool,
     ) -> Result<(Self, Self, Self)> {
+        // Two contributions are added first, as the elementwise addition stores them.
+        let all = Layout::contiguous(&[self.len()]);
+        let sum = g2.map(|g2| g.binary(&all, g2, &all, BinaryOp::Add)).transpose()?;
+        let g = sum.as_ref().unwrap_or(g);
         let (x, g) = (conv::planes_of(self, shape, channels_last)?, conv::planes_of(g, shape, channels_last)?);
         let (dx, gw, gb) = fused::batch_norm_act_backward(&x, &g, shape, aff, nrm, w, silu, training)?;
         Ok((conv::stored_as(dx, shape, channels_last)?, gw, gb))

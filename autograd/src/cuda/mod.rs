@@ -275,6 +275,7 @@ impl BackendStorage for CudaStorage {
     fn batch_norm_act_backward(
         &self,
         g: &Self,
+        g2: Option<&Self>,
         shape: &[usize],
         aff: &Self,
         nrm: &Self,
@@ -283,21 +284,7 @@ impl BackendStorage for CudaStorage {
         training: bool,
         channels_last: bool,
     ) -> Result<(Self, Self, Self)> {
-        ops::batch_norm_act_backward(self, g, None, shape, aff, nrm, w, silu, training, channels_last)
-    }
-    fn batch_norm_act_backward_two(
-        &self,
-        g: &Self,
-        g2: &Self,
-        shape: &[usize],
-        aff: &Self,
-        nrm: &Self,
-        w: &Self,
-        silu: bool,
-        training: bool,
-        channels_last: bool,
-    ) -> Result<(Self, Self, Self)> {
-        ops::batch_norm_act_backward(self, g, Some(g2), shape, aff, nrm, w, silu, training, channels_last)
+        ops::batch_norm_act_backward(self, g, g2, shape, aff, nrm, w, silu, training, channels_last)
     }
     fn softmax(&self, shape: &[usize], dim: usize, log: bool) -> Result<Self> {
         ops::softmax(self, shape, dim, log)

@@ -183,13 +183,8 @@ impl BatchNormBackward {
             let xs = self.x.storage_for(channels_last)?;
             let gs = g.storage_for(channels_last)?;
             let (aff, nrm, w) = (self.aff.read_storage()?, self.nrm.read_storage()?, self.w_sd.read_storage()?);
-            match g2 {
-                None => xs.batch_norm_act_backward(&gs, &self.d, &aff, &nrm, &w, self.silu, self.training, channels_last)?,
-                Some(g2) => {
-                    let g2s = g2.storage_for(channels_last)?;
-                    xs.batch_norm_act_backward_two(&gs, &g2s, &self.d, &aff, &nrm, &w, self.silu, self.training, channels_last)?
-                }
-            }
+            let g2s = g2.map(|g2| g2.storage_for(channels_last)).transpose()?;
+            xs.batch_norm_act_backward(&gs, g2s.as_deref(), &self.d, &aff, &nrm, &w, self.silu, self.training, channels_last)?
         };
         let gx = if self.needs[0] { Some(Tensor::from_storage_in(dx, self.d.clone().into(), self.format)?) } else { None };
         let gw = if self.needs[1] { Some(Tensor::from_storage(gw, vec![c])?.to_dtype(self.wd.dtype())?) } else { None };
