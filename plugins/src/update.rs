@@ -101,8 +101,11 @@ impl ReplayPlugin for UpdateReplay {
     fn setup(&mut self, ctx: &PluginSetup<'_>) -> ptl_trainer::Result<()> {
         let names = |prefix: &str, suffix: &str, ts: &[(String, Tensor)]| ts.iter().map(|(n, _)| format!("{prefix}{n}{suffix}")).collect();
         let ema = ctx.ema.ema_tensors();
+        // With several ranks the update's graphs hold the gradients' collectives, whose buffers
+        // NCCL may register: they keep an arena of their own, never set aside and mapped anew.
+        let config = RecorderConfig { take_turns: self.shell.config.take_turns && ctx.ranks == 1, ..self.shell.config.clone() };
         let regions = UpdateRegions {
-            regions: KeyedRegions::new(&self.shell.config, ctx.device, self.shell.inject_capture_failures),
+            regions: KeyedRegions::new(&config, ctx.device, self.shell.inject_capture_failures),
             grad_names: names("", ".grad", ctx.params),
             ema_names: names("ema.", "", ema),
             params: ctx.params.to_vec(),

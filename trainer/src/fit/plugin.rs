@@ -73,6 +73,9 @@ pub struct PluginSetup<'a> {
     pub device: ptl_autograd::Device,
     /// The run's settings as JSON (`PoseTrainConfig` as checkpoints store it).
     pub settings: &'a serde_json::Value,
+    /// Data-parallel ranks training together (1: this process alone). With several, the
+    /// optimizer update holds the gradients' collectives.
+    pub ranks: usize,
 }
 
 /// A replay strategy. Every method has a native default, so a plugin overrides only what it

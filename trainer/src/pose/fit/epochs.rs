@@ -42,6 +42,7 @@ pub(super) fn fit_loop(run: &mut Run, train_args: &serde_json::Value) -> Result<
             ema: &run.ema,
             device: run.cfg.device,
             settings: train_args,
+            ranks: run.dp.as_ref().map_or(1, |dp| dp.world()),
         };
         run.plugins.setup(&ctx)?;
         if !run.plugins.is_empty() {
