@@ -292,13 +292,18 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
 /// Whether both gradients of the contiguous convolution `p` in `dt` read an output gradient
 /// stored N, H, W, C ([`Conv2dParams::grad_channels_last`]): the shapes cuDNN's graph API
 /// computes in NHWC — not 1×1 GEMMs, grouped convolutions (cuDNN's planar direct kernels take
-/// those without a conversion), the own thin-input weight gradient or f64 (legacy API).
+/// those without a conversion), the own thin-input weight gradient or f64 (legacy API) — whose
+/// channel counts are whole 16-byte vectors (NHWC engines pad others in their workspace, which
+/// the workspace cap may not allow: the pose stems' 85 channels).
 /// `PTL_CONV_GRAD_NHWC=0` turns it off (each gradient converts the output gradient inside cuDNN).
 pub(crate) fn reads_channels_last_output_gradient(p: &Conv2dParams, dt: DType) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("PTL_CONV_GRAD_NHWC").map_or(true, |v| v.trim() != "0"));
     let pointwise = p.kh == 1 && p.kw == 1 && p.stride == (1, 1) && p.padding == (0, 0);
+    let vector = 16 / dt.size_in_bytes().max(1);
     on && !p.channels_last
+        && p.c_in.is_multiple_of(vector)
+        && p.c_out.is_multiple_of(vector)
         && matches!(dt, DType::F32 | DType::BF16 | DType::F16)
         && p.groups == 1
         && !pointwise
