@@ -31,6 +31,8 @@ options:
                      assigner and loss), all+dense (both: with the dense loss `all` records a step's
                      forward and loss as one region, `step`), all+loss (the same, named as before),
                      all+plan, all+summed (all+dense with arena planning named on — the default — or off),
+                     all+ownarenas (all+dense without the device's turn arena: the backward graphs'
+                     and the optimizer update's arenas apart),
                      pieces+loss (the trunk, each stem and the loss recorded apart, no step region);
                      any arm with +strict (tf32=false), +cl (channels_last=true), +ws
                      (PTL_CUDNN_WORKSPACE_MIB=auto: per-shape cuDNN workspaces) and/or +timed
@@ -309,10 +311,17 @@ fn arm_overrides(arm: &str) -> Result<Vec<String>, String> {
         // sum of its capture's allocations).
         "all+plan" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into(), format!("replay_config={}", planned_arenas_json(true))]),
         "all+summed" => Ok(vec!["replay=all".into(), "loss_assigner=dense".into(), format!("replay_config={}", planned_arenas_json(false))]),
+        // `all+dense` without the device's turn arena: each recorder's backward graphs and the
+        // optimizer's update keep arenas of their own.
+        "all+ownarenas" => Ok(vec![
+            "replay=all".into(),
+            "loss_assigner=dense".into(),
+            format!("replay_config={}", every_plugin_json(json!({ "take_turns": false }))),
+        ]),
         // Every region but the step one: the trunk, each stem and the loss recorded apart.
         "pieces+loss" => Ok(vec!["replay=feature,stem,loss,ns,optimizer".into(), "loss_assigner=dense".into()]),
         other => Err(format!(
-            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp / +held256 / +heldoff for the second stream, +wskept32 / +wskeptoff with cuDNN workspaces above 32 MiB borrowed per call / kept)"
+            "unknown arm `{other}` (known: native, workers0, feature, feature+stem, all, dense, all+dense, all+loss, all+plan, all+summed, all+ownarenas, pieces+loss; each with +strict for strict FP32 convolutions, +cl for channels-last activations, +ws for per-shape cuDNN workspaces +timed / +timedall for convolution engines chosen by timing among six / all, +krsc / +oihw for K, R, S, C / O, I, H, W weight copies, +pdl / +nopdl with / without programmatic dependent launch and/or +onestream / +side8 / +sidenp / +held256 / +heldoff for the second stream, +wskept32 / +wskeptoff with cuDNN workspaces above 32 MiB borrowed per call / kept)"
         )),
     }
 }
@@ -391,7 +400,11 @@ fn arm_env(arm: &str) -> Vec<(&'static str, &'static str)> {
 
 /// `replay_config` turning arena planning on or off in every replay plugin of ptl-plugins.
 fn planned_arenas_json(on: bool) -> Value {
-    let setting = json!({ "plan_arenas": on });
+    every_plugin_json(json!({ "plan_arenas": on }))
+}
+
+/// `replay_config` giving every replay plugin of ptl-plugins the recorder `setting`.
+fn every_plugin_json(setting: Value) -> Value {
     Value::Object(["step", "optimizer", "loss", "feature", "stem", "ns"].into_iter().map(|p| (p.to_string(), setting.clone())).collect())
 }
 
@@ -1902,6 +1915,11 @@ print(ns['busy_us'](spans), ns['active_us'](spans + [(9, 30, 31)]), ns['active_u
         assert_eq!(arm_env("all+dense+heldoff"), [("PTL_SIDE_HELD_MIB", "off")]);
         assert_eq!(arm_env("dense+wskept32"), [("PTL_CUDNN_KEPT_WORKSPACE_MIB", "32")]);
         assert_eq!(arm_env("dense+wskeptoff"), [("PTL_CUDNN_KEPT_WORKSPACE_MIB", "off")]);
+        let own = arm_overrides("all+ownarenas").unwrap();
+        assert_eq!(own[..2], ["replay=all", "loss_assigner=dense"]);
+        let cfg: Value = serde_json::from_str(own[2].strip_prefix("replay_config=").expect("a replay_config")).unwrap();
+        assert!(["step", "optimizer"].iter().all(|p| cfg[p]["take_turns"] == json!(false)), "{cfg}");
+        assert_eq!(numeric_variant("all+ownarenas"), "", "the arenas change no bytes: its hashes are compared");
         assert_eq!(arm_overrides("all+dense+heldoff").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(arm_overrides("all+dense+held256").unwrap(), ["replay=all", "loss_assigner=dense"]);
         assert_eq!(numeric_variant("all+dense+held256"), "", "joins change no bytes: its hashes are compared");
