@@ -680,3 +680,44 @@ fn pointwise_channels_last(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conv(c_in: usize, c_out: usize, k: usize, groups: usize) -> Conv2dParams {
+        Conv2dParams {
+            channels_last: false,
+            weight_channels_last: true,
+            grad_channels_last: false,
+            batch: 4,
+            c_in,
+            h_in: 40,
+            w_in: 40,
+            c_out,
+            kh: k,
+            kw: k,
+            stride: (1, 1),
+            padding: (k / 2, k / 2),
+            groups,
+        }
+    }
+
+    /// The output gradient is converted once for the 3×3 shapes cuDNN computes in NHWC, and
+    /// left alone where a conversion would be one more kernel for nothing (1×1 GEMMs, grouped
+    /// convolutions, the thin-input weight gradient, f64, channels-last data) or where NHWC
+    /// engines pad the channels (85 of the pose stems).
+    #[test]
+    fn the_output_gradient_is_converted_once_where_both_gradients_convert_it() {
+        assert!(reads_channels_last_output_gradient(&conv(64, 64, 3, 1), DType::BF16));
+        assert!(reads_channels_last_output_gradient(&conv(32, 64, 3, 1), DType::F32));
+        assert!(!reads_channels_last_output_gradient(&conv(64, 64, 1, 1), DType::BF16), "1×1: a GEMM");
+        assert!(!reads_channels_last_output_gradient(&conv(64, 64, 3, 64), DType::BF16), "depthwise");
+        assert!(!reads_channels_last_output_gradient(&conv(3, 16, 3, 1), DType::BF16), "thin input");
+        assert!(!reads_channels_last_output_gradient(&conv(64, 64, 3, 1), DType::F64), "f64: legacy API");
+        assert!(!reads_channels_last_output_gradient(&conv(85, 85, 3, 1), DType::BF16), "channels off the vector");
+        assert!(reads_channels_last_output_gradient(&conv(84, 84, 3, 1), DType::F32), "f32 vectors of four channels");
+        let cl = Conv2dParams { channels_last: true, ..conv(64, 64, 3, 1) };
+        assert!(!reads_channels_last_output_gradient(&cl, DType::BF16), "channels-last data reads it as it lies already");
+    }
+}
