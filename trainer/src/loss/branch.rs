@@ -480,10 +480,12 @@ impl PoseLoss26 {
         use super::assign_dense::{assign_dense, decode_for_assignment, DenseInputs};
         let bs = out.boxes.dims().first().copied().unwrap_or(0);
         let (geometry, consts) = self.dense_constants(anchors, bs, dt.slots, out.boxes.device())?;
-        let (scores, boxes, kpts) = decode_for_assignment(&out.boxes, &out.scores, &out.kpts, &geometry)?;
+        // One batched cast to f32, read by the assigner (detached) and the loss terms.
+        let f32 = super::dense::F32Outputs::of(out)?;
+        let (scores, boxes, kpts) = decode_for_assignment(&f32.boxes, &f32.scores, &f32.kpts, &geometry)?;
         let asg =
             assign_dense(&DenseInputs { scores: &scores, boxes: &boxes, kpts: &kpts, geometry: &geometry, targets: dt }, &self.assign)?;
-        super::dense::dense_branch_parts(&self.cfg, out, &asg, dt, &consts)
+        super::dense::dense_branch_parts(&self.cfg, out, &f32, &asg, dt, &consts)
     }
 
     /// The dense path's constants for these anchors, batch size and slots on `device`, made on

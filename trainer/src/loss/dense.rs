@@ -13,7 +13,7 @@ use ptl_autograd::{DType, Device, Tensor};
 
 use super::assign_dense::{DenseAssignment, DeviceTargets};
 use super::assigner::AssignParams;
-use super::branch::{f32_of, gain_scaled, sigma_floor_of, BranchOutputs};
+use super::branch::{gain_scaled, sigma_floor_of, BranchOutputs};
 use super::terms::{self, constant};
 use super::{Anchors, FlowLogProb, LossConfig};
 use crate::error::{Result, TrainerError};
@@ -94,7 +94,7 @@ pub fn dense_branch_terms(
     consts: &DenseConstants,
     flow: Option<&dyn FlowLogProb>,
 ) -> Result<Tensor> {
-    let parts = dense_branch_parts(cfg, out, asg, targets, consts)?;
+    let parts = dense_branch_parts(cfg, out, &F32Outputs::of(out)?, asg, targets, consts)?;
     let rle = rle_terms(&[&parts], flow)?;
     parts.finish(cfg, &rle[0])
 }
@@ -183,16 +183,46 @@ pub fn rle_terms(parts: &[&DenseParts], flow: Option<&dyn FlowLogProb>) -> Resul
         .collect()
 }
 
-/// One branch's raw terms and RLE rows (see [`DenseParts`]).
+/// A branch's raw outputs in f32, the loss's arithmetic: one batched cast (one autograd node, one
+/// launch each way on CUDA) instead of a cast per tensor, shared by the assigner's decode and the
+/// loss terms.
+pub struct F32Outputs {
+    /// (B, 4, A) box distances.
+    pub boxes: Tensor,
+    /// (B, nc, A) class logits.
+    pub scores: Tensor,
+    /// (B, 3K, A) keypoints.
+    pub kpts: Tensor,
+    /// (B, 2K, A) sigma logits, when the branch has them.
+    pub kpts_sigma: Option<Tensor>,
+}
+
+impl F32Outputs {
+    /// `out`'s tensors in f32 (those already f32 as they are).
+    pub fn of(out: &BranchOutputs) -> Result<F32Outputs> {
+        let mut xs = vec![out.boxes.clone(), out.scores.clone(), out.kpts.clone()];
+        xs.extend(out.kpts_sigma.clone());
+        let mut cast = Tensor::to_dtype_many(&xs, DType::F32)?.into_iter();
+        let mut next =
+            || cast.next().ok_or_else(|| TrainerError::InvalidArgument { what: "dense loss", reason: "a cast output is missing".into() });
+        let (boxes, scores, kpts) = (next()?, next()?, next()?);
+        let kpts_sigma = if out.kpts_sigma.is_some() { Some(next()?) } else { None };
+        Ok(F32Outputs { boxes, scores, kpts, kpts_sigma })
+    }
+}
+
+/// One branch's raw terms and RLE rows (see [`DenseParts`]); `f32` is `out` in f32
+/// ([`F32Outputs::of`]).
 pub fn dense_branch_parts(
     cfg: &LossConfig,
     out: &BranchOutputs,
+    f32: &F32Outputs,
     asg: &DenseAssignment,
     targets: &DeviceTargets,
     consts: &DenseConstants,
 ) -> Result<DenseParts> {
     let sigma_floor = sigma_floor_of(out);
-    let (boxes, scores, kpts) = (f32_of(&out.boxes)?, f32_of(&out.scores)?, f32_of(&out.kpts)?);
+    let (boxes, scores, kpts) = (f32.boxes.clone(), f32.scores.clone(), f32.kpts.clone());
     let (bs, na, nk, nc) = (boxes.dims()[0], boxes.dims()[2], cfg.nkpt, cfg.nc);
     if consts.anchor_rows.dims() != [bs * na, 3] || consts.slot_offsets.dims() != [bs, 1] || targets.kpts.dims()[2] != nk {
         return Err(TrainerError::InvalidArgument {
@@ -238,8 +268,8 @@ pub fn dense_branch_parts(
     let kp = rows_of(&kpts.permute(&[0, 2, 1])?, nk * 3)?.reshape(vec![f, nk, 3])?;
     // The host path's mean over N × K: Σ · (1/(N·K)) with the reciprocal rounded to f32.
     let inv_nk = n_fg.to_dtype(DType::F64)?.mul_scalar(nk as f64)?.clamp_min(1.0)?.recip()?.to_dtype(DType::F32)?;
-    let sg_rows = match &out.kpts_sigma {
-        Some(sigma) => Some(rows_of(&f32_of(sigma)?.permute(&[0, 2, 1])?, nk * 2)?.reshape(vec![f, nk, 2])?),
+    let sg_rows = match &f32.kpts_sigma {
+        Some(sigma) => Some(rows_of(&sigma.permute(&[0, 2, 1])?, nk * 2)?.reshape(vec![f, nk, 2])?),
         None => None,
     };
     // On CUDA the keypoint terms and the RLE rows in one kernel each way (`kpt_fused`).
