@@ -47,7 +47,7 @@ impl Deref for StorageRead<'_> {
 }
 
 /// The channels-last storage of logical `(n, c, h, w)` seen as a strided view in logical order.
-fn channels_last_as_logical(dims: &[usize]) -> Layout {
+pub(crate) fn channels_last_as_logical(dims: &[usize]) -> Layout {
     let (c, h, w) = (dims[1], dims[2], dims[3]);
     Layout { shape: dims.to_vec(), strides: vec![h * w * c, 1, w * c, c], offset: 0 }
 }

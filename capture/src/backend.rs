@@ -19,6 +19,21 @@ pub type PoolHandle = Box<dyn Any + Send + Sync>;
 /// first of them is recorded (opaque to the recorder).
 pub type ArenaSlot = std::sync::Mutex<Option<Box<dyn Any + Send + Sync>>>;
 
+/// The turn arena slot of `device` among `slots` (made on first use): what a backend keeps for
+/// [`Backend::turn_arena`].
+pub(crate) fn turn_slot_of(
+    slots: &std::sync::Mutex<Vec<(Device, std::sync::Arc<ArenaSlot>)>>,
+    device: Device,
+) -> std::sync::Arc<ArenaSlot> {
+    let mut slots = slots.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, s)) = slots.iter().find(|(d, _)| *d == device) {
+        return s.clone();
+    }
+    let s = std::sync::Arc::new(ArenaSlot::default());
+    slots.push((device, s.clone()));
+    s
+}
+
 /// What a native run of a body allocated ([`Backend::measure`]).
 #[derive(Clone, Debug, Default)]
 pub struct Footprint {

@@ -202,13 +202,7 @@ impl Backend for CudaBackend {
     /// take turns in it.
     fn turn_arena(&self, device: Device) -> std::sync::Arc<ArenaSlot> {
         static SLOTS: Mutex<Vec<(Device, std::sync::Arc<ArenaSlot>)>> = Mutex::new(Vec::new());
-        let mut slots = SLOTS.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, s)) = slots.iter().find(|(d, _)| *d == device) {
-            return s.clone();
-        }
-        let s = std::sync::Arc::new(ArenaSlot::default());
-        slots.push((device, s.clone()));
-        s
+        crate::backend::turn_slot_of(&SLOTS, device)
     }
     fn set_shared_resident(&self, slot: &ArenaSlot, resident: bool) -> Result<bool> {
         let held = slot.lock().unwrap_or_else(|e| e.into_inner());

@@ -106,13 +106,7 @@ impl Backend for ReplayNatively {
         Ok(Box::new(stored))
     }
     fn turn_arena(&self, device: Device) -> Arc<ArenaSlot> {
-        let mut slots = self.turn_slots.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, s)) = slots.iter().find(|(d, _)| *d == device) {
-            return s.clone();
-        }
-        let s = Arc::new(ArenaSlot::default());
-        slots.push((device, s.clone()));
-        s
+        crate::backend::turn_slot_of(&self.turn_slots, device)
     }
     fn set_shared_resident(&self, slot: &ArenaSlot, resident: bool) -> Result<bool> {
         let held = slot.lock().unwrap_or_else(|e| e.into_inner());

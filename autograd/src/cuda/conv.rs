@@ -314,11 +314,10 @@ pub(crate) fn reads_channels_last_output_gradient(p: &Conv2dParams, dt: DType) -
 /// The output gradient `dy` of `p`, stored N, H, W, C, rearranged into N, C, H, W for a path that
 /// reads it so (the legacy API, or a shape [`reads_channels_last_output_gradient`] turns down).
 fn output_gradient_contiguous(dy: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
-    use crate::shape::Layout;
-    let [n, c, h, w] = p.out_shape();
+    let dims = p.out_shape();
     let mut out = CudaStorage::alloc(&dy.buf.dev, dy.dtype, dy.len)?;
-    let src = Layout { shape: vec![n, c, h, w], strides: vec![h * w * c, 1, w * c, c], offset: 0 };
-    super::ops::copy_strided(dy, &src, &mut out, &Layout::contiguous(&[n, c, h, w]))?;
+    let src = crate::memory_format::channels_last_as_logical(&dims);
+    super::ops::copy_strided(dy, &src, &mut out, &crate::shape::Layout::contiguous(&dims))?;
     Ok(out)
 }
 

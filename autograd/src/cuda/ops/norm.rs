@@ -218,9 +218,8 @@ pub(crate) fn batch_norm_act_backward(
         return Ok((dx, gw, gb));
     }
     let parts = bn_parts(total, c);
-    let mut operands = vec![x, g, &dx];
-    operands.extend(g2);
-    let (vsfx, v) = bn_vector(x.dtype, hw, &operands);
+    // Vector loads need every buffer aligned (`x` stands in for an absent second gradient).
+    let (vsfx, v) = bn_vector(x.dtype, hw, &[x, g, &dx, g2.unwrap_or(x)]);
     let (px, pg, pa, pn, pw) = (ptr(x), ptr(g), ptr(aff), ptr(nrm), ptr(w));
     // A null second gradient: the kernels read `g` alone.
     let pg2: u64 = g2.map_or(0, ptr);
