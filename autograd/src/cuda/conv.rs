@@ -294,7 +294,11 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
 /// computes in NHWC — not 1×1 GEMMs, grouped convolutions (cuDNN's planar direct kernels take
 /// those without a conversion), the own thin-input weight gradient or f64 (legacy API) — whose
 /// channel counts are whole 16-byte vectors (NHWC engines pad others in their workspace, which
-/// the workspace cap may not allow: the pose stems' 85 channels).
+/// the workspace cap may not allow: the pose stems' 85 channels), and whose output gradient is
+/// at most [`GRAD_NHWC_MAX_BYTES`]: the converted copy is one more buffer of the gradient's size
+/// while both gradients run, which at batch 64 raised the native step's peak by 300 MiB and its
+/// kernel time by 1.2 ms (large transposes cost what cuDNN's own conversions cost), while for
+/// small gradients it saves a launch each.
 /// `PTL_CONV_GRAD_NHWC=0` turns it off (each gradient converts the output gradient inside cuDNN).
 pub(crate) fn reads_channels_last_output_gradient(p: &Conv2dParams, dt: DType) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -308,8 +312,14 @@ pub(crate) fn reads_channels_last_output_gradient(p: &Conv2dParams, dt: DType) -
         && p.groups == 1
         && !pointwise
         && !super::ops::takes_thin_weight_gradient(p, dt)
+        && p.out_shape().iter().product::<usize>() * dt.size_in_bytes() <= GRAD_NHWC_MAX_BYTES
         && !legacy_forced()
 }
+
+/// The largest output gradient a convolution converts to N, H, W, C itself
+/// ([`reads_channels_last_output_gradient`]): 16 MiB, every layer of a 640 px batch of 4 in
+/// bf16 (the largest, 16 × 320 × 320 × 4, is 12.5 MiB); larger ones are left to cuDNN.
+pub(crate) const GRAD_NHWC_MAX_BYTES: usize = 16 << 20;
 
 /// The output gradient `dy` of `p`, stored N, H, W, C, rearranged into N, C, H, W for a path that
 /// reads it so (the legacy API, or a shape [`reads_channels_last_output_gradient`] turns down).
@@ -718,5 +728,11 @@ mod tests {
         assert!(reads_channels_last_output_gradient(&conv(84, 84, 3, 1), DType::F32), "f32 vectors of four channels");
         let cl = Conv2dParams { channels_last: true, ..conv(64, 64, 3, 1) };
         assert!(!reads_channels_last_output_gradient(&cl, DType::BF16), "channels-last data reads it as it lies already");
+        // 4 × 64 × 40 × 40 bf16 values are 800 KiB; a batch of 64 at 320 × 320 with 16
+        // channels is 200 MiB.
+        let large = Conv2dParams { batch: 64, h_in: 320, w_in: 320, ..conv(16, 16, 3, 1) };
+        assert!(!reads_channels_last_output_gradient(&large, DType::BF16), "a large gradient is left to cuDNN");
+        let at_four = Conv2dParams { batch: 4, h_in: 320, w_in: 320, ..conv(16, 16, 3, 1) };
+        assert!(reads_channels_last_output_gradient(&at_four, DType::BF16), "batch 4's largest layer: 12.5 MiB");
     }
 }
