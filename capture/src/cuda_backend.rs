@@ -14,6 +14,16 @@ use crate::{CaptureError, Result};
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CudaBackend;
 
+/// Times a shared arena (a recorder's shared forward or backward arena, a device's turn arena)
+/// was too small for a new recording and grew, or was replaced by a larger one, in this process.
+static SHARED_ARENA_GROWTHS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How often a shared arena has grown in this process: a fit that laid its arenas out for its
+/// largest shape first sees none after its first recordings.
+pub fn shared_arena_growths() -> u64 {
+    SHARED_ARENA_GROWTHS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn violation(region: &str, v: CaptureViolation) -> CaptureError {
     let region = region.to_string();
     match v {
@@ -180,15 +190,26 @@ impl Backend for CudaBackend {
             a.restore()?;
         }
         let need = shared_bytes_needed(spec);
+        let held_before = shared.is_some();
         let (arena, owns) = match shared {
             // The graphs sharing it run one after another and keep nothing in it: the next one
             // may use it from the start, laid out by its own plan — after growing in place, if it
             // is too small (the graphs recorded into it keep their addresses).
-            Some(a) if a.size() >= need || a.grow(spec.bytes())? => {
+            Some(a) if a.size() >= need => {
                 a.rewind(spec.plan.clone());
                 (a, false)
             }
-            _ => (CaptureArena::growable(device, spec.plan.clone(), spec.tail)?, true),
+            Some(a) if a.grow(spec.bytes())? => {
+                SHARED_ARENA_GROWTHS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                a.rewind(spec.plan.clone());
+                (a, false)
+            }
+            _ => {
+                if held_before {
+                    SHARED_ARENA_GROWTHS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                (CaptureArena::growable(device, spec.plan.clone(), spec.tail)?, true)
+            }
         };
         let graph = self.capture_into(region, device, arena.clone(), owns, body)?;
         // A new arena is shared from now on only if a graph was recorded into it (a failed

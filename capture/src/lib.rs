@@ -71,7 +71,7 @@ mod cuda_backend;
 
 pub use backend::{ArenaSpec, Backend, Body, Footprint, Graph, PoolHandle};
 #[cfg(feature = "cuda")]
-pub use cuda_backend::CudaBackend;
+pub use cuda_backend::{shared_arena_growths, CudaBackend};
 pub use error::{CaptureError, Result};
 pub use recorder::{Recorder, RecorderConfig};
 pub use region::{BodyFn, HostState, RegionHandle, RegionSpec, SurfaceFn};

@@ -819,6 +819,50 @@ impl RegionHandle {
         self.call_inner(inputs, surface, body)
     }
 
+    /// Records `body` for `inputs`' signature ahead of its first call, without running it: the
+    /// capture's warm-up is rolled back and the graphs are not launched, so nothing the body
+    /// writes changes. A fit prepares the largest shape a region will see first, so that the
+    /// arenas its regions share are laid out for it and a later, smaller shape records into them
+    /// without growing them. `Ok(true)` when a recording was made; `Ok(false)` when the region
+    /// runs natively anyway (disabled, hooks, no device, inside a capture), already holds the
+    /// signature, is full, or the capture failed (noted in the counters, as a call's would be).
+    pub fn prepare(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &BodyFn<'_>) -> Result<bool> {
+        let converted: Vec<Tensor>;
+        let inputs = match inputs.iter().all(|t| t.memory_format() == MemoryFormat::Contiguous) {
+            true => inputs,
+            false => {
+                converted = inputs.iter().map(|t| t.to_memory_format(MemoryFormat::Contiguous)).collect::<ptl_autograd::Result<_>>()?;
+                &converted[..]
+            }
+        };
+        let _one_call = lock(&self.shared.calls);
+        let _lent = self.shared.body.lend(body);
+        let cfg = &self.recorder.config;
+        let backend = self.recorder.backend.clone();
+        let mut st = lock(&self.shared.state);
+        let device = inputs.first().or(surface.first().map(|(_, t, _)| t)).map(Tensor::device);
+        let on_cpu = inputs.iter().chain(surface.iter().map(|(_, t, _)| t)).any(|t| t.device() == Device::Cpu);
+        if !cfg.enabled || st.hooks || device.is_none() || (backend.name() == "cuda" && on_cpu) || backend.is_capturing() {
+            return Ok(false);
+        }
+        let precision = autocast_dtype();
+        let key = Signature::of(inputs, is_grad_enabled(), st.training, precision);
+        if st.recordings.iter().any(|r| r.key == key) || st.failed.contains(&key) || st.recordings.len() >= cfg.max_recordings.max(1) {
+            return Ok(false);
+        }
+        match self.capture(&st, &key, inputs, surface, body) {
+            Ok(rec) => {
+                st.recordings.push(Arc::new(rec));
+                Ok(true)
+            }
+            Err(e) => {
+                self.note_failure(&e);
+                st.failed.insert(key);
+                Ok(false)
+            }
+        }
+    }
+
     fn call_inner(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &BodyFn<'_>) -> Result<Vec<Tensor>> {
         let cfg = &self.recorder.config;
         let backend = self.recorder.backend.clone();

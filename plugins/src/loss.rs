@@ -106,6 +106,24 @@ impl ReplayPlugin for LossReplay {
     fn claims(&self, site: Site) -> bool {
         site == self.site() && self.shell.active().is_some()
     }
+    /// The recorder's warm-up calls (for its first signature).
+    fn calls_before_recording(&self, site: Site) -> Option<usize> {
+        (site == self.site() && self.shell.active().is_some()).then_some(self.shell.config.warmup_calls)
+    }
+    /// Records the region of the call's signature without running it
+    /// (`ptl_capture::RegionHandle::prepare`): the fit hands the step with the largest target
+    /// bucket its data can give, so the buckets' shared forward arena is laid out for it first.
+    fn prepare(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>) -> ptl_trainer::Result<bool> {
+        let Some(r) = self.shell.active() else { return Ok(false) };
+        let key: LossKey = call.inputs.iter().map(|t| (t.dims().to_vec(), t.dtype().to_string())).collect();
+        let name = self.name();
+        let region = r.0.region(key, |made| format!("{name}.{}", made.len()));
+        let body = region_body(body, "loss body");
+        region.prepare(call.inputs, call.surface, &body).map_err(|e| ptl_trainer::TrainerError::InvalidArgument {
+            what: if self.with_forward { "step replay" } else { "loss replay" },
+            reason: e.to_string(),
+        })
+    }
     /// Records the body as the region of its input signature (`loss.<n>` / `step.<n>`, numbered
     /// in order of first use).
     fn run(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>, rest: &dyn SiteRunner) -> ptl_trainer::Result<Vec<Tensor>> {

@@ -23,6 +23,13 @@ fn assert_replayed(s: &ptl_trainer::fit::RunSummary, plugin: &str, regions: usiz
     }
 }
 
+/// The step plugin's regions in a fit whose batches all take one target bucket: that bucket's,
+/// and the largest bucket's the data can give where the fit prepared it ahead of use (it is
+/// recorded, never called).
+fn step_shapes(s: &ptl_trainer::fit::RunSummary) -> usize {
+    1 + usize::from(s.planned_target_slots.is_some())
+}
+
 #[test]
 fn replayed_fits_equal_native_and_the_counters_prove_replay() {
     // Keep the plugin crate linked (its registrations are found through inventory).
@@ -315,8 +322,8 @@ fn step_replay_equals_the_native_dense_fit_and_replays_every_step() {
     assert_eq!(step.hashes, native.hashes, "replay=step changes no byte");
     assert_eq!(every.hashes, native.hashes, "replay=all changes no byte");
     let steps = 2 * 3;
-    assert_replayed(&step, LossReplay::STEP, 1, steps);
-    assert_replayed(&every, LossReplay::STEP, 1, steps);
+    assert_replayed(&step, LossReplay::STEP, step_shapes(&step), steps);
+    assert_replayed(&every, LossReplay::STEP, step_shapes(&every), steps);
     assert_eq!(every.replay_cadence.get(LossReplay::STEP), Some(&ptl_trainer::fit::ReplayCadence::OnePerBatch));
     for idle in ["feature", "stem", "loss"] {
         let regions = every.replay_counters.get(idle).and_then(|c| c.as_object()).map_or(0, |m| m.len());
@@ -361,7 +368,7 @@ fn a_replayed_dense_step_reads_nothing_back() {
     for (i, r) in steps.iter().enumerate().skip(1) {
         assert_eq!((r.immediate, r.deferred), (0, 1), "step {i}: {r:?}");
     }
-    assert_replayed(&s, ptl_plugins::LossReplay::STEP, 1, 6);
+    assert_replayed(&s, ptl_plugins::LossReplay::STEP, step_shapes(&s), 6);
 }
 
 /// Two ranks of a data-parallel group (threads of one process) replaying their regions end with
@@ -400,7 +407,7 @@ fn a_replayed_data_parallel_group_equals_the_native_group() {
     let dense_native = on_two_ranks(dense("dp-dense-native", &[]));
     for (n, r) in dense_native.iter().zip(&on_two_ranks(dense("dp-all", &["all"]))) {
         assert_eq!(r.hashes, n.hashes, "replay=all: each rank's bytes as in the native group");
-        assert_replayed(r, "step", 1, 2 * 2);
+        assert_replayed(r, "step", step_shapes(r), 2 * 2);
         assert_eq!(r.optimizer_steps, 2 * 2);
         let short = replay_shortfalls(r, "optimizer", r.optimizer_steps, &[]);
         assert!(short.is_empty(), "optimizer: {short:?}");
@@ -457,7 +464,9 @@ fn a_capture_failure_on_one_rank_keeps_the_ranks_collectives_in_step() {
     assert_eq!(recorded_log[0], native_log[0], "recording issues no collective of its own (none in a warm-up)");
     let mut failing = group("dp-fail-all", &["all"]);
     failing
-        .set("replay_config", r#"{"optimizer": {"inject_capture_failures": 1}, "step": {"inject_capture_failures": 1}}"#)
+        // The step plugin's first capture is the largest bucket's, prepared ahead of use: two
+        // failures reach the step shape the rank calls.
+        .set("replay_config", r#"{"optimizer": {"inject_capture_failures": 1}, "step": {"inject_capture_failures": 2}}"#)
         .expect("config");
     let (replayed, log) = on_two_logged_ranks([failing, group("dp-fail-all", &["all"])]);
     assert!(!log[0].is_empty() && log[0] == log[1], "the ranks issued different collectives: {log:?}");
@@ -474,7 +483,7 @@ fn a_capture_failure_on_one_rank_keeps_the_ranks_collectives_in_step() {
         replayed[0].replay_counters
     );
     assert_eq!(failed(&replayed[1], "optimizer") + failed(&replayed[1], "step"), 0, "rank 1 recorded");
-    assert_replayed(&replayed[1], "step", 1, 2 * 2);
+    assert_replayed(&replayed[1], "step", step_shapes(&replayed[1]), 2 * 2);
     let short = replay_shortfalls(&replayed[1], "optimizer", replayed[1].optimizer_steps, &[]);
     assert!(short.is_empty(), "rank 1's optimizer: {short:?}");
 }
@@ -518,21 +527,6 @@ fn a_rank_recording_alone_stays_in_step_with_the_others() {
     }
 }
 
-/// Writes `people` small people (box and 17 visible keypoints) into a label file, in a grid.
-fn write_people(label: &std::path::Path, people: usize) {
-    let mut lines = String::new();
-    for p in 0..people {
-        let (cx, cy) = (0.15 + 0.23 * (p % 4) as f64, 0.15 + 0.23 * (p / 4) as f64);
-        lines.push_str(&format!("0 {cx:.4} {cy:.4} 0.1500 0.1800"));
-        for k in 0..17 {
-            let (dx, dy) = (((k % 5) as f64 - 2.0) * 0.02, ((k / 5) as f64 - 1.5) * 0.03);
-            lines.push_str(&format!(" {:.4} {:.4} 2", cx + dx, cy + dy));
-        }
-        lines.push('\n');
-    }
-    std::fs::write(label, lines).expect("label file");
-}
-
 /// Ranks whose batches need different target buckets — two training images, one of 3 people and
 /// one of 12, one image per rank and step, dealt anew every epoch — agree on the larger count
 /// every step: both ranks record one step shape (bucket 16), replay it on every later step, end
@@ -561,8 +555,8 @@ fn ranks_with_different_buckets_record_one_step_shape_and_issue_the_same_collect
     let mut files: Vec<_> = std::fs::read_dir(&labels).expect("labels").flatten().map(|e| e.path()).collect();
     files.sort();
     assert_eq!(files.len(), 2, "{files:?}");
-    write_people(&files[0], 3);
-    write_people(&files[1], 12);
+    common::write_people(&files[0], 3);
+    common::write_people(&files[1], 12);
     let epochs = 4;
     let cfg = PoseTrainConfig {
         data: set.yaml,
@@ -590,7 +584,7 @@ fn ranks_with_different_buckets_record_one_step_shape_and_issue_the_same_collect
     assert_eq!(summaries[0].hashes.model, summaries[1].hashes.model, "one model on both ranks");
     for s in &summaries {
         // One step per epoch; one recorded step shape, replayed after its warm-up.
-        assert_replayed(s, ptl_plugins::LossReplay::STEP, 1, epochs as u64);
+        assert_replayed(s, ptl_plugins::LossReplay::STEP, step_shapes(s), epochs as u64);
         assert_eq!(s.dense_loss_fallbacks, 0);
     }
 }

@@ -98,6 +98,22 @@ pub trait ReplayPlugin: DynClone + Send {
         let _ = site;
         false
     }
+    /// How many calls at `site` this plugin runs natively before it records the call's shape
+    /// (its warm-up); `None` where it records nothing. The fit prepares the largest shape the
+    /// site will see ([`ReplayPlugin::prepare`]) just before the call that records first.
+    fn calls_before_recording(&self, site: Site) -> Option<usize> {
+        let _ = site;
+        None
+    }
+    /// Records a claimed site's `body` for `call`'s inputs ahead of use, without running it:
+    /// nothing the body writes may change (a recorder rolls back its warm-up and launches
+    /// nothing). The fit hands the largest inputs the site will see in this run (the targets
+    /// padded to the largest bucket the data can give), so that what the plugin lays out for
+    /// its recordings holds every later shape. `Ok(true)` when something was recorded.
+    fn prepare(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>) -> Result<bool> {
+        let _ = (call, body);
+        Ok(false)
+    }
     /// Runs a claimed site: must return what `body(rest, inputs)` returns (the same values and
     /// autograd behaviour), natively or by replaying a recording of it. `rest` runs the sites
     /// nested in the body; a plugin that records the body passes [`NativeSites`] instead, so a
@@ -313,6 +329,21 @@ impl PluginStack {
     /// Whether a plugin claims `site`.
     pub fn claims(&self, site: Site) -> bool {
         self.plugins.iter().any(|p| p.claims(site))
+    }
+
+    /// [`ReplayPlugin::calls_before_recording`] of `site`'s claimant (the first in priority
+    /// order, the one [`PluginStack::run_call`] hands the site to); `None` when none claims it or
+    /// it records nothing there.
+    pub fn calls_before_recording(&self, site: Site) -> Option<usize> {
+        self.plugins.iter().find(|p| p.claims(site)).and_then(|p| p.calls_before_recording(site))
+    }
+
+    /// [`ReplayPlugin::prepare`] of `call`'s site by its claimant; `Ok(false)` when none claims it.
+    pub fn prepare_call(&self, call: SiteCall<'_>, body: &mut SiteBody<'_>) -> Result<bool> {
+        match self.plugins.iter().find(|p| p.claims(call.site)) {
+            Some(p) => p.prepare(call, body),
+            None => Ok(false),
+        }
     }
 
     /// Runs `call`'s site through its first claimant in priority order, natively when none claims

@@ -478,6 +478,12 @@ pub struct RunSummary {
     /// its steps.
     #[serde(default)]
     pub dense_loss_fallbacks: u64,
+    /// With a replay plugin recording the dense step: the target slots per image of the step
+    /// recorded ahead of use (the largest bucket the training data can give, prepared just
+    /// before the first recording), so that every later bucket fits the arenas laid out for it;
+    /// `None` when nothing was prepared (the first recorded bucket was already the largest).
+    #[serde(default)]
+    pub planned_target_slots: Option<usize>,
 }
 
 impl RunSummary {

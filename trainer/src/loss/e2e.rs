@@ -90,6 +90,10 @@ fn dense_inputs(o2m: &BranchOutputs, o2o: &BranchOutputs) -> Vec<Tensor> {
     vec![o2m.boxes.clone(), o2m.scores.clone(), o2m.kpts.clone(), o2o.boxes.clone(), o2o.scores.clone(), o2o.kpts.clone()]
 }
 
+/// Records a step's inputs and body ahead of use without running them (a replay plugin's
+/// `prepare`): `true` when something was recorded.
+pub type StepPrepare<'a> = dyn Fn(&[Tensor], &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<bool> + 'a;
+
 /// Runs the dense criterion's device work: `route(inputs, body)` returns `body(inputs)`'s tensors
 /// (natively or by a replay of a recording of it).
 pub type LossRoute<'a> = dyn Fn(&[Tensor], &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>> + 'a;
@@ -301,6 +305,40 @@ impl E2ELoss {
         route: &LossRoute<'_>,
     ) -> Result<LossOutput> {
         let clock = std::time::Instant::now();
+        let outs = self.with_step_body(x, dt, forward, targets, anchors, flow, |inputs, body| route(inputs, body))?;
+        self.finish_dense(outs, clock)
+    }
+
+    /// Hands [`E2ELoss::loss_with_forward`]'s inputs and body to `prepare` (a replay plugin that
+    /// records them ahead of use without running them) and returns what it says; nothing runs
+    /// here. The fit prepares a step with the largest target bucket its data can give.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_with_forward(
+        &self,
+        x: &Tensor,
+        dt: &DeviceTargets,
+        forward: &ForwardBody<'_>,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+        prepare: &StepPrepare<'_>,
+    ) -> Result<bool> {
+        self.with_step_body(x, dt, forward, targets, anchors, flow, |inputs, body| prepare(inputs, body))
+    }
+
+    /// The step body's inputs (images, padded targets, branch weights) and the body itself,
+    /// handed to `f`.
+    #[allow(clippy::too_many_arguments)]
+    fn with_step_body<R>(
+        &self,
+        x: &Tensor,
+        dt: &DeviceTargets,
+        forward: &ForwardBody<'_>,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+        flow: Option<&dyn FlowLogProb>,
+        f: impl FnOnce(&[Tensor], &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<R>,
+    ) -> Result<R> {
         let weights = self.weights_on(x.device())?;
         let inputs = [x.clone(), dt.labels.clone(), dt.boxes.clone(), dt.mask.clone(), dt.kpts.clone(), weights];
         let slots = dt.slots;
@@ -322,8 +360,7 @@ impl E2ELoss {
             }
             self.dense_device_work(&inner, slots, with_sigma, anchors, flow)
         };
-        let outs = route(&inputs, &body)?;
-        self.finish_dense(outs, clock)
+        f(&inputs, &body)
     }
 
     /// The dense criterion's device work over `xs` = both branches' boxes, scores and keypoints

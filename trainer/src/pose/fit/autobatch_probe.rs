@@ -17,8 +17,9 @@ pub(super) struct ProbeSetup {
     pub loss: LossConfig,
     /// Training images (no batch above it is probed or chosen).
     pub dataset_size: usize,
-    /// Objects per image the probe's targets hold: the most crowded image's count × 4 (a mosaic
-    /// joins four images), as Ultralytics' `auto_batch`.
+    /// Objects per image the probe's targets hold: the most crowded image's count, × 4 under
+    /// mosaic (a mosaic joins four images), as Ultralytics' `auto_batch` — the count a replayed
+    /// fit prepares its first recording for.
     pub max_objects: usize,
 }
 

@@ -5,6 +5,7 @@
 //! training step, `persist` checkpoints and hashes; `run` holds the state they share.
 
 mod autobatch_probe;
+mod bucket_plan;
 pub(crate) mod epoch_line;
 mod epochs;
 mod persist;
@@ -136,7 +137,7 @@ fn fit_with(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>, dp: Option
         model: mcfg,
         loss: loss_config(&cfg, &train_ds),
         dataset_size: train_ds.len(),
-        max_objects: 4 * train_ds.items.iter().map(|it| it.labels.cls.len()).max().unwrap_or(0),
+        max_objects: bucket_plan::most_objects_per_sample(&train_ds, cfg.mosaic > 0.0),
     };
     // AutoBatch on a CUDA device (`resolve_autobatch` settled the CPU): the run's own step probed.
     if let Some(fraction) = cfg.autobatch.take() {
@@ -300,6 +301,7 @@ fn fit_with(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>, dp: Option
         loss_flag: None,
         overlapped: None,
         overlap_allowed: None,
+        bucket_plan: bucket_plan::BucketPlan::new(bucket_plan::most_objects_per_sample(&train_ds, cfg.mosaic > 0.0)),
         dp,
     };
     run.params = model_params(&run.model);
@@ -386,6 +388,7 @@ fn fit_with(cfg: &PoseTrainConfig, callbacks: Vec<Box<dyn Callback>>, dp: Option
         replay_cadence,
         // Both branches fall back together; each counts the call once.
         dense_loss_fallbacks: run.criterion.one2many.dense_fallbacks() as u64,
+        planned_target_slots: run.bucket_plan.prepared_slots(),
     };
     if is_main {
         summary.write(&cfg.save_dir.join("summary.json"))?;

@@ -98,6 +98,9 @@ pub(super) struct Run {
     pub(super) overlapped: Option<crate::distributed::OverlappedSums>,
     /// Whether the ranks agreed to sum during backward (none has callbacks); `None`: not asked yet.
     pub(super) overlap_allowed: Option<bool>,
+    // ---- replay ----
+    /// The target bucket the first recorded step is padded to (the data's largest).
+    pub(super) bucket_plan: super::bucket_plan::BucketPlan,
 }
 
 /// One step's deferred loss values ([`crate::loss::DeferredItems`]) being read.

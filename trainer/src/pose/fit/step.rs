@@ -129,6 +129,9 @@ impl Run {
             true => self.criterion.dense_step_targets(&targets, bs, &anchors, x.device())?,
             false => None,
         };
+        if let Some(dt) = &step_targets {
+            self.prepare_planned_step(&x, dt, &targets, &anchors)?;
+        }
         let ran = match step_targets {
             Some(dt) => self.forward_and_loss(&x, &dt, &targets, &anchors, epoch, ni).map(|l| loss = Some(l)),
             None => Ok(()),
@@ -313,6 +316,44 @@ impl Run {
         })?;
         self.plugins.run_stage(info(Stage::Loss), || Ok(()))?;
         Ok(loss)
+    }
+
+    /// Before the step plugin's first recording: has it record, without running, a step whose
+    /// targets are padded to the largest bucket the data can give ([`super::bucket_plan`]), so
+    /// the arenas its buckets share are laid out for the largest first. Nothing of it runs.
+    fn prepare_planned_step(
+        &mut self,
+        x: &Tensor,
+        dt: &crate::loss::assign_dense::DeviceTargets,
+        targets: &TargetBatch,
+        anchors: &Anchors,
+    ) -> Result<()> {
+        let Some(objects) = self.bucket_plan.due(&self.plugins, dt.slots) else { return Ok(()) };
+        let bs = x.dims().first().copied().unwrap_or(0);
+        let Some(planned) = crate::loss::branch::padded_targets_on(targets, bs, anchors, x.device(), objects)? else { return Ok(()) };
+        let autocast = self.cfg.precision.autocast();
+        let (criterion, model, plugins, surface) = (&self.criterion, &self.model, &self.plugins, &self.model_surface);
+        let weights = &self.compute_weights;
+        let forward = |x: &Tensor| -> Result<(BranchOutputs, BranchOutputs)> {
+            let out = in_stage(stages::FORWARD, || {
+                ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(x, &ptl_heads::NativeRunner))?
+            })?;
+            Ok((branch(&out.one2many), branch(&out.one2one)))
+        };
+        let prepare = |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| {
+            let call = crate::fit::SiteCall { site: Site::ForwardLoss, inputs, surface, model: None };
+            plugins.prepare_call(call, &mut |_, xs| body(xs))
+        };
+        let flow = &model.head().flow_model;
+        let made = in_stage(stages::FORWARD, || {
+            ptl_autograd::autocast(autocast, || {
+                criterion.prepare_with_forward(x, &planned, &forward, targets, anchors, Some(flow), &prepare)
+            })
+        })?;
+        if made {
+            self.bucket_plan.prepared(planned.slots);
+        }
+        Ok(())
     }
 
     /// Books one step's loss: the per-step total (hashed), the epoch's item sums, the running means
