@@ -28,9 +28,10 @@ pub trait BackwardOp: Send + Sync {
     fn runs_aside(&self) -> bool {
         false
     }
-    /// Whether this single-output backward takes its gradient as the two contributions it
-    /// received, unsummed ([`BackwardOp::backward_two`]), where exactly two arrived: it adds them
-    /// inside its own kernels as the engine would have, saving the addition's launch.
+    /// Whether this backward takes each output's gradient as the contributions it received,
+    /// unsummed ([`BackwardOp::backward_parts`]), where no output received more than two and one
+    /// received two: it adds them inside its own kernels as the engine would have, saving the
+    /// addition's launch.
     fn adds_two_contributions(&self) -> bool {
         false
     }
@@ -39,6 +40,18 @@ pub trait BackwardOp: Send + Sync {
     fn backward_two(&self, a: &Tensor, b: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let g = add_grads(a.clone(), b.clone())?;
         self.backward(&[Some(g)])
+    }
+    /// [`BackwardOp::backward`] from each output's contributions, unsummed, in the engine's adding
+    /// order (none, one or two each). By default a single output's two go to
+    /// [`BackwardOp::backward_two`]; otherwise each output's are added, then `backward`.
+    fn backward_parts(&self, parts: Vec<Vec<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+        if let [only] = parts.as_slice() {
+            if let [a, b] = only.as_slice() {
+                return self.backward_two(a, b);
+            }
+        }
+        let grads = parts.into_iter().map(summed).collect::<Result<Vec<_>>>()?;
+        self.backward(&grads)
     }
 }
 
@@ -189,6 +202,9 @@ pub fn attach_custom_node(op: Arc<dyn BackwardOp>, inputs: &[&Tensor], outputs: 
         fn backward_two(&self, a: &Tensor, b: &Tensor) -> Result<Vec<Option<Tensor>>> {
             self.0.backward_two(a, b)
         }
+        fn backward_parts(&self, parts: Vec<Vec<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+            self.0.backward_parts(parts)
+        }
     }
     if !tracking(inputs) {
         return outputs.iter().map(|t| t.detach()).collect();
@@ -236,7 +252,12 @@ fn in_sum_order(mut c: Vec<(u64, Tensor)>) -> Vec<Tensor> {
 /// The sum of one output's gradient contributions, latest-created consumer first (`None` when
 /// nothing arrived: an absent gradient stays absent).
 fn sum_contributions(c: Vec<(u64, Tensor)>) -> Result<Option<Tensor>> {
-    let mut it = in_sum_order(c).into_iter();
+    summed(in_sum_order(c))
+}
+
+/// `parts` added in order (`None` for none).
+pub(crate) fn summed(parts: Vec<Tensor>) -> Result<Option<Tensor>> {
+    let mut it = parts.into_iter();
     let Some(first) = it.next() else { return Ok(None) };
     it.try_fold(first, add_grads).map(Some)
 }
@@ -338,13 +359,10 @@ impl Tensor {
             };
             let run = || -> Result<Option<Vec<Option<Tensor>>>> {
                 // A node that adds two contributions itself gets them unsummed.
-                if node.op.adds_two_contributions() && contributions.len() == 1 && contributions[0].len() == 2 {
-                    let mut parts = in_sum_order(contributions.into_iter().next().unwrap_or_default());
-                    let (b, a) = (parts.pop(), parts.pop());
-                    if let (Some(a), Some(b)) = (a, b) {
-                        return node.op.backward_two(&a, &b).map(Some);
-                    }
-                    return Err(Error::Backward { msg: format!("{}: two gradient contributions expected", node.name()) });
+                let two_at_most = contributions.iter().all(|c| c.len() <= 2);
+                if node.op.adds_two_contributions() && two_at_most && contributions.iter().any(|c| c.len() == 2) {
+                    let parts = contributions.into_iter().map(in_sum_order).collect();
+                    return node.op.backward_parts(parts).map(Some);
                 }
                 let grads = contributions.into_iter().map(sum_contributions).collect::<Result<Vec<Option<Tensor>>>>()?;
                 if grads.iter().all(Option::is_none) {

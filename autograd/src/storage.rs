@@ -390,6 +390,20 @@ impl Storage {
     pub fn cat_rows(&mut self, rows: usize, srcs: &[(Option<u64>, usize)]) -> Result<bool> {
         self.rows_in_one_pass(rows, srcs, false)
     }
+    /// [`Storage::cat_rows`] of float inputs where a piece may be the sum of two, added as the
+    /// addition kernel adds (the bytes of adding first): `srcs[k]` = (input k's device address,
+    /// the second addend's or `None`, its values per row). `Ok(false)`: add, then concatenate.
+    #[allow(unused_variables)]
+    pub fn cat_rows_adding(&mut self, rows: usize, srcs: &[(u64, Option<u64>, usize)]) -> Result<bool> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(whole) if srcs.len() <= crate::cuda::ops::CAT_MAX_INPUTS && whole.dtype.is_float() => {
+                crate::cuda::ops::cat_rows_adding(whole, rows, srcs)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
     /// [`Storage::split_rows`] (`split`) or [`Storage::cat_rows`] between `self` and the pieces.
     #[allow(unused_variables)]
     fn rows_in_one_pass(&self, rows: usize, pieces: &[(Option<u64>, usize)], split: bool) -> Result<bool> {

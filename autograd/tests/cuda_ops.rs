@@ -818,6 +818,58 @@ fn bn_adds_two_gradient_contributions_itself() {
     println!("ok bn two contributions: {cases} cases byte-identical to adding first");
 }
 
+/// A split whose pieces' gradients arrive as two contributions (a C2f/C3k2 chunk read by the
+/// concatenation and by the next block), one, or none has the two added inside the
+/// concatenation's one pass: the input gradient's bytes equal those of adding first and
+/// concatenating after (the backward of the summed gradients), in f32, bf16 and f16, along C of
+/// NCHW and along the last dimension.
+#[test]
+fn split_adds_two_gradient_contributions_itself() {
+    let Some(dev) = gpu() else { return };
+    let mut cases = 0;
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        for (shape, dim, sizes) in
+            [(vec![4, 64, 20, 20], 1, vec![32, 32]), (vec![2, 48, 9, 7], 1, vec![16, 16, 16]), (vec![3, 5, 30], 2, vec![10, 20])]
+        {
+            let mut rng = Rng::new(41);
+            let x0 = Tensor::rand(shape.clone(), -2.0, 2.0, dt, dev, &mut rng).unwrap();
+            let weights: Vec<(Tensor, Tensor)> = sizes
+                .iter()
+                .map(|&l| {
+                    let mut s = shape.clone();
+                    s[dim] = l;
+                    (Tensor::rand(s.clone(), -1.0, 1.0, dt, dev, &mut rng).unwrap(), Tensor::rand(s, -1.0, 1.0, dt, dev, &mut rng).unwrap())
+                })
+                .collect();
+            // Piece 0 is read twice (r1 then r2), piece 1 once, a third piece (if any) not at all.
+            let run = |two: bool| -> Vec<u8> {
+                let x = x0.detach().requires_grad_(true).unwrap();
+                let pieces = x.split(&sizes, dim as isize).unwrap();
+                let (r1, r2) = &weights[0];
+                let first = pieces[0].mul(r1).unwrap().sum_all().unwrap();
+                let once = pieces[1].mul(&weights[1].0).unwrap().sum_all().unwrap();
+                if two {
+                    first.add(&once).unwrap().add(&pieces[0].mul(r2).unwrap().sum_all().unwrap()).unwrap().backward().unwrap();
+                } else {
+                    let g0 = r2.add(r1).unwrap();
+                    let mut grads: Vec<Tensor> = vec![g0, weights[1].0.clone()];
+                    for &l in &sizes[2..] {
+                        let mut s = shape.clone();
+                        s[dim] = l;
+                        grads.push(Tensor::zeros(s, dt, dev).unwrap());
+                    }
+                    let refs: Vec<&Tensor> = grads.iter().collect();
+                    x.backward_with(&Tensor::cat(&refs, dim as isize).unwrap()).unwrap();
+                }
+                x.grad().expect("the input receives a gradient").to_bytes().unwrap()
+            };
+            assert!(run(true) == run(false), "{dt} {shape:?} split along {dim}: the gradient differs from adding first");
+            cases += 1;
+        }
+    }
+    println!("ok split two contributions: {cases} cases byte-identical to adding first");
+}
+
 /// The graph-safe Philox keep mask and dropout: identical bytes on CPU and CUDA for the same
 /// generator state (sizes not a multiple of 4 included), same offsets, and the dropout gradient.
 #[test]

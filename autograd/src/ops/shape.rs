@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::autograd::{record, record1, FnBackward};
 use crate::shape::{broadcast_strides, contiguous_strides, normalize_dim, Layout, Shape};
 use crate::storage::Storage;
-use crate::{Error, MemoryFormat, Result, Tensor};
+use crate::{DType, Device, Error, MemoryFormat, Result, Tensor};
 
 /// Copies the strided view `src` of `x` into a new contiguous tensor.
 fn gather_view(x: &Tensor, src: &Layout) -> Result<Tensor> {
@@ -318,29 +318,7 @@ impl Tensor {
         }
         let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.dims().to_vec()).collect();
         let (dtype, device) = (self.dtype(), self.device());
-        Ok(record(
-            &[self],
-            pieces,
-            FnBackward {
-                name: "split",
-                f: move |g: &[Option<Tensor>]| {
-                    if g.iter().all(Option::is_none) {
-                        return Ok(vec![None]);
-                    }
-                    let filled = g
-                        .iter()
-                        .zip(&shapes)
-                        .map(|(g, shape)| match g {
-                            Some(g) if g.dtype() == dtype => Ok(g.clone()),
-                            Some(g) => g.to_dtype(dtype),
-                            None => Tensor::zeros(shape.clone(), dtype, device),
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    let refs: Vec<&Tensor> = filled.iter().collect();
-                    Ok(vec![Some(Tensor::cat(&refs, d as isize)?)])
-                },
-            },
-        ))
+        Ok(record(&[self], pieces, SplitBackward { shapes, dtype, device, d }))
     }
 
     /// Splits into `n` nearly equal chunks along `dim` (like `torch.chunk`).
@@ -420,5 +398,88 @@ impl Tensor {
                 },
             },
         ))
+    }
+}
+
+/// The backward of [`Tensor::split`]: the pieces' gradients concatenated (zeros for a piece that
+/// received none; absent when none did). A piece whose gradient arrived as two contributions
+/// (a C2f/C3k2 chunk read by the concatenation and by the next block) has them added inside the
+/// concatenation's one pass where the backend has it, instead of an addition launch first.
+struct SplitBackward {
+    shapes: Vec<Vec<usize>>,
+    dtype: DType,
+    device: Device,
+    d: usize,
+}
+
+impl SplitBackward {
+    /// One piece's gradient in the input's dtype, or zeros.
+    fn filled(&self, g: Option<Tensor>, shape: &[usize]) -> Result<Tensor> {
+        match g {
+            Some(g) if g.dtype() == self.dtype => Ok(g),
+            Some(g) => g.to_dtype(self.dtype),
+            None => Tensor::zeros(shape.to_vec(), self.dtype, self.device),
+        }
+    }
+
+    /// The concatenation of `parts` (each piece's contributions, at most two, in adding order)
+    /// in one pass that adds where the backend has it; `None` where it does not (another dtype
+    /// or layout among the contributions, a backend without the kernel).
+    fn cat_adding(&self, parts: &[Vec<Tensor>]) -> Result<Option<Tensor>> {
+        let d = self.d;
+        let ready = |t: &Tensor, shape: &[usize]| {
+            t.dtype() == self.dtype && t.dims() == shape && t.memory_format() == MemoryFormat::Contiguous && t.device_address().is_some()
+        };
+        if parts.iter().zip(&self.shapes).any(|(p, s)| p.iter().any(|t| !ready(t, s))) {
+            return Ok(None);
+        }
+        let zeros: Vec<Option<Tensor>> = parts
+            .iter()
+            .zip(&self.shapes)
+            .map(|(p, s)| p.is_empty().then(|| Tensor::zeros(s.clone(), self.dtype, self.device)).transpose())
+            .collect::<Result<_>>()?;
+        let mut shape = self.shapes[0].clone();
+        shape[d] = self.shapes.iter().map(|s| s[d]).sum();
+        let row_values: usize = shape[d + 1..].iter().product();
+        let addr = |t: &Tensor| t.device_address().unwrap_or(0);
+        let srcs: Vec<(u64, Option<u64>, usize)> = parts
+            .iter()
+            .zip(&zeros)
+            .zip(&self.shapes)
+            .map(|((p, z), s)| match (p.as_slice(), z) {
+                ([a, b], _) => (addr(a), Some(addr(b)), s[d] * row_values),
+                ([a], _) => (addr(a), None, s[d] * row_values),
+                (_, z) => (z.as_ref().map_or(0, addr), None, s[d] * row_values),
+            })
+            .collect();
+        let mut out = Storage::uninit(self.device, self.dtype, shape.iter().product())?;
+        if !out.cat_rows_adding(shape[..d].iter().product(), &srcs)? {
+            return Ok(None);
+        }
+        Ok(Some(Tensor::from_storage_in(out, shape.into(), MemoryFormat::Contiguous)?))
+    }
+}
+
+impl crate::autograd::BackwardOp for SplitBackward {
+    fn name(&self) -> &str {
+        "split"
+    }
+    fn backward(&self, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        if g.iter().all(Option::is_none) {
+            return Ok(vec![None]);
+        }
+        let filled = g.iter().zip(&self.shapes).map(|(g, s)| self.filled(g.clone(), s)).collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&Tensor> = filled.iter().collect();
+        Ok(vec![Some(Tensor::cat(&refs, self.d as isize)?)])
+    }
+    fn adds_two_contributions(&self) -> bool {
+        true
+    }
+    fn backward_parts(&self, parts: Vec<Vec<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+        if let Some(g) = self.cat_adding(&parts)? {
+            return Ok(vec![Some(g)]);
+        }
+        let grads = parts.into_iter().map(crate::autograd::summed).collect::<Result<Vec<_>>>()?;
+        self.backward(&grads)
     }
 }

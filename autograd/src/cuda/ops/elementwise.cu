@@ -317,6 +317,43 @@ extern "C" __global__ void split_rows_v4(CatArgs a, const unsigned int* s, u32 r
 extern "C" __global__ void split_rows_v2(CatArgs a, const unsigned short* s, u32 rows, u32 sp) { split_rows_k<unsigned short>(a, s, rows, sp); }
 extern "C" __global__ void split_rows_v1(CatArgs a, const u8* s, u32 rows, u32 sp) { split_rows_k<u8>(a, s, rows, sp); }
 
+// cat_rows of typed elements where a piece may be the sum of two sources (src2[k] != 0): the
+// gradient of a split whose output received two contributions, added as the addition kernel
+// (binary_c / binary_cv, op 0) adds them — in the accumulator type, rounded once — and stored
+// straight into the concatenation. cols and off count elements.
+struct CatAddArgs {
+    unsigned long long src[8];
+    unsigned long long src2[8];
+    u32 cols[8];
+    u32 off[8];
+};
+template <typename T>
+__device__ void cat_rows_add_k(CatAddArgs a, T* d, u32 rows, u32 dp) {
+    typedef typename Acc<T>::type A;
+    const u32 k = blockIdx.y;
+    unsigned long long s1 = a.src[0], s2 = a.src2[0];
+    u32 cols = a.cols[0], off = a.off[0];
+#pragma unroll
+    for (u32 j = 1; j < 8; ++j) {
+        if (k == j) {
+            s1 = a.src[j];
+            s2 = a.src2[j];
+            cols = a.cols[j];
+            off = a.off[j];
+        }
+    }
+    const T* x = (const T*)s1;
+    const T* y = (const T*)s2;
+    const u32 total = rows * cols;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+        const u32 r = i / cols, c = i - r * cols;
+        d[(size_t)r * dp + off + c] = y ? store<T, A>(binary_apply<A>(0, to_acc(x[i]), to_acc(y[i]))) : x[i];
+    }
+}
+#define INST_CAT_ADD(name, T) \
+    extern "C" __global__ void cat_rows_add_##name(CatAddArgs a, T* d, u32 rows, u32 dp) { cat_rows_add_k<T>(a, d, rows, dp); }
+FLOAT_TYPES(INST_CAT_ADD)
+
 // Keeps one thread busy for `cycles` SM clock cycles (benchmarks: lets the host queue a timed
 // loop while the GPU is busy, so event timing measures GPU time, not launch throughput).
 extern "C" __global__ void spin_cycles(long long cycles) {

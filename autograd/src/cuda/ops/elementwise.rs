@@ -428,6 +428,53 @@ pub(crate) fn cat_rows(dst: &CudaStorage, rows: usize, srcs: &[(u64, usize)]) ->
     launch_row_pieces("cat", "cat_rows", dst, rows, srcs)
 }
 
+/// Kernel argument of `cat_rows_add_*` (see elementwise.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CatAddArgs {
+    src: [u64; 8],
+    src2: [u64; 8],
+    cols: [u32; 8],
+    off: [u32; 8],
+}
+
+/// [`cat_rows`] of float elements where a piece may be the sum of two sources: `srcs[k]` = (an
+/// address, a second address whose values are added to the first's or `None`, elements per
+/// row). A sum is computed as the addition kernel computes it (in the accumulator type, rounded
+/// once), so the result has the bytes of adding first and concatenating after, in one launch.
+pub(crate) fn cat_rows_adding(dst: &CudaStorage, rows: usize, srcs: &[(u64, Option<u64>, usize)]) -> Result<()> {
+    const OP: &str = "cat";
+    if srcs.is_empty() || srcs.len() > CAT_MAX_INPUTS {
+        return Err(Error::invalid(OP, format!("{} pieces for one launch (1..={CAT_MAX_INPUTS})", srcs.len())));
+    }
+    if !matches!(dst.dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
+        return Err(Error::UnsupportedDType { op: OP, dtype: dst.dtype, expected: "f32, f64, f16 or bf16" });
+    }
+    let pitch: usize = srcs.iter().map(|s| s.2).sum();
+    if rows * pitch != dst.len {
+        return Err(Error::invalid(OP, format!("{rows} rows of {pitch} values do not match the {}-value tensor", dst.len)));
+    }
+    let mut a = CatAddArgs::default();
+    let (mut off, mut most) = (0usize, 0usize);
+    for (k, &(p, p2, w)) in srcs.iter().enumerate() {
+        a.src[k] = p;
+        a.src2[k] = p2.unwrap_or(0);
+        a.cols[k] = u32c(OP, w)?;
+        a.off[k] = u32c(OP, off)?;
+        u32c(OP, rows * w)?;
+        most = most.max(rows * w);
+        off += w;
+    }
+    if most == 0 {
+        return Ok(());
+    }
+    let dev = &dst.buf.dev;
+    let f = dev.func("cat_rows_add", sfx(dst.dtype))?;
+    let (pd, rr, wp) = (ptr(dst), u32c(OP, rows)?, u32c(OP, pitch)?);
+    let blocks = most.div_ceil(256).clamp(1, 65536) as u32;
+    dev.launch(f, (blocks, srcs.len() as u32, 1), (256, 1, 1), &mut args!(a, pd, rr, wp))
+}
+
 /// Splits `src` (`rows` rows) into contiguous outputs in one launch, the inverse of
 /// [`cat_rows`]: output `k` (device address `dsts[k].0`) receives `dsts[k].1` bytes of every row,
 /// taken at the running byte offset. Same access-width rule as [`cat_rows`].
