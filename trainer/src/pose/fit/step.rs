@@ -294,15 +294,7 @@ impl Run {
         let info = |stage| StageInfo { stage, epoch, batch_index: ni, training: true };
         let autocast = self.cfg.precision.autocast();
         let (criterion, model, plugins, surface) = (&self.criterion, &self.model, &self.plugins, &self.model_surface);
-        // The weights' batched cast runs inside the body, so a recording holds it as one kernel
-        // (and one for the gradients) instead of a cast per weight.
-        let weights = &self.compute_weights;
-        let forward = |x: &Tensor| -> Result<(BranchOutputs, BranchOutputs)> {
-            let out = in_stage(stages::FORWARD, || {
-                ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(x, &ptl_heads::NativeRunner))?
-            })?;
-            Ok((branch(&out.one2many), branch(&out.one2one)))
-        };
+        let forward = step_forward(model, &self.compute_weights, autocast);
         let route = |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| {
             plugins.run_site(Site::ForwardLoss, inputs, surface, &mut |_, xs| body(xs))
         };
@@ -333,13 +325,7 @@ impl Run {
         let Some(planned) = crate::loss::branch::padded_targets_on(targets, bs, anchors, x.device(), objects)? else { return Ok(()) };
         let autocast = self.cfg.precision.autocast();
         let (criterion, model, plugins, surface) = (&self.criterion, &self.model, &self.plugins, &self.model_surface);
-        let weights = &self.compute_weights;
-        let forward = |x: &Tensor| -> Result<(BranchOutputs, BranchOutputs)> {
-            let out = in_stage(stages::FORWARD, || {
-                ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(x, &ptl_heads::NativeRunner))?
-            })?;
-            Ok((branch(&out.one2many), branch(&out.one2one)))
-        };
+        let forward = step_forward(model, &self.compute_weights, autocast);
         let prepare = |inputs: &[Tensor], body: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>| {
             let call = crate::fit::SiteCall { site: Site::ForwardLoss, inputs, surface, model: None };
             plugins.prepare_call(call, &mut |_, xs| body(xs))
@@ -518,5 +504,20 @@ impl Run {
         self.state.global_step += 1;
         self.view.global_step = self.state.global_step;
         Ok(ema_ms)
+    }
+}
+
+/// The model's forward as a step body runs it: autocast with the weights' batched cast inside
+/// (so a recording holds it as one kernel, and one for the gradients), both branches' raw outputs.
+fn step_forward<'a>(
+    model: &'a ptl_heads::PoseModel,
+    weights: &'a [Tensor],
+    autocast: Option<DType>,
+) -> impl Fn(&Tensor) -> Result<(BranchOutputs, BranchOutputs)> + 'a {
+    move |x: &Tensor| {
+        let out = in_stage(stages::FORWARD, || {
+            ptl_autograd::autocast_with_weights(autocast, weights, || model.forward_with(x, &ptl_heads::NativeRunner))?
+        })?;
+        Ok((branch(&out.one2many), branch(&out.one2one)))
     }
 }
