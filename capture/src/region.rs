@@ -401,6 +401,16 @@ fn seed_backward(outs: &[&Tensor], grads: Vec<Tensor>) -> Result<()> {
     Ok(())
 }
 
+/// Recordings take their inputs in the contiguous order: channels-last inputs converted at entry
+/// (one strided copy, the rule every op follows: docs/channels-last.md); `None` when all are
+/// contiguous already.
+fn contiguous_inputs(inputs: &[Tensor]) -> Result<Option<Vec<Tensor>>> {
+    if inputs.iter().all(|t| t.memory_format() == MemoryFormat::Contiguous) {
+        return Ok(None);
+    }
+    Ok(Some(inputs.iter().map(|t| t.to_memory_format(MemoryFormat::Contiguous)).collect::<ptl_autograd::Result<_>>()?))
+}
+
 /// Marks one forward replay whose backward has not run yet.
 struct Token {
     consumed: AtomicBool,
@@ -804,16 +814,8 @@ impl RegionHandle {
     /// `body`, borrowed for the call only — natively, or by capturing and replaying. `inputs` may
     /// be empty (a region that only reads its surface, e.g. an optimizer update).
     pub fn call_with(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &BodyFn<'_>) -> Result<Vec<Tensor>> {
-        // Recordings take their inputs in the contiguous order: a channels-last input is
-        // converted at entry (one strided copy, the rule every op follows: docs/channels-last.md).
-        let converted: Vec<Tensor>;
-        let inputs = match inputs.iter().all(|t| t.memory_format() == MemoryFormat::Contiguous) {
-            true => inputs,
-            false => {
-                converted = inputs.iter().map(|t| t.to_memory_format(MemoryFormat::Contiguous)).collect::<ptl_autograd::Result<_>>()?;
-                &converted[..]
-            }
-        };
+        let converted = contiguous_inputs(inputs)?;
+        let inputs = converted.as_deref().unwrap_or(inputs);
         let _one_call = lock(&self.shared.calls);
         let _lent = self.shared.body.lend(body);
         self.call_inner(inputs, surface, body)
@@ -827,14 +829,8 @@ impl RegionHandle {
     /// runs natively anyway (disabled, hooks, no device, inside a capture), already holds the
     /// signature, is full, or the capture failed (noted in the counters, as a call's would be).
     pub fn prepare(&self, inputs: &[Tensor], surface: &[(String, Tensor, TensorKind)], body: &BodyFn<'_>) -> Result<bool> {
-        let converted: Vec<Tensor>;
-        let inputs = match inputs.iter().all(|t| t.memory_format() == MemoryFormat::Contiguous) {
-            true => inputs,
-            false => {
-                converted = inputs.iter().map(|t| t.to_memory_format(MemoryFormat::Contiguous)).collect::<ptl_autograd::Result<_>>()?;
-                &converted[..]
-            }
-        };
+        let converted = contiguous_inputs(inputs)?;
+        let inputs = converted.as_deref().unwrap_or(inputs);
         let _one_call = lock(&self.shared.calls);
         let _lent = self.shared.body.lend(body);
         let cfg = &self.recorder.config;

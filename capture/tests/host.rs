@@ -275,6 +275,37 @@ fn t2_warmup_rolls_back_undeclared_writes() {
     assert_eq!((s.captures, s.replays), (1, 4), "{s:?}");
 }
 
+/// `prepare` records a signature ahead of use without running it: the body's writes are rolled
+/// back (the state is as before), the call that follows with that signature replays at once (no
+/// native warm-up call), and a signature already held, or a disabled recorder, prepares nothing.
+#[test]
+fn prepare_records_a_signature_without_running_it() {
+    fn step(p: &Tensor, x: &Tensor) -> ptl_autograd::Result<Tensor> {
+        no_grad(|| p.add_(&x.mul_scalar(0.5)?))?;
+        p.mul(x)
+    }
+    let (rec, backend) = recorder(RecorderConfig::default());
+    let p = Tensor::from_vec(vec![1.0f32, -2.0, 3.0], 3, Device::Cpu).unwrap();
+    let reference = p.deep_copy().unwrap();
+    let p2 = p.clone();
+    let region = rec.region(RegionSpec::new("prepared", Vec::new, move |xs| Ok(vec![step(&p2, &xs[0])?])));
+    let x = Tensor::from_vec(vec![0.5f32, 1.0, -1.0], 3, Device::Cpu).unwrap();
+    let surface: Vec<(String, Tensor, TensorKind)> = Vec::new();
+    let body = |xs: &[Tensor]| Ok(vec![step(&p, &xs[0])?]);
+    assert!(region.prepare(std::slice::from_ref(&x), &surface, &body).unwrap(), "recorded");
+    assert_eq!(p.to_bytes().unwrap(), reference.to_bytes().unwrap(), "nothing the body wrote stayed");
+    assert_eq!(backend.records.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert!(!region.prepare(std::slice::from_ref(&x), &surface, &body).unwrap(), "held already");
+    let y = region.call(std::slice::from_ref(&x)).unwrap().remove(0);
+    let want = step(&reference, &x).unwrap();
+    assert_eq!(y.to_bytes().unwrap(), want.to_bytes().unwrap(), "the first call replays the prepared recording");
+    let s = region.stats();
+    assert_eq!((s.captures, s.replays, s.native_for(FallbackReason::Warmup)), (1, 1, 0), "{s:?}");
+    let (off, _) = recorder(RecorderConfig { enabled: false, ..Default::default() });
+    let r2 = off.region(RegionSpec::new("off", Vec::new, |xs| Ok(vec![xs[0].clone()])));
+    assert!(!r2.prepare(std::slice::from_ref(&x), &surface, &|xs: &[Tensor]| Ok(vec![xs[0].clone()])).unwrap());
+}
+
 /// Regions that take turns over a shared forward arena (the `step` plugin's target buckets): a
 /// signature seen after the first recording is captured at its first call, with the shared
 /// arenas set aside during its warm-up and put back before its capture; while another region's
