@@ -85,6 +85,23 @@ type WeightsKey = ((f64, f64), ptl_autograd::Device, Tensor);
 /// (one-to-many, one-to-one).
 pub type ForwardBody<'a> = dyn Fn(&Tensor) -> Result<(BranchOutputs, BranchOutputs)> + 'a;
 
+/// What a step's forward-and-loss body runs on ([`E2ELoss::loss_with_forward`]).
+#[derive(Clone, Copy)]
+pub struct StepBody<'a> {
+    /// The images.
+    pub x: &'a Tensor,
+    /// The targets padded to a bucket, on the images' device.
+    pub targets: &'a DeviceTargets,
+    /// The model's forward: both branches' raw outputs.
+    pub forward: &'a ForwardBody<'a>,
+    /// The batch's targets as loaded (for the input checks).
+    pub batch: &'a TargetBatch,
+    /// The anchor grid of the images' size.
+    pub anchors: &'a Anchors,
+    /// The RLE flow (training mode).
+    pub flow: Option<&'a dyn FlowLogProb>,
+}
+
 /// Both branches' boxes, scores and keypoints, one-to-many first: the head of the dense body's inputs.
 fn dense_inputs(o2m: &BranchOutputs, o2o: &BranchOutputs) -> Vec<Tensor> {
     vec![o2m.boxes.clone(), o2m.scores.clone(), o2m.kpts.clone(), o2o.boxes.clone(), o2o.scores.clone(), o2o.kpts.clone()]
@@ -289,56 +306,31 @@ impl E2ELoss {
     }
 
     /// The model's forward and the dense criterion as one body over tensors, which `route` may
-    /// record whole (a step's forward and loss in one graph). `route` gets the images `x`, the
-    /// padded targets `dt` ([`E2ELoss::dense_step_targets`]) and the branch weights; the body runs
-    /// `forward(x)` (both branches' raw outputs) and then what [`E2ELoss::loss_routed`]'s body
-    /// runs, so the values are the same.
-    #[allow(clippy::too_many_arguments)]
-    pub fn loss_with_forward(
-        &self,
-        x: &Tensor,
-        dt: &DeviceTargets,
-        forward: &ForwardBody<'_>,
-        targets: &TargetBatch,
-        anchors: &Anchors,
-        flow: Option<&dyn FlowLogProb>,
-        route: &LossRoute<'_>,
-    ) -> Result<LossOutput> {
+    /// record whole (a step's forward and loss in one graph). `route` gets the images, the padded
+    /// targets ([`E2ELoss::dense_step_targets`]) and the branch weights; the body runs the step's
+    /// forward (both branches' raw outputs) and then what [`E2ELoss::loss_routed`]'s body runs,
+    /// so the values are the same.
+    pub fn loss_with_forward(&self, step: &StepBody<'_>, route: &LossRoute<'_>) -> Result<LossOutput> {
         let clock = std::time::Instant::now();
-        let outs = self.with_step_body(x, dt, forward, targets, anchors, flow, |inputs, body| route(inputs, body))?;
+        let outs = self.with_step_body(step, |inputs, body| route(inputs, body))?;
         self.finish_dense(outs, clock)
     }
 
     /// Hands [`E2ELoss::loss_with_forward`]'s inputs and body to `prepare` (a replay plugin that
     /// records them ahead of use without running them) and returns what it says; nothing runs
     /// here. The fit prepares a step with the largest target bucket its data can give.
-    #[allow(clippy::too_many_arguments)]
-    pub fn prepare_with_forward(
-        &self,
-        x: &Tensor,
-        dt: &DeviceTargets,
-        forward: &ForwardBody<'_>,
-        targets: &TargetBatch,
-        anchors: &Anchors,
-        flow: Option<&dyn FlowLogProb>,
-        prepare: &StepPrepare<'_>,
-    ) -> Result<bool> {
-        self.with_step_body(x, dt, forward, targets, anchors, flow, |inputs, body| prepare(inputs, body))
+    pub fn prepare_with_forward(&self, step: &StepBody<'_>, prepare: &StepPrepare<'_>) -> Result<bool> {
+        self.with_step_body(step, |inputs, body| prepare(inputs, body))
     }
 
     /// The step body's inputs (images, padded targets, branch weights) and the body itself,
     /// handed to `f`.
-    #[allow(clippy::too_many_arguments)]
     fn with_step_body<R>(
         &self,
-        x: &Tensor,
-        dt: &DeviceTargets,
-        forward: &ForwardBody<'_>,
-        targets: &TargetBatch,
-        anchors: &Anchors,
-        flow: Option<&dyn FlowLogProb>,
+        step: &StepBody<'_>,
         f: impl FnOnce(&[Tensor], &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<R>,
     ) -> Result<R> {
+        let StepBody { x, targets: dt, forward, batch: targets, anchors, flow } = *step;
         let weights = self.weights_on(x.device())?;
         let inputs = [x.clone(), dt.labels.clone(), dt.boxes.clone(), dt.mask.clone(), dt.kpts.clone(), weights];
         let slots = dt.slots;

@@ -64,7 +64,7 @@ pub mod terms;
 pub use anchors::Anchors;
 pub use assigner::{assign, candidate_sets, AssignInputs, AssignParams, Assignment, CandidateSets};
 pub use branch::{BranchLoss, BranchOutputs, PoseLoss26};
-pub use e2e::{DeferredItems, E2ELoss, ForwardBody, LossOutput, LossRoute, StepPrepare};
+pub use e2e::{DeferredItems, E2ELoss, ForwardBody, LossOutput, LossRoute, StepBody, StepPrepare};
 pub use targets::TargetBatch;
 
 use ptl_autograd::Tensor;

@@ -303,7 +303,8 @@ impl Run {
             // One graph holds both: its kernels count for the forward stage (and its backward's
             // for the model's backward) in the GPU window's breakdown.
             in_stage(stages::FORWARD, || {
-                ptl_autograd::autocast(autocast, || criterion.loss_with_forward(x, dt, &forward, targets, anchors, Some(flow), &route))
+                let step = crate::loss::StepBody { x, targets: dt, forward: &forward, batch: targets, anchors, flow: Some(flow) };
+                ptl_autograd::autocast(autocast, || criterion.loss_with_forward(&step, &route))
             })
         })?;
         self.plugins.run_stage(info(Stage::Loss), || Ok(()))?;
@@ -333,7 +334,8 @@ impl Run {
         let flow = &model.head().flow_model;
         let made = in_stage(stages::FORWARD, || {
             ptl_autograd::autocast(autocast, || {
-                criterion.prepare_with_forward(x, &planned, &forward, targets, anchors, Some(flow), &prepare)
+                let step = crate::loss::StepBody { x, targets: &planned, forward: &forward, batch: targets, anchors, flow: Some(flow) };
+                criterion.prepare_with_forward(&step, &prepare)
             })
         })?;
         if made {
