@@ -130,6 +130,12 @@ pub struct Conv2dParams {
     /// gradients, instead of each converting it inside the library; asked only where
     /// [`BackendStorage::reads_channels_last_output_gradient`] says so. Forward calls ignore it.
     pub grad_channels_last: bool,
+    /// The input stored N, H, W, C while the output and the input's gradient are contiguous
+    /// (`channels_last` false): converted once in the forward call, which reads it so, and kept
+    /// in that order for the weight gradient, which would otherwise convert it again inside the
+    /// library; asked only where [`BackendStorage::reads_channels_last_input`] says so. Data
+    /// gradient calls ignore it.
+    pub input_channels_last: bool,
     /// Images.
     pub batch: usize,
     /// Input channels.
@@ -288,6 +294,13 @@ pub trait BackendStorage: Sized {
     /// gradient stored N, H, W, C ([`Conv2dParams::grad_channels_last`]): true where the library
     /// computes in NHWC and would otherwise convert the same output gradient once per gradient.
     fn reads_channels_last_output_gradient(&self, p: &Conv2dParams) -> bool {
+        let _ = p;
+        false
+    }
+    /// Whether the forward call and the weight gradient of the contiguous convolution `p` are
+    /// cheaper from an input stored N, H, W, C ([`Conv2dParams::input_channels_last`]): true where
+    /// the library computes in NHWC and would otherwise convert the same input once in each.
+    fn reads_channels_last_input(&self, p: &Conv2dParams) -> bool {
         let _ = p;
         false
     }

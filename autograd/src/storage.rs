@@ -545,6 +545,14 @@ impl Storage {
             Storage::Cuda(s) => s.reads_channels_last_output_gradient(p),
         }
     }
+    /// See [`BackendStorage::reads_channels_last_input`].
+    pub fn reads_channels_last_input(&self, p: &Conv2dParams) -> bool {
+        match self {
+            Storage::Cpu(s) => s.reads_channels_last_input(p),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.reads_channels_last_input(p),
+        }
+    }
     /// See [`BackendStorage::conv2d`].
     pub fn conv2d(&self, w: &Storage, p: &Conv2dParams) -> Result<Storage> {
         pair!("conv2d", self, w, |a, b| a.conv2d(b, p))

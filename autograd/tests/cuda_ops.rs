@@ -901,6 +901,7 @@ fn convs_use_the_graph_api() {
     let Some(dev) = gpu() else { return };
     let (g0, l0) = ptl_autograd::internal::cuda::conv_paths();
     let nhwc0 = ptl_autograd::internal::cuda::channels_last_output_gradient_reads();
+    let input0 = ptl_autograd::internal::cuda::channels_last_input_reads();
     let mut rng = Rng::new(5);
     let cases: [(&[usize], &[usize], usize, usize); 3] =
         [(&[2, 64, 40, 40], &[64, 64, 3, 3], 1, 1), (&[2, 32, 40, 40], &[64, 32, 3, 3], 2, 1), (&[2, 64, 20, 20], &[64, 1, 3, 3], 1, 64)];
@@ -938,6 +939,10 @@ fn convs_use_the_graph_api() {
     // kernels.
     let nhwc = ptl_autograd::internal::cuda::channels_last_output_gradient_reads() - nhwc0;
     assert_eq!(nhwc, 2 * 2 * 3 * 2, "gradients reading a channels-last output gradient");
+    // Their inputs are converted once too, in the forward call, which reads the copy as it lies,
+    // and the weight gradient reads the same copy.
+    let input = ptl_autograd::internal::cuda::channels_last_input_reads() - input0;
+    assert_eq!(input, 2 * 2 * 3 * 2, "forward calls and weight gradients reading a channels-last input");
 }
 
 /// Layout conversions (N, C, H, W ↔ N, H, W, C, the tiled batched transposes of `copy_strided`)

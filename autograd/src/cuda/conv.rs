@@ -289,31 +289,56 @@ fn run(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, op: &'stati
     run_into(dir, a, b, p, op, out)
 }
 
-/// Whether both gradients of the contiguous convolution `p` in `dt` read an output gradient
-/// stored N, H, W, C ([`Conv2dParams::grad_channels_last`]): the shapes cuDNN's graph API
-/// computes in NHWC — not 1×1 GEMMs, grouped convolutions (cuDNN's planar direct kernels take
-/// those without a conversion), the own thin-input weight gradient or f64 (legacy API) — whose
-/// channel counts are whole 16-byte vectors (NHWC engines pad others in their workspace, which
-/// the workspace cap may not allow: the pose stems' 85 channels), and whose output gradient is
-/// at most [`GRAD_NHWC_MAX_BYTES`]: the converted copy is one more buffer of the gradient's size
-/// while both gradients run, which at batch 64 raised the native step's peak by 300 MiB and its
-/// kernel time by 1.2 ms (large transposes cost what cuDNN's own conversions cost), while for
-/// small gradients it saves a launch each.
-/// `PTL_CONV_GRAD_NHWC=0` turns it off (each gradient converts the output gradient inside cuDNN).
-pub(crate) fn reads_channels_last_output_gradient(p: &Conv2dParams, dt: DType) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("PTL_CONV_GRAD_NHWC").map_or(true, |v| v.trim() != "0"));
+/// Whether cuDNN's graph API computes the contiguous convolution `p` in `dt` in NHWC, converting
+/// its planar operands inside each call: not 1×1 GEMMs, grouped convolutions (cuDNN's planar
+/// direct kernels take those without a conversion), the own thin-input weight gradient or f64
+/// (legacy API); and only channel counts of whole 16-byte vectors (NHWC engines pad others in
+/// their workspace, which the workspace cap may not allow: the pose stems' 85 channels).
+fn computes_in_nhwc(p: &Conv2dParams, dt: DType) -> bool {
     let pointwise = p.kh == 1 && p.kw == 1 && p.stride == (1, 1) && p.padding == (0, 0);
     let vector = 16 / dt.size_in_bytes().max(1);
-    on && !p.channels_last
+    !p.channels_last
         && p.c_in.is_multiple_of(vector)
         && p.c_out.is_multiple_of(vector)
         && matches!(dt, DType::F32 | DType::BF16 | DType::F16)
         && p.groups == 1
         && !pointwise
         && !super::ops::takes_thin_weight_gradient(p, dt)
-        && p.out_shape().iter().product::<usize>() * dt.size_in_bytes() <= GRAD_NHWC_MAX_BYTES
         && !legacy_forced()
+}
+
+/// Whether both gradients of the contiguous convolution `p` in `dt` read an output gradient
+/// stored N, H, W, C ([`Conv2dParams::grad_channels_last`]): the shapes cuDNN computes in NHWC
+/// ([`computes_in_nhwc`]) whose output gradient is at most [`GRAD_NHWC_MAX_BYTES`]: the converted
+/// copy is one more buffer of the gradient's size while both gradients run, which at batch 64
+/// raised the native step's peak by 300 MiB and its kernel time by 1.2 ms (large transposes cost
+/// what cuDNN's own conversions cost), while for small gradients it saves a launch each.
+/// `PTL_CONV_GRAD_NHWC=0` turns it off (each gradient converts the output gradient inside cuDNN).
+pub(crate) fn reads_channels_last_output_gradient(p: &Conv2dParams, dt: DType) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("PTL_CONV_GRAD_NHWC").map_or(true, |v| v.trim() != "0"));
+    on && computes_in_nhwc(p, dt) && p.out_shape().iter().product::<usize>() * dt.size_in_bytes() <= GRAD_NHWC_MAX_BYTES
+}
+
+/// Whether the forward call and the weight gradient of the contiguous convolution `p` in `dt`
+/// read an input stored N, H, W, C ([`Conv2dParams::input_channels_last`]): the shapes cuDNN
+/// computes in NHWC ([`computes_in_nhwc`]), converting the input inside both calls, whose input
+/// is at most [`GRAD_NHWC_MAX_BYTES`]: the converted copy is what the convolution keeps for its
+/// weight gradient, one more buffer of the input's size where the input has other holders.
+/// `PTL_CONV_INPUT_NHWC=0` turns it off.
+pub(crate) fn reads_channels_last_input(p: &Conv2dParams, dt: DType) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("PTL_CONV_INPUT_NHWC").map_or(true, |v| v.trim() != "0"));
+    on && computes_in_nhwc(p, dt) && p.batch * p.c_in * p.h_in * p.w_in * dt.size_in_bytes() <= GRAD_NHWC_MAX_BYTES
+}
+
+/// Calls that read an N, H, W, C input beside contiguous outputs ([`Conv2dParams::input_channels_last`]).
+static CHANNELS_LAST_INPUT_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many forward calls and weight gradients (any dtype) read an input converted once to N, H,
+/// W, C through cuDNN's graph API in this process, to check which path a shape takes.
+pub fn channels_last_input_reads() -> u64 {
+    CHANNELS_LAST_INPUT_READS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The largest output gradient a convolution converts to N, H, W, C itself
@@ -331,6 +356,16 @@ fn output_gradient_contiguous(dy: &CudaStorage, p: &Conv2dParams) -> Result<Cuda
     Ok(out)
 }
 
+/// The input `x` of `p`, stored N, H, W, C, rearranged into N, C, H, W for a path that reads it
+/// so (the legacy API, or a shape [`reads_channels_last_input`] turns down).
+fn input_contiguous(x: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    let dims = [p.batch, p.c_in, p.h_in, p.w_in];
+    let mut out = CudaStorage::alloc(&x.buf.dev, x.dtype, x.len)?;
+    let src = crate::memory_format::channels_last_as_logical(&dims);
+    super::ops::copy_strided(x, &src, &mut out, &crate::shape::Layout::contiguous(&dims))?;
+    Ok(out)
+}
+
 /// Computes direction `dir` into `out` (already allocated with the direction's size). Inputs: Fwd
 /// (x, w), BwdData (dy, w), BwdFilter (dy, x).
 pub(crate) fn run_into(
@@ -343,6 +378,14 @@ pub(crate) fn run_into(
 ) -> Result<CudaStorage> {
     let dt = a.dtype;
     let dev = &a.buf.dev;
+    if p.input_channels_last && (dir == Dir::BwdData || !reads_channels_last_input(p, dt)) {
+        let q = Conv2dParams { input_channels_last: false, ..*p };
+        return match dir {
+            Dir::Fwd => run_into(dir, &input_contiguous(a, p)?, b, &q, op, out),
+            Dir::BwdData => run_into(dir, a, b, &q, op, out),
+            Dir::BwdFilter => run_into(dir, a, &input_contiguous(b, p)?, &q, op, out),
+        };
+    }
     if p.grad_channels_last && (dir == Dir::Fwd || !reads_channels_last_output_gradient(p, dt)) {
         let q = Conv2dParams { grad_channels_last: false, ..*p };
         return match dir {
@@ -402,6 +445,9 @@ pub(crate) fn run_into(
                     if p.grad_channels_last {
                         CHANNELS_LAST_OUTPUT_GRADIENT_READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
+                    if p.input_channels_last {
+                        CHANNELS_LAST_INPUT_READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
                     return Ok(out);
                 }
             }
@@ -411,7 +457,19 @@ pub(crate) fn run_into(
             // weight's gradient comes out through one.
             let dy_contiguous = if p.grad_channels_last { Some(output_gradient_contiguous(a, p)?) } else { None };
             let a = dy_contiguous.as_ref().unwrap_or(a);
-            let q = Conv2dParams { weight_channels_last: false, grad_channels_last: false, ..*p };
+            // The input lies N, H, W, C only in forward and weight-gradient calls (run_into
+            // dropped the flag for the data gradient).
+            let x_contiguous = match (p.input_channels_last, dir) {
+                (true, Dir::Fwd) => Some(input_contiguous(a, p)?),
+                (true, _) => Some(input_contiguous(b, p)?),
+                (false, _) => None,
+            };
+            let (a, b) = match (&x_contiguous, dir) {
+                (Some(x), Dir::Fwd) => (x, b),
+                (Some(x), _) => (a, x),
+                (None, _) => (a, b),
+            };
+            let q = Conv2dParams { weight_channels_last: false, grad_channels_last: false, input_channels_last: false, ..*p };
             let (oihw_weight, oihw_grad) = match (p.weight_channels_last, dir) {
                 (false, _) => (None, None),
                 (true, Dir::BwdFilter) => (None, Some(CudaStorage::alloc(dev, dt, out.len)?)),
@@ -699,6 +757,7 @@ mod tests {
             channels_last: false,
             weight_channels_last: true,
             grad_channels_last: false,
+            input_channels_last: false,
             batch: 4,
             c_in,
             h_in: 40,
@@ -734,5 +793,28 @@ mod tests {
         assert!(!reads_channels_last_output_gradient(&large, DType::BF16), "a large gradient is left to cuDNN");
         let at_four = Conv2dParams { batch: 4, h_in: 320, w_in: 320, ..conv(16, 16, 3, 1) };
         assert!(reads_channels_last_output_gradient(&at_four, DType::BF16), "batch 4's largest layer: 12.5 MiB");
+    }
+
+    /// The input is converted once for the forward call and the weight gradient at the shapes
+    /// whose output gradient is (cuDNN computes them in NHWC), limited by the input's own size:
+    /// a stride-2 convolution's input is four times its output.
+    #[test]
+    fn the_input_is_converted_once_where_both_calls_convert_it() {
+        assert!(reads_channels_last_input(&conv(64, 64, 3, 1), DType::BF16));
+        assert!(!reads_channels_last_input(&conv(64, 64, 1, 1), DType::BF16), "1×1: a GEMM");
+        assert!(!reads_channels_last_input(&conv(64, 64, 3, 64), DType::BF16), "depthwise");
+        assert!(!reads_channels_last_input(&conv(3, 16, 3, 1), DType::BF16), "thin input");
+        assert!(!reads_channels_last_input(&conv(85, 85, 3, 1), DType::BF16), "channels off the vector");
+        let cl = Conv2dParams { channels_last: true, ..conv(64, 64, 3, 1) };
+        assert!(!reads_channels_last_input(&cl, DType::BF16), "channels-last data is read as it lies already");
+        // Batch 4 at 640 px: the first stride-2 3×3 convolution after the stem reads 16 × 320 ×
+        // 320 (12.5 MiB); at batch 64 it is 200 MiB and left to cuDNN.
+        let strided = |batch| Conv2dParams { batch, h_in: 320, w_in: 320, stride: (2, 2), ..conv(16, 32, 3, 1) };
+        assert!(reads_channels_last_input(&strided(4), DType::BF16));
+        assert!(!reads_channels_last_input(&strided(64), DType::BF16), "a large input is left to cuDNN");
+        // Input and output sizes are limited apart: this input is 50 MiB, its output 12.5 MiB.
+        let at_sixteen = strided(16);
+        assert!(!reads_channels_last_input(&at_sixteen, DType::BF16));
+        assert!(reads_channels_last_output_gradient(&Conv2dParams { c_out: 16, ..at_sixteen }, DType::BF16));
     }
 }

@@ -225,7 +225,10 @@ pub(crate) fn build(
     let want = if time.is_some() && hint.is_none() { timed_candidates().unwrap_or(TIMED_CANDIDATES) } else { 1 };
     let t = data_type(dt)?;
     // Activations in the data's format, the weight in its own (OIHW, or O, H, W, I: KRSC).
-    let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t, p.channels_last)?;
+    // The input may lie N, H, W, C beside a contiguous output (converted once for the forward
+    // call and the weight gradient); the data gradient is written in the activations' format.
+    let x_channels_last = p.channels_last || (dir != Dir::BwdData && p.input_channels_last);
+    let x = tensor(UID_X, [p.batch, p.c_in, p.h_in, p.w_in], t, x_channels_last)?;
     let w = tensor(UID_W, p.weight_shape(), t, p.weight_channels_last)?;
     // The output gradient may lie N, H, W, C beside contiguous activations (converted once for
     // both gradients).
@@ -654,6 +657,7 @@ mod tests {
             channels_last: false,
             weight_channels_last: false,
             grad_channels_last: false,
+            input_channels_last: false,
             batch: 64,
             c_in: 16,
             h_in: 320,
@@ -682,6 +686,7 @@ mod tests {
             channels_last: true,
             weight_channels_last: true,
             grad_channels_last: false,
+            input_channels_last: false,
             batch: 64,
             c_in: 85,
             h_in: 80,

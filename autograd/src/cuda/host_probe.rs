@@ -74,6 +74,7 @@ pub fn host_cost_breakdown(device: Device, reps: usize) -> Result<Vec<(&'static 
         channels_last: false,
         weight_channels_last: false,
         grad_channels_last: false,
+        input_channels_last: false,
         batch: 1,
         c_in: 8,
         h_in: 8,

@@ -218,6 +218,9 @@ impl BackendStorage for CudaStorage {
     fn reads_channels_last_output_gradient(&self, p: &Conv2dParams) -> bool {
         conv::reads_channels_last_output_gradient(p, self.dtype)
     }
+    fn reads_channels_last_input(&self, p: &Conv2dParams) -> bool {
+        conv::reads_channels_last_input(p, self.dtype)
+    }
     fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self> {
         self.same_device("conv2d_backward_weight", input)?;
         conv::conv2d_backward_weight(self, input, p)

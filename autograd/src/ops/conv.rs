@@ -53,6 +53,7 @@ impl Tensor {
             channels_last,
             weight_channels_last,
             grad_channels_last: false,
+            input_channels_last: false,
             batch: xd[0],
             c_in: xd[1],
             h_in: xd[2],
@@ -64,11 +65,22 @@ impl Tensor {
             padding,
             groups,
         };
-        let s = self.storage_for(channels_last)?.conv2d(&*w.storage_for(weight_as_it_lies)?, &p)?;
+        let recorded = (self.requires_grad() || w.requires_grad()) && crate::is_grad_enabled();
+        let (need_x, need_w) = (self.requires_grad(), w.requires_grad());
+        // Where the forward call and the weight gradient would each convert a contiguous input to
+        // N, H, W, C inside the library, it is converted once here: the forward call reads the
+        // copy as it lies and the convolution keeps the copy, not the input, for its weight
+        // gradient.
+        let input_once = recorded && need_w && !channels_last && self.with_storage(|s| s.reads_channels_last_input(&p));
+        let (x, p) = match input_once {
+            true => (self.detach().to_memory_format(MemoryFormat::ChannelsLast)?, Conv2dParams { input_channels_last: true, ..p }),
+            false => (self.detach(), p),
+        };
+        let s = x.storage_for(channels_last || input_once)?.conv2d(&*w.storage_for(weight_as_it_lies)?, &p)?;
         let y = Tensor::from_storage_in(s, p.out_shape().to_vec().into(), format)?;
-        let y = if (self.requires_grad() || w.requires_grad()) && crate::is_grad_enabled() {
-            let (x, wt) = (self.detach(), w.detach());
-            let (need_x, need_w) = (self.requires_grad(), w.requires_grad());
+        let y = if recorded {
+            let wt = w.detach();
+            let (device, x_shape) = (self.device(), self.shape().clone());
             record(
                 &[self, w],
                 vec![y],
@@ -90,8 +102,8 @@ impl Tensor {
                         // The weight gradient first, beside the data-gradient chain where the
                         // backend can (`streams`): nothing but the optimizer waits for it.
                         let gw = if need_w {
-                            crate::streams::beside(x.device(), || -> Result<Option<Tensor>> {
-                                let xs = x.storage_for(channels_last)?;
+                            crate::streams::beside(device, || -> Result<Option<Tensor>> {
+                                let xs = x.storage_for(channels_last || input_once)?;
                                 let gw = gs.conv2d_backward_weight(&xs, &p)?;
                                 // In the weight's order where it was read as it lies.
                                 let gw_format = if weight_as_it_lies { weight_format } else { MemoryFormat::Contiguous };
@@ -102,7 +114,9 @@ impl Tensor {
                         };
                         let gx = if need_x {
                             let ws = wt.storage_for(weight_as_it_lies)?;
-                            Some(Tensor::from_storage_in(gs.conv2d_backward_input(&ws, &p)?, x.shape().clone(), format)?)
+                            // Written in the activations' format whatever the input copy's.
+                            let p = Conv2dParams { input_channels_last: false, ..p };
+                            Some(Tensor::from_storage_in(gs.conv2d_backward_input(&ws, &p)?, x_shape.clone(), format)?)
                         } else {
                             None
                         };

@@ -112,6 +112,7 @@ mod tests {
             channels_last: true,
             weight_channels_last: false,
             grad_channels_last: false,
+            input_channels_last: false,
             batch: 2,
             c_in: 16,
             h_in: 8,

@@ -117,6 +117,7 @@ mod tests {
             channels_last: false,
             weight_channels_last: false,
             grad_channels_last: false,
+            input_channels_last: false,
             batch: 64,
             c_in,
             h_in: w_in,
