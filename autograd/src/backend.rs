@@ -308,6 +308,20 @@ pub trait BackendStorage: Sized {
     fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
     /// Gradient of the conv weight given the output gradient (`self`) and the input.
     fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self>;
+    /// Whether [`BackendStorage::conv2d_backward_weight_and_bias`] computes the bias gradient of
+    /// `p` in the weight gradient's launch (instead of a reduction of the output gradient of its
+    /// own).
+    fn fuses_bias_gradient(&self, p: &Conv2dParams) -> bool {
+        let _ = p;
+        false
+    }
+    /// Gradients of the conv weight and of a bias added to every output channel, given the output
+    /// gradient (`self`) and the input; asked only where
+    /// [`BackendStorage::fuses_bias_gradient`] says so.
+    fn conv2d_backward_weight_and_bias(&self, input: &Self, p: &Conv2dParams) -> Result<(Self, Self)> {
+        let _ = input;
+        Err(crate::Error::invalid("conv2d_backward_weight_and_bias", format!("this backend has no one-launch bias gradient ({p:?})")))
+    }
     /// Returns (values, argmax indices within each input plane as I64).
     fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)>;
     /// Gradient of the pool input from the output gradient (`self`) and the argmax indices.

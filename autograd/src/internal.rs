@@ -40,7 +40,8 @@ pub mod cuda {
     pub use crate::cuda::blas::gemm_paths;
     pub use crate::cuda::capture_support::{CaptureArena, CaptureScopeGuard, CaptureViolation};
     pub use crate::cuda::conv::{
-        channels_last_input_reads, channels_last_output_gradient_reads, conv_paths, narrow_weight_gradients, thin_weight_gradients,
+        channels_last_input_reads, channels_last_output_gradient_reads, conv_paths, narrow_bias_gradients, narrow_weight_gradients,
+        thin_weight_gradients,
     };
     pub use crate::cuda::counters::{counters, library_setup, CudaCounters, LibrarySetup};
     pub use crate::cuda::graph::{begin_capture, end_capture, gpu_spin, graph_mem_reserved, time_on_stream, CudaGraph, StreamMark};

@@ -565,6 +565,26 @@ impl Storage {
     pub fn conv2d_backward_weight(&self, x: &Storage, p: &Conv2dParams) -> Result<Storage> {
         pair!("conv2d_backward_weight", self, x, |a, b| a.conv2d_backward_weight(b, p))
     }
+    /// See [`BackendStorage::fuses_bias_gradient`].
+    pub fn fuses_bias_gradient(&self, p: &Conv2dParams) -> bool {
+        match self {
+            Storage::Cpu(s) => s.fuses_bias_gradient(p),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.fuses_bias_gradient(p),
+        }
+    }
+    /// See [`BackendStorage::conv2d_backward_weight_and_bias`].
+    pub fn conv2d_backward_weight_and_bias(&self, x: &Storage, p: &Conv2dParams) -> Result<(Storage, Storage)> {
+        match (self, x) {
+            (Storage::Cpu(a), Storage::Cpu(b)) => a.conv2d_backward_weight_and_bias(b, p).map(|(w, g)| (Storage::Cpu(w), Storage::Cpu(g))),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(a), Storage::Cuda(b)) => {
+                a.conv2d_backward_weight_and_bias(b, p).map(|(w, g)| (Storage::Cuda(w), Storage::Cuda(g)))
+            }
+            #[allow(unreachable_patterns)]
+            (a, b) => Err(Error::DeviceMismatch { op: "conv2d_backward_weight_and_bias", lhs: a.device(), rhs: b.device() }),
+        }
+    }
     /// See [`BackendStorage::max_pool2d`].
     pub fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Storage, Storage)> {
         match self {

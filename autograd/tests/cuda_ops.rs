@@ -356,17 +356,22 @@ fn conv2d() {
     // 85 → 51 projection (two input tiles, one output tile partly used, bands crossing items), its
     // 64 → 1 and 16 → 4 projections, more than one output tile (70 outputs), and a contraction
     // shorter than one chunk.
-    let narrow_before = gpu().map(|_| ptl_autograd::internal::cuda::narrow_weight_gradients());
+    // With a bias, the same launch computes its gradient (compared with the CPU's reduction like
+    // every other gradient here).
+    let narrow_before =
+        gpu().map(|_| (ptl_autograd::internal::cuda::narrow_weight_gradients(), ptl_autograd::internal::cuda::narrow_bias_gradients()));
     conv("conv1x1_narrow_points", &[4, 85, 20, 20], &[51, 85, 1, 1], 1, 0, 1, true);
     conv("conv1x1_narrow_class", &[3, 64, 9, 7], &[1, 64, 1, 1], 1, 0, 1, true);
-    conv("conv1x1_narrow_box", &[15, 16, 9, 9], &[4, 16, 1, 1], 1, 0, 1, false);
-    conv("conv1x1_narrow_tiles", &[2, 33, 13, 11], &[70, 33, 1, 1], 1, 0, 1, false);
+    conv("conv1x1_narrow_box", &[15, 16, 9, 9], &[4, 16, 1, 1], 1, 0, 1, true);
+    conv("conv1x1_narrow_tiles", &[2, 33, 13, 11], &[70, 33, 1, 1], 1, 0, 1, true);
     conv("conv1x1_narrow_short", &[1, 5, 3, 3], &[3, 5, 1, 1], 1, 0, 1, false);
-    if let Some(before) = narrow_before {
+    if let Some((before, bias_before)) = narrow_before {
         let ran = ptl_autograd::internal::cuda::narrow_weight_gradients() - before;
-        // Five shapes, three dtypes (f64 keeps cuBLAS), two runs each.
+        let with_bias = ptl_autograd::internal::cuda::narrow_bias_gradients() - bias_before;
+        // Five shapes, three dtypes (f64 keeps cuBLAS), two runs each; four of them with a bias.
         assert!(ran >= 30, "the narrow 1×1 weight gradient ran {ran} times, expected 30");
-        println!("ok narrow 1×1 weight gradients: {ran} through the own kernel");
+        assert!(with_bias >= 24, "the narrow kernel computed {with_bias} bias gradients, expected 24");
+        println!("ok narrow 1×1 weight gradients: {ran} through the own kernel, {with_bias} with the bias gradient");
     }
     conv("conv_groups2", &[1, 8, 10, 10], &[12, 4, 3, 3], 1, 1, 2, false);
     conv("conv_depthwise", &[2, 16, 11, 9], &[16, 1, 3, 3], 2, 1, 16, true);

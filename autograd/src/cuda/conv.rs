@@ -255,6 +255,12 @@ pub fn narrow_weight_gradients() -> u64 {
     super::ops::narrow_weight_gradients()
 }
 
+/// How many bias gradients the narrow 1×1 weight-gradient kernel computed in its own launch in
+/// this process ([`fuses_bias_gradient`]).
+pub fn narrow_bias_gradients() -> u64 {
+    super::ops::narrow_bias_gradients()
+}
+
 /// Gradient calls that read an N, H, W, C output gradient through the graph API
 /// ([`Conv2dParams::grad_channels_last`]).
 static CHANNELS_LAST_OUTPUT_GRADIENT_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -652,6 +658,46 @@ pub(crate) fn conv2d_backward_weight(dy: &CudaStorage, x: &CudaStorage, p: &Conv
 /// tensor cores outrun from about this many items.
 const UNALIGNED_BATCHED_FROM: usize = 16;
 
+/// Whether the weight gradient of `p` in `dt` is the own narrow kernel's: a planar 1×1 stride-1
+/// convolution whose rows are not 16 bytes (the batched GEMM's fast kernels need them: for a 51-
+/// or 1-channel output cuBLAS picked a 60 µs kernel, against 4–5 µs for one per item) below
+/// [`UNALIGNED_BATCHED_FROM`] items; not f64.
+fn takes_narrow_weight_gradient(p: &Conv2dParams, dt: DType) -> bool {
+    let pointwise = p.kh == 1 && p.kw == 1 && p.stride == (1, 1) && p.padding == (0, 0) && p.groups == 1;
+    let rows16 = [p.c_out, p.c_in, p.h_in * p.w_in].iter().all(|v| (v * dt.size_in_bytes()).is_multiple_of(16));
+    pointwise
+        && !p.channels_last
+        && !p.grad_channels_last
+        && !p.input_channels_last
+        && matches!(dt, DType::F32 | DType::BF16 | DType::F16)
+        && !rows16
+        && p.batch < UNALIGNED_BATCHED_FROM
+}
+
+/// Whether [`conv2d_backward_weight_and_bias`] computes the bias gradient of `p` in `dt` in the
+/// weight gradient's launch: where the weight gradient is the own narrow kernel's, which holds
+/// the output gradient in shared memory already (the head's last projections, each with a bias:
+/// one reduction launch fewer per projection).
+pub(crate) fn fuses_bias_gradient(p: &Conv2dParams, dt: DType) -> bool {
+    takes_narrow_weight_gradient(p, dt) && p.batch > 0 && p.h_in * p.w_in > 0
+}
+
+/// The weight and bias gradients of `p` from `dy` and `x` in one launch, where
+/// [`fuses_bias_gradient`] says so.
+pub(crate) fn conv2d_backward_weight_and_bias(dy: &CudaStorage, x: &CudaStorage, p: &Conv2dParams) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "conv2d_backward_weight_and_bias";
+    if dy.dtype != x.dtype {
+        return Err(Error::DTypeMismatch { op: OP, lhs: dy.dtype, rhs: x.dtype });
+    }
+    if !fuses_bias_gradient(p, dy.dtype) {
+        return Err(Error::invalid(OP, format!("{p:?} in {} has no one-launch bias gradient", dy.dtype)));
+    }
+    let dev = &dy.buf.dev;
+    let w = CudaStorage::alloc(dev, dy.dtype, out_len(Dir::BwdFilter, p))?;
+    let b = CudaStorage::alloc(dev, dy.dtype, p.c_out)?;
+    super::ops::narrow_pointwise_weight_and_bias_gradients(dy, x, p, w, b)
+}
+
 /// 1×1 stride-1 convolutions are plain GEMMs: through cuBLAS (faster than cuDNN's picks here).
 /// The weight gradient is one batched GEMM writing an f32 partial per batch item, then one kernel
 /// adding the partials in item order and storing the result in the gradient's dtype: two launches
@@ -681,10 +727,7 @@ fn pointwise(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams, out: 
         }
         Dir::BwdFilter => {
             let half = dt.is_half();
-            // Rows of 16 bytes: the batched GEMM's fast kernels need them (for a 51- or
-            // 1-channel output cuBLAS picked a 60 µs kernel, against 4–5 µs for one per item).
-            let rows16 = [co, ci, hw].iter().all(|v| (v * dt.size_in_bytes()).is_multiple_of(16));
-            if dt != DType::F64 && !rows16 && n < UNALIGNED_BATCHED_FROM {
+            if takes_narrow_weight_gradient(p, dt) {
                 return super::ops::narrow_pointwise_weight_gradient(a, b, p, out);
             }
             if dt == DType::F64 {

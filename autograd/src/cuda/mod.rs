@@ -225,6 +225,13 @@ impl BackendStorage for CudaStorage {
         self.same_device("conv2d_backward_weight", input)?;
         conv::conv2d_backward_weight(self, input, p)
     }
+    fn fuses_bias_gradient(&self, p: &Conv2dParams) -> bool {
+        conv::fuses_bias_gradient(p, self.dtype)
+    }
+    fn conv2d_backward_weight_and_bias(&self, input: &Self, p: &Conv2dParams) -> Result<(Self, Self)> {
+        self.same_device("conv2d_backward_weight_and_bias", input)?;
+        conv::conv2d_backward_weight_and_bias(self, input, p)
+    }
     fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
         ops::max_pool2d(self, p)
     }

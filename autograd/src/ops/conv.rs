@@ -78,16 +78,42 @@ impl Tensor {
         };
         let s = x.storage_for(channels_last || input_once)?.conv2d(&*w.storage_for(weight_as_it_lies)?, &p)?;
         let y = Tensor::from_storage_in(s, p.out_shape().to_vec().into(), format)?;
+        if let Some(b) = bias {
+            if b.dims() != [p.c_out] {
+                return Err(bad(format!("bias shape {:?} should be [{}]", b.dims(), p.c_out)));
+            }
+        }
+        // Where the backend computes the bias gradient in the weight gradient's launch, the bias
+        // is added here (the same addition, untracked) and the convolution's node hands out its
+        // gradient; elsewhere the addition is a node of its own below.
+        let fused_bias = match bias {
+            Some(b) if recorded && need_w && b.requires_grad() && b.dtype() == self.dtype() => {
+                self.with_storage(|s| s.fuses_bias_gradient(&p)).then_some(b)
+            }
+            _ => None,
+        };
+        let y = match fused_bias {
+            Some(b) => {
+                let _untracked = crate::GradModeGuard::new(false);
+                y.add(&b.detach().reshape(vec![1, p.c_out, 1, 1])?)?
+            }
+            None => y,
+        };
         let y = if recorded {
             let wt = w.detach();
             let (device, x_shape) = (self.device(), self.shape().clone());
+            let inputs: Vec<&Tensor> = match fused_bias {
+                Some(b) => vec![self, w, b],
+                None => vec![self, w],
+            };
+            let with_bias = fused_bias.is_some();
             record(
-                &[self, w],
+                &inputs,
                 vec![y],
                 FnBackward {
                     name: "conv2d",
                     f: move |g: &[Option<Tensor>]| {
-                        let Some(g) = &g[0] else { return Ok(vec![None, None]) };
+                        let Some(g) = &g[0] else { return Ok(vec![None; 2 + usize::from(with_bias)]) };
                         // The output gradient in the output's format: as it lies for a
                         // channels-last convolution (converted first if it arrived otherwise).
                         // Where both gradients would each convert a contiguous one to N, H, W, C
@@ -101,16 +127,22 @@ impl Tensor {
                         let gs = g.storage_for(channels_last || once)?;
                         // The weight gradient first, beside the data-gradient chain where the
                         // backend can (`streams`): nothing but the optimizer waits for it.
-                        let gw = if need_w {
-                            crate::streams::beside(device, || -> Result<Option<Tensor>> {
+                        let (gw, gb) = if need_w {
+                            crate::streams::beside(device, || -> Result<(Option<Tensor>, Option<Tensor>)> {
                                 let xs = x.storage_for(channels_last || input_once)?;
-                                let gw = gs.conv2d_backward_weight(&xs, &p)?;
+                                let (gw, gb) = match with_bias {
+                                    true => {
+                                        let (gw, gb) = gs.conv2d_backward_weight_and_bias(&xs, &p)?;
+                                        (gw, Some(Tensor::from_storage_in(gb, vec![p.c_out].into(), MemoryFormat::Contiguous)?))
+                                    }
+                                    false => (gs.conv2d_backward_weight(&xs, &p)?, None),
+                                };
                                 // In the weight's order where it was read as it lies.
                                 let gw_format = if weight_as_it_lies { weight_format } else { MemoryFormat::Contiguous };
-                                Ok(Some(Tensor::from_storage_in(gw, wt.shape().clone(), gw_format)?))
+                                Ok((Some(Tensor::from_storage_in(gw, wt.shape().clone(), gw_format)?), gb))
                             })?
                         } else {
-                            None
+                            (None, None)
                         };
                         let gx = if need_x {
                             let ws = wt.storage_for(weight_as_it_lies)?;
@@ -120,7 +152,10 @@ impl Tensor {
                         } else {
                             None
                         };
-                        Ok(vec![gx, gw])
+                        Ok(match with_bias {
+                            true => vec![gx, gw, gb],
+                            false => vec![gx, gw],
+                        })
                     },
                 },
             )
@@ -129,13 +164,8 @@ impl Tensor {
             y
         };
         match bias {
-            Some(b) => {
-                if b.dims() != [p.c_out] {
-                    return Err(bad(format!("bias shape {:?} should be [{}]", b.dims(), p.c_out)));
-                }
-                y.add(&b.reshape(vec![1, p.c_out, 1, 1])?)
-            }
-            None => Ok(y),
+            Some(b) if fused_bias.is_none() => y.add(&b.reshape(vec![1, p.c_out, 1, 1])?),
+            _ => Ok(y),
         }
     }
 

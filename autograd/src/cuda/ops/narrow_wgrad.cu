@@ -20,8 +20,14 @@
 // band's positions in ascending order (one FMA chain per weight) into part[(band·co + o)·ci + c].
 // Loads: lane = position in the chunk (coalesced along p), warp w = rows w, w + 8, …; the next
 // chunk's values are loaded into registers while the current one is multiplied.
+//
+// With `bpart` (the bias gradient asked for too), the blocks of the first input tile also add the
+// output gradient over their band, per output, in ascending position order (thread t < NW_TO owns
+// output o0 + t), into bpart[band·co + o]: the bias gradient Σ_n Σ_p dy[n][o][p] from the values
+// already in shared memory, instead of another pass over dy.
 template <typename T>
-__device__ void narrow_wgrad_part_k(const T* dy, const T* x, float* part, u32 co, u32 ci, u32 P, u32 K, u32 per) {
+__device__ void narrow_wgrad_part_k(const T* dy, const T* x, float* part, float* bpart, u32 co, u32 ci, u32 P, u32 K,
+                                    u32 per) {
     __shared__ float sdy[NW_KC][NW_TO + 1];
     __shared__ float sx[NW_KC][NW_TC + 1];
     const u32 band = blockIdx.x, o0 = blockIdx.y * NW_TO, c0 = blockIdx.z * NW_TC;
@@ -44,6 +50,8 @@ __device__ void narrow_wgrad_part_k(const T* dy, const T* x, float* part, u32 co
         }
     };
     float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+    const bool bias = bpart != nullptr && blockIdx.z == 0 && t < NW_TO;
+    float bacc = 0.f;
     if (k0 < k1) load(k0);
     for (u32 kb = k0; kb < k1; kb += NW_KC) {
         __syncthreads();  // every thread is done with the previous chunk
@@ -53,6 +61,10 @@ __device__ void narrow_wgrad_part_k(const T* dy, const T* x, float* part, u32 co
         for (u32 r = 0; r < NW_TC / 8; ++r) sx[lane][warp + 8 * r] = rx[r];
         __syncthreads();
         if (kb + NW_KC < k1) load(kb + NW_KC);
+        if (bias) {
+#pragma unroll 8
+            for (u32 j = 0; j < NW_KC; ++j) bacc += sdy[j][t];
+        }
 #pragma unroll 8
         for (u32 j = 0; j < NW_KC; ++j) {
             float a[4], b[2];
@@ -76,14 +88,17 @@ __device__ void narrow_wgrad_part_k(const T* dy, const T* x, float* part, u32 co
             if (o < co && c < ci) part[((size_t)band * co + o) * ci + c] = acc[i][j];
         }
     }
+    if (bias && o0 + t < co) bpart[(size_t)band * co + o0 + t] = bacc;
 }
 // After its band's partial, a block takes its tile's ticket (`tickets`: device-lifetime zeros of
 // the launching stream); the last of the `nb` bands adds the tile's partials in band order — the
 // order and f32 arithmetic of sum_partials — stores them in T, and resets the ticket.
+// With `bpart`, the last block of a first-input-tile tile adds the bias partials of its outputs
+// in band order too and stores them in `bout`.
 template <typename T>
-__device__ void narrow_wgrad_k(const T* dy, const T* x, float* part, T* out, u32 co, u32 ci, u32 P, u32 K, u32 per, u32 nb,
-                               unsigned int* tickets) {
-    narrow_wgrad_part_k<T>(dy, x, part, co, ci, P, K, per);
+__device__ void narrow_wgrad_k(const T* dy, const T* x, float* part, T* out, float* bpart, T* bout, u32 co, u32 ci, u32 P,
+                               u32 K, u32 per, u32 nb, unsigned int* tickets) {
+    narrow_wgrad_part_k<T>(dy, x, part, bpart, co, ci, P, K, per);
     __shared__ bool last;
     const u32 tile = blockIdx.y * gridDim.z + blockIdx.z;
     __threadfence();
@@ -102,13 +117,19 @@ __device__ void narrow_wgrad_k(const T* dy, const T* x, float* part, T* out, u32
         for (u32 b = 1; b < nb; ++b) acc += __ldcg(&part[(size_t)b * len + j]);
         out[j] = store<T, float>(acc);
     }
+    if (bpart != nullptr && blockIdx.z == 0 && threadIdx.x < NW_TO && o0 + threadIdx.x < co) {
+        const u32 o = o0 + threadIdx.x;
+        float acc = __ldcg(&bpart[o]);
+        for (u32 b = 1; b < nb; ++b) acc += __ldcg(&bpart[(size_t)b * co + o]);
+        bout[o] = store<T, float>(acc);
+    }
     if (threadIdx.x == 0) tickets[tile] = 0u;
 }
 #define INST_NARROW(name, T)                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) narrow_wgrad_##name(const T* dy, const T* x, float* part, T* out, u32 co, \
-                                                                          u32 ci, u32 P, u32 K, u32 per, u32 nb,               \
-                                                                          unsigned int* tickets) {                             \
-        narrow_wgrad_k<T>(dy, x, part, out, co, ci, P, K, per, nb, tickets);                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                                                          \
+        narrow_wgrad_##name(const T* dy, const T* x, float* part, T* out, float* bpart, T* bout, u32 co, u32 ci, u32 P, u32 K, \
+                            u32 per, u32 nb, unsigned int* tickets) {                                                          \
+        narrow_wgrad_k<T>(dy, x, part, out, bpart, bout, co, ci, P, K, per, nb, tickets);                                     \
     }
 INST_NARROW(f32, float)
 INST_NARROW(f16, __half)

@@ -43,6 +43,15 @@ fn bands(k: usize, tiles: usize) -> (usize, usize) {
     (k.div_ceil(per).max(1), per)
 }
 
+/// How many of those also computed their convolution's bias gradient in the same launch.
+static NARROW_BIAS_GRADIENTS: AtomicU64 = AtomicU64::new(0);
+
+/// How many bias gradients the narrow pointwise kernel computed beside a weight gradient in this
+/// process (instead of a reduction of its own).
+pub(crate) fn narrow_bias_gradients() -> u64 {
+    NARROW_BIAS_GRADIENTS.load(Ordering::Relaxed)
+}
+
 /// The weight gradient of the 1×1 stride-1 convolution `p` from `dy` (N, Co, H, W) and `x`
 /// (N, Ci, H, W), planar, into `out` (Co·Ci values of `dy`'s dtype: f32, bf16 or f16).
 pub(crate) fn narrow_pointwise_weight_gradient(
@@ -50,6 +59,38 @@ pub(crate) fn narrow_pointwise_weight_gradient(
     x: &CudaStorage,
     p: &Conv2dParams,
     out: CudaStorage,
+) -> Result<CudaStorage> {
+    narrow_pointwise_gradients(dy, x, p, out, None)
+}
+
+/// [`narrow_pointwise_weight_gradient`] and, into `bias` (Co values of `dy`'s dtype), the bias
+/// gradient Σ over items and positions of `dy`, in the same launch: the blocks that hold a band
+/// of `dy` for the weight add it up per output too, and the tile's last block adds the bands in
+/// order, so the bytes are fixed for a shape.
+pub(crate) fn narrow_pointwise_weight_and_bias_gradients(
+    dy: &CudaStorage,
+    x: &CudaStorage,
+    p: &Conv2dParams,
+    out: CudaStorage,
+    bias: CudaStorage,
+) -> Result<(CudaStorage, CudaStorage)> {
+    if bias.len != p.c_out || bias.dtype != dy.dtype {
+        return Err(crate::Error::invalid(
+            "conv2d_backward_weight_and_bias (narrow 1×1)",
+            format!("{} {} bias values for {} {} outputs", bias.len, bias.dtype, p.c_out, dy.dtype),
+        ));
+    }
+    let w = narrow_pointwise_gradients(dy, x, p, out, Some(&bias))?;
+    NARROW_BIAS_GRADIENTS.fetch_add(1, Ordering::Relaxed);
+    Ok((w, bias))
+}
+
+fn narrow_pointwise_gradients(
+    dy: &CudaStorage,
+    x: &CudaStorage,
+    p: &Conv2dParams,
+    out: CudaStorage,
+    bias: Option<&CudaStorage>,
 ) -> Result<CudaStorage> {
     const OP: &str = "conv2d_backward_weight (narrow 1×1)";
     let dev = &dy.buf.dev;
@@ -62,12 +103,18 @@ pub(crate) fn narrow_pointwise_weight_gradient(
         return Err(crate::Error::invalid(OP, format!("{} weight tiles exceed the {} tickets", to * tc, super::super::device::BN_TICKETS)));
     }
     let part = CudaStorage::alloc(dev, DType::F32, nb * p.c_out * p.c_in)?;
+    let bias_part = bias.map(|_| CudaStorage::alloc(dev, DType::F32, nb * p.c_out)).transpose()?;
     let (pa, pb, pp, po) = (ptr(dy), ptr(x), ptr(&part), ptr(&out));
+    // Null pointers: no bias gradient.
+    let (pbp, pbo) = match (&bias_part, bias) {
+        (Some(bp), Some(b)) => (ptr(bp), ptr(b)),
+        _ => (0u64, 0u64),
+    };
     let (co, ci, pn, kk, pr, pnb) = (c(p.c_out)?, c(p.c_in)?, c(positions)?, c(k)?, c(per)?, c(nb)?);
     // The stream's batch-norm tickets: kernels of one stream run one after another.
     let tickets = dev.bn_tickets();
     let f = dev.func("narrow_wgrad", sfx(dy.dtype))?;
-    dev.launch(f, (pnb, c(to)?, c(tc)?), (256, 1, 1), &mut args!(pa, pb, pp, po, co, ci, pn, kk, pr, pnb, tickets))?;
+    dev.launch(f, (pnb, c(to)?, c(tc)?), (256, 1, 1), &mut args!(pa, pb, pp, po, pbp, pbo, co, ci, pn, kk, pr, pnb, tickets))?;
     NARROW_WGRADS.fetch_add(1, Ordering::Relaxed);
     Ok(out)
 }
