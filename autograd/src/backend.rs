@@ -358,9 +358,10 @@ pub trait BackendStorage: Sized {
         momentum: f64,
         channels_last: bool,
     ) -> Result<(Self, Self)>;
-    /// [`Self::batch_norm_train_stats`] followed by [`Self::channel_affine`] with its `aff`:
-    /// returns `(y, aff, nrm)`. A backend may do both in fewer passes; the bytes must be those of
-    /// the two calls. `y` is stored as `self` is (`channels_last`).
+    /// [`Self::batch_norm_train_stats`] followed by [`Self::channel_affine`] with its `aff` and,
+    /// with a `residual` (same shape and dtype, planar), the addition `residual + y`: returns
+    /// `(y, aff, nrm)`. A backend may do them in fewer passes; the bytes must be those of the
+    /// separate calls. `y` is stored as `self` is (`channels_last`).
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_train_apply(
         &self,
@@ -373,11 +374,19 @@ pub trait BackendStorage: Sized {
         eps: f64,
         momentum: f64,
         silu: bool,
+        residual: Option<&Self>,
         channels_last: bool,
     ) -> Result<(Self, Self, Self)> {
         let (aff, nrm) =
             self.batch_norm_train_stats(shape, weight, bias, running_mean, running_var, batches, eps, momentum, channels_last)?;
         let y = self.channel_affine(shape, &aff, silu, channels_last)?;
+        let y = match residual {
+            Some(r) => {
+                let l = crate::shape::Layout::contiguous(shape);
+                r.binary(&l, &y, &l, BinaryOp::Add)?
+            }
+            None => y,
+        };
         Ok((y, aff, nrm))
     }
     /// `y = act(x·p[c] + p[C + c])` over an NCHW tensor (stored N, H, W, C when `channels_last`,

@@ -671,8 +671,10 @@ impl Storage {
         eps: f64,
         momentum: f64,
         silu: bool,
+        residual: Option<&Storage>,
         channels_last: bool,
     ) -> Result<(Storage, Storage, Storage)> {
+        let mismatch = |r: &Storage| Error::DeviceMismatch { op: "batch_norm_train_apply", lhs: self.device(), rhs: r.device() };
         match (self, w, b, rm, rv, batches) {
             (Storage::Cpu(x), Storage::Cpu(w), Storage::Cpu(b), Storage::Cpu(rm), Storage::Cpu(rv), nb) => {
                 let nb = match nb {
@@ -681,7 +683,13 @@ impl Storage {
                     #[allow(unreachable_patterns)]
                     Some(s) => return Err(Error::DeviceMismatch { op: "batch_norm_train_apply", lhs: Device::Cpu, rhs: s.device() }),
                 };
-                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu, channels_last)?;
+                let r = match residual {
+                    None => None,
+                    Some(Storage::Cpu(r)) => Some(r),
+                    #[allow(unreachable_patterns)]
+                    Some(r) => return Err(mismatch(r)),
+                };
+                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu, r, channels_last)?;
                 Ok((Storage::Cpu(y), Storage::Cpu(a), Storage::Cpu(n)))
             }
             #[cfg(feature = "cuda")]
@@ -691,7 +699,12 @@ impl Storage {
                     Some(Storage::Cuda(s)) => Some(s),
                     Some(s) => return Err(Error::DeviceMismatch { op: "batch_norm_train_apply", lhs: x.device(), rhs: s.device() }),
                 };
-                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu, channels_last)?;
+                let r = match residual {
+                    None => None,
+                    Some(Storage::Cuda(r)) => Some(r),
+                    Some(r) => return Err(mismatch(r)),
+                };
+                let (y, a, n) = x.batch_norm_train_apply(shape, w, b, rm, rv, nb, eps, momentum, silu, r, channels_last)?;
                 Ok((Storage::Cuda(y), Storage::Cuda(a), Storage::Cuda(n)))
             }
             #[allow(unreachable_patterns)]

@@ -774,6 +774,55 @@ fn bn_one_launch_matches_two_launches() {
     }
 }
 
+/// A block's shortcut added inside the batch norm's kernels (`batch_norm2d_fused_add`) gives the
+/// bytes of the addition after it (`residual.add(batch_norm2d_fused(x))`): output, the input,
+/// weight, bias and residual gradients, running statistics and batch counter — one-block, cluster
+/// and two-launch forms (blocks per channel 1, 2, 25), scalar and vector shapes, with and without
+/// SiLU, f32/bf16/f16; and the output read by two consumers (the residual takes the sum).
+#[test]
+fn bn_adds_a_residual_itself() {
+    let Some(dev) = gpu() else { return };
+    let run = |fused: bool, dt: DType, shape: [usize; 4], silu: bool, two_readers: bool| -> Vec<Vec<u8>> {
+        let mut rng = Rng::new(29);
+        let c = shape[1];
+        let x = Tensor::rand(shape.to_vec(), -2.0, 2.0, dt, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+        let res = Tensor::rand(shape.to_vec(), -1.0, 1.0, dt, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+        let w = Tensor::rand(vec![c], 0.5, 1.5, DType::F32, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+        let b = Tensor::rand(vec![c], -0.5, 0.5, DType::F32, dev, &mut rng).unwrap().requires_grad_(true).unwrap();
+        let rm = Tensor::full(vec![c], 0.1, DType::F32, dev).unwrap();
+        let rv = Tensor::full(vec![c], 0.8, DType::F32, dev).unwrap();
+        let nbt = Tensor::zeros((), DType::I64, dev).unwrap();
+        let opts = BatchNormOptions { training: true, momentum: 0.03, eps: 1e-3 };
+        // The residual also feeds something else, as a block's input does.
+        let res_in = res.mul_scalar(1.0).unwrap();
+        let y = match fused {
+            true => x.batch_norm2d_fused_add(&w, &b, &rm, &rv, Some(&nbt), opts, silu, &res_in).unwrap(),
+            false => res_in.add(&x.batch_norm2d_fused_tracked(&w, &b, &rm, &rv, Some(&nbt), opts, silu).unwrap()).unwrap(),
+        };
+        let r = Tensor::rand(shape.to_vec(), -1.0, 1.0, dt, dev, &mut rng).unwrap();
+        let mut loss = y.mul(&r).unwrap().sum_all().unwrap();
+        if two_readers {
+            loss = loss.add(&y.square().unwrap().sum_all().unwrap()).unwrap();
+        }
+        loss.backward().unwrap();
+        let grads = [x.grad(), w.grad(), b.grad(), res.grad()].map(|g| g.expect("every input receives a gradient"));
+        [&y, &grads[0], &grads[1], &grads[2], &grads[3], &rm, &rv, &nbt].iter().map(|t| t.to_bytes().unwrap()).collect()
+    };
+    let mut cases = 0;
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        for shape in [[3, 8, 7, 6], [4, 32, 20, 20], [4, 64, 40, 40], [4, 8, 160, 160]] {
+            for (silu, two_readers) in [(true, false), (false, false), (true, true)] {
+                let (fused, composed) = (run(true, dt, shape, silu, two_readers), run(false, dt, shape, silu, two_readers));
+                for (k, (a, b)) in fused.iter().zip(&composed).enumerate() {
+                    assert!(a == b, "{dt} {shape:?} silu={silu} two readers={two_readers}: output #{k} differs from the addition after it");
+                }
+                cases += 1;
+            }
+        }
+    }
+    println!("ok bn residual: {cases} cases byte-identical to the addition after the batch norm");
+}
+
 /// A batch norm whose output two consumers read gets its gradient as the two contributions and
 /// adds them inside its kernels: the bytes equal those of the backward from the sum (added as
 /// the engine adds contributions: the later consumer's first) — input, weight and bias gradients —

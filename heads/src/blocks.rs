@@ -27,11 +27,11 @@ impl Bottleneck {
     }
     /// The block's output for `x` (N, C, H, W).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.cv2.forward(&self.cv1.forward(x)?)?;
+        let h = self.cv1.forward(x)?;
         if self.add {
-            Ok(x.add(&y)?)
+            self.cv2.forward_add(&h, x)
         } else {
-            Ok(y)
+            self.cv2.forward(&h)
         }
     }
 }
@@ -196,11 +196,11 @@ impl Sppf {
             ys.push(p);
         }
         let refs: Vec<&Tensor> = ys.iter().collect();
-        let y = self.cv2.forward(&Tensor::cat(&refs, 1)?)?;
+        let c = Tensor::cat(&refs, 1)?;
         if self.add {
-            Ok(y.add(x)?)
+            self.cv2.forward_add(&c, x)
         } else {
-            Ok(y)
+            self.cv2.forward(&c)
         }
     }
 }
@@ -289,11 +289,11 @@ impl PsaBlock {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let a = self.attn.forward(x)?;
         let x = if self.add { x.add(&a)? } else { a };
-        let f = self.ffn1.forward(&self.ffn0.forward(&x)?)?;
+        let h = self.ffn0.forward(&x)?;
         if self.add {
-            Ok(x.add(&f)?)
+            self.ffn1.forward_add(&h, &x)
         } else {
-            Ok(f)
+            self.ffn1.forward(&h)
         }
     }
 }

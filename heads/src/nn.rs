@@ -173,6 +173,23 @@ impl BatchNorm2d {
             silu,
         )?)
     }
+
+    /// `residual + forward_fused(x)`: a block's shortcut added to the normalised output, the
+    /// same bytes as the addition after it, inside the normalisation's kernels where the backend
+    /// can ([`Tensor::batch_norm2d_fused_add`]).
+    pub fn forward_fused_add(&self, x: &Tensor, silu: bool, residual: &Tensor) -> Result<Tensor> {
+        let opts = BatchNormOptions { training: self.training, momentum: self.momentum, eps: self.eps };
+        Ok(x.batch_norm2d_fused_add(
+            &self.weight,
+            &self.bias,
+            &self.running_mean,
+            &self.running_var,
+            Some(&self.num_batches_tracked),
+            opts,
+            silu,
+            residual,
+        )?)
+    }
 }
 
 impl Module for BatchNorm2d {
@@ -215,6 +232,12 @@ impl Conv {
     /// Conv, then BatchNorm (+SiLU) as one fused op on every device.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.bn.forward_fused(&self.conv.forward(x)?, self.act)
+    }
+
+    /// `residual + forward(x)` (a block's shortcut), the addition inside the batch norm's
+    /// kernels where the backend can: one launch fewer per shortcut.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.bn.forward_fused_add(&self.conv.forward(x)?, self.act, residual)
     }
 }
 

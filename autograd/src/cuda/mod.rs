@@ -275,9 +275,23 @@ impl BackendStorage for CudaStorage {
         eps: f64,
         momentum: f64,
         silu: bool,
+        residual: Option<&Self>,
         channels_last: bool,
     ) -> Result<(Self, Self, Self)> {
-        ops::batch_norm_train_apply(self, shape, weight, bias, running_mean, running_var, batches, eps, momentum, silu, channels_last)
+        ops::batch_norm_train_apply(
+            self,
+            shape,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            batches,
+            eps,
+            momentum,
+            silu,
+            residual,
+            channels_last,
+        )
     }
     fn channel_affine(&self, shape: &[usize], params: &Self, silu: bool, channels_last: bool) -> Result<Self> {
         ops::channel_affine(self, shape, params, silu, channels_last)

@@ -50,6 +50,53 @@ impl Tensor {
         opts: BatchNormOptions,
         silu: bool,
     ) -> Result<Tensor> {
+        self.batch_norm2d_fused_inner(weight, bias, running_mean, running_var, num_batches_tracked, opts, silu, None)
+    }
+
+    /// `residual + batch_norm2d_fused_tracked(x)`: a block's shortcut added to its last
+    /// convolution's normalised output, the same bytes as the addition after it. In training, on
+    /// a backend that adds it inside its normalisation kernels (CUDA, planar data), the addition
+    /// costs no launch of its own and the node hands the output gradient to the residual as the
+    /// addition's node would; elsewhere (evaluation, channels-last, another dtype or shape) it is
+    /// the addition itself.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm2d_fused_add(
+        &self,
+        weight: &Tensor,
+        bias: &Tensor,
+        running_mean: &Tensor,
+        running_var: &Tensor,
+        num_batches_tracked: Option<&Tensor>,
+        opts: BatchNormOptions,
+        silu: bool,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        self.batch_norm2d_fused_inner(weight, bias, running_mean, running_var, num_batches_tracked, opts, silu, Some(residual))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm2d_fused_inner(
+        &self,
+        weight: &Tensor,
+        bias: &Tensor,
+        running_mean: &Tensor,
+        running_var: &Tensor,
+        num_batches_tracked: Option<&Tensor>,
+        opts: BatchNormOptions,
+        silu: bool,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        if let Some(r) = residual {
+            let inside = opts.training
+                && r.dims() == self.dims()
+                && r.dtype() == self.dtype()
+                && self.memory_format() == MemoryFormat::Contiguous
+                && r.memory_format() == MemoryFormat::Contiguous;
+            if !inside {
+                let y = self.batch_norm2d_fused_inner(weight, bias, running_mean, running_var, num_batches_tracked, opts, silu, None)?;
+                return r.add(&y);
+            }
+        }
         if let Some(t) = num_batches_tracked {
             if t.dtype() != crate::DType::I64 || t.numel() != 1 || t.raw_storage().len() != 1 {
                 return Err(Error::invalid(
@@ -102,6 +149,7 @@ impl Tensor {
                     let mut rms = rm.write_storage();
                     let mut rvs = rv.write_storage();
                     let mut counter = num_batches_tracked.map(|t| t.write_storage());
+                    let rs = residual.map(|r| r.storage_for(false)).transpose()?;
                     x.batch_norm_train_apply(
                         &d,
                         &ws,
@@ -112,6 +160,7 @@ impl Tensor {
                         opts.eps,
                         opts.momentum,
                         silu,
+                        rs.as_deref(),
                         channels_last,
                     )?
                 };
@@ -131,7 +180,8 @@ impl Tensor {
             }
         })?;
         let y = Tensor::from_storage_in(y, d.clone().into(), format)?;
-        if !(self.requires_grad() || weight.requires_grad() || bias.requires_grad()) || !crate::is_grad_enabled() {
+        let residual_needs = residual.is_some_and(|r| r.requires_grad());
+        if !(self.requires_grad() || weight.requires_grad() || bias.requires_grad() || residual_needs) || !crate::is_grad_enabled() {
             return Ok(y);
         }
         let node = BatchNormBackward {
@@ -145,8 +195,10 @@ impl Tensor {
             training: opts.training,
             format,
             needs: [self.requires_grad(), weight.requires_grad(), bias.requires_grad()],
+            residual: residual.map(|_| residual_needs),
         };
-        Ok(record(&[self, weight, bias], vec![y], node).remove(0))
+        let inputs: Vec<&Tensor> = [self, weight, bias].into_iter().chain(residual).collect();
+        Ok(record(&inputs, vec![y], node).remove(0))
     }
 }
 
@@ -165,6 +217,9 @@ struct BatchNormBackward {
     training: bool,
     format: MemoryFormat,
     needs: [bool; 3],
+    /// With a residual added inside (`Some(whether it needs a gradient)`): a fourth input, whose
+    /// gradient is the output gradient, as the addition's node hands it out.
+    residual: Option<bool>,
 }
 
 impl BatchNormBackward {
@@ -191,6 +246,17 @@ impl BatchNormBackward {
         let gbias = if self.needs[2] { Some(Tensor::from_storage(gb, vec![c])?.to_dtype(self.wd.dtype())?) } else { None };
         Ok(vec![gx, gw, gbias])
     }
+
+    /// [`Self::gradients`] plus the residual's gradient (the output gradient as it arrived: `g`,
+    /// or the engine's sum of its two contributions) where the node has a residual.
+    fn with_residual(&self, mut grads: Vec<Option<Tensor>>, g: impl FnOnce() -> Result<Tensor>) -> Result<Vec<Option<Tensor>>> {
+        match self.residual {
+            Some(true) => grads.push(Some(g()?)),
+            Some(false) => grads.push(None),
+            None => {}
+        }
+        Ok(grads)
+    }
 }
 
 impl BackwardOp for BatchNormBackward {
@@ -202,8 +268,9 @@ impl BackwardOp for BatchNormBackward {
         }
     }
     fn backward(&self, g: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
-        let Some(g) = &g[0] else { return Ok(vec![None, None, None]) };
-        self.gradients(&self.prepared(g)?, None)
+        let Some(g) = &g[0] else { return Ok(vec![None; 3 + usize::from(self.residual.is_some())]) };
+        let grads = self.gradients(&self.prepared(g)?, None)?;
+        self.with_residual(grads, || Ok(g.clone()))
     }
     /// Reads only what it saved and writes fresh gradients.
     fn runs_aside(&self) -> bool {
@@ -216,10 +283,17 @@ impl BackwardOp for BatchNormBackward {
     /// (the sum's bytes as the engine's addition would give them); others are added first.
     fn backward_two(&self, a: &Tensor, b: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let ready = |t: &Tensor| t.dtype() == self.x.dtype() && t.memory_format() == self.format;
-        if ready(a) && ready(b) {
-            return self.gradients(a, Some(b));
+        if ready(a) && ready(b) && self.residual != Some(true) {
+            let mut grads = self.gradients(a, Some(b))?;
+            if self.residual.is_some() {
+                // A residual that needs no gradient.
+                grads.push(None);
+            }
+            return Ok(grads);
         }
+        // The residual needs the sum itself: added once, as the engine would, and read by both.
         let g = crate::autograd::add_grads(a.clone(), b.clone())?;
-        self.gradients(&self.prepared(&g)?, None)
+        let grads = self.gradients(&self.prepared(&g)?, None)?;
+        self.with_residual(grads, || Ok(g))
     }
 }

@@ -125,6 +125,19 @@ __device__ __forceinline__ void bn_apply_vec(A* e, A sc, A sh, int silu) {
     }
 }
 
+// With a residual r (a block's shortcut, `r + y`): y's V values stored in T and read back, then r's
+// added as the addition kernel (binary_cv, op 0) adds them — the bytes of adding after the
+// normalisation, without the launch. r == nullptr: nothing.
+template <typename T, int V>
+__device__ __forceinline__ void bn_add_residual(const T* r, size_t i, typename Acc<T>::type (&e)[V]) {
+    typedef typename Acc<T>::type A;
+    if (r == nullptr) return;
+    A er[V];
+    ld_vec<T, V>(r, i, er);
+#pragma unroll
+    for (int k = 0; k < V; ++k) e[k] = er[k] + to_acc(store<T, A>(e[k]));
+}
+
 // Training statistics, grid (P, C), block 256: shifted sums of x − K and (x − K)² (K = the
 // channel's first element, which keeps E[x²] − E[x]² well conditioned); the channel's last block
 // writes the affine parameters aff = [w·invstd; b − mean·w·invstd], the normalisation parameters
@@ -147,7 +160,7 @@ __device__ void bn_stats_k(const T* x, double* part, u32 n, u32 c, u32 hw, u32 P
 // y = act(x·p[c] + p[C + c]) over NCHW (act = SiLU when silu != 0), V elements per thread step;
 // nvec = len / V, hv = HW / V.
 template <typename T, typename S, int V>
-__device__ void chaffine_k(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c, int silu) {
+__device__ void chaffine_k(const T* x, const S* p, const T* r, T* y, u32 nvec, u32 hv, u32 c, int silu) {
     typedef typename Acc<T>::type A;
     for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += blockDim.x * gridDim.x) {
         const u32 ch = (v / hv) % c;
@@ -155,6 +168,7 @@ __device__ void chaffine_k(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c
         A e[V];
         ld_vec<T, V>(x, (size_t)v * V, e);
         bn_apply_vec<A, V>(e, sc, sh, silu);
+        bn_add_residual<T, V>(r, (size_t)v * V, e);
         st_vec<T, V>(y, (size_t)v * V, e);
     }
 }
@@ -163,8 +177,8 @@ __device__ void chaffine_k(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c
 // y = act(x·sc + sh) over the same channel in the same launch — the same arithmetic, so the same
 // bytes as the two launches, one launch fewer for each small layer.
 template <typename T, typename S, int V>
-__device__ void bn_fwd1_k(const T* x, T* y, u32 n, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv, double eps,
-                          double mom, S* aff, S* nrm, i64* nbt, int silu) {
+__device__ void bn_fwd1_k(const T* x, const T* r, T* y, u32 n, u32 c, u32 hw, double count, const S* w, const S* b, S* rm, S* rv,
+                          double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {
     typedef typename Acc<T>::type A;
     __shared__ S ssc, ssh;
     const u32 ch = blockIdx.y, hv = hw / V, nv = n * hv;
@@ -185,6 +199,7 @@ __device__ void bn_fwd1_k(const T* x, T* y, u32 n, u32 c, u32 hw, double count, 
         A e[V];
         ld_vec<T, V>(x, i, e);
         bn_apply_vec<A, V>(e, sc, sh, silu);
+        bn_add_residual<T, V>(r, i, e);
         st_vec<T, V>(y, i, e);
     }
 }
@@ -375,8 +390,8 @@ __device__ __forceinline__ void bn_cluster_totals(double& a, double& b, u32 P) {
 }
 // bn_stats_k + chaffine_k in one launch for a channel of P blocks (one cluster).
 template <typename T, typename S, int V>
-__device__ void bn_fwdc_k(const T* x, T* y, u32 n, u32 c, u32 hw, u32 P, double count, const S* w, const S* b, S* rm, S* rv, double eps,
-                          double mom, S* aff, S* nrm, i64* nbt, int silu) {
+__device__ void bn_fwdc_k(const T* x, const T* r, T* y, u32 n, u32 c, u32 hw, u32 P, double count, const S* w, const S* b, S* rm,
+                          S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {
     typedef typename Acc<T>::type A;
     __shared__ S ssc, ssh;
     const u32 ch = blockIdx.y, p = blockIdx.x, hv = hw / V;
@@ -399,6 +414,7 @@ __device__ void bn_fwdc_k(const T* x, T* y, u32 n, u32 c, u32 hw, u32 P, double 
         A e[V];
         ld_vec<T, V>(x, i, e);
         bn_apply_vec<A, V>(e, sc, sh, silu);
+        bn_add_residual<T, V>(r, i, e);
         st_vec<T, V>(y, i, e);
     }
 }
@@ -432,8 +448,8 @@ __device__ void bnb_fusedc_k(const T* x, const T* g, const T* g2, const S* aff, 
         unsigned int* tickets, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt) { \
         bn_stats_k<T, S, V>(x, part, n, c, hw, P, tickets, count, w, b, rm, rv, eps, mom, aff, nrm, nbt);                              \
     }                                                                                                                                  \
-    extern "C" __global__ void chaffine##sfx##_##name(const T* x, const S* p, T* y, u32 nvec, u32 hv, u32 c, int silu) {              \
-        chaffine_k<T, S, V>(x, p, y, nvec, hv, c, silu);                                                                               \
+    extern "C" __global__ void chaffine##sfx##_##name(const T* x, const S* p, const T* r, T* y, u32 nvec, u32 hv, u32 c, int silu) {  \
+        chaffine_k<T, S, V>(x, p, r, y, nvec, hv, c, silu);                                                                            \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bnb_reduce##sfx##_##name(const T* x, const T* g, const T* g2, const S* aff, const S* nrm,    \
         double* part, u32 n, u32 c, u32 hw, u32 P, int silu, unsigned int* tickets, double count, const S* w, int training, S* gw,     \
@@ -444,17 +460,17 @@ __device__ void bnb_fusedc_k(const T* x, const T* g, const T* g2, const S* aff, 
         u32 nvec, u32 hv, u32 c, int silu) {                                                                                           \
         bnb_dx_k<T, S, V>(x, g, g2, aff, nrm, coef, dx, nvec, hv, c, silu);                                                                \
     }                                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) bn_fwd1##sfx##_##name(const T* x, T* y, u32 n, u32 c, u32 hw, double count,     \
-        const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {                            \
-        bn_fwd1_k<T, S, V>(x, y, n, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                        \
+    extern "C" __global__ void __launch_bounds__(256) bn_fwd1##sfx##_##name(const T* x, const T* r, T* y, u32 n, u32 c, u32 hw,       \
+        double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {              \
+        bn_fwd1_k<T, S, V>(x, r, y, n, c, hw, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                     \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bnb_fused1##sfx##_##name(const T* x, const T* g, const T* g2, const S* aff, const S* nrm,    \
         u32 n, u32 c, u32 hw, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                        \
         bnb_fused1_k<T, S, V>(x, g, g2, aff, nrm, n, c, hw, silu, count, w, training, gw, gb, coef, dx);                                   \
     }                                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) bn_fwdc##sfx##_##name(const T* x, T* y, u32 n, u32 c, u32 hw, u32 P,            \
-        double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {              \
-        bn_fwdc_k<T, S, V>(x, y, n, c, hw, P, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                     \
+    extern "C" __global__ void __launch_bounds__(256) bn_fwdc##sfx##_##name(const T* x, const T* r, T* y, u32 n, u32 c, u32 hw,       \
+        u32 P, double count, const S* w, const S* b, S* rm, S* rv, double eps, double mom, S* aff, S* nrm, i64* nbt, int silu) {       \
+        bn_fwdc_k<T, S, V>(x, r, y, n, c, hw, P, count, w, b, rm, rv, eps, mom, aff, nrm, nbt, silu);                                  \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bnb_fusedc##sfx##_##name(const T* x, const T* g, const T* g2, const S* aff, const S* nrm,    \
         u32 n, u32 c, u32 hw, u32 P, int silu, double count, const S* w, int training, S* gw, S* gb, S* coef, T* dx) {                 \

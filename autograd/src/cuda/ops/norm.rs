@@ -46,19 +46,29 @@ pub(crate) fn batch_norm_train_apply(
     eps: f64,
     momentum: f64,
     silu: bool,
+    residual: Option<&CudaStorage>,
     channels_last: bool,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-    match bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, Some(silu), channels_last)? {
+    if let Some(r) = residual {
+        if r.dtype != x.dtype || r.len != x.len || channels_last {
+            return Err(Error::invalid(
+                "batch_norm_train_apply",
+                format!("a residual ({} × {}) must match the planar input ({} × {})", r.len, r.dtype, x.len, x.dtype),
+            ));
+        }
+        x.same_device("batch_norm_train_apply", r)?;
+    }
+    match bn_train(x, shape, w, b, rm, rv, batches, eps, momentum, Some((silu, residual)), channels_last)? {
         (Some(y), aff, nrm) => Ok((y, aff, nrm)),
         (None, aff, nrm) => {
-            let y = channel_affine(x, shape, &aff, silu, channels_last)?;
+            let y = channel_affine_adding(x, shape, &aff, silu, residual, channels_last)?;
             Ok((y, aff, nrm))
         }
     }
 }
 
-/// The statistics launch; with `apply` = `Some(silu)` and one block per channel, the fused
-/// statistics-and-apply launch, whose output it returns. Channels-last storage goes to
+/// The statistics launch; with `apply` = `Some((silu, residual))` and one block per channel (or
+/// one cluster), the fused statistics-and-apply launch, whose output it returns. Channels-last storage goes to
 /// [`super::norm_cl`] after the same checks.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn bn_train(
@@ -71,7 +81,7 @@ pub(super) fn bn_train(
     batches: Option<&mut CudaStorage>,
     eps: f64,
     momentum: f64,
-    apply: Option<bool>,
+    apply: Option<(bool, Option<&CudaStorage>)>,
     channels_last: bool,
 ) -> Result<(Option<CudaStorage>, CudaStorage, CudaStorage)> {
     const OP: &str = "batch_norm_train_stats";
@@ -103,7 +113,7 @@ pub(super) fn bn_train(
     let nrm = CudaStorage::alloc(dev, sd, 2 * c)?;
     if channels_last {
         let stats = super::norm_cl::Stats { w, b, rm, rv, nbt, eps, momentum, aff: &aff, nrm: &nrm };
-        let y = super::norm_cl::train(x, n * hw, c, &stats, apply)?;
+        let y = super::norm_cl::train(x, n * hw, c, &stats, apply.map(|(silu, _)| silu))?;
         return Ok((y, aff, nrm));
     }
     let parts = bn_parts(total, c);
@@ -114,24 +124,29 @@ pub(super) fn bn_train(
     u32c(OP, x.len)?;
     let count = total as f64;
     let (pw, pb, prm, prv, pa, pq) = (ptr(w), ptr(b), ptr(rm), ptr(rv), ptr(&aff), ptr(&nrm));
-    if let (Some(silu), true) = (apply, bn_one_launch(dev, parts)) {
+    // The residual's pointer (0: none); it takes part in the vector-width choice like y.
+    let (pr, with_residual): (u64, Vec<&CudaStorage>) = match apply {
+        Some((_, Some(r))) => (ptr(r), vec![r]),
+        _ => (0, vec![]),
+    };
+    if let (Some((silu, _)), true) = (apply, bn_one_launch(dev, parts)) {
         let y = CudaStorage::alloc(dev, x.dtype, x.len)?;
-        if bn_vector(x.dtype, hw, &[x, &y]).0 == vsfx {
+        if bn_vector(x.dtype, hw, &[&[x, &y][..], &with_residual].concat()).0 == vsfx {
             let f = dev.func(if vsfx.is_empty() { "bn_fwd1" } else { "bn_fwd1_v" }, sfx(x.dtype))?;
             let (py, act) = (ptr(&y), silu as i32);
             dev.launch(
                 f,
                 (1, cc, 1),
                 (256, 1, 1),
-                &mut args!(px, py, nn, cc, hh, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt, act),
+                &mut args!(px, pr, py, nn, cc, hh, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt, act),
             )?;
             return Ok((Some(y), aff, nrm));
         }
     }
-    if let (Some(silu), true) = (apply, bn_cluster(dev, parts)) {
+    if let (Some((silu, _)), true) = (apply, bn_cluster(dev, parts)) {
         // 2–8 blocks per channel: one cluster each, the statistics and y in one launch.
         let y = CudaStorage::alloc(dev, x.dtype, x.len)?;
-        if bn_vector(x.dtype, hw, &[x, &y]).0 == vsfx {
+        if bn_vector(x.dtype, hw, &[&[x, &y][..], &with_residual].concat()).0 == vsfx {
             let f = dev.func(if vsfx.is_empty() { "bn_fwdc" } else { "bn_fwdc_v" }, sfx(x.dtype))?;
             let (py, act, pn) = (ptr(&y), silu as i32, parts as u32);
             dev.launch_cluster(
@@ -139,7 +154,7 @@ pub(super) fn bn_train(
                 (pn, cc, 1),
                 (256, 1, 1),
                 pn,
-                &mut args!(px, py, nn, cc, hh, pn, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt, act),
+                &mut args!(px, pr, py, nn, cc, hh, pn, count, pw, pb, prm, prv, eps, momentum, pa, pq, nbt, act),
             )?;
             count_bn_cluster_launch();
             return Ok((Some(y), aff, nrm));
@@ -266,6 +281,19 @@ pub(crate) fn batch_norm_act_backward(
 
 /// `y = act(x·p[c] + p[C + c])`, stored as `x` is (N, H, W, C when `channels_last`).
 pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, silu: bool, channels_last: bool) -> Result<CudaStorage> {
+    channel_affine_adding(x, shape, p, silu, None, channels_last)
+}
+
+/// [`channel_affine`] with a residual added to its output (planar only), as the addition kernel
+/// would add it afterwards.
+fn channel_affine_adding(
+    x: &CudaStorage,
+    shape: &[usize],
+    p: &CudaStorage,
+    silu: bool,
+    residual: Option<&CudaStorage>,
+    channels_last: bool,
+) -> Result<CudaStorage> {
     const OP: &str = "channel_affine";
     if !x.dtype.is_float() {
         return Err(Error::UnsupportedDType { op: OP, dtype: x.dtype, expected: "a float dtype" });
@@ -282,12 +310,16 @@ pub(crate) fn channel_affine(x: &CudaStorage, shape: &[usize], p: &CudaStorage, 
         super::norm_cl::affine(x, c, p, silu, &out)?;
         return Ok(out);
     }
-    let (vsfx, v) = bn_vector(x.dtype, hw, &[x, &out]);
+    if channels_last && residual.is_some() {
+        return Err(Error::invalid(OP, "a residual is added to planar outputs only".to_string()));
+    }
+    let with_residual: Vec<&CudaStorage> = residual.into_iter().collect();
+    let (vsfx, v) = bn_vector(x.dtype, hw, &[&[x, &out][..], &with_residual].concat());
     let f = dev.func(if vsfx.is_empty() { "chaffine" } else { "chaffine_v" }, sfx(x.dtype))?;
-    let (px, pp, py) = (ptr(x), ptr(p), ptr(&out));
+    let (px, pp, pr, py) = (ptr(x), ptr(p), residual.map_or(0, ptr), ptr(&out));
     u32c(OP, x.len)?;
     let (nvec, hv, cc, act) = ((x.len / v) as u32, (hw / v) as u32, u32c(OP, c)?, silu as i32);
-    dev.launch1d(f, x.len / v, &mut args!(px, pp, py, nvec, hv, cc, act))?;
+    dev.launch1d(f, x.len / v, &mut args!(px, pp, pr, py, nvec, hv, cc, act))?;
     Ok(out)
 }
 
