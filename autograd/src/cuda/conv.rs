@@ -256,7 +256,7 @@ pub fn narrow_weight_gradients() -> u64 {
 }
 
 /// How many bias gradients the narrow 1×1 weight-gradient kernel computed in its own launch in
-/// this process ([`fuses_bias_gradient`]).
+/// this process (the shapes `fuses_bias_gradient` takes).
 pub fn narrow_bias_gradients() -> u64 {
     super::ops::narrow_bias_gradients()
 }
